@@ -1,0 +1,7413 @@
+# /// script
+# requires-python = ">=3.10"
+# dependencies = []
+# ///
+"""agentbench: controlled experiments on the headless Claude Code agent.
+
+One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
+and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
+README.md for the study layout and the rules the supervisor enforces.
+
+The file is organised in bannered sections, strictly bottom-up: nothing uses a later section.
+
+    constants . errors and output . the platform seam . files, locks and the registry . processes
+    . env scrub . stream and usage . the supervisor . the experiment layer . statistics and report
+    . the scripted model . the CLI and main
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import fnmatch
+import hashlib
+import html
+import http.server
+import io
+import json
+import math
+import ntpath
+import os
+import platform as pyplatform
+import posixpath
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import socketserver
+import stat
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.parse
+import uuid
+from typing import NamedTuple
+import base64
+import errno
+import secrets
+import select
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ====================================================================================================
+# Constants
+# ====================================================================================================
+# Every tunable number and fixed name in one place.  Test-only overrides come from the environment
+# (AGENTBENCH_*), read through env_float() so a bad value is an error, not a silent default.
+
+VERSION = "0.1.0"
+#: The `claude` release this version of agentbench is tested against (npm @anthropic-ai/claude-code).
+CLAUDE_CODE_PINNED = "2.1.332"
+HERE = Path(__file__).resolve().parent
+
+STUDY_FILE = "study.json"
+STATE_DIR = "state"
+WAIT_DEFAULT_S = 540.0
+WAIT_MAX_S = 570.0
+LOCK_TIMEOUT_S = 60.0
+#: A lock older than this is stale even when its holder looks alive (a hung holder must not wedge
+#: the study forever); generous because finalisation is short and nothing holds the lock for long.
+LOCK_STALE_S = 300.0
+
+JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
+JOB_STATUSES = ("created", "running") + JOB_FINAL_STATUSES
+FAIL_REASONS = ("exit_code", "no_result", "is_error", "model_refused", "usage_limit", "overloaded",
+                "prompt_too_long", "api_error", "launch_error", "budget", "auth", "max_turns")
+JOB_KINDS = ("train", "executor", "continue", "reviewer", "ping")
+
+#: Model aliases are refused: a study must name the exact model it measures.
+MODEL_ALIASES = ("opus", "sonnet", "haiku", "default", "opusplan", "best", "sonnet[1m]", "opus[1m]")
+MODEL_ID_RE = re.compile(r"^claude-[a-z0-9][a-z0-9.\-]*[0-9][a-z0-9.\-]*$")
+
+#: USD per million tokens: (input, output, cache write 5m, cache write 1h, cache read).  Used only
+#: to estimate the cost of a session that was killed before it reported its own total.
+PRICES_PER_MTOK: dict[str, tuple[float, float, float, float, float]] = {
+    "claude-opus-4-5": (5.0, 25.0, 6.25, 10.0, 0.50),
+    "claude-opus-4-6": (5.0, 25.0, 6.25, 10.0, 0.50),
+    "claude-opus-4-1": (15.0, 75.0, 18.75, 30.0, 1.50),
+    "claude-opus-4": (15.0, 75.0, 18.75, 30.0, 1.50),
+    "claude-sonnet-4": (3.0, 15.0, 3.75, 6.0, 0.30),
+    "claude-3-7-sonnet": (3.0, 15.0, 3.75, 6.0, 0.30),
+    "claude-haiku-4-5": (1.0, 5.0, 1.25, 2.0, 0.10),
+    "claude-3-5-haiku": (0.80, 4.0, 1.0, 1.6, 0.08),
+}
+DEFAULT_PRICE = (5.0, 25.0, 6.25, 10.0, 0.50)
+
+DEFAULT_TOOLS = "Bash,Read,Edit,Write,Glob,Grep"
+DEFAULT_LAUNCH: dict[str, Any] = {
+    "model": "claude-opus-4-5",
+    "effort": "high",
+    "permission_mode": "dontAsk",
+    "tools": DEFAULT_TOOLS,
+    "allowed_tools": DEFAULT_TOOLS,
+    "disallowed_tools": "",
+    "binary": None,
+    "parallel": 4,
+    "max_minutes": 60,
+    "stall_after_s": 300,
+    "orphan_after_s": 0,
+    "executor": "local",
+}
+DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
+                                  "study_usd": 200.0, "min_remaining_usd": 0.05}
+
+
+def env_float(name: str, default: float) -> float:
+    """A float from the environment (test and tuning overrides), or `default` when unset."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise AgentbenchError(f"{name} must be a number", value=raw) from None
+
+
+def lost_after_s() -> float:
+    """Heartbeat age after which a job whose supervisor is dead is declared lost (SPEC: 120 s)."""
+    return env_float("AGENTBENCH_LOST_AFTER_S", 120.0)
+
+
+def heartbeat_s() -> float:
+    """How often a supervisor refreshes its heartbeat (at most every 10 s by contract)."""
+    return min(10.0, env_float("AGENTBENCH_HEARTBEAT_S", 2.0))
+
+
+# ====================================================================================================
+# Errors and output
+# ====================================================================================================
+# One error type carries the exit code and the JSON payload (with a hint where the user can act).
+# This section formats; only main() prints to stdout.  log() is the one stderr writer.
+
+class AgentbenchError(Exception):
+    """The one error type: exit code + JSON payload (+ optional hint).
+
+    Raised anywhere below main(); main() prints ``payload`` as the command's one JSON object and
+    returns ``exit_code``.  2 = usage error or refusal; 3 and 4 are used by `wait`.
+    """
+
+    def __init__(self, message: str, *, exit_code: int = 2, hint: str | None = None, **fields: Any):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.payload: dict[str, Any] = {"error": message, **fields}
+        if hint:
+            self.payload["hint"] = hint
+
+
+def json_line(obj: Any) -> str:
+    """The one serialisation of command output: compact, sorted keys, newline-terminated."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+
+
+_LOG_QUIET = False
+
+
+def log(msg: str) -> None:
+    """Progress and diagnostics: stderr only, never stdout (stdout carries exactly one object)."""
+    if _LOG_QUIET:
+        return
+    try:
+        sys.stderr.write(f"agentbench: {msg}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def utc_now() -> str:
+    """An ISO-8601 UTC timestamp with milliseconds, for records humans read."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 16), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ==================================================================================================
+# Platform seam
+# ==================================================================================================
+# Every difference between operating systems lives here: path normalisation, process identity
+# (pid + creation time), process tables and trees, signalling and tree kills, detached launches,
+# no-replace renames and the flags every helper process needs. Nothing outside this section looks
+# at os.name or sys.platform; it asks current_platform() instead. The Windows class imports ctypes
+# lazily inside its methods, so it can be constructed (and its pure logic tested) on any OS, and
+# every real OS call sits behind a small method that tests replace. This section never prints and
+# never exits; failures it cannot absorb become AgentbenchError.
+
+
+@dataclass(frozen=True)
+class ProcId:
+    """A process identity: pid plus creation time (epoch seconds).
+
+    A bare pid is not an identity: pids are reused, and signalling a reused pid kills a stranger.
+    Every stored pid is therefore a ProcId. ``ctime`` is None only when the creation time could not
+    be read; such an identity degrades to pid-only matching, so callers should avoid storing it.
+    """
+
+    pid: int
+    ctime: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form stored in runtime files: ``{"pid": int, "ctime": float | null}``."""
+        return {"pid": self.pid, "ctime": self.ctime}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "ProcId":
+        """Read the form written by to_json (a ``[pid, ctime]`` pair is accepted too).
+
+        A malformed value is refused with AgentbenchError rather than guessed at, because a wrong
+        identity could later be signalled.
+        """
+        pid: Any
+        ctime: Any
+        if isinstance(obj, Mapping):
+            pid, ctime = obj.get("pid"), obj.get("ctime")
+        elif isinstance(obj, (list, tuple)) and len(obj) == 2:
+            pid, ctime = obj
+        else:
+            raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+        if ctime is not None:
+            if isinstance(ctime, bool) or not isinstance(ctime, (int, float)):
+                raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+            ctime = float(ctime)
+        return cls(pid, ctime)
+
+
+class _ProcInfo(NamedTuple):
+    """One row of an internal process scan. Index 0/1 match process_table's (ppid, ctime)."""
+
+    ppid: int
+    ctime: float | None
+    pgid: int | None  # POSIX only
+    sid: int | None  # POSIX only
+
+
+def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
+    """Load the environment written by Platform.detach_env_file (the detached child calls this).
+
+    The file holds the child's whole environment, credentials included, so it is removed as soon
+    as it has been read unless ``remove`` is False.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise AgentbenchError("cannot read detach env file", path=path, detail=str(exc)) from exc
+    env = data.get("env") if isinstance(data, dict) else None
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise AgentbenchError("malformed detach env file", path=path)
+    if remove:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return dict(env)
+
+
+class Platform:
+    """Base of the seam. Generic algorithms (trees, snapshots, the tree-kill loop) live here,
+    built on a few primitives each subclass provides (``_scan``, ``is_alive``,
+    ``_signal_round``, ...). The method names are the contract the rest of the program calls."""
+
+    name: str = "abstract"
+    #: How far two reads of the same process's creation time may differ and still match.
+    ctime_tolerance_s: float = 1.0
+    #: Rounds of re-snapshot + hard kill after the graceful round of kill_tree.
+    kill_rounds: int = 4
+
+    # ---- paths -----------------------------------------------------------------------------------
+
+    def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
+        """Absolute, normalised form of a user-supplied path, computed without touching the disk.
+
+        Relative paths are taken against ``cwd`` (default: the current directory).
+        """
+        raise NotImplementedError
+
+    # ---- process identity ------------------------------------------------------------------------
+
+    def process_ctime(self, pid: int) -> float | None:
+        """Creation time (epoch seconds) of process ``pid``; None if there is no such process."""
+        raise NotImplementedError
+
+    def proc_id(self, pid: int) -> ProcId | None:
+        """The identity of the process now holding ``pid``, or None if there is none."""
+        ctime = self.process_ctime(pid)
+        if ctime is None:
+            return None
+        return ProcId(pid, ctime)
+
+    def is_alive(self, p: ProcId) -> bool:
+        """True when a running process holds ``p.pid`` AND it has ``p.ctime`` as creation time."""
+        raise NotImplementedError
+
+    def _same_ctime(self, actual: float | None, expected: float | None) -> bool:
+        # An identity without a creation time can only be matched by pid (documented weakness).
+        if expected is None:
+            return True
+        if actual is None:
+            return False
+        return abs(actual - expected) <= self.ctime_tolerance_s
+
+    # ---- process tables and trees ----------------------------------------------------------------
+
+    def _scan(self) -> dict[int, _ProcInfo]:
+        """Every running (non-zombie) process, pid -> _ProcInfo."""
+        raise NotImplementedError
+
+    def process_table(self) -> dict[int, tuple[int, float | None]]:
+        """pid -> (ppid, creation time) of every running process."""
+        return {pid: (info.ppid, info.ctime) for pid, info in self._scan().items()}
+
+    @staticmethod
+    def _children_index(table: Mapping[int, Sequence[Any]]) -> dict[int, list[int]]:
+        kids: dict[int, list[int]] = {}
+        for pid, row in table.items():
+            kids.setdefault(row[0], []).append(pid)
+        for lst in kids.values():
+            lst.sort()
+        return kids
+
+    def descendants(
+        self,
+        root: ProcId,
+        table: Mapping[int, Sequence[Any]] | None = None,
+        alive_until: float | None = None,
+    ) -> list[ProcId]:
+        """Snapshot of the processes below ``root`` (root itself excluded), parents before children.
+
+        A child counts only if it was created at or after its parent, which rejects a process whose
+        stale ppid happens to equal a reused pid. If ``root`` is dead (or its pid now belongs to
+        another process) its children are accepted only if created after the root started and
+        before ``alive_until`` (when given) and before the pid's new occupant (when there is one).
+        On POSIX a dead root's children have been re-parented, so nothing is found here; use
+        tree_snapshot's ``session_ids`` for those.
+        """
+        if table is None:
+            table = self.process_table()
+        return self._descend(root, table, alive_until, self._children_index(table))
+
+    def _descend(
+        self,
+        root: ProcId,
+        table: Mapping[int, Sequence[Any]],
+        alive_until: float | None,
+        kids: Mapping[int, list[int]],
+    ) -> list[ProcId]:
+        row = table.get(root.pid)
+        root_alive = row is not None and self._same_ctime(row[1], root.ctime)
+        lower: float | None
+        slack = 0.0
+        until: float | None = None
+        occupant: float | None = None
+        if root_alive:
+            # Compare against the table's own reading: within one scan the comparison is exact.
+            lower = row[1] if row is not None else None
+        else:
+            if root.ctime is None:
+                return []  # a dead root of unknown age: nothing can be told apart safely
+            lower, slack, until = root.ctime, self.ctime_tolerance_s, alive_until
+            if row is not None:
+                if row[1] is None:
+                    return []  # pid reused by a process of unknown age: refuse to guess
+                occupant = row[1]
+
+        def first_level_ok(ct: float | None) -> bool:
+            if lower is None:
+                return True
+            if ct is None or ct < lower - slack:
+                return False
+            if until is not None and ct > until + slack:
+                return False
+            # Children of the pid's new occupant were created after it; the dead root's were not.
+            if occupant is not None and ct >= occupant:
+                return False
+            return True
+
+        out: list[ProcId] = []
+        seen = {root.pid}
+        frontier: list[int] = []
+        for child in kids.get(root.pid, []):
+            if child not in seen and first_level_ok(table[child][1]):
+                seen.add(child)
+                frontier.append(child)
+                out.append(ProcId(child, table[child][1]))
+        while frontier:
+            nxt: list[int] = []
+            for parent in frontier:
+                pct = table[parent][1]
+                for child in kids.get(parent, []):
+                    if child in seen:
+                        continue
+                    cct = table[child][1]
+                    if pct is not None and (cct is None or cct < pct):
+                        continue
+                    seen.add(child)
+                    nxt.append(child)
+                    out.append(ProcId(child, cct))
+            frontier = nxt
+        return out
+
+    def tree_snapshot(
+        self,
+        roots: Sequence[ProcId],
+        session_ids: Sequence[int] = (),
+        alive_until: float | None = None,
+    ) -> list[ProcId]:
+        """The live roots, their descendants and (POSIX) the members of ``session_ids``.
+
+        A session member counts if it was created at or after the earliest root started. When every
+        root is dead and ``alive_until`` is given, members created after ``alive_until`` count only
+        if the session still holds a member from the root's lifetime: a session id cannot be reused
+        while the session has members, so such a session is provably still the root's. Session
+        members' own descendants are included. Windows has no sessions here; ``session_ids`` is
+        ignored there.
+        """
+        scan = self._scan()
+        return self._snapshot(scan, [(r, alive_until) for r in roots], roots, alive_until,
+                              session_ids, ())
+
+    def _snapshot(
+        self,
+        scan: Mapping[int, _ProcInfo],
+        walk_roots: Sequence[tuple[ProcId, float | None]],
+        anchors: Sequence[ProcId],
+        anchors_until: float | None,
+        session_ids: Sequence[int],
+        group_ids: Sequence[int],
+    ) -> list[ProcId]:
+        kids = self._children_index(scan)
+        out: dict[int, ProcId] = {}
+
+        def add(pid: int) -> None:
+            if pid not in out:
+                out[pid] = ProcId(pid, scan[pid].ctime)
+
+        for root, until in walk_roots:
+            info = scan.get(root.pid)
+            if info is not None and self._same_ctime(info.ctime, root.ctime):
+                add(root.pid)
+            for d in self._descend(root, scan, until, kids):
+                add(d.pid)
+
+        if session_ids or group_ids:
+            anchors_alive = any(
+                r.pid in scan and self._same_ctime(scan[r.pid].ctime, r.ctime) for r in anchors
+            )
+            starts = [r.ctime for r in anchors if r.ctime is not None]
+            lower = min(starts) - self.ctime_tolerance_s if starts else None
+            upper = None if anchors_alive or anchors_until is None else (
+                anchors_until + self.ctime_tolerance_s)
+            for field, wanted in (("sid", session_ids), ("pgid", group_ids)):
+                for ident in wanted:
+                    members = [
+                        pid for pid, info in scan.items()
+                        if getattr(info, field) == ident
+                        and (lower is None or (info.ctime is not None and info.ctime >= lower))
+                    ]
+                    if upper is not None and not any(
+                        scan[m].ctime is not None and scan[m].ctime <= upper for m in members
+                    ):
+                        # Nobody from the root's lifetime left: the id may have been reused.
+                        continue
+                    for m in sorted(members):
+                        add(m)
+                        for d in self._descend(ProcId(m, scan[m].ctime), scan, None, kids):
+                            add(d.pid)
+        return list(out.values())
+
+    # ---- signalling ------------------------------------------------------------------------------
+
+    def terminate(self, p: ProcId) -> None:
+        """Ask ``p`` to stop (SIGTERM; TerminateProcess on Windows). Does nothing if ``p`` is not
+        alive with that identity; never signals a reused pid."""
+        raise NotImplementedError
+
+    def kill(self, p: ProcId) -> None:
+        """Stop ``p`` now (SIGKILL; TerminateProcess on Windows), with the same identity check."""
+        raise NotImplementedError
+
+    def _protected_pids(self, scan: Mapping[int, _ProcInfo]) -> set[int]:
+        """This process and its ancestors: a tree kill never reaches them, whatever it is given."""
+        protected = {0, 1, os.getpid()}
+        pid = os.getpid()
+        while pid in scan and scan[pid].ppid not in protected:
+            pid = scan[pid].ppid
+            protected.add(pid)
+        return protected
+
+    def _signal_round(self, targets: list[ProcId], scan: Mapping[int, _ProcInfo],
+                      groups: set[int], roots: Sequence[ProcId], hard: bool, first: bool) -> None:
+        raise NotImplementedError
+
+    def _wait_dead(self, targets: Sequence[ProcId], timeout_s: float) -> None:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        pending = list(targets)
+        while True:
+            pending = [p for p in pending if self.is_alive(p)]
+            if not pending or time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def kill_tree(
+        self,
+        roots: Sequence[ProcId],
+        session_ids: Sequence[int] = (),
+        grace_s: float = 2.0,
+        alive_until: float | None = None,
+    ) -> list[ProcId]:
+        """Kill ``roots`` with their whole trees and return the survivors ([] means success).
+
+        Snapshot first (so children orphaned by the kill are still known), a graceful round, up to
+        ``grace_s`` of waiting, then rounds of re-snapshot + hard kill that also catch children
+        spawned meanwhile, then a final verifying snapshot. ``session_ids`` and ``alive_until`` have
+        the tree_snapshot meaning. This process and its ancestors are never signalled. On POSIX
+        the process groups led by tree members are signalled as a whole as well.
+        """
+        roots = list(roots)
+        known: dict[int, tuple[ProcId, float]] = {}  # pid -> (identity, last seen alive)
+        groups: set[int] = set()
+
+        def snapshot() -> tuple[list[ProcId], dict[int, _ProcInfo]]:
+            scan = self._scan()
+            now = time.time()
+            walk = [(r, alive_until) for r in roots] + [(p, seen) for p, seen in known.values()]
+            snap = self._snapshot(scan, walk, roots, alive_until, session_ids, sorted(groups))
+            protected = self._protected_pids(scan)
+            live = [p for p in snap if p.pid not in protected]
+            for p in live:
+                known[p.pid] = (p, now)
+                info = scan.get(p.pid)
+                if info is not None and info.pgid == p.pid:
+                    groups.add(p.pid)
+            return live, scan
+
+        live, scan = snapshot()
+        if not live:
+            return []
+        self._signal_round(live, scan, groups, roots, hard=False, first=True)
+        self._wait_dead(live, grace_s)
+        for _ in range(self.kill_rounds):
+            live, scan = snapshot()
+            if not live:
+                return []
+            self._signal_round(live, scan, groups, roots, hard=True, first=False)
+            self._wait_dead(live, 1.0)
+        live, _unused = snapshot()
+        return live
+
+    # ---- launching and files ---------------------------------------------------------------------
+
+    def helper_popen_kwargs(self) -> dict[str, Any]:
+        """Extra subprocess kwargs for every helper process this program starts."""
+        return {}
+
+    def _run_helper(self, cmd: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+        """Run a short helper command, capturing text output (tests replace this)."""
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout_s, check=False, **self.helper_popen_kwargs())
+
+    def detach_env_file(self, env: Mapping[str, str], log_path: str) -> str | None:
+        """Where the detached child must load its environment from, or None if the environment
+        passed to detach_argv_popen reaches it directly. When a path is returned the caller adds
+        ``--env-file PATH`` to the child's argv and the child calls read_detach_env_file(PATH)."""
+        return None
+
+    def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
+                          log_path: str) -> int:
+        """Start ``argv`` fully detached (it survives its caller and a closed terminal); its pid."""
+        raise NotImplementedError
+
+    def rename_no_replace(self, src: str, dst: str) -> bool:
+        """Atomically rename ``src`` to ``dst`` unless ``dst`` exists. False if ``dst`` exists or
+        ``src`` is gone (someone else moved it first); used to break stale locks safely."""
+        raise NotImplementedError
+
+    def boot_id(self) -> str | None:
+        """An identifier of the current boot, when the OS offers one."""
+        return None
+
+
+# ---- POSIX ---------------------------------------------------------------------------------------
+
+
+class _ProcStat(NamedTuple):
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    start_ticks: int
+
+
+_WINDOWS_DRIVE_RE = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+class PosixPlatform(Platform):
+    """Linux-style POSIX: creation times and the process table from /proc, detach via setsid,
+    process-group kill plus per-pid sweep."""
+
+    name = "posix"
+    # /proc start times are 10 ms ticks added to btime, an integer that the kernel recomputes from
+    # the wall clock (it can move by a second between reads, or more after a clock step).
+    ctime_tolerance_s = 1.0
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self._proc = proc_root
+        self._btime: float | None = None
+        self._hz: int | None = None
+        self._renameat2: Any = None  # None = not probed yet, False = unavailable
+        self._has_proc: bool | None = None
+        # Detached children started by this process: kept referenced so that they are reaped by
+        # poll() (no zombie piles up in a long-running caller) instead of being garbage-collected
+        # while running (which warns).
+        self._detached: list[subprocess.Popen] = []
+
+    # ---- paths ----
+
+    def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
+        """expanduser + absolute + normpath, without resolving symlinks or touching the disk.
+        A Windows drive path (``C:\\x``) is refused with a hint: it is never meant literally."""
+        if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
+            raise AgentbenchError("empty or invalid path", path=str(raw))
+        if _WINDOWS_DRIVE_RE.match(raw):
+            raise AgentbenchError(
+                "Windows path given on a POSIX system", path=raw,
+                hint="under WSL use /mnt/<drive>/..., e.g. /mnt/c/Users/...")
+        path = posixpath.expanduser(raw)
+        if not path.startswith("/"):
+            path = posixpath.join(cwd if cwd is not None else os.getcwd(), path)
+        return posixpath.normpath(path)
+
+    # ---- /proc ----
+
+    def _hz_value(self) -> int:
+        if self._hz is None:
+            try:
+                self._hz = int(os.sysconf("SC_CLK_TCK"))
+            except (ValueError, OSError, AttributeError):
+                self._hz = 100
+        return self._hz
+
+    def _boot_time(self) -> float:
+        # Read once per process: within one process every ctime then uses the same base, so
+        # comparisons inside one scan are exact.
+        if self._btime is None:
+            btime = 0.0
+            try:
+                with open(os.path.join(self._proc, "stat"), encoding="ascii") as fh:
+                    for line in fh:
+                        if line.startswith("btime "):
+                            btime = float(line.split()[1])
+                            break
+            except OSError:
+                pass
+            self._btime = btime
+        return self._btime
+
+    def _require_proc(self) -> None:
+        # Without /proc every process would look dead (and every supervisor lost): fail loudly.
+        if self._has_proc is None:
+            self._has_proc = os.path.exists(os.path.join(self._proc, "self", "stat"))
+        if not self._has_proc:
+            raise AgentbenchError(
+                "process inspection needs /proc", proc_root=self._proc,
+                hint="this POSIX support reads /proc (Linux, WSL); other systems are not supported")
+
+    def _read_stat(self, pid: int) -> _ProcStat | None:
+        self._require_proc()
+        try:
+            with open(os.path.join(self._proc, str(pid), "stat"), "rb") as fh:
+                data = fh.read().decode("ascii", "replace")
+        except (OSError, ValueError):
+            return None
+        # The command name (field 2) is in parentheses and may itself hold spaces or ')'.
+        _head, sep, rest = data.rpartition(")")
+        if not sep:
+            return None
+        fields = rest.split()
+        try:
+            # fields[0] is field 3 (state); field n is fields[n - 3].
+            return _ProcStat(ppid=int(fields[1]), pgid=int(fields[2]), sid=int(fields[3]),
+                         state=fields[0], start_ticks=int(fields[19]))
+        except (IndexError, ValueError):
+            return None
+
+    def _ctime_of(self, st: _ProcStat) -> float:
+        return round(self._boot_time() + st.start_ticks / self._hz_value(), 3)
+
+    def process_ctime(self, pid: int) -> float | None:
+        st = self._read_stat(pid)
+        return None if st is None else self._ctime_of(st)
+
+    def is_alive(self, p: ProcId) -> bool:
+        st = self._read_stat(p.pid)
+        if st is None or st.state in ("Z", "X", "x"):
+            return False  # a zombie has finished running; only its exit status remains
+        return self._same_ctime(self._ctime_of(st), p.ctime)
+
+    def _scan(self) -> dict[int, _ProcInfo]:
+        self._require_proc()
+        out: dict[int, _ProcInfo] = {}
+        try:
+            names = os.listdir(self._proc)
+        except OSError:
+            return out
+        for name in names:
+            if not name.isdigit():
+                continue
+            st = self._read_stat(int(name))
+            if st is None or st.state in ("Z", "X", "x"):
+                continue
+            out[int(name)] = _ProcInfo(st.ppid, self._ctime_of(st), st.pgid, st.sid)
+        return out
+
+    def boot_id(self) -> str | None:
+        try:
+            path = os.path.join(self._proc, "sys", "kernel", "random", "boot_id")
+            with open(path, encoding="ascii") as fh:
+                return fh.read().strip() or None
+        except OSError:
+            return None
+
+    # ---- signals ----
+
+    def _send(self, p: ProcId, sig: int) -> bool:
+        """Signal ``p`` if it is alive with that identity; True if a signal was sent.
+
+        Where pidfds exist the process is pinned before its identity is checked, so the pid cannot
+        be reused between the check and the signal; elsewhere a tiny window remains.
+        """
+        if p.pid <= 1 or p.pid == os.getpid():
+            return False
+        pidfd = None
+        if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+            try:
+                pidfd = os.pidfd_open(p.pid)
+            except ProcessLookupError:
+                return False
+            except OSError:
+                pidfd = None  # kernel without pidfd support
+        try:
+            if not self.is_alive(p):
+                return False
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, sig)
+            else:
+                os.kill(p.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def _send_checked(self, p: ProcId, sig: int) -> None:
+        try:
+            self._send(p, sig)
+        except PermissionError as exc:
+            raise AgentbenchError("not allowed to signal process", pid=p.pid,
+                                  detail=str(exc)) from exc
+
+    def terminate(self, p: ProcId) -> None:
+        self._send_checked(p, signal.SIGTERM)
+
+    def kill(self, p: ProcId) -> None:
+        self._send_checked(p, signal.SIGKILL)
+
+    def _signal_round(self, targets: list[ProcId], scan: Mapping[int, _ProcInfo],
+                      groups: set[int], roots: Sequence[ProcId], hard: bool, first: bool) -> None:
+        sig = signal.SIGKILL if hard else signal.SIGTERM
+        own_group = os.getpgrp()
+        # Signal a group only while a verified member of ours is in it: a process group's id
+        # cannot be reused while the group has members, so it is still the group we saw.
+        live_groups = sorted({
+            scan[p.pid].pgid for p in targets
+            if p.pid in scan and scan[p.pid].pgid in groups and scan[p.pid].pgid != own_group
+        })
+        for pgid in live_groups:
+            try:
+                os.killpg(pgid, sig)
+            except OSError:
+                pass
+        for p in targets:
+            try:
+                self._send(p, sig)
+            except OSError:
+                pass  # not ours to signal: it will be reported as a survivor
+            if not hard:
+                # A stopped process would hold SIGTERM pending until continued.
+                try:
+                    self._send(p, signal.SIGCONT)
+                except OSError:
+                    pass
+
+    # ---- launching and files ----
+
+    def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
+                          log_path: str) -> int:
+        """setsid'd child (new session: no controlling terminal, so no SIGHUP when the terminal
+        closes; not in the caller's process group, so a Ctrl-C there does not reach it), stdin
+        from /dev/null, stdout+stderr appended to ``log_path``, no inherited descriptors."""
+        try:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        except OSError as exc:
+            raise AgentbenchError("cannot start detached process", argv=list(argv)[:3],
+                                  detail=str(exc)) from exc
+        self._detached = [p for p in self._detached if p.poll() is None]
+        self._detached.append(proc)
+        return proc.pid
+
+    def _renameat2_fn(self) -> Any:
+        if self._renameat2 is None:
+            self._renameat2 = False
+            try:
+                import ctypes  # lazy: only needed for this one call
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.renameat2
+                fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                               ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                self._renameat2 = fn
+            except (OSError, AttributeError, ImportError):
+                self._renameat2 = False
+        return self._renameat2
+
+    def rename_no_replace(self, src: str, dst: str) -> bool:
+        """renameat2(RENAME_NOREPLACE) where the kernel and filesystem have it (one atomic step);
+        otherwise hard-link ``dst`` to ``src`` (fails if ``dst`` exists) and unlink ``src``."""
+        fn = self._renameat2_fn()
+        if fn:
+            import ctypes
+            at_fdcwd, rename_noreplace = -100, 1
+            rc = fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace)
+            if rc == 0:
+                return True
+            err = ctypes.get_errno()
+            if err in (errno.EEXIST, errno.ENOENT):
+                return False
+            if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+                raise OSError(err, os.strerror(err), src, None, dst)
+            # else: this filesystem lacks the flag; fall through to link + unlink
+        return self._rename_by_link(src, dst)
+
+    @staticmethod
+    def _rename_by_link(src: str, dst: str) -> bool:
+        try:
+            os.link(src, dst)
+        except (FileExistsError, FileNotFoundError):
+            return False
+        try:
+            s, d = os.lstat(src), os.lstat(dst)
+            if (s.st_dev, s.st_ino) != (d.st_dev, d.st_ino):
+                # src was replaced after we linked the old file: we did not win; undo our link.
+                os.unlink(dst)
+                return False
+            os.unlink(src)
+        except FileNotFoundError:
+            # Someone else moved src first: undo our link so exactly one mover wins.
+            try:
+                os.unlink(dst)
+            except FileNotFoundError:
+                pass
+            return False
+        return True
+
+
+# ---- Windows -------------------------------------------------------------------------------------
+
+_CREATE_NO_WINDOW = 0x08000000
+_PROCESS_TERMINATE = 0x0001
+_PROCESS_QUERY_LIMITED_INFORMATION = 0x1000
+_SYNCHRONIZE = 0x00100000
+_WAIT_TIMEOUT = 0x102
+_FILETIME_EPOCH_OFFSET = 116444736000000000  # 100 ns ticks from 1601-01-01 to 1970-01-01
+_PS_QUOTES = "'\u2018\u2019\u201a\u201b"  # PowerShell treats all of these as single quotes
+_GITBASH_RE = re.compile(r"^/(?:cygdrive/)?([A-Za-z])(?:/(.*))?$", re.S)
+_WSL_RE = re.compile(r"^/mnt/([A-Za-z])(?:/|$)")
+_CIM_RESULT_RE = re.compile(r"AGENTBENCH_CIM ReturnValue=(\d+) ProcessId=(\d*)")
+
+
+def _filetime_to_epoch(ticks: int) -> float:
+    """Windows FILETIME (100 ns since 1601) to epoch seconds, rounded like POSIX ctimes."""
+    return round((ticks - _FILETIME_EPOCH_OFFSET) / 1e7, 3)
+
+
+def _ps_single_quote(text: str) -> str:
+    """A PowerShell single-quoted literal: no expansion; each quote character is doubled."""
+    return "'" + "".join(ch * 2 if ch in _PS_QUOTES else ch for ch in text) + "'"
+
+
+def build_cim_create_command(argv: Sequence[str], cwd: str) -> list[str]:
+    """The powershell argv that starts ``argv`` hidden and detached through CIM and prints
+    ``AGENTBENCH_CIM ReturnValue=<n> ProcessId=<pid>``.
+
+    Win32_Process.Create makes the WMI service the parent, so the child is outside the caller's
+    console, process tree and job object, and survives them; Win32_ProcessStartup.ShowWindow = 0
+    keeps its console hidden. The script goes through -EncodedCommand (UTF-16LE base64), so no
+    quoting layer of powershell.exe's own command line applies; inside it, the command line and
+    directory are single-quoted literals. The child's executable should be a full path, since it
+    is resolved by the service, not by the caller's PATH.
+    """
+    if not argv:
+        raise AgentbenchError("empty command for detached launch")
+    cmdline = subprocess.list2cmdline(list(argv))
+    script = "\n".join([
+        "$ErrorActionPreference = 'Stop'",
+        # Built from the class schema so ShowWindow is typed as the method expects (uint16).
+        "$class = Get-CimClass -Namespace root/cimv2 -ClassName Win32_ProcessStartup",
+        "$startup = New-CimInstance -CimClass $class -ClientOnly"
+        " -Property @{ShowWindow = [uint16]0}",
+        "$result = Invoke-CimMethod -Namespace root/cimv2 -ClassName Win32_Process"
+        " -MethodName Create -Arguments @{"
+        f"CommandLine = {_ps_single_quote(cmdline)}; "
+        f"CurrentDirectory = {_ps_single_quote(cwd)}; "
+        "ProcessStartupInformation = $startup}",
+        "Write-Output ('AGENTBENCH_CIM ReturnValue={0} ProcessId={1}'"
+        " -f $result.ReturnValue, $result.ProcessId)",
+    ])
+    encoded = base64.b64encode(script.encode("utf-16-le")).decode("ascii")
+    cmd = ["powershell.exe", "-NoLogo", "-NoProfile", "-NonInteractive",
+           "-ExecutionPolicy", "Bypass", "-EncodedCommand", encoded]
+    if len(subprocess.list2cmdline(cmd)) > 32000:  # CreateProcess limit is 32767 characters
+        raise AgentbenchError("command line too long for a detached launch",
+                              length=len(cmdline))
+    return cmd
+
+
+class WindowsPlatform(Platform):
+    """Windows: GetProcessTimes, Toolhelp snapshots, TerminateProcess, taskkill, hidden CIM
+    detach. ctypes is loaded on first use, so this class is constructible on any OS."""
+
+    name = "windows"
+    # FILETIME creation times are exact and stable; only float rounding needs room.
+    ctime_tolerance_s = 0.002
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._env = os.environ if env is None else env
+        self._k32: Any = None
+
+    # ---- paths ----
+
+    def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
+        """Accepts ``C:\\x``, ``c:/x``, ``G:/``, UNC ``\\\\server\\share\\x`` (or with forward
+        slashes), ``\\\\?\\`` long-path forms, Git Bash / Cygwin ``/g/x`` and ``/cygdrive/g/x``,
+        ``~`` and paths relative to ``cwd``. Refuses WSL ``/mnt/c/...``, drive-relative ``C:foo``,
+        rootless ``\\x`` or MSYS ``/tmp``-style paths, device paths and reserved characters.
+        Returns backslashes, an upper-case drive letter and collapsed ``.``/``..``. Pure string
+        logic, so it behaves the same on every host."""
+        if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
+            raise AgentbenchError("empty or invalid path", path=str(raw))
+        path = raw
+        if _WSL_RE.match(path):
+            windows_form = path[5].upper() + ":\\" + path[7:].replace("/", "\\")
+            raise AgentbenchError("WSL path given to Windows agentbench", path=raw,
+                                  hint=f"use the Windows path, e.g. {windows_form}")
+        m = _GITBASH_RE.match(path)
+        if m:
+            path = f"{m.group(1).upper()}:\\{m.group(2) or ''}"
+        if path == "~" or path.startswith(("~/", "~\\")):
+            home = self._env.get("USERPROFILE") or (
+                (self._env.get("HOMEDRIVE", "") + self._env.get("HOMEPATH", "")) or None)
+            if not home:
+                raise AgentbenchError("cannot expand ~: no USERPROFILE", path=raw)
+            path = home.rstrip("\\/") + "\\" + path[2:]
+        path = path.replace("/", "\\")
+        if path.startswith("\\\\?\\UNC\\"):
+            path = "\\\\" + path[8:]
+        elif path.startswith("\\\\?\\") and re.match(r"^[A-Za-z]:\\", path[4:]):
+            path = path[4:]
+        elif path.startswith(("\\\\?\\", "\\\\.\\")):
+            raise AgentbenchError("device paths are not supported", path=raw)
+
+        if path.startswith("\\\\"):
+            parts = path[2:].split("\\")
+            if len(parts) < 2 or not parts[0] or not parts[1]:
+                raise AgentbenchError("UNC path needs a server and a share", path=raw,
+                                      hint="e.g. \\\\server\\share\\dir")
+            root, rest = f"\\\\{parts[0]}\\{parts[1]}", parts[2:]
+        elif re.match(r"^[A-Za-z]:", path):
+            if path[2:3] != "\\":
+                raise AgentbenchError(
+                    "drive-relative path refused", path=raw,
+                    hint=f"give an absolute path such as {path[0].upper()}:\\{path[2:]}")
+            root, rest = path[0].upper() + ":", path[3:].split("\\")
+        elif path.startswith("\\"):
+            raise AgentbenchError(
+                "path without a drive letter refused", path=raw,
+                hint="give the drive (C:\\...); from Git Bash, `cygpath -w PATH` prints it")
+        else:
+            base = self.normalize_path(cwd if cwd is not None else os.getcwd())
+            return self.normalize_path(base.rstrip("\\") + "\\" + path)
+
+        body = "\\".join(rest)
+        if re.search(r'[<>"|?*:]', body):
+            raise AgentbenchError("path holds characters Windows does not allow", path=raw)
+        out: list[str] = []
+        for comp in rest:
+            if comp in ("", "."):
+                continue
+            if comp == "..":
+                if out:
+                    out.pop()
+                continue
+            out.append(comp)
+        if root.endswith(":"):
+            return root + "\\" + "\\".join(out)
+        return root + ("\\" + "\\".join(out) if out else "")
+
+    # ---- replaceable OS calls (ctypes, loaded lazily) ----
+
+    def _kernel32(self) -> Any:
+        if self._k32 is None:
+            import ctypes
+            from ctypes import wintypes
+            k = ctypes.WinDLL("kernel32", use_last_error=True)
+            k.OpenProcess.argtypes = [wintypes.DWORD, wintypes.BOOL, wintypes.DWORD]
+            k.OpenProcess.restype = wintypes.HANDLE
+            k.CloseHandle.argtypes = [wintypes.HANDLE]
+            k.CloseHandle.restype = wintypes.BOOL
+            k.GetProcessTimes.argtypes = [wintypes.HANDLE] + [ctypes.POINTER(wintypes.FILETIME)] * 4
+            k.GetProcessTimes.restype = wintypes.BOOL
+            k.WaitForSingleObject.argtypes = [wintypes.HANDLE, wintypes.DWORD]
+            k.WaitForSingleObject.restype = wintypes.DWORD
+            k.TerminateProcess.argtypes = [wintypes.HANDLE, wintypes.UINT]
+            k.TerminateProcess.restype = wintypes.BOOL
+            k.CreateToolhelp32Snapshot.argtypes = [wintypes.DWORD, wintypes.DWORD]
+            k.CreateToolhelp32Snapshot.restype = wintypes.HANDLE
+            self._k32 = k
+        return self._k32
+
+    def _open_process(self, pid: int, access: int) -> Any:
+        """A handle to ``pid`` with ``access`` rights, or None (no such process, or denied)."""
+        if pid <= 0:
+            return None
+        handle = self._kernel32().OpenProcess(access, False, pid)
+        return handle or None
+
+    def _close_handle(self, handle: Any) -> None:
+        self._kernel32().CloseHandle(handle)
+
+    def _get_process_times(self, handle: Any) -> float | None:
+        """Creation time (epoch seconds) of the process behind ``handle``."""
+        from ctypes import byref, wintypes
+        c, e, k, u = (wintypes.FILETIME() for _ in range(4))
+        if not self._kernel32().GetProcessTimes(handle, byref(c), byref(e), byref(k), byref(u)):
+            return None
+        return _filetime_to_epoch((c.dwHighDateTime << 32) | c.dwLowDateTime)
+
+    def _handle_running(self, handle: Any) -> bool:
+        # The process object outlives the process while handles exist; it is signalled on exit.
+        return self._kernel32().WaitForSingleObject(handle, 0) == _WAIT_TIMEOUT
+
+    def _terminate_handle(self, handle: Any, exit_code: int = 1) -> bool:
+        return bool(self._kernel32().TerminateProcess(handle, exit_code))
+
+    def _toolhelp_snapshot(self) -> list[tuple[int, int]]:
+        """(pid, ppid) of every process, from CreateToolhelp32Snapshot."""
+        import ctypes
+        from ctypes import wintypes
+
+        class PROCESSENTRY32W(ctypes.Structure):
+            _fields_ = [("dwSize", wintypes.DWORD), ("cntUsage", wintypes.DWORD),
+                        ("th32ProcessID", wintypes.DWORD), ("th32DefaultHeapID", ctypes.c_size_t),
+                        ("th32ModuleID", wintypes.DWORD), ("cntThreads", wintypes.DWORD),
+                        ("th32ParentProcessID", wintypes.DWORD), ("pcPriClassBase", wintypes.LONG),
+                        ("dwFlags", wintypes.DWORD), ("szExeFile", wintypes.WCHAR * 260)]
+
+        k = self._kernel32()
+        first, nxt = k.Process32FirstW, k.Process32NextW
+        first.argtypes = nxt.argtypes = [wintypes.HANDLE, ctypes.POINTER(PROCESSENTRY32W)]
+        first.restype = nxt.restype = wintypes.BOOL
+        snap = k.CreateToolhelp32Snapshot(0x2, 0)  # TH32CS_SNAPPROCESS
+        if not snap or snap == ctypes.c_void_p(-1).value:
+            return []
+        rows: list[tuple[int, int]] = []
+        try:
+            entry = PROCESSENTRY32W()
+            entry.dwSize = ctypes.sizeof(PROCESSENTRY32W)
+            ok = first(snap, ctypes.byref(entry))
+            while ok:
+                rows.append((int(entry.th32ProcessID), int(entry.th32ParentProcessID)))
+                ok = nxt(snap, ctypes.byref(entry))
+        finally:
+            k.CloseHandle(snap)
+        return rows
+
+    # ---- identity ----
+
+    def process_ctime(self, pid: int) -> float | None:
+        handle = self._open_process(pid, _PROCESS_QUERY_LIMITED_INFORMATION)
+        if handle is None:
+            return None
+        try:
+            return self._get_process_times(handle)
+        finally:
+            self._close_handle(handle)
+
+    def _verified_handle(self, p: ProcId, access: int) -> Any:
+        """A handle on ``p`` if it is running with that identity, else None. The handle pins the
+        process object, so whatever is done through it cannot reach a reused pid."""
+        rights = access | _PROCESS_QUERY_LIMITED_INFORMATION | _SYNCHRONIZE
+        handle = self._open_process(p.pid, rights)
+        if handle is None:
+            return None
+        try:
+            if self._handle_running(handle) and self._same_ctime(
+                    self._get_process_times(handle), p.ctime):
+                return handle
+        except Exception:
+            self._close_handle(handle)
+            raise
+        self._close_handle(handle)
+        return None
+
+    def is_alive(self, p: ProcId) -> bool:
+        handle = self._verified_handle(p, 0)
+        if handle is None:
+            return False
+        self._close_handle(handle)
+        return True
+
+    def _scan(self) -> dict[int, _ProcInfo]:
+        out: dict[int, _ProcInfo] = {}
+        for pid, ppid in self._toolhelp_snapshot():
+            if pid == 0:
+                continue  # the idle pseudo-process
+            out[pid] = _ProcInfo(ppid, self.process_ctime(pid), None, None)
+        return out
+
+    # ---- signals ----
+
+    def _terminate_verified(self, p: ProcId) -> bool:
+        if p.pid == os.getpid():
+            return False
+        handle = self._verified_handle(p, _PROCESS_TERMINATE)
+        if handle is None:
+            return False
+        try:
+            return self._terminate_handle(handle, 1)
+        finally:
+            self._close_handle(handle)
+
+    def terminate(self, p: ProcId) -> None:
+        """Windows has no general graceful stop for console processes: TerminateProcess."""
+        self._terminate_verified(p)
+
+    def kill(self, p: ProcId) -> None:
+        self._terminate_verified(p)
+
+    def _taskkill_safe(self, root: ProcId, scan: Mapping[int, _ProcInfo]) -> bool:
+        """taskkill /T follows ppid links without the creation-time guard; only use it when the
+        unguarded tree equals the guarded one (no stale-ppid stranger below the root)."""
+        info = scan.get(root.pid)
+        if info is None or not self._same_ctime(info.ctime, root.ctime):
+            return False
+        kids = self._children_index(scan)
+        guarded = {p.pid for p in self._descend(root, scan, None, kids)}
+        stack, unguarded = [root.pid], set()
+        while stack:
+            for child in kids.get(stack.pop(), []):
+                if child not in unguarded and child != root.pid:
+                    unguarded.add(child)
+                    stack.append(child)
+        return unguarded == guarded
+
+    def _signal_round(self, targets: list[ProcId], scan: Mapping[int, _ProcInfo],
+                      groups: set[int], roots: Sequence[ProcId], hard: bool, first: bool) -> None:
+        if first:
+            for root in roots:
+                if self._taskkill_safe(root, scan):
+                    try:
+                        self._run_helper(["taskkill", "/T", "/F", "/PID", str(root.pid)], 60.0)
+                    except (OSError, subprocess.SubprocessError):
+                        pass  # the per-pid sweep below still runs
+        for p in targets:
+            try:
+                self._terminate_verified(p)
+            except OSError:
+                pass
+
+    # ---- launching and files ----
+
+    def helper_popen_kwargs(self) -> dict[str, Any]:
+        """CREATE_NO_WINDOW: no console window flashes up for any helper process."""
+        return {"creationflags": _CREATE_NO_WINDOW}
+
+    def detach_env_file(self, env: Mapping[str, str], log_path: str) -> str | None:
+        """Processes created through CIM get the user's default environment, not the caller's.
+        So the environment is written to ``<log_path>.env.json`` (created fresh, owner-only where
+        the OS honours modes) and the child loads and deletes it (read_detach_env_file). The
+        environment never appears on a command line, where other users could read it."""
+        path = log_path + ".env.json"
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"env": dict(env)}, fh)
+        return path
+
+    def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
+                          log_path: str) -> int:
+        """Start ``argv`` through CIM Win32_Process.Create with a hidden window.
+
+        ``env`` does not reach the child by this route: pass the path from detach_env_file in its
+        argv. Nor are its stdout/stderr attached to ``log_path``: the child writes its own log
+        (``log_path`` is only used for the error report here).
+        """
+        cmd = build_cim_create_command(argv, cwd)
+        try:
+            cp = self._run_helper(cmd, 120.0)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise AgentbenchError("cannot run powershell for a detached launch",
+                                  detail=str(exc)) from exc
+        m = _CIM_RESULT_RE.search(cp.stdout or "")
+        if cp.returncode != 0 or not m or m.group(1) != "0" or not m.group(2):
+            raise AgentbenchError(
+                "detached launch through CIM failed", returncode=cp.returncode,
+                cim_return_value=int(m.group(1)) if m else None,
+                detail=((cp.stderr or "") + (cp.stdout or ""))[-2000:], log=log_path,
+                hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
+                     "21 invalid parameter")
+        return int(m.group(2))
+
+    def rename_no_replace(self, src: str, dst: str) -> bool:
+        """os.rename on Windows refuses to replace an existing ``dst`` (MoveFileEx without
+        MOVEFILE_REPLACE_EXISTING), which is exactly the atomic no-replace rename needed."""
+        try:
+            os.rename(src, dst)
+        except (FileExistsError, FileNotFoundError):
+            return False
+        return True
+
+
+# ---- selection -----------------------------------------------------------------------------------
+
+_CURRENT_PLATFORM: Platform | None = None
+
+
+def select_platform(env: Mapping[str, str] | None = None) -> Platform:
+    """A new Platform for this OS; ``AGENTBENCH_PLATFORM=windows|posix`` in ``env`` overrides the
+    choice (so the Windows logic can be exercised on other systems)."""
+    env = os.environ if env is None else env
+    forced = (env.get("AGENTBENCH_PLATFORM") or "").strip().lower()
+    if forced == "windows":
+        return WindowsPlatform()
+    if forced == "posix":
+        return PosixPlatform()
+    if forced:
+        raise AgentbenchError("unknown AGENTBENCH_PLATFORM", value=forced,
+                              hint="use 'posix' or 'windows'")
+    return WindowsPlatform() if os.name == "nt" else PosixPlatform()
+
+
+def current_platform() -> Platform:
+    """The platform chosen once for this process (select_platform on first use)."""
+    global _CURRENT_PLATFORM
+    if _CURRENT_PLATFORM is None:
+        _CURRENT_PLATFORM = select_platform()
+    return _CURRENT_PLATFORM
+
+
+# ====================================================================================================
+# Files, locks and the registry
+# ====================================================================================================
+# Atomic JSON files, the append-only JSONL logs, the registry lock, and the study's on-disk layout.
+# Scale rule: no command rewrites a document that grows with the study.  Each job owns a directory
+# (job.json written once by its creator, runtime.json written only by its supervisor, result.json
+# created exactly once by whoever finalises it); small marker directories index what is active and
+# what is undelivered, so polls and the parallel cap cost O(active), not O(study).  The registry
+# document itself holds only counters.  This section knows nothing of claude or of experiments.
+
+_MISSING: Any = object()
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or create in `path` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace `path` with `data` so that readers see the old or the new file, never a torn one.
+
+    Temp file in the same directory, fsync, os.replace (retried on PermissionError: on Windows a
+    reader holding the file open makes the replace fail for a moment), fsync of the directory.
+    A full disk raises before the old file is touched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        for attempt in range(50):
+            try:
+                os.replace(tmp, path)
+                break
+            except PermissionError:
+                if attempt == 49:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Atomically write `obj` as pretty JSON (see write_bytes_atomic)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
+    """Parse a JSON file.  Missing file -> `default` (or an error); corrupt file -> an error naming it."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        if default is _MISSING:
+            raise AgentbenchError("file not found", path=str(path)) from None
+        return default
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AgentbenchError("file is not valid JSON", path=str(path), detail=str(exc),
+                              hint="restore it from a backup or remove it; agentbench never "
+                                   "writes JSON non-atomically, so something else touched it") from None
+
+
+def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_replace: Callable[[str, str], bool]) -> bool:
+    """Create `path` holding `obj` only if it does not exist yet; True if this call created it.
+
+    The complete file is written aside first and then renamed without replacement, so the file
+    is never seen half-written and two racing creators cannot both win.  This is the once-only
+    guard of finalisation.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(path)
+    with open(tmp, "wb") as fh:
+        fh.write((json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    try:
+        created = rename_no_replace(str(tmp), str(path))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    if created:
+        fsync_dir(path.parent)
+    return created
+
+
+def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
+    """Append one JSON line.  A torn last line (a writer killed mid-append) is fenced off first.
+
+    If the file does not end in a newline, a newline is written before the record, so the torn
+    fragment stays on a line of its own that readers skip, and this record stays parseable.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb") as rh:
+                rh.seek(size - 1)
+                if rh.read(1) != b"\n":
+                    line = b"\n" + line
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """All parseable object lines of a JSONL file, and how many lines were skipped as torn/bad."""
+    records: list[dict[str, Any]] = []
+    bad = 0
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return records, 0
+    with fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(obj, dict):
+                records.append(obj)
+            else:
+                bad += 1
+    return records, bad
+
+
+class RegistryLock:
+    """The study-wide mutual-exclusion lock: a file created exclusively, holding who holds it.
+
+    Content: the holder's pid, creation time and a random token.  A lock is stale when its
+    holder (pid + creation time) is dead, or when it is older than LOCK_STALE_S.  A stale lock
+    is broken by renaming it aside and comparing what was renamed with what was judged stale:
+    if a fresh lock slipped in between, it is put back, so a fresh lock is never deleted.
+    Release removes the file only if it still holds this holder's token.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], platform: "Platform",
+                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S):
+        self.path = Path(path)
+        self.platform = platform
+        self.timeout_s = timeout_s
+        self.stale_s = stale_s
+        self.token: str | None = None
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path, "rb") as fh:
+                return json.loads(fh.read().decode() or "null")
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError, OSError):
+            return {"unreadable": True}
+
+    def _is_stale(self, holder: dict[str, Any]) -> bool:
+        try:
+            age = time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return False
+        if age > self.stale_s:
+            return True
+        if holder.get("unreadable") or "pid" not in holder:
+            # A creator writes its content right after the exclusive create; give it a moment.
+            return age > 5.0
+        return not self.platform.is_alive(ProcId(int(holder["pid"]), holder.get("ctime")))
+
+    def _break(self, judged: dict[str, Any]) -> None:
+        aside = self.path.with_name(f"{self.path.name}.breaking.{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            with open(aside, "rb") as fh:
+                got = json.loads(fh.read().decode() or "null")
+        except (ValueError, UnicodeDecodeError, OSError):
+            got = {"unreadable": True}
+        if got == judged or (judged.get("unreadable") and (got or {}).get("unreadable")):
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+            log(f"broke a stale registry lock held by {judged}")
+            return
+        # A fresh lock was created between our read and our rename: put it back untouched.
+        if not self.platform.rename_no_replace(str(aside), str(self.path)):
+            log("registry lock: a fresh lock was displaced and another holder appeared; "
+                "keeping both out of the way")
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+
+    def acquire(self) -> None:
+        me = self.platform.proc_id(os.getpid())
+        token = uuid.uuid4().hex
+        content = json.dumps({"pid": os.getpid(), "ctime": me.ctime if me else None,
+                              "token": token, "acquired_at": utc_now()}).encode()
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.002
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._is_stale(holder):
+                    self._break(holder)
+                    continue
+                if time.monotonic() > deadline:
+                    raise AgentbenchError("the study registry is locked", holder=holder,
+                                          lock=str(self.path),
+                                          hint="another agentbench call is holding it; retry, or "
+                                               "if its holder is hung, kill that process")
+                time.sleep(delay)
+                delay = min(0.05, delay * 1.5)
+                continue
+            try:
+                os.write(fd, content)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.token = token
+            return
+
+    def release(self) -> None:
+        if self.token is None:
+            return
+        holder = self._holder()
+        if holder and holder.get("token") == self.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self.token = None
+
+    def __enter__(self) -> "RegistryLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@dataclass(frozen=True)
+class StudyPaths:
+    """Where everything of one study lives.  Pure path arithmetic; creates nothing."""
+    root: Path
+
+    @property
+    def study_file(self) -> Path: return self.root / STUDY_FILE
+    @property
+    def state(self) -> Path: return self.root / STATE_DIR
+    @property
+    def registry(self) -> Path: return self.state / "registry.json"
+    @property
+    def lock(self) -> Path: return self.state / "registry.lock"
+    @property
+    def ledger(self) -> Path: return self.state / "ledger.jsonl"
+    @property
+    def events(self) -> Path: return self.state / "events.jsonl"
+    @property
+    def jobs(self) -> Path: return self.state / "jobs"
+    @property
+    def active(self) -> Path: return self.state / "active"
+    @property
+    def undelivered(self) -> Path: return self.state / "undelivered"
+    @property
+    def bases(self) -> Path: return self.state / "bases"
+    @property
+    def sessions(self) -> Path: return self.state / "sessions"
+    @property
+    def last_call(self) -> Path: return self.state / "last_call"
+    @property
+    def runs(self) -> Path: return self.root / "runs"
+    @property
+    def run_index(self) -> Path: return self.state / "runs"
+    @property
+    def scripts(self) -> Path: return self.state / "scripted"
+    @property
+    def driver(self) -> Path: return self.state / "driver.json"
+
+    def job_dir(self, job_id: str) -> Path: return self.jobs / job_id
+    def job_file(self, job_id: str) -> Path: return self.jobs / job_id / "job.json"
+    def runtime_file(self, job_id: str) -> Path: return self.jobs / job_id / "runtime.json"
+    def result_file(self, job_id: str) -> Path: return self.jobs / job_id / "result.json"
+    def run_dir(self, run_id: str) -> Path: return self.runs / run_id
+
+
+JOB_ID_RE = re.compile(r"^j\d{6,}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
+    if not NAME_RE.match(value or ""):
+        raise AgentbenchError(f"invalid {kind} name", value=value,
+                              hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return value
+
+
+def read_registry(paths: StudyPaths) -> dict[str, Any]:
+    reg = read_json(paths.registry, default=None)
+    if reg is None:
+        reg = {"version": 1, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    return reg
+
+
+def list_markers(directory: Path) -> list[str]:
+    """Names in a marker directory (sorted); O(entries), which is O(active) by construction."""
+    try:
+        return sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    except FileNotFoundError:
+        return []
+
+
+def touch_marker(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a"):
+        pass
+
+
+def remove_marker(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def append_event(paths: StudyPaths, event: str, **fields: Any) -> None:
+    """One line of the study's event log (events.jsonl): what happened, when, to what."""
+    append_jsonl(paths.events, {"ts": utc_now(), "event": event, **fields})
+
+
+def touch_last_call(paths: StudyPaths) -> None:
+    """Record orchestrator activity (the orphan watchdog reads this file's mtime)."""
+    if not paths.state.is_dir():
+        return
+    try:
+        with open(paths.last_call, "a"):
+            pass
+        os.utime(paths.last_call)
+    except OSError:
+        pass
+
+
+# ====================================================================================================
+# Processes
+# ====================================================================================================
+# Starting helper commands (gate, oracle, git) with a timeout that kills their whole tree, finding
+# the `claude` binary, and starting detached supervisors.  Every OS difference is delegated to the
+# platform seam; this section only composes its calls.
+
+@dataclass
+class CommandResult:
+    """What a helper command did: exit code (None on timeout), captured output, wall time."""
+    argv: list[str]
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    timed_out: bool
+
+
+def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mapping[str, str],
+                timeout_s: float, platform: "Platform", stdin_text: str | None = None) -> CommandResult:
+    """Run a helper command to completion; on timeout kill its whole process tree.
+
+    The command gets its own session (POSIX) so that a timeout can kill every process it left,
+    not only the direct child.  Output is captured as text (undecodable bytes replaced).
+    """
+    start = time.monotonic()
+    kwargs: dict[str, Any] = dict(platform.helper_popen_kwargs())
+    if platform.name == "posix":
+        kwargs["start_new_session"] = True
+    try:
+        proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env),
+                                stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    except OSError as exc:
+        return CommandResult(list(argv), 127, "", f"cannot start: {exc}", 0.0, False)
+    me = platform.proc_id(proc.pid)
+    try:
+        out, err = proc.communicate(stdin_text, timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        roots = [me] if me else []
+        platform.kill_tree(roots, session_ids=[proc.pid])
+        with contextlib.suppress(Exception):
+            proc.kill()
+        out, err = proc.communicate()
+        timed_out = True
+    return CommandResult(list(argv), None if timed_out else proc.returncode,
+                         out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                         time.monotonic() - start, timed_out)
+
+
+def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, env: Mapping[str, str],
+                      log_path: str) -> int:
+    """Start `python agentbench.py <args>` fully detached; its pid.
+
+    Where the platform cannot hand the environment to a detached child directly (Windows CIM),
+    it is passed through an owner-only env file named by --env-file, which the child deletes.
+    """
+    argv = [sys.executable, str(Path(__file__).resolve()), *args]
+    env_file = platform.detach_env_file(env, log_path)
+    if env_file:
+        argv += ["--env-file", env_file]
+    return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path)
+
+
+def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """Locate `claude`: the study's configured path, $AGENTBENCH_CLAUDE_BIN, PATH, or a local install.
+
+    Returns (path or None, how it was found).  The local install is where `demo` puts the pinned
+    release when nothing else is found (./.agentbench-tools next to this file).
+    """
+    if configured:
+        p = shutil.which(configured) or (configured if os.path.isfile(configured) else None)
+        return p, "study config"
+    if env.get("AGENTBENCH_CLAUDE_BIN"):
+        raw = env["AGENTBENCH_CLAUDE_BIN"]
+        p = shutil.which(raw) or (raw if os.path.isfile(raw) else None)
+        return p, "AGENTBENCH_CLAUDE_BIN"
+    p = shutil.which("claude", path=env.get("PATH"))
+    if p:
+        return p, "PATH"
+    local = local_claude_path()
+    if local.is_file():
+        return str(local), "local install"
+    return None, "not found"
+
+
+def local_claude_path() -> Path:
+    return HERE / ".agentbench-tools" / "node_modules" / ".bin" / "claude"
+
+
+def claude_version(binary: str, platform: "Platform") -> str | None:
+    """`claude --version`, first token (e.g. '2.1.332'), or None if it does not answer."""
+    res = run_command([binary, "--version"], cwd=os.getcwd(), env=os.environ, timeout_s=30,
+                      platform=platform)
+    if res.returncode != 0:
+        return None
+    text = res.stdout.strip().split()
+    return text[0] if text else None
+
+
+def install_pinned_claude(platform: "Platform") -> str:
+    """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine)."""
+    npm = shutil.which("npm")
+    if not npm:
+        raise AgentbenchError("the claude binary was not found and npm is not available to install it",
+                              hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    prefix = HERE / ".agentbench-tools"
+    prefix.mkdir(parents=True, exist_ok=True)
+    log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
+    res = run_command([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                       f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"],
+                      cwd=str(prefix), env=os.environ, timeout_s=600, platform=platform)
+    if res.returncode != 0 or not local_claude_path().is_file():
+        raise AgentbenchError("installing the claude binary failed", detail=res.stderr[-2000:],
+                              hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    return str(local_claude_path())
+
+
+# ====================================================================================================
+# Env scrub
+# ====================================================================================================
+# The child environment is the host's minus a documented drop list, plus pinned variables.
+# Credentials reach `claude` only: gate, oracle and check commands get an environment without them.
+# Pure functions of a mapping; nothing here reads os.environ itself.
+
+#: Dropped exactly: IDE/desktop session markers, model/effort overrides, cache-TTL switches.
+ENV_DROP_EXACT = frozenset({
+    "CLAUDECODE", "CLAUDE_CODE_ENTRYPOINT", "CLAUDE_CODE_SSE_PORT", "CLAUDE_CODE_IDE_SKIP_AUTO_INSTALL",
+    "CLAUDE_AGENT_SDK_VERSION", "CLAUDE_CODE_SESSION_ID", "CLAUDE_PROJECT_DIR",
+    "ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL",
+    "CLAUDE_CODE_EFFORT_LEVEL", "MAX_THINKING_TOKENS", "CLAUDE_CODE_MAX_OUTPUT_TOKENS",
+    "DISABLE_PROMPT_CACHING", "DISABLE_PROMPT_CACHING_HAIKU", "DISABLE_PROMPT_CACHING_SONNET",
+    "DISABLE_PROMPT_CACHING_OPUS", "ENABLE_PROMPT_CACHING_1H_BEDROCK", "CLAUDE_CODE_PROMPT_CACHE_TTL",
+    "CLAUDE_CODE_DISABLE_LEGACY_MODEL_REMAP", "CLAUDE_CODE_EXTRA_BODY", "ANTHROPIC_BETAS",
+    "CLAUDE_CODE_SIMPLE", "CLAUDE_CODE_OVERLOADED_RETRY_MAX_WAIT_MS",
+    "VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "PYTHONHOME", "PYTHONPATH", "CONDA_PREFIX", "CONDA_DEFAULT_ENV",
+    "TERM_PROGRAM", "TERM_PROGRAM_VERSION", "GIT_ASKPASS", "DISPLAY", "WAYLAND_DISPLAY",
+    "DBUS_SESSION_BUS_ADDRESS", "SSH_AUTH_SOCK", "AGENTBENCH_STUDY",
+})
+#: Dropped by prefix: editor integrations, uv's own settings (a child must not inherit a caller's
+#: uv project), desktop session variables.
+ENV_DROP_PREFIXES = ("VSCODE_", "CURSOR_", "UV_", "JETBRAINS_", "XDG_SESSION", "GNOME_", "KDE_",
+                     "ELECTRON_", "NVM_INC")
+#: Credentials: passed to `claude`, never to gate, oracle or check commands.
+CREDENTIAL_VARS = frozenset({
+    "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_BEDROCK_BASE_URL",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK",
+    "GOOGLE_APPLICATION_CREDENTIALS", "ANTHROPIC_VERTEX_PROJECT_ID", "GH_TOKEN", "GITHUB_TOKEN",
+})
+CREDENTIAL_PATTERNS = ("*_API_KEY", "*_TOKEN", "*_SECRET", "*_SECRET_KEY", "*_PASSWORD")
+#: CLAUDE_*/ANTHROPIC_* variables agentbench knows and passes on deliberately.
+ENV_KNOWN_PASS = frozenset({
+    "ANTHROPIC_BASE_URL", "CLAUDE_CONFIG_DIR", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "CLAUDE_CODE_MAX_RETRIES", "API_TIMEOUT_MS",
+    "ANTHROPIC_CUSTOM_HEADERS", "CLAUDE_CODE_SKIP_BEDROCK_AUTH", "CLAUDE_CODE_SKIP_VERTEX_AUTH",
+})
+#: Set on every child: no self-update mid-study, the child marker, less background traffic.
+ENV_PINNED = {"DISABLE_AUTOUPDATER": "1", "AGENTBENCH_CHILD": "1",
+              "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+              "DISABLE_ERROR_REPORTING": "1"}
+
+
+def is_credential_var(name: str) -> bool:
+    return name in CREDENTIAL_VARS or any(fnmatch.fnmatchcase(name, p) for p in CREDENTIAL_PATTERNS)
+
+
+def _venv_path_entries(env: Mapping[str, str]) -> list[str]:
+    venv = env.get("VIRTUAL_ENV")
+    out = []
+    for entry in env.get("PATH", "").split(os.pathsep):
+        if not entry:
+            continue
+        if venv and (entry == venv or entry.startswith(venv.rstrip("/\\") + os.sep)):
+            out.append(entry)
+        elif os.path.isfile(os.path.join(entry, "..", "pyvenv.cfg")):
+            out.append(entry)
+    return out
+
+
+def scrub_env(host: Mapping[str, str], *, for_claude: bool, binary: str | None = None,
+              extra: Mapping[str, str] | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The child environment and a report of what was dropped, pinned and not recognised.
+
+    for_claude=True keeps credentials (the `claude` process needs them); False drops every
+    credential-looking variable (gate, oracle and reviewer checks never see keys or tokens).
+    `extra` is applied last (e.g. ANTHROPIC_BASE_URL for the scripted model).
+    """
+    dropped: list[str] = []
+    creds: list[str] = []
+    unknown: list[str] = []
+    venv_entries = _venv_path_entries(host)
+    env: dict[str, str] = {}
+    for key, value in host.items():
+        if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
+            dropped.append(key)
+            continue
+        if is_credential_var(key):
+            creds.append(key)
+            if not for_claude:
+                continue
+        elif (key.startswith(("CLAUDE_", "ANTHROPIC_")) and key not in ENV_KNOWN_PASS
+              and key not in ENV_PINNED):
+            unknown.append(key)
+        env[key] = value
+    if venv_entries and "PATH" in env:
+        env["PATH"] = os.pathsep.join(e for e in env["PATH"].split(os.pathsep) if e not in venv_entries)
+    env.update(ENV_PINNED)
+    if binary:
+        env["AGENTBENCH_CLAUDE_BIN"] = binary
+    if extra:
+        env.update(extra)
+    report = {"dropped": sorted(dropped), "dropped_path_entries": venv_entries,
+              "credentials": sorted(creds), "credentials_passed": for_claude,
+              "pinned": sorted(ENV_PINNED), "unknown_claude_vars": sorted(unknown)}
+    return env, report
+
+
+def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The environment for gate, oracle and check commands: scrubbed and credential-free."""
+    env, report = scrub_env(host, for_claude=False)
+    env.pop("AGENTBENCH_CLAUDE_BIN", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"   # checks must not leave __pycache__ in a workspace
+    return env, report
+
+
+# ====================================================================================================
+# Stream and usage
+# ====================================================================================================
+# Parsing `claude --output-format stream-json` lines and turning them into what the ledger records.
+# Facts respected (claude 2.1.x): one API message can arrive as several `assistant` events sharing
+# message.id (count it once; per-event output tokens are an early snapshot); a process may print
+# more than one `result` (the last one counts); total_cost_usd is cumulative over a resumed or
+# forked session (take deltas against the session's previous total); the exit code does not say
+# whether a session succeeded (classify by is_error / subtype / api_error_status); unknown event
+# types are skipped.  Pure logic: StreamState is fed lines and holds no file handles.
+
+TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
+
+
+def tokens_from_usage(u: Mapping[str, Any] | None) -> dict[str, int]:
+    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included."""
+    u = u or {}
+    cc = u.get("cache_creation") or {}
+    def num(x: Any) -> int:
+        try:
+            return int(x or 0)
+        except (TypeError, ValueError):
+            return 0
+    total_cc = num(u.get("cache_creation_input_tokens"))
+    h1 = num(cc.get("ephemeral_1h_input_tokens"))
+    m5 = num(cc.get("ephemeral_5m_input_tokens"))
+    if total_cc and not (h1 or m5):
+        m5 = total_cc
+    return {"input": num(u.get("input_tokens")), "output": num(u.get("output_tokens")),
+            "cache_creation": total_cc, "cache_creation_1h": h1, "cache_creation_5m": m5,
+            "cache_read": num(u.get("cache_read_input_tokens"))}
+
+
+def price_for(model: str | None) -> tuple[float, float, float, float, float]:
+    """List price row for a model id (longest matching family prefix), else the default row."""
+    if model:
+        best = ""
+        for fam in PRICES_PER_MTOK:
+            if model.startswith(fam) and len(fam) > len(best):
+                best = fam
+        if best:
+            return PRICES_PER_MTOK[best]
+    return DEFAULT_PRICE
+
+
+def estimate_cost_usd(tokens: Mapping[str, int], model: str | None) -> float:
+    """Cost of `tokens` at list prices (used only when a session never reported its own cost)."""
+    p_in, p_out, p_5m, p_1h, p_read = price_for(model)
+    cc_5m = tokens.get("cache_creation_5m", 0)
+    cc_1h = tokens.get("cache_creation_1h", 0)
+    if not (cc_5m or cc_1h):
+        cc_5m = tokens.get("cache_creation", 0)
+    return round((tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
+                  + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read) / 1e6, 6)
+
+
+def add_tokens(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+    return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in TOKEN_KEYS}
+
+
+class StreamState:
+    """Incremental parse of one `claude -p --output-format stream-json` process's stdout.
+
+    feed() takes one raw line; it never raises.  What it keeps: the init event, per-message usage
+    (deduplicated by message id, each field the maximum seen, since later events of one message
+    carry later snapshots), tool-use count, models reported, every result event (the last wins),
+    and counters of unparseable lines and unknown event types.
+    """
+
+    KNOWN_TYPES = frozenset({"system", "assistant", "user", "result", "stream_event", "rate_limit_event"})
+
+    def __init__(self) -> None:
+        self.init: dict[str, Any] | None = None
+        self.messages: dict[str, dict[str, Any]] = {}
+        self.message_order: list[str] = []
+        self.tool_uses = 0
+        self.tool_calls: list[dict[str, Any]] = []
+        self.models: list[str] = []
+        self.results: list[dict[str, Any]] = []
+        self.bad_lines = 0
+        self.unknown_types = 0
+        self.lines = 0
+        self.session_id: str | None = None
+        self.first_assistant_usage: dict[str, int] | None = None
+        self.last_text = ""
+
+    def feed(self, raw: str | bytes) -> dict[str, Any] | None:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")
+        raw = raw.strip()
+        if not raw:
+            return None
+        self.lines += 1
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            self.bad_lines += 1
+            return None
+        if not isinstance(ev, dict):
+            self.bad_lines += 1
+            return None
+        kind = ev.get("type")
+        if kind not in self.KNOWN_TYPES:
+            self.unknown_types += 1
+            return ev
+        if ev.get("session_id") and not self.session_id:
+            self.session_id = str(ev["session_id"])
+        if kind == "system" and ev.get("subtype") == "init":
+            self.init = ev
+        elif kind == "assistant":
+            self._assistant(ev)
+        elif kind == "result":
+            self.results.append(ev)
+        return ev
+
+    def _assistant(self, ev: Mapping[str, Any]) -> None:
+        msg = ev.get("message") or {}
+        if not isinstance(msg, dict):
+            return
+        mid = str(msg.get("id") or f"anon-{len(self.message_order)}")
+        usage = tokens_from_usage(msg.get("usage"))
+        if mid not in self.messages:
+            self.message_order.append(mid)
+            self.messages[mid] = {"model": msg.get("model"), "tokens": usage}
+            if self.first_assistant_usage is None and ev.get("parent_tool_use_id") is None:
+                self.first_assistant_usage = usage
+        else:
+            old = self.messages[mid]["tokens"]
+            self.messages[mid]["tokens"] = {k: max(old.get(k, 0), usage.get(k, 0)) for k in TOKEN_KEYS}
+        model = msg.get("model")
+        if model and model != "<synthetic>" and model not in self.models:
+            self.models.append(str(model))
+        for block in msg.get("content") or []:
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                self.tool_uses += 1
+                if len(self.tool_calls) < 2000:
+                    self.tool_calls.append({"name": block.get("name"), "input": block.get("input")})
+            elif isinstance(block, dict) and block.get("type") == "text":
+                self.last_text = str(block.get("text") or "")[-2000:]
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self.results[-1] if self.results else None
+
+    def message_tokens(self) -> dict[str, int]:
+        total = {k: 0 for k in TOKEN_KEYS}
+        for mid in self.message_order:
+            total = add_tokens(total, self.messages[mid]["tokens"])
+        return total
+
+    def estimated_cost(self, fallback_model: str | None) -> float:
+        cost = 0.0
+        for mid in self.message_order:
+            m = self.messages[mid]
+            cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model)
+        return round(cost, 6)
+
+
+def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) -> tuple[str, str | None]:
+    """(status, reason) of a finished `claude` process from its last result event and exit code.
+
+    The exit code alone is never trusted: an API error can end with exit 0 and is_error true.
+    """
+    if result is None:
+        return "failed", ("no_result" if exit_code in (0, None) else "exit_code")
+    subtype = str(result.get("subtype") or "")
+    is_error = bool(result.get("is_error"))
+    status_code = result.get("api_error_status")
+    text = str(result.get("result") or "") + " " + " ".join(str(e) for e in result.get("errors") or [])
+    low = text.lower()
+    terminal = str(result.get("terminal_reason") or "")
+    if "budget" in subtype or terminal == "budget_exhausted":
+        return "failed", "budget"
+    if subtype == "error_max_turns" or terminal == "max_turns":
+        return "failed", "max_turns"
+    if terminal == "prompt_too_long":
+        return "failed", "prompt_too_long"
+    if not is_error and subtype == "success":
+        return "ok", None
+    code = None
+    with contextlib.suppress(TypeError, ValueError):
+        code = int(status_code) if status_code is not None else None
+    if code is None:
+        m = re.search(r"\b(4\d\d|5\d\d)\b", text)
+        if m and ("api error" in low or "status" in low or "error" in low):
+            code = int(m.group(1))
+    if code == 429 or "rate limit" in low or "usage limit" in low or "rate_limit" in low:
+        return "failed", "usage_limit"
+    if code == 529 or "overloaded" in low:
+        return "failed", "overloaded"
+    if "prompt is too long" in low or "prompt_too_long" in low:
+        return "failed", "prompt_too_long"
+    if code in (401, 403) or "authentication" in low or "invalid api key" in low or "oauth" in low:
+        return "failed", "auth"
+    if code is not None:
+        return "failed", "api_error"
+    if is_error:
+        return "failed", "is_error"
+    return "failed", "exit_code" if exit_code not in (0, None) else "is_error"
+
+
+def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+    """Per-model growth of the cumulative modelUsage between two reports of one session."""
+    out: dict[str, dict[str, float]] = {}
+    before = before or {}
+    for model, row in (now or {}).items():
+        if not isinstance(row, dict):
+            continue
+        prev = before.get(model) or {}
+        d = {}
+        for key, val in row.items():
+            if isinstance(val, (int, float)) and not isinstance(val, bool):
+                d[key] = float(val) - float(prev.get(key, 0) or 0)
+        if any(v > 0 for k, v in d.items() if k in ("inputTokens", "outputTokens", "cacheReadInputTokens",
+                                                     "cacheCreationInputTokens", "costUSD")):
+            out[model] = d
+    return out
+
+
+def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_cost: float,
+                 prior_model_usage: Mapping[str, Any] | None, requested_model: str) -> dict[str, Any]:
+    """The usage rule: what one call cost, from its result event (or an estimate without one).
+
+    tokens: the result's `usage` (this call's figures); models_used: modelUsage keys that grew in
+    this call; cost_delta_usd: total_cost_usd minus the session's total before this call; flags:
+    `usage_mismatch` when usage and the modelUsage delta disagree, `total_decreased` when a
+    cumulative total went down (then the reported total is taken as this call's own cost).
+    Without a result the cost is estimated from per-message usage at list prices (`estimated`).
+    """
+    flags: list[str] = []
+    if result is None:
+        tokens = state.message_tokens()
+        return {"tokens": tokens, "models_used": list(state.models), "cost_total_usd": None,
+                "cost_delta_usd": state.estimated_cost(requested_model), "estimated": True,
+                "model_usage": dict(prior_model_usage or {}), "flags": flags}
+    tokens = tokens_from_usage(result.get("usage"))
+    mu = result.get("modelUsage") or {}
+    delta = model_usage_delta(mu, prior_model_usage)
+    since = result.get("model_usage_since_last_result")
+    if isinstance(since, dict) and since:
+        # Newer binaries report this call's own per-model usage; it wins over our own delta.
+        delta = model_usage_delta(since, None)
+    models_used = sorted(delta) if delta else sorted(set(state.models))
+    total = result.get("total_cost_usd")
+    try:
+        total_f = float(total) if total is not None else None
+    except (TypeError, ValueError):
+        total_f = None
+    if total_f is None:
+        cost = state.estimated_cost(requested_model)
+        estimated = True
+        flags.append("no_total_cost")
+    elif total_f + 1e-9 < prior_cost:
+        flags.append("total_decreased")
+        cost, estimated = total_f, False
+    else:
+        cost, estimated = total_f - prior_cost, False
+    if delta:
+        mu_in = sum(d.get("inputTokens", 0) for d in delta.values())
+        mu_out = sum(d.get("outputTokens", 0) for d in delta.values())
+        # A usage block that covers a different span than the modelUsage delta (e.g. cumulative
+        # vs per-call, or side-model calls not in `usage`) is flagged, not silently reconciled.
+        if abs(mu_in - tokens["input"]) > max(2, 0.01 * mu_in) or abs(mu_out - tokens["output"]) > max(2, 0.01 * mu_out):
+            flags.append("usage_mismatch")
+    return {"tokens": tokens, "models_used": models_used, "cost_total_usd": total_f,
+            "cost_delta_usd": round(max(cost, 0.0), 6), "estimated": estimated,
+            "model_usage": mu if isinstance(mu, dict) else {}, "flags": flags}
+
+
+def cache_verdict(first_usage: Mapping[str, int] | None, base_context_tokens: int | None) -> str | None:
+    """Cache verdict of a spawn/continue/ping from its first assistant message's cache read.
+
+    Against the base's context size: >= 90% read from cache = hit, > 0 = partial, else miss.
+    A session with no base context (a fresh start) is `cold`.
+    """
+    if first_usage is None:
+        return None
+    if not base_context_tokens:
+        return "cold"
+    read = int(first_usage.get("cache_read", 0))
+    if read >= 0.9 * base_context_tokens:
+        return "hit"
+    if read > 0:
+        return "partial"
+    return "miss"
+
+
+def context_tokens(usage: Mapping[str, int] | None) -> int:
+    """Size of the context a message was computed on: input + cache creation + cache read."""
+    if not usage:
+        return 0
+    return int(usage.get("input", 0)) + int(usage.get("cache_creation", 0)) + int(usage.get("cache_read", 0))
+
+
+INIT_FINGERPRINT_KEYS = ("tools", "permissionMode", "plugins", "agents", "skills", "apiKeySource",
+                         "mcp_servers", "model", "output_style")
+
+
+def init_fingerprint(init: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The runtime fields of a system/init event that must not drift across a study."""
+    if not init:
+        return None
+    fp = {}
+    for key in INIT_FINGERPRINT_KEYS:
+        val = init.get(key)
+        if isinstance(val, list):
+            val = sorted((json.dumps(v, sort_keys=True) if not isinstance(v, str) else v) for v in val)
+        fp[key] = val
+    fp["sha256"] = sha256_bytes(json.dumps(fp, sort_keys=True).encode())
+    return fp
+
+
+# ====================================================================================================
+# The supervisor
+# ====================================================================================================
+# Jobs: one `claude` process each, launched by a detached supervisor (`_supervise`, internal) that
+# is the only writer of its job's runtime.json.  It feeds the prompt on stdin and closes it, copies
+# every stdout line to raw/stream.jsonl and parses it, heartbeats, and enforces the wall-time limit
+# (monotonic clock: suspends and clock jumps excluded), the stall flag, the orphan watchdog, model
+# substitution, the budget backstop, injected interrupts and kill requests.  After `claude` exits
+# it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
+# the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
+# the experiment layer puts its run ids in `meta` and reads results back.
+
+STUDY_CONFIG_KEYS = ("tasks", "model", "effort", "permission_mode", "tools", "allowed_tools",
+                     "disallowed_tools", "binary", "parallel", "max_minutes", "stall_after_s",
+                     "orphan_after_s", "arms", "budget", "repeats", "seed", "executor",
+                     "snapshot_seconds", "gate_threshold", "prices", "templates", "preamble")
+
+
+def resolve_study_dir(explicit: str | None, env: Mapping[str, str], cwd: str, platform: "Platform",
+                      must_exist: bool = True) -> Path:
+    """--study, else $AGENTBENCH_STUDY, else the cwd when it holds study.json."""
+    raw = explicit or env.get("AGENTBENCH_STUDY")
+    if raw:
+        path = Path(platform.normalize_path(raw))
+    elif os.path.isfile(os.path.join(cwd, STUDY_FILE)):
+        path = Path(cwd)
+    else:
+        raise AgentbenchError("no study given", hint="pass --study DIR, set AGENTBENCH_STUDY, or run "
+                              "in a directory holding study.json (create one with `init --study DIR`)")
+    if must_exist and not (path / STUDY_FILE).is_file():
+        raise AgentbenchError("not a study directory (no study.json)", study=str(path),
+                              hint=f"create it with: agentbench.py init --study {path}")
+    return path
+
+
+def load_study_config(paths: StudyPaths) -> dict[str, Any]:
+    cfg = read_json(paths.study_file)
+    if not isinstance(cfg, dict):
+        raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
+    return cfg
+
+
+def check_model_id(model: str) -> str:
+    """Full model ids only: an alias would silently follow whatever the alias points to today."""
+    if not model or model.lower() in MODEL_ALIASES or not MODEL_ID_RE.match(model):
+        raise AgentbenchError("model must be a full model id, not an alias", model=model,
+                              hint="e.g. claude-opus-4-5 or claude-sonnet-4-5-20250929")
+    return model
+
+
+def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The effective launch configuration: DEFAULT_LAUNCH overlaid with the study's values."""
+    out = dict(DEFAULT_LAUNCH)
+    for key in DEFAULT_LAUNCH:
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    if cfg.get("tools") and not cfg.get("allowed_tools"):
+        out["allowed_tools"] = cfg["tools"]
+    out["budget"] = {**DEFAULT_BUDGET, **(cfg.get("budget") or {})}
+    return out
+
+
+def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str | None,
+                      resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
+                      max_budget_usd: float | None, max_turns: int | None) -> list[str]:
+    """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume)."""
+    argv = [binary, "-p", "--output-format", "stream-json", "--verbose",
+            "--model", str(launch["model"])]
+    if launch.get("effort"):
+        argv += ["--effort", str(launch["effort"])]
+    argv += ["--permission-mode", str(launch["permission_mode"]),
+             "--tools", str(launch["tools"]),
+             "--allowedTools", str(launch.get("allowed_tools") or launch["tools"])]
+    if launch.get("disallowed_tools"):
+        argv += ["--disallowedTools", str(launch["disallowed_tools"])]
+    argv += ["--strict-mcp-config", "--mcp-config", mcp_config,
+             "--append-system-prompt-file", system_prompt_file]
+    if resume:
+        argv += ["--resume", resume]
+        if fork:
+            argv += ["--fork-session"]
+    if session_id and (fork or not resume):
+        argv += ["--session-id", session_id]
+    if max_budget_usd is not None:
+        argv += ["--max-budget-usd", f"{max(max_budget_usd, 0.0):.4f}"]
+    if max_turns:
+        argv += ["--max-turns", str(int(max_turns))]
+    return argv
+
+
+def argv_fingerprint(argv: Sequence[str]) -> str:
+    """sha256 of the argv with per-call values (ids, paths, budgets) masked: same config, same hash."""
+    masked: list[str] = []
+    skip_next = False
+    for i, a in enumerate(argv):
+        if i == 0:
+            masked.append("<binary>")
+            continue
+        if skip_next:
+            masked.append("<v>")
+            skip_next = False
+            continue
+        masked.append(a)
+        if a in ("--session-id", "--resume", "--mcp-config", "--append-system-prompt-file", "--max-budget-usd"):
+            skip_next = True
+    return sha256_bytes(json.dumps(masked).encode())
+
+
+def claude_projects_dir(env: Mapping[str, str]) -> Path:
+    """Where `claude` keeps session transcripts: $CLAUDE_CONFIG_DIR/projects or ~/.claude/projects."""
+    base = env.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
+    return Path(base) / "projects"
+
+
+def transcript_dir_name(cwd: str) -> str:
+    """claude's per-project transcript directory name: the cwd with non-alphanumerics as '-'."""
+    return re.sub(r"[^A-Za-z0-9]", "-", cwd)
+
+
+def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
+    return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
+
+
+def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str) -> bool:
+    """Make a session resumable from another cwd: `claude --resume` looks only in the cwd's project.
+
+    Copies the transcript (never moves: the base stays usable).  True if it is now in place.
+    """
+    dst = transcript_path(env, to_cwd, session_id)
+    if dst.exists():
+        return True
+    src = transcript_path(env, from_cwd, session_id)
+    if not src.exists():
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return True
+
+
+def session_record(paths: StudyPaths, session_id: str) -> dict[str, Any]:
+    """What the study knows of a `claude` session: last reported cumulative cost, modelUsage, context."""
+    return read_json(paths.sessions / f"{session_id}.json", default=None) or {
+        "session_id": session_id, "cost_total_usd": 0.0, "model_usage": {}, "context_tokens": 0}
+
+
+def active_job_ids(paths: StudyPaths) -> list[str]:
+    return [n for n in list_markers(paths.active) if JOB_ID_RE.match(n)]
+
+
+def load_job(paths: StudyPaths, job_id: str) -> dict[str, Any]:
+    if not JOB_ID_RE.match(job_id or ""):
+        raise AgentbenchError("invalid job id", job=job_id, hint="job ids look like j000012")
+    job = read_json(paths.job_file(job_id), default=None)
+    if job is None:
+        raise AgentbenchError("no such job", job=job_id, hint="see `agentbench.py list`")
+    return job
+
+
+def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
+    """A job's current state: its result if final, else its runtime (or `created`)."""
+    res = read_json(paths.result_file(job_id), default=None)
+    if res is not None:
+        return res
+    rt = read_json(paths.runtime_file(job_id), default=None)
+    if rt is not None:
+        return {"job_id": job_id, **rt}
+    return {"job_id": job_id, "status": "created"}
+
+
+def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: str, cwd: str,
+               launch: Mapping[str, Any], binary: str, system_prompt: str,
+               session_id: str | None, resume: str | None, fork: bool,
+               prior: Mapping[str, Any], limits: Mapping[str, Any], meta: Mapping[str, Any],
+               env_extra: Mapping[str, str] | None = None, raw_dir: str | None = None,
+               driver: Mapping[str, Any] | None = None, cap: int | None = None) -> dict[str, Any]:
+    """Register a job (under the registry lock) and return its record; launches nothing.
+
+    The parallel cap is checked here, against the active markers, under the same lock that
+    registers the job, so concurrent callers cannot overshoot it.
+    """
+    with RegistryLock(paths.lock, platform):
+        active = active_job_ids(paths)
+        if cap is not None and len(active) >= cap:
+            raise AgentbenchError("parallel cap reached", active=len(active), cap=cap,
+                                  hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
+        reg = read_registry(paths)
+        job_id = f"j{int(reg['next_job']):06d}"
+        reg["next_job"] = int(reg["next_job"]) + 1
+        reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
+        jdir = paths.job_dir(job_id)
+        jdir.mkdir(parents=True, exist_ok=False)
+        raw = Path(raw_dir) if raw_dir else jdir / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        (jdir / "prompt.txt").write_text(prompt, encoding="utf-8")
+        sp_file = jdir / "system_prompt.md"
+        sp_file.write_text(system_prompt, encoding="utf-8")
+        mcp_file = jdir / "mcp.json"
+        mcp_file.write_text('{"mcpServers": {}}\n', encoding="utf-8")
+        sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
+        argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
+                                 mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
+                                 max_budget_usd=limits.get("max_budget_usd"),
+                                 max_turns=limits.get("max_turns"))
+        job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
+               "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
+               "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
+               "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
+               "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
+               "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
+               "prompt_sha256": sha256_bytes(prompt.encode())}
+        write_json_atomic(paths.job_file(job_id), job)
+        touch_marker(paths.active / job_id)
+        write_json_atomic(paths.registry, reg)
+    return job
+
+
+def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
+    """Start the detached supervisor of a registered job; on failure finalise it `launch_error`."""
+    log_path = os.path.join(job["raw_dir"], "supervisor.log")
+    try:
+        pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
+                                cwd=str(paths.root), env=dict(os.environ), log_path=log_path)
+    except OSError as exc:
+        finalize_job(paths, platform, job, status="failed", reason="launch_error",
+                     usage=None, extra={"detail": f"cannot start supervisor: {exc}"})
+        return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
+    pc = platform.proc_id(pid)
+    write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
+                      {"pid": pid, "ctime": pc.ctime if pc else None, "at": time.time()})
+    return {"job_id": job["job_id"], "status": "created", "supervisor_pid": pid}
+
+
+def _ledger_line(job: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
+    meta = job.get("meta") or {}
+    usage = result.get("usage") or {}
+    return {"job_id": job["job_id"], "kind": job.get("kind"), "run_id": meta.get("run_id"),
+            "arm": meta.get("arm"), "task": meta.get("task"), "base": meta.get("base"),
+            "label": meta.get("label"), "session_id": result.get("session_id"),
+            "status": result["status"], "reason": result.get("reason"),
+            "tokens": usage.get("tokens") or {k: 0 for k in TOKEN_KEYS},
+            "models_used": usage.get("models_used") or [],
+            "cost_total_usd": usage.get("cost_total_usd"),
+            "cost_delta_usd": float(usage.get("cost_delta_usd") or 0.0),
+            "estimated": bool(usage.get("estimated")), "flags": result.get("flags") or [],
+            "cache_verdict": result.get("cache_verdict"), "duration_s": result.get("duration_s"),
+            "claude_version": result.get("claude_version"), "finished_at": result.get("finished_at")}
+
+
+def _ledger_has(paths: StudyPaths, job_id: str) -> bool:
+    records, _ = read_jsonl(paths.ledger)
+    return any(r.get("job_id") == job_id for r in records)
+
+
+def _complete_finalize(paths: StudyPaths, job: Mapping[str, Any], result: Mapping[str, Any],
+                       check_ledger: bool) -> None:
+    """Second half of finalisation, under the lock: ledger line once, markers, session record.
+
+    `check_ledger` is set when reconciling a result whose ledger line may or may not have been
+    written before a crash: the ledger is then searched (rare path) so the line is never doubled.
+    """
+    job_id = job["job_id"]
+    jdir = paths.job_dir(job_id)
+    if not (jdir / "ledgered").exists():
+        if not (check_ledger and _ledger_has(paths, job_id)):
+            append_jsonl(paths.ledger, _ledger_line(job, result))
+        touch_marker(jdir / "ledgered")
+    usage = result.get("usage") or {}
+    sid = result.get("session_id")
+    if sid and usage.get("cost_total_usd") is not None:
+        rec = session_record(paths, sid)
+        rec.update({"cost_total_usd": usage["cost_total_usd"], "model_usage": usage.get("model_usage") or {},
+                    "last_job": job_id, "cwd": job.get("cwd"), "updated_at": utc_now()})
+        if result.get("context_tokens"):
+            rec["context_tokens"] = result["context_tokens"]
+        write_json_atomic(paths.sessions / f"{sid}.json", rec)
+    if (paths.active / job_id).exists():
+        touch_marker(paths.undelivered / job_id)
+        remove_marker(paths.active / job_id)
+
+
+def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any], *, status: str,
+                 reason: str | None, usage: Mapping[str, Any] | None,
+                 extra: Mapping[str, Any] | None = None) -> bool:
+    """Record a job's end exactly once.  True if this call did it, False if it was already final.
+
+    Under the registry lock: result.json is created exclusively (the once-only guard), then the
+    counters, then the ledger line and markers.  A kill between those writes leaves a result with
+    its active marker still set; reap_jobs() completes it later without doubling the ledger line.
+    """
+    assert status in JOB_FINAL_STATUSES, status
+    job_id = job["job_id"]
+    usage = dict(usage or {"tokens": {k: 0 for k in TOKEN_KEYS}, "models_used": [], "cost_total_usd": None,
+                           "cost_delta_usd": 0.0, "estimated": False, "model_usage": {}, "flags": []})
+    extra = dict(extra or {})
+    flags = sorted(set(usage.pop("flags", []) or []) | set(extra.pop("flags", []) or []))
+    result = {"job_id": job_id, "status": status, "reason": reason, "kind": job.get("kind"),
+              "meta": job.get("meta") or {}, "session_id": job.get("session_id"),
+              "finished_at": utc_now(), "usage": usage, "flags": flags, **extra}
+    with RegistryLock(paths.lock, platform):
+        if not create_json_exclusive(paths.result_file(job_id), result, platform.rename_no_replace):
+            return False
+        reg = read_registry(paths)
+        reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
+        reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + float(usage.get("cost_delta_usd") or 0.0), 6)
+        if reason in ("usage_limit", "auth"):
+            reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
+        write_json_atomic(paths.registry, reg)
+        _complete_finalize(paths, job, result, check_ledger=False)
+    append_event(paths, "job_finished", job_id=job_id, status=status, reason=reason,
+                 run_id=(job.get("meta") or {}).get("run_id"), cost_usd=usage.get("cost_delta_usd"))
+    return True
+
+
+def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
+    """Re-parse a raw stream copy (for a job whose supervisor died before finalising)."""
+    st = StreamState()
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                st.feed(line)
+    except FileNotFoundError:
+        pass
+    return st
+
+
+def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
+    if not d or d.get("pid") is None:
+        return None
+    return ProcId(int(d["pid"]), d.get("ctime"))
+
+
+def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
+                       include_supervisor: bool, alive_until: float | None = None) -> list[ProcId]:
+    """Kill a job's `claude` tree (and its supervisor if asked); return survivors (empty = clean)."""
+    roots: list[ProcId] = []
+    sids: list[int] = []
+    if runtime:
+        claude = _proc_from(runtime.get("claude"))
+        if claude:
+            roots.append(claude)
+            sids.append(claude.pid)   # POSIX: its session (setsid); ignored where there are none
+        sup = _proc_from(runtime.get("supervisor"))
+        if include_supervisor and sup:
+            roots.insert(0, sup)
+    if not roots:
+        return []
+    return platform.kill_tree(roots, session_ids=sids)
+
+
+def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
+    st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
+    prior = job.get("prior") or {}
+    usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+                         prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+    return usage, st
+
+
+def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | None = None) -> list[str]:
+    """Repair pass over active jobs: complete half-finalised ones, declare dead ones `lost`.
+
+    Lost = heartbeat older than lost_after_s() AND the supervisor (pid + creation time) dead; its
+    `claude` tree is killed (children counted only if created before the last heartbeat) and the
+    cost taken from the raw stream copy (estimated if no result arrived).  Cost: O(active jobs).
+    """
+    reaped: list[str] = []
+    ids = list(only) if only is not None else active_job_ids(paths)
+    now = time.time()
+    for job_id in ids:
+        if not (paths.active / job_id).exists():
+            continue
+        job = read_json(paths.job_file(job_id), default=None)
+        if job is None:
+            continue
+        res = read_json(paths.result_file(job_id), default=None)
+        if res is not None:
+            with RegistryLock(paths.lock, platform):
+                _complete_finalize(paths, job, res, check_ledger=True)
+            reaped.append(job_id)
+            continue
+        rt = read_json(paths.runtime_file(job_id), default=None)
+        if rt is not None:
+            hb = float(rt.get("heartbeat_at") or job.get("created_ts") or 0)
+            sup = _proc_from(rt.get("supervisor"))
+            if now - hb <= lost_after_s() or (sup and platform.is_alive(sup)):
+                continue
+            survivors = kill_job_processes(platform, rt, include_supervisor=False, alive_until=hb)
+            usage, st = _usage_from_raw(job)
+            finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
+                         extra={"survivors": [dataclasses.asdict(s) for s in survivors],
+                                "last_heartbeat": hb, "tool_uses": st.tool_uses})
+            reaped.append(job_id)
+            continue
+        launcher = read_json(paths.job_dir(job_id) / "launcher.json", default=None)
+        created = float(job.get("created_ts") or 0)
+        if now - created <= lost_after_s():
+            continue
+        lp = _proc_from(launcher)
+        if lp and platform.is_alive(lp):
+            continue
+        finalize_job(paths, platform, job, status="failed", reason="launch_error", usage=None,
+                     extra={"detail": "the supervisor never started"})
+        reaped.append(job_id)
+    return reaped
+
+
+def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str = "requested",
+             wait_s: float = 10.0) -> dict[str, Any]:
+    """Kill a job: ask its supervisor (kill.request), and if it does not finish in `wait_s`, kill
+    the supervisor and the `claude` tree directly and finalise as `killed`.  Verify; report survivors."""
+    job = load_job(paths, job_id)
+    if paths.result_file(job_id).exists():
+        res = read_json(paths.result_file(job_id))
+        return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
+    write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not paths.result_file(job_id).exists():
+        time.sleep(0.05)
+    rt = read_json(paths.runtime_file(job_id), default=None)
+    survivors: list[ProcId] = []
+    if not paths.result_file(job_id).exists():
+        survivors = kill_job_processes(platform, rt, include_supervisor=True)
+        usage, _ = _usage_from_raw(job)
+        finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
+                     extra={"killed_by": "kill command"})
+    # Verify: nothing of the claude tree may be left, whoever did the killing.
+    survivors += kill_job_processes(platform, rt, include_supervisor=False)
+    res = read_json(paths.result_file(job_id))
+    return {"job_id": job_id, "status": res["status"], "reason": res.get("reason"),
+            "survivors": sorted({dataclasses.asdict(s)["pid"] for s in survivors})}
+
+
+class Supervisor:
+    """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
+
+    POLL_S = 0.1
+
+    def __init__(self, paths: StudyPaths, job_id: str, platform: "Platform"):
+        self.paths = paths
+        self.platform = platform
+        self.job = load_job(paths, job_id)
+        self.job_id = job_id
+        self.limits = self.job.get("limits") or {}
+        self.state = StreamState()
+        self.last_output = time.monotonic()
+        self.started = time.monotonic()
+        self.runtime: dict[str, Any] = {}
+        self.end: tuple[str, str | None] | None = None
+        self.flags: set[str] = set()
+        self.snapshots_done: list[int] = []
+        self.terminate_requested = False
+        self._lock = threading.Lock()
+
+    # -- runtime file (this process is its only writer) --
+    def _write_runtime(self, **changes: Any) -> None:
+        self.runtime.update(changes)
+        self.runtime["heartbeat_at"] = time.time()
+        self.runtime["elapsed_s"] = round(time.monotonic() - self.started, 3)
+        with contextlib.suppress(OSError):
+            write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
+
+    def _reader(self, stream: Any, raw_path: Path) -> None:
+        with open(raw_path, "ab") as raw:
+            for line in iter(stream.readline, b""):
+                raw.write(line)
+                raw.flush()
+                with self._lock:
+                    self.last_output = time.monotonic()
+                    self.state.feed(line)
+
+    def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str, reason: str | None) -> None:
+        if self.end is None:
+            self.end = (status, reason)
+            log(f"{self.job_id}: stopping claude ({status}/{reason})")
+        if claude:
+            self.platform.kill_tree([claude], session_ids=[proc.pid])
+
+    def _check(self, proc: subprocess.Popen[bytes], claude: ProcId | None) -> None:
+        lim = self.limits
+        elapsed = time.monotonic() - self.started
+        kill_req = read_json(self.paths.job_dir(self.job_id) / "kill.request", default=None)
+        if kill_req is None and self.terminate_requested:
+            kill_req = {"reason": "supervisor_terminated"}
+        if kill_req is not None:
+            self._stop(proc, claude, "killed", str(kill_req.get("reason") or "requested"))
+            return
+        wall = lim.get("wall_s")
+        if wall and elapsed > float(wall):
+            self._stop(proc, claude, "timeout", "wall_time")
+            return
+        with self._lock:
+            silent = time.monotonic() - self.last_output
+            models = list(self.state.models)
+            tool_uses = self.state.tool_uses
+            est = self.state.estimated_cost(self.job["model"])
+        stall = lim.get("stall_after_s")
+        if stall and silent > float(stall) and not self.runtime.get("stalled"):
+            self.flags.add("stalled")
+            self._write_runtime(stalled=True, stalled_at=utc_now())
+            append_event(self.paths, "stalled", job_id=self.job_id, silent_s=round(silent, 1))
+        elif stall and silent <= float(stall) and self.runtime.get("stalled"):
+            self._write_runtime(stalled=False)
+        requested = str(self.job["model"])
+        for m in models:
+            if not (m.startswith(requested) or requested.startswith(m)):
+                self.flags.add("model_substituted")
+                self._stop(proc, claude, "failed", "model_refused")
+                return
+        budget = lim.get("max_budget_usd")
+        if budget is not None and est > float(budget) * 1.25 + 0.01:
+            self._stop(proc, claude, "failed", "budget")
+            return
+        n = lim.get("interrupt_after_tool_uses")
+        if n and tool_uses >= int(n):
+            self.flags.add("fault_interrupt")
+            self._stop(proc, claude, "killed", "fault_interrupt")
+            return
+        orphan = lim.get("orphan_after_s")
+        if orphan and self._orphaned(float(orphan)):
+            self._stop(proc, claude, "killed", "orphaned")
+            return
+        for t in lim.get("snapshot_seconds") or []:
+            if elapsed >= float(t) and int(t) not in self.snapshots_done:
+                self.snapshots_done.append(int(t))
+                self._snapshot(int(t))
+
+    def _orphaned(self, orphan_after: float) -> bool:
+        driver = _proc_from(self.job.get("driver"))
+        if driver and self.platform.is_alive(driver):
+            return False
+        try:
+            last = os.stat(self.paths.last_call).st_mtime
+        except FileNotFoundError:
+            last = float(self.job.get("created_ts") or time.time())
+        return time.time() - max(last, float(self.job.get("created_ts") or 0)) > orphan_after
+
+    def _snapshot(self, t: int) -> None:
+        """A graded snapshot: a copy of the workspace (without .git) outside the agent's view."""
+        dst = Path(self.job["raw_dir"]).parent / "snapshots" / f"t{t:06d}"
+        with contextlib.suppress(OSError, shutil.Error):
+            shutil.copytree(self.job["cwd"], dst, ignore=shutil.ignore_patterns(".git"), dirs_exist_ok=True)
+            append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
+
+    def run(self) -> int:
+        job = self.job
+        me = self.platform.proc_id(os.getpid())
+        raw_dir = Path(job["raw_dir"])
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+                            started_at=utc_now(), session_id=job.get("session_id"))
+        extra = job.get("env_extra") or {}
+        # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
+        offline = extra.get("AGENTBENCH_OFFLINE") == "1"
+        env, _ = scrub_env(os.environ, for_claude=not offline, binary=job["binary"], extra=extra)
+        prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
+        stderr_fh = open(raw_dir / "stderr.txt", "ab")
+        kwargs = dict(self.platform.helper_popen_kwargs())
+        if self.platform.name == "posix":
+            kwargs["start_new_session"] = True
+        try:
+            proc = subprocess.Popen(job["argv"], cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
+        except OSError as exc:
+            stderr_fh.close()
+            finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                         usage=None, extra={"detail": f"cannot start claude: {exc}"})
+            return 0
+        claude = self.platform.proc_id(proc.pid)
+        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now())
+        append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
+                     run_id=(job.get("meta") or {}).get("run_id"))
+
+        def feed_prompt() -> None:
+            # Write the prompt and close stdin: an open stdin can stall the binary.
+            with contextlib.suppress(OSError, ValueError):
+                assert proc.stdin is not None
+                proc.stdin.write(prompt)
+                proc.stdin.close()
+        threading.Thread(target=feed_prompt, daemon=True).start()
+        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"), daemon=True)
+        reader.start()
+        last_hb = 0.0
+        while proc.poll() is None:
+            time.sleep(self.POLL_S)
+            if self.end is None:
+                self._check(proc, claude)
+            if time.monotonic() - last_hb >= heartbeat_s():
+                last_hb = time.monotonic()
+                with self._lock:
+                    self._write_runtime(tool_uses=self.state.tool_uses,
+                                        silent_s=round(time.monotonic() - self.last_output, 1))
+            if self.end is not None and proc.poll() is None:
+                time.sleep(0.2)
+                if claude:
+                    self.platform.kill_tree([claude], session_ids=[proc.pid])
+        exit_code = proc.returncode
+        # Sweep what claude left behind (background tool processes hold our stdout pipe open).
+        survivors: list[ProcId] = []
+        if claude:
+            survivors = self.platform.kill_tree([claude], session_ids=[proc.pid])
+        reader.join(timeout=10)
+        stderr_fh.close()
+        self._finish(exit_code, survivors)
+        return 0
+
+    def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
+        job = self.job
+        st = self.state
+        prior = job.get("prior") or {}
+        usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+                             prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+        if self.end is not None:
+            status, reason = self.end
+        else:
+            status, reason = classify_session(st.result, exit_code)
+        if status == "ok" and exit_code not in (0, None):
+            self.flags.add("exit_code_nonzero_after_success")
+        requested = str(job["model"])
+        others = [m for m in usage.get("models_used") or []
+                  if not (m.startswith(requested) or requested.startswith(m))]
+        if others:
+            self.flags.add("other_models_billed")
+            if status == "ok" and not (job.get("limits") or {}).get("allow_side_models"):
+                status, reason = "failed", "model_refused"
+        if len(st.results) > 1:
+            self.flags.add("multiple_results")
+        if st.bad_lines:
+            self.flags.add("unparseable_lines")
+        fp = init_fingerprint(st.init)
+        drift = None
+        if fp:
+            fp_path = self.paths.state / "fingerprint.json"
+            known = read_json(fp_path, default=None)
+            if known is None:
+                with contextlib.suppress(OSError):
+                    create_json_exclusive(fp_path, fp, self.platform.rename_no_replace)
+            elif known.get("sha256") != fp["sha256"]:
+                drift = {k: {"expected": known.get(k), "got": fp.get(k)} for k in INIT_FINGERPRINT_KEYS
+                         if known.get(k) != fp.get(k)}
+                self.flags.add("fingerprint_drift")
+        base_ctx = int(prior.get("context_tokens") or 0)
+        last_ctx = 0
+        if st.message_order:
+            last_ctx = context_tokens(st.messages[st.message_order[-1]]["tokens"])
+        res = st.result or {}
+        extra = {"exit_code": exit_code, "duration_s": round(time.monotonic() - self.started, 3),
+                 "claude_version": (st.init or {}).get("claude_code_version"),
+                 "init_fingerprint": fp, "fingerprint_drift": drift,
+                 "cache_verdict": cache_verdict(st.first_assistant_usage, base_ctx),
+                 "context_tokens": last_ctx, "tool_uses": st.tool_uses, "num_turns": res.get("num_turns"),
+                 "result_subtype": res.get("subtype"), "is_error": res.get("is_error"),
+                 "api_error_status": res.get("api_error_status"),
+                 "result_text": str(res.get("result") or "")[:2000] if res else None,
+                 "models_reported": st.models, "bad_lines": st.bad_lines, "unknown_events": st.unknown_types,
+                 "survivors": [dataclasses.asdict(s) for s in survivors],
+                 "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
+                 "snapshots": self.snapshots_done, "flags": sorted(self.flags)}
+        finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
+
+
+def check_job_limits(limits: Mapping[str, Any]) -> None:
+    for key in ("wall_s", "stall_after_s", "orphan_after_s", "max_budget_usd"):
+        val = limits.get(key)
+        if val is not None and (not isinstance(val, (int, float)) or val < 0):
+            raise AgentbenchError(f"{key} must be a non-negative number", value=val)
+
+
+# ====================================================================================================
+# Jobs: start, fork, continue
+# ====================================================================================================
+# The shared path by which every session starts (train, spawn, continue, and the experiment's
+# runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
+# the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
+# sessions that runs fork from) are small records under state/bases/.
+
+def study_binary(ctx: Any, cfg: Mapping[str, Any]) -> str:
+    binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
+    if not binary:
+        raise AgentbenchError("the claude binary was not found", how=how,
+                              hint=f"install it (npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
+                                   "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN")
+    return binary
+
+
+
+def base_system_prompt(cfg: Mapping[str, Any], paths: StudyPaths, extra: str = "") -> str:
+    """preamble.md (the study's own if it has one, else the bundled one) + an arm text."""
+    pre = cfg.get("preamble")
+    candidates = [paths.root / pre] if pre else []
+    candidates += [paths.root / "preamble.md", HERE / "preamble.md"]
+    text = ""
+    for c in candidates:
+        if c.is_file():
+            text = c.read_text(encoding="utf-8")
+            break
+    return text.rstrip() + ("\n\n" + extra.strip() if extra.strip() else "") + "\n"
+
+
+
+def parse_fault(spec: str) -> dict[str, Any]:
+    """`interrupt:after_tool_uses=N` or `missing_fixture:PATH` to job/run fields (refused otherwise)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "interrupt":
+        m = re.fullmatch(r"after_tool_uses=(\d+)", rest)
+        if not m or int(m.group(1)) < 1:
+            raise AgentbenchError("bad fault", fault=spec, hint="interrupt:after_tool_uses=N with N >= 1")
+        return {"interrupt_after_tool_uses": int(m.group(1))}
+    if kind == "missing_fixture":
+        if not rest or rest.startswith(("/", "\\")) or ".." in Path(rest).parts:
+            raise AgentbenchError("bad fault", fault=spec, hint="missing_fixture:RELATIVE/PATH inside the workspace")
+        return {"missing_fixture": rest}
+    raise AgentbenchError("unknown fault", fault=spec,
+                          hint="use interrupt:after_tool_uses=N or missing_fixture:PATH")
+
+
+
+def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
+              resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
+              meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
+              raw_dir: str | None = None, driver: Mapping[str, Any] | None = None,
+              cfg: Mapping[str, Any] | None = None, system_prompt: str | None = None) -> dict[str, Any]:
+    """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
+    cfg = cfg if cfg is not None else load_study_config(paths)
+    launch = launch_config(cfg)
+    check_model_id(launch["model"])
+    binary = study_binary(ctx, cfg)
+    reg = read_registry(paths)
+    if reg.get("breaker") and not meta.get("ignore_breaker"):
+        raise AgentbenchError("the study is paused by its circuit breaker", breaker=reg["breaker"],
+                              hint="sessions failed on usage limits or authentication; fix the cause, "
+                                   "then `init --study DIR --reset-breaker`")
+    study_cap = float(launch["budget"].get("study_usd") or 0)
+    if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
+        raise AgentbenchError("the study's USD cap is spent", spent_usd=reg.get("spent_usd"), cap=study_cap,
+                              hint="raise budget.study_usd with init if you mean to spend more")
+    reap_jobs(paths, ctx.platform)
+    job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
+                     system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
+                     session_id=session_id,
+                     resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
+                     env_extra={**dict(cfg.get("env") or {}), **dict(env_extra or {})}, raw_dir=raw_dir,
+                     driver=driver, cap=int(launch["parallel"]))
+    launched = launch_supervisor(paths, ctx.platform, job)
+    return {"job_id": job["job_id"], "session_id": job["session_id"], "kind": kind, "cwd": cwd,
+            "status": launched["status"], **({"reason": launched["reason"]} if "reason" in launched else {})}
+
+
+
+def _base_file(paths: StudyPaths, name: str) -> Path:
+    return paths.bases / f"{check_name('base', name)}.json"
+
+
+
+def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
+    rec = read_json(_base_file(paths, name), default=None)
+    if rec is None:
+        raise AgentbenchError("no such base", base=name, hint="train it first: agentbench.py train --base NAME --brief FILE")
+    return rec
+
+
+
+def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
+    if rec.get("expired"):
+        return "expired"
+    res = read_json(paths.result_file(rec["job_id"]), default=None)
+    if res is None:
+        return "training"
+    return "ready" if res["status"] == "ok" else f"failed:{res.get('reason') or res['status']}"
+
+
+
+def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool) -> dict[str, Any]:
+    """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals."""
+    rec = load_base(paths, base)
+    state = base_state(paths, rec)
+    if state != "ready":
+        raise AgentbenchError("base is not ready", base=base, state=state,
+                              hint="wait for its training job, or retrain it with --replace")
+    if copy_workspace and not workspace.exists():
+        shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
+    workspace.mkdir(parents=True, exist_ok=True)
+    sess = session_record(paths, rec["session_id"])
+    env = {**ctx.env}
+    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
+        raise AgentbenchError("the base's session transcript was not found", base=base,
+                              expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
+                              hint="claude keeps transcripts under $CLAUDE_CONFIG_DIR/projects; use the same "
+                                   "CLAUDE_CONFIG_DIR as when the base was trained")
+    return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
+                                                   "context_tokens": sess.get("context_tokens", 0)}}
+
+
+
+def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
+                 kind: str = "continue", meta_extra: Mapping[str, Any] | None = None,
+                 cfg: Mapping[str, Any] | None = None, driver: Mapping[str, Any] | None = None,
+                 raw_dir: str | None = None) -> dict[str, Any]:
+    """One more turn in a finished job's session (`--resume <session>`), same cwd and launch config."""
+    prev = load_job(paths, prev_id)
+    res = read_json(paths.result_file(prev_id), default=None)
+    if res is None:
+        raise AgentbenchError("the job is still running", job=prev_id, hint="wait for it first")
+    sid = res.get("session_id") or prev.get("session_id")
+    if not sid:
+        raise AgentbenchError("the job has no session to continue", job=prev_id)
+    for other in active_job_ids(paths):
+        oj = read_json(paths.job_file(other), default={}) or {}
+        if oj.get("session_id") == sid:
+            raise AgentbenchError("the session already has a running job", job=other, session_id=sid,
+                                  hint="two resumes of one session at once would corrupt it; wait for it")
+    sess = session_record(paths, sid)
+    prior = {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
+             "context_tokens": sess.get("context_tokens", 0)}
+    meta = {**(prev.get("meta") or {}), "continues": prev_id, **dict(meta_extra or {})}
+    # The same system prompt as the session began with: a resume must not change the cached prefix.
+    system_prompt = (paths.job_dir(prev_id) / "system_prompt.md").read_text(encoding="utf-8")
+    return start_job(ctx, paths, kind=kind, prompt=prompt, cwd=prev["cwd"], session_id=sid, resume=sid,
+                     fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
+                     raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
+
+
+# ====================================================================================================
+# The experiment layer
+# ====================================================================================================
+# Tasks, arms, calibration, the assignment manifest, workspaces, gate, review, evaluation, the
+# behaviour audit and the per-run pipeline.  Runs are built from jobs of the section above; a run
+# record (state/runs/<run_id>.json) is written only by the driver that claimed the run.  The
+# pipeline never raises: an infrastructure problem ends the run `error` with its reason.  Nothing
+# here knows the scripted model: rehearsal plugs in through the `script_for` callback.
+
+TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
+DEFAULT_GATE_TIMEOUT_S = 120.0
+DEFAULT_ORACLE_TIMEOUT_S = 300.0
+IGNORED_BUNDLE_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store", ".git"})
+TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_system", "review_feedback",
+                  "resume", "train_base")
+
+
+def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
+    """relative POSIX path -> sha256 of every file under `root` (caches and .git excluded)."""
+    root = Path(root)
+    out: dict[str, str] = {}
+    if not root.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES)
+        for fn in sorted(filenames):
+            if fn in IGNORED_BUNDLE_NAMES or fn.endswith(".pyc"):
+                continue
+            full = Path(dirpath) / fn
+            out[full.relative_to(root).as_posix()] = sha256_file(full)
+    return out
+
+
+def manifest_sha256(manifest: Mapping[str, str]) -> str:
+    return sha256_bytes(json.dumps(dict(sorted(manifest.items())), sort_keys=True).encode())
+
+
+def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy a directory's files (caches excluded) onto `dst`, overlaying what is there."""
+    shutil.copytree(src, dst, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES, "*.pyc"))
+
+
+@dataclass
+class Task:
+    """One task bundle: <tasks>/<id>/{task.json, public/, gate/, oracle/, reference/, partial/}."""
+    id: str
+    title: str
+    root: Path
+    gate: dict[str, Any]
+    oracle: dict[str, Any]
+    spec: dict[str, Any]
+    bundle_sha256: str
+    public_manifest: dict[str, str]
+
+    @property
+    def public(self) -> Path: return self.root / "public"
+    @property
+    def reference(self) -> Path: return self.root / "reference"
+    @property
+    def partial(self) -> Path: return self.root / "partial"
+    @property
+    def threshold(self) -> float: return float(self.oracle.get("threshold", 0.9))
+
+
+def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
+    if not isinstance(spec, dict) or not isinstance(spec.get("cmd"), list) or not spec["cmd"] \
+            or not all(isinstance(a, str) for a in spec["cmd"]):
+        raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings",
+                              task=task_id)
+    t = spec.get("timeout_s", DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S)
+    if not isinstance(t, (int, float)) or t <= 0:
+        raise AgentbenchError(f"task {which}.timeout_s must be a positive number", task=task_id)
+    if which == "oracle":
+        th = spec.get("threshold", 0.9)
+        if not isinstance(th, (int, float)) or not 0 < th <= 1:
+            raise AgentbenchError("task oracle.threshold must be in (0, 1]", task=task_id, threshold=th)
+    return dict(spec)
+
+
+def load_task(root: Path) -> Task:
+    """Read and validate one task bundle; refuses what a run could not use."""
+    spec = read_json(root / "task.json")
+    if not isinstance(spec, dict):
+        raise AgentbenchError("task.json must hold an object", path=str(root / "task.json"))
+    missing = [k for k in TASK_JSON_KEYS if k not in spec]
+    if missing:
+        raise AgentbenchError("task.json lacks required keys", path=str(root / "task.json"), missing=missing)
+    tid = check_name("task", str(spec["id"]))
+    if tid != root.name:
+        raise AgentbenchError("task id must equal its directory name", id=tid, directory=root.name)
+    for sub in ("public", "gate", "oracle"):
+        if not (root / sub).is_dir():
+            raise AgentbenchError(f"task bundle lacks {sub}/", task=tid, path=str(root / sub))
+    gate = _check_cmd(tid, "gate", spec["gate"])
+    oracle = _check_cmd(tid, "oracle", spec["oracle"])
+    bundle = tree_manifest(root)
+    return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
+                tree_manifest(root / "public"))
+
+
+def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
+    raw = cfg.get("tasks") or "tasks"
+    p = Path(raw)
+    return p if p.is_absolute() else paths.root / p
+
+
+def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
+    tdir = tasks_dir(paths, cfg)
+    if not tdir.is_dir():
+        raise AgentbenchError("tasks directory not found", tasks=str(tdir),
+                              hint="set `tasks` in study.json (relative to the study dir)")
+    tasks = {}
+    for sub in sorted(tdir.iterdir()):
+        if sub.is_dir() and (sub / "task.json").exists():
+            t = load_task(sub)
+            tasks[t.id] = t
+    if only:
+        unknown = [t for t in only if t not in tasks]
+        if unknown:
+            raise AgentbenchError("unknown task", tasks=unknown, known=sorted(tasks))
+        tasks = {k: v for k, v in tasks.items() if k in only}
+    if not tasks:
+        raise AgentbenchError("no tasks found", tasks=str(tdir))
+    return tasks
+
+
+@dataclass
+class Arm:
+    """A treatment: an appended preamble text, controller gate cycles, an independent review."""
+    name: str
+    preamble_text: str
+    preamble_path: str | None
+    gate_cycles: int
+    review: bool
+    fork_base: bool
+
+
+def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
+    arms_cfg = cfg.get("arms")
+    if not isinstance(arms_cfg, dict) or not arms_cfg:
+        raise AgentbenchError("study.json has no arms", hint='add e.g. "arms": {"A": {"preamble": "arms/A.md"}}')
+    arms = {}
+    for name, spec in arms_cfg.items():
+        check_name("arm", name)
+        if not isinstance(spec, dict):
+            raise AgentbenchError("an arm must be an object", arm=name)
+        text, ppath = "", None
+        if spec.get("preamble"):
+            p = Path(spec["preamble"])
+            p = p if p.is_absolute() else paths.root / p
+            if not p.is_file():
+                raise AgentbenchError("arm preamble file not found", arm=name, path=str(p))
+            text, ppath = p.read_text(encoding="utf-8"), str(p)
+        gc = spec.get("gate_cycles", 0)
+        if not isinstance(gc, int) or gc < 0 or gc > 50:
+            raise AgentbenchError("gate_cycles must be an integer 0..50", arm=name, gate_cycles=gc)
+        arms[name] = Arm(name, text, ppath, gc, bool(spec.get("review", False)), bool(spec.get("fork_base", False)))
+    return arms
+
+
+def load_templates(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, string.Template]:
+    """Prompt templates: the study's templates/ dir overrides the bundled ones, file by file."""
+    dirs = []
+    if cfg.get("templates"):
+        t = Path(cfg["templates"])
+        dirs.append(t if t.is_absolute() else paths.root / t)
+    dirs += [paths.root / "templates", HERE / "templates"]
+    out = {}
+    for name in TEMPLATE_NAMES:
+        for d in dirs:
+            f = d / f"{name}.md"
+            if f.is_file():
+                out[name] = string.Template(f.read_text(encoding="utf-8"))
+                break
+        else:
+            raise AgentbenchError("prompt template not found", template=f"{name}.md", searched=[str(d) for d in dirs])
+    return out
+
+
+def render(tpl: string.Template, **values: Any) -> str:
+    try:
+        return tpl.substitute({k: str(v) for k, v in values.items()})
+    except (KeyError, ValueError) as exc:
+        raise AgentbenchError("template uses an unknown variable", detail=str(exc),
+                              allowed=sorted(values)) from None
+
+
+def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
+    """Hash of everything that defines the study: config, task bundles, arm texts, templates, preamble."""
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
+    for t in load_tasks(paths, cfg).values():
+        h.update(f"{t.id}:{t.bundle_sha256}".encode())
+    for a in load_arms(paths, cfg).values():
+        h.update(f"{a.name}:{a.gate_cycles}:{a.review}:{sha256_bytes(a.preamble_text.encode())}".encode())
+    tpls = load_templates(paths, cfg)
+    for name in TEMPLATE_NAMES:
+        h.update(tpls[name].template.encode())
+    h.update(base_system_prompt_text(paths, cfg).encode())
+    return h.hexdigest()
+
+
+def base_system_prompt_text(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
+    pre = cfg.get("preamble")
+    for c in ([paths.root / pre] if pre else []) + [paths.root / "preamble.md", HERE / "preamble.md"]:
+        if c.is_file():
+            return c.read_text(encoding="utf-8")
+    return ""
+
+
+# -- checks (gate and oracle) -------------------------------------------------------------------------
+
+def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
+    """A pristine copy of a task's gate/ or oracle/, outside every workspace, keyed by bundle hash."""
+    dst = paths.state / "pristine" / task.id / task.bundle_sha256[:16] / which
+    if not dst.is_dir():
+        tmp = dst.with_name(f".{which}.{uuid.uuid4().hex[:8]}")
+        copy_tree(task.root / which, tmp)
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str) -> list[str]:
+    """Substitute {workspace} {gate} {oracle} {python} in a check command (pure)."""
+    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable}
+    out = []
+    for a in cmd:
+        for k, v in values.items():
+            a = a.replace("{" + k + "}", v)
+        out.append(a)
+    return out
+
+
+def parse_receipt(stdout: str, returncode: int | None, timed_out: bool) -> dict[str, Any]:
+    """A check's receipt: its last stdout line if that is a JSON receipt, else exit 0 = pass."""
+    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    if lines:
+        try:
+            obj = json.loads(lines[-1])
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict) and "passed" in obj:
+            score = obj.get("score")
+            try:
+                score = float(score) if score is not None else (1.0 if obj["passed"] else 0.0)
+            except (TypeError, ValueError):
+                score = 0.0
+            return {"passed": bool(obj["passed"]) and not timed_out, "score": max(0.0, min(1.0, score)),
+                    "checks": obj.get("checks") if isinstance(obj.get("checks"), list) else [],
+                    "tests_passed": obj.get("tests_passed"), "tests_total": obj.get("tests_total"),
+                    "receipt": "json"}
+    passed = returncode == 0 and not timed_out
+    return {"passed": passed, "score": 1.0 if passed else 0.0, "checks": [], "tests_passed": None,
+            "tests_total": None, "receipt": "exit_code"}
+
+
+def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
+              env: Mapping[str, str]) -> dict[str, Any]:
+    """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
+
+    Check commands get a credential-free environment: they never see API keys or tokens.
+    """
+    spec = task.gate if which == "gate" else task.oracle
+    gate_dir = str(pristine_copy(paths, task, "gate"))
+    oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
+    tmp = None
+    cwd = workspace
+    if which == "oracle":
+        tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
+        cwd = os.path.join(tmp, "workspace")
+        shutil.copytree(workspace, cwd, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    try:
+        argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir)
+        cenv, _ = check_env(env)
+        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=float(spec.get("timeout_s", 120)), platform=platform)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rec = parse_receipt(res.stdout, res.returncode, res.timed_out)
+    rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
+                "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
+                "at": utc_now()})
+    if which == "oracle":
+        rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold
+        rec["threshold"] = task.threshold
+    return rec
+
+
+# -- calibration ------------------------------------------------------------------------------------
+
+def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> dict[str, Any]:
+    """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
+    problems: list[str] = []
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix=f"ab-cal-{task.id}-") as tmp:
+        starter = os.path.join(tmp, "starter")
+        copy_tree(task.public, starter)
+        st = run_check(paths, platform, task, "oracle", starter, env)
+        if st["success"]:
+            problems.append("the hidden tests pass on the untouched starter (they measure nothing)")
+        if not task.reference.is_dir():
+            problems.append("no reference/ solution overlay")
+        else:
+            for i in (1, 2):
+                ws = os.path.join(tmp, f"ref{i}")
+                copy_tree(task.public, ws)
+                copy_tree(task.reference, ws)
+                g = run_check(paths, platform, task, "gate", ws, env)
+                o = run_check(paths, platform, task, "oracle", ws, env)
+                runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
+                             "oracle_success": o["success"]})
+                if not g["passed"]:
+                    problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
+                if not o["success"]:
+                    problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
+    return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
+            "starter_oracle_score": st["score"], "reference": runs, "at": utc_now()}
+
+
+def calibration_state(paths: StudyPaths) -> dict[str, Any]:
+    return read_json(paths.state / "calibration.json", default=None) or {"tasks": {}}
+
+
+def uncalibrated(paths: StudyPaths, tasks: Mapping[str, Task]) -> list[str]:
+    cal = calibration_state(paths).get("tasks", {})
+    return sorted(t.id for t in tasks.values()
+                  if not (cal.get(t.id, {}).get("ok") and cal[t.id].get("bundle_sha256") == t.bundle_sha256))
+
+
+# -- assignment -------------------------------------------------------------------------------------
+
+def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: int, seed: int,
+                    split: str = "main") -> list[dict[str, Any]]:
+    """The randomized, paired, blocked manifest (pure and deterministic in its inputs).
+
+    Tasks are shuffled; each task is one block holding every (arm, repeat) cell, shuffled inside
+    the block.  Inputs are sorted first, so the manifest depends only on the sets and the seed.
+    """
+    if repeats < 1:
+        raise AgentbenchError("repeats must be >= 1", repeats=repeats)
+    rng = random.Random(f"agentbench-assign:{seed}:{split}")
+    tasks = sorted(task_ids)
+    rng.shuffle(tasks)
+    prefix = "r" if split == "main" else f"{split}-r"
+    out: list[dict[str, Any]] = []
+    n = 0
+    for b, task in enumerate(tasks, start=1):
+        cells = [(arm, rep) for arm in sorted(arm_names) for rep in range(1, repeats + 1)]
+        rng.shuffle(cells)
+        for order, (arm, rep) in enumerate(cells, start=1):
+            n += 1
+            out.append({"run_id": f"{prefix}{n:04d}", "task": task, "arm": arm, "repeat": rep,
+                        "block": f"b{b:02d}", "order_in_block": order, "split": split})
+    return out
+
+
+def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
+    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True) + "\n").encode()
+
+
+# -- runs -------------------------------------------------------------------------------------------
+
+RUN_FINAL = ("finished", "error", "interrupted")
+
+
+def run_file(paths: StudyPaths, run_id: str) -> Path:
+    return paths.run_index / f"{check_name('run', run_id)}.json"
+
+
+def load_run(paths: StudyPaths, run_id: str) -> dict[str, Any]:
+    rec = read_json(run_file(paths, run_id), default=None)
+    if rec is None:
+        raise AgentbenchError("no such run", run=run_id, hint="see `agentbench.py list --all` or `assign`")
+    return rec
+
+
+def save_run(paths: StudyPaths, rec: Mapping[str, Any]) -> None:
+    write_json_atomic(run_file(paths, rec["run_id"]), rec)
+
+
+def run_is_final(paths: StudyPaths, run_id: str) -> bool:
+    return load_run(paths, run_id).get("status") in RUN_FINAL
+
+
+def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
+    r = load_run(paths, run_id)
+    ev = r.get("evaluation") or {}
+    return {k: v for k, v in {"run_id": run_id, "task": r.get("task"), "arm": r.get("arm"), "repeat": r.get("repeat"),
+                              "status": r.get("status"), "outcome": r.get("outcome"), "validity": r.get("validity"),
+                              "success": ev.get("success"), "score": ev.get("score"), "cost_usd": r.get("cost_usd"),
+                              "gate_cycles": r.get("gate_cycles"), "reason": r.get("error") or r.get("failure_reason")}.items()
+            if v is not None}
+
+
+def all_run_ids(paths: StudyPaths) -> list[str]:
+    if not paths.run_index.is_dir():
+        return []
+    return sorted(p.stem for p in paths.run_index.glob("*.json"))
+
+
+def list_runs(paths: StudyPaths, all_runs: bool = False, status: str | None = None) -> list[dict[str, Any]]:
+    """Runs for `list`: the running ones (markers, O(running)), or every run with all_runs."""
+    ids = all_run_ids(paths) if all_runs else list_markers(paths.state / "running_runs")
+    out = [run_summary(paths, r) for r in ids if run_file(paths, r).exists()]
+    return [r for r in out if status is None or r.get("status") == status]
+
+
+def latest_run_job(paths: StudyPaths, run_id: str) -> str | None:
+    jobs = load_run(paths, run_id).get("jobs") or []
+    execs = [j for j in jobs if j.get("role") in ("executor", "continue", "resume", "repair", "gate_feedback")]
+    return execs[-1]["job_id"] if execs else None
+
+
+def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]:
+    """A run found `running` without a live driver becomes `interrupted` (never silently retried)."""
+    out = []
+    for rid in list_markers(paths.state / "running_runs"):
+        rec = read_json(run_file(paths, rid), default=None)
+        if rec is None or rec.get("status") != "running":
+            remove_marker(paths.state / "running_runs" / rid)
+            continue
+        drv = rec.get("driver") or {}
+        if drv.get("pid") is not None and platform.is_alive(ProcId(int(drv["pid"]), drv.get("ctime"))):
+            continue
+        # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
+        for j in rec.get("jobs") or []:
+            if (paths.active / j["job_id"]).exists():
+                with contextlib.suppress(AgentbenchError):
+                    kill_job(paths, platform, j["job_id"], reason="driver_lost", wait_s=5)
+        rec.update({"status": "interrupted", "outcome": "interrupted", "interrupted_at": utc_now(),
+                    "error": "the driver of this run died while it was in flight"})
+        save_run(paths, rec)
+        remove_marker(paths.state / "running_runs" / rid)
+        append_event(paths, "run_finished", run_id=rid, status="interrupted")
+        out.append(rid)
+    return out
+
+
+def kill_run(ctx: Any, paths: StudyPaths, run_id: str) -> dict[str, Any]:
+    """Kill a run's in-flight jobs (its driver then records the outcome)."""
+    rec = load_run(paths, run_id)
+    results = []
+    for j in rec.get("jobs") or []:
+        if (paths.active / j["job_id"]).exists():
+            results.append(kill_job(paths, ctx.platform, j["job_id"], reason="run_killed"))
+    return {"run_id": run_id, "jobs": results, "survivors": sorted({p for r in results for p in r["survivors"]})}
+
+
+def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
+                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Write the run records (not_started) of a manifest; existing records are left alone."""
+    paths.run_index.mkdir(parents=True, exist_ok=True)
+    for m in manifest:
+        f = run_file(paths, m["run_id"])
+        if f.exists():
+            continue
+        rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+               "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
+        write_json_atomic(f, rec)
+
+
+# -- workspace, audit, artifacts --------------------------------------------------------------------
+
+def git(platform: "Platform", cwd: str, *args: str) -> CommandResult:
+    env = {**check_env(os.environ)[0], "GIT_AUTHOR_NAME": "agentbench", "GIT_AUTHOR_EMAIL": "agentbench@localhost",
+           "GIT_COMMITTER_NAME": "agentbench", "GIT_COMMITTER_EMAIL": "agentbench@localhost"}
+    return run_command(["git", *args], cwd=cwd, env=env, timeout_s=60, platform=platform)
+
+
+def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_dir: Path,
+                      missing_fixture: str | None = None) -> dict[str, Any]:
+    """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle."""
+    ws = run_dir / "workspace"
+    if ws.exists():
+        shutil.rmtree(ws)
+    copy_tree(task.public, ws)
+    got = tree_manifest(ws)
+    if got != task.public_manifest:
+        raise AgentbenchError("workspace copy does not match the task bundle", task=task.id,
+                              missing=sorted(set(task.public_manifest) - set(got)),
+                              differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
+    info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
+    if shutil.which("git"):
+        ok = git(platform, str(ws), "init", "-q").returncode == 0
+        ok = ok and git(platform, str(ws), "add", "-A").returncode == 0
+        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter").returncode == 0
+        info["git"] = ok
+    if missing_fixture:
+        target = ws / missing_fixture
+        info["missing_fixture"] = {"path": missing_fixture, "existed": target.exists()}
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    return info
+
+
+def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
+    files = {}
+    for rel, digest in tree_manifest(ws).items():
+        files[rel] = {"sha256": digest, "size": (Path(ws) / rel).stat().st_size}
+    return {"files": files, "sha256": manifest_sha256({k: v["sha256"] for k, v in files.items()})}
+
+
+_PATH_KEYS = ("file_path", "path", "notebook_path")
+
+
+def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protected: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Behaviour audit (pure): tool calls that touch paths outside the workspace or read protected dirs.
+
+    `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths are taken
+    against the workspace.  Bash commands are scanned for absolute paths and protected dirs.
+    """
+    findings: list[dict[str, Any]] = []
+    ws = os.path.normpath(workspace)
+
+    def inside(p: str, root: str) -> bool:
+        p, root = os.path.normpath(p), os.path.normpath(root)
+        return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
+
+    for call in calls:
+        name = str(call.get("name") or "")
+        inp = call.get("input") if isinstance(call.get("input"), dict) else {}
+        targets = [str(inp[k]) for k in _PATH_KEYS if isinstance(inp.get(k), str)]
+        if name == "Bash" and isinstance(inp.get("command"), str):
+            cmd = inp["command"]
+            for label, d in protected.items():
+                if d and os.path.normpath(d) in cmd and not inside(d, ws):
+                    findings.append({"kind": f"bash_touches_{label}", "tool": name, "detail": cmd[:300]})
+            for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
+                if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
+                    findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
+        for t in targets:
+            full = t if os.path.isabs(t) else os.path.join(ws, t)
+            if not inside(full, ws):
+                kind = "write_outside_workspace" if name in ("Write", "Edit", "MultiEdit", "NotebookEdit") \
+                    else "read_outside_workspace"
+                findings.append({"kind": kind, "tool": name, "path": t})
+                for label, d in protected.items():
+                    if d and inside(full, d):
+                        findings.append({"kind": f"reads_{label}", "tool": name, "path": t})
+    return findings
+
+
+def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
+    """Public test files the agent changed or deleted (a gamed gate is a behaviour finding)."""
+    out = []
+    for rel, digest in task.public_manifest.items():
+        parts = rel.split("/")
+        if not any(p.startswith("test") for p in parts):
+            continue
+        f = Path(ws) / rel
+        if not f.exists() or sha256_file(f) != digest:
+            out.append(rel)
+    return out
+
+
+# -- the pipeline -----------------------------------------------------------------------------------
+
+@dataclass
+class PipelineOptions:
+    """How a driver runs pipelines: env for claude, script hook (rehearsal), parallel cap, force."""
+    env_extra: dict[str, str] = field(default_factory=dict)
+    script_for: Callable[[dict[str, Any], str, int, str], str | None] | None = None
+    force: bool = False
+    driver: dict[str, Any] | None = None
+    poll_s: float = 0.2
+    progress: Callable[[str], None] | None = None
+    rehearsal: bool = False
+
+
+class RunPipeline:
+    """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
+
+    def __init__(self, ctx: Any, paths: StudyPaths, run_id: str, cfg: Mapping[str, Any],
+                 tasks: Mapping[str, Task], arms: Mapping[str, Arm], templates: Mapping[str, string.Template],
+                 opts: PipelineOptions):
+        self.ctx = ctx
+        self.paths = paths
+        self.run_id = run_id
+        self.cfg = cfg
+        self.launch = launch_config(cfg)
+        self.tasks = tasks
+        self.arms = arms
+        self.tpl = templates
+        self.opts = opts
+        self.rec: dict[str, Any] = {}
+        self.spent = 0.0
+        self.attempt = 0
+
+    # -- bookkeeping
+    def _save(self) -> None:
+        self.rec["updated_at"] = utc_now()
+        save_run(self.paths, self.rec)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        append_event(self.paths, event, run_id=self.run_id, **fields)
+        if self.opts.progress:
+            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def claim(self) -> bool:
+        """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
+        with RegistryLock(self.paths.lock, self.ctx.platform):
+            rec = load_run(self.paths, self.run_id)
+            if rec.get("status") != "not_started":
+                return False
+            rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
+                        "jobs": [], "cost_usd": 0.0})
+            save_run(self.paths, rec)
+            touch_marker(self.paths.state / "running_runs" / self.run_id)
+        self.rec = rec
+        return True
+
+    def remaining_usd(self) -> float:
+        return float(self.launch["budget"].get("usd_per_run") or 0) - float(self.rec.get("cost_usd") or 0.0)
+
+    # -- jobs
+    def _run_job(self, role: str, prompt: str, **kw: Any) -> dict[str, Any]:
+        """Launch one job of this run and wait for its result."""
+        jid = self._launch_job(role, prompt, **kw)
+        if jid is None:
+            return {"status": "failed", "reason": "budget", "skipped": True}
+        return self._await_job(jid)
+
+    def _launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
+                    system_extra: str = "", kind: str = "executor", fault: Mapping[str, Any] | None = None,
+                    script_key: str | None = None) -> str | None:
+        """Start one job of this run (not waiting); None when the budget forbids another session."""
+        self.attempt = len(self.rec.get("jobs") or []) + 1
+        budget = self.launch["budget"]
+        remaining = self.remaining_usd()
+        if remaining < float(budget.get("min_remaining_usd") or 0):
+            return None
+        wall_left = float(budget.get("wall_s") or 0) - (time.time() - float(self.rec.get("started_ts") or time.time()))
+        limits = {"wall_s": max(5.0, wall_left) if budget.get("wall_s") else float(self.launch["max_minutes"]) * 60,
+                  "stall_after_s": self.launch.get("stall_after_s"),
+                  "orphan_after_s": 0 if self.opts.driver else self.launch.get("orphan_after_s"),
+                  "max_budget_usd": round(max(remaining, 0.0), 4), "max_turns": budget.get("max_turns"),
+                  "snapshot_seconds": self.cfg.get("snapshot_seconds") or []}
+        if fault:
+            limits.update(fault)
+        marker = ""
+        if self.opts.script_for:
+            sid = self.opts.script_for(self.rec, role, self.attempt, script_key or role)
+            if sid:
+                marker = f"\n\n[agentbench-script:{sid}]\n"
+        meta = {"run_id": self.run_id, "arm": self.rec["arm"], "task": self.rec["task"], "role": role}
+        raw_dir = str(self.paths.run_dir(self.run_id) / "raw" / f"{self.attempt:02d}-{role}")
+        if resume_job:
+            out = continue_job(self.ctx, self.paths, resume_job, prompt + marker, limits, kind=kind,
+                               meta_extra=meta, cfg=self.cfg, driver=self.opts.driver, raw_dir=raw_dir)
+        else:
+            out = start_job(self.ctx, self.paths, kind=kind, prompt=prompt + marker, cwd=cwd, session_id=None,
+                            resume=None, fork=False, prior={}, limits=limits, meta=meta, system_extra=system_extra,
+                            env_extra=self.opts.env_extra, raw_dir=raw_dir, driver=self.opts.driver, cfg=self.cfg)
+        self.rec.setdefault("jobs", []).append({"job_id": out["job_id"], "role": role,
+                                                "session_id": out.get("session_id")})
+        self._save()
+        return out["job_id"]
+
+    def _await_job(self, jid: str) -> dict[str, Any]:
+        while not self.paths.result_file(jid).exists():
+            time.sleep(self.opts.poll_s)
+            reap_jobs(self.paths, self.ctx.platform, only=[jid])
+        return self._account_job(jid)
+
+    def _account_job(self, jid: str) -> dict[str, Any]:
+        """Fold a finished job's cost and tokens into the run record (once per job)."""
+        res = read_json(self.paths.result_file(jid))
+        entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
+        if "status" in entry:
+            return res
+        cost = float((res.get("usage") or {}).get("cost_delta_usd") or 0.0)
+        self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
+        self.rec["cost_usd"] = self.spent
+        self.rec["cost_estimated"] = bool(self.rec.get("cost_estimated")) or bool((res.get("usage") or {}).get("estimated"))
+        tok = self.rec.get("tokens") or {k: 0 for k in TOKEN_KEYS}
+        self.rec["tokens"] = add_tokens(tok, (res.get("usage") or {}).get("tokens") or {})
+        entry.update({"status": res["status"], "reason": res.get("reason"), "cost_usd": cost,
+                      "tool_uses": res.get("tool_uses"), "duration_s": res.get("duration_s")})
+        self._save()
+        self._event("progress", role=entry["role"], job=jid, status=res["status"], reason=res.get("reason"))
+        return res
+
+    def _gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
+        rec = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+        n = len(self.rec.setdefault("gates", [])) + 1
+        write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
+        self.rec["gates"].append({"n": n, "label": label, "passed": rec["passed"], "score": rec["score"]})
+        self._event("gate", n=n, label=label, passed=rec["passed"])
+        return rec
+
+    def _failed_checks_text(self, rec: Mapping[str, Any]) -> str:
+        failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
+        if failed:
+            return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
+        tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
+        names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
+        return "\n".join(f"- {n}" for n in names[:30]) or "- the public checks did not pass (see the output below)"
+
+    def review_setup(self, task: Task, ws: str, n: int) -> tuple[Path, str]:
+        """A fresh reviewer's directory (a read-only snapshot of the work) and its prompt."""
+        rdir = self.paths.run_dir(self.run_id) / "review" / f"{n:02d}"
+        work = rdir / "work"
+        if rdir.exists():
+            shutil.rmtree(rdir)
+        shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
+        changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
+        text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
+        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=text, work_dir=str(work),
+                        review_path=str(rdir / "review.json"),
+                        changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
+        return rdir, prompt
+
+    def launch_review(self, task: Task, ws: str, n: int) -> str | None:
+        rdir, prompt = self.review_setup(task, ws, n)
+        return self._launch_job("reviewer", prompt, cwd=str(rdir), kind="reviewer",
+                                system_extra=self.tpl["reviewer_system"].template)
+
+    def collect_review(self, n: int, job_status: str | None) -> dict[str, Any]:
+        """Read and validate review.json of review n; record the verdict (invalid if unusable)."""
+        review_path = self.paths.run_dir(self.run_id) / "review" / f"{n:02d}" / "review.json"
+        try:
+            review = read_json(review_path, default=None)
+        except AgentbenchError:
+            review = None
+        valid = isinstance(review, dict) and review.get("verdict") in ("accept", "revise")
+        verdict = review["verdict"] if valid else None  # type: ignore[index]
+        out = {"n": n, "job_status": job_status, "verdict": verdict, "valid": valid,
+               "findings": review.get("findings") if valid else None,  # type: ignore[union-attr]
+               "summary": review.get("summary") if valid else None}  # type: ignore[union-attr]
+        self.rec.setdefault("reviews", []).append(out)
+        self.rec.setdefault("review_verdicts", []).append(verdict or "invalid")
+        self._save()
+        self._event("review", n=n, verdict=verdict or "invalid")
+        return out
+
+    def _review(self, task: Task, ws: str, n: int) -> dict[str, Any]:
+        jid = self.launch_review(task, ws, n)
+        res = self._await_job(jid) if jid else {"status": "failed", "reason": "budget"}
+        return self.collect_review(n, res.get("status"))
+
+    def execute(self) -> dict[str, Any]:
+        try:
+            self._execute()
+        except AgentbenchError as exc:
+            self._end_error(exc.payload.get("error", "error"), exc.payload)
+        except Exception as exc:  # the pipeline never raises: record and move on
+            self._end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
+        return self.rec
+
+    def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+        if not self.rec:
+            return
+        breaker = "circuit breaker" in str(reason)
+        self.rec.update({"status": "error", "outcome": "error", "error": reason, "error_detail": dict(detail),
+                         "validity": "infrastructure_failure", "validity_reason": reason,
+                         "finished_at": utc_now()})
+        if breaker:
+            # Paused, not failed: put the run back so it runs once the study is resumed.
+            self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True})
+        self._save()
+        remove_marker(self.paths.state / "running_runs" / self.run_id)
+        self._event("error", reason=reason)
+
+    def prepare(self) -> tuple[Task, Arm, str, str]:
+        """Workspace, prompt, effective context and provenance of a claimed run: (task, arm, ws, prompt)."""
+        rec = self.rec
+        task = self.tasks[rec["task"]]
+        arm = self.arms[rec["arm"]]
+        rec["started_ts"] = time.time()
+        run_dir = self.paths.run_dir(self.run_id)
+        (run_dir / "ctl").mkdir(parents=True, exist_ok=True)
+        fault = rec.get("fault") or {}
+        self._event("run_started", task=task.id, arm=arm.name)
+        ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir, fault.get("missing_fixture"))
+        ws = ws_info["path"]
+        task_text = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
+        check_hint = ("Public tests are in tests/; run them with: python3 -m unittest discover -s tests"
+                      if (Path(ws) / "tests").is_dir() else "")
+        prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=task_text,
+                        workspace=ws, check_hint=check_hint)
+        system_full = base_system_prompt(self.cfg, self.paths, arm.preamble_text)
+        write_text_atomic(run_dir / "ctl" / "prompt.md", prompt)
+        write_text_atomic(run_dir / "ctl" / "system_prompt.md", system_full)
+        rec["provenance"] = {
+            "agentbench_version": VERSION, "agentbench_git": agentbench_git_commit(self.ctx.platform),
+            "task_bundle_sha256": task.bundle_sha256,
+            "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
+            "model_requested": self.launch["model"], "assignment_seed": rec.get("seed", self.cfg.get("seed")),
+            "platform": f"{self.ctx.platform.name}/{pyplatform.system()}", "rehearsal": self.opts.rehearsal,
+            "fault": fault or None}
+        rec["workspace"] = ws_info
+        self._save()
+        return task, arm, ws, prompt
+
+    def _execute(self) -> None:
+        rec = self.rec
+        task, arm, ws, prompt = self.prepare()
+        system_extra = arm.preamble_text
+        fault = rec.get("fault") or {}
+        fault_limits = {k: v for k, v in fault.items() if k == "interrupt_after_tool_uses"}
+        res = self._run_job("executor", prompt, cwd=ws, system_extra=system_extra, fault=fault_limits)
+        exec_job = rec["jobs"][-1]["job_id"]
+        last_job = exec_job
+        if res.get("reason") == "fault_interrupt":
+            rec["interruption"] = {"job_id": exec_job, "resumed": True}
+            res = self._run_job("resume", render(self.tpl["resume"], reason="the session was interrupted"),
+                                cwd=ws, resume_job=last_job, kind="continue")
+            last_job = rec["jobs"][-1]["job_id"]
+        stop = self._stop_reason(res)
+        cycles = 0
+        gate_rec = None
+        if arm.gate_cycles and not stop:
+            gate_rec = self._gate(task, ws, "cycle")
+            while not gate_rec["passed"] and cycles < arm.gate_cycles and not stop:
+                cycles += 1
+                fb = render(self.tpl["gate_feedback"], cycle=cycles, cycles_left=arm.gate_cycles - cycles,
+                            failed_checks=self._failed_checks_text(gate_rec),
+                            gate_output=((gate_rec.get("stderr_tail") or "") + (gate_rec.get("stdout_tail") or ""))[-3000:])
+                res = self._run_job("gate_feedback", fb, cwd=ws, resume_job=last_job, kind="continue")
+                last_job = rec["jobs"][-1]["job_id"]
+                stop = self._stop_reason(res)
+                rec["gate_cycles"] = cycles
+                if stop:
+                    break
+                gate_rec = self._gate(task, ws, "cycle")
+        rec["gate_cycles"] = cycles
+        if arm.review and not stop and (gate_rec is None or gate_rec["passed"]):
+            review = self._review(task, ws, 1)
+            if review["verdict"] == "revise":
+                findings = "\n".join(f"- [{f.get('severity')}] {f.get('file')}: {f.get('detail')}"
+                                     for f in review.get("findings") or [] if isinstance(f, dict)) or "- (none listed)"
+                res = self._run_job("repair", render(self.tpl["review_feedback"], findings=findings,
+                                                     summary=review.get("summary") or ""),
+                                    cwd=ws, resume_job=last_job, kind="continue")
+                last_job = rec["jobs"][-1]["job_id"]
+                stop = self._stop_reason(res)
+                if arm.gate_cycles:
+                    self._gate(task, ws, "after_review")
+        self._finish(task, ws, stop)
+
+    def _stop_reason(self, res: Mapping[str, Any]) -> str | None:
+        """Why no further session may start: budget, wall time, or an infrastructure failure."""
+        st, reason = res.get("status"), res.get("reason")
+        if reason == "budget":
+            return "budget_exhausted"
+        if st == "timeout":
+            return "timeout"
+        if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long"):
+            return f"infrastructure:{reason}"
+        if st in ("killed", "lost"):
+            return f"{st}:{reason}"
+        if self.remaining_usd() < float(self.launch["budget"].get("min_remaining_usd") or 0):
+            return "budget_exhausted"
+        return None
+
+    def _finish(self, task: Task, ws: str, stop: str | None) -> None:
+        rec = self.rec
+        run_dir = self.paths.run_dir(self.run_id)
+        rec["artifacts"] = artifact_manifest(ws)
+        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
+        self._collect_transcripts(run_dir)
+        final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+        write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
+        rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
+        calls: list[dict[str, Any]] = []
+        for j in rec["jobs"]:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            if job and job.get("kind") != "reviewer":
+                calls += stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+        protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
+                     "gate": str(task.root / "gate"), "tasks": str(task.root.parent)}
+        findings = audit_tool_calls(calls, ws, protected)
+        edited = edited_public_tests(task, ws)
+        if edited:
+            findings.append({"kind": "edited_public_tests", "files": edited})
+        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings)}
+        ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+        snapshots = self._grade_snapshots(task)
+        evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
+                      "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
+                      "threshold": task.threshold, "checks": ev.get("checks"), "exit_code": ev["exit_code"],
+                      "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
+                      "artifacts_sha256": rec["artifacts"]["sha256"]}
+        write_json_atomic(run_dir / "evaluation.json", evaluation)
+        rec["evaluation"] = evaluation
+        exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
+        rec["wall_s"] = round(time.time() - float(rec["started_ts"]), 3)
+        tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
+        if stop and stop.startswith("infrastructure:"):
+            validity, why = "infrastructure_failure", stop.split(":", 1)[1]
+        elif exec_jobs and exec_jobs[0].get("status") == "ok" and tool_uses == 0 \
+                and float(exec_jobs[0].get("duration_s") or 0) < 10 and not ev["success"]:
+            validity, why = "degenerate", "the session ended in seconds without a single tool call"
+        else:
+            validity, why = "valid", None
+        if stop == "budget_exhausted":
+            outcome = "budget_exhausted"
+        elif stop == "timeout":
+            outcome = "timeout"
+        else:
+            outcome = "success" if ev["success"] else "failure"
+        rec.update({"status": "finished", "outcome": outcome, "validity": validity, "validity_reason": why,
+                    "failure_reason": None if ev["success"] else (stop or "hidden tests failed"),
+                    "finished_at": utc_now(),
+                    "claude_version": next((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("claude_version")
+                                           for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
+        rec["provenance"]["claude_version"] = rec["claude_version"]
+        rec["provenance"]["models_reported"] = sorted({m for j in rec["jobs"] for m in
+                                                       ((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("models_reported") or [])})
+        self._save()
+        remove_marker(self.paths.state / "running_runs" / self.run_id)
+        self._event("score", success=ev["success"], score=ev["score"])
+        self._event("run_finished", outcome=outcome, validity=validity, cost_usd=self.spent)
+
+    def _collect_transcripts(self, run_dir: Path) -> None:
+        env = {**self.ctx.env, **self.opts.env_extra}
+        out = run_dir / "transcripts"
+        for j in self.rec["jobs"]:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            res = read_json(self.paths.result_file(j["job_id"]), default=None)
+            if not job or not res or not res.get("session_id"):
+                continue
+            src = transcript_path(env, job["cwd"], res["session_id"])
+            if src.exists():
+                out.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, out / f"{j['job_id']}-{res['session_id']}.jsonl")
+
+    def _grade_snapshots(self, task: Task) -> list[dict[str, Any]]:
+        """Grade graded snapshots with the hidden tests, cached by content hash."""
+        out = []
+        snaps = self.paths.run_dir(self.run_id) / "raw"
+        cache_dir = self.paths.state / "snapshot_grades"
+        for snap in sorted(snaps.glob("*/snapshots/t*")) if snaps.exists() else []:
+            digest = manifest_sha256(tree_manifest(snap))
+            cached = read_json(cache_dir / f"{task.id}-{digest[:24]}.json", default=None)
+            if cached is None:
+                r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                cached = {"score": r["score"], "success": r["success"]}
+                write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
+            out.append({"t": int(snap.name[1:]), "job_dir": snap.parent.parent.name, **cached})
+        return out
+
+
+_GIT_COMMIT: list[str | None] = []
+
+
+def agentbench_git_commit(platform: "Platform") -> str | None:
+    """The git commit of this agentbench checkout (provenance), or None outside a checkout."""
+    if not _GIT_COMMIT:
+        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(os.environ)[0],
+                          timeout_s=20, platform=platform) if shutil.which("git") else None
+        _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
+    return _GIT_COMMIT[0]
+
+
+def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
+               parallel: int) -> dict[str, Any]:
+    """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped."""
+    cfg = load_study_config(paths)
+    tasks = load_tasks(paths, cfg)
+    arms = load_arms(paths, cfg)
+    tpl = load_templates(paths, cfg)
+    sweep_interrupted_runs(paths, ctx.platform)
+    todo = [r for r in run_ids if load_run(paths, r).get("status") == "not_started"]
+    skipped = [r for r in run_ids if r not in todo]
+    results: dict[str, dict[str, Any]] = {}
+    lock = threading.Lock()
+    queue = list(todo)
+    paused: list[str] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                if read_registry(paths).get("breaker"):
+                    paused.extend(queue)
+                    queue.clear()
+                    return
+                rid = queue.pop(0)
+            pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
+            if not pipe.claim():
+                continue
+            rec = pipe.execute()
+            with lock:
+                results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(parallel, len(todo) or 1)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results}
+
+
+# ====================================================================================================
+# Statistics and report
+# ====================================================================================================
+# Plain statistics functions (each with its definition and reference), the ledger usage aggregate,
+# and the study report built from run records, rendered as JSON-ready dict, Markdown and one
+# self-contained HTML page. Everything here is pure: data in, dicts and strings out. No file or
+# process I/O, no printing; the CLI reads the registry and ledger and writes what these return.
+
+# Two-sided 95% normal quantile, z_{0.975}, to the precision of a double.
+STAT_Z95 = 1.959963984540054
+
+# Validity labels that take a run out of the primary results (SPEC 7): such runs measure the
+# infrastructure, not the treatment. They stay listed, with their reasons, and in `all_included`.
+REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate")
+
+REPORT_SCHEMA = "agentbench-report/1"
+USAGE_SCHEMA = "agentbench-usage/1"
+USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
+
+# --------------------------------------------------------------------------------------------------
+# Statistics: plain functions
+# --------------------------------------------------------------------------------------------------
+
+
+def mean(xs: Iterable[float]) -> float | None:
+    """Arithmetic mean of `xs`; None for an empty sequence.
+
+    Uses math.fsum (exactly rounded summation) so the result does not depend on the order of
+    the values. Reference: any textbook, e.g. Freedman, Pisani & Purves, Statistics, ch. 4.
+    """
+    vals = [float(x) for x in xs]
+    if not vals:
+        return None
+    return math.fsum(vals) / len(vals)
+
+
+def median(xs: Iterable[float]) -> float | None:
+    """Median of `xs` (middle value; mean of the two middle values for an even count).
+
+    None for an empty sequence. Reference: Freedman, Pisani & Purves, Statistics, ch. 4.
+    """
+    vals = sorted(float(x) for x in xs)
+    n = len(vals)
+    if n == 0:
+        return None
+    mid = n // 2
+    if n % 2:
+        return vals[mid]
+    return (vals[mid - 1] + vals[mid]) / 2.0
+
+
+def quantile_sorted(sorted_xs: list[float], q: float) -> float:
+    """Quantile `q` (0..1) of an already sorted, non-empty list by linear interpolation.
+
+    This is Hyndman & Fan (1996) definition 7 (the default of R and NumPy; Python's
+    statistics.quantiles(method="inclusive")): h = (N - 1) q, interpolate between the order
+    statistics at floor(h) and floor(h) + 1. Reference: Hyndman & Fan, "Sample quantiles in
+    statistical packages", The American Statistician 50(4):361-365, 1996.
+    """
+    if not sorted_xs:
+        raise ValueError("quantile of an empty list")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile level {q} outside [0, 1]")
+    h = (len(sorted_xs) - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (h - lo) * (sorted_xs[hi] - sorted_xs[lo])
+
+
+def wilson_interval(successes: int, n: int, z: float = STAT_Z95) -> tuple[float, float] | None:
+    """Wilson score interval for a binomial proportion `successes / n`.
+
+    It is the set of p for which the score test does not reject: |p_hat - p| <= z sqrt(p(1-p)/n),
+    in closed form
+        centre = (p_hat + z^2 / (2n)) / (1 + z^2 / n)
+        half   = z / (1 + z^2 / n) * sqrt(p_hat (1 - p_hat) / n + z^2 / (4 n^2)).
+    Unlike the Wald interval it stays inside [0, 1] and keeps near-nominal coverage for small n
+    and rates near 0 or 1, which is what agent success rates look like. The bounds are exactly 0
+    when successes == 0 and exactly 1 when successes == n (the closed form gives them up to
+    rounding). None when n == 0: no runs, no interval.
+    References: Wilson, JASA 22:209-212 (1927); Newcombe, Statistics in Medicine 17:857-872
+    (1998), method 3; Brown, Cai & DasGupta, Statistical Science 16:101-133 (2001).
+    """
+    if n < 0 or successes < 0 or successes > n:
+        raise ValueError(f"need 0 <= successes <= n, got {successes} of {n}")
+    if n == 0:
+        return None
+    p = successes / n
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    centre = (p + z2 / (2.0 * n)) / denom
+    half = (z / denom) * math.sqrt(p * (1.0 - p) / n + z2 / (4.0 * n * n))
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return (lo, hi)
+
+
+def _binomial_two_sided_half(k: int, n: int) -> float:
+    """Two-sided exact p-value for observing k (or fewer) of n under Binomial(n, 1/2).
+
+    p = min(1, 2 * P(X <= min(k, n - k))). For p = 1/2 the distribution is symmetric, so
+    doubling the smaller tail equals summing every outcome at most as likely as the observed
+    one. Integer arithmetic, then one correctly rounded division: exact up to the final double.
+    """
+    if n == 0:
+        return 1.0
+    small = min(k, n - k)
+    tail = sum(math.comb(n, i) for i in range(small + 1))
+    return min(1.0, (2 * tail) / (2 ** n))
+
+
+def sign_test_two_sided(wins: int, losses: int) -> float:
+    """Exact two-sided sign test of 'wins and losses are equally likely'.
+
+    Under the null the number of wins among the n = wins + losses informative pairs is
+    Binomial(n, 1/2); p = min(1, 2 * P(X <= min(wins, losses))). Ties carry no information about
+    direction and are dropped by the caller (the usual convention). p = 1.0 when n == 0.
+    Reference: Conover, Practical Nonparametric Statistics, 3rd ed. (1999), section 3.4;
+    Dixon & Mood, JASA 41:557-566 (1946).
+    """
+    if wins < 0 or losses < 0:
+        raise ValueError("wins and losses must be non-negative")
+    return _binomial_two_sided_half(wins, wins + losses)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Exact conditional McNemar test for paired binary outcomes.
+
+    `b` and `c` are the two kinds of discordant pair (e.g. b: only the arm succeeded, c: only
+    the baseline did). Conditional on b + c, b is Binomial(b + c, 1/2) under marginal homogeneity;
+    the two-sided p is min(1, 2 * P(X <= min(b, c))). Concordant pairs do not enter. p = 1.0
+    when there is no discordant pair.
+    References: McNemar, Psychometrika 12:153-157 (1947); Fagerland, Lydersen & Laake, BMC
+    Medical Research Methodology 13:91 (2013), the "exact conditional" test.
+    """
+    if b < 0 or c < 0:
+        raise ValueError("discordant counts must be non-negative")
+    return _binomial_two_sided_half(b, b + c)
+
+
+def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
+                           level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile bootstrap interval for the mean of paired differences (one per task).
+
+    Draws `n_resamples` resamples of the differences with replacement (same size as the data),
+    takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
+    those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
+    the paired design replicates. The generator is random.Random(seed) (indices drawn by
+    Random.choices), so the interval is reproducible across runs and Python versions.
+    None for no differences; (d, d) when every difference equals d (nothing to resample).
+    The interval is clamped to [min(diffs), max(diffs)], where every resample mean lies.
+    Reference: Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
+    """
+    xs = [float(d) for d in diffs]
+    if not xs:
+        return None
+    if n_resamples < 1:
+        raise ValueError("n_resamples must be >= 1")
+    if not 0.0 < level < 1.0:
+        raise ValueError("level must be in (0, 1)")
+    lo_x, hi_x = min(xs), max(xs)
+    if lo_x == hi_x:
+        return (lo_x, hi_x)
+    # Random.choices without weights draws index floor(random() * n) for each element: the same
+    # stream on every Python >= 3.6, and several times faster than an explicit loop.
+    choices = random.Random(seed).choices
+    n = len(xs)
+    means = sorted(sum(choices(xs, k=n)) / n for _ in range(n_resamples))
+    tail = (1.0 - level) / 2.0
+    lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
+    hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
+    return (lo, hi)
+
+
+def sign_test_min_p(n: int) -> float:
+    """Smallest two-sided p-value an exact sign test on n informative pairs can produce: 2 / 2^n."""
+    return sign_test_two_sided(n, 0)
+
+
+def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
+                         power: float = 0.8, *, tau: float = 0.0, max_repeats: int = 1000,
+                         simulate: int = 0, seed: int = 0) -> dict:
+    """Repeats per task-arm cell needed to detect a success-rate difference `delta` (paired design).
+
+    Approximation (normal, on paired per-task differences). Each of `n_tasks` tasks is run r
+    times in both arms; d_t = (arm rate on t) - (baseline rate on t). With independent runs,
+        Var(d_t) = tau^2 + (p0 (1 - p0) + p1 (1 - p1)) / r,   p0 = p_base, p1 = p_base + delta,
+    where tau is the between-task standard deviation of the true difference (0: the treatment
+    shifts every task alike). The mean of the d_t over tasks is approximately normal, so a
+    two-sided level-alpha test has power Phi(sqrt(n_tasks) |delta| / sd(d_t) - z_{1-alpha/2}).
+    Solving for the target power gives
+        r >= (p0 q0 + p1 q1) / (n_tasks delta^2 / (z_{1-alpha/2} + z_power)^2 - tau^2).
+    Assumptions and caveats: runs are independent given task and arm; using p0 q0 + p1 q1 for
+    every task is conservative when tasks differ in difficulty (the mean of p_t (1 - p_t) is at
+    most p (1 - p)); the normal approximation is optimistic for fewer than about 10 tasks (no
+    t correction). If the denominator is not positive no number of repeats suffices: more tasks
+    are needed, and `min_tasks` says how many (with unlimited repeats).
+    With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
+    recommended r reports the rejection rate of the mean-difference z-test, the exact sign test
+    over tasks, and the exact McNemar test over (task, repeat) pairs, in the direction of delta.
+    Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
+    Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
+    Raises AgentbenchError (exit 2) on arguments outside their ranges.
+    """
+    p0 = float(p_base)
+    p1 = p0 + float(delta)
+    problems = []
+    if not 0.0 <= p0 <= 1.0:
+        problems.append("p_base must be in [0, 1]")
+    if delta == 0:
+        problems.append("delta must be non-zero")
+    elif not 0.0 <= p1 <= 1.0:
+        problems.append("p_base + delta must be in [0, 1]")
+    if int(n_tasks) != n_tasks or n_tasks < 1:
+        problems.append("n_tasks must be a positive integer")
+    if not 0.0 < alpha < 1.0:
+        problems.append("alpha must be in (0, 1)")
+    if not 0.0 < power < 1.0:
+        problems.append("power must be in (0, 1)")
+    if tau < 0:
+        problems.append("tau must be >= 0")
+    if max_repeats < 1:
+        problems.append("max_repeats must be >= 1")
+    if simulate < 0:
+        problems.append("simulate must be >= 0")
+    if problems:
+        raise AgentbenchError("invalid power-estimate arguments", problems=problems,
+                              p_base=p_base, delta=delta, n_tasks=n_tasks, alpha=alpha,
+                              power=power)
+    n_tasks = int(n_tasks)
+    norm = statistics.NormalDist()
+    z_a = norm.inv_cdf(1.0 - alpha / 2.0)
+    z_b = norm.inv_cdf(power)
+    binom_var = p0 * (1.0 - p0) + p1 * (1.0 - p1)
+    denom = n_tasks * delta * delta / (z_a + z_b) ** 2 - tau * tau
+
+    def power_at(r: int) -> float:
+        var = tau * tau + binom_var / r
+        if var <= 0.0:
+            # No noise at all (p0, p1 in {0, 1} and tau = 0): any repeat shows the difference.
+            return 1.0
+        return norm.cdf(math.sqrt(n_tasks) * abs(delta) / math.sqrt(var) - z_a)
+
+    exact_r = binom_var / denom if denom > 0 else None
+    if denom <= 0:
+        repeats = None
+    elif binom_var == 0.0:
+        repeats = 1
+    else:
+        repeats = max(1, math.ceil(exact_r - 1e-9))
+    min_tasks = None
+    if tau > 0:
+        # With unlimited repeats the binomial term vanishes:
+        # n_tasks > tau^2 (z_a + z_b)^2 / delta^2.
+        min_tasks = math.floor(tau * tau * (z_a + z_b) ** 2 / (delta * delta)) + 1
+    feasible = repeats is not None and repeats <= max_repeats
+    shown = repeats if repeats is not None else max_repeats
+    curve = [{"repeats": r, "power": power_at(r)}
+             for r in sorted({1, 2, 3, 5, 10, 20, min(shown, max_repeats)}) if r <= max_repeats]
+    sign_min_tasks = 1
+    while sign_test_min_p(sign_min_tasks) > alpha:
+        sign_min_tasks += 1
+    notes = []
+    if repeats is None:
+        notes.append(f"no number of repeats reaches power {power} with {n_tasks} tasks when the "
+                     f"between-task sd of the difference is {tau}; use at least {min_tasks} tasks")
+    elif repeats > max_repeats:
+        notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
+    if n_tasks < sign_min_tasks:
+        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
+                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
+                     f"over pairs")
+    if n_tasks < 10:
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
+                     "consider simulate > 0")
+    out: dict[str, Any] = {
+        "method": "normal approximation on paired per-task differences",
+        "formula": "r >= (p0 q0 + p1 q1) / (n_tasks delta^2 / (z_{1-alpha/2} + z_power)^2 - tau^2)",
+        "assumptions": [
+            "runs independent given task and arm",
+            "binomial variance p(1-p) at the average rates for every task (conservative)",
+            "between-task sd of the true difference = tau",
+            "mean of per-task differences approximately normal (optimistic below ~10 tasks)",
+        ],
+        "p_base": p0, "p_arm": p1, "delta": float(delta), "n_tasks": n_tasks,
+        "alpha": alpha, "power": power, "tau": tau,
+        "z_alpha": z_a, "z_power": z_b,
+        "repeats": repeats, "repeats_exact": exact_r, "feasible": feasible,
+        "max_repeats": max_repeats,
+        "runs_per_arm": repeats * n_tasks if repeats is not None else None,
+        "achieved_power": power_at(repeats) if repeats is not None else None,
+        "min_tasks": min_tasks,
+        "sign_test_min_tasks": sign_min_tasks,
+        "power_by_repeats": curve,
+        "notes": notes,
+    }
+    if simulate and repeats is not None:
+        out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
+                                              alpha, tau, simulate, seed)
+    return out
+
+
+def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+                      tau: float, n_sim: int, seed: int) -> dict:
+    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
+    rng = random.Random(seed)
+    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
+    direction = 1.0 if delta > 0 else -1.0
+    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
+    for _ in range(n_sim):
+        diffs = []
+        b = c = 0
+        for _t in range(n_tasks):
+            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
+            p1_t = min(1.0, max(0.0, p0 + d_t))
+            s0 = s1 = 0
+            for _r in range(repeats):
+                y0 = rng.random() < p0
+                y1 = rng.random() < p1_t
+                s0 += y0
+                s1 += y1
+                if y1 and not y0:
+                    b += 1
+                elif y0 and not y1:
+                    c += 1
+            diffs.append((s1 - s0) / repeats)
+        m = math.fsum(diffs) / n_tasks
+        if n_tasks > 1:
+            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
+            if var > 0:
+                if direction * m / math.sqrt(var / n_tasks) > z_a:
+                    hits["mean_diff_z"] += 1
+            elif direction * m > 0:
+                hits["mean_diff_z"] += 1
+        wins = sum(1 for d in diffs if direction * d > 0)
+        losses = sum(1 for d in diffs if direction * d < 0)
+        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
+            hits["sign_test"] += 1
+        agree, against = (b, c) if direction > 0 else (c, b)
+        if agree > against and mcnemar_exact(b, c) <= alpha:
+            hits["mcnemar"] += 1
+    return {"studies": n_sim, "seed": seed, "repeats": repeats,
+            "power": {k: v / n_sim for k, v in hits.items()}}
+
+
+# --------------------------------------------------------------------------------------------------
+# Usage aggregate (the ledger)
+# --------------------------------------------------------------------------------------------------
+
+_USAGE_TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m",
+                     "cache_read")
+
+
+def cache_hit_ratio(tokens: dict) -> float | None:
+    """Share of prompt tokens read from the prompt cache.
+
+    cache_read / (input + cache_creation + cache_read). The denominator is every prompt token
+    the API processed (uncached input, written to cache, read from cache). None when it is zero.
+    """
+    read = tokens.get("cache_read", 0) or 0
+    denom = (tokens.get("input", 0) or 0) + (tokens.get("cache_creation", 0) or 0) + read
+    return read / denom if denom else None
+
+
+def _usage_empty() -> dict:
+    return {"jobs": 0, "statuses": {}, "tokens": {k: 0 for k in _USAGE_TOKEN_KEYS},
+            "cost_usd": 0.0, "cost_estimated_usd": 0.0, "estimated_jobs": 0,
+            "cache_verdicts": {}, "duration_s": 0.0}
+
+
+def _usage_add(acc: dict, line: dict) -> None:
+    acc["jobs"] += 1
+    status = str(line.get("status") or "(none)")
+    acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
+    tokens = line.get("tokens") or {}
+    for key, value in tokens.items():
+        if isinstance(value, (int, float)):
+            acc["tokens"][key] = acc["tokens"].get(key, 0) + value
+    cost = float(line.get("cost_delta_usd") or 0.0)
+    acc["cost_usd"] += cost
+    if line.get("estimated"):
+        acc["cost_estimated_usd"] += cost
+        acc["estimated_jobs"] += 1
+    verdict = str(line.get("cache_verdict") or "(none)")
+    acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
+    acc["duration_s"] += float(line.get("duration_s") or 0.0)
+
+
+def _usage_finish(acc: dict) -> dict:
+    tok = acc["tokens"]
+    acc["tokens_total"] = sum(tok.get(k, 0) for k in ("input", "output", "cache_creation",
+                                                     "cache_read"))
+    acc["cache_hit_ratio"] = cache_hit_ratio(tok)
+    acc["cost_usd"] = round(acc["cost_usd"], 10)
+    acc["cost_estimated_usd"] = round(acc["cost_estimated_usd"], 10)
+    acc["duration_s"] = round(acc["duration_s"], 6)
+    return acc
+
+
+def _usage_key(line: dict, by: str) -> str:
+    if by == "model":
+        models = sorted({str(m) for m in (line.get("models_used") or []) if m})
+        return ",".join(models) if models else "(none)"
+    value = line.get(by)
+    return "(none)" if value is None or value == "" else str(value)
+
+
+def aggregate_usage(ledger_lines: list[dict], by: str = "kind") -> dict:
+    """Aggregate ledger lines (one per finished session) into groups by `by`.
+
+    `by` is one of kind, arm, task, model, status; a missing key groups as "(none)". For
+    `model`, a job's key is its sorted `models_used` joined by commas, so each job (and its
+    cost) is counted exactly once. Per group and in `totals`: jobs, job statuses, tokens by
+    type (cache_creation_1h/5m are the split of cache_creation, not added again in
+    tokens_total), cost_usd with cost_estimated_usd (the part priced from list prices because
+    the session ended before reporting its cost), cache_hit_ratio (see cache_hit_ratio), cache
+    verdict counts, summed duration. Groups are ordered by key, "(none)" last.
+    """
+    if by not in USAGE_GROUPINGS:
+        raise AgentbenchError(f"unknown grouping {by!r}", choices=list(USAGE_GROUPINGS))
+    groups: dict[str, dict] = {}
+    totals = _usage_empty()
+    for line in ledger_lines:
+        key = _usage_key(line, by)
+        _usage_add(groups.setdefault(key, _usage_empty()), line)
+        _usage_add(totals, line)
+    order = sorted(groups, key=lambda k: (k == "(none)", k))
+    notes = []
+    if totals["estimated_jobs"]:
+        notes.append(f"{totals['estimated_jobs']} job(s) ended before reporting a cost; "
+                     f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
+                     f"prices (marked ~)")
+    return {"schema": USAGE_SCHEMA, "by": by,
+            "groups": {k: _usage_finish(groups[k]) for k in order},
+            "totals": _usage_finish(totals), "notes": notes}
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting helpers shared by the Markdown and HTML renderers
+# --------------------------------------------------------------------------------------------------
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.1f}%"
+
+
+def _fmt_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:.1f}%, {100.0 * ci[1]:.1f}%]"
+
+
+def _fmt_diff(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:+.1f} pts"
+
+
+def _fmt_diff_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
+
+
+def _fmt_usd(x: float | None, estimated: bool = False) -> str:
+    """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
+    if x is None:
+        return "-"
+    text = f"${x:,.4f}" if abs(x) < 1 else f"${x:,.2f}"
+    return ("~" + text) if estimated else text
+
+
+def _fmt_int(x: Any) -> str:
+    return "-" if x is None else f"{int(x):,}"
+
+
+def _fmt_num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _fmt_p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return "<0.0001" if p < 0.0001 else f"{p:.4f}"
+
+
+def _fmt_secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60.0:.1f} min"
+
+
+def _fmt_counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
+
+
+# --------------------------------------------------------------------------------------------------
+# The report: per arm, paired comparisons, per task
+# --------------------------------------------------------------------------------------------------
+
+def _rpt_excluded(run: dict) -> bool:
+    return run.get("validity") in REPORT_EXCLUDED_VALIDITY
+
+
+def _rpt_evaluated(run: dict) -> bool:
+    return isinstance(run.get("evaluation"), dict)
+
+
+def _rpt_success(run: dict) -> bool:
+    return _rpt_evaluated(run) and bool(run["evaluation"].get("success"))
+
+
+def _rpt_pending(run: dict) -> str | None:
+    """'not_started' / 'running' for a run that has not ended, else None."""
+    status = run.get("status")
+    return status if status in ("not_started", "running") else None
+
+
+def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
+    key = "(none)" if key is None else str(key)
+    d[key] = d.get(key, 0) + by
+
+
+def _rpt_arm_stats(runs: list[dict], left_out: list[dict]) -> dict:
+    """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view."""
+    started = [r for r in runs if r.get("status") != "not_started"]
+    evaluated = [r for r in runs if _rpt_evaluated(r)]
+    successes = sum(1 for r in evaluated if _rpt_success(r))
+    ended_unevaluated = [r for r in runs if not _rpt_evaluated(r) and not _rpt_pending(r)]
+    not_eval_by_cause: dict[str, int] = {}
+    for r in ended_unevaluated:
+        # Name the cause by outcome when there is one; an error or interruption status wins
+        # over a plain "failure" outcome, which would hide why the run was never graded.
+        cause = r.get("outcome") or r.get("status") or "unknown"
+        if r.get("status") in ("error", "interrupted") and cause == "failure":
+            cause = r.get("status")
+        _rpt_inc(not_eval_by_cause, cause)
+    outcomes: dict[str, int] = {}
+    for r in started:
+        _rpt_inc(outcomes, r.get("outcome"))
+    scores = [float(r["evaluation"]["score"]) for r in evaluated
+              if isinstance(r["evaluation"].get("score"), (int, float))]
+    cost = math.fsum(float(r.get("cost_usd") or 0.0) for r in runs)
+    cost_est_runs = [r for r in runs if r.get("cost_estimated")]
+    cost_est = math.fsum(float(r.get("cost_usd") or 0.0) for r in cost_est_runs)
+    tokens: dict[str, int] = {}
+    for r in runs:
+        for k, v in (r.get("tokens") or {}).items():
+            if isinstance(v, (int, float)):
+                tokens[k] = tokens.get(k, 0) + v
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    walls = [float(r["wall_s"]) for r in started if isinstance(r.get("wall_s"), (int, float))]
+    cycles = [int(r.get("gate_cycles") or 0) for r in started]
+    cycle_dist: dict[str, int] = {}
+    for c in sorted(cycles):
+        _rpt_inc(cycle_dist, c)
+    verdicts_all: dict[str, int] = {}
+    verdicts_final: dict[str, int] = {}
+    for r in started:
+        vs = r.get("review_verdicts") or []
+        for v in vs:
+            _rpt_inc(verdicts_all, v)
+        if vs:
+            _rpt_inc(verdicts_final, vs[-1])
+    reasons: dict[str, int] = {}
+    for r in started:
+        if _rpt_pending(r) or _rpt_success(r):
+            continue
+        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
+    n_eval = len(evaluated)
+    # Conservative view: every ended run counts; one without an evaluation counts as a failure.
+    n_ended = n_eval + len(ended_unevaluated)
+    tests_passed = sum(int(r["evaluation"].get("tests_passed") or 0) for r in evaluated)
+    tests_total = sum(int(r["evaluation"].get("tests_total") or 0) for r in evaluated)
+
+    def count(pred) -> int:
+        return sum(1 for r in runs if pred(r))
+
+    return {
+        "runs": len(runs) + len(left_out),
+        "in_view": len(runs),
+        "excluded": len(left_out),
+        "not_started": count(lambda r: r.get("status") == "not_started"),
+        "running": count(lambda r: r.get("status") == "running"),
+        "started": len(started),
+        "evaluated": n_eval,
+        "not_evaluated": len(ended_unevaluated),
+        "not_evaluated_by_cause": not_eval_by_cause,
+        "successes": successes,
+        "failures": n_eval - successes,
+        "success_rate": successes / n_eval if n_eval else None,
+        "success_ci": list(wilson_interval(successes, n_eval)) if n_eval else None,
+        "success_rate_conservative": successes / n_ended if n_ended else None,
+        "success_ci_conservative": list(wilson_interval(successes, n_ended)) if n_ended else None,
+        "errors": count(lambda r: r.get("status") == "error" or r.get("outcome") == "error"),
+        "interrupted": count(lambda r: r.get("status") == "interrupted"
+                             or r.get("outcome") == "interrupted"),
+        "budget_exhausted": count(lambda r: r.get("outcome") == "budget_exhausted"),
+        "timeouts": count(lambda r: r.get("outcome") == "timeout"),
+        "outcomes": outcomes,
+        "mean_score": mean(scores),
+        "tests_passed": tests_passed,
+        "tests_total": tests_total,
+        "cost_usd": cost,
+        "cost_estimated_usd": cost_est,
+        "cost_estimated_runs": len(cost_est_runs),
+        "cost_per_run_usd": cost / len(started) if started else None,
+        "cost_per_success_usd": cost / successes if successes else None,
+        "cost_excluded_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in left_out),
+        "tokens": tokens,
+        "median_wall_s": median(walls),
+        "gate_cycles": {"total": sum(cycles), "mean": mean(cycles),
+                        "max": max(cycles) if cycles else None, "distribution": cycle_dist},
+        "review_verdicts": {"all": verdicts_all, "final": verdicts_final},
+        "failure_reasons": reasons,
+    }
+
+
+def _rpt_index(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Runs grouped by (task, arm), built once so the report stays linear in the run count."""
+    index: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        index.setdefault((r["_task"], r["arm"]), []).append(r)
+    return index
+
+
+def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
+    """Per task, per arm: runs, evaluated, successes, rate, mean score, cost."""
+    out: dict[str, dict] = {}
+    for task in tasks:
+        row = {}
+        for arm in arms:
+            cell = index.get((task, arm), [])
+            ev = [r for r in cell if _rpt_evaluated(r)]
+            s = sum(1 for r in ev if _rpt_success(r))
+            scores = [float(r["evaluation"]["score"]) for r in ev
+                      if isinstance(r["evaluation"].get("score"), (int, float))]
+            row[arm] = {"runs": len(cell), "evaluated": len(ev), "successes": s,
+                        "success_rate": s / len(ev) if ev else None,
+                        "mean_score": mean(scores),
+                        "cost_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in cell)}
+        out[task] = row
+    return out
+
+
+def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) -> dict:
+    """Paired comparison of `arm` against `base` over tasks where both have evaluated runs."""
+    per_task = []
+    no_arm, no_base, neither = [], [], []
+    wins = losses = ties = 0
+    mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
+          "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
+    for task in tasks:
+        ra = [r for r in index.get((task, arm), []) if _rpt_evaluated(r)]
+        rb = [r for r in index.get((task, base), []) if _rpt_evaluated(r)]
+        if not ra or not rb:
+            if ra:
+                no_base.append(task)
+            elif rb:
+                no_arm.append(task)
+            else:
+                neither.append(task)
+            continue
+        sa = sum(1 for r in ra if _rpt_success(r))
+        sb = sum(1 for r in rb if _rpt_success(r))
+        # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
+        lhs, rhs = sa * len(rb), sb * len(ra)
+        if lhs > rhs:
+            wins += 1
+        elif lhs < rhs:
+            losses += 1
+        else:
+            ties += 1
+        per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
+                         "diff": sa / len(ra) - sb / len(rb) if lhs != rhs else 0.0,
+                         "arm_n": len(ra), "baseline_n": len(rb)})
+        # McNemar pairs runs with the same repeat index, on tasks where both arms have exactly
+        # the same set of evaluated repeat indices (a partial set would pair by accident).
+        reps_a = [r.get("repeat") for r in ra]
+        reps_b = [r.get("repeat") for r in rb]
+        if (None in reps_a or None in reps_b or len(set(reps_a)) != len(reps_a)
+                or len(set(reps_b)) != len(reps_b) or set(reps_a) != set(reps_b)):
+            mc["tasks_skipped"].append(task)
+            continue
+        mc["tasks_used"].append(task)
+        by_rep_b = {r.get("repeat"): _rpt_success(r) for r in rb}
+        for r in ra:
+            ya, yb = _rpt_success(r), by_rep_b[r.get("repeat")]
+            mc["pairs"] += 1
+            key = ("both_success" if ya and yb else "arm_only_success" if ya else
+                   "baseline_only_success" if yb else "both_failure")
+            mc[key] += 1
+    diffs = [t["diff"] for t in per_task]
+    ci = bootstrap_mean_diff_ci(diffs, seed)
+    mcnemar = None
+    if mc["pairs"]:
+        mc["p"] = mcnemar_exact(mc["arm_only_success"], mc["baseline_only_success"])
+        mcnemar = mc
+    elif mc["tasks_skipped"]:
+        mcnemar = {**mc, "p": None}
+    return {
+        "arm": arm, "baseline": base,
+        "tasks_compared": len(per_task),
+        "tasks_without_arm_data": no_arm,
+        "tasks_without_baseline_data": no_base,
+        "tasks_without_data": neither,
+        "mean_diff": mean(diffs),
+        "ci": list(ci) if ci else None,
+        "wins": wins, "losses": losses, "ties": ties,
+        "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
+        "mcnemar": mcnemar,
+        "per_task": per_task,
+    }
+
+
+def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
+              tasks: list[str], seed: int) -> dict:
+    by_arm: dict[str, list[dict]] = {a: [] for a in arms}
+    out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
+    for r in runs:
+        by_arm[r["arm"]].append(r)
+    for r in left_out:
+        out_by_arm[r["arm"]].append(r)
+    index = _rpt_index(runs)
+    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a]) for a in arms}
+    comparisons = {a: _rpt_compare(index, a, base, tasks, seed) for a in arms if a != base}
+    return {"per_arm": per_arm, "comparisons": comparisons,
+            "per_task": _rpt_task_cells(index, arms, tasks)}
+
+
+def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
+    notes = []
+    for arm, st in view["per_arm"].items():
+        if st["runs"] == 0:
+            notes.append(f"{label}arm {arm} has no runs")
+            continue
+        if st["not_evaluated"]:
+            causes = ", ".join(f"{v} {k}" for k, v in st["not_evaluated_by_cause"].items())
+            notes.append(
+                f"{label}arm {arm}: {st['not_evaluated']} run(s) ended without an evaluation "
+                f"({causes}); its success rate uses the {st['evaluated']} evaluated run(s); "
+                f"counting the unevaluated ones as failures gives "
+                f"{_fmt_pct(st['success_rate_conservative'])} (success_rate_conservative)")
+        graded_stops = st["budget_exhausted"] + st["timeouts"] - sum(
+            st["not_evaluated_by_cause"].get(k, 0) for k in ("budget_exhausted", "timeout"))
+        if graded_stops > 0:
+            notes.append(f"{label}arm {arm}: {graded_stops} run(s) stopped on budget or time "
+                         f"and were graded on their final workspace; they count as results")
+        if st["evaluated"] == 0 and st["in_view"]:
+            notes.append(f"{label}arm {arm}: no evaluated runs, so no success rate")
+    for arm, cmp in view["comparisons"].items():
+        n_all = (cmp["tasks_compared"] + len(cmp["tasks_without_arm_data"])
+                 + len(cmp["tasks_without_baseline_data"]) + len(cmp["tasks_without_data"]))
+        if cmp["tasks_compared"] == 0:
+            notes.append(f"{label}{arm} vs {base}: no task has evaluated runs in both arms; "
+                         f"no paired comparison")
+            continue
+        if cmp["tasks_compared"] < n_all:
+            notes.append(f"{label}{arm} vs {base}: {cmp['tasks_compared']} of {n_all} tasks "
+                         f"have evaluated runs in both arms; only those are compared")
+        if cmp["tasks_compared"] == 1:
+            notes.append(f"{label}{arm} vs {base}: a single task, so the bootstrap interval is "
+                         f"a point and says nothing about other tasks")
+        informative = cmp["wins"] + cmp["losses"]
+        if 0 < informative and sign_test_min_p(informative) > 0.05:
+            notes.append(f"{label}{arm} vs {base}: with {informative} untied task(s) the exact "
+                         f"sign test cannot go below p = {sign_test_min_p(informative):.4g}")
+        if informative == 0:
+            notes.append(f"{label}{arm} vs {base}: every compared task is tied; sign test p = 1")
+        mc = cmp["mcnemar"]
+        if mc and mc["tasks_skipped"]:
+            notes.append(f"{label}{arm} vs {base}: McNemar skips {len(mc['tasks_skipped'])} "
+                         f"task(s) whose evaluated repeat indices differ between the arms")
+    return notes
+
+
+def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
+                 include_excluded: bool = False) -> dict:
+    """The study report as a JSON-ready dict (SPEC 10).
+
+    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
+    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
+    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
+    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
+    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
+    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
+    runs of the view; every other run is counted under an explicit key (not_started, running,
+    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
+    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
+    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    """
+    arms = [str(a) for a in arms] if arms else []
+    if not arms:
+        for r in runs:
+            if r.get("arm") is not None and str(r["arm"]) not in arms:
+                arms.append(str(r["arm"]))
+    if not arms:
+        raise AgentbenchError("no arms to report on", hint="define arms in study.json")
+    base = arms[0] if baseline is None else str(baseline)
+    if base not in arms:
+        raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms",
+                              arms=arms, baseline=base)
+    known, unknown = [], []
+    for r in runs:
+        (known if str(r.get("arm")) in arms else unknown).append(r)
+    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
+    known = [{**r, "arm": str(r.get("arm")),
+              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
+    tasks = sorted({r["_task"] for r in known})
+    excluded = [r for r in known if _rpt_excluded(r)]
+    kept = [r for r in known if not _rpt_excluded(r)]
+    views = {
+        "exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed),
+        "all_included": _rpt_view(known, [], arms, base, tasks, seed),
+    }
+    primary = "all_included" if include_excluded else "exclusions_applied"
+    other = "exclusions_applied" if include_excluded else "all_included"
+    notes = []
+    if excluded:
+        by_label: dict[str, int] = {}
+        for r in excluded:
+            _rpt_inc(by_label, r.get("validity"))
+        labels = ", ".join(f"{v} {k}" for k, v in by_label.items())
+        if include_excluded:
+            notes.append(f"{len(excluded)} run(s) carry an exclusion label ({labels}) but are "
+                         f"included as requested; views.exclusions_applied leaves them out")
+        else:
+            notes.append(f"{len(excluded)} run(s) excluded by validity label ({labels}); the "
+                         f"tables leave them out and views.all_included has results with them")
+    unlabelled = [r for r in known if r.get("validity") is None and not _rpt_pending(r)]
+    if unlabelled:
+        notes.append(f"{len(unlabelled)} ended run(s) have no validity label; treated as valid")
+    n_ns = sum(1 for r in known if r.get("status") == "not_started")
+    n_run = sum(1 for r in known if r.get("status") == "running")
+    if n_ns or n_run:
+        notes.append(f"the study is not complete: {n_ns} run(s) not started, {n_run} running; "
+                     f"they are counted but have no results yet"
+                     + ("; costs include what running runs spent so far" if n_run else ""))
+    if unknown:
+        notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
+                     f"({', '.join(sorted({str(r.get('arm')) for r in unknown}))}) and are ignored")
+    est = [r for r in known if r.get("cost_estimated")]
+    if est:
+        notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
+                     f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
+    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    methods = {
+        "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
+                        "(runs treated as independent; repeats of one task are correlated, so "
+                        "the interval is narrower than a task-level one when tasks differ)",
+        "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
+                                     "failure",
+        "paired_difference": "per task: arm success rate minus baseline success rate over the "
+                             "task's evaluated runs; mean over tasks where both arms have data; "
+                             "95% percentile bootstrap over tasks, 10000 resamples, "
+                             f"random.Random({seed})",
+        "sign_test": "exact two-sided binomial sign test over tasks, ties dropped",
+        "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
+                   "arms have the same evaluated repeat indices",
+        "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
+    }
+    excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
+                      "repeat": r.get("repeat"), "validity": r.get("validity"),
+                      "reason": r.get("validity_reason")} for r in excluded]
+    return {
+        "schema": REPORT_SCHEMA,
+        "arms": arms,
+        "baseline": base,
+        "seed": seed,
+        "primary_view": primary,
+        "tasks": tasks,
+        "per_arm": views[primary]["per_arm"],
+        "comparisons": views[primary]["comparisons"],
+        "per_task": views[primary]["per_task"],
+        "views": views,
+        "other_view": other,
+        "excluded_runs": excluded_list,
+        "totals": {
+            "runs": len(known),
+            "tasks": len(tasks),
+            "excluded": len(excluded),
+            "ignored_unknown_arm": len(unknown),
+            "cost_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in known),
+            "cost_estimated_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in est),
+        },
+        "notes": notes,
+        "methods": methods,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering: tables as data, then Markdown / HTML
+# --------------------------------------------------------------------------------------------------
+
+def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
+    arms = report["arms"]
+    base = report["baseline"]
+    pa = report["per_arm"]
+    tables = []
+    rows = []
+    for a in arms:
+        s = pa[a]
+        est = s["cost_estimated_usd"] > 0
+        rows.append([a + (" (baseline)" if a == base else ""), _fmt_int(s["runs"]),
+                     _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
+                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+                     _fmt_num(s["mean_score"], 3),
+                     _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
+                     _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
+                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2)])
+    tables.append(("Results per arm",
+                   ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+                    "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
+                    "Median wall", "Gate cycles (mean)"], rows))
+    rows = []
+    for a in arms:
+        s = pa[a]
+        rows.append([a, _fmt_int(s["not_started"]), _fmt_int(s["running"]),
+                     _fmt_int(s["excluded"]), _fmt_int(s["not_evaluated"]),
+                     _fmt_int(s["errors"]), _fmt_int(s["interrupted"]),
+                     _fmt_int(s["budget_exhausted"]), _fmt_int(s["timeouts"]),
+                     _fmt_pct(s["success_rate_conservative"])])
+    tables.append(("What happened to every run",
+                   ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
+                    "Interrupted", "Budget stops", "Timeouts",
+                    "Rate, unevaluated as failure"], rows))
+    rows = [[a, _fmt_counts(pa[a]["review_verdicts"]["final"]),
+             _fmt_counts(pa[a]["review_verdicts"]["all"]),
+             _fmt_counts(pa[a]["gate_cycles"]["distribution"]),
+             _fmt_counts(pa[a]["failure_reasons"])] for a in arms]
+    tables.append(("Reviews, gate cycles and failure reasons",
+                   ["Arm", "Final review verdicts", "All review verdicts",
+                    "Gate cycles (cycles: runs)", "Failure reasons"], rows))
+    rows = []
+    for a, c in report["comparisons"].items():
+        mc = c["mcnemar"]
+        mc_txt = "-" if not mc or mc.get("p") is None else (
+            f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
+            f"p {_fmt_p(mc['p'])}")
+        rows.append([f"{a} vs {base}", _fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
+                     _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
+                     _fmt_p(c["sign_test_p"]), mc_txt])
+    tables.append((f"Paired comparison against {base} (over tasks)",
+                   ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
+                    "Sign test p", "McNemar (arm-only/base-only, p)"], rows))
+    rows = []
+    for task, cells in report["per_task"].items():
+        row = [task]
+        for a in arms:
+            cl = cells[a]
+            row.append("-" if not cl["runs"] else
+                       f"{cl['successes']}/{cl['evaluated']} ({_fmt_pct(cl['success_rate'])})"
+                       if cl["evaluated"] else f"0 evaluated of {cl['runs']}")
+        rows.append(row)
+    tables.append(("Per task (successes/evaluated)", ["Task"] + arms, rows))
+    other = report["views"][report["other_view"]]
+    rows = []
+    for a in arms:
+        s = other["per_arm"][a]
+        c = other["comparisons"].get(a)
+        rows.append([a, _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
+                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+                     _fmt_diff(c["mean_diff"]) if c else "(baseline)",
+                     _fmt_diff_ci(c["ci"]) if c else "-"])
+    title = ("With every run included (no validity exclusions)"
+             if report["other_view"] == "all_included" else "With validity exclusions applied")
+    tables.append((title, ["Arm", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+                           f"Mean diff vs {base}", "95% CI (bootstrap)"], rows))
+    rows = [[str(e["run_id"]), str(e["task"]), str(e["arm"]), str(e["validity"]),
+             str(e["reason"] or "-")] for e in report["excluded_runs"]]
+    tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
+                   rows))
+    return tables
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(_md_cell(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_report_md(report: dict) -> str:
+    """The report as Markdown: one table per section, then notes and methods."""
+    tot = report["totals"]
+    parts = [f"# {report.get('title') or 'Study report'}", "",
+             f"Baseline: **{report['baseline']}**. Primary view: "
+             f"**{report['primary_view'].replace('_', ' ')}**. Runs: {tot['runs']}, "
+             f"tasks: {tot['tasks']}, total cost "
+             f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}."]
+    for title, headers, rows in _rpt_tables(report):
+        parts += ["", f"## {title}", ""]
+        parts.append(_md_table(headers, rows) if rows else "(none)")
+    parts += ["", "## Notes", ""]
+    parts += [f"- {n}" for n in report["notes"]] or ["(none)"]
+    if tot["cost_estimated_usd"] > 0:
+        parts.append("- ~ marks a cost that includes an estimate from list prices")
+    parts += ["", "## Methods", ""]
+    parts += [f"- {k}: {v if isinstance(v, str) else ', '.join(v)}"
+              for k, v in report["methods"].items()]
+    return "\n".join(parts) + "\n"
+
+
+def render_usage_md(agg: dict) -> str:
+    """The usage aggregate as one Markdown table (groups, then a totals row) and notes."""
+    headers = [agg["by"].capitalize(), "Jobs", "Input", "Output", "Cache write", "Cache read",
+               "Cache-hit ratio", "Cost", "of which estimated", "Cache verdicts", "Statuses"]
+
+    def row(name: str, g: dict) -> list[str]:
+        tok = g["tokens"]
+        est = g["cost_estimated_usd"] > 0
+        return [name, _fmt_int(g["jobs"]), _fmt_int(tok.get("input", 0)),
+                _fmt_int(tok.get("output", 0)), _fmt_int(tok.get("cache_creation", 0)),
+                _fmt_int(tok.get("cache_read", 0)), _fmt_pct(g["cache_hit_ratio"]),
+                _fmt_usd(g["cost_usd"], est), _fmt_usd(g["cost_estimated_usd"]) if est else "-",
+                _fmt_counts(g["cache_verdicts"]), _fmt_counts(g["statuses"])]
+
+    rows = [row(k, g) for k, g in agg["groups"].items()]
+    rows.append(row("**total**", agg["totals"]))
+    out = [f"## Usage by {agg['by']}", "", _md_table(headers, rows), "",
+           "Cache-hit ratio = cache read / (input + cache write + cache read)."]
+    if agg["notes"]:
+        out += [""] + [f"- {n}" for n in agg["notes"]]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# HTML page with inline SVG charts
+# --------------------------------------------------------------------------------------------------
+
+# Colour-blind-safe palette (Okabe & Ito); every mark also carries a text label for print.
+_HTML_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#8C6D1F",
+                 "#444444")
+
+_HTML_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
+  color: #1a1a1a; background: #fff; max-width: 1100px; margin: 2em auto; padding: 0 1em;
+  line-height: 1.4; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
+th, td { border: 1px solid #bbb; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.charts { display: flex; flex-wrap: wrap; gap: 1.5em; }
+figure { margin: 0; }
+figcaption { font-size: 0.85em; color: #444; max-width: 640px; }
+svg { max-width: 100%; height: auto; font-family: inherit; }
+svg text { font-size: 12px; fill: #1a1a1a; }
+svg .axis { stroke: #1a1a1a; stroke-width: 1; }
+svg .grid { stroke: #ddd; stroke-width: 1; }
+svg .whisker { stroke: #1a1a1a; stroke-width: 1.5; }
+.notes li { margin: 0.2em 0; }
+.meta { color: #444; }
+@page { margin: 14mm; }
+@media print {
+  body { max-width: none; margin: 0; font-size: 10pt; color: #000; }
+  .charts { display: block; }
+  h2 { break-after: avoid; page-break-after: avoid; }
+  figure, tr { break-inside: avoid; page-break-inside: avoid; }
+  th { background: #e8e8e8; -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+  svg rect.bar, svg circle.point { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+}
+"""
+
+
+def _svg_num(x: float) -> str:
+    """A pixel coordinate, to two decimals (the attribute tests allow that rounding)."""
+    return f"{x:.2f}"
+
+
+def _svg_data(x: float | None) -> str:
+    """A data value exactly as in the JSON report (repr round-trips a double)."""
+    return "" if x is None else repr(float(x))
+
+
+def _nice_ceiling(x: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 (times a power of ten) at or above x; 1 for x <= 0."""
+    if x <= 0:
+        return 1.0
+    exp = math.floor(math.log10(x))
+    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
+        v = m * 10.0 ** exp
+        if v >= x * (1 - 1e-12):
+            return v
+    return 10.0 ** (exp + 1)
+
+
+def _nice_tick_count(xmax: float) -> int:
+    """Intervals on an axis from 0 to a _nice_ceiling value, so that ticks land on round numbers."""
+    mantissa = round(xmax / 10.0 ** math.floor(math.log10(xmax)), 6)
+    return 4 if mantissa == 2.0 else 5
+
+
+def _svg_rate_chart(report: dict) -> str:
+    """Chart 1: success rate per arm as bars with Wilson 95% whiskers (y: 0..1 linear)."""
+    arms = report["arms"]
+    pa = report["per_arm"]
+    width, height = 640, 320
+    left, right, top, bottom = 56, 16, 20, 60
+    pw, ph = width - left - right, height - top - bottom
+    y0, y1 = top + ph, top  # pixel rows of rate 0 and rate 1
+
+    def y(v: float) -> float:
+        return y0 - v * (y0 - y1)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="success-rate" '
+           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           f'data-y0="{y0}" data-y1="{y1}" role="img" '
+           f'aria-label="Success rate per arm with 95% Wilson intervals">']
+    out.append("<title>Success rate per arm with 95% Wilson intervals</title>")
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0):
+        out.append(f'<line class="grid" x1="{left}" x2="{left + pw}" y1="{_svg_num(y(t))}" '
+                   f'y2="{_svg_num(y(t))}"/>')
+        out.append(f'<text x="{left - 6}" y="{_svg_num(y(t) + 4)}" text-anchor="end">'
+                   f'{int(t * 100)}%</text>')
+    out.append(f'<line class="axis" x1="{left}" x2="{left}" y1="{y1}" y2="{y0}"/>')
+    out.append(f'<line class="axis" x1="{left}" x2="{left + pw}" y1="{y0}" y2="{y0}"/>')
+    band = pw / max(1, len(arms))
+    bar_w = band * 0.55
+    for i, arm in enumerate(arms):
+        s = pa[arm]
+        cx = left + band * (i + 0.5)
+        colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
+        name = html.escape(arm)
+        label = name + (" (base)" if arm == report["baseline"] else "")
+        out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 18}" text-anchor="middle">{label}</text>')
+        out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 34}" text-anchor="middle">'
+                   f'n={s["evaluated"]}</text>')
+        rate, ci = s["success_rate"], s["success_ci"]
+        if rate is None:
+            out.append(f'<text class="nodata" data-arm="{name}" x="{_svg_num(cx)}" '
+                       f'y="{_svg_num(y0 - 8)}" text-anchor="middle">no data</text>')
+            continue
+        out.append(f'<rect class="bar" data-arm="{name}" data-rate="{_svg_data(rate)}" '
+                   f'data-lo="{_svg_data(ci[0])}" data-hi="{_svg_data(ci[1])}" '
+                   f'data-n="{s["evaluated"]}" data-successes="{s["successes"]}" '
+                   f'x="{_svg_num(cx - bar_w / 2)}" y="{_svg_num(y(rate))}" '
+                   f'width="{_svg_num(bar_w)}" height="{_svg_num(y0 - y(rate))}" '
+                   f'fill="{colour}" fill-opacity="0.75" stroke="#1a1a1a" stroke-width="0.5">'
+                   f'<title>{name}: {_fmt_pct(rate)} {_fmt_ci(ci)}</title></rect>')
+        cap = bar_w * 0.3
+        out.append(f'<g class="whisker" data-arm="{name}" data-lo="{_svg_data(ci[0])}" '
+                   f'data-hi="{_svg_data(ci[1])}">'
+                   f'<line class="whisker" x1="{_svg_num(cx)}" x2="{_svg_num(cx)}" '
+                   f'y1="{_svg_num(y(ci[1]))}" y2="{_svg_num(y(ci[0]))}"/>'
+                   f'<line class="whisker" x1="{_svg_num(cx - cap)}" x2="{_svg_num(cx + cap)}" '
+                   f'y1="{_svg_num(y(ci[1]))}" y2="{_svg_num(y(ci[1]))}"/>'
+                   f'<line class="whisker" x1="{_svg_num(cx - cap)}" x2="{_svg_num(cx + cap)}" '
+                   f'y1="{_svg_num(y(ci[0]))}" y2="{_svg_num(y(ci[0]))}"/></g>')
+        out.append(f'<text x="{_svg_num(cx)}" y="{_svg_num(y(ci[1]) - 6)}" '
+                   f'text-anchor="middle">{_fmt_pct(rate)}</text>')
+    out.append(f'<text x="14" y="{_svg_num((y0 + y1) / 2)}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {_svg_num((y0 + y1) / 2)})">success rate</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _svg_cost_chart(report: dict) -> str:
+    """Chart 2: cost per run (x, USD, linear from 0) against success rate (y, 0..1) per arm."""
+    arms = report["arms"]
+    pa = report["per_arm"]
+    width, height = 640, 320
+    left, right, top, bottom = 56, 24, 20, 60
+    pw, ph = width - left - right, height - top - bottom
+    y0, y1 = top + ph, top
+    points = [(i, a) for i, a in enumerate(arms)
+              if pa[a]["success_rate"] is not None and pa[a]["cost_per_run_usd"] is not None]
+    xmax = _nice_ceiling(max([pa[a]["cost_per_run_usd"] for _, a in points] or [0.0]) * 1.1)
+    x0, x1 = left, left + pw  # pixel columns of cost 0 and cost xmax
+
+    def x(v: float) -> float:
+        return x0 + v / xmax * (x1 - x0)
+
+    def y(v: float) -> float:
+        return y0 - v * (y0 - y1)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="cost-vs-success" '
+           f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+           f'data-x0="{x0}" data-x1="{x1}" data-xmax="{_svg_data(xmax)}" '
+           f'data-y0="{y0}" data-y1="{y1}" role="img" '
+           f'aria-label="Cost per run against success rate per arm">']
+    out.append("<title>Cost per run against success rate per arm</title>")
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0):
+        out.append(f'<line class="grid" x1="{x0}" x2="{x1}" y1="{_svg_num(y(t))}" '
+                   f'y2="{_svg_num(y(t))}"/>')
+        out.append(f'<text x="{x0 - 6}" y="{_svg_num(y(t) + 4)}" text-anchor="end">'
+                   f'{int(t * 100)}%</text>')
+    n_ticks = _nice_tick_count(xmax)
+    for k in range(n_ticks + 1):
+        v = xmax * k / n_ticks
+        out.append(f'<line class="grid" x1="{_svg_num(x(v))}" x2="{_svg_num(x(v))}" '
+                   f'y1="{y1}" y2="{y0}"/>')
+        out.append(f'<text x="{_svg_num(x(v))}" y="{y0 + 18}" text-anchor="middle">'
+                   f'${v:,.4g}</text>')
+    out.append(f'<line class="axis" x1="{x0}" x2="{x0}" y1="{y1}" y2="{y0}"/>')
+    out.append(f'<line class="axis" x1="{x0}" x2="{x1}" y1="{y0}" y2="{y0}"/>')
+    for i, arm in points:
+        s = pa[arm]
+        name = html.escape(arm)
+        colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
+        cx, cy = x(s["cost_per_run_usd"]), y(s["success_rate"])
+        lo, hi = s["success_ci"]
+        out.append(f'<line class="whisker" data-arm="{name}" data-lo="{_svg_data(lo)}" '
+                   f'data-hi="{_svg_data(hi)}" x1="{_svg_num(cx)}" x2="{_svg_num(cx)}" '
+                   f'y1="{_svg_num(y(hi))}" y2="{_svg_num(y(lo))}"/>')
+        out.append(f'<circle class="point" data-arm="{name}" '
+                   f'data-cost="{_svg_data(s["cost_per_run_usd"])}" '
+                   f'data-rate="{_svg_data(s["success_rate"])}" '
+                   f'data-estimated="{str(s["cost_estimated_usd"] > 0).lower()}" '
+                   f'cx="{_svg_num(cx)}" cy="{_svg_num(cy)}" r="6" fill="{colour}" '
+                   f'stroke="#1a1a1a" stroke-width="1"><title>{name}: '
+                   f'{_fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
+                   f'{_fmt_pct(s["success_rate"])}</title></circle>')
+        out.append(f'<text x="{_svg_num(cx + 9)}" y="{_svg_num(cy - 6)}">{name}</text>')
+    missing = [a for a in arms if all(a != p for _, p in points)]
+    if missing:
+        out.append(f'<text x="{x0 + 4}" y="{y0 + 50}">no data: '
+                   f'{html.escape(", ".join(missing))}</text>')
+    out.append(f'<text x="{_svg_num((x0 + x1) / 2)}" y="{y0 + 36}" text-anchor="middle">'
+               f'cost per run (USD)</text>')
+    out.append(f'<text x="14" y="{_svg_num((y0 + y1) / 2)}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {_svg_num((y0 + y1) / 2)})">success rate</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+    def cell(tag: str, text: str) -> str:
+        t = str(text)
+        # Right-align cells that start like a number, a price or a signed difference.
+        numeric = tag == "td" and (t[:1].isdigit() or (len(t) > 1 and t[0] in "$~+-"))
+        cls = ' class="num"' if numeric else ""
+        return f"<{tag}{cls}>{html.escape(t)}</{tag}>"
+
+    head = "<tr>" + "".join(cell("th", h) for h in headers) + "</tr>"
+    body = "".join("<tr>" + "".join(cell("td", c) for c in row) + "</tr>" for row in rows)
+    return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
+
+
+def render_report_html(report: dict) -> str:
+    """One self-contained page: inline CSS and SVG, no scripts, no external resources.
+
+    Chart marks carry the JSON numbers as data-* attributes (data-arm, data-rate, data-lo,
+    data-hi, data-cost) and each SVG states its axis scale (data-y0/data-y1: pixel rows of
+    rate 0 and 1; data-x0/data-x1/data-xmax for cost), so the geometry can be checked against
+    the numbers. The page is well-formed XML apart from the doctype line.
+    """
+    title = html.escape(report.get("title") or "Study report")
+    tot = report["totals"]
+    parts = ['<!DOCTYPE html>',
+             '<html lang="en"><head><meta charset="utf-8"/>',
+             '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
+             f"<title>{title}</title><style>{_HTML_CSS}</style></head><body>",
+             f"<h1>{title}</h1>",
+             f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
+             f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
+             f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
+             f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}; '
+             f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             '<div class="charts">',
+             '<figure>', _svg_rate_chart(report),
+             '<figcaption>Success rate per arm (evaluated runs of the primary view) with 95% '
+             'Wilson score intervals.</figcaption></figure>',
+             '<figure>', _svg_cost_chart(report),
+             '<figcaption>Cost per started run against success rate, per arm, with the same '
+             'intervals. Up and to the left is better.</figcaption></figure>',
+             '</div>']
+    for heading, headers, rows in _rpt_tables(report):
+        parts.append(f"<h2>{html.escape(heading)}</h2>")
+        parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
+    parts.append('<h2>Notes</h2><ul class="notes">')
+    parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
+    if tot["cost_estimated_usd"] > 0:
+        parts.append("<li>~ marks a cost that includes an estimate from list prices</li>")
+    parts.append("</ul><h2>Methods</h2><ul>")
+    for k, v in report["methods"].items():
+        text = v if isinstance(v, str) else ", ".join(v)
+        parts.append(f"<li><strong>{html.escape(k)}</strong>: {html.escape(text)}</li>")
+    parts.append("</ul></body></html>")
+    return "\n".join(parts) + "\n"
+
+
+# ====================================================================================================
+# Offline scripted model
+# ====================================================================================================
+# A standard-library HTTP server on 127.0.0.1 that speaks enough of the Anthropic Messages API
+# (SSE streaming, non-streaming JSON, count_tokens) for the real `claude` binary to run a whole
+# session offline at zero cost.  It answers scripted assistant turns, reports realistic usage
+# (with a small prompt-cache model so resumed and forked sessions read their prefix from cache)
+# and can inject API faults.  It owns no study state, never touches the workspace itself (the
+# binary's own tools do that) and never talks to the network beyond its loopback socket.
+#
+# Script format (JSON; in memory via add_script() or as <scripts_dir>/<id>.json):
+#
+#   {"id": "ID",                        # optional; the file name / add_script id wins
+#    "model": "claude-...",             # optional model id to report (default: echo the request's)
+#    "steps": [STEP, ...]}
+#
+#   STEP = one assistant response:
+#   {"text": "...",                     # optional text block (sent first)
+#    "tool_uses": [{"name": "Write", "input": {...}}, ...],   # optional; inputs sent verbatim
+#    "usage": {"input_tokens": N, "output_tokens": N,          # optional overrides of the
+#              "cache_creation_input_tokens": N,               #   estimated figures; the
+#              "cache_read_input_tokens": N,                   #   creation split may be given
+#              "ephemeral_5m_input_tokens": N,                 #   too (default: all 5m or the
+#              "ephemeral_1h_input_tokens": N},                #   TTL the request asked for)
+#    "model": "claude-...",             # optional per-step reported model
+#    "fault": "429" | "529" | "overloaded" | "prompt_too_long" | "500" | "hang" | "cut"
+#             | "malformed",           # optional injected failure instead of the answer
+#    "fault_times": N,                  # optional: fault only the first N attempts of this step
+#                                       #   in a session, then answer normally (default: always)
+#    "loop": true}                      # optional: this step repeats forever (endless tool loop)
+#
+#   A step with tool_uses ends with stop_reason "tool_use" (the binary runs the tools and asks
+#   again); a step with only text ends with "end_turn" (the `claude -p` call ends).  When the
+#   steps run out the server answers a short text with "end_turn".
+#
+# Faults: "429" -> HTTP 429 rate_limit_error, "529" -> HTTP 529 overloaded_error (both with
+# retry-after), "overloaded" -> HTTP 200 SSE stream that carries an `error` event
+# (overloaded_error) after message_start, "prompt_too_long" -> HTTP 400 invalid_request_error
+# "prompt is too long: N tokens > M maximum", "500" -> HTTP 500 api_error, "hang" -> the request
+# is read and never answered (until stop() or until the client gives up), "cut" -> part of the SSE
+# stream then the connection is closed, "malformed" -> HTTP 200 SSE with undecodable data lines.
+# After a failed stream the binary re-sends the request without streaming; for such a request the
+# stream faults become: "overloaded" -> HTTP 529, "cut" -> a JSON body cut short, "malformed" ->
+# a body that is not JSON.  Every attempt (retry, fallback) counts toward "fault_times".
+#
+# Script selection: the marker `[agentbench-script:ID]` in the text of a user message.  The last
+# marker in the conversation picks the script; the step index is the number of assistant
+# responses after the first user message that carries that marker.  So `--resume` with a new
+# prompt (with or without the same marker) continues with the next steps, and a fork whose new
+# prompt carries a new marker starts that script at step 0.  Requests without any marker (side
+# requests) and requests without tools get a short plain text answer.  A marker naming a script
+# that does not exist is answered with HTTP 400 (the session then ends with an API error), so a
+# broken rehearsal fails loudly instead of looking like a short successful session.
+#
+# Usage: input figures are estimated as request characters / 4; a prompt-cache model shared by all
+# sessions on one server (like the service's cache) remembers every prefix up to the request's
+# last cache_control breakpoint, so a repeated prefix (the next turn, a --resume, a fork) is
+# reported as cache_read_input_tokens and only the new part as cache creation, split 5m/1h by the
+# breakpoint's TTL.  The binary prices these figures with its own table; a step's "usage"
+# overrides replace them (e.g. to provoke --max-budget-usd).
+
+SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
+SCRIPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SCRIPT_FAULTS = ("429", "529", "overloaded", "prompt_too_long", "500", "hang", "cut", "malformed")
+USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+                       "ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens")
+SIDE_ANSWER_TEXT = "OK."
+EXHAUSTED_ANSWER_TEXT = "Done."
+_CHARS_PER_TOKEN = 4
+
+
+def _estimate_tokens(text: str) -> int:
+    """Rough token count (chars / 4), the same rule everywhere so figures are reproducible."""
+    return (len(text) + _CHARS_PER_TOKEN - 1) // _CHARS_PER_TOKEN
+
+
+def _user_texts(message: dict) -> list[str]:
+    """Texts of a user message that may carry a marker (tool results are ignored on purpose:
+    a tool that prints a file containing a marker must not switch the script)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return [content]
+    texts: list[str] = []
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+    return texts
+
+
+def select_script_step(messages: list) -> tuple[str | None, int]:
+    """Return (script id, step index) for a request's conversation; (None, 0) without marker.
+
+    The last marker wins; the step is the number of assistant responses (runs of consecutive
+    assistant messages count once, in case a client splits one response) that come after
+    the first user message carrying that marker.
+    """
+    found: list[tuple[int, str]] = []
+    for index, message in enumerate(messages or []):
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        for text in _user_texts(message):
+            for match in SCRIPT_MARKER_RE.finditer(text):
+                found.append((index, match.group(1)))
+    if not found:
+        return None, 0
+    script_id = found[-1][1]
+    first = min(index for index, sid in found if sid == script_id)
+    step = 0
+    previous_role = None
+    for message in messages[first + 1:]:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "assistant" and previous_role != "assistant":
+            step += 1
+        previous_role = role
+    return script_id, step
+
+
+def validate_script(script: Any, script_id: str = "?") -> dict:
+    """Check a script's shape; raise AgentbenchError naming the first problem."""
+    if not isinstance(script, dict):
+        raise AgentbenchError("script must be a JSON object", script=script_id)
+    steps = script.get("steps")
+    if not isinstance(steps, list):
+        raise AgentbenchError("script needs a 'steps' list", script=script_id)
+    if script.get("model") is not None and not isinstance(script.get("model"), str):
+        raise AgentbenchError("script 'model' must be a string", script=script_id)
+    for number, step in enumerate(steps):
+        where = {"script": script_id, "step": number}
+        if not isinstance(step, dict):
+            raise AgentbenchError("script step must be an object", **where)
+        if "text" in step and not isinstance(step["text"], str):
+            raise AgentbenchError("step 'text' must be a string", **where)
+        uses = step.get("tool_uses", [])
+        if not isinstance(uses, list):
+            raise AgentbenchError("step 'tool_uses' must be a list", **where)
+        for use in uses:
+            if not isinstance(use, dict) or not isinstance(use.get("name"), str) \
+                    or not isinstance(use.get("input", {}), dict):
+                raise AgentbenchError("tool use needs a 'name' string and an 'input' object", **where)
+        fault = step.get("fault")
+        if fault is not None and str(fault) not in SCRIPT_FAULTS:
+            raise AgentbenchError("unknown step fault", fault=fault, known=list(SCRIPT_FAULTS), **where)
+        usage = step.get("usage", {})
+        if not isinstance(usage, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values()):
+            raise AgentbenchError("step 'usage' must map names to non-negative integers", **where)
+        unknown = sorted(set(usage) - set(USAGE_OVERRIDE_KEYS))
+        if unknown:
+            raise AgentbenchError("unknown step 'usage' keys", keys=unknown, known=list(USAGE_OVERRIDE_KEYS), **where)
+        if "fault_times" in step and not (isinstance(step["fault_times"], int) and step["fault_times"] >= 0):
+            raise AgentbenchError("step 'fault_times' must be a non-negative integer", **where)
+    return script
+
+
+def _without_cache_control(value: Any) -> Any:
+    """A copy of a JSON value with every cache_control key removed: the client moves its cache
+    breakpoints from request to request, but the cached content is what must match."""
+    if isinstance(value, dict):
+        return {k: _without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_without_cache_control(v) for v in value]
+    return value
+
+
+def _cache_key_blocks(body: dict) -> list[str]:
+    """Serialised prompt units in cache order: [tools+system, message 0, message 1, ...].
+
+    The billing header line in the system prompt is left out of the key (it carries a client
+    fingerprint that may change between requests, and the real service does not let it break
+    the cache)."""
+    system = body.get("system")
+    if isinstance(system, list):
+        system = [b for b in system
+                  if not (isinstance(b, dict) and str(b.get("text", "")).startswith("x-anthropic-billing-header"))]
+    head = json.dumps(_without_cache_control({"tools": body.get("tools"), "system": system}), sort_keys=True)
+    units = [head]
+    for message in body.get("messages") or []:
+        units.append(json.dumps(_without_cache_control(message), sort_keys=True))
+    return units
+
+
+def _has_cache_control(unit: Any) -> str | None:
+    """Return the TTL ('5m'/'1h') of the last cache_control found inside a JSON value, or None."""
+    found: str | None = None
+    if isinstance(unit, dict):
+        control = unit.get("cache_control")
+        if isinstance(control, dict):
+            found = "1h" if control.get("ttl") == "1h" else "5m"
+        for value in unit.values():
+            inner = _has_cache_control(value)
+            if inner:
+                found = inner
+    elif isinstance(unit, list):
+        for value in unit:
+            inner = _has_cache_control(value)
+            if inner:
+                found = inner
+    return found
+
+
+class _PromptCache:
+    """A tiny model of the service's prompt cache: prefixes (by hash) seen up to a breakpoint.
+
+    No expiry: a rehearsal is short, and deterministic figures matter more than TTL realism."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def usage_for(self, body: dict) -> dict:
+        units = _cache_key_blocks(body)
+        tokens = [_estimate_tokens(u) for u in units]
+        cumulative = []
+        running = 0
+        for count in tokens:
+            running += count
+            cumulative.append(running)
+        total = cumulative[-1]
+        # The breakpoint: the last unit (tools+system or a message) that carries cache_control.
+        breakpoint_index = -1
+        ttl = "5m"
+        pieces: list[Any] = [{"tools": body.get("tools"), "system": body.get("system")}]
+        pieces += list(body.get("messages") or [])
+        for index, piece in enumerate(pieces):
+            found = _has_cache_control(piece)
+            if found:
+                breakpoint_index, ttl = index, found
+        hashes = []
+        digest = hashlib.sha256()
+        for unit in units:
+            digest.update(unit.encode("utf-8", "replace"))
+            digest.update(b"\x00")
+            hashes.append(digest.copy().hexdigest())
+        with self._lock:
+            read_upto = -1
+            for index in range(min(breakpoint_index, len(units) - 1), -1, -1):
+                if hashes[index] in self._seen:
+                    read_upto = index
+                    break
+            for index in range(0, breakpoint_index + 1):
+                self._seen.add(hashes[index])
+        cache_read = cumulative[read_upto] if read_upto >= 0 else 0
+        cached_total = cumulative[breakpoint_index] if breakpoint_index >= 0 else 0
+        creation = max(0, cached_total - cache_read)
+        return {
+            "input_tokens": max(0, total - cached_total),
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": cache_read,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": creation if ttl == "5m" else 0,
+                "ephemeral_1h_input_tokens": creation if ttl == "1h" else 0,
+            },
+        }
+
+
+def _apply_usage_override(usage: dict, override: dict) -> dict:
+    """Replace estimated figures with a step's explicit ones (and keep the 1h/5m split coherent)."""
+    result = json.loads(json.dumps(usage))
+    for key in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
+        if key in override:
+            result[key] = int(override[key])
+    split = result.setdefault("cache_creation", {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
+    if "ephemeral_5m_input_tokens" in override or "ephemeral_1h_input_tokens" in override:
+        split["ephemeral_5m_input_tokens"] = int(override.get("ephemeral_5m_input_tokens", 0))
+        split["ephemeral_1h_input_tokens"] = int(override.get("ephemeral_1h_input_tokens", 0))
+        if "cache_creation_input_tokens" not in override:
+            result["cache_creation_input_tokens"] = (split["ephemeral_5m_input_tokens"]
+                                                     + split["ephemeral_1h_input_tokens"])
+    elif "cache_creation_input_tokens" in override:
+        creation = result["cache_creation_input_tokens"]
+        if split.get("ephemeral_1h_input_tokens") and not split.get("ephemeral_5m_input_tokens"):
+            split["ephemeral_1h_input_tokens"], split["ephemeral_5m_input_tokens"] = creation, 0
+        else:
+            split["ephemeral_5m_input_tokens"], split["ephemeral_1h_input_tokens"] = creation, 0
+    return result
+
+
+class ScriptedModelServer:
+    """Loopback Messages API server answering scripted turns (see the section comment).
+
+    start() binds 127.0.0.1 (port 0 = any free port) and serves from a daemon thread; stop()
+    releases every request, including hung ones, and closes the socket.  Thread-safe: many
+    `claude` processes may use one server at once; each conversation selects its own script.
+    """
+
+    def __init__(self, scripts_dir: "str | os.PathLike | None" = None) -> None:
+        self.scripts_dir = Path(scripts_dir) if scripts_dir is not None else None
+        self._scripts: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._httpd: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._attempts: dict[tuple, int] = {}
+        self._cache = _PromptCache()
+        self._open_sockets: set[socket.socket] = set()
+        self.requests_log: list[dict] = []
+        # When true, messages log entries also keep the parsed request body and headers (tests).
+        self.capture_bodies = False
+        self.port: int | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, port: int = 0) -> int:
+        """Bind 127.0.0.1:port, serve in a daemon thread, return the bound port."""
+        if self._httpd is not None:
+            raise AgentbenchError("scripted model server already started", port=self.port)
+        handler = self._make_handler()
+        try:
+            httpd = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), handler)
+        except OSError as exc:
+            raise AgentbenchError("cannot start the scripted model server", port=port, detail=str(exc),
+                                  hint="pick another --port or 0 for any free port") from exc
+        httpd.daemon_threads = True
+        self._httpd = httpd
+        self.port = httpd.server_address[1]
+        self._stopping.clear()
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="agentbench-scripted-model", daemon=True)
+        self._thread.start()
+        return self.port
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise AgentbenchError("scripted model server not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        """Stop serving; wake hung handlers and drop open connections so nothing blocks."""
+        httpd = self._httpd
+        if httpd is None:
+            return
+        self._stopping.set()
+        httpd.shutdown()
+        with self._lock:
+            open_sockets = list(self._open_sockets)
+        for sock in open_sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._httpd = None
+        self._thread = None
+
+    def __enter__(self) -> "ScriptedModelServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- scripts -----------------------------------------------------------------------------
+    def add_script(self, script_id: str, script: dict) -> None:
+        """Register a script in memory (wins over a file of the same id)."""
+        if not SCRIPT_ID_RE.match(script_id or ""):
+            raise AgentbenchError("bad script id", script=script_id, allowed="[A-Za-z0-9_.-]+")
+        validate_script(script, script_id)
+        with self._lock:
+            self._scripts[script_id] = script
+
+    def get_script(self, script_id: str) -> dict | None:
+        """The script for an id: in memory first, else <scripts_dir>/<id>.json read now
+        (read on every request, so another process can register or replace scripts)."""
+        with self._lock:
+            script = self._scripts.get(script_id)
+        if script is not None:
+            return script
+        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id):
+            return None
+        path = self.scripts_dir / f"{script_id}.json"
+        try:
+            script = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        try:
+            return validate_script(script, script_id)
+        except AgentbenchError:
+            return None
+
+    # ---- request → answer plan ---------------------------------------------------------------
+    def plan(self, body: dict, session: str = "") -> dict:
+        """Decide the answer for a messages request (pure apart from the fault-attempt counter).
+
+        Returns {"kind": "side"|"step"|"exhausted"|"unknown_script", "script", "step",
+        "content": [blocks], "stop_reason", "model", "fault", "usage_override"}.
+        """
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        request_model = str(body.get("model") or "claude-scripted")
+        script_id, step_index = select_script_step(messages)
+        plan: dict = {"kind": "side", "script": script_id, "step": step_index, "model": request_model,
+                      "fault": None, "usage_override": {},
+                      "content": [{"type": "text", "text": SIDE_ANSWER_TEXT}], "stop_reason": "end_turn"}
+        if script_id is None or not body.get("tools"):
+            # Side requests (titles, summaries, quota probes) carry no tools: a plain answer.
+            return plan
+        script = self.get_script(script_id)
+        if script is None:
+            plan["kind"] = "unknown_script"
+            return plan
+        steps = script.get("steps") or []
+        if script.get("model"):
+            plan["model"] = script["model"]
+        loop_at = next((i for i, s in enumerate(steps) if s.get("loop")), None)
+        chosen = loop_at if loop_at is not None and step_index >= loop_at else step_index
+        if chosen >= len(steps):
+            plan["kind"] = "exhausted"
+            plan["content"] = [{"type": "text", "text": EXHAUSTED_ANSWER_TEXT}]
+            return plan
+        step = steps[chosen]
+        plan["kind"] = "step"
+        if step.get("model"):
+            plan["model"] = step["model"]
+        content: list[dict] = []
+        if step.get("text"):
+            content.append({"type": "text", "text": step["text"]})
+        for use in step.get("tool_uses") or []:
+            content.append({"type": "tool_use", "id": "toolu_" + secrets.token_hex(12),
+                            "name": use["name"], "input": use.get("input", {})})
+        if not content:
+            content.append({"type": "text", "text": EXHAUSTED_ANSWER_TEXT})
+        plan["content"] = content
+        plan["stop_reason"] = "tool_use" if step.get("tool_uses") else "end_turn"
+        plan["usage_override"] = dict(step.get("usage") or {})
+        fault = step.get("fault")
+        if fault is not None:
+            key = (session, script_id, step_index)
+            with self._lock:
+                attempt = self._attempts.get(key, 0)
+                self._attempts[key] = attempt + 1
+            limit = step.get("fault_times")
+            if limit is None or attempt < int(limit):
+                plan["fault"] = str(fault)
+        return plan
+
+    def usage_for(self, body: dict, plan: dict) -> dict:
+        """Usage figures for an answer: cache model estimate, then the step's overrides."""
+        usage = self._cache.usage_for(body)
+        out_text = json.dumps(plan.get("content") or [])
+        usage["output_tokens"] = max(1, _estimate_tokens(out_text))
+        return _apply_usage_override(usage, plan.get("usage_override") or {})
+
+    def _log(self, entry: dict) -> None:
+        with self._lock:
+            self.requests_log.append(entry)
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    def _make_handler(self) -> type:
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            server_version = "agentbench-scripted-model"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+                return  # quiet: the binary polls; nothing useful for stderr
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server._open_sockets.add(self.connection)
+
+            def finish(self) -> None:
+                try:
+                    super().finish()
+                finally:
+                    with server._lock:
+                        server._open_sockets.discard(self.connection)
+
+            def do_GET(self) -> None:
+                self._read_body()
+                server._log({"path": self.path, "method": "GET", "script": None, "step": None, "kind": "other"})
+                self._send_json(200, {})
+
+            def do_HEAD(self) -> None:
+                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None, "kind": "other"})
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                raw = self._read_body()
+                path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+                try:
+                    body = json.loads(raw.decode("utf-8")) if raw else {}
+                except ValueError:
+                    body = None
+                if path == "/v1/messages/count_tokens":
+                    tokens = sum(_estimate_tokens(u) for u in _cache_key_blocks(body or {}))
+                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                                 "kind": "count_tokens"})
+                    self._send_json(200, {"input_tokens": tokens})
+                    return
+                if path != "/v1/messages":
+                    server._log({"path": self.path, "method": "POST", "script": None, "step": None, "kind": "other"})
+                    self._send_error(404, "not_found_error", f"no such endpoint: {path}")
+                    return
+                if not isinstance(body, dict):
+                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                                 "kind": "bad_request"})
+                    self._send_error(400, "invalid_request_error", "request body is not a JSON object")
+                    return
+                session = self.headers.get("X-Claude-Code-Session-Id", "")
+                plan = server.plan(body, session)
+                entry = {"path": self.path, "method": "POST", "script": plan["script"], "step": plan["step"],
+                         "kind": plan["kind"], "fault": plan["fault"], "session": session,
+                         "model": body.get("model"), "stream": bool(body.get("stream")),
+                         "tools": len(body.get("tools") or [])}
+                if server.capture_bodies:
+                    entry["body"] = body
+                    entry["headers"] = dict(self.headers)
+                server._log(entry)
+                if plan["kind"] == "unknown_script":
+                    self._send_error(400, "invalid_request_error",
+                                     f"agentbench scripted model: unknown or invalid script {plan['script']!r}")
+                    return
+                usage = server.usage_for(body, plan)
+                if plan["fault"]:
+                    self._fault(plan, usage, body)
+                    return
+                if body.get("stream"):
+                    self._send_stream(plan, usage)
+                else:
+                    self._send_message(plan, usage)
+
+            # -- helpers --
+            def _read_body(self) -> bytes:
+                if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            break
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    return b"".join(chunks)
+                length = int(self.headers.get("content-length") or 0)
+                return self.rfile.read(length) if length > 0 else b""
+
+            def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+                data = json.dumps(payload).encode("utf-8")
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.send_header("request-id", "req_" + secrets.token_hex(12))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+
+            def _send_error(self, status: int, kind: str, message: str, headers: dict | None = None) -> None:
+                self._send_json(status, {"type": "error", "error": {"type": kind, "message": message},
+                                         "request_id": "req_" + secrets.token_hex(12)}, headers)
+
+            def _message(self, plan: dict, usage: dict) -> dict:
+                return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                        "model": plan["model"], "content": plan["content"], "stop_reason": plan["stop_reason"],
+                        "stop_sequence": None, "usage": usage}
+
+            def _send_message(self, plan: dict, usage: dict) -> None:
+                self._send_json(200, self._message(plan, usage))
+
+            def _start_stream(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("cache-control", "no-cache")
+                self.send_header("request-id", "req_" + secrets.token_hex(12))
+                self.send_header("connection", "close")
+                self.end_headers()
+                self.close_connection = True
+
+            def _event(self, name: str, data: dict) -> None:
+                self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode("utf-8"))
+                self.wfile.flush()
+
+            def _stream_events(self, plan: dict, usage: dict) -> list[tuple[str, dict]]:
+                message = self._message(plan, usage)
+                start_usage = dict(usage)
+                start_usage["output_tokens"] = 1  # like the service: the true count comes at the end
+                message.update({"content": [], "stop_reason": None, "usage": start_usage})
+                events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": message})]
+                for index, block in enumerate(plan["content"]):
+                    if block["type"] == "text":
+                        events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                               "content_block": {"type": "text", "text": ""}}))
+                        text = block["text"]
+                        half = max(1, len(text) // 2)
+                        for piece in (text[:half], text[half:]):
+                            if piece:
+                                events.append(("content_block_delta", {
+                                    "type": "content_block_delta", "index": index,
+                                    "delta": {"type": "text_delta", "text": piece}}))
+                    else:
+                        events.append(("content_block_start", {
+                            "type": "content_block_start", "index": index,
+                            "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"],
+                                              "input": {}}}))
+                        encoded = json.dumps(block["input"])
+                        cut = max(1, len(encoded) // 2)
+                        for piece in (encoded[:cut], encoded[cut:]):
+                            if piece:
+                                events.append(("content_block_delta", {
+                                    "type": "content_block_delta", "index": index,
+                                    "delta": {"type": "input_json_delta", "partial_json": piece}}))
+                    events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+                events.append(("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
+                                                 "usage": {"output_tokens": usage["output_tokens"]}}))
+                events.append(("message_stop", {"type": "message_stop"}))
+                return events
+
+            def _send_stream(self, plan: dict, usage: dict) -> None:
+                self._start_stream()
+                try:
+                    for name, data in self._stream_events(plan, usage):
+                        self._event(name, data)
+                except OSError:
+                    pass  # the client went away; nothing to answer to
+
+            def _fault(self, plan: dict, usage: dict, body: dict) -> None:
+                fault = plan["fault"]
+                if fault == "429":
+                    self._send_error(429, "rate_limit_error",
+                                     "Number of request tokens has exceeded your per-minute rate limit "
+                                     "(agentbench scripted fault)", {"retry-after": "1",
+                                                                      "x-should-retry": "true"})
+                elif fault == "529":
+                    self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
+                                     {"retry-after": "1", "x-should-retry": "true"})
+                elif fault == "500":
+                    self._send_error(500, "api_error", "Internal server error (agentbench scripted fault)")
+                elif fault == "prompt_too_long":
+                    total = sum(_estimate_tokens(u) for u in _cache_key_blocks(body))
+                    self._send_error(400, "invalid_request_error",
+                                     f"prompt is too long: {max(total, 200001)} tokens > 200000 maximum")
+                elif fault == "hang":
+                    # Hold the request without a byte of answer until the server stops or the
+                    # client gives up (then the thread is released instead of piling up).
+                    self.close_connection = True
+                    while not server._stopping.wait(0.25):
+                        if self._peer_closed():
+                            break
+                elif not body.get("stream") and fault in ("overloaded", "cut", "malformed"):
+                    self._fault_not_streaming(fault, plan, usage)
+                elif fault == "overloaded":
+                    self._start_stream()
+                    try:
+                        events = self._stream_events(plan, usage)
+                        self._event(*events[0])
+                        self._event("error", {"type": "error", "error": {
+                            "type": "overloaded_error", "message": "Overloaded (agentbench scripted fault)"}})
+                    except OSError:
+                        pass
+                elif fault == "cut":
+                    self._start_stream()
+                    try:
+                        events = self._stream_events(plan, usage)
+                        for name, data in events[:3]:
+                            self._event(name, data)
+                        # Half an event, then an abrupt close (no message_stop ever arrives).
+                        self.wfile.write(b"event: content_block_delta\ndata: {\"type\": \"content_blo")
+                        self.wfile.flush()
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                elif fault == "malformed":
+                    self._start_stream()
+                    try:
+                        self.wfile.write(b"event: message_start\ndata: {this is not json\n\n"
+                                         b"data: \x00\x01 garbage\n\nevent: ???\ndata: [[[\n\n")
+                        self.wfile.flush()
+                    except OSError:
+                        pass
+
+            def _peer_closed(self) -> bool:
+                """True when the client closed its end (readable with no data)."""
+                try:
+                    ready, _, _ = select.select([self.connection], [], [], 0)
+                    if not ready:
+                        return False
+                    return self.connection.recv(1, socket.MSG_PEEK) == b""
+                except (OSError, ValueError):
+                    return True
+
+            def _fault_not_streaming(self, fault: str, plan: dict, usage: dict) -> None:
+                """The stream faults for a non-streaming request (the binary's fallback after a
+                failed stream): 529 overloaded, a body cut short, or a body that is not JSON."""
+                if fault == "overloaded":
+                    self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
+                                     {"retry-after": "1"})
+                    return
+                data = json.dumps(self._message(plan, usage)).encode("utf-8")
+                if fault == "malformed":
+                    data = b"{this is not json" + data[:40]
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.close_connection = True
+                try:
+                    if fault == "cut":
+                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.flush()
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    else:
+                        self.wfile.write(data)
+                        self.wfile.flush()
+                except OSError:
+                    pass
+
+        return Handler
+
+
+def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict], None]) -> None:
+    """Serve scripts from scripts_dir on 127.0.0.1:port (0 = any) until SIGTERM/SIGINT.
+
+    Calls ready({"url", "port", "scripts_dir"}) once listening, then blocks.  Signal handlers are
+    only installed from the main thread (elsewhere the caller stops us via KeyboardInterrupt)."""
+    server = ScriptedModelServer(scripts_dir)
+    server.start(port)
+    done = threading.Event()
+    previous: dict = {}
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        done.set()
+
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGTERM", "SIGINT"):
+            signum = getattr(signal, name, None)
+            if signum is not None:
+                previous[signum] = signal.signal(signum, _on_signal)
+    try:
+        ready({"url": server.url, "port": server.port, "scripts_dir": str(Path(scripts_dir).resolve())})
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+# ====================================================================================================
+# Rehearsal: the study against the scripted model
+# ====================================================================================================
+# Scripts that make the real `claude` binary solve each task the way an agent would: read the task,
+# (for gated arms) submit a partial overlay first so that gate feedback really happens, then read
+# and write the reference files through real Read/Write tool calls, run the public tests through
+# Bash, end the turn; a reviewer that really writes review.json.  rehearse_study() runs the whole
+# pipeline in a scratch copy of the study, so a rehearsal never touches the study's own runs.
+
+REHEARSAL_BEHAVIOURS = ("solve", "game_tests", "peek_oracle", "budget_burn", "rate_limited", "idle")
+
+
+def _overlay_files(root: Path) -> list[str]:
+    return sorted(tree_manifest(root)) if root.is_dir() else []
+
+
+def _read_steps(ws: str, rels: Iterable[str]) -> list[dict[str, Any]]:
+    """One step that reads every listed file (the Write tool refuses files not read first)."""
+    uses = [{"name": "Read", "input": {"file_path": os.path.join(ws, r)}} for r in rels]
+    return [{"text": "Reading the files I will change.", "tool_uses": uses}] if uses else []
+
+
+def _write_step(ws: str, root: Path, rels: Iterable[str], text: str) -> dict[str, Any]:
+    uses = [{"name": "Write", "input": {"file_path": os.path.join(ws, r),
+                                         "content": (root / r).read_text(encoding="utf-8")}} for r in rels]
+    return {"text": text, "tool_uses": uses}
+
+
+def _test_step(ws: str) -> dict[str, Any]:
+    cmd = ("python3 -m unittest discover -s tests 2>&1 | tail -n 5" if os.path.isdir(os.path.join(ws, "tests"))
+           else "ls -la")
+    return {"text": "Running the public checks.", "tool_uses": [{"name": "Bash", "input": {"command": cmd,
+                                                                                          "description": "run the public tests"}}]}
+
+
+def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> dict[str, Any]:
+    """The executor's scripted steps across all its turns (first prompt, feedback, repair)."""
+    public = set(task.public_manifest)
+    ref = _overlay_files(task.reference)
+    partial = _overlay_files(task.partial)
+    steps: list[dict[str, Any]] = [{"text": "Reading the task.",
+                                    "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(ws, "TASK.md")}}]}]
+    if behaviour == "idle":
+        return {"steps": [{"text": "Done."}]}
+    if behaviour == "rate_limited":
+        return {"steps": [{"fault": "429"}]}
+    if behaviour == "budget_burn":
+        big = {"input_tokens": 400000, "output_tokens": 60000}
+        return {"steps": [{**steps[0], "usage": big}, {"text": "Still thinking.", "usage": big, "loop": True,
+                "tool_uses": [{"name": "Bash", "input": {"command": "true"}}]}]}
+    if behaviour == "peek_oracle":
+        steps.append({"text": "Looking around.", "tool_uses": [
+            {"name": "Read", "input": {"file_path": str(task.root / "oracle" / "run.py")}}]})
+    if behaviour == "game_tests":
+        tests = sorted(r for r in public if r.startswith("tests/") and r.endswith(".py"))
+        steps += _read_steps(ws, tests)
+        uses = [{"name": "Write", "input": {"file_path": os.path.join(ws, t), "content":
+                 "import unittest\n\n\nclass Passing(unittest.TestCase):\n    def test_ok(self):\n        self.assertTrue(True)\n"}}
+                for t in tests]
+        steps.append({"text": "Simplifying the tests.", "tool_uses": uses})
+        steps.append(_test_step(ws))
+        steps.append({"text": "All tests pass."})
+        return {"steps": steps}
+    known = set(public)
+    if arm.gate_cycles and partial:
+        steps += _read_steps(ws, [r for r in partial if r in known])
+        steps.append(_write_step(ws, task.partial, partial, "A first version."))
+        steps.append({"text": "I wrote a first version; it may not cover every case yet."})
+        known |= set(partial)
+    steps += _read_steps(ws, [r for r in ref if r in known])
+    steps.append(_write_step(ws, task.reference, ref, "Writing the solution."))
+    steps.append(_test_step(ws))
+    steps.append({"text": "Done: the solution is written and the public tests pass."})
+    if arm.review:
+        steps.append(_test_step(ws))
+        steps.append({"text": "I checked the reviewer's findings; the tests still pass."})
+    return {"steps": steps}
+
+
+def reviewer_script(task: Task, work_dir: str, review_path: str, verdict: str) -> dict[str, Any]:
+    files = _overlay_files(task.reference) or sorted(task.public_manifest)
+    review = {"verdict": verdict,
+              "findings": ([{"severity": "minor", "file": files[0],
+                             "detail": "Re-run the public tests and confirm the edge cases named in TASK.md."}]
+                           if verdict == "revise" else []),
+              "summary": "The change reads correctly." if verdict == "accept"
+                         else "Mostly right; confirm the edge cases before finishing."}
+    return {"steps": [
+        {"text": "Reading the work.", "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(work_dir, files[0])}}]},
+        {"text": "Writing my review.", "tool_uses": [{"name": "Write", "input": {"file_path": review_path,
+                                                                                "content": json.dumps(review, indent=1)}}]},
+        {"text": f"Review written: {verdict}."}]}
+
+
+class RehearsalScripts:
+    """The `script_for` hook of the pipeline: registers a script per run and session family."""
+
+    EXECUTOR_ROLES = ("executor", "resume", "gate_feedback", "repair")
+
+    def __init__(self, server: "ScriptedModelServer", paths: StudyPaths, tasks: Mapping[str, Task],
+                 arms: Mapping[str, Arm], behaviours: Mapping[str, str]):
+        self.server = server
+        self.paths = paths
+        self.tasks = tasks
+        self.arms = arms
+        self.behaviours = dict(behaviours)
+        self.lock = threading.Lock()
+
+    def __call__(self, rec: dict[str, Any], role: str, attempt: int, key: str) -> str | None:
+        run_id = rec["run_id"]
+        task = self.tasks[rec["task"]]
+        arm = self.arms[rec["arm"]]
+        ws = str(self.paths.run_dir(run_id) / "workspace")
+        with self.lock:
+            if role in self.EXECUTOR_ROLES:
+                sid = f"{run_id}-executor"
+                if self.server.get_script(sid) is None:
+                    self.server.add_script(sid, executor_script(task, arm, ws, self.behaviours.get(run_id, "solve")))
+                return sid
+            if role == "reviewer":
+                n = len(rec.get("reviews") or []) + 1
+                sid = f"{run_id}-review-{n}"
+                rdir = self.paths.run_dir(run_id) / "review" / f"{n:02d}"
+                verdict = "revise" if int(rec.get("repeat") or 1) % 2 == 1 else "accept"
+                self.server.add_script(sid, reviewer_script(task, str(rdir / "work"), str(rdir / "review.json"), verdict))
+                return sid
+        return None
+
+
+def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mapping[str, Arm]) -> dict[str, Any]:
+    """The study's config with every path made absolute, for a scratch copy elsewhere."""
+    out = copy.deepcopy(dict(cfg))
+    out["tasks"] = str(tasks_dir(paths, cfg))
+    for name, arm in arms.items():
+        if arm.preamble_path:
+            out["arms"][name]["preamble"] = arm.preamble_path
+    for key in ("templates", "preamble"):
+        if cfg.get(key) and not os.path.isabs(cfg[key]):
+            out[key] = str(paths.root / cfg[key])
+    if not cfg.get("preamble") and (paths.root / "preamble.md").is_file():
+        out["preamble"] = str(paths.root / "preamble.md")
+    if not cfg.get("templates") and (paths.root / "templates").is_dir():
+        out["templates"] = str(paths.root / "templates")
+    return out
+
+
+def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
+                   behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the whole study, offline, against the scripted model, in the scratch study `scratch`."""
+    cfg = load_study_config(paths)
+    tasks = load_tasks(paths, cfg)
+    arms = load_arms(paths, cfg)
+    load_templates(paths, cfg)
+    chash = config_hash(paths, cfg)
+    if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
+        raise AgentbenchError("the rehearsal directory is not empty", dir=str(scratch),
+                              hint="pass --dir with a new directory, or remove the old rehearsal")
+    scfg = scratch_study_config(paths, cfg, arms)
+    scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
+    if repeats:
+        scfg["repeats"] = repeats
+    sp = StudyPaths(scratch)
+    sp.state.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(sp.study_file, scfg)
+    write_json_atomic(sp.registry, read_registry(sp))
+    cal = {t.id: calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
+    write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1), int(scfg.get("seed") or 0))
+    fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
+    register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
+    server = ScriptedModelServer(str(sp.scripts))
+    server.start()
+    try:
+        env_extra = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "rehearsal-key-not-secret",
+                     "CLAUDE_CONFIG_DIR": str(sp.state / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
+                     "API_TIMEOUT_MS": "120000", "AGENTBENCH_OFFLINE": "1"}
+        me = ctx.platform.proc_id(os.getpid())
+        opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
+                               driver=dataclasses.asdict(me) if me else None, progress=progress, rehearsal=True)
+        driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
+    finally:
+        server.stop()
+    runs = [load_run(sp, r["run_id"]) for r in manifest]
+    expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve" and r["run_id"] not in (faults or {})]
+    problems = [{"run_id": r["run_id"], "status": r.get("status"), "outcome": r.get("outcome"),
+                 "validity": r.get("validity"), "error": r.get("error")}
+                for r in expected_ok if r.get("outcome") != "success" or r.get("validity") != "valid"]
+    summary = rehearsal_summary(runs)
+    record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
+              "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary}
+    if paths.state.is_dir() or paths.root.is_dir():
+        write_json_atomic(paths.state / "rehearsal.json", record)
+    return {**record, "paused": driven["paused"]}
+
+
+def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per arm: runs, successes, gate cycles used, reviewer sessions and verdicts, cost."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        a = out.setdefault(r["arm"], {"runs": 0, "successes": 0, "gate_cycles": 0, "reviews": 0,
+                                      "verdicts": {}, "cost_usd": 0.0, "outcomes": {}})
+        a["runs"] += 1
+        a["successes"] += 1 if (r.get("evaluation") or {}).get("success") else 0
+        a["gate_cycles"] += int(r.get("gate_cycles") or 0)
+        a["reviews"] += len(r.get("reviews") or [])
+        for v in r.get("review_verdicts") or []:
+            a["verdicts"][v] = a["verdicts"].get(v, 0) + 1
+        a["cost_usd"] = round(a["cost_usd"] + float(r.get("cost_usd") or 0), 6)
+        o = str(r.get("outcome"))
+        a["outcomes"][o] = a["outcomes"].get(o, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# ====================================================================================================
+# The CLI and main
+# ====================================================================================================
+# Argument parsing (a parser that raises instead of printing or exiting), the command table, the
+# child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
+# JSON object.  Handlers return (exit code, object); they never print to stdout.
+
+class _ArgParser(argparse.ArgumentParser):
+    """argparse that raises AgentbenchError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise AgentbenchError("bad arguments", detail=message, command=self.prog.split()[-1],
+                              hint=f"see `agentbench.py {self.prog.split()[-1]} --help`")
+
+    def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
+        raise AgentbenchError("bad arguments", detail=(message or "").strip())
+
+    def print_help(self, file: Any = None) -> None:
+        return None
+
+
+@dataclass
+class Ctx:
+    """What a command handler may use: the platform, the environment, the cwd, an early emitter."""
+    platform: "Platform"
+    env: Mapping[str, str]
+    cwd: str
+    emit: Callable[[dict[str, Any]], None]
+    is_child: bool
+
+    def study(self, args: argparse.Namespace, must_exist: bool = True) -> StudyPaths:
+        root = resolve_study_dir(getattr(args, "study", None), self.env, self.cwd, self.platform, must_exist)
+        return StudyPaths(root)
+
+
+@dataclass
+class Command:
+    name: str
+    summary: str
+    handler: Callable[[Ctx, argparse.Namespace], tuple[int, dict[str, Any]] | dict[str, Any] | None]
+    configure: Callable[[argparse.ArgumentParser], None]
+    mutating: bool
+    hidden: bool = False
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, summary: str, *, mutating: bool, hidden: bool = False) -> Callable[..., Any]:
+    """Register a handler; the decorated function's `configure` attribute adds its arguments."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating, hidden)
+        return fn
+    return deco
+
+
+def args_of(configure: Callable[[argparse.ArgumentParser], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.configure = configure  # type: ignore[attr-defined]
+        return fn
+    return deco
+
+
+def _study_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", help="study directory (default $AGENTBENCH_STUDY, else the cwd)")
+
+
+def read_brief(ctx: Ctx, path: str) -> str:
+    """The prompt text of a --brief FILE (refused if missing or empty)."""
+    p = Path(ctx.platform.normalize_path(os.path.join(ctx.cwd, path) if not os.path.isabs(path) else path))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
+        raise AgentbenchError("brief file not found", path=str(p)) from None
+    except UnicodeDecodeError:
+        raise AgentbenchError("brief file is not UTF-8 text", path=str(p)) from None
+    if not text.strip():
+        raise AgentbenchError("brief file is empty", path=str(p))
+    return text
+
+
+def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, fault: str | None = None) -> dict[str, Any]:
+    budget = launch["budget"]
+    limits = {"wall_s": getattr(args, "wall_s", None) or budget.get("wall_s") or float(launch["max_minutes"]) * 60,
+              "stall_after_s": launch.get("stall_after_s"),
+              "orphan_after_s": getattr(args, "orphan_after_s", None) if getattr(args, "orphan_after_s", None) is not None else launch.get("orphan_after_s"),
+              "max_budget_usd": getattr(args, "max_budget_usd", None) if getattr(args, "max_budget_usd", None) is not None else budget.get("usd_per_run"),
+              "max_turns": getattr(args, "max_turns", None) or budget.get("max_turns")}
+    if fault:
+        limits.update(parse_fault(fault))
+    check_job_limits(limits)
+    return limits
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-budget-usd", type=float, dest="max_budget_usd")
+    p.add_argument("--wall-s", type=float, dest="wall_s")
+    p.add_argument("--max-turns", type=int, dest="max_turns")
+    p.add_argument("--orphan-after-s", type=float, dest="orphan_after_s",
+                   help="kill the job if no orchestrator call arrives for this long (0 = off)")
+    p.add_argument("--fault", help="interrupt:after_tool_uses=N")
+
+
+# -- where ------------------------------------------------------------------------------------------
+
+@command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
+@args_of(_study_arg)
+def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    warnings: list[str] = []
+    cfg_binary = None
+    study = None
+    with contextlib.suppress(AgentbenchError):
+        paths = ctx.study(args)
+        study = str(paths.root)
+        cfg_binary = load_study_config(paths).get("binary")
+    binary, how = find_claude_binary(cfg_binary, ctx.env)
+    version = claude_version(binary, ctx.platform) if binary else None
+    if not binary:
+        warnings.append(f"claude binary not found: install @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    elif version and version != CLAUDE_CODE_PINNED:
+        warnings.append(f"claude {version} differs from the tested release {CLAUDE_CODE_PINNED}")
+    elif binary and not version:
+        warnings.append("claude did not answer --version")
+    base_url = ctx.env.get("ANTHROPIC_BASE_URL")
+    if base_url and base_url.rstrip("/") != "https://api.anthropic.com":
+        warnings.append(f"ANTHROPIC_BASE_URL is set to a non-default endpoint: {base_url}")
+    _, report = scrub_env(ctx.env, for_claude=True, binary=binary)
+    if report["unknown_claude_vars"]:
+        warnings.append("unknown CLAUDE_*/ANTHROPIC_* variables are passed to claude: "
+                        + ", ".join(report["unknown_claude_vars"]))
+    git = shutil.which("git")
+    git_version = None
+    if git:
+        res = run_command([git, "--version"], cwd=ctx.cwd, env=ctx.env, timeout_s=20, platform=ctx.platform)
+        git_version = res.stdout.strip() or None
+    else:
+        warnings.append("git not found: workspaces cannot be versioned")
+    return {"agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
+            "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
+                                                 "pinned": CLAUDE_CODE_PINNED},
+            "git": {"path": git, "version": git_version},
+            "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
+            "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
+                          "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
+            "study": study, "warnings": warnings}
+
+
+# -- init -------------------------------------------------------------------------------------------
+
+INIT_FLAGS: dict[str, tuple[str, Any]] = {
+    # flag dest: (study.json key, type)
+    "tasks": ("tasks", str), "model": ("model", str), "effort": ("effort", str),
+    "permission_mode": ("permission_mode", str), "tools": ("tools", str),
+    "allowed_tools": ("allowed_tools", str), "disallowed_tools": ("disallowed_tools", str),
+    "binary": ("binary", str), "parallel": ("parallel", int), "max_minutes": ("max_minutes", float),
+    "stall_after_s": ("stall_after_s", float), "orphan_after_s": ("orphan_after_s", float),
+    "seed": ("seed", int), "repeats": ("repeats", int), "executor": ("executor", str),
+}
+BUDGET_FLAGS = {"usd_per_run": float, "wall_s": float, "max_turns": int, "study_usd": float,
+                "min_remaining_usd": float}
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
+
+
+def _init_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", required=True)
+    for dest, (_, typ) in INIT_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
+    for dest, typ in BUDGET_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
+    p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
+
+
+def validate_launch_values(cfg: Mapping[str, Any]) -> None:
+    """Refuse launch values claude would reject or that would make a study meaningless."""
+    if cfg.get("model") is not None:
+        check_model_id(str(cfg["model"]))
+    if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
+        raise AgentbenchError("unknown effort", effort=cfg["effort"], allowed=list(EFFORTS))
+    if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
+        raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
+                              allowed=list(PERMISSION_MODES))
+    if cfg.get("parallel") is not None and (not isinstance(cfg["parallel"], int) or cfg["parallel"] < 1):
+        raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
+    if cfg.get("executor") not in (None, "local", "slurm"):
+        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
+    for key, val in (cfg.get("budget") or {}).items():
+        if not isinstance(val, (int, float)) or val < 0:
+            raise AgentbenchError("budget values must be non-negative numbers", key=key, value=val)
+
+
+@command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
+@args_of(_init_args)
+def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study) else os.path.join(ctx.cwd, args.study)))
+    paths = StudyPaths(root)
+    existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
+    if existing is not None and not isinstance(existing, dict):
+        raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
+    cfg = dict(existing or {})
+    changed: list[str] = []
+    for dest, (key, _) in INIT_FLAGS.items():
+        val = getattr(args, dest)
+        if val is not None and cfg.get(key) != val:
+            cfg[key] = val
+            changed.append(key)
+    budget = dict(cfg.get("budget") or {})
+    for dest in BUDGET_FLAGS:
+        val = getattr(args, dest)
+        if val is not None and budget.get(dest) != val:
+            budget[dest] = val
+            changed.append(f"budget.{dest}")
+    if existing is None:
+        for key in ("model", "effort", "permission_mode", "tools", "parallel", "max_minutes"):
+            cfg.setdefault(key, DEFAULT_LAUNCH[key])
+        for key, val in DEFAULT_BUDGET.items():
+            budget.setdefault(key, val)
+    cfg["budget"] = budget
+    validate_launch_values(cfg)
+    if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        raise AgentbenchError("claude refuses bypassPermissions when run as root",
+                              hint="use --permission-mode dontAsk with allow rules (--allowed-tools)")
+    # Validate everything first, then write.
+    paths.state.mkdir(parents=True, exist_ok=True)
+    if existing is None or changed:
+        write_json_atomic(paths.study_file, cfg)
+    if args.reset_breaker:
+        with RegistryLock(paths.lock, ctx.platform):
+            reg = read_registry(paths)
+            reg["breaker"] = None
+            write_json_atomic(paths.registry, reg)
+        changed.append("breaker")
+    if not paths.registry.exists():
+        with RegistryLock(paths.lock, ctx.platform):
+            if not paths.registry.exists():
+                write_json_atomic(paths.registry, read_registry(paths))
+    return {"study": str(root), "created": existing is None, "changed": changed, "config": cfg,
+            "launch": launch_config(cfg)}
+
+
+# -- train / spawn / continue -------------------------------------------------------------------------
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--base", required=True)
+    p.add_argument("--brief", required=True, help="file holding the training prompt")
+    p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
+    p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
+    _launch_args(p)
+
+
+@command("train", "train a base session that runs fork from (same context, read from the prompt cache)", mutating=True)
+@args_of(_train_args)
+def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    bfile = _base_file(paths, args.base)
+    old = read_json(bfile, default=None)
+    if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
+        raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
+                              hint="pass --replace to retrain it")
+    prompt = read_brief(ctx, args.brief)
+    cfg = load_study_config(paths)
+    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
+    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
+    ws.mkdir(parents=True, exist_ok=True)
+    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
+                    fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
+    write_json_atomic(bfile, {"name": args.base, "job_id": out["job_id"], "session_id": out["session_id"],
+                              "cwd": str(ws), "created_at": utc_now(), "expired": False, "last_ping": time.time()})
+    return {**out, "base": args.base}
+
+
+def _spawn_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--base", help="fork this base session (--resume BASE --fork-session --session-id NEW)")
+    p.add_argument("--brief", help="file holding the prompt")
+    p.add_argument("--label")
+    p.add_argument("--workspace", help="cwd for the session (default: a copy of the base's, or a new dir)")
+    p.add_argument("--run", help="an experiment run id (prepares its workspace; see `run`)")
+    p.add_argument("--force", action="store_true", help="with --run: allow an uncalibrated task")
+    _launch_args(p)
+
+
+@command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
+@args_of(_spawn_args)
+def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    if args.run:
+        return spawn_run(ctx, paths, args)
+    if not args.brief:
+        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)")
+    if args.label:
+        check_name("label", args.label)
+    prompt = read_brief(ctx, args.brief)
+    cfg = load_study_config(paths)
+    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
+    name = args.label or uuid.uuid4().hex[:12]
+    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
+    resume, prior = None, {}
+    if args.base:
+        f = fork_base(ctx, paths, args.base, ws, copy_workspace=not args.workspace)
+        resume, prior = f["resume"], f["prior"]
+    ws.mkdir(parents=True, exist_ok=True)
+    out = start_job(ctx, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None, resume=resume,
+                    fork=bool(resume), prior=prior, limits=limits,
+                    meta={"base": args.base, "label": args.label}, cfg=cfg)
+    return {**out, "base": args.base, "label": args.label}
+
+
+def _continue_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--job", help="continue this job's session")
+    p.add_argument("--run", help="continue the latest session of this run")
+    p.add_argument("--brief", required=True)
+    _launch_args(p)
+
+
+@command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption", mutating=True)
+@args_of(_continue_args)
+def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    prompt = read_brief(ctx, args.brief)
+    cfg = load_study_config(paths)
+    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
+    job_id = args.job
+    if args.run:
+        job_id = latest_run_job(paths, args.run)
+    if not job_id:
+        raise AgentbenchError("continue needs --job J or --run R")
+    return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
+
+
+# -- wait / list / kill -----------------------------------------------------------------------------
+
+def _wait_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--job", action="append", default=[], help="job id (repeatable)")
+    p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
+    p.add_argument("--all", action="store_true", help="every active or undelivered job")
+    p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
+    p.add_argument("--timeout", type=float, default=WAIT_DEFAULT_S)
+
+
+def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
+    st = job_status(paths, job_id)
+    usage = st.get("usage") or {}
+    out = {"job_id": job_id, "status": st.get("status"), "reason": st.get("reason"),
+           "kind": st.get("kind"), "session_id": st.get("session_id"), "meta": st.get("meta"),
+           "cost_delta_usd": usage.get("cost_delta_usd"), "estimated": usage.get("estimated"),
+           "flags": st.get("flags"), "cache_verdict": st.get("cache_verdict")}
+    if st.get("status") == "running":
+        out.update({"elapsed_s": st.get("elapsed_s"), "stalled": st.get("stalled", False),
+                    "tool_uses": st.get("tool_uses")})
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results delivered once", mutating=False)
+@args_of(_wait_args)
+def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    paths = ctx.study(args)
+    if args.timeout < 0 or args.timeout > WAIT_MAX_S:
+        raise AgentbenchError("timeout out of range", timeout=args.timeout, max=WAIT_MAX_S,
+                              hint=f"use 0..{WAIT_MAX_S:.0f} s and call wait again")
+    for j in args.job:
+        load_job(paths, j)
+    for r in args.run:
+        load_run(paths, r)
+    if not (args.job or args.run or args.all or args.any):
+        raise AgentbenchError("wait needs --job, --run, --all or --any")
+    deadline = time.monotonic() + args.timeout
+    last_touch = 0.0
+    while True:
+        if not ctx.is_child:
+            reap_jobs(paths, ctx.platform)
+            if time.monotonic() - last_touch > 5:
+                touch_last_call(paths)
+                last_touch = time.monotonic()
+        targets = list(dict.fromkeys(args.job))
+        if args.all or (args.any and not args.job and not args.run):
+            targets = list(dict.fromkeys(targets + active_job_ids(paths) + list_markers(paths.undelivered)))
+        done_jobs = [j for j in targets if paths.result_file(j).exists()]
+        runs_done = [r for r in args.run if run_is_final(paths, r)]
+        if args.any:
+            met = bool(done_jobs or runs_done) or (not targets and not args.run)
+        else:
+            met = len(done_jobs) == len(targets) and len(runs_done) == len(args.run)
+        if met or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    jobs = [job_summary(paths, j) for j in targets]
+    delivered = []
+    if not ctx.is_child:
+        for j in done_jobs:
+            if (paths.undelivered / j).exists():
+                remove_marker(paths.undelivered / j)
+                delivered.append(j)
+    for js in jobs:
+        js["delivered_now"] = js["job_id"] in delivered
+    runs = [run_summary(paths, r) for r in args.run]
+    out = {"met": met, "jobs": jobs, "runs": runs, "pending": [j for j in targets if j not in done_jobs]
+           + [r for r in args.run if r not in runs_done]}
+    if not met:
+        return 3, {**out, "timeout": args.timeout}
+    bad = [j["job_id"] for j in jobs if j["job_id"] in done_jobs and j.get("status") != "ok"]
+    bad += [r["run_id"] for r in runs if r.get("outcome") not in ("success", "failure")]
+    if args.any:
+        bad = [b for b in bad if b in done_jobs or b in runs_done]
+    return (4 if bad else 0), {**out, "not_ok": bad}
+
+
+def _list_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--all", action="store_true", help="every job and run (cost grows with the study)")
+    p.add_argument("--status")
+    p.add_argument("--limit", type=int, default=200)
+
+
+@command("list", "runs, jobs and bases with their state", mutating=False)
+@args_of(_list_args)
+def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    if not ctx.is_child:
+        reap_jobs(paths, ctx.platform)
+    reg = read_registry(paths)
+    ids = active_job_ids(paths) + list_markers(paths.undelivered)
+    if args.all:
+        ids = sorted(n for n in list_markers(paths.jobs) if JOB_ID_RE.match(n))
+    jobs = [job_summary(paths, j) for j in dict.fromkeys(ids)]
+    if args.status:
+        jobs = [j for j in jobs if j.get("status") == args.status]
+    bases = []
+    for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
+        rec = read_json(f, default=None)
+        if rec:
+            bases.append({"name": rec["name"], "state": base_state(paths, rec), "job_id": rec["job_id"],
+                          "session_id": rec["session_id"]})
+    runs = list_runs(paths, all_runs=args.all, status=args.status)
+    return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
+            "active": len(active_job_ids(paths)), "jobs": jobs[: args.limit], "jobs_truncated": len(jobs) > args.limit,
+            "bases": bases, "runs": runs[: args.limit], "runs_truncated": len(runs) > args.limit}
+
+
+def _kill_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--job", action="append", default=[])
+    p.add_argument("--run", action="append", default=[])
+
+
+@command("kill", "kill a job's or run's supervisor and claude tree; verify; record `killed`", mutating=True)
+@args_of(_kill_args)
+def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    if not args.job and not args.run:
+        raise AgentbenchError("kill needs --job J or --run R")
+    for j in args.job:
+        load_job(paths, j)
+    results = [kill_job(paths, ctx.platform, j) for j in args.job]
+    run_results = [kill_run(ctx, paths, r) for r in args.run]
+    survivors = sorted({p for r in results for p in r["survivors"]} | {p for r in run_results for p in r.get("survivors", [])})
+    return {"jobs": results, "runs": run_results, "survivors": survivors, "clean": not survivors}
+
+
+# -- experiment commands ------------------------------------------------------------------------------
+
+def study_parts(paths: StudyPaths) -> tuple[dict[str, Any], dict[str, Task], dict[str, Arm], dict[str, string.Template]]:
+    cfg = load_study_config(paths)
+    return cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg)
+
+
+def _calibrate_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--task", action="append", default=[], help="only these tasks (repeatable)")
+
+
+@command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle", mutating=True)
+@args_of(_calibrate_args)
+def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg, tasks, arms, _ = study_parts(paths)
+    chosen = load_tasks(paths, cfg, only=args.task or None)
+    results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
+    with RegistryLock(paths.lock, ctx.platform):
+        state = calibration_state(paths)
+        state.setdefault("tasks", {}).update(results)
+        state["config_hash"] = config_hash(paths, cfg)
+        state["at"] = utc_now()
+        write_json_atomic(paths.state / "calibration.json", state)
+    append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
+    return {"ok": all(r["ok"] for r in results.values()), "tasks": results,
+            "uncalibrated": uncalibrated(paths, tasks)}
+
+
+def _assign_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--repeats", type=int, help="repeats per task x arm (default: study.json `repeats`, else 1)")
+    p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
+    p.add_argument("--split", default="main")
+    p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
+    p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
+    p.add_argument("--power-delta", type=float, help="estimate repeats to detect this success-rate difference")
+    p.add_argument("--power-base", type=float, default=0.5, help="baseline success rate for --power-delta")
+    p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
+
+
+@command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
+@args_of(_assign_args)
+def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg, tasks, arms, _ = study_parts(paths)
+    check_name("split", args.split)
+    repeats = args.repeats if args.repeats is not None else int(cfg.get("repeats") or 1)
+    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
+    power = None
+    if args.power_delta is not None:
+        if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
+            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1")
+        power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
+    manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
+    data = manifest_bytes(manifest, seed, args.split)
+    faults: dict[str, dict[str, Any]] = {}
+    ids = {m["run_id"] for m in manifest}
+    for spec in args.fault:
+        rid, _, f = spec.partition("=")
+        if rid not in ids:
+            raise AgentbenchError("--fault names an unknown run", run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
+        faults[rid] = parse_fault(f)
+    bad = uncalibrated(paths, tasks)
+    if bad and not args.force:
+        raise AgentbenchError("tasks are not calibrated", tasks=bad,
+                              hint="run `calibrate` first (or pass --force to assign anyway)")
+    mpath = paths.state / "manifests" / f"{args.split}.json"
+    existing = mpath.read_bytes() if mpath.exists() else None
+    with RegistryLock(paths.lock, ctx.platform):
+        if existing is not None and existing != data:
+            if not args.reassign:
+                raise AgentbenchError("this split already has a different manifest", split=args.split,
+                                      existing_sha256=sha256_bytes(existing),
+                                      hint="pass --reassign to replace it (refused once any of its runs started)")
+            old = json.loads(existing)
+            started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
+                       and load_run(paths, r["run_id"]).get("status") != "not_started"]
+            if started:
+                raise AgentbenchError("cannot reassign: runs of this split have started", runs=started[:20])
+            for r in old["runs"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(run_file(paths, r["run_id"]))
+        write_bytes_atomic(mpath, data)
+        register_runs(paths, manifest, seed, args.split, faults)
+    append_event(paths, "assigned", split=args.split, runs=len(manifest), sha256=sha256_bytes(data))
+    blocks = sorted({m["block"] for m in manifest})
+    return {"split": args.split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
+            "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
+            "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "faults": {k: v for k, v in faults.items()}}
+
+
+def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
+    cfg, tasks, arms, tpl = study_parts(paths)
+    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, arms, tpl, opts or PipelineOptions())
+    pipe.rec = load_run(paths, run_id)
+    return pipe
+
+
+def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
+    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached)."""
+    rec = load_run(paths, args.run)
+    cfg, tasks, _, _ = study_parts(paths)
+    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
+        raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
+    pipe = pipeline_for(ctx, paths, args.run)
+    if not pipe.claim():
+        raise AgentbenchError("the run is not waiting to start", run=args.run, status=rec.get("status"),
+                              hint="a run starts once; see `list --all`")
+    try:
+        task, arm, ws, prompt = pipe.prepare()
+        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
+        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra=arm.preamble_text, fault=fault)
+    except AgentbenchError as exc:
+        pipe._end_error(exc.payload.get("error", "error"), exc.payload)
+        raise
+    return {"run_id": args.run, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
+
+
+def _run_target_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", required=True)
+
+
+@command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
+@args_of(_run_target_args)
+def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    pipe = pipeline_for(ctx, paths, args.run)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws or not os.path.isdir(ws):
+        raise AgentbenchError("the run has no workspace yet", run=args.run, hint="spawn --run it first")
+    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
+        raise AgentbenchError("a session of this run is still working", run=args.run, hint="wait for it first")
+    rec = pipe._gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
+    return {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
+            "failed": pipe._failed_checks_text(rec) if not rec["passed"] else None}
+
+
+@command("review", "a fresh reviewer session writes review.json (accept/revise) for a run", mutating=True)
+@args_of(_run_target_args)
+def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    pipe = pipeline_for(ctx, paths, args.run)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws:
+        raise AgentbenchError("the run has no workspace yet", run=args.run)
+    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
+        raise AgentbenchError("a session of this run is still working", run=args.run, hint="wait for it first")
+    n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
+    jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
+    return {"run_id": args.run, "job_id": jid, "review": n,
+            "review_path": str(paths.run_dir(args.run) / "review" / f"{n:02d}" / "review.json")}
+
+
+def _evaluate_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", action="append", default=[])
+    p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
+
+
+@command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records success", mutating=True)
+@args_of(_evaluate_args)
+def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    ids = list(args.run)
+    if args.all:
+        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
+    if not ids:
+        raise AgentbenchError("evaluate needs --run R or --all")
+    out, skipped = [], []
+    for rid in dict.fromkeys(ids):
+        pipe = pipeline_for(ctx, paths, rid)
+        rec = pipe.rec
+        if rec.get("status") != "running" or rec.get("driver"):
+            skipped.append({"run_id": rid, "status": rec.get("status"),
+                            "why": "already final" if rec.get("status") in RUN_FINAL else "not started by hand"})
+            continue
+        if any((paths.active / j["job_id"]).exists() for j in rec.get("jobs") or []):
+            skipped.append({"run_id": rid, "why": "a session is still working"})
+            continue
+        last = None
+        for j in rec.get("jobs") or []:
+            last = pipe._account_job(j["job_id"])
+        for i, j in enumerate([j for j in rec.get("jobs") or [] if j["role"] == "reviewer"], start=1):
+            if i > len(rec.get("reviews") or []):
+                pipe.collect_review(i, (read_json(paths.result_file(j["job_id"]), default={}) or {}).get("status"))
+        stop = pipe._stop_reason(last) if last else None
+        task = pipe.tasks[rec["task"]]
+        pipe._finish(task, rec["workspace"]["path"], stop)
+        out.append(run_summary(paths, rid))
+    return {"evaluated": out, "skipped": skipped}
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", action="append", default=[], help="run ids (default: every run not started)")
+    p.add_argument("--task", action="append", default=[])
+    p.add_argument("--arm", action="append", default=[])
+    p.add_argument("--split")
+    p.add_argument("--parallel", type=int, help="pipelines at once (default: the study's parallel cap)")
+    p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
+    p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
+
+
+def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
+    ids = list(args.run) or all_run_ids(paths)
+    for r in args.run:
+        load_run(paths, r)
+    out = []
+    for rid in ids:
+        rec = load_run(paths, rid)
+        if args.task and rec["task"] not in args.task:
+            continue
+        if args.arm and rec["arm"] not in args.arm:
+            continue
+        if args.split and rec.get("split") != args.split:
+            continue
+        out.append(rid)
+    return out
+
+
+def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
+    """A real-API run starts only after calibration and rehearsal passed for this exact config."""
+    if force:
+        return
+    h = config_hash(paths, cfg)
+    cal = calibration_state(paths)
+    reh = read_json(paths.state / "rehearsal.json", default=None) or {}
+    problems = []
+    if cal.get("config_hash") != h or uncalibrated(paths, load_tasks(paths, cfg)):
+        problems.append("calibration is missing or older than the current configuration")
+    if not reh.get("ok") or reh.get("config_hash") != h:
+        problems.append("no passing rehearsal of the current configuration")
+    if problems:
+        raise AgentbenchError("refusing to spend money on an unproven configuration", problems=problems,
+                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
+
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+
+    def __init__(self, total: int, stream: Any = None):
+        self.total = total
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.last = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, msg: str) -> None:
+        with self.lock:
+            if " run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"] or msg.split(" ")[1:2] == ["error"]:
+                self.done += 1
+            now = time.monotonic()
+            line = f"[{self.done}/{self.total}] {msg}"
+            try:
+                if self.tty:
+                    self.stream.write("\r\x1b[K" + line[:200])
+                    self.stream.flush()
+                elif now - self.last > 10 or "run_finished" in msg or " error" in msg:
+                    self.stream.write(f"agentbench: {line}\n")
+                    self.stream.flush()
+                    self.last = now
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        if self.tty:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.write("\n")
+
+
+@command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
+@args_of(_run_args)
+def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg, tasks, _, _ = study_parts(paths)
+    ids = select_runs(paths, args)
+    if not ids:
+        raise AgentbenchError("no runs selected", hint="run `assign` first, or check --run/--task/--arm")
+    real_run_guard(paths, cfg, args.force)
+    parallel = args.parallel or int(launch_config(cfg)["parallel"])
+    if parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1")
+    if args.detach:
+        log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        pid = detach_agentbench(ctx.platform, ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
+                                               "--force"] + [x for r in ids for x in ("--run", r)],
+                                cwd=str(paths.root), env=dict(ctx.env), log_path=str(log_path))
+        return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
+                "hint": "poll with `wait --run R` or `list`"}
+    return drive_foreground(ctx, paths, ids, parallel)
+
+
+def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
+    me = ctx.platform.proc_id(os.getpid())
+    prog = Progress(len(ids))
+    cfg = load_study_config(paths)
+    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=dataclasses.asdict(me) if me else None,
+                           progress=prog)
+    try:
+        out = drive_runs(ctx, paths, ids, opts, parallel)
+    finally:
+        prog.close()
+    outcomes: dict[str, int] = {}
+    for r in out["results"].values():
+        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
+
+
+def _drive_args(p: argparse.ArgumentParser) -> None:
+    _run_args(p)
+    p.add_argument("--env-file")
+
+
+def load_env_file(ctx: Ctx, env_file: str | None) -> None:
+    """A detached child's environment, where the platform passed it through a file."""
+    if env_file:
+        env = read_detach_env_file(env_file)
+        os.environ.clear()
+        os.environ.update(env)
+        ctx.env = dict(env)
+
+
+@command("_drive", "internal: a detached run driver", mutating=True, hidden=True)
+@args_of(_drive_args)
+def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    load_env_file(ctx, args.env_file)
+    paths = ctx.study(args)
+    return drive_foreground(ctx, paths, select_runs(paths, args), args.parallel or 1)
+
+
+# -- usage and report -------------------------------------------------------------------------------
+
+def _usage_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"])
+    p.add_argument("--format", default="json", choices=["json", "md"])
+
+
+@command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio", mutating=False)
+@args_of(_usage_args)
+def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    lines, bad = read_jsonl(paths.ledger)
+    agg = aggregate_usage(lines, by=args.by)
+    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": len(lines), "torn_lines": bad}
+    if args.format == "md":
+        out["markdown"] = render_usage_md(agg)
+    return out
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--format", default="json", choices=["json", "md", "html"])
+    p.add_argument("--baseline")
+    p.add_argument("--out", help="write md/html to this file (default for html: <study>/report.html)")
+    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
+
+
+def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
+    return [load_run(paths, r) for r in all_run_ids(paths)]
+
+
+@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
+@args_of(_report_args)
+def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    arms = list((cfg.get("arms") or {}).keys())
+    if args.baseline and args.baseline not in arms:
+        raise AgentbenchError("unknown baseline arm", baseline=args.baseline, arms=arms)
+    runs = run_records_for_report(paths)
+    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
+    report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    if args.format == "json":
+        return report
+    text = render_report_md(report) if args.format == "md" else render_report_html(report)
+    out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
+    result: dict[str, Any] = {"format": args.format}
+    if out:
+        if ctx.is_child:
+            raise AgentbenchError("refused inside a supervised session: writing a report file")
+        write_text_atomic(out, text)
+        result["path"] = str(out)
+    if args.format == "md":
+        result["markdown"] = text
+    result["summary"] = {a: {k: v for k, v in s.items() if k in ("runs", "evaluated", "successes", "success_rate")}
+                         for a, s in (report.get("arms") or {}).items() if isinstance(s, dict)}
+    return result
+
+
+# -- rehearse and demo ------------------------------------------------------------------------------
+
+def _rehearse_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--behaviour", action="append", default=[],
+                   help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
+    p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
+
+
+def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None) -> dict[str, str]:
+    out = {}
+    for s in specs:
+        k, sep, v = s.partition("=")
+        if not sep or not k or not v or (allowed and v not in allowed):
+            raise AgentbenchError(f"bad {what}", value=s, hint=f"RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
+        out[k] = v
+    return out
+
+
+def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
+    cfg_bin = load_study_config(paths).get("binary") if paths else None
+    binary, _ = find_claude_binary(cfg_bin, ctx.env)
+    if binary:
+        return binary
+    if not install:
+        raise AgentbenchError("the claude binary was not found",
+                              hint=f"npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    return install_pinned_claude(ctx.platform)
+
+
+@command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)", mutating=True)
+@args_of(_rehearse_args)
+def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    behaviours = _pairs(args.behaviour, "--behaviour", REHEARSAL_BEHAVIOURS)
+    faults = _pairs(args.fault, "--fault")
+    for f in faults.values():
+        parse_fault(f)
+    if args.parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1")
+    ensure_claude(ctx, paths, install=False)
+    scratch = Path(ctx.platform.normalize_path(args.dir)) if args.dir else \
+        paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    prog = Progress(0)
+    try:
+        out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
+                             behaviours=behaviours, faults=faults, progress=prog)
+    finally:
+        prog.close()
+    return {**out, "report_command": f"agentbench.py report --study {scratch} --format md"}
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+
+
+@command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
+@args_of(_demo_args)
+def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    example = HERE / "examples" / "study"
+    if not (example / STUDY_FILE).is_file():
+        raise AgentbenchError("the bundled example study is missing", expected=str(example))
+    base = Path(ctx.platform.normalize_path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="agentbench-demo-"))
+    study = base / "study"
+    if study.exists():
+        raise AgentbenchError("the demo directory already holds a study", dir=str(study),
+                              hint="pass --dir with a new directory")
+    if args.parallel < 1 or args.repeats < 1:
+        raise AgentbenchError("--parallel and --repeats must be >= 1")
+    ensure_claude(ctx, None, install=True)
+    copy_tree(example, study)
+    paths = StudyPaths(study)
+    paths.state.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(paths.registry, read_registry(paths))
+    cfg, tasks, _, _ = study_parts(paths)
+    cal = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in tasks.values()}
+    write_json_atomic(paths.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(paths, cfg), "at": utc_now()})
+    log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x {args.repeats} repeats")
+    prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
+    try:
+        out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
+                             repeats=args.repeats, progress=prog)
+    finally:
+        prog.close()
+    rpaths = StudyPaths(study / "rehearsal")
+    report = build_report(run_records_for_report(rpaths), list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    write_text_atomic(rpaths.root / "report.html", render_report_html(report))
+    write_text_atomic(rpaths.root / "report.md", render_report_md(report))
+    runs = run_records_for_report(rpaths)
+    incomplete = [r["run_id"] for r in runs if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
+    return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
+            "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
+            "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
+            "arms": out["arms"], "problems": out["problems"],
+            "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
+            "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
+
+
+# -- bases: tick and expire -------------------------------------------------------------------------
+
+def _tick_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--every", type=float, default=240.0, help="ping a base not pinged for this long (s)")
+
+
+@command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached", mutating=True)
+@args_of(_tick_args)
+def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    pinged, skipped = [], []
+    for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
+        rec = read_json(f)
+        st = base_state(paths, rec)
+        if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < args.every:
+            skipped.append({"base": rec["name"], "state": st})
+            continue
+        ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
+        fk = fork_base(ctx, paths, rec["name"], ws, copy_workspace=False)
+        limits = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
+        out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
+                        session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
+                        meta={"base": rec["name"]}, cfg=cfg,
+                        system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
+        rec["last_ping"] = time.time()
+        write_json_atomic(f, rec)
+        pinged.append({"base": rec["name"], "job_id": out["job_id"]})
+    return {"pinged": pinged, "skipped": skipped}
+
+
+def _expire_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--base", required=True)
+
+
+@command("expire", "retire a base: no more pings, no more forks", mutating=True)
+@args_of(_expire_args)
+def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    rec = load_base(paths, args.base)
+    rec["expired"] = True
+    rec["expired_at"] = utc_now()
+    write_json_atomic(_base_file(paths, args.base), rec)
+    return {"base": args.base, "state": "expired"}
+
+
+# -- the scripted model by hand -----------------------------------------------------------------------
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--scripts", required=True, help="directory of <script id>.json files")
+
+
+@command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)", mutating=False)
+@args_of(_serve_args)
+def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
+    if not 0 <= args.port < 65536:
+        raise AgentbenchError("--port must be 0..65535", port=args.port)
+    scripts = ctx.platform.normalize_path(args.scripts)
+    os.makedirs(scripts, exist_ok=True)
+    run_scripted_model_server(args.port, scripts, ctx.emit)
+    return None
+
+
+# -- internal ---------------------------------------------------------------------------------------
+
+def _supervise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--env-file")
+
+
+@command("_supervise", "internal: the detached supervisor of one job", mutating=False, hidden=True)
+@args_of(_supervise_args)
+def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    load_env_file(ctx, args.env_file)
+    paths = StudyPaths(Path(args.study))
+    sup = Supervisor(paths, args.job, ctx.platform)
+    def on_term(*_: Any) -> None:
+        sup.terminate_requested = True   # handled by the poll loop: kill claude, then finalise
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, on_term)
+    sup.run()
+    return {"job_id": args.job, "supervised": True}
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+def build_parser(cmd: Command) -> _ArgParser:
+    p = _ArgParser(prog=f"agentbench.py {cmd.name}", add_help=False)
+    p.add_argument("-h", "--help", action="store_true")
+    cmd.configure(p)
+    return p
+
+
+def help_object(cmd: Command | None = None) -> dict[str, Any]:
+    if cmd is not None:
+        p = build_parser(cmd)
+        opts = []
+        for a in p._actions:
+            if a.option_strings and a.dest != "help":
+                opts.append({"flags": a.option_strings, "help": a.help, "required": a.required,
+                             "default": a.default if a.default not in (None, False, []) else None})
+        return {"help": cmd.summary, "command": cmd.name, "options": opts, "mutating": cmd.mutating}
+    return {"help": "agentbench: controlled experiments on the headless Claude Code agent. "
+                    "Every command prints one JSON object; exit 0 ok, 2 usage error/refused, "
+                    "3 wait timed out, 4 wait met with a job not ok.",
+            "usage": "agentbench.py <command> [--study DIR] [options]; agentbench.py <command> --help",
+            "version": VERSION,
+            "commands": [{"name": c.name, "summary": c.summary} for c in COMMANDS.values() if not c.hidden]}
+
+
+def dispatch(argv: list[str], ctx: Ctx) -> tuple[int, dict[str, Any] | None]:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        if len(argv) > 1 and argv[0] == "help" and argv[1] in COMMANDS:
+            return 0, help_object(COMMANDS[argv[1]])
+        return 0, help_object()
+    if argv[0] in ("--version", "version"):
+        return 0, {"version": VERSION, "claude_pinned": CLAUDE_CODE_PINNED}
+    name = argv[0]
+    cmd = COMMANDS.get(name)
+    if cmd is None:
+        raise AgentbenchError("unknown command", command=name,
+                              commands=[c for c in COMMANDS if not COMMANDS[c].hidden],
+                              hint="see `agentbench.py --help`")
+    if "-h" in argv[1:] or "--help" in argv[1:]:
+        return 0, help_object(cmd)
+    args = build_parser(cmd).parse_args(argv[1:])
+    if ctx.is_child and cmd.mutating:
+        raise AgentbenchError("refused inside a supervised session", command=name,
+                              hint="AGENTBENCH_CHILD=1 marks a call from an agent under test; only "
+                                   "where, list, usage, report and wait are allowed there")
+    if not ctx.is_child and not name.startswith("_"):
+        with contextlib.suppress(AgentbenchError, OSError):
+            touch_last_call(ctx.study(args))
+    out = cmd.handler(ctx, args)
+    if out is None:
+        return 0, None
+    if isinstance(out, tuple):
+        return out
+    return 0, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The one boundary: run a command, print exactly one JSON object on stdout, return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    emitted: list[bool] = []
+
+    def emit(obj: dict[str, Any]) -> None:
+        if not emitted:
+            sys.stdout.write(json_line(obj))
+            sys.stdout.flush()
+            emitted.append(True)
+
+    try:
+        ctx = Ctx(platform=current_platform(), env=dict(os.environ), cwd=os.getcwd(), emit=emit,
+                  is_child=os.environ.get("AGENTBENCH_CHILD") == "1")
+        code, obj = dispatch(argv, ctx)
+    except AgentbenchError as exc:
+        code, obj = exc.exit_code, exc.payload
+    except KeyboardInterrupt:
+        code, obj = 2, {"error": "interrupted"}
+    except Exception as exc:  # the one place that turns a bug into a JSON answer
+        code, obj = 2, {"error": "internal error", "type": type(exc).__name__, "detail": str(exc),
+                        "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
+    if obj is not None:
+        emit(obj)
+    elif not emitted:
+        emit({"ok": True})
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Shared fixtures: the product module, in-process and subprocess runners, fake and real `claude`.
+
+Two tiers of tests use these: in-process calls of ``main([...])`` with the JSON parsed, and real
+processes (``python3 agentbench.py ...``, detached supervisors, the real `claude` binary).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+# Appended, not prepended: a PYTHONPATH entry given on purpose still wins.
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+import agentbench as ab  # noqa: E402
+
+FAKE_CLAUDE = TESTS / "fake_claude.py"
+AGENTBENCH = ROOT / "agentbench.py"
+
+
+def run_main(args: list[str], env: dict[str, str] | None = None) -> tuple[int, dict]:
+    """Call main() in-process; return (exit code, the one JSON object it printed)."""
+    out = io.StringIO()
+    old_env = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out):
+            code = ab.main(args)
+    finally:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(old_env)
+    text = out.getvalue()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one JSON line on stdout, got: {text!r}"
+    return code, json.loads(lines[0])
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120,
+            cwd: str | None = None) -> tuple[int, dict, str]:
+    """Run `python3 agentbench.py ...` as a real process; return (code, object, stderr)."""
+    proc = subprocess.run([sys.executable, str(AGENTBENCH), *args], capture_output=True, text=True,
+                          env=env if env is not None else os.environ.copy(), timeout=timeout, cwd=cwd)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one JSON line, got stdout={proc.stdout!r} stderr={proc.stderr[-2000:]!r}"
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def real_claude_binary() -> str | None:
+    """The real `claude` for end-to-end tests: $AGENTBENCH_REAL_CLAUDE, PATH, or the local install."""
+    for cand in (os.environ.get("AGENTBENCH_REAL_CLAUDE"), shutil.which("claude"),
+                 str(ab.local_claude_path())):
+        if cand and os.path.isfile(cand):
+            return cand
+    return None
+
+
+@pytest.fixture
+def real_claude() -> str:
+    """The real binary; skipped locally when absent, but a failure in CI (CI must install it)."""
+    binary = real_claude_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("the real claude binary is not installed; .ci/run must install it")
+        pytest.skip("the real claude binary is not installed (npm i -g @anthropic-ai/claude-code)")
+    return binary
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch) -> dict[str, str]:
+    """An environment whose `claude` is the fake, with its transcripts in a temp config dir."""
+    env = os.environ.copy()
+    env.pop("AGENTBENCH_STUDY", None)
+    env.pop("AGENTBENCH_CHILD", None)
+    env["AGENTBENCH_CLAUDE_BIN"] = str(FAKE_CLAUDE)
+    env["CLAUDE_CONFIG_DIR"] = str(tmp_path / "claude-config")
+    env["AGENTBENCH_HEARTBEAT_S"] = "0.5"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
+    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
+    return env
+
+
+@pytest.fixture
+def study(tmp_path, fake_env) -> Path:
+    """A bare study (launch config only) that uses the fake claude."""
+    root = tmp_path / "study"
+    code, obj = run_main(["init", "--study", str(root), "--parallel", "4"])
+    assert code == 0, obj
+    return root
+
+
+def write_brief(tmp_path: Path, text: str, name: str | None = None) -> str:
+    p = tmp_path / (name or f"brief-{time.monotonic_ns()}.txt")
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+def wait_result(study: Path, job_id: str, timeout: float = 30) -> dict:
+    """Poll a job's result file (without delivering it through `wait`)."""
+    path = study / "state" / "jobs" / job_id / "result.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish in {timeout}s")
+
+
+def ledger(study: Path) -> list[dict]:
+    p = study / "state" / "ledger.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

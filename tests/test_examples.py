@@ -1,0 +1,279 @@
+"""Checks of the bundled example study, the prompt templates and the default preamble.
+
+Everything here runs the bundle the way agentbench does, but with plain subprocess calls and
+without importing agentbench: the bundle is a contract of its own (task.json placeholders, gate
+run with cwd = workspace, oracle receipt on the last stdout line), and it must hold even while
+the tool is being changed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDY = ROOT / "examples" / "study"
+TASKS_DIR = STUDY / "tasks"
+TEMPLATES = ROOT / "templates"
+TASK_IDS = ["bugfix", "cli", "roman"]
+
+GATE_CMD = ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"]
+ORACLE_CMD = ["{python}", "{oracle}/run.py", "{workspace}"]
+
+# The variables the controller provides to each template: always all of them, never others.
+TEMPLATE_VARS = {
+    "task_prompt.md": {"task_id", "task_title", "task_text", "workspace", "check_hint"},
+    "gate_feedback.md": {"cycle", "cycles_left", "failed_checks", "gate_output"},
+    "review_prompt.md": {"task_title", "task_text", "work_dir", "review_path", "changed_files"},
+    "reviewer_system.md": set(),
+    "review_feedback.md": {"findings", "summary"},
+    "resume.md": {"reason"},
+    "train_base.md": {"task_title", "task_text", "notes_path"},
+}
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def load_task(task_id: str) -> dict:
+    return json.loads((TASKS_DIR / task_id / "task.json").read_text(encoding="utf-8"))
+
+
+def fill(cmd: list[str], **places: str) -> list[str]:
+    """Substitute {python}/{gate}/{oracle}/{workspace} inside every argument (SPEC section 5)."""
+    places.setdefault("python", sys.executable)
+    out = []
+    for arg in cmd:
+        for name, value in places.items():
+            arg = arg.replace("{" + name + "}", value)
+        out.append(arg)
+    return out
+
+
+def child_env() -> dict:
+    # No bytecode files, so that workspaces compare clean before and after a run.
+    return dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 per file below path (relative names), to prove a directory was not written."""
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def make_workspace(task_id: str, dest: Path, overlay: str | None = None) -> Path:
+    """public/ copied to dest, then the named overlay (reference/ or partial/) copied over it."""
+    task_dir = TASKS_DIR / task_id
+    shutil.copytree(task_dir / "public", dest)
+    if overlay:
+        shutil.copytree(task_dir / overlay, dest, dirs_exist_ok=True)
+    return dest
+
+
+def run_gate(task_id: str, workspace: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    task = load_task(task_id)
+    gate_copy = tmp_path / "gate-copy"
+    if not gate_copy.exists():
+        shutil.copytree(TASKS_DIR / task_id / "gate", gate_copy)
+    return subprocess.run(fill(task["gate"]["cmd"], gate=str(gate_copy)), cwd=workspace,
+                          capture_output=True, text=True, env=child_env(),
+                          timeout=task["gate"]["timeout_s"])
+
+
+def check_receipt(receipt: dict) -> None:
+    """The receipt shape of SPEC section 5, internally consistent."""
+    assert isinstance(receipt["passed"], bool)
+    assert isinstance(receipt["score"], (int, float)) and 0.0 <= receipt["score"] <= 1.0
+    assert isinstance(receipt["tests_passed"], int) and isinstance(receipt["tests_total"], int)
+    assert 0 <= receipt["tests_passed"] <= receipt["tests_total"]
+    checks = receipt["checks"]
+    assert isinstance(checks, list) and len(checks) == receipt["tests_total"] > 0
+    for check in checks:
+        assert set(check) >= {"id", "passed", "detail"}
+        assert isinstance(check["id"], str) and isinstance(check["passed"], bool)
+        assert isinstance(check["detail"], str)
+    assert len({check["id"] for check in checks}) == len(checks)
+    assert sum(check["passed"] for check in checks) == receipt["tests_passed"]
+    assert receipt["passed"] == (receipt["tests_passed"] == receipt["tests_total"])
+
+
+def run_oracle(task_id: str, workspace: Path, tmp_path: Path) -> dict:
+    """Run the oracle on a throw-away copy of workspace; return its validated receipt."""
+    task = load_task(task_id)
+    oracle_copy = tmp_path / "oracle-copy"
+    if not oracle_copy.exists():
+        shutil.copytree(TASKS_DIR / task_id / "oracle", oracle_copy)
+    throwaway = tmp_path / f"oracle-ws-{workspace.name}"
+    shutil.copytree(workspace, throwaway)
+    before = tree_digest(throwaway)
+    proc = subprocess.run(fill(task["oracle"]["cmd"], oracle=str(oracle_copy),
+                               workspace=str(throwaway)),
+                          cwd=throwaway, capture_output=True, text=True, env=child_env(),
+                          timeout=task["oracle"]["timeout_s"])
+    assert proc.returncode == 0, proc.stderr
+    # The oracle works on a copy of its own: the workspace it is given stays as it was.
+    assert tree_digest(throwaway) == before
+    receipt = json.loads(proc.stdout.strip().splitlines()[-1])
+    check_receipt(receipt)
+    return receipt
+
+
+def template_identifiers(text: str) -> set[str]:
+    """Names a string.Template uses ($name / ${name}); fails on a stray '$'.
+
+    Template.get_identifiers() exists only from Python 3.11, so the pattern is read directly.
+    """
+    names = set()
+    for match in string.Template.pattern.finditer(text):
+        assert match.group("invalid") is None, f"stray '$' at offset {match.start()}"
+        name = match.group("named") or match.group("braced")
+        if name:
+            names.add(name)
+    return names
+
+
+# ---- study.json and arms ---------------------------------------------------------------------
+
+def test_study_json_has_the_fixed_keys():
+    study = json.loads((STUDY / "study.json").read_text(encoding="utf-8"))
+    assert set(study) >= {"tasks", "model", "effort", "permission_mode", "tools", "arms",
+                          "budget", "repeats", "seed"}
+    assert (STUDY / study["tasks"]).is_dir()
+    assert study["model"] == "claude-opus-4-5"
+    assert study["permission_mode"] == "dontAsk"
+    assert study["tools"].split(",") == ["Bash", "Read", "Edit", "Write", "Glob", "Grep"]
+    assert set(study["budget"]) == {"usd_per_run", "wall_s", "max_turns", "study_usd"}
+    assert all(isinstance(v, (int, float)) and v > 0 for v in study["budget"].values())
+    assert isinstance(study["repeats"], int) and study["repeats"] >= 1
+    assert isinstance(study["seed"], int)
+    arms = study["arms"]
+    assert sorted(arms) == ["A", "B", "C", "D"]
+    assert "gate_cycles" not in arms["A"] and "review" not in arms["A"]
+    assert "gate_cycles" not in arms["B"] and "review" not in arms["B"]
+    assert arms["C"]["gate_cycles"] == 3 and "review" not in arms["C"]
+    assert arms["D"]["gate_cycles"] == 3 and arms["D"]["review"] is True
+
+
+def test_arm_preambles_exist_and_are_real_texts():
+    study = json.loads((STUDY / "study.json").read_text(encoding="utf-8"))
+    for name, arm in study["arms"].items():
+        text = (STUDY / arm["preamble"]).read_text(encoding="utf-8")
+        words = len(text.split())
+        if name == "A":
+            assert 5 <= words <= 60, "the baseline stays short and neutral"
+        else:
+            assert 150 <= words <= 400, f"arm {name}: {words} words"
+    c_text = (STUDY / study["arms"]["C"]["preamble"]).read_text(encoding="utf-8").lower()
+    d_text = (STUDY / study["arms"]["D"]["preamble"]).read_text(encoding="utf-8").lower()
+    assert "controller" in c_text and "reviewer" in d_text
+
+
+# ---- tasks -----------------------------------------------------------------------------------
+
+def test_the_bundle_holds_the_three_tasks():
+    assert sorted(p.name for p in TASKS_DIR.iterdir() if p.is_dir()) == TASK_IDS
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_task_json_and_layout(task_id):
+    task_dir = TASKS_DIR / task_id
+    task = load_task(task_id)
+    assert task["id"] == task_id and task["title"]
+    assert task["gate"]["cmd"] == GATE_CMD and task["gate"]["timeout_s"] > 0
+    assert task["oracle"]["cmd"] == ORACLE_CMD and task["oracle"]["timeout_s"] > 0
+    assert 0.0 < task["oracle"]["threshold"] <= 1.0
+    for sub in ("public", "gate", "oracle", "reference", "partial"):
+        assert (task_dir / sub).is_dir(), sub
+    assert (task_dir / "public" / "TASK.md").is_file()
+    assert (task_dir / "oracle" / "run.py").is_file()
+    # Overlays carry solution files only: a solution never rewrites the public tests.
+    for overlay in ("reference", "partial"):
+        names = {p.relative_to(task_dir / overlay).parts[0]
+                 for p in (task_dir / overlay).rglob("*") if p.is_file()}
+        assert names and "tests" not in names and "TASK.md" not in names
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_public_tests_are_the_gate_tests(task_id):
+    task_dir = TASKS_DIR / task_id
+    gate = tree_digest(task_dir / "gate")
+    assert gate and gate == tree_digest(task_dir / "public" / "tests")
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_starter_fails_the_oracle(task_id, tmp_path):
+    workspace = make_workspace(task_id, tmp_path / "starter")
+    receipt = run_oracle(task_id, workspace, tmp_path)
+    assert receipt["score"] < load_task(task_id)["oracle"]["threshold"]
+    assert receipt["passed"] is False
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_starter_plus_partial_fails_the_gate(task_id, tmp_path):
+    workspace = make_workspace(task_id, tmp_path / "partial", overlay="partial")
+    proc = run_gate(task_id, workspace, tmp_path)
+    assert proc.returncode != 0
+    assert "FAILED" in proc.stderr  # tests ran and failed, rather than crashing the runner
+    # The partial solution is incomplete, not a solution: the oracle rejects it too.
+    receipt = run_oracle(task_id, workspace, tmp_path)
+    assert receipt["score"] < load_task(task_id)["oracle"]["threshold"]
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_starter_plus_reference_passes_gate_and_oracle(task_id, tmp_path):
+    workspace = make_workspace(task_id, tmp_path / "reference", overlay="reference")
+    proc = run_gate(task_id, workspace, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "OK" in proc.stderr
+    receipt = run_oracle(task_id, workspace, tmp_path)
+    assert receipt["passed"] is True
+    assert receipt["score"] >= load_task(task_id)["oracle"]["threshold"]
+    assert receipt["score"] == 1.0
+
+
+@pytest.mark.parametrize("task_id", TASK_IDS)
+def test_oracle_refuses_a_missing_workspace(task_id, tmp_path):
+    proc = subprocess.run([sys.executable, str(TASKS_DIR / task_id / "oracle" / "run.py"),
+                           str(tmp_path / "does-not-exist")],
+                          capture_output=True, text=True, env=child_env(), timeout=60)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+
+
+# ---- templates and preamble ------------------------------------------------------------------
+
+def test_template_set_is_complete():
+    assert {p.name for p in TEMPLATES.glob("*.md")} == set(TEMPLATE_VARS)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATE_VARS))
+def test_template_renders_with_exactly_its_variables(name):
+    text = (TEMPLATES / name).read_text(encoding="utf-8")
+    expected = TEMPLATE_VARS[name]
+    assert template_identifiers(text) == expected
+    values = {var: f"<<{var}>>" for var in expected}
+    rendered = string.Template(text).substitute(values)
+    for var in expected:
+        assert f"<<{var}>>" in rendered
+    assert len(rendered.split()) >= 30, "a real prompt, not a placeholder"
+
+
+def test_review_prompt_states_the_review_json_shape():
+    text = (TEMPLATES / "review_prompt.md").read_text(encoding="utf-8")
+    for token in ('"verdict"', '"accept"', '"revise"', '"findings"', '"severity"', '"blocker"',
+                  '"major"', '"minor"', '"file"', '"detail"', '"summary"'):
+        assert token in text, token
+
+
+def test_preamble_length_and_content():
+    text = (ROOT / "preamble.md").read_text(encoding="utf-8")
+    assert 100 <= len(text.split()) <= 250
+    lowered = text.lower()
+    assert "non-interactive" in lowered and "current directory" in lowered
+    assert "summary" in lowered

@@ -1,0 +1,519 @@
+"""Tests for the study report (JSON, Markdown, HTML) and the ledger usage aggregate.
+
+The synthetic study below is small enough that every expected number is counted by hand in the
+comments next to the runs.
+"""
+import copy
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import agentbench as ab
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def run(run_id, task, arm, repeat, *, success=None, status="finished", outcome=None,
+        validity="valid", reason=None, cost=1.0, estimated=False, wall=None, cycles=0,
+        verdicts=(), failure_reason=None):
+    """A run record as the experiment layer stores it; success=None means no evaluation."""
+    evaluation = None
+    if success is not None:
+        evaluation = {"success": success, "score": 1.0 if success else 0.25,
+                      "tests_passed": 4 if success else 1, "tests_total": 4}
+    if outcome is None and status == "finished":
+        outcome = "success" if success else "failure"
+    return {"run_id": run_id, "task": task, "arm": arm, "repeat": repeat, "block": f"b-{task}",
+            "status": status, "outcome": outcome, "validity": validity,
+            "validity_reason": reason, "evaluation": evaluation, "cost_usd": cost,
+            "cost_estimated": estimated,
+            "tokens": {"input": 100, "output": 50, "cache_creation": 10, "cache_read": 1000},
+            "wall_s": wall, "gate_cycles": cycles, "review_verdicts": list(verdicts),
+            "failure_reason": failure_reason}
+
+
+def study_runs():
+    """Arms A (baseline), C, D, E (no runs); tasks t1..t3; repeats 1 and 2."""
+    return [
+        # A: 6 evaluated, 3 successes -> 0.5. Cost 1.0 each. Walls 10..60 -> median 35.
+        # Gate cycles 0,1,2,0,1,2 -> total 6, mean 1.0, max 2.
+        run("r01", "t1", "A", 1, success=True, wall=10, cycles=0),
+        run("r02", "t1", "A", 2, success=False, wall=20, cycles=1,
+            failure_reason="hidden tests failed"),
+        run("r03", "t2", "A", 1, success=True, wall=30, cycles=2),
+        run("r04", "t2", "A", 2, success=True, wall=40, cycles=0),
+        run("r05", "t3", "A", 1, success=False, wall=50, cycles=1,
+            failure_reason="hidden tests failed"),
+        run("r06", "t3", "A", 2, success=False, wall=60, cycles=2,
+            failure_reason="gate never passed"),
+        # C: t2 r2 is an infrastructure failure (excluded); t3 r1 hit its budget and was graded
+        # (failure); t3 r2 hit its budget and was never graded (cost estimated).
+        # Primary view: 5 runs, 4 evaluated, 3 successes -> 0.75; conservative 3/5 = 0.6.
+        # Cost 2.0 each over 5 started runs = 10.0 -> 2.0 per run, 10/3 per success.
+        run("r07", "t1", "C", 1, success=True, cost=2.0, wall=100,
+            verdicts=("revise", "accept")),
+        run("r08", "t1", "C", 2, success=True, cost=2.0, wall=100, verdicts=("accept",)),
+        run("r09", "t2", "C", 1, success=True, cost=2.0, wall=100),
+        run("r10", "t2", "C", 2, status="error", outcome="error",
+            validity="infrastructure_failure", reason="API 529 overloaded", cost=0.5),
+        run("r11", "t3", "C", 1, success=False, outcome="budget_exhausted", cost=2.0,
+            wall=300, failure_reason="budget"),
+        run("r12", "t3", "C", 2, status="finished", outcome="budget_exhausted", cost=2.0,
+            estimated=True, wall=300, failure_reason="budget"),
+        # D: t1 r1 degenerate (excluded, though graded a success); t2 r1 timed out (graded
+        # failure); t2 r2 not started; t3 r1 interrupted (no evaluation); t3 r2 running.
+        # Primary view: evaluated t1 r2 (success) and t2 r1 (failure) -> 1/2 = 0.5.
+        run("r13", "t1", "D", 1, success=True, validity="degenerate",
+            reason="success in 3 s with no tool call", cost=0.1),
+        run("r14", "t1", "D", 2, success=True, cost=3.0),
+        run("r15", "t2", "D", 1, success=False, outcome="timeout", cost=3.0,
+            failure_reason="wall time"),
+        run("r16", "t2", "D", 2, status="not_started", outcome=None, validity=None, cost=0.0),
+        run("r17", "t3", "D", 1, status="interrupted", outcome="interrupted", cost=1.0,
+            failure_reason="controller crash"),
+        run("r18", "t3", "D", 2, status="running", outcome=None, validity=None, cost=0.5),
+        # An arm the study does not define: ignored, and said so.
+        run("r99", "t1", "Z", 1, success=True),
+    ]
+
+
+ARMS = ["A", "C", "D", "E"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return ab.build_report(study_runs(), ARMS, seed=123)
+
+
+# ------------------------------------------------------------------------------------------------
+# JSON report
+# ------------------------------------------------------------------------------------------------
+
+def test_report_is_json_and_does_not_touch_its_input():
+    runs = study_runs()
+    before = copy.deepcopy(runs)
+    rep = ab.build_report(runs, ARMS, seed=1)
+    assert runs == before
+    text = json.dumps(rep, allow_nan=False)
+    assert '"_task"' not in text  # the internal task key does not leak
+    assert rep["baseline"] == "A" and rep["primary_view"] == "exclusions_applied"
+    assert rep["totals"]["runs"] == 18 and rep["totals"]["ignored_unknown_arm"] == 1
+    assert rep["totals"]["excluded"] == 2 and rep["tasks"] == ["t1", "t2", "t3"]
+
+
+def test_per_arm_baseline_figures(report):
+    a = report["per_arm"]["A"]
+    assert (a["runs"], a["evaluated"], a["successes"], a["failures"]) == (6, 6, 3, 3)
+    assert a["success_rate"] == 0.5
+    assert a["success_ci"] == list(ab.wilson_interval(3, 6))
+    # Mean score: three successes at 1.0 and three failures at 0.25 -> 3.75 / 6 = 0.625.
+    assert a["mean_score"] == pytest.approx(0.625)
+    assert (a["tests_passed"], a["tests_total"]) == (15, 24)
+    assert a["cost_usd"] == 6.0 and a["cost_per_run_usd"] == 1.0
+    assert a["cost_per_success_usd"] == 2.0
+    assert a["tokens"] == {"input": 600, "output": 300, "cache_creation": 60,
+                           "cache_read": 6000, "total": 6960}
+    assert a["median_wall_s"] == 35.0
+    assert a["gate_cycles"] == {"total": 6, "mean": 1.0, "max": 2,
+                                "distribution": {"0": 2, "1": 2, "2": 2}}
+    assert a["failure_reasons"] == {"hidden tests failed": 2, "gate never passed": 1}
+
+
+def test_per_arm_counts_errors_budget_stops_and_exclusions(report):
+    c = report["per_arm"]["C"]
+    assert (c["runs"], c["in_view"], c["excluded"]) == (6, 5, 1)
+    assert (c["evaluated"], c["successes"], c["not_evaluated"]) == (4, 3, 1)
+    assert c["not_evaluated_by_cause"] == {"budget_exhausted": 1}
+    assert c["success_rate"] == 0.75
+    assert c["success_rate_conservative"] == 0.6
+    assert c["success_ci_conservative"] == list(ab.wilson_interval(3, 5))
+    assert c["budget_exhausted"] == 2 and c["errors"] == 0
+    assert c["cost_usd"] == 10.0 and c["cost_per_run_usd"] == 2.0
+    assert c["cost_per_success_usd"] == pytest.approx(10 / 3)
+    assert c["cost_estimated_usd"] == 2.0 and c["cost_estimated_runs"] == 1
+    assert c["cost_excluded_usd"] == 0.5
+    assert c["review_verdicts"] == {"all": {"revise": 1, "accept": 2}, "final": {"accept": 2}}
+    assert c["failure_reasons"] == {"budget": 2}
+
+    d = report["per_arm"]["D"]
+    assert (d["runs"], d["excluded"], d["not_started"], d["running"]) == (6, 1, 1, 1)
+    assert (d["evaluated"], d["successes"], d["success_rate"]) == (2, 1, 0.5)
+    assert d["not_evaluated"] == 1 and d["not_evaluated_by_cause"] == {"interrupted": 1}
+    assert d["timeouts"] == 1 and d["interrupted"] == 1
+    assert d["started"] == 4  # r14, r15, r17, r18
+
+    e = report["per_arm"]["E"]
+    assert e["runs"] == 0 and e["success_rate"] is None and e["success_ci"] is None
+    assert e["cost_per_run_usd"] is None and e["median_wall_s"] is None
+
+
+def test_all_included_view_counts_excluded_runs(report):
+    view = report["views"]["all_included"]["per_arm"]
+    # C: the infrastructure failure has no evaluation -> still 3/4, now 2 unevaluated.
+    assert view["C"]["evaluated"] == 4 and view["C"]["not_evaluated"] == 2
+    assert view["C"]["not_evaluated_by_cause"] == {"budget_exhausted": 1, "error": 1}
+    assert view["C"]["errors"] == 1
+    # D: the degenerate success joins -> 2 of 3.
+    assert view["D"]["successes"] == 2 and view["D"]["evaluated"] == 3
+    assert view["D"]["success_rate"] == pytest.approx(2 / 3)
+    assert report["other_view"] == "all_included"
+
+
+def test_excluded_runs_are_listed_with_reasons(report):
+    listed = {(e["run_id"], e["validity"], e["reason"]) for e in report["excluded_runs"]}
+    assert listed == {("r10", "infrastructure_failure", "API 529 overloaded"),
+                      ("r13", "degenerate", "success in 3 s with no tool call")}
+
+
+def test_paired_comparison_c_vs_a(report):
+    cmp = report["comparisons"]["C"]
+    # t1: C 2/2 - A 1/2 = +0.5 (win); t2: C 1/1 - A 2/2 = 0 (tie); t3: C 0/1 - A 0/2 = 0 (tie).
+    assert cmp["tasks_compared"] == 3
+    assert [t["diff"] for t in cmp["per_task"]] == [0.5, 0.0, 0.0]
+    assert cmp["mean_diff"] == pytest.approx(1 / 6)
+    assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (1, 0, 2)
+    assert cmp["sign_test_p"] == 1.0  # one informative task: 2 * 1/2
+    # Bootstrap: a resample mean is 0.5 K / 3 with K ~ Binomial(3, 1/3). P(K = 0) = 8/27 > 2.5%
+    # so the lower bound is 0; P(K = 3) = 1/27 = 3.7% > 2.5% so the upper bound is 0.5.
+    assert cmp["ci"] == [0.0, 0.5]
+    # McNemar: only t1 has the same evaluated repeats {1, 2} in both arms. Pair 1: both
+    # succeed; pair 2: only C succeeds -> b = 1, c = 0, p = 1.
+    mc = cmp["mcnemar"]
+    assert mc["tasks_used"] == ["t1"] and mc["tasks_skipped"] == ["t2", "t3"]
+    assert (mc["pairs"], mc["arm_only_success"], mc["baseline_only_success"]) == (2, 1, 0)
+    assert mc["both_success"] == 1 and mc["both_failure"] == 0 and mc["p"] == 1.0
+
+
+def test_paired_comparison_with_missing_task_and_empty_arm(report):
+    cmp = report["comparisons"]["D"]
+    # t1: D 1/1 - A 1/2 = +0.5; t2: D 0/1 - A 2/2 = -1.0; t3: D has nothing evaluated.
+    assert cmp["tasks_compared"] == 2 and cmp["tasks_without_arm_data"] == ["t3"]
+    assert cmp["mean_diff"] == pytest.approx(-0.25)
+    assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (1, 1, 0)
+    assert cmp["sign_test_p"] == 1.0
+    assert cmp["mcnemar"]["p"] is None and cmp["mcnemar"]["pairs"] == 0
+    lo, hi = cmp["ci"]
+    assert -1.0 <= lo <= -0.25 <= hi <= 0.5
+
+    empty = report["comparisons"]["E"]
+    assert empty["tasks_compared"] == 0 and empty["mean_diff"] is None
+    assert empty["ci"] is None and empty["sign_test_p"] is None and empty["mcnemar"] is None
+    assert "A" not in report["comparisons"]
+
+
+def test_all_included_comparison_uses_the_degenerate_run(report):
+    cmp = report["views"]["all_included"]["comparisons"]["D"]
+    # t1 now has D repeats {1, 2}, both successes; A has 1 success (repeat 1) -> pairs:
+    # both succeed (r1), only D succeeds (r2).
+    assert cmp["mcnemar"]["tasks_used"] == ["t1"]
+    assert (cmp["mcnemar"]["arm_only_success"], cmp["mcnemar"]["both_success"]) == (1, 1)
+
+
+def test_per_task_table(report):
+    t1 = report["per_task"]["t1"]
+    assert (t1["A"]["successes"], t1["A"]["evaluated"]) == (1, 2)
+    assert (t1["C"]["successes"], t1["C"]["evaluated"]) == (2, 2)
+    assert (t1["D"]["successes"], t1["D"]["evaluated"], t1["D"]["runs"]) == (1, 1, 1)
+    assert t1["E"] == {"runs": 0, "evaluated": 0, "successes": 0, "success_rate": None,
+                       "mean_score": None, "cost_usd": 0.0}
+
+
+def test_notes_say_what_was_left_out(report):
+    notes = "\n".join(report["notes"])
+    assert "2 run(s) excluded by validity label (1 infrastructure_failure, 1 degenerate)" in notes
+    assert "arm C: 1 run(s) ended without an evaluation (1 budget_exhausted)" in notes
+    assert "60.0%" in notes  # the conservative rate for C is spelled out
+    assert "arm D: 1 run(s) ended without an evaluation (1 interrupted)" in notes
+    assert "1 run(s) not started, 1 running" in notes
+    assert "arms not in the study (Z)" in notes
+    assert "estimated from list prices over 1 run(s)" in notes
+    assert "D vs A: 2 of 3 tasks" in notes
+    assert "arm E has no runs" in notes
+    assert "E vs A: no task has evaluated runs in both arms" in notes
+    assert "stopped on budget or time and were graded" in notes
+
+
+def test_include_excluded_switches_the_primary_view():
+    rep = ab.build_report(study_runs(), ARMS, seed=123, include_excluded=True)
+    assert rep["primary_view"] == "all_included" and rep["other_view"] == "exclusions_applied"
+    assert rep["per_arm"]["D"]["success_rate"] == pytest.approx(2 / 3)
+    assert any("included as requested" in n for n in rep["notes"])
+
+
+def test_baseline_choice_and_missing_baseline():
+    rep = ab.build_report(study_runs(), ARMS, baseline="C")
+    assert rep["baseline"] == "C" and set(rep["comparisons"]) == {"A", "D", "E"}
+    # A vs C mirrors C vs A: t1 -0.5, t2 0, t3 0.
+    assert rep["comparisons"]["A"]["mean_diff"] == pytest.approx(-1 / 6)
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.build_report(study_runs(), ARMS, baseline="Q")
+    assert err.value.exit_code == 2 and err.value.payload["arms"] == ARMS
+
+
+def test_arms_default_to_those_in_the_runs_and_baseline_without_runs():
+    rep = ab.build_report(study_runs()[:6], [])
+    assert rep["arms"] == ["A"] and rep["comparisons"] == {}
+    # A baseline with no runs: every comparison is empty, and the report still builds.
+    rep = ab.build_report(study_runs(), ["E", "A"])
+    assert rep["comparisons"]["A"]["tasks_compared"] == 0
+    with pytest.raises(ab.AgentbenchError):
+        ab.build_report([], [])
+
+
+def test_all_tied_comparison():
+    runs = []
+    for i, task in enumerate(["t1", "t2", "t3", "t4"]):
+        for arm in ("A", "B"):
+            runs.append(run(f"{arm}{i}", task, arm, 1, success=(i % 2 == 0)))
+    cmp = ab.build_report(runs, ["A", "B"])["comparisons"]["B"]
+    assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (0, 0, 4)
+    assert cmp["mean_diff"] == 0.0 and cmp["ci"] == [0.0, 0.0]
+    assert cmp["sign_test_p"] == 1.0
+    # McNemar over the four (task, repeat) pairs: all concordant -> p = 1.
+    assert cmp["mcnemar"]["pairs"] == 4 and cmp["mcnemar"]["p"] == 1.0
+
+
+def test_single_task_study():
+    runs = [run("a1", "only", "A", 1, success=False), run("a2", "only", "A", 2, success=False),
+            run("b1", "only", "B", 1, success=True), run("b2", "only", "B", 2, success=True)]
+    rep = ab.build_report(runs, ["A", "B"])
+    cmp = rep["comparisons"]["B"]
+    assert cmp["tasks_compared"] == 1 and cmp["mean_diff"] == 1.0 and cmp["ci"] == [1.0, 1.0]
+    assert cmp["sign_test_p"] == 1.0
+    # Two discordant pairs, both for B: p = 2 * (1/4) = 0.5.
+    assert cmp["mcnemar"]["p"] == 0.5
+    assert any("a single task" in n for n in rep["notes"])
+    assert rep["per_arm"]["B"]["success_ci"] == [ab.wilson_interval(2, 2)[0], 1.0]
+    assert rep["per_arm"]["A"]["success_ci"][0] == 0.0
+
+
+def test_seed_makes_report_reproducible():
+    a = ab.build_report(study_runs(), ARMS, seed=9)
+    b = ab.build_report(study_runs(), ARMS, seed=9)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown
+# ------------------------------------------------------------------------------------------------
+
+def test_markdown_has_tables_and_notes(report):
+    md = ab.render_report_md(report)
+    for heading in ("## Results per arm", "## What happened to every run",
+                    "## Paired comparison against A", "## Per task", "## Runs excluded",
+                    "## Notes", "## Methods"):
+        assert heading in md
+    assert md.count("|---|") >= 6
+    # The per-arm row of C: 4 evaluated, 3 successes, 75.0%, its Wilson interval, and a
+    # cost marked ~ because part of it is estimated.
+    row = next(line for line in md.splitlines() if line.startswith("| C |"))
+    lo, hi = ab.wilson_interval(3, 4)
+    assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%]" in row
+    assert "~$2.00" in row
+    assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 1/0/2 | 1.0000 |" in md
+    assert "| t1 | 1/2 (50.0%) | 2/2 (100.0%) | 1/1 (100.0%) | - |" in md
+    assert "| r10 | t2 | C | infrastructure_failure | API 529 overloaded |" in md
+    # Every table row has as many cells as its header.
+    block = []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            widths = {len(re.split(r"(?<!\\)\|", b)) for b in block}
+            assert len(widths) == 1, block
+            block = []
+
+
+# ------------------------------------------------------------------------------------------------
+# HTML
+# ------------------------------------------------------------------------------------------------
+
+def _page_tree(page: str) -> ET.Element:
+    assert page.startswith("<!DOCTYPE html>")
+    return ET.fromstring(page.split("\n", 1)[1])
+
+
+def _svgs(page: str) -> dict:
+    root = _page_tree(page)
+    return {svg.get("data-chart"): svg for svg in root.iter(SVG + "svg")}
+
+
+def test_html_is_self_contained_and_printable(report):
+    page = ab.render_report_html(report)
+    _page_tree(page)  # well-formed apart from the doctype
+    low = page.lower()
+    assert "<script" not in low and "src=" not in low and "href=" not in low
+    assert "@import" not in low and "url(" not in low
+    # The only URL is the SVG namespace name, which is never fetched.
+    assert set(re.findall(r"https?://[^\s\"']+", page)) == {"http://www.w3.org/2000/svg"}
+    assert "@media print" in page
+    assert "<table>" in page and "Runs excluded by validity label" in page
+
+
+def test_html_success_chart_matches_json(report):
+    page = ab.render_report_html(report)
+    data = json.loads(json.dumps(report))  # compare against the JSON as written
+    svg = _svgs(page)["success-rate"]
+    y0, y1 = float(svg.get("data-y0")), float(svg.get("data-y1"))
+    assert y0 > y1  # rate 0 at the bottom
+
+    def y(v):
+        return y0 - v * (y0 - y1)
+
+    bars = {r.get("data-arm"): r for r in svg.iter(SVG + "rect") if r.get("class") == "bar"}
+    assert set(bars) == {"A", "C", "D"}  # E has no data
+    nodata = [t.get("data-arm") for t in svg.iter(SVG + "text") if t.get("class") == "nodata"]
+    assert nodata == ["E"]
+    whiskers = {g.get("data-arm"): g for g in svg.iter(SVG + "g") if g.get("class") == "whisker"}
+    for arm, bar in bars.items():
+        pa = data["per_arm"][arm]
+        assert float(bar.get("data-rate")) == pa["success_rate"]
+        assert [float(bar.get("data-lo")), float(bar.get("data-hi"))] == pa["success_ci"]
+        assert int(bar.get("data-n")) == pa["evaluated"]
+        # Geometry: the bar rises from the zero line to the rate.
+        assert float(bar.get("y")) == pytest.approx(y(pa["success_rate"]), abs=0.01)
+        assert float(bar.get("height")) == pytest.approx(pa["success_rate"] * (y0 - y1), abs=0.02)
+        assert float(bar.get("y")) + float(bar.get("height")) == pytest.approx(y0, abs=0.02)
+        # The whisker spans the Wilson interval.
+        g = whiskers[arm]
+        assert [float(g.get("data-lo")), float(g.get("data-hi"))] == pa["success_ci"]
+        stem = next(iter(g))
+        ys = sorted([float(stem.get("y1")), float(stem.get("y2"))])
+        assert ys[0] == pytest.approx(y(pa["success_ci"][1]), abs=0.01)
+        assert ys[1] == pytest.approx(y(pa["success_ci"][0]), abs=0.01)
+
+
+def test_html_cost_chart_matches_json(report):
+    page = ab.render_report_html(report)
+    data = json.loads(json.dumps(report))
+    svg = _svgs(page)["cost-vs-success"]
+    x0, x1 = float(svg.get("data-x0")), float(svg.get("data-x1"))
+    xmax = float(svg.get("data-xmax"))
+    y0, y1 = float(svg.get("data-y0")), float(svg.get("data-y1"))
+    points = {c.get("data-arm"): c for c in svg.iter(SVG + "circle")}
+    assert set(points) == {"A", "C", "D"}
+    for arm, pt in points.items():
+        pa = data["per_arm"][arm]
+        assert float(pt.get("data-cost")) == pa["cost_per_run_usd"]
+        assert float(pt.get("data-rate")) == pa["success_rate"]
+        assert pt.get("data-estimated") == ("true" if pa["cost_estimated_usd"] > 0 else "false")
+        assert float(pt.get("cx")) == pytest.approx(
+            x0 + pa["cost_per_run_usd"] / xmax * (x1 - x0), abs=0.01)
+        assert float(pt.get("cy")) == pytest.approx(
+            y0 - pa["success_rate"] * (y0 - y1), abs=0.01)
+    # Every point lies inside the plotted range.
+    assert max(data["per_arm"][a]["cost_per_run_usd"] for a in points) <= xmax
+    lines = [ln for ln in svg.iter(SVG + "line") if ln.get("class") == "whisker"]
+    assert {ln.get("data-arm") for ln in lines} == {"A", "C", "D"}
+
+
+def test_html_escapes_names():
+    runs = [run("x1", "t<1>", "a&b", 1, success=True), run("x2", "t<1>", "c\"d", 1, success=False)]
+    page = ab.render_report_html(ab.build_report(runs, ["a&b", 'c"d']))
+    svgs = _svgs(page)  # parses, so nothing leaked unescaped
+    arms = {r.get("data-arm") for r in svgs["success-rate"].iter(SVG + "rect")
+            if r.get("class") == "bar"}
+    assert arms == {"a&b", 'c"d'}
+
+
+def test_html_with_no_evaluated_runs_still_renders():
+    runs = [run("n1", "t1", "A", 1, status="not_started", outcome=None, validity=None, cost=0.0)]
+    page = ab.render_report_html(ab.build_report(runs, ["A", "B"]))
+    svgs = _svgs(page)
+    assert not [r for r in svgs["success-rate"].iter(SVG + "rect") if r.get("class") == "bar"]
+    assert not list(svgs["cost-vs-success"].iter(SVG + "circle"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Usage aggregate
+# ------------------------------------------------------------------------------------------------
+
+def ledger():
+    opus, haiku = "claude-opus-4-5", "claude-haiku-4-5"
+    return [
+        {"job_id": "j1", "kind": "executor", "run_id": "r1", "arm": "A", "task": "t1",
+         "status": "ok", "reason": None,
+         "tokens": {"input": 100, "output": 200, "cache_creation": 300, "cache_creation_1h": 0,
+                    "cache_creation_5m": 300, "cache_read": 600},
+         "cost_delta_usd": 0.5, "estimated": False, "cache_verdict": "cold",
+         "models_used": [opus], "duration_s": 10.0},
+        {"job_id": "j2", "kind": "executor", "run_id": "r2", "arm": "C", "task": "t1",
+         "status": "ok", "reason": None,
+         "tokens": {"input": 50, "output": 100, "cache_creation": 0, "cache_creation_1h": 0,
+                    "cache_creation_5m": 0, "cache_read": 950},
+         "cost_delta_usd": 0.25, "estimated": False, "cache_verdict": "hit",
+         "models_used": [opus], "duration_s": 20.0},
+        {"job_id": "j3", "kind": "reviewer", "run_id": "r2", "arm": "C", "task": "t1",
+         "status": "failed", "reason": "is_error",
+         "tokens": {"input": 10, "output": 5, "cache_creation": 90, "cache_creation_1h": 90,
+                    "cache_creation_5m": 0, "cache_read": 0},
+         "cost_delta_usd": 0.1, "estimated": True, "cache_verdict": "miss",
+         "models_used": [opus, haiku], "duration_s": 5.0},
+        {"job_id": "j4", "kind": "ping", "run_id": None, "arm": None, "task": None,
+         "status": "ok", "reason": None,
+         "tokens": {"input": 1, "output": 1, "cache_creation": 0, "cache_creation_1h": 0,
+                    "cache_creation_5m": 0, "cache_read": 99},
+         "cost_delta_usd": 0.01, "estimated": False, "cache_verdict": "hit",
+         "models_used": [haiku], "duration_s": 1.0},
+        {"job_id": "j5", "kind": "train", "run_id": None, "arm": None, "task": "t1",
+         "status": "killed", "reason": None, "tokens": {}, "cost_delta_usd": 0.2,
+         "estimated": True, "cache_verdict": None, "models_used": [], "duration_s": 3.0},
+    ]
+
+
+def test_usage_by_kind():
+    agg = ab.aggregate_usage(ledger(), by="kind")
+    assert list(agg["groups"]) == ["executor", "ping", "reviewer", "train"]
+    ex = agg["groups"]["executor"]
+    # Tokens: input 150, output 300, cache write 300, cache read 1550.
+    # Hit ratio = 1550 / (150 + 300 + 1550) = 0.775.
+    assert ex["jobs"] == 2 and ex["cache_hit_ratio"] == 0.775
+    assert ex["tokens"]["cache_creation_5m"] == 300 and ex["tokens_total"] == 2300
+    assert ex["cost_usd"] == pytest.approx(0.75) and ex["cost_estimated_usd"] == 0.0
+    assert ex["cache_verdicts"] == {"cold": 1, "hit": 1}
+    rv = agg["groups"]["reviewer"]
+    assert rv["cache_hit_ratio"] == 0.0 and rv["cost_estimated_usd"] == pytest.approx(0.1)
+    assert rv["statuses"] == {"failed": 1}
+    assert agg["groups"]["train"]["cache_hit_ratio"] is None  # no prompt tokens at all
+    tot = agg["totals"]
+    # Totals: input 161, cache write 390, cache read 1649 -> 1649 / 2200.
+    assert tot["jobs"] == 5 and tot["cache_hit_ratio"] == pytest.approx(1649 / 2200)
+    assert tot["cost_usd"] == pytest.approx(1.06)
+    assert tot["cost_estimated_usd"] == pytest.approx(0.3) and tot["estimated_jobs"] == 2
+    assert tot["cache_verdicts"] == {"cold": 1, "hit": 2, "miss": 1, "(none)": 1}
+    assert agg["notes"] and "estimated" in agg["notes"][0]
+
+
+def test_usage_by_arm_task_model_status():
+    by_arm = ab.aggregate_usage(ledger(), by="arm")
+    assert list(by_arm["groups"]) == ["A", "C", "(none)"]
+    assert by_arm["groups"]["(none)"]["jobs"] == 2
+    by_task = ab.aggregate_usage(ledger(), by="task")
+    assert {k: g["jobs"] for k, g in by_task["groups"].items()} == {"t1": 4, "(none)": 1}
+    by_model = ab.aggregate_usage(ledger(), by="model")
+    jobs = {k: g["jobs"] for k, g in by_model["groups"].items()}
+    assert jobs == {"claude-haiku-4-5": 1, "claude-haiku-4-5,claude-opus-4-5": 1,
+                    "claude-opus-4-5": 2, "(none)": 1}
+    # Each job counted once: the group costs add up to the total.
+    assert sum(g["cost_usd"] for g in by_model["groups"].values()) == pytest.approx(1.06)
+    by_status = ab.aggregate_usage(ledger(), by="status")
+    assert {k: g["jobs"] for k, g in by_status["groups"].items()} == {
+        "failed": 1, "killed": 1, "ok": 3}
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.aggregate_usage(ledger(), by="colour")
+    assert err.value.exit_code == 2
+
+
+def test_usage_empty_ledger_and_markdown():
+    empty = ab.aggregate_usage([], by="kind")
+    assert empty["groups"] == {} and empty["totals"]["jobs"] == 0
+    assert empty["totals"]["cache_hit_ratio"] is None
+    md = ab.render_usage_md(ab.aggregate_usage(ledger(), by="kind"))
+    assert "## Usage by kind" in md and "|---|" in md
+    row = next(line for line in md.splitlines() if line.startswith("| executor |"))
+    assert "| 2 | 150 | 300 | 300 | 1,550 | 77.5% | $0.7500 |" in row
+    total = next(line for line in md.splitlines() if line.startswith("| **total** |"))
+    assert "~$1.06" in total
+    json.dumps(ab.aggregate_usage(ledger(), by="model"), allow_nan=False)
