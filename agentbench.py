@@ -2024,6 +2024,13 @@ class StreamState:
         model = msg.get("model")
         if model and model != "<synthetic>" and model not in self.models:
             self.models.append(str(model))
+        # Per-event output counts are an early snapshot (the final count only reaches the result
+        # event); for a session killed before its result, the content length gives a floor.
+        chars = sum(len(json.dumps(b.get("input"))) if b.get("type") == "tool_use" else len(str(b.get("text") or b.get("thinking") or ""))
+                    for b in msg.get("content") or [] if isinstance(b, dict))
+        entry = self.messages[mid]
+        entry["chars"] = int(entry.get("chars", 0)) + chars
+        entry["tokens"]["output"] = max(int(entry["tokens"].get("output", 0)), entry["chars"] // 4)
         for block in msg.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 self.tool_uses += 1
@@ -5677,7 +5684,9 @@ class ScriptedModelServer:
 
     def get_script(self, script_id: str) -> dict | None:
         """The script for an id: in memory first, else <scripts_dir>/<id>.json read now
-        (read on every request, so another process can register or replace scripts)."""
+        (read on every request, so another process can register or replace scripts; such a
+        writer must write atomically — temp file + rename — or a request may see half a file,
+        which counts as an unknown script)."""
         with self._lock:
             script = self._scripts.get(script_id)
         if script is not None:
