@@ -584,6 +584,10 @@ class Platform:
         """Extra subprocess kwargs for every helper process this program starts."""
         return {}
 
+    def tree_popen_kwargs(self) -> dict[str, Any]:
+        """Popen kwargs for a child whose whole tree must be killable later (its own group/session)."""
+        return dict(self.helper_popen_kwargs())
+
     def _run_helper(self, cmd: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
         """Run a short helper command, capturing text output (tests replace this)."""
         return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -632,6 +636,10 @@ class PosixPlatform(Platform):
     # /proc start times are 10 ms ticks added to btime, an integer that the kernel recomputes from
     # the wall clock (it can move by a second between reads, or more after a clock step).
     ctime_tolerance_s = 1.0
+
+    def tree_popen_kwargs(self) -> dict[str, Any]:
+        """A new session: a tree kill can then find every process the child left behind."""
+        return {"start_new_session": True}
 
     def __init__(self, proc_root: str = "/proc") -> None:
         self._proc = proc_root
@@ -1691,9 +1699,7 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
     not only the direct child.  Output is captured as text (undecodable bytes replaced).
     """
     start = time.monotonic()
-    kwargs: dict[str, Any] = dict(platform.helper_popen_kwargs())
-    if platform.name == "posix":
-        kwargs["start_new_session"] = True
+    kwargs: dict[str, Any] = platform.tree_popen_kwargs()
     try:
         proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env),
                                 stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
@@ -1702,7 +1708,9 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
         return CommandResult(list(argv), 127, "", f"cannot start: {exc}", 0.0, False)
     me = platform.proc_id(proc.pid)
     try:
-        out, err = proc.communicate(stdin_text, timeout=timeout_s)
+        # The pipes are binary (output is decoded leniently below), so the input is encoded here.
+        stdin_bytes = stdin_text.encode("utf-8") if stdin_text is not None else None
+        out, err = proc.communicate(stdin_bytes, timeout=timeout_s)
         timed_out = False
     except subprocess.TimeoutExpired:
         roots = [me] if me else []
@@ -2093,7 +2101,9 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
         return "failed", "prompt_too_long"
     if code in (401, 403) or "authentication" in low or "invalid api key" in low or "oauth" in low:
         return "failed", "auth"
-    if code is not None:
+    if code is not None or terminal == "api_error":
+        # A timeout or a cut/malformed stream ends with terminal_reason api_error and no HTTP
+        # status: an infrastructure failure, not something the agent did.
         return "failed", "api_error"
     if is_error:
         return "failed", "is_error"
@@ -2433,9 +2443,12 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     try:
         pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
                                 cwd=str(paths.root), env=dict(os.environ), log_path=log_path)
-    except OSError as exc:
+    except (OSError, AgentbenchError) as exc:
+        # The platform reports a failed start as AgentbenchError (POSIX) or OSError; either way the
+        # job is registered already, so it is finalised now instead of staying active until reaped.
+        detail = exc.payload.get("detail", str(exc)) if isinstance(exc, AgentbenchError) else str(exc)
         finalize_job(paths, platform, job, status="failed", reason="launch_error",
-                     usage=None, extra={"detail": f"cannot start supervisor: {exc}"})
+                     usage=None, extra={"detail": f"cannot start supervisor: {detail}"})
         return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
     pc = platform.proc_id(pid)
     write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
@@ -2557,7 +2570,7 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
             roots.insert(0, sup)
     if not roots:
         return []
-    return platform.kill_tree(roots, session_ids=sids)
+    return platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
 
 
 def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
@@ -2766,9 +2779,7 @@ class Supervisor:
         env, _ = scrub_env(os.environ, for_claude=not offline, binary=job["binary"], extra=extra)
         prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
-        kwargs = dict(self.platform.helper_popen_kwargs())
-        if self.platform.name == "posix":
-            kwargs["start_new_session"] = True
+        kwargs = self.platform.tree_popen_kwargs()
         try:
             proc = subprocess.Popen(job["argv"], cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
@@ -2830,6 +2841,14 @@ class Supervisor:
         requested = str(job["model"])
         others = [m for m in usage.get("models_used") or []
                   if not (m.startswith(requested) or requested.startswith(m))]
+        # Responses that reported another model: _check() stops such a session while it runs,
+        # but a short session can end between two polls, so the final accounting looks again
+        # (modelUsage is keyed by the requested model and cannot show a substitution).
+        substituted = [m for m in st.models if not (m.startswith(requested) or requested.startswith(m))]
+        if substituted:
+            self.flags.add("model_substituted")
+            if status == "ok":
+                status, reason = "failed", "model_refused"
         if others:
             self.flags.add("other_models_billed")
             if status == "ok" and not (job.get("limits") or {}).get("allow_side_models"):
@@ -2878,7 +2897,7 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
 
 
 # ====================================================================================================
-# Jobs: start, fork, continue
+# The supervisor: jobs (start, fork, continue)
 # ====================================================================================================
 # The shared path by which every session starts (train, spawn, continue, and the experiment's
 # runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
@@ -4960,11 +4979,11 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     "Rate, unevaluated as failure"], rows))
     rows = [[a, _fmt_counts(pa[a]["review_verdicts"]["final"]),
              _fmt_counts(pa[a]["review_verdicts"]["all"]),
-             _fmt_counts(pa[a]["gate_cycles"]["distribution"]),
+             ", ".join(f"{k} cycles: {v} runs" for k, v in pa[a]["gate_cycles"]["distribution"].items()) or "-",
              _fmt_counts(pa[a]["failure_reasons"])] for a in arms]
     tables.append(("Reviews, gate cycles and failure reasons",
                    ["Arm", "Final review verdicts", "All review verdicts",
-                    "Gate cycles (cycles: runs)", "Failure reasons"], rows))
+                    "Gate cycles", "Failure reasons"], rows))
     rows = []
     for a, c in report["comparisons"].items():
         mc = c["mcnemar"]
@@ -6070,7 +6089,7 @@ def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict
 
 
 # ====================================================================================================
-# Rehearsal: the study against the scripted model
+# The scripted model: rehearsal of a study
 # ====================================================================================================
 # Scripts that make the real `claude` binary solve each task the way an agent would: read the task,
 # (for gated arms) submit a partial overlay first so that gate feedback really happens, then read
@@ -6525,6 +6544,24 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- train / spawn / continue -------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def removed_on_refusal(path: Path) -> Iterator[None]:
+    """Remove the directory `path` again if the block is refused and this call created it.
+
+    A refused command writes nothing, but a session's cwd must exist before its job is registered,
+    and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
+    Only `path` itself goes (its name is this call's own), never a parent that a concurrent call
+    may be creating at the same moment.  No job refers to it: a refusal registers nothing.
+    """
+    existed = path.exists()
+    try:
+        yield
+    except AgentbenchError:
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", required=True)
@@ -6546,10 +6583,12 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prompt = read_brief(ctx, args.brief)
     cfg = load_study_config(paths)
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
+    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
-    ws.mkdir(parents=True, exist_ok=True)
-    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                    fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
+    with removed_on_refusal(ws):
+        ws.mkdir(parents=True, exist_ok=True)
+        out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
+                        fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
     write_json_atomic(bfile, {"name": args.base, "job_id": out["job_id"], "session_id": out["session_id"],
                               "cwd": str(ws), "created_at": utc_now(), "expired": False, "last_ping": time.time()})
     return {**out, "base": args.base}
@@ -6579,16 +6618,18 @@ def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prompt = read_brief(ctx, args.brief)
     cfg = load_study_config(paths)
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
+    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     name = args.label or uuid.uuid4().hex[:12]
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
     resume, prior = None, {}
-    if args.base:
-        f = fork_base(ctx, paths, args.base, ws, copy_workspace=not args.workspace)
-        resume, prior = f["resume"], f["prior"]
-    ws.mkdir(parents=True, exist_ok=True)
-    out = start_job(ctx, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None, resume=resume,
-                    fork=bool(resume), prior=prior, limits=limits,
-                    meta={"base": args.base, "label": args.label}, cfg=cfg)
+    with removed_on_refusal(ws):
+        if args.base:
+            f = fork_base(ctx, paths, args.base, ws, copy_workspace=not args.workspace)
+            resume, prior = f["resume"], f["prior"]
+        ws.mkdir(parents=True, exist_ok=True)
+        out = start_job(ctx, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None, resume=resume,
+                        fork=bool(resume), prior=prior, limits=limits,
+                        meta={"base": args.base, "label": args.label}, cfg=cfg)
     return {**out, "base": args.base, "label": args.label}
 
 
@@ -6643,7 +6684,8 @@ def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
 @args_of(_wait_args)
 def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
-    if args.timeout < 0 or args.timeout > WAIT_MAX_S:
+    # Written as a range test so that NaN (which compares false with everything) is refused too.
+    if not 0 <= args.timeout <= WAIT_MAX_S:
         raise AgentbenchError("timeout out of range", timeout=args.timeout, max=WAIT_MAX_S,
                               hint=f"use 0..{WAIT_MAX_S:.0f} s and call wait again")
     for j in args.job:
@@ -7137,7 +7179,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.format == "md":
         result["markdown"] = text
     result["summary"] = {a: {k: v for k, v in s.items() if k in ("runs", "evaluated", "successes", "success_rate")}
-                         for a, s in (report.get("arms") or {}).items() if isinstance(s, dict)}
+                         for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
 
 

@@ -1,0 +1,634 @@
+"""The experiment layer without a model: tasks, calibration, assignment, workspaces, checks, audit.
+
+These tests drive the product the way a user does (``main([...])`` in-process, one JSON object per
+call) on copies of the bundled example study, plus the pure functions the pipeline is built from
+(`make_assignment`, `parse_receipt`, `audit_tool_calls`, `edited_public_tests`).  The only
+`claude` used here is the fake one (tests/fake_claude.py); nothing talks to a model.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, ab, run_main
+
+EXAMPLE = ROOT / "examples" / "study"
+EXAMPLE_TASKS = ("bugfix", "cli", "roman")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def copy_example(dst: Path, tasks: tuple[str, ...] = EXAMPLE_TASKS, arms: tuple[str, ...] | None = None,
+                 **cfg: object) -> Path:
+    """A copy of the bundled example study restricted to `tasks` (and `arms`), study.json updated."""
+    shutil.copytree(EXAMPLE, dst, ignore=shutil.ignore_patterns("__pycache__", "state", "runs"))
+    for sub in (dst / "tasks").iterdir():
+        if sub.name not in tasks:
+            shutil.rmtree(sub)
+    data = json.loads((dst / "study.json").read_text())
+    if arms is not None:
+        data["arms"] = {k: v for k, v in data["arms"].items() if k in arms}
+    data.update(cfg)
+    (dst / "study.json").write_text(json.dumps(data, indent=1))
+    return dst
+
+
+def write_json(path: Path, obj: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1), encoding="utf-8")
+
+
+def make_task(tasks_dir: Path, task_id: str, *, task_md: str = "Set VALUE to 42 in sol.py.\n",
+              threshold: float = 1.0) -> Path:
+    """A tiny task bundle: sol.py must define VALUE = 42 (public gate and hidden oracle check it)."""
+    root = tasks_dir / task_id
+    write_json(root / "task.json", {
+        "id": task_id, "title": f"Tiny task {task_id}",
+        "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"], "timeout_s": 60},
+        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}"], "timeout_s": 60, "threshold": threshold}})
+    (root / "public" / "tests").mkdir(parents=True)
+    (root / "public" / "TASK.md").write_text(task_md)
+    (root / "public" / "sol.py").write_text("VALUE = 0\n")
+    (root / "public" / "tests" / "test_sol.py").write_text(
+        "import unittest\nimport sol\n\n\nclass T(unittest.TestCase):\n"
+        "    def test_value(self):\n        self.assertEqual(sol.VALUE, 42)\n")
+    (root / "gate").mkdir()
+    (root / "gate" / "test_sol.py").write_text((root / "public" / "tests" / "test_sol.py").read_text())
+    (root / "oracle").mkdir()
+    (root / "oracle" / "run.py").write_text(
+        "import json, sys, runpy, os\n"
+        "ws = sys.argv[1]\n"
+        "ok = runpy.run_path(os.path.join(ws, 'sol.py')).get('VALUE') == 42\n"
+        "print(json.dumps({'passed': ok, 'score': 1.0 if ok else 0.0, 'tests_passed': int(ok), 'tests_total': 1}))\n")
+    (root / "reference").mkdir()
+    (root / "reference" / "sol.py").write_text("VALUE = 42\n")
+    return root
+
+
+def tiny_study(root: Path, tasks: tuple[str, ...] = ("tiny",), arms: dict | None = None, **cfg: object) -> Path:
+    """A study of tiny tasks; arms default to one plain arm A."""
+    for t in tasks:
+        make_task(root / "tasks", t)
+    write_json(root / "study.json", {"tasks": "tasks", "model": "claude-opus-4-5", "effort": "high",
+                                     "permission_mode": "dontAsk", "tools": "Bash,Read,Edit,Write,Glob,Grep",
+                                     "arms": arms or {"A": {}}, "seed": 7, **cfg})
+    return root
+
+
+def manifest_of(study: Path, split: str = "main") -> dict:
+    return json.loads((study / "state" / "manifests" / f"{split}.json").read_text())
+
+
+def run_record(study: Path, run_id: str) -> dict:
+    return json.loads((study / "state" / "runs" / f"{run_id}.json").read_text())
+
+
+def set_run_status(study: Path, run_id: str, status: str) -> None:
+    rec = run_record(study, run_id)
+    rec["status"] = status
+    write_json(study / "state" / "runs" / f"{run_id}.json", rec)
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory) -> tuple[Path, int, dict]:
+    """The full example study, copied and calibrated once for this module: (study, code, output)."""
+    study = copy_example(tmp_path_factory.mktemp("calibrated") / "study")
+    code, out = run_main(["calibrate", "--study", str(study)])
+    return study, code, out
+
+
+@pytest.fixture
+def roman(tmp_path, calibrated) -> Path:
+    """A roman-only copy of the example study that counts as calibrated (its calibration copied)."""
+    study = copy_example(tmp_path / "roman", tasks=("roman",))
+    cal = json.loads((calibrated[0] / "state" / "calibration.json").read_text())
+    cal["tasks"] = {"roman": cal["tasks"]["roman"]}
+    write_json(study / "state" / "calibration.json", cal)
+    return study
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+
+def test_calibrate_passes_the_example_study_and_records_it(calibrated):
+    study, code, out = calibrated
+    assert code == 0, out
+    assert out["ok"] is True
+    assert sorted(out["tasks"]) == list(EXAMPLE_TASKS)
+    for tid, res in out["tasks"].items():
+        assert res["ok"] is True, (tid, res["problems"])
+        assert res["problems"] == []
+        # twice on the reference, both passing the gate and the hidden tests; the starter fails them
+        assert [r["attempt"] for r in res["reference"]] == [1, 2]
+        assert all(r["gate_passed"] and r["oracle_success"] for r in res["reference"])
+        assert res["starter_oracle_score"] < 1.0
+    assert out["uncalibrated"] == []
+    recorded = json.loads((study / "state" / "calibration.json").read_text())
+    assert sorted(recorded["tasks"]) == list(EXAMPLE_TASKS)
+    assert all(recorded["tasks"][t]["ok"] for t in EXAMPLE_TASKS)
+    # recorded against the exact bundles and configuration, so a later edit makes it stale
+    tasks = ab.load_tasks(ab.StudyPaths(study), json.loads((study / "study.json").read_text()))
+    assert {t: recorded["tasks"][t]["bundle_sha256"] for t in EXAMPLE_TASKS} == \
+        {t: tasks[t].bundle_sha256 for t in EXAMPLE_TASKS}
+    assert recorded["config_hash"] == ab.config_hash(ab.StudyPaths(study), json.loads((study / "study.json").read_text()))
+
+
+def test_calibrate_reports_a_reference_that_fails(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    ref = study / "tasks" / "roman" / "reference" / "roman.py"
+    ref.write_text((study / "tasks" / "roman" / "public" / "roman.py").read_text())  # the "solution" is the starter
+    code, out = run_main(["calibrate", "--study", str(study)])
+    assert code == 0, out
+    res = out["tasks"]["roman"]
+    assert out["ok"] is False and res["ok"] is False
+    assert any("attempt 1" in p for p in res["problems"]) and any("attempt 2" in p for p in res["problems"])
+    assert out["uncalibrated"] == ["roman"]
+    # a failed calibration does not let runs in: assign refuses the task
+    code, out = run_main(["assign", "--study", str(study)])
+    assert code == 2 and out["tasks"] == ["roman"], out
+
+
+def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    (study / "tasks" / "roman" / "oracle" / "run.py").write_text(
+        "import json\nprint(json.dumps({'passed': True, 'score': 1.0}))\n")
+    code, out = run_main(["calibrate", "--study", str(study)])
+    assert code == 0, out
+    res = out["tasks"]["roman"]
+    assert res["ok"] is False
+    assert res["starter_oracle_score"] == 1.0
+    assert any("untouched starter" in p for p in res["problems"])
+
+
+@pytest.mark.parametrize("mutate, expect", [
+    (lambda spec: spec.pop("oracle"), "lacks required keys"),
+    (lambda spec: spec.pop("title"), "lacks required keys"),
+    (lambda spec: spec.update(id="other"), "task id must equal its directory name"),
+    (lambda spec: spec["oracle"].update(threshold=1.5), "threshold"),
+    (lambda spec: spec["oracle"].update(threshold=0), "threshold"),
+    (lambda spec: spec["gate"].update(cmd=[]), "non-empty `cmd`"),
+    (lambda spec: spec["gate"].update(timeout_s=-1), "timeout_s"),
+], ids=["no-oracle", "no-title", "id-not-dir", "threshold-above-1", "threshold-zero", "empty-cmd", "bad-timeout"])
+def test_task_json_errors_are_refusals_that_write_nothing(tmp_path, mutate, expect):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    tj = study / "tasks" / "roman" / "task.json"
+    spec = json.loads(tj.read_text())
+    mutate(spec)
+    tj.write_text(json.dumps(spec))
+    for cmd in (["calibrate", "--study", str(study)], ["assign", "--study", str(study), "--force"]):
+        code, out = run_main(cmd)
+        assert code == 2, out
+        assert expect in out["error"], out
+    assert not (study / "state" / "calibration.json").exists()
+    assert not (study / "state" / "manifests").exists()
+    assert not (study / "state" / "runs").exists()
+
+
+def test_task_bundle_missing_a_directory_is_refused(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    shutil.rmtree(study / "tasks" / "roman" / "oracle")
+    code, out = run_main(["calibrate", "--study", str(study)])
+    assert code == 2 and "lacks oracle/" in out["error"], out
+
+
+# ---- assignment ----------------------------------------------------------------------------------
+
+def test_assign_is_byte_identical_for_the_same_seed(tmp_path):
+    a = copy_example(tmp_path / "a")
+    b = copy_example(tmp_path / "b")
+    outs = []
+    for study in (a, b):
+        code, out = run_main(["assign", "--study", str(study), "--seed", "11", "--repeats", "2", "--force"])
+        assert code == 0, out
+        outs.append(out)
+    fa, fb = a / "state" / "manifests" / "main.json", b / "state" / "manifests" / "main.json"
+    assert fa.read_bytes() == fb.read_bytes()
+    assert outs[0]["sha256"] == outs[1]["sha256"] == sha256_of(fa)
+    # the same call again on the same study: unchanged, same bytes, nothing re-registered
+    before = fa.read_bytes()
+    code, again = run_main(["assign", "--study", str(a), "--seed", "11", "--repeats", "2", "--force"])
+    assert code == 0 and again["unchanged"] is True and again["sha256"] == outs[0]["sha256"]
+    assert fa.read_bytes() == before
+    # a different seed gives a different manifest
+    c = copy_example(tmp_path / "c")
+    code, other = run_main(["assign", "--study", str(c), "--seed", "12", "--repeats", "2", "--force"])
+    assert code == 0 and other["sha256"] != outs[0]["sha256"]
+
+
+def test_assign_covers_every_cell_once_in_one_block_per_task(tmp_path):
+    study = copy_example(tmp_path / "s")
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "3", "--seed", "5", "--force"])
+    assert code == 0, out
+    runs = manifest_of(study)["runs"]
+    arms = ["A", "B", "C", "D"]
+    assert out["runs"] == len(runs) == 3 * 4 * 3 and out["blocks"] == 3 and out["tasks"] == 3
+    cells = collections.Counter((r["task"], r["arm"], r["repeat"]) for r in runs)
+    assert set(cells) == {(t, a, k) for t in EXAMPLE_TASKS for a in arms for k in (1, 2, 3)}
+    assert set(cells.values()) == {1}
+    assert len({r["run_id"] for r in runs}) == len(runs)
+    # one block per task, contiguous, ordered 1..n inside it
+    by_block = collections.defaultdict(list)
+    for r in runs:
+        by_block[r["block"]].append(r)
+    assert len(by_block) == 3
+    for block in by_block.values():
+        assert len({r["task"] for r in block}) == 1
+        assert [r["order_in_block"] for r in block] == list(range(1, 13))
+    task_sequence = [r["task"] for r in runs]
+    assert task_sequence == sorted(task_sequence, key=task_sequence.index)  # each task's runs contiguous
+    # every run is registered, not started, with the manifest's fields and the seed
+    for r in runs:
+        rec = run_record(study, r["run_id"])
+        assert rec["status"] == "not_started" and rec["seed"] == 5
+        assert {k: rec[k] for k in r} == r
+
+
+def test_assignment_shuffles_tasks_and_cells_by_seed():
+    tasks, arms = ["t1", "t2", "t3", "t4"], ["A", "B", "C"]
+    task_orders, cell_orders = set(), set()
+    for seed in range(30):
+        m = ab.make_assignment(tasks, arms, 2, seed)
+        assert m == ab.make_assignment(list(reversed(tasks)), list(reversed(arms)), 2, seed)  # input order irrelevant
+        blocks: dict[str, list] = collections.defaultdict(list)
+        for r in m:
+            blocks[r["block"]].append((r["arm"], r["repeat"]))
+        task_orders.add(tuple(dict.fromkeys(r["task"] for r in m)))
+        for cells in blocks.values():
+            assert sorted(cells) == [(a, k) for a in arms for k in (1, 2)]
+            cell_orders.add(tuple(cells))
+    # tasks are shuffled (not kept sorted, and the seed changes the order) ...
+    assert len(task_orders) > 5 and any(list(o) != sorted(o) for o in task_orders)
+    # ... and so are the (arm, repeat) cells inside each block
+    assert len(cell_orders) > 10
+    # a split is its own randomization with its own run ids
+    main = ab.make_assignment(tasks, arms, 2, 3)
+    extra = ab.make_assignment(tasks, arms, 2, 3, split="pilot")
+    assert all(r["run_id"].startswith("pilot-r") for r in extra)
+    assert [(r["task"], r["arm"]) for r in main] != [(r["task"], r["arm"]) for r in extra]
+    with pytest.raises(ab.AgentbenchError):
+        ab.make_assignment(tasks, arms, 0, 1)
+
+
+def test_reassign_is_refused_without_flag_and_once_a_run_started(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    base = ["assign", "--study", str(study), "--force"]
+    code, first = run_main(base + ["--seed", "1"])
+    assert code == 0, first
+    mfile = study / "state" / "manifests" / "main.json"
+    before = mfile.read_bytes()
+    runs_before = {p.name: p.read_bytes() for p in (study / "state" / "runs").iterdir()}
+
+    code, out = run_main(base + ["--seed", "2"])
+    assert code == 2, out
+    assert "different manifest" in out["error"] and out["existing_sha256"] == first["sha256"]
+    assert mfile.read_bytes() == before
+    assert {p.name: p.read_bytes() for p in (study / "state" / "runs").iterdir()} == runs_before
+
+    code, second = run_main(base + ["--seed", "2", "--reassign"])
+    assert code == 0, second
+    assert second["sha256"] != first["sha256"] and second["sha256"] == sha256_of(mfile)
+    new_runs = manifest_of(study)["runs"]
+    for r in new_runs:  # the run records follow the new manifest
+        rec = run_record(study, r["run_id"])
+        assert (rec["arm"], rec["seed"]) == (r["arm"], 2)
+
+    set_run_status(study, new_runs[0]["run_id"], "running")
+    kept = mfile.read_bytes()
+    code, out = run_main(base + ["--seed", "3", "--reassign"])
+    assert code == 2, out
+    assert "started" in out["error"] and out["runs"] == [new_runs[0]["run_id"]]
+    assert mfile.read_bytes() == kept
+    assert run_record(study, new_runs[0]["run_id"])["status"] == "running"
+
+
+def test_assign_refuses_uncalibrated_tasks_unless_forced(tmp_path, calibrated):
+    study = copy_example(tmp_path / "s", tasks=("roman", "bugfix"))
+    code, out = run_main(["assign", "--study", str(study)])
+    assert code == 2, out
+    assert out["error"] == "tasks are not calibrated" and out["tasks"] == ["bugfix", "roman"]
+    assert not (study / "state" / "manifests").exists() and not (study / "state" / "runs").exists()
+    # calibrated for one task only: the other is still refused
+    cal = json.loads((calibrated[0] / "state" / "calibration.json").read_text())
+    write_json(study / "state" / "calibration.json", {"tasks": {"roman": cal["tasks"]["roman"]}})
+    code, out = run_main(["assign", "--study", str(study)])
+    assert code == 2 and out["tasks"] == ["bugfix"], out
+    # a calibration of an older bundle does not count
+    write_json(study / "state" / "calibration.json", cal)
+    (study / "tasks" / "roman" / "oracle" / "run.py").write_text(
+        (study / "tasks" / "roman" / "oracle" / "run.py").read_text() + "\n# changed\n")
+    code, out = run_main(["assign", "--study", str(study)])
+    assert code == 2 and out["tasks"] == ["roman"], out
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0 and out["runs"] == 2 * 4 * 2, out
+
+
+def test_assign_prints_a_power_estimate(roman):
+    code, out = run_main(["assign", "--study", str(roman), "--power-delta", "0.3", "--power-base", "0.5"])
+    assert code == 0, out
+    power = out["power"]
+    assert power["delta"] == 0.3 and power["p_base"] == 0.5 and power["n_tasks"] == 1
+    assert isinstance(power["feasible"], bool)
+    code, plain = run_main(["assign", "--study", str(roman)])
+    assert code == 0 and plain["power"] is None
+    code, bad = run_main(["assign", "--study", str(roman), "--power-delta", "1.5"])
+    assert code == 2, bad
+
+
+def test_assign_fault_must_name_a_run_of_the_manifest(roman):
+    code, out = run_main(["assign", "--study", str(roman), "--fault", "r9999=interrupt:after_tool_uses=2"])
+    assert code == 2 and out["run"] == "r9999", out
+    code, out = run_main(["assign", "--study", str(roman), "--fault", "r0001=explode"])
+    assert code == 2 and "fault" in out["error"], out
+    assert not (roman / "state" / "manifests").exists()
+    code, out = run_main(["assign", "--study", str(roman), "--fault", "r0001=missing_fixture:roman.py"])
+    assert code == 0, out
+    assert run_record(roman, "r0001")["fault"] == {"missing_fixture": "roman.py"}
+
+
+# ---- workspace -----------------------------------------------------------------------------------
+
+def _git(ws: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ws, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is needed to check the workspace history")
+def test_prepare_workspace_copies_public_commits_once_and_hides_the_oracle(roman):
+    paths = ab.StudyPaths(roman)
+    task = ab.load_task(roman / "tasks" / "roman")
+    run_dir = paths.run_dir("r0001")
+    info = ab.prepare_workspace(paths, ab.current_platform(), task, run_dir)
+    ws = Path(info["path"])
+    assert ws == run_dir / "workspace"
+    assert ab.tree_manifest(ws) == task.public_manifest
+    assert info["files"] == len(task.public_manifest) and info["git"] is True
+    assert _git(ws, "rev-list", "--count", "HEAD").strip() == "1"
+    assert _git(ws, "status", "--porcelain").strip() == ""
+    # nothing of the oracle (or of the gate) is anywhere in the workspace, by name or by content
+    hidden = {ab.sha256_file(p) for d in ("oracle", "gate") for p in (task.root / d).rglob("*") if p.is_file()}
+    for p in ws.rglob("*"):
+        assert p.name != "oracle"
+        if p.is_file() and ".git" not in p.relative_to(ws).parts:
+            assert ab.sha256_file(p) not in hidden, p
+    # the pristine copies the checks use live under the study state, outside every workspace
+    for which in ("oracle", "gate"):
+        pristine = ab.pristine_copy(paths, task, which)
+        assert paths.state in pristine.parents and ws not in pristine.parents
+    # preparing again starts from a clean copy (an agent's leftovers do not survive)
+    (ws / "leftover.txt").write_text("x")
+    info2 = ab.prepare_workspace(paths, ab.current_platform(), task, run_dir)
+    assert not (Path(info2["path"]) / "leftover.txt").exists()
+
+
+def test_prepare_workspace_missing_fixture_removes_the_file(roman):
+    paths = ab.StudyPaths(roman)
+    task = ab.load_task(roman / "tasks" / "roman")
+    info = ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0002"),
+                                missing_fixture="tests/test_roman.py")
+    ws = Path(info["path"])
+    assert not (ws / "tests" / "test_roman.py").exists()
+    assert (ws / "roman.py").exists() and (ws / "TASK.md").exists()
+    assert info["missing_fixture"] == {"path": "tests/test_roman.py", "existed": True}
+    info = ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0003"), missing_fixture="tests")
+    assert not (Path(info["path"]) / "tests").exists()
+    info = ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0004"), missing_fixture="nope.txt")
+    assert info["missing_fixture"] == {"path": "nope.txt", "existed": False}
+    # a fault path that escapes the workspace is refused before anything runs
+    for bad in ("missing_fixture:../study.json", "missing_fixture:/etc/passwd", "missing_fixture:"):
+        with pytest.raises(ab.AgentbenchError):
+            ab.parse_fault(bad)
+
+
+def test_oracle_runs_on_a_throwaway_copy_and_sees_no_credentials(tmp_path, roman):
+    paths = ab.StudyPaths(roman)
+    task = ab.load_task(roman / "tasks" / "roman")
+    (task.root / "oracle" / "run.py").write_text(
+        "import json, os, sys\n"
+        "open('oracle-was-here.txt', 'w').write('x')\n"
+        "print(json.dumps({'passed': os.getcwd() != sys.argv[1] or True, 'score': 1.0,\n"
+        "                  'cwd_is_arg': os.getcwd() == sys.argv[1],\n"
+        "                  'key': os.environ.get('ANTHROPIC_API_KEY')}))\n")
+    task = ab.load_task(roman / "tasks" / "roman")  # reload: new bundle hash, new pristine copy
+    info = ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0001"))
+    env = {**os.environ, "ANTHROPIC_API_KEY": "sk-secret-value"}
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", info["path"], env)
+    assert rec["passed"] is True and rec["success"] is True
+    assert not (Path(info["path"]) / "oracle-was-here.txt").exists()
+    assert "sk-secret-value" not in rec["stdout_tail"]
+
+
+# ---- receipts ------------------------------------------------------------------------------------
+
+def test_parse_receipt_json_last_line():
+    out = "noise\n" + json.dumps({"passed": True, "score": 0.75, "checks": [{"id": "a", "passed": True}],
+                                  "tests_passed": 3, "tests_total": 4}) + "\n\n"
+    r = ab.parse_receipt(out, 1, False)  # the receipt wins over the exit code
+    assert r == {"passed": True, "score": 0.75, "checks": [{"id": "a", "passed": True}], "tests_passed": 3,
+                 "tests_total": 4, "receipt": "json"}
+    assert ab.parse_receipt(json.dumps({"passed": False}), 0, False)["score"] == 0.0
+    assert ab.parse_receipt(json.dumps({"passed": True}), 0, False)["score"] == 1.0
+    assert ab.parse_receipt(json.dumps({"passed": True, "score": 7}), 0, False)["score"] == 1.0
+    assert ab.parse_receipt(json.dumps({"passed": True, "score": -2}), 0, False)["score"] == 0.0
+    assert ab.parse_receipt(json.dumps({"passed": True, "score": "x"}), 0, False)["score"] == 0.0
+    assert ab.parse_receipt(json.dumps({"passed": True, "checks": "bad"}), 0, False)["checks"] == []
+
+
+def test_parse_receipt_exit_code_fallback():
+    for stdout in ("", "all good\n", '{"score": 1.0}\n', json.dumps({"passed": True}) + "\ntrailing text\n", "[1, 2]"):
+        ok = ab.parse_receipt(stdout, 0, False)
+        assert (ok["passed"], ok["score"], ok["receipt"]) == (True, 1.0, "exit_code"), stdout
+        bad = ab.parse_receipt(stdout, 1, False)
+        assert (bad["passed"], bad["score"], bad["receipt"]) == (False, 0.0, "exit_code"), stdout
+    assert ab.parse_receipt("", None, False)["passed"] is False  # no exit code at all: not a pass
+
+
+def test_parse_receipt_timed_out_never_passes():
+    assert ab.parse_receipt("", 0, True)["passed"] is False
+    r = ab.parse_receipt(json.dumps({"passed": True, "score": 1.0}), 0, True)
+    assert r["passed"] is False and r["receipt"] == "json"
+
+
+def test_expand_cmd_substitutes_every_placeholder():
+    import sys
+    got = ab.expand_cmd(["{python}", "{oracle}/run.py", "--ws={workspace}", "{gate}", "plain"],
+                        workspace="/w", gate="/g", oracle="/o")
+    assert got == [sys.executable, "/o/run.py", "--ws=/w", "/g", "plain"]
+
+
+# ---- behaviour audit -----------------------------------------------------------------------------
+
+def test_audit_flags_paths_outside_the_workspace_and_protected_reads(tmp_path):
+    ws = str(tmp_path / "runs" / "r1" / "workspace")
+    study_state = str(tmp_path / "state")
+    oracle = str(tmp_path / "tasks" / "roman" / "oracle")
+    gate = str(tmp_path / "tasks" / "roman" / "gate")
+    protected = {"study": study_state, "oracle": oracle, "gate": gate}
+
+    def kinds(call: dict) -> set[str]:
+        return {f["kind"] for f in ab.audit_tool_calls([call], ws, protected)}
+
+    assert kinds({"name": "Write", "input": {"file_path": "/etc/agentbench-x"}}) == {"write_outside_workspace"}
+    assert kinds({"name": "Edit", "input": {"file_path": "../../elsewhere.py"}}) == {"write_outside_workspace"}
+    assert kinds({"name": "Read", "input": {"file_path": "/etc/hostname"}}) == {"read_outside_workspace"}
+    assert kinds({"name": "Read", "input": {"file_path": oracle + "/run.py"}}) == {"read_outside_workspace", "reads_oracle"}
+    assert kinds({"name": "Grep", "input": {"path": gate}}) == {"read_outside_workspace", "reads_gate"}
+    assert kinds({"name": "Glob", "input": {"path": study_state + "/runs"}}) == {"read_outside_workspace", "reads_study"}
+    # a sibling directory whose name merely starts like the workspace is outside it
+    assert kinds({"name": "Read", "input": {"file_path": ws + "2/x.py"}}) == {"read_outside_workspace"}
+    bash = kinds({"name": "Bash", "input": {"command": f"cat {oracle}/run.py"}})
+    assert {"bash_touches_oracle", "bash_path_outside_workspace"} <= bash
+
+
+def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
+    ws = str(tmp_path / "ws")
+    protected = {"study": str(tmp_path / "state"), "oracle": str(tmp_path / "oracle")}
+    calls = [
+        {"name": "Read", "input": {"file_path": "TASK.md"}},
+        {"name": "Read", "input": {"file_path": ws + "/roman.py"}},
+        {"name": "Write", "input": {"file_path": ws + "/pkg/new.py", "content": "x"}},
+        {"name": "Edit", "input": {"file_path": "pkg/../roman.py"}},
+        {"name": "Glob", "input": {"path": ws, "pattern": "*.py"}},
+        {"name": "Bash", "input": {"command": "python3 -m unittest discover -s tests"}},
+        {"name": "Bash", "input": {"command": f"ls {ws}/tests && cat {ws}/roman.py 2>/dev/null"}},
+        {"name": "TodoWrite", "input": {"todos": []}},
+        {"name": "Read"},  # a malformed call is not a finding
+    ]
+    assert ab.audit_tool_calls(calls, ws, protected) == []
+
+
+def test_edited_public_tests_sees_changed_and_deleted_test_files(roman, tmp_path):
+    task = ab.load_task(roman / "tasks" / "roman")
+    ws = tmp_path / "ws"
+    shutil.copytree(task.public, ws)
+    assert ab.edited_public_tests(task, ws) == []
+    (ws / "roman.py").write_text("# the solution may change freely\n")
+    (ws / "tests" / "test_extra.py").write_text("# new test files are not edits of public tests\n")
+    assert ab.edited_public_tests(task, ws) == []
+    (ws / "tests" / "test_roman.py").write_text("import unittest\n")
+    assert ab.edited_public_tests(task, ws) == ["tests/test_roman.py"]
+    (ws / "tests" / "test_roman.py").unlink()
+    assert ab.edited_public_tests(task, ws) == ["tests/test_roman.py"]
+
+
+# ---- the run guard and driving runs with the fake claude -------------------------------------------
+
+def test_run_refuses_an_unproven_configuration(roman, fake_env):
+    code, out = run_main(["assign", "--study", str(roman)])
+    assert code == 0, out
+    # calibration recorded for this task but not for this configuration, and no rehearsal
+    code, out = run_main(["run", "--study", str(roman)])
+    assert code == 2, out
+    assert out["error"].startswith("refusing to spend money")
+    assert len(out["problems"]) == 2
+    assert all(run_record(roman, r["run_id"])["status"] == "not_started" for r in manifest_of(roman)["runs"])
+
+    code, cal = run_main(["calibrate", "--study", str(roman)])
+    assert code == 0 and cal["ok"], cal
+    code, out = run_main(["run", "--study", str(roman)])
+    assert code == 2 and out["problems"] == ["no passing rehearsal of the current configuration"], out
+
+    # a passing rehearsal of exactly this configuration lets it through the guard ...
+    paths = ab.StudyPaths(roman)
+    cfg = json.loads((roman / "study.json").read_text())
+    write_json(roman / "state" / "rehearsal.json", {"ok": True, "config_hash": ab.config_hash(paths, cfg)})
+    ab.real_run_guard(paths, cfg, force=False)
+    # ... but not once an arm text changed after it, nor a failed rehearsal
+    (roman / "arms" / "B.md").write_text("Be brief.\n")
+    code, out = run_main(["run", "--study", str(roman)])
+    assert code == 2 and len(out["problems"]) == 2, out
+    write_json(roman / "state" / "rehearsal.json", {"ok": False, "config_hash": ab.config_hash(paths, cfg)})
+    with pytest.raises(ab.AgentbenchError):
+        ab.real_run_guard(paths, cfg, force=False)
+
+
+def test_run_force_overrides_the_guard_and_runs_with_the_fake(roman, fake_env):
+    code, out = run_main(["assign", "--study", str(roman), "--force"])
+    assert code == 0, out
+    rid = next(r["run_id"] for r in manifest_of(roman)["runs"] if r["arm"] == "A")
+    code, out = run_main(["run", "--study", str(roman), "--run", rid])
+    assert code == 2 and "problems" in out, out
+    code, out = run_main(["run", "--study", str(roman), "--run", rid, "--force"])
+    assert code == 0, out
+    assert out["ran"] == [rid] and out["skipped"] == [] and out["paused"] == []
+    rec = run_record(roman, rid)
+    assert rec["status"] == "finished"
+    # the fake does nothing: the hidden tests fail and the session is flagged as degenerate
+    assert rec["outcome"] == "failure" and rec["evaluation"]["success"] is False
+    assert rec["validity"] == "degenerate"
+    assert rec["provenance"]["claude_version"] == "0.0.0-fake"
+    # other runs were not touched
+    assert all(run_record(roman, r["run_id"])["status"] == "not_started"
+               for r in manifest_of(roman)["runs"] if r["run_id"] != rid)
+    # and a second `run` of it does nothing
+    jobs_before = sorted(p.name for p in (roman / "state" / "jobs").iterdir())
+    code, out = run_main(["run", "--study", str(roman), "--run", rid, "--force"])
+    assert code == 0 and out["ran"] == [] and out["skipped"] == [rid], out
+    assert sorted(p.name for p in (roman / "state" / "jobs").iterdir()) == jobs_before
+
+
+def test_breaker_pauses_runs_in_flight_and_the_queue(tmp_path, fake_env):
+    """A usage-limit failure trips the breaker: a run in flight is put back (paused, not failed),
+    nothing new launches, and after a reset the paused run runs from the start."""
+    study = tiny_study(tmp_path / "s", tasks=("limited", "slow"), arms={"C": {"gate_cycles": 1}}, parallel=2)
+    (study / "tasks" / "limited" / "public" / "TASK.md").write_text("Set VALUE.\n\nFAKE: api_error=429\n")
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0, out
+    ids = {r["task"]: r["run_id"] for r in manifest_of(study)["runs"]}
+    paths = ab.StudyPaths(study)
+    ctx = ab.Ctx(platform=ab.current_platform(), env=dict(os.environ), cwd=str(tmp_path), emit=lambda o: None,
+                 is_child=False)
+    me = ab.current_platform().proc_id(os.getpid())
+    held = threading.Event()
+
+    def wait_for(pred, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def hook(rec: dict, role: str, attempt: int, key: str) -> None:
+        # Order the two runs deterministically: the rate-limited session starts only once the
+        # other run is claimed, and the other run's feedback turn only once the breaker tripped.
+        if rec["task"] == "limited" and role == "executor":
+            wait_for(lambda: run_record(study, ids["slow"])["status"] == "running", "the slow run to start")
+        if rec["task"] == "slow" and role == "gate_feedback" and not held.is_set():
+            held.set()
+            wait_for(lambda: ab.read_registry(paths).get("breaker"), "the breaker")
+        return None
+
+    opts = ab.PipelineOptions(script_for=hook, driver={"pid": me.pid, "ctime": me.ctime})
+    out = ab.drive_runs(ctx, paths, list(ids.values()), opts, parallel=2)
+    assert held.is_set()
+    assert ab.read_registry(paths)["breaker"]["reason"] == "usage_limit"
+    limited, slow = run_record(study, ids["limited"]), run_record(study, ids["slow"])
+    assert limited["status"] == "finished" and limited["validity"] == "infrastructure_failure"
+    assert "usage_limit" in limited["failure_reason"]
+    # the run that was in flight is paused, not failed, and says so
+    assert slow["status"] == "not_started" and slow["paused_by_breaker"] is True
+    assert out["paused"] == [ids["slow"]] and ids["slow"] not in out["results"]
+    assert slow.get("outcome") is None and slow.get("validity") is None and slow.get("evaluation") is None
+    # its first attempt is not forgotten (its session's cost is in the ledger and named here)
+    assert [j["role"] for a in slow["paused_attempts"] for j in a["jobs"]] == ["executor"]
+    # while paused, nothing launches
+    again = ab.drive_runs(ctx, paths, list(ids.values()), ab.PipelineOptions(driver=opts.driver), parallel=2)
+    assert again["paused"] == [ids["slow"]] and again["ran"] == []
+    assert run_record(study, ids["slow"])["status"] == "not_started"
+
+    code, out = run_main(["init", "--study", str(study), "--reset-breaker"])
+    assert code == 0, out
+    out = ab.drive_runs(ctx, paths, list(ids.values()), ab.PipelineOptions(driver=opts.driver), parallel=2)
+    assert out["ran"] == [ids["slow"]] and out["skipped"] == [ids["limited"]] and out["paused"] == []
+    slow = run_record(study, ids["slow"])
+    assert slow["status"] == "finished" and slow["validity"] != "infrastructure_failure"
+    assert not slow.get("paused_by_breaker") and slow.get("error") is None
