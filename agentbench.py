@@ -480,11 +480,11 @@ class Platform:
             lower = min(starts) - self.ctime_tolerance_s if starts else None
             upper = None if anchors_alive or anchors_until is None else (
                 anchors_until + self.ctime_tolerance_s)
-            for field, wanted in (("sid", session_ids), ("pgid", group_ids)):
+            for attr, wanted in (("sid", session_ids), ("pgid", group_ids)):
                 for ident in wanted:
                     members = [
                         pid for pid, info in scan.items()
-                        if getattr(info, field) == ident
+                        if getattr(info, attr) == ident
                         and (lower is None or (info.ctime is not None and info.ctime >= lower))
                     ]
                     if upper is not None and not any(
@@ -1462,6 +1462,11 @@ def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]
     return records, bad
 
 
+def _lock_view(holder: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A lock holder record as shown to users (without the file identity used internally)."""
+    return None if holder is None else {k: v for k, v in holder.items() if k != "_file"}
+
+
 class RegistryLock:
     """The study-wide mutual-exclusion lock: a file created exclusively, holding who holds it.
 
@@ -1480,14 +1485,38 @@ class RegistryLock:
         self.stale_s = stale_s
         self.token: str | None = None
 
-    def _holder(self) -> dict[str, Any] | None:
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any] | None:
+        """What a lock file says, plus which file it is (`_file`: inode, mtime, size); None if gone.
+
+        Empty or garbled content is {"unreadable": True}: an empty file is a creator between its
+        exclusive create and its write (or one killed there), stale only after a grace period.
+        `_file` lets a breaker tell the file it judged from a fresh one with the same content.
+        """
         try:
-            with open(self.path, "rb") as fh:
-                return json.loads(fh.read().decode() or "null")
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                data = fh.read()
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError, OSError):
-            return {"unreadable": True}
+        except OSError:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return None
+            except OSError:
+                return {"unreadable": True, "_file": None}
+            data = b""
+        try:
+            obj = json.loads(data.decode())
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        out = dict(obj) if isinstance(obj, dict) else {"unreadable": True}
+        out["_file"] = [st.st_ino, st.st_mtime_ns, st.st_size]
+        return out
+
+    def _holder(self) -> dict[str, Any] | None:
+        return self._read(self.path)
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
         try:
@@ -1507,15 +1536,12 @@ class RegistryLock:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        try:
-            with open(aside, "rb") as fh:
-                got = json.loads(fh.read().decode() or "null")
-        except (ValueError, UnicodeDecodeError, OSError):
-            got = {"unreadable": True}
-        if got == judged or (judged.get("unreadable") and (got or {}).get("unreadable")):
+        got = self._read(aside)
+        # The same content AND the same file: a fresh lock (even an empty one) is another file.
+        if got is not None and got == judged and judged.get("_file") is not None:
             with contextlib.suppress(OSError):
                 os.unlink(aside)
-            log(f"broke a stale registry lock held by {judged}")
+            log(f"broke a stale registry lock held by {_lock_view(judged)}")
             return
         # A fresh lock was created between our read and our rename: put it back untouched.
         if not self.platform.rename_no_replace(str(aside), str(self.path)):
@@ -1541,7 +1567,7 @@ class RegistryLock:
                     self._break(holder)
                     continue
                 if time.monotonic() > deadline:
-                    raise AgentbenchError("the study registry is locked", holder=holder,
+                    raise AgentbenchError("the study registry is locked", holder=_lock_view(holder),
                                           lock=str(self.path),
                                           hint="another agentbench call is holding it; retry, or "
                                                "if its holder is hung, kill that process")
@@ -3416,6 +3442,10 @@ def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str)
 # -- runs -------------------------------------------------------------------------------------------
 
 RUN_FINAL = ("finished", "error", "interrupted")
+# What one attempt of a run writes on its record (moved aside when the breaker pauses the run).
+RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "gate_cycles", "reviews",
+                    "review_verdicts", "interruption", "workspace", "provenance", "driver", "started_at",
+                    "started_ts")
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
@@ -3661,6 +3691,7 @@ class RunPipeline:
                 return False
             rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
                         "jobs": [], "cost_usd": 0.0})
+            rec.pop("paused_by_breaker", None)
             save_run(self.paths, rec)
             touch_marker(self.paths.state / "running_runs" / self.run_id)
         self.rec = rec
@@ -3807,13 +3838,20 @@ class RunPipeline:
     def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
             return
-        breaker = "circuit breaker" in str(reason)
-        self.rec.update({"status": "error", "outcome": "error", "error": reason, "error_detail": dict(detail),
-                         "validity": "infrastructure_failure", "validity_reason": reason,
-                         "finished_at": utc_now()})
-        if breaker:
-            # Paused, not failed: put the run back so it runs once the study is resumed.
-            self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True})
+        if "circuit breaker" in str(reason):
+            # Paused, not failed: put the run back so that it runs, from the start, once the study is
+            # resumed.  This attempt's jobs, spend and checks move to `paused_attempts` (its sessions
+            # stay in the ledger): left in place they would be added to the next attempt's tokens,
+            # gates and reviews, and its error and validity would outlive it.
+            attempt = {k: self.rec.pop(k) for k in RUN_ATTEMPT_KEYS if k in self.rec}
+            attempt.update({"paused_at": utc_now(), "reason": reason})
+            self.rec.setdefault("paused_attempts", []).append(attempt)
+            self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True,
+                             "jobs": [], "cost_usd": 0.0})
+        else:
+            self.rec.update({"status": "error", "outcome": "error", "error": reason, "error_detail": dict(detail),
+                             "validity": "infrastructure_failure", "validity_reason": reason,
+                             "finished_at": utc_now()})
         self._save()
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("error", reason=reason)
@@ -3927,7 +3965,10 @@ class RunPipeline:
         protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
                      "gate": str(task.root / "gate"), "tasks": str(task.root.parent)}
         findings = audit_tool_calls(calls, ws, protected)
-        edited = edited_public_tests(task, ws)
+        # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
+        removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
+        edited = [f for f in edited_public_tests(task, ws)
+                  if not (removed and (f == removed or f.startswith(removed + "/")) and not (Path(ws) / f).exists())]
         if edited:
             findings.append({"kind": "edited_public_tests", "files": edited})
         rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings)}
@@ -4040,7 +4081,10 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
                 continue
             rec = pipe.execute()
             with lock:
-                results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
+                if rec.get("status") == "not_started" and rec.get("paused_by_breaker"):
+                    paused.append(rid)   # the breaker stopped it in flight: it waits, like the queue
+                else:
+                    results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(parallel, len(todo) or 1)))]
     for t in threads:
@@ -6273,12 +6317,17 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
         server.stop()
     runs = [load_run(sp, r["run_id"]) for r in manifest]
     expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve" and r["run_id"] not in (faults or {})]
+    breaker = read_registry(sp).get("breaker")
     problems = [{"run_id": r["run_id"], "status": r.get("status"), "outcome": r.get("outcome"),
-                 "validity": r.get("validity"), "error": r.get("error")}
+                 "validity": r.get("validity"),
+                 "error": r.get("error") or ("paused: the circuit breaker stopped new launches"
+                                             if r["run_id"] in driven["paused"] else None)}
                 for r in expected_ok if r.get("outcome") != "success" or r.get("validity") != "valid"]
     summary = rehearsal_summary(runs)
+    # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
-              "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary}
+              "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
+              "breaker": breaker}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
@@ -6473,6 +6522,9 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     for dest, typ in BUDGET_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
     p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for every claude session of the study (repeatable; "
+                        "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
 
 
 def validate_launch_values(cfg: Mapping[str, Any]) -> None:
@@ -6520,6 +6572,19 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         for key, val in DEFAULT_BUDGET.items():
             budget.setdefault(key, val)
     cfg["budget"] = budget
+    if args.env:
+        env = dict(cfg.get("env") or {})
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise AgentbenchError("bad --env", value=item, hint="KEY=VALUE with a valid variable name")
+            if value:
+                env[key] = value
+            else:
+                env.pop(key, None)
+        if env != (cfg.get("env") or {}):
+            cfg["env"] = env
+            changed.append("env")
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
         raise AgentbenchError("claude refuses bypassPermissions when run as root",
@@ -7200,7 +7265,7 @@ def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
     for s in specs:
         k, sep, v = s.partition("=")
         if not sep or not k or not v or (allowed and v not in allowed):
-            raise AgentbenchError(f"bad {what}", value=s, hint=f"RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
+            raise AgentbenchError(f"bad {what}", value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
         out[k] = v
     return out
 

@@ -1,0 +1,155 @@
+"""The job machinery with the REAL `claude` binary against the scripted model (no fake involved).
+
+train -> spawn --base (fork) -> continue through the normal supervisor path: real Write and Bash
+tool calls, real transcripts, the ledger's cost deltas against the binary's cumulative totals;
+then the budget stop, 429/529 classification and a hang ended by the wall-time limit.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import agentbench as ab
+from conftest import ledger, run_main, wait_result, write_brief
+
+pytestmark = pytest.mark.real_claude
+
+
+@pytest.fixture
+def server():
+    srv = ab.ScriptedModelServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def real_study(tmp_path, real_claude, server, monkeypatch):
+    """A study whose sessions run the real binary against the in-process scripted model."""
+    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
+    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
+    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.5")
+    root = tmp_path / "study"
+    config_dir = tmp_path / "claude-config"
+    code, obj = run_main(["init", "--study", str(root), "--binary", real_claude, "--parallel", "4",
+                          "--env", f"ANTHROPIC_BASE_URL={server.url}",
+                          "--env", "ANTHROPIC_API_KEY=offline-test-key",
+                          "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
+                          "--env", "CLAUDE_CODE_MAX_RETRIES=0",
+                          "--env", "AGENTBENCH_OFFLINE=1"])
+    assert code == 0, obj
+    # `continue` and `spawn --base` locate transcripts through the caller's CLAUDE_CONFIG_DIR.
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
+    return root
+
+
+def _usage(tokens_in: int, tokens_out: int) -> dict:
+    return {"input_tokens": tokens_in, "output_tokens": tokens_out}
+
+
+def test_train_fork_continue_real_binary(tmp_path, real_study, server):
+    server.add_script("train1", {"steps": [
+        {"text": "Taking notes.", "tool_uses": [{"name": "Write", "input": {"file_path": "NOTES.md",
+                                                                          "content": "notes from training\n"}}]},
+        {"text": "Notes written."}]})
+    server.add_script("fork1", {"steps": [
+        {"text": "Working.", "tool_uses": [{"name": "Write", "input": {"file_path": "out.txt", "content": "fork\n"}},
+                                           {"name": "Bash", "input": {"command": "echo ran > bash_ran.txt"}}]},
+        {"text": "First turn done."},
+        {"text": "Continuing.", "tool_uses": [{"name": "Bash", "input": {"command": "echo again > again.txt"}}]},
+        {"text": "Second turn done."}]})
+    code, tr = run_main(["train", "--study", str(real_study), "--base", "b1",
+                         "--brief", write_brief(tmp_path, "Explore. [agentbench-script:train1]")])
+    assert code == 0, tr
+    r1 = wait_result(real_study, tr["job_id"], timeout=90)
+    assert r1["status"] == "ok", r1
+    base_ws = Path(tr["cwd"])
+    assert (base_ws / "NOTES.md").read_text() == "notes from training\n"
+
+    code, sp = run_main(["spawn", "--study", str(real_study), "--base", "b1", "--label", "f1",
+                         "--brief", write_brief(tmp_path, "Now do it. [agentbench-script:fork1]")])
+    assert code == 0, sp
+    r2 = wait_result(real_study, sp["job_id"], timeout=90)
+    assert r2["status"] == "ok", r2
+    ws = Path(sp["cwd"])
+    assert (ws / "out.txt").read_text() == "fork\n"          # a real Write in the fork's workspace
+    assert (ws / "bash_ran.txt").read_text().strip() == "ran"  # a real Bash call
+    assert (ws / "NOTES.md").exists()                          # the base's workspace was copied
+    assert r2["session_id"] != r1["session_id"]
+
+    code, co = run_main(["continue", "--study", str(real_study), "--job", sp["job_id"],
+                         "--brief", write_brief(tmp_path, "Keep going.")])
+    assert code == 0, co
+    r3 = wait_result(real_study, co["job_id"], timeout=90)
+    assert r3["status"] == "ok", r3
+    assert (ws / "again.txt").exists()
+    assert r3["session_id"] == r2["session_id"]
+
+    lines = {ln["job_id"]: ln for ln in ledger(real_study)}
+    assert sorted(lines) == sorted([tr["job_id"], sp["job_id"], co["job_id"]])
+    t, f, c = lines[tr["job_id"]], lines[sp["job_id"]], lines[co["job_id"]]
+    # The binary reports cumulative totals over resume and fork; the ledger keeps deltas.
+    assert t["cost_delta_usd"] == pytest.approx(t["cost_total_usd"], abs=1e-6)
+    assert f["cost_total_usd"] > t["cost_total_usd"]
+    assert f["cost_delta_usd"] == pytest.approx(f["cost_total_usd"] - t["cost_total_usd"], abs=1e-6)
+    assert c["cost_delta_usd"] == pytest.approx(c["cost_total_usd"] - f["cost_total_usd"], abs=1e-6)
+    assert all(x["cost_delta_usd"] > 0 and not x["estimated"] for x in (t, f, c))
+    assert all(x["tokens"]["input"] + x["tokens"]["cache_read"] + x["tokens"]["cache_creation"] > 0 for x in (t, f, c))
+    assert f["cache_verdict"] in ("hit", "partial")           # the fork read the base's prefix
+    assert t["cache_verdict"] == "cold"
+    assert t["claude_version"] == ab.CLAUDE_CODE_PINNED
+    # The transcripts exist where the binary keeps them.
+    cfg_dir = Path(os.environ["CLAUDE_CONFIG_DIR"])
+    assert ab.transcript_path({"CLAUDE_CONFIG_DIR": str(cfg_dir)}, str(ws), r2["session_id"]).exists()
+    assert ab.transcript_path({"CLAUDE_CONFIG_DIR": str(cfg_dir)}, str(base_ws), r1["session_id"]).exists()
+
+    code, us = run_main(["usage", "--study", str(real_study), "--by", "kind"])
+    assert code == 0
+    assert us["ledger_lines"] == 3
+
+
+def test_budget_stop_and_api_errors_real_binary(tmp_path, real_study, server):
+    server.add_script("burn", {"steps": [{"text": "Thinking hard.", "usage": _usage(2_000_000, 1000),
+                                          "tool_uses": [{"name": "Bash", "input": {"command": "true"}}]},
+                                         {"text": "Done."}]})
+    server.add_script("e429", {"steps": [{"fault": "429"}]})
+    server.add_script("e529", {"steps": [{"fault": "529"}]})
+    server.add_script("ptl", {"steps": [{"fault": "prompt_too_long"}]})
+    jobs = {}
+    for name, extra in (("burn", ["--max-budget-usd", "0.0001"]), ("e429", []), ("e529", []), ("ptl", [])):
+        code, sp = run_main(["spawn", "--study", str(real_study), "--label", name, *extra,
+                             "--brief", write_brief(tmp_path, f"Go. [agentbench-script:{name}]")])
+        assert code == 0, sp
+        jobs[name] = sp["job_id"]
+    res = {name: wait_result(real_study, jid, timeout=120) for name, jid in jobs.items()}
+    assert (res["burn"]["status"], res["burn"]["reason"]) == ("failed", "budget")
+    assert res["burn"]["result_subtype"] == "error_max_budget_usd"
+    assert (res["e429"]["status"], res["e429"]["reason"]) == ("failed", "usage_limit")
+    assert (res["e529"]["status"], res["e529"]["reason"]) == ("failed", "overloaded")
+    assert (res["ptl"]["status"], res["ptl"]["reason"]) == ("failed", "prompt_too_long")
+    # A usage limit trips the circuit breaker: no new launches until it is reset.
+    code, obj = run_main(["spawn", "--study", str(real_study), "--brief", write_brief(tmp_path, "x")])
+    assert code == 2 and "circuit breaker" in obj["error"]
+    code, _ = run_main(["init", "--study", str(real_study), "--reset-breaker"])
+    assert code == 0
+    lines = ledger(real_study)
+    assert sorted(ln["job_id"] for ln in lines) == sorted(jobs.values())
+    assert next(ln for ln in lines if ln["job_id"] == jobs["burn"])["cost_delta_usd"] > 0.0001
+
+
+def test_hang_ends_by_wall_time_real_binary(tmp_path, real_study, server):
+    server.add_script("hang", {"steps": [{"fault": "hang"}]})
+    code, sp = run_main(["spawn", "--study", str(real_study), "--wall-s", "4",
+                         "--brief", write_brief(tmp_path, "Go. [agentbench-script:hang]")])
+    assert code == 0, sp
+    res = wait_result(real_study, sp["job_id"], timeout=60)
+    assert (res["status"], res["reason"]) == ("timeout", "wall_time")
+    assert res["survivors"] == []
+    line = next(ln for ln in ledger(real_study) if ln["job_id"] == sp["job_id"])
+    assert line["status"] == "timeout"
+    runtime = json.loads((real_study / "state" / "jobs" / sp["job_id"] / "runtime.json").read_text())
+    claude = runtime["claude"]
+    assert not ab.current_platform().is_alive(ab.ProcId(claude["pid"], claude["ctime"]))
