@@ -2416,6 +2416,14 @@ def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     return {"job_id": job_id, "status": "created"}
 
 
+class DuplicateRequest(Exception):
+    """A request for a step that already has a job (e.g. a second `continue` of one job)."""
+
+    def __init__(self, job_id: str):
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
 def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: str, cwd: str,
                launch: Mapping[str, Any], binary: str, system_prompt: str,
                session_id: str | None, resume: str | None, fork: bool,
@@ -2434,6 +2442,16 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                                   hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
         reg = read_registry(paths)
         job_id = f"j{int(reg['next_job']):06d}"
+        continues = meta.get("continues")
+        if continues:
+            # A job is continued at most once: a repeated request for the same step is ignored.
+            marker = paths.job_dir(continues) / "continued_by"
+            try:
+                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raise DuplicateRequest(marker.read_text(encoding="utf-8").strip()) from None
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(job_id)
         reg["next_job"] = int(reg["next_job"]) + 1
         reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
         jdir = paths.job_dir(job_id)
@@ -3060,6 +3078,9 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
     sid = res.get("session_id") or prev.get("session_id")
     if not sid:
         raise AgentbenchError("the job has no session to continue", job=prev_id)
+    marker = paths.job_dir(prev_id) / "continued_by"
+    if marker.exists():
+        return _duplicate_continue(paths, prev_id, marker.read_text(encoding="utf-8").strip())
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
         if oj.get("session_id") == sid:
@@ -3071,9 +3092,19 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
     meta = {**(prev.get("meta") or {}), "continues": prev_id, **dict(meta_extra or {})}
     # The same system prompt as the session began with: a resume must not change the cached prefix.
     system_prompt = (paths.job_dir(prev_id) / "system_prompt.md").read_text(encoding="utf-8")
-    return start_job(ctx, paths, kind=kind, prompt=prompt, cwd=prev["cwd"], session_id=sid, resume=sid,
-                     fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
-                     raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
+    try:
+        return start_job(ctx, paths, kind=kind, prompt=prompt, cwd=prev["cwd"], session_id=sid, resume=sid,
+                         fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
+                         raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
+    except DuplicateRequest as dup:
+        return _duplicate_continue(paths, prev_id, dup.job_id)
+
+
+def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
+    existing = read_json(paths.job_file(job_id))
+    return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
+            "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
+            "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
 # ====================================================================================================
@@ -3773,6 +3804,7 @@ class RunPipeline:
         n = len(self.rec.setdefault("gates", [])) + 1
         write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
         self.rec["gates"].append({"n": n, "label": label, "passed": rec["passed"], "score": rec["score"]})
+        self._save()
         self._event("gate", n=n, label=label, passed=rec["passed"])
         return rec
 
@@ -6717,7 +6749,23 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.run:
         job_id = latest_run_job(paths, args.run)
     if not job_id:
-        raise AgentbenchError("continue needs --job J or --run R")
+        raise AgentbenchError("continue needs --job J or --run R (with a session)")
+    run_id = args.run or (load_job(paths, job_id).get("meta") or {}).get("run_id")
+    if run_id:
+        # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
+        pipe = pipeline_for(ctx, paths, run_id)
+        if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+            raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
+                                  hint="a run driven by `run` continues its own sessions")
+        marker = paths.job_dir(job_id) / "continued_by"
+        if marker.exists():
+            return _duplicate_continue(paths, job_id, marker.read_text(encoding="utf-8").strip())
+        jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
+                               kind="continue")
+        if jid is None:
+            raise AgentbenchError("the run's budget does not allow another session", run=run_id,
+                                  spent_usd=pipe.rec.get("cost_usd"))
+        return {"job_id": jid, "run_id": run_id, "continues": job_id, "status": job_status(paths, jid).get("status")}
     return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
 
 
