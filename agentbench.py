@@ -2788,8 +2788,10 @@ class Supervisor:
         if orphan and self._orphaned(float(orphan)):
             self._stop(proc, claude, "killed", "orphaned")
             return
+        # Snapshot times count from the start of the run (offset: the run's time before this job).
+        run_elapsed = elapsed + float(lim.get("snapshot_offset_s") or 0)
         for t in lim.get("snapshot_seconds") or []:
-            if elapsed >= float(t) and int(t) not in self.snapshots_done:
+            if run_elapsed >= float(t) and int(t) not in self.snapshots_done:
                 self.snapshots_done.append(int(t))
                 self._snapshot(int(t))
 
@@ -2805,7 +2807,9 @@ class Supervisor:
 
     def _snapshot(self, t: int) -> None:
         """A graded snapshot: a copy of the workspace (without .git) outside the agent's view."""
-        dst = Path(self.job["raw_dir"]).parent / "snapshots" / f"t{t:06d}"
+        dst = Path(self.limits.get("snapshot_dir") or Path(self.job["raw_dir"]) / "snapshots") / f"t{t:06d}"
+        if dst.exists():
+            return
         with contextlib.suppress(OSError, shutil.Error):
             shutil.copytree(self.job["cwd"], dst, ignore=shutil.ignore_patterns(".git"), dirs_exist_ok=True)
             append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
@@ -3753,7 +3757,9 @@ class RunPipeline:
                   "stall_after_s": self.launch.get("stall_after_s"),
                   "orphan_after_s": 0 if self.opts.driver else self.launch.get("orphan_after_s"),
                   "max_budget_usd": round(max(remaining, 0.0), 4), "max_turns": budget.get("max_turns"),
-                  "snapshot_seconds": self.cfg.get("snapshot_seconds") or []}
+                  "snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
+                  "snapshot_dir": str(self.paths.run_dir(self.run_id) / "snapshots"),
+                  "snapshot_offset_s": round(time.time() - float(self.rec.get("started_ts") or time.time()), 3)}
         if fault:
             limits.update(fault)
         marker = ""
@@ -4058,16 +4064,16 @@ class RunPipeline:
     def _grade_snapshots(self, task: Task) -> list[dict[str, Any]]:
         """Grade graded snapshots with the hidden tests, cached by content hash."""
         out = []
-        snaps = self.paths.run_dir(self.run_id) / "raw"
+        snaps = self.paths.run_dir(self.run_id) / "snapshots"
         cache_dir = self.paths.state / "snapshot_grades"
-        for snap in sorted(snaps.glob("*/snapshots/t*")) if snaps.exists() else []:
+        for snap in sorted(snaps.glob("t*")) if snaps.exists() else []:
             digest = manifest_sha256(tree_manifest(snap))
             cached = read_json(cache_dir / f"{task.id}-{digest[:24]}.json", default=None)
             if cached is None:
                 r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
                 cached = {"score": r["score"], "success": r["success"]}
                 write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
-            out.append({"t": int(snap.name[1:]), "job_dir": snap.parent.parent.name, **cached})
+            out.append({"t": int(snap.name[1:]), "content_sha256": digest, **cached})
         return out
 
 
