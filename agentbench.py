@@ -1886,7 +1886,8 @@ def scrub_env(host: Mapping[str, str], *, for_claude: bool, binary: str | None =
 
     for_claude=True keeps credentials (the `claude` process needs them); False drops every
     credential-looking variable (gate, oracle and reviewer checks never see keys or tokens).
-    `extra` is applied last (e.g. ANTHROPIC_BASE_URL for the scripted model).
+    `extra` is applied after the scrub (e.g. ANTHROPIC_BASE_URL for the scripted model), and only
+    the pinned variables come after it.
     """
     dropped: list[str] = []
     creds: list[str] = []
@@ -1907,11 +1908,13 @@ def scrub_env(host: Mapping[str, str], *, for_claude: bool, binary: str | None =
         env[key] = value
     if venv_entries and "PATH" in env:
         env["PATH"] = os.pathsep.join(e for e in env["PATH"].split(os.pathsep) if e not in venv_entries)
+    if extra:
+        env.update(extra)
+    # Pinned last: a study's own `env` (passed as `extra`) may add variables but not lift a pin;
+    # without the child marker an agent under test could launch or kill sessions.
     env.update(ENV_PINNED)
     if binary:
         env["AGENTBENCH_CLAUDE_BIN"] = binary
-    if extra:
-        env.update(extra)
     report = {"dropped": sorted(dropped), "dropped_path_entries": venv_entries,
               "credentials": sorted(creds), "credentials_passed": for_claude,
               "pinned": sorted(ENV_PINNED), "unknown_claude_vars": sorted(unknown)}
@@ -5019,7 +5022,35 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         },
         "notes": notes,
         "methods": methods,
+        "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
+
+
+def _runs_without(runs: list[dict], drop: list[dict]) -> list[dict]:
+    gone = {id(r) for r in drop}
+    return [r for r in runs if id(r) not in gone]
+
+
+def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Hidden-test score against elapsed time per arm, from graded snapshots (SPEC 7).
+
+    For every arm and snapshot time t: how many runs had a snapshot at t, their mean score and
+    how many passed -- which arm gets there first, not only who gets there.  Times are strings
+    (JSON keys), in seconds since the run started.
+    """
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm in arms:
+        by_t: dict[int, list[dict]] = {}
+        for r in runs:
+            if r.get("arm") != arm:
+                continue
+            for s in (r.get("evaluation") or {}).get("snapshots") or []:
+                by_t.setdefault(int(s["t"]), []).append(s)
+        if by_t:
+            out[arm] = {str(t): {"runs": len(v), "mean_score": mean(float(s.get("score") or 0) for s in v),
+                                 "successes": sum(1 for s in v if s.get("success"))}
+                        for t, v in sorted(by_t.items())}
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -5105,6 +5136,14 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
              str(e["reason"] or "-")] for e in report["excluded_runs"]]
     tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
                    rows))
+    snaps = report.get("snapshots") or {}
+    times = sorted({int(t) for curve in snaps.values() for t in curve})
+    if times:
+        rows = [[a] + [(f"{_fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
+                        f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-" for t in times]
+                for a in arms]
+        tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
+                       ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
     return tables
 
 
