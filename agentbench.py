@@ -3543,7 +3543,9 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
             remove_marker(paths.state / "running_runs" / rid)
             continue
         drv = rec.get("driver") or {}
-        if drv.get("pid") is not None and platform.is_alive(ProcId(int(drv["pid"]), drv.get("ctime"))):
+        if drv.get("pid") is None:
+            continue   # driven by hand: the orchestrator owns it (its jobs have their own watchdogs)
+        if platform.is_alive(ProcId(int(drv["pid"]), drv.get("ctime"))):
             continue
         # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
         for j in rec.get("jobs") or []:
@@ -6857,6 +6859,8 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     while True:
         if not ctx.is_child:
             reap_jobs(paths, ctx.platform)
+            if args.run:
+                sweep_interrupted_runs(paths, ctx.platform)
             if time.monotonic() - last_touch > 5:
                 touch_last_call(paths)
                 last_touch = time.monotonic()
@@ -6906,6 +6910,7 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not ctx.is_child:
         reap_jobs(paths, ctx.platform)
+        sweep_interrupted_runs(paths, ctx.platform)
     reg = read_registry(paths)
     ids = active_job_ids(paths) + list_markers(paths.undelivered)
     if args.all:
