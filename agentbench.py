@@ -2408,6 +2408,15 @@ def load_job(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     return job
 
 
+def job_is_final(paths: StudyPaths, job_id: str) -> bool:
+    """Finalisation complete: the result exists and the job left the active set (ledger written).
+
+    result.json alone is not enough: it is the first write of finalisation, the ledger line and
+    the markers follow under the same lock.
+    """
+    return paths.result_file(job_id).exists() and not (paths.active / job_id).exists()
+
+
 def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     """A job's current state: its result if final, else its runtime (or `created`)."""
     res = read_json(paths.result_file(job_id), default=None)
@@ -2686,10 +2695,18 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
     write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not paths.result_file(job_id).exists():
+    while time.monotonic() < deadline and not job_is_final(paths, job_id):
         time.sleep(0.05)
     rt = read_json(paths.runtime_file(job_id), default=None)
     survivors: list[ProcId] = []
+    sup = _proc_from((rt or {}).get("supervisor"))
+    if job_is_final(paths, job_id) and sup:
+        # The supervisor finalised; give it a moment to exit, then make sure it is gone.
+        until = time.monotonic() + 5
+        while time.monotonic() < until and platform.is_alive(sup):
+            time.sleep(0.05)
+        if platform.is_alive(sup):
+            survivors += platform.kill_tree([sup])
     if not paths.result_file(job_id).exists():
         survivors = kill_job_processes(platform, rt, include_supervisor=True)
         usage, _ = _usage_from_raw(job)
@@ -3090,7 +3107,7 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
         return _duplicate_continue(paths, prev_id, marker.read_text(encoding="utf-8").strip())
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
-        if oj.get("session_id") == sid:
+        if oj.get("session_id") == sid and not paths.result_file(other).exists():
             raise AgentbenchError("the session already has a running job", job=other, session_id=sid,
                                   hint="two resumes of one session at once would corrupt it; wait for it")
     sess = session_record(paths, sid)
@@ -3787,7 +3804,7 @@ class RunPipeline:
         return out["job_id"]
 
     def _await_job(self, jid: str) -> dict[str, Any]:
-        while not self.paths.result_file(jid).exists():
+        while not job_is_final(self.paths, jid):
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid])
         return self._account_job(jid)
@@ -6437,6 +6454,17 @@ def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
 # JSON object.  Handlers return (exit code, object); they never print to stdout.
 
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (nan and inf are refused: they poison limits and JSON)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
 class _ArgParser(argparse.ArgumentParser):
     """argparse that raises AgentbenchError instead of printing usage and exiting."""
 
@@ -6525,10 +6553,10 @@ def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, faul
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-budget-usd", type=float, dest="max_budget_usd")
-    p.add_argument("--wall-s", type=float, dest="wall_s")
+    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd")
+    p.add_argument("--wall-s", type=finite_float, dest="wall_s")
     p.add_argument("--max-turns", type=int, dest="max_turns")
-    p.add_argument("--orphan-after-s", type=float, dest="orphan_after_s",
+    p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
                    help="kill the job if no orchestrator call arrives for this long (0 = off)")
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
 
@@ -6584,12 +6612,12 @@ INIT_FLAGS: dict[str, tuple[str, Any]] = {
     "tasks": ("tasks", str), "model": ("model", str), "effort": ("effort", str),
     "permission_mode": ("permission_mode", str), "tools": ("tools", str),
     "allowed_tools": ("allowed_tools", str), "disallowed_tools": ("disallowed_tools", str),
-    "binary": ("binary", str), "parallel": ("parallel", int), "max_minutes": ("max_minutes", float),
-    "stall_after_s": ("stall_after_s", float), "orphan_after_s": ("orphan_after_s", float),
+    "binary": ("binary", str), "parallel": ("parallel", int), "max_minutes": ("max_minutes", finite_float),
+    "stall_after_s": ("stall_after_s", finite_float), "orphan_after_s": ("orphan_after_s", finite_float),
     "seed": ("seed", int), "repeats": ("repeats", int), "executor": ("executor", str),
 }
-BUDGET_FLAGS = {"usd_per_run": float, "wall_s": float, "max_turns": int, "study_usd": float,
-                "min_remaining_usd": float}
+BUDGET_FLAGS = {"usd_per_run": finite_float, "wall_s": finite_float, "max_turns": int, "study_usd": finite_float,
+                "min_remaining_usd": finite_float}
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
@@ -6620,8 +6648,8 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     if cfg.get("executor") not in (None, "local", "slurm"):
         raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
     for key, val in (cfg.get("budget") or {}).items():
-        if not isinstance(val, (int, float)) or val < 0:
-            raise AgentbenchError("budget values must be non-negative numbers", key=key, value=val)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
+            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
 
 
 @command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
@@ -6694,8 +6722,8 @@ def removed_on_refusal(path: Path) -> Iterator[None]:
 
     A refused command writes nothing, but a session's cwd must exist before its job is registered,
     and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
-    Only `path` itself goes (its name is this call's own), never a parent that a concurrent call
-    may be creating at the same moment.  No job refers to it: a refusal registers nothing.
+    Only `path` itself goes, never a parent that a concurrent call may be creating at the same
+    moment.  No job refers to it: a refusal registers nothing.
     """
     existed = path.exists()
     try:
@@ -6824,7 +6852,7 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
     p.add_argument("--all", action="store_true", help="every active or undelivered job")
     p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
-    p.add_argument("--timeout", type=float, default=WAIT_DEFAULT_S)
+    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S)
 
 
 def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
@@ -6867,7 +6895,11 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         targets = list(dict.fromkeys(args.job))
         if args.all or (args.any and not args.job and not args.run):
             targets = list(dict.fromkeys(targets + active_job_ids(paths) + list_markers(paths.undelivered)))
-        done_jobs = [j for j in targets if paths.result_file(j).exists()]
+        # Finalisation creates result.json first, then (under the same lock) the ledger line and
+        # the markers.  A job counts as done once its active marker is gone too; otherwise a wait
+        # between those writes would return it undelivered and a later wait deliver it again.
+        done_jobs = [j for j in targets if job_is_final(paths, j)
+                     and (ctx.is_child or not (paths.active / j).exists())]
         runs_done = [r for r in args.run if run_is_final(paths, r)]
         if args.any:
             met = bool(done_jobs or runs_done) or (not targets and not args.run)
@@ -6987,8 +7019,8 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="main")
     p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
-    p.add_argument("--power-delta", type=float, help="estimate repeats to detect this success-rate difference")
-    p.add_argument("--power-base", type=float, default=0.5, help="baseline success rate for --power-delta")
+    p.add_argument("--power-delta", type=finite_float, help="estimate repeats to detect this success-rate difference")
+    p.add_argument("--power-base", type=finite_float, default=0.5, help="baseline success rate for --power-delta")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
@@ -7453,7 +7485,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--every", type=float, default=240.0, help="ping a base not pinged for this long (s)")
+    p.add_argument("--every", type=finite_float, default=240.0, help="ping a base not pinged for this long (s)")
 
 
 @command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached", mutating=True)

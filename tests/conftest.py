@@ -113,9 +113,11 @@ def write_brief(tmp_path: Path, text: str, name: str | None = None) -> str:
 def wait_result(study: Path, job_id: str, timeout: float = 30) -> dict:
     """Poll a job's result file (without delivering it through `wait`)."""
     path = study / "state" / "jobs" / job_id / "result.json"
+    active = study / "state" / "active" / job_id
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
+        # Final = the result exists and finalisation completed (ledger line, markers).
+        if path.exists() and not active.exists():
             return json.loads(path.read_text())
         time.sleep(0.05)
     raise AssertionError(f"job {job_id} did not finish in {timeout}s")

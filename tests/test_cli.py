@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTBENCH, ab, ledger, run_cli, run_main, wait_result, write_brief
+from conftest import AGENTBENCH, ab, ledger, run_main, wait_result, write_brief
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def test_command_help_real_process_does_not_need_valid_args(fake_env):
 def test_where_in_process(fake_env):
     code, obj = run_main(["where"])
     assert code == 0
-    assert obj["claude"]["path"] == str(ab.Path(fake_env["AGENTBENCH_CLAUDE_BIN"]))
+    assert obj["claude"]["path"] == fake_env["AGENTBENCH_CLAUDE_BIN"]
     assert obj["claude"]["found_by"] == "AGENTBENCH_CLAUDE_BIN"
     assert obj["claude"]["version"] == "0.0.0-fake"
     assert obj["python"]["executable"]
@@ -193,7 +193,11 @@ def test_wait_refuses_a_timeout_out_of_range(study, value):
     # NaN compares false with every bound: it must be refused, not turned into an endless wait.
     code, obj = run_main(["wait", "--study", str(study), "--all", f"--timeout={value}"])
     assert code == 2
-    assert obj["error"] == "timeout out of range"
+    if value in ("nan", "inf"):
+        # Not a finite number: refused by the argument parser itself.
+        assert obj["error"] == "bad arguments" and "finite" in obj["detail"]
+    else:
+        assert obj["error"] == "timeout out of range"
 
 
 # ---- internal errors ------------------------------------------------------------------------------
@@ -389,7 +393,7 @@ def test_init_rerun_keeps_omitted_values(tmp_path, fake_env):
     (["--permission-mode", "yolo"], "unknown permission mode"),
     (["--parallel", "0"], "parallel must be an integer >= 1"),
     (["--executor", "cloud"], "executor must be local or slurm"),
-    (["--usd-per-run", "-3"], "budget values must be non-negative numbers"),
+    (["--usd-per-run", "-3"], "budget values must be finite non-negative numbers"),
 ])
 def test_init_refusals_write_nothing(tmp_path, fake_env, flags, error):
     fresh = tmp_path / "fresh"

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -375,8 +376,10 @@ def test_prepare_workspace_copies_public_commits_once_and_hides_the_oracle(roman
     assert info["files"] == len(task.public_manifest) and info["git"] is True
     assert _git(ws, "rev-list", "--count", "HEAD").strip() == "1"
     assert _git(ws, "status", "--porcelain").strip() == ""
-    # nothing of the oracle (or of the gate) is anywhere in the workspace, by name or by content
-    hidden = {ab.sha256_file(p) for d in ("oracle", "gate") for p in (task.root / d).rglob("*") if p.is_file()}
+    # nothing of the oracle is anywhere in the workspace, by name or by content (the example's
+    # gate is the public test file itself, so only the oracle is secret)
+    hidden = {ab.sha256_file(p) for p in (task.root / "oracle").rglob("*") if p.is_file()}
+    assert hidden
     for p in ws.rglob("*"):
         assert p.name != "oracle"
         if p.is_file() and ".git" not in p.relative_to(ws).parts:
@@ -460,7 +463,6 @@ def test_parse_receipt_timed_out_never_passes():
 
 
 def test_expand_cmd_substitutes_every_placeholder():
-    import sys
     got = ab.expand_cmd(["{python}", "{oracle}/run.py", "--ws={workspace}", "{gate}", "plain"],
                         workspace="/w", gate="/g", oracle="/o")
     assert got == [sys.executable, "/o/run.py", "--ws=/w", "/g", "plain"]
@@ -486,8 +488,9 @@ def test_audit_flags_paths_outside_the_workspace_and_protected_reads(tmp_path):
     assert kinds({"name": "Glob", "input": {"path": study_state + "/runs"}}) == {"read_outside_workspace", "reads_study"}
     # a sibling directory whose name merely starts like the workspace is outside it
     assert kinds({"name": "Read", "input": {"file_path": ws + "2/x.py"}}) == {"read_outside_workspace"}
-    bash = kinds({"name": "Bash", "input": {"command": f"cat {oracle}/run.py"}})
-    assert {"bash_touches_oracle", "bash_path_outside_workspace"} <= bash
+    assert "bash_touches_oracle" in kinds({"name": "Bash", "input": {"command": f"cat {oracle}/run.py"}})
+    assert "bash_touches_study" in kinds({"name": "Bash", "input": {"command": f"ls {study_state}"}})
+    assert kinds({"name": "Bash", "input": {"command": "cat /etc/passwd | head"}}) == {"bash_path_outside_workspace"}
 
 
 def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
@@ -632,3 +635,44 @@ def test_breaker_pauses_runs_in_flight_and_the_queue(tmp_path, fake_env):
     slow = run_record(study, ids["slow"])
     assert slow["status"] == "finished" and slow["validity"] != "infrastructure_failure"
     assert not slow.get("paused_by_breaker") and slow.get("error") is None
+
+
+def test_sweep_marks_runs_of_a_dead_driver_interrupted_and_leaves_live_ones(roman):
+    code, out = run_main(["assign", "--study", str(roman), "--force"])
+    assert code == 0, out
+    paths = ab.StudyPaths(roman)
+    platform = ab.current_platform()
+    dead_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = platform.proc_id(dead_proc.pid)
+    dead_proc.kill()
+    dead_proc.wait(timeout=30)
+    me = platform.proc_id(os.getpid())
+    ids = [r["run_id"] for r in manifest_of(roman)["runs"]]
+    for rid, drv in ((ids[0], dead), (ids[1], me)):
+        rec = run_record(roman, rid)
+        rec.update({"status": "running", "driver": {"pid": drv.pid, "ctime": drv.ctime}})
+        write_json(roman / "state" / "runs" / f"{rid}.json", rec)
+        ab.touch_marker(paths.state / "running_runs" / rid)
+    assert ab.sweep_interrupted_runs(paths, platform) == [ids[0]]
+    gone = run_record(roman, ids[0])
+    assert gone["status"] == "interrupted" and gone["outcome"] == "interrupted" and "driver" in gone["error"]
+    assert run_record(roman, ids[1])["status"] == "running"
+    assert ab.sweep_interrupted_runs(paths, platform) == []  # reported once, never re-run
+    # `run` skips it and says so
+    code, out = run_main(["run", "--study", str(roman), "--run", ids[0], "--force"])
+    assert code == 0 and out["ran"] == [] and out["interrupted"] == [ids[0]], out
+
+
+def test_rehearse_refuses_bad_behaviours_faults_and_a_used_directory(roman, fake_env, tmp_path):
+    base = ["rehearse", "--study", str(roman), "--dir", str(tmp_path / "scratch")]
+    for extra in (["--behaviour", "r0001=dance"], ["--behaviour", "r0001"], ["--fault", "r0001=explode"],
+                  ["--fault", "r0001=interrupt:after_tool_uses=0"], ["--parallel", "0"]):
+        code, out = run_main(base + extra)
+        assert code == 2, (extra, out)
+    assert not (tmp_path / "scratch").exists()
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "something").write_text("x")
+    code, out = run_main(base)
+    assert code == 2 and "not empty" in out["error"], out
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["something"]
+    assert not (roman / "state" / "rehearsal.json").exists()

@@ -334,6 +334,8 @@ def test_orphan_watchdog_kills_a_job_nobody_asks_about(sv: Path, tmp_path: Path)
     res = wait_result(sv, job, timeout=30)
     assert (res["status"], res["reason"]) == ("killed", "orphaned")
     assert not PLATFORM.is_alive(claude)
+    # result.json is finalisation's first write; the ledger line follows under the same lock.
+    wait_until(lambda: (sv / "state" / "jobs" / job / "ledgered").exists(), 10, "ledger line")
     assert [ln["status"] for ln in lines_for(sv, job)] == ["killed"]
 
 
@@ -464,6 +466,35 @@ def test_wait_exit_codes_and_once_only_delivery(sv: Path, tmp_path: Path) -> Non
     assert last["not_ok"] == [slow]
     assert sorted(ln["job_id"] for ln in ledger(sv)) == sorted([quick, slow])
     assert_ledger_once_per_job(sv)
+
+
+def test_wait_does_not_return_a_half_finalised_job(sv: Path, tmp_path: Path, monkeypatch) -> None:
+    # Finalisation writes result.json, then (same lock) the ledger line and the delivery markers.
+    # A wait that looks in between must not return the job, or the job would come back undelivered
+    # now and be delivered again by the next wait.  The in-between moment is made to last by
+    # stopping wait's repair pass (which would otherwise complete the finalisation itself).
+    paths = ab.StudyPaths(sv)
+    launch = ab.launch_config(json.loads((sv / "study.json").read_text()))
+    job = ab.create_job(paths, PLATFORM, kind="executor", prompt="x", cwd=str(tmp_path), launch=launch,
+                        binary="claude", system_prompt="", session_id=None, resume=None, fork=False,
+                        prior={}, limits={}, meta={})
+    jid = job["job_id"]
+    result = {"job_id": jid, "status": "ok", "reason": None, "kind": "executor", "meta": {},
+              "session_id": job["session_id"], "usage": {}, "flags": []}
+    paths.result_file(jid).write_text(json.dumps(result), encoding="utf-8")
+    monkeypatch.setattr(ab, "reap_jobs", lambda *a, **k: [])
+
+    code, w = wait_cmd(sv, "--job", jid, timeout=0.5)
+    assert code == 3, w
+    assert w["pending"] == [jid]
+
+    ab._complete_finalize(paths, job, result, check_ledger=False)
+    code, w = wait_cmd(sv, "--any", timeout=5)
+    assert code == 0, w
+    assert [(j["job_id"], j["status"], j["delivered_now"]) for j in w["jobs"]] == [(jid, "ok", True)]
+    code, w = wait_cmd(sv, "--any", timeout=0)
+    assert code == 0 and w["jobs"] == []
+    assert len(lines_for(sv, jid)) == 1
 
 
 @pytest.mark.parametrize("timeout", ["571", "600", "-1"])
