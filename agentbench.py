@@ -3013,6 +3013,32 @@ def parse_fault(spec: str) -> dict[str, Any]:
 
 
 
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
+
+
+def validate_launch_values(cfg: Mapping[str, Any]) -> None:
+    """Refuse launch values claude would reject or that would make a study meaningless."""
+    if cfg.get("model") is not None:
+        check_model_id(str(cfg["model"]))
+    if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
+        raise AgentbenchError("unknown effort", effort=cfg["effort"], allowed=list(EFFORTS))
+    if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
+        raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
+                              allowed=list(PERMISSION_MODES))
+    if cfg.get("parallel") is not None and (not isinstance(cfg["parallel"], int) or cfg["parallel"] < 1):
+        raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
+    if cfg.get("executor") not in (None, "local", "slurm"):
+        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
+    if cfg.get("executor") == "slurm":
+        # Refused rather than silently run locally: a study that asks for a cluster must get one.
+        raise AgentbenchError("the slurm executor is not available in this version", executor="slurm",
+                              hint="use executor local (the default); cluster execution is planned")
+    for key, val in (cfg.get("budget") or {}).items():
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
+            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
+
+
 def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
               resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
               meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
@@ -3020,6 +3046,7 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
               cfg: Mapping[str, Any] | None = None, system_prompt: str | None = None) -> dict[str, Any]:
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
+    validate_launch_values(cfg)
     launch = launch_config(cfg)
     check_model_id(launch["model"])
     binary = study_binary(ctx, cfg)
@@ -6572,7 +6599,12 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.suppress(AgentbenchError):
         paths = ctx.study(args)
         study = str(paths.root)
-        cfg_binary = load_study_config(paths).get("binary")
+        study_cfg = load_study_config(paths)
+        cfg_binary = study_cfg.get("binary")
+        readded = sorted(k for k in (study_cfg.get("env") or {})
+                         if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
+        if readded:
+            warnings.append("the study's env sets variables the scrub drops by default: " + ", ".join(readded))
     binary, how = find_claude_binary(cfg_binary, ctx.env)
     version = claude_version(binary, ctx.platform) if binary else None
     if not binary:
@@ -6618,8 +6650,6 @@ INIT_FLAGS: dict[str, tuple[str, Any]] = {
 }
 BUDGET_FLAGS = {"usd_per_run": finite_float, "wall_s": finite_float, "max_turns": int, "study_usd": finite_float,
                 "min_remaining_usd": finite_float}
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
-PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
 
 def _init_args(p: argparse.ArgumentParser) -> None:
@@ -6632,24 +6662,6 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for every claude session of the study (repeatable; "
                         "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
-
-
-def validate_launch_values(cfg: Mapping[str, Any]) -> None:
-    """Refuse launch values claude would reject or that would make a study meaningless."""
-    if cfg.get("model") is not None:
-        check_model_id(str(cfg["model"]))
-    if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
-        raise AgentbenchError("unknown effort", effort=cfg["effort"], allowed=list(EFFORTS))
-    if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
-        raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
-                              allowed=list(PERMISSION_MODES))
-    if cfg.get("parallel") is not None and (not isinstance(cfg["parallel"], int) or cfg["parallel"] < 1):
-        raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
-    if cfg.get("executor") not in (None, "local", "slurm"):
-        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
-    for key, val in (cfg.get("budget") or {}).items():
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
-            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
 
 
 @command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
