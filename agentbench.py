@@ -7436,7 +7436,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     ensure_claude(ctx, paths, install=False)
     scratch = Path(ctx.platform.normalize_path(args.dir)) if args.dir else \
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    prog = Progress(0)
+    cfg, tasks, arms, _ = study_parts(paths)
+    prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
                              behaviours=behaviours, faults=faults, progress=prog)
