@@ -2452,20 +2452,24 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
         if cap is not None and len(active) >= cap:
             raise AgentbenchError("parallel cap reached", active=len(active), cap=cap,
                                   hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
-        reg = read_registry(paths)
-        job_id = f"j{int(reg['next_job']):06d}"
         continues = meta.get("continues")
-        if continues:
+        marker = paths.job_dir(continues) / "continued_by" if continues else None
+        if marker is not None and marker.exists():
             # A job is continued at most once: a repeated request for the same step is ignored.
-            marker = paths.job_dir(continues) / "continued_by"
-            try:
-                fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                raise DuplicateRequest(marker.read_text(encoding="utf-8").strip()) from None
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(job_id)
-        reg["next_job"] = int(reg["next_job"]) + 1
+            # (A marker naming a job that was never registered is a crash's leftover: ignored.)
+            existing = marker.read_text(encoding="utf-8").strip()
+            if existing and paths.job_file(existing).exists():
+                raise DuplicateRequest(existing)
+        reg = read_registry(paths)
+        n = int(reg["next_job"])
+        while paths.job_dir(f"j{n:06d}").exists():   # a directory a crash left behind
+            n += 1
+        job_id = f"j{n:06d}"
+        # The counter is saved first: a crash from here on costs an id, never the ability to
+        # create jobs.
+        reg["next_job"] = n + 1
         reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
+        write_json_atomic(paths.registry, reg)
         jdir = paths.job_dir(job_id)
         jdir.mkdir(parents=True, exist_ok=False)
         raw = Path(raw_dir) if raw_dir else jdir / "raw"
@@ -2489,7 +2493,8 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                "prompt_sha256": sha256_bytes(prompt.encode())}
         write_json_atomic(paths.job_file(job_id), job)
         touch_marker(paths.active / job_id)
-        write_json_atomic(paths.registry, reg)
+        if marker is not None:
+            write_text_atomic(marker, job_id)
     return job
 
 
@@ -2548,16 +2553,38 @@ def _complete_finalize(paths: StudyPaths, job: Mapping[str, Any], result: Mappin
         touch_marker(jdir / "ledgered")
     usage = result.get("usage") or {}
     sid = result.get("session_id")
-    if sid and usage.get("cost_total_usd") is not None:
-        rec = session_record(paths, sid)
+    rec = session_record(paths, sid) if sid else {}
+    # A late repair of an older job must not roll a session's totals back.
+    if sid and usage.get("cost_total_usd") is not None and str(rec.get("last_job") or "") <= job_id:
         rec.update({"cost_total_usd": usage["cost_total_usd"], "model_usage": usage.get("model_usage") or {},
                     "last_job": job_id, "cwd": job.get("cwd"), "updated_at": utc_now()})
         if result.get("context_tokens"):
             rec["context_tokens"] = result["context_tokens"]
         write_json_atomic(paths.sessions / f"{sid}.json", rec)
     if (paths.active / job_id).exists():
-        touch_marker(paths.undelivered / job_id)
+        if not job.get("driver"):
+            # Only jobs driven by hand await delivery through `wait`; a driver reads its own.
+            touch_marker(paths.undelivered / job_id)
         remove_marker(paths.active / job_id)
+    reg = read_registry(paths)
+    if job_id in (reg.get("finalizing") or []):
+        reg["finalizing"] = [j for j in reg["finalizing"] if j != job_id]
+        write_json_atomic(paths.registry, reg)
+
+
+def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> None:
+    """Apply a finished job to the registry counters (status counts, money spent, the breaker).
+
+    The job is listed in `finalizing` in the same write, until its ledger line and markers are
+    done: a repair after a crash can then tell whether the counters were applied.
+    """
+    usage = result.get("usage") or {}
+    status, reason = result["status"], result.get("reason")
+    reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
+    reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + float(usage.get("cost_delta_usd") or 0.0), 6)
+    if reason in ("usage_limit", "auth"):
+        reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
+    reg["finalizing"] = [j for j in reg.get("finalizing") or [] if j != job_id] + [job_id]
 
 
 def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any], *, status: str,
@@ -2582,10 +2609,7 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
         if not create_json_exclusive(paths.result_file(job_id), result, platform.rename_no_replace):
             return False
         reg = read_registry(paths)
-        reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
-        reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + float(usage.get("cost_delta_usd") or 0.0), 6)
-        if reason in ("usage_limit", "auth"):
-            reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
+        _count_job(reg, job_id, result)
         write_json_atomic(paths.registry, reg)
         _complete_finalize(paths, job, result, check_ledger=False)
     append_event(paths, "job_finished", job_id=job_id, status=status, reason=reason,
@@ -2656,7 +2680,12 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
         res = read_json(paths.result_file(job_id), default=None)
         if res is not None:
             with RegistryLock(paths.lock, platform):
-                _complete_finalize(paths, job, res, check_ledger=True)
+                if (paths.active / job_id).exists():
+                    reg = read_registry(paths)
+                    if job_id not in (reg.get("finalizing") or []) and not (paths.job_dir(job_id) / "ledgered").exists():
+                        _count_job(reg, job_id, res)     # the crash came before the counters
+                        write_json_atomic(paths.registry, reg)
+                    _complete_finalize(paths, job, res, check_ledger=True)
             reaped.append(job_id)
             continue
         rt = read_json(paths.runtime_file(job_id), default=None)

@@ -134,13 +134,17 @@ _GRANDCHILDREN: list[ab.ProcId] = []
 @pytest.fixture
 def sv(study: Path):
     """The conftest study, plus a teardown that kills whatever the test's jobs left running:
-    supervisors, claude trees (by session) and the grandchildren running_job() saw."""
+    supervisors (also those that had not written their runtime file yet: launcher.json holds
+    their identity), claude trees (by session) and the grandchildren running_job() saw."""
     _GRANDCHILDREN.clear()
     yield study
     roots: list[ab.ProcId] = list(_GRANDCHILDREN)
     sessions: list[int] = []
     jobs_dir = study / "state" / "jobs"
     for jdir in sorted(jobs_dir.iterdir()) if jobs_dir.is_dir() else []:
+        launcher = read_json(jdir / "launcher.json") or {}
+        if launcher.get("pid"):
+            roots.append(proc(launcher))
         rt = read_json(jdir / "runtime.json") or {}
         for key in ("supervisor", "claude"):
             if rt.get(key):
@@ -437,6 +441,7 @@ def test_wait_exit_codes_and_once_only_delivery(sv: Path, tmp_path: Path) -> Non
     s = str(sv)
     quick = ok(["spawn", "--study", s, "--brief", brief(tmp_path)])["job_id"]
     slow = ok(["spawn", "--study", s, "--brief", brief(tmp_path, "hang")])["job_id"]
+    running_job(sv, slow)
     wait_result(sv, quick, timeout=30)
 
     code, first = wait_cmd(sv, "--any", timeout=30)
