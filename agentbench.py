@@ -2005,6 +2005,7 @@ class StreamState:
         self.messages: dict[str, dict[str, Any]] = {}
         self.message_order: list[str] = []
         self.tool_uses = 0
+        self.tool_results = 0
         self.tool_calls: list[dict[str, Any]] = []
         self.models: list[str] = []
         self.results: list[dict[str, Any]] = []
@@ -2042,6 +2043,10 @@ class StreamState:
             self._assistant(ev)
         elif kind == "result":
             self.results.append(ev)
+        elif kind == "user":
+            content = (ev.get("message") or {}).get("content") if isinstance(ev.get("message"), dict) else None
+            if isinstance(content, list):
+                self.tool_results += sum(1 for b in content if isinstance(b, dict) and b.get("type") == "tool_result")
         return ev
 
     def _assistant(self, ev: Mapping[str, Any]) -> None:
@@ -2092,6 +2097,14 @@ class StreamState:
             m = self.messages[mid]
             cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model)
         return round(cost, 6)
+
+
+def model_matches(requested: str, reported: str) -> bool:
+    """Same model: equal ids, or one is the other plus a date suffix (claude-x-4-5-20250929)."""
+    if requested == reported:
+        return True
+    return bool(re.fullmatch(re.escape(requested) + r"-\d{8}", reported)
+                or re.fullmatch(re.escape(reported) + r"-\d{8}", requested))
 
 
 def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) -> tuple[str, str | None]:
@@ -2334,7 +2347,7 @@ def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str
     if session_id and (fork or not resume):
         argv += ["--session-id", session_id]
     if max_budget_usd is not None:
-        argv += ["--max-budget-usd", f"{max(max_budget_usd, 0.0):.4f}"]
+        argv += ["--max-budget-usd", format(max(max_budget_usd, 0.0), ".6f").rstrip("0").rstrip(".") or "0"]
     if max_turns:
         argv += ["--max-turns", str(int(max_turns))]
     return argv
@@ -2450,7 +2463,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
     with RegistryLock(paths.lock, platform):
         active = active_job_ids(paths)
         if cap is not None and len(active) >= cap:
-            raise AgentbenchError("parallel cap reached", active=len(active), cap=cap,
+            raise AgentbenchError("parallel cap reached", active=len(active), cap=cap, refusal="parallel_cap",
                                   hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
         continues = meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
@@ -2809,7 +2822,7 @@ class Supervisor:
         with self._lock:
             silent = time.monotonic() - self.last_output
             models = list(self.state.models)
-            tool_uses = self.state.tool_uses
+            tool_results = self.state.tool_results
             est = self.state.estimated_cost(self.job["model"])
         stall = lim.get("stall_after_s")
         if stall and silent > float(stall) and not self.runtime.get("stalled"):
@@ -2820,7 +2833,7 @@ class Supervisor:
             self._write_runtime(stalled=False)
         requested = str(self.job["model"])
         for m in models:
-            if not (m.startswith(requested) or requested.startswith(m)):
+            if not model_matches(requested, m):
                 self.flags.add("model_substituted")
                 self._stop(proc, claude, "failed", "model_refused")
                 return
@@ -2828,8 +2841,10 @@ class Supervisor:
         if budget is not None and est > float(budget) * 1.25 + 0.01:
             self._stop(proc, claude, "failed", "budget")
             return
+        # An injected interrupt counts tools that RAN (their results), not tool calls requested:
+        # the N-th tool has then certainly executed, whatever the polling moment.
         n = lim.get("interrupt_after_tool_uses")
-        if n and tool_uses >= int(n):
+        if n and tool_results >= int(n):
             self.flags.add("fault_interrupt")
             self._stop(proc, claude, "killed", "fault_interrupt")
             return
@@ -2837,12 +2852,24 @@ class Supervisor:
         if orphan and self._orphaned(float(orphan)):
             self._stop(proc, claude, "killed", "orphaned")
             return
+        if self._driver_lost():
+            self._stop(proc, claude, "killed", "driver_lost")
+            return
         # Snapshot times count from the start of the run (offset: the run's time before this job).
         run_elapsed = elapsed + float(lim.get("snapshot_offset_s") or 0)
         for t in lim.get("snapshot_seconds") or []:
             if run_elapsed >= float(t) and int(t) not in self.snapshots_done:
                 self.snapshots_done.append(int(t))
                 self._snapshot(int(t))
+
+    def _driver_lost(self) -> bool:
+        """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
+        nobody would read its result, and it must not go on spending."""
+        driver = _proc_from(self.job.get("driver"))
+        if driver is None or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
+            return False
+        self._driver_checked = time.monotonic()
+        return not self.platform.is_alive(driver)
 
     def _orphaned(self, orphan_after: float) -> bool:
         driver = _proc_from(self.job.get("driver"))
@@ -2865,6 +2892,15 @@ class Supervisor:
 
     def run(self) -> int:
         job = self.job
+        jdir = self.paths.job_dir(self.job_id)
+        # One supervisor per job, once: never start claude for a job that is final, was killed
+        # before it started, or already has a live supervisor.
+        if self.paths.result_file(self.job_id).exists() or (jdir / "kill.request").exists():
+            return 0
+        rt = read_json(self.paths.runtime_file(self.job_id), default=None)
+        other = _proc_from((rt or {}).get("supervisor"))
+        if other and other.pid != os.getpid() and self.platform.is_alive(other):
+            return 0
         me = self.platform.proc_id(os.getpid())
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
@@ -2937,11 +2973,11 @@ class Supervisor:
             self.flags.add("exit_code_nonzero_after_success")
         requested = str(job["model"])
         others = [m for m in usage.get("models_used") or []
-                  if not (m.startswith(requested) or requested.startswith(m))]
+                  if not model_matches(requested, m)]
         # Responses that reported another model: _check() stops such a session while it runs,
         # but a short session can end between two polls, so the final accounting looks again
         # (modelUsage is keyed by the requested model and cannot show a substitution).
-        substituted = [m for m in st.models if not (m.startswith(requested) or requested.startswith(m))]
+        substituted = [m for m in st.models if not model_matches(requested, m)]
         if substituted:
             self.flags.add("model_substituted")
             if status == "ok":
@@ -2983,7 +3019,17 @@ class Supervisor:
                  "survivors": [dataclasses.asdict(s) for s in survivors],
                  "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
                  "snapshots": self.snapshots_done, "flags": sorted(self.flags)}
-        finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
+        # The study lock can be busy for a while (a large `assign`): keep trying, heartbeating,
+        # rather than exit unfinalised and let a good result be reaped as `lost`.
+        deadline = time.monotonic() + 3600
+        while True:
+            try:
+                finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
+                return
+            except AgentbenchError as exc:
+                if exc.payload.get("error") != "the study registry is locked" or time.monotonic() > deadline:
+                    raise
+                self._write_runtime(finalizing=True)
 
 
 def check_job_limits(limits: Mapping[str, Any]) -> None:
@@ -2991,6 +3037,9 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
         val = limits.get(key)
         if val is not None and (not isinstance(val, (int, float)) or val < 0):
             raise AgentbenchError(f"{key} must be a non-negative number", value=val)
+    if limits.get("max_budget_usd") is not None and not float(limits["max_budget_usd"]) > 0:
+        raise AgentbenchError("max_budget_usd must be greater than 0", value=limits["max_budget_usd"],
+                              hint="claude refuses a zero budget; give a positive amount")
 
 
 # ====================================================================================================
@@ -3068,6 +3117,25 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
             raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
 
 
+def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
+    """No new launch while the circuit breaker is tripped or the study's USD cap is spent.
+
+    The refusal carries `refusal` ("breaker" / "study_cap") so that a driver pauses its queue
+    instead of marking runs failed.
+    """
+    reg = read_registry(paths)
+    if reg.get("breaker"):
+        raise AgentbenchError("the study is paused by its circuit breaker", breaker=reg["breaker"],
+                              refusal="breaker",
+                              hint="sessions failed on usage limits or authentication; fix the cause, "
+                                   "then `init --study DIR --reset-breaker`")
+    study_cap = float(launch["budget"].get("study_usd") or 0)
+    if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
+        raise AgentbenchError("the study's USD cap is spent", spent_usd=reg.get("spent_usd"), cap=study_cap,
+                              refusal="study_cap",
+                              hint="raise budget.study_usd with init if you mean to spend more")
+
+
 def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
               resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
               meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
@@ -3079,15 +3147,7 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
     launch = launch_config(cfg)
     check_model_id(launch["model"])
     binary = study_binary(ctx, cfg)
-    reg = read_registry(paths)
-    if reg.get("breaker") and not meta.get("ignore_breaker"):
-        raise AgentbenchError("the study is paused by its circuit breaker", breaker=reg["breaker"],
-                              hint="sessions failed on usage limits or authentication; fix the cause, "
-                                   "then `init --study DIR --reset-breaker`")
-    study_cap = float(launch["budget"].get("study_usd") or 0)
-    if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
-        raise AgentbenchError("the study's USD cap is spent", spent_usd=reg.get("spent_usd"), cap=study_cap,
-                              hint="raise budget.study_usd with init if you mean to spend more")
+    refuse_if_paused(paths, launch)
     reap_jobs(paths, ctx.platform)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
                      system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
@@ -3124,10 +3184,14 @@ def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
 
 
 
-def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool) -> dict[str, Any]:
+def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool,
+              env_extra: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals."""
     rec = load_base(paths, base)
+    reap_jobs(paths, ctx.platform, only=[rec["job_id"]])   # its session totals must be recorded
     state = base_state(paths, rec)
+    if state == "ready" and not job_is_final(paths, rec["job_id"]):
+        state = "finalising"
     if state != "ready":
         raise AgentbenchError("base is not ready", base=base, state=state,
                               hint="wait for its training job, or retrain it with --replace")
@@ -3135,7 +3199,7 @@ def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_w
         shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
     workspace.mkdir(parents=True, exist_ok=True)
     sess = session_record(paths, rec["session_id"])
-    env = {**ctx.env}
+    env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
     if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
         raise AgentbenchError("the base's session transcript was not found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
@@ -3152,8 +3216,9 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
                  raw_dir: str | None = None) -> dict[str, Any]:
     """One more turn in a finished job's session (`--resume <session>`), same cwd and launch config."""
     prev = load_job(paths, prev_id)
+    reap_jobs(paths, ctx.platform, only=[prev_id])   # complete a half-finished finalisation first
     res = read_json(paths.result_file(prev_id), default=None)
-    if res is None:
+    if res is None or not job_is_final(paths, prev_id):
         raise AgentbenchError("the job is still running", job=prev_id, hint="wait for it first")
     sid = res.get("session_id") or prev.get("session_id")
     if not sid:
@@ -3613,7 +3678,10 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
     for rid in list_markers(paths.state / "running_runs"):
         rec = read_json(run_file(paths, rid), default=None)
         if rec is None or rec.get("status") != "running":
-            remove_marker(paths.state / "running_runs" / rid)
+            # A claim writes the marker just before the record: leave a fresh marker alone.
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - os.stat(paths.state / "running_runs" / rid).st_mtime > 60:
+                    remove_marker(paths.state / "running_runs" / rid)
             continue
         drv = rec.get("driver") or {}
         if drv.get("pid") is None:
@@ -3728,6 +3796,14 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
             for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
                 if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
                     findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
+            # Relative paths that climb out of the workspace (../../state/...), resolved against it.
+            for tok in re.findall(r"(?:^|[\s'\"=:<>|;&(])((?:\.\./|\.\.$)[^\s'\"|;&<>()]*)", cmd):
+                full = os.path.normpath(os.path.join(ws, tok))
+                if not inside(full, ws):
+                    findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
+                    for label, d in protected.items():
+                        if d and inside(full, d):
+                            findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
         for t in targets:
             full = t if os.path.isabs(t) else os.path.join(ws, t)
             if not inside(full, ws):
@@ -3805,8 +3881,10 @@ class RunPipeline:
             rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
                         "jobs": [], "cost_usd": 0.0})
             rec.pop("paused_by_breaker", None)
-            save_run(self.paths, rec)
+            # The marker first: a crash between the two leaves a marker the sweep cleans up,
+            # never a `running` run that nothing would look at.
             touch_marker(self.paths.state / "running_runs" / self.run_id)
+            save_run(self.paths, rec)
         self.rec = rec
         return True
 
@@ -3823,18 +3901,19 @@ class RunPipeline:
 
     def _launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
                     system_extra: str = "", kind: str = "executor", fault: Mapping[str, Any] | None = None,
-                    script_key: str | None = None) -> str | None:
+                    script_key: str | None = None, base: str | None = None) -> str | None:
         """Start one job of this run (not waiting); None when the budget forbids another session."""
         self.attempt = len(self.rec.get("jobs") or []) + 1
         budget = self.launch["budget"]
         remaining = self.remaining_usd()
-        if remaining < float(budget.get("min_remaining_usd") or 0):
+        if remaining <= 0 or remaining < float(budget.get("min_remaining_usd") or 0):
             return None
         wall_left = float(budget.get("wall_s") or 0) - (time.time() - float(self.rec.get("started_ts") or time.time()))
-        limits = {"wall_s": max(5.0, wall_left) if budget.get("wall_s") else float(self.launch["max_minutes"]) * 60,
+        session_cap = float(self.launch["max_minutes"]) * 60
+        limits = {"wall_s": min(session_cap, max(5.0, wall_left)) if budget.get("wall_s") else session_cap,
                   "stall_after_s": self.launch.get("stall_after_s"),
                   "orphan_after_s": 0 if self.opts.driver else self.launch.get("orphan_after_s"),
-                  "max_budget_usd": round(max(remaining, 0.0), 4), "max_turns": budget.get("max_turns"),
+                  "max_budget_usd": max(round(remaining, 6), 0.000001), "max_turns": budget.get("max_turns"),
                   "snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
                   "snapshot_dir": str(self.paths.run_dir(self.run_id) / "snapshots"),
                   "snapshot_offset_s": round(time.time() - float(self.rec.get("started_ts") or time.time()), 3)}
@@ -3847,17 +3926,35 @@ class RunPipeline:
                 marker = f"\n\n[agentbench-script:{sid}]\n"
         meta = {"run_id": self.run_id, "arm": self.rec["arm"], "task": self.rec["task"], "role": role}
         raw_dir = str(self.paths.run_dir(self.run_id) / "raw" / f"{self.attempt:02d}-{role}")
-        if resume_job:
-            out = continue_job(self.ctx, self.paths, resume_job, prompt + marker, limits, kind=kind,
-                               meta_extra=meta, cfg=self.cfg, driver=self.opts.driver, raw_dir=raw_dir)
-        else:
-            out = start_job(self.ctx, self.paths, kind=kind, prompt=prompt + marker, cwd=cwd, session_id=None,
-                            resume=None, fork=False, prior={}, limits=limits, meta=meta, system_extra=system_extra,
-                            env_extra=self.opts.env_extra, raw_dir=raw_dir, driver=self.opts.driver, cfg=self.cfg)
+        while True:
+            try:
+                out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra, raw_dir, base)
+                break
+            except AgentbenchError as exc:
+                if exc.payload.get("refusal") != "parallel_cap":
+                    raise
+                # Other work (a session driven by hand, a ping) holds the slots: wait for one.
+                time.sleep(max(0.5, self.opts.poll_s))
+                reap_jobs(self.paths, self.ctx.platform)
         self.rec.setdefault("jobs", []).append({"job_id": out["job_id"], "role": role,
                                                 "session_id": out.get("session_id")})
         self._save()
         return out["job_id"]
+
+    def _start(self, kind: str, prompt: str, cwd: str, resume_job: str | None, limits: Mapping[str, Any],
+               meta: Mapping[str, Any], system_extra: str, raw_dir: str, base: str | None) -> dict[str, Any]:
+        if resume_job:
+            return continue_job(self.ctx, self.paths, resume_job, prompt, limits, kind=kind,
+                                meta_extra=meta, cfg=self.cfg, driver=self.opts.driver, raw_dir=raw_dir)
+        resume, prior = None, {}
+        if base:
+            fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False, env_extra=self.opts.env_extra)
+            resume, prior = fk["resume"], fk["prior"]
+            meta = {**meta, "base": base}
+        return start_job(self.ctx, self.paths, kind=kind, prompt=prompt, cwd=cwd, session_id=None,
+                         resume=resume, fork=bool(resume), prior=prior, limits=limits, meta=meta,
+                         system_extra=system_extra, env_extra=self.opts.env_extra, raw_dir=raw_dir,
+                         driver=self.opts.driver, cfg=self.cfg)
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
@@ -3954,7 +4051,7 @@ class RunPipeline:
     def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
             return
-        if "circuit breaker" in str(reason):
+        if detail.get("refusal") in ("breaker", "study_cap"):
             # Paused, not failed: put the run back so that it runs, from the start, once the study is
             # resumed.  This attempt's jobs, spend and checks move to `paused_attempts` (its sessions
             # stay in the ledger): left in place they would be added to the next attempt's tokens,
@@ -3989,7 +4086,13 @@ class RunPipeline:
                       if (Path(ws) / "tests").is_dir() else "")
         prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=task_text,
                         workspace=ws, check_hint=check_hint)
-        system_full = base_system_prompt(self.cfg, self.paths, arm.preamble_text)
+        base = rec.get("base") or (task.id if arm.fork_base else None)
+        rec["base"] = base
+        if base and arm.preamble_text.strip():
+            # A fork keeps its base's system prompt (the binary snapshots it at the start of a
+            # session), so the arm's text reaches a forked session through its first prompt.
+            prompt = ("How to work in this run:\n\n" + arm.preamble_text.strip() + "\n\n---\n\n" + prompt)
+        system_full = base_system_prompt(self.cfg, self.paths, "" if base else arm.preamble_text)
         write_text_atomic(run_dir / "ctl" / "prompt.md", prompt)
         write_text_atomic(run_dir / "ctl" / "system_prompt.md", system_full)
         rec["provenance"] = {
@@ -3998,6 +4101,7 @@ class RunPipeline:
             "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
             "model_requested": self.launch["model"], "assignment_seed": rec.get("seed", self.cfg.get("seed")),
             "platform": f"{self.ctx.platform.name}/{pyplatform.system()}", "rehearsal": self.opts.rehearsal,
+            "base": base, "arm_text_in": ("prompt" if base else "system_prompt"),
             "fault": fault or None}
         rec["workspace"] = ws_info
         self._save()
@@ -4009,7 +4113,13 @@ class RunPipeline:
         system_extra = arm.preamble_text
         fault = rec.get("fault") or {}
         fault_limits = {k: v for k, v in fault.items() if k == "interrupt_after_tool_uses"}
-        res = self._run_job("executor", prompt, cwd=ws, system_extra=system_extra, fault=fault_limits)
+        base = rec.get("base")
+        res = self._run_job("executor", prompt, cwd=ws, system_extra="" if base else system_extra,
+                            fault=fault_limits, base=base)
+        if not rec.get("jobs"):
+            # The budget did not allow even the first session.
+            self._finish(task, ws, "budget_exhausted")
+            return
         exec_job = rec["jobs"][-1]["job_id"]
         last_job = exec_job
         if res.get("reason") == "fault_interrupt":
@@ -4056,10 +4166,12 @@ class RunPipeline:
             return "budget_exhausted"
         if st == "timeout":
             return "timeout"
-        if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long"):
+        if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
+                      "model_refused"):
             return f"infrastructure:{reason}"
         if st in ("killed", "lost"):
-            return f"{st}:{reason}"
+            # Not the agent's doing (a kill, a dead supervisor or driver): excluded from the results.
+            return f"infrastructure:{st}:{reason}"
         if self.remaining_usd() < float(self.launch["budget"].get("min_remaining_usd") or 0):
             return "budget_exhausted"
         return None
@@ -4187,7 +4299,9 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
             with lock:
                 if not queue:
                     return
-                if read_registry(paths).get("breaker"):
+                try:
+                    refuse_if_paused(paths, launch_config(cfg))
+                except AgentbenchError:
                     paused.extend(queue)
                     queue.clear()
                     return
@@ -6597,7 +6711,8 @@ def read_brief(ctx: Ctx, path: str) -> str:
 
 def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, fault: str | None = None) -> dict[str, Any]:
     budget = launch["budget"]
-    limits = {"wall_s": getattr(args, "wall_s", None) or budget.get("wall_s") or float(launch["max_minutes"]) * 60,
+    session_cap = float(launch["max_minutes"]) * 60      # max_minutes bounds any one session
+    limits = {"wall_s": getattr(args, "wall_s", None) or min(float(budget.get("wall_s") or session_cap), session_cap),
               "stall_after_s": launch.get("stall_after_s"),
               "orphan_after_s": getattr(args, "orphan_after_s", None) if getattr(args, "orphan_after_s", None) is not None else launch.get("orphan_after_s"),
               "max_budget_usd": getattr(args, "max_budget_usd", None) if getattr(args, "max_budget_usd", None) is not None else budget.get("usd_per_run"),
@@ -6777,8 +6892,9 @@ def removed_on_refusal(path: Path) -> Iterator[None]:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--base", required=True)
-    p.add_argument("--brief", required=True, help="file holding the training prompt")
+    p.add_argument("--base", help="the base's name (default: the task id with --task)")
+    p.add_argument("--brief", help="file holding the training prompt (default with --task: templates/train_base.md)")
+    p.add_argument("--task", help="train on a copy of this task's public files (a per-task base runs fork from)")
     p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
     p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
     _launch_args(p)
@@ -6788,18 +6904,31 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @args_of(_train_args)
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    task = load_tasks(paths, cfg, only=[args.task])[args.task] if args.task else None
+    args.base = args.base or (task.id if task else None)
+    if not args.base:
+        raise AgentbenchError("train needs --base NAME (or --task T)")
     bfile = _base_file(paths, args.base)
     old = read_json(bfile, default=None)
     if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
         raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
                               hint="pass --replace to retrain it")
-    prompt = read_brief(ctx, args.brief)
-    cfg = load_study_config(paths)
+    if args.brief:
+        prompt = read_brief(ctx, args.brief)
+    elif task is not None:
+        text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
+        prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=text,
+                        notes_path="NOTES.md")
+    else:
+        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)")
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
     with removed_on_refusal(ws):
         ws.mkdir(parents=True, exist_ok=True)
+        if task is not None and not args.workspace:
+            copy_tree(task.public, ws)
         out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                         fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
     write_json_atomic(bfile, {"name": args.base, "job_id": out["job_id"], "session_id": out["session_id"],
@@ -7017,6 +7146,8 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         raise AgentbenchError("kill needs --job J or --run R")
     for j in args.job:
         load_job(paths, j)
+    for r in args.run:
+        load_run(paths, r)   # every target validated before anything is killed
     results = [kill_job(paths, ctx.platform, j) for j in args.job]
     run_results = [kill_run(ctx, paths, r) for r in args.run]
     survivors = sorted({p for r in results for p in r["survivors"]} | {p for r in run_results for p in r.get("survivors", [])})
@@ -7118,10 +7249,26 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
-    cfg, tasks, arms, tpl = study_parts(paths)
-    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, arms, tpl, opts or PipelineOptions())
-    pipe.rec = load_run(paths, run_id)
+    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
+    must not grow with the number of tasks)."""
+    rec = load_run(paths, run_id)
+    cfg = load_study_config(paths)
+    task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
+    if not (task_root / "task.json").exists():
+        raise AgentbenchError("the run's task bundle is missing", run=run_id, task=rec["task"], path=str(task_root))
+    tasks = {rec["task"]: load_task(task_root)}
+    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
+                       opts or PipelineOptions())
+    pipe.rec = rec
     return pipe
+
+
+def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
+    """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
+    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+        raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
+                              hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
+                                   "and a finished run is final")
 
 
 def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
@@ -7130,14 +7277,27 @@ def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str
     cfg, tasks, _, _ = study_parts(paths)
     if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
         raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
+    # Refusals first, so that a refused spawn leaves the run untouched.
+    if args.base and base_state(paths, load_base(paths, args.base)) != "ready":
+        raise AgentbenchError("base is not ready", base=args.base, state=base_state(paths, load_base(paths, args.base)))
+    launch = launch_config(cfg)
+    study_binary(ctx, cfg)
+    refuse_if_paused(paths, launch)
+    if len(active_job_ids(paths)) >= int(launch["parallel"]):
+        raise AgentbenchError("parallel cap reached", active=len(active_job_ids(paths)), cap=launch["parallel"],
+                              refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
     pipe = pipeline_for(ctx, paths, args.run)
     if not pipe.claim():
         raise AgentbenchError("the run is not waiting to start", run=args.run, status=rec.get("status"),
                               hint="a run starts once; see `list --all`")
     try:
+        if args.base:
+            pipe.rec["base"] = check_name("base", args.base)
         task, arm, ws, prompt = pipe.prepare()
         fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
-        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra=arm.preamble_text, fault=fault)
+        base = pipe.rec.get("base")
+        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra="" if base else arm.preamble_text,
+                               fault=fault, base=base)
     except AgentbenchError as exc:
         pipe._end_error(exc.payload.get("error", "error"), exc.payload)
         raise
@@ -7154,6 +7314,7 @@ def _run_target_args(p: argparse.ArgumentParser) -> None:
 def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     pipe = pipeline_for(ctx, paths, args.run)
+    require_hand_driven(pipe, args.run)
     ws = (pipe.rec.get("workspace") or {}).get("path")
     if not ws or not os.path.isdir(ws):
         raise AgentbenchError("the run has no workspace yet", run=args.run, hint="spawn --run it first")
@@ -7169,6 +7330,7 @@ def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     pipe = pipeline_for(ctx, paths, args.run)
+    require_hand_driven(pipe, args.run)
     ws = (pipe.rec.get("workspace") or {}).get("path")
     if not ws:
         raise AgentbenchError("the run has no workspace yet", run=args.run)
@@ -7307,9 +7469,13 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not ids:
         raise AgentbenchError("no runs selected", hint="run `assign` first, or check --run/--task/--arm")
     real_run_guard(paths, cfg, args.force)
-    parallel = args.parallel or int(launch_config(cfg)["parallel"])
+    cap = int(launch_config(cfg)["parallel"])
+    parallel = args.parallel or cap
     if parallel < 1:
         raise AgentbenchError("--parallel must be >= 1")
+    if parallel > cap:
+        log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
+        parallel = cap
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -7597,7 +7763,7 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env-file")
 
 
-@command("_supervise", "internal: the detached supervisor of one job", mutating=False, hidden=True)
+@command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
 @args_of(_supervise_args)
 def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
