@@ -6576,8 +6576,12 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
                      "CLAUDE_CONFIG_DIR": str(sp.state / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
                      "API_TIMEOUT_MS": "120000", "AGENTBENCH_OFFLINE": "1"}
         me = ctx.platform.proc_id(os.getpid())
+        driver = dataclasses.asdict(me) if me else None
+        if any(a.fork_base for a in arms.values()):
+            for t in tasks.values():
+                train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
         opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
-                               driver=dataclasses.asdict(me) if me else None, progress=progress, rehearsal=True)
+                               driver=driver, progress=progress, rehearsal=True)
         driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
     finally:
         server.stop()
@@ -6597,6 +6601,36 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
+
+
+def train_rehearsal_base(ctx: Any, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
+                         server: "ScriptedModelServer", env_extra: Mapping[str, str],
+                         driver: Mapping[str, Any] | None) -> None:
+    """Train the per-task base that `fork_base` arms fork from: the scripted agent reads the task
+    and writes notes, through the same job path as `train --task`."""
+    ws = paths.bases / task.id / "workspace"
+    copy_tree(task.public, ws)
+    sid = f"train-{task.id}"
+    server.add_script(sid, {"steps": [
+        {"text": "Reading the task.", "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
+        {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
+            "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
+        {"text": "Notes written; ready."}]})
+    text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
+    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=text,
+                    notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
+    launch = launch_config(cfg)
+    limits = {"wall_s": 600, "max_turns": launch["budget"].get("max_turns"), "stall_after_s": 300,
+              "max_budget_usd": float(launch["budget"].get("usd_per_run") or 5.0)}
+    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
+                    fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
+                    driver=driver, cfg=cfg)
+    write_json_atomic(paths.bases / f"{task.id}.json",
+                      {"name": task.id, "job_id": out["job_id"], "session_id": out["session_id"], "cwd": str(ws),
+                       "created_at": utc_now(), "expired": False, "last_ping": time.time()})
+    while not job_is_final(paths, out["job_id"]):
+        time.sleep(0.2)
+        reap_jobs(paths, ctx.platform, only=[out["job_id"]])
 
 
 def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
