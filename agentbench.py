@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ====================================================================================================
+# ==================================================================================================
 # Constants
-# ====================================================================================================
+# ==================================================================================================
 # Every tunable number and fixed name in one place.  Test-only overrides come from the environment
 # (AGENTBENCH_*), read through env_float() so a bad value is an error, not a silent default.
 
@@ -82,10 +82,6 @@ LOCK_STALE_S = 300.0
 
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
 JOB_STATUSES = ("created", "running") + JOB_FINAL_STATUSES
-FAIL_REASONS = ("exit_code", "no_result", "is_error", "model_refused", "usage_limit", "overloaded",
-                "prompt_too_long", "api_error", "launch_error", "budget", "auth", "max_turns")
-JOB_KINDS = ("train", "executor", "continue", "reviewer", "ping")
-
 #: Model aliases are refused: a study must name the exact model it measures.
 MODEL_ALIASES = ("opus", "sonnet", "haiku", "default", "opusplan", "best", "sonnet[1m]", "opus[1m]")
 MODEL_ID_RE = re.compile(r"^claude-[a-z0-9][a-z0-9.\-]*[0-9][a-z0-9.\-]*$")
@@ -123,30 +119,9 @@ DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns
                                   "study_usd": 200.0, "min_remaining_usd": 0.05}
 
 
-def env_float(name: str, default: float) -> float:
-    """A float from the environment (test and tuning overrides), or `default` when unset."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise AgentbenchError(f"{name} must be a number", value=raw) from None
-
-
-def lost_after_s() -> float:
-    """Heartbeat age after which a job whose supervisor is dead is declared lost (SPEC: 120 s)."""
-    return env_float("AGENTBENCH_LOST_AFTER_S", 120.0)
-
-
-def heartbeat_s() -> float:
-    """How often a supervisor refreshes its heartbeat (at most every 10 s by contract)."""
-    return min(10.0, env_float("AGENTBENCH_HEARTBEAT_S", 2.0))
-
-
-# ====================================================================================================
+# ==================================================================================================
 # Errors and output
-# ====================================================================================================
+# ==================================================================================================
 # One error type carries the exit code and the JSON payload (with a hint where the user can act).
 # This section formats; only main() prints to stdout.  log() is the one stderr writer.
 
@@ -199,6 +174,29 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         for chunk in iter(lambda: fh.read(1 << 16), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# -- environment overrides (test and tuning knobs) -------------------------------------------------
+
+def env_float(name: str, default: float) -> float:
+    """A float from the environment (test and tuning overrides), or `default` when unset."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise AgentbenchError(f"{name} must be a number", value=raw) from None
+
+
+def lost_after_s() -> float:
+    """Heartbeat age after which a job whose supervisor is dead is declared lost (SPEC: 120 s)."""
+    return env_float("AGENTBENCH_LOST_AFTER_S", 120.0)
+
+
+def heartbeat_s() -> float:
+    """How often a supervisor refreshes its heartbeat (at most every 10 s by contract)."""
+    return min(10.0, env_float("AGENTBENCH_HEARTBEAT_S", 2.0))
 
 
 # ==================================================================================================
@@ -1303,9 +1301,9 @@ def current_platform() -> Platform:
     return _CURRENT_PLATFORM
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Files, locks and the registry
-# ====================================================================================================
+# ==================================================================================================
 # Atomic JSON files, the append-only JSONL logs, the registry lock, and the study's on-disk layout.
 # Scale rule: no command rewrites a document that grows with the study.  Each job owns a directory
 # (job.json written once by its creator, runtime.json written only by its supervisor, result.json
@@ -1699,9 +1697,9 @@ def touch_last_call(paths: StudyPaths) -> None:
         pass
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Processes
-# ====================================================================================================
+# ==================================================================================================
 # Starting helper commands (gate, oracle, git) with a timeout that kills their whole tree, finding
 # the `claude` binary, and starting detached supervisors.  Every OS difference is delegated to the
 # platform seam; this section only composes its calls.
@@ -1818,9 +1816,9 @@ def install_pinned_claude(platform: "Platform") -> str:
     return str(local_claude_path())
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Env scrub
-# ====================================================================================================
+# ==================================================================================================
 # The child environment is the host's minus a documented drop list, plus pinned variables.
 # Credentials reach `claude` only: gate, oracle and check commands get an environment without them.
 # Pure functions of a mapping; nothing here reads os.environ itself.
@@ -1929,9 +1927,9 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     return env, report
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Stream and usage
-# ====================================================================================================
+# ==================================================================================================
 # Parsing `claude --output-format stream-json` lines and turning them into what the ledger records.
 # Facts respected (claude 2.1.x): one API message can arrive as several `assistant` events sharing
 # message.id (count it once; per-event output tokens are an early snapshot); a process may print
@@ -1962,21 +1960,27 @@ def tokens_from_usage(u: Mapping[str, Any] | None) -> dict[str, int]:
             "cache_read": num(u.get("cache_read_input_tokens"))}
 
 
-def price_for(model: str | None) -> tuple[float, float, float, float, float]:
-    """List price row for a model id (longest matching family prefix), else the default row."""
+def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None) -> tuple[float, float, float, float, float]:
+    """List price row for a model id (longest matching family prefix), else the default row.
+
+    `overrides` (study.json `prices`: model prefix -> [input, output, cache write 5m, cache write
+    1h, cache read] per million tokens) win over the built-in table.
+    """
+    table: dict[str, tuple[float, ...]] = {**PRICES_PER_MTOK, **{k: tuple(v) for k, v in (overrides or {}).items()}}
     if model:
         best = ""
-        for fam in PRICES_PER_MTOK:
+        for fam in table:
             if model.startswith(fam) and len(fam) > len(best):
                 best = fam
         if best:
-            return PRICES_PER_MTOK[best]
+            return table[best]  # type: ignore[return-value]
     return DEFAULT_PRICE
 
 
-def estimate_cost_usd(tokens: Mapping[str, int], model: str | None) -> float:
+def estimate_cost_usd(tokens: Mapping[str, int], model: str | None,
+                      prices: Mapping[str, Sequence[float]] | None = None) -> float:
     """Cost of `tokens` at list prices (used only when a session never reported its own cost)."""
-    p_in, p_out, p_5m, p_1h, p_read = price_for(model)
+    p_in, p_out, p_5m, p_1h, p_read = price_for(model, prices)
     cc_5m = tokens.get("cache_creation_5m", 0)
     cc_1h = tokens.get("cache_creation_1h", 0)
     if not (cc_5m or cc_1h):
@@ -2006,6 +2010,7 @@ class StreamState:
         self.message_order: list[str] = []
         self.tool_uses = 0
         self.tool_results = 0
+        self.prices: Mapping[str, Sequence[float]] | None = None
         self.tool_calls: list[dict[str, Any]] = []
         self.models: list[str] = []
         self.results: list[dict[str, Any]] = []
@@ -2092,10 +2097,11 @@ class StreamState:
         return total
 
     def estimated_cost(self, fallback_model: str | None) -> float:
+        """List-price cost of the messages seen (study `prices` overrides included)."""
         cost = 0.0
         for mid in self.message_order:
             m = self.messages[mid]
-            cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model)
+            cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
         return round(cost, 6)
 
 
@@ -2208,6 +2214,17 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
         cost, estimated = total_f, False
     else:
         cost, estimated = total_f - prior_cost, False
+    # "since last result": with several result events in one process, each covers its stretch.
+    since_costs = [float(d.get("costUSD")) for r in (state.results or [result])
+                   for d in (r.get("model_usage_since_last_result") or {}).values()
+                   if isinstance(d, dict) and isinstance(d.get("costUSD"), (int, float))]
+    if since_costs and total_f is not None:
+        # The binary's own figure for this call: it needs no prior, so a stale or missing prior
+        # (a session record not yet written, a crash) cannot double-count the session's past.
+        own = math.fsum(since_costs)
+        if abs(own - cost) > 1e-6:
+            flags.append("prior_mismatch")
+            cost = own
     if delta:
         mu_in = sum(d.get("inputTokens", 0) for d in delta.values())
         mu_out = sum(d.get("outputTokens", 0) for d in delta.values())
@@ -2263,9 +2280,9 @@ def init_fingerprint(init: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return fp
 
 
-# ====================================================================================================
+# ==================================================================================================
 # The supervisor
-# ====================================================================================================
+# ==================================================================================================
 # Jobs: one `claude` process each, launched by a detached supervisor (`_supervise`, internal) that
 # is the only writer of its job's runtime.json.  It feeds the prompt on stdin and closes it, copies
 # every stdout line to raw/stream.jsonl and parses it, heartbeats, and enforces the wall-time limit
@@ -2274,12 +2291,6 @@ def init_fingerprint(init: Mapping[str, Any] | None) -> dict[str, Any] | None:
 # it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
 # the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
 # the experiment layer puts its run ids in `meta` and reads results back.
-
-STUDY_CONFIG_KEYS = ("tasks", "model", "effort", "permission_mode", "tools", "allowed_tools",
-                     "disallowed_tools", "binary", "parallel", "max_minutes", "stall_after_s",
-                     "orphan_after_s", "arms", "budget", "repeats", "seed", "executor",
-                     "snapshot_seconds", "gate_threshold", "prices", "templates", "preamble")
-
 
 def resolve_study_dir(explicit: str | None, env: Mapping[str, str], cwd: str, platform: "Platform",
                       must_exist: bool = True) -> Path:
@@ -2322,6 +2333,7 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg.get("tools") and not cfg.get("allowed_tools"):
         out["allowed_tools"] = cfg["tools"]
     out["budget"] = {**DEFAULT_BUDGET, **(cfg.get("budget") or {})}
+    out["prices"] = dict(cfg.get("prices") or {})
     return out
 
 
@@ -2502,6 +2514,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
                "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
                "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
+               "prices": launch.get("prices") or None,
                "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
                "prompt_sha256": sha256_bytes(prompt.encode())}
         write_json_atomic(paths.job_file(job_id), job)
@@ -2668,6 +2681,7 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
 
 def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
+    st.prices = job.get("prices")
     prior = job.get("prior") or {}
     usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
@@ -2773,6 +2787,7 @@ class Supervisor:
         self.job_id = job_id
         self.limits = self.job.get("limits") or {}
         self.state = StreamState()
+        self.state.prices = self.job.get("prices")
         self.last_output = time.monotonic()
         self.started = time.monotonic()
         self.runtime: dict[str, Any] = {}
@@ -3042,9 +3057,9 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
                               hint="claude refuses a zero budget; give a positive amount")
 
 
-# ====================================================================================================
+# ==================================================================================================
 # The supervisor: jobs (start, fork, continue)
-# ====================================================================================================
+# ==================================================================================================
 # The shared path by which every session starts (train, spawn, continue, and the experiment's
 # runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
 # the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
@@ -3108,6 +3123,15 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
         raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
     if cfg.get("executor") not in (None, "local", "slurm"):
         raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
+    prices = cfg.get("prices")
+    if prices is not None:
+        ok = isinstance(prices, dict) and all(
+            isinstance(k, str) and isinstance(v, list) and len(v) == 5
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
+            for k, v in prices.items())
+        if not ok:
+            raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
+                                  "cache write 1h, cache read] USD per million tokens", prices=str(prices)[:300])
     if cfg.get("executor") == "slurm":
         # Refused rather than silently run locally: a study that asks for a cluster must get one.
         raise AgentbenchError("the slurm executor is not available in this version", executor="slurm",
@@ -3252,9 +3276,9 @@ def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[st
             "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
-# ====================================================================================================
+# ==================================================================================================
 # The experiment layer
-# ====================================================================================================
+# ==================================================================================================
 # Tasks, arms, calibration, the assignment manifest, workspaces, gate, review, evaluation, the
 # behaviour audit and the per-run pipeline.  Runs are built from jobs of the section above; a run
 # record (state/runs/<run_id>.json) is written only by the driver that claimed the run.  The
@@ -4324,9 +4348,9 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results}
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Statistics and report
-# ====================================================================================================
+# ==================================================================================================
 # Plain statistics functions (each with its definition and reference), the ledger usage aggregate,
 # and the study report built from run records, rendered as JSON-ready dict, Markdown and one
 # self-contained HTML page. Everything here is pure: data in, dicts and strings out. No file or
@@ -5648,9 +5672,9 @@ def render_report_html(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-# ====================================================================================================
+# ==================================================================================================
 # Offline scripted model
-# ====================================================================================================
+# ==================================================================================================
 # A standard-library HTTP server on 127.0.0.1 that speaks enough of the Anthropic Messages API
 # (SSE streaming, non-streaming JSON, count_tokens) for the real `claude` binary to run a whole
 # session offline at zero cost.  It answers scripted assistant turns, reports realistic usage
@@ -6398,9 +6422,9 @@ def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict
             signal.signal(signum, handler)
 
 
-# ====================================================================================================
+# ==================================================================================================
 # The scripted model: rehearsal of a study
-# ====================================================================================================
+# ==================================================================================================
 # Scripts that make the real `claude` binary solve each task the way an agent would: read the task,
 # (for gated arms) submit a partial overlay first so that gate feedback really happens, then read
 # and write the reference files through real Read/Write tool calls, run the public tests through
@@ -6651,9 +6675,9 @@ def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-# ====================================================================================================
+# ==================================================================================================
 # The CLI and main
-# ====================================================================================================
+# ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
 # child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
 # JSON object.  Handlers return (exit code, object); they never print to stdout.

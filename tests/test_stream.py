@@ -433,3 +433,54 @@ def test_transcript_path_follows_claude_config_dir(tmp_path) -> None:
     env = {"CLAUDE_CONFIG_DIR": str(tmp_path / "cfg")}
     p = ab.transcript_path(env, "/w/x", "sid")
     assert p == tmp_path / "cfg" / "projects" / "-w-x" / "sid.jsonl"
+
+
+# ---- the binary's own per-call figure, study price overrides, exact model match ----------------
+
+def _result(total, since_cost, model="claude-opus-4-5"):
+    return {"type": "result", "subtype": "success", "is_error": False, "total_cost_usd": total,
+            "usage": {"input_tokens": 10, "output_tokens": 5},
+            "modelUsage": {model: {"inputTokens": 10, "outputTokens": 5, "costUSD": total}},
+            "model_usage_since_last_result": {model: {"inputTokens": 10, "outputTokens": 5, "costUSD": since_cost}}}
+
+
+def test_per_call_cost_wins_over_a_stale_prior():
+    st = ab.StreamState()
+    res = _result(total=0.30, since_cost=0.05)
+    st.feed(json.dumps(res))
+    # A prior of 0 (session record not yet written) would make the delta the whole session (0.30).
+    rec = ab.usage_record(res, st, prior_cost=0.0, prior_model_usage=None, requested_model="claude-opus-4-5")
+    assert rec["cost_delta_usd"] == pytest.approx(0.05)
+    assert "prior_mismatch" in rec["flags"]
+    # With the right prior both agree and nothing is flagged.
+    rec = ab.usage_record(res, st, prior_cost=0.25, prior_model_usage=None, requested_model="claude-opus-4-5")
+    assert rec["cost_delta_usd"] == pytest.approx(0.05) and "prior_mismatch" not in rec["flags"]
+
+
+def test_several_results_in_one_process_add_their_stretches():
+    st = ab.StreamState()
+    first, last = _result(total=0.12, since_cost=0.02), _result(total=0.15, since_cost=0.03)
+    st.feed(json.dumps(first))
+    st.feed(json.dumps(last))
+    rec = ab.usage_record(st.result, st, prior_cost=0.10, prior_model_usage=None, requested_model="claude-opus-4-5")
+    assert rec["cost_delta_usd"] == pytest.approx(0.05) and "prior_mismatch" not in rec["flags"]
+
+
+def test_study_prices_override_the_builtin_table():
+    tokens = {"input": 1_000_000, "output": 0, "cache_creation": 0, "cache_read": 0}
+    assert ab.estimate_cost_usd(tokens, "claude-opus-4-5") == pytest.approx(5.0)
+    # 1M input tokens at a study's own price of $2/MTok for a model family the table lacks.
+    assert ab.estimate_cost_usd(tokens, "claude-newfamily-9", {"claude-newfamily": [2, 8, 2.5, 4, 0.2]}) == pytest.approx(2.0)
+    assert ab.estimate_cost_usd(tokens, "claude-opus-4-5", {"claude-opus-4-5": [1, 1, 1, 1, 1]}) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("requested,reported,same", [
+    ("claude-sonnet-4-5", "claude-sonnet-4-5", True),
+    ("claude-sonnet-4-5", "claude-sonnet-4-5-20250929", True),
+    ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5", True),
+    ("claude-sonnet-4-5", "claude-sonnet-4", False),     # a prefix is another model
+    ("claude-sonnet-4", "claude-sonnet-4-5", False),
+    ("claude-opus-4-5", "claude-opus-4-5-extra", False),
+])
+def test_model_matches_is_exact_up_to_a_date_suffix(requested, reported, same):
+    assert ab.model_matches(requested, reported) is same
