@@ -4260,7 +4260,7 @@ class RunPipeline:
         self._save()
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("score", success=ev["success"], score=ev["score"])
-        self._event("run_finished", outcome=outcome, validity=validity, cost_usd=self.spent)
+        self._event("run_finished", outcome=outcome, validity=validity, cost_usd=rec.get("cost_usd"))
 
     def _collect_transcripts(self, run_dir: Path) -> None:
         env = {**self.ctx.env, **self.opts.env_extra}
@@ -7297,7 +7297,14 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(run_file(paths, r["run_id"]))
         write_bytes_atomic(mpath, data)
-        register_runs(paths, manifest, seed, args.split, faults)
+    # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
+    # Existing records are kept; faults named now apply to runs that have not started.
+    register_runs(paths, manifest, seed, args.split, faults)
+    for rid, fault in faults.items():
+        rec = load_run(paths, rid)
+        if rec.get("status") == "not_started" and rec.get("fault") != fault:
+            rec["fault"] = fault
+            save_run(paths, rec)
     append_event(paths, "assigned", split=args.split, runs=len(manifest), sha256=sha256_bytes(data))
     blocks = sorted({m["block"] for m in manifest})
     return {"split": args.split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
@@ -7596,6 +7603,9 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     lines, bad = read_jsonl(paths.ledger)
+    # Writers guarantee one line per job; a reader still counts each job once, defensively.
+    seen: set[str] = set()
+    lines = [ln for ln in lines if not (ln.get("job_id") in seen or seen.add(str(ln.get("job_id"))))]
     agg = aggregate_usage(lines, by=args.by)
     out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": len(lines), "torn_lines": bad}
     if args.format == "md":
