@@ -68,7 +68,7 @@ def real_claude_binary() -> str | None:
     return None
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def real_claude() -> str:
     """The real binary; skipped locally when absent, but a failure in CI (CI must install it)."""
     binary = real_claude_binary()
@@ -137,3 +137,12 @@ def pid_alive(pid: int) -> bool:
         return state != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+@pytest.fixture
+def server():
+    """A scripted model on loopback for one test (scripts added with server.add_script)."""
+    srv = ab.ScriptedModelServer()
+    srv.start()
+    yield srv
+    srv.stop()

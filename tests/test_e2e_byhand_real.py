@@ -18,14 +18,6 @@ from conftest import ROOT, ledger, run_main, write_brief
 pytestmark = pytest.mark.real_claude
 
 
-@pytest.fixture
-def server():
-    srv = ab.ScriptedModelServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 def make_study(tmp_path: Path, real_claude: str, server: ab.ScriptedModelServer) -> Path:
     study = tmp_path / "study"
     shutil.copytree(ROOT / "examples" / "study", study)

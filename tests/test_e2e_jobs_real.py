@@ -19,14 +19,6 @@ pytestmark = pytest.mark.real_claude
 
 
 @pytest.fixture
-def server():
-    srv = ab.ScriptedModelServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
 def real_study(tmp_path, real_claude, server, monkeypatch):
     """A study whose sessions run the real binary against the in-process scripted model."""
     monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)

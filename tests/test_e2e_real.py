@@ -82,14 +82,9 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def claude_bin() -> str:
-    """The real binary for the module-wide rehearsals (same rule as the `real_claude` fixture)."""
-    binary = real_claude_binary()
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("the real claude binary is not installed; .ci/run must install it")
-        pytest.skip("the real claude binary is not installed (npm i -g @anthropic-ai/claude-code)")
-    return binary
+def claude_bin(real_claude) -> str:
+    """The real binary for the module-wide rehearsals (the session-wide `real_claude`)."""
+    return real_claude
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +151,15 @@ def test_rehearsal_runs_every_arm_with_its_cycles_reviews_and_provenance(rehears
     def roles(rid: str) -> list[str]:
         return [j["role"] for j in runs[rid]["jobs"]]
 
-    for arm in ("C", "D"):  # controller-enforced gate cycles really happened
-        rec = runs[by_arm[arm]]
-        assert rec["gate_cycles"] > 0 and "gate_feedback" in roles(by_arm[arm])
-        assert rec["gates"] and rec["gates"][0]["passed"] is False and rec["gates"][-1]["passed"] is True
+    # Controller-enforced gate cycles really happened (C: the partial first attempt fails the gate).
+    rec = runs[by_arm["C"]]
+    assert rec["gate_cycles"] > 0 and "gate_feedback" in roles(by_arm["C"])
+    assert rec["gates"] and rec["gates"][0]["passed"] is False and rec["gates"][-1]["passed"] is True
+    # D is also interrupted (fault below): depending on where the kill lands in its script, the
+    # resumed turn may already finish the work, so it is gated but not necessarily fed back.
+    rec = runs[by_arm["D"]]
+    assert rec["gates"] and rec["gates"][-1]["passed"] is True
+    assert rec["gate_cycles"] == roles(by_arm["D"]).count("gate_feedback")
     d = runs[by_arm["D"]]  # the review arm: a separate reviewer session and a verdict
     assert roles(by_arm["D"]).count("reviewer") == 1
     reviewer = next(j for j in d["jobs"] if j["role"] == "reviewer")

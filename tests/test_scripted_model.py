@@ -74,14 +74,6 @@ def _sse_events(payload: bytes) -> list[tuple[str, str]]:
     return events
 
 
-@pytest.fixture
-def server():
-    srv = ab.ScriptedModelServer()
-    srv.start()
-    yield srv
-    srv.stop()
-
-
 # ---------------------------------------------------------------------------------------------
 # request → step logic (pure)
 # ---------------------------------------------------------------------------------------------
