@@ -1966,14 +1966,14 @@ def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None
     `overrides` (study.json `prices`: model prefix -> [input, output, cache write 5m, cache write
     1h, cache read] per million tokens) win over the built-in table.
     """
-    table: dict[str, tuple[float, ...]] = {**PRICES_PER_MTOK, **{k: tuple(v) for k, v in (overrides or {}).items()}}
     if model:
-        best = ""
-        for fam in table:
-            if model.startswith(fam) and len(fam) > len(best):
-                best = fam
-        if best:
-            return table[best]  # type: ignore[return-value]
+        for table in ({k: tuple(v) for k, v in (overrides or {}).items()}, PRICES_PER_MTOK):
+            best = ""
+            for fam in table:
+                if model.startswith(fam) and len(fam) > len(best):
+                    best = fam
+            if best:
+                return table[best]  # type: ignore[return-value]
     return DEFAULT_PRICE
 
 
@@ -2587,15 +2587,17 @@ def _complete_finalize(paths: StudyPaths, job: Mapping[str, Any], result: Mappin
         if result.get("context_tokens"):
             rec["context_tokens"] = result["context_tokens"]
         write_json_atomic(paths.sessions / f"{sid}.json", rec)
+    reg = read_registry(paths)
+    if job_id in (reg.get("finalizing") or []):
+        # Before the active marker goes: the reaper only looks at active jobs, and the
+        # `ledgered` marker already prevents a second count.
+        reg["finalizing"] = [j for j in reg["finalizing"] if j != job_id]
+        write_json_atomic(paths.registry, reg)
     if (paths.active / job_id).exists():
         if not job.get("driver"):
             # Only jobs driven by hand await delivery through `wait`; a driver reads its own.
             touch_marker(paths.undelivered / job_id)
         remove_marker(paths.active / job_id)
-    reg = read_registry(paths)
-    if job_id in (reg.get("finalizing") or []):
-        reg["finalizing"] = [j for j in reg["finalizing"] if j != job_id]
-        write_json_atomic(paths.registry, reg)
 
 
 def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> None:
@@ -2912,9 +2914,10 @@ class Supervisor:
         # before it started, or already has a live supervisor.
         if self.paths.result_file(self.job_id).exists() or (jdir / "kill.request").exists():
             return 0
-        rt = read_json(self.paths.runtime_file(self.job_id), default=None)
-        other = _proc_from((rt or {}).get("supervisor"))
-        if other and other.pid != os.getpid() and self.platform.is_alive(other):
+        try:
+            # The claim is atomic and permanent: a second supervisor never starts claude again.
+            os.close(os.open(jdir / "supervisor.claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
             return 0
         me = self.platform.proc_id(os.getpid())
         raw_dir = Path(job["raw_dir"])
@@ -3119,6 +3122,12 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
         raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
+    mm = cfg.get("max_minutes")
+    if mm is not None and (isinstance(mm, bool) or not isinstance(mm, (int, float)) or not math.isfinite(mm) or mm <= 0):
+        raise AgentbenchError("max_minutes must be a positive number", max_minutes=str(mm))
+    upr = (cfg.get("budget") or {}).get("usd_per_run")
+    if isinstance(upr, (int, float)) and not isinstance(upr, bool) and upr == 0:
+        raise AgentbenchError("budget.usd_per_run must be greater than 0", hint="no session could ever start")
     if cfg.get("parallel") is not None and (not isinstance(cfg["parallel"], int) or cfg["parallel"] < 1):
         raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
     if cfg.get("executor") not in (None, "local", "slurm"):
@@ -3193,8 +3202,17 @@ def _base_file(paths: StudyPaths, name: str) -> Path:
 def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
     rec = read_json(_base_file(paths, name), default=None)
     if rec is None:
-        raise AgentbenchError("no such base", base=name, hint="train it first: agentbench.py train --base NAME --brief FILE")
+        raise AgentbenchError("no such base", base=name, refusal="base",
+                              hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
     return rec
+
+
+def require_base_ready(paths: StudyPaths, name: str) -> None:
+    """Refuse (refusal "base") unless the base exists and its training ended ok."""
+    state = base_state(paths, load_base(paths, name))
+    if state != "ready":
+        raise AgentbenchError("base is not ready", base=name, state=state, refusal="base",
+                              hint="wait for its training job, or retrain it with --replace")
 
 
 
@@ -3217,7 +3235,7 @@ def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_w
     if state == "ready" and not job_is_final(paths, rec["job_id"]):
         state = "finalising"
     if state != "ready":
-        raise AgentbenchError("base is not ready", base=base, state=state,
+        raise AgentbenchError("base is not ready", base=base, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
     if copy_workspace and not workspace.exists():
         shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
@@ -3248,7 +3266,7 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
     if not sid:
         raise AgentbenchError("the job has no session to continue", job=prev_id)
     marker = paths.job_dir(prev_id) / "continued_by"
-    if marker.exists():
+    if marker.exists() and paths.job_file(marker.read_text(encoding="utf-8").strip() or "-").exists():
         return _duplicate_continue(paths, prev_id, marker.read_text(encoding="utf-8").strip())
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
@@ -3955,8 +3973,8 @@ class RunPipeline:
                 out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra, raw_dir, base)
                 break
             except AgentbenchError as exc:
-                if exc.payload.get("refusal") != "parallel_cap":
-                    raise
+                if exc.payload.get("refusal") != "parallel_cap" or not self.opts.driver:
+                    raise   # a call by hand answers at once; only a driver waits for a slot
                 # Other work (a session driven by hand, a ping) holds the slots: wait for one.
                 time.sleep(max(0.5, self.opts.poll_s))
                 reap_jobs(self.paths, self.ctx.platform)
@@ -4075,13 +4093,22 @@ class RunPipeline:
     def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
             return
-        if detail.get("refusal") in ("breaker", "study_cap"):
+        if detail.get("refusal") in ("breaker", "study_cap", "base"):
             # Paused, not failed: put the run back so that it runs, from the start, once the study is
             # resumed.  This attempt's jobs, spend and checks move to `paused_attempts` (its sessions
             # stay in the ledger): left in place they would be added to the next attempt's tokens,
             # gates and reviews, and its error and validity would outlive it.
             attempt = {k: self.rec.pop(k) for k in RUN_ATTEMPT_KEYS if k in self.rec}
-            attempt.update({"paused_at": utc_now(), "reason": reason})
+            k = len(self.rec.get("paused_attempts") or []) + 1
+            run_dir = self.paths.run_dir(self.run_id)
+            aside = run_dir / f"paused-{k:02d}"
+            for sub in ("raw", "snapshots", "receipts", "review", "transcripts", "ctl"):
+                # The next attempt starts with empty directories (streams are appended to, and
+                # snapshots and receipts are named by time and number).
+                if (run_dir / sub).exists():
+                    aside.mkdir(parents=True, exist_ok=True)
+                    os.replace(run_dir / sub, aside / sub)
+            attempt.update({"paused_at": utc_now(), "reason": reason, "files": str(aside)})
             self.rec.setdefault("paused_attempts", []).append(attempt)
             self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True,
                              "jobs": [], "cost_usd": 0.0})
@@ -4193,9 +4220,12 @@ class RunPipeline:
         if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
                       "model_refused"):
             return f"infrastructure:{reason}"
-        if st in ("killed", "lost"):
-            # Not the agent's doing (a kill, a dead supervisor or driver): excluded from the results.
+        if st == "lost" or (st == "killed" and reason in ("driver_lost", "supervisor_terminated")):
+            # Not the agent's doing (a dead supervisor or driver): excluded from the results.
             return f"infrastructure:{st}:{reason}"
+        if st == "killed":
+            # A kill by the experimenter or the orphan watchdog: the run ends, graded as it stands.
+            return f"killed:{reason}"
         if self.remaining_usd() < float(self.launch["budget"].get("min_remaining_usd") or 0):
             return "budget_exhausted"
         return None
@@ -6969,6 +6999,9 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         raise AgentbenchError("train needs --base NAME (or --task T)")
     bfile = _base_file(paths, args.base)
     old = read_json(bfile, default=None)
+    if old is not None and base_state(paths, old) == "training":
+        raise AgentbenchError("base is still training", base=args.base, job=old["job_id"],
+                              hint="wait for its job (or kill it) before retraining")
     if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
         raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
                               hint="pass --replace to retrain it")
@@ -6986,6 +7019,8 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     with removed_on_refusal(ws):
         ws.mkdir(parents=True, exist_ok=True)
         if task is not None and not args.workspace:
+            if old is not None and ws.exists():
+                shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
             copy_tree(task.public, ws)
         out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                         fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
@@ -7061,7 +7096,7 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
                                   hint="a run driven by `run` continues its own sessions")
         marker = paths.job_dir(job_id) / "continued_by"
-        if marker.exists():
+        if marker.exists() and paths.job_file(marker.read_text(encoding="utf-8").strip() or "-").exists():
             return _duplicate_continue(paths, job_id, marker.read_text(encoding="utf-8").strip())
         jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
                                kind="continue")
@@ -7300,11 +7335,16 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
     # Existing records are kept; faults named now apply to runs that have not started.
     register_runs(paths, manifest, seed, args.split, faults)
-    for rid, fault in faults.items():
-        rec = load_run(paths, rid)
-        if rec.get("status") == "not_started" and rec.get("fault") != fault:
-            rec["fault"] = fault
-            save_run(paths, rec)
+    applied = {}
+    with RegistryLock(paths.lock, ctx.platform):   # claim() changes run records under this lock
+        for rid, fault in faults.items():
+            rec = load_run(paths, rid)
+            if rec.get("status") == "not_started":
+                applied[rid] = fault
+                if rec.get("fault") != fault:
+                    rec["fault"] = fault
+                    save_run(paths, rec)
+    faults = applied
     append_event(paths, "assigned", split=args.split, runs=len(manifest), sha256=sha256_bytes(data))
     blocks = sorted({m["block"] for m in manifest})
     return {"split": args.split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
@@ -7343,11 +7383,14 @@ def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str
     if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
         raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
     # Refusals first, so that a refused spawn leaves the run untouched.
-    if args.base and base_state(paths, load_base(paths, args.base)) != "ready":
-        raise AgentbenchError("base is not ready", base=args.base, state=base_state(paths, load_base(paths, args.base)))
+    arms = load_arms(paths, cfg)
+    base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+    if base:
+        require_base_ready(paths, base)
     launch = launch_config(cfg)
     study_binary(ctx, cfg)
     refuse_if_paused(paths, launch)
+    reap_jobs(paths, ctx.platform)
     if len(active_job_ids(paths)) >= int(launch["parallel"]):
         raise AgentbenchError("parallel cap reached", active=len(active_job_ids(paths)), cap=launch["parallel"],
                               refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
@@ -7534,6 +7577,20 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not ids:
         raise AgentbenchError("no runs selected", hint="run `assign` first, or check --run/--task/--arm")
     real_run_guard(paths, cfg, args.force)
+    arms = load_arms(paths, cfg)
+    missing: dict[str, str] = {}
+    for rid in ids:
+        rec = load_run(paths, rid)
+        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+        if base and base not in missing:
+            try:
+                require_base_ready(paths, base)
+            except AgentbenchError as exc:
+                missing[base] = str(exc.payload.get("state") or "missing")
+    missing = {b: s for b, s in missing.items() if s}
+    if missing:
+        raise AgentbenchError("runs fork bases that are not ready", bases=missing,
+                              hint="train them first: agentbench.py train --task T (one per task), then wait")
     cap = int(launch_config(cfg)["parallel"])
     parallel = args.parallel or cap
     if parallel < 1:
