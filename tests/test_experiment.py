@@ -676,3 +676,60 @@ def test_rehearse_refuses_bad_behaviours_faults_and_a_used_directory(roman, fake
     assert code == 2 and "not empty" in out["error"], out
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["something"]
     assert not (roman / "state" / "rehearsal.json").exists()
+
+
+# ---- refusals before anything is written: bases, the parallel cap --------------------------------
+
+def test_run_refuses_runs_whose_base_is_not_trained(tmp_path, fake_env):
+    study = tiny_study(tmp_path / "s", arms={"F": {"fork_base": True}})
+    assert run_main(["calibrate", "--study", str(study)])[0] == 0
+    assert run_main(["assign", "--study", str(study)])[0] == 0
+    before = run_record(study, "r0001")
+    code, obj = run_main(["run", "--study", str(study), "--force"])
+    assert code == 2 and obj["error"] == "runs fork bases that are not ready"
+    assert obj["bases"] == {"tiny": "missing"} and "train --task" in obj["hint"]
+    assert run_record(study, "r0001") == before
+    code, obj = run_main(["spawn", "--study", str(study), "--run", "r0001"])
+    assert code == 2 and obj["refusal"] == "base"
+    assert run_record(study, "r0001") == before and not (study / "runs" / "r0001").exists()
+
+
+def test_spawn_run_at_the_parallel_cap_answers_at_once_and_leaves_the_run(tmp_path, fake_env):
+    study = tiny_study(tmp_path / "s", parallel=1)
+    assert run_main(["calibrate", "--study", str(study)])[0] == 0
+    assert run_main(["assign", "--study", str(study), "--repeats", "2"])[0] == 0
+    brief = tmp_path / "hang.txt"
+    brief.write_text("FAKE: hang\n")
+    code, busy = run_main(["spawn", "--study", str(study), "--brief", str(brief)])
+    assert code == 0, busy
+    try:
+        before = run_record(study, "r0001")
+        t0 = time.monotonic()
+        code, obj = run_main(["spawn", "--study", str(study), "--run", "r0001"])
+        assert code == 2 and obj["refusal"] == "parallel_cap"
+        assert time.monotonic() - t0 < 30          # answered, did not wait for a slot
+        assert run_record(study, "r0001") == before and not (study / "runs" / "r0001").exists()
+    finally:
+        run_main(["kill", "--study", str(study), "--job", busy["job_id"]])
+
+
+def test_init_refuses_a_zero_session_cap_and_a_zero_run_budget(tmp_path, fake_env):
+    for flags, err in ((["--max-minutes", "0"], "max_minutes must be a positive number"),
+                       (["--usd-per-run", "0"], "budget.usd_per_run must be greater than 0")):
+        code, obj = run_main(["init", "--study", str(tmp_path / "x"), *flags])
+        assert code == 2 and obj["error"] == err
+        assert not (tmp_path / "x").exists()
+
+
+def test_a_second_supervisor_never_starts_claude_again(tmp_path, study):
+    brief = tmp_path / "b.txt"
+    brief.write_text("FAKE: cost=0.01\n")
+    code, sp = run_main(["spawn", "--study", str(study), "--brief", str(brief)])
+    assert code == 0
+    from conftest import wait_result
+    wait_result(study, sp["job_id"])
+    stream = next((study / "state" / "jobs" / sp["job_id"]).glob("raw/stream.jsonl"))
+    size = stream.stat().st_size
+    code, _ = run_main(["_supervise", "--study", str(study), "--job", sp["job_id"]])
+    assert code == 0 and stream.stat().st_size == size
+    assert sum(1 for ln in (study / "state" / "ledger.jsonl").read_text().splitlines() if ln.strip()) == 1

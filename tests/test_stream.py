@@ -484,3 +484,9 @@ def test_study_prices_override_the_builtin_table():
 ])
 def test_model_matches_is_exact_up_to_a_date_suffix(requested, reported, same):
     assert ab.model_matches(requested, reported) is same
+
+
+def test_a_shorter_study_price_prefix_still_wins_over_the_table():
+    tokens = {"input": 1_000_000, "output": 0, "cache_creation": 0, "cache_read": 0}
+    # The built-in table knows claude-opus-4-5 ($5/MTok input); the study prices the whole family.
+    assert ab.estimate_cost_usd(tokens, "claude-opus-4-5", {"claude-opus": [3, 9, 3, 3, 0.3]}) == pytest.approx(3.0)
