@@ -2453,6 +2453,16 @@ def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     return {"job_id": job_id, "status": "created"}
 
 
+def existing_continuation(paths: StudyPaths, job_id: str) -> str | None:
+    """The job that already continues `job_id`, if any (a marker naming a job that was never
+    registered is a crash's leftover and does not count)."""
+    try:
+        existing = (paths.job_dir(job_id) / "continued_by").read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    return existing if existing and paths.job_file(existing).exists() else None
+
+
 class DuplicateRequest(Exception):
     """A request for a step that already has a job (e.g. a second `continue` of one job)."""
 
@@ -2479,12 +2489,9 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                                   hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
         continues = meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
-        if marker is not None and marker.exists():
+        if continues and existing_continuation(paths, continues):
             # A job is continued at most once: a repeated request for the same step is ignored.
-            # (A marker naming a job that was never registered is a crash's leftover: ignored.)
-            existing = marker.read_text(encoding="utf-8").strip()
-            if existing and paths.job_file(existing).exists():
-                raise DuplicateRequest(existing)
+            raise DuplicateRequest(existing_continuation(paths, continues))  # type: ignore[arg-type]
         reg = read_registry(paths)
         n = int(reg["next_job"])
         while paths.job_dir(f"j{n:06d}").exists():   # a directory a crash left behind
@@ -3078,17 +3085,18 @@ def study_binary(ctx: Any, cfg: Mapping[str, Any]) -> str:
 
 
 
-def base_system_prompt(cfg: Mapping[str, Any], paths: StudyPaths, extra: str = "") -> str:
-    """preamble.md (the study's own if it has one, else the bundled one) + an arm text."""
+def preamble_text(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
+    """preamble.md: the study's configured one, else its own, else the bundled one ("" if none)."""
     pre = cfg.get("preamble")
-    candidates = [paths.root / pre] if pre else []
-    candidates += [paths.root / "preamble.md", HERE / "preamble.md"]
-    text = ""
-    for c in candidates:
+    for c in ([paths.root / pre] if pre else []) + [paths.root / "preamble.md", HERE / "preamble.md"]:
         if c.is_file():
-            text = c.read_text(encoding="utf-8")
-            break
-    return text.rstrip() + ("\n\n" + extra.strip() if extra.strip() else "") + "\n"
+            return c.read_text(encoding="utf-8")
+    return ""
+
+
+def base_system_prompt(cfg: Mapping[str, Any], paths: StudyPaths, extra: str = "") -> str:
+    """The appended system prompt of a session: the preamble + an arm text."""
+    return preamble_text(paths, cfg).rstrip() + ("\n\n" + extra.strip() if extra.strip() else "") + "\n"
 
 
 
@@ -3207,6 +3215,13 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
     return rec
 
 
+def register_base(paths: StudyPaths, name: str, job: Mapping[str, Any], workspace: Path) -> None:
+    """Record a base: the training job and session that runs fork from, and its cwd."""
+    write_json_atomic(_base_file(paths, name), {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
+                                                "cwd": str(workspace), "created_at": utc_now(), "expired": False,
+                                                "last_ping": time.time()})
+
+
 def require_base_ready(paths: StudyPaths, name: str) -> None:
     """Refuse (refusal "base") unless the base exists and its training ended ok."""
     state = base_state(paths, load_base(paths, name))
@@ -3265,9 +3280,8 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
     sid = res.get("session_id") or prev.get("session_id")
     if not sid:
         raise AgentbenchError("the job has no session to continue", job=prev_id)
-    marker = paths.job_dir(prev_id) / "continued_by"
-    if marker.exists() and paths.job_file(marker.read_text(encoding="utf-8").strip() or "-").exists():
-        return _duplicate_continue(paths, prev_id, marker.read_text(encoding="utf-8").strip())
+    if existing_continuation(paths, prev_id):
+        return _duplicate_continue(paths, prev_id, existing_continuation(paths, prev_id))  # type: ignore[arg-type]
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
         if oj.get("session_id") == sid and not paths.result_file(other).exists():
@@ -3395,6 +3409,12 @@ def load_task(root: Path) -> Task:
                 tree_manifest(root / "public"))
 
 
+def task_text(task: Task) -> str:
+    """The task statement (public TASK.md), or the title when the bundle has none."""
+    f = task.public / "TASK.md"
+    return f.read_text(encoding="utf-8") if f.exists() else task.title
+
+
 def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     raw = cfg.get("tasks") or "tasks"
     p = Path(raw)
@@ -3492,16 +3512,10 @@ def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
     tpls = load_templates(paths, cfg)
     for name in TEMPLATE_NAMES:
         h.update(tpls[name].template.encode())
-    h.update(base_system_prompt_text(paths, cfg).encode())
+    h.update(preamble_text(paths, cfg).encode())
     return h.hexdigest()
 
 
-def base_system_prompt_text(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
-    pre = cfg.get("preamble")
-    for c in ([paths.root / pre] if pre else []) + [paths.root / "preamble.md", HERE / "preamble.md"]:
-        if c.is_file():
-            return c.read_text(encoding="utf-8")
-    return ""
 
 
 # -- checks (gate and oracle) -------------------------------------------------------------------------
@@ -4047,8 +4061,7 @@ class RunPipeline:
             shutil.rmtree(rdir)
         shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
         changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
-        text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
-        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=text, work_dir=str(work),
+        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task), work_dir=str(work),
                         review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
         return rdir, prompt
@@ -4132,10 +4145,11 @@ class RunPipeline:
         self._event("run_started", task=task.id, arm=arm.name)
         ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir, fault.get("missing_fixture"))
         ws = ws_info["path"]
-        task_text = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
+        # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
+        statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
         check_hint = ("Public tests are in tests/; run them with: python3 -m unittest discover -s tests"
                       if (Path(ws) / "tests").is_dir() else "")
-        prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=task_text,
+        prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=statement,
                         workspace=ws, check_hint=check_hint)
         base = rec.get("base") or (task.id if arm.fork_base else None)
         rec["base"] = base
@@ -6670,8 +6684,7 @@ def train_rehearsal_base(ctx: Any, paths: StudyPaths, cfg: Mapping[str, Any], ta
         {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
             "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
         {"text": "Notes written; ready."}]})
-    text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
-    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=text,
+    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
                     notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
     launch = launch_config(cfg)
     limits = {"wall_s": 600, "max_turns": launch["budget"].get("max_turns"), "stall_after_s": 300,
@@ -6679,9 +6692,7 @@ def train_rehearsal_base(ctx: Any, paths: StudyPaths, cfg: Mapping[str, Any], ta
     out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                     fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
                     driver=driver, cfg=cfg)
-    write_json_atomic(paths.bases / f"{task.id}.json",
-                      {"name": task.id, "job_id": out["job_id"], "session_id": out["session_id"], "cwd": str(ws),
-                       "created_at": utc_now(), "expired": False, "last_ping": time.time()})
+    register_base(paths, task.id, out, ws)
     while not job_is_final(paths, out["job_id"]):
         time.sleep(0.2)
         reap_jobs(paths, ctx.platform, only=[out["job_id"]])
@@ -7008,8 +7019,7 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.brief:
         prompt = read_brief(ctx, args.brief)
     elif task is not None:
-        text = (task.public / "TASK.md").read_text(encoding="utf-8") if (task.public / "TASK.md").exists() else task.title
-        prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=text,
+        prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
                         notes_path="NOTES.md")
     else:
         raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)")
@@ -7024,8 +7034,7 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             copy_tree(task.public, ws)
         out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                         fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
-    write_json_atomic(bfile, {"name": args.base, "job_id": out["job_id"], "session_id": out["session_id"],
-                              "cwd": str(ws), "created_at": utc_now(), "expired": False, "last_ping": time.time()})
+    register_base(paths, args.base, out, ws)
     return {**out, "base": args.base}
 
 
@@ -7095,9 +7104,8 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
             raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
                                   hint="a run driven by `run` continues its own sessions")
-        marker = paths.job_dir(job_id) / "continued_by"
-        if marker.exists() and paths.job_file(marker.read_text(encoding="utf-8").strip() or "-").exists():
-            return _duplicate_continue(paths, job_id, marker.read_text(encoding="utf-8").strip())
+        if existing_continuation(paths, job_id):
+            return _duplicate_continue(paths, job_id, existing_continuation(paths, job_id))  # type: ignore[arg-type]
         jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
                                kind="continue")
         if jid is None:
