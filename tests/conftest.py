@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,32 @@ import agentbench as ab  # noqa: E402
 
 FAKE_CLAUDE = TESTS / "fake_claude.py"
 AGENTBENCH = ROOT / "agentbench.py"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Run the whole session with a scratch, empty HOME.
+
+    The real `claude` snapshots a login shell when a session starts, so the developer's dotfiles
+    would run inside every end-to-end test: slow ones (a version manager's start-up hook waiting
+    on its own lock) make the suite crawl, and a test that kills a session mid-snapshot could leave
+    that hook's lock behind on the developer's machine.  Nothing in the product reads HOME except
+    through `claude`; git identities are passed explicitly.
+    """
+    home = tempfile.mkdtemp(prefix="agentbench-tests-home-")
+    config._agentbench_home = (os.environ.get("HOME"), home)  # type: ignore[attr-defined]
+    os.environ["HOME"] = home
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    saved = getattr(config, "_agentbench_home", None)
+    if saved is None:
+        return
+    old, home = saved
+    if old is None:
+        os.environ.pop("HOME", None)
+    else:
+        os.environ["HOME"] = old
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def run_main(args: list[str], env: dict[str, str] | None = None) -> tuple[int, dict]:
