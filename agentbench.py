@@ -81,7 +81,7 @@ LOCK_TIMEOUT_S = 60.0
 LOCK_STALE_S = 300.0
 
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
-JOB_STATUSES = ("created", "running") + JOB_FINAL_STATUSES
+JOB_STATUSES = ("created", "queued", "running") + JOB_FINAL_STATUSES
 #: Model aliases are refused: a study must name the exact model it measures.
 MODEL_ALIASES = ("opus", "sonnet", "haiku", "default", "opusplan", "best", "sonnet[1m]", "opus[1m]")
 MODEL_ID_RE = re.compile(r"^claude-[a-z0-9][a-z0-9.\-]*[0-9][a-z0-9.\-]*$")
@@ -114,7 +114,15 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "stall_after_s": 300,
     "orphan_after_s": 0,
     "executor": "local",
+    "slurm": None,
 }
+#: Slurm job states in which a submitted supervisor is still queued, starting, running or being
+#: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
+SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "REQUEUED",
+                               "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT",
+                               "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
+#: Keys of a study's `slurm` object.
+SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
                                   "study_usd": 200.0, "min_remaining_usd": 0.05}
 
@@ -305,6 +313,16 @@ class Platform:
         raise NotImplementedError
 
     # ---- process identity ------------------------------------------------------------------------
+
+    def hostname(self) -> str:
+        """This machine's name: a pid identifies a process only on the host that recorded it."""
+        return socket.gethostname()
+
+    def is_local(self, record: Mapping[str, Any] | None) -> bool:
+        """True when a recorded process (a dict with an optional `host`) ran on this host; records
+        written before hosts were recorded count as local."""
+        host = (record or {}).get("host")
+        return host is None or host == self.hostname()
 
     def process_ctime(self, pid: int) -> float | None:
         """Creation time (epoch seconds) of process ``pid``; None if there is no such process."""
@@ -1762,6 +1780,84 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
     return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path)
 
 
+# -- the Slurm executor ------------------------------------------------------------------------------
+# With `executor: slurm` a job's supervisor is not detached here but submitted as a one-task batch
+# job; the study directory must be on a file system the compute nodes share.  Slurm is reached only
+# through its commands (sbatch, squeue, scancel) so that any installation works and tests can put
+# fakes on PATH.  The parsers below are pure; the three calls are the I/O.
+
+def slurm_batch_script(python: str, study_root: str, job_id: str) -> str:
+    """The batch script of one job: exec the supervisor, so that Slurm's signals reach it directly."""
+    argv = [python, str(Path(__file__).resolve()), "_supervise", "--study", study_root, "--job", job_id]
+    return ("#!/bin/sh\n"
+            f"# agentbench supervisor of job {job_id}; written by agentbench, do not edit.\n"
+            "exec " + " ".join(shlex.quote(a) for a in argv) + "\n")
+
+
+def sbatch_argv(job_id: str, script: str, *, output: str, chdir: str, slurm: Mapping[str, Any],
+                wall_s: float | None) -> list[str]:
+    """The sbatch call for a job.  A time limit is asked for (the job's wall time plus a margin for
+    start-up and finalisation) unless the study's own sbatch_args set one."""
+    extra = list(slurm.get("sbatch_args") or [])
+    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}", f"--output={output}",
+            f"--chdir={chdir}", "--ntasks=1"]
+    if slurm.get("partition"):
+        argv.append(f"--partition={slurm['partition']}")
+    sets_time = any(a == "-t" or a.startswith("--time") or (a.startswith("-t") and len(a) > 2) for a in extra)
+    if wall_s and not sets_time:
+        minutes = math.ceil((float(wall_s) + float(slurm.get("time_margin_s") or 600)) / 60)
+        argv.append(f"--time={minutes}")
+    return argv + extra + [script]
+
+
+def parse_sbatch_job_id(stdout: str) -> str:
+    """The job id from `sbatch --parsable` output ("123" or "123;cluster"); raises if there is none."""
+    line = next((ln.strip() for ln in stdout.splitlines() if ln.strip()), "")
+    jid = line.split(";", 1)[0]
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", jid):
+        raise AgentbenchError("sbatch did not print a job id", stdout=stdout[-300:])
+    return jid
+
+
+def parse_squeue_state(result: CommandResult) -> str | None:
+    """A Slurm job's state from `squeue -h -j ID -o %T`: the state name, "GONE" when the controller
+    no longer knows the job (or lists nothing for it), None when squeue could not be asked (the
+    controller down, squeue missing): an unknown is never taken for a death."""
+    if result.returncode == 0:
+        states = [ln.strip().upper() for ln in result.stdout.splitlines() if ln.strip()]
+        return states[0] if states else "GONE"
+    if "invalid job id" in (result.stderr or "").lower():
+        return "GONE"
+    return None
+
+
+def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], env: Mapping[str, str]) -> str:
+    """Submit a job's supervisor with sbatch; its Slurm job id.  Raises AgentbenchError on refusal."""
+    slurm = dict(job.get("slurm") or {})
+    study_root = str(paths.root)
+    script = paths.job_dir(job["job_id"]) / "slurm.sh"
+    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root, job["job_id"]))
+    argv = sbatch_argv(job["job_id"], str(script), output=os.path.join(job["raw_dir"], "supervisor.log"),
+                       chdir=study_root, slurm=slurm, wall_s=(job.get("limits") or {}).get("wall_s"))
+    res = run_command(argv, cwd=study_root, env=env, timeout_s=120, platform=platform)
+    if res.returncode != 0:
+        raise AgentbenchError("sbatch refused the job", detail=(res.stderr or res.stdout).strip()[-500:],
+                              returncode=res.returncode, hint="check the study's slurm settings and `sinfo`")
+    return parse_sbatch_job_id(res.stdout)
+
+
+def slurm_state(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> str | None:
+    """The job's state as squeue reports it (see parse_squeue_state)."""
+    res = run_command(["squeue", "-h", "-j", str(slurm_job_id), "-o", "%T"], cwd=os.getcwd(), env=env,
+                      timeout_s=60, platform=platform)
+    return parse_squeue_state(res)
+
+
+def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> CommandResult:
+    """scancel the job: Slurm sends SIGTERM to its processes, SIGKILL after its KillWait."""
+    return run_command(["scancel", str(slurm_job_id)], cwd=os.getcwd(), env=env, timeout_s=60, platform=platform)
+
+
 def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
     """Locate `claude`: the study's configured path, $AGENTBENCH_CLAUDE_BIN, PATH, or a local install.
 
@@ -2450,6 +2546,10 @@ def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     rt = read_json(paths.runtime_file(job_id), default=None)
     if rt is not None:
         return {"job_id": job_id, **rt}
+    sjid = slurm_job_of(read_launcher(paths, job_id))
+    if sjid is not None:
+        # Submitted, not started yet: waiting in Slurm's queue (or being started on a node).
+        return {"job_id": job_id, "status": "queued", "slurm_job_id": sjid}
     return {"job_id": job_id, "status": "created"}
 
 
@@ -2522,6 +2622,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
                "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
                "prices": launch.get("prices") or None,
+               "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
                "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
                "prompt_sha256": sha256_bytes(prompt.encode())}
         write_json_atomic(paths.job_file(job_id), job)
@@ -2532,8 +2633,21 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
 
 
 def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
-    """Start the detached supervisor of a registered job; on failure finalise it `launch_error`."""
+    """Start the supervisor of a registered job: detached here (local executor) or submitted to
+    Slurm (its batch job runs the supervisor on a compute node).  On failure the job is finalised
+    `launch_error`, so a refused submission never leaves an active job behind."""
     log_path = os.path.join(job["raw_dir"], "supervisor.log")
+    if job.get("executor") == "slurm":
+        try:
+            sjid = slurm_submit(platform, paths, job, dict(os.environ))
+        except AgentbenchError as exc:
+            detail = exc.payload.get("detail") or exc.payload.get("error") or str(exc)
+            finalize_job(paths, platform, job, status="failed", reason="launch_error",
+                         usage=None, extra={"detail": f"cannot submit to slurm: {detail}"})
+            return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
+        write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
+                          {"executor": "slurm", "slurm_job_id": sjid, "host": platform.hostname(), "at": time.time()})
+        return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
     try:
         pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
                                 cwd=str(paths.root), env=dict(os.environ), log_path=log_path)
@@ -2546,7 +2660,8 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
         return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
     pc = platform.proc_id(pid)
     write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
-                      {"pid": pid, "ctime": pc.ctime if pc else None, "at": time.time()})
+                      {"executor": "local", "pid": pid, "ctime": pc.ctime if pc else None,
+                       "host": platform.hostname(), "at": time.time()})
     return {"job_id": job["job_id"], "status": "created", "supervisor_pid": pid}
 
 
@@ -2664,6 +2779,13 @@ def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     return st
 
 
+def driver_record(platform: "Platform") -> dict[str, Any] | None:
+    """This process as the driver of the jobs it starts: pid, creation time and host (a pid is
+    checked only on the host that recorded it)."""
+    me = platform.proc_id(os.getpid())
+    return {**dataclasses.asdict(me), "host": platform.hostname()} if me else None
+
+
 def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
     if not d or d.get("pid") is None:
         return None
@@ -2697,12 +2819,48 @@ def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState
     return usage, st
 
 
+def read_launcher(paths: StudyPaths, job_id: str) -> dict[str, Any] | None:
+    """How the job's supervisor was started: {"executor": "local", pid, ctime, host} or
+    {"executor": "slurm", "slurm_job_id": ...}; None before the launch was recorded."""
+    return read_json(paths.job_dir(job_id) / "launcher.json", default=None)
+
+
+def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
+    """The Slurm job id of a job submitted through the Slurm executor, else None."""
+    if launcher and launcher.get("executor") == "slurm" and launcher.get("slurm_job_id"):
+        return str(launcher["slurm_job_id"])
+    return None
+
+
+def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
+                        launcher: Mapping[str, Any] | None) -> bool | None:
+    """Is the job's supervisor still there (or, before it started, its launch still pending)?
+
+    True: alive, starting or queued; False: certainly gone; None: cannot tell (Slurm unreachable,
+    or a process recorded on another host), which callers must treat as alive.  Slurm jobs are
+    asked of Slurm, whose word covers queued jobs that have no process yet; local ones by pid +
+    creation time, only on the host that recorded them.
+    """
+    sjid = slurm_job_of(launcher)
+    if sjid is not None:
+        state = slurm_state(platform, sjid, os.environ)
+        return None if state is None else state in SLURM_LIVE_STATES
+    record = runtime if runtime is not None else launcher
+    if not platform.is_local(record):
+        return None
+    proc = _proc_from((runtime or {}).get("supervisor") if runtime is not None else launcher)
+    return bool(proc and platform.is_alive(proc))
+
+
 def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | None = None) -> list[str]:
     """Repair pass over active jobs: complete half-finalised ones, declare dead ones `lost`.
 
-    Lost = heartbeat older than lost_after_s() AND the supervisor (pid + creation time) dead; its
-    `claude` tree is killed (children counted only if created before the last heartbeat) and the
-    cost taken from the raw stream copy (estimated if no result arrived).  Cost: O(active jobs).
+    Lost = heartbeat older than lost_after_s() AND the supervisor certainly gone (pid + creation
+    time, or Slurm's word for a submitted job); its `claude` tree is killed where it ran on this
+    host (children counted only if created before the last heartbeat) and the cost taken from the
+    raw stream copy (estimated if no result arrived).  A Slurm job that is still queued is never
+    lost, however long it waits.  Cost: O(active jobs); Slurm is asked only about jobs whose
+    heartbeat is stale or that have waited past the loss window without starting.
     """
     reaped: list[str] = []
     ids = list(only) if only is not None else active_job_ids(paths)
@@ -2725,27 +2883,37 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             reaped.append(job_id)
             continue
         rt = read_json(paths.runtime_file(job_id), default=None)
+        launcher = read_launcher(paths, job_id)
         if rt is not None:
             hb = float(rt.get("heartbeat_at") or job.get("created_ts") or 0)
-            sup = _proc_from(rt.get("supervisor"))
-            if now - hb <= lost_after_s() or (sup and platform.is_alive(sup)):
+            if now - hb <= lost_after_s() or supervisor_presence(platform, rt, launcher) is not False:
                 continue
-            survivors = kill_job_processes(platform, rt, include_supervisor=False, alive_until=hb)
+            local_rt = rt if platform.is_local(rt) else None
+            survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
             usage, st = _usage_from_raw(job)
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
-                                "last_heartbeat": hb, "tool_uses": st.tool_uses})
+                                "last_heartbeat": hb, "tool_uses": st.tool_uses,
+                                **({"slurm_job_id": slurm_job_of(launcher)} if slurm_job_of(launcher) else {})})
             reaped.append(job_id)
             continue
-        launcher = read_json(paths.job_dir(job_id) / "launcher.json", default=None)
         created = float(job.get("created_ts") or 0)
         if now - created <= lost_after_s():
             continue
-        lp = _proc_from(launcher)
-        if lp and platform.is_alive(lp):
+        if supervisor_presence(platform, None, launcher) is not False:
             continue
+        if (paths.job_dir(job_id) / "supervisor.claim").exists():
+            # Claimed but no runtime yet: the supervisor died between its first two writes.
+            detail = "the supervisor died as it started"
+        elif slurm_job_of(launcher):
+            detail = f"the slurm job {slurm_job_of(launcher)} ended without starting the supervisor"
+        else:
+            detail = "the supervisor never started"
+        log_tail = ""
+        with contextlib.suppress(OSError):
+            log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8", errors="replace")[-400:]
         finalize_job(paths, platform, job, status="failed", reason="launch_error", usage=None,
-                     extra={"detail": "the supervisor never started"})
+                     extra={"detail": detail, **({"log_tail": log_tail} if log_tail else {})})
         reaped.append(job_id)
     return reaped
 
@@ -2759,10 +2927,27 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         res = read_json(paths.result_file(job_id))
         return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
     write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
+    sjid = slurm_job_of(read_launcher(paths, job_id))
+    if sjid is not None and read_json(paths.runtime_file(job_id), default=None) is None:
+        # Queued, not started: there is no supervisor to ask, so the submission is cancelled.  One
+        # that starts regardless sees kill.request and exits without starting claude.
+        slurm_cancel(platform, sjid, os.environ)
+        wait_s = min(wait_s, 2.0)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not job_is_final(paths, job_id):
         time.sleep(0.05)
     rt = read_json(paths.runtime_file(job_id), default=None)
+    if sjid is not None and rt is not None and not job_is_final(paths, job_id):
+        # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after
+        # KillWait) wherever it runs; its handler stops claude and finalises.
+        slurm_cancel(platform, sjid, os.environ)
+        deadline = time.monotonic() + max(wait_s, 15.0)
+        while time.monotonic() < deadline and not job_is_final(paths, job_id):
+            time.sleep(0.1)
+    # Processes are killed by pid only on the host that recorded them.
+    rt = read_json(paths.runtime_file(job_id), default=None)
+    if rt is not None and not platform.is_local(rt):
+        rt = None
     survivors: list[ProcId] = []
     sup = _proc_from((rt or {}).get("supervisor"))
     if job_is_final(paths, job_id) and sup:
@@ -2892,12 +3077,16 @@ class Supervisor:
         driver = _proc_from(self.job.get("driver"))
         if driver is None or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
             return False
+        if not self.platform.is_local(self.job.get("driver")):
+            # A pid names a process only on its own host (a Slurm compute node is not the driver's);
+            # a driver that dies there is caught by the next driver's sweep, which kills its jobs.
+            return False
         self._driver_checked = time.monotonic()
         return not self.platform.is_alive(driver)
 
     def _orphaned(self, orphan_after: float) -> bool:
         driver = _proc_from(self.job.get("driver"))
-        if driver and self.platform.is_alive(driver):
+        if driver and (not self.platform.is_local(self.job.get("driver")) or self.platform.is_alive(driver)):
             return False
         try:
             last = os.stat(self.paths.last_call).st_mtime
@@ -2930,6 +3119,7 @@ class Supervisor:
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+                            host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
@@ -2975,6 +3165,13 @@ class Supervisor:
                 if claude:
                     self.platform.kill_tree([claude], session_ids=[proc.pid])
         exit_code = proc.returncode
+        if self.end is None and self.state.result is None:
+            # A kill can reach claude before this loop sees the request (scancel signals every
+            # process of the Slurm job at once): a session that died without a result while a
+            # kill was pending was killed, not crashed.
+            kill_req = read_json(jdir / "kill.request", default=None)
+            if kill_req is not None or self.terminate_requested:
+                self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         # Sweep what claude left behind (background tool processes hold our stdout pipe open).
         survivors: list[ProcId] = []
         if claude:
@@ -3149,10 +3346,24 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
         if not ok:
             raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
                                   "cache write 1h, cache read] USD per million tokens", prices=str(prices)[:300])
-    if cfg.get("executor") == "slurm":
-        # Refused rather than silently run locally: a study that asks for a cluster must get one.
-        raise AgentbenchError("the slurm executor is not available in this version", executor="slurm",
-                              hint="use executor local (the default); cluster execution is planned")
+    slurm = cfg.get("slurm")
+    if slurm is not None:
+        if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
+            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
+                                  slurm=str(slurm)[:300])
+        if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
+            raise AgentbenchError("slurm.partition must be a non-empty string", partition=str(slurm["partition"]))
+        args = slurm.get("sbatch_args")
+        if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
+            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -)",
+                                  sbatch_args=str(args)[:300], hint='e.g. ["--account=lab", "--mem=4G"]')
+        if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
+            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
+                                  python=str(slurm["python"]))
+        margin = slurm.get("time_margin_s")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                   or not math.isfinite(margin) or margin < 0):
+            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", time_margin_s=str(margin))
     for key, val in (cfg.get("budget") or {}).items():
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
@@ -3188,6 +3399,10 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
     launch = launch_config(cfg)
     check_model_id(launch["model"])
     binary = study_binary(ctx, cfg)
+    if launch["executor"] == "slurm" and shutil.which("sbatch", path=os.environ.get("PATH")) is None:
+        raise AgentbenchError("the study's executor is slurm but sbatch is not on PATH",
+                              hint="run agentbench where Slurm's commands work (a login node), "
+                                   "or `init --executor local`")
     refuse_if_paused(paths, launch)
     reap_jobs(paths, ctx.platform)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
@@ -3742,6 +3957,8 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
         drv = rec.get("driver") or {}
         if drv.get("pid") is None:
             continue   # driven by hand: the orchestrator owns it (its jobs have their own watchdogs)
+        if not platform.is_local(drv):
+            continue   # a driver on another host cannot be checked from here; its own host can
         if platform.is_alive(ProcId(int(drv["pid"]), drv.get("ctime"))):
             continue
         # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
@@ -6614,8 +6831,13 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mappin
 
 def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the whole study, offline, against the scripted model, in the scratch study `scratch`."""
+                   progress: Callable[[str], None] | None = None, executor: str | None = None) -> dict[str, Any]:
+    """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    The rehearsal uses the study's executor unless `executor` overrides it.  The scripted model
+    listens on this machine's loopback, so a Slurm rehearsal needs its jobs to run on this machine
+    (a one-node cluster); on a multi-node cluster rehearse with the local executor.
+    """
     cfg = load_study_config(paths)
     tasks = load_tasks(paths, cfg)
     arms = load_arms(paths, cfg)
@@ -6626,6 +6848,8 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
                               hint="pass --dir with a new directory, or remove the old rehearsal")
     scfg = scratch_study_config(paths, cfg, arms)
     scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
+    if executor:
+        scfg["executor"] = executor
     if repeats:
         scfg["repeats"] = repeats
     sp = StudyPaths(scratch)
@@ -6643,8 +6867,7 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
         env_extra = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "rehearsal-key-not-secret",
                      "CLAUDE_CONFIG_DIR": str(sp.state / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
                      "API_TIMEOUT_MS": "120000", "AGENTBENCH_OFFLINE": "1"}
-        me = ctx.platform.proc_id(os.getpid())
-        driver = dataclasses.asdict(me) if me else None
+        driver = driver_record(ctx.platform)
         if any(a.fork_base for a in arms.values()):
             for t in tasks.values():
                 train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
@@ -6839,11 +7062,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     warnings: list[str] = []
     cfg_binary = None
     study = None
+    executor = "local"
     with contextlib.suppress(AgentbenchError):
         paths = ctx.study(args)
         study = str(paths.root)
         study_cfg = load_study_config(paths)
         cfg_binary = study_cfg.get("binary")
+        executor = str(study_cfg.get("executor") or "local")
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
@@ -6863,6 +7088,10 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if report["unknown_claude_vars"]:
         warnings.append("unknown CLAUDE_*/ANTHROPIC_* variables are passed to claude: "
                         + ", ".join(report["unknown_claude_vars"]))
+    slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH")) for name in ("sbatch", "squeue", "scancel")}
+    if executor == "slurm" and not all(slurm_tools.values()):
+        warnings.append("the study's executor is slurm but these Slurm commands are not on PATH: "
+                        + ", ".join(n for n, v in slurm_tools.items() if not v))
     git = shutil.which("git")
     git_version = None
     if git:
@@ -6874,6 +7103,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
             "git": {"path": git, "version": git_version},
+            "executor": {"kind": executor, "slurm_commands": slurm_tools},
             "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
@@ -6902,6 +7132,7 @@ def _init_args(p: argparse.ArgumentParser) -> None:
     for dest, typ in BUDGET_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
     p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
+    p.add_argument("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for every claude session of the study (repeatable; "
                         "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
@@ -6934,6 +7165,12 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         for key, val in DEFAULT_BUDGET.items():
             budget.setdefault(key, val)
     cfg["budget"] = budget
+    if args.slurm_partition is not None:
+        slurm = dict(cfg.get("slurm") or {})
+        if slurm.get("partition") != args.slurm_partition:
+            slurm["partition"] = args.slurm_partition
+            cfg["slurm"] = slurm
+            changed.append("slurm.partition")
     if args.env:
         env = dict(cfg.get("env") or {})
         for item in args.env:
@@ -7618,10 +7855,9 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
-    me = ctx.platform.proc_id(os.getpid())
     prog = Progress(len(ids))
     cfg = load_study_config(paths)
-    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=dataclasses.asdict(me) if me else None,
+    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver_record(ctx.platform),
                            progress=prog)
     try:
         out = drive_runs(ctx, paths, ids, opts, parallel)
@@ -7728,6 +7964,9 @@ def _rehearse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
+    p.add_argument("--executor", choices=("local", "slurm"),
+                   help="override the study's executor for the rehearsal (the scripted model listens on "
+                        "this machine's loopback: with slurm, jobs must run on this machine)")
 
 
 def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None) -> dict[str, str]:
@@ -7768,7 +8007,7 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
-                             behaviours=behaviours, faults=faults, progress=prog)
+                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
     finally:
         prog.close()
     return {**out, "report_command": f"agentbench.py report --study {scratch} --format md"}

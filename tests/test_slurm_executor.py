@@ -1,0 +1,294 @@
+"""The Slurm executor: supervisors submitted with sbatch, watched with squeue, cancelled with scancel.
+
+Two tiers.  The pure helpers (batch script, sbatch line, output parsers, settings) are checked
+directly.  The executor itself runs against the fake Slurm of tests/fake_slurm.py, put first on
+PATH: real sbatch/squeue/scancel processes, real detached supervisors and the fake `claude`.  What
+is proved: a job runs as a batch job and is accounted once; a queued job is shown `queued`, is
+never taken for lost however long it waits, and is cancelled by `kill` without ever starting; a
+running job is killed through its supervisor, and through Slurm when it is cancelled from outside
+(recorded `killed`, not as a crash); a supervisor that dies is `lost` only once Slurm says the job
+ended, never while Slurm cannot be asked; a refused submission and a batch job that ends without
+starting the supervisor are `launch_error`s that name the cause.  The same flows with a real
+one-node Slurm cluster and the real `claude` are in tests/test_slurm_real.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentbench as ab
+import fake_slurm
+from conftest import ledger, run_main
+from test_supervisor import assert_ledger_once_per_job, brief, dead, lines_for, ok, result_of, runtime
+from test_supervisor import running_job, wait_cmd, wait_until
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="Slurm and the fake's process groups are POSIX")
+
+PLATFORM = ab.current_platform()
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------
+
+def test_the_batch_script_execs_the_supervisor_with_quoted_arguments() -> None:
+    text = ab.slurm_batch_script("/opt/py 3/bin/python3", "/data/my study", "j000007")
+    assert text.startswith("#!/bin/sh\n")
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("exec ")
+    import shlex
+    argv = shlex.split(last[len("exec "):])
+    assert argv[0] == "/opt/py 3/bin/python3"
+    assert argv[1] == str(Path(ab.__file__).resolve())
+    assert argv[2:] == ["_supervise", "--study", "/data/my study", "--job", "j000007"]
+
+
+def test_sbatch_asks_for_the_wall_time_plus_a_margin_unless_the_study_sets_one() -> None:
+    argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
+                          slurm={"partition": "gpu"}, wall_s=3600)
+    assert argv[0] == "sbatch" and argv[-1] == "/s/slurm.sh"
+    assert "--parsable" in argv and "--job-name=agentbench-j000001" in argv
+    assert "--output=/s/log" in argv and "--chdir=/s" in argv and "--partition=gpu" in argv
+    assert "--time=70" in argv                     # (3600 s + 600 s default margin) / 60
+    argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
+                          slurm={"time_margin_s": 30}, wall_s=90)
+    assert "--time=2" in argv and not any(a.startswith("--partition") for a in argv)
+    for own in (["--time=5"], ["-t", "5"], ["-t5"]):
+        argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
+                              slurm={"sbatch_args": ["--account=lab", *own]}, wall_s=3600)
+        assert not any(a.startswith("--time=7") for a in argv), argv
+        assert argv[-1] == "/s/slurm.sh" and "--account=lab" in argv
+
+
+@pytest.mark.parametrize("stdout, expected", [("4242\n", "4242"), ("4242;cluster-a\n", "4242"),
+                                              ("\n 17_3\n", "17_3")])
+def test_the_job_id_is_read_from_parsable_output(stdout: str, expected: str) -> None:
+    assert ab.parse_sbatch_job_id(stdout) == expected
+
+
+@pytest.mark.parametrize("stdout", ["", "Submitted batch job 12\n", "error\n"])
+def test_output_without_a_job_id_is_an_error(stdout: str) -> None:
+    with pytest.raises(ab.AgentbenchError):
+        ab.parse_sbatch_job_id(stdout)
+
+
+def _res(code: int, out: str = "", err: str = "") -> ab.CommandResult:
+    return ab.CommandResult(["squeue"], code, out, err, 0.01, False)
+
+
+def test_squeue_answers_are_states_gone_or_unknown() -> None:
+    assert ab.parse_squeue_state(_res(0, "RUNNING\n")) == "RUNNING"
+    assert ab.parse_squeue_state(_res(0, "pending\n")) == "PENDING"
+    assert ab.parse_squeue_state(_res(0, "")) == "GONE"            # listed nothing: forgotten
+    assert ab.parse_squeue_state(_res(1, "", "slurm_load_jobs error: Invalid job id specified")) == "GONE"
+    # The controller cannot be asked: unknown, which must never be read as a death.
+    assert ab.parse_squeue_state(_res(1, "", "Unable to contact slurm controller (connect failure)")) is None
+    assert ab.parse_squeue_state(_res(127, "", "cannot start: no such file")) is None
+    assert ab.parse_squeue_state(ab.CommandResult(["squeue"], None, "", "", 60.0, True)) is None
+    assert "PENDING" in ab.SLURM_LIVE_STATES and "COMPLETING" in ab.SLURM_LIVE_STATES
+    assert not {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "GONE"} & ab.SLURM_LIVE_STATES
+
+
+@pytest.mark.parametrize("slurm", [
+    "debug", {"queue": "debug"}, {"partition": ""}, {"partition": 3}, {"sbatch_args": "--mem=4G"},
+    {"sbatch_args": ["mem=4G"]}, {"python": ""}, {"time_margin_s": -1}, {"time_margin_s": True},
+])
+def test_bad_slurm_settings_are_refused_and_nothing_is_written(tmp_path: Path, fake_env, slurm: Any) -> None:
+    root = tmp_path / "study"
+    code, obj = run_main(["init", "--study", str(root)])
+    assert code == 0
+    before = (root / "study.json").read_bytes()
+    cfg = json.loads(before)
+    cfg.update(executor="slurm", slurm=slurm)
+    (root / "study.json").write_text(json.dumps(cfg))
+    code, obj = run_main(["spawn", "--study", str(root), "--brief", brief(tmp_path)])
+    assert code == 2 and "slurm" in obj["error"], obj
+    assert not (root / "state" / "jobs").exists() or not any((root / "state" / "jobs").iterdir())
+
+
+def test_a_slurm_study_without_sbatch_is_refused_before_anything_is_written(tmp_path: Path, fake_env,
+                                                                            monkeypatch) -> None:
+    root = tmp_path / "study"
+    assert run_main(["init", "--study", str(root), "--executor", "slurm"])[0] == 0
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    code, obj = run_main(["spawn", "--study", str(root), "--brief", brief(tmp_path)])
+    assert code == 2 and "sbatch" in obj["error"] and "hint" in obj
+    assert not (root / "state" / "jobs").exists() or not any((root / "state" / "jobs").iterdir())
+    where = run_main(["where", "--study", str(root)])[1]
+    assert where["executor"]["kind"] == "slurm"
+    assert any("sbatch" in w for w in where["warnings"])
+
+
+# ---- the executor against the fake Slurm ----------------------------------------------------------
+
+@pytest.fixture
+def slurm_dir(tmp_path: Path, monkeypatch) -> Any:
+    """The fake Slurm first on PATH; its state dir.  Teardown cancels and kills what is left."""
+    state = tmp_path / "fake-slurm"
+    for key, value in fake_slurm.install(tmp_path / "slurm-bin", state).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FAKE_SLURM_KILLWAIT", "1.0")
+    yield state
+    fake_slurm.cleanup(state)
+
+
+@pytest.fixture
+def sst(study: Path, slurm_dir: Path) -> Path:
+    """The conftest study switched to the Slurm executor; teardown kills leftover processes."""
+    out = ok(["init", "--study", str(study), "--executor", "slurm", "--slurm-partition", "debug"])
+    assert out["launch"]["executor"] == "slurm"
+    yield study
+    for jdir in sorted((study / "state" / "jobs").glob("j*")):
+        rt = fake_slurm_json(jdir / "runtime.json") or {}
+        live = [ab.ProcId(int(rt[k]["pid"]), rt[k].get("ctime")) for k in ("supervisor", "claude") if rt.get(k)]
+        live = [p for p in live if PLATFORM.is_alive(p)]
+        if live:
+            PLATFORM.kill_tree(live, session_ids=[p.pid for p in live], grace_s=0.5)
+
+
+def fake_slurm_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def launcher(study: Path, job_id: str) -> dict[str, Any]:
+    return json.loads((study / "state" / "jobs" / job_id / "launcher.json").read_text())
+
+
+def listed_status(study: Path, job_id: str) -> str:
+    return next(j["status"] for j in ok(["list", "--study", str(study)])["jobs"] if j["job_id"] == job_id)
+
+
+def test_a_job_runs_as_a_slurm_batch_job_and_is_accounted_once(sst: Path, slurm_dir: Path, tmp_path: Path) -> None:
+    out = ok(["spawn", "--study", str(sst), "--wall-s", "120", "--brief", brief(tmp_path)])
+    job = out["job_id"]
+    lr = launcher(sst, job)
+    assert lr["executor"] == "slurm" and lr["slurm_job_id"]
+    sub = fake_slurm.calls(slurm_dir, "sbatch")
+    assert len(sub) == 1
+    argv = sub[0]["argv"]
+    assert "--partition=debug" in argv and f"--job-name=agentbench-{job}" in argv
+    assert any(a.startswith("--time=") for a in argv)
+    assert argv[-1] == str(sst / "state" / "jobs" / job / "slurm.sh")
+
+    code, w = wait_cmd(sst, "--job", job)
+    assert code == 0, w
+    res = result_of(sst, job)
+    assert res is not None and res["status"] == "ok"
+    rt = runtime(sst, job)
+    assert rt is not None and rt["slurm_job_id"] == lr["slurm_job_id"] and rt["host"] == PLATFORM.hostname()
+    sj = fake_slurm.wait_state(slurm_dir, lr["slurm_job_id"], "COMPLETED")
+    assert sj["exit_code"] == 0
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["ok"]
+    assert_ledger_once_per_job(sst)
+
+
+def test_a_queued_job_is_never_lost_and_kill_cancels_it_before_it_starts(sst: Path, slurm_dir: Path,
+                                                                         tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    sjid = launcher(sst, job)["slurm_job_id"]
+    assert listed_status(sst, job) == "queued"
+    time.sleep(1.6)                                   # past the loss window, still queued
+    assert listed_status(sst, job) == "queued"
+    assert fake_slurm.jobs(slurm_dir)[sjid]["state"] == "PENDING"
+
+    out = ok(["kill", "--study", str(sst), "--job", job])
+    assert out["jobs"][0]["status"] == "killed", out
+    assert [c["argv"][-1] for c in fake_slurm.calls(slurm_dir, "scancel")] == [sjid]
+    fake_slurm.wait_state(slurm_dir, sjid, "CANCELLED")
+    (slurm_dir / f"release-{sjid}").write_text("")    # too late: a cancelled job never runs
+    time.sleep(0.5)
+    assert runtime(sst, job) is None, "the supervisor of a cancelled job started claude"
+    assert not (sst / "state" / "jobs" / job / "supervisor.claim").exists()
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+    assert_ledger_once_per_job(sst)
+
+
+def test_kill_of_a_running_slurm_job_goes_through_its_supervisor(sst: Path, slurm_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    job = ok(["spawn", "--study", str(sst), "--brief",
+              brief(tmp_path, "hang", "child=60", f"child_pidfile={pidfile}")])["job_id"]
+    sup, claude, grandchild = running_job(sst, job, pidfile)
+    out = ok(["kill", "--study", str(sst), "--job", job])
+    assert out["clean"] is True and out["jobs"][0]["status"] == "killed"
+    assert not PLATFORM.is_alive(claude) and grandchild is not None and not PLATFORM.is_alive(grandchild)
+    assert dead(sup)
+    res = result_of(sst, job)
+    assert res is not None and (res["status"], res["reason"]) == ("killed", "requested")
+    assert fake_slurm.calls(slurm_dir, "scancel") == []    # the supervisor answered the request
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+
+
+def test_scancel_from_outside_is_recorded_as_a_kill_not_a_crash(sst: Path, slurm_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    sjid = launcher(sst, job)["slurm_job_id"]
+    subprocess.run(["scancel", sjid], check=True, capture_output=True)
+    code, w = wait_cmd(sst, "--job", job, timeout=30)
+    assert code == 4, w
+    res = result_of(sst, job)
+    assert res is not None and (res["status"], res["reason"]) == ("killed", "supervisor_terminated"), res
+    assert dead(claude) and dead(sup)
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+
+
+def test_a_dead_supervisor_is_lost_only_when_slurm_says_the_job_ended(sst: Path, slurm_dir: Path,
+                                                                     tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "2")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    sjid = launcher(sst, job)["slurm_job_id"]
+    (slurm_dir / "down").write_text("")               # Slurm cannot be asked from now on
+    os.kill(sup.pid, signal.SIGKILL)
+    assert dead(sup)
+    fake_slurm.wait_state(slurm_dir, sjid, "FAILED")
+    time.sleep(2.5)                                   # the heartbeat is stale now
+    for _ in range(3):
+        assert listed_status(sst, job) == "running", "an unanswered squeue was taken for a death"
+        time.sleep(0.3)
+    (slurm_dir / "down").unlink()
+    wait_until(lambda: listed_status(sst, job) == "lost", timeout=20, what="job lost", every=0.3)
+    res = result_of(sst, job)
+    assert res is not None and res["reason"] == "supervisor_dead" and res["slurm_job_id"] == sjid
+    assert dead(claude, timeout=5), "the lost job's claude (on this host) was not killed"
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["lost"]
+
+
+def test_a_refused_submission_is_a_launch_error_that_says_why(sst: Path, slurm_dir: Path, tmp_path: Path) -> None:
+    (slurm_dir / "sbatch_fail").write_text("invalid partition specified: debug")
+    code, out = run_main(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])
+    assert out["status"] == "failed" and out["reason"] == "launch_error", out
+    res = result_of(sst, out["job_id"])
+    assert res is not None and "invalid partition" in res["detail"]
+    assert not (sst / "state" / "active" / out["job_id"]).exists()
+    assert [ln["status"] for ln in lines_for(sst, out["job_id"])] == ["failed"]
+
+
+def test_a_batch_job_that_never_starts_the_supervisor_is_a_launch_error(sst: Path, slurm_dir: Path,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
+    cfg = json.loads((sst / "study.json").read_text())
+    cfg["slurm"] = {**cfg["slurm"], "python": str(tmp_path / "no-such-python")}
+    (sst / "study.json").write_text(json.dumps(cfg))
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    fake_slurm.wait_state(slurm_dir, launcher(sst, job)["slurm_job_id"], "FAILED")
+    time.sleep(1.2)
+    code, w = wait_cmd(sst, "--job", job, timeout=20)
+    assert code == 4, w
+    res = result_of(sst, job)
+    assert res is not None and res["reason"] == "launch_error"
+    assert "without starting the supervisor" in res["detail"] and "no-such-python" in res.get("log_tail", "")
+    assert len(ledger(sst)) == 1
