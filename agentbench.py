@@ -207,6 +207,12 @@ def heartbeat_s() -> float:
     return min(10.0, env_float("AGENTBENCH_HEARTBEAT_S", 2.0))
 
 
+def slurm_poll_s() -> float:
+    """How long one process reuses a Slurm job state it read: a driver polling queued jobs must
+    not hammer the controller with a squeue call per job per poll."""
+    return env_float("AGENTBENCH_SLURM_POLL_S", 10.0)
+
+
 # ==================================================================================================
 # Platform seam
 # ==================================================================================================
@@ -1846,15 +1852,30 @@ def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any]
     return parse_sbatch_job_id(res.stdout)
 
 
+#: Slurm job id -> (monotonic time read, state): answers reused for slurm_poll_s() in one process.
+_SLURM_STATES: dict[str, tuple[float, str]] = {}
+
+
 def slurm_state(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> str | None:
-    """The job's state as squeue reports it (see parse_squeue_state)."""
+    """The job's state as squeue reports it (see parse_squeue_state); a state read less than
+    slurm_poll_s() ago is reused.  "Cannot tell" is never reused: the next call asks again."""
+    now = time.monotonic()
+    cached = _SLURM_STATES.get(str(slurm_job_id))
+    if cached is not None and now - cached[0] < slurm_poll_s():
+        return cached[1]
     res = run_command(["squeue", "-h", "-j", str(slurm_job_id), "-o", "%T"], cwd=os.getcwd(), env=env,
                       timeout_s=60, platform=platform)
-    return parse_squeue_state(res)
+    state = parse_squeue_state(res)
+    if state is not None:
+        if len(_SLURM_STATES) > 10000:
+            _SLURM_STATES.clear()
+        _SLURM_STATES[str(slurm_job_id)] = (now, state)
+    return state
 
 
 def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> CommandResult:
     """scancel the job: Slurm sends SIGTERM to its processes, SIGKILL after its KillWait."""
+    _SLURM_STATES.pop(str(slurm_job_id), None)
     return run_command(["scancel", str(slurm_job_id)], cwd=os.getcwd(), env=env, timeout_s=60, platform=platform)
 
 

@@ -135,7 +135,11 @@ def slurm_dir(tmp_path: Path, monkeypatch) -> Any:
     for key, value in fake_slurm.install(tmp_path / "slurm-bin", state).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("FAKE_SLURM_KILLWAIT", "1.0")
+    # Every test's fake numbers its jobs from 1000: no state read in one test may serve another.
+    monkeypatch.setenv("AGENTBENCH_SLURM_POLL_S", "0")
+    ab._SLURM_STATES.clear()
     yield state
+    ab._SLURM_STATES.clear()
     fake_slurm.cleanup(state)
 
 
@@ -292,3 +296,28 @@ def test_a_batch_job_that_never_starts_the_supervisor_is_a_launch_error(sst: Pat
     assert res is not None and res["reason"] == "launch_error"
     assert "without starting the supervisor" in res["detail"] and "no-such-python" in res.get("log_tail", "")
     assert len(ledger(sst)) == 1
+
+
+def test_a_state_read_from_slurm_is_reused_for_a_while_but_cannot_tell_is_not(slurm_dir: Path, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    script = tmp_path / "s.sh"
+    script.write_text("#!/bin/sh\nsleep 30\n")
+    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'o.log'}", str(script)],
+                         capture_output=True, text=True, check=True)
+    sjid = ab.parse_sbatch_job_id(out.stdout)
+    fake_slurm.wait_state(slurm_dir, sjid, "RUNNING")
+    launcher = {"executor": "slurm", "slurm_job_id": sjid}
+    monkeypatch.setenv("AGENTBENCH_SLURM_POLL_S", "60")
+    asked = lambda: len(fake_slurm.calls(slurm_dir, "squeue"))  # noqa: E731
+    assert ab.supervisor_presence(PLATFORM, None, launcher) is True
+    assert ab.supervisor_presence(PLATFORM, None, launcher) is True
+    assert asked() == 1, "the second question went to the controller again"
+    ab.slurm_cancel(PLATFORM, sjid, os.environ)        # a cancel forgets what was read
+    fake_slurm.wait_state(slurm_dir, sjid, "CANCELLED")
+    assert ab.supervisor_presence(PLATFORM, None, launcher) is False
+    assert asked() == 2
+    ab._SLURM_STATES.clear()
+    (slurm_dir / "down").write_text("")
+    assert ab.supervisor_presence(PLATFORM, None, launcher) is None
+    assert ab.supervisor_presence(PLATFORM, None, launcher) is None
+    assert asked() == 4, "an unanswered question was reused"
