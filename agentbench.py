@@ -2800,11 +2800,72 @@ def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     return st
 
 
-def driver_record(platform: "Platform") -> dict[str, Any] | None:
-    """This process as the driver of the jobs it starts: pid, creation time and host (a pid is
-    checked only on the host that recorded it)."""
+def driver_record(platform: "Platform", paths: StudyPaths | None = None) -> dict[str, Any] | None:
+    """This process as the driver of the jobs it starts: pid, creation time, host, and (with a
+    study) the beat file it keeps fresh while it runs (see DriverBeat).  A pid is checked only on
+    the host that recorded it; elsewhere the beat file's age says whether the driver lives."""
     me = platform.proc_id(os.getpid())
-    return {**dataclasses.asdict(me), "host": platform.hostname()} if me else None
+    if me is None:
+        return None
+    rec: dict[str, Any] = {**dataclasses.asdict(me), "host": platform.hostname()}
+    if paths is not None:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{rec['host']}-{me.pid}-{int(me.ctime or 0)}")
+        rec["beat"] = str(paths.state / "drivers" / f"{name}.beat")
+    return rec
+
+
+class DriverBeat:
+    """While a driver runs, a thread touches its beat file every heartbeat_s().  Supervisors on
+    other hosts (Slurm compute nodes) cannot check the driver's pid; a beat older than
+    lost_after_s() tells them the driver is gone.  The file is removed when the driver ends."""
+
+    def __init__(self, record: Mapping[str, Any] | None):
+        self.path = Path(record["beat"]) if record and record.get("beat") else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _touch(self) -> None:
+        assert self.path is not None
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
+
+    def __enter__(self) -> "DriverBeat":
+        if self.path is not None:
+            self._touch()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(heartbeat_s()):
+            self._touch()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None:
+    """Is a run driver still there?  On its own host by pid + creation time; elsewhere by the age
+    of its beat file (a missing file = ended); None when neither can be checked."""
+    if platform.is_local(driver):
+        proc = _proc_from(driver)
+        return None if proc is None else platform.is_alive(proc)
+    beat = driver.get("beat")
+    if not beat:
+        return None
+    try:
+        age = time.time() - os.stat(beat).st_mtime
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    return age <= lost_after_s()
 
 
 def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
@@ -3095,19 +3156,16 @@ class Supervisor:
     def _driver_lost(self) -> bool:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
         nobody would read its result, and it must not go on spending."""
-        driver = _proc_from(self.job.get("driver"))
-        if driver is None or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
-            return False
-        if not self.platform.is_local(self.job.get("driver")):
-            # A pid names a process only on its own host (a Slurm compute node is not the driver's);
-            # a driver that dies there is caught by the next driver's sweep, which kills its jobs.
+        driver = self.job.get("driver")
+        if not driver or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
             return False
         self._driver_checked = time.monotonic()
-        return not self.platform.is_alive(driver)
+        # On another host (a Slurm compute node) the driver's beat file stands in for its pid.
+        return driver_alive(self.platform, driver) is False
 
     def _orphaned(self, orphan_after: float) -> bool:
-        driver = _proc_from(self.job.get("driver"))
-        if driver and (not self.platform.is_local(self.job.get("driver")) or self.platform.is_alive(driver)):
+        driver = self.job.get("driver")
+        if driver and driver_alive(self.platform, driver) is not False:
             return False
         try:
             last = os.stat(self.paths.last_call).st_mtime
@@ -3978,10 +4036,8 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
         drv = rec.get("driver") or {}
         if drv.get("pid") is None:
             continue   # driven by hand: the orchestrator owns it (its jobs have their own watchdogs)
-        if not platform.is_local(drv):
-            continue   # a driver on another host cannot be checked from here; its own host can
-        if platform.is_alive(ProcId(int(drv["pid"]), drv.get("ctime"))):
-            continue
+        if driver_alive(platform, drv) is not False:
+            continue   # alive, or on another host without a beat file to tell
         # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
         for j in rec.get("jobs") or []:
             if (paths.active / j["job_id"]).exists():
@@ -6888,13 +6944,14 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
         env_extra = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "rehearsal-key-not-secret",
                      "CLAUDE_CONFIG_DIR": str(sp.state / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
                      "API_TIMEOUT_MS": "120000", "AGENTBENCH_OFFLINE": "1"}
-        driver = driver_record(ctx.platform)
-        if any(a.fork_base for a in arms.values()):
-            for t in tasks.values():
-                train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
-        opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
-                               driver=driver, progress=progress, rehearsal=True)
-        driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
+        driver = driver_record(ctx.platform, sp)
+        with DriverBeat(driver):
+            if any(a.fork_base for a in arms.values()):
+                for t in tasks.values():
+                    train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
+            opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
+                                   driver=driver, progress=progress, rehearsal=True)
+            driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
     finally:
         server.stop()
     runs = [load_run(sp, r["run_id"]) for r in manifest]
@@ -7878,10 +7935,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
     prog = Progress(len(ids))
     cfg = load_study_config(paths)
-    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver_record(ctx.platform),
-                           progress=prog)
+    driver = driver_record(ctx.platform, paths)
+    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver, progress=prog)
     try:
-        out = drive_runs(ctx, paths, ids, opts, parallel)
+        with DriverBeat(driver):
+            out = drive_runs(ctx, paths, ids, opts, parallel)
     finally:
         prog.close()
     outcomes: dict[str, int] = {}

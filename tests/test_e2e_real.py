@@ -372,6 +372,10 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
         runtime = json.loads((study / "state" / "jobs" / job_id / "runtime.json").read_text())
         claude_pid = int(runtime["claude"]["pid"])
         assert pid_alive(claude_pid)  # the session outlived its driver: someone must stop it
+        # The supervisor's driver watchdog (a check every ~2 s) stops it.  The session is held by
+        # its tool call until then, so the kill cannot lose a race against the session's end.
+        _wait_for(lambda: (study / "state" / "jobs" / job_id / "result.json").exists(),
+                  "the driver watchdog to stop the session", timeout=60)
 
         release.write_text("go")  # from now on a session of this script finishes at once
         code, out, err = run_cli(["run", "--study", str(study), "--force", "--parallel", "1"], env, timeout=300)
@@ -382,7 +386,7 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
         assert rec["status"] == "interrupted" and rec["outcome"] == "interrupted"
         assert [j["job_id"] for j in rec["jobs"]] == [job_id]  # never a second attempt
         result = json.loads((study / "state" / "jobs" / job_id / "result.json").read_text())
-        assert result["status"] == "killed"
+        assert (result["status"], result["reason"]) == ("killed", "driver_lost")
         _wait_for(lambda: not pid_alive(claude_pid), "the in-flight claude to be gone", timeout=30)
         events = [json.loads(x) for x in (study / "state" / "events.jsonl").read_text().splitlines() if x.strip()]
         assert any(e.get("event") == "run_finished" and e.get("run_id") == victim and e.get("status") == "interrupted"

@@ -321,3 +321,60 @@ def test_a_state_read_from_slurm_is_reused_for_a_while_but_cannot_tell_is_not(sl
     assert ab.supervisor_presence(PLATFORM, None, launcher) is None
     assert ab.supervisor_presence(PLATFORM, None, launcher) is None
     assert asked() == 4, "an unanswered question was reused"
+
+
+# ---- drivers on another host (a Slurm compute node cannot check the driver's pid) -----------------
+
+def test_a_driver_on_another_host_is_judged_by_its_beat_file(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "30")
+    beat = tmp_path / "driver.beat"
+    elsewhere = {"pid": os.getpid(), "ctime": 0.0, "host": PLATFORM.hostname() + ".elsewhere", "beat": str(beat)}
+    assert ab.driver_alive(PLATFORM, elsewhere) is False          # no beat file: ended
+    beat.touch()
+    assert ab.driver_alive(PLATFORM, elsewhere) is True
+    old = time.time() - 31
+    os.utime(beat, (old, old))
+    assert ab.driver_alive(PLATFORM, elsewhere) is False          # stale beat
+    assert ab.driver_alive(PLATFORM, {k: v for k, v in elsewhere.items() if k != "beat"}) is None
+    # On its own host the pid decides, whatever the beat file says.
+    me = PLATFORM.proc_id(os.getpid())
+    assert ab.driver_alive(PLATFORM, {"pid": me.pid, "ctime": me.ctime, "host": PLATFORM.hostname()}) is True
+    assert ab.driver_alive(PLATFORM, {"pid": me.pid, "ctime": me.ctime - 1000, "host": PLATFORM.hostname()}) is False
+
+
+def test_the_driver_beat_is_kept_fresh_while_the_driver_runs_and_removed_after(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.1")
+    paths = ab.StudyPaths(tmp_path / "study")
+    rec = ab.driver_record(PLATFORM, paths)
+    assert rec is not None and rec["host"] == PLATFORM.hostname()
+    beat = Path(rec["beat"])
+    assert beat.parent == paths.state / "drivers"
+    with ab.DriverBeat(rec):
+        assert beat.exists()
+        old = time.time() - 100
+        os.utime(beat, (old, old))
+        wait_until(lambda: time.time() - beat.stat().st_mtime < 5, timeout=5, what="a fresh beat")
+    assert not beat.exists()
+
+
+def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study: Path, tmp_path: Path) -> None:
+    beat = tmp_path / "driver.beat"
+    beat.touch()
+    driver = {"pid": os.getpid(), "ctime": 0.0, "host": PLATFORM.hostname() + ".elsewhere", "beat": str(beat)}
+    ctx = ab.Ctx(platform=PLATFORM, env=dict(os.environ), cwd=str(tmp_path), emit=lambda o: None, is_child=False)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    out = ab.start_job(ctx, ab.StudyPaths(study), kind="executor", prompt="Work.\nFAKE: hang\n", cwd=str(ws),
+                       session_id=None, resume=None, fork=False, prior={}, limits={}, meta={}, driver=driver)
+    job = out["job_id"]
+    _sup, claude, _ = running_job(study, job)
+    # Its recorded pid is this test's, with a creation time that matches nothing: were it checked
+    # as a local pid the driver would look dead.  It is on "another host", so the beat decides.
+    time.sleep(2.5)
+    assert result_of(study, job) is None, result_of(study, job)
+    beat.unlink()
+    code, w = wait_cmd(study, "--job", job, timeout=30)
+    assert code == 4, w
+    res = result_of(study, job)
+    assert res is not None and (res["status"], res["reason"]) == ("killed", "driver_lost")
+    assert dead(claude)
