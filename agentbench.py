@@ -25,10 +25,8 @@ import fnmatch
 import hashlib
 import html
 import http.server
-import io
 import json
 import math
-import ntpath
 import os
 import platform as pyplatform
 import posixpath
@@ -38,8 +36,6 @@ import shlex
 import shutil
 import signal
 import socket
-import socketserver
-import stat
 import statistics
 import string
 import subprocess

@@ -106,6 +106,20 @@ def real_claude() -> str:
     return binary
 
 
+@pytest.fixture(scope="session")
+def real_slurm(tmp_path_factory):
+    """A private one-node Slurm cluster (tests/slurm_cluster.py) for the whole session; skipped
+    locally where Slurm cannot run, but a failure in CI (.ci/run installs slurm-wlm and munge)."""
+    from slurm_cluster import PrivateSlurmCluster, slurm_available
+    reason = slurm_available()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must install slurm-wlm and munge; see .ci/run ({reason})")
+        pytest.skip(reason)
+    with PrivateSlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def fake_env(tmp_path, monkeypatch) -> dict[str, str]:
     """An environment whose `claude` is the fake, with its transcripts in a temp config dir."""

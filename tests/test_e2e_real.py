@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTBENCH, ROOT, ab, ledger, pid_alive, real_claude_binary, run_cli
+from conftest import AGENTBENCH, ROOT, ab, ledger, pid_alive, run_cli
 
 EXAMPLE = ROOT / "examples" / "study"
 TASK = "roman"

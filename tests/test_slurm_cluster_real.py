@@ -10,28 +10,12 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
 
-import pytest
-
-from slurm_cluster import PrivateSlurmCluster, slurm_available
+from slurm_cluster import PrivateSlurmCluster
 
 # States after which a job never runs again (squeue %T spelling).
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE", "OUT_OF_MEMORY"}
-
-
-@pytest.fixture(scope="session")
-def _private_slurm_for_selftest(tmp_path_factory: pytest.TempPathFactory
-                                ) -> Iterator[PrivateSlurmCluster]:
-    """A cluster of this file's own (the executor's tests start theirs)."""
-    reason = slurm_available()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must install slurm-wlm and munge; see .ci/run ({reason})")
-        pytest.skip(reason)
-    with PrivateSlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
-        yield cluster
 
 
 def squeue_state(env: dict[str, str], job_id: str) -> str | None:
@@ -90,9 +74,9 @@ def job_processes(job_id: str, argv: list[str]) -> list[int]:
     return found
 
 
-def test_batch_job_runs_and_cancel_leaves_nothing(_private_slurm_for_selftest: PrivateSlurmCluster,
+def test_batch_job_runs_and_cancel_leaves_nothing(real_slurm: PrivateSlurmCluster,
                                                   tmp_path: Path) -> None:
-    cluster = _private_slurm_for_selftest
+    cluster = real_slurm
     env = {**os.environ, **cluster.env()}
 
     # A job that finishes: its output file holds what it printed, its own id included.

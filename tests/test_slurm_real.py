@@ -20,25 +20,19 @@ from typing import Any, Iterator
 import pytest
 
 import agentbench as ab
-from conftest import ledger, run_cli, run_main
-from slurm_cluster import PrivateSlurmCluster, slurm_available
+from conftest import ledger, run_cli
+from slurm_cluster import PrivateSlurmCluster
 from test_e2e_real import cli_env, make_study, records
-from test_supervisor import brief, dead, lines_for, ok, result_of, running_job, wait_cmd, wait_until
+from test_supervisor import brief, dead, lines_for, ok, result_of, running_job, wait_cmd
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="Slurm runs on POSIX systems")
 
 PLATFORM = ab.current_platform()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateSlurmCluster]:
-    reason = slurm_available()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must install slurm-wlm and munge; see .ci/run ({reason})")
-        pytest.skip(reason)
-    with PrivateSlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
-        yield c
+@pytest.fixture
+def cluster(real_slurm: PrivateSlurmCluster) -> PrivateSlurmCluster:
+    return real_slurm
 
 
 def slurm_jobs_of(study: Path) -> dict[str, dict[str, Any]]:
