@@ -7319,14 +7319,7 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     args.base = args.base or (task.id if task else None)
     if not args.base:
         raise AgentbenchError("train needs --base NAME (or --task T)")
-    bfile = _base_file(paths, args.base)
-    old = read_json(bfile, default=None)
-    if old is not None and base_state(paths, old) == "training":
-        raise AgentbenchError("base is still training", base=args.base, job=old["job_id"],
-                              hint="wait for its job (or kill it) before retraining")
-    if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
-        raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
-                              hint="pass --replace to retrain it")
+    check_name("base", args.base)
     if args.brief:
         prompt = read_brief(ctx, args.brief)
     elif task is not None:
@@ -7337,15 +7330,28 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
-    with removed_on_refusal(ws):
-        ws.mkdir(parents=True, exist_ok=True)
-        if task is not None and not args.workspace:
-            if old is not None and ws.exists():
-                shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
-            copy_tree(task.public, ws)
-        out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                        fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
-    register_base(paths, args.base, out, ws)
+    paths.bases.mkdir(parents=True, exist_ok=True)
+    # One trainer per base at a time: two concurrent calls would otherwise both start a session in
+    # the same workspace and the base would name only the last.  The check, the launch and the
+    # record happen under the base's own lock (taken before, never inside, the registry lock).
+    with RegistryLock(paths.bases / f".{args.base}.lock", ctx.platform):
+        bfile = _base_file(paths, args.base)
+        old = read_json(bfile, default=None)
+        if old is not None and base_state(paths, old) == "training":
+            raise AgentbenchError("base is still training", base=args.base, job=old["job_id"],
+                                  hint="wait for its job (or kill it) before retraining")
+        if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
+            raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
+                                  hint="pass --replace to retrain it")
+        with removed_on_refusal(ws):
+            ws.mkdir(parents=True, exist_ok=True)
+            if task is not None and not args.workspace:
+                if old is not None and ws.exists():
+                    shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
+                copy_tree(task.public, ws)
+            out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
+                            fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
+        register_base(paths, args.base, out, ws)
     return {**out, "base": args.base}
 
 

@@ -232,6 +232,37 @@ def test_train_fork_continue_flow_ledger_and_cost_deltas(sv: Path, tmp_path: Pat
 
 # ---- kill and lost ----------------------------------------------------------------------------------
 
+def test_concurrent_trains_of_one_base_start_one_session(sv: Path, tmp_path: Path, fake_env) -> None:
+    """Several `train --base b` calls at once, from separate processes: one starts the base's
+    session, every other one is refused (still training) and starts nothing."""
+    import subprocess
+    import sys
+    from conftest import AGENTBENCH
+    b = brief(tmp_path, "hang")
+    # The test holds the registry lock while the four start, so that each gets as far as it can
+    # before registering a job: without a per-base lock all four pass the "already training?"
+    # check, wait here, and then all start a session.
+    with ab.RegistryLock(ab.StudyPaths(sv).lock, PLATFORM):
+        procs = [subprocess.Popen([sys.executable, str(AGENTBENCH), "train", "--study", str(sv), "--base", "b",
+                                   "--brief", b], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=fake_env)
+                 for _ in range(4)]
+        time.sleep(4)
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        outs.append((p.returncode, json.loads(out)))
+    started = [o for code, o in outs if code == 0]
+    refused = [o for code, o in outs if code != 0]
+    assert len(started) == 1, outs
+    assert len(refused) == 3 and all(o["error"] == "base is still training" for o in refused), outs
+    jobs = sorted(p.name for p in (sv / "state" / "jobs").iterdir())
+    assert jobs == [started[0]["job_id"]]
+    base = json.loads((sv / "state" / "bases" / "b.json").read_text())
+    assert base["job_id"] == started[0]["job_id"]
+    ok(["kill", "--study", str(sv), "--job", started[0]["job_id"]])
+
+
 def test_kill_leaves_no_process_of_the_tree_and_records_killed_once(sv: Path, tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
     job = ok(["spawn", "--study", str(sv), "--brief",
