@@ -203,6 +203,11 @@ def heartbeat_s() -> float:
     return min(10.0, env_float("AGENTBENCH_HEARTBEAT_S", 2.0))
 
 
+#: How many loss windows a job whose supervisor cannot be checked is given before its stale
+#: heartbeat alone makes it lost.
+UNKNOWN_LOSS_FACTOR = 10
+
+
 def slurm_poll_s() -> float:
     """How long one process reuses a Slurm job state it read: a driver polling queued jobs must
     not hammer the controller with a squeue call per job per poll."""
@@ -1391,6 +1396,18 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def write_private_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write a JSON file only its owner can read (created fresh: an old file is replaced, never
+    reused with its old mode).  For secrets handed from one agentbench process to another."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
     """Parse a JSON file.  Missing file -> `default` (or an error); corrupt file -> an error naming it."""
     try:
@@ -1546,6 +1563,10 @@ class RegistryLock:
         if holder.get("unreadable") or "pid" not in holder:
             # A creator writes its content right after the exclusive create; give it a moment.
             return age > 5.0
+        if not self.platform.is_local(holder):
+            # Held from another host sharing the study (a Slurm compute node): its pid means
+            # nothing here, so only the age limit above can make it stale.
+            return False
         return not self.platform.is_alive(ProcId(int(holder["pid"]), holder.get("ctime")))
 
     def _break(self, judged: dict[str, Any]) -> None:
@@ -1572,7 +1593,8 @@ class RegistryLock:
         me = self.platform.proc_id(os.getpid())
         token = uuid.uuid4().hex
         content = json.dumps({"pid": os.getpid(), "ctime": me.ctime if me else None,
-                              "token": token, "acquired_at": utc_now()}).encode()
+                              "host": self.platform.hostname(), "token": token,
+                              "acquired_at": utc_now()}).encode()
         deadline = time.monotonic() + self.timeout_s
         delay = 0.002
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -1788,9 +1810,18 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
 # through its commands (sbatch, squeue, scancel) so that any installation works and tests can put
 # fakes on PATH.  The parsers below are pure; the three calls are the I/O.
 
-def slurm_batch_script(python: str, study_root: str, job_id: str) -> str:
+#: sbatch options agentbench sets itself; a study's sbatch_args may not override them.
+SBATCH_OWN_OPTIONS = ("--output", "-o", "--error", "-e", "--export", "--wait", "-W", "--array", "-a",
+                      "--chdir", "-D", "--parsable", "--wrap", "--hold", "-H", "--clusters", "-M")
+#: sbatch's wait for its controller before agentbench gives up on a submission.
+SBATCH_TIMEOUT_S = 120.0
+
+
+def slurm_batch_script(python: str, study_root: str, job_id: str, credentials_file: str | None = None) -> str:
     """The batch script of one job: exec the supervisor, so that Slurm's signals reach it directly."""
     argv = [python, str(Path(__file__).resolve()), "_supervise", "--study", study_root, "--job", job_id]
+    if credentials_file:
+        argv += ["--credentials-file", credentials_file]
     return ("#!/bin/sh\n"
             f"# agentbench supervisor of job {job_id}; written by agentbench, do not edit.\n"
             "exec " + " ".join(shlex.quote(a) for a in argv) + "\n")
@@ -1801,24 +1832,42 @@ def sbatch_argv(job_id: str, script: str, *, output: str, chdir: str, slurm: Map
     """The sbatch call for a job.  A time limit is asked for (the job's wall time plus a margin for
     start-up and finalisation) unless the study's own sbatch_args set one."""
     extra = list(slurm.get("sbatch_args") or [])
-    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}", f"--output={output}",
-            f"--chdir={chdir}", "--ntasks=1"]
+    # --output takes a filename pattern: a literal % in the path is written %%.  --export=ALL
+    # overrides a site's SBATCH_EXPORT (the supervisor needs PATH and the study's variables).
+    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}", f"--output={output.replace('%', '%%')}",
+            f"--chdir={chdir}", "--ntasks=1", "--export=ALL"]
     if slurm.get("partition"):
         argv.append(f"--partition={slurm['partition']}")
-    sets_time = any(a == "-t" or a.startswith("--time") or (a.startswith("-t") and len(a) > 2) for a in extra)
+    sets_time = any(a in ("-t", "--time") or a.startswith("--time=") or (a.startswith("-t") and not a.startswith("--"))
+                    for a in extra)
     if wall_s and not sets_time:
-        minutes = math.ceil((float(wall_s) + float(slurm.get("time_margin_s") or 600)) / 60)
-        argv.append(f"--time={minutes}")
+        margin = slurm.get("time_margin_s")
+        minutes = math.ceil((float(wall_s) + (600.0 if margin is None else float(margin))) / 60)
+        argv.append(f"--time={max(1, minutes)}")
     return argv + extra + [script]
 
 
-def parse_sbatch_job_id(stdout: str) -> str:
-    """The job id from `sbatch --parsable` output ("123" or "123;cluster"); raises if there is none."""
+def sbatch_option_name(arg: str) -> str:
+    """The option an sbatch argument sets: "--output=x" -> "--output", "-ox" -> "-o"."""
+    if arg.startswith("--"):
+        return arg.split("=", 1)[0]
+    return arg[:2]
+
+
+def parse_sbatch_job_id(stdout: str) -> tuple[str, str | None]:
+    """The job id and cluster from `sbatch --parsable` output ("123" or "123;cluster"); raises if
+    there is no id.  The cluster matters: squeue and scancel must ask the same one (-M)."""
     line = next((ln.strip() for ln in stdout.splitlines() if ln.strip()), "")
-    jid = line.split(";", 1)[0]
+    jid, _, cluster = line.partition(";")
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", jid):
         raise AgentbenchError("sbatch did not print a job id", stdout=stdout[-300:])
-    return jid
+    return jid, (cluster.strip() or None)
+
+
+def slurm_client_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment for squeue/scancel: without the user's SQUEUE_*/SCANCEL_* defaults, which
+    could filter or reformat the answers agentbench parses."""
+    return {k: v for k, v in env.items() if not k.startswith(("SQUEUE_", "SCANCEL_"))}
 
 
 def parse_squeue_state(result: CommandResult) -> str | None:
@@ -1833,46 +1882,62 @@ def parse_squeue_state(result: CommandResult) -> str | None:
     return None
 
 
-def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], env: Mapping[str, str]) -> str:
-    """Submit a job's supervisor with sbatch; its Slurm job id.  Raises AgentbenchError on refusal."""
+def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], env: Mapping[str, str],
+                 credentials_file: str | None = None) -> tuple[str, str | None]:
+    """Submit a job's supervisor with sbatch; its Slurm job id and cluster.  Raises
+    AgentbenchError on refusal.  `env` is what the batch job inherits (--export=ALL)."""
     slurm = dict(job.get("slurm") or {})
     study_root = str(paths.root)
     script = paths.job_dir(job["job_id"]) / "slurm.sh"
-    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root, job["job_id"]))
+    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root, job["job_id"],
+                                                 credentials_file))
     argv = sbatch_argv(job["job_id"], str(script), output=os.path.join(job["raw_dir"], "supervisor.log"),
                        chdir=study_root, slurm=slurm, wall_s=(job.get("limits") or {}).get("wall_s"))
-    res = run_command(argv, cwd=study_root, env=env, timeout_s=120, platform=platform)
+    res = run_command(argv, cwd=study_root, env=env, timeout_s=SBATCH_TIMEOUT_S, platform=platform)
     if res.returncode != 0:
         raise AgentbenchError("sbatch refused the job", detail=(res.stderr or res.stdout).strip()[-500:],
                               returncode=res.returncode, hint="check the study's slurm settings and `sinfo`")
     return parse_sbatch_job_id(res.stdout)
 
 
-#: Slurm job id -> (monotonic time read, state): answers reused for slurm_poll_s() in one process.
-_SLURM_STATES: dict[str, tuple[float, str]] = {}
+#: (SLURM_CONF, cluster, job id) -> (monotonic time read, state): answers reused for
+#: slurm_poll_s() within one process.
+_SLURM_STATES: dict[tuple[str, str, str], tuple[float, str]] = {}
 
 
-def slurm_state(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> str | None:
+def _slurm_key(slurm_job_id: str, env: Mapping[str, str], cluster: str | None) -> tuple[str, str, str]:
+    return (env.get("SLURM_CONF", ""), cluster or "", str(slurm_job_id))
+
+
+def slurm_state(platform: "Platform", slurm_job_id: str, env: Mapping[str, str],
+                cluster: str | None = None) -> str | None:
     """The job's state as squeue reports it (see parse_squeue_state); a state read less than
     slurm_poll_s() ago is reused.  "Cannot tell" is never reused: the next call asks again."""
     now = time.monotonic()
-    cached = _SLURM_STATES.get(str(slurm_job_id))
+    key = _slurm_key(slurm_job_id, env, cluster)
+    cached = _SLURM_STATES.get(key)
     if cached is not None and now - cached[0] < slurm_poll_s():
         return cached[1]
-    res = run_command(["squeue", "-h", "-j", str(slurm_job_id), "-o", "%T"], cwd=os.getcwd(), env=env,
-                      timeout_s=60, platform=platform)
+    argv = ["squeue", "-h", "-j", str(slurm_job_id), "-o", "%T"] + (["-M", cluster] if cluster else [])
+    res = run_command(argv, cwd=os.getcwd(), env=slurm_client_env(env), timeout_s=60, platform=platform)
+    if cluster and res.returncode == 0:
+        # With -M, squeue prints a "CLUSTER: name" line before the job's state.
+        res = dataclasses.replace(res, stdout="\n".join(ln for ln in res.stdout.splitlines()
+                                                         if not ln.strip().upper().startswith("CLUSTER:")))
     state = parse_squeue_state(res)
     if state is not None:
         if len(_SLURM_STATES) > 10000:
             _SLURM_STATES.clear()
-        _SLURM_STATES[str(slurm_job_id)] = (now, state)
+        _SLURM_STATES[key] = (now, state)
     return state
 
 
-def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]) -> CommandResult:
+def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str],
+                 cluster: str | None = None) -> CommandResult:
     """scancel the job: Slurm sends SIGTERM to its processes, SIGKILL after its KillWait."""
-    _SLURM_STATES.pop(str(slurm_job_id), None)
-    return run_command(["scancel", str(slurm_job_id)], cwd=os.getcwd(), env=env, timeout_s=60, platform=platform)
+    _SLURM_STATES.pop(_slurm_key(slurm_job_id, env, cluster), None)
+    argv = ["scancel", str(slurm_job_id)] + (["-M", cluster] if cluster else [])
+    return run_command(argv, cwd=os.getcwd(), env=slurm_client_env(env), timeout_s=60, platform=platform)
 
 
 def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
@@ -2655,15 +2720,31 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     `launch_error`, so a refused submission never leaves an active job behind."""
     log_path = os.path.join(job["raw_dir"], "supervisor.log")
     if job.get("executor") == "slurm":
+        jdir = paths.job_dir(job["job_id"])
+        launcher_file = jdir / "launcher.json"
+        # Recorded before sbatch runs, so that no reaper takes a slow submission for a dead one.
+        write_json_atomic(launcher_file, {"executor": "slurm", "submitting": True, "host": platform.hostname(),
+                                          "at": time.time()})
+        # Credentials do not travel in the batch job's environment (Slurm keeps that in its
+        # controller's state, and possibly its accounting): an owner-only file on the shared
+        # study directory carries them to the supervisor, which reads and deletes it.
+        env = dict(os.environ)
+        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
+        creds_file = str(jdir / "credentials.json") if creds else None
         try:
-            sjid = slurm_submit(platform, paths, job, dict(os.environ))
-        except AgentbenchError as exc:
-            detail = exc.payload.get("detail") or exc.payload.get("error") or str(exc)
+            if creds_file:
+                write_private_json(creds_file, {"env": creds})
+            sjid, cluster = slurm_submit(platform, paths, job, env, creds_file)
+        except (AgentbenchError, OSError) as exc:
+            detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) else str(exc)
+            if creds_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(creds_file)
             finalize_job(paths, platform, job, status="failed", reason="launch_error",
                          usage=None, extra={"detail": f"cannot submit to slurm: {detail}"})
             return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
-        write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
-                          {"executor": "slurm", "slurm_job_id": sjid, "host": platform.hostname(), "at": time.time()})
+        write_json_atomic(launcher_file, {"executor": "slurm", "slurm_job_id": sjid, "slurm_cluster": cluster,
+                                          "host": platform.hostname(), "at": time.time()})
         return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
     try:
         pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
@@ -2910,6 +2991,10 @@ def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
     return None
 
 
+def slurm_cluster_of(launcher: Mapping[str, Any] | None) -> str | None:
+    return (launcher or {}).get("slurm_cluster") or None
+
+
 def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
                         launcher: Mapping[str, Any] | None) -> bool | None:
     """Is the job's supervisor still there (or, before it started, its launch still pending)?
@@ -2919,9 +3004,13 @@ def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
     asked of Slurm, whose word covers queued jobs that have no process yet; local ones by pid +
     creation time, only on the host that recorded them.
     """
+    if (launcher or {}).get("executor") == "slurm" and slurm_job_of(launcher) is None:
+        # sbatch has not answered yet, or its caller died before recording the id: alive while
+        # the submission could still be under way.
+        return time.time() - float((launcher or {}).get("at") or 0) <= SBATCH_TIMEOUT_S + 60
     sjid = slurm_job_of(launcher)
     if sjid is not None:
-        state = slurm_state(platform, sjid, os.environ)
+        state = slurm_state(platform, sjid, os.environ, slurm_cluster_of(launcher))
         return None if state is None else state in SLURM_LIVE_STATES
     record = runtime if runtime is not None else launcher
     if not platform.is_local(record):
@@ -2964,7 +3053,13 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
         launcher = read_launcher(paths, job_id)
         if rt is not None:
             hb = float(rt.get("heartbeat_at") or job.get("created_ts") or 0)
-            if now - hb <= lost_after_s() or supervisor_presence(platform, rt, launcher) is not False:
+            if now - hb <= lost_after_s():
+                continue
+            presence = supervisor_presence(platform, rt, launcher)
+            # "Cannot tell" (Slurm unreachable, a supervisor recorded by another host) protects a
+            # job only for so long: a supervisor heartbeats every few seconds wherever it runs,
+            # so a heartbeat this old means it is gone, whatever can or cannot be asked.
+            if presence is True or (presence is None and now - hb <= lost_after_s() * UNKNOWN_LOSS_FACTOR):
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
@@ -3005,11 +3100,12 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         res = read_json(paths.result_file(job_id))
         return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
     write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
-    sjid = slurm_job_of(read_launcher(paths, job_id))
+    launcher = read_launcher(paths, job_id)
+    sjid, cluster = slurm_job_of(launcher), slurm_cluster_of(launcher)
     if sjid is not None and read_json(paths.runtime_file(job_id), default=None) is None:
         # Queued, not started: there is no supervisor to ask, so the submission is cancelled.  One
         # that starts regardless sees kill.request and exits without starting claude.
-        slurm_cancel(platform, sjid, os.environ)
+        slurm_cancel(platform, sjid, os.environ, cluster)
         wait_s = min(wait_s, 2.0)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not job_is_final(paths, job_id):
@@ -3018,7 +3114,7 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
     if sjid is not None and rt is not None and not job_is_final(paths, job_id):
         # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after
         # KillWait) wherever it runs; its handler stops claude and finalises.
-        slurm_cancel(platform, sjid, os.environ)
+        slurm_cancel(platform, sjid, os.environ, cluster)
         deadline = time.monotonic() + max(wait_s, 15.0)
         while time.monotonic() < deadline and not job_is_final(paths, job_id):
             time.sleep(0.1)
@@ -3036,6 +3132,17 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         if platform.is_alive(sup):
             survivors += platform.kill_tree([sup])
     if not paths.result_file(job_id).exists():
+        if sjid is not None and rt is None:
+            # Nothing of the job can be checked from here: only Slurm can say that it ended.
+            # Until it does, the job is not finalised (a session still spending must not be
+            # recorded as killed, nor its later costs lost).
+            _SLURM_STATES.pop(_slurm_key(sjid, os.environ, cluster), None)
+            state = slurm_state(platform, sjid, os.environ, cluster)
+            if state is None or state in SLURM_LIVE_STATES:
+                return {"job_id": job_id, "status": "killing", "unverified": True, "slurm_job_id": sjid,
+                        "slurm_state": state, "survivors": [],
+                        "hint": f"scancel was sent but Slurm has not confirmed that job {sjid} ended; "
+                                "run kill again, or check `squeue -j` and `scancel` by hand"}
         survivors = kill_job_processes(platform, rt, include_supervisor=True)
         usage, _ = _usage_from_raw(job)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
@@ -3156,8 +3263,29 @@ class Supervisor:
         if not driver or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
             return False
         self._driver_checked = time.monotonic()
-        # On another host (a Slurm compute node) the driver's beat file stands in for its pid.
-        return driver_alive(self.platform, driver) is False
+        if self.platform.is_local(driver):
+            return driver_alive(self.platform, driver) is False
+        return self._remote_driver_silent(driver)
+
+    def _remote_driver_silent(self, driver: Mapping[str, Any]) -> bool:
+        """A driver on another host (this supervisor runs on a Slurm compute node) is gone when its
+        beat file disappears or stops changing for lost_after_s() -- measured on this host's own
+        monotonic clock, so a clock difference between the hosts cannot fake an age."""
+        beat = driver.get("beat")
+        if not beat:
+            return False
+        try:
+            mtime = os.stat(beat).st_mtime_ns
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        now = time.monotonic()
+        seen = getattr(self, "_beat_seen", None)
+        if seen is None or seen[0] != mtime:
+            self._beat_seen = (mtime, now)
+            return False
+        return now - seen[1] > lost_after_s()
 
     def _orphaned(self, orphan_after: float) -> bool:
         driver = self.job.get("driver")
@@ -3240,19 +3368,20 @@ class Supervisor:
                 if claude:
                     self.platform.kill_tree([claude], session_ids=[proc.pid])
         exit_code = proc.returncode
-        if self.end is None and self.state.result is None:
-            # A kill can reach claude before this loop sees the request (scancel signals every
-            # process of the Slurm job at once): a session that died without a result while a
-            # kill was pending was killed, not crashed.
-            kill_req = read_json(jdir / "kill.request", default=None)
-            if kill_req is not None or self.terminate_requested:
-                self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         # Sweep what claude left behind (background tool processes hold our stdout pipe open).
         survivors: list[ProcId] = []
         if claude:
             survivors = self.platform.kill_tree([claude], session_ids=[proc.pid])
         reader.join(timeout=10)
         stderr_fh.close()
+        if self.end is None and self.state.result is None:
+            # A kill can reach claude before this loop sees the request (scancel signals every
+            # process of the Slurm job at once): a session that died without a result while a
+            # kill was pending was killed, not crashed.  Judged after the reader drained the
+            # stream, so that a result printed just before the kill still counts.
+            kill_req = read_json(jdir / "kill.request", default=None)
+            if kill_req is not None or self.terminate_requested:
+                self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         self._finish(exit_code, survivors)
         return 0
 
@@ -3430,8 +3559,14 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
             raise AgentbenchError("slurm.partition must be a non-empty string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
         if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
-            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -)",
-                                  sbatch_args=str(args)[:300], hint='e.g. ["--account=lab", "--mem=4G"]')
+            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
+                                  "values joined with =", sbatch_args=str(args)[:300],
+                                  hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
+        own = sorted({sbatch_option_name(a) for a in args or []} & set(SBATCH_OWN_OPTIONS))
+        if own:
+            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
+                                  hint="agentbench chooses the output file, the environment export, the "
+                                       "directory and the cluster of its batch jobs")
         if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
             raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
                                   python=str(slurm["python"]))
@@ -3463,6 +3598,17 @@ def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
                               hint="raise budget.study_usd with init if you mean to spend more")
 
 
+def require_executor_ready(executor: str | None) -> None:
+    """Refuse, before anything is written, a Slurm study where Slurm's commands are missing."""
+    if executor == "slurm":
+        missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c, path=os.environ.get("PATH")) is None]
+        if missing:
+            raise AgentbenchError("the study's executor is slurm but these Slurm commands are not on PATH: "
+                                  + ", ".join(missing), missing=missing,
+                                  hint="run agentbench where Slurm's commands work (a login node), "
+                                       "or `init --executor local`")
+
+
 def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
               resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
               meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
@@ -3474,10 +3620,7 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
     launch = launch_config(cfg)
     check_model_id(launch["model"])
     binary = study_binary(ctx, cfg)
-    if launch["executor"] == "slurm" and shutil.which("sbatch", path=os.environ.get("PATH")) is None:
-        raise AgentbenchError("the study's executor is slurm but sbatch is not on PATH",
-                              hint="run agentbench where Slurm's commands work (a login node), "
-                                   "or `init --executor local`")
+    require_executor_ready(launch["executor"])
     refuse_if_paused(paths, launch)
     reap_jobs(paths, ctx.platform)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
@@ -6916,6 +7059,8 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
     arms = load_arms(paths, cfg)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
+    validate_launch_values(cfg)
+    require_executor_ready(executor or cfg.get("executor"))
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
         raise AgentbenchError("the rehearsal directory is not empty", dir=str(scratch),
                               hint="pass --dir with a new directory, or remove the old rehearsal")
@@ -7569,7 +7714,10 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     results = [kill_job(paths, ctx.platform, j) for j in args.job]
     run_results = [kill_run(ctx, paths, r) for r in args.run]
     survivors = sorted({p for r in results for p in r["survivors"]} | {p for r in run_results for p in r.get("survivors", [])})
-    return {"jobs": results, "runs": run_results, "survivors": survivors, "clean": not survivors}
+    unverified = [r["job_id"] for r in results + [j for rr in run_results for j in rr.get("jobs", [])]
+                  if r.get("unverified")]
+    return {"jobs": results, "runs": run_results, "survivors": survivors, "unverified": unverified,
+            "clean": not survivors and not unverified}
 
 
 # -- experiment commands ------------------------------------------------------------------------------
@@ -7902,6 +8050,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not ids:
         raise AgentbenchError("no runs selected", hint="run `assign` first, or check --run/--task/--arm")
     real_run_guard(paths, cfg, args.force)
+    validate_launch_values(cfg)
+    require_executor_ready(cfg.get("executor"))
     arms = load_arms(paths, cfg)
     missing: dict[str, str] = {}
     for rid in ids:
@@ -8214,12 +8364,20 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--env-file")
+    p.add_argument("--credentials-file", help="owner-only file of credentials to add (Slurm jobs); deleted once read")
 
 
 @command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
 @args_of(_supervise_args)
 def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
+    if args.credentials_file:
+        # Added to, not replacing, the environment the batch job inherited (with SLURM_JOB_ID).
+        creds = {}
+        with contextlib.suppress(AgentbenchError):
+            creds = read_detach_env_file(args.credentials_file)
+        os.environ.update(creds)
+        ctx.env = dict(os.environ)
     paths = StudyPaths(Path(args.study))
     sup = Supervisor(paths, args.job, ctx.platform)
     def on_term(*_: Any) -> None:

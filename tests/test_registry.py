@@ -585,6 +585,27 @@ def test_a_hung_holder_is_stale_after_the_stale_age(tmp_path):
     assert not lock_path.exists()
 
 
+def test_a_lock_held_from_another_host_is_stale_only_by_age(tmp_path):
+    """A holder on another host sharing the study (a Slurm compute node): its pid is not checked
+    here (it would look dead), so only the stale age can break its lock."""
+    lock_path = tmp_path / "registry.lock"
+    dead_here = {"pid": 999999, "ctime": 1.0, "host": PLAT.hostname() + ".node7", "token": "remote"}
+    lock_path.write_text(json.dumps(dead_here))
+    with pytest.raises(ab.AgentbenchError):
+        ab.RegistryLock(lock_path, PLAT, timeout_s=0.3, stale_s=300).acquire()
+    assert json.loads(lock_path.read_text())["token"] == "remote"
+    # The same record without a host (or with ours) is judged by its pid: dead, broken at once.
+    lock_path.write_text(json.dumps({**dead_here, "host": PLAT.hostname()}))
+    with ab.RegistryLock(lock_path, PLAT, timeout_s=5) as lock:
+        mine = json.loads(lock_path.read_text())
+        assert mine["token"] == lock.token and mine["host"] == PLAT.hostname()
+    lock_path.write_text(json.dumps(dead_here))
+    old = time.time() - 1000
+    os.utime(lock_path, (old, old))
+    with ab.RegistryLock(lock_path, PLAT, timeout_s=5, stale_s=300) as lock:
+        assert json.loads(lock_path.read_text())["token"] == lock.token
+
+
 def test_release_removes_only_its_own_lock(tmp_path):
     lock_path = tmp_path / "registry.lock"
     a = ab.RegistryLock(lock_path, PLAT)

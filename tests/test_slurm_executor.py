@@ -55,19 +55,30 @@ def test_sbatch_asks_for_the_wall_time_plus_a_margin_unless_the_study_sets_one()
     assert "--parsable" in argv and "--job-name=agentbench-j000001" in argv
     assert "--output=/s/log" in argv and "--chdir=/s" in argv and "--partition=gpu" in argv
     assert "--time=70" in argv                     # (3600 s + 600 s default margin) / 60
+    assert "--export=ALL" in argv                   # over a site's SBATCH_EXPORT
     argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
                           slurm={"time_margin_s": 30}, wall_s=90)
     assert "--time=2" in argv and not any(a.startswith("--partition") for a in argv)
-    for own in (["--time=5"], ["-t", "5"], ["-t5"]):
+    argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
+                          slurm={"time_margin_s": 0}, wall_s=120)
+    assert "--time=2" in argv                       # a margin of 0 is 0, not the default
+    for own in (["--time=5"], ["-t5"]):
         argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
                               slurm={"sbatch_args": ["--account=lab", *own]}, wall_s=3600)
         assert not any(a.startswith("--time=7") for a in argv), argv
         assert argv[-1] == "/s/slurm.sh" and "--account=lab" in argv
+    # --time-min is another option: the time limit is still asked for.
+    argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/s/log", chdir="/s",
+                          slurm={"sbatch_args": ["--time-min=5"]}, wall_s=3600)
+    assert "--time=70" in argv
+    # --output is a filename pattern: a % in the study path is written %%.
+    argv = ab.sbatch_argv("j000001", "/s/slurm.sh", output="/data/100%/log", chdir="/s", slurm={}, wall_s=None)
+    assert "--output=/data/100%%/log" in argv and not any(a.startswith("--time") for a in argv)
 
 
-@pytest.mark.parametrize("stdout, expected", [("4242\n", "4242"), ("4242;cluster-a\n", "4242"),
-                                              ("\n 17_3\n", "17_3")])
-def test_the_job_id_is_read_from_parsable_output(stdout: str, expected: str) -> None:
+@pytest.mark.parametrize("stdout, expected", [("4242\n", ("4242", None)), ("4242;cluster-a\n", ("4242", "cluster-a")),
+                                              ("\n 17_3\n", ("17_3", None))])
+def test_the_job_id_and_cluster_are_read_from_parsable_output(stdout: str, expected: tuple) -> None:
     assert ab.parse_sbatch_job_id(stdout) == expected
 
 
@@ -97,6 +108,8 @@ def test_squeue_answers_are_states_gone_or_unknown() -> None:
 @pytest.mark.parametrize("slurm", [
     "debug", {"queue": "debug"}, {"partition": ""}, {"partition": 3}, {"sbatch_args": "--mem=4G"},
     {"sbatch_args": ["mem=4G"]}, {"python": ""}, {"time_margin_s": -1}, {"time_margin_s": True},
+    {"sbatch_args": ["--output=/tmp/x"]}, {"sbatch_args": ["-o/tmp/x"]}, {"sbatch_args": ["--export=NONE"]},
+    {"sbatch_args": ["--wait"]}, {"sbatch_args": ["--array=1-3"]}, {"sbatch_args": ["-M", "other"]},
 ])
 def test_bad_slurm_settings_are_refused_and_nothing_is_written(tmp_path: Path, fake_env, slurm: Any) -> None:
     root = tmp_path / "study"
@@ -119,7 +132,7 @@ def test_a_slurm_study_without_sbatch_is_refused_before_anything_is_written(tmp_
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     code, obj = run_main(["spawn", "--study", str(root), "--brief", brief(tmp_path)])
-    assert code == 2 and "sbatch" in obj["error"] and "hint" in obj
+    assert code == 2 and "sbatch" in obj["error"] and "hint" in obj and obj["missing"] == ["sbatch", "squeue", "scancel"]
     assert not (root / "state" / "jobs").exists() or not any((root / "state" / "jobs").iterdir())
     where = run_main(["where", "--study", str(root)])[1]
     assert where["executor"]["kind"] == "slurm"
@@ -304,7 +317,7 @@ def test_a_state_read_from_slurm_is_reused_for_a_while_but_cannot_tell_is_not(sl
     script.write_text("#!/bin/sh\nsleep 30\n")
     out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'o.log'}", str(script)],
                          capture_output=True, text=True, check=True)
-    sjid = ab.parse_sbatch_job_id(out.stdout)
+    sjid, _cluster = ab.parse_sbatch_job_id(out.stdout)
     fake_slurm.wait_state(slurm_dir, sjid, "RUNNING")
     launcher = {"executor": "slurm", "slurm_job_id": sjid}
     monkeypatch.setenv("AGENTBENCH_SLURM_POLL_S", "60")
@@ -357,9 +370,15 @@ def test_the_driver_beat_is_kept_fresh_while_the_driver_runs_and_removed_after(t
     assert not beat.exists()
 
 
-def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study: Path, tmp_path: Path) -> None:
+def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study: Path, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "3")
     beat = tmp_path / "driver.beat"
     beat.touch()
+    # The other host's clock is far behind this one: the beat's mtime looks 1000 s old, yet it
+    # changes, and a change is all the supervisor goes by.
+    skewed = time.time() - 1000
+    os.utime(beat, (skewed, skewed))
     driver = {"pid": os.getpid(), "ctime": 0.0, "host": PLATFORM.hostname() + ".elsewhere", "beat": str(beat)}
     ctx = ab.Ctx(platform=PLATFORM, env=dict(os.environ), cwd=str(tmp_path), emit=lambda o: None, is_child=False)
     ws = tmp_path / "ws"
@@ -370,11 +389,91 @@ def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study
     _sup, claude, _ = running_job(study, job)
     # Its recorded pid is this test's, with a creation time that matches nothing: were it checked
     # as a local pid the driver would look dead.  It is on "another host", so the beat decides.
-    time.sleep(2.5)
+    for i in range(1, 9):                     # 6 s of a beating (if skewed) driver: 2 loss windows
+        os.utime(beat, (skewed + i, skewed + i))
+        time.sleep(0.75)
     assert result_of(study, job) is None, result_of(study, job)
-    beat.unlink()
+    stopped = time.monotonic()                # the driver dies: its beat stops changing
     code, w = wait_cmd(study, "--job", job, timeout=30)
+    assert time.monotonic() - stopped >= 2.5, "stopped before the beat was silent for a loss window"
     assert code == 4, w
     res = result_of(study, job)
     assert res is not None and (res["status"], res["reason"]) == ("killed", "driver_lost")
     assert dead(claude)
+
+
+# ---- review fixes: credentials, unverified kills, started-after-cancel, slow submissions -----------
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def test_credentials_reach_claude_but_not_the_batch_jobs_environment(sst: Path, slurm_dir: Path,
+                                                                      tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    # What Slurm handed the batch job (the supervisor's environment at exec) has no key ...
+    assert "ANTHROPIC_API_KEY" not in _environ(sup.pid)
+    # ... the key came through an owner-only file, deleted once read, and reached claude.
+    assert _environ(claude.pid).get("ANTHROPIC_API_KEY") == "sk-test-not-a-real-key"
+    assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
+    script = (sst / "state" / "jobs" / job / "slurm.sh").read_text()
+    assert "sk-test" not in script and "--credentials-file" in script
+    ok(["kill", "--study", str(sst), "--job", job])
+
+
+def test_a_kill_slurm_does_not_confirm_is_reported_unverified_and_not_recorded(sst: Path, slurm_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    (slurm_dir / "down").write_text("")           # scancel and squeue fail from now on
+    out = ok(["kill", "--study", str(sst), "--job", job])
+    assert out["clean"] is False and out["unverified"] == [job], out
+    assert out["jobs"][0]["status"] == "killing" and out["jobs"][0]["slurm_state"] is None
+    assert result_of(sst, job) is None and ledger(sst) == []
+    assert (sst / "state" / "active" / job).exists()
+    (slurm_dir / "down").unlink()                 # the controller answers again: kill completes
+    out = ok(["kill", "--study", str(sst), "--job", job])
+    assert out["clean"] is True and out["jobs"][0]["status"] == "killed", out
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+
+
+def test_a_batch_job_started_after_its_kill_request_never_starts_claude(sst: Path, slurm_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    sjid = launcher(sst, job)["slurm_job_id"]
+    jdir = sst / "state" / "jobs" / job
+    # A kill was asked for but the cancel did not reach Slurm in time: the job starts anyway.
+    (jdir / "kill.request").write_text(json.dumps({"reason": "requested"}))
+    (slurm_dir / f"release-{sjid}").write_text("")
+    fake_slurm.wait_state(slurm_dir, sjid, ("COMPLETED", "FAILED"))
+    assert not (jdir / "supervisor.claim").exists() and not (jdir / "runtime.json").exists()
+    out = ok(["kill", "--study", str(sst), "--job", job])     # Slurm says it ended: recorded
+    assert out["jobs"][0]["status"] == "killed" and out["clean"] is True
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+
+
+def test_a_submission_in_progress_is_alive_for_as_long_as_sbatch_may_take() -> None:
+    now = time.time()
+    submitting = {"executor": "slurm", "submitting": True, "at": now}
+    assert ab.supervisor_presence(PLATFORM, None, submitting) is True
+    assert ab.supervisor_presence(PLATFORM, None, {**submitting, "at": now - ab.SBATCH_TIMEOUT_S - 61}) is False
+
+
+def test_a_supervisor_nobody_can_check_is_lost_once_its_heartbeat_is_very_old(sst: Path, slurm_dir: Path,
+                                                                             tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "0.4")   # unknown protects for 10 windows: 4 s
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    (slurm_dir / "down").write_text("")
+    os.kill(sup.pid, signal.SIGKILL)
+    assert dead(sup)
+    time.sleep(1.0)
+    assert listed_status(sst, job) == "running"       # past one window, Slurm unreachable: kept
+    wait_until(lambda: listed_status(sst, job) == "lost", timeout=20, what="job lost", every=0.3)
+    rt = runtime(sst, job)
+    assert rt is not None and time.time() - rt["heartbeat_at"] >= 4.0
+    assert dead(claude, timeout=5)
