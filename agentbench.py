@@ -3323,7 +3323,7 @@ class Supervisor:
         raw_dir.mkdir(parents=True, exist_ok=True)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
                             host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                            started_at=utc_now(), session_id=job.get("session_id"))
+                            started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
         offline = extra.get("AGENTBENCH_OFFLINE") == "1"
@@ -4110,7 +4110,7 @@ RUN_FINAL = ("finished", "error", "interrupted")
 # What one attempt of a run writes on its record (moved aside when the breaker pauses the run).
 RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "gate_cycles", "reviews",
                     "review_verdicts", "interruption", "workspace", "provenance", "driver", "started_at",
-                    "started_ts")
+                    "started_ts", "queued_s")
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
@@ -4397,7 +4397,7 @@ class RunPipeline:
         remaining = self.remaining_usd()
         if remaining <= 0 or remaining < float(budget.get("min_remaining_usd") or 0):
             return None
-        wall_left = float(budget.get("wall_s") or 0) - (time.time() - float(self.rec.get("started_ts") or time.time()))
+        wall_left = float(budget.get("wall_s") or 0) - self.active_s()
         session_cap = float(self.launch["max_minutes"]) * 60
         limits = {"wall_s": min(session_cap, max(5.0, wall_left)) if budget.get("wall_s") else session_cap,
                   "stall_after_s": self.launch.get("stall_after_s"),
@@ -4405,7 +4405,7 @@ class RunPipeline:
                   "max_budget_usd": max(round(remaining, 6), 0.000001), "max_turns": budget.get("max_turns"),
                   "snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
                   "snapshot_dir": str(self.paths.run_dir(self.run_id) / "snapshots"),
-                  "snapshot_offset_s": round(time.time() - float(self.rec.get("started_ts") or time.time()), 3)}
+                  "snapshot_offset_s": round(self.active_s(), 3)}
         if fault:
             limits.update(fault)
         marker = ""
@@ -4422,13 +4422,25 @@ class RunPipeline:
             except AgentbenchError as exc:
                 if exc.payload.get("refusal") != "parallel_cap" or not self.opts.driver:
                     raise   # a call by hand answers at once; only a driver waits for a slot
-                # Other work (a session driven by hand, a ping) holds the slots: wait for one.
+                # Other work (a session driven by hand, a ping) holds the slots: wait for one.  The
+                # wait is queueing, not the agent's time: it does not count against the run's wall.
+                waited = time.monotonic()
                 time.sleep(max(0.5, self.opts.poll_s))
                 reap_jobs(self.paths, self.ctx.platform)
+                self.add_queued(time.monotonic() - waited)
         self.rec.setdefault("jobs", []).append({"job_id": out["job_id"], "role": role,
                                                 "session_id": out.get("session_id")})
         self._save()
         return out["job_id"]
+
+    def active_s(self) -> float:
+        """The run's elapsed time without its queueing (slots, a Slurm queue): what its wall-time
+        budget, its snapshots and the report's wall time count."""
+        started = float(self.rec.get("started_ts") or time.time())
+        return max(0.0, time.time() - started - float(self.rec.get("queued_s") or 0.0))
+
+    def add_queued(self, seconds: float) -> None:
+        self.rec["queued_s"] = round(float(self.rec.get("queued_s") or 0.0) + max(0.0, seconds), 3)
 
     def _start(self, kind: str, prompt: str, cwd: str, resume_job: str | None, limits: Mapping[str, Any],
                meta: Mapping[str, Any], system_extra: str, raw_dir: str, base: str | None) -> dict[str, Any]:
@@ -4457,6 +4469,12 @@ class RunPipeline:
         entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
         if "status" in entry:
             return res
+        job = read_json(self.paths.job_file(jid), default=None) or {}
+        rt = read_json(self.paths.runtime_file(jid), default=None) or {}
+        if job.get("executor") == "slurm" and rt.get("started_ts") and job.get("created_ts"):
+            # Time in Slurm's queue before the supervisor started (clocks of two hosts: never < 0).
+            entry["queued_s"] = round(max(0.0, float(rt["started_ts"]) - float(job["created_ts"])), 3)
+            self.add_queued(entry["queued_s"])
         cost = float((res.get("usage") or {}).get("cost_delta_usd") or 0.0)
         self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
         self.rec["cost_usd"] = self.spent
@@ -4711,7 +4729,7 @@ class RunPipeline:
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
-        rec["wall_s"] = round(time.time() - float(rec["started_ts"]), 3)
+        rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
         if stop and stop.startswith("infrastructure:"):
             validity, why = "infrastructure_failure", stop.split(":", 1)[1]
@@ -5684,6 +5702,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "sign_test": "exact two-sided binomial sign test over tasks, ties dropped",
         "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
                    "arms have the same evaluated repeat indices",
+        "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
+                     "parallel slot or in a Slurm queue (recorded apart as queued_s); median over runs",
         "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
     }
     excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],

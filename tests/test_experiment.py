@@ -733,3 +733,35 @@ def test_a_second_supervisor_never_starts_claude_again(tmp_path, study):
     code, _ = run_main(["_supervise", "--study", str(study), "--job", sp["job_id"]])
     assert code == 0 and stream.stat().st_size == size
     assert sum(1 for ln in (study / "state" / "ledger.jsonl").read_text().splitlines() if ln.strip()) == 1
+
+
+def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_path, fake_env):
+    """A run whose driver waits for a parallel slot (held by a session driven by hand) records the
+    wait as queued_s; its wall time, wall budget and snapshots count only the rest."""
+    study = tiny_study(tmp_path / "s", parallel=1)
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    brief = tmp_path / "hold.txt"
+    brief.write_text("Hold the only slot.\nFAKE: hang\n")
+    code, held = run_main(["spawn", "--study", str(study), "--brief", str(brief)])
+    assert code == 0, held
+    paths = ab.StudyPaths(study)
+    ctx = ab.Ctx(platform=ab.current_platform(), env=dict(os.environ), cwd=str(tmp_path), emit=lambda o: None,
+                 is_child=False)
+    me = ab.current_platform().proc_id(os.getpid())
+    hold_s = 3.0
+    releaser = threading.Timer(hold_s, lambda: run_main(["kill", "--study", str(study), "--job", held["job_id"]]))
+    releaser.start()
+    began = time.monotonic()
+    try:
+        out = ab.drive_runs(ctx, paths, [rid], ab.PipelineOptions(driver={"pid": me.pid, "ctime": me.ctime}),
+                            parallel=1)
+    finally:
+        releaser.cancel()
+    elapsed = time.monotonic() - began
+    rec = run_record(study, rid)
+    assert rec["status"] == "finished", rec
+    assert rec["queued_s"] >= hold_s - 1.0, rec.get("queued_s")
+    assert rec["wall_s"] <= elapsed - rec["queued_s"] + 0.5, (rec["wall_s"], elapsed, rec["queued_s"])
+    assert out["results"][rid]["outcome"] in ("success", "failure")

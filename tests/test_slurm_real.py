@@ -57,6 +57,9 @@ def test_a_rehearsal_with_the_slurm_executor_grades_every_run(cluster: PrivateSl
         assert rec["evaluation"]["success"] is True and rec["evaluation"]["tests_passed"] > 0
     assert all(r["gate_cycles"] > 0 for r in runs.values() if r["arm"] == "C")
     assert all(not r.get("gates") for r in runs.values() if r["arm"] == "A")
+    # Time in Slurm's queue is recorded per job and kept out of the runs' wall time.
+    assert all(r.get("queued_s", 0) > 0 for r in runs.values()), {k: r.get("queued_s") for k, r in runs.items()}
+    assert all("queued_s" in j for r in runs.values() for j in r["jobs"])
     launchers = slurm_jobs_of(scratch)
     assert launchers and all(lr["executor"] == "slurm" and lr["slurm_job_id"] for lr in launchers.values())
     for job_id, lr in launchers.items():
