@@ -1513,8 +1513,9 @@ class RegistryLock:
     """
 
     def __init__(self, path: str | os.PathLike[str], platform: "Platform",
-                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S):
+                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S, label: str = "the study registry"):
         self.path = Path(path)
+        self.label = label
         self.platform = platform
         self.timeout_s = timeout_s
         self.stale_s = stale_s
@@ -1607,7 +1608,7 @@ class RegistryLock:
                     self._break(holder)
                     continue
                 if time.monotonic() > deadline:
-                    raise AgentbenchError("the study registry is locked", holder=_lock_view(holder),
+                    raise AgentbenchError(f"{self.label} is locked", holder=_lock_view(holder),
                                           lock=str(self.path),
                                           hint="another agentbench call is holding it; retry, or "
                                                "if its holder is hung, kill that process")
@@ -1813,6 +1814,9 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
 #: sbatch options agentbench sets itself; a study's sbatch_args may not override them.
 SBATCH_OWN_OPTIONS = ("--output", "-o", "--error", "-e", "--export", "--wait", "-W", "--array", "-a",
                       "--chdir", "-D", "--parsable", "--wrap", "--hold", "-H", "--clusters", "-M")
+#: Passed to `claude` like any setting, but able to carry an auth header: kept out of a batch
+#: job's environment with the credentials.
+SLURM_SECRET_EXTRA = ("ANTHROPIC_CUSTOM_HEADERS",)
 #: sbatch's wait for its controller before agentbench gives up on a submission.
 SBATCH_TIMEOUT_S = 120.0
 
@@ -2729,7 +2733,10 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
         # controller's state, and possibly its accounting): an owner-only file on the shared
         # study directory carries them to the supervisor, which reads and deletes it.
         env = dict(os.environ)
-        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
+        secret = [k for k in env if is_credential_var(k) or k in SLURM_SECRET_EXTRA]
+        creds = {k: env.pop(k) for k in secret}
+        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
+            creds = {}   # a scripted-model job gets no real credentials at all
         creds_file = str(jdir / "credentials.json") if creds else None
         try:
             if creds_file:
@@ -2846,6 +2853,10 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     """
     assert status in JOB_FINAL_STATUSES, status
     job_id = job["job_id"]
+    # A Slurm job's credentials file is deleted by its supervisor once read; one that never
+    # started (cancelled in the queue, failed to start) leaves it, so the end of the job removes it.
+    with contextlib.suppress(OSError):
+        os.unlink(paths.job_dir(job_id) / "credentials.json")
     usage = dict(usage or {"tokens": {k: 0 for k in TOKEN_KEYS}, "models_used": [], "cost_total_usd": None,
                            "cost_delta_usd": 0.0, "estimated": False, "model_usage": {}, "flags": []})
     extra = dict(extra or {})
@@ -3074,6 +3085,14 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
         if now - created <= lost_after_s():
             continue
         if supervisor_presence(platform, None, launcher) is not False:
+            continue
+        kill_req = read_json(paths.job_dir(job_id) / "kill.request", default=None)
+        if kill_req is not None:
+            # Killed before it started (a queued Slurm job whose cancel was not confirmed, which
+            # then started and stopped at the kill request): a kill, not a launch failure.
+            finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
+                         usage=None, extra={"detail": "killed before its session started"})
+            reaped.append(job_id)
             continue
         if (paths.job_dir(job_id) / "supervisor.claim").exists():
             # Claimed but no runtime yet: the supervisor died between its first two writes.
@@ -3562,7 +3581,11 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
             raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
                                   "values joined with =", sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
-        own = sorted({sbatch_option_name(a) for a in args or []} & set(SBATCH_OWN_OPTIONS))
+        # sbatch accepts unambiguous prefixes of long options (--out for --output): those count too.
+        own = sorted({o for a in args or [] for o in SBATCH_OWN_OPTIONS
+                      if o == sbatch_option_name(a) or (sbatch_option_name(a).startswith("--")
+                                                        and len(sbatch_option_name(a)) > 2
+                                                        and o.startswith(sbatch_option_name(a)))})
         if own:
             raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
                                   hint="agentbench chooses the output file, the environment export, the "
@@ -3637,6 +3660,14 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
 
 def _base_file(paths: StudyPaths, name: str) -> Path:
     return paths.bases / f"{check_name('base', name)}.json"
+
+
+def base_lock(paths: StudyPaths, platform: "Platform", name: str) -> RegistryLock:
+    """The lock of one base's record: every read-modify-write of it (train, tick, expire) holds
+    it, always before (never inside) the registry lock."""
+    paths.bases.mkdir(parents=True, exist_ok=True)
+    return RegistryLock(paths.bases / f".{check_name('base', name)}.lock", platform,
+                        timeout_s=SBATCH_TIMEOUT_S + LOCK_TIMEOUT_S, label=f"base {name}")
 
 
 
@@ -4350,6 +4381,9 @@ class RunPipeline:
         self.rec: dict[str, Any] = {}
         self.spent = 0.0
         self.attempt = 0
+        #: job id -> when it was submitted to Slurm (this process's monotonic clock), until its
+        #: supervisor is seen to start: the wait is measured on one clock, never two hosts'.
+        self._in_slurm_queue: dict[str, float] = {}
 
     # -- bookkeeping
     def _save(self) -> None:
@@ -4428,6 +4462,8 @@ class RunPipeline:
                 time.sleep(max(0.5, self.opts.poll_s))
                 reap_jobs(self.paths, self.ctx.platform)
                 self.add_queued(time.monotonic() - waited)
+        if self.launch.get("executor") == "slurm":
+            self._in_slurm_queue[out["job_id"]] = time.monotonic()
         self.rec.setdefault("jobs", []).append({"job_id": out["job_id"], "role": role,
                                                 "session_id": out.get("session_id")})
         self._save()
@@ -4459,9 +4495,24 @@ class RunPipeline:
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
+            self._note_started(jid)
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid])
+        self._note_started(jid)
         return self._account_job(jid)
+
+    def _note_started(self, jid: str) -> None:
+        """Close a job's Slurm queue wait once its supervisor has written its runtime (or the job
+        ended): precise to one poll."""
+        since = self._in_slurm_queue.get(jid)
+        if since is None or not (self.paths.runtime_file(jid).exists() or self.paths.result_file(jid).exists()):
+            return
+        del self._in_slurm_queue[jid]
+        waited = round(time.monotonic() - since, 3)
+        entry = next((j for j in self.rec.get("jobs") or [] if j["job_id"] == jid), None)
+        if entry is not None:
+            entry["queued_s"] = waited
+        self.add_queued(waited)
 
     def _account_job(self, jid: str) -> dict[str, Any]:
         """Fold a finished job's cost and tokens into the run record (once per job)."""
@@ -4469,12 +4520,6 @@ class RunPipeline:
         entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
         if "status" in entry:
             return res
-        job = read_json(self.paths.job_file(jid), default=None) or {}
-        rt = read_json(self.paths.runtime_file(jid), default=None) or {}
-        if job.get("executor") == "slurm" and rt.get("started_ts") and job.get("created_ts"):
-            # Time in Slurm's queue before the supervisor started (clocks of two hosts: never < 0).
-            entry["queued_s"] = round(max(0.0, float(rt["started_ts"]) - float(job["created_ts"])), 3)
-            self.add_queued(entry["queued_s"])
         cost = float((res.get("usage") or {}).get("cost_delta_usd") or 0.0)
         self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
         self.rec["cost_usd"] = self.spent
@@ -7495,11 +7540,16 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
-    paths.bases.mkdir(parents=True, exist_ok=True)
+    # Refusals that do not depend on the base come first: a refused retraining must not have
+    # wiped the old base's workspace.
+    launch = launch_config(cfg)
+    validate_launch_values(cfg)
+    require_executor_ready(launch["executor"])
+    refuse_if_paused(paths, launch)
     # One trainer per base at a time: two concurrent calls would otherwise both start a session in
     # the same workspace and the base would name only the last.  The check, the launch and the
     # record happen under the base's own lock (taken before, never inside, the registry lock).
-    with RegistryLock(paths.bases / f".{args.base}.lock", ctx.platform):
+    with base_lock(paths, ctx.platform, args.base):
         bfile = _base_file(paths, args.base)
         old = read_json(bfile, default=None)
         if old is not None and base_state(paths, old) == "training":
@@ -8326,20 +8376,23 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_study_config(paths)
     pinged, skipped = [], []
     for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
-        rec = read_json(f)
-        st = base_state(paths, rec)
-        if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < args.every:
-            skipped.append({"base": rec["name"], "state": st})
-            continue
-        ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
-        fk = fork_base(ctx, paths, rec["name"], ws, copy_workspace=False)
-        limits = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
-        out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
-                        session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
-                        meta={"base": rec["name"]}, cfg=cfg,
-                        system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
-        rec["last_ping"] = time.time()
-        write_json_atomic(f, rec)
+        name = f.stem
+        with base_lock(paths, ctx.platform, name):
+            # Read under the base's lock: a retraining in between must not be written back over.
+            rec = read_json(f)
+            st = base_state(paths, rec)
+            if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < args.every:
+                skipped.append({"base": rec["name"], "state": st})
+                continue
+            ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
+            fk = fork_base(ctx, paths, rec["name"], ws, copy_workspace=False)
+            limits = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
+            out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
+                            session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
+                            meta={"base": rec["name"]}, cfg=cfg,
+                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
+            rec["last_ping"] = time.time()
+            write_json_atomic(f, rec)
         pinged.append({"base": rec["name"], "job_id": out["job_id"]})
     return {"pinged": pinged, "skipped": skipped}
 
@@ -8353,10 +8406,12 @@ def _expire_args(p: argparse.ArgumentParser) -> None:
 @args_of(_expire_args)
 def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    rec = load_base(paths, args.base)
-    rec["expired"] = True
-    rec["expired_at"] = utc_now()
-    write_json_atomic(_base_file(paths, args.base), rec)
+    load_base(paths, args.base)   # refused before a lock file is made for a base that is not there
+    with base_lock(paths, ctx.platform, args.base):
+        rec = load_base(paths, args.base)
+        rec["expired"] = True
+        rec["expired_at"] = utc_now()
+        write_json_atomic(_base_file(paths, args.base), rec)
     return {"base": args.base, "state": "expired"}
 
 
@@ -8393,9 +8448,15 @@ def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     if args.credentials_file:
         # Added to, not replacing, the environment the batch job inherited (with SLURM_JOB_ID).
-        creds = {}
-        with contextlib.suppress(AgentbenchError):
+        creds: dict[str, str] = {}
+        try:
             creds = read_detach_env_file(args.credentials_file)
+        except AgentbenchError as exc:
+            # Gone (the job was finalised first) or unreadable: the session runs without them
+            # and fails authentication visibly; nothing secret is left behind either way.
+            log(f"credentials file not used: {exc.payload.get('detail') or exc}")
+            with contextlib.suppress(OSError):
+                os.unlink(args.credentials_file)
         os.environ.update(creds)
         ctx.env = dict(os.environ)
     paths = StudyPaths(Path(args.study))

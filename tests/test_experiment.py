@@ -765,3 +765,23 @@ def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_pa
     assert rec["queued_s"] >= hold_s - 1.0, rec.get("queued_s")
     assert rec["wall_s"] <= elapsed - rec["queued_s"] + 0.5, (rec["wall_s"], elapsed, rec["queued_s"])
     assert out["results"][rid]["outcome"] in ("success", "failure")
+
+
+def test_a_refused_retraining_keeps_the_old_bases_workspace(tmp_path, fake_env):
+    """`train --task T --replace` rebuilds the base's workspace from the task's files; when the
+    launch is refused (here: the study is paused) the old base and its notes are left as they were."""
+    study = tiny_study(tmp_path / "s")
+    code, out = run_main(["train", "--study", str(study), "--task", "tiny"])
+    assert code == 0, out
+    code, w = run_main(["wait", "--study", str(study), "--job", out["job_id"], "--timeout", "60"])
+    assert code == 0, w
+    ws = study / "state" / "bases" / "tiny" / "workspace"
+    (ws / "NOTES.md").write_text("what the base learned\n")
+    base_before = (study / "state" / "bases" / "tiny.json").read_text()
+    reg = json.loads((study / "state" / "registry.json").read_text())
+    reg["breaker"] = {"reason": "usage_limit", "job_id": out["job_id"]}
+    write_json(study / "state" / "registry.json", reg)
+    code, refused = run_main(["train", "--study", str(study), "--task", "tiny", "--replace"])
+    assert code == 2 and refused["refusal"] == "breaker", refused
+    assert (ws / "NOTES.md").read_text() == "what the base learned\n"
+    assert (study / "state" / "bases" / "tiny.json").read_text() == base_before

@@ -110,6 +110,7 @@ def test_squeue_answers_are_states_gone_or_unknown() -> None:
     {"sbatch_args": ["mem=4G"]}, {"python": ""}, {"time_margin_s": -1}, {"time_margin_s": True},
     {"sbatch_args": ["--output=/tmp/x"]}, {"sbatch_args": ["-o/tmp/x"]}, {"sbatch_args": ["--export=NONE"]},
     {"sbatch_args": ["--wait"]}, {"sbatch_args": ["--array=1-3"]}, {"sbatch_args": ["-M", "other"]},
+    {"sbatch_args": ["--out=/tmp/x"]}, {"sbatch_args": ["--chd=/tmp"]}, {"sbatch_args": ["--expo=NONE"]},
 ])
 def test_bad_slurm_settings_are_refused_and_nothing_is_written(tmp_path: Path, fake_env, slurm: Any) -> None:
     root = tmp_path / "study"
@@ -477,3 +478,44 @@ def test_a_supervisor_nobody_can_check_is_lost_once_its_heartbeat_is_very_old(ss
     rt = runtime(sst, job)
     assert rt is not None and time.time() - rt["heartbeat_at"] >= 4.0
     assert dead(claude, timeout=5)
+
+
+def test_the_credentials_file_of_a_job_that_never_started_is_removed(sst: Path, slurm_dir: Path,
+                                                                      tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
+    monkeypatch.setenv("ANTHROPIC_CUSTOM_HEADERS", "Authorization: Bearer not-real")
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    creds = sst / "state" / "jobs" / job / "credentials.json"
+    assert creds.exists() and (creds.stat().st_mode & 0o077) == 0, "credentials readable by others"
+    assert set(json.loads(creds.read_text())["env"]) == {"ANTHROPIC_API_KEY", "ANTHROPIC_CUSTOM_HEADERS"}
+    out = ok(["kill", "--study", str(sst), "--job", job])
+    assert out["jobs"][0]["status"] == "killed"
+    assert not creds.exists(), "a cancelled job left its credentials on the shared file system"
+
+
+def test_a_scripted_model_job_writes_no_credentials_file(sst: Path, slurm_dir: Path, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
+    ok(["init", "--study", str(sst), "--env", "AGENTBENCH_OFFLINE=1"])
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
+    ok(["kill", "--study", str(sst), "--job", job])
+
+
+def test_a_killed_job_that_started_late_and_stopped_is_reaped_as_killed(sst: Path, slurm_dir: Path,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    sjid = launcher(sst, job)["slurm_job_id"]
+    (slurm_dir / "down").write_text("")
+    assert ok(["kill", "--study", str(sst), "--job", job])["unverified"] == [job]
+    (slurm_dir / "down").unlink()
+    (slurm_dir / f"release-{sjid}").write_text("")   # the cancel never reached Slurm: it starts
+    fake_slurm.wait_state(slurm_dir, sjid, ("COMPLETED", "FAILED"))
+    time.sleep(1.2)
+    wait_until(lambda: listed_status(sst, job) == "killed", timeout=20, what="reaped as killed", every=0.3)
+    res = result_of(sst, job)
+    assert res is not None and (res["status"], res["reason"]) == ("killed", "requested"), res

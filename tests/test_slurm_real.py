@@ -60,6 +60,10 @@ def test_a_rehearsal_with_the_slurm_executor_grades_every_run(cluster: PrivateSl
     # Time in Slurm's queue is recorded per job and kept out of the runs' wall time.
     assert all(r.get("queued_s", 0) > 0 for r in runs.values()), {k: r.get("queued_s") for k, r in runs.items()}
     assert all("queued_s" in j for r in runs.values() for j in r["jobs"])
+    for r in runs.values():
+        import datetime
+        span = (datetime.datetime.fromisoformat(r["finished_at"]) - datetime.datetime.fromisoformat(r["started_at"]))
+        assert r["wall_s"] <= span.total_seconds() - r["queued_s"] + 1.0, (r["wall_s"], span, r["queued_s"])
     launchers = slurm_jobs_of(scratch)
     assert launchers and all(lr["executor"] == "slurm" and lr["slurm_job_id"] for lr in launchers.values())
     for job_id, lr in launchers.items():
