@@ -5357,6 +5357,26 @@ def _fmt_usd(x: float | None, estimated: bool = False) -> str:
     return ("~" + text) if estimated else text
 
 
+def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
+    if not ci:
+        return "-"
+    return f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+
+
+def _fmt_usd_diff(x: float | None) -> str:
+    """A signed dollar difference, four decimals below $1 like _fmt_usd."""
+    if x is None:
+        return "-"
+    sign = "+" if x >= 0 else "-"
+    return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
+
+
+def _fmt_usd_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
+
+
 def _fmt_int(x: Any) -> str:
     return "-" if x is None else f"{int(x):,}"
 
@@ -5533,8 +5553,55 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
     return out
 
 
+def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed: int,
+                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool]) -> dict:
+    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the mean
+    over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks where
+    both arms have one, its seeded bootstrap 95% CI (as for success rates), and the counts of
+    tasks where the arm is higher / lower / equal with an exact two-sided sign test on them."""
+    per_task = []
+    higher = lower = equal = 0
+    for task in tasks:
+        va = [v for v in (value(r) for r in index.get((task, arm), []) if runs_of(r)) if v is not None]
+        vb = [v for v in (value(r) for r in index.get((task, base), []) if runs_of(r)) if v is not None]
+        if not va or not vb:
+            continue
+        ma, mb = math.fsum(va) / len(va), math.fsum(vb) / len(vb)
+        diff = ma - mb
+        if abs(diff) <= 1e-12:
+            equal += 1
+            diff = 0.0
+        elif diff > 0:
+            higher += 1
+        else:
+            lower += 1
+        per_task.append({"task": task, "arm": ma, "baseline": mb, "diff": diff,
+                         "arm_n": len(va), "baseline_n": len(vb)})
+    diffs = [t["diff"] for t in per_task]
+    ci = bootstrap_mean_diff_ci(diffs, seed)
+    return {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
+            "higher": higher, "lower": lower, "equal": equal,
+            "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+
+
+def _rpt_score(run: dict) -> float | None:
+    ev = run.get("evaluation")
+    score = ev.get("score") if isinstance(ev, dict) else None
+    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+
+
+def _rpt_cost(run: dict) -> float | None:
+    cost = run.get("cost_usd")
+    return float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None
+
+
+def _rpt_ended(run: dict) -> bool:
+    return _rpt_pending(run) is None
+
+
 def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) -> dict:
-    """Paired comparison of `arm` against `base` over tasks where both have evaluated runs."""
+    """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
+    apart, of the hidden-test score and of the cost per ended run)."""
     per_task = []
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
@@ -5600,6 +5667,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "mcnemar": mcnemar,
         "per_task": per_task,
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_score, _rpt_evaluated),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_cost, _rpt_ended),
     }
 
 
@@ -5740,6 +5809,9 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
                         "the interval is narrower than a task-level one when tasks differ)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
+        "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
+                                 "runs and on the mean cost of ended runs; higher/lower/equal tasks "
+                                 "with an exact two-sided sign test",
         "paired_difference": "per task: arm success rate minus baseline success rate over the "
                              "task's evaluated runs; mean over tasks where both arms have data; "
                              "95% percentile bootstrap over tasks, 10000 resamples, "
@@ -5864,6 +5936,16 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     tables.append((f"Paired comparison against {base} (over tasks)",
                    ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
                     "Sign test p", "McNemar (arm-only/base-only, p)"], rows))
+    rows = []
+    for a, c in report["comparisons"].items():
+        sc, co = c["score"], c["cost_per_run_usd"]
+        rows.append([f"{a} vs {base}", _fmt_int(sc["tasks_compared"]), ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
+                     _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
+                     _fmt_p(sc["sign_test_p"]), _fmt_int(co["tasks_compared"]), _fmt_usd_diff(co["mean_diff"]),
+                     _fmt_usd_ci(co["ci"]), f"{co['higher']}/{co['lower']}/{co['equal']}", _fmt_p(co["sign_test_p"])])
+    tables.append((f"Paired score and cost against {base} (over tasks)",
+                   ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
+                    "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows))
     rows = []
     for task, cells in report["per_task"].items():
         row = [task]

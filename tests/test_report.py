@@ -517,3 +517,36 @@ def test_usage_empty_ledger_and_markdown():
     total = next(line for line in md.splitlines() if line.startswith("| **total** |"))
     assert "~$1.06" in total
     json.dumps(ab.aggregate_usage(ledger(), by="model"), allow_nan=False)
+
+
+def test_paired_score_and_cost_c_vs_a(report):
+    """Scores are 1.0 for a success and 0.25 for a failure in the fixture; costs A 1.0, C 2.0."""
+    sc = report["comparisons"]["C"]["score"]
+    # t1: C (1 + 1)/2 = 1 vs A (1 + 0.25)/2 = 0.625 -> +0.375; t2: 1 vs 1 -> 0; t3: 0.25 vs 0.25 -> 0.
+    assert [t["diff"] for t in sc["per_task"]] == [0.375, 0.0, 0.0]
+    assert sc["mean_diff"] == pytest.approx(0.125)
+    assert (sc["higher"], sc["lower"], sc["equal"]) == (1, 0, 2) and sc["sign_test_p"] == 1.0
+    # Same resampling structure as the success rates (one task at +0.375, two at 0).
+    assert sc["ci"] == [0.0, 0.375]
+    co = report["comparisons"]["C"]["cost_per_run_usd"]
+    # Ended runs of the primary view: C t1 2,2; t2 2 (r10 excluded); t3 2,2 (r12 ungraded but
+    # ended: its cost counts) vs A 1 everywhere -> +1 on each task.
+    assert [(t["task"], t["diff"], t["arm_n"]) for t in co["per_task"]] == [("t1", 1.0, 2), ("t2", 1.0, 1),
+                                                                          ("t3", 1.0, 2)]
+    assert co["mean_diff"] == 1.0 and co["ci"] == [1.0, 1.0]
+    assert (co["higher"], co["lower"], co["equal"]) == (3, 0, 0)
+    assert co["sign_test_p"] == pytest.approx(0.25)     # 2 * (1/2)^3
+    # D: t1 D r14 only (r13 degenerate, excluded) 3.0 vs 1.0; t2 r15 3.0 (r16 not started) vs 1.0;
+    # t3 r17 1.0 (r18 running) vs 1.0 -> [+2, +2, 0].
+    cd = report["comparisons"]["D"]["cost_per_run_usd"]
+    assert [t["diff"] for t in cd["per_task"]] == [2.0, 2.0, 0.0]
+    empty = report["comparisons"]["E"]
+    assert empty["score"]["tasks_compared"] == 0 and empty["score"]["ci"] is None
+    assert empty["cost_per_run_usd"]["sign_test_p"] is None
+
+
+def test_markdown_shows_the_paired_score_and_cost_table(report):
+    md = ab.render_report_md(report)
+    assert "## Paired score and cost against A" in md
+    row = next(ln for ln in md.splitlines() if ln.startswith("| C vs A |") and "$" in ln)
+    assert "+0.125" in row and "+$1.00" in row
