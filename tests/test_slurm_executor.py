@@ -182,6 +182,13 @@ def launcher(study: Path, job_id: str) -> dict[str, Any]:
     return json.loads((study / "state" / "jobs" / job_id / "launcher.json").read_text())
 
 
+def queued_job(study: Path, slurm_dir: Path, tmp_path: Path) -> tuple[str, str]:
+    """Spawn a job that Slurm holds PENDING (until `release-<id>`); (job id, Slurm job id)."""
+    (slurm_dir / "hold").write_text("")
+    job = ok(["spawn", "--study", str(study), "--brief", brief(tmp_path)])["job_id"]
+    return job, launcher(study, job)["slurm_job_id"]
+
+
 def listed_status(study: Path, job_id: str) -> str:
     return next(j["status"] for j in ok(["list", "--study", str(study)])["jobs"] if j["job_id"] == job_id)
 
@@ -213,9 +220,7 @@ def test_a_job_runs_as_a_slurm_batch_job_and_is_accounted_once(sst: Path, slurm_
 def test_a_queued_job_is_never_lost_and_kill_cancels_it_before_it_starts(sst: Path, slurm_dir: Path,
                                                                          tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
-    sjid = launcher(sst, job)["slurm_job_id"]
+    job, sjid = queued_job(sst, slurm_dir, tmp_path)
     assert listed_status(sst, job) == "queued"
     time.sleep(1.6)                                   # past the loss window, still queued
     assert listed_status(sst, job) == "queued"
@@ -427,8 +432,7 @@ def test_credentials_reach_claude_but_not_the_batch_jobs_environment(sst: Path, 
 
 def test_a_kill_slurm_does_not_confirm_is_reported_unverified_and_not_recorded(sst: Path, slurm_dir: Path,
                                                                               tmp_path: Path) -> None:
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    job, _sjid = queued_job(sst, slurm_dir, tmp_path)
     (slurm_dir / "down").write_text("")           # scancel and squeue fail from now on
     out = ok(["kill", "--study", str(sst), "--job", job])
     assert out["clean"] is False and out["unverified"] == [job], out
@@ -443,9 +447,7 @@ def test_a_kill_slurm_does_not_confirm_is_reported_unverified_and_not_recorded(s
 
 def test_a_batch_job_started_after_its_kill_request_never_starts_claude(sst: Path, slurm_dir: Path,
                                                                         tmp_path: Path) -> None:
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
-    sjid = launcher(sst, job)["slurm_job_id"]
+    job, sjid = queued_job(sst, slurm_dir, tmp_path)
     jdir = sst / "state" / "jobs" / job
     # A kill was asked for but the cancel did not reach Slurm in time: the job starts anyway.
     (jdir / "kill.request").write_text(json.dumps({"reason": "requested"}))
@@ -484,8 +486,7 @@ def test_the_credentials_file_of_a_job_that_never_started_is_removed(sst: Path, 
                                                                       tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
     monkeypatch.setenv("ANTHROPIC_CUSTOM_HEADERS", "Authorization: Bearer not-real")
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    job, _sjid = queued_job(sst, slurm_dir, tmp_path)
     creds = sst / "state" / "jobs" / job / "credentials.json"
     assert creds.exists() and (creds.stat().st_mode & 0o077) == 0, "credentials readable by others"
     assert set(json.loads(creds.read_text())["env"]) == {"ANTHROPIC_API_KEY", "ANTHROPIC_CUSTOM_HEADERS"}
@@ -498,8 +499,7 @@ def test_a_scripted_model_job_writes_no_credentials_file(sst: Path, slurm_dir: P
                                                          monkeypatch) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
     ok(["init", "--study", str(sst), "--env", "AGENTBENCH_OFFLINE=1"])
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    job, _sjid = queued_job(sst, slurm_dir, tmp_path)
     assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
     ok(["kill", "--study", str(sst), "--job", job])
 
@@ -507,9 +507,7 @@ def test_a_scripted_model_job_writes_no_credentials_file(sst: Path, slurm_dir: P
 def test_a_killed_job_that_started_late_and_stopped_is_reaped_as_killed(sst: Path, slurm_dir: Path,
                                                                         tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
-    (slurm_dir / "hold").write_text("")
-    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
-    sjid = launcher(sst, job)["slurm_job_id"]
+    job, sjid = queued_job(sst, slurm_dir, tmp_path)
     (slurm_dir / "down").write_text("")
     assert ok(["kill", "--study", str(sst), "--job", job])["unverified"] == [job]
     (slurm_dir / "down").unlink()
