@@ -1858,6 +1858,17 @@ def sbatch_option_name(arg: str) -> str:
     return arg[:2]
 
 
+def sbatch_own_options(args: Sequence[str]) -> list[str]:
+    """Which of agentbench's own sbatch options the arguments would set.  sbatch accepts an
+    unambiguous prefix of a long option (--out for --output), so a prefix counts too."""
+    hit = set()
+    for arg in args:
+        name = sbatch_option_name(arg)
+        long_prefix = name.startswith("--") and len(name) > 2
+        hit |= {o for o in SBATCH_OWN_OPTIONS if o == name or (long_prefix and o.startswith(name))}
+    return sorted(hit)
+
+
 def parse_sbatch_job_id(stdout: str) -> tuple[str, str | None]:
     """The job id and cluster from `sbatch --parsable` output ("123" or "123;cluster"); raises if
     there is no id.  The cluster matters: squeue and scancel must ask the same one (-M)."""
@@ -1914,13 +1925,13 @@ def _slurm_key(slurm_job_id: str, env: Mapping[str, str], cluster: str | None) -
 
 
 def slurm_state(platform: "Platform", slurm_job_id: str, env: Mapping[str, str],
-                cluster: str | None = None) -> str | None:
+                cluster: str | None = None, fresh: bool = False) -> str | None:
     """The job's state as squeue reports it (see parse_squeue_state); a state read less than
-    slurm_poll_s() ago is reused.  "Cannot tell" is never reused: the next call asks again."""
+    slurm_poll_s() ago is reused unless `fresh`.  "Cannot tell" is never reused."""
     now = time.monotonic()
     key = _slurm_key(slurm_job_id, env, cluster)
     cached = _SLURM_STATES.get(key)
-    if cached is not None and now - cached[0] < slurm_poll_s():
+    if cached is not None and not fresh and now - cached[0] < slurm_poll_s():
         return cached[1]
     argv = ["squeue", "-h", "-j", str(slurm_job_id), "-o", "%T"] + (["-M", cluster] if cluster else [])
     res = run_command(argv, cwd=os.getcwd(), env=slurm_client_env(env), timeout_s=60, platform=platform)
@@ -3110,6 +3121,16 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
     return reaped
 
 
+def _wait_final(paths: StudyPaths, job_id: str, seconds: float) -> bool:
+    """Wait up to `seconds` for the job to be final; whether it is."""
+    deadline = time.monotonic() + seconds
+    while not job_is_final(paths, job_id):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str = "requested",
              wait_s: float = 10.0) -> dict[str, Any]:
     """Kill a job: ask its supervisor (kill.request), and if it does not finish in `wait_s`, kill
@@ -3126,17 +3147,13 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         # that starts regardless sees kill.request and exits without starting claude.
         slurm_cancel(platform, sjid, os.environ, cluster)
         wait_s = min(wait_s, 2.0)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and not job_is_final(paths, job_id):
-        time.sleep(0.05)
+    _wait_final(paths, job_id, wait_s)
     rt = read_json(paths.runtime_file(job_id), default=None)
     if sjid is not None and rt is not None and not job_is_final(paths, job_id):
         # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after
         # KillWait) wherever it runs; its handler stops claude and finalises.
         slurm_cancel(platform, sjid, os.environ, cluster)
-        deadline = time.monotonic() + max(wait_s, 15.0)
-        while time.monotonic() < deadline and not job_is_final(paths, job_id):
-            time.sleep(0.1)
+        _wait_final(paths, job_id, max(wait_s, 15.0))
     # Processes are killed by pid only on the host that recorded them.
     rt = read_json(paths.runtime_file(job_id), default=None)
     if rt is not None and not platform.is_local(rt):
@@ -3155,8 +3172,7 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             # Nothing of the job can be checked from here: only Slurm can say that it ended.
             # Until it does, the job is not finalised (a session still spending must not be
             # recorded as killed, nor its later costs lost).
-            _SLURM_STATES.pop(_slurm_key(sjid, os.environ, cluster), None)
-            state = slurm_state(platform, sjid, os.environ, cluster)
+            state = slurm_state(platform, sjid, os.environ, cluster, fresh=True)
             if state is None or state in SLURM_LIVE_STATES:
                 return {"job_id": job_id, "status": "killing", "unverified": True, "slurm_job_id": sjid,
                         "slurm_state": state, "survivors": [],
@@ -3581,11 +3597,7 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
             raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
                                   "values joined with =", sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
-        # sbatch accepts unambiguous prefixes of long options (--out for --output): those count too.
-        own = sorted({o for a in args or [] for o in SBATCH_OWN_OPTIONS
-                      if o == sbatch_option_name(a) or (sbatch_option_name(a).startswith("--")
-                                                        and len(sbatch_option_name(a)) > 2
-                                                        and o.startswith(sbatch_option_name(a)))})
+        own = sbatch_own_options(args or [])
         if own:
             raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
                                   hint="agentbench chooses the output file, the environment export, the "
@@ -3632,6 +3644,17 @@ def require_executor_ready(executor: str | None) -> None:
                                        "or `init --executor local`")
 
 
+def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Every refusal of a new session that depends only on the study (its values, its executor,
+    a pause); the effective launch configuration when there is none.  Writes nothing."""
+    validate_launch_values(cfg)
+    launch = launch_config(cfg)
+    check_model_id(launch["model"])
+    require_executor_ready(launch["executor"])
+    refuse_if_paused(paths, launch)
+    return launch
+
+
 def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
               resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
               meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
@@ -3639,12 +3662,8 @@ def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, 
               cfg: Mapping[str, Any] | None = None, system_prompt: str | None = None) -> dict[str, Any]:
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
-    validate_launch_values(cfg)
-    launch = launch_config(cfg)
-    check_model_id(launch["model"])
+    launch = refuse_launch(paths, cfg)
     binary = study_binary(ctx, cfg)
-    require_executor_ready(launch["executor"])
-    refuse_if_paused(paths, launch)
     reap_jobs(paths, ctx.platform)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
                      system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
@@ -7623,11 +7642,8 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
     # Refusals that do not depend on the base come first: a refused retraining must not have
-    # wiped the old base's workspace.
-    launch = launch_config(cfg)
-    validate_launch_values(cfg)
-    require_executor_ready(launch["executor"])
-    refuse_if_paused(paths, launch)
+    # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
+    refuse_launch(paths, cfg)
     # One trainer per base at a time: two concurrent calls would otherwise both start a session in
     # the same workspace and the base would name only the last.  The check, the launch and the
     # record happen under the base's own lock (taken before, never inside, the registry lock).
