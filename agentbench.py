@@ -1814,9 +1814,6 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
 #: sbatch options agentbench sets itself; a study's sbatch_args may not override them.
 SBATCH_OWN_OPTIONS = ("--output", "-o", "--error", "-e", "--export", "--wait", "-W", "--array", "-a",
                       "--chdir", "-D", "--parsable", "--wrap", "--hold", "-H", "--clusters", "-M")
-#: Passed to `claude` like any setting, but able to carry an auth header: kept out of a batch
-#: job's environment with the credentials.
-SLURM_SECRET_EXTRA = ("ANTHROPIC_CUSTOM_HEADERS",)
 #: sbatch's wait for its controller before agentbench gives up on a submission.
 SBATCH_TIMEOUT_S = 120.0
 
@@ -2040,13 +2037,14 @@ CREDENTIAL_VARS = frozenset({
     "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_BEDROCK_BASE_URL",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_BEARER_TOKEN_BEDROCK",
     "GOOGLE_APPLICATION_CREDENTIALS", "ANTHROPIC_VERTEX_PROJECT_ID", "GH_TOKEN", "GITHUB_TOKEN",
+    "ANTHROPIC_CUSTOM_HEADERS",   # may carry an auth header
 })
 CREDENTIAL_PATTERNS = ("*_API_KEY", "*_TOKEN", "*_SECRET", "*_SECRET_KEY", "*_PASSWORD")
 #: CLAUDE_*/ANTHROPIC_* variables agentbench knows and passes on deliberately.
 ENV_KNOWN_PASS = frozenset({
     "ANTHROPIC_BASE_URL", "CLAUDE_CONFIG_DIR", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX",
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "CLAUDE_CODE_MAX_RETRIES", "API_TIMEOUT_MS",
-    "ANTHROPIC_CUSTOM_HEADERS", "CLAUDE_CODE_SKIP_BEDROCK_AUTH", "CLAUDE_CODE_SKIP_VERTEX_AUTH",
+    "CLAUDE_CODE_SKIP_BEDROCK_AUTH", "CLAUDE_CODE_SKIP_VERTEX_AUTH",
 })
 #: Set on every child: no self-update mid-study, the child marker, less background traffic.
 ENV_PINNED = {"DISABLE_AUTOUPDATER": "1", "AGENTBENCH_CHILD": "1",
@@ -2744,8 +2742,7 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
         # controller's state, and possibly its accounting): an owner-only file on the shared
         # study directory carries them to the supervisor, which reads and deletes it.
         env = dict(os.environ)
-        secret = [k for k in env if is_credential_var(k) or k in SLURM_SECRET_EXTRA]
-        creds = {k: env.pop(k) for k in secret}
+        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
         if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
             creds = {}   # a scripted-model job gets no real credentials at all
         creds_file = str(jdir / "credentials.json") if creds else None

@@ -154,6 +154,7 @@ def test_check_env_has_no_credentials(tmp_path):
     ("ANTHROPIC_API_KEY", True), ("OPENAI_API_KEY", True), ("GITHUB_TOKEN", True),
     ("SOME_SECRET", True), ("AWS_SECRET_ACCESS_KEY", True), ("PGPASSWORD", False),
     ("DB_PASSWORD", True), ("PATH", False), ("ANTHROPIC_BASE_URL", False), ("TOKENIZERS_PARALLELISM", False),
+    ("ANTHROPIC_CUSTOM_HEADERS", True),   # can carry an auth header: claude only, never a check
 ])
 def test_is_credential_var(name, is_cred):
     assert ab.is_credential_var(name) is is_cred
