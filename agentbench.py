@@ -3157,6 +3157,10 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         rt = None
     survivors: list[ProcId] = []
     sup = _proc_from((rt or {}).get("supervisor"))
+    if sup is None and rt is None and (launcher or {}).get("executor") == "local" and platform.is_local(launcher):
+        # Killed before its supervisor wrote runtime.json: the detached process the launcher
+        # recorded (pid + creation time) is the supervisor, and it must be gone too.
+        sup = _proc_from(launcher)
     if job_is_final(paths, job_id) and sup:
         # The supervisor finalised; give it a moment to exit, then make sure it is gone.
         until = time.monotonic() + 5
@@ -3175,7 +3179,13 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
                         "slurm_state": state, "survivors": [],
                         "hint": f"scancel was sent but Slurm has not confirmed that job {sjid} ended; "
                                 "run kill again, or check `squeue -j` and `scancel` by hand"}
-        survivors = kill_job_processes(platform, rt, include_supervisor=True)
+        if rt is None and sup is not None:
+            # A supervisor still starting did not answer the request in time: it is stopped
+            # before anything else, so it cannot start claude after this point; whatever it did
+            # start is then in the runtime file, read again.
+            survivors += platform.kill_tree([sup])
+            rt = read_json(paths.runtime_file(job_id), default=None)
+        survivors += kill_job_processes(platform, rt, include_supervisor=True)
         usage, _ = _usage_from_raw(job)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
                      extra={"killed_by": "kill command"})
@@ -3343,12 +3353,21 @@ class Supervisor:
         jdir = self.paths.job_dir(self.job_id)
         # One supervisor per job, once: never start claude for a job that is final, was killed
         # before it started, or already has a live supervisor.
-        if self.paths.result_file(self.job_id).exists() or (jdir / "kill.request").exists():
+        if self.paths.result_file(self.job_id).exists():
             return 0
         try:
             # The claim is atomic and permanent: a second supervisor never starts claude again.
             os.close(os.open(jdir / "supervisor.claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
+            return 0
+        kill_req = read_json(jdir / "kill.request", default=None)
+        if kill_req is not None:
+            # Killed before it started: record that now (once-only, whoever else is finalising),
+            # so that `kill` and `wait` need not wait for a supervisor that will never write a
+            # runtime, nor for the reaper.
+            finalize_job(self.paths, self.platform, job, status="killed",
+                         reason=str(kill_req.get("reason") or "requested"), usage=None,
+                         extra={"detail": "killed before its session started"})
             return 0
         me = self.platform.proc_id(os.getpid())
         raw_dir = Path(job["raw_dir"])

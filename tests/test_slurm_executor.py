@@ -453,8 +453,11 @@ def test_a_batch_job_started_after_its_kill_request_never_starts_claude(sst: Pat
     (jdir / "kill.request").write_text(json.dumps({"reason": "requested"}))
     (slurm_dir / f"release-{sjid}").write_text("")
     fake_slurm.wait_state(slurm_dir, sjid, ("COMPLETED", "FAILED"))
-    assert not (jdir / "supervisor.claim").exists() and not (jdir / "runtime.json").exists()
-    out = ok(["kill", "--study", str(sst), "--job", job])     # Slurm says it ended: recorded
+    assert not (jdir / "runtime.json").exists()               # claude never started
+    res = result_of(sst, job)                                 # the supervisor recorded the kill
+    assert res is not None and res["status"] == "killed" and res["detail"] == "killed before its session started"
+    assert not (jdir / "credentials.json").exists()
+    out = ok(["kill", "--study", str(sst), "--job", job])
     assert out["jobs"][0]["status"] == "killed" and out["clean"] is True
     assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
 

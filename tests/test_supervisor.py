@@ -291,6 +291,56 @@ def test_kill_leaves_no_process_of_the_tree_and_records_killed_once(sv: Path, tm
     assert_ledger_once_per_job(sv)
 
 
+def slow_supervisor_start(monkeypatch) -> list[ab.ProcId]:
+    """Make spawn's detached supervisor a process that is still starting (a `sleep` in its place),
+    as under heavy load; the identities of those stand-ins, for the test to check."""
+    import subprocess
+    started: list[ab.ProcId] = []
+
+    def detach(platform, args, *, cwd, env, log_path):  # noqa: ANN001 - the seam's signature
+        p = subprocess.Popen(["sleep", "60"], cwd=cwd, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.append(PLATFORM.proc_id(p.pid))
+        return p.pid
+    monkeypatch.setattr(ab, "detach_agentbench", detach)
+    return started
+
+
+def test_a_job_killed_before_its_supervisor_started_is_killed_and_its_supervisor_gone(
+        sv: Path, tmp_path: Path, monkeypatch) -> None:
+    started = slow_supervisor_start(monkeypatch)
+    job = ok(["spawn", "--study", str(sv), "--brief", brief(tmp_path, "hang")])["job_id"]
+    assert runtime(sv, job) is None and len(started) == 1 and PLATFORM.is_alive(started[0])
+    out = ab.kill_job(ab.StudyPaths(sv), PLATFORM, job, wait_s=0.5)
+    assert out["status"] == "killed" and out["survivors"] == [], out
+    # The process the launcher recorded (pid + creation time) is the supervisor: it is gone too.
+    assert dead(started[0]), "the starting supervisor survived the kill"
+    assert [ln["status"] for ln in lines_for(sv, job)] == ["killed"]
+    # Should the real supervisor start now, it finds the job final and starts nothing.
+    code, _ = run_main(["_supervise", "--study", str(sv), "--job", job])
+    assert code == 0 and runtime(sv, job) is None
+    assert [ln["status"] for ln in lines_for(sv, job)] == ["killed"]
+
+
+def test_a_supervisor_that_starts_after_a_kill_request_records_the_kill_itself(
+        sv: Path, tmp_path: Path, monkeypatch) -> None:
+    slow_supervisor_start(monkeypatch)
+    job = ok(["spawn", "--study", str(sv), "--brief", brief(tmp_path, "hang")])["job_id"]
+    jdir = sv / "state" / "jobs" / job
+    (jdir / "kill.request").write_text(json.dumps({"reason": "requested", "at": "now"}))
+    code, _ = run_main(["_supervise", "--study", str(sv), "--job", job])
+    assert code == 0
+    res = result_of(sv, job)
+    assert res is not None and res["status"] == "killed" and res["reason"] == "requested", res
+    assert res["detail"] == "killed before its session started"
+    assert runtime(sv, job) is None                  # claude never started
+    assert [ln["status"] for ln in lines_for(sv, job)] == ["killed"]
+    code, w = wait_cmd(sv, "--job", job, timeout=5)
+    assert code == 4 and w["not_ok"] == [job]
+    assert ok(["kill", "--study", str(sv), "--job", job])["jobs"][0]["already_final"] is True
+    assert_ledger_once_per_job(sv)
+
+
 @pytest.mark.parametrize("observer", ["list", "wait"])
 def test_a_dead_supervisor_makes_the_job_lost_and_its_tree_is_killed(sv: Path, tmp_path: Path,
                                                                      monkeypatch, observer: str) -> None:
