@@ -2760,6 +2760,11 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
             return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
         write_json_atomic(launcher_file, {"executor": "slurm", "slurm_job_id": sjid, "slurm_cluster": cluster,
                                           "host": platform.hostname(), "at": time.time()})
+        if (jdir / "kill.request").exists():
+            # A kill came while sbatch was answering: it found no Slurm job id to cancel, so the
+            # submission is cancelled here.  (A kill after the id was recorded cancels it itself;
+            # one of the two sees the other's write.)
+            slurm_cancel(platform, sjid, os.environ, cluster)
         return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
     try:
         pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],

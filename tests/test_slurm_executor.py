@@ -462,6 +462,27 @@ def test_a_batch_job_started_after_its_kill_request_never_starts_claude(sst: Pat
     assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
 
 
+def test_a_kill_while_sbatch_is_answering_cancels_the_submission(sst: Path, slurm_dir: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    (slurm_dir / "hold").write_text("")
+    real_submit = ab.slurm_submit
+    kills: list[dict[str, Any]] = []
+
+    def submit_with_a_kill_in_between(platform, paths, job, env, creds_file):  # noqa: ANN001
+        # The kill arrives while sbatch is on its way: no Slurm job id is recorded yet.
+        kills.append(ab.kill_job(paths, platform, job["job_id"], wait_s=0.2))
+        return real_submit(platform, paths, job, env, creds_file)
+    monkeypatch.setattr(ab, "slurm_submit", submit_with_a_kill_in_between)
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    assert kills and kills[0]["status"] == "killed", kills
+    sjid = launcher(sst, job)["slurm_job_id"]
+    # The submission that went through anyway is cancelled at once, not left to start and exit.
+    assert [c["argv"][:1] for c in fake_slurm.calls(slurm_dir, "scancel")] == [[sjid]]
+    fake_slurm.wait_state(slurm_dir, sjid, ("CANCELLED",))
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["killed"]
+    assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
+
+
 def test_a_submission_in_progress_is_alive_for_as_long_as_sbatch_may_take() -> None:
     now = time.time()
     submitting = {"executor": "slurm", "submitting": True, "at": now}
