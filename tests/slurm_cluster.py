@@ -303,7 +303,9 @@ class PrivateSlurmCluster:
             "ReturnToService=2",
             # Ended jobs stay known for 5 minutes: to scontrol, and to squeue given --states=all.
             "MinJobAge=300",
-            "KillWait=5",
+            # Between scancel's SIGTERM and its SIGKILL the supervisor finalises its job: room
+            # for that on a loaded machine.
+            "KillWait=15",
             "SlurmdTimeout=300",
             "SlurmctldTimeout=120",
             "InactiveLimit=0",

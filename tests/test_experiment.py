@@ -604,7 +604,8 @@ def test_breaker_pauses_runs_in_flight_and_the_queue(tmp_path, fake_env):
         # Order the two runs deterministically: the rate-limited session starts only once the
         # other run is claimed, and the other run's feedback turn only once the breaker tripped.
         if rec["task"] == "limited" and role == "executor":
-            wait_for(lambda: run_record(study, ids["slow"])["status"] == "running", "the slow run to start")
+            # Its session launched, not merely its run claimed (its workspace may take a while).
+            wait_for(lambda: run_record(study, ids["slow"]).get("jobs"), "the slow run's session to start")
         if rec["task"] == "slow" and role == "gate_feedback" and not held.is_set():
             held.set()
             wait_for(lambda: ab.read_registry(paths).get("breaker"), "the breaker")
@@ -735,7 +736,7 @@ def test_a_second_supervisor_never_starts_claude_again(tmp_path, study):
     assert sum(1 for ln in (study / "state" / "ledger.jsonl").read_text().splitlines() if ln.strip()) == 1
 
 
-def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_path, fake_env):
+def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_path, fake_env, monkeypatch):
     """A run whose driver waits for a parallel slot (held by a session driven by hand) records the
     wait as queued_s; its wall time, wall budget and snapshots count only the rest."""
     study = tiny_study(tmp_path / "s", parallel=1)
@@ -752,7 +753,20 @@ def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_pa
     me = ab.current_platform().proc_id(os.getpid())
     hold_s = 3.0
     releaser = threading.Timer(hold_s, lambda: run_main(["kill", "--study", str(study), "--job", held["job_id"]]))
-    releaser.start()
+    real_start_job = ab.start_job
+    refused: list[float] = []
+
+    def start_job(*a, **kw):  # noqa: ANN002, ANN003
+        # The slot is released hold_s after the run was first refused one (not after this test
+        # began: preparing the workspace first may take long on a slow machine).
+        try:
+            return real_start_job(*a, **kw)
+        except ab.AgentbenchError as exc:
+            if exc.payload.get("refusal") == "parallel_cap" and not refused:
+                refused.append(time.monotonic())
+                releaser.start()
+            raise
+    monkeypatch.setattr(ab, "start_job", start_job)
     began = time.monotonic()
     try:
         out = ab.drive_runs(ctx, paths, [rid], ab.PipelineOptions(driver={"pid": me.pid, "ctime": me.ctime}),
@@ -762,6 +776,7 @@ def test_time_spent_waiting_for_a_slot_is_queueing_not_the_runs_wall_time(tmp_pa
     elapsed = time.monotonic() - began
     rec = run_record(study, rid)
     assert rec["status"] == "finished", rec
+    assert refused, "the run never waited for a slot"
     assert rec["queued_s"] >= hold_s - 1.0, rec.get("queued_s")
     assert rec["wall_s"] <= elapsed - rec["queued_s"] + 0.5, (rec["wall_s"], elapsed, rec["queued_s"])
     assert out["results"][rid]["outcome"] in ("success", "failure")

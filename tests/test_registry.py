@@ -630,9 +630,9 @@ def test_twenty_concurrent_spawns_respect_the_parallel_cap(tmp_path, fake_env):
     root = tmp_path / "study"
     code, obj = run_main(["init", "--study", str(root), "--parallel", str(cap)])
     assert code == 0, obj
-    # Long enough that no accepted job can end (and free a slot) before every spawn has answered;
-    # the accepted jobs are killed at the end.
-    brief = write_brief(tmp_path, "FAKE: sleep=60\n")
+    # Sessions that never end by themselves: no accepted job can free a slot before every spawn
+    # has answered, however slow the machine; the accepted jobs are killed at the end.
+    brief = write_brief(tmp_path, "FAKE: hang\n")
     registry = root / "state" / "registry.json"
     procs = [subprocess.Popen([sys.executable, str(AGENTBENCH), "spawn", "--study", str(root), "--brief", brief],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=fake_env, cwd=str(tmp_path))

@@ -96,10 +96,13 @@ def assert_ledger_once_per_job(study: Path) -> None:
     assert sorted(ids) == finished
 
 
-def running_job(study: Path, job_id: str, pidfile: Path | None = None,
-                timeout: float = 30) -> tuple[ab.ProcId, ab.ProcId, ab.ProcId | None]:
-    """Wait until the job's claude runs (and its grandchild, if a pidfile is given); return
-    (supervisor, claude, grandchild) identities, all checked alive."""
+def running_job(study: Path, job_id: str, pidfile: Path | None = None, timeout: float = 30,
+                check_alive: bool = True) -> tuple[ab.ProcId, ab.ProcId, ab.ProcId | None]:
+    """Wait until the job's claude was started (and its grandchild, if a pidfile is given); return
+    (supervisor, claude, grandchild) identities, checked alive unless `check_alive` is False.
+
+    A job with a short limit (wall time, orphan window) may already be ending when a slow
+    machine gets here: such tests pass check_alive=False and judge the outcome instead."""
     def ready() -> dict[str, Any] | None:
         rt = runtime(study, job_id)
         if rt and rt.get("claude") and rt.get("supervisor") and (pidfile is None or pidfile.exists()):
@@ -113,7 +116,7 @@ def running_job(study: Path, job_id: str, pidfile: Path | None = None,
         assert grandchild is not None, "the grandchild should be running"
         _GRANDCHILDREN.append(grandchild)
     for p in (sup, claude, grandchild):
-        if p is not None:
+        if p is not None and check_alive:
             assert PLATFORM.is_alive(p), p
     return sup, claude, grandchild
 
@@ -387,7 +390,7 @@ def test_a_dead_supervisor_makes_the_job_lost_and_its_tree_is_killed(sv: Path, t
 
 def test_wall_time_limit_ends_the_job_timeout(sv: Path, tmp_path: Path) -> None:
     job = ok(["spawn", "--study", str(sv), "--wall-s", "2", "--brief", brief(tmp_path, "hang")])["job_id"]
-    _sup, claude, _ = running_job(sv, job)
+    _sup, claude, _ = running_job(sv, job, check_alive=False)
     code, w = wait_cmd(sv, "--job", job)
     assert code == 4, w
     res = result_of(sv, job)
@@ -415,7 +418,7 @@ def test_orphan_watchdog_kills_a_job_nobody_asks_about(sv: Path, tmp_path: Path)
               "--brief", brief(tmp_path, "hang")])["job_id"]
     # From here on no agentbench command runs (each one would count as orchestrator activity):
     # the files are read directly.
-    _sup, claude, _ = running_job(sv, job)
+    _sup, claude, _ = running_job(sv, job, check_alive=False)
     res = wait_result(sv, job, timeout=30)
     assert (res["status"], res["reason"]) == ("killed", "orphaned")
     assert not PLATFORM.is_alive(claude)
