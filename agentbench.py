@@ -7234,8 +7234,13 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mappin
 
 def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
-                   progress: Callable[[str], None] | None = None, executor: str | None = None) -> dict[str, Any]:
+                   progress: Callable[[str], None] | None = None, executor: str | None = None,
+                   private_home: bool = False) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `private_home` gives the sessions a HOME of their own inside the scratch study (the demo's
+    choice): then nothing of the user's dotfiles, which `claude` runs in a login shell before its
+    first tool call, can slow or change the sessions, and the sessions write nothing there.
 
     The rehearsal uses the study's executor unless `executor` overrides it.  The scripted model
     listens on this machine's loopback, so a Slurm rehearsal needs its jobs to run on this machine
@@ -7272,6 +7277,10 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
         env_extra = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "rehearsal-key-not-secret",
                      "CLAUDE_CONFIG_DIR": str(sp.state / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
                      "API_TIMEOUT_MS": "120000", "AGENTBENCH_OFFLINE": "1"}
+        if private_home:
+            home = sp.state / "home"
+            home.mkdir(parents=True, exist_ok=True)
+            env_extra["HOME"] = str(home)
         driver = driver_record(ctx.platform, sp)
         with DriverBeat(driver):
             if any(a.fork_base for a in arms.values()):
@@ -8464,7 +8473,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
         out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
-                             repeats=args.repeats, progress=prog)
+                             repeats=args.repeats, progress=prog, private_home=True)
     finally:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")

@@ -42,3 +42,10 @@ def test_demo_runs_the_example_study(tmp_path, real_claude):
         rec = json.loads(open(os.path.join(runs_dir, f)).read())
         assert rec["status"] == "finished" and rec["validity"] == "valid"
         assert rec["provenance"]["claude_version"] and rec["evaluation"]["success"] is True
+    # Every session ran with the demo's private HOME (none of the user's dotfiles in its shell).
+    home = os.path.join(out["rehearsal_study"], "state", "home")
+    jobs_dir = os.path.join(out["rehearsal_study"], "state", "jobs")
+    assert os.path.isdir(home) and os.listdir(jobs_dir)
+    for j in os.listdir(jobs_dir):
+        job = json.loads(open(os.path.join(jobs_dir, j, "job.json")).read())
+        assert job["env_extra"]["HOME"] == home, (j, job.get("env_extra"))
