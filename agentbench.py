@@ -5072,6 +5072,7 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
                            level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval for the mean of paired differences (one per task).
 
+    Also used for the mean of one arm's per-task success rates: any per-task values will do.
     Draws `n_resamples` resamples of the differences with replacement (same size as the data),
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
@@ -5470,11 +5471,24 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
     d[key] = d.get(key, 0) + by
 
 
-def _rpt_arm_stats(runs: list[dict], left_out: list[dict]) -> dict:
-    """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view."""
+def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
+    """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
+
+    Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
+    of each task's success rate, with a percentile bootstrap interval that resamples tasks.  Runs
+    of one task are correlated (its repeats share its difficulty), so the task is the unit the
+    study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
+    this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
+    misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
+    itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
     evaluated = [r for r in runs if _rpt_evaluated(r)]
     successes = sum(1 for r in evaluated if _rpt_success(r))
+    per_task: dict[str, list[bool]] = {}
+    for r in evaluated:
+        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(_rpt_success(r))
+    task_rates = [sum(v) / len(v) for _, v in sorted(per_task.items())]
+    task_ci = bootstrap_mean_diff_ci(task_rates, seed)
     ended_unevaluated = [r for r in runs if not _rpt_evaluated(r) and not _rpt_pending(r)]
     not_eval_by_cause: dict[str, int] = {}
     for r in ended_unevaluated:
@@ -5540,6 +5554,9 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict]) -> dict:
         "failures": n_eval - successes,
         "success_rate": successes / n_eval if n_eval else None,
         "success_ci": list(wilson_interval(successes, n_eval)) if n_eval else None,
+        "tasks_evaluated": len(task_rates),
+        "task_success_rate": mean(task_rates),
+        "task_success_ci": list(task_ci) if task_ci else None,
         "success_rate_conservative": successes / n_ended if n_ended else None,
         "success_ci_conservative": list(wilson_interval(successes, n_ended)) if n_ended else None,
         "errors": count(lambda r: r.get("status") == "error" or r.get("outcome") == "error"),
@@ -5721,7 +5738,7 @@ def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str
     for r in left_out:
         out_by_arm[r["arm"]].append(r)
     index = _rpt_index(runs)
-    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a]) for a in arms}
+    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a], seed) for a in arms}
     comparisons = {a: _rpt_compare(index, a, base, tasks, seed) for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
             "per_task": _rpt_task_cells(index, arms, tasks)}
@@ -5747,6 +5764,9 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
                          f"and were graded on their final workspace; they count as results")
         if st["evaluated"] == 0 and st["in_view"]:
             notes.append(f"{label}arm {arm}: no evaluated runs, so no success rate")
+        if st["tasks_evaluated"] == 1:
+            notes.append(f"{label}arm {arm}: evaluated runs of a single task, so the interval "
+                         f"over tasks is a point and says nothing about other tasks")
     for arm, cmp in view["comparisons"].items():
         n_all = (cmp["tasks_compared"] + len(cmp["tasks_without_arm_data"])
                  + len(cmp["tasks_without_baseline_data"]) + len(cmp["tasks_without_data"]))
@@ -5846,7 +5866,14 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     methods = {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
                         "(runs treated as independent; repeats of one task are correlated, so "
-                        "the interval is narrower than a task-level one when tasks differ)",
+                        "the interval is narrower than a task-level one when tasks differ; "
+                        "task_success_rate gives that one)",
+        "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
+                             "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
+                             "repeats cluster in), 10000 resamples, "
+                             f"random.Random({seed}); it sees only how tasks differ, so with "
+                             "few tasks, or tasks that scored alike, it is too narrow: read it "
+                             "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
         "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
@@ -5937,13 +5964,13 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows.append([a + (" (baseline)" if a == base else ""), _fmt_int(s["runs"]),
                      _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
                      _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
-                     _fmt_num(s["mean_score"], 3),
+                     _fmt_ci(s["task_success_ci"]), _fmt_num(s["mean_score"], 3),
                      _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
                      _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
                      _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2)])
     tables.append(("Results per arm",
                    ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                    "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
+                    "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
                     "Median wall", "Gate cycles (mean)"], rows))
     rows = []
     for a in arms:

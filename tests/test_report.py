@@ -289,6 +289,41 @@ def test_single_task_study():
     assert rep["per_arm"]["A"]["success_ci"][0] == 0.0
 
 
+def test_task_level_success_rate_resamples_tasks(report):
+    # A's evaluated runs per task: t1 1/2, t2 2/2, t3 0/2 -> rates 0.5, 1, 0; mean 0.5.
+    a = report["per_arm"]["A"]
+    assert a["tasks_evaluated"] == 3 and a["task_success_rate"] == pytest.approx(0.5)
+    # A bootstrap resample of three tasks is all t3 (mean 0) with probability (1/3)^3 = 3.7% and
+    # all t2 (mean 1) with the same probability: both beyond the 2.5% tails, so the percentile
+    # interval is [0, 1] -- far wider than the Wilson interval over the six runs (about
+    # [0.19, 0.81]), which takes the repeats of one task as independent.
+    assert a["task_success_ci"] == [0.0, 1.0]
+    lo, hi = ab.wilson_interval(3, 6)
+    assert 0.18 < lo < 0.19 and 0.81 < hi < 0.82
+    # C in the primary view: t1 2/2, t2 1/1 (its other run is excluded), t3 0/1 -> mean 2/3.
+    c = report["per_arm"]["C"]
+    assert c["tasks_evaluated"] == 3 and c["task_success_rate"] == pytest.approx(2 / 3)
+    assert c["task_success_ci"] == [0.0, 1.0]
+    # E has no runs: no rate, no interval.
+    e = report["per_arm"]["E"]
+    assert (e["tasks_evaluated"], e["task_success_rate"], e["task_success_ci"]) == (0, None, None)
+    assert "task_success_rate" in report["methods"]
+
+
+def test_task_level_interval_of_tasks_that_agree_and_of_a_single_task():
+    # Two tasks at 1/2 each: every resample mean is 0.5, so the interval is the point 0.5 (the
+    # tasks do not differ; the Wilson interval over the four runs carries the sampling noise).
+    runs = [run("a1", "t1", "A", 1, success=True), run("a2", "t1", "A", 2, success=False),
+            run("a3", "t2", "A", 1, success=False), run("a4", "t2", "A", 2, success=True),
+            run("b1", "t1", "B", 1, success=True), run("b2", "t1", "B", 2, success=True)]
+    rep = ab.build_report(runs, ["A", "B"])
+    assert rep["per_arm"]["A"]["task_success_ci"] == [0.5, 0.5]
+    b = rep["per_arm"]["B"]
+    assert (b["tasks_evaluated"], b["task_success_rate"], b["task_success_ci"]) == (1, 1.0, [1.0, 1.0])
+    assert any("arm B: evaluated runs of a single task" in n for n in rep["notes"])
+    assert not any("arm A: evaluated runs of a single task" in n for n in rep["notes"])
+
+
 def test_seed_makes_report_reproducible():
     a = ab.build_report(study_runs(), ARMS, seed=9)
     b = ab.build_report(study_runs(), ARMS, seed=9)
@@ -310,7 +345,7 @@ def test_markdown_has_tables_and_notes(report):
     # cost marked ~ because part of it is estimated.
     row = next(line for line in md.splitlines() if line.startswith("| C |"))
     lo, hi = ab.wilson_interval(3, 4)
-    assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%]" in row
+    assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%] | [0.0%, 100.0%] |" in row
     assert "~$2.00" in row
     assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 1/0/2 | 1.0000 |" in md
     assert "| t1 | 1/2 (50.0%) | 2/2 (100.0%) | 1/1 (100.0%) | - |" in md
