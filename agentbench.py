@@ -4334,11 +4334,15 @@ _PATH_KEYS = ("file_path", "path", "notebook_path")
 def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protected: Mapping[str, str]) -> list[dict[str, Any]]:
     """Behaviour audit (pure): tool calls that touch paths outside the workspace or read protected dirs.
 
-    `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths are taken
-    against the workspace.  Bash commands are scanned for absolute paths and protected dirs.
+    `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths of file
+    tools are taken against the workspace.  Bash commands are scanned for absolute paths and
+    protected dirs; their relative `../` paths are resolved against the shell's directory, which
+    follows plain `cd DIR` steps inside the workspace from one command to the next (as the Bash
+    tool's shell does), so `cd pkg && cat ../README` is not taken for a climb out.
     """
     findings: list[dict[str, Any]] = []
     ws = os.path.normpath(workspace)
+    shell_dir = ws
 
     def inside(p: str, root: str) -> bool:
         p, root = os.path.normpath(p), os.path.normpath(root)
@@ -4356,14 +4360,22 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
             for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
                 if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
                     findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
-            # Relative paths that climb out of the workspace (../../state/...), resolved against it.
-            for tok in re.findall(r"(?:^|[\s'\"=:<>|;&(])((?:\.\./|\.\.$)[^\s'\"|;&<>()]*)", cmd):
-                full = os.path.normpath(os.path.join(ws, tok))
-                if not inside(full, ws):
-                    findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
-                    for label, d in protected.items():
-                        if d and inside(full, d):
-                            findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
+            # Relative paths that climb out of the workspace (../../state/...), resolved against
+            # the shell's directory, step by step through the command's `&&`/`||`/`;` parts.
+            for step in re.split(r"&&|\|\||;|\n", cmd):
+                for tok in re.findall(r"(?:^|[\s'\"=:<>|;&(])((?:\.\./|\.\.$)[^\s'\"|;&<>()]*)", step.strip()):
+                    full = os.path.normpath(os.path.join(shell_dir, tok))
+                    if not inside(full, ws):
+                        findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
+                        for label, d in protected.items():
+                            if d and inside(full, d):
+                                findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
+                cd = re.fullmatch(r"\s*cd\s+([^\s'\"$`~|;&<>()]+)\s*", step)
+                if cd:
+                    target = os.path.normpath(os.path.join(shell_dir, cd.group(1)))
+                    # A cd out of the workspace is a finding above; the shell is then put back
+                    # in the project directory, so only moves inside it are followed.
+                    shell_dir = target if inside(target, ws) else ws
         for t in targets:
             full = t if os.path.isabs(t) else os.path.join(ws, t)
             if not inside(full, ws):

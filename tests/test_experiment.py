@@ -491,6 +491,14 @@ def test_audit_flags_paths_outside_the_workspace_and_protected_reads(tmp_path):
     assert "bash_touches_oracle" in kinds({"name": "Bash", "input": {"command": f"cat {oracle}/run.py"}})
     assert "bash_touches_study" in kinds({"name": "Bash", "input": {"command": f"ls {study_state}"}})
     assert kinds({"name": "Bash", "input": {"command": "cat /etc/passwd | head"}}) == {"bash_path_outside_workspace"}
+    # A climb out is found from wherever the shell was moved to (ws/pkg -> up four is tmp_path).
+    assert kinds({"name": "Bash", "input": {"command": "cd pkg && cat ../../../../state/registry.json"}}) \
+        == {"bash_path_outside_workspace", "bash_touches_study"}
+    assert kinds({"name": "Bash", "input": {"command": "cd .."}}) == {"bash_path_outside_workspace"}
+    # The shell's directory carries over to the next command, as the Bash tool's shell does.
+    later = ab.audit_tool_calls([{"name": "Bash", "input": {"command": "cd pkg/sub"}},
+                                 {"name": "Bash", "input": {"command": "cat ../../../x"}}], ws, protected)
+    assert [f["kind"] for f in later] == ["bash_path_outside_workspace"]
 
 
 def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
@@ -504,6 +512,9 @@ def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
         {"name": "Glob", "input": {"path": ws, "pattern": "*.py"}},
         {"name": "Bash", "input": {"command": "python3 -m unittest discover -s tests"}},
         {"name": "Bash", "input": {"command": f"ls {ws}/tests && cat {ws}/roman.py 2>/dev/null"}},
+        # `..` below the shell's directory stays inside: within one command and across commands
+        {"name": "Bash", "input": {"command": "cd pkg && python3 ../roman.py; ls ../tests"}},
+        {"name": "Bash", "input": {"command": "cat ../TASK.md && cd .. && ls"}},
         {"name": "TodoWrite", "input": {"todos": []}},
         {"name": "Read"},  # a malformed call is not a finding
     ]
