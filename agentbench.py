@@ -1497,6 +1497,33 @@ def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]
     return records, bad
 
 
+def file_system_now(directory: str | os.PathLike[str], host: str) -> float | None:
+    """The file system's own clock: the mtime it stamps on a probe file touched now in
+    `directory` (one per host, reused); None when the directory cannot be written."""
+    probe = Path(directory) / (".clock-" + re.sub(r"[^A-Za-z0-9._-]", "_", host or "host"))
+    try:
+        probe.touch()
+        return os.stat(probe).st_mtime
+    except OSError:
+        return None
+
+
+def mtime_age_s(mtime: float, directory: str | os.PathLike[str], host: str, threshold: float) -> float:
+    """How old a file's mtime is, for judging it stale against `threshold`.
+
+    By this host's clock first; only when that says older than `threshold`, checked against the
+    file system's clock too, and the smaller age wins.  On a study directory shared between hosts
+    (the Slurm executor) the file server stamps both mtimes, so a host whose clock runs ahead can
+    never take a fresh lock, beat or call for a stale one; a host whose clock runs behind only
+    judges later.  On a local disk the two clocks are one and the probe is rarely written.
+    """
+    age = time.time() - mtime
+    if age <= threshold:
+        return age
+    now = file_system_now(directory, host)
+    return age if now is None else min(age, now - mtime)
+
+
 def _lock_view(holder: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """A lock holder record as shown to users (without the file identity used internally)."""
     return None if holder is None else {k: v for k, v in holder.items() if k != "_file"}
@@ -1556,9 +1583,10 @@ class RegistryLock:
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
         try:
-            age = time.time() - os.stat(self.path).st_mtime
+            mtime = os.stat(self.path).st_mtime
         except FileNotFoundError:
             return False
+        age = mtime_age_s(mtime, self.path.parent, self.platform.hostname(), min(5.0, self.stale_s))
         if age > self.stale_s:
             return True
         if holder.get("unreadable") or "pid" not in holder:
@@ -2961,12 +2989,12 @@ def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None
     if not beat:
         return None
     try:
-        age = time.time() - os.stat(beat).st_mtime
+        mtime = os.stat(beat).st_mtime
     except FileNotFoundError:
         return False
     except OSError:
         return None
-    return age <= lost_after_s()
+    return mtime_age_s(mtime, os.path.dirname(beat), platform.hostname(), lost_after_s()) <= lost_after_s()
 
 
 def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
@@ -3342,7 +3370,8 @@ class Supervisor:
             last = os.stat(self.paths.last_call).st_mtime
         except FileNotFoundError:
             last = float(self.job.get("created_ts") or time.time())
-        return time.time() - max(last, float(self.job.get("created_ts") or 0)) > orphan_after
+        last = max(last, float(self.job.get("created_ts") or 0))
+        return mtime_age_s(last, self.paths.state, self.platform.hostname(), orphan_after) > orphan_after
 
     def _snapshot(self, t: int) -> None:
         """A graded snapshot: a copy of the workspace (without .git) outside the agent's view."""

@@ -606,6 +606,44 @@ def test_a_lock_held_from_another_host_is_stale_only_by_age(tmp_path):
         assert json.loads(lock_path.read_text())["token"] == lock.token
 
 
+def test_a_host_whose_clock_runs_ahead_does_not_break_a_fresh_lock_from_another_host(tmp_path, monkeypatch):
+    """The age of a lock is confirmed by the file system's own clock before it counts: on a
+    shared study directory the file server stamps the lock's mtime, so this host's clock being
+    far ahead must not make a fresh lock held from another host look stale."""
+    lock_path = tmp_path / "registry.lock"
+    remote = {"pid": 999999, "ctime": 1.0, "host": PLAT.hostname() + ".node7", "token": "remote"}
+    lock_path.write_text(json.dumps(remote))
+    real_time = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real_time() + 1000)     # this host runs 1000 s ahead
+        with pytest.raises(ab.AgentbenchError):
+            ab.RegistryLock(lock_path, PLAT, timeout_s=0.3, stale_s=300).acquire()
+        assert json.loads(lock_path.read_text())["token"] == "remote"
+        # Old by both clocks: stale, and broken.
+        old = real_time() - 1000
+        os.utime(lock_path, (old, old))
+        with ab.RegistryLock(lock_path, PLAT, timeout_s=5, stale_s=300) as lock:
+            assert json.loads(lock_path.read_text())["token"] == lock.token
+
+
+def test_mtime_age_uses_the_file_systems_clock_only_to_make_an_age_smaller(tmp_path, monkeypatch):
+    f = tmp_path / "f"
+    f.touch()
+    mtime = os.stat(f).st_mtime
+    # Young by this host's clock: the file system is not asked (no probe file is written).
+    assert ab.mtime_age_s(mtime, tmp_path, "h", threshold=60) < 60
+    assert not list(tmp_path.glob(".clock-*"))
+    real_time = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real_time() + 1000)
+        assert ab.mtime_age_s(mtime, tmp_path, "h/x y", threshold=60) < 60   # ahead: corrected
+    assert [p.name for p in tmp_path.glob(".clock-*")] == [".clock-h_x_y"]
+    # An unwritable directory leaves this host's clock as the only judge.
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real_time() + 1000)
+        assert ab.mtime_age_s(mtime, tmp_path / "missing", "h", threshold=60) > 999
+
+
 def test_release_removes_only_its_own_lock(tmp_path):
     lock_path = tmp_path / "registry.lock"
     a = ab.RegistryLock(lock_path, PLAT)

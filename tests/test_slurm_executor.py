@@ -379,6 +379,22 @@ def test_the_driver_beat_is_kept_fresh_while_the_driver_runs_and_removed_after(t
     assert not beat.exists()
 
 
+def test_a_host_whose_clock_runs_ahead_does_not_take_a_fresh_beat_for_a_stale_one(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "30")
+    beat = tmp_path / "drivers" / "d.beat"
+    beat.parent.mkdir()
+    beat.touch()
+    elsewhere = {"pid": os.getpid(), "ctime": 0.0, "host": PLATFORM.hostname() + ".elsewhere", "beat": str(beat)}
+    real_time = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real_time() + 1000)      # the sweeping host runs ahead
+        assert ab.driver_alive(PLATFORM, elsewhere) is True
+        old = real_time() - 31                                   # old by the file system's clock
+        os.utime(beat, (old, old))
+        assert ab.driver_alive(PLATFORM, elsewhere) is False
+
+
 def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study: Path, tmp_path: Path,
                                                                          monkeypatch) -> None:
     monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "5")
