@@ -6462,7 +6462,8 @@ def render_report_html(report: dict) -> str:
 # sessions on one server (like the service's cache) remembers every prefix up to the request's
 # last cache_control breakpoint, so a repeated prefix (the next turn, a --resume, a fork) is
 # reported as cache_read_input_tokens and only the new part as cache creation, split 5m/1h by the
-# breakpoint's TTL.  The binary prices these figures with its own table; a step's "usage"
+# breakpoint's TTL.  A prefix expires that TTL after its last use (serve-model --cache-ttl-scale
+# shortens both TTLs).  The binary prices these figures with its own table; a step's "usage"
 # overrides replace them (e.g. to provoke --max-budget-usd).
 
 SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
@@ -6605,14 +6606,25 @@ def _has_cache_control(unit: Any) -> str | None:
     return found
 
 
+#: Prompt-cache lifetimes by the `ttl` of a cache_control marker (the default is 5 minutes).
+PROMPT_CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}
+
+
 class _PromptCache:
     """A tiny model of the service's prompt cache: prefixes (by hash) seen up to a breakpoint.
 
-    No expiry: a rehearsal is short, and deterministic figures matter more than TTL realism."""
+    An entry lives for its TTL (5 minutes or 1 hour, times `ttl_scale`) after it was last written
+    or read: every request refreshes the prefix up to its breakpoint, as the service does, so a
+    base kept warm by pings stays cached and one left alone goes cold.  `clock` is replaceable
+    (tests); `ttl_scale` shortens the lifetimes for rehearsing keep-warm behaviour quickly."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_scale: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not (ttl_scale > 0 and math.isfinite(ttl_scale)):
+            raise ValueError(f"ttl_scale must be a positive number, got {ttl_scale!r}")
         self._lock = threading.Lock()
-        self._seen: set[str] = set()
+        self._seen: dict[str, float] = {}        # prefix hash -> expiry on self._clock
+        self._ttl_scale = ttl_scale
+        self._clock = clock
 
     def usage_for(self, body: dict) -> dict:
         units = _cache_key_blocks(body)
@@ -6639,13 +6651,18 @@ class _PromptCache:
             digest.update(b"\x00")
             hashes.append(digest.copy().hexdigest())
         with self._lock:
+            now = self._clock()
+            if len(self._seen) > 4096:
+                self._seen = {h: exp for h, exp in self._seen.items() if exp > now}
             read_upto = -1
             for index in range(min(breakpoint_index, len(units) - 1), -1, -1):
-                if hashes[index] in self._seen:
+                if self._seen.get(hashes[index], -math.inf) > now:
                     read_upto = index
                     break
+            # Written or refreshed: a longer life already granted (a 1h entry) is not cut short.
+            expiry = now + PROMPT_CACHE_TTL_S.get(ttl, PROMPT_CACHE_TTL_S["5m"]) * self._ttl_scale
             for index in range(0, breakpoint_index + 1):
-                self._seen.add(hashes[index])
+                self._seen[hashes[index]] = max(self._seen.get(hashes[index], -math.inf), expiry)
         cache_read = cumulative[read_upto] if read_upto >= 0 else 0
         cached_total = cumulative[breakpoint_index] if breakpoint_index >= 0 else 0
         creation = max(0, cached_total - cache_read)
@@ -6690,7 +6707,8 @@ class ScriptedModelServer:
     `claude` processes may use one server at once; each conversation selects its own script.
     """
 
-    def __init__(self, scripts_dir: "str | os.PathLike | None" = None) -> None:
+    def __init__(self, scripts_dir: "str | os.PathLike | None" = None, cache_ttl_scale: float = 1.0,
+                 cache_clock: Callable[[], float] = time.monotonic) -> None:
         self.scripts_dir = Path(scripts_dir) if scripts_dir is not None else None
         self._scripts: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -6698,7 +6716,7 @@ class ScriptedModelServer:
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._attempts: dict[tuple, int] = {}
-        self._cache = _PromptCache()
+        self._cache = _PromptCache(cache_ttl_scale, cache_clock)
         self._open_sockets: set[socket.socket] = set()
         self.requests_log: list[dict] = []
         # When true, messages log entries also keep the parsed request body and headers (tests).
@@ -7124,12 +7142,13 @@ class ScriptedModelServer:
         return Handler
 
 
-def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict], None]) -> None:
+def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict], None],
+                              cache_ttl_scale: float = 1.0) -> None:
     """Serve scripts from scripts_dir on 127.0.0.1:port (0 = any) until SIGTERM/SIGINT.
 
     Calls ready({"url", "port", "scripts_dir"}) once listening, then blocks.  Signal handlers are
     only installed from the main thread (elsewhere the caller stops us via KeyboardInterrupt)."""
-    server = ScriptedModelServer(scripts_dir)
+    server = ScriptedModelServer(scripts_dir, cache_ttl_scale)
     server.start(port)
     done = threading.Event()
     previous: dict = {}
@@ -8616,6 +8635,8 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--scripts", required=True, help="directory of <script id>.json files")
+    p.add_argument("--cache-ttl-scale", type=finite_float, default=1.0,
+                   help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
 
 
 @command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)", mutating=False)
@@ -8623,9 +8644,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise AgentbenchError("--port must be 0..65535", port=args.port)
+    if not args.cache_ttl_scale > 0:
+        raise AgentbenchError("--cache-ttl-scale must be > 0", cache_ttl_scale=args.cache_ttl_scale)
     scripts = ctx.platform.normalize_path(args.scripts)
     os.makedirs(scripts, exist_ok=True)
-    run_scripted_model_server(args.port, scripts, ctx.emit)
+    run_scripted_model_server(args.port, scripts, ctx.emit, args.cache_ttl_scale)
     return None
 
 

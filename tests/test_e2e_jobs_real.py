@@ -145,3 +145,47 @@ def test_hang_ends_by_wall_time_real_binary(tmp_path, real_study, server):
     runtime = json.loads((real_study / "state" / "jobs" / sp["job_id"] / "runtime.json").read_text())
     claude = runtime["claude"]
     assert not ab.current_platform().is_alive(ab.ProcId(claude["pid"], claude["ctime"]))
+
+
+def test_a_base_left_alone_goes_cold_and_tick_keeps_it_warm(tmp_path, real_claude, monkeypatch):
+    """The scripted model's prompt cache forgets a prefix five minutes after its last use (here
+    on a clock the test moves): a fork of a fresh base reads the base's context from the cache,
+    one of a base left alone for longer does not, and a `tick` ping makes it warm again."""
+    now = [1000.0]
+    srv = ab.ScriptedModelServer(tmp_path / "scripts", cache_clock=lambda: now[0])
+    srv.start()
+    try:
+        monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
+        monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
+        study = tmp_path / "study"
+        config_dir = tmp_path / "claude-config"
+        code, obj = run_main(["init", "--study", str(study), "--binary", real_claude,
+                              "--env", f"ANTHROPIC_BASE_URL={srv.url}", "--env", "ANTHROPIC_API_KEY=offline-test-key",
+                              "--env", f"CLAUDE_CONFIG_DIR={config_dir}", "--env", "CLAUDE_CODE_MAX_RETRIES=0",
+                              "--env", "AGENTBENCH_OFFLINE=1"])
+        assert code == 0, obj
+        monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
+        srv.add_script("base", {"steps": [{"text": "I have read the code base. " * 30}]})
+        srv.add_script("fork", {"steps": [{"text": "Done."}]})
+        code, tr = run_main(["train", "--study", str(study), "--base", "b",
+                             "--brief", write_brief(tmp_path, "Study this code base. [agentbench-script:base]")])
+        assert code == 0, tr
+        assert wait_result(study, tr["job_id"], timeout=90)["status"] == "ok"
+
+        def fork_verdict(label: str) -> str:
+            code, sp = run_main(["spawn", "--study", str(study), "--base", "b", "--label", label,
+                                 "--brief", write_brief(tmp_path, "Do the task. [agentbench-script:fork]")])
+            assert code == 0, sp
+            assert wait_result(study, sp["job_id"], timeout=90)["status"] == "ok"
+            return next(ln for ln in ledger(study) if ln["job_id"] == sp["job_id"])["cache_verdict"]
+
+        assert fork_verdict("fresh") in ("hit", "partial")
+        now[0] += 301                                    # nobody used the prefix for 5 minutes
+        assert fork_verdict("cold") == "miss"
+        code, ticked = run_main(["tick", "--study", str(study), "--every", "0"])
+        assert code == 0 and len(ticked["pinged"]) == 1, ticked
+        assert wait_result(study, ticked["pinged"][0]["job_id"], timeout=90)["status"] == "ok"
+        now[0] += 200                                    # within 5 minutes of the ping
+        assert fork_verdict("kept-warm") in ("hit", "partial")
+    finally:
+        srv.stop()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
+from conftest import run_main
 
 MARK = "[agentbench-script:{}]"
 CALL_TIMEOUT_S = 90  # bound for every claude subprocess (killed on expiry)
@@ -196,6 +197,52 @@ def test_usage_one_hour_ttl_goes_to_1h_split():
     usage = srv.usage_for(body, srv.plan(body))
     assert usage["cache_creation"]["ephemeral_1h_input_tokens"] == usage["cache_creation_input_tokens"] > 0
     assert usage["cache_creation"]["ephemeral_5m_input_tokens"] == 0
+
+
+def test_prompt_cache_entries_expire_their_ttl_after_their_last_use():
+    now = [1000.0]
+    cache = ab._PromptCache(clock=lambda: now[0])
+
+    def ask(ttl: str | None = None) -> dict:
+        marker = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+        return cache.usage_for(_body([{"role": "user", "content": [
+            {"type": "text", "text": "a long shared prefix " * 40, "cache_control": marker}]}]))
+
+    first = ask()
+    assert first["cache_read_input_tokens"] == 0 and first["cache_creation_input_tokens"] > 0
+    size = first["cache_creation_input_tokens"]
+    now[0] += 299                                    # within 5 minutes: read, and refreshed
+    assert (ask()["cache_read_input_tokens"], ask()["cache_creation_input_tokens"]) == (size, 0)
+    now[0] += 299                                    # 598 s after the write, 299 s after the read
+    assert ask()["cache_read_input_tokens"] == size
+    now[0] += 301                                    # left alone for more than 5 minutes: cold
+    cold = ask()
+    assert (cold["cache_read_input_tokens"], cold["cache_creation_input_tokens"]) == (0, size)
+    # A 1-hour entry outlives five minutes, and a later 5-minute use does not cut it short.
+    ask("1h")
+    now[0] += 301 + 300                              # past any 5m life (the 1h write was later)
+    assert ask()["cache_read_input_tokens"] == size  # read (the 1h life holds), refreshed 5m
+    now[0] += 3600 - 601 - 1                         # just inside the hour of the 1h write
+    assert ask()["cache_read_input_tokens"] == size
+    now[0] += 3601
+    assert ask()["cache_read_input_tokens"] == 0
+
+
+def test_prompt_cache_ttl_scale_and_its_refusals():
+    now = [0.0]
+    cache = ab._PromptCache(ttl_scale=0.01, clock=lambda: now[0])  # 5m -> 3 s
+    body = _body([{"role": "user", "content": [{"type": "text", "text": "p " * 200,
+                                                "cache_control": {"type": "ephemeral"}}]}])
+    cache.usage_for(body)
+    now[0] += 2.9
+    assert cache.usage_for(body)["cache_read_input_tokens"] > 0
+    now[0] += 3.1
+    assert cache.usage_for(body)["cache_read_input_tokens"] == 0
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            ab._PromptCache(ttl_scale=bad)
+    code, out = run_main(["serve-model", "--scripts", "x", "--cache-ttl-scale", "0"])
+    assert code == 2 and "cache-ttl-scale" in out["error"]
 
 
 def test_usage_overrides_replace_estimates():
