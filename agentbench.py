@@ -4360,18 +4360,46 @@ def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
 _PATH_KEYS = ("file_path", "path", "notebook_path")
 
 
+def shell_steps(command: str) -> list[tuple[str, str | None, bool]]:
+    """A shell command split into simple steps: (text, separator before it, inside a here-doc).
+
+    Separators are `&&`, `||`, `;` and newlines (None before the first step).  The lines of a
+    here-document body (`<<WORD`, `<<-WORD`, `<<'WORD'` ... up to the line WORD) are steps of their
+    own, marked, so that a `cd` written into a file is not taken for one the shell ran.  A
+    heuristic for the audit, not a shell parser: quotes and subshells are not interpreted."""
+    steps: list[tuple[str, str | None, bool]] = []
+    lines = command.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        parts = re.split(r"(&&|\|\||;)", line)
+        for k in range(0, len(parts), 2):
+            before = parts[k - 1] if k > 0 else ("\n" if steps else None)
+            steps.append((parts[k], before, False))
+        i += 1
+        heredoc = re.search(r"<<-?\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)['\"]?", line)
+        if heredoc:
+            while i < len(lines) and lines[i].strip() != heredoc.group(1):
+                steps.append((lines[i], "\n", True))
+                i += 1
+            i += 1   # the closing delimiter
+    return steps
+
+
 def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protected: Mapping[str, str]) -> list[dict[str, Any]]:
     """Behaviour audit (pure): tool calls that touch paths outside the workspace or read protected dirs.
 
     `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths of file
     tools are taken against the workspace.  Bash commands are scanned for absolute paths and
-    protected dirs; their relative `../` paths are resolved against the shell's directory, which
-    follows plain `cd DIR` steps inside the workspace from one command to the next (as the Bash
-    tool's shell does), so `cd pkg && cat ../README` is not taken for a climb out.
+    protected dirs; their relative `../` paths are resolved against the workspace, the
+    shallowest place the shell can be in (a cd out of it is itself a finding, and the Bash tool
+    puts the shell back), except in the steps joined by `&&` after a plain `cd DIR`: those run
+    only if the cd succeeded, so in DIR.  Thus `cd pkg && cat ../README` is no climb out, while
+    `cd nosuch; cat ../x` is one -- and so, conservatively, is `cat ../x` in a later command
+    after a `cd pkg`, since that cd may have failed.
     """
     findings: list[dict[str, Any]] = []
     ws = os.path.normpath(workspace)
-    shell_dir = ws
 
     def inside(p: str, root: str) -> bool:
         p, root = os.path.normpath(p), os.path.normpath(root)
@@ -4389,22 +4417,25 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
             for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
                 if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
                     findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
-            # Relative paths that climb out of the workspace (../../state/...), resolved against
-            # the shell's directory, step by step through the command's `&&`/`||`/`;` parts.
-            for step in re.split(r"&&|\|\||;|\n", cmd):
+            # Relative paths that climb out of the workspace (../../state/...), step by step.
+            here = ws                       # where the current step runs
+            for step, before, in_heredoc in shell_steps(cmd):
+                if before != "&&":
+                    here = ws
                 for tok in re.findall(r"(?:^|[\s'\"=:<>|;&(])((?:\.\./|\.\.$)[^\s'\"|;&<>()]*)", step.strip()):
-                    full = os.path.normpath(os.path.join(shell_dir, tok))
-                    if not inside(full, ws):
-                        findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
-                        for label, d in protected.items():
-                            if d and inside(full, d):
-                                findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
-                cd = re.fullmatch(r"\s*cd\s+([^\s'\"$`~|;&<>()]+)\s*", step)
+                    full = os.path.normpath(os.path.join(here, tok))
+                    if inside(full, ws):
+                        continue
+                    findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
+                    for label, d in protected.items():
+                        if d and inside(full, d):
+                            findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
+                cd = None if in_heredoc else re.fullmatch(r"\s*cd\s+([^\s'\"$`~|;&<>()-][^\s'\"$`~|;&<>()]*)\s*", step)
                 if cd:
-                    target = os.path.normpath(os.path.join(shell_dir, cd.group(1)))
-                    # A cd out of the workspace is a finding above; the shell is then put back
-                    # in the project directory, so only moves inside it are followed.
-                    shell_dir = target if inside(target, ws) else ws
+                    target = os.path.normpath(os.path.join(here, cd.group(1)))
+                    here = target if inside(target, ws) else ws
+                elif not in_heredoc and re.match(r"\s*cd(\s|$)", step):
+                    here = ws               # bare cd, cd -, cd ~, cd $X: not followed
         for t in targets:
             full = t if os.path.isabs(t) else os.path.join(ws, t)
             if not inside(full, ws):

@@ -500,6 +500,26 @@ def test_audit_flags_paths_outside_the_workspace_and_protected_reads(tmp_path):
                                  {"name": "Bash", "input": {"command": "cat ../../../x"}}], ws, protected)
     assert [f["kind"] for f in later] == ["bash_path_outside_workspace"]
 
+    def bash_kinds(*commands: str) -> set[str]:
+        calls = [{"name": "Bash", "input": {"command": c}} for c in commands]
+        return {f["kind"] for f in ab.audit_tool_calls(calls, ws, protected)}
+
+    out = {"bash_path_outside_workspace"}
+    assert bash_kinds("cd pkg && cat ../x") == set()
+    assert bash_kinds("cd pkg && cd sub && cat ../../x && ls ..") == set()
+    # A cd that may not have happened leaves the workspace the place to judge from, where ../
+    # climbs out (three levels up from the workspace is the study's state directory).
+    assert bash_kinds("cd nosuchdir; cat ../../../state/x") == out | {"bash_touches_study"}
+    assert bash_kinds("cd nosuchdir; cat ../x") == out
+    assert bash_kinds("cd a || cat ../x") == out
+    assert bash_kinds("cd pkg", "cat ../x") == out                      # a later command
+    assert bash_kinds("cd pkg && cd && cat ../x") == out                # a bare cd
+    assert bash_kinds("cd pkg && cd - && cat ../x") == out              # cd - : not followed
+    # A here-doc's lines are text, not commands: its `cd pkg && ...` moves no shell.
+    assert bash_kinds("cat <<'EOF' > run.sh\ncd pkg && cat ../x\nEOF\n") == out
+    assert bash_kinds("cd pkg && cat ../x") == set()                   # (as a command it would)
+    assert bash_kinds("python3 - <<'PY'\nopen('../x')\nPY") == out     # here-doc text is scanned
+
 
 def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
     ws = str(tmp_path / "ws")
@@ -512,9 +532,8 @@ def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
         {"name": "Glob", "input": {"path": ws, "pattern": "*.py"}},
         {"name": "Bash", "input": {"command": "python3 -m unittest discover -s tests"}},
         {"name": "Bash", "input": {"command": f"ls {ws}/tests && cat {ws}/roman.py 2>/dev/null"}},
-        # `..` below the shell's directory stays inside: within one command and across commands
-        {"name": "Bash", "input": {"command": "cd pkg && python3 ../roman.py; ls ../tests"}},
-        {"name": "Bash", "input": {"command": "cat ../TASK.md && cd .. && ls"}},
+        # `..` below the directory an `&&` chain moved to stays inside
+        {"name": "Bash", "input": {"command": "cd pkg && python3 ../roman.py && ls ../tests && cd .. && ls"}},
         {"name": "TodoWrite", "input": {"todos": []}},
         {"name": "Read"},  # a malformed call is not a finding
     ]
