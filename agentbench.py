@@ -3178,6 +3178,14 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         slurm_cancel(platform, sjid, os.environ, cluster)
         wait_s = min(wait_s, 2.0)
     _wait_final(paths, job_id, wait_s)
+    # The launch may have been recorded meanwhile (a supervisor just detached, an sbatch that
+    # answered): what follows goes by the record as it is now.
+    launcher = read_launcher(paths, job_id)
+    if sjid is None and slurm_job_of(launcher) is not None and not job_is_final(paths, job_id) \
+            and read_json(paths.runtime_file(job_id), default=None) is None:
+        sjid, cluster = slurm_job_of(launcher), slurm_cluster_of(launcher)
+        slurm_cancel(platform, sjid, os.environ, cluster)
+        _wait_final(paths, job_id, 2.0)
     rt = read_json(paths.runtime_file(job_id), default=None)
     if sjid is not None and rt is not None and not job_is_final(paths, job_id):
         # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after
@@ -3190,9 +3198,11 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
         rt = None
     survivors: list[ProcId] = []
     sup = _proc_from((rt or {}).get("supervisor"))
-    if sup is None and rt is None and (launcher or {}).get("executor") == "local" and platform.is_local(launcher):
+    if sup is None and rt is None and (launcher or {}).get("executor") == "local" and platform.is_local(launcher) \
+            and (launcher or {}).get("ctime") is not None:
         # Killed before its supervisor wrote runtime.json: the detached process the launcher
-        # recorded (pid + creation time) is the supervisor, and it must be gone too.
+        # recorded is the supervisor, and it must be gone too.  Only with its creation time: a
+        # bare pid (the process was gone before it could be read) may name another process now.
         sup = _proc_from(launcher)
     if job_is_final(paths, job_id) and sup:
         # The supervisor finalised; give it a moment to exit, then make sure it is gone.

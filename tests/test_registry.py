@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTBENCH, ab, ledger, pid_alive, run_main, write_brief
+from conftest import AGENTBENCH, ab, ledger, run_main, write_brief
 
 # The directory the product was imported from, for helper processes that import it too.
 PRODUCT_DIR = str(Path(ab.__file__).resolve().parent)
@@ -733,14 +733,11 @@ def test_twenty_concurrent_spawns_respect_the_parallel_cap(tmp_path, fake_env):
         if not rt:
             procs_of_job["supervisor"] = json.loads((jdir / "launcher.json").read_text())
         for who, rec in procs_of_job.items():
-            # A supervisor exits right after it finalised; give it a moment to be gone.
-            assert wait_gone(rec["pid"]), (j, who)
+            # A supervisor exits right after it finalised; give it a moment to be gone.  By pid
+            # and creation time: a reused pid is another process.
+            proc = ab.ProcId(int(rec["pid"]), rec.get("ctime"))
+            deadline = time.monotonic() + 20
+            while PLAT.is_alive(proc) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not PLAT.is_alive(proc), (j, who)
 
-
-def wait_gone(pid: int, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False

@@ -304,6 +304,7 @@ def slow_supervisor_start(monkeypatch) -> list[ab.ProcId]:
         p = subprocess.Popen(["sleep", "60"], cwd=cwd, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append(PLATFORM.proc_id(p.pid))
+        _GRANDCHILDREN.append(started[-1])            # the sv teardown kills what is left
         return p.pid
     monkeypatch.setattr(ab, "detach_agentbench", detach)
     return started
@@ -323,6 +324,41 @@ def test_a_job_killed_before_its_supervisor_started_is_killed_and_its_supervisor
     code, _ = run_main(["_supervise", "--study", str(sv), "--job", job])
     assert code == 0 and runtime(sv, job) is None
     assert [ln["status"] for ln in lines_for(sv, job)] == ["killed"]
+
+
+def test_kill_goes_by_the_launch_record_as_it_is_after_its_wait(sv: Path, tmp_path: Path, monkeypatch) -> None:
+    """A kill that came before the launcher record was written (the supervisor was being
+    detached) still stops the supervisor once the record appears during the kill's wait."""
+    started = slow_supervisor_start(monkeypatch)
+    job = ok(["spawn", "--study", str(sv), "--brief", brief(tmp_path, "hang")])["job_id"]
+    launcher = sv / "state" / "jobs" / job / "launcher.json"
+    record = launcher.read_text()
+    launcher.unlink()                                  # not recorded yet when the kill comes
+    real_wait = ab._wait_final
+
+    def wait_during_which_the_launch_is_recorded(paths, job_id, seconds):  # noqa: ANN001
+        if not launcher.exists():
+            launcher.write_text(record)
+        return real_wait(paths, job_id, seconds)
+    monkeypatch.setattr(ab, "_wait_final", wait_during_which_the_launch_is_recorded)
+    out = ab.kill_job(ab.StudyPaths(sv), PLATFORM, job, wait_s=0.3)
+    assert out["status"] == "killed" and out["survivors"] == [], out
+    assert dead(started[0]), "the supervisor recorded during the kill's wait survived"
+
+
+def test_kill_never_stops_a_process_by_a_bare_recorded_pid(sv: Path, tmp_path: Path, monkeypatch) -> None:
+    """A launcher record without a creation time (the process was gone before it could be read)
+    names no process for certain: whatever runs under that pid now is left alone."""
+    started = slow_supervisor_start(monkeypatch)
+    job = ok(["spawn", "--study", str(sv), "--brief", brief(tmp_path, "hang")])["job_id"]
+    launcher = sv / "state" / "jobs" / job / "launcher.json"
+    launcher.write_text(json.dumps({**json.loads(launcher.read_text()), "ctime": None}))
+    try:
+        out = ab.kill_job(ab.StudyPaths(sv), PLATFORM, job, wait_s=0.3)
+        assert out["status"] == "killed", out
+        assert PLATFORM.is_alive(started[0]), "a process was killed by a bare pid"
+    finally:
+        PLATFORM.kill_tree([started[0]])
 
 
 def test_a_supervisor_that_starts_after_a_kill_request_records_the_kill_itself(
