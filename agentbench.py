@@ -5849,6 +5849,10 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
         if st["tasks_evaluated"] == 1:
             notes.append(f"{label}arm {arm}: evaluated runs of a single task, so the interval "
                          f"over tasks is a point and says nothing about other tasks")
+        elif st["tasks_evaluated"] > 1 and st["task_success_ci"][0] == st["task_success_ci"][1]:
+            notes.append(f"{label}arm {arm}: its {st['tasks_evaluated']} tasks all had the same "
+                         f"success rate, so the interval over tasks is a point; it does not "
+                         f"carry the noise within a task (see the Wilson interval)")
     for arm, cmp in view["comparisons"].items():
         n_all = (cmp["tasks_compared"] + len(cmp["tasks_without_arm_data"])
                  + len(cmp["tasks_without_baseline_data"]) + len(cmp["tasks_without_data"]))
@@ -6046,13 +6050,14 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows.append([a + (" (baseline)" if a == base else ""), _fmt_int(s["runs"]),
                      _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
                      _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
-                     _fmt_ci(s["task_success_ci"]), _fmt_num(s["mean_score"], 3),
+                     _fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
+                     _fmt_num(s["mean_score"], 3),
                      _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
                      _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
                      _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2)])
     tables.append(("Results per arm",
                    ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                    "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
+                    "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
                     "Median wall", "Gate cycles (mean)"], rows))
     rows = []
     for a in arms:

@@ -181,11 +181,14 @@ def test_a_base_left_alone_goes_cold_and_tick_keeps_it_warm(tmp_path, real_claud
 
         assert fork_verdict("fresh") in ("hit", "partial")
         now[0] += 301                                    # nobody used the prefix for 5 minutes
-        assert fork_verdict("cold") == "miss"
+        assert fork_verdict("cold") == "miss"            # (which cached the prefix again)
+        now[0] += 301                                    # and nobody since that fork either
         code, ticked = run_main(["tick", "--study", str(study), "--every", "0"])
         assert code == 0 and len(ticked["pinged"]) == 1, ticked
         assert wait_result(study, ticked["pinged"][0]["job_id"], timeout=90)["status"] == "ok"
-        now[0] += 200                                    # within 5 minutes of the ping
-        assert fork_verdict("kept-warm") in ("hit", "partial")
+        now[0] += 200             # 501 s after the last fork, 200 s after the ping: only the
+        assert fork_verdict("kept-warm") in ("hit", "partial")   # ping can have kept it warm
+        now[0] += 301
+        assert fork_verdict("left-alone") == "miss"
     finally:
         srv.stop()

@@ -318,6 +318,7 @@ def test_task_level_interval_of_tasks_that_agree_and_of_a_single_task():
             run("b1", "t1", "B", 1, success=True), run("b2", "t1", "B", 2, success=True)]
     rep = ab.build_report(runs, ["A", "B"])
     assert rep["per_arm"]["A"]["task_success_ci"] == [0.5, 0.5]
+    assert any("arm A: its 2 tasks all had the same success rate" in n for n in rep["notes"])
     b = rep["per_arm"]["B"]
     assert (b["tasks_evaluated"], b["task_success_rate"], b["task_success_ci"]) == (1, 1.0, [1.0, 1.0])
     assert any("arm B: evaluated runs of a single task" in n for n in rep["notes"])
@@ -345,7 +346,8 @@ def test_markdown_has_tables_and_notes(report):
     # cost marked ~ because part of it is estimated.
     row = next(line for line in md.splitlines() if line.startswith("| C |"))
     lo, hi = ab.wilson_interval(3, 4)
-    assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%] | [0.0%, 100.0%] |" in row
+    # Then the mean rate over its tasks (t1 2/2, t2 1/1, t3 0/1 -> 66.7%) and its interval.
+    assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%] | 66.7% | [0.0%, 100.0%] |" in row
     assert "~$2.00" in row
     assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 1/0/2 | 1.0000 |" in md
     assert "| t1 | 1/2 (50.0%) | 2/2 (100.0%) | 1/1 (100.0%) | - |" in md
