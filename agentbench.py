@@ -1497,15 +1497,28 @@ def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]
     return records, bad
 
 
+#: directory -> (time.monotonic() when measured, file system clock minus this host's clock)
+_FS_CLOCK_OFFSETS: dict[str, tuple[float, float]] = {}
+FS_CLOCK_REUSE_S = 5.0
+
+
 def file_system_now(directory: str | os.PathLike[str], host: str) -> float | None:
     """The file system's own clock: the mtime it stamps on a probe file touched now in
-    `directory` (one per host, reused); None when the directory cannot be written."""
+    `directory` (one per host, reused); None when the directory cannot be written.  The offset
+    to this host's clock is reused for a few seconds, so that a process checking often (a
+    waiter on a busy lock) does not write the probe every time."""
+    key = os.path.abspath(directory)
+    cached = _FS_CLOCK_OFFSETS.get(key)
+    if cached is not None and time.monotonic() - cached[0] < FS_CLOCK_REUSE_S:
+        return time.time() + cached[1]
     probe = Path(directory) / (".clock-" + re.sub(r"[^A-Za-z0-9._-]", "_", host or "host"))
     try:
         probe.touch()
-        return os.stat(probe).st_mtime
+        fs_now = os.stat(probe).st_mtime
     except OSError:
         return None
+    _FS_CLOCK_OFFSETS[key] = (time.monotonic(), fs_now - time.time())
+    return fs_now
 
 
 def mtime_age_s(mtime: float, directory: str | os.PathLike[str], host: str, threshold: float) -> float:
@@ -3105,13 +3118,20 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
         launcher = read_launcher(paths, job_id)
         if rt is not None:
             hb = float(rt.get("heartbeat_at") or job.get("created_ts") or 0)
-            if now - hb <= lost_after_s():
+            age = now - hb
+            if not platform.is_local(rt):
+                # Stamped by another host's clock: the runtime file's mtime, which the file server
+                # stamps, is judged on the file system's clock instead.
+                with contextlib.suppress(OSError):
+                    age = mtime_age_s(os.stat(paths.runtime_file(job_id)).st_mtime, paths.job_dir(job_id),
+                                      platform.hostname(), lost_after_s())
+            if age <= lost_after_s():
                 continue
             presence = supervisor_presence(platform, rt, launcher)
             # "Cannot tell" (Slurm unreachable, a supervisor recorded by another host) protects a
             # job only for so long: a supervisor heartbeats every few seconds wherever it runs,
             # so a heartbeat this old means it is gone, whatever can or cannot be asked.
-            if presence is True or (presence is None and now - hb <= lost_after_s() * UNKNOWN_LOSS_FACTOR):
+            if presence is True or (presence is None and age <= lost_after_s() * UNKNOWN_LOSS_FACTOR):
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)

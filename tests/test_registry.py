@@ -638,6 +638,14 @@ def test_mtime_age_uses_the_file_systems_clock_only_to_make_an_age_smaller(tmp_p
         m.setattr(time, "time", lambda: real_time() + 1000)
         assert ab.mtime_age_s(mtime, tmp_path, "h/x y", threshold=60) < 60   # ahead: corrected
     assert [p.name for p in tmp_path.glob(".clock-*")] == [".clock-h_x_y"]
+    # The measured offset is reused for a few seconds: a frequent checker does not rewrite the
+    # probe each time.
+    probe = tmp_path / ".clock-h_x_y"
+    os.utime(probe, (1.0, 1.0))
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real_time() + 1000)
+        assert ab.mtime_age_s(mtime, tmp_path, "h/x y", threshold=60) < 60
+    assert os.stat(probe).st_mtime == 1.0
     # An unwritable directory leaves this host's clock as the only judge.
     with monkeypatch.context() as m:
         m.setattr(time, "time", lambda: real_time() + 1000)

@@ -526,6 +526,28 @@ def test_a_supervisor_nobody_can_check_is_lost_once_its_heartbeat_is_very_old(ss
     assert dead(claude, timeout=5)
 
 
+def test_a_heartbeat_from_a_host_whose_clock_runs_behind_is_judged_by_the_runtime_files_age(
+        sst: Path, slurm_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1")
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    os.kill(sup.pid, signal.SIGKILL)
+    assert dead(sup)
+    (slurm_dir / "down").write_text("")               # Slurm cannot tell: only the age decides
+    # The runtime as a compute node whose clock is an hour behind would have written it just now.
+    rt_file = sst / "state" / "jobs" / job / "runtime.json"
+    rt = json.loads(rt_file.read_text())
+    rt_file.write_text(json.dumps({**rt, "host": PLATFORM.hostname() + ".node3",
+                                   "heartbeat_at": time.time() - 3600}))
+    try:
+        assert listed_status(sst, job) == "running"   # fresh by the file's own age: kept
+        old = time.time() - 11                        # and once the file is old, lost
+        os.utime(rt_file, (old, old))
+        assert listed_status(sst, job) == "lost"
+    finally:
+        PLATFORM.kill_tree([claude])                  # its host is "elsewhere": not killed here
+
+
 def test_the_credentials_file_of_a_job_that_never_started_is_removed(sst: Path, slurm_dir: Path,
                                                                       tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-real-key")
