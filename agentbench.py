@@ -1387,9 +1387,10 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Atomically write `obj` as pretty JSON (see write_bytes_atomic)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool = True) -> None:
+    """Atomically write `obj` as pretty JSON (see write_bytes_atomic); keys sorted unless the
+    order means something (study.json: the first arm is the default baseline)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str) + "\n").encode())
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -1421,8 +1422,9 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
         return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise AgentbenchError("file is not valid JSON", path=str(path), detail=str(exc),
-                              hint="restore it from a backup or remove it; agentbench never "
-                                   "writes JSON non-atomically, so something else touched it") from None
+                              hint="fix it at the line and column given (a file edited by hand, such "
+                                   "as study.json), or restore it; agentbench writes its own files "
+                                   "atomically, so a torn one was changed by something else") from None
 
 
 def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_replace: Callable[[str, str], bool]) -> bool:
@@ -2541,10 +2543,81 @@ def resolve_study_dir(explicit: str | None, env: Mapping[str, str], cwd: str, pl
     return path
 
 
+#: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
+STUDY_KEYS = frozenset(DEFAULT_LAUNCH) | {"tasks", "arms", "repeats", "seed", "budget", "prices", "env",
+                                          "templates", "preamble", "snapshot_seconds"}
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_study_shape(cfg: Mapping[str, Any]) -> None:
+    """Refuse a study.json whose keys or value types are wrong, naming the key (pure).
+
+    A misspelt key would otherwise be ignored and a wrong type read loosely ("review": "no" is
+    true to Python), silently changing the experiment; types the code relies on fail here with
+    a clear message instead of deep inside a command.  Values that need more than a type (a
+    model id, an effort) are checked by validate_launch_values where sessions are launched."""
+    unknown = sorted(set(cfg) - STUDY_KEYS)
+    if unknown:
+        raise AgentbenchError("study.json has unknown keys", keys=unknown, known=sorted(STUDY_KEYS),
+                              hint="a misspelt key would be ignored; fix or remove it")
+
+    def bad(key: str, want: str) -> AgentbenchError:
+        return AgentbenchError(f"{key} must be {want}", file=STUDY_FILE, key=key, value=str(cfg.get(key))[:200])
+
+    for key in ("tasks", "model", "effort", "permission_mode", "tools", "allowed_tools", "disallowed_tools",
+                "binary", "executor", "templates", "preamble"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise bad(key, "a string")
+    for key, low in (("repeats", 1), ("seed", None), ("parallel", 1)):
+        val = cfg.get(key)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or (low is not None and val < low)):
+            raise bad(key, "an integer" + (f" >= {low}" if low is not None else ""))
+    for key in ("max_minutes", "stall_after_s", "orphan_after_s"):
+        val = cfg.get(key)
+        if val is not None and (not _is_number(val) or val < 0):
+            raise bad(key, "a non-negative number")
+    for key in ("budget", "prices", "slurm", "arms"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise bad(key, "an object")
+    budget_unknown = sorted(set(cfg.get("budget") or {}) - set(DEFAULT_BUDGET))
+    if budget_unknown:
+        raise AgentbenchError("study.json: budget has unknown keys", keys=budget_unknown,
+                              known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
+    env = cfg.get("env")
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                             for k, v in env.items())):
+        raise bad("env", "an object of string values")
+    snaps = cfg.get("snapshot_seconds")
+    if snaps is not None and not (isinstance(snaps, list) and all(_is_number(t) and t > 0 for t in snaps)):
+        raise bad("snapshot_seconds", "a list of positive numbers of seconds")
+    for name, spec in (cfg.get("arms") or {}).items():
+        if not isinstance(spec, dict):
+            raise AgentbenchError("an arm must be an object", arm=name)
+        extra = sorted(set(spec) - set(ARM_KEYS))
+        if extra:
+            raise AgentbenchError("an arm has unknown keys", arm=name, keys=extra, known=list(ARM_KEYS),
+                                  hint="a misspelt arm setting would be ignored; fix or remove it")
+        if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
+            raise AgentbenchError("an arm's preamble must be a file path", arm=name)
+        gc = spec.get("gate_cycles", 0)
+        if isinstance(gc, bool) or not isinstance(gc, int) or not 0 <= gc <= 50:
+            raise AgentbenchError("gate_cycles must be an integer 0..50", arm=name, gate_cycles=str(gc))
+        for key in ("review", "fork_base"):
+            if key in spec and not isinstance(spec[key], bool):
+                raise AgentbenchError(f"an arm's {key} must be true or false", arm=name, value=str(spec[key]),
+                                      hint=f'write "{key}": true (not a string)')
+
+
 def load_study_config(paths: StudyPaths) -> dict[str, Any]:
+    """study.json, its shape checked (see check_study_shape)."""
     cfg = read_json(paths.study_file)
     if not isinstance(cfg, dict):
         raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
+    check_study_shape(cfg)
     return cfg
 
 
@@ -4019,6 +4092,7 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
     arms_cfg = cfg.get("arms")
     if not isinstance(arms_cfg, dict) or not arms_cfg:
         raise AgentbenchError("study.json has no arms", hint='add e.g. "arms": {"A": {"preamble": "arms/A.md"}}')
+    check_study_shape({"arms": arms_cfg})
     arms = {}
     for name, spec in arms_cfg.items():
         check_name("arm", name)
@@ -4031,10 +4105,8 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
             if not p.is_file():
                 raise AgentbenchError("arm preamble file not found", arm=name, path=str(p))
             text, ppath = p.read_text(encoding="utf-8"), str(p)
-        gc = spec.get("gate_cycles", 0)
-        if not isinstance(gc, int) or gc < 0 or gc > 50:
-            raise AgentbenchError("gate_cycles must be an integer 0..50", arm=name, gate_cycles=gc)
-        arms[name] = Arm(name, text, ppath, gc, bool(spec.get("review", False)), bool(spec.get("fork_base", False)))
+        gc = spec.get("gate_cycles", 0)   # its type and range: check_study_shape
+        arms[name] = Arm(name, text, ppath, gc, spec.get("review", False) is True, spec.get("fork_base", False) is True)
     return arms
 
 
@@ -7417,7 +7489,7 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
         scfg["repeats"] = repeats
     sp = StudyPaths(scratch)
     sp.state.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(sp.study_file, scfg)
+    write_json_atomic(sp.study_file, scfg, sort_keys=False)   # arm order: the baseline
     write_json_atomic(sp.registry, read_registry(sp))
     cal = {t.id: calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
@@ -7631,7 +7703,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg_binary = None
     study = None
     executor = "local"
-    with contextlib.suppress(AgentbenchError):
+    try:
         paths = ctx.study(args)
         study = str(paths.root)
         study_cfg = load_study_config(paths)
@@ -7641,6 +7713,10 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
             warnings.append("the study's env sets variables the scrub drops by default: " + ", ".join(readded))
+    except AgentbenchError as exc:
+        if study is not None:   # no study given is fine here; a broken one is worth saying
+            detail = {k: v for k, v in exc.payload.items() if k != "error"}
+            warnings.append(f"study: {exc.payload.get('error')}" + (f" {json.dumps(detail, default=str)}" if detail else ""))
     binary, how = find_claude_binary(cfg_binary, ctx.env)
     version = claude_version(binary, ctx.platform) if binary else None
     if not binary:
@@ -7714,6 +7790,8 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
     if existing is not None and not isinstance(existing, dict):
         raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
+    if existing is not None:
+        check_study_shape(existing)   # before anything is merged into it
     cfg = dict(existing or {})
     changed: list[str] = []
     for dest, (key, _) in INIT_FLAGS.items():
@@ -7752,6 +7830,7 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if env != (cfg.get("env") or {}):
             cfg["env"] = env
             changed.append("env")
+    check_study_shape(cfg)
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
         raise AgentbenchError("claude refuses bypassPermissions when run as root",
@@ -7759,7 +7838,8 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # Validate everything first, then write.
     paths.state.mkdir(parents=True, exist_ok=True)
     if existing is None or changed:
-        write_json_atomic(paths.study_file, cfg)
+        # In the user's key order: the first arm is the report's default baseline.
+        write_json_atomic(paths.study_file, cfg, sort_keys=False)
     if args.reset_breaker:
         with RegistryLock(paths.lock, ctx.platform):
             reg = read_registry(paths)

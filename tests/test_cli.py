@@ -384,6 +384,50 @@ def test_init_rerun_keeps_omitted_values(tmp_path, fake_env):
     assert cfg2["arms"] == {"A": {}} and cfg2["effort"] == "high" and cfg2["model"] == "claude-sonnet-4-5"
 
 
+def test_init_keeps_the_order_of_arms_and_so_the_baseline(tmp_path, fake_env):
+    root = tmp_path / "s"
+    assert run_main(["init", "--study", str(root)])[0] == 0
+    cfg = json.loads((root / "study.json").read_text())
+    cfg["arms"] = {"plain": {}, "gated": {"gate_cycles": 2}}      # "plain" is the baseline
+    (root / "study.json").write_text(json.dumps(cfg))
+    code, obj = run_main(["init", "--study", str(root), "--orphan-after-s", "600"])
+    assert code == 0 and obj["changed"] == ["orphan_after_s"]
+    assert list(json.loads((root / "study.json").read_text())["arms"]) == ["plain", "gated"]
+
+
+@pytest.mark.parametrize("change, error, named", [
+    ({"arms": {"A": {"review": "no"}}}, "an arm's review must be true or false", "A"),
+    ({"arms": {"A": {"gate_cycle": 2}}}, "an arm has unknown keys", ["gate_cycle"]),
+    ({"arms": {"A": {"gate_cycles": True}}}, "gate_cycles must be an integer 0..50", "A"),
+    ({"arms": {"A": {"fork_base": 1}}}, "an arm's fork_base must be true or false", "A"),
+    ({"repeat": 3}, "study.json has unknown keys", ["repeat"]),
+    ({"tasks": 5}, "tasks must be a string", "tasks"),
+    ({"repeats": "two"}, "repeats must be an integer >= 1", "repeats"),
+    ({"seed": "abc"}, "seed must be an integer", "seed"),
+    ({"budget": {"usd_per_rn": 1}}, "study.json: budget has unknown keys", ["usd_per_rn"]),
+    ({"budget": [1]}, "budget must be an object", "budget"),
+    ({"snapshot_seconds": 5}, "snapshot_seconds must be a list of positive numbers of seconds", "snapshot_seconds"),
+    ({"snapshot_seconds": [60, -1]}, "snapshot_seconds must be a list of positive numbers of seconds", "snapshot_seconds"),
+    ({"env": {"X": 1}}, "env must be an object of string values", "env"),
+])
+def test_a_misshapen_study_json_is_refused_by_name(tmp_path, fake_env, change, error, named):
+    """A wrong type or a misspelt key would otherwise change the experiment silently (or crash a
+    supervisor later): every command that reads the study refuses it, naming the key."""
+    root = tmp_path / "s"
+    assert run_main(["init", "--study", str(root)])[0] == 0
+    cfg = {**json.loads((root / "study.json").read_text()), "arms": {"A": {}}, **change}
+    (root / "study.json").write_text(json.dumps(cfg))
+    before = (root / "study.json").read_bytes()
+    for argv in (["calibrate", "--study", str(root)], ["assign", "--study", str(root)],
+                 ["init", "--study", str(root), "--parallel", "2"]):
+        code, obj = run_main(argv)
+        assert code == 2 and obj["error"] == error, (argv, obj)
+        assert named in (obj.get("arm"), obj.get("key"), obj.get("keys")), obj
+    assert (root / "study.json").read_bytes() == before      # init wrote nothing
+    code, where = run_main(["where", "--study", str(root)])
+    assert code == 0 and any(w.startswith("study: " + error) for w in where["warnings"]), where["warnings"]
+
+
 @pytest.mark.parametrize("flags, error", [
     (["--model", "opus"], "model must be a full model id, not an alias"),
     (["--model", "sonnet"], "model must be a full model id, not an alias"),
