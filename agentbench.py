@@ -8333,8 +8333,14 @@ def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
         raise AgentbenchError("a session of this run is still working", run=args.run, hint="wait for it first")
     rec = pipe._gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
-    return {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
-            "failed": pipe._failed_checks_text(rec) if not rec["passed"] else None}
+    n = pipe.rec["gates"][-1]["n"]
+    out = {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
+           "failed": pipe._failed_checks_text(rec) if not rec["passed"] else None,
+           "receipt": str(paths.run_dir(args.run) / "receipts" / f"gate-{n:02d}-manual.json")}
+    if not rec["passed"]:
+        # What the checks printed: the feedback an orchestrator passes on with `continue`.
+        out["stdout_tail"], out["stderr_tail"] = rec.get("stdout_tail") or "", rec.get("stderr_tail") or ""
+    return out
 
 
 @command("review", "a fresh reviewer session writes review.json (accept/revise) for a run", mutating=True)
@@ -8365,10 +8371,11 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     ids = list(args.run)
-    if args.all:
-        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
-    if not ids:
+    if not ids and not args.all:
         raise AgentbenchError("evaluate needs --run R or --all")
+    if args.all:
+        # Nothing running by hand is no error: the answer is then empty.
+        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
     out, skipped = [], []
     for rid in dict.fromkeys(ids):
         pipe = pipeline_for(ctx, paths, rid)

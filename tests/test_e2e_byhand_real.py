@@ -65,6 +65,9 @@ def test_run_driven_by_hand(tmp_path, real_claude, server, monkeypatch):
     # The scripted agent of a gated arm submits a partial solution first: the gate fails.
     code, g1 = run_main(["gate", "--study", str(study), "--run", rid])
     assert code == 0 and g1["passed"] is False and g1["failed"]
+    # What the checks printed comes with it, and the receipt is where it says.
+    assert (g1["stdout_tail"] + g1["stderr_tail"]).strip()
+    assert json.loads(Path(g1["receipt"]).read_text())["passed"] is False
     code, co = run_main(["continue", "--study", str(study), "--run", rid,
                          "--brief", write_brief(tmp_path, "The public checks failed:\n" + g1["failed"])])
     assert code == 0, co
@@ -100,3 +103,6 @@ def test_run_driven_by_hand(tmp_path, real_claude, server, monkeypatch):
     # Evaluating again is refused politely: the run is final.
     code, again = run_main(["evaluate", "--study", str(study), "--run", rid])
     assert code == 0 and again["evaluated"] == [] and again["skipped"][0]["why"] == "already final"
+    # Nothing left to evaluate by hand: an empty answer, not an error.
+    code, none = run_main(["evaluate", "--study", str(study), "--all"])
+    assert code == 0 and none == {"evaluated": [], "skipped": []}
