@@ -3989,7 +3989,10 @@ def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
 
 @dataclass
 class Task:
-    """One task bundle: <tasks>/<id>/{task.json, public/, gate/, oracle/, reference/, partial/}."""
+    """One task bundle: <tasks>/<id>/{task.json, public/, gate/, oracle/, reference/, partial/}.
+
+    Besides the fixed keys, task.json may hold `check_hint`: the sentence the task prompt gives
+    the agent on how to run the public checks itself."""
     id: str
     title: str
     root: Path
@@ -4024,6 +4027,16 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     return dict(spec)
 
 
+def task_check_hint(task: "Task", ws: str | os.PathLike[str]) -> str:
+    """How the prompt tells the agent to run the public checks: the task's own `check_hint`, else
+    a generic sentence when the workspace has a tests/ directory, else nothing."""
+    if task.spec.get("check_hint"):
+        return str(task.spec["check_hint"])
+    if (Path(ws) / "tests").is_dir():
+        return "Public tests are in tests/; run them with: python3 -m unittest discover -s tests"
+    return ""
+
+
 def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
@@ -4032,6 +4045,8 @@ def load_task(root: Path) -> Task:
     missing = [k for k in TASK_JSON_KEYS if k not in spec]
     if missing:
         raise AgentbenchError("task.json lacks required keys", path=str(root / "task.json"), missing=missing)
+    if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
+        raise AgentbenchError("task.json: check_hint must be a sentence (a string)", path=str(root / "task.json"))
     tid = check_name("task", str(spec["id"]))
     if tid != root.name:
         raise AgentbenchError("task id must equal its directory name", id=tid, directory=root.name)
@@ -4857,8 +4872,7 @@ class RunPipeline:
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
         statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
-        check_hint = ("Public tests are in tests/; run them with: python3 -m unittest discover -s tests"
-                      if (Path(ws) / "tests").is_dir() else "")
+        check_hint = task_check_hint(task, ws)
         prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=statement,
                         workspace=ws, check_hint=check_hint)
         base = rec.get("base") or (task.id if arm.fork_base else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import dataclasses
 import json
 import os
 import shutil
@@ -119,6 +120,21 @@ def roman(tmp_path, calibrated) -> Path:
     cal["tasks"] = {"roman": cal["tasks"]["roman"]}
     write_json(study / "state" / "calibration.json", cal)
     return study
+
+
+def test_the_task_prompt_gives_the_tasks_own_check_hint(roman, tmp_path):
+    task = ab.load_task(roman / "tasks" / "roman")
+    ws = tmp_path / "ws"
+    (ws / "tests").mkdir(parents=True)
+    hint = json.loads((roman / "tasks" / "roman" / "task.json").read_text())["check_hint"]
+    assert ab.task_check_hint(task, ws) == hint and "-t tests" in hint
+    spec = {k: v for k, v in task.spec.items() if k != "check_hint"}
+    plain = dataclasses.replace(task, spec=spec)
+    assert ab.task_check_hint(plain, ws).endswith("python3 -m unittest discover -s tests")
+    assert ab.task_check_hint(plain, tmp_path / "no-tests") == ""
+    (roman / "tasks" / "roman" / "task.json").write_text(json.dumps({**task.spec, "check_hint": ["run", "it"]}))
+    with pytest.raises(ab.AgentbenchError, match="check_hint"):
+        ab.load_task(roman / "tasks" / "roman")
 
 
 # ---- calibration ---------------------------------------------------------------------------------
