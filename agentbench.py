@@ -6050,6 +6050,11 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
                      f"({', '.join(sorted({str(r.get('arm')) for r in unknown}))}) and are ignored")
+    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
+    if rehearsed:
+        notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
+                     f"costs are list prices of the scripted usage, as the binary computed them; "
+                     f"nothing was billed")
     est = [r for r in known if r.get("cost_estimated")]
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
@@ -6105,6 +6110,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "ignored_unknown_arm": len(unknown),
             "cost_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in known),
             "cost_estimated_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in est),
+            "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
         "methods": methods,
@@ -6262,7 +6268,8 @@ def render_report_md(report: dict) -> str:
              f"Baseline: **{report['baseline']}**. Primary view: "
              f"**{report['primary_view'].replace('_', ' ')}**. Runs: {tot['runs']}, "
              f"tasks: {tot['tasks']}, total cost "
-             f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}."]
+             f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
+             + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
     for title, headers, rows in _rpt_tables(report):
         parts += ["", f"## {title}", ""]
         parts.append(_md_table(headers, rows) if rows else "(none)")
@@ -6531,7 +6538,8 @@ def render_report_html(report: dict) -> str:
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
-             f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}; '
+             f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
+             f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
              '<div class="charts">',
              '<figure>', _svg_rate_chart(report),

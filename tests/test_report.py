@@ -325,6 +325,19 @@ def test_task_level_interval_of_tasks_that_agree_and_of_a_single_task():
     assert not any("arm A: evaluated runs of a single task" in n for n in rep["notes"])
 
 
+def test_rehearsed_costs_are_said_to_be_simulated():
+    runs = [run("a1", "t1", "A", 1, success=True, cost=0.5), run("a2", "t2", "A", 1, success=False, cost=0.25)]
+    for r in runs:
+        r["provenance"] = {"rehearsal": True}
+    rep = ab.build_report(runs, ["A"])
+    assert rep["totals"]["rehearsed_runs"] == 2
+    assert any("2 run(s) were rehearsed against the scripted model" in n for n in rep["notes"])
+    assert "total cost $0.7500 (simulated: a rehearsal, nothing billed)." in ab.render_report_md(rep)
+    assert "(simulated: a rehearsal, nothing billed)" in ab.render_report_html(rep)
+    real = ab.build_report([run("a1", "t1", "A", 1, success=True)], ["A"])
+    assert real["totals"]["rehearsed_runs"] == 0 and "simulated" not in ab.render_report_md(real)
+
+
 def test_seed_makes_report_reproducible():
     a = ab.build_report(study_runs(), ARMS, seed=9)
     b = ab.build_report(study_runs(), ARMS, seed=9)
