@@ -5596,7 +5596,7 @@ def _fmt_usd_diff(x: float | None) -> str:
     """A signed dollar difference, four decimals below $1 like _fmt_usd."""
     if x is None:
         return "-"
-    sign = "+" if x >= 0 else "-"
+    sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
     return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
 
 
@@ -6185,7 +6185,8 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     "Rate, unevaluated as failure"], rows))
     rows = [[a, _fmt_counts(pa[a]["review_verdicts"]["final"]),
              _fmt_counts(pa[a]["review_verdicts"]["all"]),
-             ", ".join(f"{k} cycles: {v} runs" for k, v in pa[a]["gate_cycles"]["distribution"].items()) or "-",
+             ", ".join(f"{k} cycle{'' if str(k) == '1' else 's'}: {v} run{'' if v == 1 else 's'}"
+                       for k, v in pa[a]["gate_cycles"]["distribution"].items()) or "-",
              _fmt_counts(pa[a]["failure_reasons"])] for a in arms]
     tables.append(("Reviews, gate cycles and failure reasons",
                    ["Arm", "Final review verdicts", "All review verdicts",

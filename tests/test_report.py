@@ -338,6 +338,14 @@ def test_rehearsed_costs_are_said_to_be_simulated():
     assert real["totals"]["rehearsed_runs"] == 0 and "simulated" not in ab.render_report_md(real)
 
 
+def test_markdown_number_formats():
+    assert ab._fmt_usd_diff(-1e-9) == "+$0.0000" and ab._fmt_usd_diff(-0.5) == "-$0.5000"
+    runs = [run("a1", "t1", "A", 1, success=True, cycles=1), run("a2", "t2", "A", 1, success=True, cycles=2),
+            run("a3", "t3", "A", 1, success=True, cycles=2)]
+    md = ab.render_report_md(ab.build_report(runs, ["A"]))
+    assert "1 cycle: 1 run, 2 cycles: 2 runs" in md
+
+
 def test_seed_makes_report_reproducible():
     a = ab.build_report(study_runs(), ARMS, seed=9)
     b = ab.build_report(study_runs(), ARMS, seed=9)
