@@ -8052,6 +8052,12 @@ def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     if st.get("status") == "running":
         out.update({"elapsed_s": st.get("elapsed_s"), "stalled": st.get("stalled", False),
                     "tool_uses": st.get("tool_uses")})
+    elif st.get("status") in JOB_FINAL_STATUSES and st.get("status") != "ok":
+        # Why it did not end ok, in a line (e.g. the binary's "Not logged in"): result.json
+        # has the rest.
+        why = st.get("detail") or st.get("result_text")
+        if why:
+            out["detail"] = str(why)[:300]
     return {k: v for k, v in out.items() if v is not None}
 
 

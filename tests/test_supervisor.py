@@ -525,6 +525,10 @@ def test_api_errors_are_classified_and_429_trips_the_breaker(sv: Path, tmp_path:
     assert sorted(w["not_ok"]) == sorted([j529, jptl])
     assert (result_of(sv, j529)["status"], result_of(sv, j529)["reason"]) == ("failed", "overloaded")
     assert (result_of(sv, jptl)["status"], result_of(sv, jptl)["reason"]) == ("failed", "prompt_too_long")
+    # wait says why in a line: the session's own result text.
+    by_id = {j["job_id"]: j for j in w["jobs"]}
+    for j in (j529, jptl):
+        assert by_id[j]["detail"] == result_of(sv, j)["result_text"][:300] and by_id[j]["detail"], by_id[j]
     # Overload and an oversized prompt are not quota problems: launches go on.
     assert ok(["list", "--study", s])["breaker"] is None
 
