@@ -3954,6 +3954,7 @@ def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[st
 # here knows the scripted model: rehearsal plugs in through the `script_for` callback.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
+CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle")
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
 IGNORED_BUNDLE_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store", ".git"})
@@ -4017,6 +4018,13 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
             or not all(isinstance(a, str) for a in spec["cmd"]):
         raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings",
                               task=task_id)
+    unknown = sorted({m for a in spec["cmd"] for m in re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", a)}
+                     - set(CHECK_PLACEHOLDERS))
+    if unknown:
+        # A misspelt placeholder would reach the command as literal text and fail obscurely.
+        raise AgentbenchError(f"task {which}.cmd uses unknown placeholders", task=task_id,
+                              unknown=["{" + u + "}" for u in unknown],
+                              known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S)
     if not isinstance(t, (int, float)) or t <= 0:
         raise AgentbenchError(f"task {which}.timeout_s must be a positive number", task=task_id)
@@ -4088,7 +4096,9 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | 
             raise AgentbenchError("unknown task", tasks=unknown, known=sorted(tasks))
         tasks = {k: v for k, v in tasks.items() if k in only}
     if not tasks:
-        raise AgentbenchError("no tasks found", tasks=str(tdir))
+        raise AgentbenchError("no tasks found", tasks=str(tdir),
+                              hint="each task is a directory tasks/<id>/ holding task.json, public/, "
+                                   "gate/ and oracle/ (see examples/study)")
     return tasks
 
 
@@ -4276,8 +4286,20 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
                     problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
                 if not o["success"]:
                     problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
+        partial_gate = None
+        if task.partial.is_dir():
+            # The rehearsal submits partial/ first so that gate feedback cycles really happen:
+            # it must fail the gate, or the gated arms are never exercised.
+            ws = os.path.join(tmp, "partial")
+            copy_tree(task.public, ws)
+            copy_tree(task.partial, ws)
+            partial_gate = run_check(paths, platform, task, "gate", ws, env)["passed"]
+            if partial_gate:
+                problems.append("the gate passes on starter + partial/ (it must fail, or rehearsed gate "
+                                "cycles never happen)")
     return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
-            "starter_oracle_score": st["score"], "reference": runs, "at": utc_now()}
+            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
+            "at": utc_now()}
 
 
 def calibration_state(paths: StudyPaths) -> dict[str, Any]:

@@ -151,6 +151,7 @@ def test_calibrate_passes_the_example_study_and_records_it(calibrated):
         assert [r["attempt"] for r in res["reference"]] == [1, 2]
         assert all(r["gate_passed"] and r["oracle_success"] for r in res["reference"])
         assert res["starter_oracle_score"] < 1.0
+        assert res["partial_gate_passed"] is False       # every example has a partial/ that fails
     assert out["uncalibrated"] == []
     recorded = json.loads((study / "state" / "calibration.json").read_text())
     assert sorted(recorded["tasks"]) == list(EXAMPLE_TASKS)
@@ -189,6 +190,17 @@ def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
     assert any("untouched starter" in p for p in res["problems"])
 
 
+def test_calibrate_reports_a_partial_solution_that_passes_the_gate(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",))
+    task = study / "tasks" / "roman"
+    (task / "partial" / "roman.py").write_text((task / "reference" / "roman.py").read_text())
+    code, out = run_main(["calibrate", "--study", str(study)])
+    assert code == 0, out
+    res = out["tasks"]["roman"]
+    assert res["ok"] is False and res["partial_gate_passed"] is True
+    assert any("partial/" in p for p in res["problems"])
+
+
 @pytest.mark.parametrize("mutate, expect", [
     (lambda spec: spec.pop("oracle"), "lacks required keys"),
     (lambda spec: spec.pop("title"), "lacks required keys"),
@@ -197,7 +209,9 @@ def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
     (lambda spec: spec["oracle"].update(threshold=0), "threshold"),
     (lambda spec: spec["gate"].update(cmd=[]), "non-empty `cmd`"),
     (lambda spec: spec["gate"].update(timeout_s=-1), "timeout_s"),
-], ids=["no-oracle", "no-title", "id-not-dir", "threshold-above-1", "threshold-zero", "empty-cmd", "bad-timeout"])
+    (lambda spec: spec["gate"].update(cmd=["{python}", "{gaet}/run.py"]), "unknown placeholders"),
+], ids=["no-oracle", "no-title", "id-not-dir", "threshold-above-1", "threshold-zero", "empty-cmd", "bad-timeout",
+        "placeholder-typo"])
 def test_task_json_errors_are_refusals_that_write_nothing(tmp_path, mutate, expect):
     study = copy_example(tmp_path / "s", tasks=("roman",))
     tj = study / "tasks" / "roman" / "task.json"
