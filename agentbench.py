@@ -8658,6 +8658,12 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     report = build_report(runs, arms, baseline=args.baseline, seed=seed)
     if args.format == "json":
+        if args.out:
+            # The report is still the answer; the file is a copy of it.
+            if ctx.is_child:
+                raise AgentbenchError("refused inside a supervised session: writing a report file")
+            write_json_atomic(args.out, report)
+            return {**report, "path": str(args.out)}
         return report
     text = render_report_md(report) if args.format == "md" else render_report_html(report)
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)

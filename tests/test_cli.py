@@ -552,6 +552,18 @@ def test_child_marker_refuses_writing_a_report_file(study, monkeypatch):
     assert not (study / "report.html").exists()
 
 
+def test_report_json_out_writes_the_same_report(study, tmp_path, monkeypatch):
+    add_arms(study)
+    out = tmp_path / "r" / "report.json"
+    out.parent.mkdir()
+    code, obj = run_main(["report", "--study", str(study), "--format", "json", "--out", str(out)])
+    assert code == 0 and obj["path"] == str(out)
+    assert json.loads(out.read_text()) == {k: v for k, v in obj.items() if k != "path"}
+    monkeypatch.setenv("AGENTBENCH_CHILD", "1")
+    code, obj = run_main(["report", "--study", str(study), "--format", "json", "--out", str(tmp_path / "x.json")])
+    assert code == 2 and "refused" in obj["error"] and not (tmp_path / "x.json").exists()
+
+
 def test_child_wait_does_not_consume_delivery(study, tmp_path, monkeypatch):
     brief = write_brief(tmp_path, "FAKE: text=hi\n")
     code, out = run_main(["spawn", "--study", str(study), "--brief", brief])
