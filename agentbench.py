@@ -7814,12 +7814,30 @@ BUDGET_FLAGS = {"usd_per_run": finite_float, "wall_s": finite_float, "max_turns"
                 "min_remaining_usd": finite_float}
 
 
+INIT_HELP = {
+    "tasks": "the tasks directory (relative to the study)", "model": "full model id (no alias)",
+    "effort": "claude --effort: " + "/".join(EFFORTS), "permission_mode": "claude --permission-mode: "
+    + "/".join(PERMISSION_MODES) + " (as root, dontAsk with allow rules)",
+    "tools": "the tools sessions have (claude --tools)", "allowed_tools": "tools allowed without asking",
+    "disallowed_tools": "tools refused", "binary": "the claude executable (default: found on PATH)",
+    "parallel": "sessions at once, study-wide", "max_minutes": "wall-time limit of any one session",
+    "stall_after_s": "flag a session silent this long", "orphan_after_s":
+    "kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)",
+    "seed": "seed of the assignment and the report's bootstrap", "repeats": "runs per task and arm",
+    "executor": "local or slurm", "usd_per_run": "cost budget of one run (all its sessions)",
+    "wall_s": "wall-time budget of one run (all its sessions)", "max_turns": "claude --max-turns of a session",
+    "study_usd": "the study's cost cap: no launch once spent",
+    "min_remaining_usd": "no new session for a run with less budget left",
+}
+
+
 def _init_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True)
+    p.add_argument("--study", required=True, help="the study directory (created if missing)")
     for dest, (_, typ) in INIT_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=INIT_HELP.get(dest))
     for dest, typ in BUDGET_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ)
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ,
+                       help=f"budget.{dest}: {INIT_HELP.get(dest)}")
     p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
     p.add_argument("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",

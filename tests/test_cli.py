@@ -384,6 +384,12 @@ def test_init_rerun_keeps_omitted_values(tmp_path, fake_env):
     assert cfg2["arms"] == {"A": {}} and cfg2["effort"] == "high" and cfg2["model"] == "claude-sonnet-4-5"
 
 
+def test_init_help_explains_every_option():
+    code, obj = run_main(["init", "--help"])
+    assert code == 0
+    assert [o["flags"] for o in obj["options"] if not o.get("help")] == []
+
+
 def test_init_keeps_the_order_of_arms_and_so_the_baseline(tmp_path, fake_env):
     root = tmp_path / "s"
     assert run_main(["init", "--study", str(root)])[0] == 0
