@@ -6989,6 +6989,24 @@ class ScriptedModelServer:
         except AgentbenchError:
             return None
 
+    def script_problem(self, script_id: str) -> str:
+        """Why get_script() found no script for this id, in words (for the error answer)."""
+        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id or ""):
+            return "no such script registered"
+        path = self.scripts_dir / f"{script_id}.json"
+        try:
+            script = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return f"no file {path}"
+        except (OSError, ValueError) as exc:
+            return f"{path}: {exc}"
+        try:
+            validate_script(script, script_id)
+        except AgentbenchError as exc:
+            detail = {k: v for k, v in exc.payload.items() if k != "error"}
+            return f"{path}: {exc.payload.get('error')} {json.dumps(detail, default=str)}"
+        return "it is valid now (it was written while being read)"
+
     # ---- request → answer plan ---------------------------------------------------------------
     def plan(self, body: dict, session: str = "") -> dict:
         """Decide the answer for a messages request (pure apart from the fault-attempt counter).
@@ -7124,7 +7142,8 @@ class ScriptedModelServer:
                 server._log(entry)
                 if plan["kind"] == "unknown_script":
                     self._send_error(400, "invalid_request_error",
-                                     f"agentbench scripted model: unknown or invalid script {plan['script']!r}")
+                                     f"agentbench scripted model: unknown or invalid script {plan['script']!r}: "
+                                     + server.script_problem(str(plan["script"])))
                     return
                 usage = server.usage_for(body, plan)
                 if plan["fault"]:
@@ -8051,8 +8070,11 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     job_id = args.job
     if args.run:
         job_id = latest_run_job(paths, args.run)
+        if not job_id:
+            raise AgentbenchError("the run has no session to continue yet", run=args.run,
+                                  hint=f"start it first: spawn --run {args.run}")
     if not job_id:
-        raise AgentbenchError("continue needs --job J or --run R (with a session)")
+        raise AgentbenchError("continue needs --job J or --run R")
     run_id = args.run or (load_job(paths, job_id).get("meta") or {}).get("run_id")
     if run_id:
         # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).

@@ -313,7 +313,12 @@ def test_scripts_dir_is_read_on_demand(tmp_path):
     srv.start()
     try:
         body = _body([_user(MARK.format("late"))], stream=False)
-        assert _post(srv, "/v1/messages", body)[0].status == 400
+        response, payload = _post(srv, "/v1/messages", body)
+        assert response.status == 400 and "no file" in json.loads(payload)["error"]["message"]
+        # A file that does not parse: the answer says why.
+        (tmp_path / "late.json").write_text('{"steps": [')
+        response, payload = _post(srv, "/v1/messages", body)
+        assert response.status == 400 and "Expecting" in json.loads(payload)["error"]["message"]
         (tmp_path / "late.json").write_text(json.dumps({"steps": [{"text": "from file"}]}))
         response, payload = _post(srv, "/v1/messages", body)
         assert json.loads(payload)["content"][0]["text"] == "from file"
