@@ -8186,8 +8186,10 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
 
 def _list_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--all", action="store_true", help="every job and run (cost grows with the study)")
-    p.add_argument("--status")
+    p.add_argument("--all", action="store_true", help="every job and run (cost grows with the study); "
+                   "without it: active and undelivered jobs, running runs")
+    p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
+                   "queued looks at every job and run, like --all)")
     p.add_argument("--limit", type=int, default=200)
 
 
@@ -8200,7 +8202,9 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         sweep_interrupted_runs(paths, ctx.platform)
     reg = read_registry(paths)
     ids = active_job_ids(paths) + list_markers(paths.undelivered)
-    if args.all:
+    # A state that is not active (not_started, finished, ok, killed...) is not among the markers.
+    everything = args.all or (args.status is not None and args.status not in ("running", "queued", "created"))
+    if everything:
         ids = sorted(n for n in list_markers(paths.jobs) if JOB_ID_RE.match(n))
     jobs = [job_summary(paths, j) for j in dict.fromkeys(ids)]
     if args.status:
@@ -8211,7 +8215,7 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if rec:
             bases.append({"name": rec["name"], "state": base_state(paths, rec), "job_id": rec["job_id"],
                           "session_id": rec["session_id"]})
-    runs = list_runs(paths, all_runs=args.all, status=args.status)
+    runs = list_runs(paths, all_runs=everything, status=args.status)
     return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
             "active": len(active_job_ids(paths)), "jobs": jobs[: args.limit], "jobs_truncated": len(jobs) > args.limit,
             "bases": bases, "runs": runs[: args.limit], "runs_truncated": len(runs) > args.limit}

@@ -284,6 +284,10 @@ def test_assign_covers_every_cell_once_in_one_block_per_task(tmp_path):
         rec = run_record(study, r["run_id"])
         assert rec["status"] == "not_started" and rec["seed"] == 5
         assert {k: rec[k] for k in r} == r
+    # `list` shows running runs by default; asking for another state looks at every run.
+    assert run_main(["list", "--study", str(study)])[1]["runs"] == []
+    code, listed = run_main(["list", "--study", str(study), "--status", "not_started", "--limit", "1000"])
+    assert code == 0 and len(listed["runs"]) == len(runs)
 
 
 def test_assignment_shuffles_tasks_and_cells_by_seed():
