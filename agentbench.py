@@ -2553,6 +2553,34 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _check_slurm_settings(slurm: Any) -> None:
+    """The `slurm` object of study.json (SPEC 12): known keys, the right types, and no sbatch
+    option agentbench sets itself."""
+    if slurm is not None:
+        if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
+            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
+                                  slurm=str(slurm)[:300])
+        if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
+            raise AgentbenchError("slurm.partition must be a non-empty string", partition=str(slurm["partition"]))
+        args = slurm.get("sbatch_args")
+        if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
+            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
+                                  "values joined with =", sbatch_args=str(args)[:300],
+                                  hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
+        own = sbatch_own_options(args or [])
+        if own:
+            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
+                                  hint="agentbench chooses the output file, the environment export, the "
+                                       "directory and the cluster of its batch jobs")
+        if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
+            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
+                                  python=str(slurm["python"]))
+        margin = slurm.get("time_margin_s")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                   or not math.isfinite(margin) or margin < 0):
+            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", time_margin_s=str(margin))
+
+
 def check_study_shape(cfg: Mapping[str, Any]) -> None:
     """Refuse a study.json whose keys or value types are wrong, naming the key (pure).
 
@@ -2560,10 +2588,11 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
     true to Python), silently changing the experiment; types the code relies on fail here with
     a clear message instead of deep inside a command.  Values that need more than a type (a
     model id, an effort) are checked by validate_launch_values where sessions are launched."""
-    unknown = sorted(set(cfg) - STUDY_KEYS)
+    unknown = sorted(k for k in set(cfg) - STUDY_KEYS if not str(k).startswith("_"))
     if unknown:
         raise AgentbenchError("study.json has unknown keys", keys=unknown, known=sorted(STUDY_KEYS),
-                              hint="a misspelt key would be ignored; fix or remove it")
+                              hint="a misspelt key would be ignored; fix or remove it (keys starting "
+                                   "with _ are free, e.g. for a comment)")
 
     def bad(key: str, want: str) -> AgentbenchError:
         return AgentbenchError(f"{key} must be {want}", file=STUDY_FILE, key=key, value=str(cfg.get(key))[:200])
@@ -2576,17 +2605,36 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
         val = cfg.get(key)
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or (low is not None and val < low)):
             raise bad(key, "an integer" + (f" >= {low}" if low is not None else ""))
-    for key in ("max_minutes", "stall_after_s", "orphan_after_s"):
+    mm = cfg.get("max_minutes")
+    if mm is not None and (not _is_number(mm) or mm <= 0):
+        raise bad("max_minutes", "a positive number")
+    for key in ("stall_after_s", "orphan_after_s"):
         val = cfg.get(key)
         if val is not None and (not _is_number(val) or val < 0):
             raise bad(key, "a non-negative number")
-    for key in ("budget", "prices", "slurm", "arms"):
+    if cfg.get("executor") not in (None, "local", "slurm"):
+        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
+    for key in ("budget", "arms"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise bad(key, "an object")
     budget_unknown = sorted(set(cfg.get("budget") or {}) - set(DEFAULT_BUDGET))
     if budget_unknown:
         raise AgentbenchError("study.json: budget has unknown keys", keys=budget_unknown,
                               known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
+    for key, val in (cfg.get("budget") or {}).items():
+        if not _is_number(val) or val < 0:
+            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
+    if (cfg.get("budget") or {}).get("usd_per_run") == 0:
+        raise AgentbenchError("budget.usd_per_run must be greater than 0", hint="no session could ever start")
+    prices = cfg.get("prices")
+    if prices is not None:
+        ok = isinstance(prices, dict) and all(
+            isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(_is_number(x) and x >= 0 for x in v)
+            for k, v in prices.items())
+        if not ok:
+            raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
+                                  "cache write 1h, cache read] USD per million tokens", prices=str(prices)[:300])
+    _check_slurm_settings(cfg.get("slurm"))
     env = cfg.get("env")
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                              for k, v in env.items())):
@@ -3711,7 +3759,9 @@ PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissi
 
 
 def validate_launch_values(cfg: Mapping[str, Any]) -> None:
-    """Refuse launch values claude would reject or that would make a study meaningless."""
+    """Refuse launch values claude would reject or that would make a study meaningless (the
+    model, effort and permission mode here; every other key's shape and range in
+    check_study_shape)."""
     if cfg.get("model") is not None:
         check_model_id(str(cfg["model"]))
     if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
@@ -3719,52 +3769,7 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
         raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
-    mm = cfg.get("max_minutes")
-    if mm is not None and (isinstance(mm, bool) or not isinstance(mm, (int, float)) or not math.isfinite(mm) or mm <= 0):
-        raise AgentbenchError("max_minutes must be a positive number", max_minutes=str(mm))
-    upr = (cfg.get("budget") or {}).get("usd_per_run")
-    if isinstance(upr, (int, float)) and not isinstance(upr, bool) and upr == 0:
-        raise AgentbenchError("budget.usd_per_run must be greater than 0", hint="no session could ever start")
-    if cfg.get("parallel") is not None and (not isinstance(cfg["parallel"], int) or cfg["parallel"] < 1):
-        raise AgentbenchError("parallel must be an integer >= 1", parallel=cfg["parallel"])
-    if cfg.get("executor") not in (None, "local", "slurm"):
-        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
-    prices = cfg.get("prices")
-    if prices is not None:
-        ok = isinstance(prices, dict) and all(
-            isinstance(k, str) and isinstance(v, list) and len(v) == 5
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in v)
-            for k, v in prices.items())
-        if not ok:
-            raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
-                                  "cache write 1h, cache read] USD per million tokens", prices=str(prices)[:300])
-    slurm = cfg.get("slurm")
-    if slurm is not None:
-        if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
-            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
-                                  slurm=str(slurm)[:300])
-        if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
-            raise AgentbenchError("slurm.partition must be a non-empty string", partition=str(slurm["partition"]))
-        args = slurm.get("sbatch_args")
-        if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
-            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
-                                  "values joined with =", sbatch_args=str(args)[:300],
-                                  hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
-        own = sbatch_own_options(args or [])
-        if own:
-            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
-                                  hint="agentbench chooses the output file, the environment export, the "
-                                       "directory and the cluster of its batch jobs")
-        if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
-            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
-                                  python=str(slurm["python"]))
-        margin = slurm.get("time_margin_s")
-        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                                   or not math.isfinite(margin) or margin < 0):
-            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", time_margin_s=str(margin))
-    for key, val in (cfg.get("budget") or {}).items():
-        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
-            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
+    check_study_shape(cfg)
 
 
 def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
@@ -7872,8 +7877,11 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
     if existing is not None and not isinstance(existing, dict):
         raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
-    if existing is not None:
-        check_study_shape(existing)   # before anything is merged into it
+    for key in ("budget", "slurm", "env"):
+        # What the merge below reads into; everything else is checked on the result, so that
+        # init can also repair a wrong value (e.g. "max_minutes": "60").
+        if existing is not None and existing.get(key) is not None and not isinstance(existing[key], dict):
+            raise AgentbenchError(f"{key} must be an object", file=STUDY_FILE, key=key, value=str(existing[key])[:200])
     cfg = dict(existing or {})
     changed: list[str] = []
     for dest, (key, _) in INIT_FLAGS.items():

@@ -384,6 +384,18 @@ def test_init_rerun_keeps_omitted_values(tmp_path, fake_env):
     assert cfg2["arms"] == {"A": {}} and cfg2["effort"] == "high" and cfg2["model"] == "claude-sonnet-4-5"
 
 
+def test_comment_keys_are_free_and_init_repairs_a_wrong_value(tmp_path, fake_env):
+    root = tmp_path / "s"
+    assert run_main(["init", "--study", str(root)])[0] == 0
+    cfg = {**json.loads((root / "study.json").read_text()), "_comment": "pilot study", "max_minutes": "60"}
+    (root / "study.json").write_text(json.dumps(cfg))
+    assert run_main(["assign", "--study", str(root)])[1]["error"] == "max_minutes must be a positive number"
+    code, obj = run_main(["init", "--study", str(root), "--max-minutes", "45"])
+    assert code == 0 and obj["changed"] == ["max_minutes"], obj
+    fixed = json.loads((root / "study.json").read_text())
+    assert fixed["max_minutes"] == 45 and fixed["_comment"] == "pilot study"
+
+
 def test_init_help_explains_every_option():
     code, obj = run_main(["init", "--help"])
     assert code == 0
@@ -415,6 +427,11 @@ def test_init_keeps_the_order_of_arms_and_so_the_baseline(tmp_path, fake_env):
     ({"snapshot_seconds": 5}, "snapshot_seconds must be a list of positive numbers of seconds", "snapshot_seconds"),
     ({"snapshot_seconds": [60, -1]}, "snapshot_seconds must be a list of positive numbers of seconds", "snapshot_seconds"),
     ({"env": {"X": 1}}, "env must be an object of string values", "env"),
+    ({"budget": {"wall_s": "abc"}}, "budget values must be finite non-negative numbers", "wall_s"),
+    ({"budget": {"study_usd": "x"}}, "budget values must be finite non-negative numbers", "study_usd"),
+    ({"max_minutes": 0}, "max_minutes must be a positive number", "max_minutes"),
+    ({"prices": []}, "prices must map a model prefix to [input, output, cache write 5m, cache write 1h, "
+                     "cache read] USD per million tokens", None),
 ])
 def test_a_misshapen_study_json_is_refused_by_name(tmp_path, fake_env, change, error, named):
     """A wrong type or a misspelt key would otherwise change the experiment silently (or crash a
@@ -428,7 +445,7 @@ def test_a_misshapen_study_json_is_refused_by_name(tmp_path, fake_env, change, e
                  ["init", "--study", str(root), "--parallel", "2"]):
         code, obj = run_main(argv)
         assert code == 2 and obj["error"] == error, (argv, obj)
-        assert named in (obj.get("arm"), obj.get("key"), obj.get("keys")), obj
+        assert named is None or named in (obj.get("arm"), obj.get("key"), obj.get("keys")), obj
     assert (root / "study.json").read_bytes() == before      # init wrote nothing
     code, where = run_main(["where", "--study", str(root)])
     assert code == 0 and any(w.startswith("study: " + error) for w in where["warnings"]), where["warnings"]
