@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import difflib
 import datetime
 import fnmatch
 import hashlib
@@ -4018,17 +4019,32 @@ class Task:
     def threshold(self) -> float: return float(self.oracle.get("threshold", 0.9))
 
 
+def misspelt_placeholders(cmd: Sequence[str]) -> dict[str, str]:
+    """`{name}`s in a check command that look like a misspelt placeholder: {"{gaet}": "{gate}"}.
+
+    Other braces pass through as they always did (`${HOME}` in a shell, `awk '{print}'`, an
+    f-string): only a name close to one of CHECK_PLACEHOLDERS is taken for a typo (pure)."""
+    out = {}
+    for arg in cmd:
+        for m in re.finditer(r"(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}", arg):
+            name = m.group(1)
+            if name in CHECK_PLACEHOLDERS:
+                continue
+            near = difflib.get_close_matches(name.lower(), CHECK_PLACEHOLDERS, n=1, cutoff=0.75)
+            if near:
+                out["{" + name + "}"] = "{" + near[0] + "}"
+    return out
+
+
 def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if not isinstance(spec, dict) or not isinstance(spec.get("cmd"), list) or not spec["cmd"] \
             or not all(isinstance(a, str) for a in spec["cmd"]):
         raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings",
                               task=task_id)
-    unknown = sorted({m for a in spec["cmd"] for m in re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", a)}
-                     - set(CHECK_PLACEHOLDERS))
-    if unknown:
-        # A misspelt placeholder would reach the command as literal text and fail obscurely.
-        raise AgentbenchError(f"task {which}.cmd uses unknown placeholders", task=task_id,
-                              unknown=["{" + u + "}" for u in unknown],
+    typos = misspelt_placeholders(spec["cmd"])
+    if typos:
+        # It would reach the command as literal text and fail obscurely.
+        raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S)
     if not isinstance(t, (int, float)) or t <= 0:

@@ -190,6 +190,12 @@ def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
     assert any("untouched starter" in p for p in res["problems"])
 
 
+def test_only_near_misses_of_a_placeholder_are_taken_for_typos():
+    cmd = ["sh", "-c", "cd \"${PWD}\" && awk '{print}' f && {pyhton} {gaet}/x {workspace} {HOME} {i}"]
+    assert ab.misspelt_placeholders(cmd) == {"{pyhton}": "{python}", "{gaet}": "{gate}"}
+    assert ab.misspelt_placeholders(["{python}", "-c", "print(f'{x}')", "${oracle}"]) == {}
+
+
 def test_calibrate_reports_a_partial_solution_that_passes_the_gate(tmp_path):
     study = copy_example(tmp_path / "s", tasks=("roman",))
     task = study / "tasks" / "roman"
@@ -209,7 +215,7 @@ def test_calibrate_reports_a_partial_solution_that_passes_the_gate(tmp_path):
     (lambda spec: spec["oracle"].update(threshold=0), "threshold"),
     (lambda spec: spec["gate"].update(cmd=[]), "non-empty `cmd`"),
     (lambda spec: spec["gate"].update(timeout_s=-1), "timeout_s"),
-    (lambda spec: spec["gate"].update(cmd=["{python}", "{gaet}/run.py"]), "unknown placeholders"),
+    (lambda spec: spec["gate"].update(cmd=["{python}", "{gaet}/run.py"]), "misspelt placeholder"),
 ], ids=["no-oracle", "no-title", "id-not-dir", "threshold-above-1", "threshold-zero", "empty-cmd", "bad-timeout",
         "placeholder-typo"])
 def test_task_json_errors_are_refusals_that_write_nothing(tmp_path, mutate, expect):
