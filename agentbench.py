@@ -4551,12 +4551,13 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
 
     `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths of file
     tools are taken against the workspace.  Bash commands are scanned for absolute paths and
-    protected dirs; their relative `../` paths are resolved against the workspace, the
-    shallowest place the shell can be in (a cd out of it is itself a finding, and the Bash tool
-    puts the shell back), except in the steps joined by `&&` after a plain `cd DIR`: those run
-    only if the cd succeeded, so in DIR.  Thus `cd pkg && cat ../README` is no climb out, while
-    `cd nosuch; cat ../x` is one -- and so, conservatively, is `cat ../x` in a later command
-    after a `cd pkg`, since that cd may have failed.
+    protected dirs; their relative paths with a `..` part are resolved against the workspace,
+    the shallowest place the shell can be in (a cd out of it is itself a finding, and the Bash
+    tool puts the shell back), except in the steps joined by `&&` after a plain `cd DIR`: those
+    run only if the cd succeeded, so in DIR (a subshell, `&`, pushd or popd ends that).  Thus
+    `cd pkg && cat ../README` is no climb out, while `cd nosuch; cat ../x` is one -- and so,
+    conservatively, is `cat ../x` in a later command after a `cd pkg`, since that cd may have
+    failed.
     """
     findings: list[dict[str, Any]] = []
     ws = os.path.normpath(workspace)
@@ -4580,9 +4581,13 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
             # Relative paths that climb out of the workspace (../../state/...), step by step.
             here = ws                       # where the current step runs
             for step, before, in_heredoc in shell_steps(cmd):
-                if before != "&&":
+                # A directory is kept only along a plain `&&` chain: a subshell, a background `&`,
+                # pushd/popd or a here-doc puts the judging back in the workspace.
+                if before != "&&" or in_heredoc or re.search(r"[()&]|\b(pushd|popd)\b", step):
                     here = ws
-                for tok in re.findall(r"(?:^|[\s'\"=:<>|;&(])((?:\.\./|\.\.$)[^\s'\"|;&<>()]*)", step.strip()):
+                for tok in re.findall(r"[^\s'\"|;&<>()=:]+", step):
+                    if os.path.isabs(tok) or ".." not in re.split(r"[/\\]", tok):
+                        continue
                     full = os.path.normpath(os.path.join(here, tok))
                     if inside(full, ws):
                         continue

@@ -559,6 +559,15 @@ def test_audit_flags_paths_outside_the_workspace_and_protected_reads(tmp_path):
     assert bash_kinds("cat <<'EOF' > run.sh\ncd pkg && cat ../x\nEOF\n") == out
     assert bash_kinds("cd pkg && cat ../x") == set()                   # (as a command it would)
     assert bash_kinds("python3 - <<'PY'\nopen('../x')\nPY") == out     # here-doc text is scanned
+    # A subshell, a background & or pushd ends the chain's directory; any `..` part counts.
+    up = "../../../state/x"          # from the workspace: the study's state directory
+    for command in ("mkdir -p a/b/c && cd a/b/c && (cd ../../.. && cat " + up + ")",
+                    "cd a/b/c && pushd ../../.. && cat " + up,
+                    "cd a/b/c && true & cat " + up,
+                    "cat ./" + up, "cat pkg/../" + up, "cp x --target=" + up):
+        assert bash_kinds(command) == out | {"bash_touches_study"}, command
+    assert bash_kinds("ls .. -la") == out
+    assert bash_kinds("git diff HEAD~1..HEAD && cd pkg && ls ../tests") == set()
 
 
 def test_audit_leaves_work_inside_the_workspace_alone(tmp_path):
