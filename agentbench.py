@@ -3245,7 +3245,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 # Stamped by another host's clock: the runtime file's mtime, which the file server
                 # stamps, is judged on the file system's clock instead.
                 with contextlib.suppress(OSError):
-                    age = mtime_age_s(os.stat(paths.runtime_file(job_id)).st_mtime, paths.job_dir(job_id),
+                    # (The clock probe lives in the state dir: one per study, on the same file system.)
+                    age = mtime_age_s(os.stat(paths.runtime_file(job_id)).st_mtime, paths.state,
                                       platform.hostname(), lost_after_s())
             if age <= lost_after_s():
                 continue
@@ -3323,11 +3324,12 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
     # The launch may have been recorded meanwhile (a supervisor just detached, an sbatch that
     # answered): what follows goes by the record as it is now.
     launcher = read_launcher(paths, job_id)
-    if sjid is None and slurm_job_of(launcher) is not None and not job_is_final(paths, job_id) \
-            and read_json(paths.runtime_file(job_id), default=None) is None:
+    if sjid is None and slurm_job_of(launcher) is not None:
         sjid, cluster = slurm_job_of(launcher), slurm_cluster_of(launcher)
-        slurm_cancel(platform, sjid, os.environ, cluster)
-        _wait_final(paths, job_id, 2.0)
+        if not job_is_final(paths, job_id) and read_json(paths.runtime_file(job_id), default=None) is None:
+            # Still queued: cancelled here.  One that started is handled below like any other.
+            slurm_cancel(platform, sjid, os.environ, cluster)
+            _wait_final(paths, job_id, 2.0)
     rt = read_json(paths.runtime_file(job_id), default=None)
     if sjid is not None and rt is not None and not job_is_final(paths, job_id):
         # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after

@@ -503,6 +503,29 @@ def test_a_kill_while_sbatch_is_answering_cancels_the_submission(sst: Path, slur
     assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
 
 
+def test_a_kill_learns_a_slurm_id_recorded_during_its_wait(sst: Path, slurm_dir: Path, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """The id and a runtime (from a compute node) both appear while the kill waits: the job is
+    cancelled through Slurm, not recorded killed on the strength of an old reading."""
+    job, sjid = queued_job(sst, slurm_dir, tmp_path)
+    jdir = sst / "state" / "jobs" / job
+    record = (jdir / "launcher.json").read_text()
+    (jdir / "launcher.json").write_text(json.dumps({"executor": "slurm", "submitting": True, "at": time.time()}))
+    real_wait = ab._wait_final
+
+    def wait_during_which_the_job_starts(paths, job_id, seconds):  # noqa: ANN001
+        if "slurm_job_id" not in (jdir / "launcher.json").read_text():
+            (jdir / "launcher.json").write_text(record)
+            (jdir / "runtime.json").write_text(json.dumps({"status": "running", "host": "node7.elsewhere",
+                                                           "supervisor": {"pid": 4242, "ctime": 1.0},
+                                                           "heartbeat_at": time.time()}))
+        return real_wait(paths, job_id, seconds)
+    monkeypatch.setattr(ab, "_wait_final", wait_during_which_the_job_starts)
+    out = ab.kill_job(ab.StudyPaths(sst), PLATFORM, job, wait_s=0.3)
+    assert [c["argv"][:1] for c in fake_slurm.calls(slurm_dir, "scancel")] == [[sjid]]
+    assert out["status"] == "killed", out
+
+
 def test_a_submission_in_progress_is_alive_for_as_long_as_sbatch_may_take() -> None:
     now = time.time()
     submitting = {"executor": "slurm", "submitting": True, "at": now}
