@@ -144,6 +144,11 @@ class AgentbenchError(Exception):
         if hint:
             self.payload["hint"] = hint
 
+    def one_line(self) -> str:
+        """The message and the rest of the payload on one line (for a warning or a log)."""
+        rest = {k: v for k, v in self.payload.items() if k != "error"}
+        return self.payload["error"] + (" " + json.dumps(rest, sort_keys=True, default=str) if rest else "")
+
 
 def json_line(obj: Any) -> str:
     """The one serialisation of command output: compact, sorted keys, newline-terminated."""
@@ -3052,6 +3057,13 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     return True
 
 
+def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
+                                 kill_req: Mapping[str, Any]) -> bool:
+    """Record a job whose kill request came before its session started: `killed`, at no cost."""
+    return finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
+                        usage=None, extra={"detail": "killed before its session started"})
+
+
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     """Re-parse a raw stream copy (for a job whose supervisor died before finalising)."""
     st = StreamState()
@@ -3274,8 +3286,7 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
         if kill_req is not None:
             # Killed before it started (a queued Slurm job whose cancel was not confirmed, which
             # then started and stopped at the kill request): a kill, not a launch failure.
-            finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
-                         usage=None, extra={"detail": "killed before its session started"})
+            finalize_killed_before_start(paths, platform, job, kill_req)
             reaped.append(job_id)
             continue
         if (paths.job_dir(job_id) / "supervisor.claim").exists():
@@ -3553,9 +3564,7 @@ class Supervisor:
             # Killed before it started: record that now (once-only, whoever else is finalising),
             # so that `kill` and `wait` need not wait for a supervisor that will never write a
             # runtime, nor for the reaper.
-            finalize_job(self.paths, self.platform, job, status="killed",
-                         reason=str(kill_req.get("reason") or "requested"), usage=None,
-                         extra={"detail": "killed before its session started"})
+            finalize_killed_before_start(self.paths, self.platform, job, kill_req)
             return 0
         me = self.platform.proc_id(os.getpid())
         raw_dir = Path(job["raw_dir"])
@@ -3762,9 +3771,9 @@ PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissi
 
 
 def validate_launch_values(cfg: Mapping[str, Any]) -> None:
-    """Refuse launch values claude would reject or that would make a study meaningless (the
-    model, effort and permission mode here; every other key's shape and range in
-    check_study_shape)."""
+    """Refuse launch values claude would reject or that would make a study meaningless: the
+    model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
+    done where the study is read (load_study_config) and by `init` before it writes."""
     if cfg.get("model") is not None:
         check_model_id(str(cfg["model"]))
     if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
@@ -3772,7 +3781,6 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
         raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
-    check_study_shape(cfg)
 
 
 def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
@@ -4137,15 +4145,14 @@ class Arm:
 
 
 def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
+    """The study's arms, in their order (the first is the default baseline); `cfg` as
+    load_study_config returns it, its arms' shape already checked."""
     arms_cfg = cfg.get("arms")
     if not isinstance(arms_cfg, dict) or not arms_cfg:
         raise AgentbenchError("study.json has no arms", hint='add e.g. "arms": {"A": {"preamble": "arms/A.md"}}')
-    check_study_shape({"arms": arms_cfg})
     arms = {}
     for name, spec in arms_cfg.items():
         check_name("arm", name)
-        if not isinstance(spec, dict):
-            raise AgentbenchError("an arm must be an object", arm=name)
         text, ppath = "", None
         if spec.get("preamble"):
             p = Path(spec["preamble"])
@@ -4153,8 +4160,8 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
             if not p.is_file():
                 raise AgentbenchError("arm preamble file not found", arm=name, path=str(p))
             text, ppath = p.read_text(encoding="utf-8"), str(p)
-        gc = spec.get("gate_cycles", 0)   # its type and range: check_study_shape
-        arms[name] = Arm(name, text, ppath, gc, spec.get("review", False) is True, spec.get("fork_base", False) is True)
+        arms[name] = Arm(name, text, ppath, spec.get("gate_cycles", 0), spec.get("review", False),
+                         spec.get("fork_base", False))
     return arms
 
 
@@ -7031,8 +7038,7 @@ class ScriptedModelServer:
         try:
             validate_script(script, script_id)
         except AgentbenchError as exc:
-            detail = {k: v for k, v in exc.payload.items() if k != "error"}
-            return f"{path}: {exc.payload.get('error')} {json.dumps(detail, default=str)}"
+            return f"{path}: {exc.one_line()}"
         return "it is valid now (it was written while being read)"
 
     # ---- request → answer plan ---------------------------------------------------------------
@@ -7807,8 +7813,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             warnings.append("the study's env sets variables the scrub drops by default: " + ", ".join(readded))
     except AgentbenchError as exc:
         if study is not None:   # no study given is fine here; a broken one is worth saying
-            detail = {k: v for k, v in exc.payload.items() if k != "error"}
-            warnings.append(f"study: {exc.payload.get('error')}" + (f" {json.dumps(detail, default=str)}" if detail else ""))
+            warnings.append("study: " + exc.one_line())
     binary, how = find_claude_binary(cfg_binary, ctx.env)
     version = claude_version(binary, ctx.platform) if binary else None
     if not binary:
@@ -8733,21 +8738,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     report = build_report(runs, arms, baseline=args.baseline, seed=seed)
     if args.format == "json":
-        if args.out:
-            # The report is still the answer; the file is a copy of it.
-            if ctx.is_child:
-                raise AgentbenchError("refused inside a supervised session: writing a report file")
-            write_json_atomic(args.out, report)
-            return {**report, "path": str(args.out)}
-        return report
-    text = render_report_md(report) if args.format == "md" else render_report_html(report)
+        text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
+    else:
+        text = render_report_md(report) if args.format == "md" else render_report_html(report)
+        result = {"format": args.format}
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
-    result: dict[str, Any] = {"format": args.format}
     if out:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report file")
         write_text_atomic(out, text)
         result["path"] = str(out)
+    if args.format == "json":
+        return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
     result["summary"] = {a: {k: v for k, v in s.items() if k in ("runs", "evaluated", "successes", "success_rate")}
