@@ -3973,6 +3973,8 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle")
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
+#: The hidden tests' pass mark when task.json gives none (SPEC: calibration's default 0.9).
+DEFAULT_ORACLE_THRESHOLD = 0.9
 IGNORED_BUNDLE_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store", ".git"})
 TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_system", "review_feedback",
                   "resume", "train_base")
@@ -4026,7 +4028,7 @@ class Task:
     @property
     def partial(self) -> Path: return self.root / "partial"
     @property
-    def threshold(self) -> float: return float(self.oracle.get("threshold", 0.9))
+    def threshold(self) -> float: return float(self.oracle.get("threshold", DEFAULT_ORACLE_THRESHOLD))
 
 
 def misspelt_placeholders(cmd: Sequence[str]) -> dict[str, str]:
@@ -4046,6 +4048,16 @@ def misspelt_placeholders(cmd: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def check_default_timeout_s(which: str) -> float:
+    """A check's time limit when task.json gives none: one default per kind, used by the task's
+    validation and by `run_check` alike."""
+    return DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S
+
+
+def check_timeout_s(spec: Mapping[str, Any], which: str) -> float:
+    return float(spec.get("timeout_s", check_default_timeout_s(which)))
+
+
 def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if not isinstance(spec, dict) or not isinstance(spec.get("cmd"), list) or not spec["cmd"] \
             or not all(isinstance(a, str) for a in spec["cmd"]):
@@ -4056,11 +4068,11 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
         # It would reach the command as literal text and fail obscurely.
         raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
-    t = spec.get("timeout_s", DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S)
+    t = spec.get("timeout_s", check_default_timeout_s(which))
     if not isinstance(t, (int, float)) or t <= 0:
         raise AgentbenchError(f"task {which}.timeout_s must be a positive number", task=task_id)
     if which == "oracle":
-        th = spec.get("threshold", 0.9)
+        th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
         if not isinstance(th, (int, float)) or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", task=task_id, threshold=th)
     return dict(spec)
@@ -4275,7 +4287,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     try:
         argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir)
         cenv, _ = check_env(env)
-        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=float(spec.get("timeout_s", 120)), platform=platform)
+        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
