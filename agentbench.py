@@ -122,6 +122,19 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
                                   "study_usd": 200.0, "min_remaining_usd": 0.05}
+#: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
+#: request that crossed it; the supervisor stops a session whose list-price estimate passes the
+#: budget by this factor plus this pad (an estimate, so only a clear overrun counts).
+BUDGET_BACKSTOP_FACTOR = 1.25
+BUDGET_BACKSTOP_PAD_USD = 0.01
+#: The shortest wall limit a run's next session gets when its run has almost no wall time left.
+MIN_SESSION_WALL_S = 5.0
+#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.
+PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120,
+                               "orphan_after_s": 0}
+#: The rehearsal's training of a per-task base: a few scripted turns.
+TRAIN_REHEARSAL_WALL_S = 600
+TRAIN_REHEARSAL_STALL_AFTER_S = 300
 
 
 # ==================================================================================================
@@ -2001,6 +2014,10 @@ def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]
     return run_command(argv, cwd=os.getcwd(), env=slurm_client_env(env), timeout_s=60, platform=platform)
 
 
+def local_claude_path() -> Path:
+    return HERE / ".agentbench-tools" / "node_modules" / ".bin" / "claude"
+
+
 def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
     """Locate `claude`: the study's configured path, $AGENTBENCH_CLAUDE_BIN, PATH, or a local install.
 
@@ -2021,10 +2038,6 @@ def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[
     if local.is_file():
         return str(local), "local install"
     return None, "not found"
-
-
-def local_claude_path() -> Path:
-    return HERE / ".agentbench-tools" / "node_modules" / ".bin" / "claude"
 
 
 def claude_version(binary: str, platform: "Platform") -> str | None:
@@ -2801,6 +2814,19 @@ def job_is_final(paths: StudyPaths, job_id: str) -> bool:
     return paths.result_file(job_id).exists() and not (paths.active / job_id).exists()
 
 
+def read_launcher(paths: StudyPaths, job_id: str) -> dict[str, Any] | None:
+    """How the job's supervisor was started: {"executor": "local", pid, ctime, host} or
+    {"executor": "slurm", "slurm_job_id": ...}; None before the launch was recorded."""
+    return read_json(paths.job_dir(job_id) / "launcher.json", default=None)
+
+
+def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
+    """The Slurm job id of a job submitted through the Slurm executor, else None."""
+    if launcher and launcher.get("executor") == "slurm" and launcher.get("slurm_job_id"):
+        return str(launcher["slurm_job_id"])
+    return None
+
+
 def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     """A job's current state: its result if final, else its runtime (or `created`)."""
     res = read_json(paths.result_file(job_id), default=None)
@@ -3126,6 +3152,12 @@ class DriverBeat:
                 self.path.unlink()
 
 
+def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
+    if not d or d.get("pid") is None:
+        return None
+    return ProcId(int(d["pid"]), d.get("ctime"))
+
+
 def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None:
     """Is a run driver still there?  On its own host by pid + creation time; elsewhere by the age
     of its beat file (a missing file = ended); None when neither can be checked."""
@@ -3142,12 +3174,6 @@ def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None
     except OSError:
         return None
     return mtime_age_s(mtime, os.path.dirname(beat), platform.hostname(), lost_after_s()) <= lost_after_s()
-
-
-def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
-    if not d or d.get("pid") is None:
-        return None
-    return ProcId(int(d["pid"]), d.get("ctime"))
 
 
 def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
@@ -3175,19 +3201,6 @@ def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState
     usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
     return usage, st
-
-
-def read_launcher(paths: StudyPaths, job_id: str) -> dict[str, Any] | None:
-    """How the job's supervisor was started: {"executor": "local", pid, ctime, host} or
-    {"executor": "slurm", "slurm_job_id": ...}; None before the launch was recorded."""
-    return read_json(paths.job_dir(job_id) / "launcher.json", default=None)
-
-
-def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
-    """The Slurm job id of a job submitted through the Slurm executor, else None."""
-    if launcher and launcher.get("executor") == "slurm" and launcher.get("slurm_job_id"):
-        return str(launcher["slurm_job_id"])
-    return None
 
 
 def slurm_cluster_of(launcher: Mapping[str, Any] | None) -> str | None:
@@ -3472,7 +3485,7 @@ class Supervisor:
                 self._stop(proc, claude, "failed", "model_refused")
                 return
         budget = lim.get("max_budget_usd")
-        if budget is not None and est > float(budget) * 1.25 + 0.01:
+        if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
             self._stop(proc, claude, "failed", "budget")
             return
         # An injected interrupt counts tools that RAN (their results), not tool calls requested:
@@ -3716,6 +3729,26 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
                               hint="claude refuses a zero budget; give a positive amount")
 
 
+def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, stall_after_s: float | None = None,
+                   orphan_after_s: float | None = None, max_budget_usd: float | None = None,
+                   max_turns: int | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The limits of one session: every launch builds them here.  What a caller leaves out (None)
+    is the study's: its per-session cap (`max_minutes`, within `budget.wall_s`), stall and orphan
+    settings, `budget.usd_per_run` and `budget.max_turns`.  `extra` adds job-specific keys
+    (snapshots, an injected fault).  Pure: the caller validates the result where it is refused."""
+    budget = launch["budget"]
+    session_cap = float(launch["max_minutes"]) * 60      # max_minutes bounds any one session
+    limits: dict[str, Any] = {
+        "wall_s": wall_s if wall_s is not None else min(float(budget.get("wall_s") or session_cap), session_cap),
+        "stall_after_s": stall_after_s if stall_after_s is not None else launch.get("stall_after_s"),
+        "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
+        "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
+        "max_turns": max_turns if max_turns is not None else budget.get("max_turns")}
+    if extra:
+        limits.update(extra)
+    return limits
+
+
 # ==================================================================================================
 # The supervisor: jobs (start, fork, continue)
 # ==================================================================================================
@@ -3874,15 +3907,6 @@ def register_base(paths: StudyPaths, name: str, job: Mapping[str, Any], workspac
                                                 "last_ping": time.time()})
 
 
-def require_base_ready(paths: StudyPaths, name: str) -> None:
-    """Refuse (refusal "base") unless the base exists and its training ended ok."""
-    state = base_state(paths, load_base(paths, name))
-    if state != "ready":
-        raise AgentbenchError("base is not ready", base=name, state=state, refusal="base",
-                              hint="wait for its training job, or retrain it with --replace")
-
-
-
 def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
     if rec.get("expired"):
         return "expired"
@@ -3890,6 +3914,14 @@ def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
     if res is None:
         return "training"
     return "ready" if res["status"] == "ok" else f"failed:{res.get('reason') or res['status']}"
+
+
+def require_base_ready(paths: StudyPaths, name: str) -> None:
+    """Refuse (refusal "base") unless the base exists and its training ended ok."""
+    state = base_state(paths, load_base(paths, name))
+    if state != "ready":
+        raise AgentbenchError("base is not ready", base=name, state=state, refusal="base",
+                              hint="wait for its training job, or retrain it with --replace")
 
 
 
@@ -3917,6 +3949,13 @@ def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_w
     return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
                                                    "context_tokens": sess.get("context_tokens", 0)}}
 
+
+
+def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
+    existing = read_json(paths.job_file(job_id))
+    return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
+            "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
+            "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
 def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
@@ -3951,13 +3990,6 @@ def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits:
                          raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
     except DuplicateRequest as dup:
         return _duplicate_continue(paths, prev_id, dup.job_id)
-
-
-def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
-    existing = read_json(paths.job_file(job_id))
-    return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
-            "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
-            "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
 # ==================================================================================================
@@ -4661,6 +4693,19 @@ class PipelineOptions:
     rehearsal: bool = False
 
 
+#: The checkout's commit, looked up once per process.
+_GIT_COMMIT: list[str | None] = []
+
+
+def agentbench_git_commit(platform: "Platform") -> str | None:
+    """The git commit of this agentbench checkout (provenance), or None outside a checkout."""
+    if not _GIT_COMMIT:
+        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(os.environ)[0],
+                          timeout_s=20, platform=platform) if shutil.which("git") else None
+        _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
+    return _GIT_COMMIT[0]
+
+
 class RunPipeline:
     """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
 
@@ -4731,15 +4776,14 @@ class RunPipeline:
             return None
         wall_left = float(budget.get("wall_s") or 0) - self.active_s()
         session_cap = float(self.launch["max_minutes"]) * 60
-        limits = {"wall_s": min(session_cap, max(5.0, wall_left)) if budget.get("wall_s") else session_cap,
-                  "stall_after_s": self.launch.get("stall_after_s"),
-                  "orphan_after_s": 0 if self.opts.driver else self.launch.get("orphan_after_s"),
-                  "max_budget_usd": max(round(remaining, 6), 0.000001), "max_turns": budget.get("max_turns"),
-                  "snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
-                  "snapshot_dir": str(self.paths.run_dir(self.run_id) / "snapshots"),
-                  "snapshot_offset_s": round(self.active_s(), 3)}
-        if fault:
-            limits.update(fault)
+        limits = session_limits(
+            self.launch,
+            wall_s=min(session_cap, max(MIN_SESSION_WALL_S, wall_left)) if budget.get("wall_s") else session_cap,
+            orphan_after_s=0 if self.opts.driver else None,
+            max_budget_usd=max(round(remaining, 6), 0.000001),
+            extra={"snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
+                   "snapshot_dir": str(self.paths.run_dir(self.run_id) / "snapshots"),
+                   "snapshot_offset_s": round(self.active_s(), 3), **(fault or {})})
         marker = ""
         if self.opts.script_for:
             sid = self.opts.script_for(self.rec, role, self.attempt, script_key or role)
@@ -5126,18 +5170,6 @@ class RunPipeline:
                 write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
             out.append({"t": int(snap.name[1:]), "content_sha256": digest, **cached})
         return out
-
-
-_GIT_COMMIT: list[str | None] = []
-
-
-def agentbench_git_commit(platform: "Platform") -> str | None:
-    """The git commit of this agentbench checkout (provenance), or None outside a checkout."""
-    if not _GIT_COMMIT:
-        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(os.environ)[0],
-                          timeout_s=20, platform=platform) if shutil.which("git") else None
-        _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
-    return _GIT_COMMIT[0]
 
 
 def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
@@ -7660,8 +7692,9 @@ def train_rehearsal_base(ctx: Any, paths: StudyPaths, cfg: Mapping[str, Any], ta
     prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
                     notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
     launch = launch_config(cfg)
-    limits = {"wall_s": 600, "max_turns": launch["budget"].get("max_turns"), "stall_after_s": 300,
-              "max_budget_usd": float(launch["budget"].get("usd_per_run") or 5.0)}
+    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S, stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S,
+                            orphan_after_s=0,
+                            max_budget_usd=float(launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]))
     out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                     fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
                     driver=driver, cfg=cfg)
@@ -7782,15 +7815,11 @@ def read_brief(ctx: Ctx, path: str) -> str:
 
 
 def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, fault: str | None = None) -> dict[str, Any]:
-    budget = launch["budget"]
-    session_cap = float(launch["max_minutes"]) * 60      # max_minutes bounds any one session
-    limits = {"wall_s": getattr(args, "wall_s", None) or min(float(budget.get("wall_s") or session_cap), session_cap),
-              "stall_after_s": launch.get("stall_after_s"),
-              "orphan_after_s": getattr(args, "orphan_after_s", None) if getattr(args, "orphan_after_s", None) is not None else launch.get("orphan_after_s"),
-              "max_budget_usd": getattr(args, "max_budget_usd", None) if getattr(args, "max_budget_usd", None) is not None else budget.get("usd_per_run"),
-              "max_turns": getattr(args, "max_turns", None) or budget.get("max_turns")}
-    if fault:
-        limits.update(parse_fault(fault))
+    limits = session_limits(launch, wall_s=getattr(args, "wall_s", None) or None,
+                            orphan_after_s=getattr(args, "orphan_after_s", None),
+                            max_budget_usd=getattr(args, "max_budget_usd", None),
+                            max_turns=getattr(args, "max_turns", None) or None,
+                            extra=parse_fault(fault) if fault else None)
     check_job_limits(limits)
     return limits
 
@@ -8072,6 +8101,62 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
+def study_parts(paths: StudyPaths) -> tuple[dict[str, Any], dict[str, Task], dict[str, Arm], dict[str, string.Template]]:
+    cfg = load_study_config(paths)
+    return cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg)
+
+
+def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
+    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
+    must not grow with the number of tasks)."""
+    rec = load_run(paths, run_id)
+    cfg = load_study_config(paths)
+    task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
+    if not (task_root / "task.json").exists():
+        raise AgentbenchError("the run's task bundle is missing", run=run_id, task=rec["task"], path=str(task_root))
+    tasks = {rec["task"]: load_task(task_root)}
+    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
+                       opts or PipelineOptions())
+    pipe.rec = rec
+    return pipe
+
+
+def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
+    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached)."""
+    rec = load_run(paths, args.run)
+    cfg, tasks, _, _ = study_parts(paths)
+    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
+        raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
+    # Refusals first, so that a refused spawn leaves the run untouched.
+    arms = load_arms(paths, cfg)
+    base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+    if base:
+        require_base_ready(paths, base)
+    launch = launch_config(cfg)
+    study_binary(ctx, cfg)
+    refuse_if_paused(paths, launch)
+    reap_jobs(paths, ctx.platform)
+    if len(active_job_ids(paths)) >= int(launch["parallel"]):
+        raise AgentbenchError("parallel cap reached", active=len(active_job_ids(paths)), cap=launch["parallel"],
+                              refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
+    pipe = pipeline_for(ctx, paths, args.run)
+    if not pipe.claim():
+        raise AgentbenchError("the run is not waiting to start", run=args.run, status=rec.get("status"),
+                              hint="a run starts once; see `list --all`")
+    try:
+        if args.base:
+            pipe.rec["base"] = check_name("base", args.base)
+        task, arm, ws, prompt = pipe.prepare()
+        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
+        base = pipe.rec.get("base")
+        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra="" if base else arm.preamble_text,
+                               fault=fault, base=base)
+    except AgentbenchError as exc:
+        pipe._end_error(exc.payload.get("error", "error"), exc.payload)
+        raise
+    return {"run_id": args.run, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
+
+
 @command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -8296,9 +8381,6 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- experiment commands ------------------------------------------------------------------------------
 
-def study_parts(paths: StudyPaths) -> tuple[dict[str, Any], dict[str, Task], dict[str, Arm], dict[str, string.Template]]:
-    cfg = load_study_config(paths)
-    return cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg)
 
 
 def _calibrate_args(p: argparse.ArgumentParser) -> None:
@@ -8400,63 +8482,12 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "faults": {k: v for k, v in faults.items()}}
 
 
-def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
-    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
-    must not grow with the number of tasks)."""
-    rec = load_run(paths, run_id)
-    cfg = load_study_config(paths)
-    task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
-    if not (task_root / "task.json").exists():
-        raise AgentbenchError("the run's task bundle is missing", run=run_id, task=rec["task"], path=str(task_root))
-    tasks = {rec["task"]: load_task(task_root)}
-    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
-                       opts or PipelineOptions())
-    pipe.rec = rec
-    return pipe
-
-
 def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
     """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
     if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
         raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
                               hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
                                    "and a finished run is final")
-
-
-def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
-    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached)."""
-    rec = load_run(paths, args.run)
-    cfg, tasks, _, _ = study_parts(paths)
-    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
-        raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
-    # Refusals first, so that a refused spawn leaves the run untouched.
-    arms = load_arms(paths, cfg)
-    base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
-    if base:
-        require_base_ready(paths, base)
-    launch = launch_config(cfg)
-    study_binary(ctx, cfg)
-    refuse_if_paused(paths, launch)
-    reap_jobs(paths, ctx.platform)
-    if len(active_job_ids(paths)) >= int(launch["parallel"]):
-        raise AgentbenchError("parallel cap reached", active=len(active_job_ids(paths)), cap=launch["parallel"],
-                              refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
-    pipe = pipeline_for(ctx, paths, args.run)
-    if not pipe.claim():
-        raise AgentbenchError("the run is not waiting to start", run=args.run, status=rec.get("status"),
-                              hint="a run starts once; see `list --all`")
-    try:
-        if args.base:
-            pipe.rec["base"] = check_name("base", args.base)
-        task, arm, ws, prompt = pipe.prepare()
-        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
-        base = pipe.rec.get("base")
-        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra="" if base else arm.preamble_text,
-                               fault=fault, base=base)
-    except AgentbenchError as exc:
-        pipe._end_error(exc.payload.get("error", "error"), exc.payload)
-        raise
-    return {"run_id": args.run, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
 
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
@@ -8622,6 +8653,22 @@ class Progress:
                 self.stream.write("\n")
 
 
+def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
+    prog = Progress(len(ids))
+    cfg = load_study_config(paths)
+    driver = driver_record(ctx.platform, paths)
+    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver, progress=prog)
+    try:
+        with DriverBeat(driver):
+            out = drive_runs(ctx, paths, ids, opts, parallel)
+    finally:
+        prog.close()
+    outcomes: dict[str, int] = {}
+    for r in out["results"].values():
+        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
+
+
 @command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -8663,22 +8710,6 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`"}
     return drive_foreground(ctx, paths, ids, parallel)
-
-
-def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
-    cfg = load_study_config(paths)
-    driver = driver_record(ctx.platform, paths)
-    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver, progress=prog)
-    try:
-        with DriverBeat(driver):
-            out = drive_runs(ctx, paths, ids, opts, parallel)
-    finally:
-        prog.close()
-    outcomes: dict[str, int] = {}
-    for r in out["results"].values():
-        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
-    return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
@@ -8900,7 +8931,7 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                 continue
             ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
             fk = fork_base(ctx, paths, rec["name"], ws, copy_workspace=False)
-            limits = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
+            limits = session_limits(launch_config(cfg), **PING_LIMITS)
             out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
                             session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
                             meta={"base": rec["name"]}, cfg=cfg,

@@ -54,3 +54,35 @@ def test_the_oracle_timeout_default_is_the_documented_300_s():
 def test_an_oracle_without_threshold_uses_the_default_pass_mark(tmp_path):
     task = ab.load_task(_task_without_limits(tmp_path / "tasks"))
     assert task.threshold == ab.DEFAULT_ORACLE_THRESHOLD == 0.9
+
+
+LAUNCH = {"max_minutes": 60, "stall_after_s": 300, "orphan_after_s": 0,
+          "budget": {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200}}
+
+
+@pytest.mark.parametrize("launch_changes, overrides, expected", [
+    # Nothing given: the study's own limits; max_minutes bounds the session within budget.wall_s.
+    ({}, {}, {"wall_s": 3600.0, "stall_after_s": 300, "orphan_after_s": 0, "max_budget_usd": 5.0, "max_turns": 200}),
+    ({"max_minutes": 10}, {}, {"wall_s": 600.0}),
+    ({"budget": {"usd_per_run": 2.0, "wall_s": 120, "max_turns": 7}}, {},
+     {"wall_s": 120.0, "max_budget_usd": 2.0, "max_turns": 7}),
+    # No budget.wall_s: the per-session cap alone.
+    ({"budget": {"usd_per_run": 1.0, "wall_s": None, "max_turns": 3}}, {}, {"wall_s": 3600.0}),
+    # A caller's value wins, including a falsy 0 (orphan watchdog off).
+    ({"orphan_after_s": 900}, {"orphan_after_s": 0}, {"orphan_after_s": 0}),
+    ({}, {"wall_s": 42.0, "max_budget_usd": 0.25, "max_turns": 1, "stall_after_s": 9},
+     {"wall_s": 42.0, "max_budget_usd": 0.25, "max_turns": 1, "stall_after_s": 9}),
+    ({}, {"extra": {"interrupt_after_tool_uses": 2}}, {"interrupt_after_tool_uses": 2}),
+])
+def test_session_limits_fill_what_the_caller_leaves_out_from_the_study(launch_changes, overrides, expected):
+    launch = {**LAUNCH, **launch_changes}
+    got = ab.session_limits(launch, **overrides)
+    assert {k: got[k] for k in expected} == expected
+    assert set(got) >= {"wall_s", "stall_after_s", "orphan_after_s", "max_budget_usd", "max_turns"}
+
+
+def test_a_ping_is_one_short_turn_outside_every_budget():
+    got = ab.session_limits(LAUNCH, **ab.PING_LIMITS)
+    assert got == {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
+    ab.check_job_limits(got)
+
