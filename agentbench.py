@@ -2068,6 +2068,16 @@ def install_pinned_claude(platform: "Platform") -> str:
     return str(local_claude_path())
 
 
+# -- the host: what the layers below the CLI know of their process ---------------------------------
+
+@dataclass
+class Host:
+    """The platform seam and the environment a command runs with: what every layer below the CLI
+    takes (the CLI's `Ctx` is a Host with the cwd, the emitter and the child marker added)."""
+    platform: Platform
+    env: Mapping[str, str]
+
+
 # ==================================================================================================
 # Env scrub
 # ==================================================================================================
@@ -3757,7 +3767,7 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
 # the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
 # sessions that runs fork from) are small records under state/bases/.
 
-def study_binary(ctx: Any, cfg: Mapping[str, Any]) -> str:
+def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
     if not binary:
         raise AgentbenchError("the claude binary was not found", how=how,
@@ -3857,7 +3867,7 @@ def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Any]:
     return launch
 
 
-def start_job(ctx: Any, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
+def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
               resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
               meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
               raw_dir: str | None = None, driver: Mapping[str, Any] | None = None,
@@ -3925,7 +3935,7 @@ def require_base_ready(paths: StudyPaths, name: str) -> None:
 
 
 
-def fork_base(ctx: Any, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool,
+def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool,
               env_extra: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals."""
     rec = load_base(paths, base)
@@ -3958,7 +3968,7 @@ def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[st
             "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
-def continue_job(ctx: Any, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
+def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
                  kind: str = "continue", meta_extra: Mapping[str, Any] | None = None,
                  cfg: Mapping[str, Any] | None = None, driver: Mapping[str, Any] | None = None,
                  raw_dir: str | None = None) -> dict[str, Any]:
@@ -4504,7 +4514,7 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
     return out
 
 
-def kill_run(ctx: Any, paths: StudyPaths, run_id: str) -> dict[str, Any]:
+def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
     """Kill a run's in-flight jobs (its driver then records the outcome)."""
     rec = load_run(paths, run_id)
     results = []
@@ -4709,7 +4719,7 @@ def agentbench_git_commit(platform: "Platform") -> str | None:
 class RunPipeline:
     """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
 
-    def __init__(self, ctx: Any, paths: StudyPaths, run_id: str, cfg: Mapping[str, Any],
+    def __init__(self, ctx: Host, paths: StudyPaths, run_id: str, cfg: Mapping[str, Any],
                  tasks: Mapping[str, Task], arms: Mapping[str, Arm], templates: Mapping[str, string.Template],
                  opts: PipelineOptions):
         self.ctx = ctx
@@ -5172,7 +5182,7 @@ class RunPipeline:
         return out
 
 
-def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
+def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
                parallel: int) -> dict[str, Any]:
     """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped."""
     cfg = load_study_config(paths)
@@ -7599,7 +7609,7 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mappin
     return out
 
 
-def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
+def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
                    private_home: bool = False) -> dict[str, Any]:
@@ -7676,7 +7686,7 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
     return {**record, "paused": driven["paused"]}
 
 
-def train_rehearsal_base(ctx: Any, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
+def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
                          server: "ScriptedModelServer", env_extra: Mapping[str, str],
                          driver: Mapping[str, Any] | None) -> None:
     """Train the per-task base that `fork_base` arms fork from: the scripted agent reads the task
@@ -7755,10 +7765,8 @@ class _ArgParser(argparse.ArgumentParser):
 
 
 @dataclass
-class Ctx:
-    """What a command handler may use: the platform, the environment, the cwd, an early emitter."""
-    platform: "Platform"
-    env: Mapping[str, str]
+class Ctx(Host):
+    """What a command handler may use: the host (platform, environment), the cwd, an early emitter."""
     cwd: str
     emit: Callable[[dict[str, Any]], None]
     is_child: bool
