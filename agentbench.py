@@ -144,22 +144,26 @@ TRAIN_REHEARSAL_STALL_AFTER_S = 300
 # This section formats; only main() prints to stdout.  log() is the one stderr writer.
 
 class AgentbenchError(Exception):
-    """The one error type: exit code + JSON payload (+ optional hint).
+    """The one error type: a machine-readable code, exit code + JSON payload (+ optional hint).
 
     Raised anywhere below main(); main() prints ``payload`` as the command's one JSON object and
-    returns ``exit_code``.  2 = usage error or refusal; 3 and 4 are used by `wait`.
+    returns ``exit_code``.  2 = usage error or refusal; 3 and 4 are used by `wait`.  ``code`` (also
+    ``payload["code"]``) is what callers and tests tell errors apart by; the message is for people
+    and may be reworded.
     """
 
-    def __init__(self, message: str, *, exit_code: int = 2, hint: str | None = None, **fields: Any):
+    def __init__(self, message: str, *, code: str = "error", exit_code: int = 2, hint: str | None = None,
+                 **fields: Any):
         super().__init__(message)
+        self.code = code
         self.exit_code = exit_code
-        self.payload: dict[str, Any] = {"error": message, **fields}
+        self.payload: dict[str, Any] = {"error": message, "code": code, **fields}
         if hint:
             self.payload["hint"] = hint
 
     def one_line(self) -> str:
         """The message and the rest of the payload on one line (for a warning or a log)."""
-        rest = {k: v for k, v in self.payload.items() if k != "error"}
+        rest = {k: v for k, v in self.payload.items() if k not in ("error", "code")}
         return self.payload["error"] + (" " + json.dumps(rest, sort_keys=True, default=str) if rest else "")
 
 
@@ -209,7 +213,7 @@ def env_float(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise AgentbenchError(f"{name} must be a number", value=raw) from None
+        raise AgentbenchError(f"{name} must be a number", code="env_not_a_number", value=raw) from None
 
 
 def lost_after_s() -> float:
@@ -275,12 +279,15 @@ class ProcId:
         elif isinstance(obj, (list, tuple)) and len(obj) == 2:
             pid, ctime = obj
         else:
-            raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+            raise AgentbenchError("malformed process identity", code="malformed_process_identity",
+                                  value=repr(obj)[:200])
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+            raise AgentbenchError("malformed process identity", code="malformed_process_identity",
+                                  value=repr(obj)[:200])
         if ctime is not None:
             if isinstance(ctime, bool) or not isinstance(ctime, (int, float)):
-                raise AgentbenchError("malformed process identity", value=repr(obj)[:200])
+                raise AgentbenchError("malformed process identity", code="malformed_process_identity",
+                                      value=repr(obj)[:200])
             ctime = float(ctime)
         return cls(pid, ctime)
 
@@ -304,12 +311,13 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError) as exc:
-        raise AgentbenchError("cannot read detach env file", path=path, detail=str(exc)) from exc
+        raise AgentbenchError("cannot read detach env file", code="cannot_read_detach_env_file",
+                              path=path, detail=str(exc)) from exc
     env = data.get("env") if isinstance(data, dict) else None
     if not isinstance(env, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
-        raise AgentbenchError("malformed detach env file", path=path)
+        raise AgentbenchError("malformed detach env file", code="malformed_detach_env_file", path=path)
     if remove:
         try:
             os.unlink(path)
@@ -700,10 +708,10 @@ class PosixPlatform(Platform):
         """expanduser + absolute + normpath, without resolving symlinks or touching the disk.
         A Windows drive path (``C:\\x``) is refused with a hint: it is never meant literally."""
         if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
-            raise AgentbenchError("empty or invalid path", path=str(raw))
+            raise AgentbenchError("empty or invalid path", code="empty_invalid_path", path=str(raw))
         if _WINDOWS_DRIVE_RE.match(raw):
             raise AgentbenchError(
-                "Windows path given on a POSIX system", path=raw,
+                "Windows path given on a POSIX system", code="windows_path_given_posix_system", path=raw,
                 hint="under WSL use /mnt/<drive>/..., e.g. /mnt/c/Users/...")
         path = posixpath.expanduser(raw)
         if not path.startswith("/"):
@@ -742,7 +750,7 @@ class PosixPlatform(Platform):
             self._has_proc = os.path.exists(os.path.join(self._proc, "self", "stat"))
         if not self._has_proc:
             raise AgentbenchError(
-                "process inspection needs /proc", proc_root=self._proc,
+                "process inspection needs /proc", code="process_inspection_needs_proc", proc_root=self._proc,
                 hint="this POSIX support reads /proc (Linux, WSL); other systems are not supported")
 
     def _read_stat(self, pid: int) -> _ProcStat | None:
@@ -837,7 +845,8 @@ class PosixPlatform(Platform):
         try:
             self._send(p, sig)
         except PermissionError as exc:
-            raise AgentbenchError("not allowed to signal process", pid=p.pid,
+            raise AgentbenchError("not allowed to signal process", code="not_allowed_signal_process",
+                                  pid=p.pid,
                                   detail=str(exc)) from exc
 
     def terminate(self, p: ProcId) -> None:
@@ -886,7 +895,8 @@ class PosixPlatform(Platform):
                     list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         except OSError as exc:
-            raise AgentbenchError("cannot start detached process", argv=list(argv)[:3],
+            raise AgentbenchError("cannot start detached process", code="cannot_start_detached_process",
+                                  argv=list(argv)[:3],
                                   detail=str(exc)) from exc
         self._detached = [p for p in self._detached if p.poll() is None]
         self._detached.append(proc)
@@ -984,7 +994,7 @@ def build_cim_create_command(argv: Sequence[str], cwd: str) -> list[str]:
     is resolved by the service, not by the caller's PATH.
     """
     if not argv:
-        raise AgentbenchError("empty command for detached launch")
+        raise AgentbenchError("empty command for detached launch", code="empty_command_detached_launch")
     cmdline = subprocess.list2cmdline(list(argv))
     script = "\n".join([
         "$ErrorActionPreference = 'Stop'",
@@ -1004,7 +1014,7 @@ def build_cim_create_command(argv: Sequence[str], cwd: str) -> list[str]:
     cmd = ["powershell.exe", "-NoLogo", "-NoProfile", "-NonInteractive",
            "-ExecutionPolicy", "Bypass", "-EncodedCommand", encoded]
     if len(subprocess.list2cmdline(cmd)) > 32000:  # CreateProcess limit is 32767 characters
-        raise AgentbenchError("command line too long for a detached launch",
+        raise AgentbenchError("command line too long for a detached launch", code="command_line_too_long_detached",
                               length=len(cmdline))
     return cmd
 
@@ -1031,11 +1041,11 @@ class WindowsPlatform(Platform):
         Returns backslashes, an upper-case drive letter and collapsed ``.``/``..``. Pure string
         logic, so it behaves the same on every host."""
         if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
-            raise AgentbenchError("empty or invalid path", path=str(raw))
+            raise AgentbenchError("empty or invalid path", code="empty_invalid_path", path=str(raw))
         path = raw
         if _WSL_RE.match(path):
             windows_form = path[5].upper() + ":\\" + path[7:].replace("/", "\\")
-            raise AgentbenchError("WSL path given to Windows agentbench", path=raw,
+            raise AgentbenchError("WSL path given to Windows agentbench", code="wsl_path_given_windows_agentbench", path=raw,
                                   hint=f"use the Windows path, e.g. {windows_form}")
         m = _GITBASH_RE.match(path)
         if m:
@@ -1044,7 +1054,8 @@ class WindowsPlatform(Platform):
             home = self._env.get("USERPROFILE") or (
                 (self._env.get("HOMEDRIVE", "") + self._env.get("HOMEPATH", "")) or None)
             if not home:
-                raise AgentbenchError("cannot expand ~: no USERPROFILE", path=raw)
+                raise AgentbenchError("cannot expand ~: no USERPROFILE", code="cannot_expand_no_userprofile",
+                                      path=raw)
             path = home.rstrip("\\/") + "\\" + path[2:]
         path = path.replace("/", "\\")
         if path.startswith("\\\\?\\UNC\\"):
@@ -1052,23 +1063,24 @@ class WindowsPlatform(Platform):
         elif path.startswith("\\\\?\\") and re.match(r"^[A-Za-z]:\\", path[4:]):
             path = path[4:]
         elif path.startswith(("\\\\?\\", "\\\\.\\")):
-            raise AgentbenchError("device paths are not supported", path=raw)
+            raise AgentbenchError("device paths are not supported", code="device_paths_not_supported",
+                                  path=raw)
 
         if path.startswith("\\\\"):
             parts = path[2:].split("\\")
             if len(parts) < 2 or not parts[0] or not parts[1]:
-                raise AgentbenchError("UNC path needs a server and a share", path=raw,
+                raise AgentbenchError("UNC path needs a server and a share", code="unc_path_needs_server_share", path=raw,
                                       hint="e.g. \\\\server\\share\\dir")
             root, rest = f"\\\\{parts[0]}\\{parts[1]}", parts[2:]
         elif re.match(r"^[A-Za-z]:", path):
             if path[2:3] != "\\":
                 raise AgentbenchError(
-                    "drive-relative path refused", path=raw,
+                    "drive-relative path refused", code="drive_relative_path_refused", path=raw,
                     hint=f"give an absolute path such as {path[0].upper()}:\\{path[2:]}")
             root, rest = path[0].upper() + ":", path[3:].split("\\")
         elif path.startswith("\\"):
             raise AgentbenchError(
-                "path without a drive letter refused", path=raw,
+                "path without a drive letter refused", code="path_without_drive_letter_refused", path=raw,
                 hint="give the drive (C:\\...); from Git Bash, `cygpath -w PATH` prints it")
         else:
             base = self.normalize_path(cwd if cwd is not None else os.getcwd())
@@ -1076,7 +1088,7 @@ class WindowsPlatform(Platform):
 
         body = "\\".join(rest)
         if re.search(r'[<>"|?*:]', body):
-            raise AgentbenchError("path holds characters Windows does not allow", path=raw)
+            raise AgentbenchError("path holds characters Windows does not allow", code="path_holds_characters_windows_does", path=raw)
         out: list[str] = []
         for comp in rest:
             if comp in ("", "."):
@@ -1295,12 +1307,12 @@ class WindowsPlatform(Platform):
         try:
             cp = self._run_helper(cmd, 120.0)
         except (OSError, subprocess.SubprocessError) as exc:
-            raise AgentbenchError("cannot run powershell for a detached launch",
+            raise AgentbenchError("cannot run powershell for a detached launch", code="cannot_run_powershell_detached_launch",
                                   detail=str(exc)) from exc
         m = _CIM_RESULT_RE.search(cp.stdout or "")
         if cp.returncode != 0 or not m or m.group(1) != "0" or not m.group(2):
             raise AgentbenchError(
-                "detached launch through CIM failed", returncode=cp.returncode,
+                "detached launch through CIM failed", code="detached_launch_through_cim_failed", returncode=cp.returncode,
                 cim_return_value=int(m.group(1)) if m else None,
                 detail=((cp.stderr or "") + (cp.stdout or ""))[-2000:], log=log_path,
                 hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
@@ -1332,7 +1344,7 @@ def select_platform(env: Mapping[str, str] | None = None) -> Platform:
     if forced == "posix":
         return PosixPlatform()
     if forced:
-        raise AgentbenchError("unknown AGENTBENCH_PLATFORM", value=forced,
+        raise AgentbenchError("unknown AGENTBENCH_PLATFORM", code="unknown_agentbench_platform", value=forced,
                               hint="use 'posix' or 'windows'")
     return WindowsPlatform() if os.name == "nt" else PosixPlatform()
 
@@ -1435,12 +1447,13 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
             data = fh.read()
     except FileNotFoundError:
         if default is _MISSING:
-            raise AgentbenchError("file not found", path=str(path)) from None
+            raise AgentbenchError("file not found", code="file_not_found", path=str(path)) from None
         return default
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise AgentbenchError("file is not valid JSON", path=str(path), detail=str(exc),
+        raise AgentbenchError("file is not valid JSON", code="file_not_valid_json",
+                              path=str(path), detail=str(exc),
                               hint="fix it at the line and column given (a file edited by hand, such "
                                    "as study.json), or restore it; agentbench writes its own files "
                                    "atomically, so a torn one was changed by something else") from None
@@ -1670,7 +1683,7 @@ class RegistryLock:
                     self._break(holder)
                     continue
                 if time.monotonic() > deadline:
-                    raise AgentbenchError(f"{self.label} is locked", holder=_lock_view(holder),
+                    raise AgentbenchError(f"{self.label} is locked", code="locked", holder=_lock_view(holder),
                                           lock=str(self.path),
                                           hint="another agentbench call is holding it; retry, or "
                                                "if its holder is hung, kill that process")
@@ -1754,7 +1767,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 def check_name(kind: str, value: str) -> str:
     """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
     if not NAME_RE.match(value or ""):
-        raise AgentbenchError(f"invalid {kind} name", value=value,
+        raise AgentbenchError(f"invalid {kind} name", code="invalid_name", value=value,
                               hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     return value
 
@@ -1934,7 +1947,8 @@ def parse_sbatch_job_id(stdout: str) -> tuple[str, str | None]:
     line = next((ln.strip() for ln in stdout.splitlines() if ln.strip()), "")
     jid, _, cluster = line.partition(";")
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", jid):
-        raise AgentbenchError("sbatch did not print a job id", stdout=stdout[-300:])
+        raise AgentbenchError("sbatch did not print a job id", code="sbatch_did_not_print_job",
+                              stdout=stdout[-300:])
     return jid, (cluster.strip() or None)
 
 
@@ -1969,7 +1983,8 @@ def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any]
                        chdir=study_root, slurm=slurm, wall_s=(job.get("limits") or {}).get("wall_s"))
     res = run_command(argv, cwd=study_root, env=env, timeout_s=SBATCH_TIMEOUT_S, platform=platform)
     if res.returncode != 0:
-        raise AgentbenchError("sbatch refused the job", detail=(res.stderr or res.stdout).strip()[-500:],
+        raise AgentbenchError("sbatch refused the job", code="sbatch_refused_job",
+                              detail=(res.stderr or res.stdout).strip()[-500:],
                               returncode=res.returncode, hint="check the study's slurm settings and `sinfo`")
     return parse_sbatch_job_id(res.stdout)
 
@@ -2054,7 +2069,7 @@ def install_pinned_claude(platform: "Platform") -> str:
     """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine)."""
     npm = shutil.which("npm")
     if not npm:
-        raise AgentbenchError("the claude binary was not found and npm is not available to install it",
+        raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
                               hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
     prefix = HERE / ".agentbench-tools"
     prefix.mkdir(parents=True, exist_ok=True)
@@ -2063,7 +2078,8 @@ def install_pinned_claude(platform: "Platform") -> str:
                        f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"],
                       cwd=str(prefix), env=os.environ, timeout_s=600, platform=platform)
     if res.returncode != 0 or not local_claude_path().is_file():
-        raise AgentbenchError("installing the claude binary failed", detail=res.stderr[-2000:],
+        raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
+                              detail=res.stderr[-2000:],
                               hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
     return str(local_claude_path())
 
@@ -2544,16 +2560,12 @@ def init_fingerprint(init: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 # ==================================================================================================
-# The supervisor
+# Study configuration
 # ==================================================================================================
-# Jobs: one `claude` process each, launched by a detached supervisor (`_supervise`, internal) that
-# is the only writer of its job's runtime.json.  It feeds the prompt on stdin and closes it, copies
-# every stdout line to raw/stream.jsonl and parses it, heartbeats, and enforces the wall-time limit
-# (monotonic clock: suspends and clock jumps excluded), the stall flag, the orphan watchdog, model
-# substitution, the budget backstop, injected interrupts and kill requests.  After `claude` exits
-# it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
-# the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
-# the experiment layer puts its run ids in `meta` and reads results back.
+# study.json, in one place: where a study is found, the table of its settings (type, default, help,
+# init's flag), the shape check generated from that table, the effective launch configuration, and
+# `init`'s merge as a pure function.  It reads study.json and writes nothing (init writes, in the
+# CLI); it knows nothing of jobs, runs or the registry.  Defaults live in the constants section.
 
 def resolve_study_dir(explicit: str | None, env: Mapping[str, str], cwd: str, platform: "Platform",
                       must_exist: bool = True) -> Path:
@@ -2564,18 +2576,24 @@ def resolve_study_dir(explicit: str | None, env: Mapping[str, str], cwd: str, pl
     elif os.path.isfile(os.path.join(cwd, STUDY_FILE)):
         path = Path(cwd)
     else:
-        raise AgentbenchError("no study given", hint="pass --study DIR, set AGENTBENCH_STUDY, or run "
+        raise AgentbenchError("no study given", code="no_study_given",
+                              hint="pass --study DIR, set AGENTBENCH_STUDY, or run "
                               "in a directory holding study.json (create one with `init --study DIR`)")
     if must_exist and not (path / STUDY_FILE).is_file():
-        raise AgentbenchError("not a study directory (no study.json)", study=str(path),
+        raise AgentbenchError("not a study directory (no study.json)", code="not_a_study", study=str(path),
                               hint=f"create it with: agentbench.py init --study {path}")
     return path
 
 
-#: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
-STUDY_KEYS = frozenset(DEFAULT_LAUNCH) | {"tasks", "arms", "repeats", "seed", "budget", "prices", "env",
-                                          "templates", "preamble", "snapshot_seconds"}
-ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base")
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (nan and inf are refused: they poison limits and JSON)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 def _is_number(value: Any) -> bool:
@@ -2587,27 +2605,161 @@ def _check_slurm_settings(slurm: Any) -> None:
     option agentbench sets itself."""
     if slurm is not None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
-            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
+            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS), code="slurm_object_keys_among",
                                   slurm=str(slurm)[:300])
         if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
-            raise AgentbenchError("slurm.partition must be a non-empty string", partition=str(slurm["partition"]))
+            raise AgentbenchError("slurm.partition must be a non-empty string", code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
         if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
             raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
-                                  "values joined with =", sbatch_args=str(args)[:300],
+                                  "values joined with =", code="slurm_sbatch_args_list_sbatch", sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
         own = sbatch_own_options(args or [])
         if own:
-            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", options=own,
+            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", code="slurm_sbatch_args_may_not", options=own,
                                   hint="agentbench chooses the output file, the environment export, the "
                                        "directory and the cluster of its batch jobs")
         if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
-            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
+            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes", code="slurm_python_path_python3_compute",
                                   python=str(slurm["python"]))
         margin = slurm.get("time_margin_s")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                    or not math.isfinite(margin) or margin < 0):
-            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", time_margin_s=str(margin))
+            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", code="slurm_time_margin_s_non", time_margin_s=str(margin))
+
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
+
+
+#: Keys of one arm's object in study.json.
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One top-level key of study.json.  `ok` says whether a given value has the right shape (None:
+    `check` does it all); `want` completes "KEY must be ..."; `check` runs after `ok` for what needs
+    more than a type (and raises its own error); `flag` is init's argparse type (None: no flag);
+    `on_create`: init writes the default into a new study.json."""
+    key: str
+    ok: Callable[[Any], bool] | None
+    want: str = ""
+    check: Callable[[Any], None] | None = None
+    flag: Callable[[str], Any] | None = None
+    help: str = ""
+    on_create: bool = False
+
+    @property
+    def default(self) -> Any:
+        return DEFAULT_LAUNCH.get(self.key)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int_at_least(low: int | None) -> Callable[[Any], bool]:
+    return lambda v: not isinstance(v, bool) and isinstance(v, int) and (low is None or v >= low)
+
+
+def _check_executor(v: Any) -> None:
+    if v not in ("local", "slurm"):
+        raise AgentbenchError("executor must be local or slurm", code="unknown_executor", executor=v)
+
+
+def _check_budget(budget: Mapping[str, Any]) -> None:
+    unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
+    if unknown:
+        raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
+                              keys=unknown,
+                              known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
+    for key, val in budget.items():
+        if not _is_number(val) or val < 0:
+            raise AgentbenchError("budget values must be finite non-negative numbers", code="budget_values_finite_non_negative", key=key, value=str(val))
+    if budget.get("usd_per_run") == 0:
+        raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
+                              hint="no session could ever start")
+
+
+def _check_prices(prices: Any) -> None:
+    ok = isinstance(prices, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(_is_number(x) and x >= 0 for x in v)
+        for k, v in prices.items())
+    if not ok:
+        raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
+                              "cache write 1h, cache read] USD per million tokens", code="prices_map_model_prefix_input", prices=str(prices)[:300])
+
+
+def _check_arms(arms: Mapping[str, Any]) -> None:
+    for name, spec in arms.items():
+        if not isinstance(spec, dict):
+            raise AgentbenchError("an arm must be an object", code="arm_object", arm=name)
+        extra = sorted(set(spec) - set(ARM_KEYS))
+        if extra:
+            raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
+                                  arm=name, keys=extra, known=list(ARM_KEYS),
+                                  hint="a misspelt arm setting would be ignored; fix or remove it")
+        if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
+            raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
+                                  arm=name)
+        gc = spec.get("gate_cycles", 0)
+        if isinstance(gc, bool) or not isinstance(gc, int) or not 0 <= gc <= 50:
+            raise AgentbenchError("gate_cycles must be an integer 0..50", code="gate_cycles_integer_0_50",
+                                  arm=name, gate_cycles=str(gc))
+        for key in ("review", "fork_base"):
+            if key in spec and not isinstance(spec[key], bool):
+                raise AgentbenchError(f"an arm's {key} must be true or false", code="arm_setting_not_bool",
+                                      arm=name, value=str(spec[key]),
+                                      hint=f'write "{key}": true (not a string)')
+
+
+#: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
+#: the settings with a `flag`; budget's keys are BUDGET_SETTINGS below.
+STUDY_SETTINGS: tuple[Setting, ...] = (
+    Setting("tasks", _is_str, "a string", flag=str, help="the tasks directory (relative to the study)"),
+    Setting("model", _is_str, "a string", flag=str, help="full model id (no alias)", on_create=True),
+    Setting("effort", _is_str, "a string", flag=str, help="claude --effort: " + "/".join(EFFORTS), on_create=True),
+    Setting("permission_mode", _is_str, "a string", flag=str,
+            help="claude --permission-mode: " + "/".join(PERMISSION_MODES) + " (as root, dontAsk with allow rules)",
+            on_create=True),
+    Setting("tools", _is_str, "a string", flag=str, help="the tools sessions have (claude --tools)", on_create=True),
+    Setting("allowed_tools", _is_str, "a string", flag=str, help="tools allowed without asking"),
+    Setting("disallowed_tools", _is_str, "a string", flag=str, help="tools refused"),
+    Setting("binary", _is_str, "a string", flag=str, help="the claude executable (default: found on PATH)"),
+    Setting("executor", _is_str, "a string", check=_check_executor, flag=str, help="local or slurm"),
+    Setting("templates", _is_str, "a string"),
+    Setting("preamble", _is_str, "a string"),
+    Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
+    Setting("seed", _is_int_at_least(None), "an integer", flag=int,
+            help="seed of the assignment and the report's bootstrap"),
+    Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
+            on_create=True),
+    Setting("max_minutes", lambda v: _is_number(v) and v > 0, "a positive number", flag=finite_float,
+            help="wall-time limit of any one session", on_create=True),
+    Setting("stall_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+            help="flag a session silent this long"),
+    Setting("orphan_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+            help="kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)"),
+    Setting("budget", lambda v: isinstance(v, dict), "an object", check=_check_budget),
+    Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
+    Setting("prices", None, check=_check_prices),
+    Setting("slurm", None, check=_check_slurm_settings),
+    Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                                         for k, x in v.items()), "an object of string values"),
+    Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(_is_number(t) and t > 0 for t in v),
+            "a list of positive numbers of seconds"),
+)
+#: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
+STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
+#: budget's keys: (init's flag type, help); their defaults are DEFAULT_BUDGET's.
+BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "usd_per_run": (finite_float, "cost budget of one run (all its sessions)"),
+    "wall_s": (finite_float, "wall-time budget of one run (all its sessions)"),
+    "max_turns": (int, "claude --max-turns of a session"),
+    "study_usd": (finite_float, "the study's cost cap: no launch once spent"),
+    "min_remaining_usd": (finite_float, "no new session for a run with less budget left"),
+}
 
 
 def check_study_shape(cfg: Mapping[str, Any]) -> None:
@@ -2619,81 +2771,28 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
     model id, an effort) are checked by validate_launch_values where sessions are launched."""
     unknown = sorted(k for k in set(cfg) - STUDY_KEYS if not str(k).startswith("_"))
     if unknown:
-        raise AgentbenchError("study.json has unknown keys", keys=unknown, known=sorted(STUDY_KEYS),
+        raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
+                              keys=unknown, known=sorted(STUDY_KEYS),
                               hint="a misspelt key would be ignored; fix or remove it (keys starting "
                                    "with _ are free, e.g. for a comment)")
-
-    def bad(key: str, want: str) -> AgentbenchError:
-        return AgentbenchError(f"{key} must be {want}", file=STUDY_FILE, key=key, value=str(cfg.get(key))[:200])
-
-    for key in ("tasks", "model", "effort", "permission_mode", "tools", "allowed_tools", "disallowed_tools",
-                "binary", "executor", "templates", "preamble"):
-        if cfg.get(key) is not None and not isinstance(cfg[key], str):
-            raise bad(key, "a string")
-    for key, low in (("repeats", 1), ("seed", None), ("parallel", 1)):
-        val = cfg.get(key)
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or (low is not None and val < low)):
-            raise bad(key, "an integer" + (f" >= {low}" if low is not None else ""))
-    mm = cfg.get("max_minutes")
-    if mm is not None and (not _is_number(mm) or mm <= 0):
-        raise bad("max_minutes", "a positive number")
-    for key in ("stall_after_s", "orphan_after_s"):
-        val = cfg.get(key)
-        if val is not None and (not _is_number(val) or val < 0):
-            raise bad(key, "a non-negative number")
-    if cfg.get("executor") not in (None, "local", "slurm"):
-        raise AgentbenchError("executor must be local or slurm", executor=cfg["executor"])
-    for key in ("budget", "arms"):
-        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
-            raise bad(key, "an object")
-    budget_unknown = sorted(set(cfg.get("budget") or {}) - set(DEFAULT_BUDGET))
-    if budget_unknown:
-        raise AgentbenchError("study.json: budget has unknown keys", keys=budget_unknown,
-                              known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
-    for key, val in (cfg.get("budget") or {}).items():
-        if not _is_number(val) or val < 0:
-            raise AgentbenchError("budget values must be finite non-negative numbers", key=key, value=str(val))
-    if (cfg.get("budget") or {}).get("usd_per_run") == 0:
-        raise AgentbenchError("budget.usd_per_run must be greater than 0", hint="no session could ever start")
-    prices = cfg.get("prices")
-    if prices is not None:
-        ok = isinstance(prices, dict) and all(
-            isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(_is_number(x) and x >= 0 for x in v)
-            for k, v in prices.items())
-        if not ok:
-            raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
-                                  "cache write 1h, cache read] USD per million tokens", prices=str(prices)[:300])
-    _check_slurm_settings(cfg.get("slurm"))
-    env = cfg.get("env")
-    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                             for k, v in env.items())):
-        raise bad("env", "an object of string values")
-    snaps = cfg.get("snapshot_seconds")
-    if snaps is not None and not (isinstance(snaps, list) and all(_is_number(t) and t > 0 for t in snaps)):
-        raise bad("snapshot_seconds", "a list of positive numbers of seconds")
-    for name, spec in (cfg.get("arms") or {}).items():
-        if not isinstance(spec, dict):
-            raise AgentbenchError("an arm must be an object", arm=name)
-        extra = sorted(set(spec) - set(ARM_KEYS))
-        if extra:
-            raise AgentbenchError("an arm has unknown keys", arm=name, keys=extra, known=list(ARM_KEYS),
-                                  hint="a misspelt arm setting would be ignored; fix or remove it")
-        if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
-            raise AgentbenchError("an arm's preamble must be a file path", arm=name)
-        gc = spec.get("gate_cycles", 0)
-        if isinstance(gc, bool) or not isinstance(gc, int) or not 0 <= gc <= 50:
-            raise AgentbenchError("gate_cycles must be an integer 0..50", arm=name, gate_cycles=str(gc))
-        for key in ("review", "fork_base"):
-            if key in spec and not isinstance(spec[key], bool):
-                raise AgentbenchError(f"an arm's {key} must be true or false", arm=name, value=str(spec[key]),
-                                      hint=f'write "{key}": true (not a string)')
+    for setting in STUDY_SETTINGS:
+        val = cfg.get(setting.key)
+        if val is None:
+            continue
+        if setting.ok is not None and not setting.ok(val):
+            raise AgentbenchError(f"{setting.key} must be {setting.want}", code="bad_setting_type",
+                                  file=STUDY_FILE, key=setting.key,
+                                  value=str(val)[:200])
+        if setting.check is not None:
+            setting.check(val)
 
 
 def load_study_config(paths: StudyPaths) -> dict[str, Any]:
     """study.json, its shape checked (see check_study_shape)."""
     cfg = read_json(paths.study_file)
     if not isinstance(cfg, dict):
-        raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
+        raise AgentbenchError("study.json must hold a JSON object", code="study_json_hold_json_object",
+                              path=str(paths.study_file))
     check_study_shape(cfg)
     return cfg
 
@@ -2701,9 +2800,24 @@ def load_study_config(paths: StudyPaths) -> dict[str, Any]:
 def check_model_id(model: str) -> str:
     """Full model ids only: an alias would silently follow whatever the alias points to today."""
     if not model or model.lower() in MODEL_ALIASES or not MODEL_ID_RE.match(model):
-        raise AgentbenchError("model must be a full model id, not an alias", model=model,
+        raise AgentbenchError("model must be a full model id, not an alias", code="model_alias", model=model,
                               hint="e.g. claude-opus-4-5 or claude-sonnet-4-5-20250929")
     return model
+
+
+def validate_launch_values(cfg: Mapping[str, Any]) -> None:
+    """Refuse launch values claude would reject or that would make a study meaningless: the
+    model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
+    done where the study is read (load_study_config) and by `init` before it writes."""
+    if cfg.get("model") is not None:
+        check_model_id(str(cfg["model"]))
+    if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
+        raise AgentbenchError("unknown effort", code="unknown_effort",
+                              effort=cfg["effort"], allowed=list(EFFORTS))
+    if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
+        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode",
+                              permission_mode=cfg["permission_mode"],
+                              allowed=list(PERMISSION_MODES))
 
 
 def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -2718,6 +2832,79 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["prices"] = dict(cfg.get("prices") or {})
     return out
 
+
+def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
+    out = dict(env)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise AgentbenchError("bad --env", code="bad_env",
+                                  value=item, hint="KEY=VALUE with a valid variable name")
+        if value:
+            out[key] = value
+        else:
+            out.pop(key, None)
+    return out
+
+
+def merge_study_config(existing: Mapping[str, Any] | None, settings: Mapping[str, Any],
+                       budget: Mapping[str, Any], *, slurm_partition: str | None = None,
+                       env_items: Sequence[str] = ()) -> tuple[dict[str, Any], list[str]]:
+    """init's merge (pure): `existing` study.json (None: a new study) with the values given (None:
+    not given, kept as they are).  A new study gets the defaults of the settings marked
+    `on_create` and the whole default budget.  Returns the new config, in the user's key order
+    (the first arm stays the baseline), and the keys that changed.  The result is not checked
+    here: the caller checks it, so that init can also repair a wrong value."""
+    for key in ("budget", "slurm", "env"):
+        # What the merge reads into; everything else is checked on the result.
+        if existing is not None and existing.get(key) is not None and not isinstance(existing[key], dict):
+            raise AgentbenchError(f"{key} must be an object", code="not_an_object",
+                                  file=STUDY_FILE, key=key, value=str(existing[key])[:200])
+    cfg = dict(existing or {})
+    changed: list[str] = []
+    for setting in STUDY_SETTINGS:
+        val = settings.get(setting.key)
+        if setting.flag is not None and val is not None and cfg.get(setting.key) != val:
+            cfg[setting.key] = val
+            changed.append(setting.key)
+    new_budget = dict(cfg.get("budget") or {})
+    for key in BUDGET_SETTINGS:
+        val = budget.get(key)
+        if val is not None and new_budget.get(key) != val:
+            new_budget[key] = val
+            changed.append(f"budget.{key}")
+    if existing is None:
+        for setting in STUDY_SETTINGS:
+            if setting.on_create:
+                cfg.setdefault(setting.key, setting.default)
+        for key, val in DEFAULT_BUDGET.items():
+            new_budget.setdefault(key, val)
+    cfg["budget"] = new_budget
+    if slurm_partition is not None:
+        slurm = dict(cfg.get("slurm") or {})
+        if slurm.get("partition") != slurm_partition:
+            slurm["partition"] = slurm_partition
+            cfg["slurm"] = slurm
+            changed.append("slurm.partition")
+    if env_items:
+        env = _merge_env(cfg.get("env") or {}, env_items)
+        if env != (cfg.get("env") or {}):
+            cfg["env"] = env
+            changed.append("env")
+    return cfg, changed
+
+
+# ==================================================================================================
+# The supervisor
+# ==================================================================================================
+# Jobs: one `claude` process each, launched by a detached supervisor (`_supervise`, internal) that
+# is the only writer of its job's runtime.json.  It feeds the prompt on stdin and closes it, copies
+# every stdout line to raw/stream.jsonl and parses it, heartbeats, and enforces the wall-time limit
+# (monotonic clock: suspends and clock jumps excluded), the stall flag, the orphan watchdog, model
+# substitution, the budget backstop, injected interrupts and kill requests.  After `claude` exits
+# it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
+# the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
+# the experiment layer puts its run ids in `meta` and reads results back.
 
 def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
@@ -2808,10 +2995,11 @@ def active_job_ids(paths: StudyPaths) -> list[str]:
 
 def load_job(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     if not JOB_ID_RE.match(job_id or ""):
-        raise AgentbenchError("invalid job id", job=job_id, hint="job ids look like j000012")
+        raise AgentbenchError("invalid job id", code="invalid_job_id",
+                              job=job_id, hint="job ids look like j000012")
     job = read_json(paths.job_file(job_id), default=None)
     if job is None:
-        raise AgentbenchError("no such job", job=job_id, hint="see `agentbench.py list`")
+        raise AgentbenchError("no such job", code="no_such_job", job=job_id, hint="see `agentbench.py list`")
     return job
 
 
@@ -2884,7 +3072,8 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
     with RegistryLock(paths.lock, platform):
         active = active_job_ids(paths)
         if cap is not None and len(active) >= cap:
-            raise AgentbenchError("parallel cap reached", active=len(active), cap=cap, refusal="parallel_cap",
+            raise AgentbenchError("parallel cap reached", code="parallel_cap",
+                                  active=len(active), cap=cap, refusal="parallel_cap",
                                   hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
         continues = meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
@@ -3241,6 +3430,42 @@ def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
     return bool(proc and platform.is_alive(proc))
 
 
+def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Callable[[], bool | None]) -> str:
+    """What the reaper does with an active job that has no result yet (pure; `presence` is asked
+    only when the answer depends on it, since asking Slurm costs a call):
+
+    - "keep": its heartbeat (or, before it started, its creation) is recent enough, or its
+      supervisor is still there; "cannot tell" protects a started job for UNKNOWN_LOSS_FACTOR loss
+      windows (a supervisor heartbeats every few seconds wherever it runs) and a not-started one
+      for as long as it lasts (a Slurm job may queue for hours);
+    - "lost": started, its heartbeat stale and its supervisor gone;
+    - "never_started": no runtime, old, and its launch certainly gone (see never_started_verdict).
+    """
+    if age_s <= lost_after:
+        return "keep"
+    there = presence()
+    if started:
+        if there is True or (there is None and age_s <= lost_after * UNKNOWN_LOSS_FACTOR):
+            return "keep"
+        return "lost"
+    return "keep" if there is not False else "never_started"
+
+
+def never_started_verdict(*, kill_requested: bool, claimed: bool, slurm_job: str | None) -> tuple[str, str | None]:
+    """How a job whose supervisor never ran is finalised (pure): a kill that came first is a kill,
+    anything else a launch error with the detail the user needs."""
+    if kill_requested:
+        # Killed before it started (a queued Slurm job whose cancel was not confirmed, which then
+        # started and stopped at the kill request): a kill, not a launch failure.
+        return "killed", None
+    if claimed:
+        # Claimed but no runtime yet: the supervisor died between its first two writes.
+        return "launch_error", "the supervisor died as it started"
+    if slurm_job:
+        return "launch_error", f"the slurm job {slurm_job} ended without starting the supervisor"
+    return "launch_error", "the supervisor never started"
+
+
 def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | None = None) -> list[str]:
     """Repair pass over active jobs: complete half-finalised ones, declare dead ones `lost`.
 
@@ -3283,13 +3508,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                     # (The clock probe lives in the state dir: one per study, on the same file system.)
                     age = mtime_age_s(os.stat(paths.runtime_file(job_id)).st_mtime, paths.state,
                                       platform.hostname(), lost_after_s())
-            if age <= lost_after_s():
-                continue
-            presence = supervisor_presence(platform, rt, launcher)
-            # "Cannot tell" (Slurm unreachable, a supervisor recorded by another host) protects a
-            # job only for so long: a supervisor heartbeats every few seconds wherever it runs,
-            # so a heartbeat this old means it is gone, whatever can or cannot be asked.
-            if presence is True or (presence is None and age <= lost_after_s() * UNKNOWN_LOSS_FACTOR):
+            if reap_verdict(started=True, age_s=age, lost_after=lost_after_s(),
+                            presence=lambda: supervisor_presence(platform, rt, launcher)) == "keep":
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
@@ -3301,24 +3521,17 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             reaped.append(job_id)
             continue
         created = float(job.get("created_ts") or 0)
-        if now - created <= lost_after_s():
-            continue
-        if supervisor_presence(platform, None, launcher) is not False:
+        if reap_verdict(started=False, age_s=now - created, lost_after=lost_after_s(),
+                        presence=lambda: supervisor_presence(platform, None, launcher)) == "keep":
             continue
         kill_req = read_json(paths.job_dir(job_id) / "kill.request", default=None)
-        if kill_req is not None:
-            # Killed before it started (a queued Slurm job whose cancel was not confirmed, which
-            # then started and stopped at the kill request): a kill, not a launch failure.
+        verdict, detail = never_started_verdict(kill_requested=kill_req is not None,
+                                                claimed=(paths.job_dir(job_id) / "supervisor.claim").exists(),
+                                                slurm_job=slurm_job_of(launcher))
+        if verdict == "killed":
             finalize_killed_before_start(paths, platform, job, kill_req)
             reaped.append(job_id)
             continue
-        if (paths.job_dir(job_id) / "supervisor.claim").exists():
-            # Claimed but no runtime yet: the supervisor died between its first two writes.
-            detail = "the supervisor died as it started"
-        elif slurm_job_of(launcher):
-            detail = f"the slurm job {slurm_job_of(launcher)} ended without starting the supervisor"
-        else:
-            detail = "the supervisor never started"
         log_tail = ""
         with contextlib.suppress(OSError):
             log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8", errors="replace")[-400:]
@@ -3724,7 +3937,7 @@ class Supervisor:
                 finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
                 return
             except AgentbenchError as exc:
-                if exc.payload.get("error") != "the study registry is locked" or time.monotonic() > deadline:
+                if exc.code != "locked" or time.monotonic() > deadline:
                     raise
                 self._write_runtime(finalizing=True)
 
@@ -3733,9 +3946,11 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
     for key in ("wall_s", "stall_after_s", "orphan_after_s", "max_budget_usd"):
         val = limits.get(key)
         if val is not None and (not isinstance(val, (int, float)) or val < 0):
-            raise AgentbenchError(f"{key} must be a non-negative number", value=val)
+            raise AgentbenchError(f"{key} must be a non-negative number", code="non_negative_number",
+                                  value=val)
     if limits.get("max_budget_usd") is not None and not float(limits["max_budget_usd"]) > 0:
-        raise AgentbenchError("max_budget_usd must be greater than 0", value=limits["max_budget_usd"],
+        raise AgentbenchError("max_budget_usd must be greater than 0", code="zero_max_budget",
+                              value=limits["max_budget_usd"],
                               hint="claude refuses a zero budget; give a positive amount")
 
 
@@ -3770,7 +3985,7 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
 def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
     if not binary:
-        raise AgentbenchError("the claude binary was not found", how=how,
+        raise AgentbenchError("the claude binary was not found", code="claude_binary_not_found", how=how,
                               hint=f"install it (npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
                                    "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN")
     return binary
@@ -3798,32 +4013,17 @@ def parse_fault(spec: str) -> dict[str, Any]:
     if kind == "interrupt":
         m = re.fullmatch(r"after_tool_uses=(\d+)", rest)
         if not m or int(m.group(1)) < 1:
-            raise AgentbenchError("bad fault", fault=spec, hint="interrupt:after_tool_uses=N with N >= 1")
+            raise AgentbenchError("bad fault", code="bad_fault",
+                                  fault=spec, hint="interrupt:after_tool_uses=N with N >= 1")
         return {"interrupt_after_tool_uses": int(m.group(1))}
     if kind == "missing_fixture":
         if not rest or rest.startswith(("/", "\\")) or ".." in Path(rest).parts:
-            raise AgentbenchError("bad fault", fault=spec, hint="missing_fixture:RELATIVE/PATH inside the workspace")
+            raise AgentbenchError("bad fault", code="bad_fault",
+                                  fault=spec, hint="missing_fixture:RELATIVE/PATH inside the workspace")
         return {"missing_fixture": rest}
-    raise AgentbenchError("unknown fault", fault=spec,
+    raise AgentbenchError("unknown fault", code="unknown_fault", fault=spec,
                           hint="use interrupt:after_tool_uses=N or missing_fixture:PATH")
 
-
-
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
-PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
-
-
-def validate_launch_values(cfg: Mapping[str, Any]) -> None:
-    """Refuse launch values claude would reject or that would make a study meaningless: the
-    model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
-    done where the study is read (load_study_config) and by `init` before it writes."""
-    if cfg.get("model") is not None:
-        check_model_id(str(cfg["model"]))
-    if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
-        raise AgentbenchError("unknown effort", effort=cfg["effort"], allowed=list(EFFORTS))
-    if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
-        raise AgentbenchError("unknown permission mode", permission_mode=cfg["permission_mode"],
-                              allowed=list(PERMISSION_MODES))
 
 
 def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
@@ -3834,13 +4034,15 @@ def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
     """
     reg = read_registry(paths)
     if reg.get("breaker"):
-        raise AgentbenchError("the study is paused by its circuit breaker", breaker=reg["breaker"],
+        raise AgentbenchError("the study is paused by its circuit breaker", code="breaker_tripped",
+                              breaker=reg["breaker"],
                               refusal="breaker",
                               hint="sessions failed on usage limits or authentication; fix the cause, "
                                    "then `init --study DIR --reset-breaker`")
     study_cap = float(launch["budget"].get("study_usd") or 0)
     if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
-        raise AgentbenchError("the study's USD cap is spent", spent_usd=reg.get("spent_usd"), cap=study_cap,
+        raise AgentbenchError("the study's USD cap is spent", code="study_cap_spent",
+                              spent_usd=reg.get("spent_usd"), cap=study_cap,
                               refusal="study_cap",
                               hint="raise budget.study_usd with init if you mean to spend more")
 
@@ -3851,7 +4053,7 @@ def require_executor_ready(executor: str | None) -> None:
         missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c, path=os.environ.get("PATH")) is None]
         if missing:
             raise AgentbenchError("the study's executor is slurm but these Slurm commands are not on PATH: "
-                                  + ", ".join(missing), missing=missing,
+                                  + ", ".join(missing), code="slurm_commands_missing", missing=missing,
                                   hint="run agentbench where Slurm's commands work (a login node), "
                                        "or `init --executor local`")
 
@@ -3905,7 +4107,7 @@ def base_lock(paths: StudyPaths, platform: "Platform", name: str) -> RegistryLoc
 def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
     rec = read_json(_base_file(paths, name), default=None)
     if rec is None:
-        raise AgentbenchError("no such base", base=name, refusal="base",
+        raise AgentbenchError("no such base", code="no_such_base", base=name, refusal="base",
                               hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
     return rec
 
@@ -3930,7 +4132,8 @@ def require_base_ready(paths: StudyPaths, name: str) -> None:
     """Refuse (refusal "base") unless the base exists and its training ended ok."""
     state = base_state(paths, load_base(paths, name))
     if state != "ready":
-        raise AgentbenchError("base is not ready", base=name, state=state, refusal="base",
+        raise AgentbenchError("base is not ready", code="base_not_ready",
+                              base=name, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
 
 
@@ -3944,7 +4147,8 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
     if state == "ready" and not job_is_final(paths, rec["job_id"]):
         state = "finalising"
     if state != "ready":
-        raise AgentbenchError("base is not ready", base=base, state=state, refusal="base",
+        raise AgentbenchError("base is not ready", code="base_not_ready",
+                              base=base, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
     if copy_workspace and not workspace.exists():
         shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
@@ -3952,7 +4156,7 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
     sess = session_record(paths, rec["session_id"])
     env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
     if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
-        raise AgentbenchError("the base's session transcript was not found", base=base,
+        raise AgentbenchError("the base's session transcript was not found", code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
                               hint="claude keeps transcripts under $CLAUDE_CONFIG_DIR/projects; use the same "
                                    "CLAUDE_CONFIG_DIR as when the base was trained")
@@ -3977,16 +4181,19 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
     reap_jobs(paths, ctx.platform, only=[prev_id])   # complete a half-finished finalisation first
     res = read_json(paths.result_file(prev_id), default=None)
     if res is None or not job_is_final(paths, prev_id):
-        raise AgentbenchError("the job is still running", job=prev_id, hint="wait for it first")
+        raise AgentbenchError("the job is still running", code="job_still_running",
+                              job=prev_id, hint="wait for it first")
     sid = res.get("session_id") or prev.get("session_id")
     if not sid:
-        raise AgentbenchError("the job has no session to continue", job=prev_id)
+        raise AgentbenchError("the job has no session to continue", code="job_no_session_continue",
+                              job=prev_id)
     if existing_continuation(paths, prev_id):
         return _duplicate_continue(paths, prev_id, existing_continuation(paths, prev_id))  # type: ignore[arg-type]
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
         if oj.get("session_id") == sid and not paths.result_file(other).exists():
-            raise AgentbenchError("the session already has a running job", job=other, session_id=sid,
+            raise AgentbenchError("the session already has a running job", code="session_already_running_job",
+                                  job=other, session_id=sid,
                                   hint="two resumes of one session at once would corrupt it; wait for it")
     sess = session_record(paths, sid)
     prior = {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
@@ -4103,20 +4310,21 @@ def check_timeout_s(spec: Mapping[str, Any], which: str) -> float:
 def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if not isinstance(spec, dict) or not isinstance(spec.get("cmd"), list) or not spec["cmd"] \
             or not all(isinstance(a, str) for a in spec["cmd"]):
-        raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings",
+        raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings", code="task_object_non_empty_cmd",
                               task=task_id)
     typos = misspelt_placeholders(spec["cmd"])
     if typos:
         # It would reach the command as literal text and fail obscurely.
-        raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", task=task_id, placeholders=typos,
+        raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
     if not isinstance(t, (int, float)) or t <= 0:
-        raise AgentbenchError(f"task {which}.timeout_s must be a positive number", task=task_id)
+        raise AgentbenchError(f"task {which}.timeout_s must be a positive number", code="task_timeout_s_positive_number", task=task_id)
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
         if not isinstance(th, (int, float)) or not 0 < th <= 1:
-            raise AgentbenchError("task oracle.threshold must be in (0, 1]", task=task_id, threshold=th)
+            raise AgentbenchError("task oracle.threshold must be in (0, 1]", code="task_oracle_threshold_0_1",
+                                  task=task_id, threshold=th)
     return dict(spec)
 
 
@@ -4134,18 +4342,22 @@ def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
     if not isinstance(spec, dict):
-        raise AgentbenchError("task.json must hold an object", path=str(root / "task.json"))
+        raise AgentbenchError("task.json must hold an object", code="task_json_hold_object",
+                              path=str(root / "task.json"))
     missing = [k for k in TASK_JSON_KEYS if k not in spec]
     if missing:
-        raise AgentbenchError("task.json lacks required keys", path=str(root / "task.json"), missing=missing)
+        raise AgentbenchError("task.json lacks required keys", code="task_json_lacks_required_keys",
+                              path=str(root / "task.json"), missing=missing)
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
-        raise AgentbenchError("task.json: check_hint must be a sentence (a string)", path=str(root / "task.json"))
+        raise AgentbenchError("task.json: check_hint must be a sentence (a string)", code="task_json_check_hint_sentence", path=str(root / "task.json"))
     tid = check_name("task", str(spec["id"]))
     if tid != root.name:
-        raise AgentbenchError("task id must equal its directory name", id=tid, directory=root.name)
+        raise AgentbenchError("task id must equal its directory name", code="task_id_equal_directory_name",
+                              id=tid, directory=root.name)
     for sub in ("public", "gate", "oracle"):
         if not (root / sub).is_dir():
-            raise AgentbenchError(f"task bundle lacks {sub}/", task=tid, path=str(root / sub))
+            raise AgentbenchError(f"task bundle lacks {sub}/", code="task_bundle_lacks",
+                                  task=tid, path=str(root / sub))
     gate = _check_cmd(tid, "gate", spec["gate"])
     oracle = _check_cmd(tid, "oracle", spec["oracle"])
     bundle = tree_manifest(root)
@@ -4168,7 +4380,7 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
 def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
-        raise AgentbenchError("tasks directory not found", tasks=str(tdir),
+        raise AgentbenchError("tasks directory not found", code="tasks_directory_not_found", tasks=str(tdir),
                               hint="set `tasks` in study.json (relative to the study dir)")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
@@ -4178,10 +4390,10 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | 
     if only:
         unknown = [t for t in only if t not in tasks]
         if unknown:
-            raise AgentbenchError("unknown task", tasks=unknown, known=sorted(tasks))
+            raise AgentbenchError("unknown task", code="unknown_task", tasks=unknown, known=sorted(tasks))
         tasks = {k: v for k, v in tasks.items() if k in only}
     if not tasks:
-        raise AgentbenchError("no tasks found", tasks=str(tdir),
+        raise AgentbenchError("no tasks found", code="no_tasks_found", tasks=str(tdir),
                               hint="each task is a directory tasks/<id>/ holding task.json, public/, "
                                    "gate/ and oracle/ (see examples/study)")
     return tasks
@@ -4203,7 +4415,8 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
     load_study_config returns it, its arms' shape already checked."""
     arms_cfg = cfg.get("arms")
     if not isinstance(arms_cfg, dict) or not arms_cfg:
-        raise AgentbenchError("study.json has no arms", hint='add e.g. "arms": {"A": {"preamble": "arms/A.md"}}')
+        raise AgentbenchError("study.json has no arms", code="study_json_no_arms",
+                              hint='add e.g. "arms": {"A": {"preamble": "arms/A.md"}}')
     arms = {}
     for name, spec in arms_cfg.items():
         check_name("arm", name)
@@ -4212,7 +4425,8 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
             p = Path(spec["preamble"])
             p = p if p.is_absolute() else paths.root / p
             if not p.is_file():
-                raise AgentbenchError("arm preamble file not found", arm=name, path=str(p))
+                raise AgentbenchError("arm preamble file not found", code="arm_preamble_file_not_found",
+                                      arm=name, path=str(p))
             text, ppath = p.read_text(encoding="utf-8"), str(p)
         arms[name] = Arm(name, text, ppath, spec.get("gate_cycles", 0), spec.get("review", False),
                          spec.get("fork_base", False))
@@ -4234,7 +4448,8 @@ def load_templates(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, strin
                 out[name] = string.Template(f.read_text(encoding="utf-8"))
                 break
         else:
-            raise AgentbenchError("prompt template not found", template=f"{name}.md", searched=[str(d) for d in dirs])
+            raise AgentbenchError("prompt template not found", code="prompt_template_not_found",
+                                  template=f"{name}.md", searched=[str(d) for d in dirs])
     return out
 
 
@@ -4242,7 +4457,8 @@ def render(tpl: string.Template, **values: Any) -> str:
     try:
         return tpl.substitute({k: str(v) for k, v in values.items()})
     except (KeyError, ValueError) as exc:
-        raise AgentbenchError("template uses an unknown variable", detail=str(exc),
+        raise AgentbenchError("template uses an unknown variable", code="template_uses_unknown_variable",
+                              detail=str(exc),
                               allowed=sorted(values)) from None
 
 
@@ -4406,7 +4622,7 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
     the block.  Inputs are sorted first, so the manifest depends only on the sets and the seed.
     """
     if repeats < 1:
-        raise AgentbenchError("repeats must be >= 1", repeats=repeats)
+        raise AgentbenchError("repeats must be >= 1", code="repeats_below_1", repeats=repeats)
     rng = random.Random(f"agentbench-assign:{seed}:{split}")
     tasks = sorted(task_ids)
     rng.shuffle(tasks)
@@ -4443,7 +4659,8 @@ def run_file(paths: StudyPaths, run_id: str) -> Path:
 def load_run(paths: StudyPaths, run_id: str) -> dict[str, Any]:
     rec = read_json(run_file(paths, run_id), default=None)
     if rec is None:
-        raise AgentbenchError("no such run", run=run_id, hint="see `agentbench.py list --all` or `assign`")
+        raise AgentbenchError("no such run", code="no_such_run",
+                              run=run_id, hint="see `agentbench.py list --all` or `assign`")
     return rec
 
 
@@ -4554,7 +4771,7 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
     copy_tree(task.public, ws)
     got = tree_manifest(ws)
     if got != task.public_manifest:
-        raise AgentbenchError("workspace copy does not match the task bundle", task=task.id,
+        raise AgentbenchError("workspace copy does not match the task bundle", code="workspace_copy_does_not_match", task=task.id,
                               missing=sorted(set(task.public_manifest) - set(got)),
                               differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
     info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
@@ -4714,6 +4931,39 @@ def agentbench_git_commit(platform: "Platform") -> str | None:
                           timeout_s=20, platform=platform) if shutil.which("git") else None
         _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
     return _GIT_COMMIT[0]
+
+
+#: A session that "succeeded" faster than this with no tool call and no solution did nothing.
+DEGENERATE_SESSION_S = 10.0
+
+
+class RunVerdict(NamedTuple):
+    outcome: str            # success | failure | budget_exhausted | timeout
+    validity: str           # valid | infrastructure_failure | degenerate
+    validity_reason: str | None
+    failure_reason: str | None
+
+
+def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
+                 success: bool) -> RunVerdict:
+    """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
+    ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
+    "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
+    as the run record keeps it; `success` is the hidden tests' verdict."""
+    if stop and stop.startswith("infrastructure:"):
+        validity, why = "infrastructure_failure", stop.split(":", 1)[1]
+    elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
+            and float(first_session.get("duration_s") or 0) < DEGENERATE_SESSION_S and not success:
+        validity, why = "degenerate", "the session ended in seconds without a single tool call"
+    else:
+        validity, why = "valid", None
+    if stop == "budget_exhausted":
+        outcome = "budget_exhausted"
+    elif stop == "timeout":
+        outcome = "timeout"
+    else:
+        outcome = "success" if success else "failure"
+    return RunVerdict(outcome, validity, why, None if success else (stop or "hidden tests failed"))
 
 
 class RunPipeline:
@@ -5127,21 +5377,11 @@ class RunPipeline:
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        if stop and stop.startswith("infrastructure:"):
-            validity, why = "infrastructure_failure", stop.split(":", 1)[1]
-        elif exec_jobs and exec_jobs[0].get("status") == "ok" and tool_uses == 0 \
-                and float(exec_jobs[0].get("duration_s") or 0) < 10 and not ev["success"]:
-            validity, why = "degenerate", "the session ended in seconds without a single tool call"
-        else:
-            validity, why = "valid", None
-        if stop == "budget_exhausted":
-            outcome = "budget_exhausted"
-        elif stop == "timeout":
-            outcome = "timeout"
-        else:
-            outcome = "success" if ev["success"] else "failure"
-        rec.update({"status": "finished", "outcome": outcome, "validity": validity, "validity_reason": why,
-                    "failure_reason": None if ev["success"] else (stop or "hidden tests failed"),
+        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None, tool_uses=tool_uses,
+                               success=bool(ev["success"]))
+        outcome, validity = verdict.outcome, verdict.validity
+        rec.update({"status": "finished", "outcome": outcome, "validity": validity,
+                    "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
                     "claude_version": next((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("claude_version")
                                            for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
@@ -5454,7 +5694,8 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     if simulate < 0:
         problems.append("simulate must be >= 0")
     if problems:
-        raise AgentbenchError("invalid power-estimate arguments", problems=problems,
+        raise AgentbenchError("invalid power-estimate arguments", code="invalid_power_estimate_arguments",
+                              problems=problems,
                               p_base=p_base, delta=delta, n_tasks=n_tasks, alpha=alpha,
                               power=power)
     n_tasks = int(n_tasks)
@@ -5647,7 +5888,8 @@ def aggregate_usage(ledger_lines: list[dict], by: str = "kind") -> dict:
     verdict counts, summed duration. Groups are ordered by key, "(none)" last.
     """
     if by not in USAGE_GROUPINGS:
-        raise AgentbenchError(f"unknown grouping {by!r}", choices=list(USAGE_GROUPINGS))
+        raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
+                              choices=list(USAGE_GROUPINGS))
     groups: dict[str, dict] = {}
     totals = _usage_empty()
     for line in ledger_lines:
@@ -6117,10 +6359,10 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             if r.get("arm") is not None and str(r["arm"]) not in arms:
                 arms.append(str(r["arm"]))
     if not arms:
-        raise AgentbenchError("no arms to report on", hint="define arms in study.json")
+        raise AgentbenchError("no arms to report on", code="no_arms_report", hint="define arms in study.json")
     base = arms[0] if baseline is None else str(baseline)
     if base not in arms:
-        raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms",
+        raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms", code="baseline_arm_not_one_studys",
                               arms=arms, baseline=base)
     known, unknown = [], []
     for r in runs:
@@ -6798,37 +7040,39 @@ def select_script_step(messages: list) -> tuple[str | None, int]:
 def validate_script(script: Any, script_id: str = "?") -> dict:
     """Check a script's shape; raise AgentbenchError naming the first problem."""
     if not isinstance(script, dict):
-        raise AgentbenchError("script must be a JSON object", script=script_id)
+        raise AgentbenchError("script must be a JSON object", code="script_json_object", script=script_id)
     steps = script.get("steps")
     if not isinstance(steps, list):
-        raise AgentbenchError("script needs a 'steps' list", script=script_id)
+        raise AgentbenchError("script needs a 'steps' list", code="script_needs_steps_list", script=script_id)
     if script.get("model") is not None and not isinstance(script.get("model"), str):
-        raise AgentbenchError("script 'model' must be a string", script=script_id)
+        raise AgentbenchError("script 'model' must be a string", code="script_model_string", script=script_id)
     for number, step in enumerate(steps):
         where = {"script": script_id, "step": number}
         if not isinstance(step, dict):
-            raise AgentbenchError("script step must be an object", **where)
+            raise AgentbenchError("script step must be an object", code="script_step_object", **where)
         if "text" in step and not isinstance(step["text"], str):
-            raise AgentbenchError("step 'text' must be a string", **where)
+            raise AgentbenchError("step 'text' must be a string", code="step_text_string", **where)
         uses = step.get("tool_uses", [])
         if not isinstance(uses, list):
-            raise AgentbenchError("step 'tool_uses' must be a list", **where)
+            raise AgentbenchError("step 'tool_uses' must be a list", code="step_tool_uses_list", **where)
         for use in uses:
             if not isinstance(use, dict) or not isinstance(use.get("name"), str) \
                     or not isinstance(use.get("input", {}), dict):
-                raise AgentbenchError("tool use needs a 'name' string and an 'input' object", **where)
+                raise AgentbenchError("tool use needs a 'name' string and an 'input' object", code="tool_use_needs_name_string", **where)
         fault = step.get("fault")
         if fault is not None and str(fault) not in SCRIPT_FAULTS:
-            raise AgentbenchError("unknown step fault", fault=fault, known=list(SCRIPT_FAULTS), **where)
+            raise AgentbenchError("unknown step fault", code="unknown_step_fault",
+                                  fault=fault, known=list(SCRIPT_FAULTS), **where)
         usage = step.get("usage", {})
         if not isinstance(usage, dict) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values()):
-            raise AgentbenchError("step 'usage' must map names to non-negative integers", **where)
+            raise AgentbenchError("step 'usage' must map names to non-negative integers", code="step_usage_map_names_non", **where)
         unknown = sorted(set(usage) - set(USAGE_OVERRIDE_KEYS))
         if unknown:
-            raise AgentbenchError("unknown step 'usage' keys", keys=unknown, known=list(USAGE_OVERRIDE_KEYS), **where)
+            raise AgentbenchError("unknown step 'usage' keys", code="unknown_step_usage_keys",
+                                  keys=unknown, known=list(USAGE_OVERRIDE_KEYS), **where)
         if "fault_times" in step and not (isinstance(step["fault_times"], int) and step["fault_times"] >= 0):
-            raise AgentbenchError("step 'fault_times' must be a non-negative integer", **where)
+            raise AgentbenchError("step 'fault_times' must be a non-negative integer", code="step_fault_times_non_negative", **where)
     return script
 
 
@@ -6999,12 +7243,12 @@ class ScriptedModelServer:
     def start(self, port: int = 0) -> int:
         """Bind 127.0.0.1:port, serve in a daemon thread, return the bound port."""
         if self._httpd is not None:
-            raise AgentbenchError("scripted model server already started", port=self.port)
+            raise AgentbenchError("scripted model server already started", code="scripted_model_server_already_started", port=self.port)
         handler = self._make_handler()
         try:
             httpd = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), handler)
         except OSError as exc:
-            raise AgentbenchError("cannot start the scripted model server", port=port, detail=str(exc),
+            raise AgentbenchError("cannot start the scripted model server", code="cannot_start_scripted_model_server", port=port, detail=str(exc),
                                   hint="pick another --port or 0 for any free port") from exc
         httpd.daemon_threads = True
         self._httpd = httpd
@@ -7018,7 +7262,7 @@ class ScriptedModelServer:
     @property
     def url(self) -> str:
         if self.port is None:
-            raise AgentbenchError("scripted model server not started")
+            raise AgentbenchError("scripted model server not started", code="scripted_model_server_not_started")
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -7052,7 +7296,8 @@ class ScriptedModelServer:
     def add_script(self, script_id: str, script: dict) -> None:
         """Register a script in memory (wins over a file of the same id)."""
         if not SCRIPT_ID_RE.match(script_id or ""):
-            raise AgentbenchError("bad script id", script=script_id, allowed="[A-Za-z0-9_.-]+")
+            raise AgentbenchError("bad script id", code="bad_script_id",
+                                  script=script_id, allowed="[A-Za-z0-9_.-]+")
         validate_script(script, script_id)
         with self._lock:
             self._scripts[script_id] = script
@@ -7631,7 +7876,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     validate_launch_values(cfg)
     require_executor_ready(executor or cfg.get("executor"))
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
-        raise AgentbenchError("the rehearsal directory is not empty", dir=str(scratch),
+        raise AgentbenchError("the rehearsal directory is not empty", code="rehearsal_directory_not_empty",
+                              dir=str(scratch),
                               hint="pass --dir with a new directory, or remove the old rehearsal")
     scfg = scratch_study_config(paths, cfg, arms)
     scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
@@ -7739,26 +7985,16 @@ def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 # child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
 # JSON object.  Handlers return (exit code, object); they never print to stdout.
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite number (nan and inf are refused: they poison limits and JSON)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
-    return value
-
-
 class _ArgParser(argparse.ArgumentParser):
     """argparse that raises AgentbenchError instead of printing usage and exiting."""
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        raise AgentbenchError("bad arguments", detail=message, command=self.prog.split()[-1],
+        raise AgentbenchError("bad arguments", code="bad_arguments",
+                              detail=message, command=self.prog.split()[-1],
                               hint=f"see `agentbench.py {self.prog.split()[-1]} --help`")
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
-        raise AgentbenchError("bad arguments", detail=(message or "").strip())
+        raise AgentbenchError("bad arguments", code="bad_arguments", detail=(message or "").strip())
 
     def print_help(self, file: Any = None) -> None:
         return None
@@ -7814,11 +8050,12 @@ def read_brief(ctx: Ctx, path: str) -> str:
     try:
         text = p.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError):
-        raise AgentbenchError("brief file not found", path=str(p)) from None
+        raise AgentbenchError("brief file not found", code="brief_file_not_found", path=str(p)) from None
     except UnicodeDecodeError:
-        raise AgentbenchError("brief file is not UTF-8 text", path=str(p)) from None
+        raise AgentbenchError("brief file is not UTF-8 text", code="brief_file_not_utf_8",
+                              path=str(p)) from None
     if not text.strip():
-        raise AgentbenchError("brief file is empty", path=str(p))
+        raise AgentbenchError("brief file is empty", code="brief_file_empty", path=str(p))
     return text
 
 
@@ -7902,43 +8139,14 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- init -------------------------------------------------------------------------------------------
 
-INIT_FLAGS: dict[str, tuple[str, Any]] = {
-    # flag dest: (study.json key, type)
-    "tasks": ("tasks", str), "model": ("model", str), "effort": ("effort", str),
-    "permission_mode": ("permission_mode", str), "tools": ("tools", str),
-    "allowed_tools": ("allowed_tools", str), "disallowed_tools": ("disallowed_tools", str),
-    "binary": ("binary", str), "parallel": ("parallel", int), "max_minutes": ("max_minutes", finite_float),
-    "stall_after_s": ("stall_after_s", finite_float), "orphan_after_s": ("orphan_after_s", finite_float),
-    "seed": ("seed", int), "repeats": ("repeats", int), "executor": ("executor", str),
-}
-BUDGET_FLAGS = {"usd_per_run": finite_float, "wall_s": finite_float, "max_turns": int, "study_usd": finite_float,
-                "min_remaining_usd": finite_float}
-
-
-INIT_HELP = {
-    "tasks": "the tasks directory (relative to the study)", "model": "full model id (no alias)",
-    "effort": "claude --effort: " + "/".join(EFFORTS), "permission_mode": "claude --permission-mode: "
-    + "/".join(PERMISSION_MODES) + " (as root, dontAsk with allow rules)",
-    "tools": "the tools sessions have (claude --tools)", "allowed_tools": "tools allowed without asking",
-    "disallowed_tools": "tools refused", "binary": "the claude executable (default: found on PATH)",
-    "parallel": "sessions at once, study-wide", "max_minutes": "wall-time limit of any one session",
-    "stall_after_s": "flag a session silent this long", "orphan_after_s":
-    "kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)",
-    "seed": "seed of the assignment and the report's bootstrap", "repeats": "runs per task and arm",
-    "executor": "local or slurm", "usd_per_run": "cost budget of one run (all its sessions)",
-    "wall_s": "wall-time budget of one run (all its sessions)", "max_turns": "claude --max-turns of a session",
-    "study_usd": "the study's cost cap: no launch once spent",
-    "min_remaining_usd": "no new session for a run with less budget left",
-}
-
-
 def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True, help="the study directory (created if missing)")
-    for dest, (_, typ) in INIT_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=INIT_HELP.get(dest))
-    for dest, typ in BUDGET_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ,
-                       help=f"budget.{dest}: {INIT_HELP.get(dest)}")
+    for setting in STUDY_SETTINGS:
+        if setting.flag is not None:
+            p.add_argument("--" + setting.key.replace("_", "-"), dest=setting.key, type=setting.flag,
+                           help=setting.help)
+    for key, (typ, text) in BUDGET_SETTINGS.items():
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, help=f"budget.{key}: {text}")
     p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
     p.add_argument("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -7953,54 +8161,16 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = StudyPaths(root)
     existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
     if existing is not None and not isinstance(existing, dict):
-        raise AgentbenchError("study.json must hold a JSON object", path=str(paths.study_file))
-    for key in ("budget", "slurm", "env"):
-        # What the merge below reads into; everything else is checked on the result, so that
-        # init can also repair a wrong value (e.g. "max_minutes": "60").
-        if existing is not None and existing.get(key) is not None and not isinstance(existing[key], dict):
-            raise AgentbenchError(f"{key} must be an object", file=STUDY_FILE, key=key, value=str(existing[key])[:200])
-    cfg = dict(existing or {})
-    changed: list[str] = []
-    for dest, (key, _) in INIT_FLAGS.items():
-        val = getattr(args, dest)
-        if val is not None and cfg.get(key) != val:
-            cfg[key] = val
-            changed.append(key)
-    budget = dict(cfg.get("budget") or {})
-    for dest in BUDGET_FLAGS:
-        val = getattr(args, dest)
-        if val is not None and budget.get(dest) != val:
-            budget[dest] = val
-            changed.append(f"budget.{dest}")
-    if existing is None:
-        for key in ("model", "effort", "permission_mode", "tools", "parallel", "max_minutes"):
-            cfg.setdefault(key, DEFAULT_LAUNCH[key])
-        for key, val in DEFAULT_BUDGET.items():
-            budget.setdefault(key, val)
-    cfg["budget"] = budget
-    if args.slurm_partition is not None:
-        slurm = dict(cfg.get("slurm") or {})
-        if slurm.get("partition") != args.slurm_partition:
-            slurm["partition"] = args.slurm_partition
-            cfg["slurm"] = slurm
-            changed.append("slurm.partition")
-    if args.env:
-        env = dict(cfg.get("env") or {})
-        for item in args.env:
-            key, sep, value = item.partition("=")
-            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise AgentbenchError("bad --env", value=item, hint="KEY=VALUE with a valid variable name")
-            if value:
-                env[key] = value
-            else:
-                env.pop(key, None)
-        if env != (cfg.get("env") or {}):
-            cfg["env"] = env
-            changed.append("env")
+        raise AgentbenchError("study.json must hold a JSON object", code="study_json_hold_json_object",
+                              path=str(paths.study_file))
+    cfg, changed = merge_study_config(
+        existing, {st.key: getattr(args, st.key) for st in STUDY_SETTINGS if st.flag is not None},
+        {key: getattr(args, key) for key in BUDGET_SETTINGS}, slurm_partition=args.slurm_partition,
+        env_items=args.env)
     check_study_shape(cfg)
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
-        raise AgentbenchError("claude refuses bypassPermissions when run as root",
+        raise AgentbenchError("claude refuses bypassPermissions when run as root", code="bypass_permissions_as_root",
                               hint="use --permission-mode dontAsk with allow rules (--allowed-tools)")
     # Validate everything first, then write.
     paths.state.mkdir(parents=True, exist_ok=True)
@@ -8059,7 +8229,7 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     task = load_tasks(paths, cfg, only=[args.task])[args.task] if args.task else None
     args.base = args.base or (task.id if task else None)
     if not args.base:
-        raise AgentbenchError("train needs --base NAME (or --task T)")
+        raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
     check_name("base", args.base)
     if args.brief:
         prompt = read_brief(ctx, args.brief)
@@ -8067,7 +8237,7 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
                         notes_path="NOTES.md")
     else:
-        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)")
+        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)", code="train_needs_brief_file_task")
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
@@ -8081,10 +8251,12 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         bfile = _base_file(paths, args.base)
         old = read_json(bfile, default=None)
         if old is not None and base_state(paths, old) == "training":
-            raise AgentbenchError("base is still training", base=args.base, job=old["job_id"],
+            raise AgentbenchError("base is still training", code="base_still_training",
+                                  base=args.base, job=old["job_id"],
                                   hint="wait for its job (or kill it) before retraining")
         if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
-            raise AgentbenchError("base already exists", base=args.base, state=base_state(paths, old),
+            raise AgentbenchError("base already exists", code="base_already_exists",
+                                  base=args.base, state=base_state(paths, old),
                                   hint="pass --replace to retrain it")
         with removed_on_refusal(ws):
             ws.mkdir(parents=True, exist_ok=True)
@@ -8121,7 +8293,8 @@ def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions
     cfg = load_study_config(paths)
     task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
     if not (task_root / "task.json").exists():
-        raise AgentbenchError("the run's task bundle is missing", run=run_id, task=rec["task"], path=str(task_root))
+        raise AgentbenchError("the run's task bundle is missing", code="runs_task_bundle_missing",
+                              run=run_id, task=rec["task"], path=str(task_root))
     tasks = {rec["task"]: load_task(task_root)}
     pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
                        opts or PipelineOptions())
@@ -8134,7 +8307,8 @@ def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str
     rec = load_run(paths, args.run)
     cfg, tasks, _, _ = study_parts(paths)
     if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
-        raise AgentbenchError("the run's task is not calibrated", task=rec["task"], hint="run `calibrate`, or pass --force")
+        raise AgentbenchError("the run's task is not calibrated", code="runs_task_not_calibrated",
+                              task=rec["task"], hint="run `calibrate`, or pass --force")
     # Refusals first, so that a refused spawn leaves the run untouched.
     arms = load_arms(paths, cfg)
     base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
@@ -8145,11 +8319,13 @@ def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str
     refuse_if_paused(paths, launch)
     reap_jobs(paths, ctx.platform)
     if len(active_job_ids(paths)) >= int(launch["parallel"]):
-        raise AgentbenchError("parallel cap reached", active=len(active_job_ids(paths)), cap=launch["parallel"],
+        raise AgentbenchError("parallel cap reached", code="parallel_cap",
+                              active=len(active_job_ids(paths)), cap=launch["parallel"],
                               refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
     pipe = pipeline_for(ctx, paths, args.run)
     if not pipe.claim():
-        raise AgentbenchError("the run is not waiting to start", run=args.run, status=rec.get("status"),
+        raise AgentbenchError("the run is not waiting to start", code="run_not_waiting_start",
+                              run=args.run, status=rec.get("status"),
                               hint="a run starts once; see `list --all`")
     try:
         if args.base:
@@ -8172,7 +8348,7 @@ def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.run:
         return spawn_run(ctx, paths, args)
     if not args.brief:
-        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)")
+        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
     if args.label:
         check_name("label", args.label)
     prompt = read_brief(ctx, args.brief)
@@ -8212,23 +8388,24 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.run:
         job_id = latest_run_job(paths, args.run)
         if not job_id:
-            raise AgentbenchError("the run has no session to continue yet", run=args.run,
+            raise AgentbenchError("the run has no session to continue yet", code="run_no_session_continue_yet", run=args.run,
                                   hint=f"start it first: spawn --run {args.run}")
     if not job_id:
-        raise AgentbenchError("continue needs --job J or --run R")
+        raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
     run_id = args.run or (load_job(paths, job_id).get("meta") or {}).get("run_id")
     if run_id:
         # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
         pipe = pipeline_for(ctx, paths, run_id)
         if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-            raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
+            raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                                  run=run_id, status=pipe.rec.get("status"),
                                   hint="a run driven by `run` continues its own sessions")
         if existing_continuation(paths, job_id):
             return _duplicate_continue(paths, job_id, existing_continuation(paths, job_id))  # type: ignore[arg-type]
         jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
                                kind="continue")
         if jid is None:
-            raise AgentbenchError("the run's budget does not allow another session", run=run_id,
+            raise AgentbenchError("the run's budget does not allow another session", code="runs_budget_does_not_allow", run=run_id,
                                   spent_usd=pipe.rec.get("cost_usd"))
         return {"job_id": jid, "run_id": run_id, "continues": job_id, "status": job_status(paths, jid).get("status")}
     return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
@@ -8270,14 +8447,15 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
     # Written as a range test so that NaN (which compares false with everything) is refused too.
     if not 0 <= args.timeout <= WAIT_MAX_S:
-        raise AgentbenchError("timeout out of range", timeout=args.timeout, max=WAIT_MAX_S,
+        raise AgentbenchError("timeout out of range", code="timeout_out_range",
+                              timeout=args.timeout, max=WAIT_MAX_S,
                               hint=f"use 0..{WAIT_MAX_S:.0f} s and call wait again")
     for j in args.job:
         load_job(paths, j)
     for r in args.run:
         load_run(paths, r)
     if not (args.job or args.run or args.all or args.any):
-        raise AgentbenchError("wait needs --job, --run, --all or --any")
+        raise AgentbenchError("wait needs --job, --run, --all or --any", code="wait_needs_job_run_all")
     deadline = time.monotonic() + args.timeout
     last_touch = 0.0
     while True:
@@ -8373,7 +8551,7 @@ def _kill_args(p: argparse.ArgumentParser) -> None:
 def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not args.job and not args.run:
-        raise AgentbenchError("kill needs --job J or --run R")
+        raise AgentbenchError("kill needs --job J or --run R", code="kill_needs_job_j_run")
     for j in args.job:
         load_job(paths, j)
     for r in args.run:
@@ -8437,7 +8615,7 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     power = None
     if args.power_delta is not None:
         if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
-            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1")
+            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1", code="power_estimate_needs_0_power")
         power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
     data = manifest_bytes(manifest, seed, args.split)
@@ -8446,25 +8624,26 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     for spec in args.fault:
         rid, _, f = spec.partition("=")
         if rid not in ids:
-            raise AgentbenchError("--fault names an unknown run", run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
+            raise AgentbenchError("--fault names an unknown run", code="fault_names_unknown_run",
+                                  run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
         faults[rid] = parse_fault(f)
     bad = uncalibrated(paths, tasks)
     if bad and not args.force:
-        raise AgentbenchError("tasks are not calibrated", tasks=bad,
+        raise AgentbenchError("tasks are not calibrated", code="tasks_not_calibrated", tasks=bad,
                               hint="run `calibrate` first (or pass --force to assign anyway)")
     mpath = paths.state / "manifests" / f"{args.split}.json"
     existing = mpath.read_bytes() if mpath.exists() else None
     with RegistryLock(paths.lock, ctx.platform):
         if existing is not None and existing != data:
             if not args.reassign:
-                raise AgentbenchError("this split already has a different manifest", split=args.split,
+                raise AgentbenchError("this split already has a different manifest", code="split_already_different_manifest", split=args.split,
                                       existing_sha256=sha256_bytes(existing),
                                       hint="pass --reassign to replace it (refused once any of its runs started)")
             old = json.loads(existing)
             started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
                        and load_run(paths, r["run_id"]).get("status") != "not_started"]
             if started:
-                raise AgentbenchError("cannot reassign: runs of this split have started", runs=started[:20])
+                raise AgentbenchError("cannot reassign: runs of this split have started", code="cannot_reassign_runs_split_started", runs=started[:20])
             for r in old["runs"]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(run_file(paths, r["run_id"]))
@@ -8493,7 +8672,8 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
     """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
     if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-        raise AgentbenchError("the run is not being driven by hand", run=run_id, status=pipe.rec.get("status"),
+        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                              run=run_id, status=pipe.rec.get("status"),
                               hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
                                    "and a finished run is final")
 
@@ -8511,9 +8691,11 @@ def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     require_hand_driven(pipe, args.run)
     ws = (pipe.rec.get("workspace") or {}).get("path")
     if not ws or not os.path.isdir(ws):
-        raise AgentbenchError("the run has no workspace yet", run=args.run, hint="spawn --run it first")
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet",
+                              run=args.run, hint="spawn --run it first")
     if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", run=args.run, hint="wait for it first")
+        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
+                              run=args.run, hint="wait for it first")
     rec = pipe._gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
     n = pipe.rec["gates"][-1]["n"]
     out = {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
@@ -8533,9 +8715,10 @@ def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     require_hand_driven(pipe, args.run)
     ws = (pipe.rec.get("workspace") or {}).get("path")
     if not ws:
-        raise AgentbenchError("the run has no workspace yet", run=args.run)
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet", run=args.run)
     if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", run=args.run, hint="wait for it first")
+        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
+                              run=args.run, hint="wait for it first")
     n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
     jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
     return {"run_id": args.run, "job_id": jid, "review": n,
@@ -8554,7 +8737,7 @@ def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     ids = list(args.run)
     if not ids and not args.all:
-        raise AgentbenchError("evaluate needs --run R or --all")
+        raise AgentbenchError("evaluate needs --run R or --all", code="evaluate_needs_run_r_all")
     if args.all:
         # Nothing running by hand is no error: the answer is then empty.
         ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
@@ -8623,7 +8806,7 @@ def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> No
     if not reh.get("ok") or reh.get("config_hash") != h:
         problems.append("no passing rehearsal of the current configuration")
     if problems:
-        raise AgentbenchError("refusing to spend money on an unproven configuration", problems=problems,
+        raise AgentbenchError("refusing to spend money on an unproven configuration", code="unproven_configuration", problems=problems,
                               hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
 
 
@@ -8684,7 +8867,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg, tasks, _, _ = study_parts(paths)
     ids = select_runs(paths, args)
     if not ids:
-        raise AgentbenchError("no runs selected", hint="run `assign` first, or check --run/--task/--arm")
+        raise AgentbenchError("no runs selected", code="no_runs_selected",
+                              hint="run `assign` first, or check --run/--task/--arm")
     real_run_guard(paths, cfg, args.force)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
@@ -8700,12 +8884,13 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                 missing[base] = str(exc.payload.get("state") or "missing")
     missing = {b: s for b, s in missing.items() if s}
     if missing:
-        raise AgentbenchError("runs fork bases that are not ready", bases=missing,
+        raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
+                              bases=missing,
                               hint="train them first: agentbench.py train --task T (one per task), then wait")
     cap = int(launch_config(cfg)["parallel"])
     parallel = args.parallel or cap
     if parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1")
+        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1")
     if parallel > cap:
         log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
         parallel = cap
@@ -8784,7 +8969,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_study_config(paths)
     arms = list((cfg.get("arms") or {}).keys())
     if args.baseline and args.baseline not in arms:
-        raise AgentbenchError("unknown baseline arm", baseline=args.baseline, arms=arms)
+        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
+                              baseline=args.baseline, arms=arms)
     runs = run_records_for_report(paths)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     report = build_report(runs, arms, baseline=args.baseline, seed=seed)
@@ -8796,7 +8982,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
     if out:
         if ctx.is_child:
-            raise AgentbenchError("refused inside a supervised session: writing a report file")
+            raise AgentbenchError("refused inside a supervised session: writing a report file", code="refused_inside_session_writes")
         write_text_atomic(out, text)
         result["path"] = str(out)
     if args.format == "json":
@@ -8828,7 +9014,8 @@ def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
     for s in specs:
         k, sep, v = s.partition("=")
         if not sep or not k or not v or (allowed and v not in allowed):
-            raise AgentbenchError(f"bad {what}", value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
+            raise AgentbenchError(f"bad {what}", code="bad_value",
+                                  value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
         out[k] = v
     return out
 
@@ -8839,7 +9026,7 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
     if binary:
         return binary
     if not install:
-        raise AgentbenchError("the claude binary was not found",
+        raise AgentbenchError("the claude binary was not found", code="claude_binary_not_found",
                               hint=f"npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
     return install_pinned_claude(ctx.platform)
 
@@ -8853,7 +9040,7 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     for f in faults.values():
         parse_fault(f)
     if args.parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1")
+        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1")
     ensure_claude(ctx, paths, install=False)
     scratch = Path(ctx.platform.normalize_path(args.dir)) if args.dir else \
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -8878,14 +9065,15 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
 def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     example = HERE / "examples" / "study"
     if not (example / STUDY_FILE).is_file():
-        raise AgentbenchError("the bundled example study is missing", expected=str(example))
+        raise AgentbenchError("the bundled example study is missing", code="bundled_example_study_missing",
+                              expected=str(example))
     base = Path(ctx.platform.normalize_path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="agentbench-demo-"))
     study = base / "study"
     if study.exists():
-        raise AgentbenchError("the demo directory already holds a study", dir=str(study),
+        raise AgentbenchError("the demo directory already holds a study", code="demo_directory_already_holds_study", dir=str(study),
                               hint="pass --dir with a new directory")
     if args.parallel < 1 or args.repeats < 1:
-        raise AgentbenchError("--parallel and --repeats must be >= 1")
+        raise AgentbenchError("--parallel and --repeats must be >= 1", code="parallel_repeats_1")
     ensure_claude(ctx, None, install=True)
     copy_tree(example, study)
     paths = StudyPaths(study)
@@ -8981,9 +9169,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 @args_of(_serve_args)
 def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
-        raise AgentbenchError("--port must be 0..65535", port=args.port)
+        raise AgentbenchError("--port must be 0..65535", code="port_0_65535", port=args.port)
     if not args.cache_ttl_scale > 0:
-        raise AgentbenchError("--cache-ttl-scale must be > 0", cache_ttl_scale=args.cache_ttl_scale)
+        raise AgentbenchError("--cache-ttl-scale must be > 0", code="cache_ttl_scale_0",
+                              cache_ttl_scale=args.cache_ttl_scale)
     scripts = ctx.platform.normalize_path(args.scripts)
     os.makedirs(scripts, exist_ok=True)
     run_scripted_model_server(args.port, scripts, ctx.emit, args.cache_ttl_scale)
@@ -9062,14 +9251,15 @@ def dispatch(argv: list[str], ctx: Ctx) -> tuple[int, dict[str, Any] | None]:
     name = argv[0]
     cmd = COMMANDS.get(name)
     if cmd is None:
-        raise AgentbenchError("unknown command", command=name,
+        raise AgentbenchError("unknown command", code="unknown_command", command=name,
                               commands=[c for c in COMMANDS if not COMMANDS[c].hidden],
                               hint="see `agentbench.py --help`")
     if "-h" in argv[1:] or "--help" in argv[1:]:
         return 0, help_object(cmd)
     args = build_parser(cmd).parse_args(argv[1:])
     if ctx.is_child and cmd.mutating:
-        raise AgentbenchError("refused inside a supervised session", command=name,
+        raise AgentbenchError("refused inside a supervised session", code="refused_inside_session",
+                              command=name,
                               hint="AGENTBENCH_CHILD=1 marks a call from an agent under test; only "
                                    "where, list, usage, report and wait are allowed there")
     if not ctx.is_child and not name.startswith("_"):
@@ -9101,10 +9291,10 @@ def main(argv: list[str] | None = None) -> int:
     except AgentbenchError as exc:
         code, obj = exc.exit_code, exc.payload
     except KeyboardInterrupt:
-        code, obj = 2, {"error": "interrupted"}
+        code, obj = 2, {"error": "interrupted", "code": "interrupted"}
     except Exception as exc:  # the one place that turns a bug into a JSON answer
-        code, obj = 2, {"error": "internal error", "type": type(exc).__name__, "detail": str(exc),
-                        "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
+        code, obj = 2, {"error": "internal error", "code": "internal_error", "type": type(exc).__name__,
+                        "detail": str(exc), "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
     if obj is not None:
         emit(obj)
     elif not emitted:

@@ -1,0 +1,53 @@
+"""Errors and output: one error type with a machine-readable code, one boundary that prints."""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from conftest import AGENTBENCH, ab, run_main
+
+CODE_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _raises_of_the_error_type() -> list[ast.Call]:
+    tree = ast.parse(AGENTBENCH.read_text(encoding="utf-8"))
+    return [n.exc for n in ast.walk(tree)
+            if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call)
+            and getattr(n.exc.func, "id", None) == "AgentbenchError"]
+
+
+def test_every_refusal_in_the_source_names_its_code():
+    calls = _raises_of_the_error_type()
+    assert len(calls) > 100
+    missing = [c.lineno for c in calls if not any(k.arg == "code" for k in c.keywords)]
+    assert missing == [], f"raise AgentbenchError(...) without code= at lines {missing}"
+    for c in calls:
+        code = next(k.value for k in c.keywords if k.arg == "code")
+        assert isinstance(code, ast.Constant) and CODE_RE.match(code.value), c.lineno
+
+
+def test_the_code_is_in_the_payload_and_the_one_line_form_leaves_it_out():
+    exc = ab.AgentbenchError("no such run", code="no_such_run", run="r1", hint="see list")
+    assert exc.code == "no_such_run" and exc.exit_code == 2
+    assert exc.payload == {"error": "no such run", "code": "no_such_run", "run": "r1", "hint": "see list"}
+    assert exc.one_line() == 'no such run {"hint": "see list", "run": "r1"}'
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["nope"], "unknown_command"),
+    (["init", "--study", "{tmp}/s", "--parallel", "abc"], "bad_arguments"),
+    (["list", "--study", "{tmp}/missing"], "not_a_study"),
+])
+def test_refusals_answer_one_object_with_their_code(tmp_path, argv, code):
+    rc, out = run_main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert rc == 2 and out["code"] == code and out["error"]
+
+
+def test_a_bug_becomes_an_internal_error_with_its_own_code(monkeypatch, tmp_path):
+    def boom(argv, ctx):
+        raise ZeroDivisionError("boom")
+    monkeypatch.setattr(ab, "dispatch", boom)
+    rc, out = run_main(["where"])
+    assert rc == 2 and out["code"] == "internal_error" and out["type"] == "ZeroDivisionError"

@@ -1,0 +1,36 @@
+"""How a finished run is classified: outcome, validity label, reasons (a pure table, SPEC 7)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import ab
+
+OK_FAST = {"status": "ok", "duration_s": 3.0}
+OK_SLOW = {"status": "ok", "duration_s": 60.0}
+
+
+@pytest.mark.parametrize("stop, first, tools, success, expected", [
+    (None, OK_SLOW, 5, True, ("success", "valid", None, None)),
+    (None, OK_SLOW, 5, False, ("failure", "valid", None, "hidden tests failed")),
+    # Infrastructure stops are excluded from the primary view, whatever the tests say.
+    ("infrastructure:lost:supervisor_dead", OK_SLOW, 5, False,
+     ("failure", "infrastructure_failure", "lost:supervisor_dead", "infrastructure:lost:supervisor_dead")),
+    ("infrastructure:failed:usage_limit", OK_SLOW, 5, True, ("success", "infrastructure_failure",
+                                                             "failed:usage_limit", None)),
+    # A fast "success" with no tool call and no solution is degenerate ...
+    (None, OK_FAST, 0, False, ("failure", "degenerate", "the session ended in seconds without a single tool call",
+                               "hidden tests failed")),
+    # ... but not when it solved the task, used a tool, took its time, or did not end ok.
+    (None, OK_FAST, 0, True, ("success", "valid", None, None)),
+    (None, OK_FAST, 1, False, ("failure", "valid", None, "hidden tests failed")),
+    (None, {"status": "ok", "duration_s": ab.DEGENERATE_SESSION_S}, 0, False,
+     ("failure", "valid", None, "hidden tests failed")),
+    (None, {"status": "failed", "duration_s": 1.0}, 0, False, ("failure", "valid", None, "hidden tests failed")),
+    (None, None, 0, False, ("failure", "valid", None, "hidden tests failed")),
+    # Budget and time are results, not errors.
+    ("budget_exhausted", OK_SLOW, 9, False, ("budget_exhausted", "valid", None, "budget_exhausted")),
+    ("timeout", OK_SLOW, 9, False, ("timeout", "valid", None, "timeout")),
+    ("killed:requested", OK_SLOW, 9, False, ("failure", "valid", None, "killed:requested")),
+])
+def test_classify_run(stop, first, tools, success, expected):
+    assert tuple(ab.classify_run(stop=stop, first_session=first, tool_uses=tools, success=success)) == expected
