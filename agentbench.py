@@ -5520,6 +5520,61 @@ def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha
 
 
 # --------------------------------------------------------------------------------------------------
+# Statistics: exclusions and multiplicity (Fisher's exact test, Holm's step-down adjustment)
+# --------------------------------------------------------------------------------------------------
+
+def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided Fisher exact test of independence in the 2x2 table [[a, b], [c, d]].
+
+    With the margins fixed, the top-left cell x is hypergeometric:
+        P(x) = C(a+b, x) C(c+d, a+c-x) / C(n, a+c),   max(0, a+c-(c+d)) <= x <= min(a+b, a+c).
+    The two-sided p sums P(x) over every table no more probable than the observed one (the
+    "probability" method of R's fisher.test and SciPy).  The weights C(.)C(.) are exact
+    integers, so "no more probable" is decided exactly, without a tolerance; one division at
+    the end.  p = 1.0 for a table with an empty margin.
+    References: Fisher, Statistical Methods for Research Workers (1925), sec. 21.02;
+    Agresti, Categorical Data Analysis, 3rd ed. (2013), sec. 3.5.1.
+    """
+    cells = (a, b, c, d)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in cells):
+        raise ValueError(f"a 2x2 table needs non-negative integer cells, got {cells}")
+    r1, r2, c1 = a + b, c + d, a + c
+    n = r1 + r2
+    lo, hi = max(0, c1 - r2), min(r1, c1)
+
+    def weight(x: int) -> int:
+        return math.comb(r1, x) * math.comb(r2, c1 - x)
+
+    observed = weight(a)
+    tail = sum(w for w in (weight(x) for x in range(lo, hi + 1)) if w <= observed)
+    return min(1.0, tail / math.comb(n, c1))
+
+
+def holm_adjust(ps: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values for a family of tests (None entries are not tests).
+
+    With the m p-values sorted, p_(1) <= ... <= p_(m), the adjusted value of the i-th smallest is
+        max over j <= i of min(1, (m - j + 1) p_(j)),
+    so that rejecting every hypothesis whose adjusted p is <= alpha controls the family-wise
+    error rate at alpha under any dependence between the tests.  Ties keep their input order;
+    the result is in the input's order.  Reference: Holm, "A simple sequentially rejective
+    multiple test procedure", Scandinavian Journal of Statistics 6:65-70 (1979).
+    """
+    for p in ps:
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0.0 <= float(p) <= 1.0):
+            raise ValueError(f"a p-value must be a number in [0, 1], got {p!r}")
+    order = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: float(ps[i]))
+    m = len(order)
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(ps[i])))
+        out[i] = running
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # Usage aggregate (the ledger)
 # --------------------------------------------------------------------------------------------------
 
@@ -6042,6 +6097,189 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
     return notes
 
 
+# --------------------------------------------------------------------------------------------------
+# Report: behaviour audit, differential exclusions, multiplicity
+# --------------------------------------------------------------------------------------------------
+# Read from the run records (the audit the pipeline wrote, the validity labels) and the views the
+# builder computed; they add keys to the report and never change a figure computed above.
+
+# Significance level of the report's own screening tests (differential exclusions) and of the
+# family-wise error rate that Holm's adjustment controls.
+REPORT_ALPHA = 0.05
+
+# The groups audit findings are counted under, with the words the renderers use.  A kind the audit
+# learns later that fits none of them is counted under its own name.
+REPORT_AUDIT_GROUPS = {
+    "edited_tests": "edited public tests or checks",
+    "outside_workspace": "paths outside the workspace",
+    "reads_oracle": "hidden tests or reference",
+    "reads_gate": "gate (check) files",
+    "reads_tasks": "task bundle files",
+    "reads_study": "study or state files",
+}
+
+
+def audit_group(kind: str) -> str:
+    """The report group of one audit finding kind (see REPORT_AUDIT_GROUPS)."""
+    if kind.startswith("edited_"):
+        return "edited_tests"
+    if kind.endswith("_outside_workspace"):
+        return "outside_workspace"
+    m = re.fullmatch(r"(?:reads|bash_touches)_(\w+)", kind)
+    if m and f"reads_{m.group(1)}" in REPORT_AUDIT_GROUPS:
+        return f"reads_{m.group(1)}"
+    return kind
+
+
+def _rpt_run_audit(run: dict) -> dict:
+    """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
+
+    The audit record is the pipeline's, but a run record is a file: a finding that is not an
+    object with a string kind is counted as `malformed_finding`, never dropped, and a record that
+    says flagged with no findings stays flagged."""
+    audit = run.get("audit")
+    if not isinstance(audit, dict):
+        return {"audited": False, "flagged": False, "groups": {}}
+    groups: dict[str, int] = {}
+    findings = audit.get("findings")
+    for f in findings if isinstance(findings, list) else []:
+        kind = f.get("kind") if isinstance(f, dict) else None
+        _rpt_inc(groups, audit_group(kind) if isinstance(kind, str) and kind else "malformed_finding")
+    if findings is not None and not isinstance(findings, list):
+        _rpt_inc(groups, "malformed_finding")
+    return {"audited": True, "flagged": bool(groups) or audit.get("flagged") is True, "groups": groups}
+
+
+def report_behaviour(runs: list[dict], arms: list[str]) -> dict:
+    """Per arm, over every run of the study (excluded ones too, each marked): audited and flagged
+    runs, findings and runs by group, the flagged runs themselves and the successes among them."""
+    out: dict[str, dict] = {}
+    for arm in arms:
+        out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
+                    "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
+    for r in runs:
+        st, a = out[r["arm"]], _rpt_run_audit(r)
+        st["runs"] += 1
+        st["audited"] += a["audited"]
+        if not a["flagged"]:
+            continue
+        st["flagged"] += 1
+        st["flagged_successes"] += _rpt_success(r)
+        for g, n in a["groups"].items():
+            _rpt_inc(st["findings_by_group"], g, n)
+            _rpt_inc(st["runs_by_group"], g)
+        st["flagged_runs"].append({"run_id": r.get("run_id"), "task": r["_task"], "repeat": r.get("repeat"),
+                                   "success": _rpt_success(r), "outcome": r.get("outcome"),
+                                   "excluded": _rpt_excluded(r), "groups": dict(sorted(a["groups"].items()))})
+    return out
+
+
+def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
+    """Add flagged-run counts to a view: per arm (`flagged`, `flagged_successes`) and per
+    comparison (`flagged_runs`: the flagged evaluated runs of each side on the compared tasks)."""
+    flagged = {id(r) for r in view_runs if _rpt_run_audit(r)["flagged"]}
+    for arm, st in view["per_arm"].items():
+        mine = [r for r in view_runs if r["arm"] == arm and id(r) in flagged]
+        st["flagged"] = len(mine)
+        st["flagged_successes"] = sum(1 for r in mine if _rpt_success(r))
+    for arm, cmp in view["comparisons"].items():
+        tasks = {t["task"] for t in cmp["per_task"]}
+
+        def n_flagged(side: str) -> int:
+            return sum(1 for r in view_runs if r["arm"] == side and r["_task"] in tasks
+                       and _rpt_evaluated(r) and id(r) in flagged)
+        cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
+
+
+def _rpt_holm_view(view: dict) -> dict:
+    """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
+    McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
+    cmps = view["comparisons"]
+    families = {}
+    for test, get, put in (
+            ("sign_test", lambda c: c.get("sign_test_p"), lambda c, v: c.__setitem__("sign_test_p_holm", v)),
+            ("mcnemar", lambda c: (c.get("mcnemar") or {}).get("p"),
+             lambda c, v: c["mcnemar"].__setitem__("p_holm", v) if c.get("mcnemar") else None)):
+        arms = [a for a, c in cmps.items() if get(c) is not None]
+        adjusted = holm_adjust([get(cmps[a]) for a in arms])
+        for a in cmps:
+            put(cmps[a], None)
+        for a, v in zip(arms, adjusted):
+            put(cmps[a], v)
+        families[test] = arms
+    view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
+    return view["multiplicity"]
+
+
+def report_exclusions(runs: list[dict], arms: list[str], base: str) -> dict:
+    """Per arm: ended runs, excluded ones by validity label, and Fisher's exact test (two-sided) of
+    excluded vs not against the baseline.  `biased` when that p is below REPORT_ALPHA or when
+    every ended run of the arm (or of the baseline) is excluded: the exclusions then depend on the
+    arm, so the view without them compares different populations."""
+    per_arm: dict[str, dict] = {}
+    for arm in arms:
+        ended = [r for r in runs if r["arm"] == arm and _rpt_ended(r)]
+        labels: dict[str, int] = {}
+        for r in ended:
+            if _rpt_excluded(r):
+                _rpt_inc(labels, r.get("validity"))
+        n_out = sum(labels.values())
+        per_arm[arm] = {"ended": len(ended), "excluded": n_out, "by_label": labels,
+                        "all_excluded": len(ended) > 0 and n_out == len(ended)}
+    b = per_arm[base]
+    for arm, st in per_arm.items():
+        if arm == base:
+            st["fisher_p"], st["biased"] = None, st["all_excluded"]
+            continue
+        p = None
+        if st["ended"] and b["ended"]:
+            p = fisher_exact_two_sided(st["excluded"], st["ended"] - st["excluded"],
+                                       b["excluded"], b["ended"] - b["excluded"])
+        st["fisher_p"] = p
+        st["biased"] = bool(st["excluded"] or b["excluded"]) and (
+            (p is not None and p < REPORT_ALPHA) or st["all_excluded"] or b["all_excluded"])
+    flagged = [a for a, st in per_arm.items() if st["biased"]]
+    return {"per_arm": per_arm, "alpha": REPORT_ALPHA, "biased_arms": flagged}
+
+
+def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
+    """The prominent note when exclusions differ between arms beyond chance (None otherwise)."""
+    if not excl["biased_arms"]:
+        return None
+    parts = []
+    for arm in excl["biased_arms"]:
+        st = excl["per_arm"][arm]
+        why = ("all of its ended runs are excluded" if st["all_excluded"] else
+               f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
+               if st["fisher_p"] is not None else "its baseline's runs are all excluded")
+        parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
+    read = ("the all-included view (views.all_included) is the one to read"
+            if primary == "exclusions_applied" else "the primary view already includes every run")
+    return (f"DIFFERENTIAL EXCLUSIONS: exclusions depend on the arm for {'; '.join(parts)}. The "
+            f"view with exclusions applied may be biased; {read}.")
+
+
+def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
+    """Notes that call out flagged successes and comparisons that contain flagged runs."""
+    notes = []
+    for arm, st in behaviour.items():
+        if not st["flagged"]:
+            continue
+        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}" for g, n in sorted(st["runs_by_group"].items()))
+        notes.append(f"arm {arm}: the behaviour audit flagged {st['flagged']} of {st['runs']} run(s) "
+                     f"(runs by finding: {groups})")
+        wins = [f["run_id"] for f in st["flagged_runs"] if f["success"]]
+        if wins:
+            notes.append(f"arm {arm}: {len(wins)} success(es) come from flagged runs "
+                         f"({', '.join(str(w) for w in wins)}); read them before crediting the arm")
+    for arm, cmp in view["comparisons"].items():
+        fl = cmp.get("flagged_runs") or {}
+        if fl.get("arm") or fl.get("baseline"):
+            notes.append(f"{arm} vs {base}: the comparison contains {fl.get('arm', 0)} flagged run(s) "
+                         f"of {arm} and {fl.get('baseline', 0)} of {base}")
+    return notes
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -6083,7 +6321,14 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     }
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
-    notes = []
+    for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
+        _rpt_flag_view(views[name], view_runs)
+        _rpt_holm_view(views[name])
+    behaviour = report_behaviour(known, arms)
+    exclusions = report_exclusions(known, arms, base)
+    warning = _rpt_exclusion_warning(exclusions, base, primary)
+    warnings = [warning] if warning else []
+    notes = list(warnings)
     if excluded:
         by_label: dict[str, int] = {}
         for r in excluded:
@@ -6117,6 +6362,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
     notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
+    fams = views[primary]["multiplicity"]["families"]
+    if len(fams["sign_test"]) > 1 or len(fams["mcnemar"]) > 1:
+        notes.append(f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
+                     f"with {base} (sign test family: {', '.join(fams['sign_test']) or 'none'}; "
+                     f"McNemar family: {', '.join(fams['mcnemar']) or 'none'}); read the adjusted "
+                     f"columns before calling a difference significant")
     methods = {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
                         "(runs treated as independent; repeats of one task are correlated, so "
@@ -6143,6 +6395,17 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
                      "parallel slot or in a Slurm queue (recorded apart as queued_s); median over runs",
         "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
+        "behaviour_audit": "the pipeline's audit of each run's tool calls and of its public test "
+                           "files; a run is flagged when it has a finding; findings are counted "
+                           "by group (" + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
+                           + "); a heuristic over the commands the agent ran, not a sandbox",
+        "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
+                                   "two-sided Fisher exact test, not adjusted for multiplicity "
+                                   f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
+        "multiplicity": "Holm step-down adjustment across the arms compared with the baseline, "
+                        "one family for the sign tests and one for the McNemar tests of the "
+                        f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
+                        "and cost comparisons are not adjusted",
     }
     excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
                       "repeat": r.get("repeat"), "validity": r.get("validity"),
@@ -6160,6 +6423,10 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "views": views,
         "other_view": other,
         "excluded_runs": excluded_list,
+        "warnings": warnings,
+        "behaviour": behaviour,
+        "exclusions": exclusions,
+        "multiplicity": views[primary]["multiplicity"],
         "totals": {
             "runs": len(known),
             "tasks": len(tasks),
@@ -6223,11 +6490,12 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      _fmt_num(s["mean_score"], 3),
                      _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
                      _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
-                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2)])
+                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2),
+                     _rpt_flag_cell(s)])
     tables.append(("Results per arm",
                    ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
                     "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
-                    "Median wall", "Gate cycles (mean)"], rows))
+                    "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows))
     rows = []
     for a in arms:
         s = pa[a]
@@ -6254,12 +6522,19 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         mc_txt = "-" if not mc or mc.get("p") is None else (
             f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
             f"p {_fmt_p(mc['p'])}")
+        fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", _fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
                      _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     _fmt_p(c["sign_test_p"]), mc_txt])
+                     _fmt_p(c["sign_test_p"]), mc_txt, _fmt_p(c.get("sign_test_p_holm")),
+                     _fmt_p((mc or {}).get("p_holm")),
+                     f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
+    fam = (report.get("multiplicity") or {}).get("families") or {}
     tables.append((f"Paired comparison against {base} (over tasks)",
                    ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-                    "Sign test p", "McNemar (arm-only/base-only, p)"], rows))
+                    "Sign test p", "McNemar (arm-only/base-only, p)",
+                    f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
+                    f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+                    "Flagged runs (arm/base)"], rows))
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
@@ -6297,6 +6572,7 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
              str(e["reason"] or "-")] for e in report["excluded_runs"]]
     tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
                    rows))
+    tables += _rpt_audit_tables(report)
     snaps = report.get("snapshots") or {}
     times = sorted({int(t) for curve in snaps.values() for t in curve})
     if times:
@@ -6306,6 +6582,40 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
                        ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
     return tables
+
+
+def _rpt_flag_cell(s: dict) -> str:
+    n = s.get("flagged")
+    if n is None:
+        return "-"
+    wins = s.get("flagged_successes") or 0
+    return f"{n}" + (f" ({wins} success{'' if wins == 1 else 'es'})" if wins else "")
+
+
+def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Behaviour audit per arm, the flagged runs, and exclusions per arm (with Fisher's test)."""
+    arms, base = report["arms"], report["baseline"]
+    beh = report.get("behaviour") or {}
+    excl = (report.get("exclusions") or {}).get("per_arm") or {}
+    groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
+    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
+             _fmt_int(beh[a]["flagged_successes"])]
+            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
+    out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
+            ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
+            + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
+    rows = [[str(f["run_id"]), str(f["task"]), a, str(f["repeat"]), str(f["outcome"] or "-"),
+             "yes" if f["excluded"] else "no",
+             ", ".join(f"{REPORT_AUDIT_GROUPS.get(g, g)} x{n}" for g, n in f["groups"].items()) or "flagged"]
+            for a in arms if a in beh for f in beh[a]["flagged_runs"]]
+    out.append(("Runs flagged by the behaviour audit",
+                ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
+    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
+             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
+             "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
+    out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
+                ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
+    return out
 
 
 def _md_cell(text: str) -> str:
@@ -6328,6 +6638,8 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    for w in report.get("warnings") or []:
+        parts += ["", f"> **Warning:** {_md_cell(w)}"]
     for title, headers, rows in _rpt_tables(report):
         parts += ["", f"## {title}", ""]
         parts.append(_md_table(headers, rows) if rows else "(none)")
@@ -6391,6 +6703,7 @@ svg .axis { stroke: #1a1a1a; stroke-width: 1; }
 svg .grid { stroke: #ddd; stroke-width: 1; }
 svg .whisker { stroke: #1a1a1a; stroke-width: 1.5; }
 .notes li { margin: 0.2em 0; }
+.warning { border: 2px solid #D55E00; background: #fff4ec; padding: 0.6em 0.8em; margin: 1em 0; }
 .meta { color: #444; }
 @page { margin: 14mm; }
 @media print {
@@ -6599,6 +6912,8 @@ def render_report_html(report: dict) -> str:
              f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
+               for w in report.get("warnings") or []],
              '<div class="charts">',
              '<figure>', _svg_rate_chart(report),
              '<figcaption>Success rate per arm (evaluated runs of the primary view) with 95% '
