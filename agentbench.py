@@ -6891,7 +6891,7 @@ def _html_table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
 
 
-def render_report_html(report: dict) -> str:
+def render_report_html(report: dict, extra: str = "") -> str:
     """One self-contained page: inline CSS and SVG, no scripts, no external resources.
 
     Chart marks carry the JSON numbers as data-* attributes (data-arm, data-rate, data-lo,
@@ -6925,6 +6925,8 @@ def render_report_html(report: dict) -> str:
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
+    if extra:
+        parts.append(extra)   # the run pages' index section (already escaped HTML)
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:
@@ -6935,6 +6937,482 @@ def render_report_html(report: dict) -> str:
         parts.append(f"<li><strong>{html.escape(k)}</strong>: {html.escape(text)}</li>")
     parts.append("</ul></body></html>")
     return "\n".join(parts) + "\n"
+
+
+# ==================================================================================================
+# Run pages: the report as a directory
+# ==================================================================================================
+# `report --format html --out DIR/` writes index.html (the report page plus the task x arm matrix of
+# runs, discordant pairs first) and runs/<run>.html, one page per run: the conversation as a
+# timeline from the raw streams, gate receipts and the feedback sent, the review, the workspace diff
+# against the task's starter, the audit, cost and tokens per session, provenance.  Everything in a
+# page comes from files the agent could influence (streams, its workspace): all of it is escaped,
+# trimmed and folded here, symlinks in the workspace are named and never followed.  Owns reading
+# those files for the pages and rendering them; it computes no statistics (the report builder does)
+# and writes only inside the directory it is given.
+
+PAGE_TEXT_CHARS = 6000          # one assistant text or prompt, beyond which it is cut
+PAGE_INPUT_CHARS = 3000         # one tool call's input (JSON)
+PAGE_RESULT_CHARS = 2000        # one tool result
+PAGE_FOLD_CHARS = 600           # longer blocks are folded in <details>
+PAGE_ITEMS_PER_SESSION = 400    # timeline entries per session; the rest are counted, not shown
+PAGE_STREAM_BYTES = 32 * 1024 * 1024   # bytes of one raw stream read for a page
+PAGE_DIFF_FILE_BYTES = 256 * 1024      # a file larger than this is listed, not diffed
+PAGE_DIFF_CHARS = 200_000       # the whole diff of one run
+PAGE_RUNS_DIR = "runs"
+
+
+def _page_trim(text: Any, limit: int) -> tuple[str, int]:
+    """`text` as a string cut to `limit` characters, and how many were cut."""
+    s = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+    return (s, 0) if len(s) <= limit else (s[:limit], len(s) - limit)
+
+
+def _page_result_text(content: Any) -> str:
+    """A tool_result's content (a string or a list of text blocks) as one string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(b.get("text")) if isinstance(b, dict) and "text" in b else
+                         json.dumps(b, ensure_ascii=False, default=str) for b in content)
+    return "" if content is None else json.dumps(content, ensure_ascii=False, default=str)
+
+
+def _finite_or_none(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
+    """The timeline of one session from its raw stream-json lines (pure).
+
+    Items, in stream order: {kind: text|thinking, text, cut}; {kind: tool, id, name, input, cut,
+    result, result_cut, is_error} (a tool_result is attached to the call with its tool_use_id);
+    {kind: result, subtype, cost_usd, turns, duration_s, text}.  Lines that are not JSON objects
+    are counted, never shown raw; after PAGE_ITEMS_PER_SESSION items the rest are counted."""
+    items: list[dict[str, Any]] = []
+    tools: dict[str, dict[str, Any]] = {}
+    out = {"items": items, "lines": 0, "bad_lines": 0, "omitted": 0, "tool_calls": 0}
+
+    def add(item: dict[str, Any]) -> bool:
+        if len(items) >= PAGE_ITEMS_PER_SESSION:
+            out["omitted"] += 1
+            return False
+        items.append(item)
+        return True
+
+    for raw in lines:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")
+        if not raw.strip():
+            continue
+        out["lines"] += 1
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            ev = None
+        if not isinstance(ev, dict):
+            out["bad_lines"] += 1
+            continue
+        kind = ev.get("type")
+        msg = ev.get("message") if isinstance(ev.get("message"), dict) else {}
+        blocks = msg.get("content") if isinstance(msg.get("content"), list) else []
+        if kind == "assistant":
+            for b in blocks:
+                if not isinstance(b, dict):
+                    continue
+                if b.get("type") in ("text", "thinking"):
+                    text, cut = _page_trim(str(b.get("text") or b.get("thinking") or ""), PAGE_TEXT_CHARS)
+                    add({"kind": b["type"], "text": text, "cut": cut})
+                elif b.get("type") == "tool_use":
+                    out["tool_calls"] += 1
+                    tid = str(b.get("id") or "")
+                    if tid and tid in tools:
+                        continue   # the same block again in a later event of the message
+                    raw_in = b.get("input")
+                    # An input object reads best as key: value lines, strings as written.
+                    shown = ("\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+                                       for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
+                    inp, cut = _page_trim(shown, PAGE_INPUT_CHARS)
+                    item = {"kind": "tool", "id": tid, "name": str(b.get("name") or "?"), "input": inp,
+                            "cut": cut, "result": None, "result_cut": 0, "is_error": False}
+                    if add(item) and tid:
+                        tools[tid] = item
+        elif kind == "user":
+            for b in blocks:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    item = tools.get(str(b.get("tool_use_id") or ""))
+                    if item is not None:
+                        item["result"], item["result_cut"] = _page_trim(_page_result_text(b.get("content")),
+                                                                        PAGE_RESULT_CHARS)
+                        item["is_error"] = b.get("is_error") is True
+        elif kind == "result":
+            turns, dur = ev.get("num_turns"), _finite_or_none(ev.get("duration_ms"))
+            text, cut = _page_trim(str(ev.get("result") or ""), PAGE_TEXT_CHARS)
+            add({"kind": "result", "subtype": str(ev.get("subtype") or ""),
+                 "cost_usd": _finite_or_none(ev.get("total_cost_usd")),
+                 "turns": turns if isinstance(turns, int) and not isinstance(turns, bool) else None,
+                 "duration_s": None if dur is None else dur / 1000, "text": text, "cut": cut})
+    return out
+
+
+def _page_read_stream(path: Path) -> list[bytes]:
+    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines)."""
+    out, total = [], 0
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                total += len(line)
+                if total > PAGE_STREAM_BYTES:
+                    break
+                out.append(line)
+    except OSError:
+        pass
+    return out
+
+
+def _page_tree(root: Path) -> dict[str, Path]:
+    """Regular files and symlinks under `root` by relative path, without following a link
+    (a directory link is listed, not entered); .git is skipped."""
+    found: dict[str, Path] = {}
+    if not root.is_dir() or root.is_symlink():
+        return found
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d != ".git" and not (Path(dirpath) / d).is_symlink())
+        for name in sorted(filenames) + sorted(d for d in os.listdir(dirpath)
+                                              if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
+            p = Path(dirpath) / name
+            found[p.relative_to(root).as_posix()] = p
+    return found
+
+
+def _page_file_text(p: Path) -> tuple[str | None, str]:
+    """(text, note): the file's text, or None and why it is not shown (a link, binary, large)."""
+    if p.is_symlink():
+        return None, f"symbolic link to {os.readlink(p)} (not followed)"
+    try:
+        size = p.stat().st_size
+        if size > PAGE_DIFF_FILE_BYTES:
+            return None, f"{size} bytes, too large to diff"
+        data = p.read_bytes()
+    except OSError as exc:
+        return None, f"unreadable: {exc.strerror or exc}"
+    if b"\0" in data:
+        return None, f"binary, {len(data)} bytes"
+    return data.decode("utf-8", "replace"), ""
+
+
+def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
+    """What the run changed: files added, removed, changed, each with a unified diff against the
+    task's starter (public/) where both sides are text; capped at PAGE_DIFF_CHARS in all."""
+    if starter is None or not starter.is_dir():
+        return {"available": False, "why": "the task's starter files are not available", "files": []}
+    if not workspace.is_dir():
+        return {"available": False, "why": "the run's workspace is not on disk", "files": []}
+    old, new = _page_tree(starter), _page_tree(workspace)
+    files, budget, cut = [], PAGE_DIFF_CHARS, 0
+    for rel in sorted(set(old) | set(new)):
+        a, b = old.get(rel), new.get(rel)
+        if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
+            try:
+                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                    continue
+            except OSError:
+                pass
+        status = "added" if a is None else "removed" if b is None else "changed"
+        ta, na = _page_file_text(a) if a is not None else ("", "")
+        tb, nb = _page_file_text(b) if b is not None else ("", "")
+        entry = {"path": rel, "status": status, "note": nb or na, "diff": ""}
+        if ta is not None and tb is not None:
+            text = "".join(difflib.unified_diff(ta.splitlines(True), tb.splitlines(True),
+                                                f"starter/{rel}", f"workspace/{rel}"))
+            if len(text) > budget:
+                cut += len(text) - budget
+                text = text[:budget]
+            budget -= len(text)
+            entry["diff"] = text
+        files.append(entry)
+    return {"available": True, "files": files, "cut": cut}
+
+
+def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[str, Any]]:
+    """Same task and repeat, baseline and arm both evaluated, one succeeded and the other did not
+    (pure; excluded runs are left out, as in the primary view)."""
+    by_key: dict[tuple[str, str, Any], dict] = {}
+    for r in runs:
+        if _rpt_evaluated(r) and not _rpt_excluded(r) and r.get("repeat") is not None:
+            by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
+    out = []
+    for (task, arm, rep), r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
+        if arm == base or arm not in arms:
+            continue
+        b = by_key.get((task, base, rep))
+        if b is not None and _rpt_success(r) != _rpt_success(b):
+            out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
+                        "baseline_run": b.get("run_id"), "arm_success": _rpt_success(r)})
+    return out
+
+
+def page_file_names(run_ids: Iterable[Any]) -> dict[str, str]:
+    """A file name under runs/ for every run id, safe on every OS and unique."""
+    names: dict[str, str] = {}
+    used: set[str] = set()
+    for rid in run_ids:
+        rid = str(rid)
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", rid).strip(".") or "run"
+        name, k = stem, 1
+        while name.lower() in used:
+            k += 1
+            name = f"{stem}-{k}"
+        used.add(name.lower())
+        names[rid] = f"{name}.html"
+    return names
+
+
+def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict[str, Any]:
+    """Everything one run page shows, read from the study's files (I/O)."""
+    run_dir = paths.run_dir(str(rec.get("run_id")))
+    sessions = []
+    for j in rec.get("jobs") or []:
+        if not isinstance(j, dict):
+            continue
+        jid = str(j.get("job_id") or "")
+        job = read_json(paths.job_file(jid), default=None) if re.fullmatch(r"j\d+", jid) else None
+        prompt = ""
+        with contextlib.suppress(OSError):
+            prompt = (paths.job_dir(jid) / "prompt.txt").read_text(encoding="utf-8", errors="replace")
+        stream = Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir") else None
+        timeline = stream_timeline(_page_read_stream(stream)) if stream else stream_timeline([])
+        result = read_json(paths.result_file(jid), default=None) if job else None
+        usage = (result or {}).get("usage") if isinstance(result, dict) else None
+        sessions.append({"job_id": jid, "role": str(j.get("role") or ""), "status": j.get("status"),
+                         "reason": j.get("reason"), "cost_usd": _finite_or_none(j.get("cost_usd")),
+                         "duration_s": _finite_or_none(j.get("duration_s")),
+                         "tokens": (usage or {}).get("tokens") if isinstance(usage, dict) else None,
+                         "prompt": _page_trim(prompt, PAGE_TEXT_CHARS), "timeline": timeline,
+                         "stream_found": bool(stream and stream.exists())})
+    gates = []
+    for p in sorted((run_dir / "receipts").glob("*.json")) if (run_dir / "receipts").is_dir() else []:
+        try:
+            g = read_json(p, default=None)
+        except AgentbenchError:
+            g = None
+        if isinstance(g, dict):
+            gates.append({"file": p.name, "passed": g.get("passed"), "score": g.get("score"),
+                          "exit_code": g.get("exit_code"), "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
+                          "output": _page_trim(str(g.get("stderr_tail") or "") + str(g.get("stdout_tail") or ""),
+                                               PAGE_RESULT_CHARS)})
+    ws = (rec.get("workspace") or {}).get("path") if isinstance(rec.get("workspace"), dict) else None
+    diff = workspace_diff(starter, Path(ws)) if ws else {"available": False, "why": "no workspace recorded", "files": []}
+    return {"run": rec, "sessions": sessions, "receipts": gates, "diff": diff}
+
+
+# -- rendering ----------------------------------------------------------------------------------------
+
+_PAGE_CSS = """
+.tl { border-left: 3px solid #bbb; padding-left: 0.8em; margin: 0.5em 0; }
+.tl .prompt { background: #eef4fb; } .tl .text { background: #f7f7f7; }
+.tl .tool { background: #fdf6e8; } .tl .err { background: #fbeaea; }
+.tl > div { margin: 0.3em 0; padding: 0.3em 0.5em; }
+pre { white-space: pre-wrap; word-break: break-word; font-size: 0.85em; margin: 0.2em 0; }
+td.ok { background: #e7f4ea; } td.fail { background: #fbeaea; } td.excl { background: #eee; }
+.flag { color: #D55E00; font-weight: bold; }
+"""
+
+
+def _page_block(text: str, cut: int, css: str = "") -> str:
+    """Escaped text in <pre>, folded when long, with what was cut said."""
+    body = f"<pre{f' class={chr(34)}{css}{chr(34)}' if css else ''}>{html.escape(text)}</pre>"
+    if cut:
+        body += f"<p><em>({cut} more characters not shown)</em></p>"
+    if len(text) > PAGE_FOLD_CHARS:
+        first = text.strip().splitlines()[0][:80] if text.strip() else ""
+        body = f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>{body}</details>"
+    return body
+
+
+def _page_tool_summary(item: dict) -> str:
+    """`Name: first line of its command, path or pattern` for a folded tool call."""
+    key = ""
+    for line in item["input"].splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name in ("command", "file_path", "path", "pattern", "notebook_path"):
+            key = value
+            break
+    return f"{item['name']}: {key[:120]}"
+
+
+def render_run_page(page: dict, report: dict) -> str:
+    """One run's page (pure): header, audit, sessions with their timelines, receipts, review,
+    diff, provenance.  Links only to ../index.html."""
+    rec = page["run"]
+    esc = html.escape
+    rid = str(rec.get("run_id"))
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else {}
+    title = f"Run {rid}: {rec.get('task')} / {rec.get('arm')} / repeat {rec.get('repeat')}"
+    p = ['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8"/>',
+         f"<title>{esc(title)}</title><style>{_HTML_CSS}{_PAGE_CSS}</style></head><body>",
+         '<p><a href="../index.html">&#8592; study report</a></p>', f"<h1>{esc(title)}</h1>"]
+    audit = _rpt_run_audit(rec)
+    p.append(_html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
+                          "Flagged by audit"],
+                         [[str(rec.get("outcome") or rec.get("status")), str(rec.get("validity")) +
+                           (f" ({rec.get('validity_reason')})" if rec.get("validity_reason") else ""),
+                           "yes" if _rpt_success(rec) else "no", _fmt_num(_rpt_score(rec), 3),
+                           f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
+                           _fmt_int(rec.get("gate_cycles") or 0),
+                           _fmt_usd(_rpt_cost(rec), bool(rec.get("cost_estimated"))),
+                           _fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
+    p.append("<h2>Behaviour audit</h2>")
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    if not audit["audited"]:
+        p.append("<p>(no audit recorded)</p>")
+    elif not findings and not audit["flagged"]:
+        p.append("<p>No findings.</p>")
+    else:
+        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind"))) if isinstance(f, dict) else "malformed",
+                 str(f.get("kind")) if isinstance(f, dict) else "-",
+                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
+                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0] if isinstance(f, dict) else _page_trim(f, 300)[0]]
+                for f in (findings if isinstance(findings, list) else [findings])]
+        p.append(f'<p class="flag">Flagged.</p>' + _html_table(["Group", "Kind", "Tool", "What"], rows))
+    p.append("<h2>Cost and tokens per session</h2>")
+    rows = []
+    for s in page["sessions"]:
+        tok = s["tokens"] if isinstance(s["tokens"], dict) else {}
+        rows.append([s["job_id"], s["role"], str(s["status"]) + (f" ({s['reason']})" if s["reason"] else ""),
+                     _fmt_usd(s["cost_usd"]), _fmt_secs(s["duration_s"]),
+                     *[_fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
+                       for k in ("input", "output", "cache_creation", "cache_read")],
+                     _fmt_int(s["timeline"]["tool_calls"])])
+    p.append(_html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
+                          "Cache read", "Tool calls"], rows) if rows else "<p>(no sessions)</p>")
+    p.append("<h2>Conversation</h2>")
+    for s in page["sessions"]:
+        tl = s["timeline"]
+        p.append(f'<h3 id="{esc(s["job_id"])}">{esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">')
+        p.append(f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>')
+        if not s["stream_found"]:
+            p.append("<div><em>(no raw stream on disk)</em></div>")
+        for it in tl["items"]:
+            if it["kind"] in ("text", "thinking"):
+                p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
+                         f'{_page_block(it["text"], it["cut"])}</div>')
+            elif it["kind"] == "tool":
+                res = ("<p><em>(no result)</em></p>" if it["result"] is None else
+                       "<strong>Result</strong>" + _page_block(it["result"], it["result_cut"]))
+                p.append(f'<div class="tool{" err" if it["is_error"] else ""}" data-tool="{esc(it["name"])}">'
+                         f'<details><summary>Tool call {esc(_page_tool_summary(it))}</summary>'
+                         f'<strong>Input</strong>{_page_block(it["input"], it["cut"])}{res}</details></div>')
+            elif it["kind"] == "result":
+                p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, '
+                         f'{esc(_fmt_usd(it["cost_usd"]))}, {esc(str(it["turns"]))} turns'
+                         f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
+        if tl["omitted"]:
+            p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
+        if tl["bad_lines"]:
+            p.append(f"<div><em>({tl['bad_lines']} stream lines were not JSON objects)</em></div>")
+        p.append("</div>")
+    p.append("<h2>Gate and contract receipts</h2>")
+    if page["receipts"]:
+        for g in page["receipts"]:
+            checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
+                               for c in g["checks"] if isinstance(c, dict))
+            p.append(f"<h3>{esc(g['file'])}: {'passed' if g['passed'] is True else 'not passed'}, score "
+                     f"{esc(str(g['score']))}, exit {esc(str(g['exit_code']))}</h3>"
+                     + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]))
+        p.append("<p>The feedback sent after a failed gate is the prompt of the gate_feedback session above.</p>")
+    else:
+        p.append("<p>(none)</p>")
+    p.append("<h2>Review</h2>")
+    reviews = [r for r in rec.get("reviews") or [] if isinstance(r, dict)]
+    for r in reviews:
+        p.append(f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
+                 f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>")
+        rows = [[str(f.get("severity")), str(f.get("file")), _page_trim(str(f.get("detail")), 1000)[0]]
+                for f in r.get("findings") or [] if isinstance(f, dict)]
+        p.append(_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>")
+    if not reviews:
+        p.append("<p>(no review)</p>")
+    p.append("<h2>Workspace diff against the starter</h2>")
+    d = page["diff"]
+    if not d["available"]:
+        p.append(f"<p>{esc(d['why'])}</p>")
+    elif not d["files"]:
+        p.append("<p>No file differs from the starter.</p>")
+    else:
+        for f in d["files"]:
+            p.append(f"<h3>{esc(f['status'])}: {esc(f['path'])}</h3>"
+                     + (f"<p>{esc(f['note'])}</p>" if f["note"] else "")
+                     + (_page_block(f["diff"], 0) if f["diff"] else ""))
+        if d.get("cut"):
+            p.append(f"<p><em>({d['cut']} more characters of diff not shown)</em></p>")
+    p.append("<h2>Provenance</h2>")
+    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
+    p.append(_html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
+             if prov else "<p>(none recorded)</p>")
+    p.append("</body></html>")
+    return "\n".join(p) + "\n"
+
+
+def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> str:
+    """The index page's extra section (pure): discordant pairs first, then the task x arm matrix
+    with a cell per run linking to its page."""
+    esc = html.escape
+    arms, base = report["arms"], report["baseline"]
+
+    def link(rid: Any) -> str:
+        name = names.get(str(rid))
+        return f'<a href="{PAGE_RUNS_DIR}/{esc(name)}">{esc(str(rid))}</a>' if name else esc(str(rid))
+
+    pairs = discordant_pairs(runs, arms, base)
+    p = [f"<h2>Discordant pairs: same task and repeat, {esc(base)} and the arm disagree ({len(pairs)})</h2>"]
+    rows = [f"<tr><td>{esc(x['task'])}</td><td>{esc(str(x['repeat']))}</td><td>{esc(x['arm'])}</td>"
+            f"<td>{link(x['arm_run'])} {'succeeded' if x['arm_success'] else 'failed'}</td>"
+            f"<td>{link(x['baseline_run'])} {'failed' if x['arm_success'] else 'succeeded'}</td></tr>"
+            for x in pairs]
+    p.append("<table><thead><tr><th>Task</th><th>Repeat</th><th>Arm</th><th>Arm run</th>"
+             f"<th>{esc(base)} run</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+             if rows else "<p>(none)</p>")
+    p.append("<h2>Every run: task x arm</h2><p>Cell: run (S success, F failure, - not evaluated; "
+             "X excluded; ! flagged by the audit).</p>")
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        cells.setdefault((str(r.get("task")), str(r.get("arm"))), []).append(r)
+    head = "".join(f"<th>{esc(a)}</th>" for a in arms)
+    body = []
+    for task in sorted({str(r.get("task")) for r in runs}):
+        tds = []
+        for a in arms:
+            marks = []
+            for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
+                mark = ("S" if _rpt_success(r) else "F") if _rpt_evaluated(r) else "-"
+                mark += ("X" if _rpt_excluded(r) else "") + ("!" if _rpt_run_audit(r)["flagged"] else "")
+                marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
+            tds.append(f"<td>{'<br/>'.join(marks) or '-'}</td>")
+        body.append(f"<tr><td>{esc(task)}</td>{''.join(tds)}</tr>")
+    p.append(f"<table><thead><tr><th>Task</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+    return "\n".join(p)
+
+
+def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_dir: Path) -> dict[str, Any]:
+    """Write index.html and runs/<run>.html under `out_dir` (I/O); returns what was written."""
+    try:
+        cfg = load_study_config(paths)
+        tasks = load_tasks(paths, cfg)
+    except AgentbenchError:
+        tasks = {}
+    arms = set(report["arms"])
+    runs = [r for r in runs if str(r.get("arm")) in arms]
+    names = page_file_names(r.get("run_id") for r in runs)
+    (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        task = tasks.get(str(r.get("task")))
+        starter = task.public if task else None
+        page = collect_run_page(paths, r, starter)
+        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page, report))
+    index = out_dir / "index.html"
+    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
+    return {"index": str(index), "run_pages": len(names)}
 
 
 # ==================================================================================================
@@ -9033,7 +9511,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
     p.add_argument("--baseline")
-    p.add_argument("--out", help="write md/html to this file (default for html: <study>/report.html)")
+    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); with "
+                                 "--format html, a path ending in / (or an existing directory) gets a directory: "
+                                 "index.html and one page per run under runs/")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
 
 
@@ -9058,6 +9538,15 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         text = render_report_md(report) if args.format == "md" else render_report_html(report)
         result = {"format": args.format}
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
+    if args.out and (args.out.endswith(("/", os.sep)) or Path(args.out).is_dir()):
+        if args.format != "html":
+            raise AgentbenchError("--out names a directory: only --format html writes one",
+                                  out=args.out, hint="give a file path for json or md")
+        if ctx.is_child:
+            raise AgentbenchError("refused inside a supervised session: writing a report directory")
+        written = write_report_pages(paths, report, runs, Path(ctx.platform.normalize_path(args.out)))
+        result.update(written, path=written["index"], directory=str(Path(written["index"]).parent))
+        out = None
     if out:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report file")
