@@ -5520,7 +5520,8 @@ def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha
 
 
 # --------------------------------------------------------------------------------------------------
-# Statistics: exclusions and multiplicity (Fisher's exact test, Holm's step-down adjustment)
+# Statistics: exclusions, multiplicity, planning (Fisher's exact test, Holm's adjustment, the
+# minimum detectable difference and the expected cost of a study)
 # --------------------------------------------------------------------------------------------------
 
 def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
@@ -5572,6 +5573,73 @@ def holm_adjust(ps: Sequence[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (m - rank) * float(ps[i])))
         out[i] = running
     return out
+
+
+def min_detectable_difference(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                              power: float = 0.8, tau: float = 0.0) -> dict[str, float | None]:
+    """Smallest success-rate difference (up and down from `p_base`) that `n_tasks` tasks x
+    `repeats` repeats detect with `power` at two-sided level `alpha`, under the model of
+    paired_power_repeats: n d^2 / K = tau^2 + (p0 q0 + p1 q1) / r with K = (z_{1-alpha/2} +
+    z_power)^2 and p1 = p0 +- d.  Since p1 q1 = p0 q0 +- d (1 - 2 p0) - d^2, this is the quadratic
+        (n / K + 1 / r) d^2 -+ ((1 - 2 p0) / r) d - (2 p0 q0 / r + tau^2) = 0,
+    whose positive root is the answer; None when it would take p1 outside [0, 1] (no difference
+    in that direction is detectable)."""
+    if not 0.0 <= p_base <= 1.0 or n_tasks < 1 or repeats < 1 or not 0 < alpha < 1 \
+            or not 0 < power < 1 or tau < 0:
+        raise ValueError("need 0 <= p_base <= 1, n_tasks >= 1, repeats >= 1, 0 < alpha, power < 1, tau >= 0")
+    norm = statistics.NormalDist()
+    k = (norm.inv_cdf(1.0 - alpha / 2.0) + norm.inv_cdf(power)) ** 2
+    a = n_tasks / k + 1.0 / repeats
+    c = 2.0 * p_base * (1.0 - p_base) / repeats + tau * tau
+    out: dict[str, float | None] = {}
+    for name, sign in (("increase", 1.0), ("decrease", -1.0)):
+        b = sign * (1.0 - 2.0 * p_base) / repeats
+        d = (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)
+        p1 = p_base + sign * d
+        out[name] = d if -1e-12 <= p1 <= 1.0 + 1e-12 else None
+    return out
+
+
+# Tokens one session is assumed to use when nothing measured is at hand (a default, not a
+# measurement: the plan says so).  Priced at the study's model list price.
+PLAN_SESSION_TOKENS = {"input": 10_000, "output": 15_000, "cache_creation": 60_000, "cache_read": 1_000_000}
+
+
+def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats: int,
+                    pilot: Mapping[str, Sequence[float]], rehearsal: Mapping[str, Mapping[str, Any]] | None,
+                    model: str | None, prices: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """Expected cost of n_tasks x repeats runs per arm (pure).
+
+    Per arm, the cost of one run is, in this order: the mean cost of the arm's pilot runs (real
+    runs outside the split being planned, with a reported cost); the arm's mean cost per run in
+    the study's rehearsal (the scripted model's usage at list prices: short sessions, a floor
+    rather than a forecast); else PLAN_SESSION_TOKENS at the model's list price times the most
+    sessions the arm can start (1 + gate cycles + 2 with a review), marked estimated.
+    `arms` maps a name to {"gate_cycles", "review"}."""
+    per_arm: dict[str, dict[str, Any]] = {}
+    for name, arm in arms.items():
+        costs = [float(c) for c in pilot.get(name) or []
+                 if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0]
+        reh = (rehearsal or {}).get(name) if isinstance(rehearsal, Mapping) else None
+        reh_runs = reh.get("runs") if isinstance(reh, Mapping) else None
+        reh_cost = reh.get("cost_usd") if isinstance(reh, Mapping) else None
+        if costs:
+            basis, per_run, n = "pilot", math.fsum(costs) / len(costs), len(costs)
+        elif isinstance(reh_runs, int) and reh_runs > 0 and isinstance(reh_cost, (int, float)) \
+                and not isinstance(reh_cost, bool) and math.isfinite(reh_cost) and reh_cost >= 0:
+            basis, per_run, n = "rehearsal", float(reh_cost) / reh_runs, reh_runs
+        else:
+            sessions = 1 + int(arm.get("gate_cycles") or 0) + (2 if arm.get("review") else 0)
+            basis, n = "token_estimate", 0
+            per_run = sessions * estimate_cost_usd(PLAN_SESSION_TOKENS, model, prices)
+        runs = n_tasks * repeats
+        per_arm[name] = {"basis": basis, "measured_runs": n, "cost_per_run_usd": per_run,
+                         "runs": runs, "cost_usd": per_run * runs}
+    bases = sorted({a["basis"] for a in per_arm.values()})
+    return {"study_usd": math.fsum(a["cost_usd"] for a in per_arm.values()),
+            "runs": n_tasks * repeats * len(per_arm), "basis": bases,
+            "estimated": "token_estimate" in bases, "per_arm": per_arm,
+            "session_tokens_assumed": dict(PLAN_SESSION_TOKENS) if "token_estimate" in bases else None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -9117,6 +9185,36 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
+def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
+                repeats: int, power: Mapping[str, Any], p_base: float, split: str) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
+    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
+    estimate (see plan_study_cost)."""
+    pilot: dict[str, list[float]] = {}
+    for r in run_records_for_report(paths):
+        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    reh = reh if isinstance(reh, dict) else {}
+    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
+
+    def cost(r: int) -> dict[str, Any]:
+        return plan_study_cost(shape, len(tasks), r, pilot, reh.get("arms") if isinstance(reh.get("arms"), dict) else None,
+                               cfg.get("model"), cfg.get("prices"))
+
+    out = {"repeats": repeats,
+           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
+                                                                      power["alpha"], power["power"]),
+           "cost_at_repeats": cost(repeats),
+           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == config_hash(paths, dict(cfg)),
+           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
+    if power.get("repeats"):
+        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    return out
+
+
 @command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -9130,6 +9228,7 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1")
         power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
+        power["plan"] = assign_plan(paths, cfg, tasks, arms, repeats, power, args.power_base, args.split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
     data = manifest_bytes(manifest, seed, args.split)
     faults: dict[str, dict[str, Any]] = {}
