@@ -6813,6 +6813,52 @@ def _nice_tick_count(xmax: float) -> int:
     return 4 if mantissa == 2.0 else 5
 
 
+# Label geometry for the charts: the width of one character of the 12px label font (an upper
+# estimate for the system sans-serif faces the CSS names) and the height of one label line.
+SVG_CHAR_W = 7.2
+SVG_LINE_H = 15.0
+
+
+def svg_label_box(x: float, y: float, text: str, anchor: str) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of a one-line label whose baseline starts (or ends) at x, y."""
+    w = len(text) * SVG_CHAR_W
+    left = x if anchor == "start" else x - w if anchor == "end" else x - w / 2
+    return (left, y - SVG_LINE_H + 3, left + w, y + 3)
+
+
+def svg_place_labels(points: Sequence[tuple[float, float, str]], bounds: tuple[float, float, float, float]
+                     ) -> list[tuple[float, float, str]]:
+    """Positions (x, y, anchor) for point labels so that no two label boxes overlap (pure).
+
+    Each label tries right-above, right-below, left-above, left-below its point, then steps
+    further down and up one line at a time; the first box inside `bounds` (left, top, right,
+    bottom) that meets no label placed before it wins.  Points are labelled in the given order."""
+    placed: list[tuple[float, float, float, float]] = []
+    out = []
+
+    def free(box: tuple[float, float, float, float]) -> bool:
+        inside = box[0] >= bounds[0] and box[1] >= bounds[1] and box[2] <= bounds[2] and box[3] <= bounds[3]
+        return inside and all(box[2] <= b[0] or box[0] >= b[2] or box[3] <= b[1] or box[1] >= b[3]
+                              for b in placed)
+
+    for cx, cy, text in points:
+        tries = [(cx + 9, cy - 6, "start"), (cx + 9, cy + 16, "start"),
+                 (cx - 9, cy - 6, "end"), (cx - 9, cy + 16, "end")]
+        for k in range(1, 200):
+            for dy in (16 + k * SVG_LINE_H, -6 - k * SVG_LINE_H):
+                tries += [(cx + 9, cy + dy, "start"), (cx - 9, cy + dy, "end")]
+        choice = next((t for t in tries if free(svg_label_box(t[0], t[1], text, t[2]))), tries[0])
+        placed.append(svg_label_box(choice[0], choice[1], text, choice[2]))
+        out.append(choice)
+    return out
+
+
+def _svg_fit(text: str, width: float) -> str:
+    """`text` cut (with an ellipsis) to fit `width` pixels of label font."""
+    n = max(1, int(width // SVG_CHAR_W))
+    return text if len(text) <= n else text[:max(1, n - 1)] + "\u2026"
+
+
 def _svg_rate_chart(report: dict) -> str:
     """Chart 1: success rate per arm as bars with Wilson 95% whiskers (y: 0..1 linear)."""
     arms = report["arms"]
@@ -6844,8 +6890,10 @@ def _svg_rate_chart(report: dict) -> str:
         cx = left + band * (i + 0.5)
         colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
         name = html.escape(arm)
-        label = name + (" (base)" if arm == report["baseline"] else "")
-        out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 18}" text-anchor="middle">{label}</text>')
+        full = arm + (" (base)" if arm == report["baseline"] else "")
+        label = html.escape(_svg_fit(full, band - 4))   # a long name is cut to its band, whole in <title>
+        out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(cx)}" y="{y0 + 18}" '
+                   f'text-anchor="middle">{label}<title>{html.escape(full)}</title></text>')
         out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 34}" text-anchor="middle">'
                    f'n={s["evaluated"]}</text>')
         rate, ci = s["success_rate"], s["success_ci"]
@@ -6916,7 +6964,9 @@ def _svg_cost_chart(report: dict) -> str:
                    f'${v:,.4g}</text>')
     out.append(f'<line class="axis" x1="{x0}" x2="{x0}" y1="{y1}" y2="{y0}"/>')
     out.append(f'<line class="axis" x1="{x0}" x2="{x1}" y1="{y0}" y2="{y0}"/>')
-    for i, arm in points:
+    spots = svg_place_labels([(x(pa[a]["cost_per_run_usd"]), y(pa[a]["success_rate"]), a) for _, a in points],
+                             (0.0, 0.0, float(width), float(y0)))
+    for (i, arm), (lx, ly, anchor) in zip(points, spots):
         s = pa[arm]
         name = html.escape(arm)
         colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
@@ -6933,7 +6983,8 @@ def _svg_cost_chart(report: dict) -> str:
                    f'stroke="#1a1a1a" stroke-width="1"><title>{name}: '
                    f'{_fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
                    f'{_fmt_pct(s["success_rate"])}</title></circle>')
-        out.append(f'<text x="{_svg_num(cx + 9)}" y="{_svg_num(cy - 6)}">{name}</text>')
+        out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(lx)}" y="{_svg_num(ly)}" '
+                   f'text-anchor="{anchor}">{name}</text>')
     missing = [a for a in arms if all(a != p for _, p in points)]
     if missing:
         out.append(f'<text x="{x0 + 4}" y="{y0 + 50}">no data: '

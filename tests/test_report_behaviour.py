@@ -259,3 +259,55 @@ def test_markdown_and_html_name_flagged_runs_by_kind(rep):
     p = Cells()
     p.feed(ab.render_report_html(rep))
     assert "edited public tests or checks x1" in p.cells and "3 (1 success)" in p.cells
+
+
+# ---- charts: labels never overlap ------------------------------------------------------------------
+
+def _label_boxes(svg_text):
+    import xml.etree.ElementTree as ET
+    root = ET.fromstring(svg_text)
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = {}
+    for t in root.iter(ns + "text"):
+        if t.get("class") == "label":
+            text = "".join(t.itertext()) if t.find(ns + "title") is None else (t.text or "")
+            boxes[t.get("data-label-for")] = ab.svg_label_box(float(t.get("x")), float(t.get("y")), text,
+                                                              t.get("text-anchor") or "start")
+    return boxes, float(root.get("width")), float(root.get("height"))
+
+
+def _overlap(a, b):
+    return not (a[2] <= b[0] or a[0] >= b[2] or a[3] <= b[1] or a[1] >= b[3])
+
+
+def test_cost_chart_labels_of_arms_with_equal_cost_and_rate_do_not_overlap():
+    arms = ["alpha", "beta", "gamma", "delta", "epsilon-long-name"]
+    runs = [run(f"{a}{i}", f"t{i}", a, 1, success=i < 2, cost=2.0) for a in arms for i in range(4)]
+    rep = ab.build_report(runs, arms)
+    assert len({(rep["per_arm"][a]["cost_per_run_usd"], rep["per_arm"][a]["success_rate"]) for a in arms}) == 1
+    boxes, w, h = _label_boxes(ab._svg_cost_chart(rep))
+    assert sorted(boxes) == sorted(arms)
+    for a in arms:
+        assert boxes[a][0] >= 0 and boxes[a][2] <= w and boxes[a][1] >= 0 and boxes[a][3] <= h
+        for b in arms:
+            assert a == b or not _overlap(boxes[a], boxes[b]), (a, b, boxes[a], boxes[b])
+
+
+def test_label_placement_steps_away_from_taken_places():
+    spots = ab.svg_place_labels([(100, 100, "aa"), (100, 100, "bb"), (100, 100, "cc"),
+                                 (100, 100, "dd"), (100, 100, "ee")], (0, 0, 640, 300))
+    assert spots[:4] == [(109, 94, "start"), (109, 116, "start"), (91, 94, "end"), (91, 116, "end")]
+    assert spots[4] == (109, 116 + ab.SVG_LINE_H, "start")
+
+
+def test_rate_chart_cuts_long_names_to_their_band():
+    arms = [f"arm-with-a-very-long-name-{i}" for i in range(6)]
+    runs = [run(f"r{i}", "t1", a, 1, success=True) for i, a in enumerate(arms)]
+    svg = ab._svg_rate_chart(ab.build_report(runs, arms))
+    boxes, w, _ = _label_boxes(svg)
+    names = sorted(boxes)
+    assert names == sorted(arms)
+    for a in names:
+        for b in names:
+            assert a == b or not _overlap(boxes[a], boxes[b])
+    assert "<title>arm-with-a-very-long-name-0 (base)</title>" in svg
