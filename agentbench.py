@@ -7454,6 +7454,8 @@ def render_run_page(page: dict, report: dict) -> str:
         p.append("<p>(no review)</p>")
     p.append("<h2>Workspace diff against the starter</h2>")
     d = page["diff"]
+    if d.get("note"):
+        p.append(f'<p class="flag">{esc(d["note"])}</p>')
     if not d["available"]:
         p.append(f"<p>{esc(d['why'])}</p>")
     elif not d["files"]:
@@ -7528,6 +7530,10 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
         task = tasks.get(str(r.get("task")))
         starter = task.public if task else None
         page = collect_run_page(paths, r, starter)
+        ran = (r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict) else None
+        if task and ran and ran != task.bundle_sha256:
+            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, the study now "
+                                    f"has {task.bundle_sha256[:16]}): the diff is against the current starter")
         write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page, report))
     index = out_dir / "index.html"
     write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))

@@ -136,3 +136,19 @@ def test_the_index_opens_in_headless_chromium(rehearsed):
                           (site / "index.html").as_uri()], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Every run: task x arm" in res.stdout and "runs/" in res.stdout
+
+
+def test_a_run_page_says_when_the_task_bundle_changed_since_the_run(rehearsed):
+    cfg = json.loads((rehearsed["scratch"] / "study.json").read_text())
+    task_md = Path(cfg["tasks"]) / "roman" / "public" / "TASK.md"
+    if not task_md.is_absolute():
+        task_md = rehearsed["scratch"] / task_md
+    before = task_md.read_text()
+    try:
+        task_md.write_text(before + "\nAn edit after the runs.\n")
+        site = rehearsed["base"] / "site-edited"
+        report(rehearsed["scratch"], "html", "--out", str(site) + "/")
+        page = (site / "runs" / f"{rehearsed['by_arm']['D']}.html").read_text(encoding="utf-8")
+        assert "the task bundle changed since this run" in page
+    finally:
+        task_md.write_text(before)
