@@ -6263,18 +6263,15 @@ def _rpt_holm_view(view: dict) -> dict:
     """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
     McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
     cmps = view["comparisons"]
-    families = {}
-    for test, get, put in (
-            ("sign_test", lambda c: c.get("sign_test_p"), lambda c, v: c.__setitem__("sign_test_p_holm", v)),
-            ("mcnemar", lambda c: (c.get("mcnemar") or {}).get("p"),
-             lambda c, v: c["mcnemar"].__setitem__("p_holm", v) if c.get("mcnemar") else None)):
-        arms = [a for a, c in cmps.items() if get(c) is not None]
-        adjusted = holm_adjust([get(cmps[a]) for a in arms])
-        for a in cmps:
-            put(cmps[a], None)
-        for a, v in zip(arms, adjusted):
-            put(cmps[a], v)
-        families[test] = arms
+    sign = [a for a, c in cmps.items() if c.get("sign_test_p") is not None]
+    mcn = [a for a, c in cmps.items() if (c.get("mcnemar") or {}).get("p") is not None]
+    sign_adj = dict(zip(sign, holm_adjust([cmps[a]["sign_test_p"] for a in sign])))
+    mcn_adj = dict(zip(mcn, holm_adjust([cmps[a]["mcnemar"]["p"] for a in mcn])))
+    for a, c in cmps.items():
+        c["sign_test_p_holm"] = sign_adj.get(a)
+        if c.get("mcnemar"):
+            c["mcnemar"]["p_holm"] = mcn_adj.get(a)
+    families = {"sign_test": sign, "mcnemar": mcn}
     view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
     return view["multiplicity"]
 
@@ -6317,9 +6314,12 @@ def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
     parts = []
     for arm in excl["biased_arms"]:
         st = excl["per_arm"][arm]
-        why = ("all of its ended runs are excluded" if st["all_excluded"] else
-               f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
-               if st["fisher_p"] is not None else "its baseline's runs are all excluded")
+        if st["all_excluded"]:
+            why = "all of its ended runs are excluded"
+        elif arm != base and excl["per_arm"][base]["all_excluded"]:
+            why = f"all of the baseline {base}'s ended runs are excluded"
+        else:
+            why = f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
         parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
     read = ("the all-included view (views.all_included) is the one to read"
             if primary == "exclusions_applied" else "the primary view already includes every run")
@@ -7338,9 +7338,9 @@ td.ok { background: #e7f4ea; } td.fail { background: #fbeaea; } td.excl { backgr
 """
 
 
-def _page_block(text: str, cut: int, css: str = "") -> str:
+def _page_block(text: str, cut: int) -> str:
     """Escaped text in <pre>, folded when long, with what was cut said."""
-    body = f"<pre{f' class={chr(34)}{css}{chr(34)}' if css else ''}>{html.escape(text)}</pre>"
+    body = f"<pre>{html.escape(text)}</pre>"
     if cut:
         body += f"<p><em>({cut} more characters not shown)</em></p>"
     if len(text) > PAGE_FOLD_CHARS:

@@ -311,3 +311,11 @@ def test_rate_chart_cuts_long_names_to_their_band():
         for b in names:
             assert a == b or not _overlap(boxes[a], boxes[b])
     assert "<title>arm-with-a-very-long-name-0 (base)</title>" in svg
+
+
+def test_an_all_excluded_baseline_warns_for_every_arm():
+    runs = [run("a1", "t1", "A", 1, success=False, validity="degenerate"),
+            run("b1", "t1", "B", 1, success=True), run("c1", "t1", "C", 1, success=False)]
+    rep = ab.build_report(runs, ["A", "B", "C"])
+    assert rep["exclusions"]["biased_arms"] == ["A", "B", "C"]
+    assert "B (0 of 1 excluded; all of the baseline A's ended runs are excluded)" in rep["warnings"][0]

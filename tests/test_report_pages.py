@@ -179,3 +179,19 @@ def test_the_index_section_links_every_run_and_lists_discordant_pairs_first():
     assert "b1</a> F!" in section and "a1</a> S" in section
     disc = section.split("Every run")[0]
     assert 'href="runs/b1.html"' in disc and 'href="runs/a1.html"' in disc and "b2" not in disc
+
+
+def test_report_out_directory_only_for_html(tmp_path):
+    from conftest import run_main
+    from test_experiment import copy_example
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    target = tmp_path / "site"
+    code, out = run_main(["report", "--study", str(study), "--format", "md", "--out", str(target) + "/"])
+    assert code == 2 and "directory" in out["error"] and not target.exists()
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(target) + "/"])
+    assert code == 0 and out["run_pages"] == 0 and (target / "index.html").is_file(), out
+    single = tmp_path / "one.html"
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(single)])
+    assert code == 0 and single.is_file() and out["path"] == str(single)
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(target)])
+    assert code == 0 and out["directory"] == str(target)      # an existing directory gets pages too
