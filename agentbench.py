@@ -7041,11 +7041,11 @@ def render_report_html(report: dict, extra: str = "") -> str:
              '<figcaption>Cost per started run against success rate, per arm, with the same '
              'intervals. Up and to the left is better.</figcaption></figure>',
              '</div>']
+    if extra:
+        parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
-    if extra:
-        parts.append(extra)   # the run pages' index section (already escaped HTML)
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:

@@ -173,7 +173,8 @@ def test_the_index_section_links_every_run_and_lists_discordant_pairs_first():
     names = ab.page_file_names(r["run_id"] for r in runs)
     section = ab.render_run_index(rep, runs, names)
     page = ab.render_report_html(rep, extra=section)
-    assert page.index("Discordant pairs") < page.index("Every run: task x arm") < page.index("<h2>Notes")
+    assert page.index("</svg>") < page.index("Discordant pairs") < page.index("Every run: task x arm") \
+        < page.index("<h2>Results per arm")   # right after the charts, before the long tables
     hrefs = [a["href"] for t, a in parse(page).tags if t == "a"]
     assert sorted(set(hrefs)) == sorted(f"runs/{n}" for n in names.values())
     assert "b1</a> F!" in section and "a1</a> S" in section
