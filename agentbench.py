@@ -7304,6 +7304,7 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         result = read_json(paths.result_file(jid), default=None) if job else None
         usage = (result or {}).get("usage") if isinstance(result, dict) else None
         sessions.append({"job_id": jid, "role": str(j.get("role") or ""), "status": j.get("status"),
+                         "created_at": job.get("created_at") if isinstance(job, dict) else None,
                          "reason": j.get("reason"), "cost_usd": _finite_or_none(j.get("cost_usd")),
                          "duration_s": _finite_or_none(j.get("duration_s")),
                          "tokens": (usage or {}).get("tokens") if isinstance(usage, dict) else None,
@@ -7316,7 +7317,7 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         except AgentbenchError:
             g = None
         if isinstance(g, dict):
-            gates.append({"file": p.name, "passed": g.get("passed"), "score": g.get("score"),
+            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"), "score": g.get("score"),
                           "exit_code": g.get("exit_code"), "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
                           "output": _page_trim(str(g.get("stderr_tail") or "") + str(g.get("stdout_tail") or ""),
                                                PAGE_RESULT_CHARS)})
@@ -7360,7 +7361,56 @@ def _page_tool_summary(item: dict) -> str:
     return f"{item['name']}: {key[:120]}"
 
 
-def render_run_page(page: dict, report: dict) -> str:
+def _page_session_html(s: dict) -> str:
+    """One session of the timeline: the prompt sent, then its stream, folded where long."""
+    esc = html.escape
+    tl = s["timeline"]
+    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">',
+         f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
+    if not s["stream_found"]:
+        p.append("<div><em>(no raw stream on disk)</em></div>")
+    for it in tl["items"]:
+        if it["kind"] in ("text", "thinking"):
+            p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
+                     f'{_page_block(it["text"], it["cut"])}</div>')
+        elif it["kind"] == "tool":
+            res = ("<p><em>(no result)</em></p>" if it["result"] is None else
+                   "<strong>Result</strong>" + _page_block(it["result"], it["result_cut"]))
+            p.append(f'<div class="tool{" err" if it["is_error"] else ""}" data-tool="{esc(it["name"])}">'
+                     f'<details><summary>Tool call {esc(_page_tool_summary(it))}</summary>'
+                     f'<strong>Input</strong>{_page_block(it["input"], it["cut"])}{res}</details></div>')
+        elif it["kind"] == "result":
+            # The binary's own total is cumulative over a resumed conversation: the per-session
+            # cost is the table's.
+            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, {esc(str(it["turns"]))} turns'
+                     f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
+    if tl["omitted"]:
+        p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
+    if tl["bad_lines"]:
+        p.append(f"<div><em>({tl['bad_lines']} stream lines were not JSON objects)</em></div>")
+    p.append("</div>")
+    return "\n".join(p)
+
+
+def _page_receipt_html(g: dict) -> str:
+    esc = html.escape
+    checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
+                       for c in g["checks"] if isinstance(c, dict))
+    return (f'<h3>Receipt {esc(g["file"])}: {"passed" if g["passed"] is True else "not passed"}, score '
+            f'{esc(str(g["score"]))}, exit {esc(str(g["exit_code"]))}</h3><div class="tl">'
+            + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]) + "</div>")
+
+
+def _page_review_html(r: dict) -> str:
+    esc = html.escape
+    rows = [[str(f.get("severity")), str(f.get("file")), _page_trim(str(f.get("detail")), 1000)[0]]
+            for f in r.get("findings") or [] if isinstance(f, dict)]
+    return (f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
+            f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>"
+            + (_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
+
+
+def render_run_page(page: dict) -> str:
     """One run's page (pure): header, audit, sessions with their timelines, receipts, review,
     diff, provenance.  Links only to ../index.html."""
     rec = page["run"]
@@ -7405,51 +7455,24 @@ def render_run_page(page: dict, report: dict) -> str:
                      _fmt_int(s["timeline"]["tool_calls"])])
     p.append(_html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
                           "Cache read", "Tool calls"], rows) if rows else "<p>(no sessions)</p>")
-    p.append("<h2>Conversation</h2>")
-    for s in page["sessions"]:
-        tl = s["timeline"]
-        p.append(f'<h3 id="{esc(s["job_id"])}">{esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">')
-        p.append(f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>')
-        if not s["stream_found"]:
-            p.append("<div><em>(no raw stream on disk)</em></div>")
-        for it in tl["items"]:
-            if it["kind"] in ("text", "thinking"):
-                p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
-                         f'{_page_block(it["text"], it["cut"])}</div>')
-            elif it["kind"] == "tool":
-                res = ("<p><em>(no result)</em></p>" if it["result"] is None else
-                       "<strong>Result</strong>" + _page_block(it["result"], it["result_cut"]))
-                p.append(f'<div class="tool{" err" if it["is_error"] else ""}" data-tool="{esc(it["name"])}">'
-                         f'<details><summary>Tool call {esc(_page_tool_summary(it))}</summary>'
-                         f'<strong>Input</strong>{_page_block(it["input"], it["cut"])}{res}</details></div>')
-            elif it["kind"] == "result":
-                p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, '
-                         f'{esc(_fmt_usd(it["cost_usd"]))}, {esc(str(it["turns"]))} turns'
-                         f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
-        if tl["omitted"]:
-            p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
-        if tl["bad_lines"]:
-            p.append(f"<div><em>({tl['bad_lines']} stream lines were not JSON objects)</em></div>")
-        p.append("</div>")
-    p.append("<h2>Gate and contract receipts</h2>")
-    if page["receipts"]:
-        for g in page["receipts"]:
-            checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
-                               for c in g["checks"] if isinstance(c, dict))
-            p.append(f"<h3>{esc(g['file'])}: {'passed' if g['passed'] is True else 'not passed'}, score "
-                     f"{esc(str(g['score']))}, exit {esc(str(g['exit_code']))}</h3>"
-                     + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]))
-        p.append("<p>The feedback sent after a failed gate is the prompt of the gate_feedback session above.</p>")
-    else:
-        p.append("<p>(none)</p>")
-    p.append("<h2>Review</h2>")
+    p.append("<h2>Timeline</h2><p>Sessions, gate receipts and reviews in the order they happened. "
+             "The feedback after a failed gate or a review is the prompt of the session that follows "
+             "(gate_feedback, repair).</p>")
     reviews = [r for r in rec.get("reviews") or [] if isinstance(r, dict)]
-    for r in reviews:
-        p.append(f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
-                 f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>")
-        rows = [[str(f.get("severity")), str(f.get("file")), _page_trim(str(f.get("detail")), 1000)[0]]
-                for f in r.get("findings") or [] if isinstance(f, dict)]
-        p.append(_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>")
+    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s) for i, s in enumerate(page["sessions"])]
+                     + [(str(g.get("at") or "~"), 1, i, "receipt", g) for i, g in enumerate(page["receipts"])],
+                     key=lambda e: e[:3])
+    n_reviewer = 0
+    for _, _, _, kind, obj in entries:
+        if kind == "receipt":
+            p.append(_page_receipt_html(obj))
+            continue
+        p.append(_page_session_html(obj))
+        if obj["role"] == "reviewer" and n_reviewer < len(reviews):
+            p.append(_page_review_html(reviews[n_reviewer]))
+            n_reviewer += 1
+    for r in reviews[n_reviewer:]:     # a review whose session is not listed
+        p.append(_page_review_html(r))
     if not reviews:
         p.append("<p>(no review)</p>")
     p.append("<h2>Workspace diff against the starter</h2>")
@@ -7534,7 +7557,7 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
         if task and ran and ran != task.bundle_sha256:
             page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, the study now "
                                     f"has {task.bundle_sha256[:16]}): the diff is against the current starter")
-        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page, report))
+        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
     index = out_dir / "index.html"
     write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
     return {"index": str(index), "run_pages": len(names)}

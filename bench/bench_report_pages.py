@@ -45,7 +45,7 @@ def page_for(lines: list[str]) -> str:
     rec = {"run_id": "r0001", "task": "t", "arm": "A", "repeat": 1, "status": "finished", "outcome": "success",
            "validity": "valid", "evaluation": {"success": True, "score": 1.0}, "audit": {"findings": []}}
     return ab.render_run_page({"run": rec, "sessions": [session], "receipts": [],
-                               "diff": {"available": False, "why": "-", "files": []}}, {})
+                               "diff": {"available": False, "why": "-", "files": []}})
 
 
 def measure(n: int, repeat: int) -> dict:

@@ -154,7 +154,7 @@ def hostile_page():
 
 
 def test_a_run_page_escapes_everything_the_agent_wrote():
-    page = ab.render_run_page(hostile_page(), {})
+    page = ab.render_run_page(hostile_page())
     p = parse(page)
     assert not any(t == "script" for t, _ in p.tags)
     hrefs = [a.get("href") for t, a in p.tags if t == "a"]

@@ -136,6 +136,11 @@ def test_the_index_opens_in_headless_chromium(rehearsed):
                           (site / "index.html").as_uri()], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "Every run: task x arm" in res.stdout and "runs/" in res.stdout
+    run_page = site / "runs" / f"{rehearsed['by_arm']['D']}.html"
+    res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", run_page.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert 'data-tool="Write"' in res.stdout and "Review 1:" in res.stdout
 
 
 def test_a_run_page_says_when_the_task_bundle_changed_since_the_run(rehearsed):
