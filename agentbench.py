@@ -37,6 +37,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import string
 import subprocess
@@ -7209,10 +7210,18 @@ def _page_file_text(p: Path) -> tuple[str | None, str]:
     if p.is_symlink():
         return None, f"symbolic link to {os.readlink(p)} (not followed)"
     try:
-        size = p.stat().st_size
-        if size > PAGE_DIFF_FILE_BYTES:
-            return None, f"{size} bytes, too large to diff"
-        data = p.read_bytes()
+        # Opened without following a link and without blocking (a pipe the agent left must not
+        # hang the report), then judged by what was opened.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file (a pipe, socket or device): not read"
+            if st.st_nlink > 1:
+                return None, f"a hard link ({st.st_nlink} names): not read"
+            if st.st_size > PAGE_DIFF_FILE_BYTES:
+                return None, f"{st.st_size} bytes, too large to diff"
+            data = fh.read(PAGE_DIFF_FILE_BYTES + 1)
     except OSError as exc:
         return None, f"unreadable: {exc.strerror or exc}"
     if b"\0" in data:

@@ -140,7 +140,7 @@ def test_all_excluded_arm_warns_in_every_format(rep):
     w = rep["warnings"][0]
     assert "idle" in w and "all-included view" in w and "may be biased" in w
     assert rep["notes"][0] == w
-    assert json.loads(json.dumps(rep))["warnings"] == [w]
+    assert json.loads(json.dumps(rep, allow_nan=False))["warnings"] == [w]
     md = ab.render_report_md(rep)
     head = md.split("## ", 1)[0]   # before the first table: prominent
     assert "> **Warning:** DIFFERENTIAL EXCLUSIONS" in head and "idle" in head

@@ -100,11 +100,14 @@ def test_workspace_diff_never_follows_a_link(tmp_path):
     secret.write_text("TOP-SECRET-CONTENT\n")
     os.symlink(secret, ws / "leak.txt")
     os.symlink(tmp_path, ws / "leakdir")
+    os.mkfifo(ws / "pipe")                  # reading it would block: it is named, not read
+    os.link(secret, ws / "hard.txt")        # another name for a file outside: not read
     (ws / ".git").mkdir()
     (ws / ".git" / "HEAD").write_text("ref\n")
     d = ab.workspace_diff(starter, ws)
     by = {f["path"]: f for f in d["files"]}
-    assert sorted(by) == ["gone.txt", "leak.txt", "leakdir", "new.bin", "pkg/mod.py"]
+    assert sorted(by) == ["gone.txt", "hard.txt", "leak.txt", "leakdir", "new.bin", "pipe", "pkg/mod.py"]
+    assert "not a regular file" in by["pipe"]["note"] and "hard link" in by["hard.txt"]["note"]
     assert by["pkg/mod.py"]["status"] == "changed" and "-a = 1\n+a = 2\n" in by["pkg/mod.py"]["diff"]
     assert by["gone.txt"]["status"] == "removed" and "-bye" in by["gone.txt"]["diff"]
     assert by["new.bin"]["note"] == "binary, 3 bytes" and by["new.bin"]["diff"] == ""
