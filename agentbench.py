@@ -37,6 +37,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import string
 import subprocess
@@ -5815,6 +5816,129 @@ def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha
 
 
 # --------------------------------------------------------------------------------------------------
+# Statistics: exclusions, multiplicity, planning (Fisher's exact test, Holm's adjustment, the
+# minimum detectable difference and the expected cost of a study)
+# --------------------------------------------------------------------------------------------------
+
+def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided Fisher exact test of independence in the 2x2 table [[a, b], [c, d]].
+
+    With the margins fixed, the top-left cell x is hypergeometric:
+        P(x) = C(a+b, x) C(c+d, a+c-x) / C(n, a+c),   max(0, a+c-(c+d)) <= x <= min(a+b, a+c).
+    The two-sided p sums P(x) over every table no more probable than the observed one (the
+    "probability" method of R's fisher.test and SciPy).  The weights C(.)C(.) are exact
+    integers, so "no more probable" is decided exactly, without a tolerance; one division at
+    the end.  p = 1.0 for a table with an empty margin.
+    References: Fisher, Statistical Methods for Research Workers (1925), sec. 21.02;
+    Agresti, Categorical Data Analysis, 3rd ed. (2013), sec. 3.5.1.
+    """
+    cells = (a, b, c, d)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in cells):
+        raise ValueError(f"a 2x2 table needs non-negative integer cells, got {cells}")
+    r1, r2, c1 = a + b, c + d, a + c
+    n = r1 + r2
+    lo, hi = max(0, c1 - r2), min(r1, c1)
+
+    def weight(x: int) -> int:
+        return math.comb(r1, x) * math.comb(r2, c1 - x)
+
+    observed = weight(a)
+    tail = sum(w for w in (weight(x) for x in range(lo, hi + 1)) if w <= observed)
+    return min(1.0, tail / math.comb(n, c1))
+
+
+def holm_adjust(ps: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values for a family of tests (None entries are not tests).
+
+    With the m p-values sorted, p_(1) <= ... <= p_(m), the adjusted value of the i-th smallest is
+        max over j <= i of min(1, (m - j + 1) p_(j)),
+    so that rejecting every hypothesis whose adjusted p is <= alpha controls the family-wise
+    error rate at alpha under any dependence between the tests.  Ties keep their input order;
+    the result is in the input's order.  Reference: Holm, "A simple sequentially rejective
+    multiple test procedure", Scandinavian Journal of Statistics 6:65-70 (1979).
+    """
+    for p in ps:
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not 0.0 <= float(p) <= 1.0):
+            raise ValueError(f"a p-value must be a number in [0, 1], got {p!r}")
+    order = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: float(ps[i]))
+    m = len(order)
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(ps[i])))
+        out[i] = running
+    return out
+
+
+def min_detectable_difference(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                              power: float = 0.8, tau: float = 0.0) -> dict[str, float | None]:
+    """Smallest success-rate difference (up and down from `p_base`) that `n_tasks` tasks x
+    `repeats` repeats detect with `power` at two-sided level `alpha`, under the model of
+    paired_power_repeats: n d^2 / K = tau^2 + (p0 q0 + p1 q1) / r with K = (z_{1-alpha/2} +
+    z_power)^2 and p1 = p0 +- d.  Since p1 q1 = p0 q0 +- d (1 - 2 p0) - d^2, this is the quadratic
+        (n / K + 1 / r) d^2 -+ ((1 - 2 p0) / r) d - (2 p0 q0 / r + tau^2) = 0,
+    whose positive root is the answer; None when it would take p1 outside [0, 1] (no difference
+    in that direction is detectable)."""
+    if not 0.0 <= p_base <= 1.0 or n_tasks < 1 or repeats < 1 or not 0 < alpha < 1 \
+            or not 0 < power < 1 or tau < 0:
+        raise ValueError("need 0 <= p_base <= 1, n_tasks >= 1, repeats >= 1, 0 < alpha, power < 1, tau >= 0")
+    norm = statistics.NormalDist()
+    k = (norm.inv_cdf(1.0 - alpha / 2.0) + norm.inv_cdf(power)) ** 2
+    a = n_tasks / k + 1.0 / repeats
+    c = 2.0 * p_base * (1.0 - p_base) / repeats + tau * tau
+    out: dict[str, float | None] = {}
+    for name, sign in (("increase", 1.0), ("decrease", -1.0)):
+        b = sign * (1.0 - 2.0 * p_base) / repeats
+        d = (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)
+        p1 = p_base + sign * d
+        out[name] = d if -1e-12 <= p1 <= 1.0 + 1e-12 else None
+    return out
+
+
+# Tokens one session is assumed to use when nothing measured is at hand (a default, not a
+# measurement: the plan says so).  Priced at the study's model list price.
+PLAN_SESSION_TOKENS = {"input": 10_000, "output": 15_000, "cache_creation": 60_000, "cache_read": 1_000_000}
+
+
+def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats: int,
+                    pilot: Mapping[str, Sequence[float]], rehearsal: Mapping[str, Mapping[str, Any]] | None,
+                    model: str | None, prices: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+    """Expected cost of n_tasks x repeats runs per arm (pure).
+
+    Per arm, the cost of one run is, in this order: the mean cost of the arm's pilot runs (real
+    runs outside the split being planned, with a reported cost); the arm's mean cost per run in
+    the study's rehearsal (the scripted model's usage at list prices: short sessions, a floor
+    rather than a forecast); else PLAN_SESSION_TOKENS at the model's list price times the most
+    sessions the arm can start (1 + gate cycles + 2 with a review), marked estimated.
+    `arms` maps a name to {"gate_cycles", "review"}."""
+    per_arm: dict[str, dict[str, Any]] = {}
+    for name, arm in arms.items():
+        costs = [float(c) for c in pilot.get(name) or []
+                 if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0]
+        reh = (rehearsal or {}).get(name) if isinstance(rehearsal, Mapping) else None
+        reh_runs = reh.get("runs") if isinstance(reh, Mapping) else None
+        reh_cost = reh.get("cost_usd") if isinstance(reh, Mapping) else None
+        if costs:
+            basis, per_run, n = "pilot", math.fsum(costs) / len(costs), len(costs)
+        elif isinstance(reh_runs, int) and reh_runs > 0 and isinstance(reh_cost, (int, float)) \
+                and not isinstance(reh_cost, bool) and math.isfinite(reh_cost) and reh_cost >= 0:
+            basis, per_run, n = "rehearsal", float(reh_cost) / reh_runs, reh_runs
+        else:
+            sessions = 1 + int(arm.get("gate_cycles") or 0) + (2 if arm.get("review") else 0)
+            basis, n = "token_estimate", 0
+            per_run = sessions * estimate_cost_usd(PLAN_SESSION_TOKENS, model, prices)
+        runs = n_tasks * repeats
+        per_arm[name] = {"basis": basis, "measured_runs": n, "cost_per_run_usd": per_run,
+                         "runs": runs, "cost_usd": per_run * runs}
+    bases = sorted({a["basis"] for a in per_arm.values()})
+    return {"study_usd": math.fsum(a["cost_usd"] for a in per_arm.values()),
+            "runs": n_tasks * repeats * len(per_arm), "basis": bases,
+            "estimated": "token_estimate" in bases, "per_arm": per_arm,
+            "session_tokens_assumed": dict(PLAN_SESSION_TOKENS) if "token_estimate" in bases else None}
+
+
+# --------------------------------------------------------------------------------------------------
 # Usage aggregate (the ledger)
 # --------------------------------------------------------------------------------------------------
 
@@ -6338,6 +6462,189 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
     return notes
 
 
+# --------------------------------------------------------------------------------------------------
+# Report: behaviour audit, differential exclusions, multiplicity
+# --------------------------------------------------------------------------------------------------
+# Read from the run records (the audit the pipeline wrote, the validity labels) and the views the
+# builder computed; they add keys to the report and never change a figure computed above.
+
+# Significance level of the report's own screening tests (differential exclusions) and of the
+# family-wise error rate that Holm's adjustment controls.
+REPORT_ALPHA = 0.05
+
+# The groups audit findings are counted under, with the words the renderers use.  A kind the audit
+# learns later that fits none of them is counted under its own name.
+REPORT_AUDIT_GROUPS = {
+    "edited_tests": "edited public tests or checks",
+    "outside_workspace": "paths outside the workspace",
+    "reads_oracle": "hidden tests or reference",
+    "reads_gate": "gate (check) files",
+    "reads_tasks": "task bundle files",
+    "reads_study": "study or state files",
+}
+
+
+def audit_group(kind: str) -> str:
+    """The report group of one audit finding kind (see REPORT_AUDIT_GROUPS)."""
+    if kind.startswith("edited_"):
+        return "edited_tests"
+    if kind.endswith("_outside_workspace"):
+        return "outside_workspace"
+    m = re.fullmatch(r"(?:reads|bash_touches)_(\w+)", kind)
+    if m and f"reads_{m.group(1)}" in REPORT_AUDIT_GROUPS:
+        return f"reads_{m.group(1)}"
+    return kind
+
+
+def _rpt_run_audit(run: dict) -> dict:
+    """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
+
+    The audit record is the pipeline's, but a run record is a file: a finding that is not an
+    object with a string kind is counted as `malformed_finding`, never dropped, and a record that
+    says flagged with no findings stays flagged."""
+    audit = run.get("audit")
+    if not isinstance(audit, dict):
+        return {"audited": False, "flagged": False, "groups": {}}
+    groups: dict[str, int] = {}
+    findings = audit.get("findings")
+    for f in findings if isinstance(findings, list) else []:
+        kind = f.get("kind") if isinstance(f, dict) else None
+        _rpt_inc(groups, audit_group(kind) if isinstance(kind, str) and kind else "malformed_finding")
+    if findings is not None and not isinstance(findings, list):
+        _rpt_inc(groups, "malformed_finding")
+    return {"audited": True, "flagged": bool(groups) or audit.get("flagged") is True, "groups": groups}
+
+
+def report_behaviour(runs: list[dict], arms: list[str]) -> dict:
+    """Per arm, over every run of the study (excluded ones too, each marked): audited and flagged
+    runs, findings and runs by group, the flagged runs themselves and the successes among them."""
+    out: dict[str, dict] = {}
+    for arm in arms:
+        out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
+                    "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
+    for r in runs:
+        st, a = out[r["arm"]], _rpt_run_audit(r)
+        st["runs"] += 1
+        st["audited"] += a["audited"]
+        if not a["flagged"]:
+            continue
+        st["flagged"] += 1
+        st["flagged_successes"] += _rpt_success(r)
+        for g, n in a["groups"].items():
+            _rpt_inc(st["findings_by_group"], g, n)
+            _rpt_inc(st["runs_by_group"], g)
+        st["flagged_runs"].append({"run_id": r.get("run_id"), "task": r["_task"], "repeat": r.get("repeat"),
+                                   "success": _rpt_success(r), "outcome": r.get("outcome"),
+                                   "excluded": _rpt_excluded(r), "groups": dict(sorted(a["groups"].items()))})
+    return out
+
+
+def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
+    """Add flagged-run counts to a view: per arm (`flagged`, `flagged_successes`) and per
+    comparison (`flagged_runs`: the flagged evaluated runs of each side on the compared tasks)."""
+    flagged = {id(r) for r in view_runs if _rpt_run_audit(r)["flagged"]}
+    for arm, st in view["per_arm"].items():
+        mine = [r for r in view_runs if r["arm"] == arm and id(r) in flagged]
+        st["flagged"] = len(mine)
+        st["flagged_successes"] = sum(1 for r in mine if _rpt_success(r))
+    for arm, cmp in view["comparisons"].items():
+        tasks = {t["task"] for t in cmp["per_task"]}
+
+        def n_flagged(side: str) -> int:
+            return sum(1 for r in view_runs if r["arm"] == side and r["_task"] in tasks
+                       and _rpt_evaluated(r) and id(r) in flagged)
+        cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
+
+
+def _rpt_holm_view(view: dict) -> dict:
+    """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
+    McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
+    cmps = view["comparisons"]
+    sign = [a for a, c in cmps.items() if c.get("sign_test_p") is not None]
+    mcn = [a for a, c in cmps.items() if (c.get("mcnemar") or {}).get("p") is not None]
+    sign_adj = dict(zip(sign, holm_adjust([cmps[a]["sign_test_p"] for a in sign])))
+    mcn_adj = dict(zip(mcn, holm_adjust([cmps[a]["mcnemar"]["p"] for a in mcn])))
+    for a, c in cmps.items():
+        c["sign_test_p_holm"] = sign_adj.get(a)
+        if c.get("mcnemar"):
+            c["mcnemar"]["p_holm"] = mcn_adj.get(a)
+    families = {"sign_test": sign, "mcnemar": mcn}
+    view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
+    return view["multiplicity"]
+
+
+def report_exclusions(runs: list[dict], arms: list[str], base: str) -> dict:
+    """Per arm: ended runs, excluded ones by validity label, and Fisher's exact test (two-sided) of
+    excluded vs not against the baseline.  `biased` when that p is below REPORT_ALPHA or when
+    every ended run of the arm (or of the baseline) is excluded: the exclusions then depend on the
+    arm, so the view without them compares different populations."""
+    per_arm: dict[str, dict] = {}
+    for arm in arms:
+        ended = [r for r in runs if r["arm"] == arm and _rpt_ended(r)]
+        labels: dict[str, int] = {}
+        for r in ended:
+            if _rpt_excluded(r):
+                _rpt_inc(labels, r.get("validity"))
+        n_out = sum(labels.values())
+        per_arm[arm] = {"ended": len(ended), "excluded": n_out, "by_label": labels,
+                        "all_excluded": len(ended) > 0 and n_out == len(ended)}
+    b = per_arm[base]
+    for arm, st in per_arm.items():
+        if arm == base:
+            st["fisher_p"], st["biased"] = None, st["all_excluded"]
+            continue
+        p = None
+        if st["ended"] and b["ended"]:
+            p = fisher_exact_two_sided(st["excluded"], st["ended"] - st["excluded"],
+                                       b["excluded"], b["ended"] - b["excluded"])
+        st["fisher_p"] = p
+        st["biased"] = bool(st["excluded"] or b["excluded"]) and (
+            (p is not None and p < REPORT_ALPHA) or st["all_excluded"] or b["all_excluded"])
+    flagged = [a for a, st in per_arm.items() if st["biased"]]
+    return {"per_arm": per_arm, "alpha": REPORT_ALPHA, "biased_arms": flagged}
+
+
+def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
+    """The prominent note when exclusions differ between arms beyond chance (None otherwise)."""
+    if not excl["biased_arms"]:
+        return None
+    parts = []
+    for arm in excl["biased_arms"]:
+        st = excl["per_arm"][arm]
+        if st["all_excluded"]:
+            why = "all of its ended runs are excluded"
+        elif arm != base and excl["per_arm"][base]["all_excluded"]:
+            why = f"all of the baseline {base}'s ended runs are excluded"
+        else:
+            why = f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
+        parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
+    read = ("the all-included view (views.all_included) is the one to read"
+            if primary == "exclusions_applied" else "the primary view already includes every run")
+    return (f"DIFFERENTIAL EXCLUSIONS: exclusions depend on the arm for {'; '.join(parts)}. The "
+            f"view with exclusions applied may be biased; {read}.")
+
+
+def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
+    """Notes that call out flagged successes and comparisons that contain flagged runs."""
+    notes = []
+    for arm, st in behaviour.items():
+        if not st["flagged"]:
+            continue
+        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}" for g, n in sorted(st["runs_by_group"].items()))
+        notes.append(f"arm {arm}: the behaviour audit flagged {st['flagged']} of {st['runs']} run(s) "
+                     f"(runs by finding: {groups})")
+        wins = [f["run_id"] for f in st["flagged_runs"] if f["success"]]
+        if wins:
+            notes.append(f"arm {arm}: {len(wins)} success(es) come from flagged runs "
+                         f"({', '.join(str(w) for w in wins)}); read them before crediting the arm")
+    for arm, cmp in view["comparisons"].items():
+        fl = cmp.get("flagged_runs") or {}
+        if fl.get("arm") or fl.get("baseline"):
+            notes.append(f"{arm} vs {base}: the comparison contains {fl.get('arm', 0)} flagged run(s) "
+                         f"of {arm} and {fl.get('baseline', 0)} of {base}")
+    return notes
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -6379,7 +6686,14 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     }
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
-    notes = []
+    for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
+        _rpt_flag_view(views[name], view_runs)
+        _rpt_holm_view(views[name])
+    behaviour = report_behaviour(known, arms)
+    exclusions = report_exclusions(known, arms, base)
+    warning = _rpt_exclusion_warning(exclusions, base, primary)
+    warnings = [warning] if warning else []
+    notes = list(warnings)
     if excluded:
         by_label: dict[str, int] = {}
         for r in excluded:
@@ -6413,6 +6727,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
     notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
+    fams = views[primary]["multiplicity"]["families"]
+    if len(fams["sign_test"]) > 1 or len(fams["mcnemar"]) > 1:
+        notes.append(f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
+                     f"with {base} (sign test family: {', '.join(fams['sign_test']) or 'none'}; "
+                     f"McNemar family: {', '.join(fams['mcnemar']) or 'none'}); read the adjusted "
+                     f"columns before calling a difference significant")
     methods = {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
                         "(runs treated as independent; repeats of one task are correlated, so "
@@ -6439,6 +6760,17 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
                      "parallel slot or in a Slurm queue (recorded apart as queued_s); median over runs",
         "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
+        "behaviour_audit": "the pipeline's audit of each run's tool calls and of its public test "
+                           "files; a run is flagged when it has a finding; findings are counted "
+                           "by group (" + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
+                           + "); a heuristic over the commands the agent ran, not a sandbox",
+        "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
+                                   "two-sided Fisher exact test, not adjusted for multiplicity "
+                                   f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
+        "multiplicity": "Holm step-down adjustment across the arms compared with the baseline, "
+                        "one family for the sign tests and one for the McNemar tests of the "
+                        f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
+                        "and cost comparisons are not adjusted",
     }
     excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
                       "repeat": r.get("repeat"), "validity": r.get("validity"),
@@ -6456,6 +6788,10 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "views": views,
         "other_view": other,
         "excluded_runs": excluded_list,
+        "warnings": warnings,
+        "behaviour": behaviour,
+        "exclusions": exclusions,
+        "multiplicity": views[primary]["multiplicity"],
         "totals": {
             "runs": len(known),
             "tasks": len(tasks),
@@ -6519,11 +6855,12 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      _fmt_num(s["mean_score"], 3),
                      _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
                      _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
-                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2)])
+                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2),
+                     _rpt_flag_cell(s)])
     tables.append(("Results per arm",
                    ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
                     "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
-                    "Median wall", "Gate cycles (mean)"], rows))
+                    "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows))
     rows = []
     for a in arms:
         s = pa[a]
@@ -6550,12 +6887,19 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         mc_txt = "-" if not mc or mc.get("p") is None else (
             f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
             f"p {_fmt_p(mc['p'])}")
+        fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", _fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
                      _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     _fmt_p(c["sign_test_p"]), mc_txt])
+                     _fmt_p(c["sign_test_p"]), mc_txt, _fmt_p(c.get("sign_test_p_holm")),
+                     _fmt_p((mc or {}).get("p_holm")),
+                     f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
+    fam = (report.get("multiplicity") or {}).get("families") or {}
     tables.append((f"Paired comparison against {base} (over tasks)",
                    ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-                    "Sign test p", "McNemar (arm-only/base-only, p)"], rows))
+                    "Sign test p", "McNemar (arm-only/base-only, p)",
+                    f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
+                    f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+                    "Flagged runs (arm/base)"], rows))
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
@@ -6593,6 +6937,7 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
              str(e["reason"] or "-")] for e in report["excluded_runs"]]
     tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
                    rows))
+    tables += _rpt_audit_tables(report)
     snaps = report.get("snapshots") or {}
     times = sorted({int(t) for curve in snaps.values() for t in curve})
     if times:
@@ -6602,6 +6947,40 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
                        ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
     return tables
+
+
+def _rpt_flag_cell(s: dict) -> str:
+    n = s.get("flagged")
+    if n is None:
+        return "-"
+    wins = s.get("flagged_successes") or 0
+    return f"{n}" + (f" ({wins} success{'' if wins == 1 else 'es'})" if wins else "")
+
+
+def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Behaviour audit per arm, the flagged runs, and exclusions per arm (with Fisher's test)."""
+    arms, base = report["arms"], report["baseline"]
+    beh = report.get("behaviour") or {}
+    excl = (report.get("exclusions") or {}).get("per_arm") or {}
+    groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
+    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
+             _fmt_int(beh[a]["flagged_successes"])]
+            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
+    out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
+            ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
+            + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
+    rows = [[str(f["run_id"]), str(f["task"]), a, str(f["repeat"]), str(f["outcome"] or "-"),
+             "yes" if f["excluded"] else "no",
+             ", ".join(f"{REPORT_AUDIT_GROUPS.get(g, g)} x{n}" for g, n in f["groups"].items()) or "flagged"]
+            for a in arms if a in beh for f in beh[a]["flagged_runs"]]
+    out.append(("Runs flagged by the behaviour audit",
+                ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
+    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
+             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
+             "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
+    out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
+                ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
+    return out
 
 
 def _md_cell(text: str) -> str:
@@ -6624,6 +7003,8 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    for w in report.get("warnings") or []:
+        parts += ["", f"> **Warning:** {_md_cell(w)}"]
     for title, headers, rows in _rpt_tables(report):
         parts += ["", f"## {title}", ""]
         parts.append(_md_table(headers, rows) if rows else "(none)")
@@ -6687,6 +7068,7 @@ svg .axis { stroke: #1a1a1a; stroke-width: 1; }
 svg .grid { stroke: #ddd; stroke-width: 1; }
 svg .whisker { stroke: #1a1a1a; stroke-width: 1.5; }
 .notes li { margin: 0.2em 0; }
+.warning { border: 2px solid #D55E00; background: #fff4ec; padding: 0.6em 0.8em; margin: 1em 0; }
 .meta { color: #444; }
 @page { margin: 14mm; }
 @media print {
@@ -6728,6 +7110,52 @@ def _nice_tick_count(xmax: float) -> int:
     return 4 if mantissa == 2.0 else 5
 
 
+# Label geometry for the charts: the width of one character of the 12px label font (an upper
+# estimate for the system sans-serif faces the CSS names) and the height of one label line.
+SVG_CHAR_W = 7.2
+SVG_LINE_H = 15.0
+
+
+def svg_label_box(x: float, y: float, text: str, anchor: str) -> tuple[float, float, float, float]:
+    """(left, top, right, bottom) of a one-line label whose baseline starts (or ends) at x, y."""
+    w = len(text) * SVG_CHAR_W
+    left = x if anchor == "start" else x - w if anchor == "end" else x - w / 2
+    return (left, y - SVG_LINE_H + 3, left + w, y + 3)
+
+
+def svg_place_labels(points: Sequence[tuple[float, float, str]], bounds: tuple[float, float, float, float]
+                     ) -> list[tuple[float, float, str]]:
+    """Positions (x, y, anchor) for point labels so that no two label boxes overlap (pure).
+
+    Each label tries right-above, right-below, left-above, left-below its point, then steps
+    further down and up one line at a time; the first box inside `bounds` (left, top, right,
+    bottom) that meets no label placed before it wins.  Points are labelled in the given order."""
+    placed: list[tuple[float, float, float, float]] = []
+    out = []
+
+    def free(box: tuple[float, float, float, float]) -> bool:
+        inside = box[0] >= bounds[0] and box[1] >= bounds[1] and box[2] <= bounds[2] and box[3] <= bounds[3]
+        return inside and all(box[2] <= b[0] or box[0] >= b[2] or box[3] <= b[1] or box[1] >= b[3]
+                              for b in placed)
+
+    for cx, cy, text in points:
+        tries = [(cx + 9, cy - 6, "start"), (cx + 9, cy + 16, "start"),
+                 (cx - 9, cy - 6, "end"), (cx - 9, cy + 16, "end")]
+        for k in range(1, 200):
+            for dy in (16 + k * SVG_LINE_H, -6 - k * SVG_LINE_H):
+                tries += [(cx + 9, cy + dy, "start"), (cx - 9, cy + dy, "end")]
+        choice = next((t for t in tries if free(svg_label_box(t[0], t[1], text, t[2]))), tries[0])
+        placed.append(svg_label_box(choice[0], choice[1], text, choice[2]))
+        out.append(choice)
+    return out
+
+
+def _svg_fit(text: str, width: float) -> str:
+    """`text` cut (with an ellipsis) to fit `width` pixels of label font."""
+    n = max(1, int(width // SVG_CHAR_W))
+    return text if len(text) <= n else text[:max(1, n - 1)] + "\u2026"
+
+
 def _svg_rate_chart(report: dict) -> str:
     """Chart 1: success rate per arm as bars with Wilson 95% whiskers (y: 0..1 linear)."""
     arms = report["arms"]
@@ -6759,8 +7187,10 @@ def _svg_rate_chart(report: dict) -> str:
         cx = left + band * (i + 0.5)
         colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
         name = html.escape(arm)
-        label = name + (" (base)" if arm == report["baseline"] else "")
-        out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 18}" text-anchor="middle">{label}</text>')
+        full = arm + (" (base)" if arm == report["baseline"] else "")
+        label = html.escape(_svg_fit(full, band - 4))   # a long name is cut to its band, whole in <title>
+        out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(cx)}" y="{y0 + 18}" '
+                   f'text-anchor="middle">{label}<title>{html.escape(full)}</title></text>')
         out.append(f'<text x="{_svg_num(cx)}" y="{y0 + 34}" text-anchor="middle">'
                    f'n={s["evaluated"]}</text>')
         rate, ci = s["success_rate"], s["success_ci"]
@@ -6831,7 +7261,9 @@ def _svg_cost_chart(report: dict) -> str:
                    f'${v:,.4g}</text>')
     out.append(f'<line class="axis" x1="{x0}" x2="{x0}" y1="{y1}" y2="{y0}"/>')
     out.append(f'<line class="axis" x1="{x0}" x2="{x1}" y1="{y0}" y2="{y0}"/>')
-    for i, arm in points:
+    spots = svg_place_labels([(x(pa[a]["cost_per_run_usd"]), y(pa[a]["success_rate"]), a) for _, a in points],
+                             (0.0, 0.0, float(width), float(y0)))
+    for (i, arm), (lx, ly, anchor) in zip(points, spots):
         s = pa[arm]
         name = html.escape(arm)
         colour = _HTML_COLOURS[i % len(_HTML_COLOURS)]
@@ -6848,7 +7280,8 @@ def _svg_cost_chart(report: dict) -> str:
                    f'stroke="#1a1a1a" stroke-width="1"><title>{name}: '
                    f'{_fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
                    f'{_fmt_pct(s["success_rate"])}</title></circle>')
-        out.append(f'<text x="{_svg_num(cx + 9)}" y="{_svg_num(cy - 6)}">{name}</text>')
+        out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(lx)}" y="{_svg_num(ly)}" '
+                   f'text-anchor="{anchor}">{name}</text>')
     missing = [a for a in arms if all(a != p for _, p in points)]
     if missing:
         out.append(f'<text x="{x0 + 4}" y="{y0 + 50}">no data: '
@@ -6874,7 +7307,7 @@ def _html_table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
 
 
-def render_report_html(report: dict) -> str:
+def render_report_html(report: dict, extra: str = "") -> str:
     """One self-contained page: inline CSS and SVG, no scripts, no external resources.
 
     Chart marks carry the JSON numbers as data-* attributes (data-arm, data-rate, data-lo,
@@ -6895,6 +7328,8 @@ def render_report_html(report: dict) -> str:
              f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
+               for w in report.get("warnings") or []],
              '<div class="charts">',
              '<figure>', _svg_rate_chart(report),
              '<figcaption>Success rate per arm (evaluated runs of the primary view) with 95% '
@@ -6903,6 +7338,8 @@ def render_report_html(report: dict) -> str:
              '<figcaption>Cost per started run against success rate, per arm, with the same '
              'intervals. Up and to the left is better.</figcaption></figure>',
              '</div>']
+    if extra:
+        parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
@@ -6916,6 +7353,519 @@ def render_report_html(report: dict) -> str:
         parts.append(f"<li><strong>{html.escape(k)}</strong>: {html.escape(text)}</li>")
     parts.append("</ul></body></html>")
     return "\n".join(parts) + "\n"
+
+
+# ==================================================================================================
+# Run pages: the report as a directory
+# ==================================================================================================
+# `report --format html --out DIR/` writes index.html (the report page plus the task x arm matrix of
+# runs, discordant pairs first) and runs/<run>.html, one page per run: the conversation as a
+# timeline from the raw streams, gate receipts and the feedback sent, the review, the workspace diff
+# against the task's starter, the audit, cost and tokens per session, provenance.  Everything in a
+# page comes from files the agent could influence (streams, its workspace): all of it is escaped,
+# trimmed and folded here, symlinks in the workspace are named and never followed.  Owns reading
+# those files for the pages and rendering them; it computes no statistics (the report builder does)
+# and writes only inside the directory it is given.
+
+PAGE_TEXT_CHARS = 6000          # one assistant text or prompt, beyond which it is cut
+PAGE_INPUT_CHARS = 3000         # one tool call's input (JSON)
+PAGE_RESULT_CHARS = 2000        # one tool result
+PAGE_FOLD_CHARS = 600           # longer blocks are folded in <details>
+PAGE_ITEMS_PER_SESSION = 400    # timeline entries per session; the rest are counted, not shown
+PAGE_STREAM_BYTES = 32 * 1024 * 1024   # bytes of one raw stream read for a page
+PAGE_DIFF_FILE_BYTES = 256 * 1024      # a file larger than this is listed, not diffed
+PAGE_DIFF_CHARS = 200_000       # the whole diff of one run
+PAGE_RUNS_DIR = "runs"
+
+
+def _page_trim(text: Any, limit: int) -> tuple[str, int]:
+    """`text` as a string cut to `limit` characters, and how many were cut."""
+    s = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+    return (s, 0) if len(s) <= limit else (s[:limit], len(s) - limit)
+
+
+def _page_result_text(content: Any) -> str:
+    """A tool_result's content (a string or a list of text blocks) as one string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(b.get("text")) if isinstance(b, dict) and "text" in b else
+                         json.dumps(b, ensure_ascii=False, default=str) for b in content)
+    return "" if content is None else json.dumps(content, ensure_ascii=False, default=str)
+
+
+def _finite_or_none(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
+    """The timeline of one session from its raw stream-json lines (pure).
+
+    Items, in stream order: {kind: text|thinking, text, cut}; {kind: tool, id, name, input, cut,
+    result, result_cut, is_error} (a tool_result is attached to the call with its tool_use_id);
+    {kind: result, subtype, cost_usd, turns, duration_s, text}.  Lines that are not JSON objects
+    are counted, never shown raw; after PAGE_ITEMS_PER_SESSION items the rest are counted."""
+    items: list[dict[str, Any]] = []
+    tools: dict[str, dict[str, Any]] = {}
+    out = {"items": items, "lines": 0, "bad_lines": 0, "omitted": 0, "tool_calls": 0}
+
+    def add(item: dict[str, Any]) -> bool:
+        if len(items) >= PAGE_ITEMS_PER_SESSION:
+            out["omitted"] += 1
+            return False
+        items.append(item)
+        return True
+
+    for raw in lines:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")
+        if not raw.strip():
+            continue
+        out["lines"] += 1
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            ev = None
+        if not isinstance(ev, dict):
+            out["bad_lines"] += 1
+            continue
+        kind = ev.get("type")
+        msg = ev.get("message") if isinstance(ev.get("message"), dict) else {}
+        blocks = msg.get("content") if isinstance(msg.get("content"), list) else []
+        if kind == "assistant":
+            for b in blocks:
+                if not isinstance(b, dict):
+                    continue
+                if b.get("type") in ("text", "thinking"):
+                    text, cut = _page_trim(str(b.get("text") or b.get("thinking") or ""), PAGE_TEXT_CHARS)
+                    add({"kind": b["type"], "text": text, "cut": cut})
+                elif b.get("type") == "tool_use":
+                    out["tool_calls"] += 1
+                    tid = str(b.get("id") or "")
+                    if tid and tid in tools:
+                        continue   # the same block again in a later event of the message
+                    raw_in = b.get("input")
+                    # An input object reads best as key: value lines, strings as written.
+                    shown = ("\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+                                       for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
+                    inp, cut = _page_trim(shown, PAGE_INPUT_CHARS)
+                    item = {"kind": "tool", "id": tid, "name": str(b.get("name") or "?"), "input": inp,
+                            "cut": cut, "result": None, "result_cut": 0, "is_error": False}
+                    if add(item) and tid:
+                        tools[tid] = item
+        elif kind == "user":
+            for b in blocks:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    item = tools.get(str(b.get("tool_use_id") or ""))
+                    if item is not None:
+                        item["result"], item["result_cut"] = _page_trim(_page_result_text(b.get("content")),
+                                                                        PAGE_RESULT_CHARS)
+                        item["is_error"] = b.get("is_error") is True
+        elif kind == "result":
+            turns, dur = ev.get("num_turns"), _finite_or_none(ev.get("duration_ms"))
+            text, cut = _page_trim(str(ev.get("result") or ""), PAGE_TEXT_CHARS)
+            add({"kind": "result", "subtype": str(ev.get("subtype") or ""),
+                 "cost_usd": _finite_or_none(ev.get("total_cost_usd")),
+                 "turns": turns if isinstance(turns, int) and not isinstance(turns, bool) else None,
+                 "duration_s": None if dur is None else dur / 1000, "text": text, "cut": cut})
+    return out
+
+
+def _page_read_stream(path: Path) -> list[bytes]:
+    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines)."""
+    out, total = [], 0
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                total += len(line)
+                if total > PAGE_STREAM_BYTES:
+                    break
+                out.append(line)
+    except OSError:
+        pass
+    return out
+
+
+def _page_tree(root: Path) -> dict[str, Path]:
+    """Regular files and symlinks under `root` by relative path, without following a link
+    (a directory link is listed, not entered); .git is skipped."""
+    found: dict[str, Path] = {}
+    if not root.is_dir() or root.is_symlink():
+        return found
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d != ".git" and not (Path(dirpath) / d).is_symlink())
+        for name in sorted(filenames) + sorted(d for d in os.listdir(dirpath)
+                                              if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
+            p = Path(dirpath) / name
+            found[p.relative_to(root).as_posix()] = p
+    return found
+
+
+def _page_file_text(p: Path) -> tuple[str | None, str]:
+    """(text, note): the file's text, or None and why it is not shown (a link, binary, large)."""
+    if p.is_symlink():
+        return None, f"symbolic link to {os.readlink(p)} (not followed)"
+    try:
+        # Opened without following a link and without blocking (a pipe the agent left must not
+        # hang the report), then judged by what was opened.
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file (a pipe, socket or device): not read"
+            if st.st_nlink > 1:
+                return None, f"a hard link ({st.st_nlink} names): not read"
+            if st.st_size > PAGE_DIFF_FILE_BYTES:
+                return None, f"{st.st_size} bytes, too large to diff"
+            data = fh.read(PAGE_DIFF_FILE_BYTES + 1)
+    except OSError as exc:
+        return None, f"unreadable: {exc.strerror or exc}"
+    if b"\0" in data:
+        return None, f"binary, {len(data)} bytes"
+    return data.decode("utf-8", "replace"), ""
+
+
+def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
+    """What the run changed: files added, removed, changed, each with a unified diff against the
+    task's starter (public/) where both sides are text; capped at PAGE_DIFF_CHARS in all."""
+    if starter is None or not starter.is_dir():
+        return {"available": False, "why": "the task's starter files are not available", "files": []}
+    if not workspace.is_dir():
+        return {"available": False, "why": "the run's workspace is not on disk", "files": []}
+    old, new = _page_tree(starter), _page_tree(workspace)
+    files, budget, cut = [], PAGE_DIFF_CHARS, 0
+    for rel in sorted(set(old) | set(new)):
+        a, b = old.get(rel), new.get(rel)
+        if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
+            try:
+                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                    continue
+            except OSError:
+                pass
+        status = "added" if a is None else "removed" if b is None else "changed"
+        ta, na = _page_file_text(a) if a is not None else ("", "")
+        tb, nb = _page_file_text(b) if b is not None else ("", "")
+        entry = {"path": rel, "status": status, "note": nb or na, "diff": ""}
+        if ta is not None and tb is not None:
+            text = "".join(difflib.unified_diff(ta.splitlines(True), tb.splitlines(True),
+                                                f"starter/{rel}", f"workspace/{rel}"))
+            if len(text) > budget:
+                cut += len(text) - budget
+                text = text[:budget]
+            budget -= len(text)
+            entry["diff"] = text
+        files.append(entry)
+    return {"available": True, "files": files, "cut": cut}
+
+
+def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[str, Any]]:
+    """Same task and repeat, baseline and arm both evaluated, one succeeded and the other did not
+    (pure; excluded runs are left out, as in the primary view)."""
+    by_key: dict[tuple[str, str, Any], dict] = {}
+    for r in runs:
+        if _rpt_evaluated(r) and not _rpt_excluded(r) and r.get("repeat") is not None:
+            by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
+    out = []
+    for (task, arm, rep), r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
+        if arm == base or arm not in arms:
+            continue
+        b = by_key.get((task, base, rep))
+        if b is not None and _rpt_success(r) != _rpt_success(b):
+            out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
+                        "baseline_run": b.get("run_id"), "arm_success": _rpt_success(r)})
+    return out
+
+
+def page_file_names(run_ids: Iterable[Any]) -> dict[str, str]:
+    """A file name under runs/ for every run id, safe on every OS and unique."""
+    names: dict[str, str] = {}
+    used: set[str] = set()
+    for rid in run_ids:
+        rid = str(rid)
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", rid).strip(".") or "run"
+        name, k = stem, 1
+        while name.lower() in used:
+            k += 1
+            name = f"{stem}-{k}"
+        used.add(name.lower())
+        names[rid] = f"{name}.html"
+    return names
+
+
+def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict[str, Any]:
+    """Everything one run page shows, read from the study's files (I/O)."""
+    run_dir = paths.run_dir(str(rec.get("run_id")))
+    sessions = []
+    for j in rec.get("jobs") or []:
+        if not isinstance(j, dict):
+            continue
+        jid = str(j.get("job_id") or "")
+        job = read_json(paths.job_file(jid), default=None) if re.fullmatch(r"j\d+", jid) else None
+        prompt = ""
+        with contextlib.suppress(OSError):
+            prompt = (paths.job_dir(jid) / "prompt.txt").read_text(encoding="utf-8", errors="replace")
+        stream = Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir") else None
+        timeline = stream_timeline(_page_read_stream(stream)) if stream else stream_timeline([])
+        result = read_json(paths.result_file(jid), default=None) if job else None
+        usage = (result or {}).get("usage") if isinstance(result, dict) else None
+        sessions.append({"job_id": jid, "role": str(j.get("role") or ""), "status": j.get("status"),
+                         "created_at": job.get("created_at") if isinstance(job, dict) else None,
+                         "reason": j.get("reason"), "cost_usd": _finite_or_none(j.get("cost_usd")),
+                         "duration_s": _finite_or_none(j.get("duration_s")),
+                         "tokens": (usage or {}).get("tokens") if isinstance(usage, dict) else None,
+                         "prompt": _page_trim(prompt, PAGE_TEXT_CHARS), "timeline": timeline,
+                         "stream_found": bool(stream and stream.exists())})
+    gates = []
+    for p in sorted((run_dir / "receipts").glob("*.json")) if (run_dir / "receipts").is_dir() else []:
+        try:
+            g = read_json(p, default=None)
+        except AgentbenchError:
+            g = None
+        if isinstance(g, dict):
+            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"), "score": g.get("score"),
+                          "exit_code": g.get("exit_code"), "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
+                          "output": _page_trim(str(g.get("stderr_tail") or "") + str(g.get("stdout_tail") or ""),
+                                               PAGE_RESULT_CHARS)})
+    ws = (rec.get("workspace") or {}).get("path") if isinstance(rec.get("workspace"), dict) else None
+    diff = workspace_diff(starter, Path(ws)) if ws else {"available": False, "why": "no workspace recorded", "files": []}
+    return {"run": rec, "sessions": sessions, "receipts": gates, "diff": diff}
+
+
+# -- rendering ----------------------------------------------------------------------------------------
+
+_PAGE_CSS = """
+.tl { border-left: 3px solid #bbb; padding-left: 0.8em; margin: 0.5em 0; }
+.tl .prompt { background: #eef4fb; } .tl .text { background: #f7f7f7; }
+.tl .tool { background: #fdf6e8; } .tl .err { background: #fbeaea; }
+.tl > div { margin: 0.3em 0; padding: 0.3em 0.5em; }
+pre { white-space: pre-wrap; word-break: break-word; font-size: 0.85em; margin: 0.2em 0; }
+td.ok { background: #e7f4ea; } td.fail { background: #fbeaea; } td.excl { background: #eee; }
+.flag { color: #D55E00; font-weight: bold; }
+"""
+
+
+def _page_block(text: str, cut: int) -> str:
+    """Escaped text in <pre>, folded when long, with what was cut said."""
+    body = f"<pre>{html.escape(text)}</pre>"
+    if cut:
+        body += f"<p><em>({cut} more characters not shown)</em></p>"
+    if len(text) > PAGE_FOLD_CHARS:
+        first = text.strip().splitlines()[0][:80] if text.strip() else ""
+        body = f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>{body}</details>"
+    return body
+
+
+def _page_tool_summary(item: dict) -> str:
+    """`Name: first line of its command, path or pattern` for a folded tool call."""
+    key = ""
+    for line in item["input"].splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name in ("command", "file_path", "path", "pattern", "notebook_path"):
+            key = value
+            break
+    return f"{item['name']}: {key[:120]}"
+
+
+def _page_session_html(s: dict) -> str:
+    """One session of the timeline: the prompt sent, then its stream, folded where long."""
+    esc = html.escape
+    tl = s["timeline"]
+    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">',
+         f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
+    if not s["stream_found"]:
+        p.append("<div><em>(no raw stream on disk)</em></div>")
+    for it in tl["items"]:
+        if it["kind"] in ("text", "thinking"):
+            p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
+                     f'{_page_block(it["text"], it["cut"])}</div>')
+        elif it["kind"] == "tool":
+            res = ("<p><em>(no result)</em></p>" if it["result"] is None else
+                   "<strong>Result</strong>" + _page_block(it["result"], it["result_cut"]))
+            p.append(f'<div class="tool{" err" if it["is_error"] else ""}" data-tool="{esc(it["name"])}">'
+                     f'<details><summary>Tool call {esc(_page_tool_summary(it))}</summary>'
+                     f'<strong>Input</strong>{_page_block(it["input"], it["cut"])}{res}</details></div>')
+        elif it["kind"] == "result":
+            # The binary's own total is cumulative over a resumed conversation: the per-session
+            # cost is the table's.
+            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, {esc(str(it["turns"]))} turns'
+                     f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
+    if tl["omitted"]:
+        p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
+    if tl["bad_lines"]:
+        p.append(f"<div><em>({tl['bad_lines']} stream lines were not JSON objects)</em></div>")
+    p.append("</div>")
+    return "\n".join(p)
+
+
+def _page_receipt_html(g: dict) -> str:
+    esc = html.escape
+    checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
+                       for c in g["checks"] if isinstance(c, dict))
+    return (f'<h3>Receipt {esc(g["file"])}: {"passed" if g["passed"] is True else "not passed"}, score '
+            f'{esc(str(g["score"]))}, exit {esc(str(g["exit_code"]))}</h3><div class="tl">'
+            + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]) + "</div>")
+
+
+def _page_review_html(r: dict) -> str:
+    esc = html.escape
+    rows = [[str(f.get("severity")), str(f.get("file")), _page_trim(str(f.get("detail")), 1000)[0]]
+            for f in r.get("findings") or [] if isinstance(f, dict)]
+    return (f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
+            f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>"
+            + (_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
+
+
+def render_run_page(page: dict) -> str:
+    """One run's page (pure): header, audit, sessions with their timelines, receipts, review,
+    diff, provenance.  Links only to ../index.html."""
+    rec = page["run"]
+    esc = html.escape
+    rid = str(rec.get("run_id"))
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else {}
+    title = f"Run {rid}: {rec.get('task')} / {rec.get('arm')} / repeat {rec.get('repeat')}"
+    p = ['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8"/>',
+         f"<title>{esc(title)}</title><style>{_HTML_CSS}{_PAGE_CSS}</style></head><body>",
+         '<p><a href="../index.html">&#8592; study report</a></p>', f"<h1>{esc(title)}</h1>"]
+    audit = _rpt_run_audit(rec)
+    p.append(_html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
+                          "Flagged by audit"],
+                         [[str(rec.get("outcome") or rec.get("status")), str(rec.get("validity")) +
+                           (f" ({rec.get('validity_reason')})" if rec.get("validity_reason") else ""),
+                           "yes" if _rpt_success(rec) else "no", _fmt_num(_rpt_score(rec), 3),
+                           f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
+                           _fmt_int(rec.get("gate_cycles") or 0),
+                           _fmt_usd(_rpt_cost(rec), bool(rec.get("cost_estimated"))),
+                           _fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
+    p.append("<h2>Behaviour audit</h2>")
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    if not audit["audited"]:
+        p.append("<p>(no audit recorded)</p>")
+    elif not findings and not audit["flagged"]:
+        p.append("<p>No findings.</p>")
+    else:
+        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind"))) if isinstance(f, dict) else "malformed",
+                 str(f.get("kind")) if isinstance(f, dict) else "-",
+                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
+                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0] if isinstance(f, dict) else _page_trim(f, 300)[0]]
+                for f in (findings if isinstance(findings, list) else [findings])]
+        p.append(f'<p class="flag">Flagged.</p>' + _html_table(["Group", "Kind", "Tool", "What"], rows))
+    p.append("<h2>Cost and tokens per session</h2>")
+    rows = []
+    for s in page["sessions"]:
+        tok = s["tokens"] if isinstance(s["tokens"], dict) else {}
+        rows.append([s["job_id"], s["role"], str(s["status"]) + (f" ({s['reason']})" if s["reason"] else ""),
+                     _fmt_usd(s["cost_usd"]), _fmt_secs(s["duration_s"]),
+                     *[_fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
+                       for k in ("input", "output", "cache_creation", "cache_read")],
+                     _fmt_int(s["timeline"]["tool_calls"])])
+    p.append(_html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
+                          "Cache read", "Tool calls"], rows) if rows else "<p>(no sessions)</p>")
+    p.append("<h2>Timeline</h2><p>Sessions, gate receipts and reviews in the order they happened. "
+             "The feedback after a failed gate or a review is the prompt of the session that follows "
+             "(gate_feedback, repair).</p>")
+    reviews = [r for r in rec.get("reviews") or [] if isinstance(r, dict)]
+    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s) for i, s in enumerate(page["sessions"])]
+                     + [(str(g.get("at") or "~"), 1, i, "receipt", g) for i, g in enumerate(page["receipts"])],
+                     key=lambda e: e[:3])
+    n_reviewer = 0
+    for _, _, _, kind, obj in entries:
+        if kind == "receipt":
+            p.append(_page_receipt_html(obj))
+            continue
+        p.append(_page_session_html(obj))
+        if obj["role"] == "reviewer" and n_reviewer < len(reviews):
+            p.append(_page_review_html(reviews[n_reviewer]))
+            n_reviewer += 1
+    for r in reviews[n_reviewer:]:     # a review whose session is not listed
+        p.append(_page_review_html(r))
+    if not reviews:
+        p.append("<p>(no review)</p>")
+    p.append("<h2>Workspace diff against the starter</h2>")
+    d = page["diff"]
+    if d.get("note"):
+        p.append(f'<p class="flag">{esc(d["note"])}</p>')
+    if not d["available"]:
+        p.append(f"<p>{esc(d['why'])}</p>")
+    elif not d["files"]:
+        p.append("<p>No file differs from the starter.</p>")
+    else:
+        for f in d["files"]:
+            p.append(f"<h3>{esc(f['status'])}: {esc(f['path'])}</h3>"
+                     + (f"<p>{esc(f['note'])}</p>" if f["note"] else "")
+                     + (_page_block(f["diff"], 0) if f["diff"] else ""))
+        if d.get("cut"):
+            p.append(f"<p><em>({d['cut']} more characters of diff not shown)</em></p>")
+    p.append("<h2>Provenance</h2>")
+    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
+    p.append(_html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
+             if prov else "<p>(none recorded)</p>")
+    p.append("</body></html>")
+    return "\n".join(p) + "\n"
+
+
+def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> str:
+    """The index page's extra section (pure): discordant pairs first, then the task x arm matrix
+    with a cell per run linking to its page."""
+    esc = html.escape
+    arms, base = report["arms"], report["baseline"]
+
+    def link(rid: Any) -> str:
+        name = names.get(str(rid))
+        return f'<a href="{PAGE_RUNS_DIR}/{esc(name)}">{esc(str(rid))}</a>' if name else esc(str(rid))
+
+    pairs = discordant_pairs(runs, arms, base)
+    p = [f"<h2>Discordant pairs: same task and repeat, {esc(base)} and the arm disagree ({len(pairs)})</h2>"]
+    rows = [f"<tr><td>{esc(x['task'])}</td><td>{esc(str(x['repeat']))}</td><td>{esc(x['arm'])}</td>"
+            f"<td>{link(x['arm_run'])} {'succeeded' if x['arm_success'] else 'failed'}</td>"
+            f"<td>{link(x['baseline_run'])} {'failed' if x['arm_success'] else 'succeeded'}</td></tr>"
+            for x in pairs]
+    p.append("<table><thead><tr><th>Task</th><th>Repeat</th><th>Arm</th><th>Arm run</th>"
+             f"<th>{esc(base)} run</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+             if rows else "<p>(none)</p>")
+    p.append("<h2>Every run: task x arm</h2><p>Cell: run (S success, F failure, - not evaluated; "
+             "X excluded; ! flagged by the audit).</p>")
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        cells.setdefault((str(r.get("task")), str(r.get("arm"))), []).append(r)
+    head = "".join(f"<th>{esc(a)}</th>" for a in arms)
+    body = []
+    for task in sorted({str(r.get("task")) for r in runs}):
+        tds = []
+        for a in arms:
+            marks = []
+            for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
+                mark = ("S" if _rpt_success(r) else "F") if _rpt_evaluated(r) else "-"
+                mark += ("X" if _rpt_excluded(r) else "") + ("!" if _rpt_run_audit(r)["flagged"] else "")
+                marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
+            tds.append(f"<td>{'<br/>'.join(marks) or '-'}</td>")
+        body.append(f"<tr><td>{esc(task)}</td>{''.join(tds)}</tr>")
+    p.append(f"<table><thead><tr><th>Task</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+    return "\n".join(p)
+
+
+def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_dir: Path) -> dict[str, Any]:
+    """Write index.html and runs/<run>.html under `out_dir` (I/O); returns what was written."""
+    try:
+        cfg = load_study_config(paths)
+        tasks = load_tasks(paths, cfg)
+    except AgentbenchError:
+        tasks = {}
+    arms = set(report["arms"])
+    runs = [r for r in runs if str(r.get("arm")) in arms]
+    names = page_file_names(r.get("run_id") for r in runs)
+    (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        task = tasks.get(str(r.get("task")))
+        starter = task.public if task else None
+        page = collect_run_page(paths, r, starter)
+        ran = (r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict) else None
+        if task and ran and ran != task.bundle_sha256:
+            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, the study now "
+                                    f"has {task.bundle_sha256[:16]}): the diff is against the current starter")
+        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
+    index = out_dir / "index.html"
+    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
+    return {"index": str(index), "run_pages": len(names)}
 
 
 # ==================================================================================================
@@ -8604,6 +9554,36 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
+def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
+                repeats: int, power: Mapping[str, Any], p_base: float, split: str) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
+    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
+    estimate (see plan_study_cost)."""
+    pilot: dict[str, list[float]] = {}
+    for r in run_records_for_report(paths):
+        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    reh = reh if isinstance(reh, dict) else {}
+    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
+
+    def cost(r: int) -> dict[str, Any]:
+        return plan_study_cost(shape, len(tasks), r, pilot, reh.get("arms") if isinstance(reh.get("arms"), dict) else None,
+                               cfg.get("model"), cfg.get("prices"))
+
+    out = {"repeats": repeats,
+           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
+                                                                      power["alpha"], power["power"]),
+           "cost_at_repeats": cost(repeats),
+           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == config_hash(paths, dict(cfg)),
+           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
+    if power.get("repeats"):
+        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    return out
+
+
 @command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -8617,6 +9597,7 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1", code="power_estimate_needs_0_power")
         power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
+        power["plan"] = assign_plan(paths, cfg, tasks, arms, repeats, power, args.power_base, args.split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
     data = manifest_bytes(manifest, seed, args.split)
     faults: dict[str, dict[str, Any]] = {}
@@ -8954,7 +9935,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
     p.add_argument("--baseline")
-    p.add_argument("--out", help="write md/html to this file (default for html: <study>/report.html)")
+    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); with "
+                                 "--format html, a path ending in / (or an existing directory) gets a directory: "
+                                 "index.html and one page per run under runs/")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
 
 
@@ -8980,6 +9963,15 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         text = render_report_md(report) if args.format == "md" else render_report_html(report)
         result = {"format": args.format}
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
+    if args.out and (args.out.endswith(("/", os.sep)) or Path(args.out).is_dir()):
+        if args.format != "html":
+            raise AgentbenchError("--out names a directory: only --format html writes one", code="out_is_a_directory",
+                                  out=args.out, hint="give a file path for json or md")
+        if ctx.is_child:
+            raise AgentbenchError("refused inside a supervised session: writing a report directory", code="refused_inside_session_writes")
+        written = write_report_pages(paths, report, runs, Path(ctx.platform.normalize_path(args.out)))
+        result.update(written, path=written["index"], directory=str(Path(written["index"]).parent))
+        out = None
     if out:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report file", code="refused_inside_session_writes")
