@@ -8,11 +8,32 @@ One file, standard library only.  Every command prints exactly one JSON object o
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
 README.md for the study layout and the rules the supervisor enforces.
 
-The file is organised in bannered sections, strictly bottom-up: nothing uses a later section.
+The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
+defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
+banner says what its section owns and what it must not do.
 
-    constants . errors and output . the platform seam . files, locks and the registry . processes
-    . env scrub . stream and usage . the supervisor . the experiment layer . statistics and report
-    . the scripted model . the CLI and main
+Sections (line ranges), strictly bottom-up:
+       82-161   Constants
+      162-261   Errors and output
+      262-1381  Platform seam
+     1382-1839  Files, locks and the registry
+     1840-2118  Processes
+     2119-2230  Env scrub
+     2231-2583  Stream and usage
+     2584-2918  Study configuration
+     2919-3998  The supervisor
+     3999-4233  The supervisor: jobs (start, fork, continue)
+     4234-5491  The experiment layer
+     5492-7378  Statistics and report
+     7379-7891  Run pages: the report as a directory
+     7892-8681  Offline scripted model
+     8682-8951  The scripted model: rehearsal of a study
+     8952-10320 The CLI and main
+
+Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
+configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
+launch record means); a session's limits are `session_limits` in the jobs layer; the by-hand run
+flow is `spawn_run`/`pipeline_for` in the CLI over the pipeline's methods.
 """
 from __future__ import annotations
 
@@ -5648,6 +5669,49 @@ def sign_test_min_p(n: int) -> float:
     return sign_test_two_sided(n, 0)
 
 
+def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+                      tau: float, n_sim: int, seed: int) -> dict:
+    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
+    rng = random.Random(seed)
+    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
+    direction = 1.0 if delta > 0 else -1.0
+    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
+    for _ in range(n_sim):
+        diffs = []
+        b = c = 0
+        for _t in range(n_tasks):
+            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
+            p1_t = min(1.0, max(0.0, p0 + d_t))
+            s0 = s1 = 0
+            for _r in range(repeats):
+                y0 = rng.random() < p0
+                y1 = rng.random() < p1_t
+                s0 += y0
+                s1 += y1
+                if y1 and not y0:
+                    b += 1
+                elif y0 and not y1:
+                    c += 1
+            diffs.append((s1 - s0) / repeats)
+        m = math.fsum(diffs) / n_tasks
+        if n_tasks > 1:
+            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
+            if var > 0:
+                if direction * m / math.sqrt(var / n_tasks) > z_a:
+                    hits["mean_diff_z"] += 1
+            elif direction * m > 0:
+                hits["mean_diff_z"] += 1
+        wins = sum(1 for d in diffs if direction * d > 0)
+        losses = sum(1 for d in diffs if direction * d < 0)
+        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
+            hits["sign_test"] += 1
+        agree, against = (b, c) if direction > 0 else (c, b)
+        if agree > against and mcnemar_exact(b, c) <= alpha:
+            hits["mcnemar"] += 1
+    return {"studies": n_sim, "seed": seed, "repeats": repeats,
+            "power": {k: v / n_sim for k, v in hits.items()}}
+
+
 def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
                          power: float = 0.8, *, tau: float = 0.0, max_repeats: int = 1000,
                          simulate: int = 0, seed: int = 0) -> dict:
@@ -5770,49 +5834,6 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
         out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
                                               alpha, tau, simulate, seed)
     return out
-
-
-def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
-                      tau: float, n_sim: int, seed: int) -> dict:
-    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
-    rng = random.Random(seed)
-    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
-    direction = 1.0 if delta > 0 else -1.0
-    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
-    for _ in range(n_sim):
-        diffs = []
-        b = c = 0
-        for _t in range(n_tasks):
-            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
-            p1_t = min(1.0, max(0.0, p0 + d_t))
-            s0 = s1 = 0
-            for _r in range(repeats):
-                y0 = rng.random() < p0
-                y1 = rng.random() < p1_t
-                s0 += y0
-                s1 += y1
-                if y1 and not y0:
-                    b += 1
-                elif y0 and not y1:
-                    c += 1
-            diffs.append((s1 - s0) / repeats)
-        m = math.fsum(diffs) / n_tasks
-        if n_tasks > 1:
-            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
-            if var > 0:
-                if direction * m / math.sqrt(var / n_tasks) > z_a:
-                    hits["mean_diff_z"] += 1
-            elif direction * m > 0:
-                hits["mean_diff_z"] += 1
-        wins = sum(1 for d in diffs if direction * d > 0)
-        losses = sum(1 for d in diffs if direction * d < 0)
-        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
-            hits["sign_test"] += 1
-        agree, against = (b, c) if direction > 0 else (c, b)
-        if agree > against and mcnemar_exact(b, c) <= alpha:
-            hits["mcnemar"] += 1
-    return {"studies": n_sim, "seed": seed, "repeats": repeats,
-            "power": {k: v / n_sim for k, v in hits.items()}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -6645,6 +6666,33 @@ def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
     return notes
 
 
+def _runs_without(runs: list[dict], drop: list[dict]) -> list[dict]:
+    gone = {id(r) for r in drop}
+    return [r for r in runs if id(r) not in gone]
+
+
+def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Hidden-test score against elapsed time per arm, from graded snapshots (SPEC 7).
+
+    For every arm and snapshot time t: how many runs had a snapshot at t, their mean score and
+    how many passed -- which arm gets there first, not only who gets there.  Times are strings
+    (JSON keys), in seconds since the run started.
+    """
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm in arms:
+        by_t: dict[int, list[dict]] = {}
+        for r in runs:
+            if r.get("arm") != arm:
+                continue
+            for s in (r.get("evaluation") or {}).get("snapshots") or []:
+                by_t.setdefault(int(s["t"]), []).append(s)
+        if by_t:
+            out[arm] = {str(t): {"runs": len(v), "mean_score": mean(float(s.get("score") or 0) for s in v),
+                                 "successes": sum(1 for s in v if s.get("success"))}
+                        for t, v in sorted(by_t.items())}
+    return out
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -6807,36 +6855,43 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     }
 
 
-def _runs_without(runs: list[dict], drop: list[dict]) -> list[dict]:
-    gone = {id(r) for r in drop}
-    return [r for r in runs if id(r) not in gone]
-
-
-def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Hidden-test score against elapsed time per arm, from graded snapshots (SPEC 7).
-
-    For every arm and snapshot time t: how many runs had a snapshot at t, their mean score and
-    how many passed -- which arm gets there first, not only who gets there.  Times are strings
-    (JSON keys), in seconds since the run started.
-    """
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for arm in arms:
-        by_t: dict[int, list[dict]] = {}
-        for r in runs:
-            if r.get("arm") != arm:
-                continue
-            for s in (r.get("evaluation") or {}).get("snapshots") or []:
-                by_t.setdefault(int(s["t"]), []).append(s)
-        if by_t:
-            out[arm] = {str(t): {"runs": len(v), "mean_score": mean(float(s.get("score") or 0) for s in v),
-                                 "successes": sum(1 for s in v if s.get("success"))}
-                        for t, v in sorted(by_t.items())}
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Rendering: tables as data, then Markdown / HTML
 # --------------------------------------------------------------------------------------------------
+
+def _rpt_flag_cell(s: dict) -> str:
+    n = s.get("flagged")
+    if n is None:
+        return "-"
+    wins = s.get("flagged_successes") or 0
+    return f"{n}" + (f" ({wins} success{'' if wins == 1 else 'es'})" if wins else "")
+
+
+def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Behaviour audit per arm, the flagged runs, and exclusions per arm (with Fisher's test)."""
+    arms, base = report["arms"], report["baseline"]
+    beh = report.get("behaviour") or {}
+    excl = (report.get("exclusions") or {}).get("per_arm") or {}
+    groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
+    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
+             _fmt_int(beh[a]["flagged_successes"])]
+            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
+    out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
+            ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
+            + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
+    rows = [[str(f["run_id"]), str(f["task"]), a, str(f["repeat"]), str(f["outcome"] or "-"),
+             "yes" if f["excluded"] else "no",
+             ", ".join(f"{REPORT_AUDIT_GROUPS.get(g, g)} x{n}" for g, n in f["groups"].items()) or "flagged"]
+            for a in arms if a in beh for f in beh[a]["flagged_runs"]]
+    out.append(("Runs flagged by the behaviour audit",
+                ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
+    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
+             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
+             "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
+    out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
+                ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
+    return out
+
 
 def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
@@ -6947,40 +7002,6 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
                        ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
     return tables
-
-
-def _rpt_flag_cell(s: dict) -> str:
-    n = s.get("flagged")
-    if n is None:
-        return "-"
-    wins = s.get("flagged_successes") or 0
-    return f"{n}" + (f" ({wins} success{'' if wins == 1 else 'es'})" if wins else "")
-
-
-def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """Behaviour audit per arm, the flagged runs, and exclusions per arm (with Fisher's test)."""
-    arms, base = report["arms"], report["baseline"]
-    beh = report.get("behaviour") or {}
-    excl = (report.get("exclusions") or {}).get("per_arm") or {}
-    groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
-    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
-             _fmt_int(beh[a]["flagged_successes"])]
-            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
-    out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
-            ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
-            + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
-    rows = [[str(f["run_id"]), str(f["task"]), a, str(f["repeat"]), str(f["outcome"] or "-"),
-             "yes" if f["excluded"] else "no",
-             ", ".join(f"{REPORT_AUDIT_GROUPS.get(g, g)} x{n}" for g, n in f["groups"].items()) or "flagged"]
-            for a in arms if a in beh for f in beh[a]["flagged_runs"]]
-    out.append(("Runs flagged by the behaviour audit",
-                ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
-    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
-             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
-             "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
-    out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
-                ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
-    return out
 
 
 def _md_cell(text: str) -> str:
@@ -8804,6 +8825,52 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mappin
     return out
 
 
+def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per arm: runs, successes, gate cycles used, reviewer sessions and verdicts, cost."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        a = out.setdefault(r["arm"], {"runs": 0, "successes": 0, "gate_cycles": 0, "reviews": 0,
+                                      "verdicts": {}, "cost_usd": 0.0, "outcomes": {}})
+        a["runs"] += 1
+        a["successes"] += 1 if (r.get("evaluation") or {}).get("success") else 0
+        a["gate_cycles"] += int(r.get("gate_cycles") or 0)
+        a["reviews"] += len(r.get("reviews") or [])
+        for v in r.get("review_verdicts") or []:
+            a["verdicts"][v] = a["verdicts"].get(v, 0) + 1
+        a["cost_usd"] = round(a["cost_usd"] + float(r.get("cost_usd") or 0), 6)
+        o = str(r.get("outcome"))
+        a["outcomes"][o] = a["outcomes"].get(o, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
+                         server: "ScriptedModelServer", env_extra: Mapping[str, str],
+                         driver: Mapping[str, Any] | None) -> None:
+    """Train the per-task base that `fork_base` arms fork from: the scripted agent reads the task
+    and writes notes, through the same job path as `train --task`."""
+    ws = paths.bases / task.id / "workspace"
+    copy_tree(task.public, ws)
+    sid = f"train-{task.id}"
+    server.add_script(sid, {"steps": [
+        {"text": "Reading the task.", "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
+        {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
+            "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
+        {"text": "Notes written; ready."}]})
+    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
+                    notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
+    launch = launch_config(cfg)
+    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S, stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S,
+                            orphan_after_s=0,
+                            max_budget_usd=float(launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]))
+    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
+                    fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
+                    driver=driver, cfg=cfg)
+    register_base(paths, task.id, out, ws)
+    while not job_is_final(paths, out["job_id"]):
+        time.sleep(0.2)
+        reap_jobs(paths, ctx.platform, only=[out["job_id"]])
+
+
 def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
@@ -8880,52 +8947,6 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
-
-
-def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
-                         server: "ScriptedModelServer", env_extra: Mapping[str, str],
-                         driver: Mapping[str, Any] | None) -> None:
-    """Train the per-task base that `fork_base` arms fork from: the scripted agent reads the task
-    and writes notes, through the same job path as `train --task`."""
-    ws = paths.bases / task.id / "workspace"
-    copy_tree(task.public, ws)
-    sid = f"train-{task.id}"
-    server.add_script(sid, {"steps": [
-        {"text": "Reading the task.", "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
-        {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
-            "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
-        {"text": "Notes written; ready."}]})
-    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
-                    notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
-    launch = launch_config(cfg)
-    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S, stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S,
-                            orphan_after_s=0,
-                            max_budget_usd=float(launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]))
-    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                    fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
-                    driver=driver, cfg=cfg)
-    register_base(paths, task.id, out, ws)
-    while not job_is_final(paths, out["job_id"]):
-        time.sleep(0.2)
-        reap_jobs(paths, ctx.platform, only=[out["job_id"]])
-
-
-def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per arm: runs, successes, gate cycles used, reviewer sessions and verdicts, cost."""
-    out: dict[str, Any] = {}
-    for r in runs:
-        a = out.setdefault(r["arm"], {"runs": 0, "successes": 0, "gate_cycles": 0, "reviews": 0,
-                                      "verdicts": {}, "cost_usd": 0.0, "outcomes": {}})
-        a["runs"] += 1
-        a["successes"] += 1 if (r.get("evaluation") or {}).get("success") else 0
-        a["gate_cycles"] += int(r.get("gate_cycles") or 0)
-        a["reviews"] += len(r.get("reviews") or [])
-        for v in r.get("review_verdicts") or []:
-            a["verdicts"][v] = a["verdicts"].get(v, 0) + 1
-        a["cost_usd"] = round(a["cost_usd"] + float(r.get("cost_usd") or 0), 6)
-        o = str(r.get("outcome"))
-        a["outcomes"][o] = a["outcomes"].get(o, 0) + 1
-    return dict(sorted(out.items()))
 
 
 # ==================================================================================================
@@ -9554,6 +9575,10 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
+def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
+    return [load_run(paths, r) for r in all_run_ids(paths)]
+
+
 def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
                 repeats: int, power: Mapping[str, Any], p_base: float, split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -9939,10 +9964,6 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                                  "--format html, a path ending in / (or an existing directory) gets a directory: "
                                  "index.html and one page per run under runs/")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
-
-
-def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    return [load_run(paths, r) for r in all_run_ids(paths)]
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
