@@ -20,24 +20,18 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import difflib
 import datetime
 import fnmatch
-import hashlib
-import html
-import http.server
+import importlib.util
 import json
 import math
 import os
-import platform as pyplatform
 import posixpath
 import random
 import re
 import shlex
 import shutil
 import signal
-import socket
-import statistics
 import string
 import subprocess
 import sys
@@ -45,17 +39,76 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.parse
 import uuid
 from typing import NamedTuple
 import base64
 import errno
-import secrets
 import select
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# ==================================================================================================
+# Start-up: lazy imports and the cached-bytecode launcher
+# ==================================================================================================
+# Owns what makes a process start fast: standard modules that only some commands need are bound
+# here as lazy modules (loaded on first attribute use, so every later section may use them as if
+# imported eagerly), and the argv by which agentbench starts its own detached children (supervisors,
+# the run driver) so that they import this file as a module and run from a cached .pyc instead of
+# compiling it afresh.  It must not read studies, the environment or flags: callers pass the paths.
+
+
+def lazy_module(name: str) -> Any:
+    """The module `name`, bound now and loaded when an attribute is first used (importlib's
+    LazyLoader).  A module that is imported already is returned as it is; a parent package is
+    imported (cheaply) at once and gets the submodule as its attribute, as `import a.b` would."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no module named {name!r}")
+    loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+    return module
+
+
+#: Needed by a few commands only (report, the scripted model, where, check-command typos).
+difflib = lazy_module("difflib")
+html = lazy_module("html")
+statistics = lazy_module("statistics")
+pyplatform = lazy_module("platform")
+hashlib = lazy_module("hashlib")
+secrets = lazy_module("secrets")
+socket = lazy_module("socket")
+lazy_module("http.server")
+lazy_module("urllib.parse")
+import http  # noqa: E402  (the package; its `server` attribute is the lazy module above)
+import urllib  # noqa: E402
+
+#: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
+#: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
+#: own caches), run it as module `agentbench` and exit with main(argv[3:]).
+#: No double quotes and no newlines, so that it survives any platform's command-line quoting.
+#: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
+LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];sys.dont_write_bytecode=o[1] and not c;"
+                 "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
+                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);sys.modules['agentbench']=m;"
+                 "exec(k,m.__dict__);sys.exit(m.main(sys.argv[3:]))")
+
+
+def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequence[str]) -> list[str]:
+    """The argv that runs `agentbench <args>` from `source` with `python`, from cached bytecode
+    kept under `cache_dir` (a directory agentbench owns; None: Python's default beside the source,
+    if it may write there).  Pure: Python makes the directory when it first writes there."""
+    return [python, "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
 
 # ==================================================================================================
 # Constants
@@ -70,6 +123,8 @@ HERE = Path(__file__).resolve().parent
 
 STUDY_FILE = "study.json"
 STATE_DIR = "state"
+#: Under a study's state dir: the bytecode cache of the supervisors and drivers it starts.
+BYTECODE_CACHE_DIR = "pycache"
 WAIT_DEFAULT_S = 540.0
 WAIT_MAX_S = 570.0
 LOCK_TIMEOUT_S = 60.0
@@ -1840,14 +1895,29 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                          time.monotonic() - start, timed_out)
 
 
+def bytecode_cache_dir(study_root: str) -> str | None:
+    """The study's bytecode cache directory, created if need be; None (Python's default, or no
+    cache) when it cannot be: a cache is an optimisation, never a reason to fail a launch."""
+    state = os.path.join(study_root, STATE_DIR)
+    if not os.path.isdir(state):
+        return None
+    path = os.path.join(state, BYTECODE_CACHE_DIR)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
 def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, env: Mapping[str, str],
                       log_path: str) -> int:
-    """Start `python agentbench.py <args>` fully detached; its pid.
+    """Start `agentbench <args>` fully detached, through the cached-bytecode launcher; its pid.
+    `cwd` is the study's root: the bytecode is kept in its state dir (see bytecode_cache_dir).
 
     Where the platform cannot hand the environment to a detached child directly (Windows CIM),
     it is passed through an owner-only env file named by --env-file, which the child deletes.
     """
-    argv = [sys.executable, str(Path(__file__).resolve()), *args]
+    argv = launcher_argv(sys.executable, str(Path(__file__).resolve()), bytecode_cache_dir(cwd), args)
     env_file = platform.detach_env_file(env, log_path)
     if env_file:
         argv += ["--env-file", env_file]
@@ -1869,7 +1939,9 @@ SBATCH_TIMEOUT_S = 120.0
 
 def slurm_batch_script(python: str, study_root: str, job_id: str, credentials_file: str | None = None) -> str:
     """The batch script of one job: exec the supervisor, so that Slurm's signals reach it directly."""
-    argv = [python, str(Path(__file__).resolve()), "_supervise", "--study", study_root, "--job", job_id]
+    cache = os.path.join(study_root, STATE_DIR, BYTECODE_CACHE_DIR)  # Python makes it if need be
+    argv = launcher_argv(python, str(Path(__file__).resolve()), cache,
+                         ["_supervise", "--study", study_root, "--job", job_id])
     if credentials_file:
         argv += ["--credentials-file", credentials_file]
     return ("#!/bin/sh\n"
