@@ -125,6 +125,10 @@ STUDY_FILE = "study.json"
 STATE_DIR = "state"
 #: Under a study's state dir: the bytecode cache of the supervisors and drivers it starts.
 BYTECODE_CACHE_DIR = "pycache"
+#: A supervisor copying claude's stream to its raw file flushes at least this often in a burst
+#: (lines, seconds); it always flushes when the pipe has nothing more to read yet.
+RAW_FLUSH_LINES = 256
+RAW_FLUSH_S = 0.2
 WAIT_DEFAULT_S = 540.0
 WAIT_MAX_S = 570.0
 LOCK_TIMEOUT_S = 60.0
@@ -697,6 +701,11 @@ class Platform:
         """An identifier of the current boot, when the OS offers one."""
         return None
 
+    def pipe_readable_now(self, fileobj: Any) -> bool:
+        """True if a read of the pipe ``fileobj`` would not block right now; False when unsure
+        (the caller then acts as if it would block: a supervisor flushes what it has)."""
+        return False
+
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -834,6 +843,12 @@ class PosixPlatform(Platform):
                 continue
             out[int(name)] = _ProcInfo(st.ppid, self._ctime_of(st), st.pgid, st.sid)
         return out
+
+    def pipe_readable_now(self, fileobj: Any) -> bool:
+        try:
+            return bool(select.select([fileobj], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def boot_id(self) -> str | None:
         try:
@@ -2332,6 +2347,11 @@ class StreamState:
         self.session_id: str | None = None
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
+        # The running cost estimate (see estimated_cost): micro-USD per message and their sum, at
+        # the (fallback model, prices) they were priced with.
+        self._cost_key: tuple[Any, ...] | None = None
+        self._cost_micro: dict[str, int | None] = {}
+        self._cost_total_micro: int | None = 0
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
         if isinstance(raw, bytes):
@@ -2397,6 +2417,7 @@ class StreamState:
                     self.tool_calls.append({"name": block.get("name"), "input": block.get("input")})
             elif isinstance(block, dict) and block.get("type") == "text":
                 self.last_text = str(block.get("text") or "")[-2000:]
+        self._reprice(mid)
 
     @property
     def result(self) -> dict[str, Any] | None:
@@ -2408,13 +2429,42 @@ class StreamState:
             total = add_tokens(total, self.messages[mid]["tokens"])
         return total
 
+    def _message_cost_micro(self, mid: str, fallback_model: str | None) -> int | None:
+        """One message's list-price cost in whole micro-USD (estimate_cost_usd rounds to 1e-6);
+        None when it is not finite (token counts beyond any float)."""
+        m = self.messages[mid]
+        cost = estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
+        return round(cost * 1e6) if math.isfinite(cost * 1e6) else None
+
+    def _reprice(self, mid: str) -> None:
+        """Keep the running total current after message `mid` was added or revised."""
+        if self._cost_key is None:
+            return
+        old = self._cost_micro.get(mid, 0)
+        new = self._message_cost_micro(mid, self._cost_key[0])
+        self._cost_micro[mid] = new
+        self._cost_total_micro = (None if old is None or new is None or self._cost_total_micro is None
+                                  else self._cost_total_micro + new - old)
+
     def estimated_cost(self, fallback_model: str | None) -> float:
-        """List-price cost of the messages seen (study `prices` overrides included)."""
-        cost = 0.0
-        for mid in self.message_order:
-            m = self.messages[mid]
-            cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
-        return round(cost, 6)
+        """List-price cost of the messages seen (study `prices` overrides included).
+
+        The sum of each message's cost rounded to 1e-6, kept as a running total: the first call
+        (and a call with another fallback model or other prices) prices every message; from then
+        on a message is re-priced only when it arrives or its tokens are revised, so a supervisor
+        polling this stays linear in the session's length.  Whole micro-USD are summed, so the
+        total does not drift whatever the order of revisions."""
+        key = (fallback_model, json.dumps(self.prices, sort_keys=True, default=str))
+        if self._cost_key != key or self._cost_total_micro is None:
+            self._cost_key = key
+            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model) for mid in self.message_order}
+            parts = list(self._cost_micro.values())
+            self._cost_total_micro = None if None in parts else sum(parts)  # type: ignore[arg-type]
+        if self._cost_total_micro is None:   # a non-finite part: the float sum, as it always was
+            return round(sum(estimate_cost_usd(self.messages[mid]["tokens"],
+                                               self.messages[mid].get("model") or fallback_model, self.prices)
+                             for mid in self.message_order), 6)
+        return self._cost_total_micro / 1e6
 
 
 def model_matches(requested: str, reported: str) -> bool:
@@ -3497,10 +3547,18 @@ class Supervisor:
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
     def _reader(self, stream: Any, raw_path: Path) -> None:
+        # The raw file is flushed whenever the pipe has nothing more to read yet (so what claude
+        # wrote is on disk before the reader waits), and at least every RAW_FLUSH_LINES lines or
+        # RAW_FLUSH_S seconds during a burst: not once per line.
         with open(raw_path, "ab") as raw:
+            pending, flushed_at = 0, time.monotonic()
             for line in iter(stream.readline, b""):
                 raw.write(line)
-                raw.flush()
+                pending += 1
+                if (pending >= RAW_FLUSH_LINES or time.monotonic() - flushed_at >= RAW_FLUSH_S
+                        or not self.platform.pipe_readable_now(stream)):
+                    raw.flush()
+                    pending, flushed_at = 0, time.monotonic()
                 with self._lock:
                     self.last_output = time.monotonic()
                     self.state.feed(line)

@@ -81,3 +81,101 @@ def test_a_detached_child_runs_from_the_study_bytecode_cache(tmp_path: Path) -> 
     assert json.loads(log.read_text().strip().splitlines()[-1])["version"] == ab.VERSION
     cache = tmp_path / ab.STATE_DIR / ab.BYTECODE_CACHE_DIR
     wait_for(lambda: any(cache.rglob("agentbench.*.pyc")))
+
+
+# ---- the running cost estimate -------------------------------------------------------------------
+
+def old_estimated_cost(state: ab.StreamState, fallback_model: str | None) -> float:
+    """The computation the running total replaces: re-price every message seen, in order."""
+    cost = 0.0
+    for mid in state.message_order:
+        m = state.messages[mid]
+        cost += ab.estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, state.prices)
+    return round(cost, 6)
+
+
+def assistant_line(rng, mid: str | None) -> str:
+    usage = {"input_tokens": rng.choice([0, 3, 17, 1200, 98765]), "output_tokens": rng.randrange(0, 5000),
+             "cache_read_input_tokens": rng.choice([0, 5, 250000]),
+             "cache_creation_input_tokens": rng.choice([0, 40, 70000])}
+    if rng.random() < 0.3:
+        usage["cache_creation"] = {"ephemeral_1h_input_tokens": rng.randrange(0, 900),
+                                   "ephemeral_5m_input_tokens": rng.randrange(0, 900)}
+    content = [{"type": "text", "text": "x" * rng.randrange(0, 3000)}]
+    if rng.random() < 0.3:
+        content.append({"type": "tool_use", "name": "Bash", "input": {"command": "y" * rng.randrange(0, 900)}})
+    msg = {"model": rng.choice(["claude-opus-4-5", "claude-haiku-4-5", "claude-sonnet-4-x", None, "other"]),
+           "usage": usage, "content": content}
+    if mid is not None:
+        msg["id"] = mid
+    return json.dumps({"type": "assistant", "message": msg})
+
+
+def test_the_running_cost_equals_repricing_every_message_after_every_line() -> None:
+    import random
+    for seed in range(40):
+        rng = random.Random(seed)
+        state = ab.StreamState()
+        if seed % 3 == 0:
+            state.prices = {"claude-opus": [1.5, 7.0, 2.0, 3.0, 0.15], "other": [0.3, 0.9, 0.4, 0.5, 0.01]}
+        ids = [f"msg_{i}" for i in range(rng.randrange(1, 30))]
+        fallback = rng.choice(["claude-opus-4-5", "claude-3-5-haiku-x", None])
+        for step in range(rng.randrange(1, 120)):
+            kind = rng.random()
+            if kind < 0.75:      # a new message or a later snapshot of one seen (revised tokens)
+                state.feed(assistant_line(rng, rng.choice(ids + [None])))
+            elif kind < 0.85:
+                state.feed(json.dumps({"type": "user", "message": {"content": [{"type": "tool_result"}]}}))
+            else:
+                state.feed("not json {")
+            if step % 4 == 0 or kind > 0.95:
+                assert state.estimated_cost(fallback) == old_estimated_cost(state, fallback), (seed, step)
+        assert state.estimated_cost(fallback) == old_estimated_cost(state, fallback)
+        # Another fallback model, or prices changed in place, re-price from scratch.
+        assert state.estimated_cost("claude-haiku-4-5") == old_estimated_cost(state, "claude-haiku-4-5")
+        state.prices = {"claude": [9.0, 9.0, 9.0, 9.0, 9.0]}
+        assert state.estimated_cost(fallback) == old_estimated_cost(state, fallback)
+        state.prices["claude"][0] = 1.0
+        assert state.estimated_cost(fallback) == old_estimated_cost(state, fallback)
+
+
+def test_the_running_cost_table() -> None:
+    state = ab.StreamState()
+    assert state.estimated_cost("claude-opus-4-5") == 0.0
+    line = {"type": "assistant", "message": {"id": "m1", "model": "claude-opus-4-5",
+                                             "usage": {"input_tokens": 1000, "output_tokens": 100}}}
+    state.feed(json.dumps(line))
+    assert state.estimated_cost(None) == 0.0075                         # 1000 * 5e-6 + 100 * 25e-6
+    line["message"]["usage"] = {"input_tokens": 1000, "output_tokens": 400}   # the message revised
+    state.feed(json.dumps(line))
+    assert state.estimated_cost(None) == 0.015
+    line["message"]["usage"] = {"input_tokens": 10, "output_tokens": 1}       # a smaller snapshot: max kept
+    state.feed(json.dumps(line))
+    assert state.estimated_cost(None) == 0.015
+    state.feed(json.dumps({"type": "assistant", "message": {"id": "m2", "usage": {"input_tokens": 10 ** 6}}}))
+    assert state.estimated_cost("claude-haiku-4-5") == 1.015             # no model: the fallback's price
+    assert state.estimated_cost("claude-opus-4-5") == 5.015
+
+
+def test_a_cost_beyond_any_float_is_what_the_float_sum_gives() -> None:
+    state = ab.StreamState()
+    state.feed(json.dumps({"type": "assistant", "message": {"id": "m0", "usage": {"input_tokens": 10 ** 307}}}))
+    assert state.estimated_cost("claude-opus-4-5") == old_estimated_cost(state, "claude-opus-4-5") == 5e301
+    state.feed(json.dumps({"type": "assistant", "message": {"id": "m1", "usage": {"input_tokens": 10 ** 308}}}))
+    assert state.estimated_cost("claude-opus-4-5") == old_estimated_cost(state, "claude-opus-4-5") == float("inf")
+    state.feed(json.dumps({"type": "assistant", "message": {"id": "m2", "usage": {"input_tokens": 5}}}))
+    assert state.estimated_cost("claude-opus-4-5") == float("inf")
+
+
+def test_pipe_readable_now_says_whether_a_read_would_block() -> None:
+    plat = ab.PosixPlatform()
+    r, w = os.pipe()
+    with os.fdopen(r, "rb") as reader:
+        assert plat.pipe_readable_now(reader) is False        # empty: the supervisor flushes
+        os.write(w, b"line\n")
+        assert plat.pipe_readable_now(reader) is True         # more to read: it may batch
+        os.close(w)
+        assert reader.readline() == b"line\n"
+        assert plat.pipe_readable_now(reader) is True         # end of file: a read returns at once
+    assert plat.pipe_readable_now(reader) is False            # closed: unsure, so False
+    assert ab.Platform.pipe_readable_now(plat, None) is False  # the default: always flush
