@@ -5406,11 +5406,16 @@ def _binomial_two_sided_half(k: int, n: int) -> float:
     p = min(1, 2 * P(X <= min(k, n - k))). For p = 1/2 the distribution is symmetric, so
     doubling the smaller tail equals summing every outcome at most as likely as the observed
     one. Integer arithmetic, then one correctly rounded division: exact up to the final double.
+    The coefficients come by the recurrence C(n, i+1) = C(n, i) (n - i) / (i + 1), each division
+    exact, so a tail costs one product per term instead of a fresh coefficient per term.
     """
     if n == 0:
         return 1.0
     small = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(small + 1))
+    term = tail = 1
+    for i in range(small):
+        term = term * (n - i) // (i + 1)
+        tail += term
     return min(1.0, (2 * tail) / (2 ** n))
 
 
@@ -5443,6 +5448,12 @@ def mcnemar_exact(b: int, c: int) -> float:
     return _binomial_two_sided_half(b, b + c)
 
 
+#: (values, seed, resamples, level) -> interval: a report asks the same question more than once
+#: (both views, an arm and its comparisons); the answer is a pure function of the key.
+_BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
+BOOTSTRAP_CACHE_MAX = 4096
+
+
 def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
                            level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval for the mean of paired differences (one per task).
@@ -5467,6 +5478,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     lo_x, hi_x = min(xs), max(xs)
     if lo_x == hi_x:
         return (lo_x, hi_x)
+    key = (tuple(xs), seed, n_resamples, level)
+    if key in _BOOTSTRAP_CACHE:
+        return _BOOTSTRAP_CACHE[key]
     # Random.choices without weights draws index floor(random() * n) for each element: the same
     # stream on every Python >= 3.6, and several times faster than an explicit loop.
     choices = random.Random(seed).choices
@@ -5475,6 +5489,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     tail = (1.0 - level) / 2.0
     lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
     hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
+    if len(_BOOTSTRAP_CACHE) >= BOOTSTRAP_CACHE_MAX:
+        _BOOTSTRAP_CACHE.clear()
+    _BOOTSTRAP_CACHE[key] = (lo, hi)
     return (lo, hi)
 
 
@@ -6207,10 +6224,10 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     tasks = sorted({r["_task"] for r in known})
     excluded = [r for r in known if _rpt_excluded(r)]
     kept = [r for r in known if not _rpt_excluded(r)]
-    views = {
-        "exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed),
-        "all_included": _rpt_view(known, [], arms, base, tasks, seed),
-    }
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
+    # With nothing excluded the two views have the same input: computed once, copied.
+    views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
+                             else _rpt_view(known, [], arms, base, tasks, seed))
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     notes = []

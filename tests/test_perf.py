@@ -179,3 +179,53 @@ def test_pipe_readable_now_says_whether_a_read_would_block() -> None:
         assert plat.pipe_readable_now(reader) is True         # end of file: a read returns at once
     assert plat.pipe_readable_now(reader) is False            # closed: unsure, so False
     assert ab.Platform.pipe_readable_now(plat, None) is False  # the default: always flush
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def old_two_sided_half(k: int, n: int) -> float:
+    """The computation the recurrence replaces: a fresh binomial coefficient per tail term."""
+    if n == 0:
+        return 1.0
+    small = min(k, n - k)
+    return min(1.0, (2 * sum(__import__("math").comb(n, i) for i in range(small + 1))) / (2 ** n))
+
+
+def test_the_exact_tail_by_recurrence_is_the_old_p_value() -> None:
+    table = [(0, 0), (0, 1), (1, 1), (0, 5), (2, 5), (3, 7), (7, 3), (10, 10), (0, 60), (1, 60),
+             (25, 30), (100, 150), (499, 1000), (500, 1000), (1200, 1300), (0, 4000), (1900, 2100),
+             (2047, 4096), (2500, 2500), (3000, 3333)]
+    for wins, losses in table:
+        new, old = ab.sign_test_two_sided(wins, losses), old_two_sided_half(wins, wins + losses)
+        assert new == old and abs(new - old) <= 1e-12, (wins, losses)
+        assert ab.mcnemar_exact(wins, losses) == old
+    # Large n: the tail that took seconds; its known values.
+    assert ab.mcnemar_exact(50000, 50000) == 1.0
+    assert ab.mcnemar_exact(0, 1000) == 2 / 2 ** 1000 and ab.mcnemar_exact(0, 2000) == 0.0
+    assert ab.sign_test_two_sided(20000, 30000) == 0.0                    # far below the smallest double
+    assert 0.0 < ab.sign_test_two_sided(24800, 25200) < 0.1
+
+
+def test_the_bootstrap_cache_returns_what_a_fresh_computation_gives() -> None:
+    xs = [0.0, 0.5, 1.0, 0.25, 0.75, 1.0, 0.0]
+    ab._BOOTSTRAP_CACHE.clear()
+    first = ab.bootstrap_mean_diff_ci(xs, seed=7, n_resamples=2000)
+    assert ab.bootstrap_mean_diff_ci(list(xs), seed=7, n_resamples=2000) == first    # a hit
+    ab._BOOTSTRAP_CACHE.clear()
+    assert ab.bootstrap_mean_diff_ci(xs, seed=7, n_resamples=2000) == first           # recomputed
+    other_seed = ab.bootstrap_mean_diff_ci(xs, seed=8, n_resamples=2000)
+    other_level = ab.bootstrap_mean_diff_ci(xs, seed=7, n_resamples=2000, level=0.5)
+    assert other_level != first and other_level[0] >= first[0]
+    assert len(ab._BOOTSTRAP_CACHE) == 3 and other_seed is not None
+
+
+def test_a_view_without_exclusions_is_computed_once_and_equals_the_other() -> None:
+    runs = [{"run_id": f"r{i}", "task": f"t{i % 3}", "arm": "AB"[i % 2], "repeat": i // 6, "status": "finished",
+             "outcome": "success" if i % 5 else "failure", "validity": "valid", "cost_usd": 0.1,
+             "evaluation": {"success": bool(i % 5), "score": 1.0 if i % 5 else 0.0}} for i in range(24)]
+    rep = ab.build_report(runs, ["A", "B"])
+    assert rep["views"]["all_included"] == rep["views"]["exclusions_applied"]
+    assert rep["views"]["all_included"] is not rep["views"]["exclusions_applied"]
+    runs[0]["validity"] = "infrastructure_failure"
+    rep = ab.build_report(runs, ["A", "B"])
+    assert rep["views"]["all_included"] != rep["views"]["exclusions_applied"]
