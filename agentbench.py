@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import datetime
 import fnmatch
+import gc
 import importlib.util
 import json
 import math
@@ -123,6 +124,8 @@ HERE = Path(__file__).resolve().parent
 
 STUDY_FILE = "study.json"
 STATE_DIR = "state"
+#: `list` answers at most this many jobs and runs per call (--limit; --offset pages on).
+LIST_LIMIT_DEFAULT = 200
 #: Under a study's state dir: the bytecode cache of the supervisors and drivers it starts.
 BYTECODE_CACHE_DIR = "pycache"
 #: A supervisor copying claude's stream to its raw file flushes at least this often in a burst
@@ -5728,7 +5731,7 @@ def _usage_key(line: dict, by: str) -> str:
     return "(none)" if value is None or value == "" else str(value)
 
 
-def aggregate_usage(ledger_lines: list[dict], by: str = "kind") -> dict:
+def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     """Aggregate ledger lines (one per finished session) into groups by `by`.
 
     `by` is one of kind, arm, task, model, status; a missing key groups as "(none)". For
@@ -7825,6 +7828,81 @@ def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 # ==================================================================================================
+# Reading at scale: the streamed ledger, paged listings, the paused collector
+# ==================================================================================================
+# How the read-only commands read what grows with a study (the ledger, run records, the job and run
+# listings) in time and memory that stay close to the data's size.  It owns no format and decides
+# nothing: the aggregates and summaries are the earlier sections' own functions, fed differently.
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (restored after, whatever happens): loading
+    many small JSON records allocates only acyclic objects, and the collector's repeated passes
+    over them cost more than the parse.  Reference counting still frees everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The ledger's object lines, one per job (the first line of a job id wins), read as a
+    stream.  `counts` gets "lines" (yielded) and "torn" (unparseable or not an object), like
+    read_jsonl.  Writers guarantee one line per job; a reader still counts each job once."""
+    counts.setdefault("lines", 0)
+    counts.setdefault("torn", 0)
+    seen: set[str] = set()
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                counts["torn"] += 1
+                continue
+            if not isinstance(obj, dict):
+                counts["torn"] += 1
+                continue
+            if obj.get("job_id") in seen or seen.add(str(obj.get("job_id"))):  # type: ignore[func-returns-value]
+                continue
+            counts["lines"] += 1
+            yield obj
+
+
+def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
+    """(start, stop, next offset or None) of one page of `total` items."""
+    if offset < 0 or limit < 0:
+        raise AgentbenchError("--offset and --limit must be >= 0", offset=offset, limit=limit)
+    start = min(offset, total)
+    stop = min(total, start + limit)
+    return start, stop, (stop if stop < total else None)
+
+
+def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, offset: int,
+                   limit: int) -> tuple[list[dict[str, Any]], int, int | None]:
+    """One page of list_runs: (summaries, how many in all, next offset or None).  Without a
+    status filter only the page's records are read; with one, every candidate is."""
+    if status is not None:
+        runs = list_runs(paths, all_runs=all_runs, status=status)
+        start, stop, nxt = page_bounds(len(runs), offset, limit)
+        return runs[start:stop], len(runs), nxt
+    ids = all_run_ids(paths) if all_runs else list_markers(paths.state / "running_runs")
+    start, stop, nxt = page_bounds(len(ids), offset, limit)
+    page = [run_summary(paths, r) for r in ids[start:stop] if run_file(paths, r).exists()]
+    return page, len(ids), nxt
+
+
+# ==================================================================================================
 # The CLI and main
 # ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
@@ -8373,7 +8451,9 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--limit", type=int, default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
 
 
 @command("list", "runs, jobs and bases with their state", mutating=False)
@@ -8389,19 +8469,28 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     everything = args.all or (args.status is not None and args.status not in ("running", "queued", "created"))
     if everything:
         ids = sorted(n for n in list_markers(paths.jobs) if JOB_ID_RE.match(n))
-    jobs = [job_summary(paths, j) for j in dict.fromkeys(ids)]
-    if args.status:
-        jobs = [j for j in jobs if j.get("status") == args.status]
+    ids = list(dict.fromkeys(ids))
+    page_bounds(0, args.offset, args.limit)   # bad bounds refused before anything is read
+    if args.status:   # a filter needs every summary; without one only the page is read
+        jobs = [j for j in (job_summary(paths, j) for j in ids) if j.get("status") == args.status]
+        job_start, job_stop, job_next = page_bounds(len(jobs), args.offset, args.limit)
+        jobs_total, jobs = len(jobs), jobs[job_start:job_stop]
+    else:
+        job_start, job_stop, job_next = page_bounds(len(ids), args.offset, args.limit)
+        jobs_total, jobs = len(ids), [job_summary(paths, j) for j in ids[job_start:job_stop]]
     bases = []
     for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
         rec = read_json(f, default=None)
         if rec:
             bases.append({"name": rec["name"], "state": base_state(paths, rec), "job_id": rec["job_id"],
                           "session_id": rec["session_id"]})
-    runs = list_runs(paths, all_runs=everything, status=args.status)
+    runs, runs_total, runs_next = list_runs_page(paths, all_runs=everything, status=args.status,
+                                                 offset=args.offset, limit=args.limit)
     return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
-            "active": len(active_job_ids(paths)), "jobs": jobs[: args.limit], "jobs_truncated": len(jobs) > args.limit,
-            "bases": bases, "runs": runs[: args.limit], "runs_truncated": len(runs) > args.limit}
+            "active": len(active_job_ids(paths)), "jobs": jobs, "jobs_truncated": job_next is not None,
+            "bases": bases, "runs": runs, "runs_truncated": runs_next is not None,
+            "jobs_total": jobs_total, "runs_total": runs_total, "offset": args.offset,
+            "next_offset": None if job_next is None and runs_next is None else args.offset + args.limit}
 
 
 def _kill_args(p: argparse.ArgumentParser) -> None:
@@ -8850,12 +8939,11 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    lines, bad = read_jsonl(paths.ledger)
-    # Writers guarantee one line per job; a reader still counts each job once, defensively.
-    seen: set[str] = set()
-    lines = [ln for ln in lines if not (ln.get("job_id") in seen or seen.add(str(ln.get("job_id"))))]
-    agg = aggregate_usage(lines, by=args.by)
-    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": len(lines), "torn_lines": bad}
+    counts: dict[str, int] = {}
+    with gc_paused():   # aggregated while the ledger streams: memory does not grow with it
+        agg = aggregate_usage(iter_ledger_once_per_job(paths.ledger, counts), by=args.by)
+    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": counts["lines"],
+                           "torn_lines": counts["torn"]}
     if args.format == "md":
         out["markdown"] = render_usage_md(agg)
     return out
@@ -8870,7 +8958,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    return [load_run(paths, r) for r in all_run_ids(paths)]
+    with gc_paused():
+        return [load_run(paths, r) for r in all_run_ids(paths)]
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)

@@ -229,3 +229,95 @@ def test_a_view_without_exclusions_is_computed_once_and_equals_the_other() -> No
     runs[0]["validity"] = "infrastructure_failure"
     rep = ab.build_report(runs, ["A", "B"])
     assert rep["views"]["all_included"] != rep["views"]["exclusions_applied"]
+
+
+# ---- reading at scale ----------------------------------------------------------------------------
+
+def populate(study: Path, n: int) -> None:
+    from conftest import run_main
+    assert run_main(["init", "--study", str(study)])[0] == 0
+    paths = ab.StudyPaths(study)
+    paths.jobs.mkdir(parents=True, exist_ok=True)
+    paths.run_index.mkdir(parents=True, exist_ok=True)
+    for i in range(1, n + 1):
+        jid = f"j{i:06d}"
+        d = paths.job_dir(jid)
+        d.mkdir()
+        (d / "job.json").write_text(json.dumps({"job_id": jid, "kind": "executor", "meta": {}, "session_id": f"s{i}",
+                                                "raw_dir": str(d / "raw"), "model": "claude-opus-4-5"}))
+        (d / "result.json").write_text(json.dumps({"job_id": jid, "status": "ok" if i % 3 else "failed"}))
+        (paths.run_index / f"r{i:05d}.json").write_text(json.dumps(
+            {"run_id": f"r{i:05d}", "task": "t", "arm": "A", "repeat": i, "status": "finished",
+             "outcome": "success" if i % 3 else "failure"}))
+
+
+def test_list_all_pages_through_every_job_and_run_once(tmp_path: Path) -> None:
+    from conftest import run_main
+    study = tmp_path / "s"
+    populate(study, 7)
+    seen_jobs, seen_runs, offset, pages = [], [], 0, 0
+    while offset is not None:
+        code, out = run_main(["list", "--study", str(study), "--all", "--limit", "3", "--offset", str(offset)])
+        assert code == 0 and out["jobs_total"] == 7 and out["runs_total"] == 7 and out["offset"] == offset
+        assert len(out["jobs"]) <= 3 and out["jobs_truncated"] == (out["next_offset"] is not None)
+        seen_jobs += [j["job_id"] for j in out["jobs"]]
+        seen_runs += [r["run_id"] for r in out["runs"]]
+        offset, pages = out["next_offset"], pages + 1
+    assert pages == 3
+    assert seen_jobs == [f"j{i:06d}" for i in range(1, 8)] and seen_runs == [f"r{i:05d}" for i in range(1, 8)]
+    code, out = run_main(["list", "--study", str(study), "--all", "--offset", "50"])
+    assert code == 0 and out["jobs"] == [] and out["runs"] == [] and out["next_offset"] is None
+    code, out = run_main(["list", "--study", str(study), "--status", "failed", "--limit", "1"])
+    assert code == 0 and out["jobs_total"] == 2 and [j["job_id"] for j in out["jobs"]] == ["j000003"]
+    assert out["next_offset"] == 1
+    for bad in (["--offset", "-1"], ["--limit", "-5"]):
+        code, out = run_main(["list", "--study", str(study), "--all", *bad])
+        assert code == 2 and "must be >= 0" in out["error"]
+
+
+def test_usage_streamed_equals_the_aggregate_of_the_whole_ledger(tmp_path: Path) -> None:
+    import random
+    rng = random.Random(3)
+    lines = []
+    for i in range(300):
+        jid = rng.choice([f"j{i:06d}", f"j{i // 2:06d}", 7, None])           # duplicates, odd ids
+        lines.append(json.dumps({"job_id": jid, "kind": rng.choice(["executor", "reviewer"]),
+                                 "arm": rng.choice(["A", "B", None]), "status": rng.choice(["ok", "failed"]),
+                                 "cost_delta_usd": rng.random(), "estimated": rng.random() < 0.2,
+                                 "tokens": {"input": rng.randrange(99), "cache_read": rng.randrange(999)},
+                                 "duration_s": rng.random() * 10, "models_used": ["claude-opus-4-5"]}))
+        if i % 37 == 0:
+            lines.append('{"torn": ')
+        if i % 41 == 0:
+            lines.append("[1, 2]")
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("\n".join(lines) + "\n\n")
+    old_lines, old_bad = ab.read_jsonl(ledger)
+    seen: set[str] = set()
+    old_lines = [ln for ln in old_lines if not (ln.get("job_id") in seen or seen.add(str(ln.get("job_id"))))]
+    for by in ab.USAGE_GROUPINGS:
+        counts: dict[str, int] = {}
+        got = ab.aggregate_usage(ab.iter_ledger_once_per_job(ledger, counts), by=by)
+        assert got == ab.aggregate_usage(old_lines, by=by)
+        assert counts == {"lines": len(old_lines), "torn": old_bad}
+    counts = {}
+    assert list(ab.iter_ledger_once_per_job(tmp_path / "missing", counts)) == [] and counts == {"lines": 0, "torn": 0}
+
+
+def test_gc_paused_restores_the_collector_whatever_happens() -> None:
+    import gc
+    assert gc.isenabled()
+    try:
+        with ab.gc_paused():
+            assert not gc.isenabled()
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with ab.gc_paused():
+            pass
+        assert not gc.isenabled()          # it was off before: it stays off
+    finally:
+        gc.enable()
