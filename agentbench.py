@@ -4465,6 +4465,19 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
             "at": utc_now()}
 
 
+def calibration_to_reuse(given: Mapping[str, Any] | None, tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
+    """Of calibration results measured moments ago (task id -> calibrate_task's answer), those
+    still true of `tasks`: the entry is a well-formed result of that task with the bundle it has
+    now.  A task whose files changed since (or that has no entry) must be calibrated again."""
+    out: dict[str, dict[str, Any]] = {}
+    for tid, task in tasks.items():
+        got = (given or {}).get(tid)
+        if (isinstance(got, Mapping) and got.get("task") == tid and isinstance(got.get("ok"), bool)
+                and got.get("bundle_sha256") == task.bundle_sha256):
+            out[tid] = dict(got)
+    return out
+
+
 def calibration_state(paths: StudyPaths) -> dict[str, Any]:
     return read_json(paths.state / "calibration.json", default=None) or {"tasks": {}}
 
@@ -7708,8 +7721,12 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mappin
 def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
-                   private_home: bool = False) -> dict[str, Any]:
+                   private_home: bool = False,
+                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `calibration`: results the caller has just measured for these tasks (the demo's); each one
+    still true of its task (see calibration_to_reuse) is reused instead of calibrating again.
 
     `private_home` gives the sessions a HOME of their own inside the scratch study (the demo's
     choice): then nothing of the user's dotfiles, which `claude` runs in a login shell before its
@@ -7739,7 +7756,8 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
     sp.state.mkdir(parents=True, exist_ok=True)
     write_json_atomic(sp.study_file, scfg, sort_keys=False)   # arm order: the baseline
     write_json_atomic(sp.registry, read_registry(sp))
-    cal = {t.id: calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
+    reuse = calibration_to_reuse(calibration, tasks)
+    cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
     manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1), int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
@@ -9083,7 +9101,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
         out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
-                             repeats=args.repeats, progress=prog, private_home=True)
+                             repeats=args.repeats, progress=prog, private_home=True, calibration=cal)
     finally:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")

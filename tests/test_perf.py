@@ -321,3 +321,21 @@ def test_gc_paused_restores_the_collector_whatever_happens() -> None:
         assert not gc.isenabled()          # it was off before: it stays off
     finally:
         gc.enable()
+
+
+# ---- the demo's calibration ----------------------------------------------------------------------
+
+def test_calibration_is_reused_only_while_it_is_true_of_the_task() -> None:
+    from types import SimpleNamespace
+    tasks = {"a": SimpleNamespace(bundle_sha256="h-a"), "b": SimpleNamespace(bundle_sha256="h-b2"),
+             "c": SimpleNamespace(bundle_sha256="h-c"), "d": SimpleNamespace(bundle_sha256="h-d")}
+    given = {"a": {"task": "a", "ok": True, "bundle_sha256": "h-a", "problems": []},
+             "b": {"task": "b", "ok": True, "bundle_sha256": "h-b1"},          # the task changed since
+             "c": {"task": "x", "ok": True, "bundle_sha256": "h-c"},           # another task's answer
+             "d": {"task": "d", "ok": "yes", "bundle_sha256": "h-d"},          # not a result
+             "e": {"task": "e", "ok": True, "bundle_sha256": "h-e"}}           # no such task now
+    got = ab.calibration_to_reuse(given, tasks)
+    assert got == {"a": given["a"]} and got["a"] is not given["a"]
+    failed = {"a": {"task": "a", "ok": False, "bundle_sha256": "h-a", "problems": ["flaky"]}}
+    assert ab.calibration_to_reuse(failed, tasks) == failed                    # a failure is a result too
+    assert ab.calibration_to_reuse(None, tasks) == {} and ab.calibration_to_reuse({"a": [1]}, tasks) == {}
