@@ -128,10 +128,9 @@ STATE_DIR = "state"
 LIST_LIMIT_DEFAULT = 200
 #: Under a study's state dir: the bytecode cache of the supervisors and drivers it starts.
 BYTECODE_CACHE_DIR = "pycache"
-#: A supervisor copying claude's stream to its raw file flushes at least this often in a burst
-#: (lines, seconds); it always flushes when the pipe has nothing more to read yet.
+#: A supervisor copying claude's stream to its raw file flushes it on every poll, and within a
+#: burst every this many lines.
 RAW_FLUSH_LINES = 256
-RAW_FLUSH_S = 0.2
 WAIT_DEFAULT_S = 540.0
 WAIT_MAX_S = 570.0
 LOCK_TIMEOUT_S = 60.0
@@ -704,11 +703,6 @@ class Platform:
         """An identifier of the current boot, when the OS offers one."""
         return None
 
-    def pipe_readable_now(self, fileobj: Any) -> bool:
-        """True if a read of the pipe ``fileobj`` would not block right now; False when unsure
-        (the caller then acts as if it would block: a supervisor flushes what it has)."""
-        return False
-
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -846,12 +840,6 @@ class PosixPlatform(Platform):
                 continue
             out[int(name)] = _ProcInfo(st.ppid, self._ctime_of(st), st.pgid, st.sid)
         return out
-
-    def pipe_readable_now(self, fileobj: Any) -> bool:
-        try:
-            return bool(select.select([fileobj], [], [], 0)[0])
-        except (OSError, ValueError):
-            return False
 
     def boot_id(self) -> str | None:
         try:
@@ -3550,18 +3538,17 @@ class Supervisor:
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
     def _reader(self, stream: Any, raw_path: Path) -> None:
-        # The raw file is flushed whenever the pipe has nothing more to read yet (so what claude
-        # wrote is on disk before the reader waits), and at least every RAW_FLUSH_LINES lines or
-        # RAW_FLUSH_S seconds during a burst: not once per line.
+        # The raw file is flushed by every poll (_flush_raw) and every RAW_FLUSH_LINES lines of a
+        # burst, not once per line: what claude wrote is on disk within a poll interval.
         with open(raw_path, "ab") as raw:
-            pending, flushed_at = 0, time.monotonic()
+            self._raw_out, pending = raw, 0
             for line in iter(stream.readline, b""):
                 raw.write(line)
                 pending += 1
-                if (pending >= RAW_FLUSH_LINES or time.monotonic() - flushed_at >= RAW_FLUSH_S
-                        or not self.platform.pipe_readable_now(stream)):
+                self._raw_dirty = True
+                if pending >= RAW_FLUSH_LINES:
                     raw.flush()
-                    pending, flushed_at = 0, time.monotonic()
+                    pending = 0
                 with self._lock:
                     self.last_output = time.monotonic()
                     self.state.feed(line)
@@ -3573,7 +3560,17 @@ class Supervisor:
         if claude:
             self.platform.kill_tree([claude], session_ids=[proc.pid])
 
+    def _flush_raw(self) -> None:
+        """Flush what the reader wrote to the raw file since the last poll (the writer object is
+        thread-safe; once the reader has closed it there is nothing left to flush)."""
+        raw = getattr(self, "_raw_out", None)
+        if raw is not None and getattr(self, "_raw_dirty", False):
+            self._raw_dirty = False
+            with contextlib.suppress(ValueError, OSError):
+                raw.flush()
+
     def _check(self, proc: subprocess.Popen[bytes], claude: ProcId | None) -> None:
+        self._flush_raw()
         lim = self.limits
         elapsed = time.monotonic() - self.started
         kill_req = read_json(self.paths.job_dir(self.job_id) / "kill.request", default=None)

@@ -167,18 +167,33 @@ def test_a_cost_beyond_any_float_is_what_the_float_sum_gives() -> None:
     assert state.estimated_cost("claude-opus-4-5") == float("inf")
 
 
-def test_pipe_readable_now_says_whether_a_read_would_block() -> None:
-    plat = ab.PosixPlatform()
+def test_the_raw_stream_is_on_disk_after_a_poll_and_whole_at_the_end(tmp_path: Path) -> None:
+    import threading
+    from conftest import run_main
+    study = tmp_path / "s"
+    assert run_main(["init", "--study", str(study)])[0] == 0
+    paths, plat = ab.StudyPaths(study), ab.current_platform()
+    job = ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study),
+                        launch=ab.launch_config(ab.load_study_config(paths)), binary="claude", system_prompt="s",
+                        session_id=None, resume=None, fork=False, prior={}, limits={}, meta={})
+    sup = ab.Supervisor(paths, job["job_id"], plat)
+    raw = tmp_path / "raw.jsonl"
     r, w = os.pipe()
-    with os.fdopen(r, "rb") as reader:
-        assert plat.pipe_readable_now(reader) is False        # empty: the supervisor flushes
-        os.write(w, b"line\n")
-        assert plat.pipe_readable_now(reader) is True         # more to read: it may batch
-        os.close(w)
-        assert reader.readline() == b"line\n"
-        assert plat.pipe_readable_now(reader) is True         # end of file: a read returns at once
-    assert plat.pipe_readable_now(reader) is False            # closed: unsure, so False
-    assert ab.Platform.pipe_readable_now(plat, None) is False  # the default: always flush
+    reader = threading.Thread(target=sup._reader, args=(os.fdopen(r, "rb"), raw), daemon=True)
+    reader.start()
+    first = [json.dumps({"type": "user", "n": i}).encode() + b"\n" for i in range(5)]
+    os.write(w, b"".join(first))
+    wait_for(lambda: sup.state.lines == 5)          # read, but a burst of 5 is not flushed by itself
+    sup._flush_raw()                                 # what every poll does
+    assert raw.read_bytes() == b"".join(first)
+    more = [json.dumps({"type": "user", "n": i}).encode() + b"\n" for i in range(5, ab.RAW_FLUSH_LINES + 40)]
+    os.write(w, b"".join(more[:ab.RAW_FLUSH_LINES]))
+    wait_for(lambda: raw.stat().st_size > len(b"".join(first)))   # a long burst flushes itself
+    os.write(w, b"".join(more[ab.RAW_FLUSH_LINES:]))
+    os.close(w)
+    reader.join(60)
+    assert not reader.is_alive() and raw.read_bytes() == b"".join(first + more)
+    sup._flush_raw()                                 # after the reader closed the file: nothing to do
 
 
 # ---- statistics ----------------------------------------------------------------------------------
