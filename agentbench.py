@@ -8987,7 +8987,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         raise AgentbenchError("unknown baseline arm", baseline=args.baseline, arms=arms)
     runs = run_records_for_report(paths)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
-    report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    with gc_paused():
+        report = build_report(runs, arms, baseline=args.baseline, seed=seed)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:

@@ -302,7 +302,8 @@ def fresh_process(ab_path: Path, args: list[str], env: dict[str, str]) -> tuple[
             "p=u.spec_from_file_location('agentbench',sys.argv[1]);m=u.module_from_spec(p);"
             "sys.modules['agentbench']=m;p.loader.exec_module(m);"
             "o=io.StringIO();c=contextlib.redirect_stdout(o);c.__enter__();rc=m.main(sys.argv[2:]);c.__exit__(None,None,None);"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)")
+            "h=[l for l in open('/proc/self/status') if l.startswith('VmHWM:')];"
+            "print(int(h[0].split()[1]) if h else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)")
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code, str(ab_path), *args], capture_output=True, text=True, env=env,
                          check=False)
