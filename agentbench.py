@@ -4555,9 +4555,13 @@ def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
 
 
 def all_run_ids(paths: StudyPaths) -> list[str]:
-    if not paths.run_index.is_dir():
+    """Every run id, sorted: the run index's `*.json` names (no Path object per run: this is
+    the one O(runs) step of `list --all`)."""
+    try:
+        names = os.listdir(paths.run_index)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(p.stem for p in paths.run_index.glob("*.json"))
+    return sorted(n[:-5] for n in names if n.endswith(".json") and not n.startswith(".") and len(n) > 5)
 
 
 def list_runs(paths: StudyPaths, all_runs: bool = False, status: str | None = None) -> list[dict[str, Any]]:
