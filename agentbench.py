@@ -23,7 +23,7 @@ import dataclasses
 import datetime
 import fnmatch
 import gc
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -60,38 +60,44 @@ from typing import Any
 # compiling it afresh.  It must not read studies, the environment or flags: callers pass the paths.
 
 
-def lazy_module(name: str) -> Any:
-    """The module `name`, bound now and loaded when an attribute is first used (importlib's
-    LazyLoader).  A module that is imported already is returned as it is; a parent package is
-    imported (cheaply) at once and gets the submodule as its attribute, as `import a.b` would."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"no module named {name!r}")
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    parent, _, child = name.rpartition(".")
-    if parent:
-        setattr(sys.modules[parent], child, module)
-    return module
+class LazyModule:
+    """A standard module bound now and imported when an attribute is first used; then every
+    attribute is cached on this object.  Thread-safe (the import system's module locks make a
+    second thread wait for the first import to finish), and never in sys.modules, so an ordinary
+    `import x` elsewhere is unaffected.  A submodule is an attribute: `http.server`."""
+
+    def __init__(self, name: str) -> None:
+        self.__dict__["_lazy_name"] = name
+
+    def __getattr__(self, attr: str) -> Any:
+        name = self.__dict__["_lazy_name"]
+        module = importlib.import_module(name)
+        try:
+            value = getattr(module, attr)
+        except AttributeError:
+            if attr.startswith("__"):
+                raise
+            try:
+                value = importlib.import_module(f"{name}.{attr}")
+            except ModuleNotFoundError:
+                raise AttributeError(f"module {name!r} has no attribute {attr!r}") from None
+        self.__dict__[attr] = value
+        return value
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self.__dict__['_lazy_name']!r}>"
 
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
-difflib = lazy_module("difflib")
-html = lazy_module("html")
-statistics = lazy_module("statistics")
-pyplatform = lazy_module("platform")
-hashlib = lazy_module("hashlib")
-secrets = lazy_module("secrets")
-socket = lazy_module("socket")
-lazy_module("http.server")
-lazy_module("urllib.parse")
-import http  # noqa: E402  (the package; its `server` attribute is the lazy module above)
-import urllib  # noqa: E402
+difflib: Any = LazyModule("difflib")
+hashlib: Any = LazyModule("hashlib")
+html: Any = LazyModule("html")
+http: Any = LazyModule("http")
+pyplatform: Any = LazyModule("platform")
+secrets: Any = LazyModule("secrets")
+socket: Any = LazyModule("socket")
+statistics: Any = LazyModule("statistics")
+urllib: Any = LazyModule("urllib")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
 #: cached under argv[2] when that is not empty (only this file's: the standard library keeps its

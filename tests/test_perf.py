@@ -24,17 +24,29 @@ def wait_for(pred, timeout: float = 60.0) -> None:
 
 def test_lazy_modules_load_on_first_use_and_keep_their_names() -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import agentbench as ab; "
-            "print(int('difflib' in sys.modules and type(sys.modules['difflib']).__name__ == '_LazyModule')); "
-            "print(ab.difflib.get_close_matches('wrkspace', ['workspace'])[0]); "
+            "print(int('difflib' in sys.modules), int('http.server' in sys.modules)); "
+            "print(ab.difflib.get_close_matches('wrkspace', ['workspace'])[0], int('difflib' in sys.modules)); "
             "print(ab.http.server.BaseHTTPRequestHandler.__name__, ab.urllib.parse.quote('a b')); "
             "print(ab.statistics.NormalDist().cdf(0.0), ab.html.escape('<'), ab.pyplatform.system() != '')")
     out = subprocess.run([sys.executable, "-c", code, str(AGENTBENCH.parent)], capture_output=True,
                          text=True, timeout=120, check=True).stdout.splitlines()
-    assert out == ["1", "workspace", "BaseHTTPRequestHandler a%20b", "0.5 &lt; True"]
+    assert out == ["0 0", "workspace 1", "BaseHTTPRequestHandler a%20b", "0.5 &lt; True"]
 
 
-def test_lazy_module_returns_a_module_imported_already() -> None:
-    assert ab.lazy_module("json") is json
+def test_a_lazy_module_is_the_real_one_after_first_use_from_many_threads() -> None:
+    import concurrent.futures
+    import secrets as real_secrets
+    lazy = ab.LazyModule("secrets")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        tokens = list(pool.map(lambda _: lazy.token_hex(4), range(64)))
+    assert len(tokens) == 64 and all(len(t) == 8 for t in tokens)
+    assert lazy.token_hex is real_secrets.token_hex
+    assert ab.LazyModule("http").server.__name__ == "http.server"
+    import pytest
+    with pytest.raises(AttributeError):
+        ab.LazyModule("json").no_such_name
+    with pytest.raises(ModuleNotFoundError):
+        ab.LazyModule("no_such_module_here").x
 
 
 def test_the_launcher_imports_the_file_as_a_module_and_caches_its_bytecode(tmp_path: Path) -> None:
