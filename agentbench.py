@@ -13,22 +13,24 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       82-161   Constants
-      162-261   Errors and output
-      262-1381  Platform seam
-     1382-1839  Files, locks and the registry
-     1840-2118  Processes
-     2119-2230  Env scrub
-     2231-2583  Stream and usage
-     2584-2918  Study configuration
-     2919-3998  The supervisor
-     3999-4233  The supervisor: jobs (start, fork, continue)
-     4234-5491  The experiment layer
-     5492-7378  Statistics and report
-     7379-7891  Run pages: the report as a directory
-     7892-8681  Offline scripted model
-     8682-8951  The scripted model: rehearsal of a study
-     8952-10320 The CLI and main
+       77-143   Start-up: lazy imports and the cached-bytecode launcher
+      144-230   Constants
+      231-330   Errors and output
+      331-1450  Platform seam
+     1451-1908  Files, locks and the registry
+     1909-2204  Processes
+     2205-2316  Env scrub
+     2317-2704  Stream and usage
+     2705-3039  Study configuration
+     3040-4136  The supervisor
+     4137-4371  The supervisor: jobs (start, fork, continue)
+     4372-5646  The experiment layer
+     5647-7550  Statistics and report
+     7551-8063  Run pages: the report as a directory
+     8064-8853  Offline scripted model
+     8854-9128  The scripted model: rehearsal of a study
+     9129-9203  Reading at scale: the streamed ledger, paged listings, the paused collector
+     9204-10584 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -41,25 +43,20 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import difflib
 import datetime
 import fnmatch
-import hashlib
-import html
-import http.server
+import gc
+import importlib
 import json
 import math
 import os
-import platform as pyplatform
 import posixpath
 import random
 import re
 import shlex
 import shutil
 import signal
-import socket
 import stat
-import statistics
 import string
 import subprocess
 import sys
@@ -67,17 +64,82 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.parse
 import uuid
 from typing import NamedTuple
 import base64
 import errno
-import secrets
 import select
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# ==================================================================================================
+# Start-up: lazy imports and the cached-bytecode launcher
+# ==================================================================================================
+# Owns what makes a process start fast: standard modules that only some commands need are bound
+# here as lazy modules (loaded on first attribute use, so every later section may use them as if
+# imported eagerly), and the argv by which agentbench starts its own detached children (supervisors,
+# the run driver) so that they import this file as a module and run from a cached .pyc instead of
+# compiling it afresh.  It must not read studies, the environment or flags: callers pass the paths.
+
+
+class LazyModule:
+    """A standard module bound now and imported when an attribute is first used; then every
+    attribute is cached on this object.  Thread-safe (the import system's module locks make a
+    second thread wait for the first import to finish), and never in sys.modules, so an ordinary
+    `import x` elsewhere is unaffected.  A submodule is an attribute: `http.server`."""
+
+    def __init__(self, name: str) -> None:
+        self.__dict__["_lazy_name"] = name
+
+    def __getattr__(self, attr: str) -> Any:
+        name = self.__dict__["_lazy_name"]
+        module = importlib.import_module(name)
+        try:
+            value = getattr(module, attr)
+        except AttributeError:
+            if attr.startswith("__"):
+                raise
+            try:
+                value = importlib.import_module(f"{name}.{attr}")
+            except ModuleNotFoundError:
+                raise AttributeError(f"module {name!r} has no attribute {attr!r}") from None
+        self.__dict__[attr] = value
+        return value
+
+    def __repr__(self) -> str:
+        return f"<lazy module {self.__dict__['_lazy_name']!r}>"
+
+
+#: Needed by a few commands only (report, the scripted model, where, check-command typos).
+difflib: Any = LazyModule("difflib")
+hashlib: Any = LazyModule("hashlib")
+html: Any = LazyModule("html")
+http: Any = LazyModule("http")
+pyplatform: Any = LazyModule("platform")
+secrets: Any = LazyModule("secrets")
+socket: Any = LazyModule("socket")
+statistics: Any = LazyModule("statistics")
+urllib: Any = LazyModule("urllib")
+
+#: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
+#: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
+#: own caches), run it as module `agentbench` and exit with main(argv[3:]).
+#: No double quotes and no newlines, so that it survives any platform's command-line quoting.
+#: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
+LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];sys.dont_write_bytecode=o[1] and not c;"
+                 "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
+                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);sys.modules['agentbench']=m;"
+                 "exec(k,m.__dict__);sys.exit(m.main(sys.argv[3:]))")
+
+
+def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequence[str]) -> list[str]:
+    """The argv that runs `agentbench <args>` from `source` with `python`, from cached bytecode
+    kept under `cache_dir` (a directory agentbench owns; None: Python's default beside the source,
+    if it may write there).  Pure: Python makes the directory when it first writes there."""
+    return [python, "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
 
 # ==================================================================================================
 # Constants
@@ -92,6 +154,13 @@ HERE = Path(__file__).resolve().parent
 
 STUDY_FILE = "study.json"
 STATE_DIR = "state"
+#: `list` answers at most this many jobs and runs per call (--limit; --offset pages on).
+LIST_LIMIT_DEFAULT = 200
+#: Under a study's state dir: the bytecode cache of the supervisors and drivers it starts.
+BYTECODE_CACHE_DIR = "pycache"
+#: A supervisor copying claude's stream to its raw file flushes it on every poll, and within a
+#: burst every this many lines.
+RAW_FLUSH_LINES = 256
 WAIT_DEFAULT_S = 540.0
 WAIT_MAX_S = 570.0
 LOCK_TIMEOUT_S = 60.0
@@ -1888,14 +1957,29 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                          time.monotonic() - start, timed_out)
 
 
+def bytecode_cache_dir(study_root: str) -> str | None:
+    """The study's bytecode cache directory, created if need be; None (Python's default, or no
+    cache) when it cannot be: a cache is an optimisation, never a reason to fail a launch."""
+    state = os.path.join(study_root, STATE_DIR)
+    if not os.path.isdir(state):
+        return None
+    path = os.path.join(state, BYTECODE_CACHE_DIR)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
+
+
 def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, env: Mapping[str, str],
                       log_path: str) -> int:
-    """Start `python agentbench.py <args>` fully detached; its pid.
+    """Start `agentbench <args>` fully detached, through the cached-bytecode launcher; its pid.
+    `cwd` is the study's root: the bytecode is kept in its state dir (see bytecode_cache_dir).
 
     Where the platform cannot hand the environment to a detached child directly (Windows CIM),
     it is passed through an owner-only env file named by --env-file, which the child deletes.
     """
-    argv = [sys.executable, str(Path(__file__).resolve()), *args]
+    argv = launcher_argv(sys.executable, str(Path(__file__).resolve()), bytecode_cache_dir(cwd), args)
     env_file = platform.detach_env_file(env, log_path)
     if env_file:
         argv += ["--env-file", env_file]
@@ -1917,7 +2001,9 @@ SBATCH_TIMEOUT_S = 120.0
 
 def slurm_batch_script(python: str, study_root: str, job_id: str, credentials_file: str | None = None) -> str:
     """The batch script of one job: exec the supervisor, so that Slurm's signals reach it directly."""
-    argv = [python, str(Path(__file__).resolve()), "_supervise", "--study", study_root, "--job", job_id]
+    cache = os.path.join(study_root, STATE_DIR, BYTECODE_CACHE_DIR)  # Python makes it if need be
+    argv = launcher_argv(python, str(Path(__file__).resolve()), cache,
+                         ["_supervise", "--study", study_root, "--job", job_id])
     if credentials_file:
         argv += ["--credentials-file", credentials_file]
     return ("#!/bin/sh\n"
@@ -2321,6 +2407,11 @@ class StreamState:
         self.session_id: str | None = None
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
+        # The running cost estimate (see estimated_cost): micro-USD per message and their sum, at
+        # the (fallback model, prices) they were priced with.
+        self._cost_key: tuple[Any, ...] | None = None
+        self._cost_micro: dict[str, int | None] = {}
+        self._cost_total_micro: int | None = 0
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
         if isinstance(raw, bytes):
@@ -2386,6 +2477,7 @@ class StreamState:
                     self.tool_calls.append({"name": block.get("name"), "input": block.get("input")})
             elif isinstance(block, dict) and block.get("type") == "text":
                 self.last_text = str(block.get("text") or "")[-2000:]
+        self._reprice(mid)
 
     @property
     def result(self) -> dict[str, Any] | None:
@@ -2397,13 +2489,42 @@ class StreamState:
             total = add_tokens(total, self.messages[mid]["tokens"])
         return total
 
+    def _message_cost_micro(self, mid: str, fallback_model: str | None) -> int | None:
+        """One message's list-price cost in whole micro-USD (estimate_cost_usd rounds to 1e-6);
+        None when it is not finite (token counts beyond any float)."""
+        m = self.messages[mid]
+        cost = estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
+        return round(cost * 1e6) if math.isfinite(cost * 1e6) else None
+
+    def _reprice(self, mid: str) -> None:
+        """Keep the running total current after message `mid` was added or revised."""
+        if self._cost_key is None:
+            return
+        old = self._cost_micro.get(mid, 0)
+        new = self._message_cost_micro(mid, self._cost_key[0])
+        self._cost_micro[mid] = new
+        self._cost_total_micro = (None if old is None or new is None or self._cost_total_micro is None
+                                  else self._cost_total_micro + new - old)
+
     def estimated_cost(self, fallback_model: str | None) -> float:
-        """List-price cost of the messages seen (study `prices` overrides included)."""
-        cost = 0.0
-        for mid in self.message_order:
-            m = self.messages[mid]
-            cost += estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
-        return round(cost, 6)
+        """List-price cost of the messages seen (study `prices` overrides included).
+
+        The sum of each message's cost rounded to 1e-6, kept as a running total: the first call
+        (and a call with another fallback model or other prices) prices every message; from then
+        on a message is re-priced only when it arrives or its tokens are revised, so a supervisor
+        polling this stays linear in the session's length.  Whole micro-USD are summed, so the
+        total does not drift whatever the order of revisions."""
+        key = (fallback_model, json.dumps(self.prices, sort_keys=True, default=str))
+        if self._cost_key != key or self._cost_total_micro is None:
+            self._cost_key = key
+            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model) for mid in self.message_order}
+            parts = list(self._cost_micro.values())
+            self._cost_total_micro = None if None in parts else sum(parts)  # type: ignore[arg-type]
+        if self._cost_total_micro is None:   # a non-finite part: the float sum, as it always was
+            return round(sum(estimate_cost_usd(self.messages[mid]["tokens"],
+                                               self.messages[mid].get("model") or fallback_model, self.prices)
+                             for mid in self.message_order), 6)
+        return self._cost_total_micro / 1e6
 
 
 def model_matches(requested: str, reported: str) -> bool:
@@ -3683,10 +3804,17 @@ class Supervisor:
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
     def _reader(self, stream: Any, raw_path: Path) -> None:
+        # The raw file is flushed by every poll (_flush_raw) and every RAW_FLUSH_LINES lines of a
+        # burst, not once per line: what claude wrote is on disk within a poll interval.
         with open(raw_path, "ab") as raw:
+            self._raw_out, pending = raw, 0
             for line in iter(stream.readline, b""):
                 raw.write(line)
-                raw.flush()
+                pending += 1
+                self._raw_dirty = True
+                if pending >= RAW_FLUSH_LINES:
+                    raw.flush()
+                    pending = 0
                 with self._lock:
                     self.last_output = time.monotonic()
                     self.state.feed(line)
@@ -3698,7 +3826,17 @@ class Supervisor:
         if claude:
             self.platform.kill_tree([claude], session_ids=[proc.pid])
 
+    def _flush_raw(self) -> None:
+        """Flush what the reader wrote to the raw file since the last poll (the writer object is
+        thread-safe; once the reader has closed it there is nothing left to flush)."""
+        raw = getattr(self, "_raw_out", None)
+        if raw is not None and getattr(self, "_raw_dirty", False):
+            self._raw_dirty = False
+            with contextlib.suppress(ValueError, OSError):
+                raw.flush()
+
     def _check(self, proc: subprocess.Popen[bytes], claude: ProcId | None) -> None:
+        self._flush_raw()
         lim = self.limits
         elapsed = time.monotonic() - self.started
         kill_req = read_json(self.paths.job_dir(self.job_id) / "kill.request", default=None)
@@ -4624,6 +4762,19 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
             "at": utc_now()}
 
 
+def calibration_to_reuse(given: Mapping[str, Any] | None, tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
+    """Of calibration results measured moments ago (task id -> calibrate_task's answer), those
+    still true of `tasks`: the entry is a well-formed result of that task with the bundle it has
+    now.  A task whose files changed since (or that has no entry) must be calibrated again."""
+    out: dict[str, dict[str, Any]] = {}
+    for tid, task in tasks.items():
+        got = (given or {}).get(tid)
+        if (isinstance(got, Mapping) and got.get("task") == tid and isinstance(got.get("ok"), bool)
+                and got.get("bundle_sha256") == task.bundle_sha256):
+            out[tid] = dict(got)
+    return out
+
+
 def calibration_state(paths: StudyPaths) -> dict[str, Any]:
     return read_json(paths.state / "calibration.json", default=None) or {"tasks": {}}
 
@@ -4705,9 +4856,13 @@ def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
 
 
 def all_run_ids(paths: StudyPaths) -> list[str]:
-    if not paths.run_index.is_dir():
+    """Every run id, sorted: the run index's `*.json` names (no Path object per run: this is
+    the one O(runs) step of `list --all`)."""
+    try:
+        names = os.listdir(paths.run_index)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(p.stem for p in paths.run_index.glob("*.json"))
+    return sorted(n[:-5] for n in names if n.endswith(".json") and not n.startswith(".") and len(n) > 5)
 
 
 def list_runs(paths: StudyPaths, all_runs: bool = False, status: str | None = None) -> list[dict[str, Any]]:
@@ -5592,11 +5747,16 @@ def _binomial_two_sided_half(k: int, n: int) -> float:
     p = min(1, 2 * P(X <= min(k, n - k))). For p = 1/2 the distribution is symmetric, so
     doubling the smaller tail equals summing every outcome at most as likely as the observed
     one. Integer arithmetic, then one correctly rounded division: exact up to the final double.
+    The coefficients come by the recurrence C(n, i+1) = C(n, i) (n - i) / (i + 1), each division
+    exact, so a tail costs one product per term instead of a fresh coefficient per term.
     """
     if n == 0:
         return 1.0
     small = min(k, n - k)
-    tail = sum(math.comb(n, i) for i in range(small + 1))
+    term = tail = 1
+    for i in range(small):
+        term = term * (n - i) // (i + 1)
+        tail += term
     return min(1.0, (2 * tail) / (2 ** n))
 
 
@@ -5629,6 +5789,12 @@ def mcnemar_exact(b: int, c: int) -> float:
     return _binomial_two_sided_half(b, b + c)
 
 
+#: (values, seed, resamples, level) -> interval: a report asks the same question more than once
+#: (both views, an arm and its comparisons); the answer is a pure function of the key.
+_BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
+BOOTSTRAP_CACHE_MAX = 4096
+
+
 def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
                            level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval for the mean of paired differences (one per task).
@@ -5653,6 +5819,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     lo_x, hi_x = min(xs), max(xs)
     if lo_x == hi_x:
         return (lo_x, hi_x)
+    key = (tuple(xs), seed, n_resamples, level)
+    if key in _BOOTSTRAP_CACHE:
+        return _BOOTSTRAP_CACHE[key]
     # Random.choices without weights draws index floor(random() * n) for each element: the same
     # stream on every Python >= 3.6, and several times faster than an explicit loop.
     choices = random.Random(seed).choices
@@ -5661,6 +5830,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     tail = (1.0 - level) / 2.0
     lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
     hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
+    if len(_BOOTSTRAP_CACHE) >= BOOTSTRAP_CACHE_MAX:
+        _BOOTSTRAP_CACHE.clear()
+    _BOOTSTRAP_CACHE[key] = (lo, hi)
     return (lo, hi)
 
 
@@ -6021,7 +6193,7 @@ def _usage_key(line: dict, by: str) -> str:
     return "(none)" if value is None or value == "" else str(value)
 
 
-def aggregate_usage(ledger_lines: list[dict], by: str = "kind") -> dict:
+def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     """Aggregate ledger lines (one per finished session) into groups by `by`.
 
     `by` is one of kind, arm, task, model, status; a missing key groups as "(none)". For
@@ -6728,10 +6900,10 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     tasks = sorted({r["_task"] for r in known})
     excluded = [r for r in known if _rpt_excluded(r)]
     kept = [r for r in known if not _rpt_excluded(r)]
-    views = {
-        "exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed),
-        "all_included": _rpt_view(known, [], arms, base, tasks, seed),
-    }
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
+    # With nothing excluded the two views have the same input: computed once, copied.
+    views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
+                             else _rpt_view(known, [], arms, base, tasks, seed))
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
@@ -8874,8 +9046,12 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
 def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
-                   private_home: bool = False) -> dict[str, Any]:
+                   private_home: bool = False,
+                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `calibration`: results the caller has just measured for these tasks (the demo's); each one
+    still true of its task (see calibration_to_reuse) is reused instead of calibrating again.
 
     `private_home` gives the sessions a HOME of their own inside the scratch study (the demo's
     choice): then nothing of the user's dotfiles, which `claude` runs in a login shell before its
@@ -8906,7 +9082,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     sp.state.mkdir(parents=True, exist_ok=True)
     write_json_atomic(sp.study_file, scfg, sort_keys=False)   # arm order: the baseline
     write_json_atomic(sp.registry, read_registry(sp))
-    cal = {t.id: calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
+    reuse = calibration_to_reuse(calibration, tasks)
+    cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
     manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1), int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
@@ -8947,6 +9124,81 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
+
+
+# ==================================================================================================
+# Reading at scale: the streamed ledger, paged listings, the paused collector
+# ==================================================================================================
+# How the read-only commands read what grows with a study (the ledger, run records, the job and run
+# listings) in time and memory that stay close to the data's size.  It owns no format and decides
+# nothing: the aggregates and summaries are the earlier sections' own functions, fed differently.
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (restored after, whatever happens): loading
+    many small JSON records allocates only acyclic objects, and the collector's repeated passes
+    over them cost more than the parse.  Reference counting still frees everything."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The ledger's object lines, one per job (the first line of a job id wins), read as a
+    stream.  `counts` gets "lines" (yielded) and "torn" (unparseable or not an object), like
+    read_jsonl.  Writers guarantee one line per job; a reader still counts each job once."""
+    counts.setdefault("lines", 0)
+    counts.setdefault("torn", 0)
+    seen: set[str] = set()
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        for raw in fh:
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                counts["torn"] += 1
+                continue
+            if not isinstance(obj, dict):
+                counts["torn"] += 1
+                continue
+            if obj.get("job_id") in seen or seen.add(str(obj.get("job_id"))):  # type: ignore[func-returns-value]
+                continue
+            counts["lines"] += 1
+            yield obj
+
+
+def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
+    """(start, stop, next offset or None) of one page of `total` items."""
+    if offset < 0 or limit < 0:
+        raise AgentbenchError("--offset and --limit must be >= 0", code="bad_offset_limit", offset=offset, limit=limit)
+    start = min(offset, total)
+    stop = min(total, start + limit)
+    return start, stop, (stop if stop < total else None)
+
+
+def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, offset: int,
+                   limit: int) -> tuple[list[dict[str, Any]], int, int | None]:
+    """One page of list_runs: (summaries, how many in all, next offset or None).  Without a
+    status filter only the page's records are read; with one, every candidate is."""
+    if status is not None:
+        runs = list_runs(paths, all_runs=all_runs, status=status)
+        start, stop, nxt = page_bounds(len(runs), offset, limit)
+        return runs[start:stop], len(runs), nxt
+    ids = all_run_ids(paths) if all_runs else list_markers(paths.state / "running_runs")
+    start, stop, nxt = page_bounds(len(ids), offset, limit)
+    page = [run_summary(paths, r) for r in ids[start:stop] if run_file(paths, r).exists()]
+    return page, len(ids), nxt
 
 
 # ==================================================================================================
@@ -9480,7 +9732,9 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--limit", type=int, default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
+    p.add_argument("--offset", type=int, default=0,
+                   help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
 
 
 @command("list", "runs, jobs and bases with their state", mutating=False)
@@ -9496,19 +9750,28 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     everything = args.all or (args.status is not None and args.status not in ("running", "queued", "created"))
     if everything:
         ids = sorted(n for n in list_markers(paths.jobs) if JOB_ID_RE.match(n))
-    jobs = [job_summary(paths, j) for j in dict.fromkeys(ids)]
-    if args.status:
-        jobs = [j for j in jobs if j.get("status") == args.status]
+    ids = list(dict.fromkeys(ids))
+    page_bounds(0, args.offset, args.limit)   # bad bounds refused before anything is read
+    if args.status:   # a filter needs every summary; without one only the page is read
+        jobs = [j for j in (job_summary(paths, j) for j in ids) if j.get("status") == args.status]
+        job_start, job_stop, job_next = page_bounds(len(jobs), args.offset, args.limit)
+        jobs_total, jobs = len(jobs), jobs[job_start:job_stop]
+    else:
+        job_start, job_stop, job_next = page_bounds(len(ids), args.offset, args.limit)
+        jobs_total, jobs = len(ids), [job_summary(paths, j) for j in ids[job_start:job_stop]]
     bases = []
     for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
         rec = read_json(f, default=None)
         if rec:
             bases.append({"name": rec["name"], "state": base_state(paths, rec), "job_id": rec["job_id"],
                           "session_id": rec["session_id"]})
-    runs = list_runs(paths, all_runs=everything, status=args.status)
+    runs, runs_total, runs_next = list_runs_page(paths, all_runs=everything, status=args.status,
+                                                 offset=args.offset, limit=args.limit)
     return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
-            "active": len(active_job_ids(paths)), "jobs": jobs[: args.limit], "jobs_truncated": len(jobs) > args.limit,
-            "bases": bases, "runs": runs[: args.limit], "runs_truncated": len(runs) > args.limit}
+            "active": len(active_job_ids(paths)), "jobs": jobs, "jobs_truncated": job_next is not None,
+            "bases": bases, "runs": runs, "runs_truncated": runs_next is not None,
+            "jobs_total": jobs_total, "runs_total": runs_total, "offset": args.offset,
+            "next_offset": None if job_next is None and runs_next is None else args.offset + args.limit}
 
 
 def _kill_args(p: argparse.ArgumentParser) -> None:
@@ -9576,7 +9839,8 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    return [load_run(paths, r) for r in all_run_ids(paths)]
+    with gc_paused():
+        return [load_run(paths, r) for r in all_run_ids(paths)]
 
 
 def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
@@ -9945,12 +10209,11 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    lines, bad = read_jsonl(paths.ledger)
-    # Writers guarantee one line per job; a reader still counts each job once, defensively.
-    seen: set[str] = set()
-    lines = [ln for ln in lines if not (ln.get("job_id") in seen or seen.add(str(ln.get("job_id"))))]
-    agg = aggregate_usage(lines, by=args.by)
-    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": len(lines), "torn_lines": bad}
+    counts: dict[str, int] = {}
+    with gc_paused():   # aggregated while the ledger streams: memory does not grow with it
+        agg = aggregate_usage(iter_ledger_once_per_job(paths.ledger, counts), by=args.by)
+    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": counts["lines"],
+                           "torn_lines": counts["torn"]}
     if args.format == "md":
         out["markdown"] = render_usage_md(agg)
     return out
@@ -9977,7 +10240,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                               baseline=args.baseline, arms=arms)
     runs = run_records_for_report(paths)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
-    report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    with gc_paused():
+        report = build_report(runs, arms, baseline=args.baseline, seed=seed)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
@@ -10099,7 +10363,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
         out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
-                             repeats=args.repeats, progress=prog, private_home=True)
+                             repeats=args.repeats, progress=prog, private_home=True, calibration=cal)
     finally:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")

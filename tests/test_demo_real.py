@@ -21,6 +21,10 @@ def test_demo_runs_the_example_study(tmp_path, real_claude):
     assert code == 0, (out, err[-3000:])
     assert out["ok"] is True, out["problems"]
     assert out["calibration"] == {"bugfix": True, "cli": True, "roman": True}
+    # The rehearsal reused the demo's calibration instead of measuring it again.
+    demo_cal = json.loads(open(os.path.join(out["study"], "state", "calibration.json")).read())["tasks"]
+    rehearsal_cal = json.loads(open(os.path.join(out["rehearsal_study"], "state", "calibration.json")).read())["tasks"]
+    assert rehearsal_cal == demo_cal
     assert out["runs"] == 12 and out["runs_missing_provenance_or_evaluation"] == []
     arms = out["arms"]
     assert sorted(arms) == ["A", "B", "C", "D"]
