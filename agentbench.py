@@ -2575,6 +2575,9 @@ GATEWAY_STOP_WAIT_S = 10.0
 #: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
 COST_MISMATCH_ABS_USD = 0.0001
 COST_MISMATCH_REL = 0.005
+#: A keep-warm ping answers one word: its max_tokens is capped so that its worst case (what the
+#: gateway reserves) fits the ping's small budget.
+PING_MAX_OUTPUT_TOKENS = 1024
 #: The variable through which `claude` receives its job token (it sends it as x-api-key).
 GATEWAY_TOKEN_VAR = "ANTHROPIC_API_KEY"
 #: Credentials the gateway can carry to the upstream (the first one set is used).
@@ -9712,6 +9715,7 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
                             session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
                             meta={"base": rec["name"]}, cfg=cfg,
+                            env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
                             system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
             rec["last_ping"] = time.time()
             write_json_atomic(f, rec)
