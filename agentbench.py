@@ -646,6 +646,13 @@ class Platform:
         """An identifier of the current boot, when the OS offers one."""
         return None
 
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Any:
+        """A context manager holding an exclusive lock on ``path`` (created if missing), released
+        on exit and by the OS when the holder dies (so it is never stale).  For short, frequent
+        critical sections (the gateway's reservations) where a lock file's create, fsync and
+        unlink would cost more than the work."""
+        raise NotImplementedError
+
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -905,6 +912,25 @@ class PosixPlatform(Platform):
             except (OSError, AttributeError, ImportError):
                 self._renameat2 = False
         return self._renameat2
+
+    @contextlib.contextmanager
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Iterator[None]:
+        """flock(2), polled without blocking so that a wedged holder costs a timeout, not a hang."""
+        import fcntl  # POSIX only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise AgentbenchError("lock timed out", lock=str(path)) from None
+                    time.sleep(0.001)
+            yield
+        finally:
+            os.close(fd)   # releases the lock
 
     def rename_no_replace(self, src: str, dst: str) -> bool:
         """renameat2(RENAME_NOREPLACE) where the kernel and filesystem have it (one atomic step);
@@ -1305,6 +1331,30 @@ class WindowsPlatform(Platform):
                 hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
                      "21 invalid parameter")
         return int(m.group(2))
+
+    @contextlib.contextmanager
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Iterator[None]:
+        """msvcrt.locking on the file's first byte, polled without blocking."""
+        import msvcrt  # Windows only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise AgentbenchError("lock timed out", lock=str(path)) from None
+                    time.sleep(0.001)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
+        finally:
+            os.close(fd)
 
     def rename_no_replace(self, src: str, dst: str) -> bool:
         """os.rename on Windows refuses to replace an existing ``dst`` (MoveFileEx without
@@ -2872,12 +2922,13 @@ def gateway_dir(paths: StudyPaths) -> Path:
 
 def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> float:
     """Metered cost plus reservations in flight of every live job but `exclude`.  A job whose
-    ledger line is written is counted by the ledger instead; an unreadable file counts as its
-    last good figure cannot be known, so it is skipped (its job is then ledgered soon)."""
+    ledger line is written is counted by the ledger instead.  Read under the study's gateway lock
+    (see GatewayBudget); a file that still cannot be parsed (its writer died mid-write) is skipped,
+    and so is any figure that is not a finite positive number."""
     total = 0.0
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(gateway_dir(paths)):
-            job_id = entry.name[:-5] if entry.name.endswith(".json") else None
+            job_id = entry.name[:-5] if entry.name.endswith(".json") and not entry.name.startswith(".") else None
             if not job_id or job_id == exclude or (paths.job_dir(job_id) / "ledgered").exists():
                 continue
             try:
@@ -2891,11 +2942,16 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
     return total
 
 
+#: A live reservation file is written in place, padded to this size (no truncation, no rename:
+#: both make some file systems flush on every write), and read only under the same lock.
+GATEWAY_LIVE_FILE_BYTES = 256
+
+
 class GatewayBudget:
     """One job's metered spend and reservations, published under state/gateway/<job>.json so that
-    every other supervisor of the study counts them; reservations are decided under a study-wide
-    lock (state/gateway.lock), settlements need only this process's lock (they never raise the
-    total beyond what was reserved, except for an answer dearer than its worst case)."""
+    every other supervisor of the study counts them.  Every write and every read of those files
+    happens under one study-wide OS file lock (state/gateway/.lock, Platform.file_lock): a
+    reservation is decided on figures nobody is changing, and no reader sees a half-written file."""
 
     def __init__(self, paths: StudyPaths, platform: "Platform", job_id: str, *, run_cap: float | None,
                  study_cap: float | None):
@@ -2909,17 +2965,23 @@ class GatewayBudget:
         self._lock = threading.Lock()
         self.file = gateway_dir(paths) / f"{job_id}.json"
 
+    def _study_lock(self) -> Any:
+        gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
+        return self.platform.file_lock(gateway_dir(self.paths) / ".lock")
+
     def _publish(self) -> None:
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_name(f".{self.job_id}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"job_id": self.job_id, "metered_usd": round(self.metered, 6),
-                                   "reserved_usd": round(max(self.reserved, 0.0), 6), "pid": os.getpid()}))
-        os.replace(tmp, self.file)
+        """Write this job's figures (under the study lock)."""
+        data = json.dumps({"job_id": self.job_id, "metered_usd": round(self.metered, 6),
+                           "reserved_usd": round(max(self.reserved, 0.0), 6), "pid": os.getpid()}).encode()
+        fd = os.open(self.file, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data.ljust(max(GATEWAY_LIVE_FILE_BYTES, len(data)), b" "))
+        finally:
+            os.close(fd)
 
     def reserve(self, worst: float) -> dict[str, Any] | None:
         """Reserve `worst` or say which limit it does not fit (then nothing is reserved)."""
-        with self._lock, RegistryLock(self.paths.state / "gateway.lock", self.platform,
-                                      label="the study's gateway reservations"):
+        with self._lock, self._study_lock():
             study_used = 0.0
             if self.study_cap:
                 study_used = float(read_registry(self.paths).get("spent_usd") or 0.0) + \
@@ -2935,7 +2997,7 @@ class GatewayBudget:
         with self._lock:
             self.reserved = max(self.reserved - reserved, 0.0)
             self.metered += cost
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, AgentbenchError), self._study_lock():
                 self._publish()
 
     def discard(self) -> None:

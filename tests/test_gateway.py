@@ -9,6 +9,7 @@ import json
 import shutil
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -434,3 +435,28 @@ def test_an_https_upstream_is_verified(tmp_path, monkeypatch):
             gw.stop()
     finally:
         up.close()
+
+
+def test_the_reservation_lock_excludes_a_second_holder_and_frees_on_exit(tmp_path):
+    lock = tmp_path / "lock"
+    with PLAT.file_lock(lock):
+        with pytest.raises(ab.AgentbenchError, match="lock timed out"):
+            with PLAT.file_lock(lock, timeout_s=0.05):
+                pass
+    with PLAT.file_lock(lock, timeout_s=0.05):
+        pass
+    # A holder that dies frees it (the OS releases the lock with the process).
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                              str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(ab.AgentbenchError):
+            with PLAT.file_lock(lock, timeout_s=0.05):
+                pass
+    finally:
+        child.kill()
+        child.wait()
+    with PLAT.file_lock(lock, timeout_s=10):
+        pass
