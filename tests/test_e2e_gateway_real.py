@@ -158,3 +158,31 @@ def test_an_endless_tool_loop_ends_on_the_gateways_refusal_within_the_budget(tmp
     # The study's spend (what its cap is checked against) counts the metered figure.
     assert ab.read_registry(ab.StudyPaths(gw_study))["spent_usd"] == pytest.approx(u["cost_metered_usd"])
     assert not (gw_study / "state" / "gateway" / f"{sp['job_id']}.json").exists()
+
+
+def test_four_parallel_loops_never_spend_more_than_the_study_cap(tmp_path, gw_study, server):
+    cap = 1.5
+    cfg = json.loads((gw_study / "study.json").read_text())
+    cfg["budget"] = {**(cfg.get("budget") or {}), "study_usd": cap}
+    # A smaller max_tokens makes a request's worst case small enough for several to fit.
+    cfg["env"] = {**cfg["env"], "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4000"}
+    (gw_study / "study.json").write_text(json.dumps(cfg, indent=1))
+    step = {"text": "Working.", "usage": {"input_tokens": 1000, "output_tokens": 2000},
+            "tool_uses": [{"name": "Bash", "input": {"command": "true"}}]}
+    jobs = []
+    for i in range(4):
+        server.add_script(f"par{i}", {"steps": [step, dict(step, loop=True)]})
+        code, sp = run_main(["spawn", "--study", str(gw_study), "--max-budget-usd", "1.0", "--label", f"p{i}",
+                             "--brief", write_brief(tmp_path, f"Loop. [agentbench-script:par{i}]")])
+        assert code == 0, sp
+        jobs.append(sp["job_id"])
+    res = [wait_result(gw_study, j, timeout=300) for j in jobs]
+    total = sum(r["usage"]["cost_metered_usd"] for r in res)
+    assert total <= cap, [r["usage"]["cost_metered_usd"] for r in res]
+    assert all((r["status"], r["reason"]) == ("failed", "budget") for r in res), [(r["status"], r["reason"]) for r in res]
+    limits = [r["gateway_refusal"]["limit"] for r in res]
+    assert "study_usd" in limits, limits                       # the study's cap stopped some of them
+    for r in res:
+        assert "budget exhausted" in r["result_text"] and r["gateway_refusal"]["limit"] in r["result_text"]
+    assert ab.read_registry(ab.StudyPaths(gw_study))["spent_usd"] == pytest.approx(total)
+    assert len(ledger(gw_study)) == 4
