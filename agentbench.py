@@ -2914,6 +2914,30 @@ def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return {"cost_metered_usd": round(total, 6), "requests": requests, "models_metered": models}
 
 
+def gateway_proof(ledger_lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a rehearsal shows of its gateways (pure): how many sessions were metered, their
+    metered and self-reported cost, the sessions whose two figures disagree (`mismatched`) and
+    the sessions that ended `ok` without a single request through their gateway (`unmetered_ok`:
+    their model traffic went around it)."""
+    out: dict[str, Any] = {"jobs": 0, "metered_jobs": 0, "requests": 0, "cost_metered_usd": 0.0,
+                           "cost_reported_usd": 0.0, "mismatched": [], "unmetered_ok": []}
+    for line in ledger_lines:
+        out["jobs"] += 1
+        requests = line.get("requests")
+        requests = requests if isinstance(requests, int) and not isinstance(requests, bool) else 0
+        reported = float(line.get("cost_delta_usd") or 0.0)
+        out["cost_reported_usd"] = round(out["cost_reported_usd"] + reported, 6)
+        if requests > 0:
+            out["metered_jobs"] += 1
+            out["requests"] += requests
+            out["cost_metered_usd"] = round(out["cost_metered_usd"] + billed_cost_usd(line), 6)
+        if "cost_mismatch" in (line.get("flags") or []):
+            out["mismatched"].append(line.get("job_id"))
+        if line.get("status") == "ok" and requests == 0:
+            out["unmetered_ok"].append(line.get("job_id"))
+    return out
+
+
 # -- the study's live reservations (shared between supervisor processes) -----------------------------
 
 def gateway_dir(paths: StudyPaths) -> Path:
@@ -8492,10 +8516,16 @@ def rehearse_study(ctx: Any, paths: StudyPaths, *, scratch: Path, parallel: int,
                                              if r["run_id"] in driven["paused"] else None)}
                 for r in expected_ok if r.get("outcome") != "success" or r.get("validity") != "valid"]
     summary = rehearsal_summary(runs)
+    # Every session went through its gateway (the scripted model was its upstream): one that
+    # ended ok without a metered request reached the model some other way, and fails the proof.
+    proof = gateway_proof(read_jsonl(sp.ledger)[0]) if launch_config(scfg)["gateway"] == "on" else None
+    if proof and proof["unmetered_ok"]:
+        problems.append({"error": "sessions ended ok without a request through their gateway",
+                         "jobs": proof["unmetered_ok"]})
     # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
-              "breaker": breaker}
+              "breaker": breaker, "gateway": proof}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}

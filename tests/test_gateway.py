@@ -460,3 +460,15 @@ def test_the_reservation_lock_excludes_a_second_holder_and_frees_on_exit(tmp_pat
         child.wait()
     with PLAT.file_lock(lock, timeout_s=10):
         pass
+
+
+def test_gateway_proof_of_a_rehearsal():
+    lines = [{"job_id": "j1", "status": "ok", "requests": 3, "cost_metered_usd": 0.5, "cost_delta_usd": 0.5, "flags": []},
+             {"job_id": "j2", "status": "ok", "requests": 0, "cost_metered_usd": 0.0, "cost_delta_usd": 0.2, "flags": []},
+             {"job_id": "j3", "status": "failed", "requests": 1, "cost_metered_usd": 0.1, "cost_delta_usd": 0.3,
+              "flags": ["cost_mismatch"]},
+             {"job_id": "j4", "status": "killed", "cost_delta_usd": 0.0}]
+    proof = ab.gateway_proof(lines)
+    assert proof["jobs"] == 4 and proof["metered_jobs"] == 2 and proof["requests"] == 4
+    assert proof["cost_metered_usd"] == 0.6 and proof["cost_reported_usd"] == 1.0
+    assert proof["mismatched"] == ["j3"] and proof["unmetered_ok"] == ["j2"]
