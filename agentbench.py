@@ -4011,12 +4011,16 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
     return platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
 
 
-def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
+def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
     usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+    gw_log = paths.job_dir(job["job_id"]) / "gateway.jsonl" if paths is not None else None
+    if gw_log is not None and gw_log.is_file():
+        # A job whose supervisor died: what its gateway recorded before that still counts.
+        usage.update(summarize_metering(read_jsonl(gw_log)[0]))
     return usage, st
 
 
@@ -4113,7 +4117,7 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
-            usage, st = _usage_from_raw(job)
+            usage, st = _usage_from_raw(job, paths)
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
                                 "last_heartbeat": hb, "tool_uses": st.tool_uses,
@@ -4227,7 +4231,7 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             survivors += platform.kill_tree([sup])
             rt = read_json(paths.runtime_file(job_id), default=None)
         survivors += kill_job_processes(platform, rt, include_supervisor=True)
-        usage, _ = _usage_from_raw(job)
+        usage, _ = _usage_from_raw(job, paths)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
                      extra={"killed_by": "kill command"})
     # Verify: nothing of the claude tree may be left, whoever did the killing.

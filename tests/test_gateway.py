@@ -472,3 +472,17 @@ def test_gateway_proof_of_a_rehearsal():
     assert proof["jobs"] == 4 and proof["metered_jobs"] == 2 and proof["requests"] == 4
     assert proof["cost_metered_usd"] == 0.6 and proof["cost_reported_usd"] == 1.0
     assert proof["mismatched"] == ["j3"] and proof["unmetered_ok"] == ["j2"]
+
+
+def test_a_job_whose_supervisor_died_is_costed_from_its_gateway_log(tmp_path):
+    paths = ab.StudyPaths(tmp_path / "study")
+    jdir = paths.job_dir("j000003")
+    (jdir / "raw").mkdir(parents=True)
+    (jdir / "raw" / "stream.jsonl").write_text("")
+    for cost in (0.25, 0.5):
+        ab.append_jsonl(jdir / "gateway.jsonl", {"kind": "messages", "model": "claude-test", "cost_usd": cost,
+                                                 "tokens": {"input": 10}})
+    job = {"job_id": "j000003", "raw_dir": str(jdir / "raw"), "model": "claude-test", "prior": {}}
+    usage, _ = ab._usage_from_raw(job, paths)
+    assert usage["cost_metered_usd"] == 0.75 and usage["requests"] == 2
+    assert ab.billed_cost_usd(usage) == 0.75
