@@ -2750,6 +2750,30 @@ def gateway_auth_headers(creds: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
+#: Methods forwarded to any path: they read, they do not spend.  Everything else goes only to the
+#: two Messages endpoints (a batch or a legacy completion through the gateway would spend outside
+#: its metering).
+GATEWAY_READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def gateway_route(method: str, raw_path: str) -> tuple[str, str, bool]:
+    """(kind, path to forward, allowed) of a request line (pure).  The path is decoded, its
+    repeated slashes and dot segments collapsed, and re-encoded, so that what is metered is what
+    the upstream serves: kind is "messages" (POST /v1/messages), "count_tokens" or "other"."""
+    path, sep, query = raw_path.partition("?")
+    clean = posixpath.normpath("/" + urllib.parse.unquote(path).lstrip("/"))
+    clean = re.sub(r"/+", "/", clean).rstrip("/") or "/"
+    if clean == "/v1/messages" and method == "POST":
+        kind = "messages"
+    elif clean == "/v1/messages/count_tokens":
+        kind = "count_tokens"
+    else:
+        kind = "other"
+    allowed = kind != "other" or method in GATEWAY_READ_METHODS
+    forward = urllib.parse.quote(clean, safe="/:@!$&'()*+,;=-._~") + (sep + query if sep else "")
+    return kind, forward, allowed
+
+
 def presented_token(headers: Mapping[str, str] | Any) -> str:
     """The token a request presents: x-api-key, else an `Authorization: Bearer` value."""
     key = headers.get("x-api-key")
@@ -3179,11 +3203,9 @@ class MeteringGateway:
 
     def _handle(self, h: _GatewayHandler) -> None:
         t0 = time.monotonic()
-        path = h.path if h.path.startswith("/") else "/" + h.path
-        bare = urllib.parse.urlsplit(path).path.rstrip("/")
-        kind = "messages" if h.command == "POST" and bare == "/v1/messages" else \
-            ("count_tokens" if bare == "/v1/messages/count_tokens" else "other")
-        rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": bare[:200], "kind": kind}
+        kind, path, allowed = gateway_route(h.command, h.path)
+        rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
+                               "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
             h.close_connection = True
             self._reply(h, 401, "authentication_error", "agentbench gateway: this request does not carry the job's token")
@@ -3194,6 +3216,11 @@ class MeteringGateway:
             h.close_connection = True
             self._reply(h, 413, "request_too_large", "agentbench gateway: request body too large or malformed")
             self._record({**rec, "status": 413, "refused": "body", "duration_s": round(time.monotonic() - t0, 6)})
+            return
+        if not allowed:
+            self._reply(h, 403, "permission_error",
+                        f"agentbench gateway: {h.command} is forwarded only to /v1/messages and its count_tokens")
+            self._record({**rec, "status": 403, "refused": "path", "duration_s": round(time.monotonic() - t0, 6)})
             return
         reserved = 0.0
         model = None

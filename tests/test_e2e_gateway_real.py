@@ -9,6 +9,7 @@ budget ends on the gateway's refusal, within the budget.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,12 @@ def test_an_endless_tool_loop_ends_on_the_gateways_refusal_within_the_budget(tmp
     assert len(lines) == 1 and lines[0]["cost_metered_usd"] == u["cost_metered_usd"]
     # The study's spend (what its cap is checked against) counts the metered figure.
     assert ab.read_registry(ab.StudyPaths(gw_study))["spent_usd"] == pytest.approx(u["cost_metered_usd"])
-    assert not (gw_study / "state" / "gateway" / f"{sp['job_id']}.json").exists()
+    # Its live reservation file goes once its ledger line is written (just after the result).
+    live = gw_study / "state" / "gateway" / f"{sp['job_id']}.json"
+    deadline = time.monotonic() + 60
+    while live.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live.exists()
 
 
 def test_four_parallel_loops_never_spend_more_than_the_study_cap(tmp_path, gw_study, server):

@@ -486,3 +486,35 @@ def test_a_job_whose_supervisor_died_is_costed_from_its_gateway_log(tmp_path):
     usage, _ = ab._usage_from_raw(job, paths)
     assert usage["cost_metered_usd"] == 0.75 and usage["requests"] == 2
     assert ab.billed_cost_usd(usage) == 0.75
+
+
+@pytest.mark.parametrize("method, raw, kind, forward, allowed", [
+    ("POST", "/v1/messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/messages?beta=true", "messages", "/v1/messages?beta=true", True),
+    ("POST", "/v1/messages/", "messages", "/v1/messages", True),
+    ("POST", "//v1//messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/%6dessages", "messages", "/v1/messages", True),
+    ("POST", "/v1/x/../messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/messages/count_tokens?beta=true", "count_tokens", "/v1/messages/count_tokens?beta=true", True),
+    ("POST", "/v1/messages/batches", "other", "/v1/messages/batches", False),
+    ("POST", "/v1/complete", "other", "/v1/complete", False),
+    ("DELETE", "/v1/files/f1", "other", "/v1/files/f1", False),
+    ("GET", "/v1/models", "other", "/v1/models", True),
+    ("GET", "/v1/messages", "other", "/v1/messages", True),
+])
+def test_gateway_route(method, raw, kind, forward, allowed):
+    assert ab.gateway_route(method, raw) == (kind, forward, allowed)
+
+
+def test_a_spending_request_to_another_path_is_not_forwarded(tmp_path, upstream):
+    gw = make_gateway(tmp_path, upstream.url)
+    try:
+        status, data, _ = post(gw, "/v1/messages/batches", {"requests": []})
+        assert status == 403 and json.loads(data)["error"]["type"] == "permission_error"
+        status, _, _ = post(gw, "//v1/messages", {"model": "claude-test", "max_tokens": 10, "stream": True})
+        assert status == 200 and upstream.requests[-1]["path"] == "/v1/messages"
+        assert len(upstream.requests) == 1
+        recs = records(tmp_path, 2)
+        assert recs[0]["refused"] == "path" and recs[1]["kind"] == "messages" and recs[1]["cost_usd"] == EXPECTED_COST
+    finally:
+        gw.stop()
