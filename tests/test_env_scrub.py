@@ -174,6 +174,10 @@ def test_where_reports_the_scrub_without_values(tmp_path, fake_env):
     assert any("CLAUDE_SOMETHING_NEW" in w for w in obj["warnings"])
     assert any("ANTHROPIC_BASE_URL" in w for w in obj["warnings"])
     assert SECRET not in json.dumps(obj)
+    # What claude itself would get: its gateway's URL and token, the key withheld.
+    ce = obj["claude_env"]
+    assert ce["gateway"] == "on" and "ANTHROPIC_API_KEY" in ce["credentials_withheld"]
+    assert "ANTHROPIC_BASE_URL" in ce["passed"] and "CLAUDE_SOMETHING_NEW" in ce["withheld"]
 
 
 # ---- end to end: what the fake claude saw ----------------------------------------------------------
