@@ -9683,6 +9683,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     runs = run_records_for_report(paths)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    # The gateways' figures beside the binaries' own, per model (side models included).
+    ledger_lines = read_jsonl(paths.ledger)[0]
+    totals = aggregate_usage(ledger_lines, by="model")["totals"]
+    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+                          "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
+                          "models_metered": totals["models_metered"],
+                          "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:

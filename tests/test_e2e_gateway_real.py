@@ -124,6 +124,7 @@ def test_metered_cost_is_the_scripted_usage_at_the_study_prices(tmp_path, gw_stu
     assert line["cost_metered_usd"] == u["cost_metered_usd"] and line["requests"] == len(recs)
     code, us = run_main(["usage", "--study", str(gw_study)])
     assert code == 0 and us["usage"]["totals"]["cost_metered_usd"] == pytest.approx(u["cost_metered_usd"])
+    assert us["usage"]["totals"]["cost_usd"] == pytest.approx(u["cost_delta_usd"])
 
     # The same session priced differently by the study than by the binary: flagged.
     set_study(gw_study, prices={"claude-opus-4-5": [50.0, 250.0, 62.5, 100.0, 5.0]})
@@ -133,6 +134,11 @@ def test_metered_cost_is_the_scripted_usage_at_the_study_prices(tmp_path, gw_stu
     assert code == 0, sp2
     res2 = wait_result(gw_study, sp2["job_id"], timeout=120)
     assert res2["status"] == "ok" and "cost_mismatch" in res2["flags"], res2
+    set_study(gw_study, arms={"A": {}})   # a report needs an arm; these sessions belong to no run
+    code, rep = run_main(["report", "--study", str(gw_study)])
+    assert code == 0, rep
+    assert rep["metering"]["cost_mismatch_jobs"] == [sp2["job_id"]]
+    assert rep["metering"]["models_metered"]["claude-opus-4-5"]["requests"] == u["requests"] + res2["usage"]["requests"]
     assert res2["usage"]["cost_metered_usd"] > 5 * res2["usage"]["cost_delta_usd"]
 
 
