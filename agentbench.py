@@ -4548,6 +4548,10 @@ class Supervisor:
                 self.flags.add("cost_mismatch")
             if gw.refusal is not None and self.end is None and status != "ok":
                 status, reason = "failed", "budget"
+            # Requests for another model (a side model, or one the agent asked for itself) are
+            # metered at that model's price; the flag makes them visible.
+            if any(m != "(unknown)" and not model_matches(str(job["model"]), m) for m in usage["models_metered"]):
+                self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
         requested = str(job["model"])

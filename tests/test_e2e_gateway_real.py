@@ -65,7 +65,13 @@ HUNT = (
     "python3 -c \"import os,urllib.request as u\n"
     "r=u.Request(os.environ['ANTHROPIC_BASE_URL']+'/v1/messages',data=b'{}',headers={'x-api-key':'guess'})\n"
     "try: u.urlopen(r); print(200)\n"
-    "except Exception as e: print(getattr(e,'code',e))\" > wrong_token.txt"
+    "except Exception as e: print(getattr(e,'code',e))\" > wrong_token.txt; "
+    # ... and a request of its own, with the token it holds, for a model of its choosing.
+    "python3 -c \"import os,json,urllib.request as u\n"
+    "b=json.dumps({'model':'claude-haiku-4-5','max_tokens':50,'messages':[{'role':'user','content':'hi'}]}).encode()\n"
+    "r=u.Request(os.environ['ANTHROPIC_BASE_URL']+'/v1/messages',data=b,headers={'x-api-key':os.environ['ANTHROPIC_API_KEY'],"
+    "'content-type':'application/json','anthropic-version':'2023-06-01'})\n"
+    "print(u.urlopen(r).status)\" > own_request.txt"
 )
 
 
@@ -87,6 +93,9 @@ def test_the_session_holds_no_credential_and_a_wrong_token_gets_401(tmp_path, gw
     for text in (env_txt, ancestors):
         assert SECRET not in text
     assert (ws / "wrong_token.txt").read_text().strip() == "401"
+    # Its own request went through its gateway: metered at that model's price, and flagged.
+    assert (ws / "own_request.txt").read_text().strip() == "200"
+    assert "claude-haiku-4-5" in res["usage"]["models_metered"] and "other_models_metered" in res["flags"]
     # Nothing the study keeps holds it either (raw logs, gateway records, job files).
     for path in (gw_study / "state").rglob("*"):
         if path.is_file():
