@@ -13,24 +13,25 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       77-143   Start-up: lazy imports and the cached-bytecode launcher
-      144-230   Constants
-      231-330   Errors and output
-      331-1450  Platform seam
-     1451-1908  Files, locks and the registry
-     1909-2204  Processes
-     2205-2316  Env scrub
-     2317-2704  Stream and usage
-     2705-3039  Study configuration
-     3040-4136  The supervisor
-     4137-4371  The supervisor: jobs (start, fork, continue)
-     4372-5646  The experiment layer
-     5647-7550  Statistics and report
-     7551-8063  Run pages: the report as a directory
-     8064-8853  Offline scripted model
-     8854-9128  The scripted model: rehearsal of a study
-     9129-9203  Reading at scale: the streamed ledger, paged listings, the paused collector
-     9204-10584 The CLI and main
+       78-146   Start-up: lazy imports and the cached-bytecode launcher
+      147-236   Constants
+      237-336   Errors and output
+      337-1515  Platform seam
+     1516-1973  Files, locks and the registry
+     1974-2278  Processes
+     2279-2390  Env scrub
+     2391-2778  Stream and usage
+     2779-3124  Study configuration
+     3125-3917  The metering gateway
+     3918-5064  The supervisor
+     5065-5304  The supervisor: jobs (start, fork, continue)
+     5305-6579  The experiment layer
+     6580-8496  Statistics and report
+     8497-9009  Run pages: the report as a directory
+     9010-9799  Offline scripted model
+     9800-10080 The scripted model: rehearsal of a study
+    10081-10155 Reading at scale: the streamed ledger, paged listings, the paused collector
+    10156-11569 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -118,8 +119,10 @@ hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
 http: Any = LazyModule("http")
 pyplatform: Any = LazyModule("platform")
+hmac: Any = LazyModule("hmac")
 secrets: Any = LazyModule("secrets")
 socket: Any = LazyModule("socket")
+ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
 urllib: Any = LazyModule("urllib")
 
@@ -188,6 +191,9 @@ PRICES_PER_MTOK: dict[str, tuple[float, float, float, float, float]] = {
 }
 DEFAULT_PRICE = (5.0, 25.0, 6.25, 10.0, 0.50)
 
+#: The study setting `gateway`: "on" (the default) or "off" (claude gets the credentials itself).
+GATEWAY_MODES = ("on", "off")
+GATEWAY_DEFAULT = "on"
 DEFAULT_TOOLS = "Bash,Read,Edit,Write,Glob,Grep"
 DEFAULT_LAUNCH: dict[str, Any] = {
     "model": "claude-opus-4-5",
@@ -741,8 +747,9 @@ class Platform:
         return None
 
     def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
-                          log_path: str) -> int:
-        """Start ``argv`` fully detached (it survives its caller and a closed terminal); its pid."""
+                          log_path: str, stdin_data: bytes | None = None) -> int:
+        """Start ``argv`` fully detached (it survives its caller and a closed terminal); its pid.
+        ``stdin_data`` (small) is written to the child's stdin, which is then closed."""
         raise NotImplementedError
 
     def rename_no_replace(self, src: str, dst: str) -> bool:
@@ -753,6 +760,13 @@ class Platform:
     def boot_id(self) -> str | None:
         """An identifier of the current boot, when the OS offers one."""
         return None
+
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Any:
+        """A context manager holding an exclusive lock on ``path`` (created if missing), released
+        on exit and by the OS when the holder dies (so it is never stale).  For short, frequent
+        critical sections (the gateway's reservations) where a lock file's create, fsync and
+        unlink would cost more than the work."""
+        raise NotImplementedError
 
 
 # ---- POSIX ---------------------------------------------------------------------------------------
@@ -976,15 +990,23 @@ class PosixPlatform(Platform):
     # ---- launching and files ----
 
     def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
-                          log_path: str) -> int:
+                          log_path: str, stdin_data: bytes | None = None) -> int:
         """setsid'd child (new session: no controlling terminal, so no SIGHUP when the terminal
         closes; not in the caller's process group, so a Ctrl-C there does not reach it), stdin
-        from /dev/null, stdout+stderr appended to ``log_path``, no inherited descriptors."""
+        from /dev/null (or a pipe carrying ``stdin_data``, then closed), stdout+stderr appended to
+        ``log_path``, no inherited descriptors."""
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(
-                    list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
+                    list(argv), cwd=cwd, env=dict(env),
+                    stdin=subprocess.DEVNULL if stdin_data is None else subprocess.PIPE, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            if stdin_data is not None:
+                assert proc.stdin is not None
+                with contextlib.suppress(OSError):
+                    proc.stdin.write(stdin_data)
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
         except OSError as exc:
             raise AgentbenchError("cannot start detached process", code="cannot_start_detached_process",
                                   argv=list(argv)[:3],
@@ -1007,6 +1029,25 @@ class PosixPlatform(Platform):
             except (OSError, AttributeError, ImportError):
                 self._renameat2 = False
         return self._renameat2
+
+    @contextlib.contextmanager
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Iterator[None]:
+        """flock(2), polled without blocking so that a wedged holder costs a timeout, not a hang."""
+        import fcntl  # POSIX only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise AgentbenchError("lock timed out", code="lock_timed_out", lock=str(path)) from None
+                    time.sleep(0.001)
+            yield
+        finally:
+            os.close(fd)   # releases the lock
 
     def rename_no_replace(self, src: str, dst: str) -> bool:
         """renameat2(RENAME_NOREPLACE) where the kernel and filesystem have it (one atomic step);
@@ -1387,7 +1428,7 @@ class WindowsPlatform(Platform):
         return path
 
     def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
-                          log_path: str) -> int:
+                          log_path: str, stdin_data: bytes | None = None) -> int:
         """Start ``argv`` through CIM Win32_Process.Create with a hidden window.
 
         ``env`` does not reach the child by this route: pass the path from detach_env_file in its
@@ -1409,6 +1450,30 @@ class WindowsPlatform(Platform):
                 hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
                      "21 invalid parameter")
         return int(m.group(2))
+
+    @contextlib.contextmanager
+    def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Iterator[None]:
+        """msvcrt.locking on the file's first byte, polled without blocking."""
+        import msvcrt  # Windows only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise AgentbenchError("lock timed out", code="lock_timed_out", lock=str(path)) from None
+                    time.sleep(0.001)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(OSError):
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)  # type: ignore[attr-defined]
+        finally:
+            os.close(fd)
 
     def rename_no_replace(self, src: str, dst: str) -> bool:
         """os.rename on Windows refuses to replace an existing ``dst`` (MoveFileEx without
@@ -1972,18 +2037,27 @@ def bytecode_cache_dir(study_root: str) -> str | None:
 
 
 def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, env: Mapping[str, str],
-                      log_path: str) -> int:
+                      log_path: str, secret: Mapping[str, str] | None = None) -> int:
     """Start `agentbench <args>` fully detached, through the cached-bytecode launcher; its pid.
     `cwd` is the study's root: the bytecode is kept in its state dir (see bytecode_cache_dir).
 
     Where the platform cannot hand the environment to a detached child directly (Windows CIM),
     it is passed through an owner-only env file named by --env-file, which the child deletes.
+    `secret` (credentials) stays out of the child's initial environment, which any process of the
+    same user can read: it goes down a pipe on the child's stdin (--credentials-stdin), so nothing
+    is left behind; only where an env file is used anyway does it travel in that file.
     """
     argv = launcher_argv(sys.executable, str(Path(__file__).resolve()), bytecode_cache_dir(cwd), args)
-    env_file = platform.detach_env_file(env, log_path)
+    env_file = platform.detach_env_file({**env, **dict(secret or {})}, log_path)
+    stdin_data = None
     if env_file:
         argv += ["--env-file", env_file]
-    return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path)
+    elif secret:
+        argv += ["--credentials-stdin"]
+        stdin_data = json.dumps({"env": dict(secret)}).encode()
+    if stdin_data is None:
+        return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path)
+    return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path, stdin_data=stdin_data)
 
 
 # -- the Slurm executor ------------------------------------------------------------------------------
@@ -2811,6 +2885,13 @@ def _check_executor(v: Any) -> None:
         raise AgentbenchError("executor must be local or slurm", code="unknown_executor", executor=v)
 
 
+def _check_gateway(v: Any) -> None:
+    if v not in GATEWAY_MODES:
+        raise AgentbenchError('gateway must be "on" or "off"', code="bad_gateway_mode", file=STUDY_FILE,
+                              key="gateway", value=str(v)[:200], default=GATEWAY_DEFAULT,
+                              hint='"off" lets claude hold the credentials and reach the model directly')
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
@@ -2873,6 +2954,9 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("executor", _is_str, "a string", check=_check_executor, flag=str, help="local or slurm"),
     Setting("templates", _is_str, "a string"),
     Setting("preamble", _is_str, "a string"),
+    Setting("gateway", None, check=_check_gateway, flag=str,
+            help='on (default): sessions reach the API only through a metering gateway; off: claude holds '
+                 'the credentials'),
     Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
@@ -2973,6 +3057,7 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         out["allowed_tools"] = cfg["tools"]
     out["budget"] = {**DEFAULT_BUDGET, **(cfg.get("budget") or {})}
     out["prices"] = dict(cfg.get("prices") or {})
+    out["gateway"] = cfg.get("gateway") or GATEWAY_DEFAULT
     return out
 
 
@@ -3035,6 +3120,799 @@ def merge_study_config(existing: Mapping[str, Any] | None, settings: Mapping[str
             cfg["env"] = env
             changed.append("env")
     return cfg, changed
+
+
+# ==================================================================================================
+# The metering gateway
+# ==================================================================================================
+# One loopback HTTP server per session, run in threads of that session's supervisor: `claude`
+# reaches the API only through it and holds nothing but a random per-job token.  The gateway checks
+# the token (anything else gets 401), swaps it for the real credential, forwards to the upstream
+# (the user's ANTHROPIC_BASE_URL, else the public API over verified TLS), streams answers back byte
+# for byte, meters every Messages answer from its own events at the study's prices, and reserves
+# each request's worst case against the run's and the study's remaining money before forwarding it.
+# It owns: the allow-list environment of `claude`, the job's gateway.jsonl, and the study's live
+# reservations under state/gateway/.  It must not: write results, the ledger or the registry (the
+# supervisor does), log a header or a body, or let a credential reach `claude`'s environment.
+
+GATEWAY_UPSTREAM_DEFAULT = "https://api.anthropic.com"
+#: How long the gateway waits on the upstream for a connection or the next bytes of an answer.
+GATEWAY_UPSTREAM_TIMEOUT_S = 600.0
+#: Largest request body the gateway accepts (a bigger one is refused with 413).
+GATEWAY_MAX_BODY_BYTES = 64 << 20
+#: Bytes read from the upstream per forwarded chunk.
+GATEWAY_CHUNK_BYTES = 64 << 10
+#: A non-streamed answer is kept for metering up to this size (it is forwarded whole regardless).
+GATEWAY_MAX_METER_BYTES = 16 << 20
+#: The worst-case input of a request: its body's bytes / this many (a token is rarely shorter).
+GATEWAY_BYTES_PER_TOKEN = 3.0
+#: max_tokens assumed for a Messages request that names none (the API requires one anyway).
+GATEWAY_DEFAULT_MAX_TOKENS = 32000
+#: How long stop() waits for requests still in flight to settle their metering.
+GATEWAY_STOP_WAIT_S = 10.0
+#: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
+COST_MISMATCH_ABS_USD = 0.0001
+COST_MISMATCH_REL = 0.005
+#: A keep-warm ping answers one word: its max_tokens is capped so that its worst case (what the
+#: gateway reserves) fits the ping's small budget.
+PING_MAX_OUTPUT_TOKENS = 1024
+#: The variable through which `claude` receives its job token (it sends it as x-api-key).
+GATEWAY_TOKEN_VAR = "ANTHROPIC_API_KEY"
+#: Credentials the gateway can carry to the upstream (the first one set is used).
+GATEWAY_CARRIED = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
+#: Never in `claude`'s environment while the gateway is on.
+GATEWAY_WITHHELD = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN",
+                    "ANTHROPIC_CUSTOM_HEADERS", "ANTHROPIC_BASE_URL")
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+                         "x-api-key", "authorization", "accept-encoding"})
+
+# -- the environment of `claude`: an allow-list ------------------------------------------------------
+
+#: Host variables `claude` gets: identity, locale, terminal, temp dirs, its config dir and a few
+#: documented client settings.  Everything else is withheld (the study's own `env` is added).
+CLAUDE_ENV_ALLOW = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TMP", "TEMP", "LANG", "LANGUAGE", "TZ",
+    "TERM", "COLORTERM", "NO_COLOR", "CLAUDE_CONFIG_DIR", "CLAUDE_CODE_MAX_RETRIES", "API_TIMEOUT_MS",
+    "IS_SANDBOX", "SYSTEMROOT", "COMSPEC", "PATHEXT", "USERPROFILE", "APPDATA", "LOCALAPPDATA", "WINDIR",
+})
+CLAUDE_ENV_ALLOW_PREFIXES = ("LC_",)
+#: With `"gateway": "off"` these are passed too: the credentials and cloud-provider settings the
+#: binary then needs itself (model and session overrides stay dropped, see ENV_DROP_EXACT).
+CLAUDE_ENV_DIRECT_PREFIXES = ("ANTHROPIC_", "CLAUDE_CODE_", "AWS_", "GOOGLE_", "CLOUD_ML_", "VERTEX_REGION_")
+CLAUDE_ENV_DIRECT_EXACT = frozenset({"HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "https_proxy", "http_proxy",
+                                     "no_proxy", "NODE_EXTRA_CA_CERTS"})
+
+
+def claude_env(host: Mapping[str, str], *, extra: Mapping[str, str] | None, gateway: Mapping[str, str] | None,
+               secret: Mapping[str, str] | None = None,
+               binary: str | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """`claude`'s environment (allow-list) and a report of the names passed and withheld (pure).
+
+    gateway: the variables pointing `claude` at its gateway (URL and job token), or None when the
+    study runs with `"gateway": "off"`; then `secret` (the credentials handed to the supervisor)
+    and the cloud-provider settings are passed as well.  With the gateway on, the study's own
+    `extra` env may not bring a credential or another base URL: those go to the gateway.
+    """
+    direct = gateway is None
+    merged = {**dict(host), **(dict(secret or {}) if direct else {})}
+    venv_entries = _venv_path_entries(host)
+    env: dict[str, str] = {}
+    for key, value in merged.items():
+        if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
+            continue
+        if key in CLAUDE_ENV_ALLOW or key.startswith(CLAUDE_ENV_ALLOW_PREFIXES):
+            env[key] = value
+        elif direct and (key in CLAUDE_ENV_DIRECT_EXACT or key.startswith(CLAUDE_ENV_DIRECT_PREFIXES)
+                         or is_credential_var(key)):
+            env[key] = value
+    if venv_entries and "PATH" in env:
+        env["PATH"] = os.pathsep.join(e for e in env["PATH"].split(os.pathsep) if e not in venv_entries)
+    for key, value in (extra or {}).items():
+        if not direct and (key in GATEWAY_WITHHELD or is_credential_var(key)):
+            continue
+        env[key] = value
+    if gateway:
+        env.update(gateway)
+    env.update(ENV_PINNED)
+    if binary:
+        env["AGENTBENCH_CLAUDE_BIN"] = binary
+    withheld = sorted(k for k in set(host) | set(secret or {}) if k not in env
+                      or (gateway is not None and k in gateway))
+    report = {"gateway": "off" if direct else "on", "passed": sorted(env),
+              "withheld": withheld,
+              "credentials_withheld": sorted(k for k in withheld if is_credential_var(k) or k in GATEWAY_WITHHELD),
+              "allow": sorted(CLAUDE_ENV_ALLOW), "allow_prefixes": list(CLAUDE_ENV_ALLOW_PREFIXES)}
+    return env, report
+
+
+def _truthy(value: str | None) -> bool:
+    return str(value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None:
+    """Why the gateway cannot carry this host's way of reaching the model, or None (pure).
+
+    Bedrock and Vertex sign requests for their own endpoints, and a claude.ai login token needs the
+    binary's own login flow: neither can be swapped in by the gateway, so such a study must say
+    `"gateway": "off"` (and then gets no metering or enforcement on the wire)."""
+    if mode == "off":
+        return None
+    hint = ('set "gateway": "off" in study.json to let claude reach the model directly (no metering '
+            'or enforcement on the wire; claude then holds the credentials), or use an API key')
+    for var in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX"):
+        if _truthy(env.get(var)):
+            return AgentbenchError(f"the metering gateway cannot carry {var} (cloud-provider routes)", code="gateway_cannot_carry_cloud_route",
+                                   refusal="gateway", variable=var, hint=hint)
+    if env.get("CLAUDE_CODE_OAUTH_TOKEN") and not any(env.get(v) for v in GATEWAY_CARRIED):
+        return AgentbenchError("the metering gateway cannot carry a claude.ai login (CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
+                               refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
+    return None
+
+
+def gateway_upstream(url: str | None) -> tuple[str, str, int, str]:
+    """(scheme, host, port, path prefix) of the upstream base URL (pure); refuses a bad one."""
+    raw = (url or "").strip() or GATEWAY_UPSTREAM_DEFAULT
+    parts = urllib.parse.urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AgentbenchError("ANTHROPIC_BASE_URL must be an http or https URL", code="bad_base_url", value=raw[:200])
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise AgentbenchError("ANTHROPIC_BASE_URL has a bad port", code="bad_base_url_port", value=raw[:200]) from None
+    return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
+
+
+def gateway_auth_headers(creds: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The headers that carry the real credential upstream (pure): x-api-key for an API key,
+    else a bearer token, plus any ANTHROPIC_CUSTOM_HEADERS lines ("Name: value")."""
+    out: list[tuple[str, str]] = []
+    if creds.get("ANTHROPIC_API_KEY"):
+        out.append(("x-api-key", creds["ANTHROPIC_API_KEY"]))
+    elif creds.get("ANTHROPIC_AUTH_TOKEN"):
+        out.append(("authorization", "Bearer " + creds["ANTHROPIC_AUTH_TOKEN"]))
+    for line in str(creds.get("ANTHROPIC_CUSTOM_HEADERS") or "").splitlines():
+        name, sep, value = line.partition(":")
+        if sep and re.fullmatch(r"[A-Za-z0-9-]+", name.strip()) and "\r" not in value:
+            out.append((name.strip(), value.strip()))
+    return out
+
+
+#: Methods forwarded to any path: they read, they do not spend.  Everything else goes only to the
+#: two Messages endpoints (a batch or a legacy completion through the gateway would spend outside
+#: its metering).
+GATEWAY_READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def gateway_route(method: str, raw_path: str) -> tuple[str, str, bool]:
+    """(kind, path to forward, allowed) of a request line (pure).  The path is decoded, its
+    repeated slashes and dot segments collapsed, and re-encoded, so that what is metered is what
+    the upstream serves: kind is "messages" (POST /v1/messages), "count_tokens" or "other"."""
+    path, sep, query = raw_path.partition("?")
+    clean = posixpath.normpath("/" + urllib.parse.unquote(path).lstrip("/"))
+    clean = re.sub(r"/+", "/", clean).rstrip("/") or "/"
+    if clean == "/v1/messages" and method == "POST":
+        kind = "messages"
+    elif clean == "/v1/messages/count_tokens":
+        kind = "count_tokens"
+    else:
+        kind = "other"
+    allowed = kind != "other" or method in GATEWAY_READ_METHODS
+    forward = urllib.parse.quote(clean, safe="/:@!$&'()*+,;=-._~") + (sep + query if sep else "")
+    return kind, forward, allowed
+
+
+def presented_token(headers: Mapping[str, str] | Any) -> str:
+    """The token a request presents: x-api-key, else an `Authorization: Bearer` value."""
+    key = headers.get("x-api-key")
+    if key:
+        return str(key).strip()
+    auth = str(headers.get("authorization") or "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
+def token_matches(presented: str, expected: str) -> bool:
+    """Constant-time comparison; an empty token never matches."""
+    return bool(presented) and bool(expected) and hmac.compare_digest(presented.encode(), expected.encode())
+
+
+# -- metering (pure) ----------------------------------------------------------------------------------
+
+def _clean_usage(u: Any) -> tuple[dict[str, Any], bool]:
+    """An upstream usage object with only non-negative integer counts kept; True if any was bad."""
+    if not isinstance(u, dict):
+        return {}, u is not None
+    bad = False
+    out: dict[str, Any] = {}
+    for key, val in u.items():
+        if key == "cache_creation" and isinstance(val, dict):
+            inner = {k: v for k, v in val.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+            bad = bad or len(inner) != len(val)
+            out[key] = inner
+        elif isinstance(val, int) and not isinstance(val, bool) and val >= 0:
+            out[key] = val
+        elif val is not None and key.endswith("_tokens"):
+            bad = True
+    return out, bad
+
+
+class SseMeter:
+    """Incremental reader of one streamed Messages answer: the usage of message_start, updated by
+    every message_delta (whose counts are cumulative), the reported model, any `error` event.
+    feed() takes raw bytes as they arrive and never raises; only the few event lines that can
+    carry usage are decoded."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self.usage: dict[str, Any] = {}
+        self.model: str | None = None
+        self.error: str | None = None
+        self.bad = False
+        self.events = 0
+
+    def feed(self, data: bytes) -> None:
+        lines = (self._rest + data).split(b"\n")
+        self._rest = lines.pop()
+        if len(self._rest) > GATEWAY_MAX_METER_BYTES:
+            self._rest, self.bad = b"", True
+        for line in lines:
+            if line.startswith(b"data:"):
+                self.events += 1
+                if b"message_start" in line or b"message_delta" in line or b'"error"' in line:
+                    self._event(line[5:].strip())
+
+    def _event(self, raw: bytes) -> None:
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            self.bad = True
+            return
+        if not isinstance(ev, dict):
+            return
+        kind = ev.get("type")
+        if kind == "message_start" and isinstance(ev.get("message"), dict):
+            msg = ev["message"]
+            self.usage, bad = _clean_usage(msg.get("usage"))
+            self.bad = self.bad or bad
+            if isinstance(msg.get("model"), str):
+                self.model = msg["model"][:200]
+        elif kind == "message_delta":
+            usage, bad = _clean_usage(ev.get("usage"))
+            self.bad = self.bad or bad
+            self.usage.update(usage)
+        elif kind == "error":
+            err = ev.get("error")
+            self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
+
+
+def message_meter(body: bytes) -> tuple[dict[str, Any], str | None, bool]:
+    """(usage, model, bad) of a non-streamed Messages answer (pure)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return {}, None, True
+    if not isinstance(obj, dict):
+        return {}, None, True
+    usage, bad = _clean_usage(obj.get("usage"))
+    model = obj.get("model") if isinstance(obj.get("model"), str) else None
+    return usage, model, bad
+
+
+def metered_tokens(usage: Mapping[str, Any]) -> dict[str, int]:
+    """Usage to the ledger's token dict; the 5m/1h cache-write split stays exact."""
+    return tokens_from_usage(usage)
+
+
+def worst_case_usd(body_bytes: int, max_tokens: int, model: str | None,
+                   prices: Mapping[str, Sequence[float]] | None) -> float:
+    """What one Messages request can cost at most (pure): its input estimated from the body's
+    size at the dearest input-side price (a cache write costs more than plain input), plus
+    max_tokens of output."""
+    p_in, p_out, p_5m, p_1h, _ = price_for(model, prices)
+    tokens_in = math.ceil(max(body_bytes, 0) / GATEWAY_BYTES_PER_TOKEN)
+    return round((tokens_in * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
+
+
+def reservation_refusal(worst: float, *, run_cap: float | None, run_used: float,
+                        study_cap: float | None, study_used: float) -> dict[str, Any] | None:
+    """Whether a request whose worst case is `worst` may go out (pure): None, or which limit it
+    does not fit.  run_used: this job's metered cost plus its reservations in flight; study_used:
+    the study's ledger spend plus every other live job's metered cost and reservations."""
+    if run_cap is not None and run_used + worst > run_cap + 1e-12:
+        return {"limit": "usd_per_run", "cap_usd": round(run_cap, 6), "used_usd": round(run_used, 6),
+                "worst_case_usd": worst}
+    if study_cap and study_used + run_used + worst > study_cap + 1e-12:
+        return {"limit": "study_usd", "cap_usd": round(study_cap, 6),
+                "used_usd": round(study_used + run_used, 6), "worst_case_usd": worst}
+    return None
+
+
+def cost_mismatch(metered: float | None, reported: float | None) -> bool:
+    """Metered and self-reported cost differ beyond rounding (pure)."""
+    if metered is None or reported is None:
+        return False
+    return abs(metered - reported) > max(COST_MISMATCH_ABS_USD, COST_MISMATCH_REL * max(abs(metered), abs(reported)))
+
+
+def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
+    """The cost budgets count for a finished job: the metered one where requests went through the
+    gateway, else the binary's own figure (no gateway, or a session that made no request)."""
+    usage = usage or {}
+    metered = usage.get("cost_metered_usd")
+    requests = usage.get("requests")
+    if (isinstance(metered, (int, float)) and not isinstance(metered, bool) and math.isfinite(metered)
+            and isinstance(requests, int) and requests > 0):
+        return float(metered)
+    return float(usage.get("cost_delta_usd") or 0.0)
+
+
+def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """cost_metered_usd, requests and per-model figures from gateway.jsonl records (pure)."""
+    total = 0.0
+    requests = 0
+    models: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        if rec.get("kind") != "messages":
+            continue
+        requests += 1
+        cost = rec.get("cost_usd")
+        cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0
+        total += cost
+        name = str(rec.get("model") or "(unknown)")
+        row = models.setdefault(name, {"requests": 0, "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}})
+        row["requests"] += 1
+        row["cost_usd"] = round(row["cost_usd"] + cost, 6)
+        row["tokens"] = add_tokens(row["tokens"], rec.get("tokens") or {})
+    return {"cost_metered_usd": round(total, 6), "requests": requests, "models_metered": models}
+
+
+def gateway_proof(ledger_lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """What a rehearsal shows of its gateways (pure): how many sessions were metered, their
+    metered and self-reported cost, the sessions whose two figures disagree (`mismatched`) and
+    the sessions that ended `ok` without a single request through their gateway (`unmetered_ok`:
+    their model traffic went around it)."""
+    out: dict[str, Any] = {"jobs": 0, "metered_jobs": 0, "requests": 0, "cost_metered_usd": 0.0,
+                           "cost_reported_usd": 0.0, "mismatched": [], "unmetered_ok": []}
+    for line in ledger_lines:
+        out["jobs"] += 1
+        requests = line.get("requests")
+        requests = requests if isinstance(requests, int) and not isinstance(requests, bool) else 0
+        reported = float(line.get("cost_delta_usd") or 0.0)
+        out["cost_reported_usd"] = round(out["cost_reported_usd"] + reported, 6)
+        if requests > 0:
+            out["metered_jobs"] += 1
+            out["requests"] += requests
+            out["cost_metered_usd"] = round(out["cost_metered_usd"] + billed_cost_usd(line), 6)
+        if "cost_mismatch" in (line.get("flags") or []):
+            out["mismatched"].append(line.get("job_id"))
+        if line.get("status") == "ok" and requests == 0:
+            out["unmetered_ok"].append(line.get("job_id"))
+    return out
+
+
+# -- the study's live reservations (shared between supervisor processes) -----------------------------
+
+def gateway_dir(paths: StudyPaths) -> Path:
+    return paths.state / "gateway"
+
+
+def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> float:
+    """Metered cost plus reservations in flight of every live job but `exclude`.  A job whose
+    ledger line is written is counted by the ledger instead.  Read under the study's gateway lock
+    (see GatewayBudget); a file that still cannot be parsed (its writer died mid-write) is skipped,
+    and so is any figure that is not a finite positive number."""
+    total = 0.0
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(gateway_dir(paths)):
+            job_id = entry.name[:-5] if entry.name.endswith(".json") and not entry.name.startswith(".") else None
+            if not job_id or job_id == exclude or (paths.job_dir(job_id) / "ledgered").exists():
+                continue
+            try:
+                data = json.loads(Path(entry.path).read_bytes())
+            except (OSError, ValueError):
+                continue
+            for key in ("metered_usd", "reserved_usd"):
+                val = data.get(key) if isinstance(data, dict) else None
+                if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and val > 0:
+                    total += float(val)
+    return total
+
+
+#: A live reservation file is written in place, padded to this size (no truncation, no rename:
+#: both make some file systems flush on every write), and read only under the same lock.
+GATEWAY_LIVE_FILE_BYTES = 256
+
+
+class GatewayBudget:
+    """One job's metered spend and reservations, published under state/gateway/<job>.json so that
+    every other supervisor of the study counts them.  Every write and every read of those files
+    happens under one study-wide OS file lock (state/gateway/.lock, Platform.file_lock): a
+    reservation is decided on figures nobody is changing, and no reader sees a half-written file."""
+
+    def __init__(self, paths: StudyPaths, platform: "Platform", job_id: str, *, run_cap: float | None,
+                 study_cap: float | None):
+        self.paths = paths
+        self.platform = platform
+        self.job_id = job_id
+        self.run_cap = run_cap
+        self.study_cap = study_cap
+        self.metered = 0.0
+        self.reserved = 0.0
+        self._lock = threading.Lock()
+        self.file = gateway_dir(paths) / f"{job_id}.json"
+
+    def _study_lock(self) -> Any:
+        gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
+        return self.platform.file_lock(gateway_dir(self.paths) / ".lock")
+
+    def _publish(self) -> None:
+        """Write this job's figures (under the study lock)."""
+        data = json.dumps({"job_id": self.job_id, "metered_usd": round(self.metered, 6),
+                           "reserved_usd": round(max(self.reserved, 0.0), 6), "pid": os.getpid()}).encode()
+        fd = os.open(self.file, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data.ljust(max(GATEWAY_LIVE_FILE_BYTES, len(data)), b" "))
+        finally:
+            os.close(fd)
+
+    def reserve(self, worst: float) -> dict[str, Any] | None:
+        """Reserve `worst` or say which limit it does not fit (then nothing is reserved)."""
+        with self._lock, self._study_lock():
+            study_used = 0.0
+            if self.study_cap:
+                study_used = float(read_registry(self.paths).get("spent_usd") or 0.0) + \
+                    live_reservations_usd(self.paths, exclude=self.job_id)
+            refusal = reservation_refusal(worst, run_cap=self.run_cap, run_used=self.metered + self.reserved,
+                                          study_cap=self.study_cap, study_used=study_used)
+            if refusal is None:
+                self.reserved += worst
+                self._publish()
+            return refusal
+
+    def settle(self, reserved: float, cost: float) -> None:
+        with self._lock:
+            self.reserved = max(self.reserved - reserved, 0.0)
+            self.metered += cost
+            with contextlib.suppress(OSError, AgentbenchError), self._study_lock():
+                self._publish()
+
+    def discard(self) -> None:
+        """After the job's ledger line is written: the ledger counts it from now on."""
+        with contextlib.suppress(OSError):
+            self.file.unlink()
+
+
+# -- the server ----------------------------------------------------------------------------------------
+
+#: The gateway's handler and server classes, built on first use (see _gateway_server_classes).
+_GATEWAY_CLASSES: list[tuple[Any, Any]] = []
+
+
+def _gateway_server_classes() -> tuple[Any, Any]:
+    """(handler class, server class) of the gateway, built on first use: http.server (and with it
+    http.client and ssl) is then imported only by a process that runs a gateway, not by every
+    command."""
+    if not _GATEWAY_CLASSES:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            server_version = "agentbench-gateway"
+
+            def log_message(self, format: str, *args: Any) -> None:   # noqa: A002 - the stdlib's name
+                pass   # every request is recorded in gateway.jsonl instead (never its headers)
+
+            def _handle(self) -> None:
+                self.server.gateway.handle(self)   # type: ignore[attr-defined]
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle
+
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+            gateway: "MeteringGateway"
+
+        _GATEWAY_CLASSES.append((Handler, Server))
+    return _GATEWAY_CLASSES[0]
+
+
+class MeteringGateway:
+    """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
+    are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
+
+    def __init__(self, *, upstream: str | None, creds: Mapping[str, str], prices: Mapping[str, Sequence[float]] | None,
+                 record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
+                 default_model: str | None = None):
+        self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
+        self.auth = gateway_auth_headers(creds)
+        self.token = "abgw-" + secrets.token_urlsafe(32)
+        self.prices = prices
+        self.record_path = Path(record_path)
+        self.budget = budget
+        self.default_model = default_model
+        self.refusal: dict[str, Any] | None = None
+        self.records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+        self._inflight = 0
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+
+    # -- life cycle --
+    def start(self) -> str:
+        handler, server = _gateway_server_classes()
+        srv = server(("127.0.0.1", 0), handler)
+        srv.gateway = self
+        self._server = srv
+        self.url = f"http://127.0.0.1:{srv.server_address[1]}"
+        self._thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+        self._thread.start()
+        return self.url
+
+    def claude_vars(self) -> dict[str, str]:
+        return {"ANTHROPIC_BASE_URL": self.url, GATEWAY_TOKEN_VAR: self.token}
+
+    def stop(self, wait_s: float = GATEWAY_STOP_WAIT_S) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._inflight == 0:
+                    break
+            time.sleep(0.02)
+        with self._lock:
+            for conn in self._idle:
+                conn.close()
+            self._idle.clear()
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            return summarize_metering(list(self.records))
+
+    # -- upstream connections --
+    def _connect(self) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        if self.scheme == "https":
+            return http.client.HTTPSConnection(self.host, self.port, timeout=GATEWAY_UPSTREAM_TIMEOUT_S,
+                                               context=ssl.create_default_context()), False
+        return http.client.HTTPConnection(self.host, self.port, timeout=GATEWAY_UPSTREAM_TIMEOUT_S), False
+
+    def _reuse(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.append(conn)
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            self.records.append(rec)
+            with contextlib.suppress(OSError):
+                append_jsonl(self.record_path, rec)
+
+    # -- one request --
+    def handle(self, h: Any) -> None:
+        with self._lock:
+            self._inflight += 1
+        try:
+            self._handle(h)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    @staticmethod
+    def _reply(h: Any, status: int, kind: str, message: str) -> None:
+        data = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+        h.send_response(status)
+        h.send_header("content-type", "application/json")
+        h.send_header("content-length", str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
+        h.wfile.flush()
+
+    @staticmethod
+    def _read_body(h: Any) -> bytes | None:
+        """The request body (Content-Length or chunked); None when it is too large or malformed."""
+        te = str(h.headers.get("transfer-encoding") or "").lower()
+        if "chunked" in te:
+            parts, size = [], 0
+            while True:
+                line = h.rfile.readline(1024)
+                try:
+                    n = int(line.split(b";")[0].strip() or b"x", 16)
+                except ValueError:
+                    return None
+                if n == 0:
+                    while h.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(parts)
+                size += n
+                if size > GATEWAY_MAX_BODY_BYTES:
+                    return None
+                parts.append(h.rfile.read(n))
+                h.rfile.readline(16)
+        raw = h.headers.get("content-length")
+        try:
+            length = int(raw) if raw is not None else 0
+        except ValueError:
+            return None
+        if length < 0 or length > GATEWAY_MAX_BODY_BYTES:
+            return None
+        return h.rfile.read(length) if length else b""
+
+    def _handle(self, h: Any) -> None:
+        t0 = time.monotonic()
+        kind, path, allowed = gateway_route(h.command, h.path)
+        rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
+                               "kind": kind}
+        if not token_matches(presented_token(h.headers), self.token):
+            h.close_connection = True
+            self._reply(h, 401, "authentication_error", "agentbench gateway: this request does not carry the job's token")
+            self._record({**rec, "status": 401, "refused": "token", "duration_s": round(time.monotonic() - t0, 6)})
+            return
+        body = self._read_body(h)
+        if body is None:
+            h.close_connection = True
+            self._reply(h, 413, "request_too_large", "agentbench gateway: request body too large or malformed")
+            self._record({**rec, "status": 413, "refused": "body", "duration_s": round(time.monotonic() - t0, 6)})
+            return
+        if not allowed:
+            self._reply(h, 403, "permission_error",
+                        f"agentbench gateway: {h.command} is forwarded only to /v1/messages and its count_tokens")
+            self._record({**rec, "status": 403, "refused": "path", "duration_s": round(time.monotonic() - t0, 6)})
+            return
+        reserved = 0.0
+        model = None
+        if kind == "messages":
+            try:
+                req = json.loads(body) if body else {}
+            except ValueError:
+                req = {}
+            req = req if isinstance(req, dict) else {}
+            model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
+            mt = req.get("max_tokens")
+            max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else GATEWAY_DEFAULT_MAX_TOKENS
+            rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
+            if self.budget is not None:
+                worst = worst_case_usd(len(body), max_tokens, model, self.prices)
+                try:
+                    refusal = self.budget.reserve(worst)
+                except AgentbenchError as exc:
+                    self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
+                    self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
+                                  "tokens": {k: 0 for k in TOKEN_KEYS}, "duration_s": round(time.monotonic() - t0, 6)})
+                    return
+                if refusal is not None:
+                    with self._lock:
+                        self.refusal = self.refusal or refusal
+                    # 400 invalid_request_error is final for the binary: it does not retry it.
+                    self._reply(h, 400, "invalid_request_error",
+                                f"agentbench gateway: budget exhausted: this request's worst case "
+                                f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
+                                f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)")
+                    self._record({**rec, "status": 400, "refused": refusal["limit"], "refusal": refusal,
+                                  "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS},
+                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    return
+                reserved = worst
+        meter = SseMeter()
+        kept: list[bytes] = []
+        kept_size = 0
+        status = 502
+        aborted = False
+        chunks = 0
+        request_id = None
+        try:
+            headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
+            headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
+                        ("accept-encoding", "identity"), *self.auth]
+            resp = conn = None
+            for attempt in (0, 1):
+                conn, reused = self._connect()
+                try:
+                    conn.putrequest(h.command, self.prefix + path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in headers:
+                        conn.putheader(k, v)
+                    if body or h.command in ("POST", "PUT", "PATCH"):
+                        conn.putheader("content-length", str(len(body)))
+                    conn.endheaders(body or None)
+                    resp = conn.getresponse()
+                    break
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                    conn.close()
+                    if not reused or attempt:
+                        raise
+            assert resp is not None and conn is not None
+            status = resp.status
+            request_id = resp.getheader("request-id") or resp.getheader("x-request-id")
+            ctype = str(resp.getheader("content-type") or "")
+            is_sse = "text/event-stream" in ctype
+            length = resp.getheader("content-length")
+            chunked = length is None and h.command != "HEAD" and status not in (204, 304)
+            h.send_response(status, resp.reason)
+            for k, v in resp.getheaders():
+                if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length":
+                    h.send_header(k, v)
+            if chunked:
+                h.send_header("transfer-encoding", "chunked")
+            h.end_headers()
+            h.wfile.flush()
+            while True:
+                data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
+                if not data:
+                    break
+                chunks += 1
+                if kind == "messages":
+                    if is_sse:
+                        meter.feed(data)
+                    elif kept_size < GATEWAY_MAX_METER_BYTES:
+                        kept.append(data)
+                        kept_size += len(data)
+                try:
+                    h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                    h.wfile.flush()
+                except OSError:
+                    aborted = True   # the client went away: what was metered of it counts
+                    break
+            if chunked and not aborted:
+                with contextlib.suppress(OSError):
+                    h.wfile.write(b"0\r\n\r\n")
+                    h.wfile.flush()
+            if aborted or resp.will_close or not resp.isclosed():
+                conn.close()
+                h.close_connection = h.close_connection or aborted
+            else:
+                self._reuse(conn)
+        except (OSError, http.client.HTTPException) as exc:
+            aborted = True
+            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if chunks == 0:
+                with contextlib.suppress(OSError):
+                    h.close_connection = True
+                    self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
+            else:
+                h.close_connection = True
+        if kind == "messages":
+            if kept:
+                usage, rmodel, bad = message_meter(b"".join(kept))
+            else:
+                usage, rmodel, bad = meter.usage, meter.model, meter.bad
+            tokens = metered_tokens(usage)
+            rmodel = rmodel or model
+            cost = estimate_cost_usd(tokens, rmodel, self.prices)
+            if self.budget is not None:
+                self.budget.settle(reserved, cost)
+            rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
+            if meter.error:
+                rec["stream_error"] = meter.error
+            if bad:
+                rec["bad_usage"] = True
+            if reserved and cost > reserved:
+                rec["reservation_exceeded"] = True
+        rec.update({"status": status, "request_id": str(request_id)[:200] if request_id else None,
+                    "chunks": chunks, "aborted": aborted, "duration_s": round(time.monotonic() - t0, 6)})
+        self._record(rec)
+
+
+def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
+                      creds: Mapping[str, str], extra: Mapping[str, str], host: Mapping[str, str]) -> MeteringGateway:
+    """The gateway of one job, started: upstream and credentials from the study's env (`extra`,
+    e.g. a scripted model's URL and dummy key) over the supervisor's own; the run's remaining
+    budget and the study's cap from the job record."""
+    source = {**{k: v for k, v in creds.items()}, **{k: v for k, v in extra.items() if k in GATEWAY_WITHHELD}}
+    upstream = extra.get("ANTHROPIC_BASE_URL") or host.get("ANTHROPIC_BASE_URL")
+    limits = job.get("limits") or {}
+    run_cap = limits.get("max_budget_usd")
+    study_cap = job.get("study_usd")
+    budget = GatewayBudget(paths, platform, str(job["job_id"]),
+                           run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
+                           study_cap=float(study_cap) if isinstance(study_cap, (int, float)) and study_cap > 0 else None)
+    gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
+                         record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
+                         default_model=job.get("model"))
+    gw.start()
+    return gw
 
 
 # ==================================================================================================
@@ -3254,6 +4132,8 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
                "prices": launch.get("prices") or None,
                "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
+               "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
+               "study_usd": (launch.get("budget") or {}).get("study_usd"),
                "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
                "prompt_sha256": sha256_bytes(prompt.encode())}
         write_json_atomic(paths.job_file(job_id), job)
@@ -3261,62 +4141,6 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
         if marker is not None:
             write_text_atomic(marker, job_id)
     return job
-
-
-def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
-    """Start the supervisor of a registered job: detached here (local executor) or submitted to
-    Slurm (its batch job runs the supervisor on a compute node).  On failure the job is finalised
-    `launch_error`, so a refused submission never leaves an active job behind."""
-    log_path = os.path.join(job["raw_dir"], "supervisor.log")
-    if job.get("executor") == "slurm":
-        jdir = paths.job_dir(job["job_id"])
-        launcher_file = jdir / "launcher.json"
-        # Recorded before sbatch runs, so that no reaper takes a slow submission for a dead one.
-        write_json_atomic(launcher_file, {"executor": "slurm", "submitting": True, "host": platform.hostname(),
-                                          "at": time.time()})
-        # Credentials do not travel in the batch job's environment (Slurm keeps that in its
-        # controller's state, and possibly its accounting): an owner-only file on the shared
-        # study directory carries them to the supervisor, which reads and deletes it.
-        env = dict(os.environ)
-        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
-        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
-            creds = {}   # a scripted-model job gets no real credentials at all
-        creds_file = str(jdir / "credentials.json") if creds else None
-        try:
-            if creds_file:
-                write_private_json(creds_file, {"env": creds})
-            sjid, cluster = slurm_submit(platform, paths, job, env, creds_file)
-        except (AgentbenchError, OSError) as exc:
-            detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) else str(exc)
-            if creds_file:
-                with contextlib.suppress(OSError):
-                    os.unlink(creds_file)
-            finalize_job(paths, platform, job, status="failed", reason="launch_error",
-                         usage=None, extra={"detail": f"cannot submit to slurm: {detail}"})
-            return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
-        write_json_atomic(launcher_file, {"executor": "slurm", "slurm_job_id": sjid, "slurm_cluster": cluster,
-                                          "host": platform.hostname(), "at": time.time()})
-        if (jdir / "kill.request").exists():
-            # A kill came while sbatch was answering: it found no Slurm job id to cancel, so the
-            # submission is cancelled here.  (A kill after the id was recorded cancels it itself;
-            # one of the two sees the other's write.)
-            slurm_cancel(platform, sjid, os.environ, cluster)
-        return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
-    try:
-        pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
-                                cwd=str(paths.root), env=dict(os.environ), log_path=log_path)
-    except (OSError, AgentbenchError) as exc:
-        # The platform reports a failed start as AgentbenchError (POSIX) or OSError; either way the
-        # job is registered already, so it is finalised now instead of staying active until reaped.
-        detail = exc.payload.get("detail", str(exc)) if isinstance(exc, AgentbenchError) else str(exc)
-        finalize_job(paths, platform, job, status="failed", reason="launch_error",
-                     usage=None, extra={"detail": f"cannot start supervisor: {detail}"})
-        return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
-    pc = platform.proc_id(pid)
-    write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
-                      {"executor": "local", "pid": pid, "ctime": pc.ctime if pc else None,
-                       "host": platform.hostname(), "at": time.time()})
-    return {"job_id": job["job_id"], "status": "created", "supervisor_pid": pid}
 
 
 def _ledger_line(job: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
@@ -3330,6 +4154,8 @@ def _ledger_line(job: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str,
             "models_used": usage.get("models_used") or [],
             "cost_total_usd": usage.get("cost_total_usd"),
             "cost_delta_usd": float(usage.get("cost_delta_usd") or 0.0),
+            "cost_metered_usd": usage.get("cost_metered_usd"), "requests": usage.get("requests"),
+            "models_metered": usage.get("models_metered"),
             "estimated": bool(usage.get("estimated")), "flags": result.get("flags") or [],
             "cache_verdict": result.get("cache_verdict"), "duration_s": result.get("duration_s"),
             "claude_version": result.get("claude_version"), "finished_at": result.get("finished_at")}
@@ -3385,7 +4211,7 @@ def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> N
     usage = result.get("usage") or {}
     status, reason = result["status"], result.get("reason")
     reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
-    reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + float(usage.get("cost_delta_usd") or 0.0), 6)
+    reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + billed_cost_usd(usage), 6)
     if reason in ("usage_limit", "auth"):
         reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
     reg["finalizing"] = [j for j in reg.get("finalizing") or [] if j != job_id] + [job_id]
@@ -3430,6 +4256,68 @@ def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: M
     """Record a job whose kill request came before its session started: `killed`, at no cost."""
     return finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
                         usage=None, extra={"detail": "killed before its session started"})
+
+
+def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
+    """Start the supervisor of a registered job: detached here (local executor) or submitted to
+    Slurm (its batch job runs the supervisor on a compute node).  On failure the job is finalised
+    `launch_error`, so a refused submission never leaves an active job behind."""
+    log_path = os.path.join(job["raw_dir"], "supervisor.log")
+    if job.get("executor") == "slurm":
+        jdir = paths.job_dir(job["job_id"])
+        launcher_file = jdir / "launcher.json"
+        # Recorded before sbatch runs, so that no reaper takes a slow submission for a dead one.
+        write_json_atomic(launcher_file, {"executor": "slurm", "submitting": True, "host": platform.hostname(),
+                                          "at": time.time()})
+        # Credentials do not travel in the batch job's environment (Slurm keeps that in its
+        # controller's state, and possibly its accounting): an owner-only file on the shared
+        # study directory carries them to the supervisor, which reads and deletes it.
+        env = dict(os.environ)
+        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
+        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
+            creds = {}   # a scripted-model job gets no real credentials at all
+        creds_file = str(jdir / "credentials.json") if creds else None
+        try:
+            if creds_file:
+                write_private_json(creds_file, {"env": creds})
+            sjid, cluster = slurm_submit(platform, paths, job, env, creds_file)
+        except (AgentbenchError, OSError) as exc:
+            detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) else str(exc)
+            if creds_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(creds_file)
+            finalize_job(paths, platform, job, status="failed", reason="launch_error",
+                         usage=None, extra={"detail": f"cannot submit to slurm: {detail}"})
+            return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
+        write_json_atomic(launcher_file, {"executor": "slurm", "slurm_job_id": sjid, "slurm_cluster": cluster,
+                                          "host": platform.hostname(), "at": time.time()})
+        if (jdir / "kill.request").exists():
+            # A kill came while sbatch was answering: it found no Slurm job id to cancel, so the
+            # submission is cancelled here.  (A kill after the id was recorded cancels it itself;
+            # one of the two sees the other's write.)
+            slurm_cancel(platform, sjid, os.environ, cluster)
+        return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
+    try:
+        # The supervisor's own environment holds no credential (/proc/<pid>/environ is readable
+        # by the agent's user): they reach it on a pipe.  A scripted-model job gets none at all.
+        env = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
+        secret = {k: v for k, v in os.environ.items() if is_credential_var(k)}
+        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
+            secret = {}
+        pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
+                                cwd=str(paths.root), env=env, log_path=log_path, secret=secret)
+    except (OSError, AgentbenchError) as exc:
+        # The platform reports a failed start as AgentbenchError (POSIX) or OSError; either way the
+        # job is registered already, so it is finalised now instead of staying active until reaped.
+        detail = exc.payload.get("detail", str(exc)) if isinstance(exc, AgentbenchError) else str(exc)
+        finalize_job(paths, platform, job, status="failed", reason="launch_error",
+                     usage=None, extra={"detail": f"cannot start supervisor: {detail}"})
+        return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
+    pc = platform.proc_id(pid)
+    write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
+                      {"executor": "local", "pid": pid, "ctime": pc.ctime if pc else None,
+                       "host": platform.hostname(), "at": time.time()})
+    return {"job_id": job["job_id"], "status": "created", "supervisor_pid": pid}
 
 
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
@@ -3536,12 +4424,16 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
     return platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
 
 
-def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
+def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
     usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+    gw_log = paths.job_dir(job["job_id"]) / "gateway.jsonl" if paths is not None else None
+    if gw_log is not None and gw_log.is_file():
+        # A job whose supervisor died: what its gateway recorded before that still counts.
+        usage.update(summarize_metering(read_jsonl(gw_log)[0]))
     return usage, st
 
 
@@ -3656,7 +4548,7 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
-            usage, st = _usage_from_raw(job)
+            usage, st = _usage_from_raw(job, paths)
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
                                 "last_heartbeat": hb, "tool_uses": st.tool_uses,
@@ -3763,7 +4655,7 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             survivors += platform.kill_tree([sup])
             rt = read_json(paths.runtime_file(job_id), default=None)
         survivors += kill_job_processes(platform, rt, include_supervisor=True)
-        usage, _ = _usage_from_raw(job)
+        usage, _ = _usage_from_raw(job, paths)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
                      extra={"killed_by": "kill command"})
     # Verify: nothing of the claude tree may be left, whoever did the killing.
@@ -3794,6 +4686,9 @@ class Supervisor:
         self.snapshots_done: list[int] = []
         self.terminate_requested = False
         self._lock = threading.Lock()
+        #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
+        self.secret: dict[str, str] = {}
+        self.gateway: MeteringGateway | None = None
 
     # -- runtime file (this process is its only writer) --
     def _write_runtime(self, **changes: Any) -> None:
@@ -3971,7 +4866,20 @@ class Supervisor:
         extra = job.get("env_extra") or {}
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
         offline = extra.get("AGENTBENCH_OFFLINE") == "1"
-        env, _ = scrub_env(os.environ, for_claude=not offline, binary=job["binary"], extra=extra)
+        host = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
+        secret = {} if offline else {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **self.secret}
+        if job.get("gateway", GATEWAY_DEFAULT) == "on":
+            try:
+                self.gateway = start_job_gateway(self.paths, self.platform, job, secret, extra, host)
+            except (AgentbenchError, OSError) as exc:
+                detail = exc.one_line() if isinstance(exc, AgentbenchError) else str(exc)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot start the gateway: {detail}"})
+                return 0
+            env, _ = claude_env(host, extra=extra, gateway=self.gateway.claude_vars(), binary=job["binary"])
+            self._write_runtime(gateway=self.gateway.url)
+        else:
+            env, _ = claude_env(host, extra=extra, gateway=None, secret=secret, binary=job["binary"])
         prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
@@ -3980,6 +4888,8 @@ class Supervisor:
                                     stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
         except OSError as exc:
             stderr_fh.close()
+            if self.gateway is not None:
+                self.gateway.stop(wait_s=0)
             finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                          usage=None, extra={"detail": f"cannot start claude: {exc}"})
             return 0
@@ -4018,6 +4928,8 @@ class Supervisor:
             survivors = self.platform.kill_tree([claude], session_ids=[proc.pid])
         reader.join(timeout=10)
         stderr_fh.close()
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.end is None and self.state.result is None:
             # A kill can reach claude before this loop sees the request (scancel signals every
             # process of the Slurm job at once): a session that died without a result while a
@@ -4027,6 +4939,8 @@ class Supervisor:
             if kill_req is not None or self.terminate_requested:
                 self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         self._finish(exit_code, survivors)
+        if self.gateway is not None and self.gateway.budget is not None:
+            self.gateway.budget.discard()   # the ledger line counts this job's cost from now on
         return 0
 
     def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
@@ -4039,6 +4953,19 @@ class Supervisor:
             status, reason = self.end
         else:
             status, reason = classify_session(st.result, exit_code)
+        gw = self.gateway
+        if gw is not None:
+            # The wire's figures beside the binary's own; budgets count the metered one.
+            usage.update(gw.summary())
+            if (usage["requests"] and not usage.get("estimated")
+                    and cost_mismatch(usage["cost_metered_usd"], usage.get("cost_delta_usd"))):
+                self.flags.add("cost_mismatch")
+            if gw.refusal is not None and self.end is None and status != "ok":
+                status, reason = "failed", "budget"
+            # Requests for another model (a side model, or one the agent asked for itself) are
+            # metered at that model's price; the flag makes them visible.
+            if any(m != "(unknown)" and not model_matches(str(job["model"]), m) for m in usage["models_metered"]):
+                self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
         requested = str(job["model"])
@@ -4088,7 +5015,8 @@ class Supervisor:
                  "models_reported": st.models, "bad_lines": st.bad_lines, "unknown_events": st.unknown_types,
                  "survivors": [dataclasses.asdict(s) for s in survivors],
                  "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
-                 "snapshots": self.snapshots_done, "flags": sorted(self.flags)}
+                 "snapshots": self.snapshots_done, "flags": sorted(self.flags),
+                 **({"gateway_refusal": gw.refusal} if gw is not None and gw.refusal else {})}
         # The study lock can be busy for a while (a large `assign`): keep trying, heartbeating,
         # rather than exit unfinalised and let a good result be reaped as `lost`.
         deadline = time.monotonic() + 3600
@@ -4237,6 +5165,11 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
     launch = refuse_launch(paths, cfg)
+    env_all = {**ctx.env, **dict(cfg.get("env") or {}), **dict(env_extra or {})}
+    if env_all.get("AGENTBENCH_OFFLINE") != "1":
+        refusal = gateway_refusal(env_all, launch["gateway"])
+        if refusal is not None:
+            raise refusal
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
@@ -5299,7 +6232,7 @@ class RunPipeline:
         entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
         if "status" in entry:
             return res
-        cost = float((res.get("usage") or {}).get("cost_delta_usd") or 0.0)
+        cost = billed_cost_usd(res.get("usage"))
         self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
         self.rec["cost_usd"] = self.spent
         self.rec["cost_estimated"] = bool(self.rec.get("cost_estimated")) or bool((res.get("usage") or {}).get("estimated"))
@@ -6153,6 +7086,7 @@ def cache_hit_ratio(tokens: dict) -> float | None:
 def _usage_empty() -> dict:
     return {"jobs": 0, "statuses": {}, "tokens": {k: 0 for k in _USAGE_TOKEN_KEYS},
             "cost_usd": 0.0, "cost_estimated_usd": 0.0, "estimated_jobs": 0,
+            "cost_metered_usd": 0.0, "metered_jobs": 0, "requests": 0, "models_metered": {},
             "cache_verdicts": {}, "duration_s": 0.0}
 
 
@@ -6169,6 +7103,17 @@ def _usage_add(acc: dict, line: dict) -> None:
     if line.get("estimated"):
         acc["cost_estimated_usd"] += cost
         acc["estimated_jobs"] += 1
+    metered = line.get("cost_metered_usd")
+    if isinstance(metered, (int, float)) and not isinstance(metered, bool):
+        # The gateway's figures beside the binary's own, per model (side models included).
+        acc["cost_metered_usd"] += float(metered)
+        acc["metered_jobs"] += 1
+        acc["requests"] += int(line.get("requests") or 0)
+        for model, row in (line.get("models_metered") or {}).items():
+            if isinstance(row, dict):
+                mine = acc["models_metered"].setdefault(str(model), {"requests": 0, "cost_usd": 0.0})
+                mine["requests"] += int(row.get("requests") or 0)
+                mine["cost_usd"] = round(mine["cost_usd"] + float(row.get("cost_usd") or 0.0), 6)
     verdict = str(line.get("cache_verdict") or "(none)")
     acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
     acc["duration_s"] += float(line.get("duration_s") or 0.0)
@@ -6181,6 +7126,7 @@ def _usage_finish(acc: dict) -> dict:
     acc["cache_hit_ratio"] = cache_hit_ratio(tok)
     acc["cost_usd"] = round(acc["cost_usd"], 10)
     acc["cost_estimated_usd"] = round(acc["cost_estimated_usd"], 10)
+    acc["cost_metered_usd"] = round(acc["cost_metered_usd"], 10)
     acc["duration_s"] = round(acc["duration_s"], 6)
     return acc
 
@@ -9117,10 +10063,16 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
                                              if r["run_id"] in driven["paused"] else None)}
                 for r in expected_ok if r.get("outcome") != "success" or r.get("validity") != "valid"]
     summary = rehearsal_summary(runs)
+    # Every session went through its gateway (the scripted model was its upstream): one that
+    # ended ok without a metered request reached the model some other way, and fails the proof.
+    proof = gateway_proof(read_jsonl(sp.ledger)[0]) if launch_config(scfg)["gateway"] == "on" else None
+    if proof and proof["unmetered_ok"]:
+        problems.append({"error": "sessions ended ok without a request through their gateway",
+                         "jobs": proof["unmetered_ok"]})
     # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
-              "breaker": breaker}
+              "breaker": breaker, "gateway": proof}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
@@ -9310,10 +10262,14 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg_binary = None
     study = None
     executor = "local"
+    gateway_mode = GATEWAY_DEFAULT
+    study_env: dict[str, str] = {}
     try:
         paths = ctx.study(args)
         study = str(paths.root)
         study_cfg = load_study_config(paths)
+        gateway_mode = str(study_cfg.get("gateway") or GATEWAY_DEFAULT)
+        study_env = dict(study_cfg.get("env") or {})
         cfg_binary = study_cfg.get("binary")
         executor = str(study_cfg.get("executor") or "local")
         readded = sorted(k for k in (study_cfg.get("env") or {})
@@ -9336,8 +10292,19 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         warnings.append(f"ANTHROPIC_BASE_URL is set to a non-default endpoint: {base_url}")
     _, report = scrub_env(ctx.env, for_claude=True, binary=binary)
     if report["unknown_claude_vars"]:
-        warnings.append("unknown CLAUDE_*/ANTHROPIC_* variables are passed to claude: "
-                        + ", ".join(report["unknown_claude_vars"]))
+        warnings.append("unknown CLAUDE_*/ANTHROPIC_* variables are "
+                        + ("withheld from claude (not on its allow-list): " if gateway_mode == "on"
+                           else "passed to claude: ") + ", ".join(report["unknown_claude_vars"]))
+    # What `claude` itself gets (names only): with the gateway on, its URL and a job token.
+    host = {k: v for k, v in ctx.env.items() if not is_credential_var(k)}
+    secret = {k: v for k, v in ctx.env.items() if is_credential_var(k)}
+    placeholder = {"ANTHROPIC_BASE_URL": "http://127.0.0.1:<port>", GATEWAY_TOKEN_VAR: "<job token>"}
+    _, claude_report = claude_env(host, extra=study_env, gateway=placeholder if gateway_mode == "on" else None,
+                                  secret=secret, binary=binary)
+    if gateway_mode == "on":
+        refusal = gateway_refusal({**ctx.env, **study_env}, gateway_mode)
+        if refusal is not None:
+            warnings.append("sessions would be refused: " + refusal.one_line())
     slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH")) for name in ("sbatch", "squeue", "scancel")}
     if executor == "slurm" and not all(slurm_tools.values()):
         warnings.append("the study's executor is slurm but these Slurm commands are not on PATH: "
@@ -9357,6 +10324,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
+            "claude_env": claude_report,
             "study": study, "warnings": warnings}
 
 
@@ -10242,6 +11210,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    # The gateways' figures beside the binaries' own, per model (side models included).
+    ledger_lines = read_jsonl(paths.ledger)[0]
+    totals = aggregate_usage(ledger_lines, by="model")["totals"]
+    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+                          "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
+                          "models_metered": totals["models_metered"],
+                          "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
@@ -10408,6 +11383,7 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
                             session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
                             meta={"base": rec["name"]}, cfg=cfg,
+                            env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
                             system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
             rec["last_ping"] = time.time()
             write_json_atomic(f, rec)
@@ -10463,15 +11439,24 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", required=True)
     p.add_argument("--env-file")
     p.add_argument("--credentials-file", help="owner-only file of credentials to add (Slurm jobs); deleted once read")
+    p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin (local jobs)")
 
 
 @command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
 @args_of(_supervise_args)
 def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
+    # Credentials stay in this process's memory (Supervisor.secret), never in os.environ.
+    creds: dict[str, str] = {}
+    if args.credentials_stdin:
+        try:
+            data = json.loads(sys.stdin.buffer.read(1 << 20) or b"{}")
+            got = data.get("env") if isinstance(data, dict) else None
+            if isinstance(got, dict):
+                creds = {str(k): str(v) for k, v in got.items() if isinstance(v, str)}
+        except (OSError, ValueError) as exc:
+            log(f"credentials on stdin not used: {exc}")
     if args.credentials_file:
-        # Added to, not replacing, the environment the batch job inherited (with SLURM_JOB_ID).
-        creds: dict[str, str] = {}
         try:
             creds = read_detach_env_file(args.credentials_file)
         except AgentbenchError as exc:
@@ -10480,10 +11465,10 @@ def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             log(f"credentials file not used: {exc.payload.get('detail') or exc}")
             with contextlib.suppress(OSError):
                 os.unlink(args.credentials_file)
-        os.environ.update(creds)
-        ctx.env = dict(os.environ)
+    ctx.env = dict(os.environ)
     paths = StudyPaths(Path(args.study))
     sup = Supervisor(paths, args.job, ctx.platform)
+    sup.secret = creds
     def on_term(*_: Any) -> None:
         sup.terminate_requested = True   # handled by the poll loop: kill claude, then finalise
     with contextlib.suppress(ValueError, OSError):

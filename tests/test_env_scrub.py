@@ -174,15 +174,27 @@ def test_where_reports_the_scrub_without_values(tmp_path, fake_env):
     assert any("CLAUDE_SOMETHING_NEW" in w for w in obj["warnings"])
     assert any("ANTHROPIC_BASE_URL" in w for w in obj["warnings"])
     assert SECRET not in json.dumps(obj)
+    # What claude itself would get: its gateway's URL and token, the key withheld.
+    ce = obj["claude_env"]
+    assert ce["gateway"] == "on" and "ANTHROPIC_API_KEY" in ce["credentials_withheld"]
+    assert "ANTHROPIC_BASE_URL" in ce["passed"] and "CLAUDE_SOMETHING_NEW" in ce["withheld"]
 
 
 # ---- end to end: what the fake claude saw ----------------------------------------------------------
 
+def study_env(study: Path, env: dict) -> None:
+    """Give the study its own `env` (the one way, besides the allow-list, a variable reaches claude)."""
+    cfg = json.loads((study / "study.json").read_text())
+    cfg["env"] = env
+    (study / "study.json").write_text(json.dumps(cfg))
+
+
 def test_claude_child_sees_the_scrubbed_environment(study, tmp_path, monkeypatch):
     log = tmp_path / "fake-claude.log"
     venv_bin = make_venv(tmp_path / "venv")
-    monkeypatch.setenv("FAKE_CLAUDE_LOG", str(log))
+    study_env(study, {"FAKE_CLAUDE_LOG": str(log)})
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
+    monkeypatch.setenv("SOME_UNRELATED_SETTING", "x")
     monkeypatch.setenv("VIRTUAL_ENV", str(tmp_path / "venv"))
     monkeypatch.setenv("PATH", str(venv_bin) + os.pathsep + os.environ["PATH"])
     for key, value in DROPPED.items():
@@ -200,7 +212,9 @@ def test_claude_child_sees_the_scrubbed_environment(study, tmp_path, monkeypatch
     names = set(calls[0]["env_names"])
     assert seen["AGENTBENCH_CHILD"] == "1"
     assert seen["DISABLE_AUTOUPDATER"] == "1"
-    assert seen["ANTHROPIC_API_KEY"] is True          # present (the fake never logs the value)
+    assert seen["ANTHROPIC_API_KEY"] is True          # present: the job's gateway token, not SECRET
+    assert seen["ANTHROPIC_BASE_URL"].startswith("http://127.0.0.1:")   # its gateway
+    assert "SOME_UNRELATED_SETTING" not in names       # an allow-list, not a drop-list
     assert seen["VIRTUAL_ENV"] is None and seen["CLAUDECODE"] is None
     assert str(venv_bin) not in seen["PATH"].split(os.pathsep)
     for key in DROPPED:
@@ -209,18 +223,16 @@ def test_claude_child_sees_the_scrubbed_environment(study, tmp_path, monkeypatch
 
 def test_offline_jobs_get_no_real_credentials(study, tmp_path, monkeypatch):
     """A job marked offline (rehearsal against the scripted model) gets only its own dummy key."""
-    cfg = json.loads((study / "study.json").read_text())
-    cfg["env"] = {"AGENTBENCH_OFFLINE": "1"}
-    (study / "study.json").write_text(json.dumps(cfg))
     log = tmp_path / "fake-claude.log"
-    monkeypatch.setenv("FAKE_CLAUDE_LOG", str(log))
+    study_env(study, {"AGENTBENCH_OFFLINE": "1", "FAKE_CLAUDE_LOG": str(log)})
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
     monkeypatch.setenv("CLAUDE_CODE_OAUTH_TOKEN", SECRET)
     code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "FAKE: text=ok\n")])
     assert code == 0, out
     assert wait_result(study, out["job_id"])["status"] == "ok"
     call = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()][-1]
-    assert call["env"]["ANTHROPIC_API_KEY"] is False
+    assert call["env"]["ANTHROPIC_API_KEY"] is True    # the gateway's job token only
+    assert call["env"]["ANTHROPIC_BASE_URL"].startswith("http://127.0.0.1:")
     assert "CLAUDE_CODE_OAUTH_TOKEN" not in call["env_names"]
     assert call["env"]["AGENTBENCH_CHILD"] == "1"
 
@@ -296,3 +308,79 @@ def test_calibrate_runs_checks_without_credentials(tmp_path, fake_env):
     for d in dumps:
         assert not [k for k in d["env"] if k in CREDENTIALS]
         assert not any(SECRET in v for v in d["env"].values())
+
+
+# ---- claude's own environment: an allow-list ----------------------------------------------------------
+
+GATEWAY_VARS = {"ANTHROPIC_BASE_URL": "http://127.0.0.1:9", "ANTHROPIC_API_KEY": "abgw-job-token"}
+
+
+def test_claude_env_with_the_gateway_passes_only_the_allow_list(tmp_path):
+    host, venv_bin = host_env(tmp_path)
+    host["SOME_TOOL_SETTING"] = "1"
+    env, report = ab.claude_env(host, extra={"STUDY_VAR": "s", "ANTHROPIC_AUTH_TOKEN": SECRET},
+                                gateway=GATEWAY_VARS, binary="/bin/claude")
+    assert SECRET not in json.dumps(env)
+    assert env["ANTHROPIC_API_KEY"] == "abgw-job-token" and env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9"
+    for key in ("ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN", "GH_TOKEN", "AWS_SECRET_ACCESS_KEY",
+                "SOME_TOOL_SETTING", "VIRTUAL_ENV", *DROPPED):
+        assert key not in env, key
+    assert env["STUDY_VAR"] == "s" and env["HOME"] == str(tmp_path) and env["LANG"] == "C.UTF-8"
+    assert str(venv_bin) not in env["PATH"].split(os.pathsep)
+    assert env["AGENTBENCH_CHILD"] == "1" and env["AGENTBENCH_CLAUDE_BIN"] == "/bin/claude"
+    assert {"ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "GH_TOKEN"} <= set(report["credentials_withheld"])
+    assert "SOME_TOOL_SETTING" in report["withheld"] and "HOME" in report["passed"]
+    assert report["gateway"] == "on"
+
+
+def test_claude_env_without_the_gateway_passes_the_credentials(tmp_path):
+    host, _ = host_env(tmp_path)
+    creds = {k: host.pop(k) for k in CREDENTIALS}
+    host["CLAUDE_CODE_USE_BEDROCK"] = "1"
+    host["AWS_REGION"] = "eu-west-1"
+    env, report = ab.claude_env(host, extra=None, gateway=None, secret=creds)
+    assert env["ANTHROPIC_API_KEY"] == SECRET and env["GH_TOKEN"] == SECRET + "-gh"
+    assert env["CLAUDE_CODE_USE_BEDROCK"] == "1" and env["AWS_REGION"] == "eu-west-1"
+    assert "ANTHROPIC_MODEL" not in env and "CLAUDECODE" not in env
+    assert report["gateway"] == "off" and report["credentials_withheld"] == []
+
+
+@pytest.mark.parametrize("env, mode, refused", [
+    ({"ANTHROPIC_API_KEY": "k"}, "on", None),
+    ({"CLAUDE_CODE_USE_BEDROCK": "1", "ANTHROPIC_API_KEY": "k"}, "on", "CLAUDE_CODE_USE_BEDROCK"),
+    ({"CLAUDE_CODE_USE_VERTEX": "true"}, "on", "CLAUDE_CODE_USE_VERTEX"),
+    ({"CLAUDE_CODE_USE_BEDROCK": "0"}, "on", None),
+    ({"CLAUDE_CODE_OAUTH_TOKEN": "t"}, "on", "CLAUDE_CODE_OAUTH_TOKEN"),
+    ({"CLAUDE_CODE_OAUTH_TOKEN": "t", "ANTHROPIC_AUTH_TOKEN": "b"}, "on", None),
+    ({"CLAUDE_CODE_USE_BEDROCK": "1", "CLAUDE_CODE_OAUTH_TOKEN": "t"}, "off", None),
+])
+def test_gateway_refusal(env, mode, refused):
+    err = ab.gateway_refusal(env, mode)
+    if refused is None:
+        assert err is None
+    else:
+        assert err is not None and err.payload["variable"] == refused and '"gateway": "off"' in err.payload["hint"]
+
+
+def test_a_bedrock_study_is_refused_at_launch_unless_the_gateway_is_off(study, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLAUDE_CODE_USE_BEDROCK", "1")
+    code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "FAKE: text=ok\n")])
+    assert code == 2 and out["refusal"] == "gateway" and "hint" in out, out
+    assert not (study / "state" / "jobs").exists() or not list((study / "state" / "jobs").iterdir())
+    study_env(study, {})
+    cfg = json.loads((study / "study.json").read_text())
+    cfg["gateway"] = "off"
+    (study / "study.json").write_text(json.dumps(cfg))
+    code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "FAKE: text=ok\n")])
+    assert code == 0, out
+    assert wait_result(study, out["job_id"])["status"] == "ok"
+
+
+def test_a_bad_gateway_setting_is_refused(study):
+    cfg = json.loads((study / "study.json").read_text())
+    cfg["gateway"] = "maybe"
+    (study / "study.json").write_text(json.dumps(cfg))
+    code, out = run_main(["where", "--study", str(study)])
+    assert any("gateway" in w for w in out["warnings"]), out
+    with pytest.raises(ab.AgentbenchError, match="gateway"):
+        ab.check_study_shape(cfg)

@@ -444,11 +444,22 @@ def test_credentials_reach_claude_but_not_the_batch_jobs_environment(sst: Path, 
     sup, claude, _ = running_job(sst, job)
     # What Slurm handed the batch job (the supervisor's environment at exec) has no key ...
     assert "ANTHROPIC_API_KEY" not in _environ(sup.pid)
-    # ... the key came through an owner-only file, deleted once read, and reached claude.
-    assert _environ(claude.pid).get("ANTHROPIC_API_KEY") == "sk-test-not-a-real-key"
+    # ... the key came through an owner-only file, deleted once read; claude holds only its
+    # gateway's job token ...
+    seen = _environ(claude.pid)
+    assert seen.get("ANTHROPIC_API_KEY", "").startswith("abgw-") and "sk-test" not in json.dumps(seen)
+    assert seen.get("ANTHROPIC_BASE_URL", "").startswith("http://127.0.0.1:")
     assert not (sst / "state" / "jobs" / job / "credentials.json").exists()
     script = (sst / "state" / "jobs" / job / "slurm.sh").read_text()
     assert "sk-test" not in script and "--credentials-file" in script
+    ok(["kill", "--study", str(sst), "--job", job])
+    # ... and with the gateway off the key itself reaches claude, by the same file.
+    cfg = json.loads((sst / "study.json").read_text())
+    (sst / "study.json").write_text(json.dumps({**cfg, "gateway": "off"}))
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path, "hang")])["job_id"]
+    sup, claude, _ = running_job(sst, job)
+    assert "ANTHROPIC_API_KEY" not in _environ(sup.pid)
+    assert _environ(claude.pid).get("ANTHROPIC_API_KEY") == "sk-test-not-a-real-key"
     ok(["kill", "--study", str(sst), "--job", job])
 
 

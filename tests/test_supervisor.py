@@ -300,7 +300,7 @@ def slow_supervisor_start(monkeypatch) -> list[ab.ProcId]:
     import subprocess
     started: list[ab.ProcId] = []
 
-    def detach(platform, args, *, cwd, env, log_path):  # noqa: ANN001 - the seam's signature
+    def detach(platform, args, *, cwd, env, log_path, secret=None):  # noqa: ANN001 - the seam's signature
         p = subprocess.Popen(["sleep", "60"], cwd=cwd, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         started.append(PLATFORM.proc_id(p.pid))

@@ -1,0 +1,147 @@
+"""The file's shape, checked from its code: bottom-up definitions, one home per section, a map
+that tells the truth, and no `ctx: Any` below the CLI.
+
+Run ``python3 tests/test_architecture.py`` to rewrite the module docstring's section map after
+sections move or grow.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "agentbench.py"
+BANNER = "# " + "=" * 98
+MAP_START = "Sections (line ranges), strictly bottom-up:"
+
+
+def sections(text: str) -> list[tuple[str, int, int]]:
+    """(title, first line, last line) of every full-width banner's section, in order; a section
+    starts at its opening banner and ends on the line before the next one."""
+    lines = text.split("\n")
+    starts = [(i + 1, lines[i + 1][2:].strip()) for i in range(len(lines) - 2)
+              if lines[i] == BANNER and lines[i + 2] == BANNER]
+    out = []
+    for k, (line, title) in enumerate(starts):
+        end = starts[k + 1][0] - 1 if k + 1 < len(starts) else len(lines)
+        out.append((title, line, end))
+    return out
+
+
+def section_map(text: str) -> str:
+    return "\n".join(f"    {a:>5}-{b:<5} {t}" for t, a, b in sections(text))
+
+
+def top_level_names(tree: ast.Module) -> dict[str, int]:
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        names: list[str] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        for n in names:
+            defined.setdefault(n, node.lineno)
+    return defined
+
+
+def _bound_inside(node: ast.AST) -> set[str]:
+    out: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not node:
+            out.add(n.name)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            out.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+    return out
+
+
+def _loads_outside_annotations(node: ast.AST) -> list[ast.Name]:
+    skip: set[int] = set()
+    for n in ast.walk(node):
+        ann = []
+        if isinstance(n, ast.arg) and n.annotation:
+            ann.append(n.annotation)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns:
+            ann.append(n.returns)
+        if isinstance(n, ast.AnnAssign):
+            ann.append(n.annotation)
+        for a in ann:
+            skip.update(id(x) for x in ast.walk(a))
+    return [n for n in ast.walk(node)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in skip]
+
+
+def forward_uses(text: str) -> list[tuple[int, str, str, int]]:
+    """(line, definition, name it uses, where that name is defined) for every top-level definition
+    that uses a module-level name defined further down (annotations, being strings, do not count)."""
+    tree = ast.parse(text)
+    defined = top_level_names(tree)
+    bad = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)):
+            continue
+        own = {getattr(node, "name", "")}
+        local = _bound_inside(node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else set()
+        for use in _loads_outside_annotations(node):
+            at = defined.get(use.id)
+            if at and at > node.lineno and use.id not in own and use.id not in local:
+                bad.append((node.lineno, getattr(node, "name", "<assignment>"), use.id, at))
+    return sorted(set(bad))
+
+
+def test_no_definition_uses_a_later_one():
+    assert forward_uses(SOURCE.read_text(encoding="utf-8")) == []
+
+
+def test_the_checker_catches_a_forward_use():
+    src = "def a():\n    return b()\n\n\ndef b():\n    return 1\n\n\ndef c():\n    b = 2\n    return b\n"
+    assert forward_uses(src) == [(1, "a", "b", 5)]
+
+
+def test_nothing_below_the_cli_takes_an_untyped_ctx():
+    text = SOURCE.read_text(encoding="utf-8")
+    cli = next(line for title, line, _ in sections(text) if title.startswith("The CLI"))
+    offenders = [i + 1 for i, line in enumerate(text.split("\n")[:cli])
+                 if re.search(r"\bctx: Any\b", line)]
+    assert offenders == []
+
+
+def test_the_module_docstring_maps_every_section_with_its_lines():
+    text = SOURCE.read_text(encoding="utf-8")
+    doc = ast.get_docstring(ast.parse(text), clean=False) or ""
+    assert MAP_START in doc, "the module docstring has no section map"
+    got = doc.split(MAP_START, 1)[1].strip("\n").split("\n\n")[0].rstrip()
+    assert got == section_map(text), "run `python3 tests/test_architecture.py` to rewrite the map"
+
+
+def test_every_section_banner_says_what_it_owns():
+    text = SOURCE.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    for title, line, _ in sections(text):
+        below = lines[line + 2:line + 4]   # the two lines after the closing banner
+        assert all(b.startswith("# ") and len(b) > 10 for b in below), f"section {title!r} has no description"
+
+
+def rewrite_map() -> None:
+    text = SOURCE.read_text(encoding="utf-8")
+    head, rest = text.split(MAP_START, 1)
+    body, tail = rest.lstrip("\n").split("\n\n", 1)
+    # Twice: the map's own length moves the sections below it.
+    for _ in range(3):
+        new = head + MAP_START + "\n" + section_map(head + MAP_START + "\n" + body + "\n\n" + tail) + "\n\n" + tail
+        body = section_map(new)
+    SOURCE.write_text(head + MAP_START + "\n" + body + "\n\n" + tail, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    rewrite_map()
+    sys.exit(0)

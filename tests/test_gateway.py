@@ -1,0 +1,521 @@
+"""The metering gateway, in process: its pure metering and reservation rules (tables), and the
+server itself between an HTTP client and a loopback upstream (a recording stub, or the scripted
+model): the job token, the credential swap, byte-for-byte streaming, metering, refusals, TLS."""
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import shutil
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ab
+
+PLAT = ab.current_platform()
+REAL_KEY = "sk-ant-gateway-test-REAL-0123456789"
+PRICES = {"claude-test": [2.0, 10.0, 2.5, 4.0, 0.2]}
+
+
+def sse(*events: tuple[str, dict]) -> bytes:
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+START = ("message_start", {"type": "message_start", "message": {
+    "id": "msg_1", "model": "claude-test", "usage": {
+        "input_tokens": 100, "output_tokens": 1, "cache_read_input_tokens": 1000,
+        "cache_creation_input_tokens": 300,
+        "cache_creation": {"ephemeral_5m_input_tokens": 200, "ephemeral_1h_input_tokens": 100}}}})
+DELTA = ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": "message_delta in a text"}})
+END = ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                         "usage": {"output_tokens": 50}})
+STOP = ("message_stop", {"type": "message_stop"})
+#: 100 in at 2, 50 out at 10, 200 5m writes at 2.5, 100 1h writes at 4, 1000 reads at 0.2 ($/Mtok)
+EXPECTED_COST = round((100 * 2.0 + 50 * 10.0 + 200 * 2.5 + 100 * 4.0 + 1000 * 0.2) / 1e6, 6)
+
+
+# ---- pure rules ------------------------------------------------------------------------------------
+
+def test_sse_meter_reads_usage_split_across_chunks():
+    data = sse(START, DELTA, END, STOP)
+    for size in (1, 7, 64, len(data)):
+        m = ab.SseMeter()
+        for i in range(0, len(data), size):
+            m.feed(data[i:i + size])
+        tokens = ab.metered_tokens(m.usage)
+        assert tokens == {"input": 100, "output": 50, "cache_creation": 300, "cache_creation_1h": 100,
+                          "cache_creation_5m": 200, "cache_read": 1000}, size
+        assert m.model == "claude-test" and not m.bad and m.error is None
+        assert ab.estimate_cost_usd(tokens, m.model, PRICES) == EXPECTED_COST
+
+
+@pytest.mark.parametrize("events, tokens_out, bad, error", [
+    ([START, STOP], 1, False, None),                                    # cut before message_delta
+    ([START, ("message_delta", {"type": "message_delta", "usage": {"output_tokens": -5}}), STOP], 1, True, None),
+    ([START, ("message_delta", {"type": "message_delta", "usage": {"output_tokens": "9"}}), STOP], 1, True, None),
+    ([START, ("message_delta", {"type": "message_delta", "usage": {"output_tokens": True}}), STOP], 1, True, None),
+    ([START, ("error", {"type": "error", "error": {"type": "overloaded_error"}})], 1, False, "overloaded_error"),
+])
+def test_sse_meter_table(events, tokens_out, bad, error):
+    m = ab.SseMeter()
+    m.feed(sse(*events))
+    assert ab.metered_tokens(m.usage)["output"] == tokens_out
+    assert m.bad is bad and m.error == error
+
+
+def test_sse_meter_survives_garbage():
+    m = ab.SseMeter()
+    m.feed(b"data: {not json message_start\n\ndata: [1,2]\n\n\xff\xfe\n")
+    assert m.usage == {} and m.bad
+
+
+@pytest.mark.parametrize("body, usage, model, bad", [
+    (json.dumps({"model": "claude-test", "usage": {"input_tokens": 5, "output_tokens": 7}}).encode(),
+     {"input_tokens": 5, "output_tokens": 7}, "claude-test", False),
+    (b"not json", {}, None, True),
+    (b"[]", {}, None, True),
+    (json.dumps({"usage": {"input_tokens": 1.5}}).encode(), {}, None, True),
+])
+def test_message_meter_table(body, usage, model, bad):
+    assert ab.message_meter(body) == (usage, model, bad)
+
+
+@pytest.mark.parametrize("body_bytes, max_tokens, expected", [
+    (0, 0, 0.0),
+    (3000, 0, round(1000 * 4.0 / 1e6, 6)),        # input at the dearest input-side price (1h write)
+    (0, 1000, round(1000 * 10.0 / 1e6, 6)),
+    (3001, 1000, round((1001 * 4.0 + 1000 * 10.0) / 1e6, 6)),
+])
+def test_worst_case_usd(body_bytes, max_tokens, expected):
+    assert ab.worst_case_usd(body_bytes, max_tokens, "claude-test", PRICES) == expected
+
+
+@pytest.mark.parametrize("worst, run_cap, run_used, study_cap, study_used, limit", [
+    (1.0, 5.0, 0.0, None, 0.0, None),
+    (1.0, 5.0, 4.0, None, 0.0, None),              # exactly fits
+    (1.0, 5.0, 4.5, None, 0.0, "usd_per_run"),
+    (1.0, None, 100.0, None, 0.0, None),           # no caps at all
+    (1.0, 5.0, 0.0, 10.0, 9.5, "study_usd"),
+    (1.0, 5.0, 2.0, 10.0, 7.0, None),              # 7 + 2 + 1 = 10 fits
+    (1.0, 5.0, 2.5, 10.0, 7.0, "study_usd"),
+    (1.0, 0.5, 0.0, 10.0, 9.5, "usd_per_run"),     # the run's limit is named first
+])
+def test_reservation_refusal(worst, run_cap, run_used, study_cap, study_used, limit):
+    got = ab.reservation_refusal(worst, run_cap=run_cap, run_used=run_used, study_cap=study_cap,
+                                 study_used=study_used)
+    assert (got or {}).get("limit") == limit
+
+
+@pytest.mark.parametrize("metered, reported, flagged", [
+    (1.0, 1.0, False), (1.0, 1.004, False), (1.0, 1.01, True), (0.0, 0.00005, False),
+    (0.0, 0.001, True), (None, 1.0, False), (1.0, None, False),
+])
+def test_cost_mismatch(metered, reported, flagged):
+    assert ab.cost_mismatch(metered, reported) is flagged
+
+
+@pytest.mark.parametrize("usage, billed", [
+    ({"cost_delta_usd": 2.0, "cost_metered_usd": 1.5, "requests": 3}, 1.5),
+    ({"cost_delta_usd": 2.0, "cost_metered_usd": 0.0, "requests": 0}, 2.0),   # nothing went through it
+    ({"cost_delta_usd": 2.0, "cost_metered_usd": None}, 2.0),
+    ({"cost_delta_usd": 2.0}, 2.0),
+    ({"cost_delta_usd": 2.0, "cost_metered_usd": float("nan"), "requests": 1}, 2.0),
+    (None, 0.0),
+])
+def test_billed_cost_usd(usage, billed):
+    assert ab.billed_cost_usd(usage) == billed
+
+
+@pytest.mark.parametrize("creds, headers", [
+    ({"ANTHROPIC_API_KEY": "k"}, [("x-api-key", "k")]),
+    ({"ANTHROPIC_AUTH_TOKEN": "t"}, [("authorization", "Bearer t")]),
+    ({"ANTHROPIC_API_KEY": "k", "ANTHROPIC_AUTH_TOKEN": "t"}, [("x-api-key", "k")]),
+    ({"ANTHROPIC_CUSTOM_HEADERS": "X-Org: acme\nbad header\nX-Two:  2 "}, [("X-Org", "acme"), ("X-Two", "2")]),
+    ({}, []),
+])
+def test_gateway_auth_headers(creds, headers):
+    assert ab.gateway_auth_headers(creds) == headers
+
+
+@pytest.mark.parametrize("headers, token, ok", [
+    ({"x-api-key": "abc"}, "abc", True),
+    ({"authorization": "Bearer abc"}, "abc", True),
+    ({"authorization": "bearer abc"}, "abc", True),
+    ({"x-api-key": "abd"}, "abc", False),
+    ({"authorization": "Basic abc"}, "abc", False),
+    ({}, "abc", False),
+    ({"x-api-key": ""}, "", False),
+])
+def test_token_check(headers, token, ok):
+    assert ab.token_matches(ab.presented_token(headers), token) is ok
+
+
+@pytest.mark.parametrize("url, parts", [
+    (None, ("https", "api.anthropic.com", 443, "")),
+    ("http://127.0.0.1:8080", ("http", "127.0.0.1", 8080, "")),
+    ("https://proxy.example/anthropic/", ("https", "proxy.example", 443, "/anthropic")),
+])
+def test_gateway_upstream(url, parts):
+    assert ab.gateway_upstream(url) == parts
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "no-scheme", "http://", "http://h:99999"])
+def test_gateway_upstream_refuses_bad_urls(url):
+    with pytest.raises(ab.AgentbenchError):
+        ab.gateway_upstream(url)
+
+
+def test_summarize_metering_per_model():
+    recs = [{"kind": "messages", "model": "a", "cost_usd": 0.5, "tokens": {"input": 1}},
+            {"kind": "messages", "model": "b", "cost_usd": 0.25, "tokens": {"output": 2}},
+            {"kind": "messages", "model": "a", "cost_usd": 0.125, "tokens": {"input": 3}},
+            {"kind": "count_tokens", "cost_usd": 9.0}, {"kind": "other", "status": 401}]
+    out = ab.summarize_metering(recs)
+    assert out["cost_metered_usd"] == 0.875 and out["requests"] == 3
+    assert out["models_metered"]["a"]["requests"] == 2 and out["models_metered"]["a"]["tokens"]["input"] == 4
+    assert out["models_metered"]["b"]["cost_usd"] == 0.25
+
+
+# ---- the server ------------------------------------------------------------------------------------
+
+class Upstream:
+    """A recording stub upstream: answers /v1/messages with fixed SSE bytes in several writes
+    (or JSON when not streaming), count_tokens with JSON, anything else with 404."""
+
+    def __init__(self, stream_body: bytes, tls: tuple[str, str] | None = None):
+        self.stream_body = stream_body
+        self.requests: list[dict] = []
+        up = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                up.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                if self.path.endswith("/count_tokens"):
+                    return self._json(200, {"input_tokens": 42})
+                req = json.loads(body or b"{}")
+                if not req.get("stream"):
+                    return self._json(200, {"id": "msg_2", "model": "claude-test",
+                                            "usage": {"input_tokens": 10, "output_tokens": 20}})
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("request-id", "req_stub_1")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                data = up.stream_body
+                for i in range(0, len(data), 97):
+                    part = data[i:i + 97]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def do_GET(self):
+                up.requests.append({"path": self.path, "headers": dict(self.headers), "body": b""})
+                self._json(404, {"type": "error", "error": {"type": "not_found_error"}})
+
+            def _json(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.send_header("request-id", "req_stub_2")
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        scheme = "http"
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self.srv.socket = ctx.wrap_socket(self.srv.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.fixture
+def upstream():
+    up = Upstream(sse(START, DELTA, END, STOP))
+    yield up
+    up.close()
+
+
+def make_gateway(tmp_path: Path, upstream_url: str, budget=None, creds=None) -> ab.MeteringGateway:
+    gw = ab.MeteringGateway(upstream=upstream_url, creds=creds if creds is not None else {"ANTHROPIC_API_KEY": REAL_KEY},
+                            prices=PRICES, record_path=tmp_path / "gateway.jsonl", budget=budget,
+                            default_model="claude-test")
+    gw.start()
+    return gw
+
+
+def post(gw: ab.MeteringGateway, path: str, body: dict, headers: dict | None = None) -> tuple[int, bytes, dict]:
+    host, port = gw.url.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    hdrs = {"content-type": "application/json", "x-api-key": gw.token} if headers is None else headers
+    conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data, {k.lower(): v for k, v in resp.getheaders()}
+
+
+def records(tmp_path: Path, n: int = 1) -> list[dict]:
+    """The gateway's records once there are at least n (a record is written after the answer's
+    last byte, so the client can be a moment ahead of it)."""
+    path = tmp_path / "gateway.jsonl"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if path.exists():
+            recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+            if len(recs) >= n:
+                return recs
+        time.sleep(0.01)
+    raise AssertionError(f"fewer than {n} gateway records")
+
+
+def test_a_request_without_the_job_token_gets_401_and_is_not_forwarded(tmp_path, upstream):
+    gw = make_gateway(tmp_path, upstream.url)
+    try:
+        for headers in ({}, {"x-api-key": "abgw-other-job"}, {"authorization": "Bearer " + REAL_KEY},
+                        {"x-api-key": gw.token + "x"}):
+            status, data, _ = post(gw, "/v1/messages", {"model": "claude-test", "max_tokens": 10}, headers)
+            assert status == 401 and json.loads(data)["error"]["type"] == "authentication_error"
+        assert upstream.requests == []
+        assert [r["status"] for r in records(tmp_path, 4)] == [401] * 4
+    finally:
+        gw.stop()
+
+
+def test_a_stream_passes_byte_for_byte_with_the_credential_swapped_and_is_metered(tmp_path, upstream):
+    gw = make_gateway(tmp_path, upstream.url)
+    try:
+        status, data, headers = post(gw, "/v1/messages?beta=true",
+                                     {"model": "claude-test", "max_tokens": 100, "stream": True},
+                                     {"x-api-key": gw.token, "anthropic-version": "2023-06-01",
+                                      "content-type": "application/json"})
+        assert status == 200 and data == upstream.stream_body
+        assert headers["request-id"] == "req_stub_1" and "text/event-stream" in headers["content-type"]
+        seen = upstream.requests[-1]["headers"]
+        seen = {k.lower(): v for k, v in seen.items()}
+        assert seen["x-api-key"] == REAL_KEY and seen["anthropic-version"] == "2023-06-01"
+        assert gw.token not in json.dumps(seen) and upstream.requests[-1]["path"] == "/v1/messages?beta=true"
+        rec = records(tmp_path)[-1]
+        assert rec["cost_usd"] == EXPECTED_COST and rec["request_id"] == "req_stub_1"
+        assert rec["tokens"]["cache_creation_1h"] == 100 and rec["tokens"]["output"] == 50
+        assert rec["model"] == "claude-test" and rec["status"] == 200 and rec["chunks"] >= 1
+        assert REAL_KEY not in (tmp_path / "gateway.jsonl").read_text()
+        assert gw.summary()["cost_metered_usd"] == EXPECTED_COST
+    finally:
+        gw.stop()
+
+
+def test_non_streamed_answers_count_tokens_and_other_paths_are_forwarded(tmp_path, upstream):
+    gw = make_gateway(tmp_path, upstream.url, creds={"ANTHROPIC_AUTH_TOKEN": REAL_KEY})
+    try:
+        status, data, _ = post(gw, "/v1/messages", {"model": "claude-test", "max_tokens": 100})
+        assert status == 200 and json.loads(data)["usage"]["output_tokens"] == 20
+        status, data, _ = post(gw, "/v1/messages/count_tokens", {"model": "claude-test"})
+        assert status == 200 and json.loads(data) == {"input_tokens": 42}
+        host, port = gw.url.rsplit("/", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/models", headers={"authorization": "Bearer " + gw.token})
+        assert conn.getresponse().status == 404
+        conn.close()
+        assert all({k.lower(): v for k, v in r["headers"].items()}["authorization"] == "Bearer " + REAL_KEY
+                   for r in upstream.requests)
+        recs = records(tmp_path, 3)
+        assert [r["kind"] for r in recs] == ["messages", "count_tokens", "other"]
+        assert recs[0]["cost_usd"] == round((10 * 2.0 + 20 * 10.0) / 1e6, 6)
+        assert gw.summary()["requests"] == 1
+    finally:
+        gw.stop()
+
+
+def test_a_request_that_does_not_fit_the_budget_is_refused_with_a_final_400(tmp_path, upstream):
+    paths = ab.StudyPaths(tmp_path / "study")
+    paths.state.mkdir(parents=True)
+    # Worst case of one request: ~40 bytes of body at $4/Mtok + 100_000 output tokens at $10/Mtok = ~$1.
+    budget = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=1.5, study_cap=None)
+    gw = make_gateway(tmp_path, upstream.url, budget=budget)
+    try:
+        body = {"model": "claude-test", "max_tokens": 100_000, "stream": True}
+        assert post(gw, "/v1/messages", body)[0] == 200
+        status, data, _ = post(gw, "/v1/messages", dict(body, max_tokens=200_000))
+        err = json.loads(data)["error"]
+        assert status == 400 and err["type"] == "invalid_request_error" and "budget" in err["message"]
+        assert len(upstream.requests) == 1                # the refused request never went out
+        assert gw.refusal["limit"] == "usd_per_run"
+        assert records(tmp_path, 2)[-1]["refused"] == "usd_per_run"
+        assert budget.metered == EXPECTED_COST and budget.reserved == 0.0
+        live = json.loads((paths.state / "gateway" / "j000001.json").read_text())
+        assert live["metered_usd"] == EXPECTED_COST and live["reserved_usd"] == 0.0
+    finally:
+        gw.stop()
+
+
+def test_the_study_cap_counts_the_ledger_and_every_live_job(tmp_path):
+    paths = ab.StudyPaths(tmp_path / "study")
+    paths.state.mkdir(parents=True)
+    reg = ab.read_registry(paths)
+    reg["spent_usd"] = 4.0
+    ab.write_json_atomic(paths.registry, reg)
+    a = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=None, study_cap=10.0)
+    b = ab.GatewayBudget(paths, PLAT, "j000002", run_cap=None, study_cap=10.0)
+    assert a.reserve(3.0) is None                     # 4 + 3 = 7
+    assert b.reserve(3.5)["limit"] == "study_usd"     # 4 + 3 + 3.5 > 10
+    a.settle(3.0, 1.0)                                # a's answer cost 1: 4 + 1 = 5
+    assert b.reserve(3.5) is None                     # 5 + 3.5 = 8.5
+    assert ab.live_reservations_usd(paths, exclude="j000002") == 1.0
+    # Once a job's ledger line is written the ledger counts it, not its reservation file.
+    (paths.job_dir("j000001")).mkdir(parents=True)
+    (paths.job_dir("j000001") / "ledgered").touch()
+    assert ab.live_reservations_usd(paths, exclude="j000002") == 0.0
+    a.discard()
+    assert not a.file.exists()
+    # A garbled or hostile reservation file cannot add a negative amount.
+    (paths.state / "gateway" / "j000009.json").write_text('{"metered_usd": -100, "reserved_usd": "x"}')
+    assert ab.live_reservations_usd(paths) == 3.5
+
+
+def test_the_scripted_model_as_upstream_is_metered_at_the_study_prices(tmp_path, server):
+    server.add_script("s1", {"steps": [{"text": "hi", "usage": {"input_tokens": 1234, "output_tokens": 567,
+                                                                "cache_read_input_tokens": 89}}]})
+    gw = make_gateway(tmp_path, server.url, creds={"ANTHROPIC_API_KEY": "rehearsal"})
+    try:
+        body = {"model": "claude-test", "max_tokens": 1000, "stream": True,
+                "messages": [{"role": "user", "content": "go [agentbench-script:s1]"}],
+                "tools": [{"name": "Bash", "input_schema": {"type": "object"}}]}
+        status, data, _ = post(gw, "/v1/messages", body)
+        assert status == 200 and b"message_stop" in data
+        rec = records(tmp_path)[-1]
+        assert rec["tokens"]["input"] == 1234 and rec["tokens"]["output"] == 567 and rec["tokens"]["cache_read"] == 89
+        assert rec["cost_usd"] == round((1234 * 2.0 + 567 * 10.0 + 89 * 0.2) / 1e6, 6)
+    finally:
+        gw.stop()
+
+
+def test_an_https_upstream_is_verified(tmp_path, monkeypatch):
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    up = Upstream(sse(START, END, STOP), tls=(str(cert), str(key)))
+    try:
+        gw = make_gateway(tmp_path, up.url)
+        try:   # an unknown certificate: refused, nothing forwarded
+            status, _, _ = post(gw, "/v1/messages", {"model": "claude-test", "max_tokens": 10, "stream": True})
+            assert status == 502 and up.requests == []
+        finally:
+            gw.stop()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        gw = make_gateway(tmp_path, up.url)
+        try:
+            status, data, _ = post(gw, "/v1/messages", {"model": "claude-test", "max_tokens": 10, "stream": True})
+            assert status == 200 and data == up.stream_body
+        finally:
+            gw.stop()
+    finally:
+        up.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the dying holder here uses flock")
+def test_the_reservation_lock_excludes_a_second_holder_and_frees_on_exit(tmp_path):
+    lock = tmp_path / "lock"
+    with PLAT.file_lock(lock):
+        with pytest.raises(ab.AgentbenchError, match="lock timed out"):
+            with PLAT.file_lock(lock, timeout_s=0.05):
+                pass
+    with PLAT.file_lock(lock, timeout_s=0.05):
+        pass
+    # A holder that dies frees it (the OS releases the lock with the process).
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                              str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(ab.AgentbenchError):
+            with PLAT.file_lock(lock, timeout_s=0.05):
+                pass
+    finally:
+        child.kill()
+        child.wait()
+    with PLAT.file_lock(lock, timeout_s=10):
+        pass
+
+
+def test_gateway_proof_of_a_rehearsal():
+    lines = [{"job_id": "j1", "status": "ok", "requests": 3, "cost_metered_usd": 0.5, "cost_delta_usd": 0.5, "flags": []},
+             {"job_id": "j2", "status": "ok", "requests": 0, "cost_metered_usd": 0.0, "cost_delta_usd": 0.2, "flags": []},
+             {"job_id": "j3", "status": "failed", "requests": 1, "cost_metered_usd": 0.1, "cost_delta_usd": 0.3,
+              "flags": ["cost_mismatch"]},
+             {"job_id": "j4", "status": "killed", "cost_delta_usd": 0.0}]
+    proof = ab.gateway_proof(lines)
+    assert proof["jobs"] == 4 and proof["metered_jobs"] == 2 and proof["requests"] == 4
+    assert proof["cost_metered_usd"] == 0.6 and proof["cost_reported_usd"] == 1.0
+    assert proof["mismatched"] == ["j3"] and proof["unmetered_ok"] == ["j2"]
+
+
+def test_a_job_whose_supervisor_died_is_costed_from_its_gateway_log(tmp_path):
+    paths = ab.StudyPaths(tmp_path / "study")
+    jdir = paths.job_dir("j000003")
+    (jdir / "raw").mkdir(parents=True)
+    (jdir / "raw" / "stream.jsonl").write_text("")
+    for cost in (0.25, 0.5):
+        ab.append_jsonl(jdir / "gateway.jsonl", {"kind": "messages", "model": "claude-test", "cost_usd": cost,
+                                                 "tokens": {"input": 10}})
+    job = {"job_id": "j000003", "raw_dir": str(jdir / "raw"), "model": "claude-test", "prior": {}}
+    usage, _ = ab._usage_from_raw(job, paths)
+    assert usage["cost_metered_usd"] == 0.75 and usage["requests"] == 2
+    assert ab.billed_cost_usd(usage) == 0.75
+
+
+@pytest.mark.parametrize("method, raw, kind, forward, allowed", [
+    ("POST", "/v1/messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/messages?beta=true", "messages", "/v1/messages?beta=true", True),
+    ("POST", "/v1/messages/", "messages", "/v1/messages", True),
+    ("POST", "//v1//messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/%6dessages", "messages", "/v1/messages", True),
+    ("POST", "/v1/x/../messages", "messages", "/v1/messages", True),
+    ("POST", "/v1/messages/count_tokens?beta=true", "count_tokens", "/v1/messages/count_tokens?beta=true", True),
+    ("POST", "/v1/messages/batches", "other", "/v1/messages/batches", False),
+    ("POST", "/v1/complete", "other", "/v1/complete", False),
+    ("DELETE", "/v1/files/f1", "other", "/v1/files/f1", False),
+    ("GET", "/v1/models", "other", "/v1/models", True),
+    ("GET", "/v1/messages", "other", "/v1/messages", True),
+])
+def test_gateway_route(method, raw, kind, forward, allowed):
+    assert ab.gateway_route(method, raw) == (kind, forward, allowed)
+
+
+def test_a_spending_request_to_another_path_is_not_forwarded(tmp_path, upstream):
+    gw = make_gateway(tmp_path, upstream.url)
+    try:
+        status, data, _ = post(gw, "/v1/messages/batches", {"requests": []})
+        assert status == 403 and json.loads(data)["error"]["type"] == "permission_error"
+        status, _, _ = post(gw, "//v1/messages", {"model": "claude-test", "max_tokens": 10, "stream": True})
+        assert status == 200 and upstream.requests[-1]["path"] == "/v1/messages"
+        assert len(upstream.requests) == 1
+        recs = records(tmp_path, 2)
+        assert recs[0]["refused"] == "path" and recs[1]["kind"] == "messages" and recs[1]["cost_usd"] == EXPECTED_COST
+    finally:
+        gw.stop()
