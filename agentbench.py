@@ -77,6 +77,8 @@ LOCK_TIMEOUT_S = 60.0
 #: the study forever); generous because finalisation is short and nothing holds the lock for long.
 LOCK_STALE_S = 300.0
 
+#: The registry.json layout this version writes; a registry of another version is refused.
+REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
 JOB_STATUSES = ("created", "queued", "running") + JOB_FINAL_STATUSES
 #: Model aliases are refused: a study must name the exact model it measures.
@@ -218,6 +220,135 @@ def slurm_poll_s() -> float:
     """How long one process reuses a Slurm job state it read: a driver polling queued jobs must
     not hammer the controller with a squeue call per job per poll."""
     return env_float("AGENTBENCH_SLURM_POLL_S", 10.0)
+
+
+# ==================================================================================================
+# Hostile numbers
+# ==================================================================================================
+# Owns the checks every number from outside passes before it reaches a sum, a cap or a file: a
+# stream event, a result, a receipt, a registry or ledger line.  Python's json module reads 1e400
+# and Infinity as inf, NaN as nan, and 10**400 as an exact int; none of these may reach arithmetic.
+# These helpers never raise on a value: what is not a finite number of the right type and range is
+# rejected (None, or 0 for a count) and described in the caller's `anomalies` list, which the
+# caller records (a result's `anomalies`).  Pure: no I/O, and no knowledge of where values come from.
+
+#: Largest token count one usage field may carry (a million-token context times 100,000 turns).
+MAX_TOKEN_COUNT = 10**11
+#: Largest amount in USD one reported cost may carry; beyond it the figure is not believed.
+MAX_USD_VALUE = 1e6
+#: At most this many anomalies are kept per record (a hostile stream can repeat one forever).
+MAX_ANOMALIES = 50
+ANOMALY_VALUE_CHARS = 60
+
+
+def note_anomaly(anomalies: list[dict[str, Any]] | None, where: str, value: Any, why: str) -> None:
+    """Append one anomaly (where, a short repr of the value, why) unless the list is full."""
+    if anomalies is None or len(anomalies) >= MAX_ANOMALIES:
+        return
+    try:
+        shown = repr(value)
+    except Exception:  # a repr of a foreign value must not raise here
+        shown = f"<{type(value).__name__}>"
+    if len(shown) > ANOMALY_VALUE_CHARS:
+        shown = shown[:ANOMALY_VALUE_CHARS] + "..."
+    anomalies.append({"where": where, "value": shown, "why": why})
+
+
+def finite_number(value: Any, *, lo: float | None = None, hi: float | None = None,
+                  anomalies: list[dict[str, Any]] | None = None, where: str = "") -> float | None:
+    """`value` as a finite float within [lo, hi]; None (plus an anomaly) when it is a bool, not a
+    number, not finite or out of range.  None in gives None out with no anomaly (an absent field)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        note_anomaly(anomalies, where, value, "not a number")
+        return None
+    if isinstance(value, int):
+        # An exact int can be too large for a float: compare before converting.
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            note_anomaly(anomalies, where, value, "out of range")
+            return None
+        try:
+            return float(value)
+        except OverflowError:
+            note_anomaly(anomalies, where, value, "out of range")
+            return None
+    if not math.isfinite(value):
+        note_anomaly(anomalies, where, value, "not finite")
+        return None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        note_anomaly(anomalies, where, value, "out of range")
+        return None
+    return float(value)
+
+
+def count_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "",
+               hi: int = MAX_TOKEN_COUNT) -> int:
+    """A token (or other) count: a whole number in [0, hi]; absent gives 0, anything else 0 plus
+    an anomaly (a fractional count is truncated and flagged)."""
+    f = finite_number(value, lo=0, hi=hi, anomalies=anomalies, where=where)
+    if f is None:
+        return 0
+    if f != int(f):
+        note_anomaly(anomalies, where, value, "not a whole number")
+    return int(f)
+
+
+def usd_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "",
+             hi: float = MAX_USD_VALUE) -> float | None:
+    """An amount in USD: finite, in [0, hi]; None when absent or (plus an anomaly) not believable."""
+    return finite_number(value, lo=0.0, hi=hi, anomalies=anomalies, where=where)
+
+
+def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "") -> Any:
+    """A copy of a JSON-ready value in which every non-finite float is None (each one an anomaly),
+    so that the file it goes to stays valid JSON (json.dumps(allow_nan=False) accepts it)."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        note_anomaly(anomalies, where, value, "not finite")
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v, anomalies=anomalies, where=f"{where}.{k}" if where else str(k))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, anomalies=anomalies, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+# ==================================================================================================
+# Fault points
+# ==================================================================================================
+# Owns the named points where the fault suite (tests/test_faults.py) makes a process fail on
+# purpose: AGENTBENCH_FAULT_AT=POINT:ACTION (ACTION `kill`: SIGKILL this process; `raise`: an
+# exception), with an optional third field N to act at the N-th pass only.  Unset (the normal
+# case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
+# setting is ignored rather than fatal (it reaches supervisors through their environment).
+
+FAULT_AT_ENV = "AGENTBENCH_FAULT_AT"
+_FAULT_PASSES: dict[str, int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `raise` fault point throws."""
+
+
+def fault_point(name: str) -> None:
+    spec = os.environ.get(FAULT_AT_ENV)
+    if not spec:
+        return
+    point, _, rest = spec.partition(":")
+    if point != name:
+        return
+    action, _, nth = rest.partition(":")
+    _FAULT_PASSES[name] = _FAULT_PASSES.get(name, 0) + 1
+    if nth.isdigit() and _FAULT_PASSES[name] != int(nth):
+        return
+    if action == "kill":
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+        time.sleep(5)  # the signal is asynchronous: never run on past the point
+    elif action == "raise":
+        raise InjectedFault(f"fault injected at {name}")
 
 
 # ==================================================================================================
@@ -1396,7 +1527,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool = True) -> None:
     """Atomically write `obj` as pretty JSON (see write_bytes_atomic); keys sorted unless the
     order means something (study.json: the first arm is the default baseline)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str, allow_nan=False)
+                              + "\n").encode())
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -1442,9 +1574,10 @@ def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_repl
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(obj, indent=1, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
     tmp = _temp_sibling(path)
     with open(tmp, "wb") as fh:
-        fh.write((json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     try:
@@ -1465,7 +1598,7 @@ def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode()
+    line = (json.dumps(obj, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -1746,10 +1879,36 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def ledger_spent_usd(paths: StudyPaths) -> float:
+    """The study's spend summed from its ledger (each line's amount checked; a bad one adds 0)."""
+    records, _ = read_jsonl(paths.ledger)
+    return round(math.fsum(usd_from(r.get("cost_delta_usd")) or 0.0 for r in records), 6)
+
+
+def registry_spent_usd(reg: Mapping[str, Any]) -> float:
+    """The registry's spend as a checked amount (read_registry() already repaired a bad one)."""
+    return usd_from(reg.get("spent_usd"), hi=math.inf) or 0.0
+
+
 def read_registry(paths: StudyPaths) -> dict[str, Any]:
+    """The registry, checked: a JSON object of the one version this agentbench writes (another
+    version is refused, never rewritten), whose spend is a finite amount -- one that is not (NaN
+    or Infinity left by an older version, a hand edit) is rebuilt from the ledger, so the study's
+    USD cap is never judged against a poisoned sum."""
     reg = read_json(paths.registry, default=None)
     if reg is None:
-        reg = {"version": 1, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+        reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    if not isinstance(reg, dict):
+        raise AgentbenchError("the study registry is not a JSON object", path=str(paths.registry))
+    version = reg.get("version", REGISTRY_VERSION)
+    if type(version) is not int or version != REGISTRY_VERSION:
+        raise AgentbenchError("the study registry has a version this agentbench does not know",
+                              path=str(paths.registry), version=version, supported=REGISTRY_VERSION,
+                              hint="use the agentbench version that made this study")
+    if usd_from(reg.get("spent_usd", 0.0), hi=math.inf) is None:
+        reg["spent_usd"] = ledger_spent_usd(paths)
+    if not isinstance(reg.get("counts"), dict):
+        reg["counts"] = {}
     return reg
 
 
@@ -2181,23 +2340,28 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
 TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
 
 
-def tokens_from_usage(u: Mapping[str, Any] | None) -> dict[str, int]:
-    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included."""
-    u = u or {}
-    cc = u.get("cache_creation") or {}
-    def num(x: Any) -> int:
-        try:
-            return int(x or 0)
-        except (TypeError, ValueError):
-            return 0
-    total_cc = num(u.get("cache_creation_input_tokens"))
-    h1 = num(cc.get("ephemeral_1h_input_tokens"))
-    m5 = num(cc.get("ephemeral_5m_input_tokens"))
+def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any]] | None = None,
+                      where: str = "usage") -> dict[str, int]:
+    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
+
+    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
+    described in `anomalies`."""
+    if u is not None and not isinstance(u, Mapping):
+        note_anomaly(anomalies, where, u, "not an object")
+    u = u if isinstance(u, Mapping) else {}
+    cc = u.get("cache_creation")
+    cc = cc if isinstance(cc, Mapping) else {}
+    def num(x: Any, key: str) -> int:
+        return count_from(x, anomalies=anomalies, where=f"{where}.{key}")
+    total_cc = num(u.get("cache_creation_input_tokens"), "cache_creation_input_tokens")
+    h1 = num(cc.get("ephemeral_1h_input_tokens"), "cache_creation.ephemeral_1h_input_tokens")
+    m5 = num(cc.get("ephemeral_5m_input_tokens"), "cache_creation.ephemeral_5m_input_tokens")
     if total_cc and not (h1 or m5):
         m5 = total_cc
-    return {"input": num(u.get("input_tokens")), "output": num(u.get("output_tokens")),
+    return {"input": num(u.get("input_tokens"), "input_tokens"),
+            "output": num(u.get("output_tokens"), "output_tokens"),
             "cache_creation": total_cc, "cache_creation_1h": h1, "cache_creation_5m": m5,
-            "cache_read": num(u.get("cache_read_input_tokens"))}
+            "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
 
 
 def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None) -> tuple[float, float, float, float, float]:
@@ -2236,10 +2400,12 @@ def add_tokens(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
 class StreamState:
     """Incremental parse of one `claude -p --output-format stream-json` process's stdout.
 
-    feed() takes one raw line; it never raises.  What it keeps: the init event, per-message usage
-    (deduplicated by message id, each field the maximum seen, since later events of one message
-    carry later snapshots), tool-use count, models reported, every result event (the last wins),
-    and counters of unparseable lines and unknown event types.
+    feed() takes one raw line; it never raises (an event it cannot digest counts as a bad line).
+    What it keeps: the init event, per-message usage (deduplicated by message id, each field the
+    maximum seen, since later events of one message carry later snapshots), tool-use count, models
+    reported, every result event (the last wins), counters of unparseable lines and unknown event
+    types, and the hostile numbers it refused (`anomalies`).  Token counts come from the usage
+    numbers only, never from text length: a huge text block is not a huge cost.
     """
 
     KNOWN_TYPES = frozenset({"system", "assistant", "user", "result", "stream_event", "rate_limit_event"})
@@ -2260,8 +2426,17 @@ class StreamState:
         self.session_id: str | None = None
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
+        self.anomalies: list[dict[str, Any]] = []
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
+        try:
+            return self._feed(raw)
+        except Exception as exc:  # the contract: feeding never raises, whatever the line holds
+            self.bad_lines += 1
+            note_anomaly(self.anomalies, "stream", type(exc).__name__, "event could not be digested")
+            return None
+
+    def _feed(self, raw: str | bytes) -> dict[str, Any] | None:
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8", "replace")
         raw = raw.strip()
@@ -2299,7 +2474,7 @@ class StreamState:
         if not isinstance(msg, dict):
             return
         mid = str(msg.get("id") or f"anon-{len(self.message_order)}")
-        usage = tokens_from_usage(msg.get("usage"))
+        usage = tokens_from_usage(msg.get("usage"), self.anomalies, "assistant.usage")
         if mid not in self.messages:
             self.message_order.append(mid)
             self.messages[mid] = {"model": msg.get("model"), "tokens": usage}
@@ -2312,13 +2487,10 @@ class StreamState:
         if model and model != "<synthetic>" and model not in self.models:
             self.models.append(str(model))
         # Per-event output counts are an early snapshot (the final count only reaches the result
-        # event); for a session killed before its result, the content length gives a floor.
-        chars = sum(len(json.dumps(b.get("input"))) if b.get("type") == "tool_use" else len(str(b.get("text") or b.get("thinking") or ""))
-                    for b in msg.get("content") or [] if isinstance(b, dict))
-        entry = self.messages[mid]
-        entry["chars"] = int(entry.get("chars", 0)) + chars
-        entry["tokens"]["output"] = max(int(entry["tokens"].get("output", 0)), entry["chars"] // 4)
-        for block in msg.get("content") or []:
+        # event).  No floor is guessed from the content's length: a 10 MB text line would be
+        # estimated at tens of dollars and stop a session that reported cents.
+        content = msg.get("content")
+        for block in content if isinstance(content, list) else []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 self.tool_uses += 1
                 if len(self.tool_calls) < 2000:
@@ -2416,6 +2588,31 @@ def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] |
     return out
 
 
+def _model_usage_clean(mu: Any, anomalies: list[dict[str, Any]] | None, where: str) -> dict[str, Any]:
+    """A modelUsage-shaped object with every numeric field finite and in range (others dropped,
+    each drop an anomaly); not an object gives {}."""
+    if not isinstance(mu, Mapping):
+        if mu is not None:
+            note_anomaly(anomalies, where, mu, "not an object")
+        return {}
+    out: dict[str, Any] = {}
+    for model, row in mu.items():
+        if not isinstance(row, Mapping):
+            note_anomaly(anomalies, f"{where}.{model}", row, "not an object")
+            continue
+        clean: dict[str, Any] = {}
+        for key, val in row.items():
+            if isinstance(val, (int, float)):
+                hi = MAX_USD_VALUE if key == "costUSD" else MAX_TOKEN_COUNT
+                f = finite_number(val, lo=0, hi=hi, anomalies=anomalies, where=f"{where}.{model}.{key}")
+                if f is not None:
+                    clean[key] = val
+            elif isinstance(val, (str, list, dict)) or val is None:
+                clean[key] = json_safe(val, anomalies=anomalies, where=f"{where}.{model}.{key}")
+        out[str(model)] = clean
+    return out
+
+
 def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_cost: float,
                  prior_model_usage: Mapping[str, Any] | None, requested_model: str) -> dict[str, Any]:
     """The usage rule: what one call cost, from its result event (or an estimate without one).
@@ -2427,37 +2624,39 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
     Without a result the cost is estimated from per-message usage at list prices (`estimated`).
     """
     flags: list[str] = []
+    anomalies: list[dict[str, Any]] = []
+    prior_model_usage = _model_usage_clean(prior_model_usage, anomalies, "prior.model_usage")
     if result is None:
         tokens = state.message_tokens()
         return {"tokens": tokens, "models_used": list(state.models), "cost_total_usd": None,
                 "cost_delta_usd": state.estimated_cost(requested_model), "estimated": True,
-                "model_usage": dict(prior_model_usage or {}), "flags": flags}
-    tokens = tokens_from_usage(result.get("usage"))
-    mu = result.get("modelUsage") or {}
+                "model_usage": dict(prior_model_usage or {}), "flags": flags, "anomalies": anomalies}
+    tokens = tokens_from_usage(result.get("usage"), anomalies, "result.usage")
+    mu = _model_usage_clean(result.get("modelUsage"), anomalies, "result.modelUsage")
     delta = model_usage_delta(mu, prior_model_usage)
-    since = result.get("model_usage_since_last_result")
-    if isinstance(since, dict) and since:
+    since = _model_usage_clean(result.get("model_usage_since_last_result"), anomalies,
+                               "result.model_usage_since_last_result")
+    if since:
         # Newer binaries report this call's own per-model usage; it wins over our own delta.
         delta = model_usage_delta(since, None)
     models_used = sorted(delta) if delta else sorted(set(state.models))
     total = result.get("total_cost_usd")
-    try:
-        total_f = float(total) if total is not None else None
-    except (TypeError, ValueError):
-        total_f = None
+    total_f = usd_from(total, anomalies=anomalies, where="result.total_cost_usd")
     if total_f is None:
+        # No believable total (absent, NaN, Infinity, negative, absurd): the list-price estimate
+        # from the (checked) token counts stands in, flagged, so no hostile figure reaches a cap.
         cost = state.estimated_cost(requested_model)
         estimated = True
-        flags.append("no_total_cost")
+        flags.append("no_total_cost" if total is None else "bad_total_cost")
     elif total_f + 1e-9 < prior_cost:
         flags.append("total_decreased")
         cost, estimated = total_f, False
     else:
         cost, estimated = total_f - prior_cost, False
     # "since last result": with several result events in one process, each covers its stretch.
-    since_costs = [float(d.get("costUSD")) for r in (state.results or [result])
-                   for d in (r.get("model_usage_since_last_result") or {}).values()
-                   if isinstance(d, dict) and isinstance(d.get("costUSD"), (int, float))]
+    since_costs = [c for r in (state.results or [result]) if isinstance(r, Mapping)
+                   for d in _model_usage_clean(r.get("model_usage_since_last_result"), None, "").values()
+                   for c in [usd_from(d.get("costUSD"))] if c is not None]
     if since_costs and total_f is not None:
         # The binary's own figure for this call: it needs no prior, so a stale or missing prior
         # (a session record not yet written, a crash) cannot double-count the session's past.
@@ -2474,7 +2673,7 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
             flags.append("usage_mismatch")
     return {"tokens": tokens, "models_used": models_used, "cost_total_usd": total_f,
             "cost_delta_usd": round(max(cost, 0.0), 6), "estimated": estimated,
-            "model_usage": mu if isinstance(mu, dict) else {}, "flags": flags}
+            "model_usage": mu, "flags": flags, "anomalies": anomalies}
 
 
 def cache_verdict(first_usage: Mapping[str, int] | None, base_context_tokens: int | None) -> str | None:
@@ -3017,7 +3216,8 @@ def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> N
     usage = result.get("usage") or {}
     status, reason = result["status"], result.get("reason")
     reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
-    reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + float(usage.get("cost_delta_usd") or 0.0), 6)
+    # Both amounts were checked (finalize_job; registry_spent_usd), so the sum stays finite.
+    reg["spent_usd"] = round(registry_spent_usd(reg) + (usd_from(usage.get("cost_delta_usd")) or 0.0), 6)
     if reason in ("usage_limit", "auth"):
         reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
     reg["finalizing"] = [j for j in reg.get("finalizing") or [] if j != job_id] + [job_id]
@@ -3041,10 +3241,22 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     usage = dict(usage or {"tokens": {k: 0 for k in TOKEN_KEYS}, "models_used": [], "cost_total_usd": None,
                            "cost_delta_usd": 0.0, "estimated": False, "model_usage": {}, "flags": []})
     extra = dict(extra or {})
-    flags = sorted(set(usage.pop("flags", []) or []) | set(extra.pop("flags", []) or []))
+    flags = set(usage.pop("flags", []) or []) | set(extra.pop("flags", []) or [])
+    anomalies = list(usage.pop("anomalies", []) or []) + list(extra.pop("anomalies", []) or [])
+    # The last guard before the files: whatever still holds a non-finite float becomes null (an
+    # anomaly), and the sums the registry keeps take only checked amounts.
+    usage["cost_delta_usd"] = usd_from(usage.get("cost_delta_usd"), anomalies=anomalies,
+                                       where="usage.cost_delta_usd") or 0.0
+    usage["cost_total_usd"] = usd_from(usage.get("cost_total_usd"), anomalies=anomalies,
+                                       where="usage.cost_total_usd")
     result = {"job_id": job_id, "status": status, "reason": reason, "kind": job.get("kind"),
               "meta": job.get("meta") or {}, "session_id": job.get("session_id"),
-              "finished_at": utc_now(), "usage": usage, "flags": flags, **extra}
+              "finished_at": utc_now(), "usage": usage, **extra}
+    result = json_safe(result, anomalies=anomalies)
+    if anomalies:
+        flags.add("anomalies")
+        result["anomalies"] = anomalies[:MAX_ANOMALIES]
+    result["flags"] = sorted(flags)
     with RegistryLock(paths.lock, platform):
         if not create_json_exclusive(paths.result_file(job_id), result, platform.rename_no_replace):
             return False
@@ -3425,13 +3637,32 @@ class Supervisor:
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
     def _reader(self, stream: Any, raw_path: Path) -> None:
-        with open(raw_path, "ab") as raw:
+        """Copy and parse claude's stdout to its end.  It cannot die on input (feed() never
+        raises) nor on a full disk (the copy stops, flagged, while the parsing goes on): a dead
+        reader would leave the pipe full and the session hung until its wall limit."""
+        raw: Any = None
+        with contextlib.suppress(OSError):
+            raw = open(raw_path, "ab")
+        if raw is None:
+            self.flags.add("raw_copy_failed")
+        try:
             for line in iter(stream.readline, b""):
-                raw.write(line)
-                raw.flush()
+                if raw is not None:
+                    try:
+                        raw.write(line)
+                        raw.flush()
+                    except (OSError, ValueError):
+                        self.flags.add("raw_copy_failed")
+                        with contextlib.suppress(OSError, ValueError):
+                            raw.close()
+                        raw = None
                 with self._lock:
                     self.last_output = time.monotonic()
                     self.state.feed(line)
+        finally:
+            if raw is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    raw.close()
 
     def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str, reason: str | None) -> None:
         if self.end is None:
@@ -3548,6 +3779,38 @@ class Supervisor:
             append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
 
     def run(self) -> int:
+        """Run the job; a supervisor that fails anyway kills its claude tree and finalises the
+        job `failed`/`supervisor_error` at once, rather than leave it for the reaper."""
+        try:
+            return self._run()
+        except Exception as exc:
+            return self._fail_safe(exc)
+
+    def _fail_safe(self, exc: BaseException) -> int:
+        log(f"{self.job_id}: supervisor error: {type(exc).__name__}: {exc}")
+        claude = getattr(self, "_claude", None)
+        proc = getattr(self, "_proc", None)
+        survivors: list[ProcId] = []
+        with contextlib.suppress(Exception):
+            if claude is not None:
+                survivors = self.platform.kill_tree([claude], session_ids=[proc.pid] if proc else [])
+        usage = None
+        with contextlib.suppress(Exception):
+            prior = self.job.get("prior") or {}
+            usage = usage_record(self.state.result, self.state,
+                                 prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
+                                 prior_model_usage=prior.get("model_usage"), requested_model=str(self.job["model"]))
+        try:
+            finalize_job(self.paths, self.platform, self.job, status="failed", reason="supervisor_error",
+                         usage=usage, extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
+                                             "survivors": [dataclasses.asdict(s) for s in survivors],
+                                             "flags": sorted(self.flags | {"supervisor_error"})})
+        except Exception as exc2:  # the reaper is the last resort (a lock held for an hour, a full disk)
+            log(f"{self.job_id}: could not finalise after a supervisor error: {exc2}")
+            return 1
+        return 0
+
+    def _run(self) -> int:
         job = self.job
         jdir = self.paths.job_dir(self.job_id)
         # One supervisor per job, once: never start claude for a job that is final, was killed
@@ -3588,6 +3851,8 @@ class Supervisor:
                          usage=None, extra={"detail": f"cannot start claude: {exc}"})
             return 0
         claude = self.platform.proc_id(proc.pid)
+        self._proc, self._claude = proc, claude
+        fault_point("supervisor_started")
         self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now())
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
@@ -3637,8 +3902,9 @@ class Supervisor:
         job = self.job
         st = self.state
         prior = job.get("prior") or {}
-        usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+        usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                              prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+        usage["anomalies"] = list(st.anomalies) + list(usage.get("anomalies") or [])
         if self.end is not None:
             status, reason = self.end
         else:
@@ -3796,7 +4062,7 @@ def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
                               hint="sessions failed on usage limits or authentication; fix the cause, "
                                    "then `init --study DIR --reset-breaker`")
     study_cap = float(launch["budget"].get("study_usd") or 0)
-    if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
+    if study_cap and registry_spent_usd(reg) >= study_cap:
         raise AgentbenchError("the study's USD cap is spent", spent_usd=reg.get("spent_usd"), cap=study_cap,
                               refusal="study_cap",
                               hint="raise budget.study_usd with init if you mean to spend more")
@@ -5549,17 +5815,16 @@ def _usage_add(acc: dict, line: dict) -> None:
     status = str(line.get("status") or "(none)")
     acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
     tokens = line.get("tokens") or {}
-    for key, value in tokens.items():
-        if isinstance(value, (int, float)):
-            acc["tokens"][key] = acc["tokens"].get(key, 0) + value
-    cost = float(line.get("cost_delta_usd") or 0.0)
+    for key, value in (tokens.items() if isinstance(tokens, dict) else []):
+        acc["tokens"][key] = acc["tokens"].get(key, 0) + count_from(value)
+    cost = usd_from(line.get("cost_delta_usd")) or 0.0
     acc["cost_usd"] += cost
     if line.get("estimated"):
         acc["cost_estimated_usd"] += cost
         acc["estimated_jobs"] += 1
     verdict = str(line.get("cache_verdict") or "(none)")
     acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
-    acc["duration_s"] += float(line.get("duration_s") or 0.0)
+    acc["duration_s"] += finite_number(line.get("duration_s"), lo=0.0) or 0.0
 
 
 def _usage_finish(acc: dict) -> dict:

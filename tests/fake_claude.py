@@ -126,7 +126,7 @@ DIRECTIVES: dict[str, str] = {
     "exit": "int", "malformed": "flag", "model": "str", "api_error": "str",
     "is_error_exit0": "flag", "double_result": "flag", "child": "float", "child_pidfile": "str",
     "write": "list", "budget_exceed": "flag", "stderr": "list", "tool": "list", "text": "str",
-    "remap": "str", "deny": "list",
+    "remap": "str", "deny": "list", "raw": "list", "result_splice": "str",
 }
 DENIED = "<denied>"  # marks a tool call a permission rule refuses
 API_ERROR_KINDS = ("429", "529", "prompt_too_long", "500", "auth")
@@ -315,6 +315,10 @@ class Plan:
         self.deny: list[str] = []
         self.tool_calls: list[tuple[str, dict[str, Any]]] = []  # parsed from `tool`
         self.text: str = "Done."
+        # Hostile-stream tests: lines printed verbatim after the init event, and JSON members
+        # spliced verbatim into every result line (later members win: `"total_cost_usd": NaN`).
+        self.raw: list[str] = []
+        self.result_splice: str | None = None
 
 
 def parse_directives(prompt: str) -> Plan:
@@ -591,7 +595,10 @@ class Session:
 
     # -- events ------------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
-        out(dumps(event))
+        line = dumps(event)
+        if event.get("type") == "result" and self.plan.result_splice:
+            line = line[:-1] + "," + self.plan.result_splice + "}"
+        out(line)
 
     def init_event(self) -> dict[str, Any]:
         cwd = self.transcript.cwd
@@ -711,6 +718,8 @@ def run_session(s: Session) -> int:
         start_child(plan.child, plan.child_pidfile)
 
     s.emit(s.init_event())
+    for line in plan.raw:
+        out(line)
     if plan.hang:
         while True:  # silent until killed, like a wedged session
             time.sleep(3600)
