@@ -3384,8 +3384,9 @@ def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
-    usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+    usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+    usage["anomalies"] = list(st.anomalies) + list(usage.get("anomalies") or [])
     return usage, st
 
 
@@ -4239,6 +4240,8 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle")
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
+#: The longest a gate or oracle may be given (a day); task.json values beyond it are refused.
+MAX_CHECK_TIMEOUT_S = 86400.0
 IGNORED_BUNDLE_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store", ".git"})
 TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_system", "review_feedback",
                   "resume", "train_base")
@@ -4323,11 +4326,15 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
         raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", DEFAULT_GATE_TIMEOUT_S if which == "gate" else DEFAULT_ORACLE_TIMEOUT_S)
-    if not isinstance(t, (int, float)) or t <= 0:
-        raise AgentbenchError(f"task {which}.timeout_s must be a positive number", task=task_id)
+    if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
+        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
+                              task=task_id, timeout_s=t)
+    if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
+        raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
+                              task=task_id, receipt=spec.get("receipt"))
     if which == "oracle":
         th = spec.get("threshold", 0.9)
-        if not isinstance(th, (int, float)) or not 0 < th <= 1:
+        if not _is_number(th) or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", task=task_id, threshold=th)
     return dict(spec)
 
@@ -4500,27 +4507,82 @@ def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str) ->
     return out
 
 
-def parse_receipt(stdout: str, returncode: int | None, timed_out: bool) -> dict[str, Any]:
-    """A check's receipt: its last stdout line if that is a JSON receipt, else exit 0 = pass."""
+#: A check's `receipt` setting in task.json: `json` = a JSON receipt is required (no receipt is a
+#: grader error), `auto` = the last stdout line if it is one, else the exit code (0 pass, 1 fail).
+CHECK_RECEIPT_MODES = ("auto", "json")
+#: Exit codes of a check without a receipt that mean it could not run at all (not found, not
+#: executable): a grader error for the gate and the oracle alike.
+CHECK_CANNOT_RUN_CODES = (126, 127)
+
+
+def receipt_verdict(receipt: Any, exit_code: int | None, timed_out: bool, *, which: str = "oracle",
+                    required: bool = False) -> dict[str, Any]:
+    """What a check's receipt (the parsed JSON object, or None) and exit code say (pure).
+
+    A receipt is believed only when it is coherent: `passed` a boolean, `score` (if given) a
+    finite number in [0, 1] (never a bool), and `passed: true` only with exit code 0.  Anything
+    else is refused.  `grader_error` (None, or why) marks a check that gave no valid verdict: it
+    timed out, was killed by a signal, could not run, printed an incoherent receipt, printed none
+    when one is `required`, or (the oracle, without a receipt) exited with a code other than 0 or
+    1.  A grader error is never a verdict on the agent: passed is False and score 0.0 only so that
+    nothing downstream counts it as a success; the pipeline labels the run an infrastructure
+    failure.  Counts (tests_passed, tests_total) that are not whole non-negative numbers are None.
+    """
+    def out(passed: bool, score: float, kind: str, error: str | None, obj: Mapping[str, Any] | None = None,
+            ) -> dict[str, Any]:
+        obj = obj or {}
+        counts = {}
+        for key in ("tests_passed", "tests_total"):
+            val = obj.get(key)
+            counts[key] = int(val) if finite_number(val, lo=0, hi=MAX_TOKEN_COUNT) is not None \
+                and float(val) == int(val) else None
+        checks = obj.get("checks") if isinstance(obj.get("checks"), list) else []
+        return {"passed": passed, "score": score, "checks": json_safe(checks), **counts,
+                "receipt": kind, "grader_error": error}
+    if timed_out:
+        return out(False, 0.0, "json" if isinstance(receipt, dict) else "exit_code", "the check timed out")
+    if exit_code is None or exit_code < 0:
+        return out(False, 0.0, "exit_code", f"the check was killed by signal {-(exit_code or 0)}"
+                   if exit_code is not None else "the check did not exit")
+    if isinstance(receipt, dict):
+        passed = receipt.get("passed")
+        if not isinstance(passed, bool):
+            return out(False, 0.0, "refused", f"the receipt's passed is not true or false: {passed!r}"[:200])
+        raw_score = receipt.get("score")
+        if raw_score is None:
+            score = 1.0 if passed else 0.0
+        else:
+            score_f = finite_number(raw_score, lo=0.0, hi=1.0)
+            if score_f is None:
+                return out(False, 0.0, "refused", f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
+            score = score_f
+        if passed and exit_code != 0:
+            return out(False, 0.0, "refused", f"the receipt says passed but the check exited {exit_code}")
+        return out(passed, score, "json", None, receipt)
+    if required:
+        return out(False, 0.0, "missing", "the check printed no valid JSON receipt (one is required)")
+    if exit_code in CHECK_CANNOT_RUN_CODES:
+        return out(False, 0.0, "exit_code", f"the check could not run (exit {exit_code})")
+    if which == "oracle" and exit_code not in (0, 1):
+        return out(False, 0.0, "exit_code", f"the oracle crashed (exit {exit_code}, no receipt)")
+    passed = exit_code == 0
+    return out(passed, 1.0 if passed else 0.0, "exit_code", None)
+
+
+def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which: str = "oracle",
+                  required: bool = False) -> dict[str, Any]:
+    """A check's receipt: its last stdout line if that is a JSON object with `passed`, judged by
+    receipt_verdict() together with the exit code."""
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    obj = None
     if lines:
         try:
             obj = json.loads(lines[-1])
         except ValueError:
             obj = None
-        if isinstance(obj, dict) and "passed" in obj:
-            score = obj.get("score")
-            try:
-                score = float(score) if score is not None else (1.0 if obj["passed"] else 0.0)
-            except (TypeError, ValueError):
-                score = 0.0
-            return {"passed": bool(obj["passed"]) and not timed_out, "score": max(0.0, min(1.0, score)),
-                    "checks": obj.get("checks") if isinstance(obj.get("checks"), list) else [],
-                    "tests_passed": obj.get("tests_passed"), "tests_total": obj.get("tests_total"),
-                    "receipt": "json"}
-    passed = returncode == 0 and not timed_out
-    return {"passed": passed, "score": 1.0 if passed else 0.0, "checks": [], "tests_passed": None,
-            "tests_total": None, "receipt": "exit_code"}
+    if not (isinstance(obj, dict) and "passed" in obj):
+        obj = None
+    return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
@@ -4545,12 +4607,13 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    rec = parse_receipt(res.stdout, res.returncode, res.timed_out)
+    rec = parse_receipt(res.stdout, res.returncode, res.timed_out, which=which,
+                        required=spec.get("receipt") == "json")
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
     if which == "oracle":
-        rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold
+        rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold and not rec["grader_error"]
         rec["threshold"] = task.threshold
     return rec
 
@@ -4580,7 +4643,9 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
                              "oracle_success": o["success"]})
                 if not g["passed"]:
                     problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
-                if not o["success"]:
+                if o.get("grader_error"):
+                    problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
+                elif not o["success"]:
                     problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
         partial_gate = None
         if task.partial.is_dir():
@@ -5321,7 +5386,8 @@ class RunPipeline:
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
                       "threshold": task.threshold, "checks": ev.get("checks"), "exit_code": ev["exit_code"],
                       "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
-                      "artifacts_sha256": rec["artifacts"]["sha256"]}
+                      "artifacts_sha256": rec["artifacts"]["sha256"], "receipt": ev.get("receipt"),
+                      "grader_error": ev.get("grader_error")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
@@ -5329,19 +5395,25 @@ class RunPipeline:
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
         if stop and stop.startswith("infrastructure:"):
             validity, why = "infrastructure_failure", stop.split(":", 1)[1]
+        elif ev.get("grader_error"):
+            # The oracle gave no valid verdict: invalid grading, never the agent's failure.
+            validity, why = "infrastructure_failure", f"grader_error: {ev['grader_error']}"
         elif exec_jobs and exec_jobs[0].get("status") == "ok" and tool_uses == 0 \
                 and float(exec_jobs[0].get("duration_s") or 0) < 10 and not ev["success"]:
             validity, why = "degenerate", "the session ended in seconds without a single tool call"
         else:
             validity, why = "valid", None
-        if stop == "budget_exhausted":
+        if ev.get("grader_error") and not (stop and stop.startswith("infrastructure:")):
+            outcome = "grader_error"
+        elif stop == "budget_exhausted":
             outcome = "budget_exhausted"
         elif stop == "timeout":
             outcome = "timeout"
         else:
             outcome = "success" if ev["success"] else "failure"
         rec.update({"status": "finished", "outcome": outcome, "validity": validity, "validity_reason": why,
-                    "failure_reason": None if ev["success"] else (stop or "hidden tests failed"),
+                    "failure_reason": None if ev["success"] else (
+                        "grader_error" if outcome == "grader_error" else (stop or "hidden tests failed")),
                     "finished_at": utc_now(),
                     "claude_version": next((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("claude_version")
                                            for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
@@ -6154,12 +6226,11 @@ def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed:
 def _rpt_score(run: dict) -> float | None:
     ev = run.get("evaluation")
     score = ev.get("score") if isinstance(ev, dict) else None
-    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+    return finite_number(score, lo=0.0, hi=1.0)
 
 
 def _rpt_cost(run: dict) -> float | None:
-    cost = run.get("cost_usd")
-    return float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None
+    return usd_from(run.get("cost_usd"), hi=math.inf)
 
 
 def _rpt_ended(run: dict) -> bool:
