@@ -773,6 +773,17 @@ class Platform:
         """An identifier of the current boot, when the OS offers one."""
         return None
 
+    def become_subreaper(self) -> bool:
+        """Make this process the adopter of its orphaned descendants (Linux: a child subreaper),
+        so that a process that left its session and parent (nohup ... &, a double fork with
+        setsid) is still found below it.  False where the OS offers none or refuses; never raises."""
+        return False
+
+    def reap_zombies(self, keep: Iterable[int] = ()) -> None:
+        """Collect the exit status of this process's finished children (adopted orphans), except
+        the pids in `keep` (a child whose status someone else waits for)."""
+        return None
+
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -910,6 +921,33 @@ class PosixPlatform(Platform):
                 continue
             out[int(name)] = _ProcInfo(st.ppid, self._ctime_of(st), st.pgid, st.sid)
         return out
+
+    #: prctl option number of PR_SET_CHILD_SUBREAPER (linux/prctl.h).
+    PR_SET_CHILD_SUBREAPER = 36
+
+    def become_subreaper(self) -> bool:
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            import ctypes  # lazy: only a supervisor needs it
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.prctl(self.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError, ImportError, ValueError):
+            return False
+
+    def reap_zombies(self, keep: Iterable[int] = ()) -> None:
+        keep_set = set(keep)
+        me = os.getpid()
+        try:
+            scan = self._scan()
+        except (OSError, AgentbenchError):
+            return
+        for pid, info in scan.items():
+            if info.ppid == me and pid not in keep_set:
+                st = self._read_stat(pid)
+                if st is not None and st.state == "Z":
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
 
     def boot_id(self) -> str | None:
         try:
@@ -3603,6 +3641,12 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
     # Verify: nothing of the claude tree may be left, whoever did the killing.
     survivors += kill_job_processes(platform, rt, include_supervisor=False)
     res = read_json(paths.result_file(job_id))
+    # What the supervisor's own sweep could not kill (it found them; this process may not be
+    # able to see them by tree): reported while they live, never hidden behind `clean`.
+    for rec in res.get("survivors") or []:
+        p = _proc_from(rec) if isinstance(rec, dict) else None
+        if p is not None and platform.is_local(rt or launcher) and platform.is_alive(p):
+            survivors.append(p)
     return {"job_id": job_id, "status": res["status"], "reason": res.get("reason"),
             "survivors": sorted({dataclasses.asdict(s)["pid"] for s in survivors})}
 
@@ -3831,9 +3875,13 @@ class Supervisor:
             finalize_killed_before_start(self.paths, self.platform, job, kill_req)
             return 0
         me = self.platform.proc_id(os.getpid())
+        # Orphans of the session (a backgrounded `nohup ... &` in a new session, a double fork)
+        # are adopted by this process instead of init, so the sweep below still finds them.
+        self.subreaper = self.platform.become_subreaper()
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+                            subreaper=self.subreaper,
                             host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
@@ -3877,6 +3925,8 @@ class Supervisor:
                 with self._lock:
                     self._write_runtime(tool_uses=self.state.tool_uses,
                                         silent_s=round(time.monotonic() - self.last_output, 1))
+                if self.subreaper:
+                    self.platform.reap_zombies(keep=[proc.pid])
             if self.end is not None and proc.poll() is None:
                 time.sleep(0.2)
                 if claude:
@@ -3884,8 +3934,14 @@ class Supervisor:
         exit_code = proc.returncode
         # Sweep what claude left behind (background tool processes hold our stdout pipe open).
         survivors: list[ProcId] = []
-        if claude:
-            survivors = self.platform.kill_tree([claude], session_ids=[proc.pid])
+        roots = [claude] if claude else []
+        if self.subreaper and me is not None:
+            # Adopted orphans are children of this process now, whatever session they made.
+            roots += self.platform.descendants(me)
+        if roots:
+            survivors = self.platform.kill_tree(roots, session_ids=[proc.pid])
+        if self.subreaper:
+            self.platform.reap_zombies()
         reader.join(timeout=10)
         stderr_fh.close()
         if self.end is None and self.state.result is None:

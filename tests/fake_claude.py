@@ -127,6 +127,7 @@ DIRECTIVES: dict[str, str] = {
     "is_error_exit0": "flag", "double_result": "flag", "child": "float", "child_pidfile": "str",
     "write": "list", "budget_exceed": "flag", "stderr": "list", "tool": "list", "text": "str",
     "remap": "str", "deny": "list", "raw": "list", "result_splice": "str",
+    "escape": "float", "escape_pidfile": "str",
 }
 DENIED = "<denied>"  # marks a tool call a permission rule refuses
 API_ERROR_KINDS = ("429", "529", "prompt_too_long", "500", "auth")
@@ -318,6 +319,9 @@ class Plan:
         # Hostile-stream tests: lines printed verbatim after the init event, and JSON members
         # spliced verbatim into every result line (later members win: `"total_cost_usd": NaN`).
         self.raw: list[str] = []
+        # A process that escapes the session: double fork + setsid, its parent gone at once.
+        self.escape: float | None = None
+        self.escape_pidfile: str | None = None
         self.result_splice: str | None = None
 
 
@@ -716,6 +720,8 @@ def run_session(s: Session) -> int:
             fh.write(content.replace("\\n", "\n"))
     if plan.child is not None:
         start_child(plan.child, plan.child_pidfile)
+    if plan.escape is not None:
+        start_escaped(plan.escape, plan.escape_pidfile)
 
     s.emit(s.init_event())
     for line in plan.raw:
@@ -883,6 +889,32 @@ def start_child(seconds: float, pidfile: str | None) -> None:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(f"{proc.pid}\n")
         os.replace(tmp, pidfile)
+
+
+def start_escaped(seconds: float, pidfile: str | None) -> None:
+    """Leave a process that escapes the tree: a double fork whose grandchild makes its own session
+    (setsid) and whose middle process exits at once, so the grandchild is orphaned (adopted by
+    init, or by the nearest child subreaper)."""
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                fd = os.open(os.devnull, os.O_RDWR)
+                for std in (0, 1, 2):
+                    os.dup2(fd, std)
+                if pidfile:
+                    with open(pidfile + ".tmp", "w", encoding="utf-8") as fh:
+                        fh.write(f"{os.getpid()}\n")
+                    os.replace(pidfile + ".tmp", pidfile)
+                time.sleep(seconds)
+        finally:
+            os._exit(0)
+    os.waitpid(middle, 0)
+    if pidfile:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(pidfile) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------------------
