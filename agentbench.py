@@ -77,6 +77,9 @@ LOCK_TIMEOUT_S = 60.0
 #: the study forever); generous because finalisation is short and nothing holds the lock for long.
 LOCK_STALE_S = 300.0
 
+#: errno values of a write the file system refused (read-only, full, over quota, not permitted):
+#: a clear refusal (exit 2), not an internal error.
+WRITE_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
 #: The registry.json layout this version writes; a registry of another version is refused.
 REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
@@ -1838,8 +1841,13 @@ class RegistryLock:
             try:
                 os.write(fd, content)
                 os.fsync(fd)
-            finally:
+            except OSError:
+                # A full disk: no empty lock file is left behind to be judged by others.
                 os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                raise
+            os.close(fd)
             self.token = token
             return
 
@@ -3071,6 +3079,60 @@ class DuplicateRequest(Exception):
         self.job_id = job_id
 
 
+def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str, cwd: str,
+                      launch: Mapping[str, Any], binary: str, system_prompt: str, session_id: str | None,
+                      resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
+                      meta: Mapping[str, Any], env_extra: Mapping[str, str] | None, raw_dir: str | None,
+                      driver: Mapping[str, Any] | None, marker: Path | None) -> dict[str, Any]:
+    """create_job()'s second half, under its lock: the job's directory, built aside and renamed."""
+    fault_point("create_job")
+    # The job is built aside (a dot name: no listing sees it) and renamed into place whole,
+    # so a crash from here on leaves no job directory without its job.json (no ghost job).
+    jdir = paths.job_dir(job_id)
+    build = paths.jobs / f".{job_id}.creating"
+    if build.exists():
+        shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    if raw_dir:
+        Path(raw_dir).mkdir(parents=True, exist_ok=True)
+    else:
+        (build / "raw").mkdir()
+    raw = Path(raw_dir) if raw_dir else jdir / "raw"
+    (build / "prompt.txt").write_text(prompt, encoding="utf-8")
+    sp_file = jdir / "system_prompt.md"
+    (build / "system_prompt.md").write_text(system_prompt, encoding="utf-8")
+    mcp_file = jdir / "mcp.json"
+    (build / "mcp.json").write_text('{"mcpServers": {}}\n', encoding="utf-8")
+    sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
+    argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
+                             mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
+                             max_budget_usd=limits.get("max_budget_usd"),
+                             max_turns=limits.get("max_turns"))
+    job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
+           "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
+           "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
+           "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
+           "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
+           "prices": launch.get("prices") or None,
+           "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
+           "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
+           "prompt_sha256": sha256_bytes(prompt.encode())}
+    write_json_atomic(build / "job.json", job)
+    # Marker first: an active marker whose job never appeared is removed by the reaper (under
+    # this lock, a missing job directory is a creation that died).
+    touch_marker(paths.active / job_id)
+    fault_point("create_job_rename")
+    try:
+        os.rename(build, jdir)
+    except OSError:
+        remove_marker(paths.active / job_id)
+        raise
+    fsync_dir(paths.jobs)
+    if marker is not None:
+        write_text_atomic(marker, job_id)
+    return job
+
+
 def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: str, cwd: str,
                launch: Mapping[str, Any], binary: str, system_prompt: str,
                session_id: str | None, resume: str | None, fork: bool,
@@ -3099,37 +3161,22 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
         job_id = f"j{n:06d}"
         # The counter is saved first: a crash from here on costs an id, never the ability to
         # create jobs.
+        before = copy.deepcopy(reg)
         reg["next_job"] = n + 1
         reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
         write_json_atomic(paths.registry, reg)
-        jdir = paths.job_dir(job_id)
-        jdir.mkdir(parents=True, exist_ok=False)
-        raw = Path(raw_dir) if raw_dir else jdir / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
-        (jdir / "prompt.txt").write_text(prompt, encoding="utf-8")
-        sp_file = jdir / "system_prompt.md"
-        sp_file.write_text(system_prompt, encoding="utf-8")
-        mcp_file = jdir / "mcp.json"
-        mcp_file.write_text('{"mcpServers": {}}\n', encoding="utf-8")
-        sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
-        argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
-                                 mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
-                                 max_budget_usd=limits.get("max_budget_usd"),
-                                 max_turns=limits.get("max_turns"))
-        job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
-               "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
-               "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
-               "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
-               "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
-               "prices": launch.get("prices") or None,
-               "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
-               "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
-               "prompt_sha256": sha256_bytes(prompt.encode())}
-        write_json_atomic(paths.job_file(job_id), job)
-        touch_marker(paths.active / job_id)
-        if marker is not None:
-            write_text_atomic(marker, job_id)
-    return job
+        try:
+            return _create_job_files(paths, job_id, kind=kind, prompt=prompt, cwd=cwd, launch=launch,
+                                     binary=binary, system_prompt=system_prompt, session_id=session_id,
+                                     resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
+                                     env_extra=env_extra, raw_dir=raw_dir, driver=driver, marker=marker)
+        except OSError:
+            # A full disk or a file system turned read-only: the job was not made, so the
+            # counter goes back (best effort: the old registry is no larger than the new one).
+            shutil.rmtree(paths.jobs / f".{job_id}.creating", ignore_errors=True)
+            with contextlib.suppress(OSError):
+                write_json_atomic(paths.registry, before)
+            raise
 
 
 def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
@@ -3298,9 +3345,11 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     with RegistryLock(paths.lock, platform):
         if not create_json_exclusive(paths.result_file(job_id), result, platform.rename_no_replace):
             return False
+        fault_point("finalize_result")
         reg = read_registry(paths)
         _count_job(reg, job_id, result)
         write_json_atomic(paths.registry, reg)
+        fault_point("finalize_counted")
         _complete_finalize(paths, job, result, check_ledger=False)
     append_event(paths, "job_finished", job_id=job_id, status=status, reason=reason,
                  run_id=(job.get("meta") or {}).get("run_id"), cost_usd=usage.get("cost_delta_usd"))
@@ -3487,6 +3536,12 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             continue
         job = read_json(paths.job_file(job_id), default=None)
         if job is None:
+            with RegistryLock(paths.lock, platform):
+                # Jobs are created whole under this lock: holding it, a marker without its job
+                # is a creation killed half-way, never one in progress.
+                if not paths.job_file(job_id).exists():
+                    remove_marker(paths.active / job_id)
+                    reaped.append(job_id)
             continue
         res = read_json(paths.result_file(job_id), default=None)
         if res is not None:
@@ -5536,6 +5591,7 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
     lock = threading.Lock()
     queue = list(todo)
     paused: list[str] = []
+    unclaimed: dict[str, dict[str, Any]] = {}
 
     def worker() -> None:
         while True:
@@ -5550,9 +5606,22 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
                     return
                 rid = queue.pop(0)
             pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
-            if not pipe.claim():
+            try:
+                if not pipe.claim():
+                    continue
+            except (AgentbenchError, OSError) as exc:
+                # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
+                with lock:
+                    unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
+                        {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            rec = pipe.execute()
+            try:
+                rec = pipe.execute()
+            except Exception as exc:  # a worker must not die silently: the run is reported
+                with lock:
+                    unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
+                                      "detail": str(exc)[:500]}
+                continue
             with lock:
                 if rec.get("status") == "not_started" and rec.get("paused_by_breaker"):
                     paused.append(rid)   # the breaker stopped it in flight: it waits, like the queue
@@ -5564,7 +5633,8 @@ def drive_runs(ctx: Any, paths: StudyPaths, run_ids: Sequence[str], opts: Pipeli
         t.start()
     for t in threads:
         t.join()
-    return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results}
+    return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
+            "unclaimed": unclaimed}
 
 
 # ==================================================================================================
@@ -8087,6 +8157,36 @@ def finite_float(text: str) -> float:
     return value
 
 
+#: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
+#: replaced by a default or passed on as it is.
+FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000), "limit": (0, 1_000_000)}
+#: Longest wall-time a flag may give one session or run (30 days), in seconds.
+MAX_WALL_S = 30 * 86400.0
+
+
+def bounded_int(name: str) -> Callable[[str], int]:
+    """argparse type: a whole number within FLAG_INT_BOUNDS[name] (the error names the range)."""
+    lo, hi = FLAG_INT_BOUNDS[name]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+    return parse
+
+
+def wall_seconds(text: str) -> float:
+    """argparse type: a wall time in seconds, finite, > 0 and at most MAX_WALL_S."""
+    value = finite_float(text)
+    if not 0 < value <= MAX_WALL_S:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range (0, {MAX_WALL_S:g}]")
+    return value
+
+
 class _ArgParser(argparse.ArgumentParser):
     """argparse that raises AgentbenchError instead of printing usage and exiting."""
 
@@ -8177,8 +8277,8 @@ def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, faul
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd")
-    p.add_argument("--wall-s", type=finite_float, dest="wall_s")
-    p.add_argument("--max-turns", type=int, dest="max_turns")
+    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s")
+    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns")
     p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
                    help="kill the job if no orchestrator call arrives for this long (0 = off)")
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
@@ -8232,7 +8332,14 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         git_version = res.stdout.strip() or None
     else:
         warnings.append("git not found: workspaces cannot be versioned")
-    return {"agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
+    # Usable = a binary that answers --version; without one nothing can run, and `where` says so
+    # with exit 2 (the whole report is still given).
+    reasons = []
+    if not binary:
+        reasons.append(f"no claude binary found ({how})")
+    elif not version:
+        reasons.append(f"the claude binary at {binary} did not answer --version")
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
             "git": {"path": git, "version": git_version},
@@ -8241,6 +8348,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "study": study, "warnings": warnings}
+    return (0 if out["ok"] else 2), out
 
 
 # -- init -------------------------------------------------------------------------------------------
@@ -8376,11 +8484,17 @@ def removed_on_refusal(path: Path) -> Iterator[None]:
     moment.  No job refers to it: a refusal registers nothing.
     """
     existed = path.exists()
+    parent_existed = path.parent.exists()
     try:
         yield
-    except AgentbenchError:
+    except (AgentbenchError, OSError):
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
+        if not parent_existed:
+            # The parent (state/workspaces) only if this call made it and it is empty again: a
+            # concurrent call that needs it recreates it (mkdir parents=True).
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
         raise
 
 
@@ -8618,7 +8732,7 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--limit", type=bounded_int("limit"), default=200)
 
 
 @command("list", "runs, jobs and bases with their state", mutating=False)
@@ -8706,7 +8820,7 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--repeats", type=int, help="repeats per task x arm (default: study.json `repeats`, else 1)")
+    p.add_argument("--repeats", type=bounded_int("repeats"), help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
     p.add_argument("--split", default="main")
     p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
@@ -8929,7 +9043,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[])
     p.add_argument("--arm", action="append", default=[])
     p.add_argument("--split")
-    p.add_argument("--parallel", type=int, help="pipelines at once (default: the study's parallel cap)")
+    p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
@@ -8938,9 +9052,19 @@ def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
     ids = list(args.run) or all_run_ids(paths)
     for r in args.run:
         load_run(paths, r)
+    records = {rid: load_run(paths, rid) for rid in ids}
+    if args.task or args.arm:
+        # A filter that names nothing of the study is a typo, not an empty selection.
+        every = records if not args.run else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
+        for flag, key, wanted in (("--task", "task", args.task), ("--arm", "arm", args.arm)):
+            known = sorted({str(r.get(key)) for r in every.values()})
+            unknown = [w for w in wanted or [] if w not in known]
+            if unknown:
+                raise AgentbenchError(f"{flag} names no {key} of the study's runs", **{key: unknown},
+                                      known=known, hint="see `list --all` or the manifest from `assign`")
     out = []
     for rid in ids:
-        rec = load_run(paths, rid)
+        rec = records[rid]
         if args.task and rec["task"] not in args.task:
             continue
         if args.arm and rec["arm"] not in args.arm:
@@ -9028,9 +9152,9 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         raise AgentbenchError("runs fork bases that are not ready", bases=missing,
                               hint="train them first: agentbench.py train --task T (one per task), then wait")
     cap = int(launch_config(cfg)["parallel"])
+    if args.parallel is not None and args.parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1", parallel=args.parallel)
     parallel = args.parallel or cap
-    if parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1")
     if parallel > cap:
         log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
         parallel = cap
@@ -9058,6 +9182,11 @@ def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int)
     outcomes: dict[str, int] = {}
     for r in out["results"].values():
         outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    unclaimed = out.pop("unclaimed", {})
+    if unclaimed:
+        raise AgentbenchError("some runs could not be run", unclaimed=unclaimed, **out, outcomes=outcomes,
+                              hint="see each run's error (a busy lock, a read-only or full disk); "
+                                   "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
@@ -9154,8 +9283,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
-    p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--repeats", type=int)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
+    p.add_argument("--repeats", type=bounded_int("repeats"))
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
@@ -9210,8 +9339,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
-    p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
+    p.add_argument("--repeats", type=bounded_int("repeats"), default=2)
 
 
 @command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
@@ -9443,6 +9572,14 @@ def main(argv: list[str] | None = None) -> int:
         code, obj = exc.exit_code, exc.payload
     except KeyboardInterrupt:
         code, obj = 2, {"error": "interrupted"}
+    except OSError as exc:
+        if exc.errno in WRITE_REFUSED_ERRNOS:
+            code, obj = 2, {"error": "the study's files cannot be written", "reason": os.strerror(exc.errno or 0),
+                            "errno": errno.errorcode.get(exc.errno or 0), "path": exc.filename,
+                            "hint": "free disk space, or make the study writable, then retry"}
+        else:
+            code, obj = 2, {"error": "internal error", "type": type(exc).__name__, "detail": str(exc),
+                            "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
     except Exception as exc:  # the one place that turns a bug into a JSON answer
         code, obj = 2, {"error": "internal error", "type": type(exc).__name__, "detail": str(exc),
                         "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
