@@ -4378,6 +4378,41 @@ def manifest_sha256(manifest: Mapping[str, str]) -> str:
     return sha256_bytes(json.dumps(dict(sorted(manifest.items())), sort_keys=True).encode())
 
 
+#: Bundle parts copied into workspaces or checks: a symlink in one could bring the oracle, the
+#: reference or any host file into the agent's view as a regular file, so it is refused.
+LINK_FREE_BUNDLE_PARTS = ("public", "gate", "reference", "partial")
+#: The audit flags a workspace file byte-equal to a hidden file (oracle/ or reference/) from this
+#: size on; smaller equal files (an empty __init__.py, a one-line answer) are expected coincidences.
+AUDIT_HIDDEN_MATCH_MIN_BYTES = {"oracle": 64, "reference": 256}
+
+
+def bundle_symlinks(root: str | os.PathLike[str], parts: Sequence[str] = LINK_FREE_BUNDLE_PARTS) -> list[str]:
+    """Every symlink (to a file or a directory) under the given parts of a task bundle, relative."""
+    root = Path(root)
+    found: list[str] = []
+    for part in parts:
+        base = root / part
+        if base.is_symlink():
+            found.append(part)
+            continue
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(base):
+            for name in sorted(dirnames + filenames):
+                full = Path(dirpath) / name
+                if full.is_symlink():
+                    found.append(full.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
+    links = bundle_symlinks(root)
+    if links:
+        raise AgentbenchError("the task bundle holds symlinks", task=task_id, links=links,
+                              hint="replace each link by the file it points to (a link can bring the "
+                                   "oracle, the reference or a host file into the workspace)")
+
+
 def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
     """Copy a directory's files (caches excluded) onto `dst`, overlaying what is there."""
     shutil.copytree(src, dst, dirs_exist_ok=True,
@@ -4937,6 +4972,7 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                       missing_fixture: str | None = None) -> dict[str, Any]:
     """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle."""
     ws = run_dir / "workspace"
+    refuse_bundle_symlinks(task.id, task.root)
     if ws.exists():
         shutil.rmtree(ws)
     copy_tree(task.public, ws)
@@ -5062,6 +5098,25 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
                     if d and inside(full, d):
                         findings.append({"kind": f"reads_{label}", "tool": name, "path": t})
     return findings
+
+
+def hidden_file_copies(task: Task, artifacts: Mapping[str, Any], part: str) -> list[dict[str, str]]:
+    """Workspace files byte-equal to a file of the task's `part` (oracle/ or reference/), from the
+    size in AUDIT_HIDDEN_MATCH_MIN_BYTES on, that the public starter did not already hold: a copy
+    of what the agent must not see.  Over the artifact manifest and the bundle's own files."""
+    public = set(task.public_manifest.values())
+    out: list[dict[str, str]] = []
+    for part, min_bytes in [(part, AUDIT_HIDDEN_MATCH_MIN_BYTES[part])]:
+        base = task.root / part
+        hidden: dict[str, str] = {}
+        for rel, digest in tree_manifest(base).items():
+            with contextlib.suppress(OSError):
+                if (base / rel).stat().st_size >= min_bytes and digest not in public:
+                    hidden.setdefault(digest, f"{part}/{rel}")
+        for rel, info in sorted((artifacts.get("files") or {}).items()):
+            if isinstance(info, dict) and info.get("sha256") in hidden:
+                out.append({"file": rel, "equals": hidden[str(info["sha256"])]})
+    return out
 
 
 def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
@@ -5490,7 +5545,13 @@ class RunPipeline:
                   if not (removed and (f == removed or f.startswith(removed + "/")) and not (Path(ws) / f).exists())]
         if edited:
             findings.append({"kind": "edited_public_tests", "files": edited})
-        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings)}
+        copied = hidden_file_copies(task, rec["artifacts"], "oracle")
+        if copied:
+            findings.append({"kind": "copies_hidden_files", "files": copied})
+        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings),
+                        # Said, not flagged: a correct solution may equal the reference (the
+                        # rehearsal writes it by design); a reviewer weighs it with the tool calls.
+                        "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
         ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
@@ -8806,6 +8867,8 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg, tasks, arms, _ = study_parts(paths)
     chosen = load_tasks(paths, cfg, only=args.task or None)
+    for t in chosen.values():
+        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
     results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
     with RegistryLock(paths.lock, ctx.platform):
         state = calibration_state(paths)

@@ -183,3 +183,43 @@ def test_spawn_on_a_full_disk_is_refused_and_leaves_no_lock_counter_or_ghost(tmp
         obj = refused(["spawn", "--study", str(study), "--brief", b], study, names="")
         assert obj["error"] != "internal error", obj
         assert not (study / "state" / "registry.lock").exists()
+
+
+# ---- task bundles with symlinks ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("part, target", [
+    ("public", "../oracle/run.py"), ("public", "/etc/hostname"), ("gate", "../oracle/run.py"),
+    ("reference", "../oracle/run.py"),
+])
+def test_calibrate_refuses_a_bundle_with_symlinks(tmp_path: Path, fake_env, part: str, target: str) -> None:
+    study = tiny_study(tmp_path / "s")
+    link = study / "tasks" / "tiny" / part / "helper.py"
+    link.symlink_to(target)
+    obj = refused(["calibrate", "--study", str(study)], study, names=f"{part}/helper.py")
+    assert obj["error"] == "the task bundle holds symlinks"
+
+
+def test_the_workspace_copy_refuses_a_bundle_with_symlinks(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s")
+    (study / "tasks" / "tiny" / "public" / "helper.py").symlink_to("../oracle/run.py")
+    task = ab.load_task(study / "tasks" / "tiny")
+    paths = ab.StudyPaths(study)
+    with pytest.raises(ab.AgentbenchError) as exc:
+        ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0001"))
+    assert exc.value.payload["links"] == ["public/helper.py"]
+    assert not paths.run_dir("r0001").exists()
+
+
+def test_the_audit_flags_a_workspace_file_equal_to_an_oracle_file(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s")
+    oracle = study / "tasks" / "tiny" / "oracle" / "run.py"
+    oracle.write_text(oracle.read_text() + "# the hidden grader, long enough to be no coincidence\n" * 2)
+    task = ab.load_task(study / "tasks" / "tiny")
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    shutil.copy(oracle, ws / "helper.py")
+    (ws / "__init__.py").write_text("")
+    found = ab.hidden_file_copies(task, ab.artifact_manifest(ws), "oracle")
+    assert found == [{"file": "helper.py", "equals": "oracle/run.py"}]
+    (ws / "helper.py").unlink()
+    assert ab.hidden_file_copies(task, ab.artifact_manifest(ws), "oracle") == []
