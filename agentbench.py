@@ -324,11 +324,13 @@ def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, wher
 # ==================================================================================================
 # Owns the named points where the fault suite (tests/test_faults.py) makes a process fail on
 # purpose: AGENTBENCH_FAULT_AT=POINT:ACTION (ACTION `kill`: SIGKILL this process; `raise`: an
-# exception), with an optional third field N to act at the N-th pass only.  Unset (the normal
-# case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
+# exception), with an optional third field N to act at the N-th pass only; AGENTBENCH_FAULT_LOG
+# names a file that gets one line (the point's name) per fault acted on, so a suite counts what
+# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
 # setting is ignored rather than fatal (it reaches supervisors through their environment).
 
 FAULT_AT_ENV = "AGENTBENCH_FAULT_AT"
+FAULT_LOG_ENV = "AGENTBENCH_FAULT_LOG"
 _FAULT_PASSES: dict[str, int] = {}
 
 
@@ -347,6 +349,14 @@ def fault_point(name: str) -> None:
     _FAULT_PASSES[name] = _FAULT_PASSES.get(name, 0) + 1
     if nth.isdigit() and _FAULT_PASSES[name] != int(nth):
         return
+    log_path = os.environ.get(FAULT_LOG_ENV)
+    if log_path and action in ("kill", "raise"):
+        with contextlib.suppress(OSError):
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{name}\n".encode())
+            finally:
+                os.close(fd)
     if action == "kill":
         os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
         time.sleep(5)  # the signal is asynchronous: never run on past the point

@@ -49,6 +49,12 @@ Directive lines in the prompt steer one call: `FAKE: key=value` or `FAKE: key`, 
                     /dev/null) that outlives the fake; child_pidfile=PATH receives its pid
   write=REL:TEXT    write TEXT (a literal backslash-n is a newline) to REL under the cwd
   stderr=TEXT       print TEXT on stderr (repeatable)
+  escape=S          leave a process that escapes the tree: a double fork whose grandchild calls
+                    setsid and sleeps S seconds; escape_pidfile=PATH receives its pid
+  raw=LINE          print LINE verbatim on stdout after the init event (repeatable; hostile
+                    streams: `Infinity`, `1e400`, content that is not a list)
+  result_splice=JSON  JSON members spliced verbatim into every result line; later members win
+                    (`"total_cost_usd":NaN`)
 
 `--max-turns N` below the turns a call needs gives N tool rounds, then `error_max_turns`
 (num_turns N+1).  An unknown directive or a bad value exits 2, so that a typo in a test cannot
