@@ -797,6 +797,11 @@ class Platform:
         the pids in `keep` (a child whose status someone else waits for)."""
         return None
 
+    def marked_processes(self, name: str, value: str) -> list[ProcId]:
+        """Live processes whose environment holds `name=value` (a job's mark, inherited by every
+        process of its session wherever it moved); [] where environments cannot be read."""
+        return []
+
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -947,6 +952,27 @@ class PosixPlatform(Platform):
             return libc.prctl(self.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
         except (OSError, AttributeError, ImportError, ValueError):
             return False
+
+    def marked_processes(self, name: str, value: str) -> list[ProcId]:
+        needle = f"{name}={value}".encode()
+        out: list[ProcId] = []
+        try:
+            pids = [int(n) for n in os.listdir(self._proc) if n.isdigit()]
+        except OSError:
+            return []
+        for pid in pids:
+            if pid == os.getpid():
+                continue
+            try:
+                with open(os.path.join(self._proc, str(pid), "environ"), "rb") as fh:
+                    env = fh.read()
+            except OSError:
+                continue   # gone, or not ours to read
+            if needle in env.split(b"\0"):
+                st = self._read_stat(pid)
+                if st is not None and st.state not in ("Z", "X", "x"):
+                    out.append(ProcId(pid, self._ctime_of(st)))
+        return out
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)
@@ -3459,11 +3485,25 @@ def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
     return ProcId(int(d["pid"]), d.get("ctime"))
 
 
+#: The environment variable that marks every process of a job's session (set by its supervisor):
+#: a process that left the session and lost its parent is still found by it.
+JOB_MARK_ENV = "AGENTBENCH_JOB_MARK"
+
+
+def job_mark(paths: StudyPaths, job_id: str) -> str:
+    """The mark of one job of one study (the study's path hashed: two studies never share one)."""
+    return f"{job_id}.{sha256_bytes(str(paths.root.resolve()).encode())[:16]}"
+
+
 def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
-                       include_supervisor: bool, alive_until: float | None = None) -> list[ProcId]:
-    """Kill a job's `claude` tree (and its supervisor if asked); return survivors (empty = clean)."""
+                       include_supervisor: bool, alive_until: float | None = None,
+                       mark: str | None = None) -> list[ProcId]:
+    """Kill a job's `claude` tree (and its supervisor if asked), and every process carrying the
+    job's `mark` in its environment; return survivors (empty = clean)."""
     roots: list[ProcId] = []
     sids: list[int] = []
+    if mark:
+        roots += platform.marked_processes(JOB_MARK_ENV, mark)
     if runtime:
         claude = _proc_from(runtime.get("claude"))
         if claude:
@@ -3474,7 +3514,12 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
             roots.insert(0, sup)
     if not roots:
         return []
-    return platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
+    survivors = platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
+    if mark:
+        # Marked processes are judged by their mark, not by tree or time: any still alive is left.
+        seen = {p.pid for p in survivors}
+        survivors += [p for p in platform.marked_processes(JOB_MARK_ENV, mark) if p.pid not in seen]
+    return survivors
 
 
 def _usage_from_raw(job: Mapping[str, Any]) -> tuple[dict[str, Any], StreamState]:
@@ -3585,7 +3630,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             if presence is True or (presence is None and age <= lost_after_s() * UNKNOWN_LOSS_FACTOR):
                 continue
             local_rt = rt if platform.is_local(rt) else None
-            survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
+            survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb,
+                                           mark=job_mark(paths, job_id) if local_rt is not None else None)
             usage, st = _usage_from_raw(job)
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
@@ -3699,12 +3745,14 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             # start is then in the runtime file, read again.
             survivors += platform.kill_tree([sup])
             rt = read_json(paths.runtime_file(job_id), default=None)
-        survivors += kill_job_processes(platform, rt, include_supervisor=True)
+        survivors += kill_job_processes(platform, rt, include_supervisor=True,
+                                        mark=job_mark(paths, job_id) if rt is not None else None)
         usage, _ = _usage_from_raw(job)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
                      extra={"killed_by": "kill command"})
     # Verify: nothing of the claude tree may be left, whoever did the killing.
-    survivors += kill_job_processes(platform, rt, include_supervisor=False)
+    survivors += kill_job_processes(platform, rt, include_supervisor=False,
+                                    mark=job_mark(paths, job_id) if rt is not None else None)
     res = read_json(paths.result_file(job_id))
     # What the supervisor's own sweep could not kill (it found them; this process may not be
     # able to see them by tree): reported while they live, never hidden behind `clean`.
@@ -3953,6 +4001,7 @@ class Supervisor:
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
         offline = extra.get("AGENTBENCH_OFFLINE") == "1"
         env, _ = scrub_env(os.environ, for_claude=not offline, binary=job["binary"], extra=extra)
+        env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
         prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()

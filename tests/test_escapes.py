@@ -79,6 +79,35 @@ def test_kill_of_a_live_job_reaches_its_escaped_child_and_says_clean(study: Path
     assert killed["clean"] is True and killed["survivors"] == []
 
 
+def test_the_reaper_finds_an_escaped_child_of_a_killed_supervisor_by_its_mark(study: Path, tmp_path: Path,
+                                                                              cleanup, monkeypatch) -> None:
+    """A SIGKILLed supervisor cannot sweep: its adopted orphans go to init.  The job's mark in
+    their environment still names them, and the reaper that declares the job lost kills them."""
+    monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1.0")
+    pidfile = tmp_path / "escaped.pid"
+    b = write_brief(tmp_path, f"Work.\nFAKE: escape=600\nFAKE: escape_pidfile={pidfile}\nFAKE: hang\n")
+    code, obj = run_main(["spawn", "--study", str(study), "--brief", b])
+    assert code == 0, obj
+    p = escaped(pidfile)
+    cleanup.append(p)
+    rt_path = study / "state" / "jobs" / obj["job_id"] / "runtime.json"
+    deadline = time.monotonic() + 30
+    while "claude" not in (json.loads(rt_path.read_text()) if rt_path.exists() else {}):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rt = json.loads(rt_path.read_text())
+    PLATFORM.kill(ab.ProcId(rt["supervisor"]["pid"], rt["supervisor"]["ctime"]))
+    deadline = time.monotonic() + 60
+    while not (study / "state" / "jobs" / obj["job_id"] / "result.json").exists():
+        assert time.monotonic() < deadline, "the job was never reaped"
+        run_main(["list", "--study", str(study)])
+        time.sleep(0.2)
+    res = json.loads((study / "state" / "jobs" / obj["job_id"] / "result.json").read_text())
+    assert res["status"] == "lost", res
+    assert gone(p, timeout=10), "the reaper left the escaped process alive"
+    assert res["survivors"] == []
+
+
 @pytest.mark.real_claude
 def test_the_real_binarys_backgrounded_nohup_child_dies_with_its_session(tmp_path, real_claude, server,
                                                                           monkeypatch, cleanup) -> None:

@@ -257,3 +257,38 @@ def test_seeded_kills_keep_every_invariant(tmp_path: Path, fake_env) -> None:
     # Every kill point was exercised at least once in a run of this size.
     if KILLS >= 50:
         assert set(landed) == set(POINTS), summary
+
+
+# ---- the silent failures, one by one ------------------------------------------------------------------
+
+@pytest.mark.parametrize("point", ["create_job", "create_job_rename"])
+def test_a_spawn_killed_inside_job_creation_leaves_no_ghost_job(tmp_path: Path, study: Path, fake_env,
+                                                               point: str) -> None:
+    env = dict(fake_env)
+    env[ab.FAULT_AT_ENV] = f"{point}:kill"
+    proc = subprocess.run([sys.executable, str(AGENTBENCH), "spawn", "--study", str(study),
+                           "--brief", write_brief(tmp_path, "hello")], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    code, obj = run_main(["list", "--study", str(study)])
+    assert code == 0, obj
+    assert obj["jobs"] == [] and obj["active"] == 0, obj
+    jobs = study / "state" / "jobs"
+    assert [d.name for d in jobs.iterdir() if not d.name.startswith(".")] == [] if jobs.exists() else True
+    # The next job is made normally.
+    code, obj = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "again")])
+    assert code == 0, obj
+
+
+def test_run_says_which_runs_it_could_not_claim_and_exits_2(tmp_path: Path, fake_env, monkeypatch) -> None:
+    root = tiny_study(tmp_path / "s")
+    code, obj = run_main(["assign", "--study", str(root), "--force"])
+    assert code == 0, obj
+
+    def locked(self):  # noqa: ANN001 - the claim as a lock timeout makes it fail
+        raise ab.AgentbenchError("the study registry is locked", lock="registry.lock")
+    monkeypatch.setattr(ab.RunPipeline, "claim", locked)
+    code, obj = run_main(["run", "--study", str(root), "--force"])
+    assert code == 2, obj
+    rid = manifest_of(root)["runs"][0]["run_id"]
+    assert obj["unclaimed"][rid]["error"] == "the study registry is locked"
+    assert obj["ran"] == []
