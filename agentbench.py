@@ -79,7 +79,8 @@ LOCK_STALE_S = 300.0
 
 #: errno values of a write the file system refused (read-only, full, over quota, not permitted):
 #: a clear refusal (exit 2), not an internal error.
-WRITE_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name) for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
+                                  if hasattr(errno, name))
 #: The registry.json layout this version writes; a registry of another version is refused.
 REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
@@ -2684,7 +2685,9 @@ def _model_usage_clean(mu: Any, anomalies: list[dict[str, Any]] | None, where: s
             continue
         clean: dict[str, Any] = {}
         for key, val in row.items():
-            if isinstance(val, (int, float)):
+            if isinstance(val, bool):
+                clean[key] = val   # a flag, not an amount
+            elif isinstance(val, (int, float)):
                 hi = MAX_USD_VALUE if key == "costUSD" else MAX_TOKEN_COUNT
                 f = finite_number(val, lo=0, hi=hi, anomalies=anomalies, where=f"{where}.{model}.{key}")
                 if f is not None:
