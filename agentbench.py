@@ -13,25 +13,27 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       78-146   Start-up: lazy imports and the cached-bytecode launcher
-      147-236   Constants
-      237-336   Errors and output
-      337-1515  Platform seam
-     1516-1973  Files, locks and the registry
-     1974-2278  Processes
-     2279-2390  Env scrub
-     2391-2778  Stream and usage
-     2779-3124  Study configuration
-     3125-3917  The metering gateway
-     3918-5064  The supervisor
-     5065-5304  The supervisor: jobs (start, fork, continue)
-     5305-6579  The experiment layer
-     6580-8496  Statistics and report
-     8497-9009  Run pages: the report as a directory
-     9010-9799  Offline scripted model
-     9800-10080 The scripted model: rehearsal of a study
-    10081-10155 Reading at scale: the streamed ledger, paged listings, the paused collector
-    10156-11569 The CLI and main
+       80-148   Start-up: lazy imports and the cached-bytecode launcher
+      149-244   Constants
+      245-344   Errors and output
+      345-438   Hostile numbers
+      439-483   Fault points
+      484-1726  Platform seam
+     1727-2217  Files, locks and the registry
+     2218-2522  Processes
+     2523-2634  Env scrub
+     2635-3064  Stream and usage
+     3065-3410  Study configuration
+     3411-4203  The metering gateway
+     4204-5507  The supervisor
+     5508-5747  The supervisor: jobs (start, fork, continue)
+     5748-7170  The experiment layer
+     7171-9085  Statistics and report
+     9086-9598  Run pages: the report as a directory
+     9599-10388 Offline scripted model
+    10389-10669 The scripted model: rehearsal of a study
+    10670-10744 Reading at scale: the streamed ledger, paged listings, the paused collector
+    10745-12227 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -171,6 +173,12 @@ LOCK_TIMEOUT_S = 60.0
 #: the study forever); generous because finalisation is short and nothing holds the lock for long.
 LOCK_STALE_S = 300.0
 
+#: errno values of a write the file system refused (read-only, full, over quota, not permitted):
+#: a clear refusal (exit 2), not an internal error.
+WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name) for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
+                                  if hasattr(errno, name))
+#: The registry.json layout this version writes; a registry of another version is refused.
+REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
 JOB_STATUSES = ("created", "queued", "running") + JOB_FINAL_STATUSES
 #: Model aliases are refused: a study must name the exact model it measures.
@@ -332,6 +340,145 @@ def slurm_poll_s() -> float:
     """How long one process reuses a Slurm job state it read: a driver polling queued jobs must
     not hammer the controller with a squeue call per job per poll."""
     return env_float("AGENTBENCH_SLURM_POLL_S", 10.0)
+
+
+# ==================================================================================================
+# Hostile numbers
+# ==================================================================================================
+# Owns the checks every number from outside passes before it reaches a sum, a cap or a file: a
+# stream event, a result, a receipt, a registry or ledger line.  Python's json module reads 1e400
+# and Infinity as inf, NaN as nan, and 10**400 as an exact int; none of these may reach arithmetic.
+# These helpers never raise on a value: what is not a finite number of the right type and range is
+# rejected (None, or 0 for a count) and described in the caller's `anomalies` list, which the
+# caller records (a result's `anomalies`).  Pure: no I/O, and no knowledge of where values come from.
+
+#: Largest token count one usage field may carry (a million-token context times 100,000 turns).
+MAX_TOKEN_COUNT = 10**11
+#: Largest amount in USD one reported cost may carry; beyond it the figure is not believed.
+MAX_USD_VALUE = 1e6
+#: At most this many anomalies are kept per record (a hostile stream can repeat one forever).
+MAX_ANOMALIES = 50
+ANOMALY_VALUE_CHARS = 60
+
+
+def note_anomaly(anomalies: list[dict[str, Any]] | None, where: str, value: Any, why: str) -> None:
+    """Append one anomaly (where, a short repr of the value, why) unless the list is full."""
+    if anomalies is None or len(anomalies) >= MAX_ANOMALIES:
+        return
+    try:
+        shown = repr(value)
+    except Exception:  # a repr of a foreign value must not raise here
+        shown = f"<{type(value).__name__}>"
+    if len(shown) > ANOMALY_VALUE_CHARS:
+        shown = shown[:ANOMALY_VALUE_CHARS] + "..."
+    anomalies.append({"where": where, "value": shown, "why": why})
+
+
+def finite_number(value: Any, *, lo: float | None = None, hi: float | None = None,
+                  anomalies: list[dict[str, Any]] | None = None, where: str = "") -> float | None:
+    """`value` as a finite float within [lo, hi]; None (plus an anomaly) when it is a bool, not a
+    number, not finite or out of range.  None in gives None out with no anomaly (an absent field)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        note_anomaly(anomalies, where, value, "not a number")
+        return None
+    if isinstance(value, int):
+        # An exact int can be too large for a float: compare before converting.
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            note_anomaly(anomalies, where, value, "out of range")
+            return None
+        try:
+            return float(value)
+        except OverflowError:
+            note_anomaly(anomalies, where, value, "out of range")
+            return None
+    if not math.isfinite(value):
+        note_anomaly(anomalies, where, value, "not finite")
+        return None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        note_anomaly(anomalies, where, value, "out of range")
+        return None
+    return float(value)
+
+
+def count_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "",
+               hi: int = MAX_TOKEN_COUNT) -> int:
+    """A token (or other) count: a whole number in [0, hi]; absent gives 0, anything else 0 plus
+    an anomaly (a fractional count is truncated and flagged)."""
+    f = finite_number(value, lo=0, hi=hi, anomalies=anomalies, where=where)
+    if f is None:
+        return 0
+    if f != int(f):
+        note_anomaly(anomalies, where, value, "not a whole number")
+    return int(f)
+
+
+def usd_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "",
+             hi: float = MAX_USD_VALUE) -> float | None:
+    """An amount in USD: finite, in [0, hi]; None when absent or (plus an anomaly) not believable."""
+    return finite_number(value, lo=0.0, hi=hi, anomalies=anomalies, where=where)
+
+
+def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "") -> Any:
+    """A copy of a JSON-ready value in which every non-finite float is None (each one an anomaly),
+    so that the file it goes to stays valid JSON (json.dumps(allow_nan=False) accepts it)."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        note_anomaly(anomalies, where, value, "not finite")
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v, anomalies=anomalies, where=f"{where}.{k}" if where else str(k))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, anomalies=anomalies, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+# ==================================================================================================
+# Fault points
+# ==================================================================================================
+# Owns the named points where the fault suite (tests/test_faults.py) makes a process fail on
+# purpose: AGENTBENCH_FAULT_AT=POINT:ACTION (ACTION `kill`: SIGKILL this process; `raise`: an
+# exception), with an optional third field N to act at the N-th pass only; AGENTBENCH_FAULT_LOG
+# names a file that gets one line (the point's name) per fault acted on, so a suite counts what
+# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
+# setting is ignored rather than fatal (it reaches supervisors through their environment).
+
+FAULT_AT_ENV = "AGENTBENCH_FAULT_AT"
+FAULT_LOG_ENV = "AGENTBENCH_FAULT_LOG"
+_FAULT_PASSES: dict[str, int] = {}
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `raise` fault point throws."""
+
+
+def fault_point(name: str) -> None:
+    spec = os.environ.get(FAULT_AT_ENV)
+    if not spec:
+        return
+    point, _, rest = spec.partition(":")
+    if point != name:
+        return
+    action, _, nth = rest.partition(":")
+    _FAULT_PASSES[name] = _FAULT_PASSES.get(name, 0) + 1
+    if nth.isdigit() and _FAULT_PASSES[name] != int(nth):
+        return
+    log_path = os.environ.get(FAULT_LOG_ENV)
+    if log_path and action in ("kill", "raise"):
+        with contextlib.suppress(OSError):
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{name}\n".encode())
+            finally:
+                os.close(fd)
+    if action == "kill":
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+        time.sleep(5)  # the signal is asynchronous: never run on past the point
+    elif action == "raise":
+        raise InjectedFault(f"fault injected at {name}")
 
 
 # ==================================================================================================
@@ -768,6 +915,22 @@ class Platform:
         unlink would cost more than the work."""
         raise NotImplementedError
 
+    def become_subreaper(self) -> bool:
+        """Make this process the adopter of its orphaned descendants (Linux: a child subreaper),
+        so that a process that left its session and parent (nohup ... &, a double fork with
+        setsid) is still found below it.  False where the OS offers none or refuses; never raises."""
+        return False
+
+    def reap_zombies(self, keep: Iterable[int] = ()) -> None:
+        """Collect the exit status of this process's finished children (adopted orphans), except
+        the pids in `keep` (a child whose status someone else waits for)."""
+        return None
+
+    def marked_processes(self, name: str, value: str) -> list[ProcId]:
+        """Live processes whose environment holds `name=value` (a job's mark, inherited by every
+        process of its session wherever it moved); [] where environments cannot be read."""
+        return []
+
 
 # ---- POSIX ---------------------------------------------------------------------------------------
 
@@ -905,6 +1068,54 @@ class PosixPlatform(Platform):
                 continue
             out[int(name)] = _ProcInfo(st.ppid, self._ctime_of(st), st.pgid, st.sid)
         return out
+
+    #: prctl option number of PR_SET_CHILD_SUBREAPER (linux/prctl.h).
+    PR_SET_CHILD_SUBREAPER = 36
+
+    def become_subreaper(self) -> bool:
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            import ctypes  # lazy: only a supervisor needs it
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.prctl(self.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError, ImportError, ValueError):
+            return False
+
+    def marked_processes(self, name: str, value: str) -> list[ProcId]:
+        needle = f"{name}={value}".encode()
+        out: list[ProcId] = []
+        try:
+            pids = [int(n) for n in os.listdir(self._proc) if n.isdigit()]
+        except OSError:
+            return []
+        for pid in pids:
+            if pid == os.getpid():
+                continue
+            try:
+                with open(os.path.join(self._proc, str(pid), "environ"), "rb") as fh:
+                    env = fh.read()
+            except OSError:
+                continue   # gone, or not ours to read
+            if needle in env.split(b"\0"):
+                st = self._read_stat(pid)
+                if st is not None and st.state not in ("Z", "X", "x"):
+                    out.append(ProcId(pid, self._ctime_of(st)))
+        return out
+
+    def reap_zombies(self, keep: Iterable[int] = ()) -> None:
+        keep_set = set(keep)
+        me = os.getpid()
+        try:
+            scan = self._scan()
+        except (OSError, AgentbenchError):
+            return
+        for pid, info in scan.items():
+            if info.ppid == me and pid not in keep_set:
+                st = self._read_stat(pid)
+                if st is not None and st.state == "Z":
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
 
     def boot_id(self) -> str | None:
         try:
@@ -1577,7 +1788,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
 def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool = True) -> None:
     """Atomically write `obj` as pretty JSON (see write_bytes_atomic); keys sorted unless the
     order means something (study.json: the first arm is the default baseline)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str, allow_nan=False)
+                              + "\n").encode())
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -1624,9 +1836,10 @@ def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_repl
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(obj, indent=1, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
     tmp = _temp_sibling(path)
     with open(tmp, "wb") as fh:
-        fh.write((json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode())
+        fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
     try:
@@ -1647,7 +1860,7 @@ def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = (json.dumps(obj, sort_keys=True, default=str) + "\n").encode()
+    line = (json.dumps(obj, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -1849,8 +2062,13 @@ class RegistryLock:
             try:
                 os.write(fd, content)
                 os.fsync(fd)
-            finally:
+            except OSError:
+                # A full disk: no empty lock file is left behind to be judged by others.
                 os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+                raise
+            os.close(fd)
             self.token = token
             return
 
@@ -1928,10 +2146,36 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def ledger_spent_usd(paths: StudyPaths) -> float:
+    """The study's spend summed from its ledger (each line's amount checked; a bad one adds 0)."""
+    records, _ = read_jsonl(paths.ledger)
+    return round(math.fsum(usd_from(r.get("cost_delta_usd")) or 0.0 for r in records), 6)
+
+
+def registry_spent_usd(reg: Mapping[str, Any]) -> float:
+    """The registry's spend as a checked amount (read_registry() already repaired a bad one)."""
+    return usd_from(reg.get("spent_usd"), hi=math.inf) or 0.0
+
+
 def read_registry(paths: StudyPaths) -> dict[str, Any]:
+    """The registry, checked: a JSON object of the one version this agentbench writes (another
+    version is refused, never rewritten), whose spend is a finite amount -- one that is not (NaN
+    or Infinity left by an older version, a hand edit) is rebuilt from the ledger, so the study's
+    USD cap is never judged against a poisoned sum."""
     reg = read_json(paths.registry, default=None)
     if reg is None:
-        reg = {"version": 1, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+        reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    if not isinstance(reg, dict):
+        raise AgentbenchError("the study registry is not a JSON object", code="study_registry_not_json_object", path=str(paths.registry))
+    version = reg.get("version", REGISTRY_VERSION)
+    if type(version) is not int or version != REGISTRY_VERSION:
+        raise AgentbenchError("the study registry has a version this agentbench does not know", code="registry_version_unknown",
+                              path=str(paths.registry), version=version, supported=REGISTRY_VERSION,
+                              hint="use the agentbench version that made this study")
+    if usd_from(reg.get("spent_usd", 0.0), hi=math.inf) is None:
+        reg["spent_usd"] = ledger_spent_usd(paths)
+    if not isinstance(reg.get("counts"), dict):
+        reg["counts"] = {}
     return reg
 
 
@@ -2402,23 +2646,28 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
 TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
 
 
-def tokens_from_usage(u: Mapping[str, Any] | None) -> dict[str, int]:
-    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included."""
-    u = u or {}
-    cc = u.get("cache_creation") or {}
-    def num(x: Any) -> int:
-        try:
-            return int(x or 0)
-        except (TypeError, ValueError):
-            return 0
-    total_cc = num(u.get("cache_creation_input_tokens"))
-    h1 = num(cc.get("ephemeral_1h_input_tokens"))
-    m5 = num(cc.get("ephemeral_5m_input_tokens"))
+def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any]] | None = None,
+                      where: str = "usage") -> dict[str, int]:
+    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
+
+    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
+    described in `anomalies`."""
+    if u is not None and not isinstance(u, Mapping):
+        note_anomaly(anomalies, where, u, "not an object")
+    u = u if isinstance(u, Mapping) else {}
+    cc = u.get("cache_creation")
+    cc = cc if isinstance(cc, Mapping) else {}
+    def num(x: Any, key: str) -> int:
+        return count_from(x, anomalies=anomalies, where=f"{where}.{key}")
+    total_cc = num(u.get("cache_creation_input_tokens"), "cache_creation_input_tokens")
+    h1 = num(cc.get("ephemeral_1h_input_tokens"), "cache_creation.ephemeral_1h_input_tokens")
+    m5 = num(cc.get("ephemeral_5m_input_tokens"), "cache_creation.ephemeral_5m_input_tokens")
     if total_cc and not (h1 or m5):
         m5 = total_cc
-    return {"input": num(u.get("input_tokens")), "output": num(u.get("output_tokens")),
+    return {"input": num(u.get("input_tokens"), "input_tokens"),
+            "output": num(u.get("output_tokens"), "output_tokens"),
             "cache_creation": total_cc, "cache_creation_1h": h1, "cache_creation_5m": m5,
-            "cache_read": num(u.get("cache_read_input_tokens"))}
+            "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
 
 
 def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None) -> tuple[float, float, float, float, float]:
@@ -2457,10 +2706,12 @@ def add_tokens(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
 class StreamState:
     """Incremental parse of one `claude -p --output-format stream-json` process's stdout.
 
-    feed() takes one raw line; it never raises.  What it keeps: the init event, per-message usage
-    (deduplicated by message id, each field the maximum seen, since later events of one message
-    carry later snapshots), tool-use count, models reported, every result event (the last wins),
-    and counters of unparseable lines and unknown event types.
+    feed() takes one raw line; it never raises (an event it cannot digest counts as a bad line).
+    What it keeps: the init event, per-message usage (deduplicated by message id, each field the
+    maximum seen, since later events of one message carry later snapshots), tool-use count, models
+    reported, every result event (the last wins), counters of unparseable lines and unknown event
+    types, and the hostile numbers it refused (`anomalies`).  Token counts come from the usage
+    numbers only, never from text length: a huge text block is not a huge cost.
     """
 
     KNOWN_TYPES = frozenset({"system", "assistant", "user", "result", "stream_event", "rate_limit_event"})
@@ -2486,8 +2737,17 @@ class StreamState:
         self._cost_key: tuple[Any, ...] | None = None
         self._cost_micro: dict[str, int | None] = {}
         self._cost_total_micro: int | None = 0
+        self.anomalies: list[dict[str, Any]] = []
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
+        try:
+            return self._feed(raw)
+        except Exception as exc:  # the contract: feeding never raises, whatever the line holds
+            self.bad_lines += 1
+            note_anomaly(self.anomalies, "stream", type(exc).__name__, "event could not be digested")
+            return None
+
+    def _feed(self, raw: str | bytes) -> dict[str, Any] | None:
         if isinstance(raw, bytes):
             raw = raw.decode("utf-8", "replace")
         raw = raw.strip()
@@ -2525,7 +2785,7 @@ class StreamState:
         if not isinstance(msg, dict):
             return
         mid = str(msg.get("id") or f"anon-{len(self.message_order)}")
-        usage = tokens_from_usage(msg.get("usage"))
+        usage = tokens_from_usage(msg.get("usage"), self.anomalies, "assistant.usage")
         if mid not in self.messages:
             self.message_order.append(mid)
             self.messages[mid] = {"model": msg.get("model"), "tokens": usage}
@@ -2538,13 +2798,10 @@ class StreamState:
         if model and model != "<synthetic>" and model not in self.models:
             self.models.append(str(model))
         # Per-event output counts are an early snapshot (the final count only reaches the result
-        # event); for a session killed before its result, the content length gives a floor.
-        chars = sum(len(json.dumps(b.get("input"))) if b.get("type") == "tool_use" else len(str(b.get("text") or b.get("thinking") or ""))
-                    for b in msg.get("content") or [] if isinstance(b, dict))
-        entry = self.messages[mid]
-        entry["chars"] = int(entry.get("chars", 0)) + chars
-        entry["tokens"]["output"] = max(int(entry["tokens"].get("output", 0)), entry["chars"] // 4)
-        for block in msg.get("content") or []:
+        # event).  No floor is guessed from the content's length: a 10 MB text line would be
+        # estimated at tens of dollars and stop a session that reported cents.
+        content = msg.get("content")
+        for block in content if isinstance(content, list) else []:
             if isinstance(block, dict) and block.get("type") == "tool_use":
                 self.tool_uses += 1
                 if len(self.tool_calls) < 2000:
@@ -2672,6 +2929,33 @@ def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] |
     return out
 
 
+def _model_usage_clean(mu: Any, anomalies: list[dict[str, Any]] | None, where: str) -> dict[str, Any]:
+    """A modelUsage-shaped object with every numeric field finite and in range (others dropped,
+    each drop an anomaly); not an object gives {}."""
+    if not isinstance(mu, Mapping):
+        if mu is not None:
+            note_anomaly(anomalies, where, mu, "not an object")
+        return {}
+    out: dict[str, Any] = {}
+    for model, row in mu.items():
+        if not isinstance(row, Mapping):
+            note_anomaly(anomalies, f"{where}.{model}", row, "not an object")
+            continue
+        clean: dict[str, Any] = {}
+        for key, val in row.items():
+            if isinstance(val, bool):
+                clean[key] = val   # a flag, not an amount
+            elif isinstance(val, (int, float)):
+                hi = MAX_USD_VALUE if key == "costUSD" else MAX_TOKEN_COUNT
+                f = finite_number(val, lo=0, hi=hi, anomalies=anomalies, where=f"{where}.{model}.{key}")
+                if f is not None:
+                    clean[key] = val
+            elif isinstance(val, (str, list, dict)) or val is None:
+                clean[key] = json_safe(val, anomalies=anomalies, where=f"{where}.{model}.{key}")
+        out[str(model)] = clean
+    return out
+
+
 def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_cost: float,
                  prior_model_usage: Mapping[str, Any] | None, requested_model: str) -> dict[str, Any]:
     """The usage rule: what one call cost, from its result event (or an estimate without one).
@@ -2683,37 +2967,39 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
     Without a result the cost is estimated from per-message usage at list prices (`estimated`).
     """
     flags: list[str] = []
+    anomalies: list[dict[str, Any]] = []
+    prior_model_usage = _model_usage_clean(prior_model_usage, anomalies, "prior.model_usage")
     if result is None:
         tokens = state.message_tokens()
         return {"tokens": tokens, "models_used": list(state.models), "cost_total_usd": None,
                 "cost_delta_usd": state.estimated_cost(requested_model), "estimated": True,
-                "model_usage": dict(prior_model_usage or {}), "flags": flags}
-    tokens = tokens_from_usage(result.get("usage"))
-    mu = result.get("modelUsage") or {}
+                "model_usage": dict(prior_model_usage or {}), "flags": flags, "anomalies": anomalies}
+    tokens = tokens_from_usage(result.get("usage"), anomalies, "result.usage")
+    mu = _model_usage_clean(result.get("modelUsage"), anomalies, "result.modelUsage")
     delta = model_usage_delta(mu, prior_model_usage)
-    since = result.get("model_usage_since_last_result")
-    if isinstance(since, dict) and since:
+    since = _model_usage_clean(result.get("model_usage_since_last_result"), anomalies,
+                               "result.model_usage_since_last_result")
+    if since:
         # Newer binaries report this call's own per-model usage; it wins over our own delta.
         delta = model_usage_delta(since, None)
     models_used = sorted(delta) if delta else sorted(set(state.models))
     total = result.get("total_cost_usd")
-    try:
-        total_f = float(total) if total is not None else None
-    except (TypeError, ValueError):
-        total_f = None
+    total_f = usd_from(total, anomalies=anomalies, where="result.total_cost_usd")
     if total_f is None:
+        # No believable total (absent, NaN, Infinity, negative, absurd): the list-price estimate
+        # from the (checked) token counts stands in, flagged, so no hostile figure reaches a cap.
         cost = state.estimated_cost(requested_model)
         estimated = True
-        flags.append("no_total_cost")
+        flags.append("no_total_cost" if total is None else "bad_total_cost")
     elif total_f + 1e-9 < prior_cost:
         flags.append("total_decreased")
         cost, estimated = total_f, False
     else:
         cost, estimated = total_f - prior_cost, False
     # "since last result": with several result events in one process, each covers its stretch.
-    since_costs = [float(d.get("costUSD")) for r in (state.results or [result])
-                   for d in (r.get("model_usage_since_last_result") or {}).values()
-                   if isinstance(d, dict) and isinstance(d.get("costUSD"), (int, float))]
+    since_costs = [c for r in (state.results or [result]) if isinstance(r, Mapping)
+                   for d in _model_usage_clean(r.get("model_usage_since_last_result"), None, "").values()
+                   for c in [usd_from(d.get("costUSD"))] if c is not None]
     if since_costs and total_f is not None:
         # The binary's own figure for this call: it needs no prior, so a stale or missing prior
         # (a session record not yet written, a crash) cannot double-count the session's past.
@@ -2730,7 +3016,7 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
             flags.append("usage_mismatch")
     return {"tokens": tokens, "models_used": models_used, "cost_total_usd": total_f,
             "cost_delta_usd": round(max(cost, 0.0), 6), "estimated": estimated,
-            "model_usage": mu if isinstance(mu, dict) else {}, "flags": flags}
+            "model_usage": mu, "flags": flags, "anomalies": anomalies}
 
 
 def cache_verdict(first_usage: Mapping[str, int] | None, base_context_tokens: int | None) -> str | None:
@@ -4079,6 +4365,62 @@ class DuplicateRequest(Exception):
         self.job_id = job_id
 
 
+def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str, cwd: str,
+                      launch: Mapping[str, Any], binary: str, system_prompt: str, session_id: str | None,
+                      resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
+                      meta: Mapping[str, Any], env_extra: Mapping[str, str] | None, raw_dir: str | None,
+                      driver: Mapping[str, Any] | None, marker: Path | None) -> dict[str, Any]:
+    """create_job()'s second half, under its lock: the job's directory, built aside and renamed."""
+    fault_point("create_job")
+    # The job is built aside (a dot name: no listing sees it) and renamed into place whole,
+    # so a crash from here on leaves no job directory without its job.json (no ghost job).
+    jdir = paths.job_dir(job_id)
+    build = paths.jobs / f".{job_id}.creating"
+    if build.exists():
+        shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    if raw_dir:
+        Path(raw_dir).mkdir(parents=True, exist_ok=True)
+    else:
+        (build / "raw").mkdir()
+    raw = Path(raw_dir) if raw_dir else jdir / "raw"
+    (build / "prompt.txt").write_text(prompt, encoding="utf-8")
+    sp_file = jdir / "system_prompt.md"
+    (build / "system_prompt.md").write_text(system_prompt, encoding="utf-8")
+    mcp_file = jdir / "mcp.json"
+    (build / "mcp.json").write_text('{"mcpServers": {}}\n', encoding="utf-8")
+    sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
+    argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
+                             mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
+                             max_budget_usd=limits.get("max_budget_usd"),
+                             max_turns=limits.get("max_turns"))
+    job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
+           "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
+           "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
+           "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
+           "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
+           "prices": launch.get("prices") or None,
+           "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
+           "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
+           "study_usd": (launch.get("budget") or {}).get("study_usd"),
+           "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
+           "prompt_sha256": sha256_bytes(prompt.encode())}
+    write_json_atomic(build / "job.json", job)
+    # Marker first: an active marker whose job never appeared is removed by the reaper (under
+    # this lock, a missing job directory is a creation that died).
+    touch_marker(paths.active / job_id)
+    fault_point("create_job_rename")
+    try:
+        os.rename(build, jdir)
+    except OSError:
+        remove_marker(paths.active / job_id)
+        raise
+    fsync_dir(paths.jobs)
+    if marker is not None:
+        write_text_atomic(marker, job_id)
+    return job
+
+
 def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: str, cwd: str,
                launch: Mapping[str, Any], binary: str, system_prompt: str,
                session_id: str | None, resume: str | None, fork: bool,
@@ -4108,39 +4450,22 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
         job_id = f"j{n:06d}"
         # The counter is saved first: a crash from here on costs an id, never the ability to
         # create jobs.
+        before = copy.deepcopy(reg)
         reg["next_job"] = n + 1
         reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
         write_json_atomic(paths.registry, reg)
-        jdir = paths.job_dir(job_id)
-        jdir.mkdir(parents=True, exist_ok=False)
-        raw = Path(raw_dir) if raw_dir else jdir / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
-        (jdir / "prompt.txt").write_text(prompt, encoding="utf-8")
-        sp_file = jdir / "system_prompt.md"
-        sp_file.write_text(system_prompt, encoding="utf-8")
-        mcp_file = jdir / "mcp.json"
-        mcp_file.write_text('{"mcpServers": {}}\n', encoding="utf-8")
-        sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
-        argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
-                                 mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
-                                 max_budget_usd=limits.get("max_budget_usd"),
-                                 max_turns=limits.get("max_turns"))
-        job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
-               "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
-               "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
-               "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
-               "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
-               "prices": launch.get("prices") or None,
-               "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
-               "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
-               "study_usd": (launch.get("budget") or {}).get("study_usd"),
-               "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
-               "prompt_sha256": sha256_bytes(prompt.encode())}
-        write_json_atomic(paths.job_file(job_id), job)
-        touch_marker(paths.active / job_id)
-        if marker is not None:
-            write_text_atomic(marker, job_id)
-    return job
+        try:
+            return _create_job_files(paths, job_id, kind=kind, prompt=prompt, cwd=cwd, launch=launch,
+                                     binary=binary, system_prompt=system_prompt, session_id=session_id,
+                                     resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
+                                     env_extra=env_extra, raw_dir=raw_dir, driver=driver, marker=marker)
+        except OSError:
+            # A full disk or a file system turned read-only: the job was not made, so the
+            # counter goes back (best effort: the old registry is no larger than the new one).
+            shutil.rmtree(paths.jobs / f".{job_id}.creating", ignore_errors=True)
+            with contextlib.suppress(OSError):
+                write_json_atomic(paths.registry, before)
+            raise
 
 
 def _ledger_line(job: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
@@ -4211,7 +4536,8 @@ def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> N
     usage = result.get("usage") or {}
     status, reason = result["status"], result.get("reason")
     reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
-    reg["spent_usd"] = round(float(reg.get("spent_usd", 0.0)) + billed_cost_usd(usage), 6)
+    # Both amounts were checked (finalize_job; registry_spent_usd), so the sum stays finite.
+    reg["spent_usd"] = round(registry_spent_usd(reg) + (usd_from(billed_cost_usd(usage)) or 0.0), 6)
     if reason in ("usage_limit", "auth"):
         reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
     reg["finalizing"] = [j for j in reg.get("finalizing") or [] if j != job_id] + [job_id]
@@ -4235,16 +4561,30 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     usage = dict(usage or {"tokens": {k: 0 for k in TOKEN_KEYS}, "models_used": [], "cost_total_usd": None,
                            "cost_delta_usd": 0.0, "estimated": False, "model_usage": {}, "flags": []})
     extra = dict(extra or {})
-    flags = sorted(set(usage.pop("flags", []) or []) | set(extra.pop("flags", []) or []))
+    flags = set(usage.pop("flags", []) or []) | set(extra.pop("flags", []) or [])
+    anomalies = list(usage.pop("anomalies", []) or []) + list(extra.pop("anomalies", []) or [])
+    # The last guard before the files: whatever still holds a non-finite float becomes null (an
+    # anomaly), and the sums the registry keeps take only checked amounts.
+    usage["cost_delta_usd"] = usd_from(usage.get("cost_delta_usd"), anomalies=anomalies,
+                                       where="usage.cost_delta_usd") or 0.0
+    usage["cost_total_usd"] = usd_from(usage.get("cost_total_usd"), anomalies=anomalies,
+                                       where="usage.cost_total_usd")
     result = {"job_id": job_id, "status": status, "reason": reason, "kind": job.get("kind"),
               "meta": job.get("meta") or {}, "session_id": job.get("session_id"),
-              "finished_at": utc_now(), "usage": usage, "flags": flags, **extra}
+              "finished_at": utc_now(), "usage": usage, **extra}
+    result = json_safe(result, anomalies=anomalies)
+    if anomalies:
+        flags.add("anomalies")
+        result["anomalies"] = anomalies[:MAX_ANOMALIES]
+    result["flags"] = sorted(flags)
     with RegistryLock(paths.lock, platform):
         if not create_json_exclusive(paths.result_file(job_id), result, platform.rename_no_replace):
             return False
+        fault_point("finalize_result")
         reg = read_registry(paths)
         _count_job(reg, job_id, result)
         write_json_atomic(paths.registry, reg)
+        fault_point("finalize_counted")
         _complete_finalize(paths, job, result, check_ledger=False)
     append_event(paths, "job_finished", job_id=job_id, status=status, reason=reason,
                  run_id=(job.get("meta") or {}).get("run_id"), cost_usd=usage.get("cost_delta_usd"))
@@ -4406,11 +4746,25 @@ def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None
     return mtime_age_s(mtime, os.path.dirname(beat), platform.hostname(), lost_after_s()) <= lost_after_s()
 
 
+#: The environment variable that marks every process of a job's session (set by its supervisor):
+#: a process that left the session and lost its parent is still found by it.
+JOB_MARK_ENV = "AGENTBENCH_JOB_MARK"
+
+
+def job_mark(paths: StudyPaths, job_id: str) -> str:
+    """The mark of one job of one study (the study's path hashed: two studies never share one)."""
+    return f"{job_id}.{sha256_bytes(str(paths.root.resolve()).encode())[:16]}"
+
+
 def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
-                       include_supervisor: bool, alive_until: float | None = None) -> list[ProcId]:
-    """Kill a job's `claude` tree (and its supervisor if asked); return survivors (empty = clean)."""
+                       include_supervisor: bool, alive_until: float | None = None,
+                       mark: str | None = None) -> list[ProcId]:
+    """Kill a job's `claude` tree (and its supervisor if asked), and every process carrying the
+    job's `mark` in its environment; return survivors (empty = clean)."""
     roots: list[ProcId] = []
     sids: list[int] = []
+    if mark:
+        roots += platform.marked_processes(JOB_MARK_ENV, mark)
     if runtime:
         claude = _proc_from(runtime.get("claude"))
         if claude:
@@ -4421,19 +4775,25 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
             roots.insert(0, sup)
     if not roots:
         return []
-    return platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
+    survivors = platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
+    if mark:
+        # Marked processes are judged by their mark, not by tree or time: any still alive is left.
+        seen = {p.pid for p in survivors}
+        survivors += [p for p in platform.marked_processes(JOB_MARK_ENV, mark) if p.pid not in seen]
+    return survivors
 
 
 def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
-    usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+    usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                          prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
     gw_log = paths.job_dir(job["job_id"]) / "gateway.jsonl" if paths is not None else None
     if gw_log is not None and gw_log.is_file():
         # A job whose supervisor died: what its gateway recorded before that still counts.
         usage.update(summarize_metering(read_jsonl(gw_log)[0]))
+    usage["anomalies"] = list(st.anomalies) + list(usage.get("anomalies") or [])
     return usage, st
 
 
@@ -4519,6 +4879,12 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             continue
         job = read_json(paths.job_file(job_id), default=None)
         if job is None:
+            with RegistryLock(paths.lock, platform):
+                # Jobs are created whole under this lock: holding it, a marker without its job
+                # is a creation killed half-way, never one in progress.
+                if not paths.job_file(job_id).exists():
+                    remove_marker(paths.active / job_id)
+                    reaped.append(job_id)
             continue
         res = read_json(paths.result_file(job_id), default=None)
         if res is not None:
@@ -4547,7 +4913,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                             presence=lambda: supervisor_presence(platform, rt, launcher)) == "keep":
                 continue
             local_rt = rt if platform.is_local(rt) else None
-            survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb)
+            survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb,
+                                           mark=job_mark(paths, job_id) if local_rt is not None else None)
             usage, st = _usage_from_raw(job, paths)
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
@@ -4654,13 +5021,21 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             # start is then in the runtime file, read again.
             survivors += platform.kill_tree([sup])
             rt = read_json(paths.runtime_file(job_id), default=None)
-        survivors += kill_job_processes(platform, rt, include_supervisor=True)
+        survivors += kill_job_processes(platform, rt, include_supervisor=True,
+                                        mark=job_mark(paths, job_id) if rt is not None else None)
         usage, _ = _usage_from_raw(job, paths)
         finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
                      extra={"killed_by": "kill command"})
     # Verify: nothing of the claude tree may be left, whoever did the killing.
-    survivors += kill_job_processes(platform, rt, include_supervisor=False)
+    survivors += kill_job_processes(platform, rt, include_supervisor=False,
+                                    mark=job_mark(paths, job_id) if rt is not None else None)
     res = read_json(paths.result_file(job_id))
+    # What the supervisor's own sweep could not kill (it found them; this process may not be
+    # able to see them by tree): reported while they live, never hidden behind `clean`.
+    for rec in res.get("survivors") or []:
+        p = _proc_from(rec) if isinstance(rec, dict) else None
+        if p is not None and platform.is_local(rt or launcher) and platform.is_alive(p):
+            survivors.append(p)
     return {"job_id": job_id, "status": res["status"], "reason": res.get("reason"),
             "survivors": sorted({dataclasses.asdict(s)["pid"] for s in survivors})}
 
@@ -4699,20 +5074,40 @@ class Supervisor:
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
     def _reader(self, stream: Any, raw_path: Path) -> None:
-        # The raw file is flushed by every poll (_flush_raw) and every RAW_FLUSH_LINES lines of a
-        # burst, not once per line: what claude wrote is on disk within a poll interval.
-        with open(raw_path, "ab") as raw:
-            self._raw_out, pending = raw, 0
+        """Copy and parse claude's stdout to its end.  It cannot die on input (feed() never
+        raises) nor on a full disk (the copy stops, flagged, while the parsing goes on): a dead
+        reader would leave the pipe full and the session hung until its wall limit.  The raw file
+        is flushed by every poll (_flush_raw) and every RAW_FLUSH_LINES lines of a burst, not once
+        per line: what claude wrote is on disk within a poll interval."""
+        raw: Any = None
+        with contextlib.suppress(OSError):
+            raw = open(raw_path, "ab")
+        if raw is None:
+            self.flags.add("raw_copy_failed")
+        self._raw_out, pending = raw, 0
+        try:
             for line in iter(stream.readline, b""):
-                raw.write(line)
-                pending += 1
-                self._raw_dirty = True
-                if pending >= RAW_FLUSH_LINES:
-                    raw.flush()
-                    pending = 0
+                if raw is not None:
+                    try:
+                        raw.write(line)
+                        pending += 1
+                        self._raw_dirty = True
+                        if pending >= RAW_FLUSH_LINES:
+                            raw.flush()
+                            pending = 0
+                    except (OSError, ValueError):
+                        self.flags.add("raw_copy_failed")
+                        self._raw_out = None
+                        with contextlib.suppress(OSError, ValueError):
+                            raw.close()
+                        raw = None
                 with self._lock:
                     self.last_output = time.monotonic()
                     self.state.feed(line)
+        finally:
+            if raw is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    raw.close()
 
     def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str, reason: str | None) -> None:
         if self.end is None:
@@ -4839,6 +5234,38 @@ class Supervisor:
             append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
 
     def run(self) -> int:
+        """Run the job; a supervisor that fails anyway kills its claude tree and finalises the
+        job `failed`/`supervisor_error` at once, rather than leave it for the reaper."""
+        try:
+            return self._run()
+        except Exception as exc:
+            return self._fail_safe(exc)
+
+    def _fail_safe(self, exc: BaseException) -> int:
+        log(f"{self.job_id}: supervisor error: {type(exc).__name__}: {exc}")
+        claude = getattr(self, "_claude", None)
+        proc = getattr(self, "_proc", None)
+        survivors: list[ProcId] = []
+        with contextlib.suppress(Exception):
+            if claude is not None:
+                survivors = self.platform.kill_tree([claude], session_ids=[proc.pid] if proc else [])
+        usage = None
+        with contextlib.suppress(Exception):
+            prior = self.job.get("prior") or {}
+            usage = usage_record(self.state.result, self.state,
+                                 prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
+                                 prior_model_usage=prior.get("model_usage"), requested_model=str(self.job["model"]))
+        try:
+            finalize_job(self.paths, self.platform, self.job, status="failed", reason="supervisor_error",
+                         usage=usage, extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
+                                             "survivors": [dataclasses.asdict(s) for s in survivors],
+                                             "flags": sorted(self.flags | {"supervisor_error"})})
+        except Exception as exc2:  # the reaper is the last resort (a lock held for an hour, a full disk)
+            log(f"{self.job_id}: could not finalise after a supervisor error: {exc2}")
+            return 1
+        return 0
+
+    def _run(self) -> int:
         job = self.job
         jdir = self.paths.job_dir(self.job_id)
         # One supervisor per job, once: never start claude for a job that is final, was killed
@@ -4858,9 +5285,13 @@ class Supervisor:
             finalize_killed_before_start(self.paths, self.platform, job, kill_req)
             return 0
         me = self.platform.proc_id(os.getpid())
+        # Orphans of the session (a backgrounded `nohup ... &` in a new session, a double fork)
+        # are adopted by this process instead of init, so the sweep below still finds them.
+        self.subreaper = self.platform.become_subreaper()
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+                            subreaper=self.subreaper,
                             host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
@@ -4880,6 +5311,7 @@ class Supervisor:
             self._write_runtime(gateway=self.gateway.url)
         else:
             env, _ = claude_env(host, extra=extra, gateway=None, secret=secret, binary=job["binary"])
+        env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
         prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
@@ -4894,6 +5326,8 @@ class Supervisor:
                          usage=None, extra={"detail": f"cannot start claude: {exc}"})
             return 0
         claude = self.platform.proc_id(proc.pid)
+        self._proc, self._claude = proc, claude
+        fault_point("supervisor_started")
         self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now())
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
@@ -4917,6 +5351,8 @@ class Supervisor:
                 with self._lock:
                     self._write_runtime(tool_uses=self.state.tool_uses,
                                         silent_s=round(time.monotonic() - self.last_output, 1))
+                if self.subreaper:
+                    self.platform.reap_zombies(keep=[proc.pid])
             if self.end is not None and proc.poll() is None:
                 time.sleep(0.2)
                 if claude:
@@ -4924,8 +5360,14 @@ class Supervisor:
         exit_code = proc.returncode
         # Sweep what claude left behind (background tool processes hold our stdout pipe open).
         survivors: list[ProcId] = []
-        if claude:
-            survivors = self.platform.kill_tree([claude], session_ids=[proc.pid])
+        roots = [claude] if claude else []
+        if self.subreaper and me is not None:
+            # Adopted orphans are children of this process now, whatever session they made.
+            roots += self.platform.descendants(me)
+        if roots:
+            survivors = self.platform.kill_tree(roots, session_ids=[proc.pid])
+        if self.subreaper:
+            self.platform.reap_zombies()
         reader.join(timeout=10)
         stderr_fh.close()
         if self.gateway is not None:
@@ -4947,8 +5389,9 @@ class Supervisor:
         job = self.job
         st = self.state
         prior = job.get("prior") or {}
-        usage = usage_record(st.result, st, prior_cost=float(prior.get("cost_usd") or 0.0),
+        usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                              prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
+        usage["anomalies"] = list(st.anomalies) + list(usage.get("anomalies") or [])
         if self.end is not None:
             status, reason = self.end
         else:
@@ -5128,7 +5571,7 @@ def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
                               hint="sessions failed on usage limits or authentication; fix the cause, "
                                    "then `init --study DIR --reset-breaker`")
     study_cap = float(launch["budget"].get("study_usd") or 0)
-    if study_cap and float(reg.get("spent_usd", 0)) >= study_cap:
+    if study_cap and registry_spent_usd(reg) >= study_cap:
         raise AgentbenchError("the study's USD cap is spent", code="study_cap_spent",
                               spent_usd=reg.get("spent_usd"), cap=study_cap,
                               refusal="study_cap",
@@ -5317,6 +5760,11 @@ DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
 #: The hidden tests' pass mark when task.json gives none (SPEC: calibration's default 0.9).
 DEFAULT_ORACLE_THRESHOLD = 0.9
+#: A check's `receipt` setting in task.json: `json` = a JSON receipt is required (no receipt is a
+#: grader error), `auto` = the last stdout line if it is one, else the exit code (0 pass, 1 fail).
+CHECK_RECEIPT_MODES = ("auto", "json")
+#: The longest a gate or oracle may be given (a day); task.json values beyond it are refused.
+MAX_CHECK_TIMEOUT_S = 86400.0
 IGNORED_BUNDLE_NAMES = frozenset({"__pycache__", ".pytest_cache", ".DS_Store", ".git"})
 TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_system", "review_feedback",
                   "resume", "train_base")
@@ -5340,6 +5788,41 @@ def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
 
 def manifest_sha256(manifest: Mapping[str, str]) -> str:
     return sha256_bytes(json.dumps(dict(sorted(manifest.items())), sort_keys=True).encode())
+
+
+#: Bundle parts copied into workspaces or checks: a symlink in one could bring the oracle, the
+#: reference or any host file into the agent's view as a regular file, so it is refused.
+LINK_FREE_BUNDLE_PARTS = ("public", "gate", "reference", "partial")
+#: The audit flags a workspace file byte-equal to a hidden file (oracle/ or reference/) from this
+#: size on; smaller equal files (an empty __init__.py, a one-line answer) are expected coincidences.
+AUDIT_HIDDEN_MATCH_MIN_BYTES = {"oracle": 64, "reference": 256}
+
+
+def bundle_symlinks(root: str | os.PathLike[str], parts: Sequence[str] = LINK_FREE_BUNDLE_PARTS) -> list[str]:
+    """Every symlink (to a file or a directory) under the given parts of a task bundle, relative."""
+    root = Path(root)
+    found: list[str] = []
+    for part in parts:
+        base = root / part
+        if base.is_symlink():
+            found.append(part)
+            continue
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(base):
+            for name in sorted(dirnames + filenames):
+                full = Path(dirpath) / name
+                if full.is_symlink():
+                    found.append(full.relative_to(root).as_posix())
+    return sorted(found)
+
+
+def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
+    links = bundle_symlinks(root)
+    if links:
+        raise AgentbenchError("the task bundle holds symlinks", code="task_bundle_holds_symlinks", task=task_id, links=links,
+                              hint="replace each link by the file it points to (a link can bring the "
+                                   "oracle, the reference or a host file into the workspace)")
 
 
 def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -5411,11 +5894,15 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
         raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
-    if not isinstance(t, (int, float)) or t <= 0:
-        raise AgentbenchError(f"task {which}.timeout_s must be a positive number", code="task_timeout_s_positive_number", task=task_id)
+    if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
+        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
+                              code="bad_check_timeout", task=task_id, timeout_s=t)
+    if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
+        raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
+                              code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
-        if not isinstance(th, (int, float)) or not 0 < th <= 1:
+        if not _is_number(th) or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", code="task_oracle_threshold_0_1",
                                   task=task_id, threshold=th)
     return dict(spec)
@@ -5597,27 +6084,79 @@ def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str) ->
     return out
 
 
-def parse_receipt(stdout: str, returncode: int | None, timed_out: bool) -> dict[str, Any]:
-    """A check's receipt: its last stdout line if that is a JSON receipt, else exit 0 = pass."""
+#: Exit codes of a check without a receipt that mean it could not run at all (not found, not
+#: executable): a grader error for the gate and the oracle alike.
+CHECK_CANNOT_RUN_CODES = (126, 127)
+
+
+def receipt_verdict(receipt: Any, exit_code: int | None, timed_out: bool, *, which: str = "oracle",
+                    required: bool = False) -> dict[str, Any]:
+    """What a check's receipt (the parsed JSON object, or None) and exit code say (pure).
+
+    A receipt is believed only when it is coherent: `passed` a boolean, `score` (if given) a
+    finite number in [0, 1] (never a bool), and `passed: true` only with exit code 0.  Anything
+    else is refused.  `grader_error` (None, or why) marks a check that gave no valid verdict: it
+    timed out, was killed by a signal, could not run, printed an incoherent receipt, printed none
+    when one is `required`, or (the oracle, without a receipt) exited with a code other than 0 or
+    1.  A grader error is never a verdict on the agent: passed is False and score 0.0 only so that
+    nothing downstream counts it as a success; the pipeline labels the run an infrastructure
+    failure.  Counts (tests_passed, tests_total) that are not whole non-negative numbers are None.
+    """
+    def out(passed: bool, score: float, kind: str, error: str | None, obj: Mapping[str, Any] | None = None,
+            ) -> dict[str, Any]:
+        obj = obj or {}
+        counts = {}
+        for key in ("tests_passed", "tests_total"):
+            val = obj.get(key)
+            counts[key] = int(val) if finite_number(val, lo=0, hi=MAX_TOKEN_COUNT) is not None \
+                and float(val) == int(val) else None
+        checks = obj.get("checks") if isinstance(obj.get("checks"), list) else []
+        return {"passed": passed, "score": score, "checks": json_safe(checks), **counts,
+                "receipt": kind, "grader_error": error}
+    if timed_out:
+        return out(False, 0.0, "json" if isinstance(receipt, dict) else "exit_code", "the check timed out")
+    if exit_code is None or exit_code < 0:
+        return out(False, 0.0, "exit_code", f"the check was killed by signal {-(exit_code or 0)}"
+                   if exit_code is not None else "the check did not exit")
+    if isinstance(receipt, dict):
+        passed = receipt.get("passed")
+        if not isinstance(passed, bool):
+            return out(False, 0.0, "refused", f"the receipt's passed is not true or false: {passed!r}"[:200])
+        raw_score = receipt.get("score")
+        if raw_score is None:
+            score = 1.0 if passed else 0.0
+        else:
+            score_f = finite_number(raw_score, lo=0.0, hi=1.0)
+            if score_f is None:
+                return out(False, 0.0, "refused", f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
+            score = score_f
+        if passed and exit_code != 0:
+            return out(False, 0.0, "refused", f"the receipt says passed but the check exited {exit_code}")
+        return out(passed, score, "json", None, receipt)
+    if required:
+        return out(False, 0.0, "missing", "the check printed no valid JSON receipt (one is required)")
+    if exit_code in CHECK_CANNOT_RUN_CODES:
+        return out(False, 0.0, "exit_code", f"the check could not run (exit {exit_code})")
+    if which == "oracle" and exit_code not in (0, 1):
+        return out(False, 0.0, "exit_code", f"the oracle crashed (exit {exit_code}, no receipt)")
+    passed = exit_code == 0
+    return out(passed, 1.0 if passed else 0.0, "exit_code", None)
+
+
+def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which: str = "oracle",
+                  required: bool = False) -> dict[str, Any]:
+    """A check's receipt: its last stdout line if that is a JSON object with `passed`, judged by
+    receipt_verdict() together with the exit code."""
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    obj = None
     if lines:
         try:
             obj = json.loads(lines[-1])
         except ValueError:
             obj = None
-        if isinstance(obj, dict) and "passed" in obj:
-            score = obj.get("score")
-            try:
-                score = float(score) if score is not None else (1.0 if obj["passed"] else 0.0)
-            except (TypeError, ValueError):
-                score = 0.0
-            return {"passed": bool(obj["passed"]) and not timed_out, "score": max(0.0, min(1.0, score)),
-                    "checks": obj.get("checks") if isinstance(obj.get("checks"), list) else [],
-                    "tests_passed": obj.get("tests_passed"), "tests_total": obj.get("tests_total"),
-                    "receipt": "json"}
-    passed = returncode == 0 and not timed_out
-    return {"passed": passed, "score": 1.0 if passed else 0.0, "checks": [], "tests_passed": None,
-            "tests_total": None, "receipt": "exit_code"}
+    if not (isinstance(obj, dict) and "passed" in obj):
+        obj = None
+    return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
@@ -5642,12 +6181,13 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    rec = parse_receipt(res.stdout, res.returncode, res.timed_out)
+    rec = parse_receipt(res.stdout, res.returncode, res.timed_out, which=which,
+                        required=spec.get("receipt") == "json")
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
     if which == "oracle":
-        rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold
+        rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold and not rec["grader_error"]
         rec["threshold"] = task.threshold
     return rec
 
@@ -5677,7 +6217,9 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
                              "oracle_success": o["success"]})
                 if not g["passed"]:
                     problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
-                if not o["success"]:
+                if o.get("grader_error"):
+                    problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
+                elif not o["success"]:
                     problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
         partial_gate = None
         if task.partial.is_dir():
@@ -5876,6 +6418,7 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                       missing_fixture: str | None = None) -> dict[str, Any]:
     """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle."""
     ws = run_dir / "workspace"
+    refuse_bundle_symlinks(task.id, task.root)
     if ws.exists():
         shutil.rmtree(ws)
     copy_tree(task.public, ws)
@@ -6003,6 +6546,25 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
     return findings
 
 
+def hidden_file_copies(task: Task, artifacts: Mapping[str, Any], part: str) -> list[dict[str, str]]:
+    """Workspace files byte-equal to a file of the task's `part` (oracle/ or reference/), from the
+    size in AUDIT_HIDDEN_MATCH_MIN_BYTES on, that the public starter did not already hold: a copy
+    of what the agent must not see.  Over the artifact manifest and the bundle's own files."""
+    public = set(task.public_manifest.values())
+    out: list[dict[str, str]] = []
+    for part, min_bytes in [(part, AUDIT_HIDDEN_MATCH_MIN_BYTES[part])]:
+        base = task.root / part
+        hidden: dict[str, str] = {}
+        for rel, digest in tree_manifest(base).items():
+            with contextlib.suppress(OSError):
+                if (base / rel).stat().st_size >= min_bytes and digest not in public:
+                    hidden.setdefault(digest, f"{part}/{rel}")
+        for rel, info in sorted((artifacts.get("files") or {}).items()):
+            if isinstance(info, dict) and info.get("sha256") in hidden:
+                out.append({"file": rel, "equals": hidden[str(info["sha256"])]})
+    return out
+
+
 def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
     """Public test files the agent changed or deleted (a gamed gate is a behaviour finding)."""
     out = []
@@ -6048,32 +6610,39 @@ DEGENERATE_SESSION_S = 10.0
 
 
 class RunVerdict(NamedTuple):
-    outcome: str            # success | failure | budget_exhausted | timeout
+    outcome: str            # success | failure | budget_exhausted | timeout | grader_error
     validity: str           # valid | infrastructure_failure | degenerate
     validity_reason: str | None
     failure_reason: str | None
 
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
-                 success: bool) -> RunVerdict:
+                 success: bool, grader_error: str | None = None) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
-    as the run record keeps it; `success` is the hidden tests' verdict."""
-    if stop and stop.startswith("infrastructure:"):
-        validity, why = "infrastructure_failure", stop.split(":", 1)[1]
+    as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
+    gave none (invalid grading: never the agent's failure)."""
+    infra = bool(stop and stop.startswith("infrastructure:"))
+    if infra:
+        validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
+    elif grader_error:
+        validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
     elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
             and float(first_session.get("duration_s") or 0) < DEGENERATE_SESSION_S and not success:
         validity, why = "degenerate", "the session ended in seconds without a single tool call"
     else:
         validity, why = "valid", None
-    if stop == "budget_exhausted":
+    if grader_error and not infra:
+        outcome = "grader_error"
+    elif stop == "budget_exhausted":
         outcome = "budget_exhausted"
     elif stop == "timeout":
         outcome = "timeout"
     else:
         outcome = "success" if success else "failure"
-    return RunVerdict(outcome, validity, why, None if success else (stop or "hidden tests failed"))
+    failure = None if success else ("grader_error" if outcome == "grader_error" else (stop or "hidden tests failed"))
+    return RunVerdict(outcome, validity, why, failure)
 
 
 class RunPipeline:
@@ -6474,21 +7043,28 @@ class RunPipeline:
                   if not (removed and (f == removed or f.startswith(removed + "/")) and not (Path(ws) / f).exists())]
         if edited:
             findings.append({"kind": "edited_public_tests", "files": edited})
-        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings)}
+        copied = hidden_file_copies(task, rec["artifacts"], "oracle")
+        if copied:
+            findings.append({"kind": "copies_hidden_files", "files": copied})
+        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings),
+                        # Said, not flagged: a correct solution may equal the reference (the
+                        # rehearsal writes it by design); a reviewer weighs it with the tool calls.
+                        "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
         ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
                       "threshold": task.threshold, "checks": ev.get("checks"), "exit_code": ev["exit_code"],
                       "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
-                      "artifacts_sha256": rec["artifacts"]["sha256"]}
+                      "artifacts_sha256": rec["artifacts"]["sha256"], "receipt": ev.get("receipt"),
+                      "grader_error": ev.get("grader_error")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
         verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None, tool_uses=tool_uses,
-                               success=bool(ev["success"]))
+                               success=bool(ev["success"]), grader_error=ev.get("grader_error"))
         outcome, validity = verdict.outcome, verdict.validity
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
@@ -6546,6 +7122,7 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
     lock = threading.Lock()
     queue = list(todo)
     paused: list[str] = []
+    unclaimed: dict[str, dict[str, Any]] = {}
 
     def worker() -> None:
         while True:
@@ -6560,9 +7137,22 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                     return
                 rid = queue.pop(0)
             pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
-            if not pipe.claim():
+            try:
+                if not pipe.claim():
+                    continue
+            except (AgentbenchError, OSError) as exc:
+                # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
+                with lock:
+                    unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
+                        {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            rec = pipe.execute()
+            try:
+                rec = pipe.execute()
+            except Exception as exc:  # a worker must not die silently: the run is reported
+                with lock:
+                    unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
+                                      "detail": str(exc)[:500]}
+                continue
             with lock:
                 if rec.get("status") == "not_started" and rec.get("paused_by_breaker"):
                     paused.append(rid)   # the breaker stopped it in flight: it waits, like the queue
@@ -6574,7 +7164,8 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.start()
     for t in threads:
         t.join()
-    return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results}
+    return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
+            "unclaimed": unclaimed}
 
 
 # ==================================================================================================
@@ -7095,10 +7686,9 @@ def _usage_add(acc: dict, line: dict) -> None:
     status = str(line.get("status") or "(none)")
     acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
     tokens = line.get("tokens") or {}
-    for key, value in tokens.items():
-        if isinstance(value, (int, float)):
-            acc["tokens"][key] = acc["tokens"].get(key, 0) + value
-    cost = float(line.get("cost_delta_usd") or 0.0)
+    for key, value in (tokens.items() if isinstance(tokens, dict) else []):
+        acc["tokens"][key] = acc["tokens"].get(key, 0) + count_from(value)
+    cost = usd_from(line.get("cost_delta_usd")) or 0.0
     acc["cost_usd"] += cost
     if line.get("estimated"):
         acc["cost_estimated_usd"] += cost
@@ -7116,7 +7706,7 @@ def _usage_add(acc: dict, line: dict) -> None:
                 mine["cost_usd"] = round(mine["cost_usd"] + float(row.get("cost_usd") or 0.0), 6)
     verdict = str(line.get("cache_verdict") or "(none)")
     acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
-    acc["duration_s"] += float(line.get("duration_s") or 0.0)
+    acc["duration_s"] += finite_number(line.get("duration_s"), lo=0.0) or 0.0
 
 
 def _usage_finish(acc: dict) -> dict:
@@ -7448,12 +8038,11 @@ def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed:
 def _rpt_score(run: dict) -> float | None:
     ev = run.get("evaluation")
     score = ev.get("score") if isinstance(ev, dict) else None
-    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+    return finite_number(score, lo=0.0, hi=1.0)
 
 
 def _rpt_cost(run: dict) -> float | None:
-    cost = run.get("cost_usd")
-    return float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None
+    return usd_from(run.get("cost_usd"), hi=math.inf)
 
 
 def _rpt_ended(run: dict) -> bool:
@@ -10160,6 +10749,36 @@ def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, off
 # child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
 # JSON object.  Handlers return (exit code, object); they never print to stdout.
 
+#: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
+#: replaced by a default or passed on as it is.
+FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000), "limit": (0, 1_000_000)}
+#: Longest wall-time a flag may give one session or run (30 days), in seconds.
+MAX_WALL_S = 30 * 86400.0
+
+
+def bounded_int(name: str) -> Callable[[str], int]:
+    """argparse type: a whole number within FLAG_INT_BOUNDS[name] (the error names the range)."""
+    lo, hi = FLAG_INT_BOUNDS[name]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+    return parse
+
+
+def wall_seconds(text: str) -> float:
+    """argparse type: a wall time in seconds, finite, > 0 and at most MAX_WALL_S."""
+    value = finite_float(text)
+    if not 0 < value <= MAX_WALL_S:
+        raise argparse.ArgumentTypeError(f"{value:g} is out of range (0, {MAX_WALL_S:g}]")
+    return value
+
+
 class _ArgParser(argparse.ArgumentParser):
     """argparse that raises AgentbenchError instead of printing usage and exiting."""
 
@@ -10246,8 +10865,8 @@ def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, faul
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd")
-    p.add_argument("--wall-s", type=finite_float, dest="wall_s")
-    p.add_argument("--max-turns", type=int, dest="max_turns")
+    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s")
+    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns")
     p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
                    help="kill the job if no orchestrator call arrives for this long (0 = off)")
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
@@ -10316,7 +10935,14 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         git_version = res.stdout.strip() or None
     else:
         warnings.append("git not found: workspaces cannot be versioned")
-    return {"agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
+    # Usable = a binary that answers --version; without one nothing can run, and `where` says so
+    # with exit 2 (the whole report is still given).
+    reasons = []
+    if not binary:
+        reasons.append(f"no claude binary found ({how})")
+    elif not version:
+        reasons.append(f"the claude binary at {binary} did not answer --version")
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
             "git": {"path": git, "version": git_version},
@@ -10326,6 +10952,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "claude_env": claude_report,
             "study": study, "warnings": warnings}
+    return (0 if out["ok"] else 2), out
 
 
 # -- init -------------------------------------------------------------------------------------------
@@ -10394,11 +11021,17 @@ def removed_on_refusal(path: Path) -> Iterator[None]:
     moment.  No job refers to it: a refusal registers nothing.
     """
     existed = path.exists()
+    parent_existed = path.parent.exists()
     try:
         yield
-    except AgentbenchError:
+    except (AgentbenchError, OSError):
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
+        if not parent_existed:
+            # The parent (state/workspaces) only if this call made it and it is empty again: a
+            # concurrent call that needs it recreates it (mkdir parents=True).
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
         raise
 
 
@@ -10700,7 +11333,7 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=int, default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
+    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
     p.add_argument("--offset", type=int, default=0,
                    help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
 
@@ -10782,6 +11415,8 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg, tasks, arms, _ = study_parts(paths)
     chosen = load_tasks(paths, cfg, only=args.task or None)
+    for t in chosen.values():
+        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
     results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
     with RegistryLock(paths.lock, ctx.platform):
         state = calibration_state(paths)
@@ -10796,7 +11431,7 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--repeats", type=int, help="repeats per task x arm (default: study.json `repeats`, else 1)")
+    p.add_argument("--repeats", type=bounded_int("repeats"), help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
     p.add_argument("--split", default="main")
     p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
@@ -11009,7 +11644,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[])
     p.add_argument("--arm", action="append", default=[])
     p.add_argument("--split")
-    p.add_argument("--parallel", type=int, help="pipelines at once (default: the study's parallel cap)")
+    p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
@@ -11018,9 +11653,19 @@ def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
     ids = list(args.run) or all_run_ids(paths)
     for r in args.run:
         load_run(paths, r)
+    records = {rid: load_run(paths, rid) for rid in ids}
+    if args.task or args.arm:
+        # A filter that names nothing of the study is a typo, not an empty selection.
+        every = records if not args.run else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
+        for flag, key, wanted in (("--task", "task", args.task), ("--arm", "arm", args.arm)):
+            known = sorted({str(r.get(key)) for r in every.values()})
+            unknown = [w for w in wanted or [] if w not in known]
+            if unknown:
+                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection", **{key: unknown},
+                                      known=known, hint="see `list --all` or the manifest from `assign`")
     out = []
     for rid in ids:
-        rec = load_run(paths, rid)
+        rec = records[rid]
         if args.task and rec["task"] not in args.task:
             continue
         if args.arm and rec["arm"] not in args.arm:
@@ -11095,6 +11740,11 @@ def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int)
     outcomes: dict[str, int] = {}
     for r in out["results"].values():
         outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    unclaimed = out.pop("unclaimed", {})
+    if unclaimed:
+        raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out, outcomes=outcomes,
+                              hint="see each run's error (a busy lock, a read-only or full disk); "
+                                   "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
@@ -11126,9 +11776,9 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                               bases=missing,
                               hint="train them first: agentbench.py train --task T (one per task), then wait")
     cap = int(launch_config(cfg)["parallel"])
+    if args.parallel is not None and args.parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=args.parallel)
     parallel = args.parallel or cap
-    if parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1")
     if parallel > cap:
         log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
         parallel = cap
@@ -11251,8 +11901,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
-    p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--repeats", type=int)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
+    p.add_argument("--repeats", type=bounded_int("repeats"))
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
@@ -11308,8 +11958,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
-    p.add_argument("--parallel", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
+    p.add_argument("--repeats", type=bounded_int("repeats"), default=2)
 
 
 @command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
@@ -11554,6 +12204,14 @@ def main(argv: list[str] | None = None) -> int:
         code, obj = exc.exit_code, exc.payload
     except KeyboardInterrupt:
         code, obj = 2, {"error": "interrupted", "code": "interrupted"}
+    except OSError as exc:
+        if exc.errno in WRITE_REFUSED_ERRNOS:
+            code, obj = 2, {"error": "the study's files cannot be written", "code": "write_refused",
+                            "reason": os.strerror(exc.errno or 0), "errno": errno.errorcode.get(exc.errno or 0),
+                            "path": exc.filename, "hint": "free disk space, or make the study writable, then retry"}
+        else:
+            code, obj = 2, {"error": "internal error", "code": "internal_error", "type": type(exc).__name__,
+                            "detail": str(exc), "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
     except Exception as exc:  # the one place that turns a bug into a JSON answer
         code, obj = 2, {"error": "internal error", "code": "internal_error", "type": type(exc).__name__,
                         "detail": str(exc), "trace": traceback.format_exc(limit=8).splitlines()[-6:]}

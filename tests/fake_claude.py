@@ -49,6 +49,12 @@ Directive lines in the prompt steer one call: `FAKE: key=value` or `FAKE: key`, 
                     /dev/null) that outlives the fake; child_pidfile=PATH receives its pid
   write=REL:TEXT    write TEXT (a literal backslash-n is a newline) to REL under the cwd
   stderr=TEXT       print TEXT on stderr (repeatable)
+  escape=S          leave a process that escapes the tree: a double fork whose grandchild calls
+                    setsid and sleeps S seconds; escape_pidfile=PATH receives its pid
+  raw=LINE          print LINE verbatim on stdout after the init event (repeatable; hostile
+                    streams: `Infinity`, `1e400`, content that is not a list)
+  result_splice=JSON  JSON members spliced verbatim into every result line; later members win
+                    (`"total_cost_usd":NaN`)
 
 `--max-turns N` below the turns a call needs gives N tool rounds, then `error_max_turns`
 (num_turns N+1).  An unknown directive or a bad value exits 2, so that a typo in a test cannot
@@ -126,7 +132,8 @@ DIRECTIVES: dict[str, str] = {
     "exit": "int", "malformed": "flag", "model": "str", "api_error": "str",
     "is_error_exit0": "flag", "double_result": "flag", "child": "float", "child_pidfile": "str",
     "write": "list", "budget_exceed": "flag", "stderr": "list", "tool": "list", "text": "str",
-    "remap": "str", "deny": "list",
+    "remap": "str", "deny": "list", "raw": "list", "result_splice": "str",
+    "escape": "float", "escape_pidfile": "str",
 }
 DENIED = "<denied>"  # marks a tool call a permission rule refuses
 API_ERROR_KINDS = ("429", "529", "prompt_too_long", "500", "auth")
@@ -315,6 +322,13 @@ class Plan:
         self.deny: list[str] = []
         self.tool_calls: list[tuple[str, dict[str, Any]]] = []  # parsed from `tool`
         self.text: str = "Done."
+        # Hostile-stream tests: lines printed verbatim after the init event, and JSON members
+        # spliced verbatim into every result line (later members win: `"total_cost_usd": NaN`).
+        self.raw: list[str] = []
+        # A process that escapes the session: double fork + setsid, its parent gone at once.
+        self.escape: float | None = None
+        self.escape_pidfile: str | None = None
+        self.result_splice: str | None = None
 
 
 def parse_directives(prompt: str) -> Plan:
@@ -591,7 +605,10 @@ class Session:
 
     # -- events ------------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
-        out(dumps(event))
+        line = dumps(event)
+        if event.get("type") == "result" and self.plan.result_splice:
+            line = line[:-1] + "," + self.plan.result_splice + "}"
+        out(line)
 
     def init_event(self) -> dict[str, Any]:
         cwd = self.transcript.cwd
@@ -709,8 +726,12 @@ def run_session(s: Session) -> int:
             fh.write(content.replace("\\n", "\n"))
     if plan.child is not None:
         start_child(plan.child, plan.child_pidfile)
+    if plan.escape is not None:
+        start_escaped(plan.escape, plan.escape_pidfile)
 
     s.emit(s.init_event())
+    for line in plan.raw:
+        out(line)
     if plan.hang:
         while True:  # silent until killed, like a wedged session
             time.sleep(3600)
@@ -874,6 +895,32 @@ def start_child(seconds: float, pidfile: str | None) -> None:
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write(f"{proc.pid}\n")
         os.replace(tmp, pidfile)
+
+
+def start_escaped(seconds: float, pidfile: str | None) -> None:
+    """Leave a process that escapes the tree: a double fork whose grandchild makes its own session
+    (setsid) and whose middle process exits at once, so the grandchild is orphaned (adopted by
+    init, or by the nearest child subreaper)."""
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                fd = os.open(os.devnull, os.O_RDWR)
+                for std in (0, 1, 2):
+                    os.dup2(fd, std)
+                if pidfile:
+                    with open(pidfile + ".tmp", "w", encoding="utf-8") as fh:
+                        fh.write(f"{os.getpid()}\n")
+                    os.replace(pidfile + ".tmp", pidfile)
+                time.sleep(seconds)
+        finally:
+            os._exit(0)
+    os.waitpid(middle, 0)
+    if pidfile:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(pidfile) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------------------

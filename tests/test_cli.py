@@ -235,7 +235,8 @@ def test_keyboard_interrupt_is_one_json_object(study, monkeypatch):
 def test_where_reports_a_missing_binary(tmp_path, fake_env):
     env = missing_binary_env(fake_env, tmp_path)
     code, obj = run_main(["where"], env=env)
-    assert code == 0
+    # Nothing usable: exit 2, "ok": false and the reasons, with the whole report still given.
+    assert code == 2 and obj["ok"] is False and obj["reasons"]
     assert obj["claude"]["path"] is None
     assert obj["claude"]["version"] is None
     assert any("claude binary not found" in w for w in obj["warnings"])
@@ -249,14 +250,14 @@ def test_where_reports_a_missing_binary_when_nothing_is_on_path(tmp_path, fake_e
     # The local install location must not exist either, whatever this machine holds.
     monkeypatch.setattr(ab, "local_claude_path", lambda: tmp_path / "no-local" / "claude")
     code, obj = run_main(["where"], env=env)
-    assert code == 0
+    assert code == 2 and obj["ok"] is False
     assert obj["claude"]["path"] is None and obj["claude"]["found_by"] == "not found"
     assert any("claude binary not found" in w for w in obj["warnings"])
 
 
 def test_where_reports_a_missing_binary_real_process(tmp_path, fake_env):
     code, obj, _ = strict_cli(["where"], missing_binary_env(fake_env, tmp_path))
-    assert code == 0 and obj["claude"]["path"] is None
+    assert code == 2 and obj["ok"] is False and obj["claude"]["path"] is None
     assert obj["warnings"]
 
 

@@ -476,14 +476,18 @@ def test_oracle_runs_on_a_throwaway_copy_and_sees_no_credentials(tmp_path, roman
 def test_parse_receipt_json_last_line():
     out = "noise\n" + json.dumps({"passed": True, "score": 0.75, "checks": [{"id": "a", "passed": True}],
                                   "tests_passed": 3, "tests_total": 4}) + "\n\n"
-    r = ab.parse_receipt(out, 1, False)  # the receipt wins over the exit code
+    r = ab.parse_receipt(out, 0, False)
     assert r == {"passed": True, "score": 0.75, "checks": [{"id": "a", "passed": True}], "tests_passed": 3,
-                 "tests_total": 4, "receipt": "json"}
+                 "tests_total": 4, "receipt": "json", "grader_error": None}
+    # A receipt that says passed while the check failed is refused (a grader error), not believed.
+    refused = ab.parse_receipt(out, 1, False)
+    assert (refused["passed"], refused["receipt"]) == (False, "refused") and refused["grader_error"]
     assert ab.parse_receipt(json.dumps({"passed": False}), 0, False)["score"] == 0.0
+    assert ab.parse_receipt(json.dumps({"passed": False}), 1, False)["grader_error"] is None
     assert ab.parse_receipt(json.dumps({"passed": True}), 0, False)["score"] == 1.0
-    assert ab.parse_receipt(json.dumps({"passed": True, "score": 7}), 0, False)["score"] == 1.0
-    assert ab.parse_receipt(json.dumps({"passed": True, "score": -2}), 0, False)["score"] == 0.0
-    assert ab.parse_receipt(json.dumps({"passed": True, "score": "x"}), 0, False)["score"] == 0.0
+    for bad_score in (7, -2, "x", True):
+        r = ab.parse_receipt(json.dumps({"passed": True, "score": bad_score}), 0, False)
+        assert (r["passed"], r["score"], r["receipt"]) == (False, 0.0, "refused"), bad_score
     assert ab.parse_receipt(json.dumps({"passed": True, "checks": "bad"}), 0, False)["checks"] == []
 
 

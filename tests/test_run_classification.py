@@ -34,3 +34,18 @@ OK_SLOW = {"status": "ok", "duration_s": 60.0}
 ])
 def test_classify_run(stop, first, tools, success, expected):
     assert tuple(ab.classify_run(stop=stop, first_session=first, tool_uses=tools, success=success)) == expected
+
+
+@pytest.mark.parametrize("stop, first, expected", [
+    # A grader that gave no verdict is invalid grading, never the agent's failure ...
+    (None, OK_SLOW, ("grader_error", "infrastructure_failure", "grader_error: oracle timed out", "grader_error")),
+    # ... even where the session looks degenerate,
+    (None, OK_FAST, ("grader_error", "infrastructure_failure", "grader_error: oracle timed out", "grader_error")),
+    # while an infrastructure stop keeps its own reason.
+    ("infrastructure:lost:supervisor_dead", OK_SLOW,
+     ("failure", "infrastructure_failure", "lost:supervisor_dead", "infrastructure:lost:supervisor_dead")),
+])
+def test_a_grader_error_is_never_the_agents_failure(stop, first, expected):
+    got = ab.classify_run(stop=stop, first_session=first, tool_uses=0, success=False,
+                          grader_error="oracle timed out")
+    assert tuple(got) == expected

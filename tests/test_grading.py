@@ -1,0 +1,136 @@
+"""Grading values: a receipt is believed only when coherent; a grader that fails is no verdict.
+
+Before: a receipt score of NaN, Infinity or `true` counted as 1.0, a receipt's `passed` was
+believed whatever the exit code, and an oracle that crashed or timed out was scored as the agent's
+failure.  Here: receipt_verdict() by table, run_check() with real failing oracles, and a whole
+run (fake claude) whose oracle crashes, labelled an infrastructure failure.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import agentbench as ab
+from conftest import run_main
+from test_experiment import make_task, manifest_of, run_record, tiny_study, write_json
+
+R = {"passed": True, "score": 0.5}
+
+
+@pytest.mark.parametrize("receipt, code, timed_out, which, required, passed, score, error", [
+    # coherent receipts
+    ({"passed": True, "score": 0.5}, 0, False, "oracle", False, True, 0.5, False),
+    ({"passed": True}, 0, False, "oracle", False, True, 1.0, False),
+    ({"passed": False, "score": 0.25}, 0, False, "oracle", False, False, 0.25, False),
+    ({"passed": False}, 1, False, "gate", False, False, 0.0, False),
+    # incoherent receipts are refused
+    ({"passed": True, "score": float("nan")}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": True, "score": float("inf")}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": True, "score": True}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": True, "score": 1.5}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": True, "score": -0.1}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": "yes"}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": 1}, 0, False, "oracle", False, False, 0.0, True),
+    ({"passed": True, "score": 1.0}, 1, False, "oracle", False, False, 0.0, True),   # exit disagrees
+    ({"passed": True, "score": 1.0}, 2, False, "gate", False, False, 0.0, True),
+    # no valid verdict at all
+    ({"passed": True}, 0, True, "oracle", False, False, 0.0, True),                 # timed out
+    (None, -9, False, "oracle", False, False, 0.0, True),                           # killed by a signal
+    (None, None, False, "oracle", False, False, 0.0, True),                         # never exited
+    (None, 127, False, "gate", False, False, 0.0, True),                            # could not run
+    (None, 3, False, "oracle", False, False, 0.0, True),                            # oracle crashed
+    (None, 0, False, "oracle", True, False, 0.0, True),                             # receipt required
+    # the exit-code convention without a receipt
+    (None, 0, False, "oracle", False, True, 1.0, False),
+    (None, 1, False, "oracle", False, False, 0.0, False),
+    (None, 2, False, "gate", False, False, 0.0, False),   # a gate's own failure code (pytest collection)
+])
+def test_receipt_verdict_table(receipt: Any, code: Any, timed_out: bool, which: str, required: bool,
+                               passed: bool, score: float, error: bool) -> None:
+    v = ab.receipt_verdict(receipt, code, timed_out, which=which, required=required)
+    assert (v["passed"], v["score"], bool(v["grader_error"])) == (passed, score, error), v
+    json.dumps(v, allow_nan=False)
+
+
+def test_receipt_counts_are_checked() -> None:
+    v = ab.receipt_verdict({"passed": False, "tests_passed": float("nan"), "tests_total": -3}, 0, False)
+    assert v["tests_passed"] is None and v["tests_total"] is None
+    v = ab.receipt_verdict({"passed": False, "tests_passed": 2, "tests_total": 4}, 0, False)
+    assert (v["tests_passed"], v["tests_total"]) == (2, 4)
+
+
+def test_a_nan_score_line_is_refused_through_parse_receipt() -> None:
+    r = ab.parse_receipt('{"passed": true, "score": NaN}\n', 0, False)
+    assert r["receipt"] == "refused" and r["passed"] is False and r["grader_error"]
+
+
+# ---- real checks ----------------------------------------------------------------------------------
+
+ORACLES = {
+    "crash": "import sys\nsys.exit(3)\n",
+    "signal": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "hang": "import time\ntime.sleep(60)\n",
+    "nan": "print('{\"passed\": true, \"score\": NaN}')\n",
+    "liar": "print('{\"passed\": true, \"score\": 1.0}')\nraise SystemExit(1)\n",
+}
+
+
+def oracle_task(tmp_path: Path, body: str, **oracle: Any) -> ab.Task:
+    root = make_task(tmp_path / "tasks", "t")
+    (root / "oracle" / "run.py").write_text(body)
+    spec = json.loads((root / "task.json").read_text())
+    spec["oracle"].update({"timeout_s": 2, **oracle})
+    write_json(root / "task.json", spec)
+    return ab.load_task(root)
+
+
+@pytest.mark.parametrize("kind", sorted(ORACLES))
+def test_an_oracle_that_gives_no_valid_verdict_is_a_grader_error(tmp_path: Path, kind: str, fake_env) -> None:
+    task = oracle_task(tmp_path, ORACLES[kind])
+    study = tmp_path / "study"
+    study.mkdir()
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    rec = ab.run_check(ab.StudyPaths(study), ab.current_platform(), task, "oracle", str(ws), fake_env)
+    assert rec["grader_error"], rec
+    assert rec["success"] is False and rec["passed"] is False
+
+
+def test_a_required_receipt_that_is_missing_is_a_grader_error(tmp_path: Path, fake_env) -> None:
+    task = oracle_task(tmp_path, "print('all fine')\n", receipt="json")
+    study = tmp_path / "study"
+    study.mkdir()
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    rec = ab.run_check(ab.StudyPaths(study), ab.current_platform(), task, "oracle", str(ws), fake_env)
+    assert rec["receipt"] == "missing" and rec["grader_error"]
+
+
+@pytest.mark.parametrize("value", [True, 1e308, 0, -5, "60"])
+def test_a_check_timeout_out_of_bounds_is_refused_by_name(tmp_path: Path, value: Any) -> None:
+    root = make_task(tmp_path / "tasks", "t")
+    spec = json.loads((root / "task.json").read_text())
+    spec["gate"]["timeout_s"] = value
+    write_json(root / "task.json", spec)
+    with pytest.raises(ab.AgentbenchError) as exc:
+        ab.load_task(root)
+    assert "timeout_s" in exc.value.payload["error"]
+
+
+def test_a_run_whose_oracle_crashes_is_an_infrastructure_failure_not_the_agents(tmp_path: Path,
+                                                                                 fake_env) -> None:
+    study = tiny_study(tmp_path / "s")
+    (study / "tasks" / "tiny" / "oracle" / "run.py").write_text("import sys\nsys.exit(3)\n")
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    code, out = run_main(["run", "--study", str(study), "--run", rid, "--force"])
+    assert code == 0, out
+    rec = run_record(study, rid)
+    assert rec["validity"] == "infrastructure_failure", rec
+    assert rec["outcome"] == "grader_error" and rec["failure_reason"] == "grader_error"
+    assert rec["validity_reason"].startswith("grader_error")
+    assert rec["evaluation"]["grader_error"]
