@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every performance figure of issue 13, each with its baseline measured in the same run.
 
-    python3 bench/bench.py                      # the default sizes (about 5 minutes on 2 cores)
+    python3 bench/bench.py                      # the default sizes (several minutes on 2 cores)
     python3 bench/bench.py --runs 100000        # the report/usage/list figures at 100,000 runs
     python3 bench/bench.py --before OLD.py      # also measure another agentbench.py (e.g. a
                                                 # `git show REV:agentbench.py` copy), same run
