@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every performance figure of issue 13, each with its baseline measured in the same run.
 
-    python3 bench/bench.py                      # the default sizes (about 5 minutes on 2 cores)
+    python3 bench/bench.py                      # the default sizes (several minutes on 2 cores)
     python3 bench/bench.py --runs 100000        # the report/usage/list figures at 100,000 runs
     python3 bench/bench.py --before OLD.py      # also measure another agentbench.py (e.g. a
                                                 # `git show REV:agentbench.py` copy), same run
@@ -101,67 +101,84 @@ def fake_wrapper(tmp: Path) -> tuple[Path, Path]:
     return w, marks
 
 
-def bench_startup(ab_path: Path, tmp: Path, n: int, env: dict[str, str]) -> dict:
+def bench_startup(paths_by_name: dict[str, Path], tmp: Path, n: int, env: dict[str, str]) -> dict:
+    """Every form of every command, and the bare interpreter, sampled round-robin (one sample of
+    each per round), so that a change in the machine's load falls on all of them alike."""
     py = sys.executable
-    ab = load_agentbench(ab_path, f"ab_{abs(hash(str(ab_path)))}")
-    study = tmp / f"tiny-{ab_path.stat().st_ino}"
-    assert quiet(ab, ["init", "--study", str(study), "--parallel", "8"]) == 0
     brief = tmp / "brief.txt"
     brief.write_text("bench\n")
-    bare = stats(wall([py, "-c", "pass"], n, env))
-    out: dict = {"bare_interpreter_s": bare}
-    cache = tmp / f"pycache-{ab_path.stat().st_ino}"
-    menv = {**env, "PYTHONPYCACHEPREFIX": str(cache), "PYTHONPATH": str(ab_path.parent)}
-    menv.pop("PYTHONDONTWRITEBYTECODE", None)
-    for cmd in ("where", "list", "usage"):
-        args = [cmd, "--study", str(study)]
-        forms = {"script": [py, str(ab_path), *args], "module_cached": [py, "-m", ab_path.stem, *args]}
-        if hasattr(ab, "launcher_argv"):
-            forms["launcher_cached"] = ab.launcher_argv(py, str(ab_path), str(cache / "launcher"), args)
-        for form, argv in forms.items():
-            e = menv if form == "module_cached" else env
-            wall(argv, 1, e)   # warm: the cache is written
-            s = stats(wall(argv, n, e))
-            out[f"{cmd}_{form}"] = {"median_s": round(s["median"], 4), "median_x": ratio(s["median"], bare["median"]),
-                                    "p95_x": ratio(s["p95"], bare["median"])}
-    # spawn (by path, as an orchestrator calls it) and the harness's part of a session.
-    wdir = tmp / f"wrapper-{ab_path.stat().st_ino}"
-    wdir.mkdir()
-    wrapper, marks = fake_wrapper(wdir)
-    senv = {**env, "AGENTBENCH_CLAUDE_BIN": str(wrapper), "CLAUDE_CONFIG_DIR": str(tmp / "claude-config")}
-    spawn_xs, before_claude, after_claude = [], [], []
-    paths = ab.StudyPaths(study)
+    forms: dict[str, tuple[list[str], dict[str, str]]] = {"bare_interpreter": ([py, "-c", "pass"], env)}
+    spawners = {}
+    for name, ab_path in paths_by_name.items():
+        ab = load_agentbench(ab_path, f"ab_startup_{name}")
+        study = tmp / f"tiny-{name}"
+        assert quiet(ab, ["init", "--study", str(study), "--parallel", "8"]) == 0
+        cache = tmp / f"pycache-{name}"
+        menv = {**env, "PYTHONPYCACHEPREFIX": str(cache), "PYTHONPATH": str(ab_path.parent)}
+        menv.pop("PYTHONDONTWRITEBYTECODE", None)
+        for cmd in ("where", "list", "usage"):
+            args = [cmd, "--study", str(study)]
+            forms[f"{name}/{cmd}_script"] = ([py, str(ab_path), *args], env)
+            forms[f"{name}/{cmd}_module_cached"] = ([py, "-m", ab_path.stem, *args], menv)
+            if hasattr(ab, "launcher_argv"):
+                forms[f"{name}/{cmd}_launcher_cached"] = (
+                    ab.launcher_argv(py, str(ab_path), str(cache / "launcher"), args), env)
+        wdir = tmp / f"wrapper-{name}"
+        wdir.mkdir()
+        wrapper, marks = fake_wrapper(wdir)
+        senv = {**env, "AGENTBENCH_CLAUDE_BIN": str(wrapper), "CLAUDE_CONFIG_DIR": str(tmp / "claude-config")}
+        spawners[name] = (ab, ab_path, study, senv, marks)
+    for argv, e in forms.values():
+        wall(argv, 1, e)   # warm: caches written, files in the page cache
+    samples: dict[str, list[float]] = {k: [] for k in forms}
+    sessions: dict[str, dict[str, list[float]]] = {k: {"spawn": [], "before": [], "after": []} for k in spawners}
     for _ in range(n):
-        t0 = time.perf_counter()
-        res = subprocess.run([py, str(ab_path), "spawn", "--study", str(study), "--brief", str(brief)],
-                             capture_output=True, text=True, env=senv, check=False)
-        t_returned = time.time()
-        spawn_xs.append(time.perf_counter() - t0)
-        job = json.loads(res.stdout)["job_id"]
-        result = paths.result_file(job)
-        deadline = time.monotonic() + 120
-        while not result.exists() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        t_visible = time.time()
-        ends = sorted(marks.glob("*.end"), key=lambda p: p.stat().st_mtime)
-        starts = sorted(marks.glob("*.start"), key=lambda p: p.stat().st_mtime)
-        if starts and ends:
-            before_claude.append(float(starts[-1].read_text()) - t_returned)
-            after_claude.append(t_visible - float(ends[-1].read_text()))
-        for f in starts + ends:
-            f.unlink()
-        while ab.active_job_ids(paths):
-            time.sleep(0.02)
-            ab.reap_jobs(paths, ab.current_platform())
-    sp = stats(spawn_xs)
-    out["spawn_script"] = {"median_s": round(sp["median"], 4), "median_x": ratio(sp["median"], bare["median"]),
-                           "p95_x": ratio(sp["p95"], bare["median"])}
-    total = [a + b for a, b in zip(before_claude, after_claude)]
-    out["session_overhead_s"] = {"spawn_return_to_claude_start": round(statistics.median(before_claude), 4),
-                                 "claude_exit_to_result_visible": round(statistics.median(after_claude), 4),
-                                 "total_median": round(statistics.median(total), 4),
-                                 "total_p95": round(stats(total)["p95"], 4)}
+        for label, (argv, e) in forms.items():
+            samples[label] += wall(argv, 1, e)
+        for name, (ab, ab_path, study, senv, marks) in spawners.items():
+            one_session(ab, ab_path, study, brief, senv, marks, sessions[name])
+    bare = stats(samples.pop("bare_interpreter"))
+    out: dict = {"bare_interpreter_s": {k: round(v, 4) for k, v in bare.items()}}
+    for label, xs in samples.items():
+        st = stats(xs)
+        out[label] = {"median_s": round(st["median"], 4), "median_x": ratio(st["median"], bare["median"]),
+                      "p95_x": ratio(st["p95"], bare["median"])}
+    for name, ss in sessions.items():
+        sp = stats(ss["spawn"])
+        out[f"{name}/spawn_script"] = {"median_s": round(sp["median"], 4), "median_x": ratio(sp["median"], bare["median"]),
+                                       "p95_x": ratio(sp["p95"], bare["median"])}
+        total = [a + b for a, b in zip(ss["before"], ss["after"])]
+        out[f"{name}/session_overhead_s"] = {
+            "spawn_return_to_claude_start": round(statistics.median(ss["before"]), 4),
+            "claude_exit_to_result_visible": round(statistics.median(ss["after"]), 4),
+            "total_median": round(statistics.median(total), 4), "total_p95": round(stats(total)["p95"], 4)}
     return out
+
+
+def one_session(ab, ab_path: Path, study: Path, brief: Path, senv: dict[str, str], marks: Path,
+                acc: dict[str, list[float]]) -> None:
+    """`spawn` by path with the stamped fake claude; waits for the result file."""
+    paths = ab.StudyPaths(study)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(ab_path), "spawn", "--study", str(study), "--brief", str(brief)],
+                         capture_output=True, text=True, env=senv, check=False)
+    t_returned = time.time()
+    acc["spawn"].append(time.perf_counter() - t0)
+    job = json.loads(res.stdout)["job_id"]
+    result = paths.result_file(job)
+    deadline = time.monotonic() + 120
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    t_visible = time.time()
+    starts, ends = list(marks.glob("*.start")), list(marks.glob("*.end"))
+    if len(starts) == 1 and len(ends) == 1:
+        acc["before"].append(float(starts[0].read_text()) - t_returned)
+        acc["after"].append(t_visible - float(ends[0].read_text()))
+    for f in starts + ends:
+        f.unlink()
+    while ab.active_job_ids(paths):
+        time.sleep(0.02)
+        ab.reap_jobs(paths, ab.current_platform())
 
 
 # ---- the supervisor's CPU ------------------------------------------------------------------------
@@ -389,10 +406,8 @@ def main() -> int:
         report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
                                     "platform": sys.platform, "load_avg_1m": os.getloadavg()[0]}}
         if "startup" not in a.skip:
-            report["startup"] = {}
-            for name, p in paths_by_name.items():
-                log(f"{name}: start-up and sessions")
-                report["startup"][name] = bench_startup(p, tmp, a.repeat, env)
+            log("start-up and sessions")
+            report["startup"] = bench_startup(paths_by_name, tmp, a.repeat, env)
         if "supervisor" not in a.skip:
             log("supervisor CPU")
             report["supervisor_cpu"] = bench_supervisor(mods, tmp, a.events, a.pace)
