@@ -8281,6 +8281,7 @@ INIT_FLAGS: dict[str, tuple[str, Any]] = {
     "binary": ("binary", str), "parallel": ("parallel", int), "max_minutes": ("max_minutes", finite_float),
     "stall_after_s": ("stall_after_s", finite_float), "orphan_after_s": ("orphan_after_s", finite_float),
     "seed": ("seed", int), "repeats": ("repeats", int), "executor": ("executor", str),
+    "sandbox": ("sandbox", str),
 }
 BUDGET_FLAGS = {"usd_per_run": finite_float, "wall_s": finite_float, "max_turns": int, "study_usd": finite_float,
                 "min_remaining_usd": finite_float}
@@ -8296,7 +8297,8 @@ INIT_HELP = {
     "stall_after_s": "flag a session silent this long", "orphan_after_s":
     "kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)",
     "seed": "seed of the assignment and the report's bootstrap", "repeats": "runs per task and arm",
-    "executor": "local or slurm", "usd_per_run": "cost budget of one run (all its sessions)",
+    "executor": "local or slurm",
+    "sandbox": "auto (bubblewrap where it runs), bwrap (required) or none", "usd_per_run": "cost budget of one run (all its sessions)",
     "wall_s": "wall-time budget of one run (all its sessions)", "max_turns": "claude --max-turns of a session",
     "study_usd": "the study's cost cap: no launch once spent",
     "min_remaining_usd": "no new session for a run with less budget left",
