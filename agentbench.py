@@ -9281,6 +9281,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
+            "sandboxed_runs": sum(1 for r in runs if (r.get("sandbox") or {}).get("sandboxed")),
             "arms": out["arms"], "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
             "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
