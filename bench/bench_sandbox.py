@@ -4,7 +4,8 @@
 In one run, against the built-in scripted model on loopback (offline, zero cost) and the real
 `claude` binary: N short sessions (one Bash tool call, then an answer) in a study with
 `"sandbox": "none"` and N in one with `"sandbox": "bwrap"`, alternating; each session's time is the
-supervisor's own measure (result.json duration_s: claude's start to its exit).  Then the example
+supervisor's own measure (result.json duration_s: claude's start to its exit), both with an
+empty HOME.  Then the example
 task `roman`'s gate and oracle on its reference solution, N times each way.  Prints one JSON
 object: medians per mode and the ratio bwrap/none, plus the median added seconds.
 
@@ -40,8 +41,12 @@ def make_study(root: Path, binary: str, url: str, mode: str) -> None:
     code, out = quiet_main(["init", "--study", str(root), "--binary", binary, "--parallel", "2",
                             "--env", f"ANTHROPIC_BASE_URL={url}", "--env", "ANTHROPIC_API_KEY=offline-bench-key",
                             "--env", f"CLAUDE_CONFIG_DIR={root.parent / ('config-' + mode)}",
-                            "--env", "CLAUDE_CODE_MAX_RETRIES=0", "--env", "AGENTBENCH_OFFLINE=1"])
+                            "--env", "CLAUDE_CODE_MAX_RETRIES=0", "--env", "AGENTBENCH_OFFLINE=1",
+                            # an empty HOME both ways (a sandboxed session gets a private one): the
+                            # user's shell start-up files would otherwise be timed in `none` only
+                            "--env", f"HOME={root.parent / ('home-' + mode)}"])
     assert code == 0, out
+    (root.parent / ("home-" + mode)).mkdir(exist_ok=True)
     cfg = json.loads((root / "study.json").read_text())
     cfg["sandbox"] = mode
     (root / "study.json").write_text(json.dumps(cfg, indent=2))

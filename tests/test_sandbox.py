@@ -23,6 +23,8 @@ from conftest import ROOT, run_main, write_brief
 
 EXAMPLES = ROOT / "examples" / "study"
 PROBE = ab.sandbox_probe()
+#: The account's own home (not $HOME, which the test session points elsewhere).
+ACCOUNT_HOME = (ab.real_homes({}) or [""])[0]
 needs_bwrap = pytest.mark.skipif(not PROBE["available"], reason=f"bubblewrap cannot run here: {PROBE['reason']}")
 
 
@@ -206,7 +208,7 @@ def test_a_check_sees_nothing_of_the_study_tasks_or_home(tmp_path):
            "    except OSError as e: return str(e)\n"
            f"print(json.dumps({{'study': ls({str(paths.root)!r}), 'state': ls({str(paths.state)!r}),"
            f" 'tasks': ls({str(task.root.parent)!r}), 'home': ls(os.path.expanduser('~')),"
-           f" 'root_home': ls('/root'), 'gate': ls(sys.argv[1]), 'proc': [p for p in os.listdir('/proc') if p.isdigit()]}}))\n")
+           f" 'account_home': ls({ACCOUNT_HOME!r}), 'gate': ls(sys.argv[1]), 'proc': [p for p in os.listdir('/proc') if p.isdigit()]}}))\n")
     ws = tmp_path / "ws"
     ab.copy_tree(task.public, ws)
     (ws / "spy.py").write_text(spy)
@@ -222,8 +224,9 @@ def test_a_check_sees_nothing_of_the_study_tasks_or_home(tmp_path):
     assert seen["gate"] == ["test_roman.py"]
     # the homes: nothing but the tool directories that Python and PATH need
     assert isinstance(seen["home"], str) or seen["home"] == [], seen
-    tools = set(ab.tool_dirs([], [os.path.realpath(sys.prefix)], os.environ.get("PATH", "").split(os.pathsep), ["/root"]))
-    assert isinstance(seen["root_home"], str) or {f"/root/{n}" for n in seen["root_home"]} <= tools, seen
+    tools = set(ab.tool_dirs([], [os.path.realpath(sys.prefix)], os.environ.get("PATH", "").split(os.pathsep),
+                             [ACCOUNT_HOME]))
+    assert isinstance(seen["account_home"], str) or {f"{ACCOUNT_HOME}/{n}" for n in seen["account_home"]} <= tools, seen
     assert seen["proc"] == ["1", "2"], seen   # its own pid namespace: bwrap's init and the check
     assert rec["sandbox"]["kind"] == "bwrap"
 
