@@ -2239,12 +2239,16 @@ class SandboxPlan:
     directories, PATH entries in the home); only those under a hidden directory are bound.
     ro: files or directories bound read-only (a pristine check dir, a job's prompt files).
     rw: directories bound read-write (the workspace, the private HOME, the config dir).
+    inner_hide, inner_rw: then hidden again inside those, and bound back (the config dir's
+    transcripts of other sessions hidden, this session's own project directory kept).
     cwd: the working directory inside."""
     hide: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     ro: tuple[str, ...] = ()
     rw: tuple[str, ...] = ()
     cwd: str = "/"
+    inner_hide: tuple[str, ...] = ()
+    inner_rw: tuple[str, ...] = ()
 
 
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
@@ -2270,6 +2274,10 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     for d in plan.ro:
         rows.append(("--ro-bind", d, d))
     for d in plan.rw:
+        rows.append(("--bind", d, d))
+    for d in plan.inner_hide:
+        rows.append(("--tmpfs", d))
+    for d in plan.inner_rw:
         rows.append(("--bind", d, d))
     return rows
 
@@ -2423,22 +2431,27 @@ def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, An
 
 
 def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                    hidden: Sequence[str], private_home: str, ro: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+                    hidden: Sequence[str], private_home: str, project_dir: str,
+                    ro: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """The sandboxed argv and environment of one `claude` session.
 
-    HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else the host's
-    ~/.claude) stays where agentbench collects transcripts from, bound read-write; the workspace
-    read-write; `ro` (the job's system prompt and MCP files) read-only; the real home and
-    `hidden` masked; TMPDIR is the private /tmp."""
+    HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude,
+    where agentbench collects transcripts from) is bound read-write, with its projects/ hidden but
+    for `project_dir`, this session's own (other sessions' transcripts stay out of reach); the
+    workspace read-write; `ro` (the job's system prompt and MCP files) read-only; the real home
+    and `hidden` masked; TMPDIR is the private /tmp."""
     homes = real_homes(env)
-    config = env.get("CLAUDE_CONFIG_DIR") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".claude")
-    os.makedirs(config, exist_ok=True)
-    os.makedirs(private_home, exist_ok=True)
+    config = env.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
+    for d in (config, private_home, project_dir):
+        os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
+    projects = os.path.dirname(_real(project_dir))
     plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0], env, homes)),
                        ro=tuple(_real(p) for p in ro if os.path.exists(p)),
-                       rw=(_real(cwd), _real(private_home), _real(config)), cwd=_real(cwd))
+                       rw=(_real(cwd), _real(private_home), _real(config)), cwd=_real(cwd),
+                       inner_hide=(projects,) if _under(projects, _real(config)) else (),
+                       inner_rw=(_real(project_dir),))
     return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
 
 
@@ -3940,6 +3953,7 @@ class Supervisor:
         if sandbox["kind"] == "bwrap":
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
                                         hidden=study_hidden_dirs(self.paths.root), private_home=str(jdir / "home"),
+                                        project_dir=str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))),
                                         ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()

@@ -76,16 +76,18 @@ def test_a_hostile_session_gets_nothing_and_is_still_recorded_and_flagged(tmp_pa
                             "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
                             "AGENTBENCH_OFFLINE": "1"})
     # Secrets in every place a session must not reach, each with its own token.
+    # (the last: another session's transcript directory in the shared config dir)
     tokens = {}
-    for where in ("state", f"tasks/{TASK}/oracle", f"tasks/{TASK}/reference", "runs/r9999/workspace"):
+    for where in (study / "state", study / "tasks" / TASK / "oracle", study / "tasks" / TASK / "reference",
+                  study / "runs" / "r9999" / "workspace", tmp_path / "claude-config" / "projects" / "-elsewhere"):
         tok = f"SECRET-{len(tokens)}-{os.urandom(6).hex()}"
-        (study / where).mkdir(parents=True, exist_ok=True)
-        (study / where / "planted-secret.txt").write_text(tok + "\n")
-        tokens[where] = tok
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "planted-secret.txt").write_text(tok + "\n")
+        tokens[str(where)] = tok
     task_md = study / "tasks" / TASK / "public" / "TASK.md"
     task_md.write_text(task_md.read_text() + "\n[agentbench-script:hostile]\n")
     s = str(study)
-    grab = " ".join(f"{s}/{w}/planted-secret.txt" for w in tokens)
+    grab = " ".join(f"{w}/planted-secret.txt" for w in tokens)
     steal = (f"cat {grab} {s}/state/registry.json {s}/state/ledger.jsonl {s}/tasks/{TASK}/oracle/run.py "
              f"{s}/tasks/{TASK}/reference/roman.py 2>&1; mkdir -p stolen; cp -r {s}/state {s}/tasks stolen 2>&1; "
              "echo PIDS $(ls /proc | grep -c '^[0-9]'); "
@@ -109,6 +111,9 @@ def test_a_hostile_session_gets_nothing_and_is_still_recorded_and_flagged(tmp_pa
     job = rec["jobs"][0]["job_id"]
     result = json.loads((study / "state" / "jobs" / job / "result.json").read_text())
     assert result["status"] == "ok" and result["sandbox"]["kind"] == mode
+    # its transcript (written in its own project directory of the config dir) was collected
+    collected = list((study / "runs" / rid / "transcripts").glob(f"{job}-*.jsonl"))
+    assert len(collected) == 1 and result["session_id"] in collected[0].read_text()
     stream = (study / "runs" / rid / "raw" / "01-executor" / "stream.jsonl").read_text()
     results = [c for ln in stream.splitlines() if ln.strip() for c in
                ((json.loads(ln).get("message") or {}).get("content") or []) if isinstance(c, dict)

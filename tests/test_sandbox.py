@@ -54,6 +54,13 @@ def test_mount_table_order_hides_then_binds_back():
         ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
     ]
+    # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
+    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
+                                   inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",))
+    assert ab.sandbox_mounts(inner)[-3:] == [
+        ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
+        ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
+         "/home/u/.claude/projects/-srv-study-runs-r1-workspace")]
     argv = ab.sandbox_argv("/usr/bin/bwrap", plan, ["claude", "-p"])
     assert argv[0] == "/usr/bin/bwrap" and argv[-3:] == ["--", "claude", "-p"]
     for opt in ("--unshare-pid", "--die-with-parent", "--new-session", "--unshare-ipc"):
