@@ -4674,11 +4674,11 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []))
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=float(spec.get("timeout_s", 120)), platform=platform,
-                          pass_fds=(wfd,) if uses_fd else ())
+                          pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
         if uses_fd:
             os.close(wfd)
             wfd = -1
-            channel = read_receipt_pipe(rfd)
+            channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
         for fd in (rfd, wfd):
             if fd >= 0:
@@ -4687,6 +4687,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             shutil.rmtree(tmp, ignore_errors=True)
     if uses_fd:
         line, problem = receipt_channel_line(channel)
+        if os.name != "posix":   # an inherited descriptor number means nothing to a Windows child
+            problem = "the receipt channel ({receipt_fd}) needs a POSIX host"
         rec = receipt_channel_verdict(parse_receipt(line or "", res.returncode, res.timed_out), problem, res.returncode)
     else:
         rec = parse_receipt(res.stdout, res.returncode, res.timed_out)
