@@ -13,27 +13,28 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       80-148   Start-up: lazy imports and the cached-bytecode launcher
-      149-244   Constants
-      245-344   Errors and output
-      345-438   Hostile numbers
-      439-483   Fault points
-      484-1726  Platform seam
-     1727-2217  Files, locks and the registry
-     2218-2522  Processes
-     2523-2634  Env scrub
-     2635-3064  Stream and usage
-     3065-3410  Study configuration
-     3411-4203  The metering gateway
-     4204-5507  The supervisor
-     5508-5747  The supervisor: jobs (start, fork, continue)
-     5748-7170  The experiment layer
-     7171-9085  Statistics and report
-     9086-9598  Run pages: the report as a directory
-     9599-10388 Offline scripted model
-    10389-10669 The scripted model: rehearsal of a study
-    10670-10744 Reading at scale: the streamed ledger, paged listings, the paused collector
-    10745-12227 The CLI and main
+       81-149   Start-up: lazy imports and the cached-bytecode launcher
+      150-245   Constants
+      246-345   Errors and output
+      346-439   Hostile numbers
+      440-484   Fault points
+      485-1727  Platform seam
+     1728-2218  Files, locks and the registry
+     2219-2524  Processes
+     2525-2636  Env scrub
+     2637-3000  The sandbox
+     3001-3430  Stream and usage
+     3431-3785  Study configuration
+     3786-4578  The metering gateway
+     4579-5902  The supervisor
+     5903-6147  The supervisor: jobs (start, fork, continue)
+     6148-7603  The experiment layer
+     7604-9523  Statistics and report
+     9524-10036 Run pages: the report as a directory
+    10037-10826 Offline scripted model
+    10827-11107 The scripted model: rehearsal of a study
+    11108-11182 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11183-12678 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -2234,7 +2235,8 @@ class CommandResult:
 
 
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mapping[str, str],
-                timeout_s: float, platform: "Platform", stdin_text: str | None = None) -> CommandResult:
+                timeout_s: float, platform: "Platform", stdin_text: str | None = None,
+                pass_fds: Sequence[int] = ()) -> CommandResult:
     """Run a helper command to completion; on timeout kill its whole process tree.
 
     The command gets its own session (POSIX) so that a timeout can kill every process it left,
@@ -2245,7 +2247,7 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
     try:
         proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env),
                                 stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), **kwargs)
     except OSError as exc:
         return CommandResult(list(argv), 127, "", f"cannot start: {exc}", 0.0, False)
     me = platform.proc_id(proc.pid)
@@ -2630,6 +2632,370 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     env.pop("AGENTBENCH_CLAUDE_BIN", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"   # checks must not leave __pycache__ in a workspace
     return env, report
+
+
+# ==================================================================================================
+# The sandbox
+# ==================================================================================================
+# Owns: the `sandbox` study setting ("auto" | "bwrap" | "none"), the decision which sandbox a
+# launch gets, the probe that tells whether bubblewrap really runs on this host (once per process,
+# cached, with the reason when not), and the pure builders of the bubblewrap argv: a table of
+# mounts (read-only host, hidden study/tasks/home, tool directories bound back, read-only and
+# read-write binds, private /tmp, /proc and /dev), then the namespace options.  Also the receipt
+# channel of check commands: an inherited pipe named by the {receipt_fd} placeholder.
+# Must not: start sessions or checks itself, read the study's registry, or change an environment
+# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR).
+
+SANDBOX_MODES = ("auto", "bwrap", "none")
+#: What a study that says nothing gets: bubblewrap where it runs, else none (said in the report).
+SANDBOX_DEFAULT = "auto"
+SANDBOX_BINARY = "bwrap"
+SANDBOX_PROBE_TIMEOUT_S = 20.0
+#: Namespace options of every sandbox: own pid namespace (the supervisor, other sessions and their
+#: environments invisible; every process dies with the sandbox's first one), own IPC, killed with
+#: the parent (the supervisor or the check runner), a new terminal session, no capabilities (root
+#: inside could otherwise unmount the hiding tmpfs).  The network stays shared: the session must
+#: reach its loopback gateway or scripted model.
+SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
+                             "--cap-drop", "ALL")
+#: Directories never hidden, whatever a setting says (hiding them would hide the host itself).
+SANDBOX_NEVER_HIDE = ("/", "/usr", "/bin", "/lib", "/etc", "/proc", "/dev")
+
+
+#: The first program inside a session's sandbox: it gives back the default SIGTERM that the bwrap
+#: processes around it ignore (sandbox_preexec) and execs `claude`.  So a graceful stop reaches
+#: `claude` (which then still reports its result and cost) instead of bwrap, whose death would
+#: take the whole sandbox down at once; a hard kill of bwrap still ends everything inside.
+SANDBOX_EXEC_SHIM = ("import os, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+                     "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def sandbox_preexec() -> None:
+    """Popen preexec_fn of a sandboxed session: bwrap (and only bwrap) ignores SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def sandbox_default() -> str:
+    """The mode of a study without a `sandbox` key: SANDBOX_DEFAULT, or (tests whose fake binary
+    writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT."""
+    raw = os.environ.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
+    if raw not in SANDBOX_MODES:
+        raise AgentbenchError("AGENTBENCH_SANDBOX_DEFAULT must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_default", value=raw)
+    return raw
+
+
+def sandbox_mode_of(cfg: Mapping[str, Any]) -> str:
+    """The study's sandbox mode (its shape was checked where study.json was read)."""
+    mode = cfg.get("sandbox")
+    if mode is not None and mode not in SANDBOX_MODES:
+        raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode", value=str(mode)[:200])
+    return str(mode) if mode is not None else sandbox_default()
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """What one sandboxed process sees (absolute, resolved paths).
+
+    hide: directories masked by an empty tmpfs (the study, the tasks, the user's real home).
+    tools: directories bound back read-only after hiding (the binary's and Python's install
+    directories, PATH entries in the home); only those under a hidden directory are bound.
+    ro: files or directories bound read-only (a pristine check dir, a job's prompt files).
+    rw: directories bound read-write (the workspace, the private HOME, the config dir).
+    inner_hide, inner_rw: then hidden again inside those, and bound back (the config dir's
+    transcripts of other sessions hidden, this session's own project directory kept).
+    cwd: the working directory inside."""
+    hide: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
+    ro: tuple[str, ...] = ()
+    rw: tuple[str, ...] = ()
+    cwd: str = "/"
+    inner_hide: tuple[str, ...] = ()
+    inner_rw: tuple[str, ...] = ()
+
+
+def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
+    """The mount table, in the order bubblewrap applies it (pure).
+
+    Later mounts win over earlier ones for the same path, so: the read-only root, /dev, /proc,
+    the private /tmp, the hiding tmpfs mounts (outer first; none already inside /tmp or another
+    hidden directory), the tool directories that a hide covered, then read-only and read-write
+    binds (a workspace inside the hidden study comes back this way)."""
+    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/"), ("--dev", "/dev"), ("--proc", "/proc"),
+                                   ("--tmpfs", "/tmp")]
+    covered = ["/tmp"]
+    for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
+        if d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered):
+            continue
+        rows.append(("--tmpfs", d))
+        covered.append(d)
+    seen: set[str] = set()
+    for d in plan.tools:
+        if d not in seen and any(_under(d, c) for c in covered) and not any(_under(c, d) for c in covered):
+            rows.append(("--ro-bind", d, d))
+        seen.add(d)
+    for d in plan.ro:
+        rows.append(("--ro-bind", d, d))
+    for d in plan.rw:
+        rows.append(("--bind", d, d))
+    for d in plan.inner_hide:
+        rows.append(("--tmpfs", d))
+    for d in plan.inner_rw:
+        rows.append(("--bind", d, d))
+    return rows
+
+
+def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str]) -> list[str]:
+    """The full bubblewrap command that runs `argv` under `plan` (pure)."""
+    out = [bwrap]
+    for row in sandbox_mounts(plan):
+        out += list(row)
+    out += list(SANDBOX_NAMESPACE_OPTIONS) + ["--chdir", plan.cwd, "--"]
+    return out + list(argv)
+
+
+def tool_dirs(binary_paths: Sequence[str], python_prefixes: Sequence[str], path_entries: Sequence[str],
+              homes: Sequence[str]) -> list[str]:
+    """Directories that must stay visible for the sandboxed program to run at all (pure).
+
+    The binary's own directory and the one above it (an npm package keeps its files beside its
+    bin/), Python's prefixes, and, for a PATH entry inside a hidden home, that home's top-level
+    directory holding it (~/.pyenv for ~/.pyenv/shims: a version manager's shims need the rest
+    of it).  A home itself is never given back whole."""
+    out: list[str] = []
+    for b in binary_paths:
+        d = posixpath.dirname(b)
+        out += [d, posixpath.dirname(d)]
+    out += list(python_prefixes)
+    for entry in path_entries:
+        for home in homes:
+            if entry != home and _under(entry, home):
+                rest = entry[len(home.rstrip("/")) + 1:].split("/")[0]
+                out.append(home.rstrip("/") + "/" + rest)
+    clean = []
+    for d in out:
+        if d and d.startswith("/") and d not in clean and d not in homes and d != "/":
+            clean.append(d)
+    return clean
+
+
+def _real(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[str]) -> list[str]:
+    """tool_dirs() for this process: the binary (as named and resolved), sys.prefix and
+    sys.base_prefix, and the PATH of `env`."""
+    bins = []
+    if binary:
+        bins = [os.path.abspath(binary), _real(binary)]
+    prefixes = sorted({_real(sys.prefix), _real(sys.base_prefix), _real(posixpath.dirname(sys.executable))})
+    entries = [_real(e) for e in (env.get("PATH") or "").split(os.pathsep) if e.startswith("/")]
+    return tool_dirs(bins, prefixes, entries, homes)
+
+
+def real_homes(env: Mapping[str, str]) -> list[str]:
+    """The user's home directories to hide: the account's and $HOME (resolved, existing)."""
+    out = []
+    with contextlib.suppress(ImportError, KeyError):
+        import pwd
+        out.append(pwd.getpwuid(os.getuid()).pw_dir)
+    if env.get("HOME"):
+        out.append(env["HOME"])
+    homes = []
+    for h in out:
+        r = _real(h)
+        if os.path.isdir(r) and r not in homes and r not in SANDBOX_NEVER_HIDE:
+            homes.append(r)
+    return homes
+
+
+def study_hidden_dirs(study_root: str | os.PathLike[str], extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
+    """The study directory, its tasks directory (from study.json, wherever it lies) and `extra`,
+    resolved; only those that exist (a tmpfs needs a mount point)."""
+    root = Path(study_root)
+    dirs: list[str | os.PathLike[str]] = [root]
+    cfg = read_json(root / STUDY_FILE, default=None)
+    if isinstance(cfg, dict) and isinstance(cfg.get("tasks"), str):
+        t = Path(cfg["tasks"])
+        dirs.append(t if t.is_absolute() else root / t)
+    dirs += list(extra)
+    out = []
+    for d in dirs:
+        r = _real(d)
+        if os.path.isdir(r) and r not in out:
+            out.append(r)
+    return out
+
+
+_SANDBOX_PROBES: dict[str, dict[str, Any]] = {}
+
+
+def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Does bubblewrap really run here?  {"available", "binary", "reason"}; run once per process
+    per binary found (a PATH without bwrap answers at once, uncached)."""
+    path = (env if env is not None else os.environ).get("PATH")
+    binary = shutil.which(SANDBOX_BINARY, path=path)
+    if not binary:
+        return {"available": False, "binary": None,
+                "reason": f"{SANDBOX_BINARY} is not on PATH (Debian/Ubuntu package: bubblewrap)"}
+    if binary in _SANDBOX_PROBES:
+        return dict(_SANDBOX_PROBES[binary])
+    marker = "agentbench-sandbox-probe"
+    argv = sandbox_argv(binary, SandboxPlan(cwd="/"), [sys.executable, "-I", "-c", f"print({marker!r})"])
+    try:
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=SANDBOX_PROBE_TIMEOUT_S)
+        ok = res.returncode == 0 and res.stdout.decode("utf-8", "replace").strip() == marker
+        reason = None if ok else (f"{binary} exited {res.returncode}: "
+                                  + res.stderr.decode("utf-8", "replace").strip()[-300:])
+    except (OSError, subprocess.SubprocessError) as exc:
+        ok, reason = False, f"{binary} cannot run: {exc}"
+    out = {"available": ok, "binary": binary, "reason": reason}
+    _SANDBOX_PROBES[binary] = out
+    return dict(out)
+
+
+def sandbox_decision(mode: str, available: bool) -> str:
+    """"bwrap", "none" or "refuse" for a mode and the probe's answer (pure)."""
+    if mode == "none":
+        return "none"
+    if mode == "bwrap":
+        return "bwrap" if available else "refuse"
+    return "bwrap" if available else "none"
+
+
+def resolve_sandbox(mode: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The sandbox a launch gets here: {"mode", "kind", "binary", "reason"}.  A study that
+    requires bubblewrap where it cannot run is refused (exit 2), before anything is written."""
+    probe = sandbox_probe(env) if mode != "none" else {"available": False, "binary": None,
+                                                        "reason": "the study sets sandbox: none"}
+    kind = sandbox_decision(mode, bool(probe["available"]))
+    if kind == "refuse":
+        raise AgentbenchError("the study requires sandbox bwrap but bubblewrap cannot run here", code="sandbox_unavailable",
+                              reason=probe["reason"], refusal="sandbox",
+                              hint='install bubblewrap (apt-get install bubblewrap) where sessions and checks '
+                                   'run, or set "sandbox": "auto" (unsandboxed where it is missing) in study.json')
+    return {"mode": mode, "kind": kind, "binary": probe["binary"] if kind == "bwrap" else None,
+            "reason": None if kind == "bwrap" else probe["reason"]}
+
+
+def sandbox_record(decision: Mapping[str, Any]) -> dict[str, Any]:
+    """What a job, check or run records of its sandbox."""
+    return {"mode": decision.get("mode"), "kind": decision.get("kind"), "reason": decision.get("reason")}
+
+
+def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """A run's sandbox from its sessions' and checks' records (pure): sandboxed only when every
+    one of them ran under bubblewrap (a record missing counts as not sandboxed)."""
+    recs = [r or {} for r in records]
+    kinds = sorted({str(r.get("kind") or "unknown") for r in recs})
+    reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") != "bwrap" and r.get("reason")})
+    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons}
+
+
+def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
+                    hidden: Sequence[str], private_home: str, project_dir: str,
+                    ro: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The sandboxed argv and environment of one `claude` session.
+
+    HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude,
+    where agentbench collects transcripts from) is bound read-write, with its projects/ hidden but
+    for `project_dir`, this session's own (other sessions' transcripts stay out of reach); the
+    workspace read-write; `ro` (the job's system prompt and MCP files) read-only; the real home
+    and `hidden` masked; TMPDIR is the private /tmp."""
+    homes = real_homes(env)
+    config = env.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
+    for d in (config, private_home, project_dir):
+        os.makedirs(d, exist_ok=True)
+    new_env = dict(env)
+    new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
+    projects = os.path.dirname(_real(project_dir))
+    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0], env, homes)),
+                       ro=tuple(_real(p) for p in ro if os.path.exists(p)),
+                       rw=(_real(cwd), _real(private_home), _real(config)), cwd=_real(cwd),
+                       inner_hide=(projects,) if _under(projects, _real(config)) else (),
+                       inner_rw=(_real(project_dir),))
+    return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
+
+
+def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
+                  hidden: Sequence[str], ro: Sequence[str]) -> list[str]:
+    """The sandboxed argv of one check command: its cwd (the workspace, or the oracle's copy)
+    read-write, its pristine check directories read-only, the study, the tasks and the real home
+    masked.  The environment is the caller's (credential-free) one, unchanged."""
+    homes = real_homes(env)
+    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0] if argv else None, env, homes)),
+                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=_real(cwd))
+    return sandbox_argv(bwrap, plan, argv)
+
+
+# -- the receipt channel of check commands -----------------------------------------------------------
+# A check command that names {receipt_fd} gets the write end of a pipe as that inherited file
+# descriptor; agentbench reads the other end.  The trust model for task authors: the harness reads
+# nothing of the code under test into its own process, runs that code in child processes with the
+# descriptor closed (subprocess's default close_fds), and writes exactly one JSON receipt line to
+# the descriptor from the parent.  Code that still reaches the descriptor (through /proc, as the
+# same user) can only add a line -- then there are two and the check fails -- or kill the harness,
+# which then exits non-zero, and a passing receipt needs exit status 0.  The old receipt (the last
+# stdout line) still works but is recorded as unprotected: the code under test can print it.
+
+RECEIPT_FD_PLACEHOLDER = "receipt_fd"
+#: More than this on the receipt channel is not a receipt (the pipe is read once, after the check).
+RECEIPT_MAX_BYTES = 60000
+
+
+def receipt_channel_line(data: bytes) -> tuple[str | None, str | None]:
+    """The one receipt line written on the channel, or (None, the problem) (pure)."""
+    if len(data) > RECEIPT_MAX_BYTES:
+        return None, f"more than {RECEIPT_MAX_BYTES} bytes on the receipt channel"
+    lines = [ln for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    if not lines:
+        return None, "no receipt on the receipt channel"
+    if len(lines) > 1:
+        return None, f"{len(lines)} receipts on the receipt channel (one is expected: another writer reached it)"
+    return lines[0], None
+
+
+def receipt_channel_verdict(rec: Mapping[str, Any], problem: str | None, returncode: int | None, *,
+                            timed_out: bool = False) -> dict[str, Any]:
+    """A receipt read from the channel, judged (pure): a problem with the channel, a line that is
+    no JSON receipt, or a pass with a non-zero exit status is a fail with score 0.  Such a fail is
+    the check's verdict, not a grader error: the code under test cannot write the channel, so a
+    harness that says nothing there, or dies, was made to by that code.  A timeout stays a grader
+    error, and so does a receipt on the channel that is incoherent (the grader's own fault)."""
+    out = dict(rec)
+    out["receipt_channel"] = "fd"
+    out["receipt_protected"] = True
+    if problem is None and rec.get("receipt") == "refused":
+        return out
+    if problem is None and rec.get("receipt") != "json":
+        problem = "the receipt channel's line is not a JSON receipt with a passed field"
+    if problem is None and rec.get("passed") and returncode != 0:
+        problem = f"the receipt says passed but the check exited {returncode}"
+    if problem is not None:
+        out.update({"passed": False, "score": 0.0, "receipt_problem": problem,
+                    "grader_error": rec.get("grader_error") if timed_out else None})
+    return out
+
+
+def read_receipt_pipe(rfd: int) -> bytes:
+    """What is in the pipe now (the check has exited; a writer it left behind is not waited for)."""
+    os.set_blocking(rfd, False)
+    chunks: list[bytes] = []
+    total = 0
+    while total <= RECEIPT_MAX_BYTES:
+        try:
+            chunk = os.read(rfd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 # ==================================================================================================
@@ -3178,6 +3544,13 @@ def _check_gateway(v: Any) -> None:
                               hint='"off" lets claude hold the credentials and reach the model directly')
 
 
+def _check_sandbox(v: Any) -> None:
+    if v not in SANDBOX_MODES:
+        raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode",
+                              file=STUDY_FILE, key="sandbox", value=str(v)[:200],
+                              hint='"auto": bubblewrap where it runs; "bwrap": required; "none": never')
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
@@ -3243,6 +3616,8 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("gateway", None, check=_check_gateway, flag=str,
             help='on (default): sessions reach the API only through a metering gateway; off: claude holds '
                  'the credentials'),
+    Setting("sandbox", None, check=_check_sandbox, flag=str,
+            help="auto (bubblewrap where it runs), bwrap (required) or none"),
     Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
@@ -4403,6 +4778,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
            "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
            "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
            "study_usd": (launch.get("budget") or {}).get("study_usd"),
+           "sandbox": launch.get("sandbox"),
            "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
            "prompt_sha256": sha256_bytes(prompt.encode())}
     write_json_atomic(build / "job.json", job)
@@ -5060,6 +5436,7 @@ class Supervisor:
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
         self.terminate_requested = False
+        self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
@@ -5313,10 +5690,26 @@ class Supervisor:
             env, _ = claude_env(host, extra=extra, gateway=None, secret=secret, binary=job["binary"])
         env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
         prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
+        argv = list(job["argv"])
+        try:
+            # Decided again where this supervisor runs (a Slurm compute node decides here only).
+            sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
+        except AgentbenchError as exc:
+            finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
+                         usage=None, extra={"detail": exc.one_line()})
+            return 0
+        self.sandbox = sandbox_record(sandbox)
+        if sandbox["kind"] == "bwrap":
+            argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
+                                        hidden=study_hidden_dirs(self.paths.root), private_home=str(jdir / "home"),
+                                        project_dir=str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))),
+                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
+        if sandbox["kind"] == "bwrap":
+            kwargs["preexec_fn"] = sandbox_preexec
         try:
-            proc = subprocess.Popen(job["argv"], cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
+            proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
         except OSError as exc:
             stderr_fh.close()
@@ -5328,7 +5721,8 @@ class Supervisor:
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
-        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now())
+        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now(),
+                            sandbox=self.sandbox)
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
 
@@ -5459,6 +5853,7 @@ class Supervisor:
                  "survivors": [dataclasses.asdict(s) for s in survivors],
                  "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
                  "snapshots": self.snapshots_done, "flags": sorted(self.flags),
+                 "sandbox": self.sandbox,
                  **({"gateway_refusal": gw.refusal} if gw is not None and gw.refusal else {})}
         # The study lock can be busy for a while (a large `assign`): keep trying, heartbeating,
         # rather than exit unfinalised and let a good result be reaped as `lost`.
@@ -5597,6 +5992,11 @@ def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Any]:
     check_model_id(launch["model"])
     require_executor_ready(launch["executor"])
     refuse_if_paused(paths, launch)
+    # The sandbox is decided where the supervisor runs: here for local jobs (a study that requires
+    # bubblewrap is refused now), on the compute node for Slurm jobs (recorded as the mode only).
+    mode = sandbox_mode_of(cfg)
+    launch["sandbox"] = (resolve_sandbox(mode) if launch["executor"] != "slurm"
+                         else {"mode": mode, "kind": None, "binary": None, "reason": "decided on the compute node"})
     return launch
 
 
@@ -5755,7 +6155,7 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
 # here knows the scripted model: rehearsal plugs in through the `script_for` callback.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
-CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle")
+CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
 #: The hidden tests' pass mark when task.json gives none (SPEC: calibration's default 0.9).
@@ -6073,9 +6473,11 @@ def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
     return dst
 
 
-def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str) -> list[str]:
-    """Substitute {workspace} {gate} {oracle} {python} in a check command (pure)."""
-    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable}
+def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str,
+               receipt_fd: str = "<receipt-fd-not-available>") -> list[str]:
+    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} in a check command (pure)."""
+    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable,
+              RECEIPT_FD_PLACEHOLDER: receipt_fd}
     out = []
     for a in cmd:
         for k, v in values.items():
@@ -6174,15 +6576,42 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
         cwd = os.path.join(tmp, "workspace")
         shutil.copytree(workspace, cwd, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+    uses_fd = any("{" + RECEIPT_FD_PLACEHOLDER + "}" in a for a in spec["cmd"])
+    rfd, wfd = os.pipe() if uses_fd else (-1, -1)
+    channel = b""
     try:
-        argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir)
+        argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir,
+                          **({"receipt_fd": str(wfd)} if uses_fd else {}))
         cenv, _ = check_env(env)
-        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform)
+        sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+        if sandbox["kind"] == "bwrap":
+            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
+                                 hidden=study_hidden_dirs(paths.root, [task.root.parent]),
+                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []))
+        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
+                          pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
+        if uses_fd:
+            os.close(wfd)
+            wfd = -1
+            channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
+        for fd in (rfd, wfd):
+            if fd >= 0:
+                os.close(fd)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    rec = parse_receipt(res.stdout, res.returncode, res.timed_out, which=which,
-                        required=spec.get("receipt") == "json")
+    if uses_fd:
+        line, problem = receipt_channel_line(channel)
+        if os.name != "posix":   # an inherited descriptor number means nothing to a Windows child
+            problem = "the receipt channel ({receipt_fd}) needs a POSIX host"
+        rec = receipt_channel_verdict(parse_receipt(line or "", res.returncode, res.timed_out, which=which),
+                                      problem, res.returncode, timed_out=res.timed_out)
+    else:
+        rec = parse_receipt(res.stdout, res.returncode, res.timed_out, which=which,
+                            required=spec.get("receipt") == "json")
+        rec.update({"receipt_channel": "stdout" if rec.get("receipt") == "json" else "exit_code",
+                    "receipt_protected": False})
+    rec["sandbox"] = sandbox_record(sandbox)
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
@@ -7056,9 +7485,13 @@ class RunPipeline:
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
                       "threshold": task.threshold, "checks": ev.get("checks"), "exit_code": ev["exit_code"],
                       "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
-                      "artifacts_sha256": rec["artifacts"]["sha256"], "receipt": ev.get("receipt"),
+                      "artifacts_sha256": rec["artifacts"]["sha256"],
+                      "receipt": {"kind": ev.get("receipt"), "channel": ev.get("receipt_channel"),
+                                  "protected": ev.get("receipt_protected"), "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
+        rec["sandbox"] = sandbox_summary([(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
+                                          for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
@@ -8477,6 +8910,11 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
+    unboxed = [r for r in known if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
+    if unboxed:
+        why = sorted({w for r in unboxed for w in (r.get("sandbox") or {}).get("reasons") or []})
+        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could read the "
+                     f"study, the hidden tests and other runs" + (f" ({'; '.join(why)})" if why else ""))
     est = [r for r in known if r.get("cost_estimated")]
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
@@ -10883,6 +11321,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     executor = "local"
     gateway_mode = GATEWAY_DEFAULT
     study_env: dict[str, str] = {}
+    sandbox_mode = sandbox_default()
     try:
         paths = ctx.study(args)
         study = str(paths.root)
@@ -10891,6 +11330,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         study_env = dict(study_cfg.get("env") or {})
         cfg_binary = study_cfg.get("binary")
         executor = str(study_cfg.get("executor") or "local")
+        sandbox_mode = sandbox_mode_of(study_cfg)
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
@@ -10928,6 +11368,16 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if executor == "slurm" and not all(slurm_tools.values()):
         warnings.append("the study's executor is slurm but these Slurm commands are not on PATH: "
                         + ", ".join(n for n, v in slurm_tools.items() if not v))
+    probe = sandbox_probe(ctx.env)
+    kind = sandbox_decision(sandbox_mode, bool(probe["available"]))
+    if kind == "refuse":
+        warnings.append(("the study requires sandbox bwrap: its Slurm jobs need bubblewrap on the compute nodes; "
+                         if executor == "slurm" else "the study requires sandbox bwrap, so launches are refused: ")
+                        + str(probe["reason"]))
+    elif kind == "none" and sandbox_mode == "auto":
+        warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
+    sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
+               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host"}
     git = shutil.which("git")
     git_version = None
     if git:
@@ -10950,7 +11400,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
-            "claude_env": claude_report,
+            "claude_env": claude_report, "sandbox": sandbox,
             "study": study, "warnings": warnings}
     return (0 if out["ok"] else 2), out
 
@@ -12000,6 +12450,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
+            "sandboxed_runs": sum(1 for r in runs if (r.get("sandbox") or {}).get("sandboxed")),
             "arms": out["arms"], "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
             "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}

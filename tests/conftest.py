@@ -129,6 +129,10 @@ def fake_env(tmp_path, monkeypatch) -> dict[str, str]:
     env["AGENTBENCH_CLAUDE_BIN"] = str(FAKE_CLAUDE)
     env["CLAUDE_CONFIG_DIR"] = str(tmp_path / "claude-config")
     env["AGENTBENCH_HEARTBEAT_S"] = "0.5"
+    # The fake's test hooks (its log, pid files of the children it leaves) live outside its
+    # workspace and its pids are compared with the host's: fake-binary tests run unsandboxed.
+    # The real binary's tests keep the default (auto: bubblewrap where it runs).
+    env["AGENTBENCH_SANDBOX_DEFAULT"] = "none"
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)

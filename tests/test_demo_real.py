@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import ab, run_cli
 
 pytestmark = pytest.mark.real_claude
 
@@ -26,6 +26,8 @@ def test_demo_runs_the_example_study(tmp_path, real_claude):
     rehearsal_cal = json.loads(open(os.path.join(out["rehearsal_study"], "state", "calibration.json")).read())["tasks"]
     assert rehearsal_cal == demo_cal
     assert out["runs"] == 12 and out["runs_missing_provenance_or_evaluation"] == []
+    # The demo runs sandboxed where bubblewrap works (the default sandbox is auto).
+    assert out["sandboxed_runs"] == (12 if ab.sandbox_probe()["available"] else 0)
     arms = out["arms"]
     assert sorted(arms) == ["A", "B", "C", "D"]
     for name, a in arms.items():

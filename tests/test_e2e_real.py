@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -322,7 +323,10 @@ def _kill_leftovers(study: Path) -> None:
 
 
 def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_claude):
-    release = tmp_path / "release"
+    # The session is sandboxed where bubblewrap runs: /tmp (and so tmp_path) is private to it, the
+    # host's other directories are visible read-only, so the release file lives in /var/tmp.
+    release_dir = Path(tempfile.mkdtemp(prefix="agentbench-release-", dir="/var/tmp"))
+    release = release_dir / "release"
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     hold = {"steps": [
@@ -410,3 +414,4 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=30)
+        shutil.rmtree(release_dir, ignore_errors=True)

@@ -25,7 +25,7 @@ TEMPLATES = ROOT / "templates"
 TASK_IDS = ["bugfix", "cli", "roman"]
 
 GATE_CMD = ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"]
-ORACLE_CMD = ["{python}", "{oracle}/run.py", "{workspace}"]
+ORACLE_CMD = ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd", "{receipt_fd}"]
 
 # The variables the controller provides to each template: always all of them, never others.
 TEMPLATE_VARS = {
@@ -112,14 +112,28 @@ def run_oracle(task_id: str, workspace: Path, tmp_path: Path) -> dict:
     throwaway = tmp_path / f"oracle-ws-{workspace.name}"
     shutil.copytree(workspace, throwaway)
     before = tree_digest(throwaway)
-    proc = subprocess.run(fill(task["oracle"]["cmd"], oracle=str(oracle_copy),
-                               workspace=str(throwaway)),
-                          cwd=throwaway, capture_output=True, text=True, env=child_env(),
-                          timeout=task["oracle"]["timeout_s"])
+    # The receipt channel: the write end of a pipe, named by {receipt_fd}, that only the oracle's
+    # own process writes its one receipt line to.
+    rfd, wfd = os.pipe()
+    try:
+        proc = subprocess.run(fill(task["oracle"]["cmd"], oracle=str(oracle_copy),
+                                   workspace=str(throwaway), receipt_fd=str(wfd)),
+                              cwd=throwaway, capture_output=True, text=True, env=child_env(),
+                              timeout=task["oracle"]["timeout_s"], pass_fds=(wfd,))
+        os.close(wfd)
+        wfd = -1
+        with os.fdopen(rfd, "rb") as fh:
+            rfd = -1
+            channel = fh.read().decode("utf-8").splitlines()
+    finally:
+        for fd in (rfd, wfd):
+            if fd >= 0:
+                os.close(fd)
     assert proc.returncode == 0, proc.stderr
     # The oracle works on a copy of its own: the workspace it is given stays as it was.
     assert tree_digest(throwaway) == before
     receipt = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(channel) == 1 and json.loads(channel[0]) == receipt, channel
     check_receipt(receipt)
     return receipt
 

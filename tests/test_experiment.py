@@ -180,8 +180,9 @@ def test_calibrate_reports_a_reference_that_fails(tmp_path):
 
 def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
     study = copy_example(tmp_path / "s", tasks=("roman",))
-    (study / "tasks" / "roman" / "oracle" / "run.py").write_text(
-        "import json\nprint(json.dumps({'passed': True, 'score': 1.0}))\n")
+    (study / "tasks" / "roman" / "oracle" / "run.py").write_text(   # its receipt on the task's channel
+        "import json, os, sys\nline = json.dumps({'passed': True, 'score': 1.0})\nprint(line)\n"
+        "os.write(int(sys.argv[sys.argv.index('--receipt-fd') + 1]), (line + '\\n').encode())\n")
     code, out = run_main(["calibrate", "--study", str(study)])
     assert code == 0, out
     res = out["tasks"]["roman"]
@@ -459,9 +460,11 @@ def test_oracle_runs_on_a_throwaway_copy_and_sees_no_credentials(tmp_path, roman
     (task.root / "oracle" / "run.py").write_text(
         "import json, os, sys\n"
         "open('oracle-was-here.txt', 'w').write('x')\n"
-        "print(json.dumps({'passed': os.getcwd() != sys.argv[1] or True, 'score': 1.0,\n"
-        "                  'cwd_is_arg': os.getcwd() == sys.argv[1],\n"
-        "                  'key': os.environ.get('ANTHROPIC_API_KEY')}))\n")
+        "line = json.dumps({'passed': os.getcwd() != sys.argv[1] or True, 'score': 1.0,\n"
+        "                   'cwd_is_arg': os.getcwd() == sys.argv[1],\n"
+        "                   'key': os.environ.get('ANTHROPIC_API_KEY')})\n"
+        "print(line)\n"
+        "os.write(int(sys.argv[sys.argv.index('--receipt-fd') + 1]), (line + '\\n').encode())\n")
     task = ab.load_task(roman / "tasks" / "roman")  # reload: new bundle hash, new pristine copy
     info = ab.prepare_workspace(paths, ab.current_platform(), task, paths.run_dir("r0001"))
     env = {**os.environ, "ANTHROPIC_API_KEY": "sk-secret-value"}

@@ -619,3 +619,23 @@ def test_a_killed_job_that_started_late_and_stopped_is_reaped_as_killed(sst: Pat
     wait_until(lambda: listed_status(sst, job) == "killed", timeout=20, what="reaped as killed", every=0.3)
     res = result_of(sst, job)
     assert res is not None and (res["status"], res["reason"]) == ("killed", "requested"), res
+
+
+def test_a_study_that_demands_the_sandbox_is_judged_on_the_compute_node(sst: Path, slurm_dir: Path,
+                                                                         tmp_path: Path, monkeypatch) -> None:
+    """The login node does not refuse a Slurm study's `sandbox: bwrap` (the nodes may have it);
+    the supervisor decides where it runs, and without bubblewrap there the job fails by name."""
+    cfg = json.loads((sst / "study.json").read_text())
+    cfg["sandbox"] = "bwrap"
+    (sst / "study.json").write_text(json.dumps(cfg))
+    fake_bin = os.environ["PATH"].split(os.pathsep)[0]   # the fake Slurm's commands only
+    monkeypatch.setenv("PATH", fake_bin)
+    where = ok(["where", "--study", str(sst)])
+    assert where["sandbox"]["demanded"] is True and where["sandbox"]["decided_on"] == "each compute node"
+    assert any("compute nodes" in w for w in where["warnings"])
+    job = ok(["spawn", "--study", str(sst), "--brief", brief(tmp_path)])["job_id"]
+    code, w = wait_cmd(sst, "--job", job)
+    res = result_of(sst, job)
+    assert res is not None and (res["status"], res["reason"]) == ("failed", "sandbox_unavailable"), res
+    assert "bubblewrap" in res["detail"]
+    assert [ln["status"] for ln in lines_for(sst, job)] == ["failed"]

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Hidden tests for the ``cli`` task. This directory is never copied into the agent's workspace.
 
-Usage: python run.py WORKSPACE
+Usage: python run.py WORKSPACE [--receipt-fd FD]
 
 The workspace is copied to a private temporary directory first, so nothing the checks do can
 write into the directory that was passed in. Every check starts the tool from that copy in
 subprocesses with a timeout, each check with its own fresh data directory, so a tool that hangs
 or crashes costs that one check and nothing else.
 
-The last stdout line is a JSON receipt:
+The JSON receipt is written, from this parent process only, to the receipt channel FD (when
+given) and as the last stdout line:
     {"passed": bool, "score": float, "checks": [{"id", "passed", "detail"}],
      "tests_passed": int, "tests_total": int}
 Exit status is 0 whether or not the checks pass; 2 only when the oracle itself cannot run.
@@ -236,8 +237,15 @@ def _run_check(check_id, script, scratch):
 
 
 def main(argv):
+    receipt_fd = None
+    if len(argv) == 4 and argv[2] == "--receipt-fd":
+        # agentbench's receipt channel: a pipe that only this parent writes to.  It is made
+        # non-inheritable at once, so no child (and no code under test) is handed it.
+        receipt_fd = int(argv[3])
+        os.set_inheritable(receipt_fd, False)
+        argv = argv[:2]
     if len(argv) != 2:
-        print("usage: run.py WORKSPACE", file=sys.stderr)
+        print("usage: run.py WORKSPACE [--receipt-fd FD]", file=sys.stderr)
         return 2
     workspace = os.path.abspath(argv[1])
     if not os.path.isdir(workspace):
@@ -262,7 +270,10 @@ def main(argv):
     passed = sum(1 for check in checks if check["passed"])
     receipt = {"passed": passed == len(checks), "score": round(passed / len(checks), 4),
                "checks": checks, "tests_passed": passed, "tests_total": len(checks)}
-    print(json.dumps(receipt))
+    line = json.dumps(receipt)
+    print(line)
+    if receipt_fd is not None:
+        os.write(receipt_fd, (line + "\n").encode("utf-8"))
     return 0
 
 

@@ -1,0 +1,323 @@
+"""The sandbox (bubblewrap) and the receipt channel: pure decisions by tables, then checks run
+in-process under bubblewrap (skipped, with the reason, where it cannot run).
+
+What is proved: the decision table of the `sandbox` setting, the mount table's order and what it
+leaves out, the tool directories given back, the study setting's shape check, a launch refused
+(exit 2, nothing written) when bubblewrap is required but missing, `where`'s report, the receipt
+channel's rules; and, with bubblewrap, that a check sees nothing of the study, the tasks or the
+home, and that a graded solution that writes into `state/` or forges a passing receipt is not
+scored a pass and changes nothing outside its copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import agentbench as ab
+from conftest import ROOT, run_main, write_brief
+
+EXAMPLES = ROOT / "examples" / "study"
+PROBE = ab.sandbox_probe()
+#: The account's own home (not $HOME, which the test session points elsewhere).
+ACCOUNT_HOME = (ab.real_homes({}) or [""])[0]
+needs_bwrap = pytest.mark.skipif(not PROBE["available"], reason=f"bubblewrap cannot run here: {PROBE['reason']}")
+
+
+# ---- decisions and builders (pure) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, available, kind", [
+    ("none", True, "none"), ("none", False, "none"),
+    ("auto", True, "bwrap"), ("auto", False, "none"),
+    ("bwrap", True, "bwrap"), ("bwrap", False, "refuse"),
+])
+def test_sandbox_decision_table(mode, available, kind):
+    assert ab.sandbox_decision(mode, available) == kind
+
+
+def test_mount_table_order_hides_then_binds_back():
+    plan = ab.SandboxPlan(hide=("/home/u", "/srv/study", "/srv/study/state", "/tmp/x/tasks", "/"),
+                          tools=("/home/u/.pyenv", "/usr/lib/node", "/srv/study"),
+                          ro=("/srv/study/state/pristine/t/gate",), rw=("/srv/study/runs/r1/workspace", "/home/u/.claude"),
+                          cwd="/srv/study/runs/r1/workspace")
+    assert ab.sandbox_mounts(plan) == [
+        ("--ro-bind", "/", "/"), ("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp"),
+        # outer first; "/" is never hidden, nor anything already under /tmp or another hide
+        ("--tmpfs", "/home/u"), ("--tmpfs", "/srv/study"),
+        # a tool dir comes back only when a hide covered it, and never a hidden dir itself
+        ("--ro-bind", "/home/u/.pyenv", "/home/u/.pyenv"),
+        ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
+        ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
+        ("--bind", "/home/u/.claude", "/home/u/.claude"),
+    ]
+    # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
+    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
+                                   inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",))
+    assert ab.sandbox_mounts(inner)[-3:] == [
+        ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
+        ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
+         "/home/u/.claude/projects/-srv-study-runs-r1-workspace")]
+    argv = ab.sandbox_argv("/usr/bin/bwrap", plan, ["claude", "-p"])
+    assert argv[0] == "/usr/bin/bwrap" and argv[-3:] == ["--", "claude", "-p"]
+    for opt in ("--unshare-pid", "--die-with-parent", "--new-session", "--unshare-ipc"):
+        assert opt in argv
+    assert argv[argv.index("--cap-drop") + 1] == "ALL"
+    assert argv[argv.index("--chdir") + 1] == "/srv/study/runs/r1/workspace"
+    assert "--unshare-net" not in argv and "--unshare-all" not in argv   # the loopback gateway must be reachable
+
+
+@pytest.mark.parametrize("binaries, prefixes, path, homes, want", [
+    # an npm package: the binary's dir and the package dir above it
+    (["/usr/lib/node_modules/pkg/bin/claude"], [], [], ["/root"],
+     ["/usr/lib/node_modules/pkg/bin", "/usr/lib/node_modules/pkg"]),
+    # a version manager in the home: its top-level directory, never the home itself
+    ([], ["/root/.pyenv/versions/3.11"], ["/root/.pyenv/shims", "/root", "/usr/bin", "/root/.cargo/bin"], ["/root"],
+     ["/root/.pyenv/versions/3.11", "/root/.pyenv", "/root/.cargo"]),
+    (["/bin/x"], [], [], [], ["/bin"]),
+])
+def test_tool_dirs_table(binaries, prefixes, path, homes, want):
+    assert ab.tool_dirs(binaries, prefixes, path, homes) == want
+
+
+@pytest.mark.parametrize("data, line, problem", [
+    (b'{"passed": true}\n', '{"passed": true}', None),
+    (b"\n\n{}\n", "{}", None),
+    (b"", None, "no receipt on the receipt channel"),
+    (b'{"passed": true}\n{"passed": false}\n', None, "2 receipts on the receipt channel"),
+    (b"x" * (ab.RECEIPT_MAX_BYTES + 1), None, "more than"),
+])
+def test_receipt_channel_line_table(data, line, problem):
+    got_line, got_problem = ab.receipt_channel_line(data)
+    assert got_line == line
+    assert (got_problem is None) if problem is None else got_problem.startswith(problem)
+
+
+PASS = ab.parse_receipt('{"passed": true, "score": 1.0}', 0, False)
+FAIL = ab.parse_receipt('{"passed": false, "score": 0.25}', 0, False)
+NOT_JSON = ab.parse_receipt("", 0, False)
+
+
+@pytest.mark.parametrize("rec, problem, code, passed, score, why", [
+    (PASS, None, 0, True, 1.0, None),
+    (FAIL, None, 0, False, 0.25, None),
+    (FAIL, None, 1, False, 0.25, None),         # a failing receipt may come with any exit status
+    (PASS, None, -9, False, 0.0, "the receipt says passed but the check exited -9"),
+    (PASS, "2 receipts", 0, False, 0.0, "2 receipts"),
+    (NOT_JSON, None, 0, False, 0.0, "the receipt channel's line is not a JSON receipt with a passed field"),
+])
+def test_receipt_channel_verdict_table(rec, problem, code, passed, score, why):
+    got = ab.receipt_channel_verdict(rec, problem, code)
+    assert (got["passed"], got["score"], got.get("receipt_problem")) == (passed, score, why)
+    assert got["receipt_channel"] == "fd" and got["receipt_protected"] is True
+
+
+@pytest.mark.parametrize("records, sandboxed, kinds", [
+    ([{"kind": "bwrap"}, {"kind": "bwrap"}], True, ["bwrap"]),
+    ([{"kind": "bwrap"}, {"kind": "none", "reason": "bwrap is not on PATH"}], False, ["bwrap", "none"]),
+    ([{"kind": "bwrap"}, None], False, ["bwrap", "unknown"]),
+    ([], False, []),
+])
+def test_sandbox_summary_table(records, sandboxed, kinds):
+    got = ab.sandbox_summary(records)
+    assert (got["sandboxed"], got["kinds"]) == (sandboxed, kinds)
+
+
+@pytest.mark.parametrize("value, ok", [("auto", True), ("bwrap", True), ("none", True), ("docker", False),
+                                       (True, False), ("", False)])
+def test_study_shape_checks_the_sandbox_key(value, ok):
+    cfg = {"arms": {"A": {}}, "sandbox": value}
+    if ok:
+        ab.check_study_shape(cfg)
+    else:
+        with pytest.raises(ab.AgentbenchError) as err:
+            ab.check_study_shape(cfg)
+        assert "sandbox" in err.value.payload["error"]
+
+
+def test_resolve_without_bwrap_on_path(monkeypatch):
+    env = {"PATH": "/nonexistent-dir"}
+    auto = ab.resolve_sandbox("auto", env)
+    assert auto["kind"] == "none" and "not on PATH" in auto["reason"]
+    assert ab.resolve_sandbox("none", env)["kind"] == "none"
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.resolve_sandbox("bwrap", env)
+    assert err.value.exit_code == 2 and "bubblewrap" in err.value.payload["hint"]
+
+
+def test_probe_is_cached_once_per_process():
+    if not PROBE["binary"]:
+        pytest.skip(PROBE["reason"])
+    assert PROBE["binary"] in ab._SANDBOX_PROBES
+    assert ab.sandbox_probe() == PROBE
+
+
+# ---- the CLI: refusal and where ------------------------------------------------------------------
+
+def _set(study: Path, **keys) -> None:
+    cfg = json.loads((study / "study.json").read_text())
+    cfg.update(keys)
+    (study / "study.json").write_text(json.dumps(cfg))
+
+
+def test_required_sandbox_missing_refuses_the_launch_and_writes_nothing(study, tmp_path, monkeypatch):
+    _set(study, sandbox="bwrap")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+    code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "hello")])
+    assert code == 2, out
+    assert "bubblewrap" in out["error"] and out["refusal"] == "sandbox" and "hint" in out
+    assert not (study / "state" / "jobs").exists() or not any((study / "state" / "jobs").iterdir())
+    code, where = run_main(["where", "--study", str(study)])
+    # Nothing is on this PATH, not even claude: `where` says it is not ok (exit 2), and why.
+    assert code == 2 and where["ok"] is False
+    assert where["sandbox"]["demanded"] is True and where["sandbox"]["here"] == "refuse"
+    assert where["sandbox"]["available"] is False and "not on PATH" in where["sandbox"]["reason"]
+    assert any("requires sandbox bwrap" in w for w in where["warnings"])
+
+
+def test_where_reports_auto_unsandboxed_and_slurm(study, tmp_path, monkeypatch):
+    _set(study, sandbox="auto")
+    # A PATH with the interpreter (the fake claude's shebang needs it) and no bubblewrap.
+    bare = tmp_path / "python-only"
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(bare))
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0 and where["sandbox"]["here"] == "none" and where["sandbox"]["study_mode"] == "auto"
+    assert any("unsandboxed" in w for w in where["warnings"])
+    _set(study, sandbox="bwrap", executor="slurm")
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0 and where["sandbox"]["demanded"] is True and where["sandbox"]["decided_on"] == "each compute node"
+    assert any("compute nodes" in w for w in where["warnings"])
+
+
+# ---- checks under bubblewrap ----------------------------------------------------------------------
+
+def _example_study(tmp_path: Path, mode: str) -> tuple[ab.StudyPaths, dict]:
+    root = tmp_path / "study"
+    shutil.copytree(EXAMPLES, root)
+    _set(root, sandbox=mode)
+    paths = ab.StudyPaths(root)
+    paths.state.mkdir(parents=True, exist_ok=True)
+    paths.ledger.write_text('{"job_id": "j000001"}\n')
+    return paths, ab.load_tasks(paths, ab.load_study_config(paths))
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): p.read_text(errors="replace") for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@needs_bwrap
+def test_a_check_sees_nothing_of_the_study_tasks_or_home(tmp_path):
+    paths, tasks = _example_study(tmp_path, "bwrap")
+    task = tasks["roman"]
+    spy = ("import json, os, sys\n"
+           "def ls(p):\n"
+           "    try: return sorted(os.listdir(p))\n"
+           "    except OSError as e: return str(e)\n"
+           f"print(json.dumps({{'study': ls({str(paths.root)!r}), 'state': ls({str(paths.state)!r}),"
+           f" 'tasks': ls({str(task.root.parent)!r}), 'home': ls(os.path.expanduser('~')),"
+           f" 'account_home': ls({ACCOUNT_HOME!r}), 'gate': ls(sys.argv[1]), 'proc': [p for p in os.listdir('/proc') if p.isdigit()]}}))\n")
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    (ws / "spy.py").write_text(spy)
+    spec = dict(task.gate, cmd=["{python}", "spy.py", "{gate}"])
+    t = ab.dataclasses.replace(task, gate=spec)
+    rec = ab.run_check(paths, ab.current_platform(), t, "gate", str(ws), os.environ)
+    assert rec["exit_code"] == 0, rec["stderr_tail"]
+    seen = json.loads(rec["stdout_tail"].strip().splitlines()[-1])
+    # The study shows only the way to the pristine gate copy bound back; its ledger, registry,
+    # runs and the hidden tests are not there.
+    assert seen["study"] == ["state"] and seen["state"] == ["pristine"], seen
+    assert seen["tasks"] != [] and not isinstance(seen["tasks"], list), seen
+    assert seen["gate"] == ["test_roman.py"]
+    # the homes: nothing but the tool directories that Python and PATH need
+    assert isinstance(seen["home"], str) or seen["home"] == [], seen
+    tools = set(ab.tool_dirs([], [os.path.realpath(sys.prefix)], os.environ.get("PATH", "").split(os.pathsep),
+                             [ACCOUNT_HOME]))
+    assert isinstance(seen["account_home"], str) or {f"{ACCOUNT_HOME}/{n}" for n in seen["account_home"]} <= tools, seen
+    assert seen["proc"] == ["1", "2"], seen   # its own pid namespace: bwrap's init and the check
+    assert rec["sandbox"]["kind"] == "bwrap"
+
+
+HOSTILE = '''
+import json, os, signal
+STATE = {state!r}
+LEDGER = {ledger!r}
+for target in (os.path.join(STATE, "hacked"), LEDGER):
+    try:
+        with open(target, "a") as fh:
+            fh.write("{{}}\\n")
+    except OSError:
+        pass
+receipt = json.dumps({{"passed": True, "score": 1.0, "checks": [], "tests_passed": 9, "tests_total": 9}})
+ppid = os.getppid()
+try:
+    fds = os.listdir(f"/proc/{{ppid}}/fd")
+except OSError:
+    fds = []
+for fd in fds:
+    try:
+        with open(f"/proc/{{ppid}}/fd/{{fd}}", "w") as fh:
+            fh.write(receipt + "\\n")
+    except OSError:
+        pass
+if {kill}:
+    os.kill(ppid, signal.SIGKILL)
+
+def to_roman(n):
+    raise NotImplementedError
+
+def from_roman(s):
+    raise NotImplementedError
+'''
+
+
+@needs_bwrap
+@pytest.mark.parametrize("kill", [True, False], ids=["forge-and-kill-the-harness", "forge-beside-the-harness"])
+def test_a_hostile_solution_is_not_scored_a_pass_and_changes_nothing(tmp_path, kill):
+    paths, tasks = _example_study(tmp_path, "bwrap")
+    task = tasks["roman"]
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    (ws / "roman.py").write_text(HOSTILE.format(state=str(paths.state), ledger=str(paths.ledger), kill=kill))
+    ab.pristine_copy(paths, task, "gate"), ab.pristine_copy(paths, task, "oracle")
+    before_state, before_ws = _digest(paths.state), _digest(ws)
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), os.environ)
+    assert rec["passed"] is False and rec["success"] is False and rec["score"] < 1.0, rec
+    assert rec["receipt_channel"] == "fd" and rec["sandbox"]["kind"] == "bwrap"
+    assert _digest(paths.state) == before_state
+    assert _digest(ws) == before_ws   # the oracle graded a copy
+    # The example gate (unittest, in-process, its receipt the exit status or the last stdout line)
+    # is public feedback, not the score: it can be talked into a pass, and is recorded as such.
+    gate = ab.run_check(paths, ab.current_platform(), task, "gate", str(ws), os.environ)
+    assert gate["receipt_protected"] is False and gate["sandbox"]["kind"] == "bwrap"
+    assert _digest(paths.state) == before_state
+
+
+@needs_bwrap
+def test_the_reference_passes_sandboxed_with_a_protected_receipt(tmp_path):
+    paths, tasks = _example_study(tmp_path, "bwrap")
+    task = tasks["roman"]
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    ab.copy_tree(task.reference, ws)
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), os.environ)
+    assert rec["passed"] and rec["success"] and rec["score"] == 1.0, rec
+    assert (rec["receipt_channel"], rec["receipt_protected"], rec.get("receipt_problem")) == ("fd", True, None)
+
+
+def test_an_old_stdout_receipt_still_works_but_is_recorded_unprotected(tmp_path):
+    paths, tasks = _example_study(tmp_path, "none")
+    task = tasks["roman"]
+    old = dict(task.oracle, cmd=["{python}", "{oracle}/run.py", "{workspace}"])
+    t = ab.dataclasses.replace(task, oracle=old)
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    ab.copy_tree(task.reference, ws)
+    rec = ab.run_check(paths, ab.current_platform(), t, "oracle", str(ws), os.environ)
+    assert rec["passed"] and (rec["receipt_channel"], rec["receipt_protected"]) == ("stdout", False)
+    assert rec["sandbox"]["kind"] == "none"
