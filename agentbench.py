@@ -14,27 +14,27 @@ banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
        81-149   Start-up: lazy imports and the cached-bytecode launcher
-      150-245   Constants
-      246-345   Errors and output
-      346-439   Hostile numbers
-      440-484   Fault points
-      485-1727  Platform seam
-     1728-2218  Files, locks and the registry
-     2219-2524  Processes
-     2525-2636  Env scrub
-     2637-3000  The sandbox
-     3001-3430  Stream and usage
-     3431-3785  Study configuration
-     3786-4578  The metering gateway
-     4579-5902  The supervisor
-     5903-6147  The supervisor: jobs (start, fork, continue)
-     6148-7603  The experiment layer
-     7604-9523  Statistics and report
-     9524-10036 Run pages: the report as a directory
-    10037-10826 Offline scripted model
-    10827-11107 The scripted model: rehearsal of a study
-    11108-11182 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11183-12678 The CLI and main
+      150-246   Constants
+      247-348   Errors and output
+      349-442   Hostile numbers
+      443-487   Fault points
+      488-1730  Platform seam
+     1731-2221  Files, locks and the registry
+     2222-2528  Processes
+     2529-2641  Env scrub
+     2642-3005  The sandbox
+     3006-3436  Stream and usage
+     3437-3791  Study configuration
+     3792-4584  The metering gateway
+     4585-5909  The supervisor
+     5910-6155  The supervisor: jobs (start, fork, continue)
+     6156-7611  The experiment layer
+     7612-9516  Statistics and report
+     9517-10029 Run pages: the report as a directory
+    10030-10819 Offline scripted model
+    10820-11100 The scripted model: rehearsal of a study
+    11101-11175 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11176-12672 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -152,6 +152,7 @@ def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequenc
 # ==================================================================================================
 # Every tunable number and fixed name in one place.  Test-only overrides come from the environment
 # (AGENTBENCH_*), read through env_float() so a bad value is an error, not a silent default.
+# Owns every default a user relies on (launch, budget, limits, prices).  Must not hold logic.
 
 VERSION = "0.1.0"
 #: The `claude` release this version of agentbench is tested against (npm @anthropic-ai/claude-code).
@@ -248,6 +249,8 @@ TRAIN_REHEARSAL_STALL_AFTER_S = 300
 # ==================================================================================================
 # One error type carries the exit code and the JSON payload (with a hint where the user can act).
 # This section formats; only main() prints to stdout.  log() is the one stderr writer.
+# Owns the error type (a machine-readable `code` on every refusal) and the output format.  Must not
+# print to stdout or exit: callers raise, main() answers.
 
 class AgentbenchError(Exception):
     """The one error type: a machine-readable code, exit code + JSON payload (+ optional hint).
@@ -582,7 +585,7 @@ class Platform:
     #: Rounds of re-snapshot + hard kill after the graceful round of kill_tree.
     kill_rounds: int = 4
 
-    # ---- paths -----------------------------------------------------------------------------------
+    # -- paths -------------------------------------------------------------------------------------
 
     def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
         """Absolute, normalised form of a user-supplied path, computed without touching the disk.
@@ -591,7 +594,7 @@ class Platform:
         """
         raise NotImplementedError
 
-    # ---- process identity ------------------------------------------------------------------------
+    # -- process identity --------------------------------------------------------------------------
 
     def hostname(self) -> str:
         """This machine's name: a pid identifies a process only on the host that recorded it."""
@@ -626,7 +629,7 @@ class Platform:
             return False
         return abs(actual - expected) <= self.ctime_tolerance_s
 
-    # ---- process tables and trees ----------------------------------------------------------------
+    # -- process tables and trees ------------------------------------------------------------------
 
     def _scan(self) -> dict[int, _ProcInfo]:
         """Every running (non-zombie) process, pid -> _ProcInfo."""
@@ -793,7 +796,7 @@ class Platform:
                             add(d.pid)
         return list(out.values())
 
-    # ---- signalling ------------------------------------------------------------------------------
+    # -- signalling --------------------------------------------------------------------------------
 
     def terminate(self, p: ProcId) -> None:
         """Ask ``p`` to stop (SIGTERM; TerminateProcess on Windows). Does nothing if ``p`` is not
@@ -873,7 +876,7 @@ class Platform:
         live, _unused = snapshot()
         return live
 
-    # ---- launching and files ---------------------------------------------------------------------
+    # -- launching and files -----------------------------------------------------------------------
 
     def helper_popen_kwargs(self) -> dict[str, Any]:
         """Extra subprocess kwargs for every helper process this program starts."""
@@ -933,7 +936,7 @@ class Platform:
         return []
 
 
-# ---- POSIX ---------------------------------------------------------------------------------------
+# -- POSIX -----------------------------------------------------------------------------------------
 
 
 class _ProcStat(NamedTuple):
@@ -971,7 +974,7 @@ class PosixPlatform(Platform):
         # while running (which warns).
         self._detached: list[subprocess.Popen] = []
 
-    # ---- paths ----
+    # -- paths -------------------------------------------------------------------------------------
 
     def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
         """expanduser + absolute + normpath, without resolving symlinks or touching the disk.
@@ -987,7 +990,7 @@ class PosixPlatform(Platform):
             path = posixpath.join(cwd if cwd is not None else os.getcwd(), path)
         return posixpath.normpath(path)
 
-    # ---- /proc ----
+    # -- /proc -------------------------------------------------------------------------------------
 
     def _hz_value(self) -> int:
         if self._hz is None:
@@ -1126,7 +1129,7 @@ class PosixPlatform(Platform):
         except OSError:
             return None
 
-    # ---- signals ----
+    # -- signals -----------------------------------------------------------------------------------
 
     def _send(self, p: ProcId, sig: int) -> bool:
         """Signal ``p`` if it is alive with that identity; True if a signal was sent.
@@ -1199,7 +1202,7 @@ class PosixPlatform(Platform):
                 except OSError:
                     pass
 
-    # ---- launching and files ----
+    # -- launching and files -----------------------------------------------------------------------
 
     def detach_argv_popen(self, argv: Sequence[str], cwd: str, env: Mapping[str, str],
                           log_path: str, stdin_data: bytes | None = None) -> int:
@@ -1302,7 +1305,7 @@ class PosixPlatform(Platform):
         return True
 
 
-# ---- Windows -------------------------------------------------------------------------------------
+# -- Windows ---------------------------------------------------------------------------------------
 
 _CREATE_NO_WINDOW = 0x08000000
 _PROCESS_TERMINATE = 0x0001
@@ -1375,7 +1378,7 @@ class WindowsPlatform(Platform):
         self._env = os.environ if env is None else env
         self._k32: Any = None
 
-    # ---- paths ----
+    # -- paths -------------------------------------------------------------------------------------
 
     def normalize_path(self, raw: str, *, cwd: str | None = None) -> str:
         """Accepts ``C:\\x``, ``c:/x``, ``G:/``, UNC ``\\\\server\\share\\x`` (or with forward
@@ -1446,7 +1449,7 @@ class WindowsPlatform(Platform):
             return root + "\\" + "\\".join(out)
         return root + ("\\" + "\\".join(out) if out else "")
 
-    # ---- replaceable OS calls (ctypes, loaded lazily) ----
+    # -- replaceable OS calls (ctypes, loaded lazily) ----------------------------------------------
 
     def _kernel32(self) -> Any:
         if self._k32 is None:
@@ -1524,7 +1527,7 @@ class WindowsPlatform(Platform):
             k.CloseHandle(snap)
         return rows
 
-    # ---- identity ----
+    # -- identity ----------------------------------------------------------------------------------
 
     def process_ctime(self, pid: int) -> float | None:
         handle = self._open_process(pid, _PROCESS_QUERY_LIMITED_INFORMATION)
@@ -1567,7 +1570,7 @@ class WindowsPlatform(Platform):
             out[pid] = _ProcInfo(ppid, self.process_ctime(pid), None, None)
         return out
 
-    # ---- signals ----
+    # -- signals -----------------------------------------------------------------------------------
 
     def _terminate_verified(self, p: ProcId) -> bool:
         if p.pid == os.getpid():
@@ -1618,7 +1621,7 @@ class WindowsPlatform(Platform):
             except OSError:
                 pass
 
-    # ---- launching and files ----
+    # -- launching and files -----------------------------------------------------------------------
 
     def helper_popen_kwargs(self) -> dict[str, Any]:
         """CREATE_NO_WINDOW: no console window flashes up for any helper process."""
@@ -1697,7 +1700,7 @@ class WindowsPlatform(Platform):
         return True
 
 
-# ---- selection -----------------------------------------------------------------------------------
+# -- selection -------------------------------------------------------------------------------------
 
 _CURRENT_PLATFORM: Platform | None = None
 
@@ -2221,7 +2224,8 @@ def touch_last_call(paths: StudyPaths) -> None:
 # ==================================================================================================
 # Starting helper commands (gate, oracle, git) with a timeout that kills their whole tree, finding
 # the `claude` binary, and starting detached supervisors.  Every OS difference is delegated to the
-# platform seam; this section only composes its calls.
+# platform seam; this section only composes its calls.  Owns the Slurm commands (submit, ask,
+# cancel) and the Host that lower layers take.  Must not read studies or decide what a job means.
 
 @dataclass
 class CommandResult:
@@ -2306,7 +2310,7 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
     return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path, stdin_data=stdin_data)
 
 
-# -- the Slurm executor ------------------------------------------------------------------------------
+# -- the Slurm executor ----------------------------------------------------------------------------
 # With `executor: slurm` a job's supervisor is not detached here but submitted as a one-task batch
 # job; the study directory must be on a file system the compute nodes share.  Slurm is reached only
 # through its commands (sbatch, squeue, scancel) so that any installation works and tests can put
@@ -2525,9 +2529,10 @@ class Host:
 # ==================================================================================================
 # Env scrub
 # ==================================================================================================
-# The child environment is the host's minus a documented drop list, plus pinned variables.
-# Credentials reach `claude` only: gate, oracle and check commands get an environment without them.
-# Pure functions of a mapping; nothing here reads os.environ itself.
+# The environment of check commands (gate, oracle, reviewer checks): the host's minus a documented
+# drop list and minus every credential, plus pinned variables; `claude`'s own allow-list
+# environment is the metering gateway's (claude_env).  Pure functions of a mapping; must not read
+# os.environ itself.
 
 #: Dropped exactly: IDE/desktop session markers, model/effort overrides, cache-TTL switches.
 ENV_DROP_EXACT = frozenset({
@@ -2932,7 +2937,7 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
     return sandbox_argv(bwrap, plan, argv)
 
 
-# -- the receipt channel of check commands -----------------------------------------------------------
+# -- the receipt channel of check commands ---------------------------------------------------------
 # A check command that names {receipt_fd} gets the write end of a pipe as that inherited file
 # descriptor; agentbench reads the other end.  The trust model for task authors: the harness reads
 # nothing of the code under test into its own process, runs that code in child processes with the
@@ -3007,7 +3012,8 @@ def read_receipt_pipe(rfd: int) -> bytes:
 # more than one `result` (the last one counts); total_cost_usd is cumulative over a resumed or
 # forked session (take deltas against the session's previous total); the exit code does not say
 # whether a session succeeded (classify by is_error / subtype / api_error_status); unknown event
-# types are skipped.  Pure logic: StreamState is fed lines and holds no file handles.
+# types are skipped.  Pure logic: StreamState is fed lines and holds no file handles.  Owns the
+# usage rule and list-price estimates.  Must not write files or trust a number it has not checked.
 
 TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
 
@@ -3828,7 +3834,7 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
                          "x-api-key", "authorization", "accept-encoding"})
 
-# -- the environment of `claude`: an allow-list ------------------------------------------------------
+# -- the environment of `claude`: an allow-list ----------------------------------------------------
 
 #: Host variables `claude` gets: identity, locale, terminal, temp dirs, its config dir and a few
 #: documented client settings.  Everything else is withheld (the study's own `env` is added).
@@ -3977,7 +3983,7 @@ def token_matches(presented: str, expected: str) -> bool:
     return bool(presented) and bool(expected) and hmac.compare_digest(presented.encode(), expected.encode())
 
 
-# -- metering (pure) ----------------------------------------------------------------------------------
+# -- metering (pure) -------------------------------------------------------------------------------
 
 def _clean_usage(u: Any) -> tuple[dict[str, Any], bool]:
     """An upstream usage object with only non-negative integer counts kept; True if any was bad."""
@@ -4151,7 +4157,7 @@ def gateway_proof(ledger_lines: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# -- the study's live reservations (shared between supervisor processes) -----------------------------
+# -- the study's live reservations (shared between supervisor processes) ---------------------------
 
 def gateway_dir(paths: StudyPaths) -> Path:
     return paths.state / "gateway"
@@ -4243,7 +4249,7 @@ class GatewayBudget:
             self.file.unlink()
 
 
-# -- the server ----------------------------------------------------------------------------------------
+# -- the server ------------------------------------------------------------------------------------
 
 #: The gateway's handler and server classes, built on first use (see _gateway_server_classes).
 _GATEWAY_CLASSES: list[tuple[Any, Any]] = []
@@ -4297,7 +4303,7 @@ class MeteringGateway:
         self._thread: threading.Thread | None = None
         self.url = ""
 
-    # -- life cycle --
+    # -- life cycle --------------------------------------------------------------------------------
     def start(self) -> str:
         handler, server = _gateway_server_classes()
         srv = server(("127.0.0.1", 0), handler)
@@ -4331,7 +4337,7 @@ class MeteringGateway:
         with self._lock:
             return summarize_metering(list(self.records))
 
-    # -- upstream connections --
+    # -- upstream connections ----------------------------------------------------------------------
     def _connect(self) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
             if self._idle:
@@ -4351,7 +4357,7 @@ class MeteringGateway:
             with contextlib.suppress(OSError):
                 append_jsonl(self.record_path, rec)
 
-    # -- one request --
+    # -- one request -------------------------------------------------------------------------------
     def handle(self, h: Any) -> None:
         with self._lock:
             self._inflight += 1
@@ -4586,7 +4592,8 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 # substitution, the budget backstop, injected interrupts and kill requests.  After `claude` exits
 # it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
 # the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
-# the experiment layer puts its run ids in `meta` and reads results back.
+# the experiment layer puts its run ids in `meta` and reads results back.  Owns job records,
+# finalisation, the reaper and kill.  Must not know tasks, arms or runs.
 
 def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
@@ -5442,7 +5449,7 @@ class Supervisor:
         self.secret: dict[str, str] = {}
         self.gateway: MeteringGateway | None = None
 
-    # -- runtime file (this process is its only writer) --
+    # -- runtime file (this process is its only writer) --------------------------------------------
     def _write_runtime(self, **changes: Any) -> None:
         self.runtime.update(changes)
         self.runtime["heartbeat_at"] = time.time()
@@ -5906,7 +5913,8 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
 # The shared path by which every session starts (train, spawn, continue, and the experiment's
 # runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
 # the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
-# sessions that runs fork from) are small records under state/bases/.
+# sessions that runs fork from) are small records under state/bases/.  Owns session limits
+# (session_limits) and launch refusals.  Must not wait for a session to end.
 
 def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
@@ -6458,7 +6466,7 @@ def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
 
 
 
-# -- checks (gate and oracle) -------------------------------------------------------------------------
+# -- checks (gate and oracle) ----------------------------------------------------------------------
 
 def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
     """A pristine copy of a task's gate/ or oracle/, outside every workspace, keyed by bundle hash."""
@@ -6621,7 +6629,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     return rec
 
 
-# -- calibration ------------------------------------------------------------------------------------
+# -- calibration -----------------------------------------------------------------------------------
 
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> dict[str, Any]:
     """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
@@ -6689,7 +6697,7 @@ def uncalibrated(paths: StudyPaths, tasks: Mapping[str, Task]) -> list[str]:
                   if not (cal.get(t.id, {}).get("ok") and cal[t.id].get("bundle_sha256") == t.bundle_sha256))
 
 
-# -- assignment -------------------------------------------------------------------------------------
+# -- assignment ------------------------------------------------------------------------------------
 
 def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: int, seed: int,
                     split: str = "main") -> list[dict[str, Any]]:
@@ -6720,7 +6728,7 @@ def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str)
     return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True) + "\n").encode()
 
 
-# -- runs -------------------------------------------------------------------------------------------
+# -- runs ------------------------------------------------------------------------------------------
 
 RUN_FINAL = ("finished", "error", "interrupted")
 # What one attempt of a run writes on its record (moved aside when the breaker pauses the run).
@@ -6835,7 +6843,7 @@ def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed
         write_json_atomic(f, rec)
 
 
-# -- workspace, audit, artifacts --------------------------------------------------------------------
+# -- workspace, audit, artifacts -------------------------------------------------------------------
 
 def git(platform: "Platform", cwd: str, *args: str) -> CommandResult:
     env = {**check_env(os.environ)[0], "GIT_AUTHOR_NAME": "agentbench", "GIT_AUTHOR_EMAIL": "agentbench@localhost",
@@ -7007,7 +7015,7 @@ def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-# -- the pipeline -----------------------------------------------------------------------------------
+# -- the pipeline ----------------------------------------------------------------------------------
 
 @dataclass
 class PipelineOptions:
@@ -7096,7 +7104,7 @@ class RunPipeline:
         #: supervisor is seen to start: the wait is measured on one clock, never two hosts'.
         self._in_slurm_queue: dict[str, float] = {}
 
-    # -- bookkeeping
+    # -- bookkeeping -------------------------------------------------------------------------------
     def _save(self) -> None:
         self.rec["updated_at"] = utc_now()
         save_run(self.paths, self.rec)
@@ -7125,7 +7133,7 @@ class RunPipeline:
     def remaining_usd(self) -> float:
         return float(self.launch["budget"].get("usd_per_run") or 0) - float(self.rec.get("cost_usd") or 0.0)
 
-    # -- jobs
+    # -- jobs --------------------------------------------------------------------------------------
     def _run_job(self, role: str, prompt: str, **kw: Any) -> dict[str, Any]:
         """Launch one job of this run and wait for its result."""
         jid = self._launch_job(role, prompt, **kw)
@@ -7620,9 +7628,7 @@ REPORT_SCHEMA = "agentbench-report/1"
 USAGE_SCHEMA = "agentbench-usage/1"
 USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
-# --------------------------------------------------------------------------------------------------
-# Statistics: plain functions
-# --------------------------------------------------------------------------------------------------
+# -- Statistics: plain functions -------------------------------------------------------------------
 
 
 def mean(xs: Iterable[float]) -> float | None:
@@ -7965,10 +7971,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Statistics: exclusions, multiplicity, planning (Fisher's exact test, Holm's adjustment, the
-# minimum detectable difference and the expected cost of a study)
-# --------------------------------------------------------------------------------------------------
+# -- Statistics: exclusions, multiplicity, planning ------------------------------------------------
+# Fisher's exact test, Holm's adjustment, the minimum detectable difference and the expected cost
+# of a study.
 
 def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
     """Two-sided Fisher exact test of independence in the 2x2 table [[a, b], [c, d]].
@@ -8088,9 +8093,7 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
             "session_tokens_assumed": dict(PLAN_SESSION_TOKENS) if "token_estimate" in bases else None}
 
 
-# --------------------------------------------------------------------------------------------------
-# Usage aggregate (the ledger)
-# --------------------------------------------------------------------------------------------------
+# -- Usage aggregate (the ledger) ------------------------------------------------------------------
 
 _USAGE_TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m",
                      "cache_read")
@@ -8193,9 +8196,7 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
             "totals": _usage_finish(totals), "notes": notes}
 
 
-# --------------------------------------------------------------------------------------------------
-# Formatting helpers shared by the Markdown and HTML renderers
-# --------------------------------------------------------------------------------------------------
+# -- Formatting helpers shared by the Markdown and HTML renderers ----------------------------------
 
 def _fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100.0 * x:.1f}%"
@@ -8271,9 +8272,7 @@ def _fmt_counts(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
 
 
-# --------------------------------------------------------------------------------------------------
-# The report: per arm, paired comparisons, per task
-# --------------------------------------------------------------------------------------------------
+# -- The report: per arm, paired comparisons, per task ---------------------------------------------
 
 def _rpt_excluded(run: dict) -> bool:
     return run.get("validity") in REPORT_EXCLUDED_VALIDITY
@@ -8623,9 +8622,7 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
     return notes
 
 
-# --------------------------------------------------------------------------------------------------
-# Report: behaviour audit, differential exclusions, multiplicity
-# --------------------------------------------------------------------------------------------------
+# -- Report: behaviour audit, differential exclusions, multiplicity --------------------------------
 # Read from the run records (the audit the pipeline wrote, the validity labels) and the views the
 # builder computed; they add keys to the report and never change a figure computed above.
 
@@ -9000,9 +8997,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     }
 
 
-# --------------------------------------------------------------------------------------------------
-# Rendering: tables as data, then Markdown / HTML
-# --------------------------------------------------------------------------------------------------
+# -- Rendering: tables as data, then Markdown / HTML -----------------------------------------------
 
 def _rpt_flag_cell(s: dict) -> str:
     n = s.get("flagged")
@@ -9207,9 +9202,7 @@ def render_usage_md(agg: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-# --------------------------------------------------------------------------------------------------
-# HTML page with inline SVG charts
-# --------------------------------------------------------------------------------------------------
+# -- HTML page with inline SVG charts --------------------------------------------------------------
 
 # Colour-blind-safe palette (Okabe & Ito); every mark also carries a text label for print.
 _HTML_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#8C6D1F",
@@ -9797,7 +9790,7 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
     return {"run": rec, "sessions": sessions, "receipts": gates, "diff": diff}
 
 
-# -- rendering ----------------------------------------------------------------------------------------
+# -- rendering -------------------------------------------------------------------------------------
 
 _PAGE_CSS = """
 .tl { border-left: 3px solid #bbb; padding-left: 0.8em; margin: 0.5em 0; }
@@ -10355,7 +10348,7 @@ class ScriptedModelServer:
         self.capture_bodies = False
         self.port: int | None = None
 
-    # ---- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, port: int = 0) -> int:
         """Bind 127.0.0.1:port, serve in a daemon thread, return the bound port."""
         if self._httpd is not None:
@@ -10408,7 +10401,7 @@ class ScriptedModelServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    # ---- scripts -----------------------------------------------------------------------------
+    # -- scripts -----------------------------------------------------------------------------------
     def add_script(self, script_id: str, script: dict) -> None:
         """Register a script in memory (wins over a file of the same id)."""
         if not SCRIPT_ID_RE.match(script_id or ""):
@@ -10456,7 +10449,7 @@ class ScriptedModelServer:
             return f"{path}: {exc.one_line()}"
         return "it is valid now (it was written while being read)"
 
-    # ---- request → answer plan ---------------------------------------------------------------
+    # -- request → answer plan ---------------------------------------------------------------------
     def plan(self, body: dict, session: str = "") -> dict:
         """Decide the answer for a messages request (pure apart from the fault-attempt counter).
 
@@ -10522,7 +10515,7 @@ class ScriptedModelServer:
         with self._lock:
             self.requests_log.append(entry)
 
-    # ---- HTTP --------------------------------------------------------------------------------
+    # -- HTTP --------------------------------------------------------------------------------------
     def _make_handler(self) -> type:
         server = self
 
@@ -10603,7 +10596,7 @@ class ScriptedModelServer:
                 else:
                     self._send_message(plan, usage)
 
-            # -- helpers --
+            # -- helpers ---------------------------------------------------------------------------
             def _read_body(self) -> bytes:
                 if self.headers.get("transfer-encoding", "").lower() == "chunked":
                     chunks = []
@@ -11185,7 +11178,8 @@ def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, off
 # ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
 # child-marker refusal, and main(): the one boundary that catches errors and prints exactly one
-# JSON object.  Handlers return (exit code, object); they never print to stdout.
+# JSON object.  Handlers return (exit code, object); they never print to stdout.  Owns flags and
+# their bounds.  Must not hold business logic that a lower layer could own.
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
@@ -11310,7 +11304,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
 
 
-# -- where ------------------------------------------------------------------------------------------
+# -- where -----------------------------------------------------------------------------------------
 
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
 @args_of(_study_arg)
@@ -11405,7 +11399,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return (0 if out["ok"] else 2), out
 
 
-# -- init -------------------------------------------------------------------------------------------
+# -- init ------------------------------------------------------------------------------------------
 
 def _init_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True, help="the study directory (created if missing)")
@@ -11459,7 +11453,7 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "launch": launch_config(cfg)}
 
 
-# -- train / spawn / continue -------------------------------------------------------------------------
+# -- train / spawn / continue ----------------------------------------------------------------------
 
 @contextlib.contextmanager
 def removed_on_refusal(path: Path) -> Iterator[None]:
@@ -11685,7 +11679,7 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
 
 
-# -- wait / list / kill -----------------------------------------------------------------------------
+# -- wait / list / kill ----------------------------------------------------------------------------
 
 def _wait_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
@@ -11850,7 +11844,7 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "clean": not survivors and not unverified}
 
 
-# -- experiment commands ------------------------------------------------------------------------------
+# -- experiment commands ---------------------------------------------------------------------------
 
 
 
@@ -12265,7 +12259,7 @@ def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return drive_foreground(ctx, paths, select_runs(paths, args), args.parallel or 1)
 
 
-# -- usage and report -------------------------------------------------------------------------------
+# -- usage and report ------------------------------------------------------------------------------
 
 def _usage_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
@@ -12346,7 +12340,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-# -- rehearse and demo ------------------------------------------------------------------------------
+# -- rehearse and demo -----------------------------------------------------------------------------
 
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
@@ -12456,7 +12450,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
 
 
-# -- bases: tick and expire -------------------------------------------------------------------------
+# -- bases: tick and expire ------------------------------------------------------------------------
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
@@ -12510,7 +12504,7 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return {"base": args.base, "state": "expired"}
 
 
-# -- the scripted model by hand -----------------------------------------------------------------------
+# -- the scripted model by hand --------------------------------------------------------------------
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0)
@@ -12533,7 +12527,7 @@ def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     return None
 
 
-# -- internal ---------------------------------------------------------------------------------------
+# -- internal --------------------------------------------------------------------------------------
 
 def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True)
@@ -12578,7 +12572,7 @@ def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return {"job_id": args.job, "supervised": True}
 
 
-# -- main -------------------------------------------------------------------------------------------
+# -- main ------------------------------------------------------------------------------------------
 
 def build_parser(cmd: Command) -> _ArgParser:
     p = _ArgParser(prog=f"agentbench.py {cmd.name}", add_help=False)
