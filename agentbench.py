@@ -1879,14 +1879,14 @@ def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
-    """All parseable object lines of a JSONL file, and how many lines were skipped as torn/bad."""
-    records: list[dict[str, Any]] = []
-    bad = 0
+def iter_jsonl(path: str | os.PathLike[str], counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The object lines of a JSONL file, read as a stream (a missing file has none); each line
+    that is torn, not JSON or not an object adds one to counts["torn"]."""
+    counts.setdefault("torn", 0)
     try:
         fh = open(path, "rb")
     except FileNotFoundError:
-        return records, 0
+        return
     with fh:
         for raw in fh:
             raw = raw.strip()
@@ -1895,13 +1895,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]
             try:
                 obj = json.loads(raw)
             except ValueError:
-                bad += 1
+                counts["torn"] += 1
                 continue
             if isinstance(obj, dict):
-                records.append(obj)
+                yield obj
             else:
-                bad += 1
-    return records, bad
+                counts["torn"] += 1
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """All parseable object lines of a JSONL file, and how many lines were skipped as torn/bad."""
+    counts: dict[str, int] = {}
+    records = list(iter_jsonl(path, counts))
+    return records, counts["torn"]
 
 
 #: directory -> (time.monotonic() when measured, file system clock minus this host's clock)
@@ -11125,29 +11131,14 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int
     stream.  `counts` gets "lines" (yielded) and "torn" (unparseable or not an object), like
     read_jsonl.  Writers guarantee one line per job; a reader still counts each job once."""
     counts.setdefault("lines", 0)
-    counts.setdefault("torn", 0)
     seen: set[str] = set()
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        return
-    with fh:
-        for raw in fh:
-            raw = raw.strip()
-            if not raw:
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError:
-                counts["torn"] += 1
-                continue
-            if not isinstance(obj, dict):
-                counts["torn"] += 1
-                continue
-            if obj.get("job_id") in seen or seen.add(str(obj.get("job_id"))):  # type: ignore[func-returns-value]
-                continue
-            counts["lines"] += 1
-            yield obj
+    for obj in iter_jsonl(path, counts):
+        job_id = str(obj.get("job_id"))
+        if job_id in seen:
+            continue
+        seen.add(job_id)
+        counts["lines"] += 1
+        yield obj
 
 
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
