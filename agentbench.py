@@ -18,23 +18,23 @@ Sections (line ranges), strictly bottom-up:
       247-348   Errors and output
       349-442   Hostile numbers
       443-487   Fault points
-      488-1730  Platform seam
-     1731-2221  Files, locks and the registry
-     2222-2528  Processes
-     2529-2641  Env scrub
-     2642-3005  The sandbox
-     3006-3436  Stream and usage
-     3437-3791  Study configuration
-     3792-4584  The metering gateway
-     4585-5909  The supervisor
-     5910-6155  The supervisor: jobs (start, fork, continue)
-     6156-7611  The experiment layer
-     7612-9516  Statistics and report
-     9517-10029 Run pages: the report as a directory
-    10030-10819 Offline scripted model
-    10820-11100 The scripted model: rehearsal of a study
-    11101-11175 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11176-12672 The CLI and main
+      488-1735  Platform seam
+     1736-2234  Files, locks and the registry
+     2235-2541  Processes
+     2542-2654  Env scrub
+     2655-3020  The sandbox
+     3021-3451  Stream and usage
+     3452-3809  Study configuration
+     3810-4605  The metering gateway
+     4606-5930  The supervisor
+     5931-6176  The supervisor: jobs (start, fork, continue)
+     6177-7635  The experiment layer
+     7636-9540  Statistics and report
+     9541-10053 Run pages: the report as a directory
+    10054-10849 Offline scripted model
+    10850-11130 The scripted model: rehearsal of a study
+    11131-11191 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11192-12700 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -1258,7 +1258,8 @@ class PosixPlatform(Platform):
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise AgentbenchError("lock timed out", code="lock_timed_out", lock=str(path)) from None
+                        raise AgentbenchError("lock timed out", code="lock_timed_out",
+                                              lock=str(path)) from None
                     time.sleep(0.001)
             yield
         finally:
@@ -1361,8 +1362,8 @@ def build_cim_create_command(argv: Sequence[str], cwd: str) -> list[str]:
     cmd = ["powershell.exe", "-NoLogo", "-NoProfile", "-NonInteractive",
            "-ExecutionPolicy", "Bypass", "-EncodedCommand", encoded]
     if len(subprocess.list2cmdline(cmd)) > 32000:  # CreateProcess limit is 32767 characters
-        raise AgentbenchError("command line too long for a detached launch", code="command_line_too_long_detached",
-                              length=len(cmdline))
+        raise AgentbenchError("command line too long for a detached launch",
+                              code="command_line_too_long_detached", length=len(cmdline))
     return cmd
 
 
@@ -1392,7 +1393,8 @@ class WindowsPlatform(Platform):
         path = raw
         if _WSL_RE.match(path):
             windows_form = path[5].upper() + ":\\" + path[7:].replace("/", "\\")
-            raise AgentbenchError("WSL path given to Windows agentbench", code="wsl_path_given_windows_agentbench", path=raw,
+            raise AgentbenchError("WSL path given to Windows agentbench",
+                                  code="wsl_path_given_windows_agentbench", path=raw,
                                   hint=f"use the Windows path, e.g. {windows_form}")
         m = _GITBASH_RE.match(path)
         if m:
@@ -1416,7 +1418,8 @@ class WindowsPlatform(Platform):
         if path.startswith("\\\\"):
             parts = path[2:].split("\\")
             if len(parts) < 2 or not parts[0] or not parts[1]:
-                raise AgentbenchError("UNC path needs a server and a share", code="unc_path_needs_server_share", path=raw,
+                raise AgentbenchError("UNC path needs a server and a share",
+                                      code="unc_path_needs_server_share", path=raw,
                                       hint="e.g. \\\\server\\share\\dir")
             root, rest = f"\\\\{parts[0]}\\{parts[1]}", parts[2:]
         elif re.match(r"^[A-Za-z]:", path):
@@ -1435,7 +1438,8 @@ class WindowsPlatform(Platform):
 
         body = "\\".join(rest)
         if re.search(r'[<>"|?*:]', body):
-            raise AgentbenchError("path holds characters Windows does not allow", code="path_holds_characters_windows_does", path=raw)
+            raise AgentbenchError("path holds characters Windows does not allow",
+                                  code="path_holds_characters_windows_does", path=raw)
         out: list[str] = []
         for comp in rest:
             if comp in ("", "."):
@@ -1654,8 +1658,8 @@ class WindowsPlatform(Platform):
         try:
             cp = self._run_helper(cmd, 120.0)
         except (OSError, subprocess.SubprocessError) as exc:
-            raise AgentbenchError("cannot run powershell for a detached launch", code="cannot_run_powershell_detached_launch",
-                                  detail=str(exc)) from exc
+            raise AgentbenchError("cannot run powershell for a detached launch",
+                                  code="cannot_run_powershell_detached_launch", detail=str(exc)) from exc
         m = _CIM_RESULT_RE.search(cp.stdout or "")
         if cp.returncode != 0 or not m or m.group(1) != "0" or not m.group(2):
             raise AgentbenchError(
@@ -1679,7 +1683,8 @@ class WindowsPlatform(Platform):
                     break
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise AgentbenchError("lock timed out", code="lock_timed_out", lock=str(path)) from None
+                        raise AgentbenchError("lock timed out", code="lock_timed_out",
+                                              lock=str(path)) from None
                     time.sleep(0.001)
             try:
                 yield
@@ -2176,11 +2181,13 @@ def read_registry(paths: StudyPaths) -> dict[str, Any]:
     if reg is None:
         reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
     if not isinstance(reg, dict):
-        raise AgentbenchError("the study registry is not a JSON object", code="study_registry_not_json_object", path=str(paths.registry))
+        raise AgentbenchError("the study registry is not a JSON object",
+                              code="study_registry_not_json_object", path=str(paths.registry))
     version = reg.get("version", REGISTRY_VERSION)
     if type(version) is not int or version != REGISTRY_VERSION:
-        raise AgentbenchError("the study registry has a version this agentbench does not know", code="registry_version_unknown",
-                              path=str(paths.registry), version=version, supported=REGISTRY_VERSION,
+        raise AgentbenchError("the study registry has a version this agentbench does not know",
+                              code="registry_version_unknown", path=str(paths.registry), version=version,
+                              supported=REGISTRY_VERSION,
                               hint="use the agentbench version that made this study")
     if usd_from(reg.get("spent_usd", 0.0), hi=math.inf) is None:
         reg["spent_usd"] = ledger_spent_usd(paths)
@@ -2691,7 +2698,8 @@ def sandbox_default() -> str:
     writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT."""
     raw = os.environ.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
     if raw not in SANDBOX_MODES:
-        raise AgentbenchError("AGENTBENCH_SANDBOX_DEFAULT must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_default", value=raw)
+        raise AgentbenchError("AGENTBENCH_SANDBOX_DEFAULT must be one of " + ", ".join(SANDBOX_MODES),
+                              code="bad_sandbox_default", value=raw)
     return raw
 
 
@@ -2699,7 +2707,8 @@ def sandbox_mode_of(cfg: Mapping[str, Any]) -> str:
     """The study's sandbox mode (its shape was checked where study.json was read)."""
     mode = cfg.get("sandbox")
     if mode is not None and mode not in SANDBOX_MODES:
-        raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode", value=str(mode)[:200])
+        raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode",
+                              value=str(mode)[:200])
     return str(mode) if mode is not None else sandbox_default()
 
 
@@ -3486,10 +3495,11 @@ def _check_slurm_settings(slurm: Any) -> None:
     option agentbench sets itself."""
     if slurm is not None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
-            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS), code="slurm_object_keys_among",
-                                  slurm=str(slurm)[:300])
+            raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
+                                  code="slurm_object_keys_among", slurm=str(slurm)[:300])
         if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
-            raise AgentbenchError("slurm.partition must be a non-empty string", code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
+            raise AgentbenchError("slurm.partition must be a non-empty string",
+                                  code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
         if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
             raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
@@ -3501,12 +3511,13 @@ def _check_slurm_settings(slurm: Any) -> None:
                                   hint="agentbench chooses the output file, the environment export, the "
                                        "directory and the cluster of its batch jobs")
         if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
-            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes", code="slurm_python_path_python3_compute",
-                                  python=str(slurm["python"]))
+            raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
+                                  code="slurm_python_path_python3_compute", python=str(slurm["python"]))
         margin = slurm.get("time_margin_s")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                    or not math.isfinite(margin) or margin < 0):
-            raise AgentbenchError("slurm.time_margin_s must be a non-negative number", code="slurm_time_margin_s_non", time_margin_s=str(margin))
+            raise AgentbenchError("slurm.time_margin_s must be a non-negative number",
+                                  code="slurm_time_margin_s_non", time_margin_s=str(margin))
 
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -3571,7 +3582,8 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
                               known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
     for key, val in budget.items():
         if not _is_number(val) or val < 0:
-            raise AgentbenchError("budget values must be finite non-negative numbers", code="budget_values_finite_non_negative", key=key, value=str(val))
+            raise AgentbenchError("budget values must be finite non-negative numbers",
+                                  code="budget_values_finite_non_negative", key=key, value=str(val))
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
@@ -3915,8 +3927,9 @@ def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None
             'or enforcement on the wire; claude then holds the credentials), or use an API key')
     for var in ("CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX"):
         if _truthy(env.get(var)):
-            return AgentbenchError(f"the metering gateway cannot carry {var} (cloud-provider routes)", code="gateway_cannot_carry_cloud_route",
-                                   refusal="gateway", variable=var, hint=hint)
+            return AgentbenchError(f"the metering gateway cannot carry {var} (cloud-provider routes)",
+                                   code="gateway_cannot_carry_cloud_route", refusal="gateway", variable=var,
+                                   hint=hint)
     if env.get("CLAUDE_CODE_OAUTH_TOKEN") and not any(env.get(v) for v in GATEWAY_CARRIED):
         return AgentbenchError("the metering gateway cannot carry a claude.ai login (CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
                                refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
@@ -3928,11 +3941,13 @@ def gateway_upstream(url: str | None) -> tuple[str, str, int, str]:
     raw = (url or "").strip() or GATEWAY_UPSTREAM_DEFAULT
     parts = urllib.parse.urlsplit(raw)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise AgentbenchError("ANTHROPIC_BASE_URL must be an http or https URL", code="bad_base_url", value=raw[:200])
+        raise AgentbenchError("ANTHROPIC_BASE_URL must be an http or https URL", code="bad_base_url",
+                              value=raw[:200])
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
-        raise AgentbenchError("ANTHROPIC_BASE_URL has a bad port", code="bad_base_url_port", value=raw[:200]) from None
+        raise AgentbenchError("ANTHROPIC_BASE_URL has a bad port", code="bad_base_url_port",
+                              value=raw[:200]) from None
     return parts.scheme, parts.hostname, port, parts.path.rstrip("/")
 
 
@@ -6300,12 +6315,13 @@ def check_timeout_s(spec: Mapping[str, Any], which: str) -> float:
 def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if not isinstance(spec, dict) or not isinstance(spec.get("cmd"), list) or not spec["cmd"] \
             or not all(isinstance(a, str) for a in spec["cmd"]):
-        raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings", code="task_object_non_empty_cmd",
-                              task=task_id)
+        raise AgentbenchError(f"task {which} must be an object with a non-empty `cmd` list of strings",
+                              code="task_object_non_empty_cmd", task=task_id)
     typos = misspelt_placeholders(spec["cmd"])
     if typos:
         # It would reach the command as literal text and fail obscurely.
-        raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder", code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
+        raise AgentbenchError(f"task {which}.cmd has a misspelt placeholder",
+                              code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
     if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
@@ -6343,7 +6359,8 @@ def load_task(root: Path) -> Task:
         raise AgentbenchError("task.json lacks required keys", code="task_json_lacks_required_keys",
                               path=str(root / "task.json"), missing=missing)
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
-        raise AgentbenchError("task.json: check_hint must be a sentence (a string)", code="task_json_check_hint_sentence", path=str(root / "task.json"))
+        raise AgentbenchError("task.json: check_hint must be a sentence (a string)",
+                              code="task_json_check_hint_sentence", path=str(root / "task.json"))
     tid = check_name("task", str(spec["id"]))
     if tid != root.name:
         raise AgentbenchError("task id must equal its directory name", code="task_id_equal_directory_name",
@@ -6867,7 +6884,8 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
     copy_tree(task.public, ws)
     got = tree_manifest(ws)
     if got != task.public_manifest:
-        raise AgentbenchError("workspace copy does not match the task bundle", code="workspace_copy_does_not_match", task=task.id,
+        raise AgentbenchError("workspace copy does not match the task bundle",
+                              code="workspace_copy_does_not_match", task=task.id,
                               missing=sorted(set(task.public_manifest) - set(got)),
                               differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
     info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
@@ -8860,8 +8878,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         raise AgentbenchError("no arms to report on", code="no_arms_report", hint="define arms in study.json")
     base = arms[0] if baseline is None else str(baseline)
     if base not in arms:
-        raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms", code="baseline_arm_not_one_studys",
-                              arms=arms, baseline=base)
+        raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms",
+                              code="baseline_arm_not_one_studys", arms=arms, baseline=base)
     known, unknown = [], []
     for r in runs:
         (known if str(r.get("arm")) in arms else unknown).append(r)
@@ -10173,7 +10191,8 @@ def validate_script(script: Any, script_id: str = "?") -> dict:
         for use in uses:
             if not isinstance(use, dict) or not isinstance(use.get("name"), str) \
                     or not isinstance(use.get("input", {}), dict):
-                raise AgentbenchError("tool use needs a 'name' string and an 'input' object", code="tool_use_needs_name_string", **where)
+                raise AgentbenchError("tool use needs a 'name' string and an 'input' object",
+                                      code="tool_use_needs_name_string", **where)
         fault = step.get("fault")
         if fault is not None and str(fault) not in SCRIPT_FAULTS:
             raise AgentbenchError("unknown step fault", code="unknown_step_fault",
@@ -10181,13 +10200,15 @@ def validate_script(script: Any, script_id: str = "?") -> dict:
         usage = step.get("usage", {})
         if not isinstance(usage, dict) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in usage.values()):
-            raise AgentbenchError("step 'usage' must map names to non-negative integers", code="step_usage_map_names_non", **where)
+            raise AgentbenchError("step 'usage' must map names to non-negative integers",
+                                  code="step_usage_map_names_non", **where)
         unknown = sorted(set(usage) - set(USAGE_OVERRIDE_KEYS))
         if unknown:
             raise AgentbenchError("unknown step 'usage' keys", code="unknown_step_usage_keys",
                                   keys=unknown, known=list(USAGE_OVERRIDE_KEYS), **where)
         if "fault_times" in step and not (isinstance(step["fault_times"], int) and step["fault_times"] >= 0):
-            raise AgentbenchError("step 'fault_times' must be a non-negative integer", code="step_fault_times_non_negative", **where)
+            raise AgentbenchError("step 'fault_times' must be a non-negative integer",
+                                  code="step_fault_times_non_negative", **where)
     return script
 
 
@@ -10358,12 +10379,14 @@ class ScriptedModelServer:
     def start(self, port: int = 0) -> int:
         """Bind 127.0.0.1:port, serve in a daemon thread, return the bound port."""
         if self._httpd is not None:
-            raise AgentbenchError("scripted model server already started", code="scripted_model_server_already_started", port=self.port)
+            raise AgentbenchError("scripted model server already started",
+                                  code="scripted_model_server_already_started", port=self.port)
         handler = self._make_handler()
         try:
             httpd = http.server.ThreadingHTTPServer(("127.0.0.1", int(port)), handler)
         except OSError as exc:
-            raise AgentbenchError("cannot start the scripted model server", code="cannot_start_scripted_model_server", port=port, detail=str(exc),
+            raise AgentbenchError("cannot start the scripted model server",
+                                  code="cannot_start_scripted_model_server", port=port, detail=str(exc),
                                   hint="pick another --port or 0 for any free port") from exc
         httpd.daemon_threads = True
         self._httpd = httpd
@@ -10377,7 +10400,8 @@ class ScriptedModelServer:
     @property
     def url(self) -> str:
         if self.port is None:
-            raise AgentbenchError("scripted model server not started", code="scripted_model_server_not_started")
+            raise AgentbenchError("scripted model server not started",
+                                  code="scripted_model_server_not_started")
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -11144,7 +11168,8 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
     """(start, stop, next offset or None) of one page of `total` items."""
     if offset < 0 or limit < 0:
-        raise AgentbenchError("--offset and --limit must be >= 0", code="bad_offset_limit", offset=offset, limit=limit)
+        raise AgentbenchError("--offset and --limit must be >= 0", code="bad_offset_limit", offset=offset,
+                              limit=limit)
     start = min(offset, total)
     stop = min(total, start + limit)
     return start, stop, (stop if stop < total else None)
@@ -11423,7 +11448,8 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     check_study_shape(cfg)
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
-        raise AgentbenchError("claude refuses bypassPermissions when run as root", code="bypass_permissions_as_root",
+        raise AgentbenchError("claude refuses bypassPermissions when run as root",
+                              code="bypass_permissions_as_root",
                               hint="use --permission-mode dontAsk with allow rules (--allowed-tools)")
     # Validate everything first, then write.
     paths.state.mkdir(parents=True, exist_ok=True)
@@ -11496,7 +11522,8 @@ def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
                         notes_path="NOTES.md")
     else:
-        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)", code="train_needs_brief_file_task")
+        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)",
+                              code="train_needs_brief_file_task")
     limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
     study_binary(ctx, cfg)   # a missing binary is refused before anything is created
     ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
@@ -11647,7 +11674,8 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.run:
         job_id = latest_run_job(paths, args.run)
         if not job_id:
-            raise AgentbenchError("the run has no session to continue yet", code="run_no_session_continue_yet", run=args.run,
+            raise AgentbenchError("the run has no session to continue yet",
+                                  code="run_no_session_continue_yet", run=args.run,
                                   hint=f"start it first: spawn --run {args.run}")
     if not job_id:
         raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
@@ -11664,7 +11692,8 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
                                kind="continue")
         if jid is None:
-            raise AgentbenchError("the run's budget does not allow another session", code="runs_budget_does_not_allow", run=run_id,
+            raise AgentbenchError("the run's budget does not allow another session",
+                                  code="runs_budget_does_not_allow", run=run_id,
                                   spent_usd=pipe.rec.get("cost_usd"))
         return {"job_id": jid, "run_id": run_id, "continues": job_id, "status": job_status(paths, jid).get("status")}
     return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
@@ -11922,7 +11951,8 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     power = None
     if args.power_delta is not None:
         if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
-            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1", code="power_estimate_needs_0_power")
+            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
+                                  code="power_estimate_needs_0_power")
         power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
         power["plan"] = assign_plan(paths, cfg, tasks, arms, repeats, power, args.power_base, args.split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
@@ -11951,7 +11981,8 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
                        and load_run(paths, r["run_id"]).get("status") != "not_started"]
             if started:
-                raise AgentbenchError("cannot reassign: runs of this split have started", code="cannot_reassign_runs_split_started", runs=started[:20])
+                raise AgentbenchError("cannot reassign: runs of this split have started",
+                                      code="cannot_reassign_runs_split_started", runs=started[:20])
             for r in old["runs"]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(run_file(paths, r["run_id"]))
@@ -12096,8 +12127,9 @@ def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
             known = sorted({str(r.get(key)) for r in every.values()})
             unknown = [w for w in wanted or [] if w not in known]
             if unknown:
-                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection", **{key: unknown},
-                                      known=known, hint="see `list --all` or the manifest from `assign`")
+                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection",
+                                      **{key: unknown}, known=known,
+                                      hint="see `list --all` or the manifest from `assign`")
     out = []
     for rid in ids:
         rec = records[rid]
@@ -12124,7 +12156,8 @@ def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> No
     if not reh.get("ok") or reh.get("config_hash") != h:
         problems.append("no passing rehearsal of the current configuration")
     if problems:
-        raise AgentbenchError("refusing to spend money on an unproven configuration", code="unproven_configuration", problems=problems,
+        raise AgentbenchError("refusing to spend money on an unproven configuration",
+                              code="unproven_configuration", problems=problems,
                               hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
 
 
@@ -12310,16 +12343,19 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or (str(paths.root / "report.html") if args.format == "html" else None)
     if args.out and (args.out.endswith(("/", os.sep)) or Path(args.out).is_dir()):
         if args.format != "html":
-            raise AgentbenchError("--out names a directory: only --format html writes one", code="out_is_a_directory",
-                                  out=args.out, hint="give a file path for json or md")
+            raise AgentbenchError("--out names a directory: only --format html writes one",
+                                  code="out_is_a_directory", out=args.out,
+                                  hint="give a file path for json or md")
         if ctx.is_child:
-            raise AgentbenchError("refused inside a supervised session: writing a report directory", code="refused_inside_session_writes")
+            raise AgentbenchError("refused inside a supervised session: writing a report directory",
+                                  code="refused_inside_session_writes")
         written = write_report_pages(paths, report, runs, Path(ctx.platform.normalize_path(args.out)))
         result.update(written, path=written["index"], directory=str(Path(written["index"]).parent))
         out = None
     if out:
         if ctx.is_child:
-            raise AgentbenchError("refused inside a supervised session: writing a report file", code="refused_inside_session_writes")
+            raise AgentbenchError("refused inside a supervised session: writing a report file",
+                                  code="refused_inside_session_writes")
         write_text_atomic(out, text)
         result["path"] = str(out)
     if args.format == "json":
@@ -12407,7 +12443,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     base = Path(ctx.platform.normalize_path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="agentbench-demo-"))
     study = base / "study"
     if study.exists():
-        raise AgentbenchError("the demo directory already holds a study", code="demo_directory_already_holds_study", dir=str(study),
+        raise AgentbenchError("the demo directory already holds a study",
+                              code="demo_directory_already_holds_study", dir=str(study),
                               hint="pass --dir with a new directory")
     if args.parallel < 1 or args.repeats < 1:
         raise AgentbenchError("--parallel and --repeats must be >= 1", code="parallel_repeats_1")
