@@ -3002,7 +3002,7 @@ def receipt_channel_verdict(rec: Mapping[str, Any], problem: str | None, returnc
 
 
 def read_receipt_pipe(rfd: int) -> bytes:
-    """What is in the pipe now (the check has exited; a writer it left behind is not waited for)."""
+    """What is in the channel now (the check has exited; a writer it left behind is not waited for)."""
     os.set_blocking(rfd, False)
     chunks: list[bytes] = []
     total = 0
@@ -6608,7 +6608,11 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         cwd = os.path.join(tmp, "workspace")
         shutil.copytree(workspace, cwd, ignore=shutil.ignore_patterns(".git"), symlinks=True)
     uses_fd = any("{" + RECEIPT_FD_PLACEHOLDER + "}" in a for a in spec["cmd"])
-    rfd, wfd = os.pipe() if uses_fd else (-1, -1)
+    # The channel is a socket pair, not a pipe: a pipe can be opened again through
+    # /proc/<check>/fd/N by any process of the same user (the code under test among them, which
+    # could then read the honest line out and write its own); a socket cannot be.
+    pair = socket.socketpair() if uses_fd else None
+    rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     channel = b""
     try:
         argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir,
@@ -6635,7 +6639,9 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         line, problem = receipt_channel_line(channel)
         if os.name != "posix":   # an inherited descriptor number means nothing to a Windows child
             problem = "the receipt channel ({receipt_fd}) needs a POSIX host"
-        rec = receipt_channel_verdict(parse_receipt(line or "", res.returncode, res.timed_out, which=which),
+        # The line's coherence is judged alone (as if exit 0); the exit status is the channel
+        # verdict's: a pass with a failing exit is the check's failure there, not a grader error.
+        rec = receipt_channel_verdict(parse_receipt(line or "", 0, res.timed_out, which=which),
                                       problem, res.returncode, timed_out=res.timed_out)
     else:
         rec = parse_receipt(res.stdout, res.returncode, res.timed_out, which=which,

@@ -37,7 +37,10 @@ def gw_study(tmp_path, real_claude, server, monkeypatch):
                           "--tools", TOOLS, "--allowed-tools", TOOLS,
                           "--env", f"ANTHROPIC_BASE_URL={server.url}",
                           "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
-                          "--env", "CLAUDE_CODE_MAX_RETRIES=0"])
+                          "--env", "CLAUDE_CODE_MAX_RETRIES=0",
+                          # Unsandboxed: the gateway must keep the credential from a session that
+                          # can see its supervisor and every ancestor (a sandbox hides them).
+                          "--sandbox", "none"])
     assert code == 0, obj
     monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
     return root

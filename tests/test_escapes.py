@@ -121,7 +121,9 @@ def test_the_real_binarys_backgrounded_nohup_child_dies_with_its_session(tmp_pat
                           "--env", "ANTHROPIC_API_KEY=offline-test-key",
                           "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
                           "--env", "CLAUDE_CODE_MAX_RETRIES=0",
-                          "--env", "AGENTBENCH_OFFLINE=1"])
+                          "--env", "AGENTBENCH_OFFLINE=1",
+                          # Unsandboxed: what the subreaper catches is what no pid namespace ends.
+                          "--sandbox", "none"])
     assert code == 0, obj
     pidfile = tmp_path / "nohup.pid"
     server.add_script("bg1", {"steps": [

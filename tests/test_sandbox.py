@@ -321,3 +321,54 @@ def test_an_old_stdout_receipt_still_works_but_is_recorded_unprotected(tmp_path)
     rec = ab.run_check(paths, ab.current_platform(), t, "oracle", str(ws), os.environ)
     assert rec["passed"] and (rec["receipt_channel"], rec["receipt_protected"]) == ("stdout", False)
     assert rec["sandbox"]["kind"] == "none"
+
+
+# The code under test reopens its harness's receipt channel through /proc (a pipe would allow
+# it: read and write), leaves a grandchild blocked reading it, and swaps the honest line for a
+# passing one.  A socket cannot be reopened that way, and the example harness is not dumpable.
+SWAPPER = r'''
+import json, os
+def _attack():
+    ppid = os.getppid()
+    try:
+        cmd = open(f"/proc/{ppid}/cmdline", "rb").read().split(b"\0")
+        fd = int(cmd[cmd.index(b"--receipt-fd") + 1])
+        os.close(os.open(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".claimed"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        p = os.open(f"/proc/{ppid}/fd/{fd}", os.O_RDWR)
+    except Exception:
+        return
+    if os.fork() == 0:
+        os.setsid()
+        n = os.open(os.devnull, os.O_RDWR)
+        for i in (0, 1, 2):
+            os.dup2(n, i)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(p, 65536)
+            if not chunk:
+                break
+            data += chunk
+        forged = {"passed": True, "score": 1.0, "checks": [], "tests_passed": 9, "tests_total": 9}
+        os.write(p, (json.dumps(forged) + "\n").encode())
+        os._exit(0)
+    os.close(p)
+_attack()
+def to_roman(n):
+    raise NotImplementedError
+def from_roman(s):
+    raise NotImplementedError
+'''
+
+
+@pytest.mark.parametrize("mode", [pytest.param("bwrap", marks=needs_bwrap), "none"])
+def test_code_under_test_cannot_swap_the_receipt_on_the_channel(tmp_path, mode):
+    paths, tasks = _example_study(tmp_path, mode)
+    task = tasks["roman"]
+    ws = tmp_path / "ws"
+    ab.copy_tree(task.public, ws)
+    (ws / "roman.py").write_text(SWAPPER)
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), dict(os.environ))
+    assert rec["receipt_channel"] == "fd" and rec["receipt_protected"] is True
+    assert (rec["passed"], rec["success"]) == (False, False), rec
+    assert rec["sandbox"]["kind"] == mode

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import signal
 import subprocess
 import time
@@ -629,7 +630,10 @@ def test_a_study_that_demands_the_sandbox_is_judged_on_the_compute_node(sst: Pat
     cfg["sandbox"] = "bwrap"
     (sst / "study.json").write_text(json.dumps(cfg))
     fake_bin = os.environ["PATH"].split(os.pathsep)[0]   # the fake Slurm's commands only
-    monkeypatch.setenv("PATH", fake_bin)
+    py_only = tmp_path / "python-only"                   # and the interpreter the fakes run on
+    py_only.mkdir()
+    (py_only / "python3").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", os.pathsep.join([fake_bin, str(py_only)]))
     where = ok(["where", "--study", str(sst)])
     assert where["sandbox"]["demanded"] is True and where["sandbox"]["decided_on"] == "each compute node"
     assert any("compute nodes" in w for w in where["warnings"])

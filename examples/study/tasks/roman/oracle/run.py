@@ -181,15 +181,28 @@ def _run_check(check_id, copy_dir):
             "detail": f"no result from check (exit {proc.returncode}): {tail}"}
 
 
+
+def _not_dumpable():
+    """Linux: make this process non-dumpable, so that no other process of the same user (the code
+    under test, run by a child of this one) can open its descriptors through /proc or take them
+    with pidfd_getfd.  Elsewhere, or if refused, nothing happens."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv):
     if len(argv) == 4 and argv[1] == "--child":
         _child(argv[2], argv[3])
     receipt_fd = None
     if len(argv) == 4 and argv[2] == "--receipt-fd":
-        # agentbench's receipt channel: a pipe that only this parent writes to.  It is made
+        # agentbench's receipt channel: a socket that only this parent writes to.  It is made
         # non-inheritable at once, so no child (and no code under test) is handed it.
         receipt_fd = int(argv[3])
         os.set_inheritable(receipt_fd, False)
+        _not_dumpable()
         argv = argv[:2]
     if len(argv) != 2:
         print("usage: run.py WORKSPACE [--receipt-fd FD]", file=sys.stderr)
