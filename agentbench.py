@@ -16,25 +16,25 @@ Sections (line ranges), strictly bottom-up:
        81-149   Start-up: lazy imports and the cached-bytecode launcher
       150-246   Constants
       247-348   Errors and output
-      349-442   Hostile numbers
-      443-487   Fault points
-      488-1735  Platform seam
-     1736-2234  Files, locks and the registry
-     2235-2541  Processes
-     2542-2654  Env scrub
-     2655-3020  The sandbox
-     3021-3451  Stream and usage
-     3452-3809  Study configuration
-     3810-4605  The metering gateway
-     4606-5930  The supervisor
-     5931-6176  The supervisor: jobs (start, fork, continue)
-     6177-7635  The experiment layer
-     7636-9540  Statistics and report
-     9541-10053 Run pages: the report as a directory
-    10054-10849 Offline scripted model
-    10850-11130 The scripted model: rehearsal of a study
-    11131-11191 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11192-12700 The CLI and main
+      349-456   Hostile numbers
+      457-501   Fault points
+      502-1749  Platform seam
+     1750-2248  Files, locks and the registry
+     2249-2555  Processes
+     2556-2668  Env scrub
+     2669-3034  The sandbox
+     3035-3465  Stream and usage
+     3466-3823  Study configuration
+     3824-4617  The metering gateway
+     4618-5964  The supervisor
+     5965-6210  The supervisor: jobs (start, fork, continue)
+     6211-7717  The experiment layer
+     7718-9623  Statistics and report
+     9624-10136 Run pages: the report as a directory
+    10137-10932 Offline scripted model
+    10933-11213 The scripted model: rehearsal of a study
+    11214-11274 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11275-12782 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -422,6 +422,20 @@ def usd_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where
              hi: float = MAX_USD_VALUE) -> float | None:
     """An amount in USD: finite, in [0, hi]; None when absent or (plus an anomaly) not believable."""
     return finite_number(value, lo=0.0, hi=hi, anomalies=anomalies, where=where)
+
+
+def spend_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "") -> float:
+    """An amount that is added to a spend a cap is held against: it fails closed.  Absent or
+    negative counts 0 (an anomaly when negative); not a number, not finite or beyond belief counts
+    MAX_USD_VALUE (an anomaly), so that a hostile figure spends the cap instead of vanishing."""
+    if value is None:
+        return 0.0
+    got = finite_number(value, lo=0.0, hi=MAX_USD_VALUE)
+    if got is not None:
+        return got
+    bad = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value < 0
+    note_anomaly(anomalies, where, value, "negative" if bad else "not a believable amount: counted in full")
+    return 0.0 if bad else MAX_USD_VALUE
 
 
 def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, where: str = "") -> Any:
@@ -3966,26 +3980,24 @@ def gateway_auth_headers(creds: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
-#: Methods forwarded to any path: they read, they do not spend.  Everything else goes only to the
-#: two Messages endpoints (a batch or a legacy completion through the gateway would spend outside
-#: its metering).
-GATEWAY_READ_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 def gateway_route(method: str, raw_path: str) -> tuple[str, str, bool]:
     """(kind, path to forward, allowed) of a request line (pure).  The path is decoded, its
     repeated slashes and dot segments collapsed, and re-encoded, so that what is metered is what
-    the upstream serves: kind is "messages" (POST /v1/messages), "count_tokens" or "other"."""
+    the upstream serves: kind is "messages" (POST /v1/messages), "count_tokens" (POST) or
+    "other".  Only the first two are allowed: any other path would spend or read with the real
+    credential (files, batches, results) outside the metering."""
     path, sep, query = raw_path.partition("?")
     clean = posixpath.normpath("/" + urllib.parse.unquote(path).lstrip("/"))
     clean = re.sub(r"/+", "/", clean).rstrip("/") or "/"
     if clean == "/v1/messages" and method == "POST":
         kind = "messages"
-    elif clean == "/v1/messages/count_tokens":
+    elif clean == "/v1/messages/count_tokens" and method == "POST":
         kind = "count_tokens"
     else:
         kind = "other"
-    allowed = kind != "other" or method in GATEWAY_READ_METHODS
+    allowed = kind != "other"
     forward = urllib.parse.quote(clean, safe="/:@!$&'()*+,;=-._~") + (sep + query if sep else "")
     return kind, forward, allowed
 
@@ -4143,8 +4155,7 @@ def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         if rec.get("kind") != "messages":
             continue
         requests += 1
-        cost = rec.get("cost_usd")
-        cost = float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else 0.0
+        cost = spend_from(rec.get("cost_usd"))   # a record edited to a negative or huge cost fails closed
         total += cost
         name = str(rec.get("model") or "(unknown)")
         row = models.setdefault(name, {"requests": 0, "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}})
@@ -4447,7 +4458,8 @@ class MeteringGateway:
             return
         if not allowed:
             self._reply(h, 403, "permission_error",
-                        f"agentbench gateway: {h.command} is forwarded only to /v1/messages and its count_tokens")
+                        "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
+                        "forwarded")
             self._record({**rec, "status": 403, "refused": "path", "duration_s": round(time.monotonic() - t0, 6)})
             return
         reserved = 0.0
@@ -4941,7 +4953,7 @@ def _count_job(reg: dict[str, Any], job_id: str, result: Mapping[str, Any]) -> N
     status, reason = result["status"], result.get("reason")
     reg["counts"][status] = int(reg["counts"].get(status, 0)) + 1
     # Both amounts were checked (finalize_job; registry_spent_usd), so the sum stays finite.
-    reg["spent_usd"] = round(registry_spent_usd(reg) + (usd_from(billed_cost_usd(usage)) or 0.0), 6)
+    reg["spent_usd"] = round(registry_spent_usd(reg) + spend_from(billed_cost_usd(usage)), 6)
     if reason in ("usage_limit", "auth"):
         reg["breaker"] = {"tripped_at": utc_now(), "reason": reason, "job_id": job_id}
     reg["finalizing"] = [j for j in reg.get("finalizing") or [] if j != job_id] + [job_id]
@@ -5002,6 +5014,28 @@ def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: M
                         usage=None, extra={"detail": "killed before its session started"})
 
 
+#: Credentials this process was handed on its stdin (a detached run driver): passed on to the
+#: supervisors it starts in the same way, never put in its environment.
+_HANDED_CREDENTIALS: dict[str, str] = {}
+
+
+def launch_credentials() -> dict[str, str]:
+    """The credentials a supervisor started from this process gets: the caller's own credential
+    variables, and those this process was handed (see _HANDED_CREDENTIALS)."""
+    return {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **_HANDED_CREDENTIALS}
+
+
+def read_stdin_credentials() -> dict[str, str]:
+    """The credentials a detached parent wrote on this process's stdin ({"env": {...}})."""
+    try:
+        data = json.loads(sys.stdin.buffer.read(1 << 20) or b"{}")
+    except (OSError, ValueError) as exc:
+        log(f"credentials on stdin not used: {exc}")
+        return {}
+    got = data.get("env") if isinstance(data, dict) else None
+    return {str(k): v for k, v in got.items() if isinstance(v, str)} if isinstance(got, dict) else {}
+
+
 def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
     """Start the supervisor of a registered job: detached here (local executor) or submitted to
     Slurm (its batch job runs the supervisor on a compute node).  On failure the job is finalised
@@ -5016,8 +5050,8 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
         # Credentials do not travel in the batch job's environment (Slurm keeps that in its
         # controller's state, and possibly its accounting): an owner-only file on the shared
         # study directory carries them to the supervisor, which reads and deletes it.
-        env = dict(os.environ)
-        creds = {k: env.pop(k) for k in [k for k in env if is_credential_var(k)]}
+        env = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
+        creds = launch_credentials()
         if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
             creds = {}   # a scripted-model job gets no real credentials at all
         creds_file = str(jdir / "credentials.json") if creds else None
@@ -5045,7 +5079,7 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
         # The supervisor's own environment holds no credential (/proc/<pid>/environ is readable
         # by the agent's user): they reach it on a pipe.  A scripted-model job gets none at all.
         env = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
-        secret = {k: v for k, v in os.environ.items() if is_credential_var(k)}
+        secret = launch_credentials()
         if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
             secret = {}
         pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
@@ -6199,19 +6233,34 @@ TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_sys
                   "resume", "train_base")
 
 
+def entry_digest(path: str | os.PathLike[str]) -> str:
+    """What a manifest records of one directory entry, never following it: a regular file's
+    sha256; `symlink:<sha256 of its target text>` for a link; `special:<kind>` for a FIFO, a
+    socket or a device (never opened: reading one could block forever or never end)."""
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode):
+        return sha256_file(path)
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink:" + sha256_bytes(os.fsencode(os.readlink(path)))
+    kind = "fifo" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
+    return f"special:{kind}"
+
+
 def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
-    """relative POSIX path -> sha256 of every file under `root` (caches and .git excluded)."""
+    """relative POSIX path -> entry_digest of every entry under `root` that is not a directory
+    (caches and .git excluded; links to directories are entries, never followed)."""
     root = Path(root)
     out: dict[str, str] = {}
     if not root.is_dir():
         return out
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES)
-        for fn in sorted(filenames):
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES and d not in links)
+        for fn in sorted(filenames + links):
             if fn in IGNORED_BUNDLE_NAMES or fn.endswith(".pyc"):
                 continue
             full = Path(dirpath) / fn
-            out[full.relative_to(root).as_posix()] = sha256_file(full)
+            out[full.relative_to(root).as_posix()] = entry_digest(full)
     return out
 
 
@@ -6592,6 +6641,17 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
+def _not_for_the_oracle_copy(directory: str, names: list[str]) -> set[str]:
+    """copytree's ignore: .git and every entry that is neither a directory, a file nor a link."""
+    out = {".git"} & set(names)
+    for name in names:
+        with contextlib.suppress(OSError):
+            mode = os.lstat(os.path.join(directory, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                out.add(name)
+    return out
+
+
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
               env: Mapping[str, str]) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
@@ -6606,7 +6666,13 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     if which == "oracle":
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
         cwd = os.path.join(tmp, "workspace")
-        shutil.copytree(workspace, cwd, ignore=shutil.ignore_patterns(".git"), symlinks=True)
+        try:
+            # Links are copied as links; FIFOs, sockets and devices are left out (copying one
+            # could block forever): the hidden tests grade files.
+            shutil.copytree(workspace, cwd, ignore=_not_for_the_oracle_copy, symlinks=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     uses_fd = any("{" + RECEIPT_FD_PLACEHOLDER + "}" in a for a in spec["cmd"])
     # The channel is a socket pair, not a pipe: a pipe can be opened again through
     # /proc/<check>/fd/N by any process of the same user (the code under test among them, which
@@ -6913,7 +6979,7 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
 def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
     files = {}
     for rel, digest in tree_manifest(ws).items():
-        files[rel] = {"sha256": digest, "size": (Path(ws) / rel).stat().st_size}
+        files[rel] = {"sha256": digest, "size": os.lstat(Path(ws) / rel).st_size}
     return {"files": files, "sha256": manifest_sha256({k: v["sha256"] for k, v in files.items()})}
 
 
@@ -7074,6 +7140,10 @@ def agentbench_git_commit(platform: "Platform") -> str | None:
 
 #: A session that "succeeded" faster than this with no tool call and no solution did nothing.
 DEGENERATE_SESSION_S = 10.0
+#: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
+#: success with one of them is not a valid success (validity `tainted`, out of the primary view).
+HIDDEN_ACCESS_KINDS = frozenset({"reads_oracle", "bash_touches_oracle", "reads_reference",
+                                 "bash_touches_reference", "copies_hidden_files"})
 
 
 class RunVerdict(NamedTuple):
@@ -7084,12 +7154,13 @@ class RunVerdict(NamedTuple):
 
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
-                 success: bool, grader_error: str | None = None) -> RunVerdict:
+                 success: bool, grader_error: str | None = None, hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
-    gave none (invalid grading: never the agent's failure)."""
+    gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
+    of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
@@ -7100,6 +7171,9 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
         validity, why = "degenerate", "the session ended in seconds without a single tool call"
     else:
         validity, why = "valid", None
+    seen = sorted(set(hidden_access))
+    if success and validity == "valid" and seen:
+        validity, why = "tainted", "the audit found the agent saw hidden material: " + ", ".join(seen)
     if grader_error and not infra:
         outcome = "grader_error"
     elif stop == "budget_exhausted":
@@ -7502,7 +7576,8 @@ class RunPipeline:
             if job and job.get("kind") != "reviewer":
                 calls += stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
         protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
-                     "gate": str(task.root / "gate"), "tasks": str(task.root.parent)}
+                     "reference": str(task.root / "reference"), "gate": str(task.root / "gate"),
+                     "tasks": str(task.root.parent)}
         findings = audit_tool_calls(calls, ws, protected)
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
@@ -7535,7 +7610,8 @@ class RunPipeline:
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
         verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None, tool_uses=tool_uses,
-                               success=bool(ev["success"]), grader_error=ev.get("grader_error"))
+                               success=bool(ev["success"]), grader_error=ev.get("grader_error"),
+                               hidden_access=[f["kind"] for f in findings if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
@@ -7650,9 +7726,10 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
 # Two-sided 95% normal quantile, z_{0.975}, to the precision of a double.
 STAT_Z95 = 1.959963984540054
 
-# Validity labels that take a run out of the primary results (SPEC 7): such runs measure the
-# infrastructure, not the treatment. They stay listed, with their reasons, and in `all_included`.
-REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate")
+# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
+# infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
+# stay listed, with their reasons, and in `all_included`.
+REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
 
 REPORT_SCHEMA = "agentbench-report/1"
 USAGE_SCHEMA = "agentbench-usage/1"
@@ -12259,9 +12336,13 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Like a supervisor, the driver's environment holds no credential (any process of the
+        # user can read it): they reach it on its stdin, and it hands them on to its supervisors.
         pid = detach_agentbench(ctx.platform, ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
                                                "--force"] + [x for r in ids for x in ("--run", r)],
-                                cwd=str(paths.root), env=dict(ctx.env), log_path=str(log_path))
+                                cwd=str(paths.root), env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
+                                log_path=str(log_path),
+                                secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`"}
     return drive_foreground(ctx, paths, ids, parallel)
@@ -12270,6 +12351,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _drive_args(p: argparse.ArgumentParser) -> None:
     _run_args(p)
     p.add_argument("--env-file")
+    p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin")
 
 
 def load_env_file(ctx: Ctx, env_file: str | None) -> None:
@@ -12285,6 +12367,8 @@ def load_env_file(ctx: Ctx, env_file: str | None) -> None:
 @args_of(_drive_args)
 def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
+    if args.credentials_stdin:
+        _HANDED_CREDENTIALS.update(read_stdin_credentials())
     paths = ctx.study(args)
     return drive_foreground(ctx, paths, select_runs(paths, args), args.parallel or 1)
 
@@ -12576,15 +12660,7 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
 def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     # Credentials stay in this process's memory (Supervisor.secret), never in os.environ.
-    creds: dict[str, str] = {}
-    if args.credentials_stdin:
-        try:
-            data = json.loads(sys.stdin.buffer.read(1 << 20) or b"{}")
-            got = data.get("env") if isinstance(data, dict) else None
-            if isinstance(got, dict):
-                creds = {str(k): str(v) for k, v in got.items() if isinstance(v, str)}
-        except (OSError, ValueError) as exc:
-            log(f"credentials on stdin not used: {exc}")
+    creds: dict[str, str] = read_stdin_credentials() if args.credentials_stdin else {}
     if args.credentials_file:
         try:
             creds = read_detach_env_file(args.credentials_file)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import io
 import json
 import shutil
 import ssl
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ab
+from conftest import ab, run_main
 
 PLAT = ab.current_platform()
 REAL_KEY = "sk-ant-gateway-test-REAL-0123456789"
@@ -326,7 +327,7 @@ def test_a_stream_passes_byte_for_byte_with_the_credential_swapped_and_is_metere
         gw.stop()
 
 
-def test_non_streamed_answers_count_tokens_and_other_paths_are_forwarded(tmp_path, upstream):
+def test_non_streamed_answers_and_count_tokens_are_forwarded_and_other_paths_refused(tmp_path, upstream):
     gw = make_gateway(tmp_path, upstream.url, creds={"ANTHROPIC_AUTH_TOKEN": REAL_KEY})
     try:
         status, data, _ = post(gw, "/v1/messages", {"model": "claude-test", "max_tokens": 100})
@@ -336,8 +337,9 @@ def test_non_streamed_answers_count_tokens_and_other_paths_are_forwarded(tmp_pat
         host, port = gw.url.rsplit("/", 1)[1].split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("GET", "/v1/models", headers={"authorization": "Bearer " + gw.token})
-        assert conn.getresponse().status == 404
+        assert conn.getresponse().status == 403          # refused here, never sent upstream
         conn.close()
+        assert len(upstream.requests) == 2
         assert all({k.lower(): v for k, v in r["headers"].items()}["authorization"] == "Bearer " + REAL_KEY
                    for r in upstream.requests)
         recs = records(tmp_path, 3)
@@ -500,8 +502,11 @@ def test_a_job_whose_supervisor_died_is_costed_from_its_gateway_log(tmp_path):
     ("POST", "/v1/messages/batches", "other", "/v1/messages/batches", False),
     ("POST", "/v1/complete", "other", "/v1/complete", False),
     ("DELETE", "/v1/files/f1", "other", "/v1/files/f1", False),
-    ("GET", "/v1/models", "other", "/v1/models", True),
-    ("GET", "/v1/messages", "other", "/v1/messages", True),
+    # Reads go nowhere either: files, batches and their results would be fetched with the real key.
+    ("GET", "/v1/models", "other", "/v1/models", False),
+    ("GET", "/v1/messages", "other", "/v1/messages", False),
+    ("GET", "/v1/messages/count_tokens", "other", "/v1/messages/count_tokens", False),
+    ("GET", "/v1/files/f1/content", "other", "/v1/files/f1/content", False),
 ])
 def test_gateway_route(method, raw, kind, forward, allowed):
     assert ab.gateway_route(method, raw) == (kind, forward, allowed)
@@ -519,3 +524,33 @@ def test_a_spending_request_to_another_path_is_not_forwarded(tmp_path, upstream)
         assert recs[0]["refused"] == "path" and recs[1]["kind"] == "messages" and recs[1]["cost_usd"] == EXPECTED_COST
     finally:
         gw.stop()
+
+
+# ---- the detached run driver holds no credential either -------------------------------------------
+
+def test_a_detached_run_driver_gets_the_credentials_on_stdin_not_in_its_environment(tmp_path, fake_env,
+                                                                                    monkeypatch):
+    from test_experiment import tiny_study
+    study = tiny_study(tmp_path / "s")
+    assert run_main(["assign", "--study", str(study), "--force"])[0] == 0
+    started: list[dict] = []
+
+    def detached(platform, args, *, cwd, env, log_path, secret=None):
+        started.append({"args": list(args), "env": dict(env), "secret": dict(secret or {})})
+        return 4242
+    monkeypatch.setattr(ab, "detach_agentbench", detached)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", REAL_KEY)
+    code, out = run_main(["run", "--study", str(study), "--detach", "--force"])
+    assert code == 0 and out["driver_pid"] == 4242, out
+    (call,) = started
+    assert call["args"][0] == "_drive"
+    assert not any(ab.is_credential_var(k) for k in call["env"]) and REAL_KEY not in json.dumps(call["env"])
+    assert call["secret"] == {"ANTHROPIC_API_KEY": REAL_KEY}
+
+
+def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkeypatch):
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.setattr(ab, "_HANDED_CREDENTIALS", {"ANTHROPIC_API_KEY": REAL_KEY})
+    assert ab.launch_credentials()["ANTHROPIC_API_KEY"] == REAL_KEY
+    monkeypatch.setattr(ab.sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps({"env": {"A": "1", "B": 2}}).encode())))
+    assert ab.read_stdin_credentials() == {"A": "1"}

@@ -8,6 +8,7 @@ run (fake claude) whose oracle crashes, labelled an infrastructure failure.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,27 @@ def test_a_run_whose_oracle_crashes_is_an_infrastructure_failure_not_the_agents(
     assert rec["outcome"] == "grader_error" and rec["failure_reason"] == "grader_error"
     assert rec["validity_reason"].startswith("grader_error")
     assert rec["evaluation"]["grader_error"]
+
+
+def test_special_files_in_the_workspace_neither_hang_nor_break_grading(tmp_path):
+    """A FIFO, a link to an endless device and a link to a directory: recorded, never opened."""
+    import threading
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.py").write_text("x = 1\n")
+    os.mkfifo(ws / "pipe")
+    (ws / "zero").symlink_to("/dev/zero")
+    (ws / "up").symlink_to("..")
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(ab.artifact_manifest(ws)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the manifest blocked on a special file"
+    files = got["files"]
+    assert files["pipe"]["sha256"] == "special:fifo"
+    assert files["zero"]["sha256"].startswith("symlink:") and files["up"]["sha256"].startswith("symlink:")
+    assert files["a.py"]["sha256"] == ab.sha256_file(ws / "a.py")
+    # The oracle's copy leaves the FIFO out instead of failing on it.
+    copy = tmp_path / "copy"
+    ab.shutil.copytree(ws, copy, ignore=ab._not_for_the_oracle_copy, symlinks=True)
+    assert sorted(p.name for p in copy.iterdir()) == ["a.py", "up", "zero"]

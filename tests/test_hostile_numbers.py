@@ -231,3 +231,22 @@ def test_a_supervisor_that_fails_kills_its_tree_and_finalises_at_once(study: Pat
             time.sleep(0.05)
         assert child is None or not platform.is_alive(child)
     assert len([ln for ln in ledger(study) if ln["job_id"] == job]) == 1
+
+
+@pytest.mark.parametrize("value, spent, flagged", [
+    (None, 0.0, False), (0.25, 0.25, False), (0, 0.0, False),
+    (-5.0, 0.0, True),                                   # a negative cost never lowers a spend
+    (2e6, ab.MAX_USD_VALUE, True), (float("inf"), ab.MAX_USD_VALUE, True),
+    (float("nan"), ab.MAX_USD_VALUE, True), ("12", ab.MAX_USD_VALUE, True), (True, ab.MAX_USD_VALUE, True),
+])
+def test_a_spend_fails_closed(value, spent, flagged):
+    anomalies: list = []
+    assert ab.spend_from(value, anomalies=anomalies, where="x") == spent
+    assert bool(anomalies) == flagged
+
+
+def test_edited_gateway_records_cannot_lower_or_hide_the_metered_cost():
+    recs = [{"kind": "messages", "model": "m", "cost_usd": 5.0}, {"kind": "messages", "model": "m", "cost_usd": -5.0},
+            {"kind": "messages", "model": "m", "cost_usd": 2e6}]
+    got = ab.summarize_metering(recs)
+    assert got["cost_metered_usd"] == round(5.0 + ab.MAX_USD_VALUE, 6)

@@ -49,3 +49,18 @@ def test_a_grader_error_is_never_the_agents_failure(stop, first, expected):
     got = ab.classify_run(stop=stop, first_session=first, tool_uses=0, success=False,
                           grader_error="oracle timed out")
     assert tuple(got) == expected
+
+
+@pytest.mark.parametrize("success, kinds, validity", [
+    (True, ["reads_oracle"], "tainted"),
+    (True, ["copies_hidden_files", "reads_reference"], "tainted"),
+    (False, ["reads_oracle"], "valid"),        # a failure stays a failure, flagged by the audit
+    (True, [], "valid"),
+])
+def test_a_success_that_saw_hidden_material_is_not_a_valid_success(success, kinds, validity):
+    got = ab.classify_run(stop=None, first_session=OK_SLOW, tool_uses=3, success=success, hidden_access=kinds)
+    assert got.validity == validity
+    assert got.outcome == ("success" if success else "failure")
+    if validity == "tainted":
+        assert all(k in got.validity_reason for k in kinds)
+    assert "tainted" in ab.REPORT_EXCLUDED_VALIDITY
