@@ -2738,9 +2738,9 @@ class SandboxPlan:
     tools: directories bound back read-only after hiding (the binary's and Python's install
     directories, PATH entries in the home); only those under a hidden directory are bound.
     ro: files or directories bound read-only (a pristine check dir, a job's prompt files).
-    rw: directories bound read-write (the workspace, the private HOME, the config dir).
-    inner_hide, inner_rw: then hidden again inside those, and bound back (the config dir's
-    transcripts of other sessions hidden, this session's own project directory kept).
+    rw: directories bound read-write (the workspace, the private HOME).
+    inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
+    dir replaced by a private one, with this session's own project directory kept).
     cwd: the working directory inside."""
     hide: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
@@ -2936,8 +2936,10 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
     """The sandboxed argv and environment of one `claude` session.
 
     HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude,
-    where agentbench collects transcripts from) is bound read-write, with its projects/ hidden but
-    for `project_dir`, this session's own (other sessions' transcripts stay out of reach); the
+    where agentbench collects transcripts from) is an empty private tmpfs, gone with the session,
+    with only `project_dir`, this session's own transcripts, bound into it read-write: nothing of
+    the real config dir is readable (a login's credentials, other sessions' files and history) or
+    writable (settings and hooks that later sessions, or the user's own claude, would run); the
     workspace read-write; `ro` (the job's system prompt and MCP files) read-only; the real home
     and `hidden` masked; TMPDIR is the private /tmp."""
     homes = real_homes(env)
@@ -2946,12 +2948,10 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    projects = os.path.dirname(_real(project_dir))
     plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0], env, homes)),
                        ro=tuple(_real(p) for p in ro if os.path.exists(p)),
-                       rw=(_real(cwd), _real(private_home), _real(config)), cwd=_real(cwd),
-                       inner_hide=(projects,) if _under(projects, _real(config)) else (),
-                       inner_rw=(_real(project_dir),))
+                       rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
+                       inner_hide=(_real(config),), inner_rw=(_real(project_dir),))
     return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
 
 
