@@ -2253,7 +2253,7 @@ class JobRecord(TypedDict):
     slurm: dict[str, Any] | None
     gateway: str                     # on | off
     study_usd: float | None          # the study's USD cap at creation
-    sandbox: Any                     # the study's sandbox setting at creation
+    sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
     system_prompt_sha256: str
     prompt_sha256: str
 
@@ -2347,12 +2347,12 @@ class ResultRecord(_ResultRequired, total=False):
     num_turns: int | None
     result_subtype: str | None
     is_error: bool | None
-    api_error_status: Any
+    api_error_status: int | None     # the HTTP status of an API error the binary reported
     result_text: str | None          # the final answer, cut to 2000 characters
     models_reported: list[str]
     bad_lines: int
-    unknown_events: Any
-    snapshots: Any                   # snapshots taken during the session
+    unknown_events: int              # stream events of a type the parser does not know
+    snapshots: list[int]             # the `snapshots` limits (elapsed seconds) taken during the session
     sandbox: dict[str, Any] | None
     gateway_refusal: dict[str, Any]  # what the gateway refused (budget), if it did
 
@@ -2388,20 +2388,20 @@ class RunRecord(_RunRequired, total=False):
     failure_reason: str | None
     error: str
     error_detail: dict[str, Any]
-    interruption: Any
+    interruption: dict[str, Any]     # the interrupted executor job and whether it was resumed
     claude_version: str | None
     provenance: dict[str, Any]
     evaluation: dict[str, Any]
-    workspace: str
-    base: Any
-    sandbox: Any
-    final_contract: Any
-    artifacts: Any
-    audit: Any
+    workspace: dict[str, Any]        # the prepared workspace: file count, git, manifest hash
+    base: str | None                 # the trained base a forking arm starts from
+    sandbox: dict[str, Any]          # what ran sandboxed: kinds, reasons, sandboxed
+    final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
+    artifacts: dict[str, Any]        # the final workspace's files and their hashes
+    audit: dict[str, Any]            # the behaviour audit's findings
     gates: list[dict[str, Any]]
     gate_cycles: int
-    reviews: list[Any]
-    review_verdicts: list[Any]
+    reviews: list[dict[str, Any]]
+    review_verdicts: list[str]
     tokens: dict[str, int]
     cost_estimated: bool
     queued_s: float
