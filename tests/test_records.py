@@ -1,6 +1,6 @@
 """The declared record shapes (the "Records" section) stay true to what the code writes.
 
-Real jobs run with the fake `claude` (ok, failed, killed, lost, an API error, a hostile total) and one rehearsal of
+Real jobs run with the fake `claude` (ok, failed, an API error, a hostile total, two stalled: killed, lost) and one rehearsal of
 a one-task study runs the real binary (a gated, reviewed arm and a plain one); every job.json,
 launcher.json, runtime.json, result.json (with its `usage`) and run record they leave is then held
 against its TypedDict: each key must be declared, each required key present.  When a writer gains a
@@ -136,11 +136,13 @@ def test_fake_jobs_write_only_declared_keys(study: Path, tmp_path: Path, monkeyp
     statuses = {j: wait_result(study, j, timeout=60)["status"] for j in (ok_job, failed, api, hostile)}
     assert statuses == {ok_job: "ok", failed: "failed", api: "failed", hostile: "ok"}, statuses
     assert "anomalies" in wait_result(study, hostile)
-    # (the study's parallel cap is 4: the hanging two start once the three above are final)
+    # (the study's parallel cap is 4: the hanging two start once the four above are final; they
+    # stall after a second of silence, which the runtime records)
+    _ok(["init", "--study", s, "--stall-after-s", "1"])
     killed = _ok(["spawn", "--study", s, "--brief", _brief(tmp_path, "hang")])["job_id"]
     lost = _ok(["spawn", "--study", s, "--brief", _brief(tmp_path, "hang")])["job_id"]
     for j in (killed, lost):
-        _wait_for(lambda j=j: (_runtime(study, j) or {}).get("claude"), 60, f"{j} running")
+        _wait_for(lambda j=j: (_runtime(study, j) or {}).get("stalled"), 60, f"{j} stalled")
     out = _ok(["kill", "--study", s, "--job", killed])
     assert out["jobs"][0]["status"] == "killed"
     sup = _runtime(study, lost)["supervisor"]["pid"]
