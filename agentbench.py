@@ -13,28 +13,29 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       81-149   Start-up: lazy imports and the cached-bytecode launcher
-      150-246   Constants
-      247-348   Errors and output
-      349-456   Hostile numbers
-      457-501   Fault points
-      502-1749  Platform seam
-     1750-2248  Files, locks and the registry
-     2249-2555  Processes
-     2556-2668  Env scrub
-     2669-3034  The sandbox
-     3035-3465  Stream and usage
-     3466-3823  Study configuration
-     3824-4617  The metering gateway
-     4618-5964  The supervisor
-     5965-6210  The supervisor: jobs (start, fork, continue)
-     6211-7717  The experiment layer
-     7718-9623  Statistics and report
-     9624-10136 Run pages: the report as a directory
-    10137-10932 Offline scripted model
-    10933-11213 The scripted model: rehearsal of a study
-    11214-11274 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11275-12782 The CLI and main
+       82-150   Start-up: lazy imports and the cached-bytecode launcher
+      151-247   Constants
+      248-349   Errors and output
+      350-457   Hostile numbers
+      458-502   Fault points
+      503-1750  Platform seam
+     1751-2249  Files, locks and the registry
+     2250-2440  Records: the declared shapes of the job's and run's files
+     2441-2747  Processes
+     2748-2860  Env scrub
+     2861-3226  The sandbox
+     3227-3657  Stream and usage
+     3658-4015  Study configuration
+     4016-4809  The metering gateway
+     4810-6156  The supervisor
+     6157-6402  The supervisor: jobs (start, fork, continue)
+     6403-7909  The experiment layer
+     7910-9815  Statistics and report
+     9816-10328 Run pages: the report as a directory
+    10329-11124 Offline scripted model
+    11125-11405 The scripted model: rehearsal of a study
+    11406-11466 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11467-12974 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -69,7 +70,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict
 import base64
 import errno
 import select
@@ -2244,6 +2245,197 @@ def touch_last_call(paths: StudyPaths) -> None:
         os.utime(paths.last_call)
     except OSError:
         pass
+
+
+# ==================================================================================================
+# Records: the declared shapes of the job's and run's files
+# ==================================================================================================
+# Owns the TypedDict declarations of what the job layer and the pipeline write: job.json,
+# launcher.json, runtime.json, result.json (and its `usage`), and the run record
+# (state/runs/<id>.json).  Declarations only: nothing here reads, writes, checks or defaults a
+# value, and a writer never builds its dict from here.  tests/test_records.py runs real jobs and
+# runs and fails when a file holds a key that is not declared below (or lacks a required one).
+# Shapes are declared as total (keys every writer sets) plus a `total=False` subclass (keys only
+# some writers, or only some moments, set).
+
+class JobRecord(TypedDict):
+    """job.json: a registered job, written once by _create_job_files() and never changed."""
+    job_id: str
+    kind: str                        # train | spawn | continue | executor | reviewer | ... (what made it)
+    created_at: str                  # ISO UTC
+    created_ts: float                # epoch seconds (the reaper's fallback heartbeat)
+    cwd: str
+    raw_dir: str                     # where the stream copy and supervisor.log go
+    session_id: str | None           # the session this job runs (its own, or the resumed one)
+    resume: str | None               # the session resumed, if any
+    fork: bool
+    binary: str
+    model: str
+    argv: list[str]
+    argv_sha256: str
+    limits: dict[str, Any]           # session_limits() plus job-specific extras
+    prior: dict[str, Any]            # the session's totals before this call (cost, model usage, context)
+    meta: dict[str, Any]             # run_id, arm, task, base, label, continues, role ... (caller's tags)
+    env_extra: dict[str, str]
+    driver: dict[str, Any] | None    # driver_record() of the process that drives it; None by hand
+    prices: dict[str, Any] | None
+    executor: str                    # local | slurm
+    slurm: dict[str, Any] | None
+    gateway: str                     # on | off
+    study_usd: float | None          # the study's USD cap at creation
+    sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
+    system_prompt_sha256: str
+    prompt_sha256: str
+
+
+class _LauncherRequired(TypedDict):
+    executor: str                    # local | slurm
+    host: str
+    at: float                        # epoch seconds of the write
+
+
+class LauncherRecord(_LauncherRequired, total=False):
+    """launcher.json: how the job's supervisor was started (launch_supervisor())."""
+    submitting: bool                 # slurm: written before sbatch answers
+    slurm_job_id: str
+    slurm_cluster: str | None
+    pid: int                         # local: the detached supervisor
+    ctime: float | None              # its creation time (with pid, its identity)
+
+
+class _RuntimeRequired(TypedDict):
+    heartbeat_at: float              # epoch seconds of the last write
+    elapsed_s: float                 # since the supervisor started (its monotonic clock)
+
+
+class RuntimeRecord(_RuntimeRequired, total=False):
+    """runtime.json: the running job, written only by its supervisor (Supervisor._write_runtime)."""
+    status: str                      # running
+    supervisor: dict[str, Any] | None   # ProcId fields of the supervisor
+    subreaper: bool
+    host: str
+    slurm_job_id: str | None
+    started_at: str
+    started_ts: float
+    session_id: str | None
+    gateway: str                     # the metering gateway's URL
+    claude: dict[str, Any] | None    # ProcId fields of the claude process
+    claude_started_at: str
+    sandbox: dict[str, Any] | None   # sandbox_record() of the launch
+    tool_uses: int
+    silent_s: float                  # seconds since claude's last output
+    stalled: bool
+    stalled_at: str
+    finalizing: bool                 # the study lock was busy at the end: still trying
+
+
+class _UsageRequired(TypedDict):
+    tokens: dict[str, int]           # TOKEN_KEYS -> this call's count
+    models_used: list[str]
+    cost_total_usd: float | None     # the session's reported total, if believable
+    cost_delta_usd: float            # this call's own cost
+    estimated: bool                  # cost from list prices, not from a reported total
+    model_usage: dict[str, Any]      # the session's modelUsage after this call
+
+
+class UsageRecord(_UsageRequired, total=False):
+    """result.json's `usage` (usage_record(), plus the gateway's figures when it metered)."""
+    cost_metered_usd: float          # gateway: what the wire's responses cost
+    requests: int                    # gateway: metered message requests
+    models_metered: dict[str, Any]   # gateway: per-model requests, cost, tokens
+
+
+class _ResultRequired(TypedDict):
+    job_id: str
+    status: str                      # one of JOB_FINAL_STATUSES
+    reason: str | None
+    kind: str | None
+    meta: dict[str, Any]
+    session_id: str | None
+    finished_at: str
+    usage: UsageRecord
+    flags: list[str]
+
+
+class ResultRecord(_ResultRequired, total=False):
+    """result.json: a job's end, created once by finalize_job() with its caller's extras."""
+    anomalies: list[dict[str, Any]]  # hostile values replaced (at most MAX_ANOMALIES)
+    detail: str                      # why a launch or the supervisor failed, or a kill came early
+    log_tail: str                    # the end of supervisor.log of a launch that never started
+    killed_by: str
+    survivors: list[dict[str, Any]]  # ProcId fields of processes still alive after the end
+    last_heartbeat: float            # lost: the runtime's last heartbeat
+    slurm_job_id: str
+    exit_code: int | None
+    duration_s: float
+    claude_version: str | None
+    init_fingerprint: dict[str, Any] | None
+    fingerprint_drift: dict[str, Any] | None
+    cache_verdict: str | None        # hit | partial | miss | cold
+    context_tokens: int
+    tool_uses: int
+    num_turns: int | None
+    result_subtype: str | None
+    is_error: bool | None
+    api_error_status: int | None     # the HTTP status of an API error the binary reported
+    result_text: str | None          # the final answer, cut to 2000 characters
+    models_reported: list[str]
+    bad_lines: int
+    unknown_events: int              # stream events of a type the parser does not know
+    snapshots: list[int]             # the `snapshots` limits (elapsed seconds) taken during the session
+    sandbox: dict[str, Any] | None
+    gateway_refusal: dict[str, Any]  # what the gateway refused (budget), if it did
+
+
+class _RunRequired(TypedDict):
+    run_id: str
+    task: str
+    arm: str
+    repeat: int
+    block: str
+    order_in_block: int
+    split: str
+    status: str                      # not_started | running | finished | error | interrupted
+    seed: int
+    jobs: list[dict[str, Any]]       # one entry per job of the run: job_id, role, ...
+    cost_usd: float
+    fault: dict[str, Any] | None     # a rehearsal's injected fault
+
+
+class RunRecord(_RunRequired, total=False):
+    """state/runs/<id>.json: one run, created by register_runs(), advanced by RunPipeline."""
+    driver: dict[str, Any] | None
+    started_at: str
+    started_ts: float
+    updated_at: str
+    finished_at: str
+    interrupted_at: str
+    paused_by_breaker: bool
+    paused_attempts: list[dict[str, Any]]
+    outcome: str | None
+    validity: str
+    validity_reason: str | None
+    failure_reason: str | None
+    error: str
+    error_detail: dict[str, Any]
+    interruption: dict[str, Any]     # the interrupted executor job and whether it was resumed
+    claude_version: str | None
+    provenance: dict[str, Any]
+    evaluation: dict[str, Any]
+    workspace: dict[str, Any]        # the prepared workspace: file count, git, manifest hash
+    base: str | None                 # the trained base a forking arm starts from
+    sandbox: dict[str, Any]          # what ran sandboxed: kinds, reasons, sandboxed
+    final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
+    artifacts: dict[str, Any]        # the final workspace's files and their hashes
+    audit: dict[str, Any]            # the behaviour audit's findings
+    gates: list[dict[str, Any]]
+    gate_cycles: int
+    reviews: list[dict[str, Any]]
+    review_verdicts: list[str]
+    tokens: dict[str, int]
+    cost_estimated: bool
+    queued_s: float
+    wall_s: float
 
 
 # ==================================================================================================
@@ -4715,7 +4907,7 @@ def active_job_ids(paths: StudyPaths) -> list[str]:
     return [n for n in list_markers(paths.active) if JOB_ID_RE.match(n)]
 
 
-def load_job(paths: StudyPaths, job_id: str) -> dict[str, Any]:
+def load_job(paths: StudyPaths, job_id: str) -> JobRecord:
     if not JOB_ID_RE.match(job_id or ""):
         raise AgentbenchError("invalid job id", code="invalid_job_id",
                               job=job_id, hint="job ids look like j000012")
@@ -4734,7 +4926,7 @@ def job_is_final(paths: StudyPaths, job_id: str) -> bool:
     return paths.result_file(job_id).exists() and not (paths.active / job_id).exists()
 
 
-def read_launcher(paths: StudyPaths, job_id: str) -> dict[str, Any] | None:
+def read_launcher(paths: StudyPaths, job_id: str) -> LauncherRecord | None:
     """How the job's supervisor was started: {"executor": "local", pid, ctime, host} or
     {"executor": "slurm", "slurm_job_id": ...}; None before the launch was recorded."""
     return read_json(paths.job_dir(job_id) / "launcher.json", default=None)
@@ -4749,10 +4941,10 @@ def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
 
 def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     """A job's current state: its result if final, else its runtime (or `created`)."""
-    res = read_json(paths.result_file(job_id), default=None)
+    res: ResultRecord | None = read_json(paths.result_file(job_id), default=None)
     if res is not None:
         return res
-    rt = read_json(paths.runtime_file(job_id), default=None)
+    rt: RuntimeRecord | None = read_json(paths.runtime_file(job_id), default=None)
     if rt is not None:
         return {"job_id": job_id, **rt}
     sjid = slurm_job_of(read_launcher(paths, job_id))
@@ -4784,7 +4976,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
                       launch: Mapping[str, Any], binary: str, system_prompt: str, session_id: str | None,
                       resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
                       meta: Mapping[str, Any], env_extra: Mapping[str, str] | None, raw_dir: str | None,
-                      driver: Mapping[str, Any] | None, marker: Path | None) -> dict[str, Any]:
+                      driver: Mapping[str, Any] | None, marker: Path | None) -> JobRecord:
     """create_job()'s second half, under its lock: the job's directory, built aside and renamed."""
     fault_point("create_job")
     # The job is built aside (a dot name: no listing sees it) and renamed into place whole,
@@ -4809,7 +5001,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
                              mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
                              max_budget_usd=limits.get("max_budget_usd"),
                              max_turns=limits.get("max_turns"))
-    job = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
+    job: JobRecord = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
            "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
            "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
            "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
@@ -4842,7 +5034,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
                session_id: str | None, resume: str | None, fork: bool,
                prior: Mapping[str, Any], limits: Mapping[str, Any], meta: Mapping[str, Any],
                env_extra: Mapping[str, str] | None = None, raw_dir: str | None = None,
-               driver: Mapping[str, Any] | None = None, cap: int | None = None) -> dict[str, Any]:
+               driver: Mapping[str, Any] | None = None, cap: int | None = None) -> JobRecord:
     """Register a job (under the registry lock) and return its record; launches nothing.
 
     The parallel cap is checked here, against the active markers, under the same lock that
@@ -4985,10 +5177,10 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
                                        where="usage.cost_delta_usd") or 0.0
     usage["cost_total_usd"] = usd_from(usage.get("cost_total_usd"), anomalies=anomalies,
                                        where="usage.cost_total_usd")
-    result = {"job_id": job_id, "status": status, "reason": reason, "kind": job.get("kind"),
-              "meta": job.get("meta") or {}, "session_id": job.get("session_id"),
-              "finished_at": utc_now(), "usage": usage, **extra}
-    result = json_safe(result, anomalies=anomalies)
+    draft = {"job_id": job_id, "status": status, "reason": reason, "kind": job.get("kind"),
+             "meta": job.get("meta") or {}, "session_id": job.get("session_id"),
+             "finished_at": utc_now(), "usage": usage, **extra}
+    result: ResultRecord = json_safe(draft, anomalies=anomalies)
     if anomalies:
         flags.add("anomalies")
         result["anomalies"] = anomalies[:MAX_ANOMALIES]
@@ -5493,7 +5685,7 @@ class Supervisor:
         self.state.prices = self.job.get("prices")
         self.last_output = time.monotonic()
         self.started = time.monotonic()
-        self.runtime: dict[str, Any] = {}
+        self.runtime: RuntimeRecord = {}   # type: ignore[typeddict-item]  # filled by the first write
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
@@ -6836,7 +7028,7 @@ def run_file(paths: StudyPaths, run_id: str) -> Path:
     return paths.run_index / f"{check_name('run', run_id)}.json"
 
 
-def load_run(paths: StudyPaths, run_id: str) -> dict[str, Any]:
+def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
     rec = read_json(run_file(paths, run_id), default=None)
     if rec is None:
         raise AgentbenchError("no such run", code="no_such_run",
@@ -6844,7 +7036,7 @@ def load_run(paths: StudyPaths, run_id: str) -> dict[str, Any]:
     return rec
 
 
-def save_run(paths: StudyPaths, rec: Mapping[str, Any]) -> None:
+def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
     write_json_atomic(run_file(paths, rec["run_id"]), rec)
 
 
@@ -7201,7 +7393,7 @@ class RunPipeline:
         self.arms = arms
         self.tpl = templates
         self.opts = opts
-        self.rec: dict[str, Any] = {}
+        self.rec: RunRecord = {}   # type: ignore[typeddict-item]  # claim() loads it
         self.spent = 0.0
         self.attempt = 0
         #: job id -> when it was submitted to Slurm (this process's monotonic clock), until its
