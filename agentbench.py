@@ -3040,10 +3040,11 @@ def real_homes(env: Mapping[str, str]) -> list[str]:
 
 
 def study_hidden_dirs(study_root: str | os.PathLike[str], extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
-    """The study directory, its tasks directory (from study.json, wherever it lies) and `extra`,
-    resolved; only those that exist (a tmpfs needs a mount point)."""
+    """The study directory, its tasks directory (from study.json, wherever it lies), the bundled
+    example study beside this file (its references and hidden tests are those of any study copied
+    from it) and `extra`, resolved; only those that exist (a tmpfs needs a mount point)."""
     root = Path(study_root)
-    dirs: list[str | os.PathLike[str]] = [root]
+    dirs: list[str | os.PathLike[str]] = [root, HERE / "examples"]
     cfg = read_json(root / STUDY_FILE, default=None)
     if isinstance(cfg, dict) and isinstance(cfg.get("tasks"), str):
         t = Path(cfg["tasks"])
@@ -3502,6 +3503,22 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
     if is_error:
         return "failed", "is_error"
     return "failed", "exit_code" if exit_code not in (0, None) else "is_error"
+
+
+#: Session failures that pause the whole study (the circuit breaker) and the upstream HTTP
+#: statuses that show them on the wire.
+WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403)}
+
+
+def corroborated(reason: str | None, wire_statuses: Iterable[Any] | None) -> bool:
+    """Whether a session's failure `reason` is what its gateway saw upstream (pure).  Any process
+    of the session can write to claude's stdout, so a `result` line claiming a rate limit or an
+    authentication failure proves nothing by itself: with a gateway, only an answer of that
+    status that really came through it does.  Without a gateway, or one that carried no request
+    (None), there is nothing to check."""
+    if wire_statuses is None or reason not in WIRE_STATUSES_OF:
+        return True
+    return any(st in WIRE_STATUSES_OF[reason] for st in wire_statuses)
 
 
 def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
@@ -6053,6 +6070,12 @@ class Supervisor:
                 self.flags.add("cost_mismatch")
             if gw.refusal is not None and self.end is None and status != "ok":
                 status, reason = "failed", "budget"
+            wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
+            if status == "failed" and not corroborated(reason, wire):
+                # A claimed rate limit or auth failure the wire never saw: written into the stream
+                # by a process of the session.  The agent's doing, and no reason to pause the study.
+                self.flags.add("uncorroborated_result")
+                reason = "uncorroborated_" + str(reason)
             # Requests for another model (a side model, or one the agent asked for itself) are
             # metered at that model's price; the flag makes them visible.
             if any(m != "(unknown)" and not model_matches(str(job["model"]), m) for m in usage["models_metered"]):

@@ -554,3 +554,14 @@ def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkey
     assert ab.launch_credentials()["ANTHROPIC_API_KEY"] == REAL_KEY
     monkeypatch.setattr(ab.sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps({"env": {"A": "1", "B": 2}}).encode())))
     assert ab.read_stdin_credentials() == {"A": "1"}
+
+
+@pytest.mark.parametrize("reason, wire, expected", [
+    ("usage_limit", [200, 429], True),
+    ("usage_limit", [200, 200], False),         # a rate limit the wire never saw was written in
+    ("auth", [401], True), ("auth", [403], True), ("auth", [200], False),
+    ("usage_limit", None, True),                # no gateway, or nothing through it: nothing to check
+    ("api_error", [200], True), (None, [200], True),
+])
+def test_a_claimed_rate_limit_or_auth_failure_needs_the_wire(reason, wire, expected):
+    assert ab.corroborated(reason, wire) is expected

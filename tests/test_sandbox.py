@@ -372,3 +372,9 @@ def test_code_under_test_cannot_swap_the_receipt_on_the_channel(tmp_path, mode):
     assert rec["receipt_channel"] == "fd" and rec["receipt_protected"] is True
     assert (rec["passed"], rec["success"]) == (False, False), rec
     assert rec["sandbox"]["kind"] == mode
+
+
+def test_the_bundled_example_study_is_hidden_from_every_sandbox(tmp_path):
+    """Its references and hidden tests are those of any study copied from it (the demo's)."""
+    (tmp_path / "s").mkdir()
+    assert ab._real(ab.HERE / "examples") in ab.study_hidden_dirs(tmp_path / "s")
