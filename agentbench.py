@@ -21,21 +21,21 @@ Sections (line ranges), strictly bottom-up:
       503-1750  Platform seam
      1751-2249  Files, locks and the registry
      2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2747  Processes
-     2748-2860  Env scrub
-     2861-3226  The sandbox
-     3227-3657  Stream and usage
-     3658-4015  Study configuration
-     4016-4809  The metering gateway
-     4810-6156  The supervisor
-     6157-6402  The supervisor: jobs (start, fork, continue)
-     6403-7909  The experiment layer
-     7910-9815  Statistics and report
-     9816-10328 Run pages: the report as a directory
-    10329-11124 Offline scripted model
-    11125-11405 The scripted model: rehearsal of a study
-    11406-11466 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11467-12974 The CLI and main
+     2441-2776  Processes
+     2777-2889  Env scrub
+     2890-3256  The sandbox
+     3257-3703  Stream and usage
+     3704-4061  Study configuration
+     4062-4855  The metering gateway
+     4856-6208  The supervisor
+     6209-6454  The supervisor: jobs (start, fork, continue)
+     6455-7962  The experiment layer
+     7963-9868  Statistics and report
+     9869-10381 Run pages: the report as a directory
+    10382-11177 Offline scripted model
+    11178-11458 The scripted model: rehearsal of a study
+    11459-11519 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11520-13027 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -2455,40 +2455,69 @@ class CommandResult:
     stderr: str
     wall_s: float
     timed_out: bool
+    output_capped: bool = False
+
+
+#: A helper command's output is kept on disk, not in memory: past this many bytes (stdout and
+#: stderr together) the command is killed (`output_capped`), and only the last OUTPUT_TAIL_BYTES
+#: of each stream are read back (a receipt is the last line; records keep shorter tails).
+OUTPUT_CAP_BYTES = 64 * 1024 * 1024
+OUTPUT_TAIL_BYTES = 1024 * 1024
+
+
+def _tail(fh: Any) -> str:
+    fh.seek(0, os.SEEK_END)
+    size = fh.tell()
+    fh.seek(max(0, size - OUTPUT_TAIL_BYTES))
+    return fh.read().decode("utf-8", "replace")
 
 
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mapping[str, str],
                 timeout_s: float, platform: "Platform", stdin_text: str | None = None,
                 pass_fds: Sequence[int] = ()) -> CommandResult:
-    """Run a helper command to completion; on timeout kill its whole process tree.
+    """Run a helper command to completion; on timeout (or output past OUTPUT_CAP_BYTES) kill its
+    whole process tree.
 
     The command gets its own session (POSIX) so that a timeout can kill every process it left,
-    not only the direct child.  Output is captured as text (undecodable bytes replaced).
+    not only the direct child.  Output goes to temporary files, so that neither an endless writer
+    nor a process left holding the output open can exhaust memory or block the caller; it is read
+    back as text (undecodable bytes replaced), its last OUTPUT_TAIL_BYTES per stream.
     """
     start = time.monotonic()
     kwargs: dict[str, Any] = platform.tree_popen_kwargs()
-    try:
-        proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env),
-                                stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=tuple(pass_fds), **kwargs)
-    except OSError as exc:
-        return CommandResult(list(argv), 127, "", f"cannot start: {exc}", 0.0, False)
-    me = platform.proc_id(proc.pid)
-    try:
-        # The pipes are binary (output is decoded leniently below), so the input is encoded here.
-        stdin_bytes = stdin_text.encode("utf-8") if stdin_text is not None else None
-        out, err = proc.communicate(stdin_bytes, timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        roots = [me] if me else []
-        platform.kill_tree(roots, session_ids=[proc.pid])
-        with contextlib.suppress(Exception):
-            proc.kill()
-        out, err = proc.communicate()
-        timed_out = True
-    return CommandResult(list(argv), None if timed_out else proc.returncode,
-                         out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                         time.monotonic() - start, timed_out)
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
+        try:
+            proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env),
+                                    stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+                                    stdout=out_f, stderr=err_f, pass_fds=tuple(pass_fds), **kwargs)
+        except OSError as exc:
+            return CommandResult(list(argv), 127, "", f"cannot start: {exc}", 0.0, False)
+        me = platform.proc_id(proc.pid)
+        if stdin_text is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.write(stdin_text.encode("utf-8"))
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        deadline = start + timeout_s
+        timed_out = capped = False
+        while True:
+            try:
+                proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                timed_out = time.monotonic() >= deadline
+                capped = os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size > OUTPUT_CAP_BYTES
+                if timed_out or capped:
+                    platform.kill_tree([me] if me else [], session_ids=[proc.pid])
+                    with contextlib.suppress(Exception):
+                        proc.kill()
+                    proc.wait()
+                    break
+        out, err = _tail(out_f), _tail(err_f)
+    if capped:
+        err += f"\nagentbench: the command was stopped: its output passed {OUTPUT_CAP_BYTES} bytes"
+    return CommandResult(list(argv), None if timed_out else proc.returncode, out, err,
+                         time.monotonic() - start, timed_out, capped)
 
 
 def bytecode_cache_dir(study_root: str) -> str | None:
@@ -6931,6 +6960,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                     "receipt_protected": False})
     rec["sandbox"] = sandbox_record(sandbox)
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
+                "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
     if which == "oracle":

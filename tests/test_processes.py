@@ -184,3 +184,22 @@ def test_claude_version_of_the_fake(fake_env: dict[str, str]) -> None:
     # The test double answers --version like the real binary ("<version> (Claude Code)").
     fake = fake_env["AGENTBENCH_CLAUDE_BIN"]
     assert ab.claude_version(fake, PLATFORM) == "0.0.0-fake"
+
+
+def test_an_endless_writer_is_stopped_at_the_output_cap_and_its_tail_kept(tmp_path, monkeypatch):
+    import sys as _sys
+    monkeypatch.setattr(ab, "OUTPUT_CAP_BYTES", 1 << 20)
+    res = ab.run_command([_sys.executable, "-c", "import sys\nwhile True: sys.stdout.write('x' * 4096 + '\\n')"],
+                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, timeout_s=120, platform=ab.current_platform())
+    assert res.output_capped is True and res.timed_out is False
+    assert res.returncode is not None and res.returncode != 0
+    assert 0 < len(res.stdout) <= ab.OUTPUT_TAIL_BYTES and res.stdout.rstrip("\n").endswith("x")
+    assert "output passed" in res.stderr
+
+
+def test_a_command_that_finishes_keeps_all_its_output_and_reads_its_stdin(tmp_path):
+    import sys as _sys
+    res = ab.run_command([_sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"],
+                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, timeout_s=60, platform=ab.current_platform(),
+                         stdin_text="hello")
+    assert (res.returncode, res.stdout, res.output_capped) == (0, "HELLO\n", False)
