@@ -16,26 +16,26 @@ Sections (line ranges), strictly bottom-up:
        82-150   Start-up: lazy imports and the cached-bytecode launcher
       151-247   Constants
       248-349   Errors and output
-      350-457   Hostile numbers
-      458-502   Fault points
-      503-1750  Platform seam
-     1751-2249  Files, locks and the registry
-     2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2776  Processes
-     2777-2889  Env scrub
-     2890-3256  The sandbox
-     3257-3703  Stream and usage
-     3704-4061  Study configuration
-     4062-4855  The metering gateway
-     4856-6208  The supervisor
-     6209-6454  The supervisor: jobs (start, fork, continue)
-     6455-7962  The experiment layer
-     7963-9868  Statistics and report
-     9869-10381 Run pages: the report as a directory
-    10382-11177 Offline scripted model
-    11178-11458 The scripted model: rehearsal of a study
-    11459-11519 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11520-13027 The CLI and main
+      350-458   Hostile numbers
+      459-503   Fault points
+      504-1751  Platform seam
+     1752-2250  Files, locks and the registry
+     2251-2441  Records: the declared shapes of the job's and run's files
+     2442-2777  Processes
+     2778-2890  Env scrub
+     2891-3257  The sandbox
+     3258-3704  Stream and usage
+     3705-4062  Study configuration
+     4063-4854  The metering gateway
+     4855-6207  The supervisor
+     6208-6453  The supervisor: jobs (start, fork, continue)
+     6454-7961  The experiment layer
+     7962-9866  Statistics and report
+     9867-10379 Run pages: the report as a directory
+    10380-11175 Offline scripted model
+    11176-11456 The scripted model: rehearsal of a study
+    11457-11517 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11518-13025 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -434,7 +434,8 @@ def spend_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, whe
     got = finite_number(value, lo=0.0, hi=MAX_USD_VALUE)
     if got is not None:
         return got
-    bad = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value < 0
+    # (Compared, never converted: an integer too large for a float must not raise here.)
+    bad = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value < 0
     note_anomaly(anomalies, where, value, "negative" if bad else "not a believable amount: counted in full")
     return 0.0 if bad else MAX_USD_VALUE
 
@@ -3739,7 +3740,8 @@ def finite_float(text: str) -> float:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number, not a bool (an integer too large for a float is not one)."""
+    return finite_number(value) is not None
 
 
 def _check_slurm_settings(slurm: Any) -> None:
@@ -3766,8 +3768,7 @@ def _check_slurm_settings(slurm: Any) -> None:
             raise AgentbenchError("slurm.python must be the path of python3 on the compute nodes",
                                   code="slurm_python_path_python3_compute", python=str(slurm["python"]))
         margin = slurm.get("time_margin_s")
-        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
-                                   or not math.isfinite(margin) or margin < 0):
+        if margin is not None and finite_number(margin, lo=0.0) is None:
             raise AgentbenchError("slurm.time_margin_s must be a non-negative number",
                                   code="slurm_time_margin_s_non", time_margin_s=str(margin))
 
@@ -4378,8 +4379,7 @@ def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
     usage = usage or {}
     metered = usage.get("cost_metered_usd")
     requests = usage.get("requests")
-    if (isinstance(metered, (int, float)) and not isinstance(metered, bool) and math.isfinite(metered)
-            and isinstance(requests, int) and requests > 0):
+    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
         return float(metered)
     return float(usage.get("cost_delta_usd") or 0.0)
 
@@ -4450,8 +4450,7 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
                 continue
             for key in ("metered_usd", "reserved_usd"):
                 val = data.get(key) if isinstance(data, dict) else None
-                if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val) and val > 0:
-                    total += float(val)
+                total += spend_from(val)   # an edited reservation file fails closed
     return total
 
 
@@ -8422,14 +8421,13 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
     per_arm: dict[str, dict[str, Any]] = {}
     for name, arm in arms.items():
         costs = [float(c) for c in pilot.get(name) or []
-                 if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0]
+                 if finite_number(c, lo=0.0) is not None]
         reh = (rehearsal or {}).get(name) if isinstance(rehearsal, Mapping) else None
         reh_runs = reh.get("runs") if isinstance(reh, Mapping) else None
         reh_cost = reh.get("cost_usd") if isinstance(reh, Mapping) else None
         if costs:
             basis, per_run, n = "pilot", math.fsum(costs) / len(costs), len(costs)
-        elif isinstance(reh_runs, int) and reh_runs > 0 and isinstance(reh_cost, (int, float)) \
-                and not isinstance(reh_cost, bool) and math.isfinite(reh_cost) and reh_cost >= 0:
+        elif isinstance(reh_runs, int) and reh_runs > 0 and finite_number(reh_cost, lo=0.0) is not None:
             basis, per_run, n = "rehearsal", float(reh_cost) / reh_runs, reh_runs
         else:
             sessions = 1 + int(arm.get("gate_cycles") or 0) + (2 if arm.get("review") else 0)
@@ -9906,7 +9904,7 @@ def _page_result_text(content: Any) -> str:
 
 
 def _finite_or_none(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+    return finite_number(x)
 
 
 def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:

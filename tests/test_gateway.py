@@ -391,9 +391,12 @@ def test_the_study_cap_counts_the_ledger_and_every_live_job(tmp_path):
     assert ab.live_reservations_usd(paths, exclude="j000002") == 0.0
     a.discard()
     assert not a.file.exists()
-    # A garbled or hostile reservation file cannot add a negative amount.
-    (paths.state / "gateway" / "j000009.json").write_text('{"metered_usd": -100, "reserved_usd": "x"}')
+    # A garbled or hostile reservation file cannot add a negative amount ...
+    (paths.state / "gateway" / "j000009.json").write_text('{"metered_usd": -100, "reserved_usd": null}')
     assert ab.live_reservations_usd(paths) == 3.5
+    # ... and an amount that is no believable number fails closed: it spends the cap.
+    (paths.state / "gateway" / "j000009.json").write_text('{"metered_usd": "x", "reserved_usd": 1e400}')
+    assert ab.live_reservations_usd(paths) == 3.5 + 2 * ab.MAX_USD_VALUE
 
 
 def test_the_scripted_model_as_upstream_is_metered_at_the_study_prices(tmp_path, server):

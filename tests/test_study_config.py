@@ -90,3 +90,33 @@ def test_the_shape_check_names_the_key(cfg, key):
 def test_a_shape_that_passes():
     ab.check_study_shape({"tasks": "tasks", "arms": {"A": {"gate_cycles": 2, "review": True}}, "repeats": 2,
                           "budget": {"usd_per_run": 1.0}, "executor": "local", "_comment": "free"})
+
+
+HUGE = 10 ** 400   # JSON allows an integer this long; it is no float
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"max_minutes": HUGE}, "max_minutes"), ({"stall_after_s": HUGE}, "stall_after_s"),
+    ({"snapshot_seconds": [HUGE]}, "snapshot_seconds"),
+])
+def test_an_integer_too_large_for_a_float_is_refused_by_name_not_an_internal_error(cfg, key):
+    with pytest.raises(ab.AgentbenchError) as e:
+        ab.check_study_shape(cfg)
+    assert e.value.code == "bad_setting_type" and e.value.payload["key"] == key
+
+
+@pytest.mark.parametrize("cfg", [{"budget": {"usd_per_run": HUGE}}, {"prices": {"m": [HUGE, 1, 1, 1, 1]}}])
+def test_a_huge_integer_in_the_budget_or_prices_is_refused(cfg):
+    with pytest.raises(ab.AgentbenchError):
+        ab.check_study_shape(cfg)
+
+
+def test_a_study_file_with_a_huge_integer_answers_exit_2(tmp_path):
+    from conftest import run_main
+    root = tmp_path / "s"
+    assert run_main(["init", "--study", str(root)])[0] == 0
+    text = (root / "study.json").read_text().replace('"max_minutes": 60', '"max_minutes": 1' + "0" * 400)
+    assert '"max_minutes": 1000' in text
+    (root / "study.json").write_text(text)
+    code, out = run_main(["report", "--study", str(root)])
+    assert code == 2 and out["code"] == "bad_setting_type" and out["key"] == "max_minutes"
