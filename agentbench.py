@@ -18,24 +18,24 @@ Sections (line ranges), strictly bottom-up:
       248-349   Errors and output
       350-458   Hostile numbers
       459-503   Fault points
-      504-1751  Platform seam
-     1752-2250  Files, locks and the registry
-     2251-2441  Records: the declared shapes of the job's and run's files
-     2442-2777  Processes
-     2778-2890  Env scrub
-     2891-3257  The sandbox
-     3258-3704  Stream and usage
-     3705-4062  Study configuration
-     4063-4854  The metering gateway
-     4855-6207  The supervisor
-     6208-6453  The supervisor: jobs (start, fork, continue)
-     6454-7961  The experiment layer
-     7962-9866  Statistics and report
-     9867-10379 Run pages: the report as a directory
-    10380-11175 Offline scripted model
-    11176-11456 The scripted model: rehearsal of a study
-    11457-11517 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11518-13025 The CLI and main
+      504-1750  Platform seam
+     1751-2249  Files, locks and the registry
+     2250-2440  Records: the declared shapes of the job's and run's files
+     2441-2776  Processes
+     2777-2889  Env scrub
+     2890-3256  The sandbox
+     3257-3703  Stream and usage
+     3704-4061  Study configuration
+     4062-4853  The metering gateway
+     4854-6206  The supervisor
+     6207-6452  The supervisor: jobs (start, fork, continue)
+     6453-7960  The experiment layer
+     7961-9865  Statistics and report
+     9866-10378 Run pages: the report as a directory
+    10379-11174 Offline scripted model
+    11175-11455 The scripted model: rehearsal of a study
+    11456-11516 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11517-13024 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -935,6 +935,21 @@ class Platform:
         unlink would cost more than the work."""
         raise NotImplementedError
 
+    @staticmethod
+    def _poll_lock(try_lock: Callable[[], Any], busy: type[BaseException], timeout_s: float,
+                   path: str | os.PathLike[str]) -> None:
+        """Call `try_lock` (a non-blocking attempt that raises `busy` while another holds the
+        lock) every millisecond until it succeeds; refuse (lock_timed_out) after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                try_lock()
+                return
+            except busy:
+                if time.monotonic() > deadline:
+                    raise AgentbenchError("lock timed out", code="lock_timed_out", lock=str(path)) from None
+                time.sleep(0.001)
+
     def become_subreaper(self) -> bool:
         """Make this process the adopter of its orphaned descendants (Linux: a child subreaper),
         so that a process that left its session and parent (nohup ... &, a double fork with
@@ -1267,16 +1282,8 @@ class PosixPlatform(Platform):
         import fcntl  # POSIX only
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise AgentbenchError("lock timed out", code="lock_timed_out",
-                                              lock=str(path)) from None
-                    time.sleep(0.001)
+            self._poll_lock(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), BlockingIOError,
+                            timeout_s, path)
             yield
         finally:
             os.close(fd)   # releases the lock
@@ -1692,16 +1699,8 @@ class WindowsPlatform(Platform):
         import msvcrt  # Windows only
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined]
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise AgentbenchError("lock timed out", code="lock_timed_out",
-                                              lock=str(path)) from None
-                    time.sleep(0.001)
+            self._poll_lock(lambda: msvcrt.locking(fd, msvcrt.LK_NBLCK, 1),  # type: ignore[attr-defined]
+                            OSError, timeout_s, path)
             try:
                 yield
             finally:

@@ -76,6 +76,25 @@ def run_main(args: list[str], env: dict[str, str] | None = None) -> tuple[int, d
     return code, json.loads(lines[0])
 
 
+def init_real_study(root: Path, real_claude: str, server_url: str, config_dir: Path, monkeypatch,
+                    *extra: str, parallel: int = 4, offline: bool = True) -> None:
+    """`init` a study whose sessions run the real binary against a scripted model at `server_url`
+    (offline: a dummy key and the offline marker; else the caller's key is carried upstream), with
+    the caller's environment made fit for it.  `extra`: more init flags."""
+    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
+    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
+    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.5")
+    env = ["--env", f"ANTHROPIC_BASE_URL={server_url}"]
+    if offline:
+        env += ["--env", "ANTHROPIC_API_KEY=offline-test-key"]
+    env += ["--env", f"CLAUDE_CONFIG_DIR={config_dir}", "--env", "CLAUDE_CODE_MAX_RETRIES=0"]
+    if offline:
+        env += ["--env", "AGENTBENCH_OFFLINE=1"]
+    code, obj = run_main(["init", "--study", str(root), "--binary", real_claude, "--parallel", str(parallel),
+                          *env, *extra])
+    assert code == 0, obj
+
+
 def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 120,
             cwd: str | None = None) -> tuple[int, dict, str]:
     """Run `python3 agentbench.py ...` as a real process; return (code, object, stderr)."""

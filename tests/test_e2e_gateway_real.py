@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
-from conftest import ledger, run_main, wait_result, write_brief
+from conftest import init_real_study, ledger, run_main, wait_result, write_brief
 
 pytestmark = pytest.mark.real_claude
 
@@ -27,21 +27,13 @@ TOOLS = "Bash,Read,Write"
 def gw_study(tmp_path, real_claude, server, monkeypatch):
     """A study whose sessions reach the scripted model through their gateway, with a recognisable
     fake real key in the caller's environment (not offline: the key is carried upstream)."""
-    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
-    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
-    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.5")
     monkeypatch.setenv("ANTHROPIC_API_KEY", SECRET)
     root = tmp_path / "study"
     config_dir = tmp_path / "claude-config"
-    code, obj = run_main(["init", "--study", str(root), "--binary", real_claude, "--parallel", "4",
-                          "--tools", TOOLS, "--allowed-tools", TOOLS,
-                          "--env", f"ANTHROPIC_BASE_URL={server.url}",
-                          "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
-                          "--env", "CLAUDE_CODE_MAX_RETRIES=0",
-                          # Unsandboxed: the gateway must keep the credential from a session that
-                          # can see its supervisor and every ancestor (a sandbox hides them).
-                          "--sandbox", "none"])
-    assert code == 0, obj
+    # Unsandboxed: the gateway must keep the credential from a session that can see its
+    # supervisor and every ancestor (a sandbox hides them).
+    init_real_study(root, real_claude, server.url, config_dir, monkeypatch,
+                    "--tools", TOOLS, "--allowed-tools", TOOLS, "--sandbox", "none", offline=False)
     monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
     return root
 

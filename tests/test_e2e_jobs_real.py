@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
-from conftest import ledger, run_main, wait_result, write_brief
+from conftest import init_real_study, ledger, run_main, wait_result, write_brief
 
 pytestmark = pytest.mark.real_claude
 
@@ -21,18 +21,9 @@ pytestmark = pytest.mark.real_claude
 @pytest.fixture
 def real_study(tmp_path, real_claude, server, monkeypatch):
     """A study whose sessions run the real binary against the in-process scripted model."""
-    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
-    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
-    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.5")
     root = tmp_path / "study"
     config_dir = tmp_path / "claude-config"
-    code, obj = run_main(["init", "--study", str(root), "--binary", real_claude, "--parallel", "4",
-                          "--env", f"ANTHROPIC_BASE_URL={server.url}",
-                          "--env", "ANTHROPIC_API_KEY=offline-test-key",
-                          "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
-                          "--env", "CLAUDE_CODE_MAX_RETRIES=0",
-                          "--env", "AGENTBENCH_OFFLINE=1"])
-    assert code == 0, obj
+    init_real_study(root, real_claude, server.url, config_dir, monkeypatch)
     # `continue` and `spawn --base` locate transcripts through the caller's CLAUDE_CONFIG_DIR.
     monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
     return root

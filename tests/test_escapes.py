@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
-from conftest import run_main, wait_result, write_brief
+from conftest import init_real_study, run_main, wait_result, write_brief
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
 
@@ -65,14 +65,21 @@ def test_a_double_forked_setsid_child_dies_with_its_session(study: Path, tmp_pat
     assert rt["subreaper"] is True
 
 
-def test_kill_of_a_live_job_reaches_its_escaped_child_and_says_clean(study: Path, tmp_path: Path,
-                                                                   cleanup) -> None:
+
+def spawn_hanging_job_with_escaped_child(study: Path, tmp_path: Path, cleanup: list) -> tuple[dict, object]:
+    """Spawn a fake session that hangs after leaving a double-forked child that escaped it; the
+    spawn's answer and that child (registered for clean-up)."""
     pidfile = tmp_path / "escaped.pid"
     b = write_brief(tmp_path, f"Work.\nFAKE: escape=600\nFAKE: escape_pidfile={pidfile}\nFAKE: hang\n")
     code, obj = run_main(["spawn", "--study", str(study), "--brief", b])
     assert code == 0, obj
     p = escaped(pidfile)
     cleanup.append(p)
+    return obj, p
+
+def test_kill_of_a_live_job_reaches_its_escaped_child_and_says_clean(study: Path, tmp_path: Path,
+                                                                   cleanup) -> None:
+    obj, p = spawn_hanging_job_with_escaped_child(study, tmp_path, cleanup)
     code, killed = run_main(["kill", "--study", str(study), "--job", obj["job_id"]])
     assert code == 0, killed
     assert gone(p, timeout=5), "kill left the escaped process alive"
@@ -84,12 +91,7 @@ def test_the_reaper_finds_an_escaped_child_of_a_killed_supervisor_by_its_mark(st
     """A SIGKILLed supervisor cannot sweep: its adopted orphans go to init.  The job's mark in
     their environment still names them, and the reaper that declares the job lost kills them."""
     monkeypatch.setenv("AGENTBENCH_LOST_AFTER_S", "1.0")
-    pidfile = tmp_path / "escaped.pid"
-    b = write_brief(tmp_path, f"Work.\nFAKE: escape=600\nFAKE: escape_pidfile={pidfile}\nFAKE: hang\n")
-    code, obj = run_main(["spawn", "--study", str(study), "--brief", b])
-    assert code == 0, obj
-    p = escaped(pidfile)
-    cleanup.append(p)
+    obj, p = spawn_hanging_job_with_escaped_child(study, tmp_path, cleanup)
     rt_path = study / "state" / "jobs" / obj["job_id"] / "runtime.json"
     deadline = time.monotonic() + 30
     while "claude" not in (json.loads(rt_path.read_text()) if rt_path.exists() else {}):
@@ -111,20 +113,10 @@ def test_the_reaper_finds_an_escaped_child_of_a_killed_supervisor_by_its_mark(st
 @pytest.mark.real_claude
 def test_the_real_binarys_backgrounded_nohup_child_dies_with_its_session(tmp_path, real_claude, server,
                                                                           monkeypatch, cleanup) -> None:
-    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
-    monkeypatch.delenv("AGENTBENCH_CHILD", raising=False)
-    monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.5")
     root = tmp_path / "study"
     config_dir = tmp_path / "claude-config"
-    code, obj = run_main(["init", "--study", str(root), "--binary", real_claude, "--parallel", "2",
-                          "--env", f"ANTHROPIC_BASE_URL={server.url}",
-                          "--env", "ANTHROPIC_API_KEY=offline-test-key",
-                          "--env", f"CLAUDE_CONFIG_DIR={config_dir}",
-                          "--env", "CLAUDE_CODE_MAX_RETRIES=0",
-                          "--env", "AGENTBENCH_OFFLINE=1",
-                          # Unsandboxed: what the subreaper catches is what no pid namespace ends.
-                          "--sandbox", "none"])
-    assert code == 0, obj
+    # Unsandboxed: what the subreaper catches is what no pid namespace ends.
+    init_real_study(root, real_claude, server.url, config_dir, monkeypatch, "--sandbox", "none", parallel=2)
     pidfile = tmp_path / "nohup.pid"
     server.add_script("bg1", {"steps": [
         {"text": "Starting a background job.", "tool_uses": [{"name": "Bash", "input": {
