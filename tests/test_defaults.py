@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from conftest import ab
+from conftest import ab, run_main
 
 
 def _task_without_limits(root: Path) -> Path:
@@ -86,3 +87,57 @@ def test_a_ping_is_one_short_turn_outside_every_budget():
     assert got == {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
     ab.check_job_limits(got)
 
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_defaults_table() -> list[tuple[str, str, list[str]]]:
+    """(key, documented default, init flags) for each row of the README's table of study keys."""
+    text = README.read_text(encoding="utf-8")
+    table = text.split("| key | default | `init` flag | what it sets |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.strip().split("\n")[1:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append((cells[0], cells[1], re.findall(r"`(--[a-z-]+)", cells[2])))
+    return rows
+
+
+def help_defaults(command: str) -> dict[str, object]:
+    code, out = run_main([command, "--help"])
+    assert code == 0
+    return {flag: opt["default"] for opt in out["options"] for flag in opt["flags"]}
+
+
+def test_the_readme_table_of_study_keys_tells_the_defaults_a_new_study_gets():
+    rows = readme_defaults_table()
+    assert len(rows) >= 20
+    seen = set()
+    for keys, documented, _ in rows:
+        for key in re.findall(r"`([a-z_.]+)`", keys):
+            where, _, sub = key.partition(".")
+            if where == "budget":
+                value = ab.DEFAULT_BUDGET[sub]
+            elif key in ab.DEFAULT_LAUNCH and ab.DEFAULT_LAUNCH[key] is not None and "," not in keys:
+                value = ab.DEFAULT_LAUNCH[key]
+            else:
+                continue
+            first = documented.replace("`", "").split(" ")[0].rstrip(",")
+            assert first == str(value), f"README says {key} defaults to {documented!r}; the code: {value!r}"
+            seen.add(key)
+    assert {"model", "effort", "parallel", "max_minutes", "executor", "budget.usd_per_run",
+            "budget.study_usd"} <= seen
+
+
+def test_every_init_flag_the_readme_names_exists():
+    flags = set(help_defaults("init"))
+    named = {f for _, _, fl in readme_defaults_table() for f in fl}
+    assert named and named <= flags, f"README names init flags that do not exist: {sorted(named - flags)}"
+
+
+def test_a_new_study_writes_out_the_documented_defaults(tmp_path, fake_env):
+    code, _ = run_main(["init", "--study", str(tmp_path / "s")])
+    assert code == 0
+    cfg = json.loads((tmp_path / "s" / "study.json").read_text())
+    for key in ("model", "effort", "permission_mode", "tools", "parallel", "max_minutes"):
+        assert cfg[key] == ab.DEFAULT_LAUNCH[key]
+    assert cfg["budget"] == ab.DEFAULT_BUDGET
