@@ -13,29 +13,31 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       82-150   Start-up: lazy imports and the cached-bytecode launcher
-      151-247   Constants
-      248-349   Errors and output
-      350-458   Hostile numbers
-      459-503   Fault points
-      504-1750  Platform seam
-     1751-2249  Files, locks and the registry
-     2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2776  Processes
-     2777-2889  Env scrub
-     2890-3256  The sandbox
-     3257-3703  Stream and usage
-     3704-4061  Study configuration
-     4062-4853  The metering gateway
-     4854-6206  The supervisor
-     6207-6452  The supervisor: jobs (start, fork, continue)
-     6453-7960  The experiment layer
-     7961-9865  Statistics and report
-     9866-10378 Run pages: the report as a directory
-    10379-11174 Offline scripted model
-    11175-11455 The scripted model: rehearsal of a study
-    11456-11516 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11517-13024 The CLI and main
+       84-152   Start-up: lazy imports and the cached-bytecode launcher
+      153-249   Constants
+      250-351   Errors and output
+      352-460   Hostile numbers
+      461-505   Fault points
+      506-1752  Platform seam
+     1753-2251  Files, locks and the registry
+     2252-2442  Records: the declared shapes of the job's and run's files
+     2443-2778  Processes
+     2779-2891  Env scrub
+     2892-3258  The sandbox
+     3259-3705  Stream and usage
+     3706-4063  Study configuration
+     4064-4855  The metering gateway
+     4856-6208  The supervisor
+     6209-6454  The supervisor: jobs (start, fork, continue)
+     6455-7962  The experiment layer
+     7963-8437  Statistics
+     8438-9295  The report: what each arm did
+     9296-9885  Rendering: Markdown and HTML
+     9886-10398 Run pages: the report as a directory
+    10399-11194 Offline scripted model
+    11195-11475 The scripted model: rehearsal of a study
+    11476-11536 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11537-13044 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -7959,24 +7961,15 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
 
 
 # ==================================================================================================
-# Statistics and report
+# Statistics
 # ==================================================================================================
-# Plain statistics functions (each with its definition and reference), the ledger usage aggregate,
-# and the study report built from run records, rendered as JSON-ready dict, Markdown and one
-# self-contained HTML page. Everything here is pure: data in, dicts and strings out. No file or
-# process I/O, no printing; the CLI reads the registry and ledger and writes what these return.
+# Plain statistics functions, each with its definition and reference: intervals, exact tests, the
+# bootstrap, power and sample size, multiplicity, and the expected cost of a plan.  Pure numerics:
+# numbers and sequences in, numbers and dicts out.  It must not know the study, runs or the
+# ledger, read or write files, or format text for a reader.
 
 # Two-sided 95% normal quantile, z_{0.975}, to the precision of a double.
 STAT_Z95 = 1.959963984540054
-
-# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
-# infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
-# stay listed, with their reasons, and in `all_included`.
-REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
-
-REPORT_SCHEMA = "agentbench-report/1"
-USAGE_SCHEMA = "agentbench-usage/1"
-USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
 # -- Statistics: plain functions -------------------------------------------------------------------
 
@@ -8442,6 +8435,36 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
             "session_tokens_assumed": dict(PLAN_SESSION_TOKENS) if "token_estimate" in bases else None}
 
 
+# ==================================================================================================
+# The report: what each arm did
+# ==================================================================================================
+# Builds the report's data from run records and ledger lines: per arm, paired comparisons, per
+# task, the behaviour audit, differential exclusions, multiplicity, and the usage aggregate, as
+# JSON-ready dicts whose notes say in words what was left out.  Pure: the CLI reads the registry
+# and the ledger and passes them in.  It must not read files or render tables, Markdown or HTML.
+
+# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
+# infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
+# stay listed, with their reasons, and in `all_included`.
+REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
+
+REPORT_SCHEMA = "agentbench-report/1"
+USAGE_SCHEMA = "agentbench-usage/1"
+USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
+
+
+# -- How the report's notes quote a number ---------------------------------------------------------
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.1f}%"
+
+
+def _fmt_p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return "<0.0001" if p < 0.0001 else f"{p:.4f}"
+
+
 # -- Usage aggregate (the ledger) ------------------------------------------------------------------
 
 _USAGE_TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m",
@@ -8543,82 +8566,6 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     return {"schema": USAGE_SCHEMA, "by": by,
             "groups": {k: _usage_finish(groups[k]) for k in order},
             "totals": _usage_finish(totals), "notes": notes}
-
-
-# -- Formatting helpers shared by the Markdown and HTML renderers ----------------------------------
-
-def _fmt_pct(x: float | None) -> str:
-    return "-" if x is None else f"{100.0 * x:.1f}%"
-
-
-def _fmt_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{100.0 * ci[0]:.1f}%, {100.0 * ci[1]:.1f}%]"
-
-
-def _fmt_diff(x: float | None) -> str:
-    return "-" if x is None else f"{100.0 * x:+.1f} pts"
-
-
-def _fmt_diff_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
-
-
-def _fmt_usd(x: float | None, estimated: bool = False) -> str:
-    """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
-    if x is None:
-        return "-"
-    text = f"${x:,.4f}" if abs(x) < 1 else f"${x:,.2f}"
-    return ("~" + text) if estimated else text
-
-
-def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
-    if not ci:
-        return "-"
-    return f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
-
-
-def _fmt_usd_diff(x: float | None) -> str:
-    """A signed dollar difference, four decimals below $1 like _fmt_usd."""
-    if x is None:
-        return "-"
-    sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
-    return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
-
-
-def _fmt_usd_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
-
-
-def _fmt_int(x: Any) -> str:
-    return "-" if x is None else f"{int(x):,}"
-
-
-def _fmt_num(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _fmt_p(p: float | None) -> str:
-    if p is None:
-        return "-"
-    return "<0.0001" if p < 0.0001 else f"{p:.4f}"
-
-
-def _fmt_secs(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 120:
-        return f"{s:.0f} s"
-    return f"{s / 60.0:.1f} min"
-
-
-def _fmt_counts(d: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -9344,6 +9291,79 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "methods": methods,
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
+
+
+# ==================================================================================================
+# Rendering: Markdown and HTML
+# ==================================================================================================
+# Text from the report's data: the number formats, the tables (as data, shared by both formats),
+# Markdown, and one self-contained HTML page with inline SVG charts.  Pure: dicts in, strings out.
+# It must not read the study, runs or files, nor compute a figure the report does not hold.
+
+# -- Formatting helpers shared by the Markdown and HTML renderers ----------------------------------
+
+def _fmt_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:.1f}%, {100.0 * ci[1]:.1f}%]"
+
+
+def _fmt_diff(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:+.1f} pts"
+
+
+def _fmt_diff_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
+
+
+def _fmt_usd(x: float | None, estimated: bool = False) -> str:
+    """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
+    if x is None:
+        return "-"
+    text = f"${x:,.4f}" if abs(x) < 1 else f"${x:,.2f}"
+    return ("~" + text) if estimated else text
+
+
+def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
+    if not ci:
+        return "-"
+    return f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+
+
+def _fmt_usd_diff(x: float | None) -> str:
+    """A signed dollar difference, four decimals below $1 like _fmt_usd."""
+    if x is None:
+        return "-"
+    sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
+    return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
+
+
+def _fmt_usd_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
+
+
+def _fmt_int(x: Any) -> str:
+    return "-" if x is None else f"{int(x):,}"
+
+
+def _fmt_num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _fmt_secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60.0:.1f} min"
+
+
+def _fmt_counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
 
 
 # -- Rendering: tables as data, then Markdown / HTML -----------------------------------------------
