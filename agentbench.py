@@ -8455,11 +8455,11 @@ USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
 # -- How the report's notes quote a number ---------------------------------------------------------
 
-def _fmt_pct(x: float | None) -> str:
+def fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{100.0 * x:.1f}%"
 
 
-def _fmt_p(p: float | None) -> str:
+def fmt_p(p: float | None) -> str:
     if p is None:
         return "-"
     return "<0.0001" if p < 0.0001 else f"{p:.4f}"
@@ -8570,16 +8570,16 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
 
-def _rpt_excluded(run: dict) -> bool:
+def run_excluded(run: dict) -> bool:
     return run.get("validity") in REPORT_EXCLUDED_VALIDITY
 
 
-def _rpt_evaluated(run: dict) -> bool:
+def run_evaluated(run: dict) -> bool:
     return isinstance(run.get("evaluation"), dict)
 
 
-def _rpt_success(run: dict) -> bool:
-    return _rpt_evaluated(run) and bool(run["evaluation"].get("success"))
+def run_succeeded(run: dict) -> bool:
+    return run_evaluated(run) and bool(run["evaluation"].get("success"))
 
 
 def _rpt_pending(run: dict) -> str | None:
@@ -8604,14 +8604,14 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
     itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
-    evaluated = [r for r in runs if _rpt_evaluated(r)]
-    successes = sum(1 for r in evaluated if _rpt_success(r))
+    evaluated = [r for r in runs if run_evaluated(r)]
+    successes = sum(1 for r in evaluated if run_succeeded(r))
     per_task: dict[str, list[bool]] = {}
     for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(_rpt_success(r))
+        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
     task_rates = [sum(v) / len(v) for _, v in sorted(per_task.items())]
     task_ci = bootstrap_mean_diff_ci(task_rates, seed)
-    ended_unevaluated = [r for r in runs if not _rpt_evaluated(r) and not _rpt_pending(r)]
+    ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
     not_eval_by_cause: dict[str, int] = {}
     for r in ended_unevaluated:
         # Name the cause by outcome when there is one; an error or interruption status wins
@@ -8650,7 +8650,7 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
             _rpt_inc(verdicts_final, vs[-1])
     reasons: dict[str, int] = {}
     for r in started:
-        if _rpt_pending(r) or _rpt_success(r):
+        if _rpt_pending(r) or run_succeeded(r):
             continue
         _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
     n_eval = len(evaluated)
@@ -8720,8 +8720,8 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
         row = {}
         for arm in arms:
             cell = index.get((task, arm), [])
-            ev = [r for r in cell if _rpt_evaluated(r)]
-            s = sum(1 for r in ev if _rpt_success(r))
+            ev = [r for r in cell if run_evaluated(r)]
+            s = sum(1 for r in ev if run_succeeded(r))
             scores = [float(r["evaluation"]["score"]) for r in ev
                       if isinstance(r["evaluation"].get("score"), (int, float))]
             row[arm] = {"runs": len(cell), "evaluated": len(ev), "successes": s,
@@ -8763,13 +8763,13 @@ def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed:
             "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
 
 
-def _rpt_score(run: dict) -> float | None:
+def run_score(run: dict) -> float | None:
     ev = run.get("evaluation")
     score = ev.get("score") if isinstance(ev, dict) else None
     return finite_number(score, lo=0.0, hi=1.0)
 
 
-def _rpt_cost(run: dict) -> float | None:
+def run_cost(run: dict) -> float | None:
     return usd_from(run.get("cost_usd"), hi=math.inf)
 
 
@@ -8786,8 +8786,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
     mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
           "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
     for task in tasks:
-        ra = [r for r in index.get((task, arm), []) if _rpt_evaluated(r)]
-        rb = [r for r in index.get((task, base), []) if _rpt_evaluated(r)]
+        ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
+        rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
         if not ra or not rb:
             if ra:
                 no_base.append(task)
@@ -8796,8 +8796,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             else:
                 neither.append(task)
             continue
-        sa = sum(1 for r in ra if _rpt_success(r))
-        sb = sum(1 for r in rb if _rpt_success(r))
+        sa = sum(1 for r in ra if run_succeeded(r))
+        sb = sum(1 for r in rb if run_succeeded(r))
         # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
         lhs, rhs = sa * len(rb), sb * len(ra)
         if lhs > rhs:
@@ -8818,9 +8818,9 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             mc["tasks_skipped"].append(task)
             continue
         mc["tasks_used"].append(task)
-        by_rep_b = {r.get("repeat"): _rpt_success(r) for r in rb}
+        by_rep_b = {r.get("repeat"): run_succeeded(r) for r in rb}
         for r in ra:
-            ya, yb = _rpt_success(r), by_rep_b[r.get("repeat")]
+            ya, yb = run_succeeded(r), by_rep_b[r.get("repeat")]
             mc["pairs"] += 1
             key = ("both_success" if ya and yb else "arm_only_success" if ya else
                    "baseline_only_success" if yb else "both_failure")
@@ -8845,8 +8845,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "mcnemar": mcnemar,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_score, _rpt_evaluated),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_cost, _rpt_ended),
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended),
     }
 
 
@@ -8877,7 +8877,7 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
                 f"{label}arm {arm}: {st['not_evaluated']} run(s) ended without an evaluation "
                 f"({causes}); its success rate uses the {st['evaluated']} evaluated run(s); "
                 f"counting the unevaluated ones as failures gives "
-                f"{_fmt_pct(st['success_rate_conservative'])} (success_rate_conservative)")
+                f"{fmt_pct(st['success_rate_conservative'])} (success_rate_conservative)")
         graded_stops = st["budget_exhausted"] + st["timeouts"] - sum(
             st["not_evaluated_by_cause"].get(k, 0) for k in ("budget_exhausted", "timeout"))
         if graded_stops > 0:
@@ -8950,7 +8950,7 @@ def audit_group(kind: str) -> str:
     return kind
 
 
-def _rpt_run_audit(run: dict) -> dict:
+def run_audit(run: dict) -> dict:
     """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
 
     The audit record is the pipeline's, but a run record is a file: a finding that is not an
@@ -8977,36 +8977,36 @@ def report_behaviour(runs: list[dict], arms: list[str]) -> dict:
         out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
                     "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
     for r in runs:
-        st, a = out[r["arm"]], _rpt_run_audit(r)
+        st, a = out[r["arm"]], run_audit(r)
         st["runs"] += 1
         st["audited"] += a["audited"]
         if not a["flagged"]:
             continue
         st["flagged"] += 1
-        st["flagged_successes"] += _rpt_success(r)
+        st["flagged_successes"] += run_succeeded(r)
         for g, n in a["groups"].items():
             _rpt_inc(st["findings_by_group"], g, n)
             _rpt_inc(st["runs_by_group"], g)
         st["flagged_runs"].append({"run_id": r.get("run_id"), "task": r["_task"], "repeat": r.get("repeat"),
-                                   "success": _rpt_success(r), "outcome": r.get("outcome"),
-                                   "excluded": _rpt_excluded(r), "groups": dict(sorted(a["groups"].items()))})
+                                   "success": run_succeeded(r), "outcome": r.get("outcome"),
+                                   "excluded": run_excluded(r), "groups": dict(sorted(a["groups"].items()))})
     return out
 
 
 def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
     """Add flagged-run counts to a view: per arm (`flagged`, `flagged_successes`) and per
     comparison (`flagged_runs`: the flagged evaluated runs of each side on the compared tasks)."""
-    flagged = {id(r) for r in view_runs if _rpt_run_audit(r)["flagged"]}
+    flagged = {id(r) for r in view_runs if run_audit(r)["flagged"]}
     for arm, st in view["per_arm"].items():
         mine = [r for r in view_runs if r["arm"] == arm and id(r) in flagged]
         st["flagged"] = len(mine)
-        st["flagged_successes"] = sum(1 for r in mine if _rpt_success(r))
+        st["flagged_successes"] = sum(1 for r in mine if run_succeeded(r))
     for arm, cmp in view["comparisons"].items():
         tasks = {t["task"] for t in cmp["per_task"]}
 
         def n_flagged(side: str) -> int:
             return sum(1 for r in view_runs if r["arm"] == side and r["_task"] in tasks
-                       and _rpt_evaluated(r) and id(r) in flagged)
+                       and run_evaluated(r) and id(r) in flagged)
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
@@ -9037,7 +9037,7 @@ def report_exclusions(runs: list[dict], arms: list[str], base: str) -> dict:
         ended = [r for r in runs if r["arm"] == arm and _rpt_ended(r)]
         labels: dict[str, int] = {}
         for r in ended:
-            if _rpt_excluded(r):
+            if run_excluded(r):
                 _rpt_inc(labels, r.get("validity"))
         n_out = sum(labels.values())
         per_arm[arm] = {"ended": len(ended), "excluded": n_out, "by_label": labels,
@@ -9070,7 +9070,7 @@ def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
         elif arm != base and excl["per_arm"][base]["all_excluded"]:
             why = f"all of the baseline {base}'s ended runs are excluded"
         else:
-            why = f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
+            why = f"Fisher's exact test of excluded vs kept against {base}: p = {fmt_p(st['fisher_p'])}"
         parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
     read = ("the all-included view (views.all_included) is the one to read"
             if primary == "exclusions_applied" else "the primary view already includes every run")
@@ -9159,8 +9159,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     known = [{**r, "arm": str(r.get("arm")),
               "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
     tasks = sorted({r["_task"] for r in known})
-    excluded = [r for r in known if _rpt_excluded(r)]
-    kept = [r for r in known if not _rpt_excluded(r)]
+    excluded = [r for r in known if run_excluded(r)]
+    kept = [r for r in known if not run_excluded(r)]
     views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
     # With nothing excluded the two views have the same input: computed once, copied.
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
@@ -9318,7 +9318,7 @@ def _fmt_diff_ci(ci: Any) -> str:
     return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
 
 
-def _fmt_usd(x: float | None, estimated: bool = False) -> str:
+def fmt_usd(x: float | None, estimated: bool = False) -> str:
     """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
     if x is None:
         return "-"
@@ -9333,7 +9333,7 @@ def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
 
 
 def _fmt_usd_diff(x: float | None) -> str:
-    """A signed dollar difference, four decimals below $1 like _fmt_usd."""
+    """A signed dollar difference, four decimals below $1 like fmt_usd."""
     if x is None:
         return "-"
     sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
@@ -9346,15 +9346,15 @@ def _fmt_usd_ci(ci: Any) -> str:
     return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
 
 
-def _fmt_int(x: Any) -> str:
+def fmt_int(x: Any) -> str:
     return "-" if x is None else f"{int(x):,}"
 
 
-def _fmt_num(x: float | None, digits: int = 2) -> str:
+def fmt_num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _fmt_secs(s: float | None) -> str:
+def fmt_secs(s: float | None) -> str:
     if s is None:
         return "-"
     if s < 120:
@@ -9382,9 +9382,9 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
     beh = report.get("behaviour") or {}
     excl = (report.get("exclusions") or {}).get("per_arm") or {}
     groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
-    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
-             _fmt_int(beh[a]["flagged_successes"])]
-            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
+    rows = [[a, fmt_int(beh[a]["runs"]), fmt_int(beh[a]["audited"]), fmt_int(beh[a]["flagged"]),
+             fmt_int(beh[a]["flagged_successes"])]
+            + [fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
     out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
             ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
             + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
@@ -9394,8 +9394,8 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
             for a in arms if a in beh for f in beh[a]["flagged_runs"]]
     out.append(("Runs flagged by the behaviour audit",
                 ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
-    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
-             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
+    rows = [[a + (" (baseline)" if a == base else ""), fmt_int(excl[a]["ended"]), fmt_int(excl[a]["excluded"]),
+             _fmt_counts(excl[a]["by_label"]), fmt_p(excl[a]["fisher_p"]),
              "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
     out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
                 ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
@@ -9412,14 +9412,14 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for a in arms:
         s = pa[a]
         est = s["cost_estimated_usd"] > 0
-        rows.append([a + (" (baseline)" if a == base else ""), _fmt_int(s["runs"]),
-                     _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
-                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
-                     _fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
-                     _fmt_num(s["mean_score"], 3),
-                     _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
-                     _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
-                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2),
+        rows.append([a + (" (baseline)" if a == base else ""), fmt_int(s["runs"]),
+                     fmt_int(s["evaluated"]), fmt_int(s["successes"]),
+                     fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+                     fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
+                     fmt_num(s["mean_score"], 3),
+                     fmt_usd(s["cost_per_run_usd"], est), fmt_usd(s["cost_per_success_usd"], est),
+                     fmt_usd(s["cost_usd"], est), fmt_int(s["tokens"].get("total", 0)),
+                     fmt_secs(s["median_wall_s"]), fmt_num(s["gate_cycles"]["mean"], 2),
                      _rpt_flag_cell(s)])
     tables.append(("Results per arm",
                    ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
@@ -9428,11 +9428,11 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = []
     for a in arms:
         s = pa[a]
-        rows.append([a, _fmt_int(s["not_started"]), _fmt_int(s["running"]),
-                     _fmt_int(s["excluded"]), _fmt_int(s["not_evaluated"]),
-                     _fmt_int(s["errors"]), _fmt_int(s["interrupted"]),
-                     _fmt_int(s["budget_exhausted"]), _fmt_int(s["timeouts"]),
-                     _fmt_pct(s["success_rate_conservative"])])
+        rows.append([a, fmt_int(s["not_started"]), fmt_int(s["running"]),
+                     fmt_int(s["excluded"]), fmt_int(s["not_evaluated"]),
+                     fmt_int(s["errors"]), fmt_int(s["interrupted"]),
+                     fmt_int(s["budget_exhausted"]), fmt_int(s["timeouts"]),
+                     fmt_pct(s["success_rate_conservative"])])
     tables.append(("What happened to every run",
                    ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
                     "Interrupted", "Budget stops", "Timeouts",
@@ -9450,12 +9450,12 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         mc = c["mcnemar"]
         mc_txt = "-" if not mc or mc.get("p") is None else (
             f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
-            f"p {_fmt_p(mc['p'])}")
+            f"p {fmt_p(mc['p'])}")
         fl = c.get("flagged_runs") or {}
-        rows.append([f"{a} vs {base}", _fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
+        rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
                      _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     _fmt_p(c["sign_test_p"]), mc_txt, _fmt_p(c.get("sign_test_p_holm")),
-                     _fmt_p((mc or {}).get("p_holm")),
+                     fmt_p(c["sign_test_p"]), mc_txt, fmt_p(c.get("sign_test_p_holm")),
+                     fmt_p((mc or {}).get("p_holm")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
     tables.append((f"Paired comparison against {base} (over tasks)",
@@ -9467,10 +9467,10 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
-        rows.append([f"{a} vs {base}", _fmt_int(sc["tasks_compared"]), ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
+        rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]), ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
                      _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
-                     _fmt_p(sc["sign_test_p"]), _fmt_int(co["tasks_compared"]), _fmt_usd_diff(co["mean_diff"]),
-                     _fmt_usd_ci(co["ci"]), f"{co['higher']}/{co['lower']}/{co['equal']}", _fmt_p(co["sign_test_p"])])
+                     fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]), _fmt_usd_diff(co["mean_diff"]),
+                     _fmt_usd_ci(co["ci"]), f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
     tables.append((f"Paired score and cost against {base} (over tasks)",
                    ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
                     "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows))
@@ -9480,7 +9480,7 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         for a in arms:
             cl = cells[a]
             row.append("-" if not cl["runs"] else
-                       f"{cl['successes']}/{cl['evaluated']} ({_fmt_pct(cl['success_rate'])})"
+                       f"{cl['successes']}/{cl['evaluated']} ({fmt_pct(cl['success_rate'])})"
                        if cl["evaluated"] else f"0 evaluated of {cl['runs']}")
         rows.append(row)
     tables.append(("Per task (successes/evaluated)", ["Task"] + arms, rows))
@@ -9489,8 +9489,8 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for a in arms:
         s = other["per_arm"][a]
         c = other["comparisons"].get(a)
-        rows.append([a, _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
-                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+        rows.append([a, fmt_int(s["evaluated"]), fmt_int(s["successes"]),
+                     fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
                      _fmt_diff(c["mean_diff"]) if c else "(baseline)",
                      _fmt_diff_ci(c["ci"]) if c else "-"])
     title = ("With every run included (no validity exclusions)"
@@ -9505,11 +9505,11 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     snaps = report.get("snapshots") or {}
     times = sorted({int(t) for curve in snaps.values() for t in curve})
     if times:
-        rows = [[a] + [(f"{_fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
+        rows = [[a] + [(f"{fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
                         f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-" for t in times]
                 for a in arms]
         tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
-                       ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
+                       ["Arm"] + [fmt_secs(float(t)) for t in times], rows))
     return tables
 
 
@@ -9531,7 +9531,7 @@ def render_report_md(report: dict) -> str:
              f"Baseline: **{report['baseline']}**. Primary view: "
              f"**{report['primary_view'].replace('_', ' ')}**. Runs: {tot['runs']}, "
              f"tasks: {tot['tasks']}, total cost "
-             f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
+             f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
     for w in report.get("warnings") or []:
         parts += ["", f"> **Warning:** {_md_cell(w)}"]
@@ -9556,10 +9556,10 @@ def render_usage_md(agg: dict) -> str:
     def row(name: str, g: dict) -> list[str]:
         tok = g["tokens"]
         est = g["cost_estimated_usd"] > 0
-        return [name, _fmt_int(g["jobs"]), _fmt_int(tok.get("input", 0)),
-                _fmt_int(tok.get("output", 0)), _fmt_int(tok.get("cache_creation", 0)),
-                _fmt_int(tok.get("cache_read", 0)), _fmt_pct(g["cache_hit_ratio"]),
-                _fmt_usd(g["cost_usd"], est), _fmt_usd(g["cost_estimated_usd"]) if est else "-",
+        return [name, fmt_int(g["jobs"]), fmt_int(tok.get("input", 0)),
+                fmt_int(tok.get("output", 0)), fmt_int(tok.get("cache_creation", 0)),
+                fmt_int(tok.get("cache_read", 0)), fmt_pct(g["cache_hit_ratio"]),
+                fmt_usd(g["cost_usd"], est), fmt_usd(g["cost_estimated_usd"]) if est else "-",
                 _fmt_counts(g["cache_verdicts"]), _fmt_counts(g["statuses"])]
 
     rows = [row(k, g) for k, g in agg["groups"].items()]
@@ -9577,7 +9577,7 @@ def render_usage_md(agg: dict) -> str:
 _HTML_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#8C6D1F",
                  "#444444")
 
-_HTML_CSS = """
+HTML_CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
   color: #1a1a1a; background: #fff; max-width: 1100px; margin: 2em auto; padding: 0 1em;
   line-height: 1.4; }
@@ -9732,7 +9732,7 @@ def _svg_rate_chart(report: dict) -> str:
                    f'x="{_svg_num(cx - bar_w / 2)}" y="{_svg_num(y(rate))}" '
                    f'width="{_svg_num(bar_w)}" height="{_svg_num(y0 - y(rate))}" '
                    f'fill="{colour}" fill-opacity="0.75" stroke="#1a1a1a" stroke-width="0.5">'
-                   f'<title>{name}: {_fmt_pct(rate)} {_fmt_ci(ci)}</title></rect>')
+                   f'<title>{name}: {fmt_pct(rate)} {_fmt_ci(ci)}</title></rect>')
         cap = bar_w * 0.3
         out.append(f'<g class="whisker" data-arm="{name}" data-lo="{_svg_data(ci[0])}" '
                    f'data-hi="{_svg_data(ci[1])}">'
@@ -9743,7 +9743,7 @@ def _svg_rate_chart(report: dict) -> str:
                    f'<line class="whisker" x1="{_svg_num(cx - cap)}" x2="{_svg_num(cx + cap)}" '
                    f'y1="{_svg_num(y(ci[0]))}" y2="{_svg_num(y(ci[0]))}"/></g>')
         out.append(f'<text x="{_svg_num(cx)}" y="{_svg_num(y(ci[1]) - 6)}" '
-                   f'text-anchor="middle">{_fmt_pct(rate)}</text>')
+                   f'text-anchor="middle">{fmt_pct(rate)}</text>')
     out.append(f'<text x="14" y="{_svg_num((y0 + y1) / 2)}" text-anchor="middle" '
                f'transform="rotate(-90 14 {_svg_num((y0 + y1) / 2)})">success rate</text>')
     out.append("</svg>")
@@ -9806,8 +9806,8 @@ def _svg_cost_chart(report: dict) -> str:
                    f'data-estimated="{str(s["cost_estimated_usd"] > 0).lower()}" '
                    f'cx="{_svg_num(cx)}" cy="{_svg_num(cy)}" r="6" fill="{colour}" '
                    f'stroke="#1a1a1a" stroke-width="1"><title>{name}: '
-                   f'{_fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
-                   f'{_fmt_pct(s["success_rate"])}</title></circle>')
+                   f'{fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
+                   f'{fmt_pct(s["success_rate"])}</title></circle>')
         out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(lx)}" y="{_svg_num(ly)}" '
                    f'text-anchor="{anchor}">{name}</text>')
     missing = [a for a in arms if all(a != p for _, p in points)]
@@ -9822,7 +9822,7 @@ def _svg_cost_chart(report: dict) -> str:
     return "".join(out)
 
 
-def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+def html_table(headers: list[str], rows: list[list[str]]) -> str:
     def cell(tag: str, text: str) -> str:
         t = str(text)
         # Right-align cells that start like a number, a price or a signed difference.
@@ -9848,12 +9848,12 @@ def render_report_html(report: dict, extra: str = "") -> str:
     parts = ['<!DOCTYPE html>',
              '<html lang="en"><head><meta charset="utf-8"/>',
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
-             f"<title>{title}</title><style>{_HTML_CSS}</style></head><body>",
+             f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
-             f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
+             f'{html.escape(fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
              *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
@@ -9870,7 +9870,7 @@ def render_report_html(report: dict, extra: str = "") -> str:
         parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
-        parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
+        parts.append(html_table(headers, rows) if rows else "<p>(none)</p>")
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:
@@ -10091,16 +10091,16 @@ def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[
     (pure; excluded runs are left out, as in the primary view)."""
     by_key: dict[tuple[str, str, Any], dict] = {}
     for r in runs:
-        if _rpt_evaluated(r) and not _rpt_excluded(r) and r.get("repeat") is not None:
+        if run_evaluated(r) and not run_excluded(r) and r.get("repeat") is not None:
             by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
     out = []
     for (task, arm, rep), r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
         if arm == base or arm not in arms:
             continue
         b = by_key.get((task, base, rep))
-        if b is not None and _rpt_success(r) != _rpt_success(b):
+        if b is not None and run_succeeded(r) != run_succeeded(b):
             out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
-                        "baseline_run": b.get("run_id"), "arm_success": _rpt_success(r)})
+                        "baseline_run": b.get("run_id"), "arm_success": run_succeeded(r)})
     return out
 
 
@@ -10240,7 +10240,7 @@ def _page_review_html(r: dict) -> str:
             for f in r.get("findings") or [] if isinstance(f, dict)]
     return (f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
             f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>"
-            + (_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
+            + (html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
 
 
 def render_run_page(page: dict) -> str:
@@ -10252,18 +10252,18 @@ def render_run_page(page: dict) -> str:
     ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else {}
     title = f"Run {rid}: {rec.get('task')} / {rec.get('arm')} / repeat {rec.get('repeat')}"
     p = ['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8"/>',
-         f"<title>{esc(title)}</title><style>{_HTML_CSS}{_PAGE_CSS}</style></head><body>",
+         f"<title>{esc(title)}</title><style>{HTML_CSS}{_PAGE_CSS}</style></head><body>",
          '<p><a href="../index.html">&#8592; study report</a></p>', f"<h1>{esc(title)}</h1>"]
-    audit = _rpt_run_audit(rec)
-    p.append(_html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
+    audit = run_audit(rec)
+    p.append(html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
                           "Flagged by audit"],
                          [[str(rec.get("outcome") or rec.get("status")), str(rec.get("validity")) +
                            (f" ({rec.get('validity_reason')})" if rec.get("validity_reason") else ""),
-                           "yes" if _rpt_success(rec) else "no", _fmt_num(_rpt_score(rec), 3),
+                           "yes" if run_succeeded(rec) else "no", fmt_num(run_score(rec), 3),
                            f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
-                           _fmt_int(rec.get("gate_cycles") or 0),
-                           _fmt_usd(_rpt_cost(rec), bool(rec.get("cost_estimated"))),
-                           _fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
+                           fmt_int(rec.get("gate_cycles") or 0),
+                           fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
+                           fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
@@ -10276,17 +10276,17 @@ def render_run_page(page: dict) -> str:
                  str(f.get("tool") or "-") if isinstance(f, dict) else "-",
                  _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0] if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
-        p.append(f'<p class="flag">Flagged.</p>' + _html_table(["Group", "Kind", "Tool", "What"], rows))
+        p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
     p.append("<h2>Cost and tokens per session</h2>")
     rows = []
     for s in page["sessions"]:
         tok = s["tokens"] if isinstance(s["tokens"], dict) else {}
         rows.append([s["job_id"], s["role"], str(s["status"]) + (f" ({s['reason']})" if s["reason"] else ""),
-                     _fmt_usd(s["cost_usd"]), _fmt_secs(s["duration_s"]),
-                     *[_fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
+                     fmt_usd(s["cost_usd"]), fmt_secs(s["duration_s"]),
+                     *[fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
                        for k in ("input", "output", "cache_creation", "cache_read")],
-                     _fmt_int(s["timeline"]["tool_calls"])])
-    p.append(_html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
+                     fmt_int(s["timeline"]["tool_calls"])])
+    p.append(html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
                           "Cache read", "Tool calls"], rows) if rows else "<p>(no sessions)</p>")
     p.append("<h2>Timeline</h2><p>Sessions, gate receipts and reviews in the order they happened. "
              "The feedback after a failed gate or a review is the prompt of the session that follows "
@@ -10325,7 +10325,7 @@ def render_run_page(page: dict) -> str:
             p.append(f"<p><em>({d['cut']} more characters of diff not shown)</em></p>")
     p.append("<h2>Provenance</h2>")
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
-    p.append(_html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
+    p.append(html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
              if prov else "<p>(none recorded)</p>")
     p.append("</body></html>")
     return "\n".join(p) + "\n"
@@ -10362,8 +10362,8 @@ def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> s
         for a in arms:
             marks = []
             for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
-                mark = ("S" if _rpt_success(r) else "F") if _rpt_evaluated(r) else "-"
-                mark += ("X" if _rpt_excluded(r) else "") + ("!" if _rpt_run_audit(r)["flagged"] else "")
+                mark = ("S" if run_succeeded(r) else "F") if run_evaluated(r) else "-"
+                mark += ("X" if run_excluded(r) else "") + ("!" if run_audit(r)["flagged"] else "")
                 marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
             tds.append(f"<td>{'<br/>'.join(marks) or '-'}</td>")
         body.append(f"<tr><td>{esc(task)}</td>{''.join(tds)}</tr>")
