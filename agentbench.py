@@ -30,14 +30,14 @@ Sections (line ranges), strictly bottom-up:
      4856-6208  The supervisor
      6209-6454  The supervisor: jobs (start, fork, continue)
      6455-7962  The experiment layer
-     7963-8437  Statistics
-     8438-9295  The report: what each arm did
-     9296-9885  Rendering: Markdown and HTML
-     9886-10398 Run pages: the report as a directory
-    10399-11194 Offline scripted model
-    11195-11475 The scripted model: rehearsal of a study
-    11476-11536 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11537-13044 The CLI and main
+     7963-8470  Statistics
+     8471-9328  The report: what each arm did
+     9329-9918  Rendering: Markdown and HTML
+     9919-10431 Run pages: the report as a directory
+    10432-11227 Offline scripted model
+    11228-11508 The scripted model: rehearsal of a study
+    11509-11569 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11570-13077 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -8190,6 +8190,80 @@ def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha
             "power": {k: v / n_sim for k, v in hits.items()}}
 
 
+def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
+                             power: float, tau: float, max_repeats: int, simulate: int) -> list[str]:
+    """What is wrong with paired_power_repeats's arguments, in words (empty: nothing)."""
+    problems = []
+    if not 0.0 <= p0 <= 1.0:
+        problems.append("p_base must be in [0, 1]")
+    if delta == 0:
+        problems.append("delta must be non-zero")
+    elif not 0.0 <= p1 <= 1.0:
+        problems.append("p_base + delta must be in [0, 1]")
+    if int(n_tasks) != n_tasks or n_tasks < 1:
+        problems.append("n_tasks must be a positive integer")
+    if not 0.0 < alpha < 1.0:
+        problems.append("alpha must be in (0, 1)")
+    if not 0.0 < power < 1.0:
+        problems.append("power must be in (0, 1)")
+    if tau < 0:
+        problems.append("tau must be >= 0")
+    if max_repeats < 1:
+        problems.append("max_repeats must be >= 1")
+    if simulate < 0:
+        problems.append("simulate must be >= 0")
+    return problems
+
+
+def _power_at(r: int, n_tasks: int, delta: float, tau: float, binom_var: float, z_a: float) -> float:
+    """Power of the normal approximation with r repeats (see paired_power_repeats)."""
+    var = tau * tau + binom_var / r
+    if var <= 0.0:
+        # No noise at all (p0, p1 in {0, 1} and tau = 0): any repeat shows the difference.
+        return 1.0
+    return statistics.NormalDist().cdf(math.sqrt(n_tasks) * abs(delta) / math.sqrt(var) - z_a)
+
+
+def _power_repeats(binom_var: float, denom: float) -> tuple[int | None, float | None]:
+    """(repeats, the exact real-valued solution) of r >= binom_var / denom; (None, None) when no
+    number of repeats suffices (denom <= 0)."""
+    exact_r = binom_var / denom if denom > 0 else None
+    if denom <= 0:
+        repeats = None
+    elif binom_var == 0.0:
+        repeats = 1
+    else:
+        repeats = max(1, math.ceil(exact_r - 1e-9))
+    return repeats, exact_r
+
+
+def _sign_test_min_tasks(alpha: float) -> int:
+    """Fewest informative tasks on which the exact sign test can reach p <= alpha."""
+    n = 1
+    while sign_test_min_p(n) > alpha:
+        n += 1
+    return n
+
+
+def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: int, tau: float,
+                 min_tasks: int | None, alpha: float, sign_min_tasks: int) -> list[str]:
+    """The plan's caveats in words (see paired_power_repeats)."""
+    notes = []
+    if repeats is None:
+        notes.append(f"no number of repeats reaches power {power} with {n_tasks} tasks when the "
+                     f"between-task sd of the difference is {tau}; use at least {min_tasks} tasks")
+    elif repeats > max_repeats:
+        notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
+    if n_tasks < sign_min_tasks:
+        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
+                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
+                     f"over pairs")
+    if n_tasks < 10:
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
+                     "consider simulate > 0")
+    return notes
+
+
 def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
                          power: float = 0.8, *, tau: float = 0.0, max_repeats: int = 1000,
                          simulate: int = 0, seed: int = 0) -> dict:
@@ -8217,25 +8291,8 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     """
     p0 = float(p_base)
     p1 = p0 + float(delta)
-    problems = []
-    if not 0.0 <= p0 <= 1.0:
-        problems.append("p_base must be in [0, 1]")
-    if delta == 0:
-        problems.append("delta must be non-zero")
-    elif not 0.0 <= p1 <= 1.0:
-        problems.append("p_base + delta must be in [0, 1]")
-    if int(n_tasks) != n_tasks or n_tasks < 1:
-        problems.append("n_tasks must be a positive integer")
-    if not 0.0 < alpha < 1.0:
-        problems.append("alpha must be in (0, 1)")
-    if not 0.0 < power < 1.0:
-        problems.append("power must be in (0, 1)")
-    if tau < 0:
-        problems.append("tau must be >= 0")
-    if max_repeats < 1:
-        problems.append("max_repeats must be >= 1")
-    if simulate < 0:
-        problems.append("simulate must be >= 0")
+    problems = _power_argument_problems(p0, p1, delta, n_tasks, alpha, power, tau, max_repeats,
+                                        simulate)
     if problems:
         raise AgentbenchError("invalid power-estimate arguments", code="invalid_power_estimate_arguments",
                               problems=problems,
@@ -8249,19 +8306,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     denom = n_tasks * delta * delta / (z_a + z_b) ** 2 - tau * tau
 
     def power_at(r: int) -> float:
-        var = tau * tau + binom_var / r
-        if var <= 0.0:
-            # No noise at all (p0, p1 in {0, 1} and tau = 0): any repeat shows the difference.
-            return 1.0
-        return norm.cdf(math.sqrt(n_tasks) * abs(delta) / math.sqrt(var) - z_a)
+        return _power_at(r, n_tasks, delta, tau, binom_var, z_a)
 
-    exact_r = binom_var / denom if denom > 0 else None
-    if denom <= 0:
-        repeats = None
-    elif binom_var == 0.0:
-        repeats = 1
-    else:
-        repeats = max(1, math.ceil(exact_r - 1e-9))
+    repeats, exact_r = _power_repeats(binom_var, denom)
     min_tasks = None
     if tau > 0:
         # With unlimited repeats the binomial term vanishes:
@@ -8271,22 +8318,8 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     shown = repeats if repeats is not None else max_repeats
     curve = [{"repeats": r, "power": power_at(r)}
              for r in sorted({1, 2, 3, 5, 10, 20, min(shown, max_repeats)}) if r <= max_repeats]
-    sign_min_tasks = 1
-    while sign_test_min_p(sign_min_tasks) > alpha:
-        sign_min_tasks += 1
-    notes = []
-    if repeats is None:
-        notes.append(f"no number of repeats reaches power {power} with {n_tasks} tasks when the "
-                     f"between-task sd of the difference is {tau}; use at least {min_tasks} tasks")
-    elif repeats > max_repeats:
-        notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
-    if n_tasks < sign_min_tasks:
-        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
-                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
-                     f"over pairs")
-    if n_tasks < 10:
-        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "consider simulate > 0")
+    sign_min_tasks = _sign_test_min_tasks(alpha)
+    notes = _power_notes(repeats, max_repeats, power, n_tasks, tau, min_tasks, alpha, sign_min_tasks)
     out: dict[str, Any] = {
         "method": "normal approximation on paired per-task differences",
         "formula": "r >= (p0 q0 + p1 q1) / (n_tasks delta^2 / (z_{1-alpha/2} + z_power)^2 - tau^2)",
