@@ -31,13 +31,13 @@ Sections (line ranges), strictly bottom-up:
      6209-6454  The supervisor: jobs (start, fork, continue)
      6455-7962  The experiment layer
      7963-8470  Statistics
-     8471-9328  The report: what each arm did
-     9329-9918  Rendering: Markdown and HTML
-     9919-10431 Run pages: the report as a directory
-    10432-11227 Offline scripted model
-    11228-11508 The scripted model: rehearsal of a study
-    11509-11569 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11570-13077 The CLI and main
+     8471-9358  The report: what each arm did
+     9359-9948  Rendering: Markdown and HTML
+     9949-10461 Run pages: the report as a directory
+    10462-11257 Offline scripted model
+    11258-11538 The scripted model: rehearsal of a study
+    11539-11599 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11600-13107 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -8626,6 +8626,72 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
     d[key] = d.get(key, 0) + by
 
 
+def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
+    """Each task's success rate over its evaluated runs, in the order of the task keys."""
+    per_task: dict[str, list[bool]] = {}
+    for r in evaluated:
+        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
+    return [sum(v) / len(v) for _, v in sorted(per_task.items())]
+
+
+def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
+    """Runs that ended without an evaluation, counted by cause."""
+    not_eval_by_cause: dict[str, int] = {}
+    for r in ended_unevaluated:
+        # Name the cause by outcome when there is one; an error or interruption status wins
+        # over a plain "failure" outcome, which would hide why the run was never graded.
+        cause = r.get("outcome") or r.get("status") or "unknown"
+        if r.get("status") in ("error", "interrupted") and cause == "failure":
+            cause = r.get("status")
+        _rpt_inc(not_eval_by_cause, cause)
+    return not_eval_by_cause
+
+
+def _rpt_token_totals(runs: list[dict]) -> dict[str, int]:
+    """Tokens summed by type over `runs`, and their `total` (input, output, cache write and read)."""
+    tokens: dict[str, int] = {}
+    for r in runs:
+        for k, v in (r.get("tokens") or {}).items():
+            if isinstance(v, (int, float)):
+                tokens[k] = tokens.get(k, 0) + v
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    return tokens
+
+
+def _rpt_gate_cycles(started: list[dict]) -> dict:
+    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
+    cycles = [int(r.get("gate_cycles") or 0) for r in started]
+    cycle_dist: dict[str, int] = {}
+    for c in sorted(cycles):
+        _rpt_inc(cycle_dist, c)
+    return {"total": sum(cycles), "mean": mean(cycles),
+            "max": max(cycles) if cycles else None, "distribution": cycle_dist}
+
+
+def _rpt_review_verdicts(started: list[dict]) -> dict[str, dict[str, int]]:
+    """Review verdicts of the started runs: every one, and each run's last."""
+    verdicts_all: dict[str, int] = {}
+    verdicts_final: dict[str, int] = {}
+    for r in started:
+        vs = r.get("review_verdicts") or []
+        for v in vs:
+            _rpt_inc(verdicts_all, v)
+        if vs:
+            _rpt_inc(verdicts_final, vs[-1])
+    return {"all": verdicts_all, "final": verdicts_final}
+
+
+def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
+    """Why the started runs that ended without success failed, counted by reason."""
+    reasons: dict[str, int] = {}
+    for r in started:
+        if _rpt_pending(r) or run_succeeded(r):
+            continue
+        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
+    return reasons
+
+
 def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
     """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
 
@@ -8639,20 +8705,9 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     started = [r for r in runs if r.get("status") != "not_started"]
     evaluated = [r for r in runs if run_evaluated(r)]
     successes = sum(1 for r in evaluated if run_succeeded(r))
-    per_task: dict[str, list[bool]] = {}
-    for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
-    task_rates = [sum(v) / len(v) for _, v in sorted(per_task.items())]
+    task_rates = _rpt_task_rates(evaluated)
     task_ci = bootstrap_mean_diff_ci(task_rates, seed)
     ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
-    not_eval_by_cause: dict[str, int] = {}
-    for r in ended_unevaluated:
-        # Name the cause by outcome when there is one; an error or interruption status wins
-        # over a plain "failure" outcome, which would hide why the run was never graded.
-        cause = r.get("outcome") or r.get("status") or "unknown"
-        if r.get("status") in ("error", "interrupted") and cause == "failure":
-            cause = r.get("status")
-        _rpt_inc(not_eval_by_cause, cause)
     outcomes: dict[str, int] = {}
     for r in started:
         _rpt_inc(outcomes, r.get("outcome"))
@@ -8661,31 +8716,7 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     cost = math.fsum(float(r.get("cost_usd") or 0.0) for r in runs)
     cost_est_runs = [r for r in runs if r.get("cost_estimated")]
     cost_est = math.fsum(float(r.get("cost_usd") or 0.0) for r in cost_est_runs)
-    tokens: dict[str, int] = {}
-    for r in runs:
-        for k, v in (r.get("tokens") or {}).items():
-            if isinstance(v, (int, float)):
-                tokens[k] = tokens.get(k, 0) + v
-    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
-                                                                "cache_creation", "cache_read"))
     walls = [float(r["wall_s"]) for r in started if isinstance(r.get("wall_s"), (int, float))]
-    cycles = [int(r.get("gate_cycles") or 0) for r in started]
-    cycle_dist: dict[str, int] = {}
-    for c in sorted(cycles):
-        _rpt_inc(cycle_dist, c)
-    verdicts_all: dict[str, int] = {}
-    verdicts_final: dict[str, int] = {}
-    for r in started:
-        vs = r.get("review_verdicts") or []
-        for v in vs:
-            _rpt_inc(verdicts_all, v)
-        if vs:
-            _rpt_inc(verdicts_final, vs[-1])
-    reasons: dict[str, int] = {}
-    for r in started:
-        if _rpt_pending(r) or run_succeeded(r):
-            continue
-        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
     n_eval = len(evaluated)
     # Conservative view: every ended run counts; one without an evaluation counts as a failure.
     n_ended = n_eval + len(ended_unevaluated)
@@ -8704,7 +8735,7 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
         "started": len(started),
         "evaluated": n_eval,
         "not_evaluated": len(ended_unevaluated),
-        "not_evaluated_by_cause": not_eval_by_cause,
+        "not_evaluated_by_cause": _rpt_not_evaluated_causes(ended_unevaluated),
         "successes": successes,
         "failures": n_eval - successes,
         "success_rate": successes / n_eval if n_eval else None,
@@ -8729,12 +8760,11 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
         "cost_per_run_usd": cost / len(started) if started else None,
         "cost_per_success_usd": cost / successes if successes else None,
         "cost_excluded_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in left_out),
-        "tokens": tokens,
+        "tokens": _rpt_token_totals(runs),
         "median_wall_s": median(walls),
-        "gate_cycles": {"total": sum(cycles), "mean": mean(cycles),
-                        "max": max(cycles) if cycles else None, "distribution": cycle_dist},
-        "review_verdicts": {"all": verdicts_all, "final": verdicts_final},
-        "failure_reasons": reasons,
+        "gate_cycles": _rpt_gate_cycles(started),
+        "review_verdicts": _rpt_review_verdicts(started),
+        "failure_reasons": _rpt_failure_reasons(started),
     }
 
 
