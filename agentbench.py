@@ -32,12 +32,12 @@ Sections (line ranges), strictly bottom-up:
      6455-7962  The experiment layer
      7963-8470  Statistics
      8471-9358  The report: what each arm did
-     9359-9948  Rendering: Markdown and HTML
-     9949-10461 Run pages: the report as a directory
-    10462-11257 Offline scripted model
-    11258-11538 The scripted model: rehearsal of a study
-    11539-11599 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11600-13107 The CLI and main
+     9359-9999  Rendering: Markdown and HTML
+    10000-10512 Run pages: the report as a directory
+    10513-11308 Offline scripted model
+    11309-11589 The scripted model: rehearsal of a study
+    11590-11650 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11651-13158 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -9465,12 +9465,13 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
     return out
 
 
-def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
-    arms = report["arms"]
-    base = report["baseline"]
-    pa = report["per_arm"]
-    tables = []
+#: One table of the report as data: (title, headers, rows of cell strings).
+ReportTable = tuple[str, list[str], list[list[str]]]
+
+
+def _rpt_arm_table(report: dict) -> ReportTable:
+    """Results per arm: rates with both intervals, score, costs, tokens, wall time, cycles, flags."""
+    arms, base, pa = report["arms"], report["baseline"], report["per_arm"]
     rows = []
     for a in arms:
         s = pa[a]
@@ -9484,30 +9485,45 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      fmt_usd(s["cost_usd"], est), fmt_int(s["tokens"].get("total", 0)),
                      fmt_secs(s["median_wall_s"]), fmt_num(s["gate_cycles"]["mean"], 2),
                      _rpt_flag_cell(s)])
-    tables.append(("Results per arm",
-                   ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                    "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
-                    "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows))
+    return ("Results per arm",
+            ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+             "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success",
+             "Total cost", "Tokens", "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows)
+
+
+def _rpt_fate_table(report: dict) -> ReportTable:
+    """What happened to every run of each arm, and the rate with unevaluated runs as failures."""
+    pa = report["per_arm"]
     rows = []
-    for a in arms:
+    for a in report["arms"]:
         s = pa[a]
         rows.append([a, fmt_int(s["not_started"]), fmt_int(s["running"]),
                      fmt_int(s["excluded"]), fmt_int(s["not_evaluated"]),
                      fmt_int(s["errors"]), fmt_int(s["interrupted"]),
                      fmt_int(s["budget_exhausted"]), fmt_int(s["timeouts"]),
                      fmt_pct(s["success_rate_conservative"])])
-    tables.append(("What happened to every run",
-                   ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
-                    "Interrupted", "Budget stops", "Timeouts",
-                    "Rate, unevaluated as failure"], rows))
+    return ("What happened to every run",
+            ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
+             "Interrupted", "Budget stops", "Timeouts",
+             "Rate, unevaluated as failure"], rows)
+
+
+def _rpt_review_table(report: dict) -> ReportTable:
+    """Review verdicts, the distribution of gate cycles and failure reasons per arm."""
+    pa = report["per_arm"]
     rows = [[a, _fmt_counts(pa[a]["review_verdicts"]["final"]),
              _fmt_counts(pa[a]["review_verdicts"]["all"]),
              ", ".join(f"{k} cycle{'' if str(k) == '1' else 's'}: {v} run{'' if v == 1 else 's'}"
                        for k, v in pa[a]["gate_cycles"]["distribution"].items()) or "-",
-             _fmt_counts(pa[a]["failure_reasons"])] for a in arms]
-    tables.append(("Reviews, gate cycles and failure reasons",
-                   ["Arm", "Final review verdicts", "All review verdicts",
-                    "Gate cycles", "Failure reasons"], rows))
+             _fmt_counts(pa[a]["failure_reasons"])] for a in report["arms"]]
+    return ("Reviews, gate cycles and failure reasons",
+            ["Arm", "Final review verdicts", "All review verdicts",
+             "Gate cycles", "Failure reasons"], rows)
+
+
+def _rpt_comparison_table(report: dict) -> ReportTable:
+    """The paired success comparisons against the baseline, with their Holm-adjusted p-values."""
+    base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         mc = c["mcnemar"]
@@ -9521,22 +9537,34 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      fmt_p((mc or {}).get("p_holm")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
-    tables.append((f"Paired comparison against {base} (over tasks)",
-                   ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-                    "Sign test p", "McNemar (arm-only/base-only, p)",
-                    f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
-                    f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
-                    "Flagged runs (arm/base)"], rows))
+    return (f"Paired comparison against {base} (over tasks)",
+            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
+             "Sign test p", "McNemar (arm-only/base-only, p)",
+             f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
+             f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+             "Flagged runs (arm/base)"], rows)
+
+
+def _rpt_score_cost_table(report: dict) -> ReportTable:
+    """The paired score and cost-per-run comparisons against the baseline."""
+    base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
-        rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]), ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
+        rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
+                     ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
                      _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
-                     fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]), _fmt_usd_diff(co["mean_diff"]),
-                     _fmt_usd_ci(co["ci"]), f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
-    tables.append((f"Paired score and cost against {base} (over tasks)",
-                   ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
-                    "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows))
+                     fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
+                     _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
+                     f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
+    return (f"Paired score and cost against {base} (over tasks)",
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
+             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows)
+
+
+def _rpt_task_table(report: dict) -> ReportTable:
+    """Per task and arm: successes of the evaluated runs."""
+    arms = report["arms"]
     rows = []
     for task, cells in report["per_task"].items():
         row = [task]
@@ -9546,10 +9574,15 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                        f"{cl['successes']}/{cl['evaluated']} ({fmt_pct(cl['success_rate'])})"
                        if cl["evaluated"] else f"0 evaluated of {cl['runs']}")
         rows.append(row)
-    tables.append(("Per task (successes/evaluated)", ["Task"] + arms, rows))
+    return ("Per task (successes/evaluated)", ["Task"] + arms, rows)
+
+
+def _rpt_other_view_table(report: dict) -> ReportTable:
+    """The other view's rates and differences (with or without the validity exclusions)."""
+    base = report["baseline"]
     other = report["views"][report["other_view"]]
     rows = []
-    for a in arms:
+    for a in report["arms"]:
         s = other["per_arm"][a]
         c = other["comparisons"].get(a)
         rows.append([a, fmt_int(s["evaluated"]), fmt_int(s["successes"]),
@@ -9558,21 +9591,39 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                      _fmt_diff_ci(c["ci"]) if c else "-"])
     title = ("With every run included (no validity exclusions)"
              if report["other_view"] == "all_included" else "With validity exclusions applied")
-    tables.append((title, ["Arm", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                           f"Mean diff vs {base}", "95% CI (bootstrap)"], rows))
+    return (title, ["Arm", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+                    f"Mean diff vs {base}", "95% CI (bootstrap)"], rows)
+
+
+def _rpt_excluded_table(report: dict) -> ReportTable:
+    """The runs excluded by a validity label, with the reason."""
     rows = [[str(e["run_id"]), str(e["task"]), str(e["arm"]), str(e["validity"]),
              str(e["reason"] or "-")] for e in report["excluded_runs"]]
-    tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
-                   rows))
-    tables += _rpt_audit_tables(report)
+    return ("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"], rows)
+
+
+def _rpt_snapshot_tables(report: dict) -> list[ReportTable]:
+    """Score against elapsed time per arm, when any run has graded snapshots (else no table)."""
+    arms = report["arms"]
     snaps = report.get("snapshots") or {}
     times = sorted({int(t) for curve in snaps.values() for t in curve})
-    if times:
-        rows = [[a] + [(f"{fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
-                        f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-" for t in times]
-                for a in arms]
-        tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
-                       ["Arm"] + [fmt_secs(float(t)) for t in times], rows))
+    if not times:
+        return []
+    rows = [[a] + [(f"{fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
+                    f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-"
+                   for t in times]
+            for a in arms]
+    return [("Score against elapsed time (graded snapshots: mean score, passed/runs)",
+             ["Arm"] + [fmt_secs(float(t)) for t in times], rows)]
+
+
+def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
+    tables = [_rpt_arm_table(report), _rpt_fate_table(report), _rpt_review_table(report),
+              _rpt_comparison_table(report), _rpt_score_cost_table(report),
+              _rpt_task_table(report), _rpt_other_view_table(report), _rpt_excluded_table(report)]
+    tables += _rpt_audit_tables(report)
+    tables += _rpt_snapshot_tables(report)
     return tables
 
 
