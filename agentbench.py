@@ -31,13 +31,13 @@ Sections (line ranges), strictly bottom-up:
      6209-6454  The supervisor: jobs (start, fork, continue)
      6455-7962  The experiment layer
      7963-8470  Statistics
-     8471-9358  The report: what each arm did
-     9359-9999  Rendering: Markdown and HTML
-    10000-10512 Run pages: the report as a directory
-    10513-11308 Offline scripted model
-    11309-11589 The scripted model: rehearsal of a study
-    11590-11650 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11651-13158 The CLI and main
+     8471-9398  The report: what each arm did
+     9399-10039 Rendering: Markdown and HTML
+    10040-10552 Run pages: the report as a directory
+    10553-11348 Offline scripted model
+    11349-11629 The scripted model: rehearsal of a study
+    11630-11690 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11691-13198 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -9189,21 +9189,10 @@ def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dic
     return out
 
 
-def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False) -> dict:
-    """The study report as a JSON-ready dict (SPEC 10).
-
-    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
-    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
-    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
-    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
-    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
-    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
-    runs of the view; every other run is counted under an explicit key (not_started, running,
-    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
-    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use random.Random(seed), so the report is reproducible.
-    """
+def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
+    """The arms to report on (the study's, else those seen in the runs in first-seen order) and
+    the baseline (default the first); AgentbenchError when there are none or the baseline is not
+    one of them."""
     arms = [str(a) for a in arms] if arms else []
     if not arms:
         for r in runs:
@@ -9215,29 +9204,28 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     if base not in arms:
         raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms",
                               code="baseline_arm_not_one_studys", arms=arms, baseline=base)
-    known, unknown = [], []
-    for r in runs:
-        (known if str(r.get("arm")) in arms else unknown).append(r)
-    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
-    known = [{**r, "arm": str(r.get("arm")),
-              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
-    tasks = sorted({r["_task"] for r in known})
-    excluded = [r for r in known if run_excluded(r)]
-    kept = [r for r in known if not run_excluded(r)]
+    return arms, base
+
+
+def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
+               tasks: list[str], seed: int) -> dict[str, dict]:
+    """The two views (exclusions applied, all included), each with its flagged-run counts and its
+    Holm-adjusted p-values."""
     views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
     # With nothing excluded the two views have the same input: computed once, copied.
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
                              else _rpt_view(known, [], arms, base, tasks, seed))
-    primary = "all_included" if include_excluded else "exclusions_applied"
-    other = "exclusions_applied" if include_excluded else "all_included"
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
         _rpt_holm_view(views[name])
-    behaviour = report_behaviour(known, arms)
-    exclusions = report_exclusions(known, arms, base)
-    warning = _rpt_exclusion_warning(exclusions, base, primary)
-    warnings = [warning] if warning else []
-    notes = list(warnings)
+    return views
+
+
+def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list[dict],
+                          include_excluded: bool, rehearsed: list[dict], est: list[dict]) -> list[str]:
+    """Notes on which runs the report stands on: exclusions, missing labels, an incomplete study,
+    unknown arms, rehearsals, unsandboxed runs and estimated costs."""
+    notes = []
     if excluded:
         by_label: dict[str, int] = {}
         for r in excluded:
@@ -9261,29 +9249,36 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
                      f"({', '.join(sorted({str(r.get('arm')) for r in unknown}))}) and are ignored")
-    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     if rehearsed:
         notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
-    unboxed = [r for r in known if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
+    unboxed = [r for r in known
+               if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
     if unboxed:
         why = sorted({w for r in unboxed for w in (r.get("sandbox") or {}).get("reasons") or []})
-        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could read the "
-                     f"study, the hidden tests and other runs" + (f" ({'; '.join(why)})" if why else ""))
-    est = [r for r in known if r.get("cost_estimated")]
+        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
+                     f"read the study, the hidden tests and other runs"
+                     + (f" ({'; '.join(why)})" if why else ""))
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
-    notes.extend(_rpt_view_notes(views[primary], base, ""))
-    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
-    fams = views[primary]["multiplicity"]["families"]
-    if len(fams["sign_test"]) > 1 or len(fams["mcnemar"]) > 1:
-        notes.append(f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                     f"with {base} (sign test family: {', '.join(fams['sign_test']) or 'none'}; "
-                     f"McNemar family: {', '.join(fams['mcnemar']) or 'none'}); read the adjusted "
-                     f"columns before calling a difference significant")
-    methods = {
+    return notes
+
+
+def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
+    """The note that p-values are Holm-adjusted, when a family holds more than one arm."""
+    if len(families["sign_test"]) > 1 or len(families["mcnemar"]) > 1:
+        return (f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
+                f"with {base} (sign test family: {', '.join(families['sign_test']) or 'none'}; "
+                f"McNemar family: {', '.join(families['mcnemar']) or 'none'}); read the adjusted "
+                f"columns before calling a difference significant")
+    return None
+
+
+def _rpt_methods(seed: int) -> dict[str, Any]:
+    """The report's `methods`: how each figure is computed, in words."""
+    return {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
                         "(runs treated as independent; repeats of one task are correlated, so "
                         "the interval is narrower than a task-level one when tasks differ; "
@@ -9307,11 +9302,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
                    "arms have the same evaluated repeat indices",
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
-                     "parallel slot or in a Slurm queue (recorded apart as queued_s); median over runs",
+                     "parallel slot or in a Slurm queue (recorded apart as queued_s); median over "
+                     "runs",
         "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
         "behaviour_audit": "the pipeline's audit of each run's tool calls and of its public test "
                            "files; a run is flagged when it has a finding; findings are counted "
-                           "by group (" + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
+                           "by group ("
+                           + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
                            + "); a heuristic over the commands the agent ran, not a sandbox",
         "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
@@ -9321,6 +9318,49 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
                         f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
                         "and cost comparisons are not adjusted",
     }
+
+
+def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
+                 include_excluded: bool = False) -> dict:
+    """The study report as a JSON-ready dict (SPEC 10).
+
+    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
+    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
+    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
+    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
+    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
+    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
+    runs of the view; every other run is counted under an explicit key (not_started, running,
+    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
+    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
+    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    """
+    arms, base = _rpt_arms(runs, arms, baseline)
+    known, unknown = [], []
+    for r in runs:
+        (known if str(r.get("arm")) in arms else unknown).append(r)
+    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
+    known = [{**r, "arm": str(r.get("arm")),
+              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
+    tasks = sorted({r["_task"] for r in known})
+    excluded = [r for r in known if run_excluded(r)]
+    kept = [r for r in known if not run_excluded(r)]
+    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed)
+    primary = "all_included" if include_excluded else "exclusions_applied"
+    other = "exclusions_applied" if include_excluded else "all_included"
+    behaviour = report_behaviour(known, arms)
+    exclusions = report_exclusions(known, arms, base)
+    warning = _rpt_exclusion_warning(exclusions, base, primary)
+    warnings = [warning] if warning else []
+    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
+    est = [r for r in known if r.get("cost_estimated")]
+    notes = list(warnings)
+    notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
+    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
+    multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
+    if multiplicity:
+        notes.append(multiplicity)
     excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
                       "repeat": r.get("repeat"), "validity": r.get("validity"),
                       "reason": r.get("validity_reason")} for r in excluded]
@@ -9351,7 +9391,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
-        "methods": methods,
+        "methods": _rpt_methods(seed),
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
 
