@@ -31,13 +31,13 @@ Sections (line ranges), strictly bottom-up:
      6209-6454  The supervisor: jobs (start, fork, continue)
      6455-7962  The experiment layer
      7963-8470  Statistics
-     8471-9398  The report: what each arm did
-     9399-10039 Rendering: Markdown and HTML
-    10040-10552 Run pages: the report as a directory
-    10553-11348 Offline scripted model
-    11349-11629 The scripted model: rehearsal of a study
-    11630-11690 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11691-13198 The CLI and main
+     8471-9399  The report: what each arm did
+     9400-10041 Rendering: Markdown and HTML
+    10042-10572 Run pages: the report as a directory
+    10573-11368 Offline scripted model
+    11369-11649 The scripted model: rehearsal of a study
+    11650-11710 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11711-13218 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -9147,7 +9147,8 @@ def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
     for arm, st in behaviour.items():
         if not st["flagged"]:
             continue
-        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}" for g, n in sorted(st["runs_by_group"].items()))
+        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}"
+                           for g, n in sorted(st["runs_by_group"].items()))
         notes.append(f"arm {arm}: the behaviour audit flagged {st['flagged']} of {st['runs']} run(s) "
                      f"(runs by finding: {groups})")
         wins = [f["run_id"] for f in st["flagged_runs"] if f["success"]]
@@ -9497,7 +9498,8 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
             for a in arms if a in beh for f in beh[a]["flagged_runs"]]
     out.append(("Runs flagged by the behaviour audit",
                 ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
-    rows = [[a + (" (baseline)" if a == base else ""), fmt_int(excl[a]["ended"]), fmt_int(excl[a]["excluded"]),
+    rows = [[a + (" (baseline)" if a == base else ""), fmt_int(excl[a]["ended"]),
+             fmt_int(excl[a]["excluded"]),
              _fmt_counts(excl[a]["by_label"]), fmt_p(excl[a]["fisher_p"]),
              "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
     out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
@@ -10128,8 +10130,9 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
                         continue   # the same block again in a later event of the message
                     raw_in = b.get("input")
                     # An input object reads best as key: value lines, strings as written.
-                    shown = ("\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
-                                       for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
+                    shown = ("\n".join(
+                        f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+                        for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
                     inp, cut = _page_trim(shown, PAGE_INPUT_CHARS)
                     item = {"kind": "tool", "id": tid, "name": str(b.get("name") or "?"), "input": inp,
                             "cut": cut, "result": None, "result_cut": 0, "is_error": False}
@@ -10176,8 +10179,9 @@ def _page_tree(root: Path) -> dict[str, Path]:
         return found
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d != ".git" and not (Path(dirpath) / d).is_symlink())
-        for name in sorted(filenames) + sorted(d for d in os.listdir(dirpath)
-                                              if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
+        for name in sorted(filenames) + sorted(
+                d for d in os.listdir(dirpath)
+                if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
             p = Path(dirpath) / name
             found[p.relative_to(root).as_posix()] = p
     return found
@@ -10248,7 +10252,8 @@ def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[
         if run_evaluated(r) and not run_excluded(r) and r.get("repeat") is not None:
             by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
     out = []
-    for (task, arm, rep), r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
+    for (task, arm, rep), r in sorted(by_key.items(),
+                                      key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
         if arm == base or arm not in arms:
             continue
         b = by_key.get((task, base, rep))
@@ -10286,7 +10291,8 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         prompt = ""
         with contextlib.suppress(OSError):
             prompt = (paths.job_dir(jid) / "prompt.txt").read_text(encoding="utf-8", errors="replace")
-        stream = Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir") else None
+        stream = (Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir")
+                  else None)
         timeline = stream_timeline(_page_read_stream(stream)) if stream else stream_timeline([])
         result = read_json(paths.result_file(jid), default=None) if job else None
         usage = (result or {}).get("usage") if isinstance(result, dict) else None
@@ -10304,12 +10310,14 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         except AgentbenchError:
             g = None
         if isinstance(g, dict):
-            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"), "score": g.get("score"),
-                          "exit_code": g.get("exit_code"), "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
-                          "output": _page_trim(str(g.get("stderr_tail") or "") + str(g.get("stdout_tail") or ""),
-                                               PAGE_RESULT_CHARS)})
+            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"),
+                          "score": g.get("score"), "exit_code": g.get("exit_code"),
+                          "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
+                          "output": _page_trim(str(g.get("stderr_tail") or "")
+                                               + str(g.get("stdout_tail") or ""), PAGE_RESULT_CHARS)})
     ws = (rec.get("workspace") or {}).get("path") if isinstance(rec.get("workspace"), dict) else None
-    diff = workspace_diff(starter, Path(ws)) if ws else {"available": False, "why": "no workspace recorded", "files": []}
+    diff = (workspace_diff(starter, Path(ws)) if ws
+            else {"available": False, "why": "no workspace recorded", "files": []})
     return {"run": rec, "sessions": sessions, "receipts": gates, "diff": diff}
 
 
@@ -10333,7 +10341,8 @@ def _page_block(text: str, cut: int) -> str:
         body += f"<p><em>({cut} more characters not shown)</em></p>"
     if len(text) > PAGE_FOLD_CHARS:
         first = text.strip().splitlines()[0][:80] if text.strip() else ""
-        body = f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>{body}</details>"
+        body = (f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>"
+                f"{body}</details>")
     return body
 
 
@@ -10352,13 +10361,16 @@ def _page_session_html(s: dict) -> str:
     """One session of the timeline: the prompt sent, then its stream, folded where long."""
     esc = html.escape
     tl = s["timeline"]
-    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">',
-         f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
+    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3>'
+         f'<div class="tl">',
+         f'<div class="prompt"><strong>Prompt sent</strong>'
+         f'{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
     if not s["stream_found"]:
         p.append("<div><em>(no raw stream on disk)</em></div>")
     for it in tl["items"]:
         if it["kind"] in ("text", "thinking"):
-            p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
+            p.append(f'<div class="text">'
+                     f'<strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
                      f'{_page_block(it["text"], it["cut"])}</div>')
         elif it["kind"] == "tool":
             res = ("<p><em>(no result)</em></p>" if it["result"] is None else
@@ -10369,7 +10381,8 @@ def _page_session_html(s: dict) -> str:
         elif it["kind"] == "result":
             # The binary's own total is cumulative over a resumed conversation: the per-session
             # cost is the table's.
-            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, {esc(str(it["turns"]))} turns'
+            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, '
+                     f'{esc(str(it["turns"]))} turns'
                      f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
     if tl["omitted"]:
         p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
@@ -10417,7 +10430,8 @@ def render_run_page(page: dict) -> str:
                            f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
                            fmt_int(rec.get("gate_cycles") or 0),
                            fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
-                           fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
+                           fmt_secs(_finite_or_none(rec.get("wall_s"))),
+                           "yes" if audit["flagged"] else "no"]]))
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
@@ -10425,10 +10439,12 @@ def render_run_page(page: dict) -> str:
     elif not findings and not audit["flagged"]:
         p.append("<p>No findings.</p>")
     else:
-        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind"))) if isinstance(f, dict) else "malformed",
+        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
+                 if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
                  str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0] if isinstance(f, dict) else _page_trim(f, 300)[0]]
+                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
         p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
     p.append("<h2>Cost and tokens per session</h2>")
@@ -10446,8 +10462,10 @@ def render_run_page(page: dict) -> str:
              "The feedback after a failed gate or a review is the prompt of the session that follows "
              "(gate_feedback, repair).</p>")
     reviews = [r for r in rec.get("reviews") or [] if isinstance(r, dict)]
-    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s) for i, s in enumerate(page["sessions"])]
-                     + [(str(g.get("at") or "~"), 1, i, "receipt", g) for i, g in enumerate(page["receipts"])],
+    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s)
+                      for i, s in enumerate(page["sessions"])]
+                     + [(str(g.get("at") or "~"), 1, i, "receipt", g)
+                        for i, g in enumerate(page["receipts"])],
                      key=lambda e: e[:3])
     n_reviewer = 0
     for _, _, _, kind, obj in entries:
@@ -10540,10 +10558,12 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
         task = tasks.get(str(r.get("task")))
         starter = task.public if task else None
         page = collect_run_page(paths, r, starter)
-        ran = (r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict) else None
+        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
+               else None)
         if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, the study now "
-                                    f"has {task.bundle_sha256[:16]}): the diff is against the current starter")
+            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
+                                    f"the current starter")
         write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
     index = out_dir / "index.html"
     write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
