@@ -9404,7 +9404,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
 # Markdown, and one self-contained HTML page with inline SVG charts.  Pure: dicts in, strings out.
 # It must not read the study, runs or files, nor compute a figure the report does not hold.
 
-# -- Formatting helpers shared by the Markdown and HTML renderers ----------------------------------
+# -- Number formats shared by Markdown, HTML and the run pages (fmt_pct, fmt_p: the report's) ------
 
 def _fmt_ci(ci: Any) -> str:
     if not ci:
