@@ -13,29 +13,31 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       82-150   Start-up: lazy imports and the cached-bytecode launcher
-      151-247   Constants
-      248-349   Errors and output
-      350-458   Hostile numbers
-      459-503   Fault points
-      504-1750  Platform seam
-     1751-2249  Files, locks and the registry
-     2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2776  Processes
-     2777-2889  Env scrub
-     2890-3256  The sandbox
-     3257-3703  Stream and usage
-     3704-4061  Study configuration
-     4062-4853  The metering gateway
-     4854-6206  The supervisor
-     6207-6452  The supervisor: jobs (start, fork, continue)
-     6453-7960  The experiment layer
-     7961-9865  Statistics and report
-     9866-10378 Run pages: the report as a directory
-    10379-11174 Offline scripted model
-    11175-11455 The scripted model: rehearsal of a study
-    11456-11516 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11517-13024 The CLI and main
+       84-152   Start-up: lazy imports and the cached-bytecode launcher
+      153-249   Constants
+      250-351   Errors and output
+      352-460   Hostile numbers
+      461-505   Fault points
+      506-1752  Platform seam
+     1753-2251  Files, locks and the registry
+     2252-2442  Records: the declared shapes of the job's and run's files
+     2443-2778  Processes
+     2779-2891  Env scrub
+     2892-3258  The sandbox
+     3259-3705  Stream and usage
+     3706-4063  Study configuration
+     4064-4855  The metering gateway
+     4856-6208  The supervisor
+     6209-6454  The supervisor: jobs (start, fork, continue)
+     6455-7962  The experiment layer
+     7963-8470  Statistics
+     8471-9399  The report: what each arm did
+     9400-10041 Rendering: Markdown and HTML
+    10042-10572 Run pages: the report as a directory
+    10573-11368 Offline scripted model
+    11369-11649 The scripted model: rehearsal of a study
+    11650-11710 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11711-13218 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -7959,24 +7961,15 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
 
 
 # ==================================================================================================
-# Statistics and report
+# Statistics
 # ==================================================================================================
-# Plain statistics functions (each with its definition and reference), the ledger usage aggregate,
-# and the study report built from run records, rendered as JSON-ready dict, Markdown and one
-# self-contained HTML page. Everything here is pure: data in, dicts and strings out. No file or
-# process I/O, no printing; the CLI reads the registry and ledger and writes what these return.
+# Plain statistics functions, each with its definition and reference: intervals, exact tests, the
+# bootstrap, power and sample size, multiplicity, and the expected cost of a plan.  Pure numerics:
+# numbers and sequences in, numbers and dicts out.  It must not know the study, runs or the
+# ledger, read or write files, or format text for a reader.
 
 # Two-sided 95% normal quantile, z_{0.975}, to the precision of a double.
 STAT_Z95 = 1.959963984540054
-
-# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
-# infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
-# stay listed, with their reasons, and in `all_included`.
-REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
-
-REPORT_SCHEMA = "agentbench-report/1"
-USAGE_SCHEMA = "agentbench-usage/1"
-USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
 # -- Statistics: plain functions -------------------------------------------------------------------
 
@@ -8197,6 +8190,80 @@ def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha
             "power": {k: v / n_sim for k, v in hits.items()}}
 
 
+def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
+                             power: float, tau: float, max_repeats: int, simulate: int) -> list[str]:
+    """What is wrong with paired_power_repeats's arguments, in words (empty: nothing)."""
+    problems = []
+    if not 0.0 <= p0 <= 1.0:
+        problems.append("p_base must be in [0, 1]")
+    if delta == 0:
+        problems.append("delta must be non-zero")
+    elif not 0.0 <= p1 <= 1.0:
+        problems.append("p_base + delta must be in [0, 1]")
+    if int(n_tasks) != n_tasks or n_tasks < 1:
+        problems.append("n_tasks must be a positive integer")
+    if not 0.0 < alpha < 1.0:
+        problems.append("alpha must be in (0, 1)")
+    if not 0.0 < power < 1.0:
+        problems.append("power must be in (0, 1)")
+    if tau < 0:
+        problems.append("tau must be >= 0")
+    if max_repeats < 1:
+        problems.append("max_repeats must be >= 1")
+    if simulate < 0:
+        problems.append("simulate must be >= 0")
+    return problems
+
+
+def _power_at(r: int, n_tasks: int, delta: float, tau: float, binom_var: float, z_a: float) -> float:
+    """Power of the normal approximation with r repeats (see paired_power_repeats)."""
+    var = tau * tau + binom_var / r
+    if var <= 0.0:
+        # No noise at all (p0, p1 in {0, 1} and tau = 0): any repeat shows the difference.
+        return 1.0
+    return statistics.NormalDist().cdf(math.sqrt(n_tasks) * abs(delta) / math.sqrt(var) - z_a)
+
+
+def _power_repeats(binom_var: float, denom: float) -> tuple[int | None, float | None]:
+    """(repeats, the exact real-valued solution) of r >= binom_var / denom; (None, None) when no
+    number of repeats suffices (denom <= 0)."""
+    exact_r = binom_var / denom if denom > 0 else None
+    if denom <= 0:
+        repeats = None
+    elif binom_var == 0.0:
+        repeats = 1
+    else:
+        repeats = max(1, math.ceil(exact_r - 1e-9))
+    return repeats, exact_r
+
+
+def _sign_test_min_tasks(alpha: float) -> int:
+    """Fewest informative tasks on which the exact sign test can reach p <= alpha."""
+    n = 1
+    while sign_test_min_p(n) > alpha:
+        n += 1
+    return n
+
+
+def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: int, tau: float,
+                 min_tasks: int | None, alpha: float, sign_min_tasks: int) -> list[str]:
+    """The plan's caveats in words (see paired_power_repeats)."""
+    notes = []
+    if repeats is None:
+        notes.append(f"no number of repeats reaches power {power} with {n_tasks} tasks when the "
+                     f"between-task sd of the difference is {tau}; use at least {min_tasks} tasks")
+    elif repeats > max_repeats:
+        notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
+    if n_tasks < sign_min_tasks:
+        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
+                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
+                     f"over pairs")
+    if n_tasks < 10:
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
+                     "consider simulate > 0")
+    return notes
+
+
 def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
                          power: float = 0.8, *, tau: float = 0.0, max_repeats: int = 1000,
                          simulate: int = 0, seed: int = 0) -> dict:
@@ -8224,25 +8291,8 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     """
     p0 = float(p_base)
     p1 = p0 + float(delta)
-    problems = []
-    if not 0.0 <= p0 <= 1.0:
-        problems.append("p_base must be in [0, 1]")
-    if delta == 0:
-        problems.append("delta must be non-zero")
-    elif not 0.0 <= p1 <= 1.0:
-        problems.append("p_base + delta must be in [0, 1]")
-    if int(n_tasks) != n_tasks or n_tasks < 1:
-        problems.append("n_tasks must be a positive integer")
-    if not 0.0 < alpha < 1.0:
-        problems.append("alpha must be in (0, 1)")
-    if not 0.0 < power < 1.0:
-        problems.append("power must be in (0, 1)")
-    if tau < 0:
-        problems.append("tau must be >= 0")
-    if max_repeats < 1:
-        problems.append("max_repeats must be >= 1")
-    if simulate < 0:
-        problems.append("simulate must be >= 0")
+    problems = _power_argument_problems(p0, p1, delta, n_tasks, alpha, power, tau, max_repeats,
+                                        simulate)
     if problems:
         raise AgentbenchError("invalid power-estimate arguments", code="invalid_power_estimate_arguments",
                               problems=problems,
@@ -8256,19 +8306,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     denom = n_tasks * delta * delta / (z_a + z_b) ** 2 - tau * tau
 
     def power_at(r: int) -> float:
-        var = tau * tau + binom_var / r
-        if var <= 0.0:
-            # No noise at all (p0, p1 in {0, 1} and tau = 0): any repeat shows the difference.
-            return 1.0
-        return norm.cdf(math.sqrt(n_tasks) * abs(delta) / math.sqrt(var) - z_a)
+        return _power_at(r, n_tasks, delta, tau, binom_var, z_a)
 
-    exact_r = binom_var / denom if denom > 0 else None
-    if denom <= 0:
-        repeats = None
-    elif binom_var == 0.0:
-        repeats = 1
-    else:
-        repeats = max(1, math.ceil(exact_r - 1e-9))
+    repeats, exact_r = _power_repeats(binom_var, denom)
     min_tasks = None
     if tau > 0:
         # With unlimited repeats the binomial term vanishes:
@@ -8278,22 +8318,8 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     shown = repeats if repeats is not None else max_repeats
     curve = [{"repeats": r, "power": power_at(r)}
              for r in sorted({1, 2, 3, 5, 10, 20, min(shown, max_repeats)}) if r <= max_repeats]
-    sign_min_tasks = 1
-    while sign_test_min_p(sign_min_tasks) > alpha:
-        sign_min_tasks += 1
-    notes = []
-    if repeats is None:
-        notes.append(f"no number of repeats reaches power {power} with {n_tasks} tasks when the "
-                     f"between-task sd of the difference is {tau}; use at least {min_tasks} tasks")
-    elif repeats > max_repeats:
-        notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
-    if n_tasks < sign_min_tasks:
-        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
-                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
-                     f"over pairs")
-    if n_tasks < 10:
-        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "consider simulate > 0")
+    sign_min_tasks = _sign_test_min_tasks(alpha)
+    notes = _power_notes(repeats, max_repeats, power, n_tasks, tau, min_tasks, alpha, sign_min_tasks)
     out: dict[str, Any] = {
         "method": "normal approximation on paired per-task differences",
         "formula": "r >= (p0 q0 + p1 q1) / (n_tasks delta^2 / (z_{1-alpha/2} + z_power)^2 - tau^2)",
@@ -8442,6 +8468,36 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
             "session_tokens_assumed": dict(PLAN_SESSION_TOKENS) if "token_estimate" in bases else None}
 
 
+# ==================================================================================================
+# The report: what each arm did
+# ==================================================================================================
+# Builds the report's data from run records and ledger lines: per arm, paired comparisons, per
+# task, the behaviour audit, differential exclusions, multiplicity, and the usage aggregate, as
+# JSON-ready dicts whose notes say in words what was left out.  Pure: the CLI reads the registry
+# and the ledger and passes them in.  It must not read files or render tables, Markdown or HTML.
+
+# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
+# infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
+# stay listed, with their reasons, and in `all_included`.
+REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
+
+REPORT_SCHEMA = "agentbench-report/1"
+USAGE_SCHEMA = "agentbench-usage/1"
+USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
+
+
+# -- How the report's notes quote a number ---------------------------------------------------------
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.1f}%"
+
+
+def fmt_p(p: float | None) -> str:
+    if p is None:
+        return "-"
+    return "<0.0001" if p < 0.0001 else f"{p:.4f}"
+
+
 # -- Usage aggregate (the ledger) ------------------------------------------------------------------
 
 _USAGE_TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m",
@@ -8545,94 +8601,18 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
             "totals": _usage_finish(totals), "notes": notes}
 
 
-# -- Formatting helpers shared by the Markdown and HTML renderers ----------------------------------
-
-def _fmt_pct(x: float | None) -> str:
-    return "-" if x is None else f"{100.0 * x:.1f}%"
-
-
-def _fmt_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{100.0 * ci[0]:.1f}%, {100.0 * ci[1]:.1f}%]"
-
-
-def _fmt_diff(x: float | None) -> str:
-    return "-" if x is None else f"{100.0 * x:+.1f} pts"
-
-
-def _fmt_diff_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
-
-
-def _fmt_usd(x: float | None, estimated: bool = False) -> str:
-    """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
-    if x is None:
-        return "-"
-    text = f"${x:,.4f}" if abs(x) < 1 else f"${x:,.2f}"
-    return ("~" + text) if estimated else text
-
-
-def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
-    if not ci:
-        return "-"
-    return f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
-
-
-def _fmt_usd_diff(x: float | None) -> str:
-    """A signed dollar difference, four decimals below $1 like _fmt_usd."""
-    if x is None:
-        return "-"
-    sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
-    return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
-
-
-def _fmt_usd_ci(ci: Any) -> str:
-    if not ci:
-        return "-"
-    return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
-
-
-def _fmt_int(x: Any) -> str:
-    return "-" if x is None else f"{int(x):,}"
-
-
-def _fmt_num(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _fmt_p(p: float | None) -> str:
-    if p is None:
-        return "-"
-    return "<0.0001" if p < 0.0001 else f"{p:.4f}"
-
-
-def _fmt_secs(s: float | None) -> str:
-    if s is None:
-        return "-"
-    if s < 120:
-        return f"{s:.0f} s"
-    return f"{s / 60.0:.1f} min"
-
-
-def _fmt_counts(d: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
-
-
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
 
-def _rpt_excluded(run: dict) -> bool:
+def run_excluded(run: dict) -> bool:
     return run.get("validity") in REPORT_EXCLUDED_VALIDITY
 
 
-def _rpt_evaluated(run: dict) -> bool:
+def run_evaluated(run: dict) -> bool:
     return isinstance(run.get("evaluation"), dict)
 
 
-def _rpt_success(run: dict) -> bool:
-    return _rpt_evaluated(run) and bool(run["evaluation"].get("success"))
+def run_succeeded(run: dict) -> bool:
+    return run_evaluated(run) and bool(run["evaluation"].get("success"))
 
 
 def _rpt_pending(run: dict) -> str | None:
@@ -8646,6 +8626,72 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
     d[key] = d.get(key, 0) + by
 
 
+def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
+    """Each task's success rate over its evaluated runs, in the order of the task keys."""
+    per_task: dict[str, list[bool]] = {}
+    for r in evaluated:
+        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
+    return [sum(v) / len(v) for _, v in sorted(per_task.items())]
+
+
+def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
+    """Runs that ended without an evaluation, counted by cause."""
+    not_eval_by_cause: dict[str, int] = {}
+    for r in ended_unevaluated:
+        # Name the cause by outcome when there is one; an error or interruption status wins
+        # over a plain "failure" outcome, which would hide why the run was never graded.
+        cause = r.get("outcome") or r.get("status") or "unknown"
+        if r.get("status") in ("error", "interrupted") and cause == "failure":
+            cause = r.get("status")
+        _rpt_inc(not_eval_by_cause, cause)
+    return not_eval_by_cause
+
+
+def _rpt_token_totals(runs: list[dict]) -> dict[str, int]:
+    """Tokens summed by type over `runs`, and their `total` (input, output, cache write and read)."""
+    tokens: dict[str, int] = {}
+    for r in runs:
+        for k, v in (r.get("tokens") or {}).items():
+            if isinstance(v, (int, float)):
+                tokens[k] = tokens.get(k, 0) + v
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    return tokens
+
+
+def _rpt_gate_cycles(started: list[dict]) -> dict:
+    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
+    cycles = [int(r.get("gate_cycles") or 0) for r in started]
+    cycle_dist: dict[str, int] = {}
+    for c in sorted(cycles):
+        _rpt_inc(cycle_dist, c)
+    return {"total": sum(cycles), "mean": mean(cycles),
+            "max": max(cycles) if cycles else None, "distribution": cycle_dist}
+
+
+def _rpt_review_verdicts(started: list[dict]) -> dict[str, dict[str, int]]:
+    """Review verdicts of the started runs: every one, and each run's last."""
+    verdicts_all: dict[str, int] = {}
+    verdicts_final: dict[str, int] = {}
+    for r in started:
+        vs = r.get("review_verdicts") or []
+        for v in vs:
+            _rpt_inc(verdicts_all, v)
+        if vs:
+            _rpt_inc(verdicts_final, vs[-1])
+    return {"all": verdicts_all, "final": verdicts_final}
+
+
+def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
+    """Why the started runs that ended without success failed, counted by reason."""
+    reasons: dict[str, int] = {}
+    for r in started:
+        if _rpt_pending(r) or run_succeeded(r):
+            continue
+        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
+    return reasons
+
+
 def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
     """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
 
@@ -8657,22 +8703,11 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
     itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
-    evaluated = [r for r in runs if _rpt_evaluated(r)]
-    successes = sum(1 for r in evaluated if _rpt_success(r))
-    per_task: dict[str, list[bool]] = {}
-    for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(_rpt_success(r))
-    task_rates = [sum(v) / len(v) for _, v in sorted(per_task.items())]
+    evaluated = [r for r in runs if run_evaluated(r)]
+    successes = sum(1 for r in evaluated if run_succeeded(r))
+    task_rates = _rpt_task_rates(evaluated)
     task_ci = bootstrap_mean_diff_ci(task_rates, seed)
-    ended_unevaluated = [r for r in runs if not _rpt_evaluated(r) and not _rpt_pending(r)]
-    not_eval_by_cause: dict[str, int] = {}
-    for r in ended_unevaluated:
-        # Name the cause by outcome when there is one; an error or interruption status wins
-        # over a plain "failure" outcome, which would hide why the run was never graded.
-        cause = r.get("outcome") or r.get("status") or "unknown"
-        if r.get("status") in ("error", "interrupted") and cause == "failure":
-            cause = r.get("status")
-        _rpt_inc(not_eval_by_cause, cause)
+    ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
     outcomes: dict[str, int] = {}
     for r in started:
         _rpt_inc(outcomes, r.get("outcome"))
@@ -8681,31 +8716,7 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     cost = math.fsum(float(r.get("cost_usd") or 0.0) for r in runs)
     cost_est_runs = [r for r in runs if r.get("cost_estimated")]
     cost_est = math.fsum(float(r.get("cost_usd") or 0.0) for r in cost_est_runs)
-    tokens: dict[str, int] = {}
-    for r in runs:
-        for k, v in (r.get("tokens") or {}).items():
-            if isinstance(v, (int, float)):
-                tokens[k] = tokens.get(k, 0) + v
-    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
-                                                                "cache_creation", "cache_read"))
     walls = [float(r["wall_s"]) for r in started if isinstance(r.get("wall_s"), (int, float))]
-    cycles = [int(r.get("gate_cycles") or 0) for r in started]
-    cycle_dist: dict[str, int] = {}
-    for c in sorted(cycles):
-        _rpt_inc(cycle_dist, c)
-    verdicts_all: dict[str, int] = {}
-    verdicts_final: dict[str, int] = {}
-    for r in started:
-        vs = r.get("review_verdicts") or []
-        for v in vs:
-            _rpt_inc(verdicts_all, v)
-        if vs:
-            _rpt_inc(verdicts_final, vs[-1])
-    reasons: dict[str, int] = {}
-    for r in started:
-        if _rpt_pending(r) or _rpt_success(r):
-            continue
-        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
     n_eval = len(evaluated)
     # Conservative view: every ended run counts; one without an evaluation counts as a failure.
     n_ended = n_eval + len(ended_unevaluated)
@@ -8724,7 +8735,7 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
         "started": len(started),
         "evaluated": n_eval,
         "not_evaluated": len(ended_unevaluated),
-        "not_evaluated_by_cause": not_eval_by_cause,
+        "not_evaluated_by_cause": _rpt_not_evaluated_causes(ended_unevaluated),
         "successes": successes,
         "failures": n_eval - successes,
         "success_rate": successes / n_eval if n_eval else None,
@@ -8749,12 +8760,11 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
         "cost_per_run_usd": cost / len(started) if started else None,
         "cost_per_success_usd": cost / successes if successes else None,
         "cost_excluded_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in left_out),
-        "tokens": tokens,
+        "tokens": _rpt_token_totals(runs),
         "median_wall_s": median(walls),
-        "gate_cycles": {"total": sum(cycles), "mean": mean(cycles),
-                        "max": max(cycles) if cycles else None, "distribution": cycle_dist},
-        "review_verdicts": {"all": verdicts_all, "final": verdicts_final},
-        "failure_reasons": reasons,
+        "gate_cycles": _rpt_gate_cycles(started),
+        "review_verdicts": _rpt_review_verdicts(started),
+        "failure_reasons": _rpt_failure_reasons(started),
     }
 
 
@@ -8773,8 +8783,8 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
         row = {}
         for arm in arms:
             cell = index.get((task, arm), [])
-            ev = [r for r in cell if _rpt_evaluated(r)]
-            s = sum(1 for r in ev if _rpt_success(r))
+            ev = [r for r in cell if run_evaluated(r)]
+            s = sum(1 for r in ev if run_succeeded(r))
             scores = [float(r["evaluation"]["score"]) for r in ev
                       if isinstance(r["evaluation"].get("score"), (int, float))]
             row[arm] = {"runs": len(cell), "evaluated": len(ev), "successes": s,
@@ -8816,13 +8826,13 @@ def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed:
             "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
 
 
-def _rpt_score(run: dict) -> float | None:
+def run_score(run: dict) -> float | None:
     ev = run.get("evaluation")
     score = ev.get("score") if isinstance(ev, dict) else None
     return finite_number(score, lo=0.0, hi=1.0)
 
 
-def _rpt_cost(run: dict) -> float | None:
+def run_cost(run: dict) -> float | None:
     return usd_from(run.get("cost_usd"), hi=math.inf)
 
 
@@ -8839,8 +8849,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
     mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
           "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
     for task in tasks:
-        ra = [r for r in index.get((task, arm), []) if _rpt_evaluated(r)]
-        rb = [r for r in index.get((task, base), []) if _rpt_evaluated(r)]
+        ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
+        rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
         if not ra or not rb:
             if ra:
                 no_base.append(task)
@@ -8849,8 +8859,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             else:
                 neither.append(task)
             continue
-        sa = sum(1 for r in ra if _rpt_success(r))
-        sb = sum(1 for r in rb if _rpt_success(r))
+        sa = sum(1 for r in ra if run_succeeded(r))
+        sb = sum(1 for r in rb if run_succeeded(r))
         # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
         lhs, rhs = sa * len(rb), sb * len(ra)
         if lhs > rhs:
@@ -8871,9 +8881,9 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             mc["tasks_skipped"].append(task)
             continue
         mc["tasks_used"].append(task)
-        by_rep_b = {r.get("repeat"): _rpt_success(r) for r in rb}
+        by_rep_b = {r.get("repeat"): run_succeeded(r) for r in rb}
         for r in ra:
-            ya, yb = _rpt_success(r), by_rep_b[r.get("repeat")]
+            ya, yb = run_succeeded(r), by_rep_b[r.get("repeat")]
             mc["pairs"] += 1
             key = ("both_success" if ya and yb else "arm_only_success" if ya else
                    "baseline_only_success" if yb else "both_failure")
@@ -8898,8 +8908,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "mcnemar": mcnemar,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_score, _rpt_evaluated),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, _rpt_cost, _rpt_ended),
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended),
     }
 
 
@@ -8930,7 +8940,7 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
                 f"{label}arm {arm}: {st['not_evaluated']} run(s) ended without an evaluation "
                 f"({causes}); its success rate uses the {st['evaluated']} evaluated run(s); "
                 f"counting the unevaluated ones as failures gives "
-                f"{_fmt_pct(st['success_rate_conservative'])} (success_rate_conservative)")
+                f"{fmt_pct(st['success_rate_conservative'])} (success_rate_conservative)")
         graded_stops = st["budget_exhausted"] + st["timeouts"] - sum(
             st["not_evaluated_by_cause"].get(k, 0) for k in ("budget_exhausted", "timeout"))
         if graded_stops > 0:
@@ -9003,7 +9013,7 @@ def audit_group(kind: str) -> str:
     return kind
 
 
-def _rpt_run_audit(run: dict) -> dict:
+def run_audit(run: dict) -> dict:
     """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
 
     The audit record is the pipeline's, but a run record is a file: a finding that is not an
@@ -9030,36 +9040,36 @@ def report_behaviour(runs: list[dict], arms: list[str]) -> dict:
         out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
                     "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
     for r in runs:
-        st, a = out[r["arm"]], _rpt_run_audit(r)
+        st, a = out[r["arm"]], run_audit(r)
         st["runs"] += 1
         st["audited"] += a["audited"]
         if not a["flagged"]:
             continue
         st["flagged"] += 1
-        st["flagged_successes"] += _rpt_success(r)
+        st["flagged_successes"] += run_succeeded(r)
         for g, n in a["groups"].items():
             _rpt_inc(st["findings_by_group"], g, n)
             _rpt_inc(st["runs_by_group"], g)
         st["flagged_runs"].append({"run_id": r.get("run_id"), "task": r["_task"], "repeat": r.get("repeat"),
-                                   "success": _rpt_success(r), "outcome": r.get("outcome"),
-                                   "excluded": _rpt_excluded(r), "groups": dict(sorted(a["groups"].items()))})
+                                   "success": run_succeeded(r), "outcome": r.get("outcome"),
+                                   "excluded": run_excluded(r), "groups": dict(sorted(a["groups"].items()))})
     return out
 
 
 def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
     """Add flagged-run counts to a view: per arm (`flagged`, `flagged_successes`) and per
     comparison (`flagged_runs`: the flagged evaluated runs of each side on the compared tasks)."""
-    flagged = {id(r) for r in view_runs if _rpt_run_audit(r)["flagged"]}
+    flagged = {id(r) for r in view_runs if run_audit(r)["flagged"]}
     for arm, st in view["per_arm"].items():
         mine = [r for r in view_runs if r["arm"] == arm and id(r) in flagged]
         st["flagged"] = len(mine)
-        st["flagged_successes"] = sum(1 for r in mine if _rpt_success(r))
+        st["flagged_successes"] = sum(1 for r in mine if run_succeeded(r))
     for arm, cmp in view["comparisons"].items():
         tasks = {t["task"] for t in cmp["per_task"]}
 
         def n_flagged(side: str) -> int:
             return sum(1 for r in view_runs if r["arm"] == side and r["_task"] in tasks
-                       and _rpt_evaluated(r) and id(r) in flagged)
+                       and run_evaluated(r) and id(r) in flagged)
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
@@ -9090,7 +9100,7 @@ def report_exclusions(runs: list[dict], arms: list[str], base: str) -> dict:
         ended = [r for r in runs if r["arm"] == arm and _rpt_ended(r)]
         labels: dict[str, int] = {}
         for r in ended:
-            if _rpt_excluded(r):
+            if run_excluded(r):
                 _rpt_inc(labels, r.get("validity"))
         n_out = sum(labels.values())
         per_arm[arm] = {"ended": len(ended), "excluded": n_out, "by_label": labels,
@@ -9123,7 +9133,7 @@ def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
         elif arm != base and excl["per_arm"][base]["all_excluded"]:
             why = f"all of the baseline {base}'s ended runs are excluded"
         else:
-            why = f"Fisher's exact test of excluded vs kept against {base}: p = {_fmt_p(st['fisher_p'])}"
+            why = f"Fisher's exact test of excluded vs kept against {base}: p = {fmt_p(st['fisher_p'])}"
         parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
     read = ("the all-included view (views.all_included) is the one to read"
             if primary == "exclusions_applied" else "the primary view already includes every run")
@@ -9137,7 +9147,8 @@ def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
     for arm, st in behaviour.items():
         if not st["flagged"]:
             continue
-        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}" for g, n in sorted(st["runs_by_group"].items()))
+        groups = ", ".join(f"{n} {REPORT_AUDIT_GROUPS.get(g, g)}"
+                           for g, n in sorted(st["runs_by_group"].items()))
         notes.append(f"arm {arm}: the behaviour audit flagged {st['flagged']} of {st['runs']} run(s) "
                      f"(runs by finding: {groups})")
         wins = [f["run_id"] for f in st["flagged_runs"] if f["success"]]
@@ -9179,21 +9190,10 @@ def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dic
     return out
 
 
-def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False) -> dict:
-    """The study report as a JSON-ready dict (SPEC 10).
-
-    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
-    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
-    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
-    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
-    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
-    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
-    runs of the view; every other run is counted under an explicit key (not_started, running,
-    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
-    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use random.Random(seed), so the report is reproducible.
-    """
+def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
+    """The arms to report on (the study's, else those seen in the runs in first-seen order) and
+    the baseline (default the first); AgentbenchError when there are none or the baseline is not
+    one of them."""
     arms = [str(a) for a in arms] if arms else []
     if not arms:
         for r in runs:
@@ -9205,29 +9205,28 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     if base not in arms:
         raise AgentbenchError(f"baseline arm {base!r} is not one of the study's arms",
                               code="baseline_arm_not_one_studys", arms=arms, baseline=base)
-    known, unknown = [], []
-    for r in runs:
-        (known if str(r.get("arm")) in arms else unknown).append(r)
-    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
-    known = [{**r, "arm": str(r.get("arm")),
-              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
-    tasks = sorted({r["_task"] for r in known})
-    excluded = [r for r in known if _rpt_excluded(r)]
-    kept = [r for r in known if not _rpt_excluded(r)]
+    return arms, base
+
+
+def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
+               tasks: list[str], seed: int) -> dict[str, dict]:
+    """The two views (exclusions applied, all included), each with its flagged-run counts and its
+    Holm-adjusted p-values."""
     views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
     # With nothing excluded the two views have the same input: computed once, copied.
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
                              else _rpt_view(known, [], arms, base, tasks, seed))
-    primary = "all_included" if include_excluded else "exclusions_applied"
-    other = "exclusions_applied" if include_excluded else "all_included"
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
         _rpt_holm_view(views[name])
-    behaviour = report_behaviour(known, arms)
-    exclusions = report_exclusions(known, arms, base)
-    warning = _rpt_exclusion_warning(exclusions, base, primary)
-    warnings = [warning] if warning else []
-    notes = list(warnings)
+    return views
+
+
+def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list[dict],
+                          include_excluded: bool, rehearsed: list[dict], est: list[dict]) -> list[str]:
+    """Notes on which runs the report stands on: exclusions, missing labels, an incomplete study,
+    unknown arms, rehearsals, unsandboxed runs and estimated costs."""
+    notes = []
     if excluded:
         by_label: dict[str, int] = {}
         for r in excluded:
@@ -9251,29 +9250,36 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
                      f"({', '.join(sorted({str(r.get('arm')) for r in unknown}))}) and are ignored")
-    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     if rehearsed:
         notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
-    unboxed = [r for r in known if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
+    unboxed = [r for r in known
+               if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
     if unboxed:
         why = sorted({w for r in unboxed for w in (r.get("sandbox") or {}).get("reasons") or []})
-        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could read the "
-                     f"study, the hidden tests and other runs" + (f" ({'; '.join(why)})" if why else ""))
-    est = [r for r in known if r.get("cost_estimated")]
+        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
+                     f"read the study, the hidden tests and other runs"
+                     + (f" ({'; '.join(why)})" if why else ""))
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
-    notes.extend(_rpt_view_notes(views[primary], base, ""))
-    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
-    fams = views[primary]["multiplicity"]["families"]
-    if len(fams["sign_test"]) > 1 or len(fams["mcnemar"]) > 1:
-        notes.append(f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                     f"with {base} (sign test family: {', '.join(fams['sign_test']) or 'none'}; "
-                     f"McNemar family: {', '.join(fams['mcnemar']) or 'none'}); read the adjusted "
-                     f"columns before calling a difference significant")
-    methods = {
+    return notes
+
+
+def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
+    """The note that p-values are Holm-adjusted, when a family holds more than one arm."""
+    if len(families["sign_test"]) > 1 or len(families["mcnemar"]) > 1:
+        return (f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
+                f"with {base} (sign test family: {', '.join(families['sign_test']) or 'none'}; "
+                f"McNemar family: {', '.join(families['mcnemar']) or 'none'}); read the adjusted "
+                f"columns before calling a difference significant")
+    return None
+
+
+def _rpt_methods(seed: int) -> dict[str, Any]:
+    """The report's `methods`: how each figure is computed, in words."""
+    return {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
                         "(runs treated as independent; repeats of one task are correlated, so "
                         "the interval is narrower than a task-level one when tasks differ; "
@@ -9297,11 +9303,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
                    "arms have the same evaluated repeat indices",
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
-                     "parallel slot or in a Slurm queue (recorded apart as queued_s); median over runs",
+                     "parallel slot or in a Slurm queue (recorded apart as queued_s); median over "
+                     "runs",
         "excluded_labels": list(REPORT_EXCLUDED_VALIDITY),
         "behaviour_audit": "the pipeline's audit of each run's tool calls and of its public test "
                            "files; a run is flagged when it has a finding; findings are counted "
-                           "by group (" + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
+                           "by group ("
+                           + "; ".join(f"{k}: {v}" for k, v in REPORT_AUDIT_GROUPS.items())
                            + "); a heuristic over the commands the agent ran, not a sandbox",
         "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
@@ -9311,6 +9319,49 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
                         f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
                         "and cost comparisons are not adjusted",
     }
+
+
+def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
+                 include_excluded: bool = False) -> dict:
+    """The study report as a JSON-ready dict (SPEC 10).
+
+    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
+    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
+    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
+    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
+    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
+    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
+    runs of the view; every other run is counted under an explicit key (not_started, running,
+    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
+    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
+    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    """
+    arms, base = _rpt_arms(runs, arms, baseline)
+    known, unknown = [], []
+    for r in runs:
+        (known if str(r.get("arm")) in arms else unknown).append(r)
+    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
+    known = [{**r, "arm": str(r.get("arm")),
+              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
+    tasks = sorted({r["_task"] for r in known})
+    excluded = [r for r in known if run_excluded(r)]
+    kept = [r for r in known if not run_excluded(r)]
+    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed)
+    primary = "all_included" if include_excluded else "exclusions_applied"
+    other = "exclusions_applied" if include_excluded else "all_included"
+    behaviour = report_behaviour(known, arms)
+    exclusions = report_exclusions(known, arms, base)
+    warning = _rpt_exclusion_warning(exclusions, base, primary)
+    warnings = [warning] if warning else []
+    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
+    est = [r for r in known if r.get("cost_estimated")]
+    notes = list(warnings)
+    notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
+    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
+    multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
+    if multiplicity:
+        notes.append(multiplicity)
     excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
                       "repeat": r.get("repeat"), "validity": r.get("validity"),
                       "reason": r.get("validity_reason")} for r in excluded]
@@ -9341,9 +9392,82 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
-        "methods": methods,
+        "methods": _rpt_methods(seed),
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
+
+
+# ==================================================================================================
+# Rendering: Markdown and HTML
+# ==================================================================================================
+# Text from the report's data: the number formats, the tables (as data, shared by both formats),
+# Markdown, and one self-contained HTML page with inline SVG charts.  Pure: dicts in, strings out.
+# It must not read the study, runs or files, nor compute a figure the report does not hold.
+
+# -- Number formats shared by Markdown, HTML and the run pages (fmt_pct, fmt_p: the report's) ------
+
+def _fmt_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:.1f}%, {100.0 * ci[1]:.1f}%]"
+
+
+def _fmt_diff(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:+.1f} pts"
+
+
+def _fmt_diff_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{100.0 * ci[0]:+.1f}, {100.0 * ci[1]:+.1f}] pts"
+
+
+def fmt_usd(x: float | None, estimated: bool = False) -> str:
+    """Dollars; four decimals below $1 (per-run costs are often cents); ~ marks an estimate."""
+    if x is None:
+        return "-"
+    text = f"${x:,.4f}" if abs(x) < 1 else f"${x:,.2f}"
+    return ("~" + text) if estimated else text
+
+
+def _fmt_num_ci(ci: Any, digits: int = 2) -> str:
+    if not ci:
+        return "-"
+    return f"[{ci[0]:+.{digits}f}, {ci[1]:+.{digits}f}]"
+
+
+def _fmt_usd_diff(x: float | None) -> str:
+    """A signed dollar difference, four decimals below $1 like fmt_usd."""
+    if x is None:
+        return "-"
+    sign = "+" if x >= 0 or round(abs(x), 4) == 0 else "-"   # no "-$0.0000" from rounding noise
+    return sign + (f"${abs(x):,.4f}" if abs(x) < 1 else f"${abs(x):,.2f}")
+
+
+def _fmt_usd_ci(ci: Any) -> str:
+    if not ci:
+        return "-"
+    return f"[{_fmt_usd_diff(ci[0])}, {_fmt_usd_diff(ci[1])}]"
+
+
+def fmt_int(x: Any) -> str:
+    return "-" if x is None else f"{int(x):,}"
+
+
+def fmt_num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def fmt_secs(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60.0:.1f} min"
+
+
+def _fmt_counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) if d else "-"
 
 
 # -- Rendering: tables as data, then Markdown / HTML -----------------------------------------------
@@ -9362,9 +9486,9 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
     beh = report.get("behaviour") or {}
     excl = (report.get("exclusions") or {}).get("per_arm") or {}
     groups = sorted({g for st in beh.values() for g in st["runs_by_group"]})
-    rows = [[a, _fmt_int(beh[a]["runs"]), _fmt_int(beh[a]["audited"]), _fmt_int(beh[a]["flagged"]),
-             _fmt_int(beh[a]["flagged_successes"])]
-            + [_fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
+    rows = [[a, fmt_int(beh[a]["runs"]), fmt_int(beh[a]["audited"]), fmt_int(beh[a]["flagged"]),
+             fmt_int(beh[a]["flagged_successes"])]
+            + [fmt_int(beh[a]["runs_by_group"].get(g, 0)) for g in groups] for a in arms if a in beh]
     out = [("Behaviour audit per arm (every run, excluded ones too; runs with a finding of each kind)",
             ["Arm", "Runs", "Audited", "Flagged", "Flagged successes"]
             + [REPORT_AUDIT_GROUPS.get(g, g) for g in groups], rows)]
@@ -9374,122 +9498,174 @@ def _rpt_audit_tables(report: dict) -> list[tuple[str, list[str], list[list[str]
             for a in arms if a in beh for f in beh[a]["flagged_runs"]]
     out.append(("Runs flagged by the behaviour audit",
                 ["Run", "Task", "Arm", "Repeat", "Outcome", "Excluded", "Findings"], rows))
-    rows = [[a + (" (baseline)" if a == base else ""), _fmt_int(excl[a]["ended"]), _fmt_int(excl[a]["excluded"]),
-             _fmt_counts(excl[a]["by_label"]), _fmt_p(excl[a]["fisher_p"]),
+    rows = [[a + (" (baseline)" if a == base else ""), fmt_int(excl[a]["ended"]),
+             fmt_int(excl[a]["excluded"]),
+             _fmt_counts(excl[a]["by_label"]), fmt_p(excl[a]["fisher_p"]),
              "yes" if excl[a]["biased"] else "no"] for a in arms if a in excl]
     out.append((f"Exclusions per arm (Fisher exact test of excluded vs kept against {base})",
                 ["Arm", "Ended runs", "Excluded", "By label", "Fisher p", "Depends on the arm"], rows))
     return out
 
 
-def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
-    arms = report["arms"]
-    base = report["baseline"]
-    pa = report["per_arm"]
-    tables = []
+#: One table of the report as data: (title, headers, rows of cell strings).
+ReportTable = tuple[str, list[str], list[list[str]]]
+
+
+def _rpt_arm_table(report: dict) -> ReportTable:
+    """Results per arm: rates with both intervals, score, costs, tokens, wall time, cycles, flags."""
+    arms, base, pa = report["arms"], report["baseline"], report["per_arm"]
     rows = []
     for a in arms:
         s = pa[a]
         est = s["cost_estimated_usd"] > 0
-        rows.append([a + (" (baseline)" if a == base else ""), _fmt_int(s["runs"]),
-                     _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
-                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
-                     _fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
-                     _fmt_num(s["mean_score"], 3),
-                     _fmt_usd(s["cost_per_run_usd"], est), _fmt_usd(s["cost_per_success_usd"], est),
-                     _fmt_usd(s["cost_usd"], est), _fmt_int(s["tokens"].get("total", 0)),
-                     _fmt_secs(s["median_wall_s"]), _fmt_num(s["gate_cycles"]["mean"], 2),
+        rows.append([a + (" (baseline)" if a == base else ""), fmt_int(s["runs"]),
+                     fmt_int(s["evaluated"]), fmt_int(s["successes"]),
+                     fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+                     fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
+                     fmt_num(s["mean_score"], 3),
+                     fmt_usd(s["cost_per_run_usd"], est), fmt_usd(s["cost_per_success_usd"], est),
+                     fmt_usd(s["cost_usd"], est), fmt_int(s["tokens"].get("total", 0)),
+                     fmt_secs(s["median_wall_s"]), fmt_num(s["gate_cycles"]["mean"], 2),
                      _rpt_flag_cell(s)])
-    tables.append(("Results per arm",
-                   ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                    "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success", "Total cost", "Tokens",
-                    "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows))
+    return ("Results per arm",
+            ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+             "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success",
+             "Total cost", "Tokens", "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows)
+
+
+def _rpt_fate_table(report: dict) -> ReportTable:
+    """What happened to every run of each arm, and the rate with unevaluated runs as failures."""
+    pa = report["per_arm"]
     rows = []
-    for a in arms:
+    for a in report["arms"]:
         s = pa[a]
-        rows.append([a, _fmt_int(s["not_started"]), _fmt_int(s["running"]),
-                     _fmt_int(s["excluded"]), _fmt_int(s["not_evaluated"]),
-                     _fmt_int(s["errors"]), _fmt_int(s["interrupted"]),
-                     _fmt_int(s["budget_exhausted"]), _fmt_int(s["timeouts"]),
-                     _fmt_pct(s["success_rate_conservative"])])
-    tables.append(("What happened to every run",
-                   ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
-                    "Interrupted", "Budget stops", "Timeouts",
-                    "Rate, unevaluated as failure"], rows))
+        rows.append([a, fmt_int(s["not_started"]), fmt_int(s["running"]),
+                     fmt_int(s["excluded"]), fmt_int(s["not_evaluated"]),
+                     fmt_int(s["errors"]), fmt_int(s["interrupted"]),
+                     fmt_int(s["budget_exhausted"]), fmt_int(s["timeouts"]),
+                     fmt_pct(s["success_rate_conservative"])])
+    return ("What happened to every run",
+            ["Arm", "Not started", "Running", "Excluded", "Not evaluated", "Errors",
+             "Interrupted", "Budget stops", "Timeouts",
+             "Rate, unevaluated as failure"], rows)
+
+
+def _rpt_review_table(report: dict) -> ReportTable:
+    """Review verdicts, the distribution of gate cycles and failure reasons per arm."""
+    pa = report["per_arm"]
     rows = [[a, _fmt_counts(pa[a]["review_verdicts"]["final"]),
              _fmt_counts(pa[a]["review_verdicts"]["all"]),
              ", ".join(f"{k} cycle{'' if str(k) == '1' else 's'}: {v} run{'' if v == 1 else 's'}"
                        for k, v in pa[a]["gate_cycles"]["distribution"].items()) or "-",
-             _fmt_counts(pa[a]["failure_reasons"])] for a in arms]
-    tables.append(("Reviews, gate cycles and failure reasons",
-                   ["Arm", "Final review verdicts", "All review verdicts",
-                    "Gate cycles", "Failure reasons"], rows))
+             _fmt_counts(pa[a]["failure_reasons"])] for a in report["arms"]]
+    return ("Reviews, gate cycles and failure reasons",
+            ["Arm", "Final review verdicts", "All review verdicts",
+             "Gate cycles", "Failure reasons"], rows)
+
+
+def _rpt_comparison_table(report: dict) -> ReportTable:
+    """The paired success comparisons against the baseline, with their Holm-adjusted p-values."""
+    base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         mc = c["mcnemar"]
         mc_txt = "-" if not mc or mc.get("p") is None else (
             f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
-            f"p {_fmt_p(mc['p'])}")
+            f"p {fmt_p(mc['p'])}")
         fl = c.get("flagged_runs") or {}
-        rows.append([f"{a} vs {base}", _fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
+        rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
                      _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     _fmt_p(c["sign_test_p"]), mc_txt, _fmt_p(c.get("sign_test_p_holm")),
-                     _fmt_p((mc or {}).get("p_holm")),
+                     fmt_p(c["sign_test_p"]), mc_txt, fmt_p(c.get("sign_test_p_holm")),
+                     fmt_p((mc or {}).get("p_holm")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
-    tables.append((f"Paired comparison against {base} (over tasks)",
-                   ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-                    "Sign test p", "McNemar (arm-only/base-only, p)",
-                    f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
-                    f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
-                    "Flagged runs (arm/base)"], rows))
+    return (f"Paired comparison against {base} (over tasks)",
+            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
+             "Sign test p", "McNemar (arm-only/base-only, p)",
+             f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
+             f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+             "Flagged runs (arm/base)"], rows)
+
+
+def _rpt_score_cost_table(report: dict) -> ReportTable:
+    """The paired score and cost-per-run comparisons against the baseline."""
+    base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
-        rows.append([f"{a} vs {base}", _fmt_int(sc["tasks_compared"]), ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
+        rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
+                     ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
                      _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
-                     _fmt_p(sc["sign_test_p"]), _fmt_int(co["tasks_compared"]), _fmt_usd_diff(co["mean_diff"]),
-                     _fmt_usd_ci(co["ci"]), f"{co['higher']}/{co['lower']}/{co['equal']}", _fmt_p(co["sign_test_p"])])
-    tables.append((f"Paired score and cost against {base} (over tasks)",
-                   ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
-                    "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows))
+                     fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
+                     _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
+                     f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
+    return (f"Paired score and cost against {base} (over tasks)",
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
+             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows)
+
+
+def _rpt_task_table(report: dict) -> ReportTable:
+    """Per task and arm: successes of the evaluated runs."""
+    arms = report["arms"]
     rows = []
     for task, cells in report["per_task"].items():
         row = [task]
         for a in arms:
             cl = cells[a]
             row.append("-" if not cl["runs"] else
-                       f"{cl['successes']}/{cl['evaluated']} ({_fmt_pct(cl['success_rate'])})"
+                       f"{cl['successes']}/{cl['evaluated']} ({fmt_pct(cl['success_rate'])})"
                        if cl["evaluated"] else f"0 evaluated of {cl['runs']}")
         rows.append(row)
-    tables.append(("Per task (successes/evaluated)", ["Task"] + arms, rows))
+    return ("Per task (successes/evaluated)", ["Task"] + arms, rows)
+
+
+def _rpt_other_view_table(report: dict) -> ReportTable:
+    """The other view's rates and differences (with or without the validity exclusions)."""
+    base = report["baseline"]
     other = report["views"][report["other_view"]]
     rows = []
-    for a in arms:
+    for a in report["arms"]:
         s = other["per_arm"][a]
         c = other["comparisons"].get(a)
-        rows.append([a, _fmt_int(s["evaluated"]), _fmt_int(s["successes"]),
-                     _fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
+        rows.append([a, fmt_int(s["evaluated"]), fmt_int(s["successes"]),
+                     fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
                      _fmt_diff(c["mean_diff"]) if c else "(baseline)",
                      _fmt_diff_ci(c["ci"]) if c else "-"])
     title = ("With every run included (no validity exclusions)"
              if report["other_view"] == "all_included" else "With validity exclusions applied")
-    tables.append((title, ["Arm", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-                           f"Mean diff vs {base}", "95% CI (bootstrap)"], rows))
+    return (title, ["Arm", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+                    f"Mean diff vs {base}", "95% CI (bootstrap)"], rows)
+
+
+def _rpt_excluded_table(report: dict) -> ReportTable:
+    """The runs excluded by a validity label, with the reason."""
     rows = [[str(e["run_id"]), str(e["task"]), str(e["arm"]), str(e["validity"]),
              str(e["reason"] or "-")] for e in report["excluded_runs"]]
-    tables.append(("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"],
-                   rows))
-    tables += _rpt_audit_tables(report)
+    return ("Runs excluded by validity label", ["Run", "Task", "Arm", "Label", "Reason"], rows)
+
+
+def _rpt_snapshot_tables(report: dict) -> list[ReportTable]:
+    """Score against elapsed time per arm, when any run has graded snapshots (else no table)."""
+    arms = report["arms"]
     snaps = report.get("snapshots") or {}
     times = sorted({int(t) for curve in snaps.values() for t in curve})
-    if times:
-        rows = [[a] + [(f"{_fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
-                        f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-" for t in times]
-                for a in arms]
-        tables.append(("Score against elapsed time (graded snapshots: mean score, passed/runs)",
-                       ["Arm"] + [_fmt_secs(float(t)) for t in times], rows))
+    if not times:
+        return []
+    rows = [[a] + [(f"{fmt_num(snaps[a][str(t)]['mean_score'], 3)} ({snaps[a][str(t)]['successes']}/"
+                    f"{snaps[a][str(t)]['runs']})") if str(t) in snaps.get(a, {}) else "-"
+                   for t in times]
+            for a in arms]
+    return [("Score against elapsed time (graded snapshots: mean score, passed/runs)",
+             ["Arm"] + [fmt_secs(float(t)) for t in times], rows)]
+
+
+def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
+    tables = [_rpt_arm_table(report), _rpt_fate_table(report), _rpt_review_table(report),
+              _rpt_comparison_table(report), _rpt_score_cost_table(report),
+              _rpt_task_table(report), _rpt_other_view_table(report), _rpt_excluded_table(report)]
+    tables += _rpt_audit_tables(report)
+    tables += _rpt_snapshot_tables(report)
     return tables
 
 
@@ -9511,7 +9687,7 @@ def render_report_md(report: dict) -> str:
              f"Baseline: **{report['baseline']}**. Primary view: "
              f"**{report['primary_view'].replace('_', ' ')}**. Runs: {tot['runs']}, "
              f"tasks: {tot['tasks']}, total cost "
-             f"{_fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
+             f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
     for w in report.get("warnings") or []:
         parts += ["", f"> **Warning:** {_md_cell(w)}"]
@@ -9536,10 +9712,10 @@ def render_usage_md(agg: dict) -> str:
     def row(name: str, g: dict) -> list[str]:
         tok = g["tokens"]
         est = g["cost_estimated_usd"] > 0
-        return [name, _fmt_int(g["jobs"]), _fmt_int(tok.get("input", 0)),
-                _fmt_int(tok.get("output", 0)), _fmt_int(tok.get("cache_creation", 0)),
-                _fmt_int(tok.get("cache_read", 0)), _fmt_pct(g["cache_hit_ratio"]),
-                _fmt_usd(g["cost_usd"], est), _fmt_usd(g["cost_estimated_usd"]) if est else "-",
+        return [name, fmt_int(g["jobs"]), fmt_int(tok.get("input", 0)),
+                fmt_int(tok.get("output", 0)), fmt_int(tok.get("cache_creation", 0)),
+                fmt_int(tok.get("cache_read", 0)), fmt_pct(g["cache_hit_ratio"]),
+                fmt_usd(g["cost_usd"], est), fmt_usd(g["cost_estimated_usd"]) if est else "-",
                 _fmt_counts(g["cache_verdicts"]), _fmt_counts(g["statuses"])]
 
     rows = [row(k, g) for k, g in agg["groups"].items()]
@@ -9557,7 +9733,7 @@ def render_usage_md(agg: dict) -> str:
 _HTML_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#8C6D1F",
                  "#444444")
 
-_HTML_CSS = """
+HTML_CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif;
   color: #1a1a1a; background: #fff; max-width: 1100px; margin: 2em auto; padding: 0 1em;
   line-height: 1.4; }
@@ -9712,7 +9888,7 @@ def _svg_rate_chart(report: dict) -> str:
                    f'x="{_svg_num(cx - bar_w / 2)}" y="{_svg_num(y(rate))}" '
                    f'width="{_svg_num(bar_w)}" height="{_svg_num(y0 - y(rate))}" '
                    f'fill="{colour}" fill-opacity="0.75" stroke="#1a1a1a" stroke-width="0.5">'
-                   f'<title>{name}: {_fmt_pct(rate)} {_fmt_ci(ci)}</title></rect>')
+                   f'<title>{name}: {fmt_pct(rate)} {_fmt_ci(ci)}</title></rect>')
         cap = bar_w * 0.3
         out.append(f'<g class="whisker" data-arm="{name}" data-lo="{_svg_data(ci[0])}" '
                    f'data-hi="{_svg_data(ci[1])}">'
@@ -9723,7 +9899,7 @@ def _svg_rate_chart(report: dict) -> str:
                    f'<line class="whisker" x1="{_svg_num(cx - cap)}" x2="{_svg_num(cx + cap)}" '
                    f'y1="{_svg_num(y(ci[0]))}" y2="{_svg_num(y(ci[0]))}"/></g>')
         out.append(f'<text x="{_svg_num(cx)}" y="{_svg_num(y(ci[1]) - 6)}" '
-                   f'text-anchor="middle">{_fmt_pct(rate)}</text>')
+                   f'text-anchor="middle">{fmt_pct(rate)}</text>')
     out.append(f'<text x="14" y="{_svg_num((y0 + y1) / 2)}" text-anchor="middle" '
                f'transform="rotate(-90 14 {_svg_num((y0 + y1) / 2)})">success rate</text>')
     out.append("</svg>")
@@ -9786,8 +9962,8 @@ def _svg_cost_chart(report: dict) -> str:
                    f'data-estimated="{str(s["cost_estimated_usd"] > 0).lower()}" '
                    f'cx="{_svg_num(cx)}" cy="{_svg_num(cy)}" r="6" fill="{colour}" '
                    f'stroke="#1a1a1a" stroke-width="1"><title>{name}: '
-                   f'{_fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
-                   f'{_fmt_pct(s["success_rate"])}</title></circle>')
+                   f'{fmt_usd(s["cost_per_run_usd"], s["cost_estimated_usd"] > 0)} per run, '
+                   f'{fmt_pct(s["success_rate"])}</title></circle>')
         out.append(f'<text class="label" data-label-for="{name}" x="{_svg_num(lx)}" y="{_svg_num(ly)}" '
                    f'text-anchor="{anchor}">{name}</text>')
     missing = [a for a in arms if all(a != p for _, p in points)]
@@ -9802,7 +9978,7 @@ def _svg_cost_chart(report: dict) -> str:
     return "".join(out)
 
 
-def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+def html_table(headers: list[str], rows: list[list[str]]) -> str:
     def cell(tag: str, text: str) -> str:
         t = str(text)
         # Right-align cells that start like a number, a price or a signed difference.
@@ -9828,12 +10004,12 @@ def render_report_html(report: dict, extra: str = "") -> str:
     parts = ['<!DOCTYPE html>',
              '<html lang="en"><head><meta charset="utf-8"/>',
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
-             f"<title>{title}</title><style>{_HTML_CSS}</style></head><body>",
+             f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
-             f'{html.escape(_fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
+             f'{html.escape(fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
              *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
@@ -9850,7 +10026,7 @@ def render_report_html(report: dict, extra: str = "") -> str:
         parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
-        parts.append(_html_table(headers, rows) if rows else "<p>(none)</p>")
+        parts.append(html_table(headers, rows) if rows else "<p>(none)</p>")
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:
@@ -9954,8 +10130,9 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
                         continue   # the same block again in a later event of the message
                     raw_in = b.get("input")
                     # An input object reads best as key: value lines, strings as written.
-                    shown = ("\n".join(f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
-                                       for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
+                    shown = ("\n".join(
+                        f"{k}: {v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str)}"
+                        for k, v in raw_in.items()) if isinstance(raw_in, dict) else raw_in)
                     inp, cut = _page_trim(shown, PAGE_INPUT_CHARS)
                     item = {"kind": "tool", "id": tid, "name": str(b.get("name") or "?"), "input": inp,
                             "cut": cut, "result": None, "result_cut": 0, "is_error": False}
@@ -10002,8 +10179,9 @@ def _page_tree(root: Path) -> dict[str, Path]:
         return found
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d != ".git" and not (Path(dirpath) / d).is_symlink())
-        for name in sorted(filenames) + sorted(d for d in os.listdir(dirpath)
-                                              if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
+        for name in sorted(filenames) + sorted(
+                d for d in os.listdir(dirpath)
+                if (Path(dirpath) / d).is_symlink() and (Path(dirpath) / d).is_dir()):
             p = Path(dirpath) / name
             found[p.relative_to(root).as_posix()] = p
     return found
@@ -10071,16 +10249,17 @@ def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[
     (pure; excluded runs are left out, as in the primary view)."""
     by_key: dict[tuple[str, str, Any], dict] = {}
     for r in runs:
-        if _rpt_evaluated(r) and not _rpt_excluded(r) and r.get("repeat") is not None:
+        if run_evaluated(r) and not run_excluded(r) and r.get("repeat") is not None:
             by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
     out = []
-    for (task, arm, rep), r in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
+    for (task, arm, rep), r in sorted(by_key.items(),
+                                      key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
         if arm == base or arm not in arms:
             continue
         b = by_key.get((task, base, rep))
-        if b is not None and _rpt_success(r) != _rpt_success(b):
+        if b is not None and run_succeeded(r) != run_succeeded(b):
             out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
-                        "baseline_run": b.get("run_id"), "arm_success": _rpt_success(r)})
+                        "baseline_run": b.get("run_id"), "arm_success": run_succeeded(r)})
     return out
 
 
@@ -10112,7 +10291,8 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         prompt = ""
         with contextlib.suppress(OSError):
             prompt = (paths.job_dir(jid) / "prompt.txt").read_text(encoding="utf-8", errors="replace")
-        stream = Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir") else None
+        stream = (Path(job["raw_dir"]) / "stream.jsonl" if isinstance(job, dict) and job.get("raw_dir")
+                  else None)
         timeline = stream_timeline(_page_read_stream(stream)) if stream else stream_timeline([])
         result = read_json(paths.result_file(jid), default=None) if job else None
         usage = (result or {}).get("usage") if isinstance(result, dict) else None
@@ -10130,12 +10310,14 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         except AgentbenchError:
             g = None
         if isinstance(g, dict):
-            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"), "score": g.get("score"),
-                          "exit_code": g.get("exit_code"), "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
-                          "output": _page_trim(str(g.get("stderr_tail") or "") + str(g.get("stdout_tail") or ""),
-                                               PAGE_RESULT_CHARS)})
+            gates.append({"file": p.name, "at": g.get("at"), "passed": g.get("passed"),
+                          "score": g.get("score"), "exit_code": g.get("exit_code"),
+                          "checks": g.get("checks") if isinstance(g.get("checks"), list) else [],
+                          "output": _page_trim(str(g.get("stderr_tail") or "")
+                                               + str(g.get("stdout_tail") or ""), PAGE_RESULT_CHARS)})
     ws = (rec.get("workspace") or {}).get("path") if isinstance(rec.get("workspace"), dict) else None
-    diff = workspace_diff(starter, Path(ws)) if ws else {"available": False, "why": "no workspace recorded", "files": []}
+    diff = (workspace_diff(starter, Path(ws)) if ws
+            else {"available": False, "why": "no workspace recorded", "files": []})
     return {"run": rec, "sessions": sessions, "receipts": gates, "diff": diff}
 
 
@@ -10159,7 +10341,8 @@ def _page_block(text: str, cut: int) -> str:
         body += f"<p><em>({cut} more characters not shown)</em></p>"
     if len(text) > PAGE_FOLD_CHARS:
         first = text.strip().splitlines()[0][:80] if text.strip() else ""
-        body = f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>{body}</details>"
+        body = (f"<details><summary>{html.escape(first)} ({len(text) + cut} characters)</summary>"
+                f"{body}</details>")
     return body
 
 
@@ -10178,13 +10361,16 @@ def _page_session_html(s: dict) -> str:
     """One session of the timeline: the prompt sent, then its stream, folded where long."""
     esc = html.escape
     tl = s["timeline"]
-    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3><div class="tl">',
-         f'<div class="prompt"><strong>Prompt sent</strong>{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
+    p = [f'<h3 id="{esc(s["job_id"])}">Session {esc(s["job_id"])}: {esc(s["role"])}</h3>'
+         f'<div class="tl">',
+         f'<div class="prompt"><strong>Prompt sent</strong>'
+         f'{_page_block(s["prompt"][0], s["prompt"][1])}</div>']
     if not s["stream_found"]:
         p.append("<div><em>(no raw stream on disk)</em></div>")
     for it in tl["items"]:
         if it["kind"] in ("text", "thinking"):
-            p.append(f'<div class="text"><strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
+            p.append(f'<div class="text">'
+                     f'<strong>{"Assistant" if it["kind"] == "text" else "Thinking"}</strong>'
                      f'{_page_block(it["text"], it["cut"])}</div>')
         elif it["kind"] == "tool":
             res = ("<p><em>(no result)</em></p>" if it["result"] is None else
@@ -10195,7 +10381,8 @@ def _page_session_html(s: dict) -> str:
         elif it["kind"] == "result":
             # The binary's own total is cumulative over a resumed conversation: the per-session
             # cost is the table's.
-            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, {esc(str(it["turns"]))} turns'
+            p.append(f'<div><strong>Session result</strong>: {esc(it["subtype"])}, '
+                     f'{esc(str(it["turns"]))} turns'
                      f'{_page_block(it["text"], it["cut"]) if it["text"] else ""}</div>')
     if tl["omitted"]:
         p.append(f"<div><em>({tl['omitted']} more timeline entries not shown)</em></div>")
@@ -10220,7 +10407,7 @@ def _page_review_html(r: dict) -> str:
             for f in r.get("findings") or [] if isinstance(f, dict)]
     return (f"<h3>Review {esc(str(r.get('n')))}: {esc(str(r.get('verdict')))}</h3>"
             f"<p>{esc(_page_trim(str(r.get('summary') or ''), PAGE_TEXT_CHARS)[0])}</p>"
-            + (_html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
+            + (html_table(["Severity", "File", "Detail"], rows) if rows else "<p>(no findings)</p>"))
 
 
 def render_run_page(page: dict) -> str:
@@ -10232,18 +10419,19 @@ def render_run_page(page: dict) -> str:
     ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else {}
     title = f"Run {rid}: {rec.get('task')} / {rec.get('arm')} / repeat {rec.get('repeat')}"
     p = ['<!DOCTYPE html>', '<html lang="en"><head><meta charset="utf-8"/>',
-         f"<title>{esc(title)}</title><style>{_HTML_CSS}{_PAGE_CSS}</style></head><body>",
+         f"<title>{esc(title)}</title><style>{HTML_CSS}{_PAGE_CSS}</style></head><body>",
          '<p><a href="../index.html">&#8592; study report</a></p>', f"<h1>{esc(title)}</h1>"]
-    audit = _rpt_run_audit(rec)
-    p.append(_html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
+    audit = run_audit(rec)
+    p.append(html_table(["Outcome", "Validity", "Success", "Score", "Tests", "Gate cycles", "Cost", "Wall",
                           "Flagged by audit"],
                          [[str(rec.get("outcome") or rec.get("status")), str(rec.get("validity")) +
                            (f" ({rec.get('validity_reason')})" if rec.get("validity_reason") else ""),
-                           "yes" if _rpt_success(rec) else "no", _fmt_num(_rpt_score(rec), 3),
+                           "yes" if run_succeeded(rec) else "no", fmt_num(run_score(rec), 3),
                            f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
-                           _fmt_int(rec.get("gate_cycles") or 0),
-                           _fmt_usd(_rpt_cost(rec), bool(rec.get("cost_estimated"))),
-                           _fmt_secs(_finite_or_none(rec.get("wall_s"))), "yes" if audit["flagged"] else "no"]]))
+                           fmt_int(rec.get("gate_cycles") or 0),
+                           fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
+                           fmt_secs(_finite_or_none(rec.get("wall_s"))),
+                           "yes" if audit["flagged"] else "no"]]))
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
@@ -10251,29 +10439,33 @@ def render_run_page(page: dict) -> str:
     elif not findings and not audit["flagged"]:
         p.append("<p>No findings.</p>")
     else:
-        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind"))) if isinstance(f, dict) else "malformed",
+        rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
+                 if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
                  str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0] if isinstance(f, dict) else _page_trim(f, 300)[0]]
+                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
-        p.append(f'<p class="flag">Flagged.</p>' + _html_table(["Group", "Kind", "Tool", "What"], rows))
+        p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
     p.append("<h2>Cost and tokens per session</h2>")
     rows = []
     for s in page["sessions"]:
         tok = s["tokens"] if isinstance(s["tokens"], dict) else {}
         rows.append([s["job_id"], s["role"], str(s["status"]) + (f" ({s['reason']})" if s["reason"] else ""),
-                     _fmt_usd(s["cost_usd"]), _fmt_secs(s["duration_s"]),
-                     *[_fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
+                     fmt_usd(s["cost_usd"]), fmt_secs(s["duration_s"]),
+                     *[fmt_int(tok.get(k, 0)) if isinstance(tok.get(k, 0), int) else "-"
                        for k in ("input", "output", "cache_creation", "cache_read")],
-                     _fmt_int(s["timeline"]["tool_calls"])])
-    p.append(_html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
+                     fmt_int(s["timeline"]["tool_calls"])])
+    p.append(html_table(["Job", "Role", "Status", "Cost", "Duration", "Input", "Output", "Cache write",
                           "Cache read", "Tool calls"], rows) if rows else "<p>(no sessions)</p>")
     p.append("<h2>Timeline</h2><p>Sessions, gate receipts and reviews in the order they happened. "
              "The feedback after a failed gate or a review is the prompt of the session that follows "
              "(gate_feedback, repair).</p>")
     reviews = [r for r in rec.get("reviews") or [] if isinstance(r, dict)]
-    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s) for i, s in enumerate(page["sessions"])]
-                     + [(str(g.get("at") or "~"), 1, i, "receipt", g) for i, g in enumerate(page["receipts"])],
+    entries = sorted([(str(s.get("created_at") or ""), 0, i, "session", s)
+                      for i, s in enumerate(page["sessions"])]
+                     + [(str(g.get("at") or "~"), 1, i, "receipt", g)
+                        for i, g in enumerate(page["receipts"])],
                      key=lambda e: e[:3])
     n_reviewer = 0
     for _, _, _, kind, obj in entries:
@@ -10305,7 +10497,7 @@ def render_run_page(page: dict) -> str:
             p.append(f"<p><em>({d['cut']} more characters of diff not shown)</em></p>")
     p.append("<h2>Provenance</h2>")
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
-    p.append(_html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
+    p.append(html_table(["Key", "Value"], [[str(k), _page_trim(v, 500)[0]] for k, v in sorted(prov.items())])
              if prov else "<p>(none recorded)</p>")
     p.append("</body></html>")
     return "\n".join(p) + "\n"
@@ -10342,8 +10534,8 @@ def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> s
         for a in arms:
             marks = []
             for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
-                mark = ("S" if _rpt_success(r) else "F") if _rpt_evaluated(r) else "-"
-                mark += ("X" if _rpt_excluded(r) else "") + ("!" if _rpt_run_audit(r)["flagged"] else "")
+                mark = ("S" if run_succeeded(r) else "F") if run_evaluated(r) else "-"
+                mark += ("X" if run_excluded(r) else "") + ("!" if run_audit(r)["flagged"] else "")
                 marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
             tds.append(f"<td>{'<br/>'.join(marks) or '-'}</td>")
         body.append(f"<tr><td>{esc(task)}</td>{''.join(tds)}</tr>")
@@ -10366,10 +10558,12 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
         task = tasks.get(str(r.get("task")))
         starter = task.public if task else None
         page = collect_run_page(paths, r, starter)
-        ran = (r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict) else None
+        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
+               else None)
         if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, the study now "
-                                    f"has {task.bundle_sha256[:16]}): the diff is against the current starter")
+            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
+                                    f"the current starter")
         write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
     index = out_dir / "index.html"
     write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
