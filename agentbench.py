@@ -22,20 +22,20 @@ Sections (line ranges), strictly bottom-up:
      1751-2249  Files, locks and the registry
      2250-2440  Records: the declared shapes of the job's and run's files
      2441-2776  Processes
-     2777-2889  Env scrub
-     2890-3256  The sandbox
-     3257-3703  Stream and usage
-     3704-4061  Study configuration
-     4062-4853  The metering gateway
-     4854-6206  The supervisor
-     6207-6452  The supervisor: jobs (start, fork, continue)
-     6453-7960  The experiment layer
-     7961-9865  Statistics and report
-     9866-10378 Run pages: the report as a directory
-    10379-11174 Offline scripted model
-    11175-11455 The scripted model: rehearsal of a study
-    11456-11516 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11517-13024 The CLI and main
+     2777-2891  Env scrub
+     2892-3258  The sandbox
+     3259-3705  Stream and usage
+     3706-4063  Study configuration
+     4064-4855  The metering gateway
+     4856-6208  The supervisor
+     6209-6454  The supervisor: jobs (start, fork, continue)
+     6455-7962  The experiment layer
+     7963-9867  Statistics and report
+     9868-10380 Run pages: the report as a directory
+    10381-11176 Offline scripted model
+    11177-11457 The scripted model: rehearsal of a study
+    11458-11518 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11519-13026 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -2825,7 +2825,9 @@ def is_credential_var(name: str) -> bool:
     return name in CREDENTIAL_VARS or any(fnmatch.fnmatchcase(name, p) for p in CREDENTIAL_PATTERNS)
 
 
-def _venv_path_entries(env: Mapping[str, str]) -> list[str]:
+def venv_path_entries(env: Mapping[str, str]) -> list[str]:
+    """The PATH entries of `env` inside a Python virtual environment: under $VIRTUAL_ENV, or next to
+    a pyvenv.cfg (looked up on disk)."""
     venv = env.get("VIRTUAL_ENV")
     out = []
     for entry in env.get("PATH", "").split(os.pathsep):
@@ -2850,7 +2852,7 @@ def scrub_env(host: Mapping[str, str], *, for_claude: bool, binary: str | None =
     dropped: list[str] = []
     creds: list[str] = []
     unknown: list[str] = []
-    venv_entries = _venv_path_entries(host)
+    venv_entries = venv_path_entries(host)
     env: dict[str, str] = {}
     for key, value in host.items():
         if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
@@ -3738,7 +3740,7 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A finite number, not a bool (an integer too large for a float is not one)."""
     return finite_number(value) is not None
 
@@ -3833,7 +3835,7 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
                               keys=unknown,
                               known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
     for key, val in budget.items():
-        if not _is_number(val) or val < 0:
+        if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
                                   code="budget_values_finite_non_negative", key=key, value=str(val))
     if budget.get("usd_per_run") == 0:
@@ -3843,7 +3845,7 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
 
 def _check_prices(prices: Any) -> None:
     ok = isinstance(prices, dict) and all(
-        isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(_is_number(x) and x >= 0 for x in v)
+        isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(is_number(x) and x >= 0 for x in v)
         for k, v in prices.items())
     if not ok:
         raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
@@ -3899,11 +3901,11 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             help="seed of the assignment and the report's bootstrap"),
     Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
             on_create=True),
-    Setting("max_minutes", lambda v: _is_number(v) and v > 0, "a positive number", flag=finite_float,
+    Setting("max_minutes", lambda v: is_number(v) and v > 0, "a positive number", flag=finite_float,
             help="wall-time limit of any one session", on_create=True),
-    Setting("stall_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+    Setting("stall_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
             help="flag a session silent this long"),
-    Setting("orphan_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+    Setting("orphan_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
             help="kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)"),
     Setting("budget", lambda v: isinstance(v, dict), "an object", check=_check_budget),
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
@@ -3911,7 +3913,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("slurm", None, check=_check_slurm_settings),
     Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
                                                          for k, x in v.items()), "an object of string values"),
-    Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(_is_number(t) and t > 0 for t in v),
+    Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
 )
 #: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
@@ -4133,7 +4135,7 @@ def claude_env(host: Mapping[str, str], *, extra: Mapping[str, str] | None, gate
     """
     direct = gateway is None
     merged = {**dict(host), **(dict(secret or {}) if direct else {})}
-    venv_entries = _venv_path_entries(host)
+    venv_entries = venv_path_entries(host)
     env: dict[str, str] = {}
     for key, value in merged.items():
         if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
@@ -6615,7 +6617,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
-    if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
+    if not is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
         raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
                               code="bad_check_timeout", task=task_id, timeout_s=t)
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
@@ -6623,7 +6625,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
-        if not _is_number(th) or not 0 < th <= 1:
+        if not is_number(th) or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", code="task_oracle_threshold_0_1",
                                   task=task_id, threshold=th)
     return dict(spec)
