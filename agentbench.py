@@ -13,29 +13,29 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       82-150   Start-up: lazy imports and the cached-bytecode launcher
-      151-247   Constants
-      248-349   Errors and output
-      350-458   Hostile numbers
-      459-503   Fault points
-      504-1750  Platform seam
-     1751-2249  Files, locks and the registry
-     2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2776  Processes
-     2777-2891  Env scrub
-     2892-3258  The sandbox
-     3259-3705  Stream and usage
-     3706-4063  Study configuration
-     4064-4855  The metering gateway
-     4856-6208  The supervisor
-     6209-6454  The supervisor: jobs (start, fork, continue)
-     6455-7962  The experiment layer
-     7963-9867  Statistics and report
-     9868-10380 Run pages: the report as a directory
-    10381-11176 Offline scripted model
-    11177-11457 The scripted model: rehearsal of a study
-    11458-11518 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11519-13026 The CLI and main
+       82-152   Start-up: lazy imports and the cached-bytecode launcher
+      153-250   Constants
+      251-352   Errors and output
+      353-461   Hostile numbers
+      462-507   Fault points
+      508-1755  Platform seam
+     1756-2257  Files, locks and the registry
+     2258-2448  Records: the declared shapes of the job's and run's files
+     2449-2784  Processes
+     2785-2899  Env scrub
+     2900-3271  The sandbox
+     3272-3724  Stream and usage
+     3725-4092  Study configuration
+     4093-4884  The metering gateway
+     4885-6237  The supervisor
+     6238-6483  The supervisor: jobs (start, fork, continue)
+     6484-7991  The experiment layer
+     7992-9896  Statistics and report
+     9897-10409 Run pages: the report as a directory
+    10410-11205 Offline scripted model
+    11206-11486 The scripted model: rehearsal of a study
+    11487-11547 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11548-13055 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -136,9 +136,11 @@ urllib: Any = LazyModule("urllib")
 #: No double quotes and no newlines, so that it survives any platform's command-line quoting.
 #: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
 LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
-                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];sys.dont_write_bytecode=o[1] and not c;"
+                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];"
+                 "sys.dont_write_bytecode=o[1] and not c;"
                  "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
-                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);sys.modules['agentbench']=m;"
+                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);"
+                 "sys.modules['agentbench']=m;"
                  "exec(k,m.__dict__);sys.exit(m.main(sys.argv[3:]))")
 
 
@@ -178,8 +180,9 @@ LOCK_STALE_S = 300.0
 
 #: errno values of a write the file system refused (read-only, full, over quota, not permitted):
 #: a clear refusal (exit 2), not an internal error.
-WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name) for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
-                                  if hasattr(errno, name))
+WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name)
+                                 for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
+                                 if hasattr(errno, name))
 #: The registry.json layout this version writes; a registry of another version is refused.
 REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
@@ -463,8 +466,9 @@ def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, wher
 # purpose: AGENTBENCH_FAULT_AT=POINT:ACTION (ACTION `kill`: SIGKILL this process; `raise`: an
 # exception), with an optional third field N to act at the N-th pass only; AGENTBENCH_FAULT_LOG
 # names a file that gets one line (the point's name) per fault acted on, so a suite counts what
-# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
-# setting is ignored rather than fatal (it reaches supervisors through their environment).
+# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any
+# other way; a malformed setting is ignored rather than fatal (it reaches supervisors through their
+# environment).
 
 FAULT_AT_ENV = "AGENTBENCH_FAULT_AT"
 FAULT_LOG_ENV = "AGENTBENCH_FAULT_LOG"
@@ -1686,7 +1690,8 @@ class WindowsPlatform(Platform):
         m = _CIM_RESULT_RE.search(cp.stdout or "")
         if cp.returncode != 0 or not m or m.group(1) != "0" or not m.group(2):
             raise AgentbenchError(
-                "detached launch through CIM failed", code="detached_launch_through_cim_failed", returncode=cp.returncode,
+                "detached launch through CIM failed", code="detached_launch_through_cim_failed",
+                returncode=cp.returncode,
                 cim_return_value=int(m.group(1)) if m else None,
                 detail=((cp.stderr or "") + (cp.stdout or ""))[-2000:], log=log_path,
                 hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
@@ -1851,7 +1856,8 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
                                    "atomically, so a torn one was changed by something else") from None
 
 
-def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_replace: Callable[[str, str], bool]) -> bool:
+def create_json_exclusive(path: str | os.PathLike[str], obj: Any,
+                          rename_no_replace: Callable[[str, str], bool]) -> bool:
     """Create `path` holding `obj` only if it does not exist yet; True if this call created it.
 
     The complete file is written aside first and then renamed without replacement, so the file
@@ -1986,7 +1992,8 @@ class RegistryLock:
     """
 
     def __init__(self, path: str | os.PathLike[str], platform: "Platform",
-                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S, label: str = "the study registry"):
+                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S,
+                 label: str = "the study registry"):
         self.path = Path(path)
         self.label = label
         self.platform = platform
@@ -2172,7 +2179,8 @@ def check_name(kind: str, value: str) -> str:
     """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
     if not NAME_RE.match(value or ""):
         raise AgentbenchError(f"invalid {kind} name", code="invalid_name", value=value,
-                              hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+                              hint="use 1-64 letters, digits, '.', '_' or '-', "
+                                   "starting with a letter or digit")
     return value
 
 
@@ -3070,7 +3078,8 @@ def real_homes(env: Mapping[str, str]) -> list[str]:
     return homes
 
 
-def study_hidden_dirs(study_root: str | os.PathLike[str], extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
+def study_hidden_dirs(study_root: str | os.PathLike[str],
+                      extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
     """The study directory, its tasks directory (from study.json, wherever it lies), the bundled
     example study beside this file (its references and hidden tests are those of any study copied
     from it) and `extra`, resolved; only those that exist (a tmpfs needs a mount point)."""
@@ -3105,7 +3114,8 @@ def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     marker = "agentbench-sandbox-probe"
     argv = sandbox_argv(binary, SandboxPlan(cwd="/"), [sys.executable, "-I", "-c", f"print({marker!r})"])
     try:
-        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=SANDBOX_PROBE_TIMEOUT_S)
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=SANDBOX_PROBE_TIMEOUT_S)
         ok = res.returncode == 0 and res.stdout.decode("utf-8", "replace").strip() == marker
         reason = None if ok else (f"{binary} exited {res.returncode}: "
                                   + res.stderr.decode("utf-8", "replace").strip()[-300:])
@@ -3132,10 +3142,11 @@ def resolve_sandbox(mode: str, env: Mapping[str, str] | None = None) -> dict[str
                                                         "reason": "the study sets sandbox: none"}
     kind = sandbox_decision(mode, bool(probe["available"]))
     if kind == "refuse":
-        raise AgentbenchError("the study requires sandbox bwrap but bubblewrap cannot run here", code="sandbox_unavailable",
-                              reason=probe["reason"], refusal="sandbox",
-                              hint='install bubblewrap (apt-get install bubblewrap) where sessions and checks '
-                                   'run, or set "sandbox": "auto" (unsandboxed where it is missing) in study.json')
+        raise AgentbenchError("the study requires sandbox bwrap but bubblewrap cannot run here",
+                              code="sandbox_unavailable", reason=probe["reason"], refusal="sandbox",
+                              hint='install bubblewrap (apt-get install bubblewrap) where sessions and '
+                                   'checks run, or set "sandbox": "auto" (unsandboxed where it is '
+                                   'missing) in study.json')
     return {"mode": mode, "kind": kind, "binary": probe["binary"] if kind == "bwrap" else None,
             "reason": None if kind == "bwrap" else probe["reason"]}
 
@@ -3185,7 +3196,8 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
     read-write, its pristine check directories read-only, the study, the tasks and the real home
     masked.  The environment is the caller's (credential-free) one, unchanged."""
     homes = real_homes(env)
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0] if argv else None, env, homes)),
+    tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
                        ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=_real(cwd))
     return sandbox_argv(bwrap, plan, argv)
 
@@ -3213,7 +3225,8 @@ def receipt_channel_line(data: bytes) -> tuple[str | None, str | None]:
     if not lines:
         return None, "no receipt on the receipt channel"
     if len(lines) > 1:
-        return None, f"{len(lines)} receipts on the receipt channel (one is expected: another writer reached it)"
+        return None, (f"{len(lines)} receipts on the receipt channel "
+                      "(one is expected: another writer reached it)")
     return lines[0], None
 
 
@@ -3295,7 +3308,8 @@ def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any
             "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
 
 
-def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None) -> tuple[float, float, float, float, float]:
+def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None
+              ) -> tuple[float, float, float, float, float]:
     """List price row for a model id (longest matching family prefix), else the default row.
 
     `overrides` (study.json `prices`: model prefix -> [input, output, cache write 5m, cache write
@@ -3400,9 +3414,11 @@ class StreamState:
         elif kind == "result":
             self.results.append(ev)
         elif kind == "user":
-            content = (ev.get("message") or {}).get("content") if isinstance(ev.get("message"), dict) else None
+            message = ev.get("message")
+            content = (message or {}).get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                self.tool_results += sum(1 for b in content if isinstance(b, dict) and b.get("type") == "tool_result")
+                self.tool_results += sum(1 for b in content
+                                         if isinstance(b, dict) and b.get("type") == "tool_result")
         return ev
 
     def _assistant(self, ev: Mapping[str, Any]) -> None:
@@ -3473,7 +3489,8 @@ class StreamState:
         key = (fallback_model, json.dumps(self.prices, sort_keys=True, default=str))
         if self._cost_key != key or self._cost_total_micro is None:
             self._cost_key = key
-            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model) for mid in self.message_order}
+            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model)
+                                for mid in self.message_order}
             parts = list(self._cost_micro.values())
             self._cost_total_micro = None if None in parts else sum(parts)  # type: ignore[arg-type]
         if self._cost_total_micro is None:   # a non-finite part: the float sum, as it always was
@@ -3552,7 +3569,8 @@ def corroborated(reason: str | None, wire_statuses: Iterable[Any] | None) -> boo
     return any(st in WIRE_STATUSES_OF[reason] for st in wire_statuses)
 
 
-def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+def model_usage_delta(now: Mapping[str, Any] | None,
+                      before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
     """Per-model growth of the cumulative modelUsage between two reports of one session."""
     out: dict[str, dict[str, float]] = {}
     before = before or {}
@@ -3653,7 +3671,8 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
         mu_out = sum(d.get("outputTokens", 0) for d in delta.values())
         # A usage block that covers a different span than the modelUsage delta (e.g. cumulative
         # vs per-call, or side-model calls not in `usage`) is flagged, not silently reconciled.
-        if abs(mu_in - tokens["input"]) > max(2, 0.01 * mu_in) or abs(mu_out - tokens["output"]) > max(2, 0.01 * mu_out):
+        if (abs(mu_in - tokens["input"]) > max(2, 0.01 * mu_in)
+                or abs(mu_out - tokens["output"]) > max(2, 0.01 * mu_out)):
             flags.append("usage_mismatch")
     return {"tokens": tokens, "models_used": models_used, "cost_total_usd": total_f,
             "cost_delta_usd": round(max(cost, 0.0), 6), "estimated": estimated,
@@ -3752,17 +3771,21 @@ def _check_slurm_settings(slurm: Any) -> None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
             raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
                                   code="slurm_object_keys_among", slurm=str(slurm)[:300])
-        if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
+        partition = slurm.get("partition")
+        if partition is not None and (not isinstance(partition, str) or not partition):
             raise AgentbenchError("slurm.partition must be a non-empty string",
                                   code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
-        if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
+        options_ok = isinstance(args, list) and all(isinstance(a, str) and a.startswith("-") for a in args)
+        if args is not None and not options_ok:
             raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
-                                  "values joined with =", code="slurm_sbatch_args_list_sbatch", sbatch_args=str(args)[:300],
+                                  "values joined with =", code="slurm_sbatch_args_list_sbatch",
+                                  sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
         own = sbatch_own_options(args or [])
         if own:
-            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", code="slurm_sbatch_args_may_not", options=own,
+            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself",
+                                  code="slurm_sbatch_args_may_not", options=own,
                                   hint="agentbench chooses the output file, the environment export, the "
                                        "directory and the cluster of its batch jobs")
         if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
@@ -3849,7 +3872,8 @@ def _check_prices(prices: Any) -> None:
         for k, v in prices.items())
     if not ok:
         raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
-                              "cache write 1h, cache read] USD per million tokens", code="prices_map_model_prefix_input", prices=str(prices)[:300])
+                              "cache write 1h, cache read] USD per million tokens",
+                              code="prices_map_model_prefix_input", prices=str(prices)[:300])
 
 
 def _check_arms(arms: Mapping[str, Any]) -> None:
@@ -3880,11 +3904,14 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
 STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("tasks", _is_str, "a string", flag=str, help="the tasks directory (relative to the study)"),
     Setting("model", _is_str, "a string", flag=str, help="full model id (no alias)", on_create=True),
-    Setting("effort", _is_str, "a string", flag=str, help="claude --effort: " + "/".join(EFFORTS), on_create=True),
-    Setting("permission_mode", _is_str, "a string", flag=str,
-            help="claude --permission-mode: " + "/".join(PERMISSION_MODES) + " (as root, dontAsk with allow rules)",
+    Setting("effort", _is_str, "a string", flag=str, help="claude --effort: " + "/".join(EFFORTS),
             on_create=True),
-    Setting("tools", _is_str, "a string", flag=str, help="the tools sessions have (claude --tools)", on_create=True),
+    Setting("permission_mode", _is_str, "a string", flag=str,
+            help="claude --permission-mode: " + "/".join(PERMISSION_MODES)
+            + " (as root, dontAsk with allow rules)",
+            on_create=True),
+    Setting("tools", _is_str, "a string", flag=str, help="the tools sessions have (claude --tools)",
+            on_create=True),
     Setting("allowed_tools", _is_str, "a string", flag=str, help="tools allowed without asking"),
     Setting("disallowed_tools", _is_str, "a string", flag=str, help="tools refused"),
     Setting("binary", _is_str, "a string", flag=str, help="the claude executable (default: found on PATH)"),
@@ -3906,13 +3933,15 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("stall_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
             help="flag a session silent this long"),
     Setting("orphan_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
-            help="kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)"),
+            help="kill a job nobody asks about this long "
+                 "(0: never; runs by `run` are watched by their driver)"),
     Setting("budget", lambda v: isinstance(v, dict), "an object", check=_check_budget),
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
     Setting("prices", None, check=_check_prices),
     Setting("slurm", None, check=_check_slurm_settings),
     Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                         for k, x in v.items()), "an object of string values"),
+                                                         for k, x in v.items()),
+            "an object of string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
 )
