@@ -25,17 +25,17 @@ Sections (line ranges), strictly bottom-up:
      2785-2899  Env scrub
      2900-3271  The sandbox
      3272-3724  Stream and usage
-     3725-4092  Study configuration
-     4093-4884  The metering gateway
-     4885-6237  The supervisor
-     6238-6483  The supervisor: jobs (start, fork, continue)
-     6484-7991  The experiment layer
-     7992-9896  Statistics and report
-     9897-10409 Run pages: the report as a directory
-    10410-11205 Offline scripted model
-    11206-11486 The scripted model: rehearsal of a study
-    11487-11547 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11548-13055 The CLI and main
+     3725-4094  Study configuration
+     4095-4901  The metering gateway
+     4902-6254  The supervisor
+     6255-6500  The supervisor: jobs (start, fork, continue)
+     6501-8008  The experiment layer
+     8009-9913  Statistics and report
+     9914-10426 Run pages: the report as a directory
+    10427-11233 Offline scripted model
+    11234-11514 The scripted model: rehearsal of a study
+    11515-11575 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11576-13083 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -3776,10 +3776,12 @@ def _check_slurm_settings(slurm: Any) -> None:
             raise AgentbenchError("slurm.partition must be a non-empty string",
                                   code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
-        options_ok = isinstance(args, list) and all(isinstance(a, str) and a.startswith("-") for a in args)
+        options_ok = isinstance(args, list) and all(isinstance(a, str) and a.startswith("-")
+                                                    for a in args)
         if args is not None and not options_ok:
-            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
-                                  "values joined with =", code="slurm_sbatch_args_list_sbatch",
+            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options "
+                                  "(each starting with -), values joined with =",
+                                  code="slurm_sbatch_args_list_sbatch",
                                   sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
         own = sbatch_own_options(args or [])
@@ -4189,7 +4191,8 @@ def claude_env(host: Mapping[str, str], *, extra: Mapping[str, str] | None, gate
                       or (gateway is not None and k in gateway))
     report = {"gateway": "off" if direct else "on", "passed": sorted(env),
               "withheld": withheld,
-              "credentials_withheld": sorted(k for k in withheld if is_credential_var(k) or k in GATEWAY_WITHHELD),
+              "credentials_withheld": sorted(k for k in withheld
+                                             if is_credential_var(k) or k in GATEWAY_WITHHELD),
               "allow": sorted(CLAUDE_ENV_ALLOW), "allow_prefixes": list(CLAUDE_ENV_ALLOW_PREFIXES)}
     return env, report
 
@@ -4214,7 +4217,8 @@ def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None
                                    code="gateway_cannot_carry_cloud_route", refusal="gateway", variable=var,
                                    hint=hint)
     if env.get("CLAUDE_CODE_OAUTH_TOKEN") and not any(env.get(v) for v in GATEWAY_CARRIED):
-        return AgentbenchError("the metering gateway cannot carry a claude.ai login (CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
+        return AgentbenchError("the metering gateway cannot carry a claude.ai login "
+                               "(CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
                                refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
     return None
 
@@ -4295,7 +4299,8 @@ def _clean_usage(u: Any) -> tuple[dict[str, Any], bool]:
     out: dict[str, Any] = {}
     for key, val in u.items():
         if key == "cache_creation" and isinstance(val, dict):
-            inner = {k: v for k, v in val.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+            inner = {k: v for k, v in val.items()
+                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
             bad = bad or len(inner) != len(val)
             out[key] = inner
         elif isinstance(val, int) and not isinstance(val, bool) and val >= 0:
@@ -4400,7 +4405,8 @@ def cost_mismatch(metered: float | None, reported: float | None) -> bool:
     """Metered and self-reported cost differ beyond rounding (pure)."""
     if metered is None or reported is None:
         return False
-    return abs(metered - reported) > max(COST_MISMATCH_ABS_USD, COST_MISMATCH_REL * max(abs(metered), abs(reported)))
+    tolerance = max(COST_MISMATCH_ABS_USD, COST_MISMATCH_REL * max(abs(metered), abs(reported)))
+    return abs(metered - reported) > tolerance
 
 
 def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
@@ -4471,7 +4477,8 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
     total = 0.0
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(gateway_dir(paths)):
-            job_id = entry.name[:-5] if entry.name.endswith(".json") and not entry.name.startswith(".") else None
+            is_record = entry.name.endswith(".json") and not entry.name.startswith(".")
+            job_id = entry.name[:-5] if is_record else None
             if not job_id or job_id == exclude or (paths.job_dir(job_id) / "ledgered").exists():
                 continue
             try:
@@ -4583,7 +4590,8 @@ class MeteringGateway:
     """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
     are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
 
-    def __init__(self, *, upstream: str | None, creds: Mapping[str, str], prices: Mapping[str, Sequence[float]] | None,
+    def __init__(self, *, upstream: str | None, creds: Mapping[str, str],
+                 prices: Mapping[str, Sequence[float]] | None,
                  record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
                  default_model: str | None = None):
         self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
@@ -4714,20 +4722,25 @@ class MeteringGateway:
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
             h.close_connection = True
-            self._reply(h, 401, "authentication_error", "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token", "duration_s": round(time.monotonic() - t0, 6)})
+            self._reply(h, 401, "authentication_error",
+                        "agentbench gateway: this request does not carry the job's token")
+            self._record({**rec, "status": 401, "refused": "token",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         body = self._read_body(h)
         if body is None:
             h.close_connection = True
-            self._reply(h, 413, "request_too_large", "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body", "duration_s": round(time.monotonic() - t0, 6)})
+            self._reply(h, 413, "request_too_large",
+                        "agentbench gateway: request body too large or malformed")
+            self._record({**rec, "status": 413, "refused": "body",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         if not allowed:
             self._reply(h, 403, "permission_error",
                         "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
                         "forwarded")
-            self._record({**rec, "status": 403, "refused": "path", "duration_s": round(time.monotonic() - t0, 6)})
+            self._record({**rec, "status": 403, "refused": "path",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         reserved = 0.0
         model = None
@@ -4739,7 +4752,8 @@ class MeteringGateway:
             req = req if isinstance(req, dict) else {}
             model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
             mt = req.get("max_tokens")
-            max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else GATEWAY_DEFAULT_MAX_TOKENS
+            mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
+            max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
             rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
             if self.budget is not None:
                 worst = worst_case_usd(len(body), max_tokens, model, self.prices)
@@ -4748,7 +4762,8 @@ class MeteringGateway:
                 except AgentbenchError as exc:
                     self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
                     self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS}, "duration_s": round(time.monotonic() - t0, 6)})
+                                  "tokens": {k: 0 for k in TOKEN_KEYS},
+                                  "duration_s": round(time.monotonic() - t0, 6)})
                     return
                 if refusal is not None:
                     with self._lock:
@@ -4863,7 +4878,8 @@ class MeteringGateway:
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
-                      creds: Mapping[str, str], extra: Mapping[str, str], host: Mapping[str, str]) -> MeteringGateway:
+                      creds: Mapping[str, str], extra: Mapping[str, str],
+                      host: Mapping[str, str]) -> MeteringGateway:
     """The gateway of one job, started: upstream and credentials from the study's env (`extra`,
     e.g. a scripted model's URL and dummy key) over the supervisor's own; the run's remaining
     budget and the study's cap from the job record."""
@@ -4874,7 +4890,8 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     study_cap = job.get("study_usd")
     budget = GatewayBudget(paths, platform, str(job["job_id"]),
                            run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
-                           study_cap=float(study_cap) if isinstance(study_cap, (int, float)) and study_cap > 0 else None)
+                           study_cap=(float(study_cap)
+                                      if isinstance(study_cap, (int, float)) and study_cap > 0 else None))
     gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
                          record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
                          default_model=job.get("model"))
@@ -10472,7 +10489,8 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
 SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
 SCRIPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 SCRIPT_FAULTS = ("429", "529", "overloaded", "prompt_too_long", "500", "hang", "cut", "malformed")
-USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                       "cache_read_input_tokens",
                        "ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens")
 SIDE_ANSWER_TEXT = "OK."
 EXHAUSTED_ANSWER_TEXT = "Done."
@@ -10587,7 +10605,8 @@ def _cache_key_blocks(body: dict) -> list[str]:
     system = body.get("system")
     if isinstance(system, list):
         system = [b for b in system
-                  if not (isinstance(b, dict) and str(b.get("text", "")).startswith("x-anthropic-billing-header"))]
+                  if not (isinstance(b, dict)
+                          and str(b.get("text", "")).startswith("x-anthropic-billing-header"))]
     head = json.dumps(_without_cache_control({"tools": body.get("tools"), "system": system}), sort_keys=True)
     units = [head]
     for message in body.get("messages") or []:
@@ -10691,7 +10710,8 @@ def _apply_usage_override(usage: dict, override: dict) -> dict:
     for key in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
         if key in override:
             result[key] = int(override[key])
-    split = result.setdefault("cache_creation", {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
+    split = result.setdefault("cache_creation",
+                              {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
     if "ephemeral_5m_input_tokens" in override or "ephemeral_1h_input_tokens" in override:
         split["ephemeral_5m_input_tokens"] = int(override.get("ephemeral_5m_input_tokens", 0))
         split["ephemeral_1h_input_tokens"] = int(override.get("ephemeral_1h_input_tokens", 0))
@@ -10926,11 +10946,13 @@ class ScriptedModelServer:
 
             def do_GET(self) -> None:
                 self._read_body()
-                server._log({"path": self.path, "method": "GET", "script": None, "step": None, "kind": "other"})
+                server._log({"path": self.path, "method": "GET", "script": None, "step": None,
+                             "kind": "other"})
                 self._send_json(200, {})
 
             def do_HEAD(self) -> None:
-                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None, "kind": "other"})
+                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None,
+                             "kind": "other"})
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", "0")
@@ -10950,7 +10972,8 @@ class ScriptedModelServer:
                     self._send_json(200, {"input_tokens": tokens})
                     return
                 if path != "/v1/messages":
-                    server._log({"path": self.path, "method": "POST", "script": None, "step": None, "kind": "other"})
+                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                                 "kind": "other"})
                     self._send_error(404, "not_found_error", f"no such endpoint: {path}")
                     return
                 if not isinstance(body, dict):
@@ -10970,7 +10993,8 @@ class ScriptedModelServer:
                 server._log(entry)
                 if plan["kind"] == "unknown_script":
                     self._send_error(400, "invalid_request_error",
-                                     f"agentbench scripted model: unknown or invalid script {plan['script']!r}: "
+                                     "agentbench scripted model: unknown or invalid script "
+                                     f"{plan['script']!r}: "
                                      + server.script_problem(str(plan["script"])))
                     return
                 usage = server.usage_for(body, plan)
@@ -11015,7 +11039,8 @@ class ScriptedModelServer:
 
             def _message(self, plan: dict, usage: dict) -> dict:
                 return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
-                        "model": plan["model"], "content": plan["content"], "stop_reason": plan["stop_reason"],
+                        "model": plan["model"], "content": plan["content"],
+                        "stop_reason": plan["stop_reason"],
                         "stop_sequence": None, "usage": usage}
 
             def _send_message(self, plan: dict, usage: dict) -> None:
@@ -11039,11 +11064,13 @@ class ScriptedModelServer:
                 start_usage = dict(usage)
                 start_usage["output_tokens"] = 1  # like the service: the true count comes at the end
                 message.update({"content": [], "stop_reason": None, "usage": start_usage})
-                events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": message})]
+                events: list[tuple[str, dict]] = [
+                    ("message_start", {"type": "message_start", "message": message})]
                 for index, block in enumerate(plan["content"]):
                     if block["type"] == "text":
-                        events.append(("content_block_start", {"type": "content_block_start", "index": index,
-                                                               "content_block": {"type": "text", "text": ""}}))
+                        events.append(("content_block_start",
+                                       {"type": "content_block_start", "index": index,
+                                        "content_block": {"type": "text", "text": ""}}))
                         text = block["text"]
                         half = max(1, len(text) // 2)
                         for piece in (text[:half], text[half:]):
@@ -11064,9 +11091,10 @@ class ScriptedModelServer:
                                     "type": "content_block_delta", "index": index,
                                     "delta": {"type": "input_json_delta", "partial_json": piece}}))
                     events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-                events.append(("message_delta", {"type": "message_delta",
-                                                 "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
-                                                 "usage": {"output_tokens": usage["output_tokens"]}}))
+                events.append(("message_delta",
+                               {"type": "message_delta",
+                                "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
+                                "usage": {"output_tokens": usage["output_tokens"]}}))
                 events.append(("message_stop", {"type": "message_stop"}))
                 return events
 
