@@ -33,9 +33,9 @@ Sections (line ranges), strictly bottom-up:
      8009-9913  Statistics and report
      9914-10426 Run pages: the report as a directory
     10427-11233 Offline scripted model
-    11234-11514 The scripted model: rehearsal of a study
-    11515-11575 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11576-13083 The CLI and main
+    11234-11529 The scripted model: rehearsal of a study
+    11530-11591 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11592-13099 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -11260,10 +11260,10 @@ def _write_step(ws: str, root: Path, rels: Iterable[str], text: str) -> dict[str
 
 
 def _test_step(ws: str) -> dict[str, Any]:
-    cmd = ("python3 -m unittest discover -s tests 2>&1 | tail -n 5" if os.path.isdir(os.path.join(ws, "tests"))
-           else "ls -la")
-    return {"text": "Running the public checks.", "tool_uses": [{"name": "Bash", "input": {"command": cmd,
-                                                                                          "description": "run the public tests"}}]}
+    cmd = ("python3 -m unittest discover -s tests 2>&1 | tail -n 5"
+           if os.path.isdir(os.path.join(ws, "tests")) else "ls -la")
+    return {"text": "Running the public checks.",
+            "tool_uses": [{"name": "Bash", "input": {"command": cmd, "description": "run the public tests"}}]}
 
 
 def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> dict[str, Any]:
@@ -11272,7 +11272,8 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
     ref = _overlay_files(task.reference)
     partial = _overlay_files(task.partial)
     steps: list[dict[str, Any]] = [{"text": "Reading the task.",
-                                    "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(ws, "TASK.md")}}]}]
+                                    "tool_uses": [{"name": "Read",
+                                                   "input": {"file_path": os.path.join(ws, "TASK.md")}}]}]
     if behaviour == "idle":
         return {"steps": [{"text": "Done."}]}
     if behaviour == "rate_limited":
@@ -11288,7 +11289,8 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
         tests = sorted(r for r in public if r.startswith("tests/") and r.endswith(".py"))
         steps += _read_steps(ws, tests)
         uses = [{"name": "Write", "input": {"file_path": os.path.join(ws, t), "content":
-                 "import unittest\n\n\nclass Passing(unittest.TestCase):\n    def test_ok(self):\n        self.assertTrue(True)\n"}}
+                 "import unittest\n\n\nclass Passing(unittest.TestCase):\n"
+                 "    def test_ok(self):\n        self.assertTrue(True)\n"}}
                 for t in tests]
         steps.append({"text": "Simplifying the tests.", "tool_uses": uses})
         steps.append(_test_step(ws))
@@ -11314,14 +11316,17 @@ def reviewer_script(task: Task, work_dir: str, review_path: str, verdict: str) -
     files = _overlay_files(task.reference) or sorted(task.public_manifest)
     review = {"verdict": verdict,
               "findings": ([{"severity": "minor", "file": files[0],
-                             "detail": "Re-run the public tests and confirm the edge cases named in TASK.md."}]
+                             "detail": "Re-run the public tests and confirm the edge cases named in "
+                                       "TASK.md."}]
                            if verdict == "revise" else []),
               "summary": "The change reads correctly." if verdict == "accept"
                          else "Mostly right; confirm the edge cases before finishing."}
     return {"steps": [
-        {"text": "Reading the work.", "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(work_dir, files[0])}}]},
-        {"text": "Writing my review.", "tool_uses": [{"name": "Write", "input": {"file_path": review_path,
-                                                                                "content": json.dumps(review, indent=1)}}]},
+        {"text": "Reading the work.",
+         "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(work_dir, files[0])}}]},
+        {"text": "Writing my review.",
+         "tool_uses": [{"name": "Write", "input": {"file_path": review_path,
+                                                   "content": json.dumps(review, indent=1)}}]},
         {"text": f"Review written: {verdict}."}]}
 
 
@@ -11348,19 +11353,22 @@ class RehearsalScripts:
             if role in self.EXECUTOR_ROLES:
                 sid = f"{run_id}-executor"
                 if self.server.get_script(sid) is None:
-                    self.server.add_script(sid, executor_script(task, arm, ws, self.behaviours.get(run_id, "solve")))
+                    behaviour = self.behaviours.get(run_id, "solve")
+                    self.server.add_script(sid, executor_script(task, arm, ws, behaviour))
                 return sid
             if role == "reviewer":
                 n = len(rec.get("reviews") or []) + 1
                 sid = f"{run_id}-review-{n}"
                 rdir = self.paths.run_dir(run_id) / "review" / f"{n:02d}"
                 verdict = "revise" if int(rec.get("repeat") or 1) % 2 == 1 else "accept"
-                self.server.add_script(sid, reviewer_script(task, str(rdir / "work"), str(rdir / "review.json"), verdict))
+                script = reviewer_script(task, str(rdir / "work"), str(rdir / "review.json"), verdict)
+                self.server.add_script(sid, script)
                 return sid
         return None
 
 
-def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mapping[str, Arm]) -> dict[str, Any]:
+def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any],
+                         arms: Mapping[str, Arm]) -> dict[str, Any]:
     """The study's config with every path made absolute, for a scratch copy elsewhere."""
     out = copy.deepcopy(dict(cfg))
     out["tasks"] = str(tasks_dir(paths, cfg))
@@ -11404,16 +11412,19 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
     copy_tree(task.public, ws)
     sid = f"train-{task.id}"
     server.add_script(sid, {"steps": [
-        {"text": "Reading the task.", "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
+        {"text": "Reading the task.",
+         "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
         {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
-            "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
+            "file_path": str(ws / "NOTES.md"),
+            "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
         {"text": "Notes written; ready."}]})
-    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
-                    notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
+    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title,
+                    task_text=task_text(task), notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
     launch = launch_config(cfg)
-    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S, stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S,
-                            orphan_after_s=0,
-                            max_budget_usd=float(launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]))
+    usd_per_run = launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]
+    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S,
+                            stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S, orphan_after_s=0,
+                            max_budget_usd=float(usd_per_run))
     out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                     fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
                     driver=driver, cfg=cfg)
@@ -11464,8 +11475,10 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     write_json_atomic(sp.registry, read_registry(sp))
     reuse = calibration_to_reuse(calibration, tasks)
     cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
-    write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
-    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1), int(scfg.get("seed") or 0))
+    write_json_atomic(sp.state / "calibration.json",
+                      {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1),
+                               int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
     register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
@@ -11483,13 +11496,15 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
             if any(a.fork_base for a in arms.values()):
                 for t in tasks.values():
                     train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
-            opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
+            scripts = RehearsalScripts(server, sp, tasks, arms, behaviours or {})
+            opts = PipelineOptions(env_extra=env_extra, script_for=scripts,
                                    driver=driver, progress=progress, rehearsal=True)
             driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
     finally:
         server.stop()
     runs = [load_run(sp, r["run_id"]) for r in manifest]
-    expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve" and r["run_id"] not in (faults or {})]
+    expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve"
+                   and r["run_id"] not in (faults or {})]
     breaker = read_registry(sp).get("breaker")
     problems = [{"run_id": r["run_id"], "status": r.get("status"), "outcome": r.get("outcome"),
                  "validity": r.get("validity"),
@@ -11534,7 +11549,8 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+def iter_ledger_once_per_job(path: str | os.PathLike[str],
+                             counts: dict[str, int]) -> Iterator[dict[str, Any]]:
     """The ledger's object lines, one per job (the first line of a job id wins), read as a
     stream.  `counts` gets "lines" (yielded) and "torn" (unparseable or not an object), like
     read_jsonl.  Writers guarantee one line per job; a reader still counts each job once."""
