@@ -15,27 +15,27 @@ banner says what its section owns and what it must not do.
 Sections (line ranges), strictly bottom-up:
        82-152   Start-up: lazy imports and the cached-bytecode launcher
       153-250   Constants
-      251-352   Errors and output
-      353-461   Hostile numbers
-      462-507   Fault points
-      508-1755  Platform seam
-     1756-2257  Files, locks and the registry
-     2258-2448  Records: the declared shapes of the job's and run's files
-     2449-2784  Processes
-     2785-2899  Env scrub
-     2900-3271  The sandbox
-     3272-3724  Stream and usage
-     3725-4094  Study configuration
-     4095-4901  The metering gateway
-     4902-6254  The supervisor
-     6255-6500  The supervisor: jobs (start, fork, continue)
-     6501-8008  The experiment layer
-     8009-9913  Statistics and report
-     9914-10426 Run pages: the report as a directory
-    10427-11233 Offline scripted model
-    11234-11529 The scripted model: rehearsal of a study
-    11530-11591 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11592-13099 The CLI and main
+      251-354   Errors and output
+      355-463   Hostile numbers
+      464-511   Fault points
+      512-1761  Platform seam
+     1762-2263  Files, locks and the registry
+     2264-2454  Records: the declared shapes of the job's and run's files
+     2455-2790  Processes
+     2791-2905  Env scrub
+     2906-3281  The sandbox
+     3282-3734  Stream and usage
+     3735-4104  Study configuration
+     4105-4911  The metering gateway
+     4912-6264  The supervisor
+     6265-6510  The supervisor: jobs (start, fork, continue)
+     6511-8018  The experiment layer
+     8019-9923  Statistics and report
+     9924-10436 Run pages: the report as a directory
+    10437-11243 Offline scripted model
+    11244-11539 The scripted model: rehearsal of a study
+    11540-11601 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11602-13109 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -320,6 +320,8 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def env_float(name: str, default: float) -> float:
     """A float from the environment (test and tuning overrides), or `default` when unset."""
+    # This process's own environment: a tuning knob is set where a process starts, and its
+    # detached children (supervisors, the run driver) inherit it from there.
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -480,6 +482,8 @@ class InjectedFault(RuntimeError):
 
 
 def fault_point(name: str) -> None:
+    """Act on AGENTBENCH_FAULT_AT when it names this point (see the banner); else do nothing."""
+    # This process's own environment: a fault is set where the process under test starts.
     spec = os.environ.get(FAULT_AT_ENV)
     if not spec:
         return
@@ -1403,6 +1407,7 @@ class WindowsPlatform(Platform):
     ctime_tolerance_s = 0.002
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        # None: the platform seam reads this process's own environment (its user's profile).
         self._env = os.environ if env is None else env
         self._k32: Any = None
 
@@ -1733,16 +1738,17 @@ _CURRENT_PLATFORM: Platform | None = None
 def select_platform(env: Mapping[str, str] | None = None) -> Platform:
     """A new Platform for this OS; ``AGENTBENCH_PLATFORM=windows|posix`` in ``env`` overrides the
     choice (so the Windows logic can be exercised on other systems)."""
+    # None: the platform seam reads this process's own environment (at start-up, once).
     env = os.environ if env is None else env
     forced = (env.get("AGENTBENCH_PLATFORM") or "").strip().lower()
     if forced == "windows":
-        return WindowsPlatform()
+        return WindowsPlatform(env)
     if forced == "posix":
         return PosixPlatform()
     if forced:
         raise AgentbenchError("unknown AGENTBENCH_PLATFORM", code="unknown_agentbench_platform", value=forced,
                               hint="use 'posix' or 'windows'")
-    return WindowsPlatform() if os.name == "nt" else PosixPlatform()
+    return WindowsPlatform(env) if os.name == "nt" else PosixPlatform()
 
 
 def current_platform() -> Platform:
@@ -2938,23 +2944,26 @@ def sandbox_preexec() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def sandbox_default() -> str:
+def sandbox_default(env: Mapping[str, str] | None = None) -> str:
     """The mode of a study without a `sandbox` key: SANDBOX_DEFAULT, or (tests whose fake binary
-    writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT."""
-    raw = os.environ.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
+    writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT in `env`."""
+    # None: this process's own environment (a test knob set where the process starts).
+    env = os.environ if env is None else env
+    raw = env.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
     if raw not in SANDBOX_MODES:
         raise AgentbenchError("AGENTBENCH_SANDBOX_DEFAULT must be one of " + ", ".join(SANDBOX_MODES),
                               code="bad_sandbox_default", value=raw)
     return raw
 
 
-def sandbox_mode_of(cfg: Mapping[str, Any]) -> str:
-    """The study's sandbox mode (its shape was checked where study.json was read)."""
+def sandbox_mode_of(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> str:
+    """The study's sandbox mode (its shape was checked where study.json was read); without a
+    `sandbox` key, sandbox_default(env)."""
     mode = cfg.get("sandbox")
     if mode is not None and mode not in SANDBOX_MODES:
         raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode",
                               value=str(mode)[:200])
-    return str(mode) if mode is not None else sandbox_default()
+    return str(mode) if mode is not None else sandbox_default(env)
 
 
 def _under(path: str, parent: str) -> bool:
@@ -3104,6 +3113,7 @@ _SANDBOX_PROBES: dict[str, dict[str, Any]] = {}
 def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Does bubblewrap really run here?  {"available", "binary", "reason"}; run once per process
     per binary found (a PATH without bwrap answers at once, uncached)."""
+    # None: this process's own PATH (the probe is of the host this process runs on).
     path = (env if env is not None else os.environ).get("PATH")
     binary = shutil.which(SANDBOX_BINARY, path=path)
     if not binary:
