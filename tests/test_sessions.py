@@ -119,7 +119,8 @@ def test_a_spawned_fault_reaches_the_jobs_limits_and_a_bad_one_creates_nothing(s
                           "--fault", "interrupt:after_tool_uses=0"])
     assert code == 2 and out["code"] == "bad_fault", out
     assert job_dirs(study) == []
-    code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "FAKE: tool_uses=3\n"),
+    code, out = run_main(["spawn", "--study", str(study),
+                          "--brief", write_brief(tmp_path, "FAKE: tool_uses=3\n"),
                           "--fault", "interrupt:after_tool_uses=2"])
     assert code == 0, out
     assert job_json(study, out["job_id"])["limits"]["interrupt_after_tool_uses"] == 2
@@ -174,8 +175,9 @@ def test_a_sessions_limits_are_the_studys_unless_the_caller_gives_one(tmp_path, 
                           "--max-turns", "9", "--stall-after-s", "33", "--orphan-after-s", "0"])
     assert code == 0, out
     limits = study_limits(root)
-    assert {k: limits[k] for k in ("wall_s", "max_budget_usd", "max_turns", "stall_after_s", "orphan_after_s")} \
-        == {"wall_s": 420.0, "max_budget_usd": 0.75, "max_turns": 9, "stall_after_s": 33, "orphan_after_s": 0}
+    keys = ("wall_s", "max_budget_usd", "max_turns", "stall_after_s", "orphan_after_s")
+    assert {k: limits[k] for k in keys} == {"wall_s": 420.0, "max_budget_usd": 0.75, "max_turns": 9,
+                                            "stall_after_s": 33, "orphan_after_s": 0}
     code, sp = run_main(["spawn", "--study", str(root), "--brief", write_brief(tmp_path, "hi"),
                          "--max-budget-usd", "0.5"])
     assert code == 0, sp
@@ -239,7 +241,8 @@ def test_start_job_registers_and_launches_one_session(study, tmp_path):
 def test_start_job_keeps_a_given_system_prompt_and_appends_an_arm_text_otherwise(study, tmp_path):
     given = start(study, "hi", tmp_path / "a", system_prompt="exactly this\n")
     paths = ab.StudyPaths(study)
-    assert (paths.job_dir(given["job_id"]) / "system_prompt.md").read_text(encoding="utf-8") == "exactly this\n"
+    given_text = (paths.job_dir(given["job_id"]) / "system_prompt.md").read_text(encoding="utf-8")
+    assert given_text == "exactly this\n"
     extra = start(study, "hi", tmp_path / "b", system_extra="Arm B: plan first.")
     text = (paths.job_dir(extra["job_id"]) / "system_prompt.md").read_text(encoding="utf-8")
     cfg = ab.load_study_config(paths)
@@ -313,8 +316,8 @@ def test_fork_base_of_an_unknown_base_is_refused(study, tmp_path):
 # ---- continue_job ---------------------------------------------------------------------------------
 
 def finished_job(study: Path, tmp_path: Path, *directives: str) -> dict[str, Any]:
-    code, out = run_main(["spawn", "--study", str(study),
-                          "--brief", write_brief(tmp_path, "".join(f"FAKE: {d}\n" for d in directives) or "hi")])
+    text = "".join(f"FAKE: {d}\n" for d in directives) or "hi"
+    code, out = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, text)])
     assert code == 0, out
     assert wait_result(study, out["job_id"])["status"] == "ok"
     return out
@@ -354,7 +357,8 @@ def test_a_repeated_continue_command_is_answered_by_the_first_job(study, tmp_pat
 
 
 def test_continue_job_refuses_a_running_job(study, tmp_path):
-    code, running = run_main(["spawn", "--study", str(study), "--brief", write_brief(tmp_path, "FAKE: hang\n")])
+    code, running = run_main(["spawn", "--study", str(study),
+                              "--brief", write_brief(tmp_path, "FAKE: hang\n")])
     assert code == 0, running
     try:
         payload = refused(lambda: ab.continue_job(host(), ab.StudyPaths(study), running["job_id"], "more",
