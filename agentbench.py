@@ -13,31 +13,31 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       84-152   Start-up: lazy imports and the cached-bytecode launcher
-      153-249   Constants
-      250-351   Errors and output
-      352-460   Hostile numbers
-      461-505   Fault points
-      506-1752  Platform seam
-     1753-2251  Files, locks and the registry
-     2252-2442  Records: the declared shapes of the job's and run's files
-     2443-2778  Processes
-     2779-2891  Env scrub
-     2892-3258  The sandbox
-     3259-3705  Stream and usage
-     3706-4063  Study configuration
-     4064-4855  The metering gateway
-     4856-6208  The supervisor
-     6209-6454  The supervisor: jobs (start, fork, continue)
-     6455-7962  The experiment layer
-     7963-8470  Statistics
-     8471-9399  The report: what each arm did
-     9400-10041 Rendering: Markdown and HTML
-    10042-10572 Run pages: the report as a directory
-    10573-11368 Offline scripted model
-    11369-11649 The scripted model: rehearsal of a study
-    11650-11710 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11711-13218 The CLI and main
+       84-154   Start-up: lazy imports and the cached-bytecode launcher
+      155-252   Constants
+      253-356   Errors and output
+      357-465   Hostile numbers
+      466-513   Fault points
+      514-1763  Platform seam
+     1764-2265  Files, locks and the registry
+     2266-2456  Records: the declared shapes of the job's and run's files
+     2457-2792  Processes
+     2793-2907  Env scrub
+     2908-3283  The sandbox
+     3284-3736  Stream and usage
+     3737-4106  Study configuration
+     4107-4913  The metering gateway
+     4914-6266  The supervisor
+     6267-6512  The supervisor: jobs (start, fork, continue)
+     6513-8020  The experiment layer
+     8021-8528  Statistics
+     8529-9457  The report: what each arm did
+     9458-10099 Rendering: Markdown and HTML
+    10100-10630 Run pages: the report as a directory
+    10631-11437 Offline scripted model
+    11438-11733 The scripted model: rehearsal of a study
+    11734-11795 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11796-13303 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -138,9 +138,11 @@ urllib: Any = LazyModule("urllib")
 #: No double quotes and no newlines, so that it survives any platform's command-line quoting.
 #: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
 LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
-                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];sys.dont_write_bytecode=o[1] and not c;"
+                 "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];"
+                 "sys.dont_write_bytecode=o[1] and not c;"
                  "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
-                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);sys.modules['agentbench']=m;"
+                 "sys.pycache_prefix,sys.dont_write_bytecode=o;m=u.module_from_spec(p);"
+                 "sys.modules['agentbench']=m;"
                  "exec(k,m.__dict__);sys.exit(m.main(sys.argv[3:]))")
 
 
@@ -180,8 +182,9 @@ LOCK_STALE_S = 300.0
 
 #: errno values of a write the file system refused (read-only, full, over quota, not permitted):
 #: a clear refusal (exit 2), not an internal error.
-WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name) for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
-                                  if hasattr(errno, name))
+WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name)
+                                 for name in ("EROFS", "ENOSPC", "EDQUOT", "EACCES", "EPERM")
+                                 if hasattr(errno, name))
 #: The registry.json layout this version writes; a registry of another version is refused.
 REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
@@ -319,6 +322,8 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def env_float(name: str, default: float) -> float:
     """A float from the environment (test and tuning overrides), or `default` when unset."""
+    # This process's own environment: a tuning knob is set where a process starts, and its
+    # detached children (supervisors, the run driver) inherit it from there.
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -465,8 +470,9 @@ def json_safe(value: Any, *, anomalies: list[dict[str, Any]] | None = None, wher
 # purpose: AGENTBENCH_FAULT_AT=POINT:ACTION (ACTION `kill`: SIGKILL this process; `raise`: an
 # exception), with an optional third field N to act at the N-th pass only; AGENTBENCH_FAULT_LOG
 # names a file that gets one line (the point's name) per fault acted on, so a suite counts what
-# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any other way; a malformed
-# setting is ignored rather than fatal (it reaches supervisors through their environment).
+# it did.  Unset (the normal case) a fault point does nothing.  Must not change behaviour in any
+# other way; a malformed setting is ignored rather than fatal (it reaches supervisors through their
+# environment).
 
 FAULT_AT_ENV = "AGENTBENCH_FAULT_AT"
 FAULT_LOG_ENV = "AGENTBENCH_FAULT_LOG"
@@ -478,6 +484,8 @@ class InjectedFault(RuntimeError):
 
 
 def fault_point(name: str) -> None:
+    """Act on AGENTBENCH_FAULT_AT when it names this point (see the banner); else do nothing."""
+    # This process's own environment: a fault is set where the process under test starts.
     spec = os.environ.get(FAULT_AT_ENV)
     if not spec:
         return
@@ -1401,6 +1409,7 @@ class WindowsPlatform(Platform):
     ctime_tolerance_s = 0.002
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        # None: the platform seam reads this process's own environment (its user's profile).
         self._env = os.environ if env is None else env
         self._k32: Any = None
 
@@ -1688,7 +1697,8 @@ class WindowsPlatform(Platform):
         m = _CIM_RESULT_RE.search(cp.stdout or "")
         if cp.returncode != 0 or not m or m.group(1) != "0" or not m.group(2):
             raise AgentbenchError(
-                "detached launch through CIM failed", code="detached_launch_through_cim_failed", returncode=cp.returncode,
+                "detached launch through CIM failed", code="detached_launch_through_cim_failed",
+                returncode=cp.returncode,
                 cim_return_value=int(m.group(1)) if m else None,
                 detail=((cp.stderr or "") + (cp.stdout or ""))[-2000:], log=log_path,
                 hint="Win32_Process.Create return values: 2 access denied, 9 path not found, "
@@ -1730,16 +1740,17 @@ _CURRENT_PLATFORM: Platform | None = None
 def select_platform(env: Mapping[str, str] | None = None) -> Platform:
     """A new Platform for this OS; ``AGENTBENCH_PLATFORM=windows|posix`` in ``env`` overrides the
     choice (so the Windows logic can be exercised on other systems)."""
+    # None: the platform seam reads this process's own environment (at start-up, once).
     env = os.environ if env is None else env
     forced = (env.get("AGENTBENCH_PLATFORM") or "").strip().lower()
     if forced == "windows":
-        return WindowsPlatform()
+        return WindowsPlatform(env)
     if forced == "posix":
         return PosixPlatform()
     if forced:
         raise AgentbenchError("unknown AGENTBENCH_PLATFORM", code="unknown_agentbench_platform", value=forced,
                               hint="use 'posix' or 'windows'")
-    return WindowsPlatform() if os.name == "nt" else PosixPlatform()
+    return WindowsPlatform(env) if os.name == "nt" else PosixPlatform()
 
 
 def current_platform() -> Platform:
@@ -1853,7 +1864,8 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
                                    "atomically, so a torn one was changed by something else") from None
 
 
-def create_json_exclusive(path: str | os.PathLike[str], obj: Any, rename_no_replace: Callable[[str, str], bool]) -> bool:
+def create_json_exclusive(path: str | os.PathLike[str], obj: Any,
+                          rename_no_replace: Callable[[str, str], bool]) -> bool:
     """Create `path` holding `obj` only if it does not exist yet; True if this call created it.
 
     The complete file is written aside first and then renamed without replacement, so the file
@@ -1988,7 +2000,8 @@ class RegistryLock:
     """
 
     def __init__(self, path: str | os.PathLike[str], platform: "Platform",
-                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S, label: str = "the study registry"):
+                 timeout_s: float = LOCK_TIMEOUT_S, stale_s: float = LOCK_STALE_S,
+                 label: str = "the study registry"):
         self.path = Path(path)
         self.label = label
         self.platform = platform
@@ -2174,7 +2187,8 @@ def check_name(kind: str, value: str) -> str:
     """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
     if not NAME_RE.match(value or ""):
         raise AgentbenchError(f"invalid {kind} name", code="invalid_name", value=value,
-                              hint="use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+                              hint="use 1-64 letters, digits, '.', '_' or '-', "
+                                   "starting with a letter or digit")
     return value
 
 
@@ -2827,7 +2841,9 @@ def is_credential_var(name: str) -> bool:
     return name in CREDENTIAL_VARS or any(fnmatch.fnmatchcase(name, p) for p in CREDENTIAL_PATTERNS)
 
 
-def _venv_path_entries(env: Mapping[str, str]) -> list[str]:
+def venv_path_entries(env: Mapping[str, str]) -> list[str]:
+    """The PATH entries of `env` inside a Python virtual environment: under $VIRTUAL_ENV, or next to
+    a pyvenv.cfg (looked up on disk)."""
     venv = env.get("VIRTUAL_ENV")
     out = []
     for entry in env.get("PATH", "").split(os.pathsep):
@@ -2852,7 +2868,7 @@ def scrub_env(host: Mapping[str, str], *, for_claude: bool, binary: str | None =
     dropped: list[str] = []
     creds: list[str] = []
     unknown: list[str] = []
-    venv_entries = _venv_path_entries(host)
+    venv_entries = venv_path_entries(host)
     env: dict[str, str] = {}
     for key, value in host.items():
         if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
@@ -2930,23 +2946,26 @@ def sandbox_preexec() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def sandbox_default() -> str:
+def sandbox_default(env: Mapping[str, str] | None = None) -> str:
     """The mode of a study without a `sandbox` key: SANDBOX_DEFAULT, or (tests whose fake binary
-    writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT."""
-    raw = os.environ.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
+    writes hooks outside its workspace) AGENTBENCH_SANDBOX_DEFAULT in `env`."""
+    # None: this process's own environment (a test knob set where the process starts).
+    env = os.environ if env is None else env
+    raw = env.get("AGENTBENCH_SANDBOX_DEFAULT") or SANDBOX_DEFAULT
     if raw not in SANDBOX_MODES:
         raise AgentbenchError("AGENTBENCH_SANDBOX_DEFAULT must be one of " + ", ".join(SANDBOX_MODES),
                               code="bad_sandbox_default", value=raw)
     return raw
 
 
-def sandbox_mode_of(cfg: Mapping[str, Any]) -> str:
-    """The study's sandbox mode (its shape was checked where study.json was read)."""
+def sandbox_mode_of(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> str:
+    """The study's sandbox mode (its shape was checked where study.json was read); without a
+    `sandbox` key, sandbox_default(env)."""
     mode = cfg.get("sandbox")
     if mode is not None and mode not in SANDBOX_MODES:
         raise AgentbenchError("sandbox must be one of " + ", ".join(SANDBOX_MODES), code="bad_sandbox_mode",
                               value=str(mode)[:200])
-    return str(mode) if mode is not None else sandbox_default()
+    return str(mode) if mode is not None else sandbox_default(env)
 
 
 def _under(path: str, parent: str) -> bool:
@@ -3070,7 +3089,8 @@ def real_homes(env: Mapping[str, str]) -> list[str]:
     return homes
 
 
-def study_hidden_dirs(study_root: str | os.PathLike[str], extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
+def study_hidden_dirs(study_root: str | os.PathLike[str],
+                      extra: Iterable[str | os.PathLike[str]] = ()) -> list[str]:
     """The study directory, its tasks directory (from study.json, wherever it lies), the bundled
     example study beside this file (its references and hidden tests are those of any study copied
     from it) and `extra`, resolved; only those that exist (a tmpfs needs a mount point)."""
@@ -3095,6 +3115,7 @@ _SANDBOX_PROBES: dict[str, dict[str, Any]] = {}
 def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Does bubblewrap really run here?  {"available", "binary", "reason"}; run once per process
     per binary found (a PATH without bwrap answers at once, uncached)."""
+    # None: this process's own PATH (the probe is of the host this process runs on).
     path = (env if env is not None else os.environ).get("PATH")
     binary = shutil.which(SANDBOX_BINARY, path=path)
     if not binary:
@@ -3105,7 +3126,8 @@ def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     marker = "agentbench-sandbox-probe"
     argv = sandbox_argv(binary, SandboxPlan(cwd="/"), [sys.executable, "-I", "-c", f"print({marker!r})"])
     try:
-        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=SANDBOX_PROBE_TIMEOUT_S)
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=SANDBOX_PROBE_TIMEOUT_S)
         ok = res.returncode == 0 and res.stdout.decode("utf-8", "replace").strip() == marker
         reason = None if ok else (f"{binary} exited {res.returncode}: "
                                   + res.stderr.decode("utf-8", "replace").strip()[-300:])
@@ -3132,10 +3154,11 @@ def resolve_sandbox(mode: str, env: Mapping[str, str] | None = None) -> dict[str
                                                         "reason": "the study sets sandbox: none"}
     kind = sandbox_decision(mode, bool(probe["available"]))
     if kind == "refuse":
-        raise AgentbenchError("the study requires sandbox bwrap but bubblewrap cannot run here", code="sandbox_unavailable",
-                              reason=probe["reason"], refusal="sandbox",
-                              hint='install bubblewrap (apt-get install bubblewrap) where sessions and checks '
-                                   'run, or set "sandbox": "auto" (unsandboxed where it is missing) in study.json')
+        raise AgentbenchError("the study requires sandbox bwrap but bubblewrap cannot run here",
+                              code="sandbox_unavailable", reason=probe["reason"], refusal="sandbox",
+                              hint='install bubblewrap (apt-get install bubblewrap) where sessions and '
+                                   'checks run, or set "sandbox": "auto" (unsandboxed where it is '
+                                   'missing) in study.json')
     return {"mode": mode, "kind": kind, "binary": probe["binary"] if kind == "bwrap" else None,
             "reason": None if kind == "bwrap" else probe["reason"]}
 
@@ -3185,7 +3208,8 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
     read-write, its pristine check directories read-only, the study, the tasks and the real home
     masked.  The environment is the caller's (credential-free) one, unchanged."""
     homes = real_homes(env)
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0] if argv else None, env, homes)),
+    tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
                        ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=_real(cwd))
     return sandbox_argv(bwrap, plan, argv)
 
@@ -3213,7 +3237,8 @@ def receipt_channel_line(data: bytes) -> tuple[str | None, str | None]:
     if not lines:
         return None, "no receipt on the receipt channel"
     if len(lines) > 1:
-        return None, f"{len(lines)} receipts on the receipt channel (one is expected: another writer reached it)"
+        return None, (f"{len(lines)} receipts on the receipt channel "
+                      "(one is expected: another writer reached it)")
     return lines[0], None
 
 
@@ -3295,7 +3320,8 @@ def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any
             "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
 
 
-def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None) -> tuple[float, float, float, float, float]:
+def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None
+              ) -> tuple[float, float, float, float, float]:
     """List price row for a model id (longest matching family prefix), else the default row.
 
     `overrides` (study.json `prices`: model prefix -> [input, output, cache write 5m, cache write
@@ -3400,9 +3426,11 @@ class StreamState:
         elif kind == "result":
             self.results.append(ev)
         elif kind == "user":
-            content = (ev.get("message") or {}).get("content") if isinstance(ev.get("message"), dict) else None
+            message = ev.get("message")
+            content = (message or {}).get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                self.tool_results += sum(1 for b in content if isinstance(b, dict) and b.get("type") == "tool_result")
+                self.tool_results += sum(1 for b in content
+                                         if isinstance(b, dict) and b.get("type") == "tool_result")
         return ev
 
     def _assistant(self, ev: Mapping[str, Any]) -> None:
@@ -3473,7 +3501,8 @@ class StreamState:
         key = (fallback_model, json.dumps(self.prices, sort_keys=True, default=str))
         if self._cost_key != key or self._cost_total_micro is None:
             self._cost_key = key
-            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model) for mid in self.message_order}
+            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model)
+                                for mid in self.message_order}
             parts = list(self._cost_micro.values())
             self._cost_total_micro = None if None in parts else sum(parts)  # type: ignore[arg-type]
         if self._cost_total_micro is None:   # a non-finite part: the float sum, as it always was
@@ -3552,7 +3581,8 @@ def corroborated(reason: str | None, wire_statuses: Iterable[Any] | None) -> boo
     return any(st in WIRE_STATUSES_OF[reason] for st in wire_statuses)
 
 
-def model_usage_delta(now: Mapping[str, Any] | None, before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
+def model_usage_delta(now: Mapping[str, Any] | None,
+                      before: Mapping[str, Any] | None) -> dict[str, dict[str, float]]:
     """Per-model growth of the cumulative modelUsage between two reports of one session."""
     out: dict[str, dict[str, float]] = {}
     before = before or {}
@@ -3653,7 +3683,8 @@ def usage_record(result: Mapping[str, Any] | None, state: StreamState, *, prior_
         mu_out = sum(d.get("outputTokens", 0) for d in delta.values())
         # A usage block that covers a different span than the modelUsage delta (e.g. cumulative
         # vs per-call, or side-model calls not in `usage`) is flagged, not silently reconciled.
-        if abs(mu_in - tokens["input"]) > max(2, 0.01 * mu_in) or abs(mu_out - tokens["output"]) > max(2, 0.01 * mu_out):
+        if (abs(mu_in - tokens["input"]) > max(2, 0.01 * mu_in)
+                or abs(mu_out - tokens["output"]) > max(2, 0.01 * mu_out)):
             flags.append("usage_mismatch")
     return {"tokens": tokens, "models_used": models_used, "cost_total_usd": total_f,
             "cost_delta_usd": round(max(cost, 0.0), 6), "estimated": estimated,
@@ -3740,7 +3771,7 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A finite number, not a bool (an integer too large for a float is not one)."""
     return finite_number(value) is not None
 
@@ -3752,17 +3783,23 @@ def _check_slurm_settings(slurm: Any) -> None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
             raise AgentbenchError("slurm must be an object with keys among " + ", ".join(SLURM_KEYS),
                                   code="slurm_object_keys_among", slurm=str(slurm)[:300])
-        if slurm.get("partition") is not None and (not isinstance(slurm["partition"], str) or not slurm["partition"]):
+        partition = slurm.get("partition")
+        if partition is not None and (not isinstance(partition, str) or not partition):
             raise AgentbenchError("slurm.partition must be a non-empty string",
                                   code="slurm_partition_non_empty_string", partition=str(slurm["partition"]))
         args = slurm.get("sbatch_args")
-        if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) and a.startswith("-") for a in args)):
-            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options (each starting with -), "
-                                  "values joined with =", code="slurm_sbatch_args_list_sbatch", sbatch_args=str(args)[:300],
+        options_ok = isinstance(args, list) and all(isinstance(a, str) and a.startswith("-")
+                                                    for a in args)
+        if args is not None and not options_ok:
+            raise AgentbenchError("slurm.sbatch_args must be a list of sbatch options "
+                                  "(each starting with -), values joined with =",
+                                  code="slurm_sbatch_args_list_sbatch",
+                                  sbatch_args=str(args)[:300],
                                   hint='e.g. ["--account=lab", "--mem=4G", "--time=120"]')
         own = sbatch_own_options(args or [])
         if own:
-            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself", code="slurm_sbatch_args_may_not", options=own,
+            raise AgentbenchError("slurm.sbatch_args may not set options agentbench sets itself",
+                                  code="slurm_sbatch_args_may_not", options=own,
                                   hint="agentbench chooses the output file, the environment export, the "
                                        "directory and the cluster of its batch jobs")
         if slurm.get("python") is not None and (not isinstance(slurm["python"], str) or not slurm["python"]):
@@ -3835,7 +3872,7 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
                               keys=unknown,
                               known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
     for key, val in budget.items():
-        if not _is_number(val) or val < 0:
+        if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
                                   code="budget_values_finite_non_negative", key=key, value=str(val))
     if budget.get("usd_per_run") == 0:
@@ -3845,11 +3882,12 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
 
 def _check_prices(prices: Any) -> None:
     ok = isinstance(prices, dict) and all(
-        isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(_is_number(x) and x >= 0 for x in v)
+        isinstance(k, str) and isinstance(v, list) and len(v) == 5 and all(is_number(x) and x >= 0 for x in v)
         for k, v in prices.items())
     if not ok:
         raise AgentbenchError("prices must map a model prefix to [input, output, cache write 5m, "
-                              "cache write 1h, cache read] USD per million tokens", code="prices_map_model_prefix_input", prices=str(prices)[:300])
+                              "cache write 1h, cache read] USD per million tokens",
+                              code="prices_map_model_prefix_input", prices=str(prices)[:300])
 
 
 def _check_arms(arms: Mapping[str, Any]) -> None:
@@ -3880,11 +3918,14 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
 STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("tasks", _is_str, "a string", flag=str, help="the tasks directory (relative to the study)"),
     Setting("model", _is_str, "a string", flag=str, help="full model id (no alias)", on_create=True),
-    Setting("effort", _is_str, "a string", flag=str, help="claude --effort: " + "/".join(EFFORTS), on_create=True),
-    Setting("permission_mode", _is_str, "a string", flag=str,
-            help="claude --permission-mode: " + "/".join(PERMISSION_MODES) + " (as root, dontAsk with allow rules)",
+    Setting("effort", _is_str, "a string", flag=str, help="claude --effort: " + "/".join(EFFORTS),
             on_create=True),
-    Setting("tools", _is_str, "a string", flag=str, help="the tools sessions have (claude --tools)", on_create=True),
+    Setting("permission_mode", _is_str, "a string", flag=str,
+            help="claude --permission-mode: " + "/".join(PERMISSION_MODES)
+            + " (as root, dontAsk with allow rules)",
+            on_create=True),
+    Setting("tools", _is_str, "a string", flag=str, help="the tools sessions have (claude --tools)",
+            on_create=True),
     Setting("allowed_tools", _is_str, "a string", flag=str, help="tools allowed without asking"),
     Setting("disallowed_tools", _is_str, "a string", flag=str, help="tools refused"),
     Setting("binary", _is_str, "a string", flag=str, help="the claude executable (default: found on PATH)"),
@@ -3901,19 +3942,21 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             help="seed of the assignment and the report's bootstrap"),
     Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
             on_create=True),
-    Setting("max_minutes", lambda v: _is_number(v) and v > 0, "a positive number", flag=finite_float,
+    Setting("max_minutes", lambda v: is_number(v) and v > 0, "a positive number", flag=finite_float,
             help="wall-time limit of any one session", on_create=True),
-    Setting("stall_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+    Setting("stall_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
             help="flag a session silent this long"),
-    Setting("orphan_after_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
-            help="kill a job nobody asks about this long (0: never; runs by `run` are watched by their driver)"),
+    Setting("orphan_after_s", lambda v: is_number(v) and v >= 0, "a non-negative number", flag=finite_float,
+            help="kill a job nobody asks about this long "
+                 "(0: never; runs by `run` are watched by their driver)"),
     Setting("budget", lambda v: isinstance(v, dict), "an object", check=_check_budget),
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
     Setting("prices", None, check=_check_prices),
     Setting("slurm", None, check=_check_slurm_settings),
     Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                         for k, x in v.items()), "an object of string values"),
-    Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(_is_number(t) and t > 0 for t in v),
+                                                         for k, x in v.items()),
+            "an object of string values"),
+    Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
 )
 #: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
@@ -4135,7 +4178,7 @@ def claude_env(host: Mapping[str, str], *, extra: Mapping[str, str] | None, gate
     """
     direct = gateway is None
     merged = {**dict(host), **(dict(secret or {}) if direct else {})}
-    venv_entries = _venv_path_entries(host)
+    venv_entries = venv_path_entries(host)
     env: dict[str, str] = {}
     for key, value in merged.items():
         if key in ENV_DROP_EXACT or key.startswith(ENV_DROP_PREFIXES):
@@ -4160,7 +4203,8 @@ def claude_env(host: Mapping[str, str], *, extra: Mapping[str, str] | None, gate
                       or (gateway is not None and k in gateway))
     report = {"gateway": "off" if direct else "on", "passed": sorted(env),
               "withheld": withheld,
-              "credentials_withheld": sorted(k for k in withheld if is_credential_var(k) or k in GATEWAY_WITHHELD),
+              "credentials_withheld": sorted(k for k in withheld
+                                             if is_credential_var(k) or k in GATEWAY_WITHHELD),
               "allow": sorted(CLAUDE_ENV_ALLOW), "allow_prefixes": list(CLAUDE_ENV_ALLOW_PREFIXES)}
     return env, report
 
@@ -4185,7 +4229,8 @@ def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None
                                    code="gateway_cannot_carry_cloud_route", refusal="gateway", variable=var,
                                    hint=hint)
     if env.get("CLAUDE_CODE_OAUTH_TOKEN") and not any(env.get(v) for v in GATEWAY_CARRIED):
-        return AgentbenchError("the metering gateway cannot carry a claude.ai login (CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
+        return AgentbenchError("the metering gateway cannot carry a claude.ai login "
+                               "(CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
                                refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
     return None
 
@@ -4266,7 +4311,8 @@ def _clean_usage(u: Any) -> tuple[dict[str, Any], bool]:
     out: dict[str, Any] = {}
     for key, val in u.items():
         if key == "cache_creation" and isinstance(val, dict):
-            inner = {k: v for k, v in val.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+            inner = {k: v for k, v in val.items()
+                     if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
             bad = bad or len(inner) != len(val)
             out[key] = inner
         elif isinstance(val, int) and not isinstance(val, bool) and val >= 0:
@@ -4371,7 +4417,8 @@ def cost_mismatch(metered: float | None, reported: float | None) -> bool:
     """Metered and self-reported cost differ beyond rounding (pure)."""
     if metered is None or reported is None:
         return False
-    return abs(metered - reported) > max(COST_MISMATCH_ABS_USD, COST_MISMATCH_REL * max(abs(metered), abs(reported)))
+    tolerance = max(COST_MISMATCH_ABS_USD, COST_MISMATCH_REL * max(abs(metered), abs(reported)))
+    return abs(metered - reported) > tolerance
 
 
 def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
@@ -4442,7 +4489,8 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
     total = 0.0
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(gateway_dir(paths)):
-            job_id = entry.name[:-5] if entry.name.endswith(".json") and not entry.name.startswith(".") else None
+            is_record = entry.name.endswith(".json") and not entry.name.startswith(".")
+            job_id = entry.name[:-5] if is_record else None
             if not job_id or job_id == exclude or (paths.job_dir(job_id) / "ledgered").exists():
                 continue
             try:
@@ -4554,7 +4602,8 @@ class MeteringGateway:
     """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
     are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
 
-    def __init__(self, *, upstream: str | None, creds: Mapping[str, str], prices: Mapping[str, Sequence[float]] | None,
+    def __init__(self, *, upstream: str | None, creds: Mapping[str, str],
+                 prices: Mapping[str, Sequence[float]] | None,
                  record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
                  default_model: str | None = None):
         self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
@@ -4685,20 +4734,25 @@ class MeteringGateway:
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
             h.close_connection = True
-            self._reply(h, 401, "authentication_error", "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token", "duration_s": round(time.monotonic() - t0, 6)})
+            self._reply(h, 401, "authentication_error",
+                        "agentbench gateway: this request does not carry the job's token")
+            self._record({**rec, "status": 401, "refused": "token",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         body = self._read_body(h)
         if body is None:
             h.close_connection = True
-            self._reply(h, 413, "request_too_large", "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body", "duration_s": round(time.monotonic() - t0, 6)})
+            self._reply(h, 413, "request_too_large",
+                        "agentbench gateway: request body too large or malformed")
+            self._record({**rec, "status": 413, "refused": "body",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         if not allowed:
             self._reply(h, 403, "permission_error",
                         "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
                         "forwarded")
-            self._record({**rec, "status": 403, "refused": "path", "duration_s": round(time.monotonic() - t0, 6)})
+            self._record({**rec, "status": 403, "refused": "path",
+                          "duration_s": round(time.monotonic() - t0, 6)})
             return
         reserved = 0.0
         model = None
@@ -4710,7 +4764,8 @@ class MeteringGateway:
             req = req if isinstance(req, dict) else {}
             model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
             mt = req.get("max_tokens")
-            max_tokens = mt if isinstance(mt, int) and not isinstance(mt, bool) and mt > 0 else GATEWAY_DEFAULT_MAX_TOKENS
+            mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
+            max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
             rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
             if self.budget is not None:
                 worst = worst_case_usd(len(body), max_tokens, model, self.prices)
@@ -4719,7 +4774,8 @@ class MeteringGateway:
                 except AgentbenchError as exc:
                     self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
                     self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS}, "duration_s": round(time.monotonic() - t0, 6)})
+                                  "tokens": {k: 0 for k in TOKEN_KEYS},
+                                  "duration_s": round(time.monotonic() - t0, 6)})
                     return
                 if refusal is not None:
                     with self._lock:
@@ -4834,7 +4890,8 @@ class MeteringGateway:
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
-                      creds: Mapping[str, str], extra: Mapping[str, str], host: Mapping[str, str]) -> MeteringGateway:
+                      creds: Mapping[str, str], extra: Mapping[str, str],
+                      host: Mapping[str, str]) -> MeteringGateway:
     """The gateway of one job, started: upstream and credentials from the study's env (`extra`,
     e.g. a scripted model's URL and dummy key) over the supervisor's own; the run's remaining
     budget and the study's cap from the job record."""
@@ -4845,7 +4902,8 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     study_cap = job.get("study_usd")
     budget = GatewayBudget(paths, platform, str(job["job_id"]),
                            run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
-                           study_cap=float(study_cap) if isinstance(study_cap, (int, float)) and study_cap > 0 else None)
+                           study_cap=(float(study_cap)
+                                      if isinstance(study_cap, (int, float)) and study_cap > 0 else None))
     gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
                          record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
                          default_model=job.get("model"))
@@ -6617,7 +6675,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
-    if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
+    if not is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
         raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
                               code="bad_check_timeout", task=task_id, timeout_s=t)
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
@@ -6625,7 +6683,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
-        if not _is_number(th) or not 0 < th <= 1:
+        if not is_number(th) or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", code="task_oracle_threshold_0_1",
                                   task=task_id, threshold=th)
     return dict(spec)
@@ -10635,7 +10693,8 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
 SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
 SCRIPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 SCRIPT_FAULTS = ("429", "529", "overloaded", "prompt_too_long", "500", "hang", "cut", "malformed")
-USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens",
+USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                       "cache_read_input_tokens",
                        "ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens")
 SIDE_ANSWER_TEXT = "OK."
 EXHAUSTED_ANSWER_TEXT = "Done."
@@ -10750,7 +10809,8 @@ def _cache_key_blocks(body: dict) -> list[str]:
     system = body.get("system")
     if isinstance(system, list):
         system = [b for b in system
-                  if not (isinstance(b, dict) and str(b.get("text", "")).startswith("x-anthropic-billing-header"))]
+                  if not (isinstance(b, dict)
+                          and str(b.get("text", "")).startswith("x-anthropic-billing-header"))]
     head = json.dumps(_without_cache_control({"tools": body.get("tools"), "system": system}), sort_keys=True)
     units = [head]
     for message in body.get("messages") or []:
@@ -10854,7 +10914,8 @@ def _apply_usage_override(usage: dict, override: dict) -> dict:
     for key in ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
         if key in override:
             result[key] = int(override[key])
-    split = result.setdefault("cache_creation", {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
+    split = result.setdefault("cache_creation",
+                              {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
     if "ephemeral_5m_input_tokens" in override or "ephemeral_1h_input_tokens" in override:
         split["ephemeral_5m_input_tokens"] = int(override.get("ephemeral_5m_input_tokens", 0))
         split["ephemeral_1h_input_tokens"] = int(override.get("ephemeral_1h_input_tokens", 0))
@@ -11089,11 +11150,13 @@ class ScriptedModelServer:
 
             def do_GET(self) -> None:
                 self._read_body()
-                server._log({"path": self.path, "method": "GET", "script": None, "step": None, "kind": "other"})
+                server._log({"path": self.path, "method": "GET", "script": None, "step": None,
+                             "kind": "other"})
                 self._send_json(200, {})
 
             def do_HEAD(self) -> None:
-                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None, "kind": "other"})
+                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None,
+                             "kind": "other"})
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", "0")
@@ -11113,7 +11176,8 @@ class ScriptedModelServer:
                     self._send_json(200, {"input_tokens": tokens})
                     return
                 if path != "/v1/messages":
-                    server._log({"path": self.path, "method": "POST", "script": None, "step": None, "kind": "other"})
+                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                                 "kind": "other"})
                     self._send_error(404, "not_found_error", f"no such endpoint: {path}")
                     return
                 if not isinstance(body, dict):
@@ -11133,7 +11197,8 @@ class ScriptedModelServer:
                 server._log(entry)
                 if plan["kind"] == "unknown_script":
                     self._send_error(400, "invalid_request_error",
-                                     f"agentbench scripted model: unknown or invalid script {plan['script']!r}: "
+                                     "agentbench scripted model: unknown or invalid script "
+                                     f"{plan['script']!r}: "
                                      + server.script_problem(str(plan["script"])))
                     return
                 usage = server.usage_for(body, plan)
@@ -11178,7 +11243,8 @@ class ScriptedModelServer:
 
             def _message(self, plan: dict, usage: dict) -> dict:
                 return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
-                        "model": plan["model"], "content": plan["content"], "stop_reason": plan["stop_reason"],
+                        "model": plan["model"], "content": plan["content"],
+                        "stop_reason": plan["stop_reason"],
                         "stop_sequence": None, "usage": usage}
 
             def _send_message(self, plan: dict, usage: dict) -> None:
@@ -11202,11 +11268,13 @@ class ScriptedModelServer:
                 start_usage = dict(usage)
                 start_usage["output_tokens"] = 1  # like the service: the true count comes at the end
                 message.update({"content": [], "stop_reason": None, "usage": start_usage})
-                events: list[tuple[str, dict]] = [("message_start", {"type": "message_start", "message": message})]
+                events: list[tuple[str, dict]] = [
+                    ("message_start", {"type": "message_start", "message": message})]
                 for index, block in enumerate(plan["content"]):
                     if block["type"] == "text":
-                        events.append(("content_block_start", {"type": "content_block_start", "index": index,
-                                                               "content_block": {"type": "text", "text": ""}}))
+                        events.append(("content_block_start",
+                                       {"type": "content_block_start", "index": index,
+                                        "content_block": {"type": "text", "text": ""}}))
                         text = block["text"]
                         half = max(1, len(text) // 2)
                         for piece in (text[:half], text[half:]):
@@ -11227,9 +11295,10 @@ class ScriptedModelServer:
                                     "type": "content_block_delta", "index": index,
                                     "delta": {"type": "input_json_delta", "partial_json": piece}}))
                     events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-                events.append(("message_delta", {"type": "message_delta",
-                                                 "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
-                                                 "usage": {"output_tokens": usage["output_tokens"]}}))
+                events.append(("message_delta",
+                               {"type": "message_delta",
+                                "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
+                                "usage": {"output_tokens": usage["output_tokens"]}}))
                 events.append(("message_stop", {"type": "message_stop"}))
                 return events
 
@@ -11395,10 +11464,10 @@ def _write_step(ws: str, root: Path, rels: Iterable[str], text: str) -> dict[str
 
 
 def _test_step(ws: str) -> dict[str, Any]:
-    cmd = ("python3 -m unittest discover -s tests 2>&1 | tail -n 5" if os.path.isdir(os.path.join(ws, "tests"))
-           else "ls -la")
-    return {"text": "Running the public checks.", "tool_uses": [{"name": "Bash", "input": {"command": cmd,
-                                                                                          "description": "run the public tests"}}]}
+    cmd = ("python3 -m unittest discover -s tests 2>&1 | tail -n 5"
+           if os.path.isdir(os.path.join(ws, "tests")) else "ls -la")
+    return {"text": "Running the public checks.",
+            "tool_uses": [{"name": "Bash", "input": {"command": cmd, "description": "run the public tests"}}]}
 
 
 def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> dict[str, Any]:
@@ -11407,7 +11476,8 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
     ref = _overlay_files(task.reference)
     partial = _overlay_files(task.partial)
     steps: list[dict[str, Any]] = [{"text": "Reading the task.",
-                                    "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(ws, "TASK.md")}}]}]
+                                    "tool_uses": [{"name": "Read",
+                                                   "input": {"file_path": os.path.join(ws, "TASK.md")}}]}]
     if behaviour == "idle":
         return {"steps": [{"text": "Done."}]}
     if behaviour == "rate_limited":
@@ -11423,7 +11493,8 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
         tests = sorted(r for r in public if r.startswith("tests/") and r.endswith(".py"))
         steps += _read_steps(ws, tests)
         uses = [{"name": "Write", "input": {"file_path": os.path.join(ws, t), "content":
-                 "import unittest\n\n\nclass Passing(unittest.TestCase):\n    def test_ok(self):\n        self.assertTrue(True)\n"}}
+                 "import unittest\n\n\nclass Passing(unittest.TestCase):\n"
+                 "    def test_ok(self):\n        self.assertTrue(True)\n"}}
                 for t in tests]
         steps.append({"text": "Simplifying the tests.", "tool_uses": uses})
         steps.append(_test_step(ws))
@@ -11449,14 +11520,17 @@ def reviewer_script(task: Task, work_dir: str, review_path: str, verdict: str) -
     files = _overlay_files(task.reference) or sorted(task.public_manifest)
     review = {"verdict": verdict,
               "findings": ([{"severity": "minor", "file": files[0],
-                             "detail": "Re-run the public tests and confirm the edge cases named in TASK.md."}]
+                             "detail": "Re-run the public tests and confirm the edge cases named in "
+                                       "TASK.md."}]
                            if verdict == "revise" else []),
               "summary": "The change reads correctly." if verdict == "accept"
                          else "Mostly right; confirm the edge cases before finishing."}
     return {"steps": [
-        {"text": "Reading the work.", "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(work_dir, files[0])}}]},
-        {"text": "Writing my review.", "tool_uses": [{"name": "Write", "input": {"file_path": review_path,
-                                                                                "content": json.dumps(review, indent=1)}}]},
+        {"text": "Reading the work.",
+         "tool_uses": [{"name": "Read", "input": {"file_path": os.path.join(work_dir, files[0])}}]},
+        {"text": "Writing my review.",
+         "tool_uses": [{"name": "Write", "input": {"file_path": review_path,
+                                                   "content": json.dumps(review, indent=1)}}]},
         {"text": f"Review written: {verdict}."}]}
 
 
@@ -11483,19 +11557,22 @@ class RehearsalScripts:
             if role in self.EXECUTOR_ROLES:
                 sid = f"{run_id}-executor"
                 if self.server.get_script(sid) is None:
-                    self.server.add_script(sid, executor_script(task, arm, ws, self.behaviours.get(run_id, "solve")))
+                    behaviour = self.behaviours.get(run_id, "solve")
+                    self.server.add_script(sid, executor_script(task, arm, ws, behaviour))
                 return sid
             if role == "reviewer":
                 n = len(rec.get("reviews") or []) + 1
                 sid = f"{run_id}-review-{n}"
                 rdir = self.paths.run_dir(run_id) / "review" / f"{n:02d}"
                 verdict = "revise" if int(rec.get("repeat") or 1) % 2 == 1 else "accept"
-                self.server.add_script(sid, reviewer_script(task, str(rdir / "work"), str(rdir / "review.json"), verdict))
+                script = reviewer_script(task, str(rdir / "work"), str(rdir / "review.json"), verdict)
+                self.server.add_script(sid, script)
                 return sid
         return None
 
 
-def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any], arms: Mapping[str, Arm]) -> dict[str, Any]:
+def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any],
+                         arms: Mapping[str, Arm]) -> dict[str, Any]:
     """The study's config with every path made absolute, for a scratch copy elsewhere."""
     out = copy.deepcopy(dict(cfg))
     out["tasks"] = str(tasks_dir(paths, cfg))
@@ -11539,16 +11616,19 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
     copy_tree(task.public, ws)
     sid = f"train-{task.id}"
     server.add_script(sid, {"steps": [
-        {"text": "Reading the task.", "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
+        {"text": "Reading the task.",
+         "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
         {"text": "Writing notes.", "tool_uses": [{"name": "Write", "input": {
-            "file_path": str(ws / "NOTES.md"), "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
+            "file_path": str(ws / "NOTES.md"),
+            "content": f"Notes on {task.title}: read TASK.md and the tests.\n"}}]},
         {"text": "Notes written; ready."}]})
-    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
-                    notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
+    prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title,
+                    task_text=task_text(task), notes_path="NOTES.md") + f"\n\n[agentbench-script:{sid}]\n"
     launch = launch_config(cfg)
-    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S, stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S,
-                            orphan_after_s=0,
-                            max_budget_usd=float(launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]))
+    usd_per_run = launch["budget"].get("usd_per_run") or DEFAULT_BUDGET["usd_per_run"]
+    limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S,
+                            stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S, orphan_after_s=0,
+                            max_budget_usd=float(usd_per_run))
     out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
                     fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
                     driver=driver, cfg=cfg)
@@ -11599,8 +11679,10 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     write_json_atomic(sp.registry, read_registry(sp))
     reuse = calibration_to_reuse(calibration, tasks)
     cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
-    write_json_atomic(sp.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
-    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1), int(scfg.get("seed") or 0))
+    write_json_atomic(sp.state / "calibration.json",
+                      {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1),
+                               int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
     register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
@@ -11618,13 +11700,15 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
             if any(a.fork_base for a in arms.values()):
                 for t in tasks.values():
                     train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
-            opts = PipelineOptions(env_extra=env_extra, script_for=RehearsalScripts(server, sp, tasks, arms, behaviours or {}),
+            scripts = RehearsalScripts(server, sp, tasks, arms, behaviours or {})
+            opts = PipelineOptions(env_extra=env_extra, script_for=scripts,
                                    driver=driver, progress=progress, rehearsal=True)
             driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
     finally:
         server.stop()
     runs = [load_run(sp, r["run_id"]) for r in manifest]
-    expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve" and r["run_id"] not in (faults or {})]
+    expected_ok = [r for r in runs if (behaviours or {}).get(r["run_id"], "solve") == "solve"
+                   and r["run_id"] not in (faults or {})]
     breaker = read_registry(sp).get("breaker")
     problems = [{"run_id": r["run_id"], "status": r.get("status"), "outcome": r.get("outcome"),
                  "validity": r.get("validity"),
@@ -11669,7 +11753,8 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def iter_ledger_once_per_job(path: str | os.PathLike[str], counts: dict[str, int]) -> Iterator[dict[str, Any]]:
+def iter_ledger_once_per_job(path: str | os.PathLike[str],
+                             counts: dict[str, int]) -> Iterator[dict[str, Any]]:
     """The ledger's object lines, one per job (the first line of a job id wins), read as a
     stream.  `counts` gets "lines" (yielded) and "torn" (unparseable or not an object), like
     read_jsonl.  Writers guarantee one line per job; a reader still counts each job once."""

@@ -177,6 +177,41 @@ def test_every_section_banner_says_what_it_owns():
         assert all(b.startswith("# ") and len(b) > 10 for b in below), f"section {title!r} has no description"
 
 
+#: Lines of these sections (by title prefix) stay within MAX_LINE characters; the other sections
+#: join the check once they are wrapped.
+MAX_LINE = 110
+WRAPPED_SECTIONS = ("Start-up", "Constants", "Errors and output", "Hostile numbers", "Fault points",
+                    "Platform seam", "Files, locks and the registry", "Records", "Env scrub", "The sandbox",
+                    "Stream and usage", "Study configuration", "The metering gateway",
+                    "Offline scripted model", "The scripted model: rehearsal of a study", "Reading at scale")
+
+
+def long_lines(text: str, prefixes: tuple[str, ...], limit: int = MAX_LINE) -> list[str]:
+    """'<section> line <n>: <length> characters' for every line over `limit` in a section whose
+    title starts with one of `prefixes`."""
+    lines = text.split("\n")
+    return [f"{title} line {n}: {len(lines[n - 1])} characters"
+            for title, first, last in sections(text) if title.startswith(prefixes)
+            for n in range(first, last + 1) if len(lines[n - 1]) > limit]
+
+
+def test_the_wrapped_sections_have_no_line_over_110_characters():
+    text = SOURCE.read_text(encoding="utf-8")
+    titles = [title for title, _, _ in sections(text)]
+    missing = [p for p in WRAPPED_SECTIONS if not any(t.startswith(p) for t in titles)]
+    assert missing == [], f"no section titled {missing}: update WRAPPED_SECTIONS"
+    too_long = long_lines(text, WRAPPED_SECTIONS)
+    assert too_long == [], "wrap these lines:\n" + "\n".join(too_long)
+
+
+def test_the_line_checker_names_the_section_and_line():
+    src = "\n".join([BANNER, "# Alpha", BANNER, "# owns a", "x = 1", "y = '" + "z" * 120 + "'",
+                     BANNER, "# Beta", BANNER, "# owns b", "w = '" + "z" * 120 + "'"])
+    assert long_lines(src, ("Alpha",)) == ["Alpha line 6: 126 characters"]
+    assert long_lines(src, ("Alpha", "Beta")) == ["Alpha line 6: 126 characters",
+                                                  "Beta line 11: 126 characters"]
+
+
 def rewrite_map() -> None:
     text = SOURCE.read_text(encoding="utf-8")
     head, rest = text.split(MAP_START, 1)

@@ -852,3 +852,8 @@ def test_windows_ctypes_glue_runs_against_a_fake_kernel32(monkeypatch):
     w.kill(ab.ProcId(501, 501.0))
     assert 77 in fake.closed  # the snapshot handle is released
     assert fake.closed.count(1501) >= 3  # and every process handle
+
+
+def test_select_platform_hands_its_environment_to_the_windows_platform():
+    w = ab.select_platform({"AGENTBENCH_PLATFORM": "windows", "USERPROFILE": "C:\\Users\\given"})
+    assert w.normalize_path("~\\a") == "C:\\Users\\given\\a"

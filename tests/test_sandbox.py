@@ -378,3 +378,26 @@ def test_the_bundled_example_study_is_hidden_from_every_sandbox(tmp_path):
     """Its references and hidden tests are those of any study copied from it (the demo's)."""
     (tmp_path / "s").mkdir()
     assert ab._real(ab.HERE / "examples") in ab.study_hidden_dirs(tmp_path / "s")
+
+
+@pytest.mark.parametrize("env, cfg, mode", [
+    ({}, {}, ab.SANDBOX_DEFAULT),
+    ({"AGENTBENCH_SANDBOX_DEFAULT": ""}, {}, ab.SANDBOX_DEFAULT),
+    ({"AGENTBENCH_SANDBOX_DEFAULT": "none"}, {}, "none"),
+    ({"AGENTBENCH_SANDBOX_DEFAULT": "bwrap"}, {}, "bwrap"),
+    ({"AGENTBENCH_SANDBOX_DEFAULT": "none"}, {"sandbox": "bwrap"}, "bwrap"),   # the study's key wins
+    ({}, {"sandbox": "none"}, "none"),
+])
+def test_the_sandbox_mode_comes_from_the_study_then_the_given_environment(env, cfg, mode):
+    assert ab.sandbox_mode_of(cfg, env) == mode
+    if "sandbox" not in cfg:
+        assert ab.sandbox_default(env) == mode
+
+
+def test_a_bad_sandbox_default_in_the_given_environment_is_refused():
+    with pytest.raises(ab.AgentbenchError) as info:
+        ab.sandbox_default({"AGENTBENCH_SANDBOX_DEFAULT": "chroot"})
+    assert info.value.code == "bad_sandbox_default" and info.value.payload["value"] == "chroot"
+    with pytest.raises(ab.AgentbenchError) as info:
+        ab.sandbox_mode_of({"sandbox": "chroot"}, {})
+    assert info.value.code == "bad_sandbox_mode"
