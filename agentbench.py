@@ -21,22 +21,22 @@ Sections (line ranges), strictly bottom-up:
       505-1751  Platform seam
      1752-2250  Files, locks and the registry
      2251-2441  Records: the declared shapes of the job's and run's files
-     2442-2626  Processes
-     2627-2990  Executors: where a job's supervisor runs (local, Slurm)
-     2991-3103  Env scrub
-     3104-3470  The sandbox
-     3471-3917  Stream and usage
-     3918-4275  Study configuration
-     4276-5067  The metering gateway
-     5068-6453  The supervisor
-     6454-6701  The supervisor: jobs (start, fork, continue)
-     6702-8209  The experiment layer
-     8210-10114 Statistics and report
-    10115-10627 Run pages: the report as a directory
-    10628-11423 Offline scripted model
-    11424-11704 The scripted model: rehearsal of a study
-    11705-11765 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11766-13273 The CLI and main
+     2442-2629  Processes
+     2630-2993  Executors: where a job's supervisor runs (local, Slurm)
+     2994-3106  Env scrub
+     3107-3473  The sandbox
+     3474-3920  Stream and usage
+     3921-4278  Study configuration
+     4279-5070  The metering gateway
+     5071-6459  The supervisor
+     6460-6707  The supervisor: jobs (start, fork, continue)
+     6708-8215  The experiment layer
+     8216-10120 Statistics and report
+    10121-10633 Run pages: the report as a directory
+    10634-11429 Offline scripted model
+    11430-11710 The scripted model: rehearsal of a study
+    11711-11771 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11772-13279 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling,
@@ -2585,18 +2585,20 @@ def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[
     return None, "not found"
 
 
-def claude_version(binary: str, platform: "Platform") -> str | None:
-    """`claude --version`, first token (e.g. '2.1.332'), or None if it does not answer."""
-    res = run_command([binary, "--version"], cwd=os.getcwd(), env=os.environ, timeout_s=30,
-                      platform=platform)
+def claude_version(binary: str, platform: "Platform", env: Mapping[str, str] | None = None) -> str | None:
+    """`claude --version`, first token (e.g. '2.1.332'), or None if it does not answer.  `env`
+    is the caller's environment (this process's unless given)."""
+    res = run_command([binary, "--version"], cwd=os.getcwd(), env=os.environ if env is None else env,
+                      timeout_s=30, platform=platform)
     if res.returncode != 0:
         return None
     text = res.stdout.strip().split()
     return text[0] if text else None
 
 
-def install_pinned_claude(platform: "Platform") -> str:
-    """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine)."""
+def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = None) -> str:
+    """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine),
+    with the caller's environment `env` (this process's unless given)."""
     npm = shutil.which("npm")
     if not npm:
         raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
@@ -2606,7 +2608,8 @@ def install_pinned_claude(platform: "Platform") -> str:
     log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
     res = run_command([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
                        f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"],
-                      cwd=str(prefix), env=os.environ, timeout_s=600, platform=platform)
+                      cwd=str(prefix), env=os.environ if env is None else env, timeout_s=600,
+                      platform=platform)
     if res.returncode != 0 or not local_claude_path().is_file():
         raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
                               detail=res.stderr[-2000:],
@@ -6212,15 +6215,18 @@ class Supervisor:
         self.subreaper = self.platform.become_subreaper()
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
+        # This process's environment, read once here where the supervisor starts.
+        environ = dict(os.environ)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
                             subreaper=self.subreaper,
-                            host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                            host=self.platform.hostname(), slurm_job_id=environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
         offline = extra.get("AGENTBENCH_OFFLINE") == "1"
-        host = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
-        secret = {} if offline else {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **self.secret}
+        host = {k: v for k, v in environ.items() if not is_credential_var(k)}
+        secret = {} if offline else {**{k: v for k, v in environ.items() if is_credential_var(k)},
+                                     **self.secret}
         if job.get("gateway", GATEWAY_DEFAULT) == "on":
             try:
                 self.gateway = start_job_gateway(self.paths, self.platform, job, secret, extra, host)
