@@ -4025,7 +4025,7 @@ def _is_int_at_least(low: int | None) -> Callable[[Any], bool]:
 
 
 def _check_executor(v: Any) -> None:
-    if v not in ("local", "slurm"):
+    if not isinstance(v, str) or v not in EXECUTORS:
         raise AgentbenchError("executor must be local or slurm", code="unknown_executor", executor=v)
 
 
