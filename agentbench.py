@@ -13,36 +13,37 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       84-154   Start-up: lazy imports and the cached-bytecode launcher
-      155-252   Constants
-      253-356   Errors and output
-      357-465   Hostile numbers
-      466-513   Fault points
-      514-1763  Platform seam
-     1764-2265  Files, locks and the registry
-     2266-2456  Records: the declared shapes of the job's and run's files
-     2457-2792  Processes
-     2793-2907  Env scrub
-     2908-3283  The sandbox
-     3284-3736  Stream and usage
-     3737-4106  Study configuration
-     4107-4913  The metering gateway
-     4914-6266  The supervisor
-     6267-6512  The supervisor: jobs (start, fork, continue)
-     6513-8020  The experiment layer
-     8021-8528  Statistics
-     8529-9457  The report: what each arm did
-     9458-10099 Rendering: Markdown and HTML
-    10100-10630 Run pages: the report as a directory
-    10631-11437 Offline scripted model
-    11438-11733 The scripted model: rehearsal of a study
-    11734-11795 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11796-13303 The CLI and main
+       85-155   Start-up: lazy imports and the cached-bytecode launcher
+      156-253   Constants
+      254-357   Errors and output
+      358-466   Hostile numbers
+      467-514   Fault points
+      515-1764  Platform seam
+     1765-2266  Files, locks and the registry
+     2267-2457  Records: the declared shapes of the job's and run's files
+     2458-2645  Processes
+     2646-3009  Executors: where a job's supervisor runs (local, Slurm)
+     3010-3124  Env scrub
+     3125-3500  The sandbox
+     3501-3953  Stream and usage
+     3954-4323  Study configuration
+     4324-5130  The metering gateway
+     5131-6519  The supervisor
+     6520-6767  The supervisor: jobs (start, fork, continue)
+     6768-8275  The experiment layer
+     8276-8783  Statistics
+     8784-9712  The report: what each arm did
+     9713-10354 Rendering: Markdown and HTML
+    10355-10885 Run pages: the report as a directory
+    10886-11692 Offline scripted model
+    11693-11988 The scripted model: rehearsal of a study
+    11989-12050 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12051-13558 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
-configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
-launch record means); a session's limits are `session_limits` in the jobs layer; the by-hand run
-flow is `spawn_run`/`pipeline_for` in the CLI over the pipeline's methods.
+configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling,
+what a launch record means); a session's limits are `session_limits` in the jobs layer; the
+by-hand run flow is `spawn_run`/`pipeline_for` in the CLI over the pipeline's methods.
 """
 from __future__ import annotations
 
@@ -2459,8 +2460,8 @@ class RunRecord(_RunRequired, total=False):
 # ==================================================================================================
 # Starting helper commands (gate, oracle, git) with a timeout that kills their whole tree, finding
 # the `claude` binary, and starting detached supervisors.  Every OS difference is delegated to the
-# platform seam; this section only composes its calls.  Owns the Slurm commands (submit, ask,
-# cancel) and the Host that lower layers take.  Must not read studies or decide what a job means.
+# platform seam; this section only composes its calls.  Owns the Host that lower layers take.
+# Must not read studies, decide what a job means, or know where a supervisor runs (Executors).
 
 @dataclass
 class CommandResult:
@@ -2574,11 +2575,87 @@ def detach_agentbench(platform: "Platform", args: Sequence[str], *, cwd: str, en
     return platform.detach_argv_popen(argv, cwd=cwd, env=env, log_path=log_path, stdin_data=stdin_data)
 
 
-# -- the Slurm executor ----------------------------------------------------------------------------
-# With `executor: slurm` a job's supervisor is not detached here but submitted as a one-task batch
-# job; the study directory must be on a file system the compute nodes share.  Slurm is reached only
-# through its commands (sbatch, squeue, scancel) so that any installation works and tests can put
-# fakes on PATH.  The parsers below are pure; the three calls are the I/O.
+def local_claude_path() -> Path:
+    return HERE / ".agentbench-tools" / "node_modules" / ".bin" / "claude"
+
+
+def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
+    """Locate `claude`: the study's configured path, $AGENTBENCH_CLAUDE_BIN, PATH, or a local install.
+
+    Returns (path or None, how it was found).  The local install is where `demo` puts the pinned
+    release when nothing else is found (./.agentbench-tools next to this file).
+    """
+    if configured:
+        p = shutil.which(configured) or (configured if os.path.isfile(configured) else None)
+        return p, "study config"
+    if env.get("AGENTBENCH_CLAUDE_BIN"):
+        raw = env["AGENTBENCH_CLAUDE_BIN"]
+        p = shutil.which(raw) or (raw if os.path.isfile(raw) else None)
+        return p, "AGENTBENCH_CLAUDE_BIN"
+    p = shutil.which("claude", path=env.get("PATH"))
+    if p:
+        return p, "PATH"
+    local = local_claude_path()
+    if local.is_file():
+        return str(local), "local install"
+    return None, "not found"
+
+
+def claude_version(binary: str, platform: "Platform", env: Mapping[str, str] | None = None) -> str | None:
+    """`claude --version`, first token (e.g. '2.1.332'), or None if it does not answer.  `env`
+    is the caller's environment (this process's unless given)."""
+    res = run_command([binary, "--version"], cwd=os.getcwd(), env=os.environ if env is None else env,
+                      timeout_s=30, platform=platform)
+    if res.returncode != 0:
+        return None
+    text = res.stdout.strip().split()
+    return text[0] if text else None
+
+
+def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = None) -> str:
+    """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine),
+    with the caller's environment `env` (this process's unless given)."""
+    npm = shutil.which("npm")
+    if not npm:
+        raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
+                              hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    prefix = HERE / ".agentbench-tools"
+    prefix.mkdir(parents=True, exist_ok=True)
+    log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
+    res = run_command([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                       f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"],
+                      cwd=str(prefix), env=os.environ if env is None else env, timeout_s=600,
+                      platform=platform)
+    if res.returncode != 0 or not local_claude_path().is_file():
+        raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
+                              detail=res.stderr[-2000:],
+                              hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+    return str(local_claude_path())
+
+
+# -- the host: what the layers below the CLI know of their process ---------------------------------
+
+@dataclass
+class Host:
+    """The platform seam and the environment a command runs with: what every layer below the CLI
+    takes (the CLI's `Ctx` is a Host with the cwd, the emitter and the child marker added)."""
+    platform: Platform
+    env: Mapping[str, str]
+
+
+# ==================================================================================================
+# Executors: where a job's supervisor runs (local, Slurm)
+# ==================================================================================================
+# Owns how a job's supervisor is started, asked about and cancelled on each executor, and what a
+# launch record (launcher.json) means.  Built like the platform seam: a small `Executor` base with
+# one class per executor (`LocalExecutor` detaches the supervisor on this host, `SlurmExecutor`
+# submits it as a one-task batch job), and `executor_for` to pick one by name or by record; callers
+# hold an executor and never switch on its name.  Every call takes the environment it uses.  With
+# Slurm the study directory must be on a file system the compute nodes share; Slurm is reached only
+# through its commands (sbatch, squeue, scancel), so that any installation works and tests can put
+# fakes on PATH: their argv and parsers are pure, the three calls are the I/O.  What the executors
+# need from later sections (credentials, finalisation) is passed in.  Must not finalise jobs, read
+# the registry, or know about runs or arms.
 
 #: sbatch options agentbench sets itself; a study's sbatch_args may not override them.
 SBATCH_OWN_OPTIONS = ("--output", "-o", "--error", "-e", "--export", "--wait", "-W", "--array", "-a",
@@ -2725,69 +2802,209 @@ def slurm_cancel(platform: "Platform", slurm_job_id: str, env: Mapping[str, str]
     return run_command(argv, cwd=os.getcwd(), env=slurm_client_env(env), timeout_s=60, platform=platform)
 
 
-def local_claude_path() -> Path:
-    return HERE / ".agentbench-tools" / "node_modules" / ".bin" / "claude"
-
-
-def find_claude_binary(configured: str | None, env: Mapping[str, str]) -> tuple[str | None, str]:
-    """Locate `claude`: the study's configured path, $AGENTBENCH_CLAUDE_BIN, PATH, or a local install.
-
-    Returns (path or None, how it was found).  The local install is where `demo` puts the pinned
-    release when nothing else is found (./.agentbench-tools next to this file).
-    """
-    if configured:
-        p = shutil.which(configured) or (configured if os.path.isfile(configured) else None)
-        return p, "study config"
-    if env.get("AGENTBENCH_CLAUDE_BIN"):
-        raw = env["AGENTBENCH_CLAUDE_BIN"]
-        p = shutil.which(raw) or (raw if os.path.isfile(raw) else None)
-        return p, "AGENTBENCH_CLAUDE_BIN"
-    p = shutil.which("claude", path=env.get("PATH"))
-    if p:
-        return p, "PATH"
-    local = local_claude_path()
-    if local.is_file():
-        return str(local), "local install"
-    return None, "not found"
-
-
-def claude_version(binary: str, platform: "Platform") -> str | None:
-    """`claude --version`, first token (e.g. '2.1.332'), or None if it does not answer."""
-    res = run_command([binary, "--version"], cwd=os.getcwd(), env=os.environ, timeout_s=30,
-                      platform=platform)
-    if res.returncode != 0:
+def proc_from_record(d: Mapping[str, Any] | None) -> ProcId | None:
+    """The process a record names ({"pid", "ctime"}: a launch record, a runtime's supervisor or
+    claude); None when it names none."""
+    if not d or d.get("pid") is None:
         return None
-    text = res.stdout.strip().split()
-    return text[0] if text else None
+    return ProcId(int(d["pid"]), d.get("ctime"))
 
 
-def install_pinned_claude(platform: "Platform") -> str:
-    """Install the pinned `claude` release locally with npm (used by `demo` on a fresh machine)."""
-    npm = shutil.which("npm")
-    if not npm:
-        raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
-                              hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
-    prefix = HERE / ".agentbench-tools"
-    prefix.mkdir(parents=True, exist_ok=True)
-    log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
-    res = run_command([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
-                       f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"],
-                      cwd=str(prefix), env=os.environ, timeout_s=600, platform=platform)
-    if res.returncode != 0 or not local_claude_path().is_file():
-        raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
-                              detail=res.stderr[-2000:],
-                              hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
-    return str(local_claude_path())
+#: The commands a Slurm study needs on PATH where agentbench runs.
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel")
 
 
-# -- the host: what the layers below the CLI know of their process ---------------------------------
+class Executor:
+    """Where a job's supervisor runs: how it is started (`submit`), asked about (`presence`) and
+    cancelled (`cancel`), and what its launch record names (`job_of`, `cluster_of`).  Callers hold
+    one (see executor_for) and never switch on its name; every call takes the environment it uses."""
 
-@dataclass
-class Host:
-    """The platform seam and the environment a command runs with: what every layer below the CLI
-    takes (the CLI's `Ctx` is a Host with the cwd, the emitter and the child marker added)."""
-    platform: Platform
-    env: Mapping[str, str]
+    #: The study's `executor` value, and the `executor` key of the launch records it writes.
+    name = ""
+    #: The supervisor runs on this host: its sandbox is decided here and its pid can be checked.
+    runs_here = True
+    #: A submission may wait in a queue before its supervisor starts (a wait that is not run time).
+    queues = False
+
+    def submit(self, platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], *,
+               env: Mapping[str, str], secret: Mapping[str, str]) -> LauncherRecord:
+        """Start the job's supervisor; the launch record to write as launcher.json.  `env` holds no
+        credential: `secret` (the credentials) travels apart.  Raises AgentbenchError or OSError."""
+        raise NotImplementedError
+
+    def launch_error(self, exc: AgentbenchError | OSError) -> str:
+        """The detail a job that could not be submitted is finalised with."""
+        raise NotImplementedError
+
+    def handle(self, launcher: Mapping[str, Any]) -> dict[str, Any]:
+        """What the answer of a launch names the started supervisor by."""
+        raise NotImplementedError
+
+    def presence(self, platform: "Platform", runtime: Mapping[str, Any] | None,
+                 launcher: Mapping[str, Any] | None, env: Mapping[str, str],
+                 now: float | None = None) -> bool | None:
+        """Is the job's supervisor still there (or, before it started, its launch still pending)?
+        True: alive, starting or queued; False: certainly gone; None: cannot tell, which callers
+        must treat as alive.  `now` (epoch seconds) is the clock's reading unless given."""
+        raise NotImplementedError
+
+    def cancel(self, platform: "Platform", launcher: Mapping[str, Any] | None,
+               env: Mapping[str, str]) -> CommandResult | None:
+        """Cancel the job through its executor; None when the executor has nothing to cancel."""
+        raise NotImplementedError
+
+    def state(self, platform: "Platform", launcher: Mapping[str, Any] | None, env: Mapping[str, str],
+              *, fresh: bool = False) -> str | None:
+        """The executor's word on the job it holds (a Slurm state); None: it holds none, or no answer."""
+        return None
+
+    def process_of(self, launcher: Mapping[str, Any] | None) -> ProcId | None:
+        """The supervisor process the launch record names for certain (a pid with its creation
+        time: a bare pid may name another process by now), wherever it was recorded."""
+        return None
+
+    def job_of(self, launcher: Mapping[str, Any] | None) -> str | None:
+        """The executor's own id of the job the launch record names (None: it names a process)."""
+        return None
+
+    def cluster_of(self, launcher: Mapping[str, Any] | None) -> str | None:
+        """The cluster the executor's id belongs to (None: the default one, or no cluster)."""
+        return None
+
+    def missing_commands(self, env: Mapping[str, str]) -> list[str]:
+        """The commands this executor needs that are not on env's PATH."""
+        return []
+
+
+class LocalExecutor(Executor):
+    """The supervisor detached on this host (detach_agentbench), known by pid + creation time and
+    checked only on the host that recorded it.  Nothing to cancel: the supervisor answers a kill
+    request itself, and a kill stops its tree by pid."""
+
+    name = "local"
+
+    def submit(self, platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], *,
+               env: Mapping[str, str], secret: Mapping[str, str]) -> LauncherRecord:
+        pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
+                                cwd=str(paths.root), env=env, secret=secret,
+                                log_path=os.path.join(job["raw_dir"], "supervisor.log"))
+        pc = platform.proc_id(pid)
+        return {"executor": self.name, "pid": pid, "ctime": pc.ctime if pc else None,
+                "host": platform.hostname(), "at": time.time()}
+
+    def launch_error(self, exc: AgentbenchError | OSError) -> str:
+        # The platform reports a failed start as AgentbenchError (POSIX) or OSError.
+        detail = exc.payload.get("detail", str(exc)) if isinstance(exc, AgentbenchError) else str(exc)
+        return f"cannot start supervisor: {detail}"
+
+    def handle(self, launcher: Mapping[str, Any]) -> dict[str, Any]:
+        return {"supervisor_pid": launcher["pid"]}
+
+    def presence(self, platform: "Platform", runtime: Mapping[str, Any] | None,
+                 launcher: Mapping[str, Any] | None, env: Mapping[str, str],
+                 now: float | None = None) -> bool | None:
+        record = runtime if runtime is not None else launcher
+        if not platform.is_local(record):
+            return None      # a process recorded on another host
+        proc = proc_from_record((runtime or {}).get("supervisor") if runtime is not None else launcher)
+        return bool(proc and platform.is_alive(proc))
+
+    def cancel(self, platform: "Platform", launcher: Mapping[str, Any] | None,
+               env: Mapping[str, str]) -> CommandResult | None:
+        return None
+
+    def process_of(self, launcher: Mapping[str, Any] | None) -> ProcId | None:
+        if (launcher or {}).get("executor") == self.name and (launcher or {}).get("ctime") is not None:
+            return proc_from_record(launcher)
+        return None
+
+
+class SlurmExecutor(Executor):
+    """The supervisor submitted as a one-task batch job (see slurm_submit), known by its Slurm job
+    id and cluster, asked about through squeue (whose word covers a job still queued, which has no
+    process yet) and cancelled with scancel."""
+
+    name = "slurm"
+    runs_here = False
+    queues = True
+
+    def submit(self, platform: "Platform", paths: StudyPaths, job: Mapping[str, Any], *,
+               env: Mapping[str, str], secret: Mapping[str, str]) -> LauncherRecord:
+        jdir = paths.job_dir(job["job_id"])
+        # Recorded before sbatch runs, so that no reaper takes a slow submission for a dead one.
+        write_json_atomic(jdir / "launcher.json", {"executor": self.name, "submitting": True,
+                                                   "host": platform.hostname(), "at": time.time()})
+        # Credentials do not travel in the batch job's environment (Slurm keeps that in its
+        # controller's state, and possibly its accounting): an owner-only file on the shared
+        # study directory carries them to the supervisor, which reads and deletes it.
+        creds_file = str(jdir / "credentials.json") if secret else None
+        try:
+            if creds_file:
+                write_private_json(creds_file, {"env": dict(secret)})
+            sjid, cluster = slurm_submit(platform, paths, job, env, creds_file)
+        except (AgentbenchError, OSError):
+            if creds_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(creds_file)
+            raise
+        return {"executor": self.name, "slurm_job_id": sjid, "slurm_cluster": cluster,
+                "host": platform.hostname(), "at": time.time()}
+
+    def launch_error(self, exc: AgentbenchError | OSError) -> str:
+        detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) \
+            else str(exc)
+        return f"cannot submit to slurm: {detail}"
+
+    def handle(self, launcher: Mapping[str, Any]) -> dict[str, Any]:
+        return {"slurm_job_id": launcher["slurm_job_id"]}
+
+    def presence(self, platform: "Platform", runtime: Mapping[str, Any] | None,
+                 launcher: Mapping[str, Any] | None, env: Mapping[str, str],
+                 now: float | None = None) -> bool | None:
+        sjid = self.job_of(launcher)
+        if sjid is None:
+            # sbatch has not answered yet, or its caller died before recording the id: alive while
+            # the submission could still be under way.
+            now = time.time() if now is None else now
+            return now - float((launcher or {}).get("at") or 0) <= SBATCH_TIMEOUT_S + 60
+        state = slurm_state(platform, sjid, env, self.cluster_of(launcher))
+        return None if state is None else state in SLURM_LIVE_STATES
+
+    def state(self, platform: "Platform", launcher: Mapping[str, Any] | None, env: Mapping[str, str],
+              *, fresh: bool = False) -> str | None:
+        """The submitted job's state (see slurm_state); None without a job id or an answer."""
+        sjid = self.job_of(launcher)
+        if sjid is None:
+            return None
+        return slurm_state(platform, sjid, env, self.cluster_of(launcher), fresh=fresh)
+
+    def cancel(self, platform: "Platform", launcher: Mapping[str, Any] | None,
+               env: Mapping[str, str]) -> CommandResult | None:
+        sjid = self.job_of(launcher)
+        return None if sjid is None else slurm_cancel(platform, sjid, env, self.cluster_of(launcher))
+
+    def job_of(self, launcher: Mapping[str, Any] | None) -> str | None:
+        if launcher and launcher.get("executor") == self.name and launcher.get("slurm_job_id"):
+            return str(launcher["slurm_job_id"])
+        return None
+
+    def cluster_of(self, launcher: Mapping[str, Any] | None) -> str | None:
+        return (launcher or {}).get("slurm_cluster") or None
+
+    def missing_commands(self, env: Mapping[str, str]) -> list[str]:
+        return [c for c in SLURM_COMMANDS if shutil.which(c, path=env.get("PATH")) is None]
+
+
+#: Every executor by its name (the study's `executor` values).
+EXECUTORS: dict[str, Executor] = {e.name: e for e in (LocalExecutor(), SlurmExecutor())}
+
+
+def executor_for(name_or_record: str | Mapping[str, Any] | None) -> Executor:
+    """The executor a study's `executor` value, a job record or a launch record names.  Anything
+    but a known name (none, or a record written before executors were named) is local, as such a
+    launch has always been read."""
+    name = name_or_record.get("executor") if isinstance(name_or_record, Mapping) else name_or_record
+    return EXECUTORS.get(name if isinstance(name, str) else "local") or EXECUTORS["local"]
 
 
 # ==================================================================================================
@@ -3847,7 +4064,7 @@ def _is_int_at_least(low: int | None) -> Callable[[Any], bool]:
 
 
 def _check_executor(v: Any) -> None:
-    if v not in ("local", "slurm"):
+    if not isinstance(v, str) or v not in EXECUTORS:
         raise AgentbenchError("executor must be local or slurm", code="unknown_executor", executor=v)
 
 
@@ -5036,13 +5253,6 @@ def read_launcher(paths: StudyPaths, job_id: str) -> LauncherRecord | None:
     return read_json(paths.job_dir(job_id) / "launcher.json", default=None)
 
 
-def slurm_job_of(launcher: Mapping[str, Any] | None) -> str | None:
-    """The Slurm job id of a job submitted through the Slurm executor, else None."""
-    if launcher and launcher.get("executor") == "slurm" and launcher.get("slurm_job_id"):
-        return str(launcher["slurm_job_id"])
-    return None
-
-
 def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     """A job's current state: its result if final, else its runtime (or `created`)."""
     res: ResultRecord | None = read_json(paths.result_file(job_id), default=None)
@@ -5051,7 +5261,8 @@ def job_status(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     rt: RuntimeRecord | None = read_json(paths.runtime_file(job_id), default=None)
     if rt is not None:
         return {"job_id": job_id, **rt}
-    sjid = slurm_job_of(read_launcher(paths, job_id))
+    launcher = read_launcher(paths, job_id)
+    sjid = executor_for(launcher).job_of(launcher)
     if sjid is not None:
         # Submitted, not started yet: waiting in Slurm's queue (or being started on a node).
         return {"job_id": job_id, "status": "queued", "slurm_job_id": sjid}
@@ -5315,10 +5526,12 @@ def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: M
 _HANDED_CREDENTIALS: dict[str, str] = {}
 
 
-def launch_credentials() -> dict[str, str]:
+def launch_credentials(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The credentials a supervisor started from this process gets: the caller's own credential
-    variables, and those this process was handed (see _HANDED_CREDENTIALS)."""
-    return {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **_HANDED_CREDENTIALS}
+    variables (in `env`, this process's environment unless given), and those this process was
+    handed (see _HANDED_CREDENTIALS)."""
+    env = os.environ if env is None else env
+    return {**{k: v for k, v in env.items() if is_credential_var(k)}, **_HANDED_CREDENTIALS}
 
 
 def read_stdin_credentials() -> dict[str, str]:
@@ -5332,66 +5545,34 @@ def read_stdin_credentials() -> dict[str, str]:
     return {str(k): v for k, v in got.items() if isinstance(v, str)} if isinstance(got, dict) else {}
 
 
-def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]) -> dict[str, Any]:
-    """Start the supervisor of a registered job: detached here (local executor) or submitted to
-    Slurm (its batch job runs the supervisor on a compute node).  On failure the job is finalised
-    `launch_error`, so a refused submission never leaves an active job behind."""
-    log_path = os.path.join(job["raw_dir"], "supervisor.log")
-    if job.get("executor") == "slurm":
-        jdir = paths.job_dir(job["job_id"])
-        launcher_file = jdir / "launcher.json"
-        # Recorded before sbatch runs, so that no reaper takes a slow submission for a dead one.
-        write_json_atomic(launcher_file, {"executor": "slurm", "submitting": True, "host": platform.hostname(),
-                                          "at": time.time()})
-        # Credentials do not travel in the batch job's environment (Slurm keeps that in its
-        # controller's state, and possibly its accounting): an owner-only file on the shared
-        # study directory carries them to the supervisor, which reads and deletes it.
-        env = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
-        creds = launch_credentials()
-        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
-            creds = {}   # a scripted-model job gets no real credentials at all
-        creds_file = str(jdir / "credentials.json") if creds else None
-        try:
-            if creds_file:
-                write_private_json(creds_file, {"env": creds})
-            sjid, cluster = slurm_submit(platform, paths, job, env, creds_file)
-        except (AgentbenchError, OSError) as exc:
-            detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) else str(exc)
-            if creds_file:
-                with contextlib.suppress(OSError):
-                    os.unlink(creds_file)
-            finalize_job(paths, platform, job, status="failed", reason="launch_error",
-                         usage=None, extra={"detail": f"cannot submit to slurm: {detail}"})
-            return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
-        write_json_atomic(launcher_file, {"executor": "slurm", "slurm_job_id": sjid, "slurm_cluster": cluster,
-                                          "host": platform.hostname(), "at": time.time()})
-        if (jdir / "kill.request").exists():
-            # A kill came while sbatch was answering: it found no Slurm job id to cancel, so the
-            # submission is cancelled here.  (A kill after the id was recorded cancels it itself;
-            # one of the two sees the other's write.)
-            slurm_cancel(platform, sjid, os.environ, cluster)
-        return {"job_id": job["job_id"], "status": "created", "slurm_job_id": sjid}
+def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
+                      env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Start the supervisor of a registered job on its executor: detached here (local) or submitted
+    to Slurm (its batch job runs the supervisor on a compute node).  `env` is the caller's
+    environment (this process's unless given).  On failure the job is finalised `launch_error`, so
+    a refused submission never leaves an active job behind."""
+    env = os.environ if env is None else env
+    executor = executor_for(job)
+    # The supervisor's own environment holds no credential (/proc/<pid>/environ is readable by the
+    # agent's user, and Slurm keeps a batch job's environment): the executor carries them apart.
+    # A scripted-model job gets none at all.
+    host_env = {k: v for k, v in env.items() if not is_credential_var(k)}
+    secret = {} if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1" else launch_credentials(env)
     try:
-        # The supervisor's own environment holds no credential (/proc/<pid>/environ is readable
-        # by the agent's user): they reach it on a pipe.  A scripted-model job gets none at all.
-        env = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
-        secret = launch_credentials()
-        if (job.get("env_extra") or {}).get("AGENTBENCH_OFFLINE") == "1":
-            secret = {}
-        pid = detach_agentbench(platform, ["_supervise", "--study", str(paths.root), "--job", job["job_id"]],
-                                cwd=str(paths.root), env=env, log_path=log_path, secret=secret)
+        record = executor.submit(platform, paths, job, env=host_env, secret=secret)
     except (OSError, AgentbenchError) as exc:
-        # The platform reports a failed start as AgentbenchError (POSIX) or OSError; either way the
-        # job is registered already, so it is finalised now instead of staying active until reaped.
-        detail = exc.payload.get("detail", str(exc)) if isinstance(exc, AgentbenchError) else str(exc)
+        # The job is registered already, so it is finalised now instead of staying active until reaped.
         finalize_job(paths, platform, job, status="failed", reason="launch_error",
-                     usage=None, extra={"detail": f"cannot start supervisor: {detail}"})
+                     usage=None, extra={"detail": executor.launch_error(exc)})
         return {"job_id": job["job_id"], "status": "failed", "reason": "launch_error"}
-    pc = platform.proc_id(pid)
-    write_json_atomic(paths.job_dir(job["job_id"]) / "launcher.json",
-                      {"executor": "local", "pid": pid, "ctime": pc.ctime if pc else None,
-                       "host": platform.hostname(), "at": time.time()})
-    return {"job_id": job["job_id"], "status": "created", "supervisor_pid": pid}
+    jdir = paths.job_dir(job["job_id"])
+    write_json_atomic(jdir / "launcher.json", record)
+    if (jdir / "kill.request").exists():
+        # A kill came while the submission was answering (sbatch): it found no job id to cancel,
+        # so the submission is cancelled here.  (A kill after the record was written cancels it
+        # itself; one of the two sees the other's write.)  A local supervisor reads the request.
+        executor.cancel(platform, record, env)
+    return {"job_id": job["job_id"], "status": "created", **executor.handle(record)}
 
 
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
@@ -5456,17 +5637,11 @@ class DriverBeat:
                 self.path.unlink()
 
 
-def _proc_from(d: Mapping[str, Any] | None) -> ProcId | None:
-    if not d or d.get("pid") is None:
-        return None
-    return ProcId(int(d["pid"]), d.get("ctime"))
-
-
 def driver_alive(platform: "Platform", driver: Mapping[str, Any]) -> bool | None:
     """Is a run driver still there?  On its own host by pid + creation time; elsewhere by the age
     of its beat file (a missing file = ended); None when neither can be checked."""
     if platform.is_local(driver):
-        proc = _proc_from(driver)
+        proc = proc_from_record(driver)
         return None if proc is None else platform.is_alive(proc)
     beat = driver.get("beat")
     if not beat:
@@ -5500,11 +5675,11 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
     if mark:
         roots += platform.marked_processes(JOB_MARK_ENV, mark)
     if runtime:
-        claude = _proc_from(runtime.get("claude"))
+        claude = proc_from_record(runtime.get("claude"))
         if claude:
             roots.append(claude)
             sids.append(claude.pid)   # POSIX: its session (setsid); ignored where there are none
-        sup = _proc_from(runtime.get("supervisor"))
+        sup = proc_from_record(runtime.get("supervisor"))
         if include_supervisor and sup:
             roots.insert(0, sup)
     if not roots:
@@ -5531,32 +5706,18 @@ def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> 
     return usage, st
 
 
-def slurm_cluster_of(launcher: Mapping[str, Any] | None) -> str | None:
-    return (launcher or {}).get("slurm_cluster") or None
-
-
 def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
-                        launcher: Mapping[str, Any] | None) -> bool | None:
+                        launcher: Mapping[str, Any] | None,
+                        env: Mapping[str, str] | None = None) -> bool | None:
     """Is the job's supervisor still there (or, before it started, its launch still pending)?
 
     True: alive, starting or queued; False: certainly gone; None: cannot tell (Slurm unreachable,
-    or a process recorded on another host), which callers must treat as alive.  Slurm jobs are
-    asked of Slurm, whose word covers queued jobs that have no process yet; local ones by pid +
-    creation time, only on the host that recorded them.
+    or a process recorded on another host), which callers must treat as alive.  Its executor
+    answers (see Executor.presence): Slurm jobs are asked of Slurm, whose word covers queued jobs
+    that have no process yet; local ones by pid + creation time, only on the host that recorded
+    them.  `env` is the caller's environment (this process's unless given).
     """
-    if (launcher or {}).get("executor") == "slurm" and slurm_job_of(launcher) is None:
-        # sbatch has not answered yet, or its caller died before recording the id: alive while
-        # the submission could still be under way.
-        return time.time() - float((launcher or {}).get("at") or 0) <= SBATCH_TIMEOUT_S + 60
-    sjid = slurm_job_of(launcher)
-    if sjid is not None:
-        state = slurm_state(platform, sjid, os.environ, slurm_cluster_of(launcher))
-        return None if state is None else state in SLURM_LIVE_STATES
-    record = runtime if runtime is not None else launcher
-    if not platform.is_local(record):
-        return None
-    proc = _proc_from((runtime or {}).get("supervisor") if runtime is not None else launcher)
-    return bool(proc and platform.is_alive(proc))
+    return executor_for(launcher).presence(platform, runtime, launcher, os.environ if env is None else env)
 
 
 def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Callable[[], bool | None]) -> str:
@@ -5595,7 +5756,8 @@ def never_started_verdict(*, kill_requested: bool, claimed: bool, slurm_job: str
     return "launch_error", "the supervisor never started"
 
 
-def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | None = None) -> list[str]:
+def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | None = None,
+              env: Mapping[str, str] | None = None) -> list[str]:
     """Repair pass over active jobs: complete half-finalised ones, declare dead ones `lost`.
 
     Lost = heartbeat older than lost_after_s() AND the supervisor certainly gone (pid + creation
@@ -5603,8 +5765,10 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
     host (children counted only if created before the last heartbeat) and the cost taken from the
     raw stream copy (estimated if no result arrived).  A Slurm job that is still queued is never
     lost, however long it waits.  Cost: O(active jobs); Slurm is asked only about jobs whose
-    heartbeat is stale or that have waited past the loss window without starting.
+    heartbeat is stale or that have waited past the loss window without starting.  `env` is the
+    caller's environment (this process's unless given).
     """
+    env = os.environ if env is None else env
     reaped: list[str] = []
     ids = list(only) if only is not None else active_job_ids(paths)
     now = time.time()
@@ -5633,6 +5797,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             continue
         rt = read_json(paths.runtime_file(job_id), default=None)
         launcher = read_launcher(paths, job_id)
+        executor = executor_for(launcher)
+        handle = executor.job_of(launcher)
         if rt is not None:
             hb = float(rt.get("heartbeat_at") or job.get("created_ts") or 0)
             age = now - hb
@@ -5644,7 +5810,7 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                     age = mtime_age_s(os.stat(paths.runtime_file(job_id)).st_mtime, paths.state,
                                       platform.hostname(), lost_after_s())
             if reap_verdict(started=True, age_s=age, lost_after=lost_after_s(),
-                            presence=lambda: supervisor_presence(platform, rt, launcher)) == "keep":
+                            presence=lambda: executor.presence(platform, rt, launcher, env)) == "keep":
                 continue
             local_rt = rt if platform.is_local(rt) else None
             survivors = kill_job_processes(platform, local_rt, include_supervisor=False, alive_until=hb,
@@ -5653,17 +5819,17 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             finalize_job(paths, platform, job, status="lost", reason="supervisor_dead", usage=usage,
                          extra={"survivors": [dataclasses.asdict(s) for s in survivors],
                                 "last_heartbeat": hb, "tool_uses": st.tool_uses,
-                                **({"slurm_job_id": slurm_job_of(launcher)} if slurm_job_of(launcher) else {})})
+                                **({"slurm_job_id": handle} if handle else {})})
             reaped.append(job_id)
             continue
         created = float(job.get("created_ts") or 0)
         if reap_verdict(started=False, age_s=now - created, lost_after=lost_after_s(),
-                        presence=lambda: supervisor_presence(platform, None, launcher)) == "keep":
+                        presence=lambda: executor.presence(platform, None, launcher, env)) == "keep":
             continue
         kill_req = read_json(paths.job_dir(job_id) / "kill.request", default=None)
         verdict, detail = never_started_verdict(kill_requested=kill_req is not None,
                                                 claimed=(paths.job_dir(job_id) / "supervisor.claim").exists(),
-                                                slurm_job=slurm_job_of(launcher))
+                                                slurm_job=handle)
         if verdict == "killed":
             finalize_killed_before_start(paths, platform, job, kill_req)
             reaped.append(job_id)
@@ -5687,91 +5853,175 @@ def _wait_final(paths: StudyPaths, job_id: str, seconds: float) -> bool:
     return True
 
 
-def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str = "requested",
-             wait_s: float = 10.0) -> dict[str, Any]:
-    """Kill a job: ask its supervisor (kill.request), and if it does not finish in `wait_s`, kill
-    the supervisor and the `claude` tree directly and finalise as `killed`.  Verify; report survivors."""
-    job = load_job(paths, job_id)
-    if paths.result_file(job_id).exists():
-        res = read_json(paths.result_file(job_id))
-        return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
-    write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
-    launcher = read_launcher(paths, job_id)
-    sjid, cluster = slurm_job_of(launcher), slurm_cluster_of(launcher)
-    if sjid is not None and read_json(paths.runtime_file(job_id), default=None) is None:
-        # Queued, not started: there is no supervisor to ask, so the submission is cancelled.  One
-        # that starts regardless sees kill.request and exits without starting claude.
-        slurm_cancel(platform, sjid, os.environ, cluster)
-        wait_s = min(wait_s, 2.0)
-    _wait_final(paths, job_id, wait_s)
-    # The launch may have been recorded meanwhile (a supervisor just detached, an sbatch that
-    # answered): what follows goes by the record as it is now.
-    launcher = read_launcher(paths, job_id)
-    if sjid is None and slurm_job_of(launcher) is not None:
-        sjid, cluster = slurm_job_of(launcher), slurm_cluster_of(launcher)
-        if not job_is_final(paths, job_id) and read_json(paths.runtime_file(job_id), default=None) is None:
+#: The actions of a kill's last stage (kill_step): once one is taken, the supervisor is no longer
+#: asked or cancelled, only made sure of.
+KILL_FINISH_ACTIONS = ("await_exit", "ask_slurm", "stop_supervisor", "kill_and_finalise", "verify")
+
+
+@dataclass(frozen=True)
+class KillFacts:
+    """What a kill knows of its job before a step (observed afresh before every one)."""
+    result: bool                      # result.json exists
+    final: bool                       # finalisation complete (job_is_final)
+    slurm_job: str | None             # the Slurm job id the launch record names, if any
+    runtime: bool                     # runtime.json exists, wherever it was written
+    runtime_here: bool                # ... and was written on this host (its pids mean something)
+    supervisor: str | None            # a supervisor process known here: "runtime", "launcher", None
+    wait_s: float                     # how long the caller lets the supervisor answer the request
+    done: tuple[str, ...] = ()        # the actions taken so far, in order
+    slurm_state: str | None = None    # Slurm's fresh word once "ask_slurm" is done (None: no answer)
+
+
+class KillAction(NamedTuple):
+    """The next step of a kill; after acting, wait up to `wait_s` for the job to be final."""
+    name: str
+    wait_s: float | None = None
+
+
+def kill_step(f: KillFacts) -> KillAction:
+    """The next step of a kill (pure).  The actions, in the order they can come:
+
+    already_final (report, terminal) | request (write kill.request) | cancel_queued (a submission
+    still queued: scancel it, a short wait) or wait (for the supervisor to answer) | then, by the
+    launch record as it is after the wait: cancel_queued_late (an id recorded during the wait, still
+    queued) | cancel_started (the supervisor did not answer: Slurm signals it) | await_exit (it
+    finalised: make sure it exits) | unless a result exists: ask_slurm, then unverified (terminal:
+    nothing here can check the job and Slurm does not confirm its end) | stop_supervisor (one still
+    starting, known only by its launch record) | kill_and_finalise | verify | report (terminal).
+    """
+    done = set(f.done)
+    if "request" not in done:
+        return KillAction("already_final") if f.result else KillAction("request")
+    if not done & {"cancel_queued", "wait"}:
+        if f.slurm_job is not None and not f.runtime:
+            # Queued, not started: there is no supervisor to ask, so the submission is cancelled.
+            # One that starts regardless sees kill.request and exits without starting claude.
+            return KillAction("cancel_queued", min(f.wait_s, 2.0))
+        return KillAction("wait", f.wait_s)
+    if not done & set(KILL_FINISH_ACTIONS):
+        # The launch may have been recorded meanwhile (a supervisor just detached, an sbatch that
+        # answered): what follows goes by the record as it is now.
+        if f.slurm_job is not None and not done & {"cancel_queued", "cancel_queued_late"} \
+                and not f.final and not f.runtime:
             # Still queued: cancelled here.  One that started is handled below like any other.
-            slurm_cancel(platform, sjid, os.environ, cluster)
-            _wait_final(paths, job_id, 2.0)
-    rt = read_json(paths.runtime_file(job_id), default=None)
-    if sjid is not None and rt is not None and not job_is_final(paths, job_id):
-        # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL after
-        # KillWait) wherever it runs; its handler stops claude and finalises.
-        slurm_cancel(platform, sjid, os.environ, cluster)
-        _wait_final(paths, job_id, max(wait_s, 15.0))
-    # Processes are killed by pid only on the host that recorded them.
-    rt = read_json(paths.runtime_file(job_id), default=None)
-    if rt is not None and not platform.is_local(rt):
-        rt = None
-    survivors: list[ProcId] = []
-    sup = _proc_from((rt or {}).get("supervisor"))
-    if sup is None and rt is None and (launcher or {}).get("executor") == "local" and platform.is_local(launcher) \
-            and (launcher or {}).get("ctime") is not None:
-        # Killed before its supervisor wrote runtime.json: the detached process the launcher
-        # recorded is the supervisor, and it must be gone too.  Only with its creation time: a
-        # bare pid (the process was gone before it could be read) may name another process now.
-        sup = _proc_from(launcher)
-    if job_is_final(paths, job_id) and sup:
-        # The supervisor finalised; give it a moment to exit, then make sure it is gone.
-        until = time.monotonic() + 5
-        while time.monotonic() < until and platform.is_alive(sup):
-            time.sleep(0.05)
-        if platform.is_alive(sup):
-            survivors += platform.kill_tree([sup])
-    if not paths.result_file(job_id).exists():
-        if sjid is not None and rt is None:
+            return KillAction("cancel_queued_late", 2.0)
+        if f.slurm_job is not None and f.runtime and not f.final and "cancel_started" not in done:
+            # The supervisor did not answer the request: Slurm signals it (SIGTERM, then SIGKILL
+            # after KillWait) wherever it runs; its handler stops claude and finalises.
+            return KillAction("cancel_started", 15.0 if "cancel_queued" in done else max(f.wait_s, 15.0))
+        if f.final and f.supervisor is not None:
+            # The supervisor finalised; give it a moment to exit, then make sure it is gone.
+            return KillAction("await_exit")
+    finishing = done & {"ask_slurm", "stop_supervisor"}
+    if not done & {"kill_and_finalise", "verify"} and (not f.result or finishing):
+        if f.slurm_job is not None and not f.runtime_here:
             # Nothing of the job can be checked from here: only Slurm can say that it ended.
             # Until it does, the job is not finalised (a session still spending must not be
             # recorded as killed, nor its later costs lost).
-            state = slurm_state(platform, sjid, os.environ, cluster, fresh=True)
-            if state is None or state in SLURM_LIVE_STATES:
-                return {"job_id": job_id, "status": "killing", "unverified": True, "slurm_job_id": sjid,
-                        "slurm_state": state, "survivors": [],
-                        "hint": f"scancel was sent but Slurm has not confirmed that job {sjid} ended; "
-                                "run kill again, or check `squeue -j` and `scancel` by hand"}
-        if rt is None and sup is not None:
+            if "ask_slurm" not in done:
+                return KillAction("ask_slurm")
+            if f.slurm_state is None or f.slurm_state in SLURM_LIVE_STATES:
+                return KillAction("unverified")
+        if not f.runtime_here and f.supervisor is not None and "stop_supervisor" not in done:
             # A supervisor still starting did not answer the request in time: it is stopped
             # before anything else, so it cannot start claude after this point; whatever it did
             # start is then in the runtime file, read again.
+            return KillAction("stop_supervisor")
+        return KillAction("kill_and_finalise")
+    if "verify" not in done:
+        # Nothing of the claude tree may be left, whoever did the killing.
+        return KillAction("verify")
+    return KillAction("report")
+
+
+class KillView(NamedTuple):
+    """One observation of a killed job: the facts for kill_step and the records they came from."""
+    facts: KillFacts
+    runtime: dict[str, Any] | None    # the runtime record, only if it was written on this host
+    launcher: LauncherRecord | None
+    supervisor: ProcId | None
+
+
+def observe_kill(paths: StudyPaths, platform: "Platform", job_id: str, *, wait_s: float,
+                 done: Sequence[str], slurm_state: str | None) -> KillView:
+    """Read what a kill's next step depends on (the job's files; no process is signalled)."""
+    launcher = read_launcher(paths, job_id)
+    executor = executor_for(launcher)
+    rt = read_json(paths.runtime_file(job_id), default=None)
+    # Processes are killed by pid only on the host that recorded them.
+    rt_here = rt if rt is not None and platform.is_local(rt) else None
+    sup, where = proc_from_record((rt_here or {}).get("supervisor")), "runtime"
+    if sup is None and rt_here is None and platform.is_local(launcher):
+        # Killed before its supervisor wrote runtime.json: the detached process the launcher
+        # recorded is the supervisor, and it must be gone too (only with its creation time).
+        sup, where = executor.process_of(launcher), "launcher"
+    facts = KillFacts(result=paths.result_file(job_id).exists(), final=job_is_final(paths, job_id),
+                      slurm_job=executor.job_of(launcher), runtime=rt is not None,
+                      runtime_here=rt_here is not None, supervisor=where if sup is not None else None,
+                      wait_s=wait_s, done=tuple(done), slurm_state=slurm_state)
+    return KillView(facts, rt_here, launcher, sup)
+
+
+def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str = "requested",
+             wait_s: float = 10.0, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Kill a job: ask its supervisor (kill.request), and if it does not finish in `wait_s`, kill
+    the supervisor and the `claude` tree directly and finalise as `killed`.  Verify; report survivors.
+    Observes, asks kill_step what to do next, acts, until a step reports.  `env` is the caller's
+    environment (this process's unless given)."""
+    env = os.environ if env is None else env
+    job = load_job(paths, job_id)
+    done: list[str] = []
+    slurm_state: str | None = None
+    survivors: list[ProcId] = []
+    while True:
+        view = observe_kill(paths, platform, job_id, wait_s=wait_s, done=done, slurm_state=slurm_state)
+        action = kill_step(view.facts)
+        executor, rt, sup = executor_for(view.launcher), view.runtime, view.supervisor
+        if action.name == "already_final":
+            res = read_json(paths.result_file(job_id))
+            return {"job_id": job_id, "status": res["status"], "already_final": True, "survivors": []}
+        if action.name == "request":
+            write_json_atomic(paths.job_dir(job_id) / "kill.request", {"reason": reason, "at": utc_now()})
+        elif action.name in ("cancel_queued", "cancel_queued_late", "cancel_started"):
+            executor.cancel(platform, view.launcher, env)
+        elif action.name == "await_exit" and sup is not None:
+            until = time.monotonic() + 5
+            while time.monotonic() < until and platform.is_alive(sup):
+                time.sleep(0.05)
+            if platform.is_alive(sup):
+                survivors += platform.kill_tree([sup])
+        elif action.name == "ask_slurm":
+            slurm_state = executor.state(platform, view.launcher, env, fresh=True)
+        elif action.name == "unverified":
+            sjid = view.facts.slurm_job
+            return {"job_id": job_id, "status": "killing", "unverified": True, "slurm_job_id": sjid,
+                    "slurm_state": slurm_state, "survivors": [],
+                    "hint": f"scancel was sent but Slurm has not confirmed that job {sjid} ended; "
+                            "run kill again, or check `squeue -j` and `scancel` by hand"}
+        elif action.name == "stop_supervisor" and sup is not None:
             survivors += platform.kill_tree([sup])
-            rt = read_json(paths.runtime_file(job_id), default=None)
-        survivors += kill_job_processes(platform, rt, include_supervisor=True,
-                                        mark=job_mark(paths, job_id) if rt is not None else None)
-        usage, _ = _usage_from_raw(job, paths)
-        finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
-                     extra={"killed_by": "kill command"})
-    # Verify: nothing of the claude tree may be left, whoever did the killing.
-    survivors += kill_job_processes(platform, rt, include_supervisor=False,
-                                    mark=job_mark(paths, job_id) if rt is not None else None)
-    res = read_json(paths.result_file(job_id))
-    # What the supervisor's own sweep could not kill (it found them; this process may not be
-    # able to see them by tree): reported while they live, never hidden behind `clean`.
-    for rec in res.get("survivors") or []:
-        p = _proc_from(rec) if isinstance(rec, dict) else None
-        if p is not None and platform.is_local(rt or launcher) and platform.is_alive(p):
-            survivors.append(p)
-    return {"job_id": job_id, "status": res["status"], "reason": res.get("reason"),
-            "survivors": sorted({dataclasses.asdict(s)["pid"] for s in survivors})}
+        elif action.name == "kill_and_finalise":
+            survivors += kill_job_processes(platform, rt, include_supervisor=True,
+                                            mark=job_mark(paths, job_id) if rt is not None else None)
+            usage, _ = _usage_from_raw(job, paths)
+            finalize_job(paths, platform, job, status="killed", reason=reason, usage=usage,
+                         extra={"killed_by": "kill command"})
+        elif action.name == "verify":
+            survivors += kill_job_processes(platform, rt, include_supervisor=False,
+                                            mark=job_mark(paths, job_id) if rt is not None else None)
+        elif action.name == "report":
+            res = read_json(paths.result_file(job_id))
+            # What the supervisor's own sweep could not kill (it found them; this process may not
+            # be able to see them by tree): reported while they live, never hidden behind `clean`.
+            for rec in res.get("survivors") or []:
+                p = proc_from_record(rec) if isinstance(rec, dict) else None
+                if p is not None and platform.is_local(rt or view.launcher) and platform.is_alive(p):
+                    survivors.append(p)
+            return {"job_id": job_id, "status": res["status"], "reason": res.get("reason"),
+                    "survivors": sorted({dataclasses.asdict(s)["pid"] for s in survivors})}
+        done.append(action.name)
+        if action.wait_s is not None:
+            _wait_final(paths, job_id, action.wait_s)
 
 
 class Supervisor:
@@ -6025,15 +6275,18 @@ class Supervisor:
         self.subreaper = self.platform.become_subreaper()
         raw_dir = Path(job["raw_dir"])
         raw_dir.mkdir(parents=True, exist_ok=True)
+        # This process's environment, read once here where the supervisor starts.
+        environ = dict(os.environ)
         self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
                             subreaper=self.subreaper,
-                            host=self.platform.hostname(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                            host=self.platform.hostname(), slurm_job_id=environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
         extra = job.get("env_extra") or {}
         # Offline (scripted model) jobs get no real credentials: only the dummy key in `extra`.
         offline = extra.get("AGENTBENCH_OFFLINE") == "1"
-        host = {k: v for k, v in os.environ.items() if not is_credential_var(k)}
-        secret = {} if offline else {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **self.secret}
+        host = {k: v for k, v in environ.items() if not is_credential_var(k)}
+        secret = {} if offline else {**{k: v for k, v in environ.items() if is_credential_var(k)},
+                                     **self.secret}
         if job.get("gateway", GATEWAY_DEFAULT) == "on":
             try:
                 self.gateway = start_job_gateway(self.paths, self.platform, job, secret, extra, host)
@@ -6338,29 +6591,31 @@ def refuse_if_paused(paths: StudyPaths, launch: Mapping[str, Any]) -> None:
                               hint="raise budget.study_usd with init if you mean to spend more")
 
 
-def require_executor_ready(executor: str | None) -> None:
-    """Refuse, before anything is written, a Slurm study where Slurm's commands are missing."""
-    if executor == "slurm":
-        missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c, path=os.environ.get("PATH")) is None]
-        if missing:
-            raise AgentbenchError("the study's executor is slurm but these Slurm commands are not on PATH: "
-                                  + ", ".join(missing), code="slurm_commands_missing", missing=missing,
-                                  hint="run agentbench where Slurm's commands work (a login node), "
-                                       "or `init --executor local`")
+def require_executor_ready(executor: str | None, env: Mapping[str, str] | None = None) -> None:
+    """Refuse, before anything is written, a study whose executor's commands are missing from
+    env's PATH (this process's environment unless given): only Slurm needs any."""
+    missing = executor_for(executor).missing_commands(os.environ if env is None else env)
+    if missing:
+        raise AgentbenchError("the study's executor is slurm but these Slurm commands are not on PATH: "
+                              + ", ".join(missing), code="slurm_commands_missing", missing=missing,
+                              hint="run agentbench where Slurm's commands work (a login node), "
+                                   "or `init --executor local`")
 
 
-def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Any]:
+def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any],
+                  env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Every refusal of a new session that depends only on the study (its values, its executor,
-    a pause); the effective launch configuration when there is none.  Writes nothing."""
+    a pause); the effective launch configuration when there is none.  Writes nothing.  `env` is
+    the caller's environment (this process's unless given)."""
     validate_launch_values(cfg)
     launch = launch_config(cfg)
     check_model_id(launch["model"])
-    require_executor_ready(launch["executor"])
+    require_executor_ready(launch["executor"], env)
     refuse_if_paused(paths, launch)
     # The sandbox is decided where the supervisor runs: here for local jobs (a study that requires
     # bubblewrap is refused now), on the compute node for Slurm jobs (recorded as the mode only).
     mode = sandbox_mode_of(cfg)
-    launch["sandbox"] = (resolve_sandbox(mode) if launch["executor"] != "slurm"
+    launch["sandbox"] = (resolve_sandbox(mode) if executor_for(launch["executor"]).runs_here
                          else {"mode": mode, "kind": None, "binary": None, "reason": "decided on the compute node"})
     return launch
 
@@ -6372,21 +6627,21 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
               cfg: Mapping[str, Any] | None = None, system_prompt: str | None = None) -> dict[str, Any]:
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
-    launch = refuse_launch(paths, cfg)
+    launch = refuse_launch(paths, cfg, ctx.env)
     env_all = {**ctx.env, **dict(cfg.get("env") or {}), **dict(env_extra or {})}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
         refusal = gateway_refusal(env_all, launch["gateway"])
         if refusal is not None:
             raise refusal
     binary = study_binary(ctx, cfg)
-    reap_jobs(paths, ctx.platform)
+    reap_jobs(paths, ctx.platform, env=ctx.env)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
                      system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
                      session_id=session_id,
                      resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
                      env_extra={**dict(cfg.get("env") or {}), **dict(env_extra or {})}, raw_dir=raw_dir,
                      driver=driver, cap=int(launch["parallel"]))
-    launched = launch_supervisor(paths, ctx.platform, job)
+    launched = launch_supervisor(paths, ctx.platform, job, ctx.env)
     return {"job_id": job["job_id"], "session_id": job["session_id"], "kind": kind, "cwd": cwd,
             "status": launched["status"], **({"reason": launched["reason"]} if "reason" in launched else {})}
 
@@ -6443,7 +6698,7 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
               env_extra: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals."""
     rec = load_base(paths, base)
-    reap_jobs(paths, ctx.platform, only=[rec["job_id"]])   # its session totals must be recorded
+    reap_jobs(paths, ctx.platform, only=[rec["job_id"]], env=ctx.env)   # its session totals must be recorded
     state = base_state(paths, rec)
     if state == "ready" and not job_is_final(paths, rec["job_id"]):
         state = "finalising"
@@ -6479,7 +6734,7 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
                  raw_dir: str | None = None) -> dict[str, Any]:
     """One more turn in a finished job's session (`--resume <session>`), same cwd and launch config."""
     prev = load_job(paths, prev_id)
-    reap_jobs(paths, ctx.platform, only=[prev_id])   # complete a half-finished finalisation first
+    reap_jobs(paths, ctx.platform, only=[prev_id], env=ctx.env)   # complete a half-finished finalisation
     res = read_json(paths.result_file(prev_id), default=None)
     if res is None or not job_is_final(paths, prev_id):
         raise AgentbenchError("the job is still running", code="job_still_running",
@@ -7587,7 +7842,7 @@ class RunPipeline:
                 time.sleep(max(0.5, self.opts.poll_s))
                 reap_jobs(self.paths, self.ctx.platform)
                 self.add_queued(time.monotonic() - waited)
-        if self.launch.get("executor") == "slurm":
+        if executor_for(self.launch.get("executor")).queues:
             self._in_slurm_queue[out["job_id"]] = time.monotonic()
         self.rec.setdefault("jobs", []).append({"job_id": out["job_id"], "role": role,
                                                 "session_id": out.get("session_id")})
