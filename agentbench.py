@@ -13,29 +13,30 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       82-150   Start-up: lazy imports and the cached-bytecode launcher
-      151-247   Constants
-      248-349   Errors and output
-      350-458   Hostile numbers
-      459-503   Fault points
-      504-1750  Platform seam
-     1751-2249  Files, locks and the registry
-     2250-2440  Records: the declared shapes of the job's and run's files
-     2441-2776  Processes
-     2777-2889  Env scrub
-     2890-3256  The sandbox
-     3257-3703  Stream and usage
-     3704-4061  Study configuration
-     4062-4853  The metering gateway
-     4854-6206  The supervisor
-     6207-6452  The supervisor: jobs (start, fork, continue)
-     6453-7960  The experiment layer
-     7961-9865  Statistics and report
-     9866-10378 Run pages: the report as a directory
-    10379-11174 Offline scripted model
-    11175-11455 The scripted model: rehearsal of a study
-    11456-11516 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11517-13024 The CLI and main
+       83-151   Start-up: lazy imports and the cached-bytecode launcher
+      152-248   Constants
+      249-350   Errors and output
+      351-459   Hostile numbers
+      460-504   Fault points
+      505-1751  Platform seam
+     1752-2250  Files, locks and the registry
+     2251-2441  Records: the declared shapes of the job's and run's files
+     2442-2777  Processes
+     2778-2890  Env scrub
+     2891-3257  The sandbox
+     3258-3704  Stream and usage
+     3705-4075  Study configuration
+     4076-4867  The metering gateway
+     4868-6216  The supervisor
+     6217-6463  The supervisor: jobs (start, fork, continue)
+     6464-8051  The experiment layer
+     8052-8356  Runs by hand and the run driver's checks: the pipeline's public API
+     8357-10261 Statistics and report
+    10262-10774 Run pages: the report as a directory
+    10775-11570 Offline scripted model
+    11571-11851 The scripted model: rehearsal of a study
+    11852-11912 Reading at scale: the streamed ledger, paged listings, the paused collector
+    11913-13187 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -4059,6 +4060,19 @@ def merge_study_config(existing: Mapping[str, Any] | None, settings: Mapping[str
     return cfg, changed
 
 
+#: What a refusal at the study's parallel cap advises by default (a launch that registers a job).
+PARALLEL_CAP_HINT = "wait for a job to finish (`wait --any`) or raise `parallel` with init"
+
+
+def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CAP_HINT) -> None:
+    """The one parallel-cap decision (pure): refused when `active` jobs already fill the study's
+    `parallel` cap (None: no cap).  The refusal carries `refusal: parallel_cap` so that a driver
+    waits for a slot instead of failing its run."""
+    if cap is not None and active >= cap:
+        raise AgentbenchError("parallel cap reached", code="parallel_cap", active=active, cap=cap,
+                              refusal="parallel_cap", hint=hint)
+
+
 # ==================================================================================================
 # The metering gateway
 # ==================================================================================================
@@ -5085,11 +5099,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
     registers the job, so concurrent callers cannot overshoot it.
     """
     with RegistryLock(paths.lock, platform):
-        active = active_job_ids(paths)
-        if cap is not None and len(active) >= cap:
-            raise AgentbenchError("parallel cap reached", code="parallel_cap",
-                                  active=len(active), cap=cap, refusal="parallel_cap",
-                                  hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
+        refuse_at_parallel_cap(len(active_job_ids(paths)), cap)
         continues = meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
         if continues and existing_continuation(paths, continues):
@@ -6406,7 +6416,7 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
 
 
 
-def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
+def duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
     existing = read_json(paths.job_file(job_id))
     return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
             "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
@@ -6429,7 +6439,8 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
         raise AgentbenchError("the job has no session to continue", code="job_no_session_continue",
                               job=prev_id)
     if existing_continuation(paths, prev_id):
-        return _duplicate_continue(paths, prev_id, existing_continuation(paths, prev_id))  # type: ignore[arg-type]
+        return duplicate_continue(paths, prev_id,
+                                  existing_continuation(paths, prev_id))  # type: ignore[arg-type]
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
         if oj.get("session_id") == sid and not paths.result_file(other).exists():
@@ -6447,7 +6458,7 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
                          fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
                          raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
     except DuplicateRequest as dup:
-        return _duplicate_continue(paths, prev_id, dup.job_id)
+        return duplicate_continue(paths, prev_id, dup.job_id)
 
 
 # ==================================================================================================
@@ -6679,6 +6690,17 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else paths.root / p
 
 
+def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[str, Task]:
+    """The tasks named in `only` (all when it is empty), in the study's order; an unknown name is
+    refused (pure)."""
+    if not only:
+        return dict(tasks)
+    unknown = [t for t in only if t not in tasks]
+    if unknown:
+        raise AgentbenchError("unknown task", code="unknown_task", tasks=unknown, known=sorted(tasks))
+    return {k: v for k, v in tasks.items() if k in only}
+
+
 def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
@@ -6689,11 +6711,7 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | 
         if sub.is_dir() and (sub / "task.json").exists():
             t = load_task(sub)
             tasks[t.id] = t
-    if only:
-        unknown = [t for t in only if t not in tasks]
-        if unknown:
-            raise AgentbenchError("unknown task", code="unknown_task", tasks=unknown, known=sorted(tasks))
-        tasks = {k: v for k, v in tasks.items() if k in only}
+    tasks = pick_tasks(tasks, only)
     if not tasks:
         raise AgentbenchError("no tasks found", code="no_tasks_found", tasks=str(tdir),
                               hint="each task is a directory tasks/<id>/ holding task.json, public/, "
@@ -6764,18 +6782,92 @@ def render(tpl: string.Template, **values: Any) -> str:
                               allowed=sorted(values)) from None
 
 
-def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
-    """Hash of everything that defines the study: config, task bundles, arm texts, templates, preamble."""
+def study_hash(cfg: Mapping[str, Any], tasks: Mapping[str, Task], arms: Mapping[str, Arm],
+               templates: Mapping[str, string.Template], preamble: str) -> str:
+    """Hash of everything that defines the study (pure): config, task bundles, arm texts,
+    templates, preamble."""
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    for t in load_tasks(paths, cfg).values():
+    for t in tasks.values():
         h.update(f"{t.id}:{t.bundle_sha256}".encode())
-    for a in load_arms(paths, cfg).values():
+    for a in arms.values():
         h.update(f"{a.name}:{a.gate_cycles}:{a.review}:{sha256_bytes(a.preamble_text.encode())}".encode())
-    tpls = load_templates(paths, cfg)
     for name in TEMPLATE_NAMES:
-        h.update(tpls[name].template.encode())
-    h.update(preamble_text(paths, cfg).encode())
+        h.update(templates[name].template.encode())
+    h.update(preamble.encode())
     return h.hexdigest()
+
+
+def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
+    """study_hash of the study as it is on disk now (loads every part; see Study.hash for once)."""
+    return study_hash(cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg),
+                      preamble_text(paths, cfg))
+
+
+# -- the study, loaded once ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Study:
+    """One study as a command sees it: its paths, and its checked config, tasks, arms, templates,
+    launch configuration and config hash, each read from disk at most once and only when first
+    asked for (a command that needs only the config stays cheap, and refusals come in the order
+    the command asks).  Built by load_study; a command loads it once and passes it down.  Its
+    parts are read-only by convention: a caller that changes one must copy it."""
+    paths: StudyPaths
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def part(self, name: str, load: Callable[[], Any]) -> Any:
+        if name not in self.memo:
+            self.memo[name] = load()
+        return self.memo[name]
+
+    @property
+    def cfg(self) -> dict[str, Any]:
+        return self.part("cfg", lambda: load_study_config(self.paths))
+
+    @property
+    def tasks(self) -> dict[str, Task]:
+        return self.part("tasks", lambda: load_tasks(self.paths, self.cfg))
+
+    @property
+    def arms(self) -> dict[str, Arm]:
+        return self.part("arms", lambda: load_arms(self.paths, self.cfg))
+
+    @property
+    def templates(self) -> dict[str, string.Template]:
+        return self.part("templates", lambda: load_templates(self.paths, self.cfg))
+
+    @property
+    def launch(self) -> dict[str, Any]:
+        return self.part("launch", lambda: launch_config(self.cfg))
+
+    @property
+    def hash(self) -> str:
+        return self.part("hash", lambda: study_hash(self.cfg, self.tasks, self.arms, self.templates,
+                                                    preamble_text(self.paths, self.cfg)))
+
+    def load_all(self) -> "Study":
+        """Load config, tasks, arms and templates now, in that order (the order refusals come in)."""
+        self.cfg, self.tasks, self.arms, self.templates   # noqa: B018 (each loads and memoizes)
+        return self
+
+    def task(self, task_id: str) -> Task:
+        """One task's bundle; only that bundle is read unless every task is loaded already (the cost
+        of a call about one run must not grow with the number of tasks)."""
+        if "tasks" in self.memo and task_id in self.memo["tasks"]:
+            return self.memo["tasks"][task_id]
+        root = tasks_dir(self.paths, self.cfg) / check_name("task", task_id)
+        if not (root / "task.json").exists():
+            raise AgentbenchError("the task bundle is missing", code="task_bundle_missing",
+                                  task=task_id, path=str(root))
+        return load_task(root)
+
+
+def load_study(paths: StudyPaths, cfg: Mapping[str, Any] | None = None) -> Study:
+    """The study at `paths` (reading nothing yet: see Study), or with the `cfg` a caller has read."""
+    study = Study(paths)
+    if cfg is not None:
+        study.memo["cfg"] = cfg
+    return study
 
 
 
@@ -7483,12 +7575,12 @@ class RunPipeline:
     # -- jobs --------------------------------------------------------------------------------------
     def _run_job(self, role: str, prompt: str, **kw: Any) -> dict[str, Any]:
         """Launch one job of this run and wait for its result."""
-        jid = self._launch_job(role, prompt, **kw)
+        jid = self.launch_job(role, prompt, **kw)
         if jid is None:
             return {"status": "failed", "reason": "budget", "skipped": True}
         return self._await_job(jid)
 
-    def _launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
+    def launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
                     system_extra: str = "", kind: str = "executor", fault: Mapping[str, Any] | None = None,
                     script_key: str | None = None, base: str | None = None) -> str | None:
         """Start one job of this run (not waiting); None when the budget forbids another session."""
@@ -7564,7 +7656,7 @@ class RunPipeline:
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid])
         self._note_started(jid)
-        return self._account_job(jid)
+        return self.account_job(jid)
 
     def _note_started(self, jid: str) -> None:
         """Close a job's Slurm queue wait once its supervisor has written its runtime (or the job
@@ -7579,7 +7671,7 @@ class RunPipeline:
             entry["queued_s"] = waited
         self.add_queued(waited)
 
-    def _account_job(self, jid: str) -> dict[str, Any]:
+    def account_job(self, jid: str) -> dict[str, Any]:
         """Fold a finished job's cost and tokens into the run record (once per job)."""
         res = read_json(self.paths.result_file(jid))
         entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
@@ -7597,7 +7689,7 @@ class RunPipeline:
         self._event("progress", role=entry["role"], job=jid, status=res["status"], reason=res.get("reason"))
         return res
 
-    def _gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
+    def run_gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
         rec = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
         n = len(self.rec.setdefault("gates", [])) + 1
         write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
@@ -7606,7 +7698,7 @@ class RunPipeline:
         self._event("gate", n=n, label=label, passed=rec["passed"])
         return rec
 
-    def _failed_checks_text(self, rec: Mapping[str, Any]) -> str:
+    def failed_checks_text(self, rec: Mapping[str, Any]) -> str:
         failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
         if failed:
             return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
@@ -7629,7 +7721,7 @@ class RunPipeline:
 
     def launch_review(self, task: Task, ws: str, n: int) -> str | None:
         rdir, prompt = self.review_setup(task, ws, n)
-        return self._launch_job("reviewer", prompt, cwd=str(rdir), kind="reviewer",
+        return self.launch_job("reviewer", prompt, cwd=str(rdir), kind="reviewer",
                                 system_extra=self.tpl["reviewer_system"].template)
 
     def collect_review(self, n: int, job_status: str | None) -> dict[str, Any]:
@@ -7659,12 +7751,12 @@ class RunPipeline:
         try:
             self._execute()
         except AgentbenchError as exc:
-            self._end_error(exc.payload.get("error", "error"), exc.payload)
+            self.end_error(exc.payload.get("error", "error"), exc.payload)
         except Exception as exc:  # the pipeline never raises: record and move on
-            self._end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
+            self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
         return self.rec
 
-    def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+    def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
             return
         if detail.get("refusal") in ("breaker", "study_cap", "base"):
@@ -7743,7 +7835,7 @@ class RunPipeline:
                             fault=fault_limits, base=base)
         if not rec.get("jobs"):
             # The budget did not allow even the first session.
-            self._finish(task, ws, "budget_exhausted")
+            self.finish(task, ws, "budget_exhausted")
             return
         exec_job = rec["jobs"][-1]["job_id"]
         last_job = exec_job
@@ -7752,23 +7844,23 @@ class RunPipeline:
             res = self._run_job("resume", render(self.tpl["resume"], reason="the session was interrupted"),
                                 cwd=ws, resume_job=last_job, kind="continue")
             last_job = rec["jobs"][-1]["job_id"]
-        stop = self._stop_reason(res)
+        stop = self.stop_reason(res)
         cycles = 0
         gate_rec = None
         if arm.gate_cycles and not stop:
-            gate_rec = self._gate(task, ws, "cycle")
+            gate_rec = self.run_gate(task, ws, "cycle")
             while not gate_rec["passed"] and cycles < arm.gate_cycles and not stop:
                 cycles += 1
                 fb = render(self.tpl["gate_feedback"], cycle=cycles, cycles_left=arm.gate_cycles - cycles,
-                            failed_checks=self._failed_checks_text(gate_rec),
+                            failed_checks=self.failed_checks_text(gate_rec),
                             gate_output=((gate_rec.get("stderr_tail") or "") + (gate_rec.get("stdout_tail") or ""))[-3000:])
                 res = self._run_job("gate_feedback", fb, cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
-                stop = self._stop_reason(res)
+                stop = self.stop_reason(res)
                 rec["gate_cycles"] = cycles
                 if stop:
                     break
-                gate_rec = self._gate(task, ws, "cycle")
+                gate_rec = self.run_gate(task, ws, "cycle")
         rec["gate_cycles"] = cycles
         if arm.review and not stop and (gate_rec is None or gate_rec["passed"]):
             review = self._review(task, ws, 1)
@@ -7779,12 +7871,12 @@ class RunPipeline:
                                                      summary=review.get("summary") or ""),
                                     cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
-                stop = self._stop_reason(res)
+                stop = self.stop_reason(res)
                 if arm.gate_cycles:
-                    self._gate(task, ws, "after_review")
-        self._finish(task, ws, stop)
+                    self.run_gate(task, ws, "after_review")
+        self.finish(task, ws, stop)
 
-    def _stop_reason(self, res: Mapping[str, Any]) -> str | None:
+    def stop_reason(self, res: Mapping[str, Any]) -> str | None:
         """Why no further session may start: budget, wall time, or an infrastructure failure."""
         st, reason = res.get("status"), res.get("reason")
         if reason == "budget":
@@ -7804,7 +7896,7 @@ class RunPipeline:
             return "budget_exhausted"
         return None
 
-    def _finish(self, task: Task, ws: str, stop: str | None) -> None:
+    def finish(self, task: Task, ws: str, stop: str | None) -> None:
         rec = self.rec
         run_dir = self.paths.run_dir(self.run_id)
         rec["artifacts"] = artifact_manifest(ws)
@@ -7899,12 +7991,11 @@ class RunPipeline:
 
 
 def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
-               parallel: int) -> dict[str, Any]:
-    """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped."""
-    cfg = load_study_config(paths)
-    tasks = load_tasks(paths, cfg)
-    arms = load_arms(paths, cfg)
-    tpl = load_templates(paths, cfg)
+               parallel: int, study: Study | None = None) -> dict[str, Any]:
+    """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped.
+    `study`: the Study at `paths` when the caller has loaded it."""
+    study = (study or load_study(paths)).load_all()
+    cfg, tasks, arms, tpl = study.cfg, study.tasks, study.arms, study.templates
     sweep_interrupted_runs(paths, ctx.platform)
     todo = [r for r in run_ids if load_run(paths, r).get("status") == "not_started"]
     skipped = [r for r in run_ids if r not in todo]
@@ -7956,6 +8047,311 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.join()
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
+
+
+# ==================================================================================================
+# Runs by hand and the run driver's checks: the pipeline's public API
+# ==================================================================================================
+# Owns what the commands do to a study's runs through the pipeline: a pipeline for one run, the
+# by-hand flow (start a run's first session, continue it, gate, review, evaluate), choosing runs
+# by flag values, and the refusals before a driver starts (the guard for real runs, bases that are
+# not ready, the parallel cap).  Its functions take a Host, a Study and plain values; they must not
+# parse flags (argparse belongs to the CLI), print, read os.environ, or reach into a lower
+# section's private names: what they need is public there.
+
+def pipeline_for(host: Host, study: Study, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
+    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
+    must not grow with the number of tasks)."""
+    paths = study.paths
+    rec = load_run(paths, run_id)
+    task_root = tasks_dir(paths, study.cfg) / check_name("task", rec["task"])
+    if not (task_root / "task.json").exists():
+        raise AgentbenchError("the run's task bundle is missing", code="runs_task_bundle_missing",
+                              run=run_id, task=rec["task"], path=str(task_root))
+    tasks = {rec["task"]: study.task(rec["task"])}
+    pipe = RunPipeline(host, paths, run_id, study.cfg, tasks, study.arms, study.templates,
+                       opts or PipelineOptions())
+    pipe.rec = rec
+    return pipe
+
+
+def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
+    """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
+    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                              run=run_id, status=pipe.rec.get("status"),
+                              hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
+                                   "and a finished run is final")
+
+
+def run_sessions_working(paths: StudyPaths, rec: Mapping[str, Any]) -> bool:
+    """Whether a session of this run still has its active marker (not yet reaped)."""
+    return any((paths.active / j["job_id"]).exists() for j in rec.get("jobs") or [])
+
+
+def refuse_while_sessions_work(paths: StudyPaths, rec: Mapping[str, Any], run_id: str) -> None:
+    if run_sessions_working(paths, rec):
+        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
+                              run=run_id, hint="wait for it first")
+
+
+def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
+              force: bool = False) -> dict[str, Any]:
+    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached).
+    `base` forks that base instead of the run's own; `force` allows an uncalibrated task."""
+    paths = study.paths
+    rec = load_run(paths, run_id)
+    tasks = study.load_all().tasks
+    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not force:
+        raise AgentbenchError("the run's task is not calibrated", code="runs_task_not_calibrated",
+                              task=rec["task"], hint="run `calibrate`, or pass --force")
+    # Refusals first, so that a refused spawn leaves the run untouched.
+    arms = study.arms
+    fork = base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+    if fork:
+        require_base_ready(paths, fork)
+    launch = study.launch
+    study_binary(host, study.cfg)
+    refuse_if_paused(paths, launch)
+    reap_jobs(paths, host.platform)
+    refuse_at_parallel_cap(len(active_job_ids(paths)), int(launch["parallel"]),
+                           hint="wait for a job to finish (`wait --any`)")
+    pipe = pipeline_for(host, study, run_id)
+    if not pipe.claim():
+        raise AgentbenchError("the run is not waiting to start", code="run_not_waiting_start",
+                              run=run_id, status=rec.get("status"),
+                              hint="a run starts once; see `list --all`")
+    try:
+        if base:
+            pipe.rec["base"] = check_name("base", base)
+        task, arm, ws, prompt = pipe.prepare()
+        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
+        fork = pipe.rec.get("base")
+        jid = pipe.launch_job("executor", prompt, cwd=ws, system_extra="" if fork else arm.preamble_text,
+                              fault=fault, base=fork)
+    except AgentbenchError as exc:
+        pipe.end_error(exc.payload.get("error", "error"), exc.payload)
+        raise
+    return {"run_id": run_id, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
+
+
+def continue_session(host: Host, study: Study, prompt: str, limits: Mapping[str, Any], *,
+                     job_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """`continue`: one more turn in a job's session, or in the latest session of a run driven by
+    hand (recorded in its run record, within the run's budget; `limits` are for a plain job)."""
+    paths = study.paths
+    if run_id:
+        job_id = latest_run_job(paths, run_id)
+        if not job_id:
+            raise AgentbenchError("the run has no session to continue yet",
+                                  code="run_no_session_continue_yet", run=run_id,
+                                  hint=f"start it first: spawn --run {run_id}")
+    if not job_id:
+        raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
+    run_id = run_id or (load_job(paths, job_id).get("meta") or {}).get("run_id")
+    if not run_id:
+        return continue_job(host, paths, job_id, prompt, limits, cfg=study.cfg)
+    # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
+    pipe = pipeline_for(host, study, run_id)
+    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                              run=run_id, status=pipe.rec.get("status"),
+                              hint="a run driven by `run` continues its own sessions")
+    done = existing_continuation(paths, job_id)
+    if done:
+        return duplicate_continue(paths, job_id, done)
+    jid = pipe.launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
+                          kind="continue")
+    if jid is None:
+        raise AgentbenchError("the run's budget does not allow another session",
+                              code="runs_budget_does_not_allow", run=run_id,
+                              spent_usd=pipe.rec.get("cost_usd"))
+    return {"job_id": jid, "run_id": run_id, "continues": job_id,
+            "status": job_status(paths, jid).get("status")}
+
+
+def gate_run(host: Host, study: Study, run_id: str) -> dict[str, Any]:
+    """`gate`: the task's public checks on a hand-driven run's workspace, with a receipt; when
+    they fail, what they printed (the feedback an orchestrator passes on with `continue`)."""
+    paths = study.paths
+    pipe = pipeline_for(host, study, run_id)
+    require_hand_driven(pipe, run_id)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws or not os.path.isdir(ws):
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet",
+                              run=run_id, hint="spawn --run it first")
+    refuse_while_sessions_work(paths, pipe.rec, run_id)
+    rec = pipe.run_gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
+    n = pipe.rec["gates"][-1]["n"]
+    out = {"run_id": run_id, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
+           "failed": pipe.failed_checks_text(rec) if not rec["passed"] else None,
+           "receipt": str(paths.run_dir(run_id) / "receipts" / f"gate-{n:02d}-manual.json")}
+    if not rec["passed"]:
+        out["stdout_tail"], out["stderr_tail"] = rec.get("stdout_tail") or "", rec.get("stderr_tail") or ""
+    return out
+
+
+def review_run(host: Host, study: Study, run_id: str) -> dict[str, Any]:
+    """`review`: launch a fresh reviewer session for a hand-driven run (it writes review.json)."""
+    paths = study.paths
+    pipe = pipeline_for(host, study, run_id)
+    require_hand_driven(pipe, run_id)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws:
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet", run=run_id)
+    refuse_while_sessions_work(paths, pipe.rec, run_id)
+    n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
+    jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
+    return {"run_id": run_id, "job_id": jid, "review": n,
+            "review_path": str(paths.run_dir(run_id) / "review" / f"{n:02d}" / "review.json")}
+
+
+def evaluate_runs(host: Host, study: Study, run_ids: Sequence[str],
+                  every_running: bool = False) -> dict[str, Any]:
+    """`evaluate`: account, collect reviews, grade and classify hand-driven runs whose sessions
+    ended (`every_running` adds every running run); others are listed as skipped, with why."""
+    paths = study.paths
+    ids = list(run_ids)
+    if not ids and not every_running:
+        raise AgentbenchError("evaluate needs --run R or --all", code="evaluate_needs_run_r_all")
+    if every_running:
+        # Nothing running by hand is no error: the answer is then empty.
+        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
+    out, skipped = [], []
+    for rid in dict.fromkeys(ids):
+        pipe = pipeline_for(host, study, rid)
+        rec = pipe.rec
+        if rec.get("status") != "running" or rec.get("driver"):
+            why = "already final" if rec.get("status") in RUN_FINAL else "not started by hand"
+            skipped.append({"run_id": rid, "status": rec.get("status"), "why": why})
+            continue
+        if run_sessions_working(paths, rec):
+            skipped.append({"run_id": rid, "why": "a session is still working"})
+            continue
+        last = None
+        for j in rec.get("jobs") or []:
+            last = pipe.account_job(j["job_id"])
+        for i, j in enumerate([j for j in rec.get("jobs") or [] if j["role"] == "reviewer"], start=1):
+            if i > len(rec.get("reviews") or []):
+                result = read_json(paths.result_file(j["job_id"]), default={}) or {}
+                pipe.collect_review(i, result.get("status"))
+        stop = pipe.stop_reason(last) if last else None
+        task = pipe.tasks[rec["task"]]
+        pipe.finish(task, rec["workspace"]["path"], stop)
+        out.append(run_summary(paths, rid))
+    return {"evaluated": out, "skipped": skipped}
+
+
+def select_runs(paths: StudyPaths, run_ids: Sequence[str] = (), tasks: Sequence[str] = (),
+                arms: Sequence[str] = (), split: str | None = None) -> list[str]:
+    """The runs `run` drives: the given ids (default: every run), filtered by task, arm and split.
+    A filter that names nothing of the study is a typo, refused, not an empty selection."""
+    ids = list(run_ids) or all_run_ids(paths)
+    for r in run_ids:
+        load_run(paths, r)
+    records = {rid: load_run(paths, rid) for rid in ids}
+    if tasks or arms:
+        every = records if not run_ids else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
+        for flag, key, wanted in (("--task", "task", tasks), ("--arm", "arm", arms)):
+            known = sorted({str(r.get(key)) for r in every.values()})
+            unknown = [w for w in wanted or [] if w not in known]
+            if unknown:
+                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection",
+                                      **{key: unknown}, known=known,
+                                      hint="see `list --all` or the manifest from `assign`")
+    out = []
+    for rid in ids:
+        rec = records[rid]
+        if tasks and rec["task"] not in tasks:
+            continue
+        if arms and rec["arm"] not in arms:
+            continue
+        if split and rec.get("split") != split:
+            continue
+        out.append(rid)
+    return out
+
+
+def refuse_unproven(study: Study, force: bool) -> None:
+    """A real-API run starts only after calibration and rehearsal passed for this exact config."""
+    if force:
+        return
+    paths = study.paths
+    h = study.hash
+    cal = calibration_state(paths)
+    reh = read_json(paths.state / "rehearsal.json", default=None) or {}
+    problems = []
+    if cal.get("config_hash") != h or uncalibrated(paths, study.tasks):
+        problems.append("calibration is missing or older than the current configuration")
+    if not reh.get("ok") or reh.get("config_hash") != h:
+        problems.append("no passing rehearsal of the current configuration")
+    if problems:
+        raise AgentbenchError("refusing to spend money on an unproven configuration",
+                              code="unproven_configuration", problems=problems,
+                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
+
+
+def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
+    """refuse_unproven for a caller that holds the study's paths and config, not a Study."""
+    refuse_unproven(load_study(paths, cfg), force)
+
+
+def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:
+    """Every refusal before `run` drives `run_ids` (an unproven configuration unless `force`, bad
+    launch values, a missing executor, bases that are not ready); the pipelines to run at once:
+    `parallel` (default and at most the study's parallel cap)."""
+    paths, cfg = study.paths, study.cfg
+    if not run_ids:
+        raise AgentbenchError("no runs selected", code="no_runs_selected",
+                              hint="run `assign` first, or check --run/--task/--arm")
+    refuse_unproven(study, force)
+    validate_launch_values(cfg)
+    require_executor_ready(cfg.get("executor"))
+    arms = study.arms
+    missing: dict[str, str] = {}
+    for rid in run_ids:
+        rec = load_run(paths, rid)
+        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+        if base and base not in missing:
+            try:
+                require_base_ready(paths, base)
+            except AgentbenchError as exc:
+                missing[base] = str(exc.payload.get("state") or "missing")
+    missing = {b: s for b, s in missing.items() if s}
+    if missing:
+        raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
+                              bases=missing,
+                              hint="train them first: agentbench.py train --task T (one per task), then wait")
+    cap = int(study.launch["parallel"])
+    if parallel is not None and parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=parallel)
+    chosen = parallel or cap
+    if chosen > cap:
+        log(f"--parallel {chosen} is above the study's parallel cap {cap}: using {cap}")
+        chosen = cap
+    return chosen
+
+
+def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Drive `run_ids` in this process (see drive_runs) under a driver heartbeat; the outcomes
+    tallied.  Runs that could not be claimed are refused together, with each one's error."""
+    paths = study.paths
+    driver = driver_record(host.platform, paths)
+    opts = PipelineOptions(env_extra=dict(study.cfg.get("env") or {}), driver=driver, progress=progress)
+    with DriverBeat(driver):
+        out = drive_runs(host, paths, run_ids, opts, parallel, study=study)
+    outcomes: dict[str, int] = {}
+    for r in out["results"].values():
+        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    unclaimed = out.pop("unclaimed", {})
+    if unclaimed:
+        raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out,
+                              outcomes=outcomes,
+                              hint="see each run's error (a busy lock, a read-only or full disk); "
+                                   "run them again once the cause is fixed")
+    return {**out, "outcomes": outcomes,
+            "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
 # ==================================================================================================
@@ -11892,72 +12288,12 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-def study_parts(paths: StudyPaths) -> tuple[dict[str, Any], dict[str, Task], dict[str, Arm], dict[str, string.Template]]:
-    cfg = load_study_config(paths)
-    return cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg)
-
-
-def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
-    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
-    must not grow with the number of tasks)."""
-    rec = load_run(paths, run_id)
-    cfg = load_study_config(paths)
-    task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
-    if not (task_root / "task.json").exists():
-        raise AgentbenchError("the run's task bundle is missing", code="runs_task_bundle_missing",
-                              run=run_id, task=rec["task"], path=str(task_root))
-    tasks = {rec["task"]: load_task(task_root)}
-    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
-                       opts or PipelineOptions())
-    pipe.rec = rec
-    return pipe
-
-
-def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
-    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached)."""
-    rec = load_run(paths, args.run)
-    cfg, tasks, _, _ = study_parts(paths)
-    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
-        raise AgentbenchError("the run's task is not calibrated", code="runs_task_not_calibrated",
-                              task=rec["task"], hint="run `calibrate`, or pass --force")
-    # Refusals first, so that a refused spawn leaves the run untouched.
-    arms = load_arms(paths, cfg)
-    base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
-    if base:
-        require_base_ready(paths, base)
-    launch = launch_config(cfg)
-    study_binary(ctx, cfg)
-    refuse_if_paused(paths, launch)
-    reap_jobs(paths, ctx.platform)
-    if len(active_job_ids(paths)) >= int(launch["parallel"]):
-        raise AgentbenchError("parallel cap reached", code="parallel_cap",
-                              active=len(active_job_ids(paths)), cap=launch["parallel"],
-                              refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
-    pipe = pipeline_for(ctx, paths, args.run)
-    if not pipe.claim():
-        raise AgentbenchError("the run is not waiting to start", code="run_not_waiting_start",
-                              run=args.run, status=rec.get("status"),
-                              hint="a run starts once; see `list --all`")
-    try:
-        if args.base:
-            pipe.rec["base"] = check_name("base", args.base)
-        task, arm, ws, prompt = pipe.prepare()
-        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
-        base = pipe.rec.get("base")
-        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra="" if base else arm.preamble_text,
-                               fault=fault, base=base)
-    except AgentbenchError as exc:
-        pipe._end_error(exc.payload.get("error", "error"), exc.payload)
-        raise
-    return {"run_id": args.run, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
-
-
 @command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if args.run:
-        return spawn_run(ctx, paths, args)
+        return spawn_run(ctx, load_study(paths), args.run, base=args.base, force=args.force)
     if not args.brief:
         raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
     if args.label:
@@ -11993,35 +12329,9 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     prompt = read_brief(ctx, args.brief)
-    cfg = load_study_config(paths)
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    job_id = args.job
-    if args.run:
-        job_id = latest_run_job(paths, args.run)
-        if not job_id:
-            raise AgentbenchError("the run has no session to continue yet",
-                                  code="run_no_session_continue_yet", run=args.run,
-                                  hint=f"start it first: spawn --run {args.run}")
-    if not job_id:
-        raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
-    run_id = args.run or (load_job(paths, job_id).get("meta") or {}).get("run_id")
-    if run_id:
-        # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
-        pipe = pipeline_for(ctx, paths, run_id)
-        if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-            raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
-                                  run=run_id, status=pipe.rec.get("status"),
-                                  hint="a run driven by `run` continues its own sessions")
-        if existing_continuation(paths, job_id):
-            return _duplicate_continue(paths, job_id, existing_continuation(paths, job_id))  # type: ignore[arg-type]
-        jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
-                               kind="continue")
-        if jid is None:
-            raise AgentbenchError("the run's budget does not allow another session",
-                                  code="runs_budget_does_not_allow", run=run_id,
-                                  spent_usd=pipe.rec.get("cost_usd"))
-        return {"job_id": jid, "run_id": run_id, "continues": job_id, "status": job_status(paths, jid).get("status")}
-    return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
+    study = load_study(paths)
+    limits = job_limits_from(args, study.launch, fault=args.fault)
+    return continue_session(ctx, study, prompt, limits, job_id=args.job, run_id=args.run)
 
 
 # -- wait / list / kill ----------------------------------------------------------------------------
@@ -12202,15 +12512,16 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @args_of(_calibrate_args)
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    cfg, tasks, arms, _ = study_parts(paths)
-    chosen = load_tasks(paths, cfg, only=args.task or None)
+    study = load_study(paths).load_all()
+    tasks = study.tasks
+    chosen = pick_tasks(tasks, args.task)
     for t in chosen.values():
         refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
     results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
     with RegistryLock(paths.lock, ctx.platform):
         state = calibration_state(paths)
         state.setdefault("tasks", {}).update(results)
-        state["config_hash"] = config_hash(paths, cfg)
+        state["config_hash"] = study.hash
         state["at"] = utc_now()
         write_json_atomic(paths.state / "calibration.json", state)
     append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
@@ -12269,7 +12580,8 @@ def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, A
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    cfg, tasks, arms, _ = study_parts(paths)
+    study = load_study(paths).load_all()
+    cfg, tasks, arms = study.cfg, study.tasks, study.arms
     check_name("split", args.split)
     repeats = args.repeats if args.repeats is not None else int(cfg.get("repeats") or 1)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
@@ -12333,15 +12645,6 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "faults": {k: v for k, v in faults.items()}}
 
 
-def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
-    """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
-    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
-                              run=run_id, status=pipe.rec.get("status"),
-                              hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
-                                   "and a finished run is final")
-
-
 def _run_target_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--run", required=True)
@@ -12350,43 +12653,13 @@ def _run_target_args(p: argparse.ArgumentParser) -> None:
 @command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
 @args_of(_run_target_args)
 def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    pipe = pipeline_for(ctx, paths, args.run)
-    require_hand_driven(pipe, args.run)
-    ws = (pipe.rec.get("workspace") or {}).get("path")
-    if not ws or not os.path.isdir(ws):
-        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet",
-                              run=args.run, hint="spawn --run it first")
-    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
-                              run=args.run, hint="wait for it first")
-    rec = pipe._gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
-    n = pipe.rec["gates"][-1]["n"]
-    out = {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
-           "failed": pipe._failed_checks_text(rec) if not rec["passed"] else None,
-           "receipt": str(paths.run_dir(args.run) / "receipts" / f"gate-{n:02d}-manual.json")}
-    if not rec["passed"]:
-        # What the checks printed: the feedback an orchestrator passes on with `continue`.
-        out["stdout_tail"], out["stderr_tail"] = rec.get("stdout_tail") or "", rec.get("stderr_tail") or ""
-    return out
+    return gate_run(ctx, load_study(ctx.study(args)), args.run)
 
 
 @command("review", "a fresh reviewer session writes review.json (accept/revise) for a run", mutating=True)
 @args_of(_run_target_args)
 def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    pipe = pipeline_for(ctx, paths, args.run)
-    require_hand_driven(pipe, args.run)
-    ws = (pipe.rec.get("workspace") or {}).get("path")
-    if not ws:
-        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet", run=args.run)
-    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
-                              run=args.run, hint="wait for it first")
-    n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
-    jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
-    return {"run_id": args.run, "job_id": jid, "review": n,
-            "review_path": str(paths.run_dir(args.run) / "review" / f"{n:02d}" / "review.json")}
+    return review_run(ctx, load_study(ctx.study(args)), args.run)
 
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
@@ -12398,35 +12671,7 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 @command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records success", mutating=True)
 @args_of(_evaluate_args)
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    ids = list(args.run)
-    if not ids and not args.all:
-        raise AgentbenchError("evaluate needs --run R or --all", code="evaluate_needs_run_r_all")
-    if args.all:
-        # Nothing running by hand is no error: the answer is then empty.
-        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
-    out, skipped = [], []
-    for rid in dict.fromkeys(ids):
-        pipe = pipeline_for(ctx, paths, rid)
-        rec = pipe.rec
-        if rec.get("status") != "running" or rec.get("driver"):
-            skipped.append({"run_id": rid, "status": rec.get("status"),
-                            "why": "already final" if rec.get("status") in RUN_FINAL else "not started by hand"})
-            continue
-        if any((paths.active / j["job_id"]).exists() for j in rec.get("jobs") or []):
-            skipped.append({"run_id": rid, "why": "a session is still working"})
-            continue
-        last = None
-        for j in rec.get("jobs") or []:
-            last = pipe._account_job(j["job_id"])
-        for i, j in enumerate([j for j in rec.get("jobs") or [] if j["role"] == "reviewer"], start=1):
-            if i > len(rec.get("reviews") or []):
-                pipe.collect_review(i, (read_json(paths.result_file(j["job_id"]), default={}) or {}).get("status"))
-        stop = pipe._stop_reason(last) if last else None
-        task = pipe.tasks[rec["task"]]
-        pipe._finish(task, rec["workspace"]["path"], stop)
-        out.append(run_summary(paths, rid))
-    return {"evaluated": out, "skipped": skipped}
+    return evaluate_runs(ctx, load_study(ctx.study(args)), args.run, every_running=args.all)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -12438,52 +12683,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
-
-
-def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
-    ids = list(args.run) or all_run_ids(paths)
-    for r in args.run:
-        load_run(paths, r)
-    records = {rid: load_run(paths, rid) for rid in ids}
-    if args.task or args.arm:
-        # A filter that names nothing of the study is a typo, not an empty selection.
-        every = records if not args.run else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
-        for flag, key, wanted in (("--task", "task", args.task), ("--arm", "arm", args.arm)):
-            known = sorted({str(r.get(key)) for r in every.values()})
-            unknown = [w for w in wanted or [] if w not in known]
-            if unknown:
-                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection",
-                                      **{key: unknown}, known=known,
-                                      hint="see `list --all` or the manifest from `assign`")
-    out = []
-    for rid in ids:
-        rec = records[rid]
-        if args.task and rec["task"] not in args.task:
-            continue
-        if args.arm and rec["arm"] not in args.arm:
-            continue
-        if args.split and rec.get("split") != args.split:
-            continue
-        out.append(rid)
-    return out
-
-
-def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
-    """A real-API run starts only after calibration and rehearsal passed for this exact config."""
-    if force:
-        return
-    h = config_hash(paths, cfg)
-    cal = calibration_state(paths)
-    reh = read_json(paths.state / "rehearsal.json", default=None) or {}
-    problems = []
-    if cal.get("config_hash") != h or uncalibrated(paths, load_tasks(paths, cfg)):
-        problems.append("calibration is missing or older than the current configuration")
-    if not reh.get("ok") or reh.get("config_hash") != h:
-        problems.append("no passing rehearsal of the current configuration")
-    if problems:
-        raise AgentbenchError("refusing to spend money on an unproven configuration",
-                              code="unproven_configuration", problems=problems,
-                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
 
 
 class Progress:
@@ -12520,61 +12719,21 @@ class Progress:
                 self.stream.write("\n")
 
 
-def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
+def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
     prog = Progress(len(ids))
-    cfg = load_study_config(paths)
-    driver = driver_record(ctx.platform, paths)
-    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver, progress=prog)
     try:
-        with DriverBeat(driver):
-            out = drive_runs(ctx, paths, ids, opts, parallel)
+        return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:
         prog.close()
-    outcomes: dict[str, int] = {}
-    for r in out["results"].values():
-        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
-    unclaimed = out.pop("unclaimed", {})
-    if unclaimed:
-        raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out, outcomes=outcomes,
-                              hint="see each run's error (a busy lock, a read-only or full disk); "
-                                   "run them again once the cause is fixed")
-    return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
 @command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    cfg, tasks, _, _ = study_parts(paths)
-    ids = select_runs(paths, args)
-    if not ids:
-        raise AgentbenchError("no runs selected", code="no_runs_selected",
-                              hint="run `assign` first, or check --run/--task/--arm")
-    real_run_guard(paths, cfg, args.force)
-    validate_launch_values(cfg)
-    require_executor_ready(cfg.get("executor"))
-    arms = load_arms(paths, cfg)
-    missing: dict[str, str] = {}
-    for rid in ids:
-        rec = load_run(paths, rid)
-        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
-        if base and base not in missing:
-            try:
-                require_base_ready(paths, base)
-            except AgentbenchError as exc:
-                missing[base] = str(exc.payload.get("state") or "missing")
-    missing = {b: s for b, s in missing.items() if s}
-    if missing:
-        raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
-                              bases=missing,
-                              hint="train them first: agentbench.py train --task T (one per task), then wait")
-    cap = int(launch_config(cfg)["parallel"])
-    if args.parallel is not None and args.parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=args.parallel)
-    parallel = args.parallel or cap
-    if parallel > cap:
-        log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
-        parallel = cap
+    study = load_study(paths).load_all()
+    ids = select_runs(paths, args.run, args.task, args.arm, args.split)
+    parallel = runs_can_start(study, ids, args.parallel, args.force)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -12587,7 +12746,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`"}
-    return drive_foreground(ctx, paths, ids, parallel)
+    return drive_foreground(ctx, study, ids, parallel)
 
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
@@ -12612,7 +12771,8 @@ def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.credentials_stdin:
         _HANDED_CREDENTIALS.update(read_stdin_credentials())
     paths = ctx.study(args)
-    return drive_foreground(ctx, paths, select_runs(paths, args), args.parallel or 1)
+    ids = select_runs(paths, args.run, args.task, args.arm, args.split)
+    return drive_foreground(ctx, load_study(paths), ids, args.parallel or 1)
 
 
 # -- usage and report ------------------------------------------------------------------------------
@@ -12749,7 +12909,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     ensure_claude(ctx, paths, install=False)
     scratch = Path(ctx.platform.normalize_path(args.dir)) if args.dir else \
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    cfg, tasks, arms, _ = study_parts(paths)
+    study = load_study(paths).load_all()
+    cfg, tasks, arms = study.cfg, study.tasks, study.arms
     prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
@@ -12785,9 +12946,11 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = StudyPaths(study)
     paths.state.mkdir(parents=True, exist_ok=True)
     write_json_atomic(paths.registry, read_registry(paths))
-    cfg, tasks, _, _ = study_parts(paths)
+    demo = load_study(paths).load_all()
+    cfg, tasks = demo.cfg, demo.tasks
     cal = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in tasks.values()}
-    write_json_atomic(paths.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(paths, cfg), "at": utc_now()})
+    write_json_atomic(paths.state / "calibration.json",
+                      {"tasks": cal, "config_hash": demo.hash, "at": utc_now()})
     log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x {args.repeats} repeats")
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
