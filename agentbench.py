@@ -13,30 +13,31 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       83-151   Start-up: lazy imports and the cached-bytecode launcher
-      152-248   Constants
-      249-350   Errors and output
-      351-459   Hostile numbers
-      460-504   Fault points
-      505-1751  Platform seam
-     1752-2250  Files, locks and the registry
-     2251-2441  Records: the declared shapes of the job's and run's files
-     2442-2777  Processes
-     2778-2890  Env scrub
-     2891-3257  The sandbox
-     3258-3704  Stream and usage
-     3705-4075  Study configuration
-     4076-4867  The metering gateway
-     4868-6216  The supervisor
-     6217-6463  The supervisor: jobs (start, fork, continue)
-     6464-8051  The experiment layer
-     8052-8356  Runs by hand and the run driver's checks: the pipeline's public API
-     8357-10261 Statistics and report
-    10262-10774 Run pages: the report as a directory
-    10775-11570 Offline scripted model
-    11571-11851 The scripted model: rehearsal of a study
-    11852-11912 Reading at scale: the streamed ledger, paged listings, the paused collector
-    11913-13187 The CLI and main
+       84-152   Start-up: lazy imports and the cached-bytecode launcher
+      153-249   Constants
+      250-351   Errors and output
+      352-460   Hostile numbers
+      461-505   Fault points
+      506-1752  Platform seam
+     1753-2251  Files, locks and the registry
+     2252-2442  Records: the declared shapes of the job's and run's files
+     2443-2778  Processes
+     2779-2891  Env scrub
+     2892-3258  The sandbox
+     3259-3705  Stream and usage
+     3706-4076  Study configuration
+     4077-4868  The metering gateway
+     4869-6217  The supervisor
+     6218-6465  The supervisor: jobs (start, fork, continue)
+     6466-8061  The experiment layer
+     8062-8507  Runs by hand and the run driver's checks: the pipeline's public API
+     8508-10412 Statistics and report
+    10413-10925 Run pages: the report as a directory
+    10926-11721 Offline scripted model
+    11722-12002 The scripted model: rehearsal of a study
+    12003-12063 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12064-12201 Calibration and assignment: a study's tasks checked and its runs planned
+    12202-13264 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -5262,13 +5263,13 @@ def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: M
 
 #: Credentials this process was handed on its stdin (a detached run driver): passed on to the
 #: supervisors it starts in the same way, never put in its environment.
-_HANDED_CREDENTIALS: dict[str, str] = {}
+HANDED_CREDENTIALS: dict[str, str] = {}
 
 
 def launch_credentials() -> dict[str, str]:
     """The credentials a supervisor started from this process gets: the caller's own credential
-    variables, and those this process was handed (see _HANDED_CREDENTIALS)."""
-    return {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **_HANDED_CREDENTIALS}
+    variables, and those this process was handed (see HANDED_CREDENTIALS)."""
+    return {**{k: v for k, v in os.environ.items() if is_credential_var(k)}, **HANDED_CREDENTIALS}
 
 
 def read_stdin_credentials() -> dict[str, str]:
@@ -6342,7 +6343,7 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
 
 
 
-def _base_file(paths: StudyPaths, name: str) -> Path:
+def base_file(paths: StudyPaths, name: str) -> Path:
     return paths.bases / f"{check_name('base', name)}.json"
 
 
@@ -6356,7 +6357,7 @@ def base_lock(paths: StudyPaths, platform: "Platform", name: str) -> RegistryLoc
 
 
 def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
-    rec = read_json(_base_file(paths, name), default=None)
+    rec = read_json(base_file(paths, name), default=None)
     if rec is None:
         raise AgentbenchError("no such base", code="no_such_base", base=name, refusal="base",
                               hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
@@ -6365,9 +6366,10 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
 
 def register_base(paths: StudyPaths, name: str, job: Mapping[str, Any], workspace: Path) -> None:
     """Record a base: the training job and session that runs fork from, and its cwd."""
-    write_json_atomic(_base_file(paths, name), {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
-                                                "cwd": str(workspace), "created_at": utc_now(), "expired": False,
-                                                "last_ping": time.time()})
+    write_json_atomic(base_file(paths, name),
+                      {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
+                       "cwd": str(workspace), "created_at": utc_now(), "expired": False,
+                       "last_ping": time.time()})
 
 
 def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
@@ -6626,7 +6628,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="task_cmd_misspelt_placeholder", task=task_id, placeholders=typos,
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
-    if not _is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
+    if finite_number(t) is None or not 0 < t <= MAX_CHECK_TIMEOUT_S:
         raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
                               code="bad_check_timeout", task=task_id, timeout_s=t)
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
@@ -6634,7 +6636,7 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
-        if not _is_number(th) or not 0 < th <= 1:
+        if finite_number(th) is None or not 0 < th <= 1:
             raise AgentbenchError("task oracle.threshold must be in (0, 1]", code="task_oracle_threshold_0_1",
                                   task=task_id, threshold=th)
     return dict(spec)
@@ -7275,15 +7277,20 @@ def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed
 
 # -- workspace, audit, artifacts -------------------------------------------------------------------
 
-def git(platform: "Platform", cwd: str, *args: str) -> CommandResult:
-    env = {**check_env(os.environ)[0], "GIT_AUTHOR_NAME": "agentbench", "GIT_AUTHOR_EMAIL": "agentbench@localhost",
-           "GIT_COMMITTER_NAME": "agentbench", "GIT_COMMITTER_EMAIL": "agentbench@localhost"}
+def git(platform: "Platform", cwd: str, *args: str, host_env: Mapping[str, str]) -> CommandResult:
+    """git in `cwd` with the check commands' environment built from `host_env`, as agentbench."""
+    env = {**check_env(host_env)[0], "GIT_AUTHOR_NAME": "agentbench",
+           "GIT_AUTHOR_EMAIL": "agentbench@localhost", "GIT_COMMITTER_NAME": "agentbench",
+           "GIT_COMMITTER_EMAIL": "agentbench@localhost"}
     return run_command(["git", *args], cwd=cwd, env=env, timeout_s=60, platform=platform)
 
 
 def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_dir: Path,
-                      missing_fixture: str | None = None) -> dict[str, Any]:
-    """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle."""
+                      missing_fixture: str | None = None,
+                      host_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle.
+    git runs with `host_env` (the Host's environment; a caller without a Host: this process's)."""
+    host_env = os.environ if host_env is None else host_env
     ws = run_dir / "workspace"
     refuse_bundle_symlinks(task.id, task.root)
     if ws.exists():
@@ -7297,9 +7304,9 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                               differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
     info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
     if shutil.which("git"):
-        ok = git(platform, str(ws), "init", "-q").returncode == 0
-        ok = ok and git(platform, str(ws), "add", "-A").returncode == 0
-        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter").returncode == 0
+        ok = git(platform, str(ws), "init", "-q", host_env=host_env).returncode == 0
+        ok = ok and git(platform, str(ws), "add", "-A", host_env=host_env).returncode == 0
+        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter", host_env=host_env).returncode == 0
         info["git"] = ok
     if missing_fixture:
         target = ws / missing_fixture
@@ -7464,10 +7471,11 @@ class PipelineOptions:
 _GIT_COMMIT: list[str | None] = []
 
 
-def agentbench_git_commit(platform: "Platform") -> str | None:
-    """The git commit of this agentbench checkout (provenance), or None outside a checkout."""
+def agentbench_git_commit(platform: "Platform", host_env: Mapping[str, str]) -> str | None:
+    """The git commit of this agentbench checkout (provenance), or None outside a checkout; git
+    runs with the check commands' environment built from `host_env`."""
     if not _GIT_COMMIT:
-        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(os.environ)[0],
+        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(host_env)[0],
                           timeout_s=20, platform=platform) if shutil.which("git") else None
         _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
     return _GIT_COMMIT[0]
@@ -7796,7 +7804,8 @@ class RunPipeline:
         (run_dir / "ctl").mkdir(parents=True, exist_ok=True)
         fault = rec.get("fault") or {}
         self._event("run_started", task=task.id, arm=arm.name)
-        ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir, fault.get("missing_fixture"))
+        ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir,
+                                    fault.get("missing_fixture"), host_env=self.ctx.env)
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
         statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
@@ -7813,7 +7822,8 @@ class RunPipeline:
         write_text_atomic(run_dir / "ctl" / "prompt.md", prompt)
         write_text_atomic(run_dir / "ctl" / "system_prompt.md", system_full)
         rec["provenance"] = {
-            "agentbench_version": VERSION, "agentbench_git": agentbench_git_commit(self.ctx.platform),
+            "agentbench_version": VERSION,
+            "agentbench_git": agentbench_git_commit(self.ctx.platform, self.ctx.env),
             "task_bundle_sha256": task.bundle_sha256,
             "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
             "model_requested": self.launch["model"], "assignment_seed": rec.get("seed", self.cfg.get("seed")),
@@ -8352,6 +8362,147 @@ def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
                                    "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes,
             "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
+
+
+# -- sessions by hand: spawn, train ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """A session's limits as the caller gives them (None: the study's own value)."""
+    max_budget_usd: float | None = None
+    wall_s: float | None = None
+    max_turns: int | None = None
+    orphan_after_s: float | None = None
+    fault: str | None = None
+
+
+def launch_limits(launch: Mapping[str, Any], flags: LaunchFlags) -> dict[str, Any]:
+    """The checked limits of one session started by hand (see session_limits)."""
+    limits = session_limits(launch, wall_s=flags.wall_s or None, orphan_after_s=flags.orphan_after_s,
+                            max_budget_usd=flags.max_budget_usd, max_turns=flags.max_turns or None,
+                            extra=parse_fault(flags.fault) if flags.fault else None)
+    check_job_limits(limits)
+    return limits
+
+
+def read_brief(host: Host, cwd: str, path: str) -> str:
+    """The prompt text of a brief file (relative to `cwd`; refused if missing, not text or empty)."""
+    p = Path(host.platform.normalize_path(os.path.join(cwd, path) if not os.path.isabs(path) else path))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
+        raise AgentbenchError("brief file not found", code="brief_file_not_found", path=str(p)) from None
+    except UnicodeDecodeError:
+        raise AgentbenchError("brief file is not UTF-8 text", code="brief_file_not_utf_8",
+                              path=str(p)) from None
+    if not text.strip():
+        raise AgentbenchError("brief file is empty", code="brief_file_empty", path=str(p))
+    return text
+
+
+@contextlib.contextmanager
+def removed_on_refusal(path: Path) -> Iterator[None]:
+    """Remove the directory `path` again if the block is refused and this call created it.
+
+    A refused command writes nothing, but a session's cwd must exist before its job is registered,
+    and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
+    Only `path` itself goes, never a parent that a concurrent call may be creating at the same
+    moment.  No job refers to it: a refusal registers nothing.
+    """
+    existed = path.exists()
+    parent_existed = path.parent.exists()
+    try:
+        yield
+    except (AgentbenchError, OSError):
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        if not parent_existed:
+            # The parent (state/workspaces) only if this call made it and it is empty again: a
+            # concurrent call that needs it recreates it (mkdir parents=True).
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+        raise
+
+
+def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, label: str | None = None,
+                  base: str | None = None, workspace: str | None = None,
+                  flags: LaunchFlags = LaunchFlags()) -> dict[str, Any]:
+    """`spawn` without a run: one detached session, fresh or a fork of `base`, prompted by the
+    brief file (relative to `cwd`), in `workspace` (default: a new directory, or a copy of the
+    base's)."""
+    paths = study.paths
+    if not brief:
+        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
+    if label:
+        check_name("label", label)
+    prompt = read_brief(host, cwd, brief)
+    cfg = study.cfg
+    limits = launch_limits(study.launch, flags)
+    study_binary(host, cfg)   # a missing binary is refused before anything is created
+    name = label or uuid.uuid4().hex[:12]
+    ws = Path(host.platform.normalize_path(workspace)) if workspace else \
+        paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
+    resume, prior = None, {}
+    with removed_on_refusal(ws):
+        if base:
+            f = fork_base(host, paths, base, ws, copy_workspace=not workspace)
+            resume, prior = f["resume"], f["prior"]
+        ws.mkdir(parents=True, exist_ok=True)
+        out = start_job(host, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None,
+                        resume=resume, fork=bool(resume), prior=prior, limits=limits,
+                        meta={"base": base, "label": label}, cfg=cfg)
+    return {**out, "base": base, "label": label}
+
+
+def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, task_id: str | None = None,
+               brief: str | None = None, workspace: str | None = None, replace: bool = False,
+               flags: LaunchFlags = LaunchFlags()) -> dict[str, Any]:
+    """`train`: a base session that runs fork from, prompted by the brief file or, with a task,
+    the train_base template; on a copy of the task's public files unless `workspace` is given."""
+    paths = study.paths
+    cfg = study.cfg
+    task = pick_tasks(study.tasks, [task_id])[task_id] if task_id else None
+    base = base or (task.id if task else None)
+    if not base:
+        raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
+    check_name("base", base)
+    if brief:
+        prompt = read_brief(host, cwd, brief)
+    elif task is not None:
+        prompt = render(study.templates["train_base"], task_title=task.title, task_text=task_text(task),
+                        notes_path="NOTES.md")
+    else:
+        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)",
+                              code="train_needs_brief_file_task")
+    limits = launch_limits(study.launch, flags)
+    study_binary(host, cfg)   # a missing binary is refused before anything is created
+    ws = Path(host.platform.normalize_path(workspace)) if workspace else paths.bases / base / "workspace"
+    # Refusals that do not depend on the base come first: a refused retraining must not have
+    # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
+    refuse_launch(paths, cfg)
+    # One trainer per base at a time: two concurrent calls would otherwise both start a session in
+    # the same workspace and the base would name only the last.  The check, the launch and the
+    # record happen under the base's own lock (taken before, never inside, the registry lock).
+    with base_lock(paths, host.platform, base):
+        old = read_json(base_file(paths, base), default=None)
+        if old is not None and base_state(paths, old) == "training":
+            raise AgentbenchError("base is still training", code="base_still_training",
+                                  base=base, job=old["job_id"],
+                                  hint="wait for its job (or kill it) before retraining")
+        if old is not None and not replace and not base_state(paths, old).startswith("failed"):
+            raise AgentbenchError("base already exists", code="base_already_exists",
+                                  base=base, state=base_state(paths, old),
+                                  hint="pass --replace to retrain it")
+        with removed_on_refusal(ws):
+            ws.mkdir(parents=True, exist_ok=True)
+            if task is not None and not workspace:
+                if old is not None and ws.exists():
+                    shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
+                copy_tree(task.public, ws)
+            out = start_job(host, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None,
+                            resume=None, fork=False, prior={}, limits=limits, meta={"base": base}, cfg=cfg)
+        register_base(paths, base, out, ws)
+    return {**out, "base": base}
 
 
 # ==================================================================================================
@@ -11911,6 +12062,144 @@ def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, off
 
 
 # ==================================================================================================
+# Calibration and assignment: a study's tasks checked and its runs planned
+# ==================================================================================================
+# Owns `calibrate` (each task checked without a model, recorded with the study's config hash) and
+# `assign` (the randomized manifest, its runs registered, faults named for runs, a power estimate
+# priced from pilot runs or the rehearsal).  Takes a Host, a Study and plain values; it must not
+# parse flags, print, read os.environ, or start sessions (that is the pipeline's API above).
+
+def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[str, Any]:
+    """`calibrate`: each chosen task (default: all) checked without a model, recorded with the
+    study's config hash; which tasks of the study are still uncalibrated."""
+    paths = study.paths
+    tasks = study.load_all().tasks
+    chosen = pick_tasks(tasks, only)
+    for t in chosen.values():
+        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
+    results = {t.id: calibrate_task(paths, host.platform, t, host.env) for t in chosen.values()}
+    with RegistryLock(paths.lock, host.platform):
+        state = calibration_state(paths)
+        state.setdefault("tasks", {}).update(results)
+        state["config_hash"] = study.hash
+        state["at"] = utc_now()
+        write_json_atomic(paths.state / "calibration.json", state)
+    append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
+    return {"ok": all(r["ok"] for r in results.values()), "tasks": results,
+            "uncalibrated": uncalibrated(paths, tasks)}
+
+
+def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
+    with gc_paused():
+        return [load_run(paths, r) for r in all_run_ids(paths)]
+
+
+def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
+                split: str) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
+    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
+    estimate (see plan_study_cost)."""
+    paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
+    pilot: dict[str, list[float]] = {}
+    for r in run_records_for_report(paths):
+        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    reh = reh if isinstance(reh, dict) else {}
+    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
+    reh_arms = reh.get("arms") if isinstance(reh.get("arms"), dict) else None
+
+    def cost(r: int) -> dict[str, Any]:
+        return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
+
+    out = {"repeats": repeats,
+           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
+                                                                      power["alpha"], power["power"]),
+           "cost_at_repeats": cost(repeats),
+           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
+           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
+    if power.get("repeats"):
+        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    return out
+
+
+def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int | None = None,
+                seed: int | None = None, reassign: bool = False, faults: Sequence[str] = (),
+                power_delta: float | None = None, power_base: float = 0.5,
+                force: bool = False) -> dict[str, Any]:
+    """`assign`: the randomized, paired, blocked manifest of tasks x arms x repeats (defaults: the
+    study's `repeats` and `seed`), its runs registered; `faults` are RUN_ID=FAULT specs for runs
+    not started; `power_delta` adds a power estimate and its cost plan."""
+    paths = study.paths
+    study.load_all()
+    cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    check_name("split", split)
+    repeats = repeats if repeats is not None else int(cfg.get("repeats") or 1)
+    seed = seed if seed is not None else int(cfg.get("seed") or 0)
+    power = None
+    if power_delta is not None:
+        if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
+            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
+                                  code="power_estimate_needs_0_power")
+        power = paired_power_repeats(power_base, power_delta, len(tasks))
+        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+    manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
+    data = manifest_bytes(manifest, seed, split)
+    named: dict[str, dict[str, Any]] = {}
+    ids = {m["run_id"] for m in manifest}
+    for spec in faults:
+        rid, _, f = spec.partition("=")
+        if rid not in ids:
+            raise AgentbenchError("--fault names an unknown run", code="fault_names_unknown_run",
+                                  run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
+        named[rid] = parse_fault(f)
+    bad = uncalibrated(paths, tasks)
+    if bad and not force:
+        raise AgentbenchError("tasks are not calibrated", code="tasks_not_calibrated", tasks=bad,
+                              hint="run `calibrate` first (or pass --force to assign anyway)")
+    mpath = paths.state / "manifests" / f"{split}.json"
+    existing = mpath.read_bytes() if mpath.exists() else None
+    with RegistryLock(paths.lock, host.platform):
+        if existing is not None and existing != data:
+            if not reassign:
+                raise AgentbenchError("this split already has a different manifest",
+                                      code="split_already_different_manifest", split=split,
+                                      existing_sha256=sha256_bytes(existing),
+                                      hint="pass --reassign to replace it "
+                                           "(refused once any of its runs started)")
+            old = json.loads(existing)
+            started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
+                       and load_run(paths, r["run_id"]).get("status") != "not_started"]
+            if started:
+                raise AgentbenchError("cannot reassign: runs of this split have started",
+                                      code="cannot_reassign_runs_split_started", runs=started[:20])
+            for r in old["runs"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(run_file(paths, r["run_id"]))
+        write_bytes_atomic(mpath, data)
+    # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
+    # Existing records are kept; faults named now apply to runs that have not started.
+    register_runs(paths, manifest, seed, split, named)
+    applied = {}
+    with RegistryLock(paths.lock, host.platform):   # claim() changes run records under this lock
+        for rid, fault in named.items():
+            rec = load_run(paths, rid)
+            if rec.get("status") == "not_started":
+                applied[rid] = fault
+                if rec.get("fault") != fault:
+                    rec["fault"] = fault
+                    save_run(paths, rec)
+    append_event(paths, "assigned", split=split, runs=len(manifest), sha256=sha256_bytes(data))
+    blocks = sorted({m["block"] for m in manifest})
+    return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
+            "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
+            "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "faults": dict(applied)}
+
+
+# ==================================================================================================
 # The CLI and main
 # ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
@@ -12007,29 +12296,12 @@ def _study_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", help="study directory (default $AGENTBENCH_STUDY, else the cwd)")
 
 
-def read_brief(ctx: Ctx, path: str) -> str:
-    """The prompt text of a --brief FILE (refused if missing or empty)."""
-    p = Path(ctx.platform.normalize_path(os.path.join(ctx.cwd, path) if not os.path.isabs(path) else path))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError):
-        raise AgentbenchError("brief file not found", code="brief_file_not_found", path=str(p)) from None
-    except UnicodeDecodeError:
-        raise AgentbenchError("brief file is not UTF-8 text", code="brief_file_not_utf_8",
-                              path=str(p)) from None
-    if not text.strip():
-        raise AgentbenchError("brief file is empty", code="brief_file_empty", path=str(p))
-    return text
-
-
-def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, fault: str | None = None) -> dict[str, Any]:
-    limits = session_limits(launch, wall_s=getattr(args, "wall_s", None) or None,
-                            orphan_after_s=getattr(args, "orphan_after_s", None),
-                            max_budget_usd=getattr(args, "max_budget_usd", None),
-                            max_turns=getattr(args, "max_turns", None) or None,
-                            extra=parse_fault(fault) if fault else None)
-    check_job_limits(limits)
-    return limits
+def launch_flags(args: argparse.Namespace) -> LaunchFlags:
+    """The session-limit flags of _launch_args as plain values."""
+    return LaunchFlags(max_budget_usd=getattr(args, "max_budget_usd", None),
+                       wall_s=getattr(args, "wall_s", None), max_turns=getattr(args, "max_turns", None),
+                       orphan_after_s=getattr(args, "orphan_after_s", None),
+                       fault=getattr(args, "fault", None))
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
@@ -12193,30 +12465,6 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- train / spawn / continue ----------------------------------------------------------------------
 
-@contextlib.contextmanager
-def removed_on_refusal(path: Path) -> Iterator[None]:
-    """Remove the directory `path` again if the block is refused and this call created it.
-
-    A refused command writes nothing, but a session's cwd must exist before its job is registered,
-    and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
-    Only `path` itself goes, never a parent that a concurrent call may be creating at the same
-    moment.  No job refers to it: a refusal registers nothing.
-    """
-    existed = path.exists()
-    parent_existed = path.parent.exists()
-    try:
-        yield
-    except (AgentbenchError, OSError):
-        if not existed:
-            shutil.rmtree(path, ignore_errors=True)
-        if not parent_existed:
-            # The parent (state/workspaces) only if this call made it and it is empty again: a
-            # concurrent call that needs it recreates it (mkdir parents=True).
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
-        raise
-
-
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="the base's name (default: the task id with --task)")
@@ -12230,51 +12478,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("train", "train a base session that runs fork from (same context, read from the prompt cache)", mutating=True)
 @args_of(_train_args)
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
-    task = load_tasks(paths, cfg, only=[args.task])[args.task] if args.task else None
-    args.base = args.base or (task.id if task else None)
-    if not args.base:
-        raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
-    check_name("base", args.base)
-    if args.brief:
-        prompt = read_brief(ctx, args.brief)
-    elif task is not None:
-        prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
-                        notes_path="NOTES.md")
-    else:
-        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)",
-                              code="train_needs_brief_file_task")
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
-    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
-    # Refusals that do not depend on the base come first: a refused retraining must not have
-    # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
-    refuse_launch(paths, cfg)
-    # One trainer per base at a time: two concurrent calls would otherwise both start a session in
-    # the same workspace and the base would name only the last.  The check, the launch and the
-    # record happen under the base's own lock (taken before, never inside, the registry lock).
-    with base_lock(paths, ctx.platform, args.base):
-        bfile = _base_file(paths, args.base)
-        old = read_json(bfile, default=None)
-        if old is not None and base_state(paths, old) == "training":
-            raise AgentbenchError("base is still training", code="base_still_training",
-                                  base=args.base, job=old["job_id"],
-                                  hint="wait for its job (or kill it) before retraining")
-        if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
-            raise AgentbenchError("base already exists", code="base_already_exists",
-                                  base=args.base, state=base_state(paths, old),
-                                  hint="pass --replace to retrain it")
-        with removed_on_refusal(ws):
-            ws.mkdir(parents=True, exist_ok=True)
-            if task is not None and not args.workspace:
-                if old is not None and ws.exists():
-                    shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
-                copy_tree(task.public, ws)
-            out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                            fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
-        register_base(paths, args.base, out, ws)
-    return {**out, "base": args.base}
+    return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
+                      brief=args.brief, workspace=args.workspace, replace=args.replace,
+                      flags=launch_flags(args))
 
 
 def _spawn_args(p: argparse.ArgumentParser) -> None:
@@ -12291,29 +12497,11 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
 @command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
+    study = load_study(ctx.study(args))
     if args.run:
-        return spawn_run(ctx, load_study(paths), args.run, base=args.base, force=args.force)
-    if not args.brief:
-        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
-    if args.label:
-        check_name("label", args.label)
-    prompt = read_brief(ctx, args.brief)
-    cfg = load_study_config(paths)
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
-    name = args.label or uuid.uuid4().hex[:12]
-    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
-    resume, prior = None, {}
-    with removed_on_refusal(ws):
-        if args.base:
-            f = fork_base(ctx, paths, args.base, ws, copy_workspace=not args.workspace)
-            resume, prior = f["resume"], f["prior"]
-        ws.mkdir(parents=True, exist_ok=True)
-        out = start_job(ctx, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None, resume=resume,
-                        fork=bool(resume), prior=prior, limits=limits,
-                        meta={"base": args.base, "label": args.label}, cfg=cfg)
-    return {**out, "base": args.base, "label": args.label}
+        return spawn_run(ctx, study, args.run, base=args.base, force=args.force)
+    return spawn_session(ctx, study, cwd=ctx.cwd, brief=args.brief, label=args.label, base=args.base,
+                         workspace=args.workspace, flags=launch_flags(args))
 
 
 def _continue_args(p: argparse.ArgumentParser) -> None:
@@ -12328,9 +12516,9 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
 @args_of(_continue_args)
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    prompt = read_brief(ctx, args.brief)
+    prompt = read_brief(ctx, ctx.cwd, args.brief)
     study = load_study(paths)
-    limits = job_limits_from(args, study.launch, fault=args.fault)
+    limits = launch_limits(study.launch, launch_flags(args))
     return continue_session(ctx, study, prompt, limits, job_id=args.job, run_id=args.run)
 
 
@@ -12511,22 +12699,7 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle", mutating=True)
 @args_of(_calibrate_args)
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    study = load_study(paths).load_all()
-    tasks = study.tasks
-    chosen = pick_tasks(tasks, args.task)
-    for t in chosen.values():
-        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
-    results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
-    with RegistryLock(paths.lock, ctx.platform):
-        state = calibration_state(paths)
-        state.setdefault("tasks", {}).update(results)
-        state["config_hash"] = study.hash
-        state["at"] = utc_now()
-        write_json_atomic(paths.state / "calibration.json", state)
-    append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
-    return {"ok": all(r["ok"] for r in results.values()), "tasks": results,
-            "uncalibrated": uncalibrated(paths, tasks)}
+    return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
 
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
@@ -12541,108 +12714,12 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
-def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    with gc_paused():
-        return [load_run(paths, r) for r in all_run_ids(paths)]
-
-
-def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
-                repeats: int, power: Mapping[str, Any], p_base: float, split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
-    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
-    estimate (see plan_study_cost)."""
-    pilot: dict[str, list[float]] = {}
-    for r in run_records_for_report(paths):
-        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
-                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
-            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
-    reh = read_json(paths.state / "rehearsal.json", default=None)
-    reh = reh if isinstance(reh, dict) else {}
-    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
-
-    def cost(r: int) -> dict[str, Any]:
-        return plan_study_cost(shape, len(tasks), r, pilot, reh.get("arms") if isinstance(reh.get("arms"), dict) else None,
-                               cfg.get("model"), cfg.get("prices"))
-
-    out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"]),
-           "cost_at_repeats": cost(repeats),
-           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == config_hash(paths, dict(cfg)),
-           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
-    if power.get("repeats"):
-        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
-    return out
-
-
 @command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    study = load_study(paths).load_all()
-    cfg, tasks, arms = study.cfg, study.tasks, study.arms
-    check_name("split", args.split)
-    repeats = args.repeats if args.repeats is not None else int(cfg.get("repeats") or 1)
-    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
-    power = None
-    if args.power_delta is not None:
-        if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
-            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
-                                  code="power_estimate_needs_0_power")
-        power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
-        power["plan"] = assign_plan(paths, cfg, tasks, arms, repeats, power, args.power_base, args.split)
-    manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
-    data = manifest_bytes(manifest, seed, args.split)
-    faults: dict[str, dict[str, Any]] = {}
-    ids = {m["run_id"] for m in manifest}
-    for spec in args.fault:
-        rid, _, f = spec.partition("=")
-        if rid not in ids:
-            raise AgentbenchError("--fault names an unknown run", code="fault_names_unknown_run",
-                                  run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
-        faults[rid] = parse_fault(f)
-    bad = uncalibrated(paths, tasks)
-    if bad and not args.force:
-        raise AgentbenchError("tasks are not calibrated", code="tasks_not_calibrated", tasks=bad,
-                              hint="run `calibrate` first (or pass --force to assign anyway)")
-    mpath = paths.state / "manifests" / f"{args.split}.json"
-    existing = mpath.read_bytes() if mpath.exists() else None
-    with RegistryLock(paths.lock, ctx.platform):
-        if existing is not None and existing != data:
-            if not args.reassign:
-                raise AgentbenchError("this split already has a different manifest", code="split_already_different_manifest", split=args.split,
-                                      existing_sha256=sha256_bytes(existing),
-                                      hint="pass --reassign to replace it (refused once any of its runs started)")
-            old = json.loads(existing)
-            started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
-                       and load_run(paths, r["run_id"]).get("status") != "not_started"]
-            if started:
-                raise AgentbenchError("cannot reassign: runs of this split have started",
-                                      code="cannot_reassign_runs_split_started", runs=started[:20])
-            for r in old["runs"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(run_file(paths, r["run_id"]))
-        write_bytes_atomic(mpath, data)
-    # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
-    # Existing records are kept; faults named now apply to runs that have not started.
-    register_runs(paths, manifest, seed, args.split, faults)
-    applied = {}
-    with RegistryLock(paths.lock, ctx.platform):   # claim() changes run records under this lock
-        for rid, fault in faults.items():
-            rec = load_run(paths, rid)
-            if rec.get("status") == "not_started":
-                applied[rid] = fault
-                if rec.get("fault") != fault:
-                    rec["fault"] = fault
-                    save_run(paths, rec)
-    faults = applied
-    append_event(paths, "assigned", split=args.split, runs=len(manifest), sha256=sha256_bytes(data))
-    blocks = sorted({m["block"] for m in manifest})
-    return {"split": args.split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
-            "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
-            "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
-            "faults": {k: v for k, v in faults.items()}}
+    return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
+                       seed=args.seed, reassign=args.reassign, faults=args.fault,
+                       power_delta=args.power_delta, power_base=args.power_base, force=args.force)
 
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
@@ -12769,7 +12846,7 @@ def load_env_file(ctx: Ctx, env_file: str | None) -> None:
 def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     if args.credentials_stdin:
-        _HANDED_CREDENTIALS.update(read_stdin_credentials())
+        HANDED_CREDENTIALS.update(read_stdin_credentials())
     paths = ctx.study(args)
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     return drive_foreground(ctx, load_study(paths), ids, args.parallel or 1)
@@ -13023,7 +13100,7 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         rec = load_base(paths, args.base)
         rec["expired"] = True
         rec["expired_at"] = utc_now()
-        write_json_atomic(_base_file(paths, args.base), rec)
+        write_json_atomic(base_file(paths, args.base), rec)
     return {"base": args.base, "state": "expired"}
 
 

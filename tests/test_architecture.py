@@ -115,6 +115,57 @@ def test_nothing_below_the_cli_takes_an_untyped_ctx():
     assert offenders == []
 
 
+#: Sections checked for reaching into another section's private names (the rest: not yet).
+PRIVATE_CHECKED = ("The experiment layer", "Runs by hand", "Calibration and assignment", "The CLI")
+
+
+def private_reaches(text: str, checked: tuple[str, ...] = PRIVATE_CHECKED) -> list[tuple[int, str, str]]:
+    """(line, section, name) wherever a definition in a `checked` section uses a module-level
+    `_private` name of another section, or a private member (`obj._x`, obj not self/cls) of one
+    of the file's classes."""
+    tree = ast.parse(text)
+    spans = sections(text)
+
+    def section_of(line: int) -> str:
+        return next((t for t, a, b in spans if a <= line <= b), "")
+    owner = {name: section_of(line) for name, line in top_level_names(tree).items()
+             if name.startswith("_") and not name.startswith("__")}
+    members = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for n in ast.walk(node):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_"):
+                    members.add(n.name)
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr.startswith("_"):
+                    members.add(n.attr)
+    members = {m for m in members if not m.startswith("__")}
+    bad = []
+    for node in tree.body:
+        sec = section_of(node.lineno)
+        if not sec.startswith(checked):
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id in owner and owner[n.id] != sec:
+                bad.append((n.lineno, sec, n.id))
+            if (isinstance(n, ast.Attribute) and n.attr in members
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+                bad.append((n.lineno, sec, "." + n.attr))
+    return sorted(set(bad))
+
+
+def test_the_run_flow_and_the_cli_reach_into_no_other_sections_private_names():
+    assert private_reaches(SOURCE.read_text(encoding="utf-8")) == []
+
+
+def test_the_private_name_checker_catches_both_kinds_of_reach():
+    src = (f"{BANNER}\n# Low\n{BANNER}\n# owns x\n# must not y\n\n\ndef _helper():\n    return 1\n\n\n"
+           "class P:\n    def _step(self):\n        return self._step\n\n\n"
+           f"{BANNER}\n# The CLI\n{BANNER}\n# owns x\n# must not y\n\n\n"
+           "def cmd(p):\n    return _helper() + p._step()\n")
+    assert [(sec, name) for _, sec, name in private_reaches(src)] == [("The CLI", "._step"),
+                                                                    ("The CLI", "_helper")]
+
+
 def test_the_module_docstring_maps_every_section_with_its_lines():
     text = SOURCE.read_text(encoding="utf-8")
     doc = ast.get_docstring(ast.parse(text), clean=False) or ""
