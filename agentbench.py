@@ -13,36 +13,38 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       84-152   Start-up: lazy imports and the cached-bytecode launcher
-      153-249   Constants
-      250-351   Errors and output
-      352-460   Hostile numbers
-      461-505   Fault points
-      506-1752  Platform seam
-     1753-2251  Files, locks and the registry
-     2252-2442  Records: the declared shapes of the job's and run's files
-     2443-2778  Processes
-     2779-2891  Env scrub
-     2892-3258  The sandbox
-     3259-3705  Stream and usage
-     3706-4076  Study configuration
-     4077-4868  The metering gateway
-     4869-6217  The supervisor
-     6218-6465  The supervisor: jobs (start, fork, continue)
-     6466-8061  The experiment layer
-     8062-8507  Runs by hand and the run driver's checks: the pipeline's public API
-     8508-10412 Statistics and report
-    10413-10925 Run pages: the report as a directory
-    10926-11721 Offline scripted model
-    11722-12002 The scripted model: rehearsal of a study
-    12003-12063 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12064-12201 Calibration and assignment: a study's tasks checked and its runs planned
-    12202-13264 The CLI and main
+       86-154   Start-up: lazy imports and the cached-bytecode launcher
+      155-251   Constants
+      252-353   Errors and output
+      354-462   Hostile numbers
+      463-507   Fault points
+      508-1754  Platform seam
+     1755-2253  Files, locks and the registry
+     2254-2444  Records: the declared shapes of the job's and run's files
+     2445-2780  Processes
+     2781-2893  Env scrub
+     2894-3260  The sandbox
+     3261-3707  Stream and usage
+     3708-4078  Study configuration
+     4079-4870  The metering gateway
+     4871-6219  The supervisor
+     6220-6467  The supervisor: jobs (start, fork, continue)
+     6468-8063  The experiment layer
+     8064-8509  Runs by hand and the run driver's checks: the pipeline's public API
+     8510-10414 Statistics and report
+    10415-10927 Run pages: the report as a directory
+    10928-11723 Offline scripted model
+    11724-12004 The scripted model: rehearsal of a study
+    12005-12065 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12066-12203 Calibration and assignment: a study's tasks checked and its runs planned
+    12204-13266 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
-launch record means); a session's limits are `session_limits` in the jobs layer; the by-hand run
-flow is `spawn_run`/`pipeline_for` in the CLI over the pipeline's methods.
+launch record means); a session's limits are `session_limits` in the jobs layer; a study loaded
+once is `Study` (`load_study`) in the experiment layer; the by-hand run flow and `run`'s refusals
+are "Runs by hand" (`spawn_run`, `gate_run`, `evaluate_runs`, `runs_can_start`...), calibrate and
+assign are "Calibration and assignment"; the CLI only converts flags and calls them.
 """
 from __future__ import annotations
 
