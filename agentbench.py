@@ -30,14 +30,14 @@ Sections (line ranges), strictly bottom-up:
      4871-6219  The supervisor
      6220-6467  The supervisor: jobs (start, fork, continue)
      6468-8063  The experiment layer
-     8064-8509  Runs by hand and the run driver's checks: the pipeline's public API
-     8510-10414 Statistics and report
-    10415-10927 Run pages: the report as a directory
-    10928-11723 Offline scripted model
-    11724-12004 The scripted model: rehearsal of a study
-    12005-12065 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12066-12203 Calibration and assignment: a study's tasks checked and its runs planned
-    12204-13266 The CLI and main
+     8064-8514  Runs by hand and the run driver's checks: the pipeline's public API
+     8515-10419 Statistics and report
+    10420-10932 Run pages: the report as a directory
+    10933-11728 Offline scripted model
+    11729-12009 The scripted model: rehearsal of a study
+    12010-12070 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12071-12208 Calibration and assignment: a study's tasks checked and its runs planned
+    12209-13271 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm is "Processes" (submitting, asking, cancelling) and the jobs layer (what a
@@ -8087,9 +8087,14 @@ def pipeline_for(host: Host, study: Study, run_id: str, opts: PipelineOptions | 
     return pipe
 
 
+def driven_by_hand(rec: Mapping[str, Any]) -> bool:
+    """Whether a run is being driven by hand: started by `spawn --run` (no driver) and not final."""
+    return rec.get("status") == "running" and not rec.get("driver")
+
+
 def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
     """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
-    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+    if not driven_by_hand(pipe.rec):
         raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
                               run=run_id, status=pipe.rec.get("status"),
                               hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
@@ -8165,7 +8170,7 @@ def continue_session(host: Host, study: Study, prompt: str, limits: Mapping[str,
         return continue_job(host, paths, job_id, prompt, limits, cfg=study.cfg)
     # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
     pipe = pipeline_for(host, study, run_id)
-    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
+    if not driven_by_hand(pipe.rec):
         raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
                               run=run_id, status=pipe.rec.get("status"),
                               hint="a run driven by `run` continues its own sessions")
@@ -8233,7 +8238,7 @@ def evaluate_runs(host: Host, study: Study, run_ids: Sequence[str],
     for rid in dict.fromkeys(ids):
         pipe = pipeline_for(host, study, rid)
         rec = pipe.rec
-        if rec.get("status") != "running" or rec.get("driver"):
+        if not driven_by_hand(rec):
             why = "already final" if rec.get("status") in RUN_FINAL else "not started by hand"
             skipped.append({"run_id": rid, "status": rec.get("status"), "why": why})
             continue
