@@ -13,32 +13,34 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       85-155   Start-up: lazy imports and the cached-bytecode launcher
-      156-253   Constants
-      254-357   Errors and output
-      358-466   Hostile numbers
-      467-514   Fault points
-      515-1764  Platform seam
-     1765-2266  Files, locks and the registry
-     2267-2457  Records: the declared shapes of the job's and run's files
-     2458-2645  Processes
-     2646-3009  Executors: where a job's supervisor runs (local, Slurm)
-     3010-3124  Env scrub
-     3125-3500  The sandbox
-     3501-3953  Stream and usage
-     3954-4323  Study configuration
-     4324-5130  The metering gateway
-     5131-6519  The supervisor
-     6520-6767  The supervisor: jobs (start, fork, continue)
-     6768-8275  The experiment layer
-     8276-8783  Statistics
-     8784-9712  The report: what each arm did
-     9713-10354 Rendering: Markdown and HTML
-    10355-10885 Run pages: the report as a directory
-    10886-11692 Offline scripted model
-    11693-11988 The scripted model: rehearsal of a study
-    11989-12050 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12051-13558 The CLI and main
+       87-157   Start-up: lazy imports and the cached-bytecode launcher
+      158-255   Constants
+      256-359   Errors and output
+      360-468   Hostile numbers
+      469-516   Fault points
+      517-1766  Platform seam
+     1767-2268  Files, locks and the registry
+     2269-2459  Records: the declared shapes of the job's and run's files
+     2460-2647  Processes
+     2648-3011  Executors: where a job's supervisor runs (local, Slurm)
+     3012-3126  Env scrub
+     3127-3502  The sandbox
+     3503-3955  Stream and usage
+     3956-4338  Study configuration
+     4339-5145  The metering gateway
+     5146-6530  The supervisor
+     6531-6780  The supervisor: jobs (start, fork, continue)
+     6781-8376  The experiment layer
+     8377-8827  Runs by hand and the run driver's checks: the pipeline's public API
+     8828-9335  Statistics
+     9336-10264 The report: what each arm did
+    10265-10906 Rendering: Markdown and HTML
+    10907-11437 Run pages: the report as a directory
+    11438-12244 Offline scripted model
+    12245-12540 The scripted model: rehearsal of a study
+    12541-12602 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12603-12740 Calibration and assignment: a study's tasks checked and its runs planned
+    12741-13803 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling,
@@ -4321,6 +4323,19 @@ def merge_study_config(existing: Mapping[str, Any] | None, settings: Mapping[str
     return cfg, changed
 
 
+#: What a refusal at the study's parallel cap advises by default (a launch that registers a job).
+PARALLEL_CAP_HINT = "wait for a job to finish (`wait --any`) or raise `parallel` with init"
+
+
+def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CAP_HINT) -> None:
+    """The one parallel-cap decision (pure): refused when `active` jobs already fill the study's
+    `parallel` cap (None: no cap).  The refusal carries `refusal: parallel_cap` so that a driver
+    waits for a slot instead of failing its run."""
+    if cap is not None and active >= cap:
+        raise AgentbenchError("parallel cap reached", code="parallel_cap", active=active, cap=cap,
+                              refusal="parallel_cap", hint=hint)
+
+
 # ==================================================================================================
 # The metering gateway
 # ==================================================================================================
@@ -5356,11 +5371,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
     registers the job, so concurrent callers cannot overshoot it.
     """
     with RegistryLock(paths.lock, platform):
-        active = active_job_ids(paths)
-        if cap is not None and len(active) >= cap:
-            raise AgentbenchError("parallel cap reached", code="parallel_cap",
-                                  active=len(active), cap=cap, refusal="parallel_cap",
-                                  hint="wait for a job to finish (`wait --any`) or raise `parallel` with init")
+        refuse_at_parallel_cap(len(active_job_ids(paths)), cap)
         continues = meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
         if continues and existing_continuation(paths, continues):
@@ -5523,15 +5534,15 @@ def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: M
 
 #: Credentials this process was handed on its stdin (a detached run driver): passed on to the
 #: supervisors it starts in the same way, never put in its environment.
-_HANDED_CREDENTIALS: dict[str, str] = {}
+HANDED_CREDENTIALS: dict[str, str] = {}
 
 
 def launch_credentials(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The credentials a supervisor started from this process gets: the caller's own credential
     variables (in `env`, this process's environment unless given), and those this process was
-    handed (see _HANDED_CREDENTIALS)."""
+    handed (see HANDED_CREDENTIALS)."""
     env = os.environ if env is None else env
-    return {**{k: v for k, v in env.items() if is_credential_var(k)}, **_HANDED_CREDENTIALS}
+    return {**{k: v for k, v in env.items() if is_credential_var(k)}, **HANDED_CREDENTIALS}
 
 
 def read_stdin_credentials() -> dict[str, str]:
@@ -6647,7 +6658,7 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
 
 
 
-def _base_file(paths: StudyPaths, name: str) -> Path:
+def base_file(paths: StudyPaths, name: str) -> Path:
     return paths.bases / f"{check_name('base', name)}.json"
 
 
@@ -6661,7 +6672,7 @@ def base_lock(paths: StudyPaths, platform: "Platform", name: str) -> RegistryLoc
 
 
 def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
-    rec = read_json(_base_file(paths, name), default=None)
+    rec = read_json(base_file(paths, name), default=None)
     if rec is None:
         raise AgentbenchError("no such base", code="no_such_base", base=name, refusal="base",
                               hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
@@ -6670,9 +6681,10 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
 
 def register_base(paths: StudyPaths, name: str, job: Mapping[str, Any], workspace: Path) -> None:
     """Record a base: the training job and session that runs fork from, and its cwd."""
-    write_json_atomic(_base_file(paths, name), {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
-                                                "cwd": str(workspace), "created_at": utc_now(), "expired": False,
-                                                "last_ping": time.time()})
+    write_json_atomic(base_file(paths, name),
+                      {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
+                       "cwd": str(workspace), "created_at": utc_now(), "expired": False,
+                       "last_ping": time.time()})
 
 
 def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
@@ -6721,7 +6733,7 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
 
 
 
-def _duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
+def duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str, Any]:
     existing = read_json(paths.job_file(job_id))
     return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
             "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
@@ -6744,7 +6756,8 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
         raise AgentbenchError("the job has no session to continue", code="job_no_session_continue",
                               job=prev_id)
     if existing_continuation(paths, prev_id):
-        return _duplicate_continue(paths, prev_id, existing_continuation(paths, prev_id))  # type: ignore[arg-type]
+        return duplicate_continue(paths, prev_id,
+                                  existing_continuation(paths, prev_id))  # type: ignore[arg-type]
     for other in active_job_ids(paths):
         oj = read_json(paths.job_file(other), default={}) or {}
         if oj.get("session_id") == sid and not paths.result_file(other).exists():
@@ -6762,7 +6775,7 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
                          fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
                          raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
     except DuplicateRequest as dup:
-        return _duplicate_continue(paths, prev_id, dup.job_id)
+        return duplicate_continue(paths, prev_id, dup.job_id)
 
 
 # ==================================================================================================
@@ -6994,6 +7007,17 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else paths.root / p
 
 
+def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[str, Task]:
+    """The tasks named in `only` (all when it is empty), in the study's order; an unknown name is
+    refused (pure)."""
+    if not only:
+        return dict(tasks)
+    unknown = [t for t in only if t not in tasks]
+    if unknown:
+        raise AgentbenchError("unknown task", code="unknown_task", tasks=unknown, known=sorted(tasks))
+    return {k: v for k, v in tasks.items() if k in only}
+
+
 def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
@@ -7004,11 +7028,7 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | 
         if sub.is_dir() and (sub / "task.json").exists():
             t = load_task(sub)
             tasks[t.id] = t
-    if only:
-        unknown = [t for t in only if t not in tasks]
-        if unknown:
-            raise AgentbenchError("unknown task", code="unknown_task", tasks=unknown, known=sorted(tasks))
-        tasks = {k: v for k, v in tasks.items() if k in only}
+    tasks = pick_tasks(tasks, only)
     if not tasks:
         raise AgentbenchError("no tasks found", code="no_tasks_found", tasks=str(tdir),
                               hint="each task is a directory tasks/<id>/ holding task.json, public/, "
@@ -7079,18 +7099,92 @@ def render(tpl: string.Template, **values: Any) -> str:
                               allowed=sorted(values)) from None
 
 
-def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
-    """Hash of everything that defines the study: config, task bundles, arm texts, templates, preamble."""
+def study_hash(cfg: Mapping[str, Any], tasks: Mapping[str, Task], arms: Mapping[str, Arm],
+               templates: Mapping[str, string.Template], preamble: str) -> str:
+    """Hash of everything that defines the study (pure): config, task bundles, arm texts,
+    templates, preamble."""
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    for t in load_tasks(paths, cfg).values():
+    for t in tasks.values():
         h.update(f"{t.id}:{t.bundle_sha256}".encode())
-    for a in load_arms(paths, cfg).values():
+    for a in arms.values():
         h.update(f"{a.name}:{a.gate_cycles}:{a.review}:{sha256_bytes(a.preamble_text.encode())}".encode())
-    tpls = load_templates(paths, cfg)
     for name in TEMPLATE_NAMES:
-        h.update(tpls[name].template.encode())
-    h.update(preamble_text(paths, cfg).encode())
+        h.update(templates[name].template.encode())
+    h.update(preamble.encode())
     return h.hexdigest()
+
+
+def config_hash(paths: StudyPaths, cfg: Mapping[str, Any]) -> str:
+    """study_hash of the study as it is on disk now (loads every part; see Study.hash for once)."""
+    return study_hash(cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg),
+                      preamble_text(paths, cfg))
+
+
+# -- the study, loaded once ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Study:
+    """One study as a command sees it: its paths, and its checked config, tasks, arms, templates,
+    launch configuration and config hash, each read from disk at most once and only when first
+    asked for (a command that needs only the config stays cheap, and refusals come in the order
+    the command asks).  Built by load_study; a command loads it once and passes it down.  Its
+    parts are read-only by convention: a caller that changes one must copy it."""
+    paths: StudyPaths
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def part(self, name: str, load: Callable[[], Any]) -> Any:
+        if name not in self.memo:
+            self.memo[name] = load()
+        return self.memo[name]
+
+    @property
+    def cfg(self) -> dict[str, Any]:
+        return self.part("cfg", lambda: load_study_config(self.paths))
+
+    @property
+    def tasks(self) -> dict[str, Task]:
+        return self.part("tasks", lambda: load_tasks(self.paths, self.cfg))
+
+    @property
+    def arms(self) -> dict[str, Arm]:
+        return self.part("arms", lambda: load_arms(self.paths, self.cfg))
+
+    @property
+    def templates(self) -> dict[str, string.Template]:
+        return self.part("templates", lambda: load_templates(self.paths, self.cfg))
+
+    @property
+    def launch(self) -> dict[str, Any]:
+        return self.part("launch", lambda: launch_config(self.cfg))
+
+    @property
+    def hash(self) -> str:
+        return self.part("hash", lambda: study_hash(self.cfg, self.tasks, self.arms, self.templates,
+                                                    preamble_text(self.paths, self.cfg)))
+
+    def load_all(self) -> "Study":
+        """Load config, tasks, arms and templates now, in that order (the order refusals come in)."""
+        self.cfg, self.tasks, self.arms, self.templates   # noqa: B018 (each loads and memoizes)
+        return self
+
+    def task(self, task_id: str) -> Task:
+        """One task's bundle; only that bundle is read unless every task is loaded already (the cost
+        of a call about one run must not grow with the number of tasks)."""
+        if "tasks" in self.memo and task_id in self.memo["tasks"]:
+            return self.memo["tasks"][task_id]
+        root = tasks_dir(self.paths, self.cfg) / check_name("task", task_id)
+        if not (root / "task.json").exists():
+            raise AgentbenchError("the task bundle is missing", code="task_bundle_missing",
+                                  task=task_id, path=str(root))
+        return load_task(root)
+
+
+def load_study(paths: StudyPaths, cfg: Mapping[str, Any] | None = None) -> Study:
+    """The study at `paths` (reading nothing yet: see Study), or with the `cfg` a caller has read."""
+    study = Study(paths)
+    if cfg is not None:
+        study.memo["cfg"] = cfg
+    return study
 
 
 
@@ -7498,15 +7592,20 @@ def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed
 
 # -- workspace, audit, artifacts -------------------------------------------------------------------
 
-def git(platform: "Platform", cwd: str, *args: str) -> CommandResult:
-    env = {**check_env(os.environ)[0], "GIT_AUTHOR_NAME": "agentbench", "GIT_AUTHOR_EMAIL": "agentbench@localhost",
-           "GIT_COMMITTER_NAME": "agentbench", "GIT_COMMITTER_EMAIL": "agentbench@localhost"}
+def git(platform: "Platform", cwd: str, *args: str, host_env: Mapping[str, str]) -> CommandResult:
+    """git in `cwd` with the check commands' environment built from `host_env`, as agentbench."""
+    env = {**check_env(host_env)[0], "GIT_AUTHOR_NAME": "agentbench",
+           "GIT_AUTHOR_EMAIL": "agentbench@localhost", "GIT_COMMITTER_NAME": "agentbench",
+           "GIT_COMMITTER_EMAIL": "agentbench@localhost"}
     return run_command(["git", *args], cwd=cwd, env=env, timeout_s=60, platform=platform)
 
 
 def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_dir: Path,
-                      missing_fixture: str | None = None) -> dict[str, Any]:
-    """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle."""
+                      missing_fixture: str | None = None,
+                      host_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle.
+    git runs with `host_env` (the Host's environment; a caller without a Host: this process's)."""
+    host_env = os.environ if host_env is None else host_env
     ws = run_dir / "workspace"
     refuse_bundle_symlinks(task.id, task.root)
     if ws.exists():
@@ -7520,9 +7619,9 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                               differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
     info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
     if shutil.which("git"):
-        ok = git(platform, str(ws), "init", "-q").returncode == 0
-        ok = ok and git(platform, str(ws), "add", "-A").returncode == 0
-        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter").returncode == 0
+        ok = git(platform, str(ws), "init", "-q", host_env=host_env).returncode == 0
+        ok = ok and git(platform, str(ws), "add", "-A", host_env=host_env).returncode == 0
+        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter", host_env=host_env).returncode == 0
         info["git"] = ok
     if missing_fixture:
         target = ws / missing_fixture
@@ -7687,10 +7786,11 @@ class PipelineOptions:
 _GIT_COMMIT: list[str | None] = []
 
 
-def agentbench_git_commit(platform: "Platform") -> str | None:
-    """The git commit of this agentbench checkout (provenance), or None outside a checkout."""
+def agentbench_git_commit(platform: "Platform", host_env: Mapping[str, str]) -> str | None:
+    """The git commit of this agentbench checkout (provenance), or None outside a checkout; git
+    runs with the check commands' environment built from `host_env`."""
     if not _GIT_COMMIT:
-        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(os.environ)[0],
+        res = run_command(["git", "rev-parse", "HEAD"], cwd=str(HERE), env=check_env(host_env)[0],
                           timeout_s=20, platform=platform) if shutil.which("git") else None
         _GIT_COMMIT.append(res.stdout.strip() if res and res.returncode == 0 else None)
     return _GIT_COMMIT[0]
@@ -7798,12 +7898,12 @@ class RunPipeline:
     # -- jobs --------------------------------------------------------------------------------------
     def _run_job(self, role: str, prompt: str, **kw: Any) -> dict[str, Any]:
         """Launch one job of this run and wait for its result."""
-        jid = self._launch_job(role, prompt, **kw)
+        jid = self.launch_job(role, prompt, **kw)
         if jid is None:
             return {"status": "failed", "reason": "budget", "skipped": True}
         return self._await_job(jid)
 
-    def _launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
+    def launch_job(self, role: str, prompt: str, *, cwd: str, resume_job: str | None = None,
                     system_extra: str = "", kind: str = "executor", fault: Mapping[str, Any] | None = None,
                     script_key: str | None = None, base: str | None = None) -> str | None:
         """Start one job of this run (not waiting); None when the budget forbids another session."""
@@ -7879,7 +7979,7 @@ class RunPipeline:
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid])
         self._note_started(jid)
-        return self._account_job(jid)
+        return self.account_job(jid)
 
     def _note_started(self, jid: str) -> None:
         """Close a job's Slurm queue wait once its supervisor has written its runtime (or the job
@@ -7894,7 +7994,7 @@ class RunPipeline:
             entry["queued_s"] = waited
         self.add_queued(waited)
 
-    def _account_job(self, jid: str) -> dict[str, Any]:
+    def account_job(self, jid: str) -> dict[str, Any]:
         """Fold a finished job's cost and tokens into the run record (once per job)."""
         res = read_json(self.paths.result_file(jid))
         entry = next(j for j in self.rec["jobs"] if j["job_id"] == jid)
@@ -7912,7 +8012,7 @@ class RunPipeline:
         self._event("progress", role=entry["role"], job=jid, status=res["status"], reason=res.get("reason"))
         return res
 
-    def _gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
+    def run_gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
         rec = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
         n = len(self.rec.setdefault("gates", [])) + 1
         write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
@@ -7921,7 +8021,7 @@ class RunPipeline:
         self._event("gate", n=n, label=label, passed=rec["passed"])
         return rec
 
-    def _failed_checks_text(self, rec: Mapping[str, Any]) -> str:
+    def failed_checks_text(self, rec: Mapping[str, Any]) -> str:
         failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
         if failed:
             return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
@@ -7944,7 +8044,7 @@ class RunPipeline:
 
     def launch_review(self, task: Task, ws: str, n: int) -> str | None:
         rdir, prompt = self.review_setup(task, ws, n)
-        return self._launch_job("reviewer", prompt, cwd=str(rdir), kind="reviewer",
+        return self.launch_job("reviewer", prompt, cwd=str(rdir), kind="reviewer",
                                 system_extra=self.tpl["reviewer_system"].template)
 
     def collect_review(self, n: int, job_status: str | None) -> dict[str, Any]:
@@ -7974,12 +8074,12 @@ class RunPipeline:
         try:
             self._execute()
         except AgentbenchError as exc:
-            self._end_error(exc.payload.get("error", "error"), exc.payload)
+            self.end_error(exc.payload.get("error", "error"), exc.payload)
         except Exception as exc:  # the pipeline never raises: record and move on
-            self._end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
+            self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
         return self.rec
 
-    def _end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+    def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
             return
         if detail.get("refusal") in ("breaker", "study_cap", "base"):
@@ -8019,7 +8119,8 @@ class RunPipeline:
         (run_dir / "ctl").mkdir(parents=True, exist_ok=True)
         fault = rec.get("fault") or {}
         self._event("run_started", task=task.id, arm=arm.name)
-        ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir, fault.get("missing_fixture"))
+        ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir,
+                                    fault.get("missing_fixture"), host_env=self.ctx.env)
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
         statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
@@ -8036,7 +8137,8 @@ class RunPipeline:
         write_text_atomic(run_dir / "ctl" / "prompt.md", prompt)
         write_text_atomic(run_dir / "ctl" / "system_prompt.md", system_full)
         rec["provenance"] = {
-            "agentbench_version": VERSION, "agentbench_git": agentbench_git_commit(self.ctx.platform),
+            "agentbench_version": VERSION,
+            "agentbench_git": agentbench_git_commit(self.ctx.platform, self.ctx.env),
             "task_bundle_sha256": task.bundle_sha256,
             "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
             "model_requested": self.launch["model"], "assignment_seed": rec.get("seed", self.cfg.get("seed")),
@@ -8058,7 +8160,7 @@ class RunPipeline:
                             fault=fault_limits, base=base)
         if not rec.get("jobs"):
             # The budget did not allow even the first session.
-            self._finish(task, ws, "budget_exhausted")
+            self.finish(task, ws, "budget_exhausted")
             return
         exec_job = rec["jobs"][-1]["job_id"]
         last_job = exec_job
@@ -8067,23 +8169,23 @@ class RunPipeline:
             res = self._run_job("resume", render(self.tpl["resume"], reason="the session was interrupted"),
                                 cwd=ws, resume_job=last_job, kind="continue")
             last_job = rec["jobs"][-1]["job_id"]
-        stop = self._stop_reason(res)
+        stop = self.stop_reason(res)
         cycles = 0
         gate_rec = None
         if arm.gate_cycles and not stop:
-            gate_rec = self._gate(task, ws, "cycle")
+            gate_rec = self.run_gate(task, ws, "cycle")
             while not gate_rec["passed"] and cycles < arm.gate_cycles and not stop:
                 cycles += 1
                 fb = render(self.tpl["gate_feedback"], cycle=cycles, cycles_left=arm.gate_cycles - cycles,
-                            failed_checks=self._failed_checks_text(gate_rec),
+                            failed_checks=self.failed_checks_text(gate_rec),
                             gate_output=((gate_rec.get("stderr_tail") or "") + (gate_rec.get("stdout_tail") or ""))[-3000:])
                 res = self._run_job("gate_feedback", fb, cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
-                stop = self._stop_reason(res)
+                stop = self.stop_reason(res)
                 rec["gate_cycles"] = cycles
                 if stop:
                     break
-                gate_rec = self._gate(task, ws, "cycle")
+                gate_rec = self.run_gate(task, ws, "cycle")
         rec["gate_cycles"] = cycles
         if arm.review and not stop and (gate_rec is None or gate_rec["passed"]):
             review = self._review(task, ws, 1)
@@ -8094,12 +8196,12 @@ class RunPipeline:
                                                      summary=review.get("summary") or ""),
                                     cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
-                stop = self._stop_reason(res)
+                stop = self.stop_reason(res)
                 if arm.gate_cycles:
-                    self._gate(task, ws, "after_review")
-        self._finish(task, ws, stop)
+                    self.run_gate(task, ws, "after_review")
+        self.finish(task, ws, stop)
 
-    def _stop_reason(self, res: Mapping[str, Any]) -> str | None:
+    def stop_reason(self, res: Mapping[str, Any]) -> str | None:
         """Why no further session may start: budget, wall time, or an infrastructure failure."""
         st, reason = res.get("status"), res.get("reason")
         if reason == "budget":
@@ -8119,7 +8221,7 @@ class RunPipeline:
             return "budget_exhausted"
         return None
 
-    def _finish(self, task: Task, ws: str, stop: str | None) -> None:
+    def finish(self, task: Task, ws: str, stop: str | None) -> None:
         rec = self.rec
         run_dir = self.paths.run_dir(self.run_id)
         rec["artifacts"] = artifact_manifest(ws)
@@ -8214,12 +8316,11 @@ class RunPipeline:
 
 
 def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
-               parallel: int) -> dict[str, Any]:
-    """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped."""
-    cfg = load_study_config(paths)
-    tasks = load_tasks(paths, cfg)
-    arms = load_arms(paths, cfg)
-    tpl = load_templates(paths, cfg)
+               parallel: int, study: Study | None = None) -> dict[str, Any]:
+    """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped.
+    `study`: the Study at `paths` when the caller has loaded it."""
+    study = (study or load_study(paths)).load_all()
+    cfg, tasks, arms, tpl = study.cfg, study.tasks, study.arms, study.templates
     sweep_interrupted_runs(paths, ctx.platform)
     todo = [r for r in run_ids if load_run(paths, r).get("status") == "not_started"]
     skipped = [r for r in run_ids if r not in todo]
@@ -8271,6 +8372,457 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.join()
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
+
+
+# ==================================================================================================
+# Runs by hand and the run driver's checks: the pipeline's public API
+# ==================================================================================================
+# Owns what the commands do to a study's runs through the pipeline: a pipeline for one run, the
+# by-hand flow (start a run's first session, continue it, gate, review, evaluate), choosing runs
+# by flag values, and the refusals before a driver starts (the guard for real runs, bases that are
+# not ready, the parallel cap).  Its functions take a Host, a Study and plain values; they must not
+# parse flags (argparse belongs to the CLI), print, read os.environ, or reach into a lower
+# section's private names: what they need is public there.
+
+def pipeline_for(host: Host, study: Study, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
+    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
+    must not grow with the number of tasks)."""
+    paths = study.paths
+    rec = load_run(paths, run_id)
+    task_root = tasks_dir(paths, study.cfg) / check_name("task", rec["task"])
+    if not (task_root / "task.json").exists():
+        raise AgentbenchError("the run's task bundle is missing", code="runs_task_bundle_missing",
+                              run=run_id, task=rec["task"], path=str(task_root))
+    tasks = {rec["task"]: study.task(rec["task"])}
+    pipe = RunPipeline(host, paths, run_id, study.cfg, tasks, study.arms, study.templates,
+                       opts or PipelineOptions())
+    pipe.rec = rec
+    return pipe
+
+
+def driven_by_hand(rec: Mapping[str, Any]) -> bool:
+    """Whether a run is being driven by hand: started by `spawn --run` (no driver) and not final."""
+    return rec.get("status") == "running" and not rec.get("driver")
+
+
+def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
+    """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
+    if not driven_by_hand(pipe.rec):
+        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                              run=run_id, status=pipe.rec.get("status"),
+                              hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
+                                   "and a finished run is final")
+
+
+def run_sessions_working(paths: StudyPaths, rec: Mapping[str, Any]) -> bool:
+    """Whether a session of this run still has its active marker (not yet reaped)."""
+    return any((paths.active / j["job_id"]).exists() for j in rec.get("jobs") or [])
+
+
+def refuse_while_sessions_work(paths: StudyPaths, rec: Mapping[str, Any], run_id: str) -> None:
+    if run_sessions_working(paths, rec):
+        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
+                              run=run_id, hint="wait for it first")
+
+
+def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
+              force: bool = False) -> dict[str, Any]:
+    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached).
+    `base` forks that base instead of the run's own; `force` allows an uncalibrated task."""
+    paths = study.paths
+    rec = load_run(paths, run_id)
+    tasks = study.load_all().tasks
+    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not force:
+        raise AgentbenchError("the run's task is not calibrated", code="runs_task_not_calibrated",
+                              task=rec["task"], hint="run `calibrate`, or pass --force")
+    # Refusals first, so that a refused spawn leaves the run untouched.
+    arms = study.arms
+    fork = base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+    if fork:
+        require_base_ready(paths, fork)
+    launch = study.launch
+    study_binary(host, study.cfg)
+    refuse_if_paused(paths, launch)
+    reap_jobs(paths, host.platform)
+    refuse_at_parallel_cap(len(active_job_ids(paths)), int(launch["parallel"]),
+                           hint="wait for a job to finish (`wait --any`)")
+    pipe = pipeline_for(host, study, run_id)
+    if not pipe.claim():
+        raise AgentbenchError("the run is not waiting to start", code="run_not_waiting_start",
+                              run=run_id, status=rec.get("status"),
+                              hint="a run starts once; see `list --all`")
+    try:
+        if base:
+            pipe.rec["base"] = check_name("base", base)
+        task, arm, ws, prompt = pipe.prepare()
+        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
+        fork = pipe.rec.get("base")
+        jid = pipe.launch_job("executor", prompt, cwd=ws, system_extra="" if fork else arm.preamble_text,
+                              fault=fault, base=fork)
+    except AgentbenchError as exc:
+        pipe.end_error(exc.payload.get("error", "error"), exc.payload)
+        raise
+    return {"run_id": run_id, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
+
+
+def continue_session(host: Host, study: Study, prompt: str, limits: Mapping[str, Any], *,
+                     job_id: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """`continue`: one more turn in a job's session, or in the latest session of a run driven by
+    hand (recorded in its run record, within the run's budget; `limits` are for a plain job)."""
+    paths = study.paths
+    if run_id:
+        job_id = latest_run_job(paths, run_id)
+        if not job_id:
+            raise AgentbenchError("the run has no session to continue yet",
+                                  code="run_no_session_continue_yet", run=run_id,
+                                  hint=f"start it first: spawn --run {run_id}")
+    if not job_id:
+        raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
+    run_id = run_id or (load_job(paths, job_id).get("meta") or {}).get("run_id")
+    if not run_id:
+        return continue_job(host, paths, job_id, prompt, limits, cfg=study.cfg)
+    # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
+    pipe = pipeline_for(host, study, run_id)
+    if not driven_by_hand(pipe.rec):
+        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
+                              run=run_id, status=pipe.rec.get("status"),
+                              hint="a run driven by `run` continues its own sessions")
+    done = existing_continuation(paths, job_id)
+    if done:
+        return duplicate_continue(paths, job_id, done)
+    jid = pipe.launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
+                          kind="continue")
+    if jid is None:
+        raise AgentbenchError("the run's budget does not allow another session",
+                              code="runs_budget_does_not_allow", run=run_id,
+                              spent_usd=pipe.rec.get("cost_usd"))
+    return {"job_id": jid, "run_id": run_id, "continues": job_id,
+            "status": job_status(paths, jid).get("status")}
+
+
+def gate_run(host: Host, study: Study, run_id: str) -> dict[str, Any]:
+    """`gate`: the task's public checks on a hand-driven run's workspace, with a receipt; when
+    they fail, what they printed (the feedback an orchestrator passes on with `continue`)."""
+    paths = study.paths
+    pipe = pipeline_for(host, study, run_id)
+    require_hand_driven(pipe, run_id)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws or not os.path.isdir(ws):
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet",
+                              run=run_id, hint="spawn --run it first")
+    refuse_while_sessions_work(paths, pipe.rec, run_id)
+    rec = pipe.run_gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
+    n = pipe.rec["gates"][-1]["n"]
+    out = {"run_id": run_id, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
+           "failed": pipe.failed_checks_text(rec) if not rec["passed"] else None,
+           "receipt": str(paths.run_dir(run_id) / "receipts" / f"gate-{n:02d}-manual.json")}
+    if not rec["passed"]:
+        out["stdout_tail"], out["stderr_tail"] = rec.get("stdout_tail") or "", rec.get("stderr_tail") or ""
+    return out
+
+
+def review_run(host: Host, study: Study, run_id: str) -> dict[str, Any]:
+    """`review`: launch a fresh reviewer session for a hand-driven run (it writes review.json)."""
+    paths = study.paths
+    pipe = pipeline_for(host, study, run_id)
+    require_hand_driven(pipe, run_id)
+    ws = (pipe.rec.get("workspace") or {}).get("path")
+    if not ws:
+        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet", run=run_id)
+    refuse_while_sessions_work(paths, pipe.rec, run_id)
+    n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
+    jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
+    return {"run_id": run_id, "job_id": jid, "review": n,
+            "review_path": str(paths.run_dir(run_id) / "review" / f"{n:02d}" / "review.json")}
+
+
+def evaluate_runs(host: Host, study: Study, run_ids: Sequence[str],
+                  every_running: bool = False) -> dict[str, Any]:
+    """`evaluate`: account, collect reviews, grade and classify hand-driven runs whose sessions
+    ended (`every_running` adds every running run); others are listed as skipped, with why."""
+    paths = study.paths
+    ids = list(run_ids)
+    if not ids and not every_running:
+        raise AgentbenchError("evaluate needs --run R or --all", code="evaluate_needs_run_r_all")
+    if every_running:
+        # Nothing running by hand is no error: the answer is then empty.
+        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
+    out, skipped = [], []
+    for rid in dict.fromkeys(ids):
+        pipe = pipeline_for(host, study, rid)
+        rec = pipe.rec
+        if not driven_by_hand(rec):
+            why = "already final" if rec.get("status") in RUN_FINAL else "not started by hand"
+            skipped.append({"run_id": rid, "status": rec.get("status"), "why": why})
+            continue
+        if run_sessions_working(paths, rec):
+            skipped.append({"run_id": rid, "why": "a session is still working"})
+            continue
+        last = None
+        for j in rec.get("jobs") or []:
+            last = pipe.account_job(j["job_id"])
+        for i, j in enumerate([j for j in rec.get("jobs") or [] if j["role"] == "reviewer"], start=1):
+            if i > len(rec.get("reviews") or []):
+                result = read_json(paths.result_file(j["job_id"]), default={}) or {}
+                pipe.collect_review(i, result.get("status"))
+        stop = pipe.stop_reason(last) if last else None
+        task = pipe.tasks[rec["task"]]
+        pipe.finish(task, rec["workspace"]["path"], stop)
+        out.append(run_summary(paths, rid))
+    return {"evaluated": out, "skipped": skipped}
+
+
+def select_runs(paths: StudyPaths, run_ids: Sequence[str] = (), tasks: Sequence[str] = (),
+                arms: Sequence[str] = (), split: str | None = None) -> list[str]:
+    """The runs `run` drives: the given ids (default: every run), filtered by task, arm and split.
+    A filter that names nothing of the study is a typo, refused, not an empty selection."""
+    ids = list(run_ids) or all_run_ids(paths)
+    for r in run_ids:
+        load_run(paths, r)
+    records = {rid: load_run(paths, rid) for rid in ids}
+    if tasks or arms:
+        every = records if not run_ids else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
+        for flag, key, wanted in (("--task", "task", tasks), ("--arm", "arm", arms)):
+            known = sorted({str(r.get(key)) for r in every.values()})
+            unknown = [w for w in wanted or [] if w not in known]
+            if unknown:
+                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection",
+                                      **{key: unknown}, known=known,
+                                      hint="see `list --all` or the manifest from `assign`")
+    out = []
+    for rid in ids:
+        rec = records[rid]
+        if tasks and rec["task"] not in tasks:
+            continue
+        if arms and rec["arm"] not in arms:
+            continue
+        if split and rec.get("split") != split:
+            continue
+        out.append(rid)
+    return out
+
+
+def refuse_unproven(study: Study, force: bool) -> None:
+    """A real-API run starts only after calibration and rehearsal passed for this exact config."""
+    if force:
+        return
+    paths = study.paths
+    h = study.hash
+    cal = calibration_state(paths)
+    reh = read_json(paths.state / "rehearsal.json", default=None) or {}
+    problems = []
+    if cal.get("config_hash") != h or uncalibrated(paths, study.tasks):
+        problems.append("calibration is missing or older than the current configuration")
+    if not reh.get("ok") or reh.get("config_hash") != h:
+        problems.append("no passing rehearsal of the current configuration")
+    if problems:
+        raise AgentbenchError("refusing to spend money on an unproven configuration",
+                              code="unproven_configuration", problems=problems,
+                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
+
+
+def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
+    """refuse_unproven for a caller that holds the study's paths and config, not a Study."""
+    refuse_unproven(load_study(paths, cfg), force)
+
+
+def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:
+    """Every refusal before `run` drives `run_ids` (an unproven configuration unless `force`, bad
+    launch values, a missing executor, bases that are not ready); the pipelines to run at once:
+    `parallel` (default and at most the study's parallel cap)."""
+    paths, cfg = study.paths, study.cfg
+    if not run_ids:
+        raise AgentbenchError("no runs selected", code="no_runs_selected",
+                              hint="run `assign` first, or check --run/--task/--arm")
+    refuse_unproven(study, force)
+    validate_launch_values(cfg)
+    require_executor_ready(cfg.get("executor"))
+    arms = study.arms
+    missing: dict[str, str] = {}
+    for rid in run_ids:
+        rec = load_run(paths, rid)
+        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+        if base and base not in missing:
+            try:
+                require_base_ready(paths, base)
+            except AgentbenchError as exc:
+                missing[base] = str(exc.payload.get("state") or "missing")
+    missing = {b: s for b, s in missing.items() if s}
+    if missing:
+        raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
+                              bases=missing,
+                              hint="train them first: agentbench.py train --task T (one per task), then wait")
+    cap = int(study.launch["parallel"])
+    if parallel is not None and parallel < 1:
+        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=parallel)
+    chosen = parallel or cap
+    if chosen > cap:
+        log(f"--parallel {chosen} is above the study's parallel cap {cap}: using {cap}")
+        chosen = cap
+    return chosen
+
+
+def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Drive `run_ids` in this process (see drive_runs) under a driver heartbeat; the outcomes
+    tallied.  Runs that could not be claimed are refused together, with each one's error."""
+    paths = study.paths
+    driver = driver_record(host.platform, paths)
+    opts = PipelineOptions(env_extra=dict(study.cfg.get("env") or {}), driver=driver, progress=progress)
+    with DriverBeat(driver):
+        out = drive_runs(host, paths, run_ids, opts, parallel, study=study)
+    outcomes: dict[str, int] = {}
+    for r in out["results"].values():
+        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    unclaimed = out.pop("unclaimed", {})
+    if unclaimed:
+        raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out,
+                              outcomes=outcomes,
+                              hint="see each run's error (a busy lock, a read-only or full disk); "
+                                   "run them again once the cause is fixed")
+    return {**out, "outcomes": outcomes,
+            "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
+
+
+# -- sessions by hand: spawn, train ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """A session's limits as the caller gives them (None: the study's own value)."""
+    max_budget_usd: float | None = None
+    wall_s: float | None = None
+    max_turns: int | None = None
+    orphan_after_s: float | None = None
+    fault: str | None = None
+
+
+def launch_limits(launch: Mapping[str, Any], flags: LaunchFlags) -> dict[str, Any]:
+    """The checked limits of one session started by hand (see session_limits)."""
+    limits = session_limits(launch, wall_s=flags.wall_s or None, orphan_after_s=flags.orphan_after_s,
+                            max_budget_usd=flags.max_budget_usd, max_turns=flags.max_turns or None,
+                            extra=parse_fault(flags.fault) if flags.fault else None)
+    check_job_limits(limits)
+    return limits
+
+
+def read_brief(host: Host, cwd: str, path: str) -> str:
+    """The prompt text of a brief file (relative to `cwd`; refused if missing, not text or empty)."""
+    p = Path(host.platform.normalize_path(os.path.join(cwd, path) if not os.path.isabs(path) else path))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
+        raise AgentbenchError("brief file not found", code="brief_file_not_found", path=str(p)) from None
+    except UnicodeDecodeError:
+        raise AgentbenchError("brief file is not UTF-8 text", code="brief_file_not_utf_8",
+                              path=str(p)) from None
+    if not text.strip():
+        raise AgentbenchError("brief file is empty", code="brief_file_empty", path=str(p))
+    return text
+
+
+@contextlib.contextmanager
+def removed_on_refusal(path: Path) -> Iterator[None]:
+    """Remove the directory `path` again if the block is refused and this call created it.
+
+    A refused command writes nothing, but a session's cwd must exist before its job is registered,
+    and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
+    Only `path` itself goes, never a parent that a concurrent call may be creating at the same
+    moment.  No job refers to it: a refusal registers nothing.
+    """
+    existed = path.exists()
+    parent_existed = path.parent.exists()
+    try:
+        yield
+    except (AgentbenchError, OSError):
+        if not existed:
+            shutil.rmtree(path, ignore_errors=True)
+        if not parent_existed:
+            # The parent (state/workspaces) only if this call made it and it is empty again: a
+            # concurrent call that needs it recreates it (mkdir parents=True).
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+        raise
+
+
+def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, label: str | None = None,
+                  base: str | None = None, workspace: str | None = None,
+                  flags: LaunchFlags = LaunchFlags()) -> dict[str, Any]:
+    """`spawn` without a run: one detached session, fresh or a fork of `base`, prompted by the
+    brief file (relative to `cwd`), in `workspace` (default: a new directory, or a copy of the
+    base's)."""
+    paths = study.paths
+    if not brief:
+        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
+    if label:
+        check_name("label", label)
+    prompt = read_brief(host, cwd, brief)
+    cfg = study.cfg
+    limits = launch_limits(study.launch, flags)
+    study_binary(host, cfg)   # a missing binary is refused before anything is created
+    name = label or uuid.uuid4().hex[:12]
+    ws = Path(host.platform.normalize_path(workspace)) if workspace else \
+        paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
+    resume, prior = None, {}
+    with removed_on_refusal(ws):
+        if base:
+            f = fork_base(host, paths, base, ws, copy_workspace=not workspace)
+            resume, prior = f["resume"], f["prior"]
+        ws.mkdir(parents=True, exist_ok=True)
+        out = start_job(host, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None,
+                        resume=resume, fork=bool(resume), prior=prior, limits=limits,
+                        meta={"base": base, "label": label}, cfg=cfg)
+    return {**out, "base": base, "label": label}
+
+
+def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, task_id: str | None = None,
+               brief: str | None = None, workspace: str | None = None, replace: bool = False,
+               flags: LaunchFlags = LaunchFlags()) -> dict[str, Any]:
+    """`train`: a base session that runs fork from, prompted by the brief file or, with a task,
+    the train_base template; on a copy of the task's public files unless `workspace` is given."""
+    paths = study.paths
+    cfg = study.cfg
+    task = pick_tasks(study.tasks, [task_id])[task_id] if task_id else None
+    base = base or (task.id if task else None)
+    if not base:
+        raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
+    check_name("base", base)
+    if brief:
+        prompt = read_brief(host, cwd, brief)
+    elif task is not None:
+        prompt = render(study.templates["train_base"], task_title=task.title, task_text=task_text(task),
+                        notes_path="NOTES.md")
+    else:
+        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)",
+                              code="train_needs_brief_file_task")
+    limits = launch_limits(study.launch, flags)
+    study_binary(host, cfg)   # a missing binary is refused before anything is created
+    ws = Path(host.platform.normalize_path(workspace)) if workspace else paths.bases / base / "workspace"
+    # Refusals that do not depend on the base come first: a refused retraining must not have
+    # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
+    refuse_launch(paths, cfg)
+    # One trainer per base at a time: two concurrent calls would otherwise both start a session in
+    # the same workspace and the base would name only the last.  The check, the launch and the
+    # record happen under the base's own lock (taken before, never inside, the registry lock).
+    with base_lock(paths, host.platform, base):
+        old = read_json(base_file(paths, base), default=None)
+        if old is not None and base_state(paths, old) == "training":
+            raise AgentbenchError("base is still training", code="base_still_training",
+                                  base=base, job=old["job_id"],
+                                  hint="wait for its job (or kill it) before retraining")
+        if old is not None and not replace and not base_state(paths, old).startswith("failed"):
+            raise AgentbenchError("base already exists", code="base_already_exists",
+                                  base=base, state=base_state(paths, old),
+                                  hint="pass --replace to retrain it")
+        with removed_on_refusal(ws):
+            ws.mkdir(parents=True, exist_ok=True)
+            if task is not None and not workspace:
+                if old is not None and ws.exists():
+                    shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
+                copy_tree(task.public, ws)
+            out = start_job(host, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None,
+                            resume=None, fork=False, prior={}, limits=limits, meta={"base": base}, cfg=cfg)
+        register_base(paths, base, out, ws)
+    return {**out, "base": base}
 
 
 # ==================================================================================================
@@ -12049,6 +12601,144 @@ def list_runs_page(paths: StudyPaths, *, all_runs: bool, status: str | None, off
 
 
 # ==================================================================================================
+# Calibration and assignment: a study's tasks checked and its runs planned
+# ==================================================================================================
+# Owns `calibrate` (each task checked without a model, recorded with the study's config hash) and
+# `assign` (the randomized manifest, its runs registered, faults named for runs, a power estimate
+# priced from pilot runs or the rehearsal).  Takes a Host, a Study and plain values; it must not
+# parse flags, print, read os.environ, or start sessions (that is the pipeline's API above).
+
+def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[str, Any]:
+    """`calibrate`: each chosen task (default: all) checked without a model, recorded with the
+    study's config hash; which tasks of the study are still uncalibrated."""
+    paths = study.paths
+    tasks = study.load_all().tasks
+    chosen = pick_tasks(tasks, only)
+    for t in chosen.values():
+        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
+    results = {t.id: calibrate_task(paths, host.platform, t, host.env) for t in chosen.values()}
+    with RegistryLock(paths.lock, host.platform):
+        state = calibration_state(paths)
+        state.setdefault("tasks", {}).update(results)
+        state["config_hash"] = study.hash
+        state["at"] = utc_now()
+        write_json_atomic(paths.state / "calibration.json", state)
+    append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
+    return {"ok": all(r["ok"] for r in results.values()), "tasks": results,
+            "uncalibrated": uncalibrated(paths, tasks)}
+
+
+def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
+    with gc_paused():
+        return [load_run(paths, r) for r in all_run_ids(paths)]
+
+
+def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
+                split: str) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
+    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
+    estimate (see plan_study_cost)."""
+    paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
+    pilot: dict[str, list[float]] = {}
+    for r in run_records_for_report(paths):
+        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    reh = reh if isinstance(reh, dict) else {}
+    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
+    reh_arms = reh.get("arms") if isinstance(reh.get("arms"), dict) else None
+
+    def cost(r: int) -> dict[str, Any]:
+        return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
+
+    out = {"repeats": repeats,
+           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
+                                                                      power["alpha"], power["power"]),
+           "cost_at_repeats": cost(repeats),
+           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
+           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
+    if power.get("repeats"):
+        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    return out
+
+
+def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int | None = None,
+                seed: int | None = None, reassign: bool = False, faults: Sequence[str] = (),
+                power_delta: float | None = None, power_base: float = 0.5,
+                force: bool = False) -> dict[str, Any]:
+    """`assign`: the randomized, paired, blocked manifest of tasks x arms x repeats (defaults: the
+    study's `repeats` and `seed`), its runs registered; `faults` are RUN_ID=FAULT specs for runs
+    not started; `power_delta` adds a power estimate and its cost plan."""
+    paths = study.paths
+    study.load_all()
+    cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    check_name("split", split)
+    repeats = repeats if repeats is not None else int(cfg.get("repeats") or 1)
+    seed = seed if seed is not None else int(cfg.get("seed") or 0)
+    power = None
+    if power_delta is not None:
+        if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
+            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
+                                  code="power_estimate_needs_0_power")
+        power = paired_power_repeats(power_base, power_delta, len(tasks))
+        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+    manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
+    data = manifest_bytes(manifest, seed, split)
+    named: dict[str, dict[str, Any]] = {}
+    ids = {m["run_id"] for m in manifest}
+    for spec in faults:
+        rid, _, f = spec.partition("=")
+        if rid not in ids:
+            raise AgentbenchError("--fault names an unknown run", code="fault_names_unknown_run",
+                                  run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
+        named[rid] = parse_fault(f)
+    bad = uncalibrated(paths, tasks)
+    if bad and not force:
+        raise AgentbenchError("tasks are not calibrated", code="tasks_not_calibrated", tasks=bad,
+                              hint="run `calibrate` first (or pass --force to assign anyway)")
+    mpath = paths.state / "manifests" / f"{split}.json"
+    existing = mpath.read_bytes() if mpath.exists() else None
+    with RegistryLock(paths.lock, host.platform):
+        if existing is not None and existing != data:
+            if not reassign:
+                raise AgentbenchError("this split already has a different manifest",
+                                      code="split_already_different_manifest", split=split,
+                                      existing_sha256=sha256_bytes(existing),
+                                      hint="pass --reassign to replace it "
+                                           "(refused once any of its runs started)")
+            old = json.loads(existing)
+            started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
+                       and load_run(paths, r["run_id"]).get("status") != "not_started"]
+            if started:
+                raise AgentbenchError("cannot reassign: runs of this split have started",
+                                      code="cannot_reassign_runs_split_started", runs=started[:20])
+            for r in old["runs"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(run_file(paths, r["run_id"]))
+        write_bytes_atomic(mpath, data)
+    # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
+    # Existing records are kept; faults named now apply to runs that have not started.
+    register_runs(paths, manifest, seed, split, named)
+    applied = {}
+    with RegistryLock(paths.lock, host.platform):   # claim() changes run records under this lock
+        for rid, fault in named.items():
+            rec = load_run(paths, rid)
+            if rec.get("status") == "not_started":
+                applied[rid] = fault
+                if rec.get("fault") != fault:
+                    rec["fault"] = fault
+                    save_run(paths, rec)
+    append_event(paths, "assigned", split=split, runs=len(manifest), sha256=sha256_bytes(data))
+    blocks = sorted({m["block"] for m in manifest})
+    return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
+            "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
+            "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "faults": dict(applied)}
+
+
+# ==================================================================================================
 # The CLI and main
 # ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
@@ -12145,29 +12835,12 @@ def _study_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", help="study directory (default $AGENTBENCH_STUDY, else the cwd)")
 
 
-def read_brief(ctx: Ctx, path: str) -> str:
-    """The prompt text of a --brief FILE (refused if missing or empty)."""
-    p = Path(ctx.platform.normalize_path(os.path.join(ctx.cwd, path) if not os.path.isabs(path) else path))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError):
-        raise AgentbenchError("brief file not found", code="brief_file_not_found", path=str(p)) from None
-    except UnicodeDecodeError:
-        raise AgentbenchError("brief file is not UTF-8 text", code="brief_file_not_utf_8",
-                              path=str(p)) from None
-    if not text.strip():
-        raise AgentbenchError("brief file is empty", code="brief_file_empty", path=str(p))
-    return text
-
-
-def job_limits_from(args: argparse.Namespace, launch: Mapping[str, Any], *, fault: str | None = None) -> dict[str, Any]:
-    limits = session_limits(launch, wall_s=getattr(args, "wall_s", None) or None,
-                            orphan_after_s=getattr(args, "orphan_after_s", None),
-                            max_budget_usd=getattr(args, "max_budget_usd", None),
-                            max_turns=getattr(args, "max_turns", None) or None,
-                            extra=parse_fault(fault) if fault else None)
-    check_job_limits(limits)
-    return limits
+def launch_flags(args: argparse.Namespace) -> LaunchFlags:
+    """The session-limit flags of _launch_args as plain values."""
+    return LaunchFlags(max_budget_usd=getattr(args, "max_budget_usd", None),
+                       wall_s=getattr(args, "wall_s", None), max_turns=getattr(args, "max_turns", None),
+                       orphan_after_s=getattr(args, "orphan_after_s", None),
+                       fault=getattr(args, "fault", None))
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
@@ -12331,30 +13004,6 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- train / spawn / continue ----------------------------------------------------------------------
 
-@contextlib.contextmanager
-def removed_on_refusal(path: Path) -> Iterator[None]:
-    """Remove the directory `path` again if the block is refused and this call created it.
-
-    A refused command writes nothing, but a session's cwd must exist before its job is registered,
-    and the parallel cap, the circuit breaker or the study's USD cap may refuse the job after that.
-    Only `path` itself goes, never a parent that a concurrent call may be creating at the same
-    moment.  No job refers to it: a refusal registers nothing.
-    """
-    existed = path.exists()
-    parent_existed = path.parent.exists()
-    try:
-        yield
-    except (AgentbenchError, OSError):
-        if not existed:
-            shutil.rmtree(path, ignore_errors=True)
-        if not parent_existed:
-            # The parent (state/workspaces) only if this call made it and it is empty again: a
-            # concurrent call that needs it recreates it (mkdir parents=True).
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()
-        raise
-
-
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="the base's name (default: the task id with --task)")
@@ -12368,51 +13017,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("train", "train a base session that runs fork from (same context, read from the prompt cache)", mutating=True)
 @args_of(_train_args)
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
-    task = load_tasks(paths, cfg, only=[args.task])[args.task] if args.task else None
-    args.base = args.base or (task.id if task else None)
-    if not args.base:
-        raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
-    check_name("base", args.base)
-    if args.brief:
-        prompt = read_brief(ctx, args.brief)
-    elif task is not None:
-        prompt = render(load_templates(paths, cfg)["train_base"], task_title=task.title, task_text=task_text(task),
-                        notes_path="NOTES.md")
-    else:
-        raise AgentbenchError("train needs --brief FILE (or --task T for the train_base template)",
-                              code="train_needs_brief_file_task")
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
-    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.bases / args.base / "workspace"
-    # Refusals that do not depend on the base come first: a refused retraining must not have
-    # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
-    refuse_launch(paths, cfg)
-    # One trainer per base at a time: two concurrent calls would otherwise both start a session in
-    # the same workspace and the base would name only the last.  The check, the launch and the
-    # record happen under the base's own lock (taken before, never inside, the registry lock).
-    with base_lock(paths, ctx.platform, args.base):
-        bfile = _base_file(paths, args.base)
-        old = read_json(bfile, default=None)
-        if old is not None and base_state(paths, old) == "training":
-            raise AgentbenchError("base is still training", code="base_still_training",
-                                  base=args.base, job=old["job_id"],
-                                  hint="wait for its job (or kill it) before retraining")
-        if old is not None and not args.replace and not base_state(paths, old).startswith("failed"):
-            raise AgentbenchError("base already exists", code="base_already_exists",
-                                  base=args.base, state=base_state(paths, old),
-                                  hint="pass --replace to retrain it")
-        with removed_on_refusal(ws):
-            ws.mkdir(parents=True, exist_ok=True)
-            if task is not None and not args.workspace:
-                if old is not None and ws.exists():
-                    shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
-                copy_tree(task.public, ws)
-            out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                            fork=False, prior={}, limits=limits, meta={"base": args.base}, cfg=cfg)
-        register_base(paths, args.base, out, ws)
-    return {**out, "base": args.base}
+    return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
+                      brief=args.brief, workspace=args.workspace, replace=args.replace,
+                      flags=launch_flags(args))
 
 
 def _spawn_args(p: argparse.ArgumentParser) -> None:
@@ -12426,92 +13033,14 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-def study_parts(paths: StudyPaths) -> tuple[dict[str, Any], dict[str, Task], dict[str, Arm], dict[str, string.Template]]:
-    cfg = load_study_config(paths)
-    return cfg, load_tasks(paths, cfg), load_arms(paths, cfg), load_templates(paths, cfg)
-
-
-def pipeline_for(ctx: Ctx, paths: StudyPaths, run_id: str, opts: PipelineOptions | None = None) -> RunPipeline:
-    """A pipeline for one run driven by hand; loads only that run's task bundle (cost per call
-    must not grow with the number of tasks)."""
-    rec = load_run(paths, run_id)
-    cfg = load_study_config(paths)
-    task_root = tasks_dir(paths, cfg) / check_name("task", rec["task"])
-    if not (task_root / "task.json").exists():
-        raise AgentbenchError("the run's task bundle is missing", code="runs_task_bundle_missing",
-                              run=run_id, task=rec["task"], path=str(task_root))
-    tasks = {rec["task"]: load_task(task_root)}
-    pipe = RunPipeline(ctx, paths, run_id, cfg, tasks, load_arms(paths, cfg), load_templates(paths, cfg),
-                       opts or PipelineOptions())
-    pipe.rec = rec
-    return pipe
-
-
-def spawn_run(ctx: Ctx, paths: StudyPaths, args: argparse.Namespace) -> dict[str, Any]:
-    """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached)."""
-    rec = load_run(paths, args.run)
-    cfg, tasks, _, _ = study_parts(paths)
-    if uncalibrated(paths, {rec["task"]: tasks[rec["task"]]}) and not args.force:
-        raise AgentbenchError("the run's task is not calibrated", code="runs_task_not_calibrated",
-                              task=rec["task"], hint="run `calibrate`, or pass --force")
-    # Refusals first, so that a refused spawn leaves the run untouched.
-    arms = load_arms(paths, cfg)
-    base = args.base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
-    if base:
-        require_base_ready(paths, base)
-    launch = launch_config(cfg)
-    study_binary(ctx, cfg)
-    refuse_if_paused(paths, launch)
-    reap_jobs(paths, ctx.platform)
-    if len(active_job_ids(paths)) >= int(launch["parallel"]):
-        raise AgentbenchError("parallel cap reached", code="parallel_cap",
-                              active=len(active_job_ids(paths)), cap=launch["parallel"],
-                              refusal="parallel_cap", hint="wait for a job to finish (`wait --any`)")
-    pipe = pipeline_for(ctx, paths, args.run)
-    if not pipe.claim():
-        raise AgentbenchError("the run is not waiting to start", code="run_not_waiting_start",
-                              run=args.run, status=rec.get("status"),
-                              hint="a run starts once; see `list --all`")
-    try:
-        if args.base:
-            pipe.rec["base"] = check_name("base", args.base)
-        task, arm, ws, prompt = pipe.prepare()
-        fault = {k: v for k, v in (rec.get("fault") or {}).items() if k == "interrupt_after_tool_uses"}
-        base = pipe.rec.get("base")
-        jid = pipe._launch_job("executor", prompt, cwd=ws, system_extra="" if base else arm.preamble_text,
-                               fault=fault, base=base)
-    except AgentbenchError as exc:
-        pipe._end_error(exc.payload.get("error", "error"), exc.payload)
-        raise
-    return {"run_id": args.run, "job_id": jid, "workspace": ws, "task": task.id, "arm": arm.name}
-
-
 @command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
+    study = load_study(ctx.study(args))
     if args.run:
-        return spawn_run(ctx, paths, args)
-    if not args.brief:
-        raise AgentbenchError("spawn needs --brief FILE (or --run RUN_ID)", code="spawn_needs_brief_file_run")
-    if args.label:
-        check_name("label", args.label)
-    prompt = read_brief(ctx, args.brief)
-    cfg = load_study_config(paths)
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    study_binary(ctx, cfg)   # a missing binary is refused before anything is created
-    name = args.label or uuid.uuid4().hex[:12]
-    ws = Path(ctx.platform.normalize_path(args.workspace)) if args.workspace else paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
-    resume, prior = None, {}
-    with removed_on_refusal(ws):
-        if args.base:
-            f = fork_base(ctx, paths, args.base, ws, copy_workspace=not args.workspace)
-            resume, prior = f["resume"], f["prior"]
-        ws.mkdir(parents=True, exist_ok=True)
-        out = start_job(ctx, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None, resume=resume,
-                        fork=bool(resume), prior=prior, limits=limits,
-                        meta={"base": args.base, "label": args.label}, cfg=cfg)
-    return {**out, "base": args.base, "label": args.label}
+        return spawn_run(ctx, study, args.run, base=args.base, force=args.force)
+    return spawn_session(ctx, study, cwd=ctx.cwd, brief=args.brief, label=args.label, base=args.base,
+                         workspace=args.workspace, flags=launch_flags(args))
 
 
 def _continue_args(p: argparse.ArgumentParser) -> None:
@@ -12526,36 +13055,10 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
 @args_of(_continue_args)
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    prompt = read_brief(ctx, args.brief)
-    cfg = load_study_config(paths)
-    limits = job_limits_from(args, launch_config(cfg), fault=args.fault)
-    job_id = args.job
-    if args.run:
-        job_id = latest_run_job(paths, args.run)
-        if not job_id:
-            raise AgentbenchError("the run has no session to continue yet",
-                                  code="run_no_session_continue_yet", run=args.run,
-                                  hint=f"start it first: spawn --run {args.run}")
-    if not job_id:
-        raise AgentbenchError("continue needs --job J or --run R", code="continue_needs_job_j_run")
-    run_id = args.run or (load_job(paths, job_id).get("meta") or {}).get("run_id")
-    if run_id:
-        # A run's sessions are recorded in its run record (cost, tokens, evaluation need them).
-        pipe = pipeline_for(ctx, paths, run_id)
-        if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-            raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
-                                  run=run_id, status=pipe.rec.get("status"),
-                                  hint="a run driven by `run` continues its own sessions")
-        if existing_continuation(paths, job_id):
-            return _duplicate_continue(paths, job_id, existing_continuation(paths, job_id))  # type: ignore[arg-type]
-        jid = pipe._launch_job("continue", prompt, cwd=pipe.rec["workspace"]["path"], resume_job=job_id,
-                               kind="continue")
-        if jid is None:
-            raise AgentbenchError("the run's budget does not allow another session",
-                                  code="runs_budget_does_not_allow", run=run_id,
-                                  spent_usd=pipe.rec.get("cost_usd"))
-        return {"job_id": jid, "run_id": run_id, "continues": job_id, "status": job_status(paths, jid).get("status")}
-    return continue_job(ctx, paths, job_id, prompt, limits, cfg=cfg)
+    prompt = read_brief(ctx, ctx.cwd, args.brief)
+    study = load_study(paths)
+    limits = launch_limits(study.launch, launch_flags(args))
+    return continue_session(ctx, study, prompt, limits, job_id=args.job, run_id=args.run)
 
 
 # -- wait / list / kill ----------------------------------------------------------------------------
@@ -12735,21 +13238,7 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle", mutating=True)
 @args_of(_calibrate_args)
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg, tasks, arms, _ = study_parts(paths)
-    chosen = load_tasks(paths, cfg, only=args.task or None)
-    for t in chosen.values():
-        refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
-    results = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in chosen.values()}
-    with RegistryLock(paths.lock, ctx.platform):
-        state = calibration_state(paths)
-        state.setdefault("tasks", {}).update(results)
-        state["config_hash"] = config_hash(paths, cfg)
-        state["at"] = utc_now()
-        write_json_atomic(paths.state / "calibration.json", state)
-    append_event(paths, "calibrated", tasks={k: v["ok"] for k, v in results.items()})
-    return {"ok": all(r["ok"] for r in results.values()), "tasks": results,
-            "uncalibrated": uncalibrated(paths, tasks)}
+    return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
 
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
@@ -12764,116 +13253,12 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
-def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    with gc_paused():
-        return [load_run(paths, r) for r in all_run_ids(paths)]
-
-
-def assign_plan(paths: StudyPaths, cfg: Mapping[str, Any], tasks: Mapping[str, Any], arms: Mapping[str, Arm],
-                repeats: int, power: Mapping[str, Any], p_base: float, split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
-    (finished real runs of other splits with a reported cost), else its rehearsal, else a token
-    estimate (see plan_study_cost)."""
-    pilot: dict[str, list[float]] = {}
-    for r in run_records_for_report(paths):
-        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
-                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
-            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
-    reh = read_json(paths.state / "rehearsal.json", default=None)
-    reh = reh if isinstance(reh, dict) else {}
-    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
-
-    def cost(r: int) -> dict[str, Any]:
-        return plan_study_cost(shape, len(tasks), r, pilot, reh.get("arms") if isinstance(reh.get("arms"), dict) else None,
-                               cfg.get("model"), cfg.get("prices"))
-
-    out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"]),
-           "cost_at_repeats": cost(repeats),
-           "rehearsal_is_current": bool(reh) and reh.get("config_hash") == config_hash(paths, dict(cfg)),
-           "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
-    if power.get("repeats"):
-        out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
-    return out
-
-
 @command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg, tasks, arms, _ = study_parts(paths)
-    check_name("split", args.split)
-    repeats = args.repeats if args.repeats is not None else int(cfg.get("repeats") or 1)
-    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
-    power = None
-    if args.power_delta is not None:
-        if not 0 < args.power_delta < 1 or not 0 <= args.power_base <= 1:
-            raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
-                                  code="power_estimate_needs_0_power")
-        power = paired_power_repeats(args.power_base, args.power_delta, len(tasks))
-        power["plan"] = assign_plan(paths, cfg, tasks, arms, repeats, power, args.power_base, args.split)
-    manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, args.split)
-    data = manifest_bytes(manifest, seed, args.split)
-    faults: dict[str, dict[str, Any]] = {}
-    ids = {m["run_id"] for m in manifest}
-    for spec in args.fault:
-        rid, _, f = spec.partition("=")
-        if rid not in ids:
-            raise AgentbenchError("--fault names an unknown run", code="fault_names_unknown_run",
-                                  run=rid, hint="RUN_ID=FAULT with a run id of this manifest")
-        faults[rid] = parse_fault(f)
-    bad = uncalibrated(paths, tasks)
-    if bad and not args.force:
-        raise AgentbenchError("tasks are not calibrated", code="tasks_not_calibrated", tasks=bad,
-                              hint="run `calibrate` first (or pass --force to assign anyway)")
-    mpath = paths.state / "manifests" / f"{args.split}.json"
-    existing = mpath.read_bytes() if mpath.exists() else None
-    with RegistryLock(paths.lock, ctx.platform):
-        if existing is not None and existing != data:
-            if not args.reassign:
-                raise AgentbenchError("this split already has a different manifest", code="split_already_different_manifest", split=args.split,
-                                      existing_sha256=sha256_bytes(existing),
-                                      hint="pass --reassign to replace it (refused once any of its runs started)")
-            old = json.loads(existing)
-            started = [r["run_id"] for r in old["runs"] if run_file(paths, r["run_id"]).exists()
-                       and load_run(paths, r["run_id"]).get("status") != "not_started"]
-            if started:
-                raise AgentbenchError("cannot reassign: runs of this split have started",
-                                      code="cannot_reassign_runs_split_started", runs=started[:20])
-            for r in old["runs"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(run_file(paths, r["run_id"]))
-        write_bytes_atomic(mpath, data)
-    # Outside the lock: one file per run (10,000 fsyncs must not hold every other caller up).
-    # Existing records are kept; faults named now apply to runs that have not started.
-    register_runs(paths, manifest, seed, args.split, faults)
-    applied = {}
-    with RegistryLock(paths.lock, ctx.platform):   # claim() changes run records under this lock
-        for rid, fault in faults.items():
-            rec = load_run(paths, rid)
-            if rec.get("status") == "not_started":
-                applied[rid] = fault
-                if rec.get("fault") != fault:
-                    rec["fault"] = fault
-                    save_run(paths, rec)
-    faults = applied
-    append_event(paths, "assigned", split=args.split, runs=len(manifest), sha256=sha256_bytes(data))
-    blocks = sorted({m["block"] for m in manifest})
-    return {"split": args.split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
-            "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
-            "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
-            "faults": {k: v for k, v in faults.items()}}
-
-
-def require_hand_driven(pipe: RunPipeline, run_id: str) -> None:
-    """Steps by hand are for runs started by hand (`spawn --run`) and not yet evaluated."""
-    if pipe.rec.get("status") != "running" or pipe.rec.get("driver"):
-        raise AgentbenchError("the run is not being driven by hand", code="run_not_being_driven_hand",
-                              run=run_id, status=pipe.rec.get("status"),
-                              hint="start it with `spawn --run`; a run driven by `run` does its own steps, "
-                                   "and a finished run is final")
+    return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
+                       seed=args.seed, reassign=args.reassign, faults=args.fault,
+                       power_delta=args.power_delta, power_base=args.power_base, force=args.force)
 
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
@@ -12884,43 +13269,13 @@ def _run_target_args(p: argparse.ArgumentParser) -> None:
 @command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
 @args_of(_run_target_args)
 def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    pipe = pipeline_for(ctx, paths, args.run)
-    require_hand_driven(pipe, args.run)
-    ws = (pipe.rec.get("workspace") or {}).get("path")
-    if not ws or not os.path.isdir(ws):
-        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet",
-                              run=args.run, hint="spawn --run it first")
-    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
-                              run=args.run, hint="wait for it first")
-    rec = pipe._gate(pipe.tasks[pipe.rec["task"]], ws, "manual")
-    n = pipe.rec["gates"][-1]["n"]
-    out = {"run_id": args.run, "passed": rec["passed"], "score": rec["score"], "checks": rec["checks"],
-           "failed": pipe._failed_checks_text(rec) if not rec["passed"] else None,
-           "receipt": str(paths.run_dir(args.run) / "receipts" / f"gate-{n:02d}-manual.json")}
-    if not rec["passed"]:
-        # What the checks printed: the feedback an orchestrator passes on with `continue`.
-        out["stdout_tail"], out["stderr_tail"] = rec.get("stdout_tail") or "", rec.get("stderr_tail") or ""
-    return out
+    return gate_run(ctx, load_study(ctx.study(args)), args.run)
 
 
 @command("review", "a fresh reviewer session writes review.json (accept/revise) for a run", mutating=True)
 @args_of(_run_target_args)
 def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    pipe = pipeline_for(ctx, paths, args.run)
-    require_hand_driven(pipe, args.run)
-    ws = (pipe.rec.get("workspace") or {}).get("path")
-    if not ws:
-        raise AgentbenchError("the run has no workspace yet", code="run_no_workspace_yet", run=args.run)
-    if any((paths.active / j["job_id"]).exists() for j in pipe.rec.get("jobs") or []):
-        raise AgentbenchError("a session of this run is still working", code="session_run_still_working",
-                              run=args.run, hint="wait for it first")
-    n = len([j for j in pipe.rec.get("jobs") or [] if j["role"] == "reviewer"]) + 1
-    jid = pipe.launch_review(pipe.tasks[pipe.rec["task"]], ws, n)
-    return {"run_id": args.run, "job_id": jid, "review": n,
-            "review_path": str(paths.run_dir(args.run) / "review" / f"{n:02d}" / "review.json")}
+    return review_run(ctx, load_study(ctx.study(args)), args.run)
 
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
@@ -12932,35 +13287,7 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 @command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records success", mutating=True)
 @args_of(_evaluate_args)
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    ids = list(args.run)
-    if not ids and not args.all:
-        raise AgentbenchError("evaluate needs --run R or --all", code="evaluate_needs_run_r_all")
-    if args.all:
-        # Nothing running by hand is no error: the answer is then empty.
-        ids += [r["run_id"] for r in list_runs(paths) if r.get("status") == "running"]
-    out, skipped = [], []
-    for rid in dict.fromkeys(ids):
-        pipe = pipeline_for(ctx, paths, rid)
-        rec = pipe.rec
-        if rec.get("status") != "running" or rec.get("driver"):
-            skipped.append({"run_id": rid, "status": rec.get("status"),
-                            "why": "already final" if rec.get("status") in RUN_FINAL else "not started by hand"})
-            continue
-        if any((paths.active / j["job_id"]).exists() for j in rec.get("jobs") or []):
-            skipped.append({"run_id": rid, "why": "a session is still working"})
-            continue
-        last = None
-        for j in rec.get("jobs") or []:
-            last = pipe._account_job(j["job_id"])
-        for i, j in enumerate([j for j in rec.get("jobs") or [] if j["role"] == "reviewer"], start=1):
-            if i > len(rec.get("reviews") or []):
-                pipe.collect_review(i, (read_json(paths.result_file(j["job_id"]), default={}) or {}).get("status"))
-        stop = pipe._stop_reason(last) if last else None
-        task = pipe.tasks[rec["task"]]
-        pipe._finish(task, rec["workspace"]["path"], stop)
-        out.append(run_summary(paths, rid))
-    return {"evaluated": out, "skipped": skipped}
+    return evaluate_runs(ctx, load_study(ctx.study(args)), args.run, every_running=args.all)
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -12972,52 +13299,6 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
-
-
-def select_runs(paths: StudyPaths, args: argparse.Namespace) -> list[str]:
-    ids = list(args.run) or all_run_ids(paths)
-    for r in args.run:
-        load_run(paths, r)
-    records = {rid: load_run(paths, rid) for rid in ids}
-    if args.task or args.arm:
-        # A filter that names nothing of the study is a typo, not an empty selection.
-        every = records if not args.run else {rid: load_run(paths, rid) for rid in all_run_ids(paths)}
-        for flag, key, wanted in (("--task", "task", args.task), ("--arm", "arm", args.arm)):
-            known = sorted({str(r.get(key)) for r in every.values()})
-            unknown = [w for w in wanted or [] if w not in known]
-            if unknown:
-                raise AgentbenchError(f"{flag} names no {key} of the study's runs", code="unknown_selection",
-                                      **{key: unknown}, known=known,
-                                      hint="see `list --all` or the manifest from `assign`")
-    out = []
-    for rid in ids:
-        rec = records[rid]
-        if args.task and rec["task"] not in args.task:
-            continue
-        if args.arm and rec["arm"] not in args.arm:
-            continue
-        if args.split and rec.get("split") != args.split:
-            continue
-        out.append(rid)
-    return out
-
-
-def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
-    """A real-API run starts only after calibration and rehearsal passed for this exact config."""
-    if force:
-        return
-    h = config_hash(paths, cfg)
-    cal = calibration_state(paths)
-    reh = read_json(paths.state / "rehearsal.json", default=None) or {}
-    problems = []
-    if cal.get("config_hash") != h or uncalibrated(paths, load_tasks(paths, cfg)):
-        problems.append("calibration is missing or older than the current configuration")
-    if not reh.get("ok") or reh.get("config_hash") != h:
-        problems.append("no passing rehearsal of the current configuration")
-    if problems:
-        raise AgentbenchError("refusing to spend money on an unproven configuration",
-                              code="unproven_configuration", problems=problems,
-                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
 
 
 class Progress:
@@ -13054,61 +13335,21 @@ class Progress:
                 self.stream.write("\n")
 
 
-def drive_foreground(ctx: Ctx, paths: StudyPaths, ids: list[str], parallel: int) -> dict[str, Any]:
+def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
     prog = Progress(len(ids))
-    cfg = load_study_config(paths)
-    driver = driver_record(ctx.platform, paths)
-    opts = PipelineOptions(env_extra=dict(cfg.get("env") or {}), driver=driver, progress=prog)
     try:
-        with DriverBeat(driver):
-            out = drive_runs(ctx, paths, ids, opts, parallel)
+        return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:
         prog.close()
-    outcomes: dict[str, int] = {}
-    for r in out["results"].values():
-        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
-    unclaimed = out.pop("unclaimed", {})
-    if unclaimed:
-        raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out, outcomes=outcomes,
-                              hint="see each run's error (a busy lock, a read-only or full disk); "
-                                   "run them again once the cause is fixed")
-    return {**out, "outcomes": outcomes, "interrupted": [r for r in ids if load_run(paths, r).get("status") == "interrupted"]}
 
 
 @command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    cfg, tasks, _, _ = study_parts(paths)
-    ids = select_runs(paths, args)
-    if not ids:
-        raise AgentbenchError("no runs selected", code="no_runs_selected",
-                              hint="run `assign` first, or check --run/--task/--arm")
-    real_run_guard(paths, cfg, args.force)
-    validate_launch_values(cfg)
-    require_executor_ready(cfg.get("executor"))
-    arms = load_arms(paths, cfg)
-    missing: dict[str, str] = {}
-    for rid in ids:
-        rec = load_run(paths, rid)
-        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
-        if base and base not in missing:
-            try:
-                require_base_ready(paths, base)
-            except AgentbenchError as exc:
-                missing[base] = str(exc.payload.get("state") or "missing")
-    missing = {b: s for b, s in missing.items() if s}
-    if missing:
-        raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
-                              bases=missing,
-                              hint="train them first: agentbench.py train --task T (one per task), then wait")
-    cap = int(launch_config(cfg)["parallel"])
-    if args.parallel is not None and args.parallel < 1:
-        raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=args.parallel)
-    parallel = args.parallel or cap
-    if parallel > cap:
-        log(f"--parallel {parallel} is above the study's parallel cap {cap}: using {cap}")
-        parallel = cap
+    study = load_study(paths).load_all()
+    ids = select_runs(paths, args.run, args.task, args.arm, args.split)
+    parallel = runs_can_start(study, ids, args.parallel, args.force)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -13121,7 +13362,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`"}
-    return drive_foreground(ctx, paths, ids, parallel)
+    return drive_foreground(ctx, study, ids, parallel)
 
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
@@ -13144,9 +13385,10 @@ def load_env_file(ctx: Ctx, env_file: str | None) -> None:
 def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     if args.credentials_stdin:
-        _HANDED_CREDENTIALS.update(read_stdin_credentials())
+        HANDED_CREDENTIALS.update(read_stdin_credentials())
     paths = ctx.study(args)
-    return drive_foreground(ctx, paths, select_runs(paths, args), args.parallel or 1)
+    ids = select_runs(paths, args.run, args.task, args.arm, args.split)
+    return drive_foreground(ctx, load_study(paths), ids, args.parallel or 1)
 
 
 # -- usage and report ------------------------------------------------------------------------------
@@ -13283,7 +13525,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     ensure_claude(ctx, paths, install=False)
     scratch = Path(ctx.platform.normalize_path(args.dir)) if args.dir else \
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    cfg, tasks, arms, _ = study_parts(paths)
+    study = load_study(paths).load_all()
+    cfg, tasks, arms = study.cfg, study.tasks, study.arms
     prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
@@ -13319,9 +13562,11 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = StudyPaths(study)
     paths.state.mkdir(parents=True, exist_ok=True)
     write_json_atomic(paths.registry, read_registry(paths))
-    cfg, tasks, _, _ = study_parts(paths)
+    demo = load_study(paths).load_all()
+    cfg, tasks = demo.cfg, demo.tasks
     cal = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in tasks.values()}
-    write_json_atomic(paths.state / "calibration.json", {"tasks": cal, "config_hash": config_hash(paths, cfg), "at": utc_now()})
+    write_json_atomic(paths.state / "calibration.json",
+                      {"tasks": cal, "config_hash": demo.hash, "at": utc_now()})
     log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x {args.repeats} repeats")
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
@@ -13394,7 +13639,7 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         rec = load_base(paths, args.base)
         rec["expired"] = True
         rec["expired_at"] = utc_now()
-        write_json_atomic(_base_file(paths, args.base), rec)
+        write_json_atomic(base_file(paths, args.base), rec)
     return {"base": args.base, "state": "expired"}
 
 

@@ -107,58 +107,71 @@ def test_the_checker_catches_a_forward_use():
     assert forward_uses(src) == [(1, "a", "b", 5)]
 
 
-def private_reaches(text: str) -> list[tuple[str, str, str, str]]:
-    """(section, definition, private name, the section that defines it) for every top-level
-    definition that uses a module-level `_name` defined in another section."""
-    tree = ast.parse(text)
-    spans = sections(text)
-    defined = top_level_names(tree)
-
-    def section_of(line: int) -> str:
-        return next((title for title, a, b in spans if a <= line <= b), "(before the first banner)")
-
-    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    out = []
-    for node in tree.body:
-        if not isinstance(node, (*scopes, ast.Assign, ast.AnnAssign)):
-            continue
-        local = _bound_inside(node) if isinstance(node, scopes) else set()
-        here = section_of(node.lineno)
-        for use in ast.walk(node):
-            if (isinstance(use, ast.Name) and use.id.startswith("_") and use.id in defined
-                    and use.id not in local and section_of(defined[use.id]) != here):
-                owner = section_of(defined[use.id])
-                out.append((here, getattr(node, "name", "<assignment>"), use.id, owner))
-    return sorted(set(out))
-
-
-#: Sections that are already held to "no reaching into another section's private names" (both as
-#: the user and as the owner of the name); the rest of the file is to follow.
-PRIVATE_CHECKED_SECTIONS = ("Statistics", "The report: what each arm did", "Rendering: Markdown and HTML",
-                            "Run pages: the report as a directory")
-
-
-def test_the_private_name_checker_catches_a_reach_across_sections():
-    banner = BANNER + "\n# {}\n" + BANNER + "\n# owns x\n\n"
-    src = (banner.format("A") + "def _a():\n    return 1\n\n\ndef b():\n    return _a()\n\n\n"
-           + banner.format("B") + "def c():\n    return _a()\n\n\ndef d(_a):\n    return _a\n")
-    assert private_reaches(src) == [("B", "c", "_a", "A")]
-
-
-def test_the_statistics_report_and_rendering_sections_keep_their_private_names():
-    text = SOURCE.read_text(encoding="utf-8")
-    titles = [title for title, _, _ in sections(text)]
-    assert all(t in titles for t in PRIVATE_CHECKED_SECTIONS)
-    assert [r for r in private_reaches(text)
-            if r[0] in PRIVATE_CHECKED_SECTIONS or r[3] in PRIVATE_CHECKED_SECTIONS] == []
-
-
 def test_nothing_below_the_cli_takes_an_untyped_ctx():
     text = SOURCE.read_text(encoding="utf-8")
     cli = next(line for title, line, _ in sections(text) if title.startswith("The CLI"))
     offenders = [i + 1 for i, line in enumerate(text.split("\n")[:cli])
                  if re.search(r"\bctx: Any\b", line)]
     assert offenders == []
+
+
+def _section_of(secs: list[tuple[str, int, int]], line: int) -> str:
+    return next((t for t, a, b in secs if a <= line <= b), "")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reaches(text: str) -> list[tuple[int, str, str, str]]:
+    """(line, private name, its section, the section using it) for every use of a module-level
+    `_name`, or of a class's `_member` through something other than `self`/`cls`, from a section
+    other than the one that defines it."""
+    tree = ast.parse(text)
+    secs = sections(text)
+    defined = {n: _section_of(secs, line) for n, line in top_level_names(tree).items() if _private(n)}
+    members: dict[str, set[str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        home = _section_of(secs, node.lineno)
+        for n in ast.walk(node):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(n.name):
+                members.setdefault(n.name, set()).add(home)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and _private(n.attr):
+                members.setdefault(n.attr, set()).add(home)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    if isinstance(t, ast.Name) and _private(t.id):
+                        members.setdefault(t.id, set()).add(home)
+    bad = []
+    for node in tree.body:
+        here = _section_of(secs, node.lineno)
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and n.id in defined and defined[n.id] != here:
+                bad.append((n.lineno, n.id, defined[n.id], here))
+            elif (isinstance(n, ast.Attribute) and _private(n.attr) and n.attr in members
+                  and here not in members[n.attr]
+                  and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))):
+                bad.append((n.lineno, "." + n.attr, "/".join(sorted(members[n.attr])), here))
+    return sorted(set(bad))
+
+
+def test_no_section_reaches_into_another_sections_private_names():
+    bad = private_reaches(SOURCE.read_text(encoding="utf-8"))
+    assert bad == [], "give these a public name or move them home: " + "; ".join(
+        f"line {line}: {name} of {home!r} used in {used!r}" for line, name, home, used in bad)
+
+
+def test_the_checker_catches_a_private_reach():
+    banner = "# " + "=" * 98
+    src = "\n".join([banner, "# A", banner, "# owns a", "# and so on", "def _helper():", "    return 1",
+                     "class K:", "    def _inner(self):", "        return self._inner", "",
+                     banner, "# B", banner, "# owns b", "# and so on",
+                     "def user(k):", "    return _helper() + k._inner()", ""])
+    assert [(name, home, used) for _, name, home, used in private_reaches(src)] == [
+        ("._inner", "A", "B"), ("_helper", "A", "B")]
 
 
 def test_the_module_docstring_maps_every_section_with_its_lines():

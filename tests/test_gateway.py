@@ -553,7 +553,7 @@ def test_a_detached_run_driver_gets_the_credentials_on_stdin_not_in_its_environm
 
 def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkeypatch):
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
-    monkeypatch.setattr(ab, "_HANDED_CREDENTIALS", {"ANTHROPIC_API_KEY": REAL_KEY})
+    monkeypatch.setattr(ab, "HANDED_CREDENTIALS", {"ANTHROPIC_API_KEY": REAL_KEY})
     assert ab.launch_credentials()["ANTHROPIC_API_KEY"] == REAL_KEY
     monkeypatch.setattr(ab.sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps({"env": {"A": "1", "B": 2}}).encode())))
     assert ab.read_stdin_credentials() == {"A": "1"}
