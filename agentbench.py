@@ -13,39 +13,46 @@ defined above it (tests/test_architecture.py checks this, and rewrites the map b
 banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
-       87-157   Start-up: lazy imports and the cached-bytecode launcher
-      158-255   Constants
-      256-359   Errors and output
-      360-468   Hostile numbers
-      469-516   Fault points
-      517-1766  Platform seam
-     1767-2268  Files, locks and the registry
-     2269-2459  Records: the declared shapes of the job's and run's files
-     2460-2647  Processes
-     2648-3011  Executors: where a job's supervisor runs (local, Slurm)
-     3012-3126  Env scrub
-     3127-3502  The sandbox
-     3503-3955  Stream and usage
-     3956-4338  Study configuration
-     4339-5145  The metering gateway
-     5146-6530  The supervisor
-     6531-6780  The supervisor: jobs (start, fork, continue)
-     6781-8376  The experiment layer
-     8377-8827  Runs by hand and the run driver's checks: the pipeline's public API
-     8828-9335  Statistics
-     9336-10264 The report: what each arm did
-    10265-10906 Rendering: Markdown and HTML
-    10907-11437 Run pages: the report as a directory
-    11438-12244 Offline scripted model
-    12245-12540 The scripted model: rehearsal of a study
-    12541-12602 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12603-12740 Calibration and assignment: a study's tasks checked and its runs planned
-    12741-13803 The CLI and main
+       94-164   Start-up: lazy imports and the cached-bytecode launcher
+      165-262   Constants
+      263-366   Errors and output
+      367-475   Hostile numbers
+      476-523   Fault points
+      524-1773  Platform seam
+     1774-2275  Files, locks and the registry
+     2276-2466  Records: the declared shapes of the job's and run's files
+     2467-2654  Processes
+     2655-3018  Executors: where a job's supervisor runs (local, Slurm)
+     3019-3133  Env scrub
+     3134-3509  The sandbox
+     3510-3962  Stream and usage
+     3963-4345  Study configuration
+     4346-5152  The metering gateway
+     5153-6042  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6043-6514  The supervisor process: one job's `claude` run to its end
+     6515-6796  Sessions and bases: every launch (start, fork, continue)
+     6797-7460  Tasks, arms and checks: a study's contents, loaded once
+     7461-8399  Runs and the pipeline
+     8400-8850  Runs by hand and the run driver's checks: the pipeline's public API
+     8851-9358  Statistics
+     9359-10287 The report: what each arm did
+    10288-10929 Rendering: Markdown and HTML
+    10930-11460 Run pages: the report as a directory
+    11461-12267 Offline scripted model
+    12268-12563 The scripted model: rehearsal of a study
+    12564-12625 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12626-12763 Calibration and assignment: a study's tasks checked and its runs planned
+    12764-13826 The CLI and main
 
-Where to look: the study's configuration (its keys, defaults, init's flags) is "Study
-configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling,
-what a launch record means); a session's limits are `session_limits` in the jobs layer; the
-by-hand run flow is `spawn_run`/`pipeline_for` in the CLI over the pipeline's methods.
+Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
+configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
+a launch record means); job records, the reaper and kill (the pure `kill_step`) are "Jobs"; the
+process that runs one `claude` is "The supervisor process"; a session's limits (`session_limits`)
+and every launch are "Sessions and bases"; the gateway and the sandbox have their own sections; a
+study loaded once is `Study` (`load_study`) in "Tasks, arms and checks"; how a run is classified
+(`classify_run`) and the pipeline are "Runs and the pipeline"; the by-hand flow and `run`'s
+refusals are "Runs by hand" (`spawn_run`, `gate_run`, `evaluate_runs`, `runs_can_start`...);
+calibrate and assign are "Calibration and assignment"; the CLI only converts flags and calls them.
 """
 from __future__ import annotations
 
@@ -5144,17 +5151,15 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 
 
 # ==================================================================================================
-# The supervisor
+# Jobs: a session's record (create, launch, finalise, reap, kill)
 # ==================================================================================================
-# Jobs: one `claude` process each, launched by a detached supervisor (`_supervise`, internal) that
-# is the only writer of its job's runtime.json.  It feeds the prompt on stdin and closes it, copies
-# every stdout line to raw/stream.jsonl and parses it, heartbeats, and enforces the wall-time limit
-# (monotonic clock: suspends and clock jumps excluded), the stall flag, the orphan watchdog, model
-# substitution, the budget backstop, injected interrupts and kill requests.  After `claude` exits
-# it sweeps leftover descendants, then finalises exactly once: result.json (created exclusively --
-# the once-only guard), the registry counters, one ledger line.  Jobs do not know what they are for:
-# the experiment layer puts its run ids in `meta` and reads results back.  Owns job records,
-# finalisation, the reaper and kill.  Must not know tasks, arms or runs.
+# Jobs: one `claude` session each.  A job is registered under the registry lock (its record, its
+# active marker), launched through its executor, and finalised exactly once: result.json (created
+# exclusively -- the once-only guard), the registry counters, one ledger line.  The reaper completes
+# half-finalised jobs and declares dead ones `lost`; kill follows the pure kill plan (kill_step).
+# Jobs do not know what they are for: the experiment layer puts its run ids in `meta` and reads
+# results back.  Owns job records, finalisation, the reaper and kill.  Must not know tasks, arms or
+# runs, and must not run `claude` itself (that is the supervisor process, below).
 
 def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
@@ -6035,6 +6040,17 @@ def kill_job(paths: StudyPaths, platform: "Platform", job_id: str, reason: str =
             _wait_final(paths, job_id, action.wait_s)
 
 
+# ==================================================================================================
+# The supervisor process: one job's `claude` run to its end
+# ==================================================================================================
+# The detached supervisor (`_supervise`, internal) is the only writer of its job's runtime.json.  It
+# feeds the prompt on stdin and closes it, copies every stdout line to raw/stream.jsonl and parses it,
+# heartbeats, and enforces the wall-time limit (monotonic clock: suspends and clock jumps excluded),
+# the stall flag, the orphan watchdog, model substitution, the budget backstop, injected interrupts
+# and kill requests.  After `claude` exits it sweeps leftover descendants, then finalises the job
+# through the jobs section.  Must not register jobs or decide what a session is for.
+
+
 class Supervisor:
     """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
 
@@ -6496,6 +6512,15 @@ class Supervisor:
                 self._write_runtime(finalizing=True)
 
 
+# ==================================================================================================
+# Sessions and bases: every launch (start, fork, continue)
+# ==================================================================================================
+# The shared path by which every session starts (train, spawn, continue, and the experiment's
+# runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
+# the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
+# sessions that runs fork from) are small records under state/bases/.  Owns session limits
+# (session_limits) and launch refusals.  Must not wait for a session to end.
+
 def check_job_limits(limits: Mapping[str, Any]) -> None:
     for key in ("wall_s", "stall_after_s", "orphan_after_s", "max_budget_usd"):
         val = limits.get(key)
@@ -6527,15 +6552,6 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
         limits.update(extra)
     return limits
 
-
-# ==================================================================================================
-# The supervisor: jobs (start, fork, continue)
-# ==================================================================================================
-# The shared path by which every session starts (train, spawn, continue, and the experiment's
-# runs): validate the launch config, honour the circuit breaker and the study's USD cap, register
-# the job under the lock (parallel cap), then launch its detached supervisor.  Bases (trained
-# sessions that runs fork from) are small records under state/bases/.  Owns session limits
-# (session_limits) and launch refusals.  Must not wait for a session to end.
 
 def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
@@ -6779,13 +6795,11 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
 
 
 # ==================================================================================================
-# The experiment layer
+# Tasks, arms and checks: a study's contents, loaded once
 # ==================================================================================================
-# Tasks, arms, calibration, the assignment manifest, workspaces, gate, review, evaluation, the
-# behaviour audit and the per-run pipeline.  Runs are built from jobs of the section above; a run
-# record (state/runs/<run_id>.json) is written only by the driver that claimed the run.  The
-# pipeline never raises: an infrastructure problem ends the run `error` with its reason.  Nothing
-# here knows the scripted model: rehearsal plugs in through the `script_for` callback.
+# Task bundles, arms, templates and the study's hash, read once per command into a `Study`; the
+# gate and oracle checks and their receipts; calibration of a task against its reference.  Owns what
+# a task is and how its checks run and are judged.  Must not know runs, jobs or the pipeline.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
@@ -7443,6 +7457,15 @@ def uncalibrated(paths: StudyPaths, tasks: Mapping[str, Task]) -> list[str]:
     return sorted(t.id for t in tasks.values()
                   if not (cal.get(t.id, {}).get("ok") and cal[t.id].get("bundle_sha256") == t.bundle_sha256))
 
+
+# ==================================================================================================
+# Runs and the pipeline
+# ==================================================================================================
+# The assignment manifest, run records, workspaces, the behaviour audit and the per-run pipeline
+# (sessions, gate, review, evaluation).  Runs are built from jobs (sections above); a run record
+# (state/runs/<run_id>.json) is written only by the driver that claimed the run.  The pipeline
+# never raises: an infrastructure problem ends the run `error` with its reason.  Nothing here knows
+# the scripted model: rehearsal plugs in through the `script_for` callback.
 
 # -- assignment ------------------------------------------------------------------------------------
 
