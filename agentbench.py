@@ -38,11 +38,11 @@ Sections (line ranges), strictly bottom-up:
      9359-10287 The report: what each arm did
     10288-10929 Rendering: Markdown and HTML
     10930-11460 Run pages: the report as a directory
-    11461-12267 Offline scripted model
-    12268-12563 The scripted model: rehearsal of a study
-    12564-12625 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12626-12763 Calibration and assignment: a study's tasks checked and its runs planned
-    12764-13826 The CLI and main
+    11461-12272 Offline scripted model
+    12273-12568 The scripted model: rehearsal of a study
+    12569-12630 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12631-12768 Calibration and assignment: a study's tasks checked and its runs planned
+    12769-13831 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -11761,6 +11761,285 @@ def _apply_usage_override(usage: dict, override: dict) -> dict:
     return result
 
 
+class ScriptedModelHandler:
+    """The request handler of the scripted model, as a mixin over http.server's (joined where a
+    server starts, so that importing this file does not import http.server): the Messages API as
+    `claude` uses it (streamed or not), count_tokens, and the scripted faults.  `model` is the
+    ScriptedModelServer it answers for."""
+
+    model: Any = None
+    protocol_version = "HTTP/1.1"
+    server_version = "agentbench-scripted-model"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+        return  # quiet: the binary polls; nothing useful for stderr
+
+    def setup(self) -> None:
+        super().setup()
+        with self.model._lock:
+            self.model._open_sockets.add(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            with self.model._lock:
+                self.model._open_sockets.discard(self.connection)
+
+    def do_GET(self) -> None:
+        self._read_body()
+        self.model._log({"path": self.path, "method": "GET", "script": None, "step": None,
+                     "kind": "other"})
+        self._send_json(200, {})
+
+    def do_HEAD(self) -> None:
+        self.model._log({"path": self.path, "method": "HEAD", "script": None, "step": None,
+                     "kind": "other"})
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        raw = self._read_body()
+        path = urllib.parse.urlsplit(self.path).path.rstrip("/")
+        try:
+            body = json.loads(raw.decode("utf-8")) if raw else {}
+        except ValueError:
+            body = None
+        if path == "/v1/messages/count_tokens":
+            tokens = sum(_estimate_tokens(u) for u in _cache_key_blocks(body or {}))
+            self.model._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                         "kind": "count_tokens"})
+            self._send_json(200, {"input_tokens": tokens})
+            return
+        if path != "/v1/messages":
+            self.model._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                         "kind": "other"})
+            self._send_error(404, "not_found_error", f"no such endpoint: {path}")
+            return
+        if not isinstance(body, dict):
+            self.model._log({"path": self.path, "method": "POST", "script": None, "step": None,
+                         "kind": "bad_request"})
+            self._send_error(400, "invalid_request_error", "request body is not a JSON object")
+            return
+        session = self.headers.get("X-Claude-Code-Session-Id", "")
+        plan = self.model.plan(body, session)
+        entry = {"path": self.path, "method": "POST", "script": plan["script"], "step": plan["step"],
+                 "kind": plan["kind"], "fault": plan["fault"], "session": session,
+                 "model": body.get("model"), "stream": bool(body.get("stream")),
+                 "tools": len(body.get("tools") or [])}
+        if self.model.capture_bodies:
+            entry["body"] = body
+            entry["headers"] = dict(self.headers)
+        self.model._log(entry)
+        if plan["kind"] == "unknown_script":
+            self._send_error(400, "invalid_request_error",
+                             "agentbench scripted model: unknown or invalid script "
+                             f"{plan['script']!r}: "
+                             + self.model.script_problem(str(plan["script"])))
+            return
+        usage = self.model.usage_for(body, plan)
+        if plan["fault"]:
+            self._fault(plan, usage, body)
+            return
+        if body.get("stream"):
+            self._send_stream(plan, usage)
+        else:
+            self._send_message(plan, usage)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _read_body(self) -> bytes:
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    break
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(chunks)
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.send_header("request-id", "req_" + secrets.token_hex(12))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _send_error(self, status: int, kind: str, message: str, headers: dict | None = None) -> None:
+        self._send_json(status, {"type": "error", "error": {"type": kind, "message": message},
+                                 "request_id": "req_" + secrets.token_hex(12)}, headers)
+
+    def _message(self, plan: dict, usage: dict) -> dict:
+        return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                "model": plan["model"], "content": plan["content"],
+                "stop_reason": plan["stop_reason"],
+                "stop_sequence": None, "usage": usage}
+
+    def _send_message(self, plan: dict, usage: dict) -> None:
+        self._send_json(200, self._message(plan, usage))
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("request-id", "req_" + secrets.token_hex(12))
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def _event(self, name: str, data: dict) -> None:
+        self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode("utf-8"))
+        self.wfile.flush()
+
+    def _stream_events(self, plan: dict, usage: dict) -> list[tuple[str, dict]]:
+        message = self._message(plan, usage)
+        start_usage = dict(usage)
+        start_usage["output_tokens"] = 1  # like the service: the true count comes at the end
+        message.update({"content": [], "stop_reason": None, "usage": start_usage})
+        events: list[tuple[str, dict]] = [
+            ("message_start", {"type": "message_start", "message": message})]
+        for index, block in enumerate(plan["content"]):
+            if block["type"] == "text":
+                events.append(("content_block_start",
+                               {"type": "content_block_start", "index": index,
+                                "content_block": {"type": "text", "text": ""}}))
+                text = block["text"]
+                half = max(1, len(text) // 2)
+                for piece in (text[:half], text[half:]):
+                    if piece:
+                        events.append(("content_block_delta", {
+                            "type": "content_block_delta", "index": index,
+                            "delta": {"type": "text_delta", "text": piece}}))
+            else:
+                events.append(("content_block_start", {
+                    "type": "content_block_start", "index": index,
+                    "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"],
+                                      "input": {}}}))
+                encoded = json.dumps(block["input"])
+                cut = max(1, len(encoded) // 2)
+                for piece in (encoded[:cut], encoded[cut:]):
+                    if piece:
+                        events.append(("content_block_delta", {
+                            "type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": piece}}))
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        events.append(("message_delta",
+                       {"type": "message_delta",
+                        "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
+                        "usage": {"output_tokens": usage["output_tokens"]}}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+    def _send_stream(self, plan: dict, usage: dict) -> None:
+        self._start_stream()
+        try:
+            for name, data in self._stream_events(plan, usage):
+                self._event(name, data)
+        except OSError:
+            pass  # the client went away; nothing to answer to
+
+    def _fault(self, plan: dict, usage: dict, body: dict) -> None:
+        fault = plan["fault"]
+        if fault == "429":
+            self._send_error(429, "rate_limit_error",
+                             "Number of request tokens has exceeded your per-minute rate limit "
+                             "(agentbench scripted fault)", {"retry-after": "1",
+                                                              "x-should-retry": "true"})
+        elif fault == "529":
+            self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
+                             {"retry-after": "1", "x-should-retry": "true"})
+        elif fault == "500":
+            self._send_error(500, "api_error", "Internal server error (agentbench scripted fault)")
+        elif fault == "prompt_too_long":
+            total = sum(_estimate_tokens(u) for u in _cache_key_blocks(body))
+            self._send_error(400, "invalid_request_error",
+                             f"prompt is too long: {max(total, 200001)} tokens > 200000 maximum")
+        elif fault == "hang":
+            # Hold the request without a byte of answer until the server stops or the
+            # client gives up (then the thread is released instead of piling up).
+            self.close_connection = True
+            while not self.model._stopping.wait(0.25):
+                if self._peer_closed():
+                    break
+        elif not body.get("stream") and fault in ("overloaded", "cut", "malformed"):
+            self._fault_not_streaming(fault, plan, usage)
+        elif fault == "overloaded":
+            self._start_stream()
+            try:
+                events = self._stream_events(plan, usage)
+                self._event(*events[0])
+                self._event("error", {"type": "error", "error": {
+                    "type": "overloaded_error", "message": "Overloaded (agentbench scripted fault)"}})
+            except OSError:
+                pass
+        elif fault == "cut":
+            self._start_stream()
+            try:
+                events = self._stream_events(plan, usage)
+                for name, data in events[:3]:
+                    self._event(name, data)
+                # Half an event, then an abrupt close (no message_stop ever arrives).
+                self.wfile.write(b"event: content_block_delta\ndata: {\"type\": \"content_blo")
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        elif fault == "malformed":
+            self._start_stream()
+            try:
+                self.wfile.write(b"event: message_start\ndata: {this is not json\n\n"
+                                 b"data: \x00\x01 garbage\n\nevent: ???\ndata: [[[\n\n")
+                self.wfile.flush()
+            except OSError:
+                pass
+
+    def _peer_closed(self) -> bool:
+        """True when the client closed its end (readable with no data)."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            if not ready:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _fault_not_streaming(self, fault: str, plan: dict, usage: dict) -> None:
+        """The stream faults for a non-streaming request (the binary's fallback after a
+        failed stream): 529 overloaded, a body cut short, or a body that is not JSON."""
+        if fault == "overloaded":
+            self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
+                             {"retry-after": "1"})
+            return
+        data = json.dumps(self._message(plan, usage)).encode("utf-8")
+        if fault == "malformed":
+            data = b"{this is not json" + data[:40]
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.close_connection = True
+        try:
+            if fault == "cut":
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+            else:
+                self.wfile.write(data)
+                self.wfile.flush()
+        except OSError:
+            pass
+
+
 class ScriptedModelServer:
     """Loopback Messages API server answering scripted turns (see the section comment).
 
@@ -11957,281 +12236,7 @@ class ScriptedModelServer:
 
     # -- HTTP --------------------------------------------------------------------------------------
     def _make_handler(self) -> type:
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            server_version = "agentbench-scripted-model"
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
-                return  # quiet: the binary polls; nothing useful for stderr
-
-            def setup(self) -> None:
-                super().setup()
-                with server._lock:
-                    server._open_sockets.add(self.connection)
-
-            def finish(self) -> None:
-                try:
-                    super().finish()
-                finally:
-                    with server._lock:
-                        server._open_sockets.discard(self.connection)
-
-            def do_GET(self) -> None:
-                self._read_body()
-                server._log({"path": self.path, "method": "GET", "script": None, "step": None,
-                             "kind": "other"})
-                self._send_json(200, {})
-
-            def do_HEAD(self) -> None:
-                server._log({"path": self.path, "method": "HEAD", "script": None, "step": None,
-                             "kind": "other"})
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                raw = self._read_body()
-                path = urllib.parse.urlsplit(self.path).path.rstrip("/")
-                try:
-                    body = json.loads(raw.decode("utf-8")) if raw else {}
-                except ValueError:
-                    body = None
-                if path == "/v1/messages/count_tokens":
-                    tokens = sum(_estimate_tokens(u) for u in _cache_key_blocks(body or {}))
-                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
-                                 "kind": "count_tokens"})
-                    self._send_json(200, {"input_tokens": tokens})
-                    return
-                if path != "/v1/messages":
-                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
-                                 "kind": "other"})
-                    self._send_error(404, "not_found_error", f"no such endpoint: {path}")
-                    return
-                if not isinstance(body, dict):
-                    server._log({"path": self.path, "method": "POST", "script": None, "step": None,
-                                 "kind": "bad_request"})
-                    self._send_error(400, "invalid_request_error", "request body is not a JSON object")
-                    return
-                session = self.headers.get("X-Claude-Code-Session-Id", "")
-                plan = server.plan(body, session)
-                entry = {"path": self.path, "method": "POST", "script": plan["script"], "step": plan["step"],
-                         "kind": plan["kind"], "fault": plan["fault"], "session": session,
-                         "model": body.get("model"), "stream": bool(body.get("stream")),
-                         "tools": len(body.get("tools") or [])}
-                if server.capture_bodies:
-                    entry["body"] = body
-                    entry["headers"] = dict(self.headers)
-                server._log(entry)
-                if plan["kind"] == "unknown_script":
-                    self._send_error(400, "invalid_request_error",
-                                     "agentbench scripted model: unknown or invalid script "
-                                     f"{plan['script']!r}: "
-                                     + server.script_problem(str(plan["script"])))
-                    return
-                usage = server.usage_for(body, plan)
-                if plan["fault"]:
-                    self._fault(plan, usage, body)
-                    return
-                if body.get("stream"):
-                    self._send_stream(plan, usage)
-                else:
-                    self._send_message(plan, usage)
-
-            # -- helpers ---------------------------------------------------------------------------
-            def _read_body(self) -> bytes:
-                if self.headers.get("transfer-encoding", "").lower() == "chunked":
-                    chunks = []
-                    while True:
-                        size = int(self.rfile.readline().strip() or b"0", 16)
-                        if size == 0:
-                            self.rfile.readline()
-                            break
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                    return b"".join(chunks)
-                length = int(self.headers.get("content-length") or 0)
-                return self.rfile.read(length) if length > 0 else b""
-
-            def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
-                data = json.dumps(payload).encode("utf-8")
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.send_header("request-id", "req_" + secrets.token_hex(12))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                self.wfile.write(data)
-                self.wfile.flush()
-
-            def _send_error(self, status: int, kind: str, message: str, headers: dict | None = None) -> None:
-                self._send_json(status, {"type": "error", "error": {"type": kind, "message": message},
-                                         "request_id": "req_" + secrets.token_hex(12)}, headers)
-
-            def _message(self, plan: dict, usage: dict) -> dict:
-                return {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
-                        "model": plan["model"], "content": plan["content"],
-                        "stop_reason": plan["stop_reason"],
-                        "stop_sequence": None, "usage": usage}
-
-            def _send_message(self, plan: dict, usage: dict) -> None:
-                self._send_json(200, self._message(plan, usage))
-
-            def _start_stream(self) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("cache-control", "no-cache")
-                self.send_header("request-id", "req_" + secrets.token_hex(12))
-                self.send_header("connection", "close")
-                self.end_headers()
-                self.close_connection = True
-
-            def _event(self, name: str, data: dict) -> None:
-                self.wfile.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode("utf-8"))
-                self.wfile.flush()
-
-            def _stream_events(self, plan: dict, usage: dict) -> list[tuple[str, dict]]:
-                message = self._message(plan, usage)
-                start_usage = dict(usage)
-                start_usage["output_tokens"] = 1  # like the service: the true count comes at the end
-                message.update({"content": [], "stop_reason": None, "usage": start_usage})
-                events: list[tuple[str, dict]] = [
-                    ("message_start", {"type": "message_start", "message": message})]
-                for index, block in enumerate(plan["content"]):
-                    if block["type"] == "text":
-                        events.append(("content_block_start",
-                                       {"type": "content_block_start", "index": index,
-                                        "content_block": {"type": "text", "text": ""}}))
-                        text = block["text"]
-                        half = max(1, len(text) // 2)
-                        for piece in (text[:half], text[half:]):
-                            if piece:
-                                events.append(("content_block_delta", {
-                                    "type": "content_block_delta", "index": index,
-                                    "delta": {"type": "text_delta", "text": piece}}))
-                    else:
-                        events.append(("content_block_start", {
-                            "type": "content_block_start", "index": index,
-                            "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"],
-                                              "input": {}}}))
-                        encoded = json.dumps(block["input"])
-                        cut = max(1, len(encoded) // 2)
-                        for piece in (encoded[:cut], encoded[cut:]):
-                            if piece:
-                                events.append(("content_block_delta", {
-                                    "type": "content_block_delta", "index": index,
-                                    "delta": {"type": "input_json_delta", "partial_json": piece}}))
-                    events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-                events.append(("message_delta",
-                               {"type": "message_delta",
-                                "delta": {"stop_reason": plan["stop_reason"], "stop_sequence": None},
-                                "usage": {"output_tokens": usage["output_tokens"]}}))
-                events.append(("message_stop", {"type": "message_stop"}))
-                return events
-
-            def _send_stream(self, plan: dict, usage: dict) -> None:
-                self._start_stream()
-                try:
-                    for name, data in self._stream_events(plan, usage):
-                        self._event(name, data)
-                except OSError:
-                    pass  # the client went away; nothing to answer to
-
-            def _fault(self, plan: dict, usage: dict, body: dict) -> None:
-                fault = plan["fault"]
-                if fault == "429":
-                    self._send_error(429, "rate_limit_error",
-                                     "Number of request tokens has exceeded your per-minute rate limit "
-                                     "(agentbench scripted fault)", {"retry-after": "1",
-                                                                      "x-should-retry": "true"})
-                elif fault == "529":
-                    self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
-                                     {"retry-after": "1", "x-should-retry": "true"})
-                elif fault == "500":
-                    self._send_error(500, "api_error", "Internal server error (agentbench scripted fault)")
-                elif fault == "prompt_too_long":
-                    total = sum(_estimate_tokens(u) for u in _cache_key_blocks(body))
-                    self._send_error(400, "invalid_request_error",
-                                     f"prompt is too long: {max(total, 200001)} tokens > 200000 maximum")
-                elif fault == "hang":
-                    # Hold the request without a byte of answer until the server stops or the
-                    # client gives up (then the thread is released instead of piling up).
-                    self.close_connection = True
-                    while not server._stopping.wait(0.25):
-                        if self._peer_closed():
-                            break
-                elif not body.get("stream") and fault in ("overloaded", "cut", "malformed"):
-                    self._fault_not_streaming(fault, plan, usage)
-                elif fault == "overloaded":
-                    self._start_stream()
-                    try:
-                        events = self._stream_events(plan, usage)
-                        self._event(*events[0])
-                        self._event("error", {"type": "error", "error": {
-                            "type": "overloaded_error", "message": "Overloaded (agentbench scripted fault)"}})
-                    except OSError:
-                        pass
-                elif fault == "cut":
-                    self._start_stream()
-                    try:
-                        events = self._stream_events(plan, usage)
-                        for name, data in events[:3]:
-                            self._event(name, data)
-                        # Half an event, then an abrupt close (no message_stop ever arrives).
-                        self.wfile.write(b"event: content_block_delta\ndata: {\"type\": \"content_blo")
-                        self.wfile.flush()
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                elif fault == "malformed":
-                    self._start_stream()
-                    try:
-                        self.wfile.write(b"event: message_start\ndata: {this is not json\n\n"
-                                         b"data: \x00\x01 garbage\n\nevent: ???\ndata: [[[\n\n")
-                        self.wfile.flush()
-                    except OSError:
-                        pass
-
-            def _peer_closed(self) -> bool:
-                """True when the client closed its end (readable with no data)."""
-                try:
-                    ready, _, _ = select.select([self.connection], [], [], 0)
-                    if not ready:
-                        return False
-                    return self.connection.recv(1, socket.MSG_PEEK) == b""
-                except (OSError, ValueError):
-                    return True
-
-            def _fault_not_streaming(self, fault: str, plan: dict, usage: dict) -> None:
-                """The stream faults for a non-streaming request (the binary's fallback after a
-                failed stream): 529 overloaded, a body cut short, or a body that is not JSON."""
-                if fault == "overloaded":
-                    self._send_error(529, "overloaded_error", "Overloaded (agentbench scripted fault)",
-                                     {"retry-after": "1"})
-                    return
-                data = json.dumps(self._message(plan, usage)).encode("utf-8")
-                if fault == "malformed":
-                    data = b"{this is not json" + data[:40]
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.close_connection = True
-                try:
-                    if fault == "cut":
-                        self.wfile.write(data[: len(data) // 2])
-                        self.wfile.flush()
-                        self.connection.shutdown(socket.SHUT_RDWR)
-                    else:
-                        self.wfile.write(data)
-                        self.wfile.flush()
-                except OSError:
-                    pass
-
-        return Handler
+        return type("Handler", (ScriptedModelHandler, http.server.BaseHTTPRequestHandler), {"model": self})
 
 
 def run_scripted_model_server(port: int, scripts_dir: str, ready: Callable[[dict], None],
