@@ -21,28 +21,28 @@ Sections (line ranges), strictly bottom-up:
       524-1773  Platform seam
      1774-2275  Files, locks and the registry
      2276-2466  Records: the declared shapes of the job's and run's files
-     2467-2654  Processes
-     2655-3018  Executors: where a job's supervisor runs (local, Slurm)
-     3019-3133  Env scrub
-     3134-3509  The sandbox
-     3510-3962  Stream and usage
-     3963-4345  Study configuration
-     4346-5152  The metering gateway
-     5153-6042  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6043-6514  The supervisor process: one job's `claude` run to its end
-     6515-6796  Sessions and bases: every launch (start, fork, continue)
-     6797-7460  Tasks, arms and checks: a study's contents, loaded once
-     7461-8399  Runs and the pipeline
-     8400-8850  Runs by hand and the run driver's checks: the pipeline's public API
-     8851-9358  Statistics
-     9359-10287 The report: what each arm did
-    10288-10929 Rendering: Markdown and HTML
-    10930-11460 Run pages: the report as a directory
-    11461-12267 Offline scripted model
-    12268-12563 The scripted model: rehearsal of a study
-    12564-12625 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12626-12763 Calibration and assignment: a study's tasks checked and its runs planned
-    12764-13826 The CLI and main
+     2467-2657  Processes
+     2658-3022  Executors: where a job's supervisor runs (local, Slurm)
+     3023-3137  Env scrub
+     3138-3513  The sandbox
+     3514-3966  Stream and usage
+     3967-4349  Study configuration
+     4350-5156  The metering gateway
+     5157-6046  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6047-6518  The supervisor process: one job's `claude` run to its end
+     6519-6800  Sessions and bases: every launch (start, fork, continue)
+     6801-7464  Tasks, arms and checks: a study's contents, loaded once
+     7465-8403  Runs and the pipeline
+     8404-8854  Runs by hand and the run driver's checks: the pipeline's public API
+     8855-9362  Statistics
+     9363-10291 The report: what each arm did
+    10292-10933 Rendering: Markdown and HTML
+    10934-11464 Run pages: the report as a directory
+    11465-12271 Offline scripted model
+    12272-12567 The scripted model: rehearsal of a study
+    12568-12629 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12630-12767 Calibration and assignment: a study's tasks checked and its runs planned
+    12768-13830 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -2532,7 +2532,8 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                 break
             except subprocess.TimeoutExpired:
                 timed_out = time.monotonic() >= deadline
-                capped = os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size > OUTPUT_CAP_BYTES
+                capped = (os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size
+                          > OUTPUT_CAP_BYTES)
                 if timed_out or capped:
                     platform.kill_tree([me] if me else [], session_ids=[proc.pid])
                     with contextlib.suppress(Exception):
@@ -2626,7 +2627,8 @@ def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = 
     with the caller's environment `env` (this process's unless given)."""
     npm = shutil.which("npm")
     if not npm:
-        raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
+        raise AgentbenchError("the claude binary was not found and npm is not available to install it",
+                              code="claude_binary_not_found_npm",
                               hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
     prefix = HERE / ".agentbench-tools"
     prefix.mkdir(parents=True, exist_ok=True)
@@ -2638,7 +2640,8 @@ def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = 
     if res.returncode != 0 or not local_claude_path().is_file():
         raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
                               detail=res.stderr[-2000:],
-                              hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+                              hint=("install it by hand: npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"))
     return str(local_claude_path())
 
 
@@ -2692,11 +2695,12 @@ def sbatch_argv(job_id: str, script: str, *, output: str, chdir: str, slurm: Map
     extra = list(slurm.get("sbatch_args") or [])
     # --output takes a filename pattern: a literal % in the path is written %%.  --export=ALL
     # overrides a site's SBATCH_EXPORT (the supervisor needs PATH and the study's variables).
-    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}", f"--output={output.replace('%', '%%')}",
-            f"--chdir={chdir}", "--ntasks=1", "--export=ALL"]
+    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}",
+            f"--output={output.replace('%', '%%')}", f"--chdir={chdir}", "--ntasks=1", "--export=ALL"]
     if slurm.get("partition"):
         argv.append(f"--partition={slurm['partition']}")
-    sets_time = any(a in ("-t", "--time") or a.startswith("--time=") or (a.startswith("-t") and not a.startswith("--"))
+    sets_time = any(a in ("-t", "--time") or a.startswith("--time=")
+                    or (a.startswith("-t") and not a.startswith("--"))
                     for a in extra)
     if wall_s and not sets_time:
         margin = slurm.get("time_margin_s")
@@ -2759,8 +2763,8 @@ def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any]
     slurm = dict(job.get("slurm") or {})
     study_root = str(paths.root)
     script = paths.job_dir(job["job_id"]) / "slurm.sh"
-    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root, job["job_id"],
-                                                 credentials_file))
+    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root,
+                                                 job["job_id"], credentials_file))
     argv = sbatch_argv(job["job_id"], str(script), output=os.path.join(job["raw_dir"], "supervisor.log"),
                        chdir=study_root, slurm=slurm, wall_s=(job.get("limits") or {}).get("wall_s"))
     res = run_command(argv, cwd=study_root, env=env, timeout_s=SBATCH_TIMEOUT_S, platform=platform)
