@@ -21,28 +21,28 @@ Sections (line ranges), strictly bottom-up:
       524-1773  Platform seam
      1774-2275  Files, locks and the registry
      2276-2466  Records: the declared shapes of the job's and run's files
-     2467-2657  Processes
-     2658-3022  Executors: where a job's supervisor runs (local, Slurm)
-     3023-3137  Env scrub
-     3138-3513  The sandbox
-     3514-3966  Stream and usage
-     3967-4349  Study configuration
-     4350-5156  The metering gateway
-     5157-6046  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6047-6518  The supervisor process: one job's `claude` run to its end
-     6519-6800  Sessions and bases: every launch (start, fork, continue)
-     6801-7464  Tasks, arms and checks: a study's contents, loaded once
-     7465-8403  Runs and the pipeline
-     8404-8854  Runs by hand and the run driver's checks: the pipeline's public API
-     8855-9362  Statistics
-     9363-10291 The report: what each arm did
-    10292-10933 Rendering: Markdown and HTML
-    10934-11464 Run pages: the report as a directory
-    11465-12271 Offline scripted model
-    12272-12567 The scripted model: rehearsal of a study
-    12568-12629 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12630-12767 Calibration and assignment: a study's tasks checked and its runs planned
-    12768-13830 The CLI and main
+     2467-2658  Processes
+     2659-3023  Executors: where a job's supervisor runs (local, Slurm)
+     3024-3138  Env scrub
+     3139-3514  The sandbox
+     3515-3967  Stream and usage
+     3968-4350  Study configuration
+     4351-5157  The metering gateway
+     5158-6054  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6055-6534  The supervisor process: one job's `claude` run to its end
+     6535-6816  Sessions and bases: every launch (start, fork, continue)
+     6817-7480  Tasks, arms and checks: a study's contents, loaded once
+     7481-8419  Runs and the pipeline
+     8420-8870  Runs by hand and the run driver's checks: the pipeline's public API
+     8871-9378  Statistics
+     9379-10307 The report: what each arm did
+    10308-10949 Rendering: Markdown and HTML
+    10950-11480 Run pages: the report as a directory
+    11481-12287 Offline scripted model
+    12288-12583 The scripted model: rehearsal of a study
+    12584-12645 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12646-12783 Calibration and assignment: a study's tasks checked and its runs planned
+    12784-13846 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -2629,7 +2629,8 @@ def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = 
     if not npm:
         raise AgentbenchError("the claude binary was not found and npm is not available to install it",
                               code="claude_binary_not_found_npm",
-                              hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+                              hint=("install it: npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"))
     prefix = HERE / ".agentbench-tools"
     prefix.mkdir(parents=True, exist_ok=True)
     log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
@@ -5206,7 +5207,8 @@ def argv_fingerprint(argv: Sequence[str]) -> str:
             skip_next = False
             continue
         masked.append(a)
-        if a in ("--session-id", "--resume", "--mcp-config", "--append-system-prompt-file", "--max-budget-usd"):
+        if a in ("--session-id", "--resume", "--mcp-config", "--append-system-prompt-file",
+                 "--max-budget-usd"):
             skip_next = True
     return sha256_bytes(json.dumps(masked).encode())
 
@@ -5537,7 +5539,8 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
 def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
                                  kill_req: Mapping[str, Any]) -> bool:
     """Record a job whose kill request came before its session started: `killed`, at no cost."""
-    return finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
+    return finalize_job(paths, platform, job, status="killed",
+                        reason=str(kill_req.get("reason") or "requested"),
                         usage=None, extra={"detail": "killed before its session started"})
 
 
@@ -5712,7 +5715,8 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
     return survivors
 
 
-def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
+def _usage_from_raw(job: Mapping[str, Any],
+                    paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
@@ -5740,7 +5744,8 @@ def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
     return executor_for(launcher).presence(platform, runtime, launcher, os.environ if env is None else env)
 
 
-def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Callable[[], bool | None]) -> str:
+def reap_verdict(*, started: bool, age_s: float, lost_after: float,
+                 presence: Callable[[], bool | None]) -> str:
     """What the reaper does with an active job that has no result yet (pure; `presence` is asked
     only when the answer depends on it, since asking Slurm costs a call):
 
@@ -5761,7 +5766,8 @@ def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Ca
     return "keep" if there is not False else "never_started"
 
 
-def never_started_verdict(*, kill_requested: bool, claimed: bool, slurm_job: str | None) -> tuple[str, str | None]:
+def never_started_verdict(*, kill_requested: bool, claimed: bool,
+                          slurm_job: str | None) -> tuple[str, str | None]:
     """How a job whose supervisor never ran is finalised (pure): a kill that came first is a kill,
     anything else a launch error with the detail the user needs."""
     if kill_requested:
@@ -5809,7 +5815,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             with RegistryLock(paths.lock, platform):
                 if (paths.active / job_id).exists():
                     reg = read_registry(paths)
-                    if job_id not in (reg.get("finalizing") or []) and not (paths.job_dir(job_id) / "ledgered").exists():
+                    if (job_id not in (reg.get("finalizing") or [])
+                            and not (paths.job_dir(job_id) / "ledgered").exists()):
                         _count_job(reg, job_id, res)     # the crash came before the counters
                         write_json_atomic(paths.registry, reg)
                     _complete_finalize(paths, job, res, check_ledger=True)
@@ -5856,7 +5863,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             continue
         log_tail = ""
         with contextlib.suppress(OSError):
-            log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8", errors="replace")[-400:]
+            log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8",
+                                                                        errors="replace")[-400:]
         finalize_job(paths, platform, job, status="failed", reason="launch_error", usage=None,
                      extra={"detail": detail, **({"log_tail": log_tail} if log_tail else {})})
         reaped.append(job_id)
@@ -6125,7 +6133,8 @@ class Supervisor:
                 with contextlib.suppress(OSError, ValueError):
                     raw.close()
 
-    def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str, reason: str | None) -> None:
+    def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str,
+              reason: str | None) -> None:
         if self.end is None:
             self.end = (status, reason)
             log(f"{self.job_id}: stopping claude ({status}/{reason})")
@@ -6270,12 +6279,14 @@ class Supervisor:
             prior = self.job.get("prior") or {}
             usage = usage_record(self.state.result, self.state,
                                  prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
-                                 prior_model_usage=prior.get("model_usage"), requested_model=str(self.job["model"]))
+                                 prior_model_usage=prior.get("model_usage"),
+                                 requested_model=str(self.job["model"]))
         try:
             finalize_job(self.paths, self.platform, self.job, status="failed", reason="supervisor_error",
-                         usage=usage, extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
-                                             "survivors": [dataclasses.asdict(s) for s in survivors],
-                                             "flags": sorted(self.flags | {"supervisor_error"})})
+                         usage=usage,
+                         extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
+                                "survivors": [dataclasses.asdict(s) for s in survivors],
+                                "flags": sorted(self.flags | {"supervisor_error"})})
         except Exception as exc2:  # the reaper is the last resort (a lock held for an hour, a full disk)
             log(f"{self.job_id}: could not finalise after a supervisor error: {exc2}")
             return 1
@@ -6343,8 +6354,10 @@ class Supervisor:
         self.sandbox = sandbox_record(sandbox)
         if sandbox["kind"] == "bwrap":
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
-                                        hidden=study_hidden_dirs(self.paths.root), private_home=str(jdir / "home"),
-                                        project_dir=str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))),
+                                        hidden=study_hidden_dirs(self.paths.root),
+                                        private_home=str(jdir / "home"),
+                                        project_dir=str(claude_projects_dir(env)
+                                                        / transcript_dir_name(os.path.realpath(job["cwd"]))),
                                         ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
@@ -6363,8 +6376,8 @@ class Supervisor:
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
-        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now(),
-                            sandbox=self.sandbox)
+        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None,
+                            claude_started_at=utc_now(), sandbox=self.sandbox)
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
 
@@ -6375,7 +6388,8 @@ class Supervisor:
                 proc.stdin.write(prompt)
                 proc.stdin.close()
         threading.Thread(target=feed_prompt, daemon=True).start()
-        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"), daemon=True)
+        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"),
+                                  daemon=True)
         reader.start()
         last_hb = 0.0
         while proc.poll() is None:
@@ -6449,7 +6463,8 @@ class Supervisor:
                 reason = "uncorroborated_" + str(reason)
             # Requests for another model (a side model, or one the agent asked for itself) are
             # metered at that model's price; the flag makes them visible.
-            if any(m != "(unknown)" and not model_matches(str(job["model"]), m) for m in usage["models_metered"]):
+            if any(m != "(unknown)" and not model_matches(str(job["model"]), m)
+                   for m in usage["models_metered"]):
                 self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
@@ -6508,7 +6523,8 @@ class Supervisor:
         deadline = time.monotonic() + 3600
         while True:
             try:
-                finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
+                finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage,
+                             extra=extra)
                 return
             except AgentbenchError as exc:
                 if exc.code != "locked" or time.monotonic() > deadline:
