@@ -30,19 +30,19 @@ Sections (line ranges), strictly bottom-up:
      4351-5157  The metering gateway
      5158-6054  Jobs: a session's record (create, launch, finalise, reap, kill)
      6055-6534  The supervisor process: one job's `claude` run to its end
-     6535-6816  Sessions and bases: every launch (start, fork, continue)
-     6817-7480  Tasks, arms and checks: a study's contents, loaded once
-     7481-8419  Runs and the pipeline
-     8420-8870  Runs by hand and the run driver's checks: the pipeline's public API
-     8871-9378  Statistics
-     9379-10307 The report: what each arm did
-    10308-10949 Rendering: Markdown and HTML
-    10950-11480 Run pages: the report as a directory
-    11481-12287 Offline scripted model
-    12288-12583 The scripted model: rehearsal of a study
-    12584-12645 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12646-12783 Calibration and assignment: a study's tasks checked and its runs planned
-    12784-13846 The CLI and main
+     6535-6825  Sessions and bases: every launch (start, fork, continue)
+     6826-7498  Tasks, arms and checks: a study's contents, loaded once
+     7499-8437  Runs and the pipeline
+     8438-8888  Runs by hand and the run driver's checks: the pipeline's public API
+     8889-9396  Statistics
+     9397-10325 The report: what each arm did
+    10326-10967 Rendering: Markdown and HTML
+    10968-11498 Run pages: the report as a directory
+    11499-12305 Offline scripted model
+    12306-12601 The scripted model: rehearsal of a study
+    12602-12663 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12664-12801 Calibration and assignment: a study's tasks checked and its runs planned
+    12802-13864 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -6553,7 +6553,8 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
                               hint="claude refuses a zero budget; give a positive amount")
 
 
-def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, stall_after_s: float | None = None,
+def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None,
+                   stall_after_s: float | None = None,
                    orphan_after_s: float | None = None, max_budget_usd: float | None = None,
                    max_turns: int | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The limits of one session: every launch builds them here.  What a caller leaves out (None)
@@ -6563,7 +6564,8 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
     budget = launch["budget"]
     session_cap = float(launch["max_minutes"]) * 60      # max_minutes bounds any one session
     limits: dict[str, Any] = {
-        "wall_s": wall_s if wall_s is not None else min(float(budget.get("wall_s") or session_cap), session_cap),
+        "wall_s": (wall_s if wall_s is not None
+                   else min(float(budget.get("wall_s") or session_cap), session_cap)),
         "stall_after_s": stall_after_s if stall_after_s is not None else launch.get("stall_after_s"),
         "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
         "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
@@ -6577,8 +6579,9 @@ def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
     if not binary:
         raise AgentbenchError("the claude binary was not found", code="claude_binary_not_found", how=how,
-                              hint=f"install it (npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
-                                   "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN")
+                              hint=("install it (npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
+                                    "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN"))
     return binary
 
 
@@ -6663,7 +6666,8 @@ def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any],
     # bubblewrap is refused now), on the compute node for Slurm jobs (recorded as the mode only).
     mode = sandbox_mode_of(cfg)
     launch["sandbox"] = (resolve_sandbox(mode) if executor_for(launch["executor"]).runs_here
-                         else {"mode": mode, "kind": None, "binary": None, "reason": "decided on the compute node"})
+                         else {"mode": mode, "kind": None, "binary": None,
+                               "reason": "decided on the compute node"})
     return launch
 
 
@@ -6683,7 +6687,8 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform, env=ctx.env)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
-                     system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
+                     system_prompt=(system_prompt if system_prompt is not None
+                                    else base_system_prompt(cfg, paths, system_extra)),
                      session_id=session_id,
                      resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
                      env_extra={**dict(cfg.get("env") or {}), **dict(env_extra or {})}, raw_dir=raw_dir,
@@ -6711,7 +6716,8 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
     rec = read_json(base_file(paths, name), default=None)
     if rec is None:
         raise AgentbenchError("no such base", code="no_such_base", base=name, refusal="base",
-                              hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
+                              hint=(f"train it first: agentbench.py train --task {name} "
+                                    "(or --base NAME --brief FILE)"))
     return rec
 
 
@@ -6760,11 +6766,13 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
     sess = session_record(paths, rec["session_id"])
     env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
     if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
-        raise AgentbenchError("the base's session transcript was not found", code="bases_session_transcript_not_found", base=base,
+        raise AgentbenchError("the base's session transcript was not found",
+                              code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
                               hint="claude keeps transcripts under $CLAUDE_CONFIG_DIR/projects; use the same "
                                    "CLAUDE_CONFIG_DIR as when the base was trained")
-    return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
+    return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"],
+                                                   "model_usage": sess["model_usage"],
                                                    "context_tokens": sess.get("context_tokens", 0)}}
 
 
@@ -6773,7 +6781,8 @@ def duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str
     existing = read_json(paths.job_file(job_id))
     return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
             "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
-            "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
+            "duplicate": True,
+            "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
 def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
@@ -6902,7 +6911,8 @@ def bundle_symlinks(root: str | os.PathLike[str], parts: Sequence[str] = LINK_FR
 def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
     links = bundle_symlinks(root)
     if links:
-        raise AgentbenchError("the task bundle holds symlinks", code="task_bundle_holds_symlinks", task=task_id, links=links,
+        raise AgentbenchError("the task bundle holds symlinks", code="task_bundle_holds_symlinks",
+                              task=task_id, links=links,
                               hint="replace each link by the file it points to (a link can bring the "
                                    "oracle, the reference or a host file into the workspace)")
 
@@ -6978,7 +6988,8 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
     if not is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
-        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
+        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in "
+                              f"(0, {MAX_CHECK_TIMEOUT_S}]",
                               code="bad_check_timeout", task=task_id, timeout_s=t)
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
         raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
@@ -7052,7 +7063,8 @@ def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[st
     return {k: v for k, v in tasks.items() if k in only}
 
 
-def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
+def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
+               only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
         raise AgentbenchError("tasks directory not found", code="tasks_directory_not_found", tasks=str(tdir),
@@ -7295,7 +7307,8 @@ def receipt_verdict(receipt: Any, exit_code: int | None, timed_out: bool, *, whi
         else:
             score_f = finite_number(raw_score, lo=0.0, hi=1.0)
             if score_f is None:
-                return out(False, 0.0, "refused", f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
+                return out(False, 0.0, "refused",
+                           f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
             score = score_f
         if passed and exit_code != 0:
             return out(False, 0.0, "refused", f"the receipt says passed but the check exited {exit_code}")
@@ -7402,7 +7415,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rec["sandbox"] = sandbox_record(sandbox)
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
-                "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
+                "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
+                "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
     if which == "oracle":
         rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold and not rec["grader_error"]
@@ -7412,7 +7426,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
 
 # -- calibration -----------------------------------------------------------------------------------
 
-def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> dict[str, Any]:
+def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
+                   env: Mapping[str, str]) -> dict[str, Any]:
     """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
     problems: list[str] = []
     runs: list[dict[str, Any]] = []
@@ -7434,11 +7449,13 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
                              "oracle_success": o["success"]})
                 if not g["passed"]:
-                    problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
+                    problems.append(f"attempt {i}: the gate fails on starter + reference: "
+                                    f"{g['stderr_tail'][-300:]}")
                 if o.get("grader_error"):
                     problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
                 elif not o["success"]:
-                    problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
+                    problems.append(f"attempt {i}: the hidden tests score {o['score']} "
+                                    f"< threshold {task.threshold}")
         partial_gate = None
         if task.partial.is_dir():
             # The rehearsal submits partial/ first so that gate feedback cycles really happen:
@@ -7455,7 +7472,8 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
             "at": utc_now()}
 
 
-def calibration_to_reuse(given: Mapping[str, Any] | None, tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
+def calibration_to_reuse(given: Mapping[str, Any] | None,
+                         tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
     """Of calibration results measured moments ago (task id -> calibrate_task's answer), those
     still true of `tasks`: the entry is a well-formed result of that task with the bundle it has
     now.  A task whose files changed since (or that has no entry) must be calibrated again."""
