@@ -32,17 +32,17 @@ Sections (line ranges), strictly bottom-up:
      6055-6534  The supervisor process: one job's `claude` run to its end
      6535-6825  Sessions and bases: every launch (start, fork, continue)
      6826-7498  Tasks, arms and checks: a study's contents, loaded once
-     7499-8437  Runs and the pipeline
-     8438-8888  Runs by hand and the run driver's checks: the pipeline's public API
-     8889-9396  Statistics
-     9397-10325 The report: what each arm did
-    10326-10967 Rendering: Markdown and HTML
-    10968-11498 Run pages: the report as a directory
-    11499-12305 Offline scripted model
-    12306-12601 The scripted model: rehearsal of a study
-    12602-12663 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12664-12801 Calibration and assignment: a study's tasks checked and its runs planned
-    12802-13864 The CLI and main
+     7499-8467  Runs and the pipeline
+     8468-8918  Runs by hand and the run driver's checks: the pipeline's public API
+     8919-9426  Statistics
+     9427-10355 The report: what each arm did
+    10356-10997 Rendering: Markdown and HTML
+    10998-11528 Run pages: the report as a directory
+    11529-12335 Offline scripted model
+    12336-12631 The scripted model: rehearsal of a study
+    12632-12693 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12694-12831 Calibration and assignment: a study's tasks checked and its runs planned
+    12832-13894 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -7533,7 +7533,8 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
 
 
 def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True) + "\n").encode()
+    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
+            + "\n").encode()
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -7568,10 +7569,12 @@ def run_is_final(paths: StudyPaths, run_id: str) -> bool:
 def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
     r = load_run(paths, run_id)
     ev = r.get("evaluation") or {}
-    return {k: v for k, v in {"run_id": run_id, "task": r.get("task"), "arm": r.get("arm"), "repeat": r.get("repeat"),
-                              "status": r.get("status"), "outcome": r.get("outcome"), "validity": r.get("validity"),
-                              "success": ev.get("success"), "score": ev.get("score"), "cost_usd": r.get("cost_usd"),
-                              "gate_cycles": r.get("gate_cycles"), "reason": r.get("error") or r.get("failure_reason")}.items()
+    return {k: v for k, v in {"run_id": run_id, "task": r.get("task"), "arm": r.get("arm"),
+                              "repeat": r.get("repeat"), "status": r.get("status"),
+                              "outcome": r.get("outcome"), "validity": r.get("validity"),
+                              "success": ev.get("success"), "score": ev.get("score"),
+                              "cost_usd": r.get("cost_usd"), "gate_cycles": r.get("gate_cycles"),
+                              "reason": r.get("error") or r.get("failure_reason")}.items()
             if v is not None}
 
 
@@ -7594,7 +7597,8 @@ def list_runs(paths: StudyPaths, all_runs: bool = False, status: str | None = No
 
 def latest_run_job(paths: StudyPaths, run_id: str) -> str | None:
     jobs = load_run(paths, run_id).get("jobs") or []
-    execs = [j for j in jobs if j.get("role") in ("executor", "continue", "resume", "repair", "gate_feedback")]
+    execs = [j for j in jobs
+             if j.get("role") in ("executor", "continue", "resume", "repair", "gate_feedback")]
     return execs[-1]["job_id"] if execs else None
 
 
@@ -7635,7 +7639,8 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
     for j in rec.get("jobs") or []:
         if (paths.active / j["job_id"]).exists():
             results.append(kill_job(paths, ctx.platform, j["job_id"], reason="run_killed"))
-    return {"run_id": run_id, "jobs": results, "survivors": sorted({p for r in results for p in r["survivors"]})}
+    return {"run_id": run_id, "jobs": results,
+            "survivors": sorted({p for r in results for p in r["survivors"]})}
 
 
 def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
@@ -7730,7 +7735,8 @@ def shell_steps(command: str) -> list[tuple[str, str | None, bool]]:
     return steps
 
 
-def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protected: Mapping[str, str]) -> list[dict[str, Any]]:
+def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str,
+                     protected: Mapping[str, str]) -> list[dict[str, Any]]:
     """Behaviour audit (pure): tool calls that touch paths outside the workspace or read protected dirs.
 
     `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths of file
@@ -7760,7 +7766,8 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
                 if d and os.path.normpath(d) in cmd and not inside(d, ws):
                     findings.append({"kind": f"bash_touches_{label}", "tool": name, "detail": cmd[:300]})
             for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
-                if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
+                if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/",
+                                                               "/proc/self")):
                     findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
             # Relative paths that climb out of the workspace (../../state/...), step by step.
             here = ws                       # where the current step runs
@@ -7779,7 +7786,8 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
                     for label, d in protected.items():
                         if d and inside(full, d):
                             findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
-                cd = None if in_heredoc else re.fullmatch(r"\s*cd\s+([^\s'\"$`~|;&<>()-][^\s'\"$`~|;&<>()]*)\s*", step)
+                cd = None if in_heredoc else re.fullmatch(
+                    r"\s*cd\s+([^\s'\"$`~|;&<>()-][^\s'\"$`~|;&<>()]*)\s*", step)
                 if cd:
                     target = os.path.normpath(os.path.join(here, cd.group(1)))
                     here = target if inside(target, ws) else ws
@@ -7873,7 +7881,8 @@ class RunVerdict(NamedTuple):
 
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
-                 success: bool, grader_error: str | None = None, hidden_access: Iterable[str] = ()) -> RunVerdict:
+                 success: bool, grader_error: str | None = None,
+                 hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
@@ -7901,7 +7910,8 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
         outcome = "timeout"
     else:
         outcome = "success" if success else "failure"
-    failure = None if success else ("grader_error" if outcome == "grader_error" else (stop or "hidden tests failed"))
+    failure = None if success else ("grader_error" if outcome == "grader_error"
+                                    else (stop or "hidden tests failed"))
     return RunVerdict(outcome, validity, why, failure)
 
 
@@ -7977,7 +7987,8 @@ class RunPipeline:
         session_cap = float(self.launch["max_minutes"]) * 60
         limits = session_limits(
             self.launch,
-            wall_s=min(session_cap, max(MIN_SESSION_WALL_S, wall_left)) if budget.get("wall_s") else session_cap,
+            wall_s=(min(session_cap, max(MIN_SESSION_WALL_S, wall_left)) if budget.get("wall_s")
+                    else session_cap),
             orphan_after_s=0 if self.opts.driver else None,
             max_budget_usd=max(round(remaining, 6), 0.000001),
             extra={"snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
@@ -7992,7 +8003,8 @@ class RunPipeline:
         raw_dir = str(self.paths.run_dir(self.run_id) / "raw" / f"{self.attempt:02d}-{role}")
         while True:
             try:
-                out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra, raw_dir, base)
+                out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra,
+                                  raw_dir, base)
                 break
             except AgentbenchError as exc:
                 if exc.payload.get("refusal") != "parallel_cap" or not self.opts.driver:
@@ -8026,7 +8038,8 @@ class RunPipeline:
                                 meta_extra=meta, cfg=self.cfg, driver=self.opts.driver, raw_dir=raw_dir)
         resume, prior = None, {}
         if base:
-            fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False, env_extra=self.opts.env_extra)
+            fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False,
+                           env_extra=self.opts.env_extra)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
         return start_job(self.ctx, self.paths, kind=kind, prompt=prompt, cwd=cwd, session_id=None,
@@ -8046,7 +8059,8 @@ class RunPipeline:
         """Close a job's Slurm queue wait once its supervisor has written its runtime (or the job
         ended): precise to one poll."""
         since = self._in_slurm_queue.get(jid)
-        if since is None or not (self.paths.runtime_file(jid).exists() or self.paths.result_file(jid).exists()):
+        if since is None or not (self.paths.runtime_file(jid).exists()
+                                 or self.paths.result_file(jid).exists()):
             return
         del self._in_slurm_queue[jid]
         waited = round(time.monotonic() - since, 3)
@@ -8064,7 +8078,8 @@ class RunPipeline:
         cost = billed_cost_usd(res.get("usage"))
         self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
         self.rec["cost_usd"] = self.spent
-        self.rec["cost_estimated"] = bool(self.rec.get("cost_estimated")) or bool((res.get("usage") or {}).get("estimated"))
+        self.rec["cost_estimated"] = (bool(self.rec.get("cost_estimated"))
+                                      or bool((res.get("usage") or {}).get("estimated")))
         tok = self.rec.get("tokens") or {k: 0 for k in TOKEN_KEYS}
         self.rec["tokens"] = add_tokens(tok, (res.get("usage") or {}).get("tokens") or {})
         entry.update({"status": res["status"], "reason": res.get("reason"), "cost_usd": cost,
@@ -8088,7 +8103,8 @@ class RunPipeline:
             return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
         tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
         names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
-        return "\n".join(f"- {n}" for n in names[:30]) or "- the public checks did not pass (see the output below)"
+        return ("\n".join(f"- {n}" for n in names[:30])
+                or "- the public checks did not pass (see the output below)")
 
     def review_setup(self, task: Task, ws: str, n: int) -> tuple[Path, str]:
         """A fresh reviewer's directory (a read-only snapshot of the work) and its prompt."""
@@ -8098,8 +8114,8 @@ class RunPipeline:
             shutil.rmtree(rdir)
         shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
         changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
-        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task), work_dir=str(work),
-                        review_path=str(rdir / "review.json"),
+        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task),
+                        work_dir=str(work), review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
         return rdir, prompt
 
@@ -8163,7 +8179,8 @@ class RunPipeline:
             self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True,
                              "jobs": [], "cost_usd": 0.0})
         else:
-            self.rec.update({"status": "error", "outcome": "error", "error": reason, "error_detail": dict(detail),
+            self.rec.update({"status": "error", "outcome": "error", "error": reason,
+                             "error_detail": dict(detail),
                              "validity": "infrastructure_failure", "validity_reason": reason,
                              "finished_at": utc_now()})
         self._save()
@@ -8184,7 +8201,8 @@ class RunPipeline:
                                     fault.get("missing_fixture"), host_env=self.ctx.env)
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
-        statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
+        statement = ((Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists()
+                     else task.title)
         check_hint = task_check_hint(task, ws)
         prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=statement,
                         workspace=ws, check_hint=check_hint)
@@ -8239,7 +8257,8 @@ class RunPipeline:
                 cycles += 1
                 fb = render(self.tpl["gate_feedback"], cycle=cycles, cycles_left=arm.gate_cycles - cycles,
                             failed_checks=self.failed_checks_text(gate_rec),
-                            gate_output=((gate_rec.get("stderr_tail") or "") + (gate_rec.get("stdout_tail") or ""))[-3000:])
+                            gate_output=((gate_rec.get("stderr_tail") or "")
+                                         + (gate_rec.get("stdout_tail") or ""))[-3000:])
                 res = self._run_job("gate_feedback", fb, cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
                 stop = self.stop_reason(res)
@@ -8252,7 +8271,8 @@ class RunPipeline:
             review = self._review(task, ws, 1)
             if review["verdict"] == "revise":
                 findings = "\n".join(f"- [{f.get('severity')}] {f.get('file')}: {f.get('detail')}"
-                                     for f in review.get("findings") or [] if isinstance(f, dict)) or "- (none listed)"
+                                     for f in review.get("findings") or []
+                                     if isinstance(f, dict)) or "- (none listed)"
                 res = self._run_job("repair", render(self.tpl["review_feedback"], findings=findings,
                                                      summary=review.get("summary") or ""),
                                     cwd=ws, resume_job=last_job, kind="continue")
@@ -8303,7 +8323,8 @@ class RunPipeline:
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
         edited = [f for f in edited_public_tests(task, ws)
-                  if not (removed and (f == removed or f.startswith(removed + "/")) and not (Path(ws) / f).exists())]
+                  if not (removed and (f == removed or f.startswith(removed + "/"))
+                          and not (Path(ws) / f).exists())]
         if edited:
             findings.append({"kind": "edited_public_tests", "files": edited})
         copied = hidden_file_copies(task, rec["artifacts"], "oracle")
@@ -8321,27 +8342,35 @@ class RunPipeline:
                       "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
                       "artifacts_sha256": rec["artifacts"]["sha256"],
                       "receipt": {"kind": ev.get("receipt"), "channel": ev.get("receipt_channel"),
-                                  "protected": ev.get("receipt_protected"), "problem": ev.get("receipt_problem")},
+                                  "protected": ev.get("receipt_protected"),
+                                  "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
-        rec["sandbox"] = sandbox_summary([(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-                                          for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
+        rec["sandbox"] = sandbox_summary(
+            [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
+             for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None, tool_uses=tool_uses,
+        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
+                               tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
-                               hidden_access=[f["kind"] for f in findings if f.get("kind") in HIDDEN_ACCESS_KINDS])
+                               hidden_access=[f["kind"] for f in findings
+                                              if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
-                    "claude_version": next((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("claude_version")
-                                           for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
+                    "claude_version": next(
+                        (read_json(self.paths.result_file(j["job_id"]), default={}) or {})
+                        .get("claude_version")
+                        for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
         rec["provenance"]["claude_version"] = rec["claude_version"]
-        rec["provenance"]["models_reported"] = sorted({m for j in rec["jobs"] for m in
-                                                       ((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("models_reported") or [])})
+        rec["provenance"]["models_reported"] = sorted({
+            m for j in rec["jobs"]
+            for m in ((read_json(self.paths.result_file(j["job_id"]), default={}) or {})
+                      .get("models_reported") or [])})
         self._save()
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("score", success=ev["success"], score=ev["score"])
@@ -8426,7 +8455,8 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 else:
                     results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(parallel, len(todo) or 1)))]
+    threads = [threading.Thread(target=worker, daemon=True)
+               for _ in range(max(1, min(parallel, len(todo) or 1)))]
     for t in threads:
         t.start()
     for t in threads:
