@@ -42,7 +42,7 @@ Sections (line ranges), strictly bottom-up:
     12336-12631 The scripted model: rehearsal of a study
     12632-12693 Reading at scale: the streamed ledger, paged listings, the paused collector
     12694-12831 Calibration and assignment: a study's tasks checked and its runs planned
-    12832-13894 The CLI and main
+    12832-13946 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -12839,7 +12839,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
-FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000), "limit": (0, 1_000_000)}
+FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
+                   "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
 
@@ -12910,12 +12911,14 @@ COMMANDS: dict[str, Command] = {}
 def command(name: str, summary: str, *, mutating: bool, hidden: bool = False) -> Callable[..., Any]:
     """Register a handler; the decorated function's `configure` attribute adds its arguments."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating, hidden)
+        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating,
+                                 hidden)
         return fn
     return deco
 
 
-def args_of(configure: Callable[[argparse.ArgumentParser], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def args_of(configure: Callable[[argparse.ArgumentParser], None]
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.configure = configure  # type: ignore[attr-defined]
         return fn
@@ -12967,7 +12970,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
-            warnings.append("the study's env sets variables the scrub drops by default: " + ", ".join(readded))
+            warnings.append("the study's env sets variables the scrub drops by default: "
+                            + ", ".join(readded))
     except AgentbenchError as exc:
         if study is not None:   # no study given is fine here; a broken one is worth saying
             warnings.append("study: " + exc.one_line())
@@ -12991,21 +12995,25 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     host = {k: v for k, v in ctx.env.items() if not is_credential_var(k)}
     secret = {k: v for k, v in ctx.env.items() if is_credential_var(k)}
     placeholder = {"ANTHROPIC_BASE_URL": "http://127.0.0.1:<port>", GATEWAY_TOKEN_VAR: "<job token>"}
-    _, claude_report = claude_env(host, extra=study_env, gateway=placeholder if gateway_mode == "on" else None,
+    _, claude_report = claude_env(host, extra=study_env,
+                                  gateway=placeholder if gateway_mode == "on" else None,
                                   secret=secret, binary=binary)
     if gateway_mode == "on":
         refusal = gateway_refusal({**ctx.env, **study_env}, gateway_mode)
         if refusal is not None:
             warnings.append("sessions would be refused: " + refusal.one_line())
-    slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH")) for name in ("sbatch", "squeue", "scancel")}
+    slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH"))
+                   for name in ("sbatch", "squeue", "scancel")}
     if executor == "slurm" and not all(slurm_tools.values()):
         warnings.append("the study's executor is slurm but these Slurm commands are not on PATH: "
                         + ", ".join(n for n, v in slurm_tools.items() if not v))
     probe = sandbox_probe(ctx.env)
     kind = sandbox_decision(sandbox_mode, bool(probe["available"]))
     if kind == "refuse":
-        warnings.append(("the study requires sandbox bwrap: its Slurm jobs need bubblewrap on the compute nodes; "
-                         if executor == "slurm" else "the study requires sandbox bwrap, so launches are refused: ")
+        warnings.append(("the study requires sandbox bwrap: its Slurm jobs need bubblewrap on the "
+                         "compute nodes; "
+                         if executor == "slurm" else
+                         "the study requires sandbox bwrap, so launches are refused: ")
                         + str(probe["reason"]))
     elif kind == "none" and sandbox_mode == "auto":
         warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
@@ -13025,13 +13033,16 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         reasons.append(f"no claude binary found ({how})")
     elif not version:
         reasons.append(f"the claude binary at {binary} did not answer --version")
-    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION,
+            "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
             "git": {"path": git, "version": git_version},
             "executor": {"kind": executor, "slurm_commands": slurm_tools},
-            "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
-            "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
+            "platform": {"seam": ctx.platform.name, "system": pyplatform.system(),
+                         "release": pyplatform.release()},
+            "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT),
+                          "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "claude_env": claude_report, "sandbox": sandbox,
             "study": study, "warnings": warnings}
@@ -13048,8 +13059,10 @@ def _init_args(p: argparse.ArgumentParser) -> None:
                            help=setting.help)
     for key, (typ, text) in BUDGET_SETTINGS.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, help=f"budget.{key}: {text}")
-    p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
-    p.add_argument("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)")
+    p.add_argument("--reset-breaker", action="store_true",
+                   help="resume a study paused by its circuit breaker")
+    p.add_argument("--slurm-partition",
+                   help="the Slurm partition of the study's jobs (with --executor slurm)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for every claude session of the study (repeatable; "
                         "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
@@ -13058,7 +13071,8 @@ def _init_args(p: argparse.ArgumentParser) -> None:
 @command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
 @args_of(_init_args)
 def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study) else os.path.join(ctx.cwd, args.study)))
+    root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study)
+                                            else os.path.join(ctx.cwd, args.study)))
     paths = StudyPaths(root)
     existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
     if existing is not None and not isinstance(existing, dict):
@@ -13098,14 +13112,17 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="the base's name (default: the task id with --task)")
-    p.add_argument("--brief", help="file holding the training prompt (default with --task: templates/train_base.md)")
-    p.add_argument("--task", help="train on a copy of this task's public files (a per-task base runs fork from)")
+    p.add_argument("--brief",
+                   help="file holding the training prompt (default with --task: templates/train_base.md)")
+    p.add_argument("--task",
+                   help="train on a copy of this task's public files (a per-task base runs fork from)")
     p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
     p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
     _launch_args(p)
 
 
-@command("train", "train a base session that runs fork from (same context, read from the prompt cache)", mutating=True)
+@command("train", "train a base session that runs fork from (same context, read from the prompt cache)",
+         mutating=True)
 @args_of(_train_args)
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
@@ -13124,7 +13141,8 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-@command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
+@command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run "
+                  "(--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(ctx.study(args))
@@ -13142,7 +13160,8 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-@command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption", mutating=True)
+@command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption",
+         mutating=True)
 @args_of(_continue_args)
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13182,7 +13201,8 @@ def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-@command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results delivered once", mutating=False)
+@command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results "
+                 "delivered once", mutating=False)
 @args_of(_wait_args)
 def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
@@ -13250,7 +13270,8 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
+    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT,
+                   help="at most this many jobs and runs")
     p.add_argument("--offset", type=int, default=0,
                    help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
 
@@ -13285,7 +13306,8 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                           "session_id": rec["session_id"]})
     runs, runs_total, runs_next = list_runs_page(paths, all_runs=everything, status=args.status,
                                                  offset=args.offset, limit=args.limit)
-    return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
+    return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0),
+            "breaker": reg.get("breaker"),
             "active": len(active_job_ids(paths)), "jobs": jobs, "jobs_truncated": job_next is not None,
             "bases": bases, "runs": runs, "runs_truncated": runs_next is not None,
             "jobs_total": jobs_total, "runs_total": runs_total, "offset": args.offset,
@@ -13310,7 +13332,8 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         load_run(paths, r)   # every target validated before anything is killed
     results = [kill_job(paths, ctx.platform, j) for j in args.job]
     run_results = [kill_run(ctx, paths, r) for r in args.run]
-    survivors = sorted({p for r in results for p in r["survivors"]} | {p for r in run_results for p in r.get("survivors", [])})
+    survivors = sorted({p for r in results for p in r["survivors"]}
+                       | {p for r in run_results for p in r.get("survivors", [])})
     unverified = [r["job_id"] for r in results + [j for rr in run_results for j in rr.get("jobs", [])]
                   if r.get("unverified")]
     return {"jobs": results, "runs": run_results, "survivors": survivors, "unverified": unverified,
@@ -13326,7 +13349,8 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[], help="only these tasks (repeatable)")
 
 
-@command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle", mutating=True)
+@command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle",
+         mutating=True)
 @args_of(_calibrate_args)
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
@@ -13334,17 +13358,23 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--repeats", type=bounded_int("repeats"), help="repeats per task x arm (default: study.json `repeats`, else 1)")
+    p.add_argument("--repeats", type=bounded_int("repeats"),
+                   help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
     p.add_argument("--split", default="main")
-    p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
-    p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
-    p.add_argument("--power-delta", type=finite_float, help="estimate repeats to detect this success-rate difference")
-    p.add_argument("--power-base", type=finite_float, default=0.5, help="baseline success rate for --power-delta")
+    p.add_argument("--reassign", action="store_true",
+                   help="replace this split's manifest (only if none of its runs started)")
+    p.add_argument("--fault", action="append", default=[],
+                   help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
+    p.add_argument("--power-delta", type=finite_float,
+                   help="estimate repeats to detect this success-rate difference")
+    p.add_argument("--power-base", type=finite_float, default=0.5,
+                   help="baseline success rate for --power-delta")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
-@command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
+@command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs",
+         mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
@@ -13375,7 +13405,8 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
 
 
-@command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records success", mutating=True)
+@command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records "
+                     "success", mutating=True)
 @args_of(_evaluate_args)
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return evaluate_runs(ctx, load_study(ctx.study(args)), args.run, every_running=args.all)
@@ -13387,7 +13418,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[])
     p.add_argument("--arm", action="append", default=[])
     p.add_argument("--split")
-    p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
+    p.add_argument("--parallel", type=bounded_int("parallel"),
+                   help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
@@ -13405,7 +13437,8 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if " run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"] or msg.split(" ")[1:2] == ["error"]:
+            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
+                    or msg.split(" ")[1:2] == ["error"]):
                 self.done += 1
             now = time.monotonic()
             line = f"[{self.done}/{self.total}] {msg}"
@@ -13434,7 +13467,8 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
         prog.close()
 
 
-@command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
+@command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or "
+                "--detach", mutating=True)
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13446,9 +13480,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Like a supervisor, the driver's environment holds no credential (any process of the
         # user can read it): they reach it on its stdin, and it hands them on to its supervisors.
-        pid = detach_agentbench(ctx.platform, ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
-                                               "--force"] + [x for r in ids for x in ("--run", r)],
-                                cwd=str(paths.root), env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
+        pid = detach_agentbench(ctx.platform,
+                                ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
+                                 "--force"] + [x for r in ids for x in ("--run", r)],
+                                cwd=str(paths.root),
+                                env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
@@ -13490,7 +13526,8 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="json", choices=["json", "md"])
 
 
-@command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio", mutating=False)
+@command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio",
+         mutating=False)
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13508,9 +13545,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
     p.add_argument("--baseline")
-    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); with "
-                                 "--format html, a path ending in / (or an existing directory) gets a directory: "
-                                 "index.html and one page per run under runs/")
+    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
+                                 "with --format html, a path ending in / (or an existing directory) gets a "
+                                 "directory: index.html and one page per run under runs/")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
 
 
@@ -13530,7 +13567,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The gateways' figures beside the binaries' own, per model (side models included).
     ledger_lines = read_jsonl(paths.ledger)[0]
     totals = aggregate_usage(ledger_lines, by="model")["totals"]
-    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"],
+                          "cost_reported_usd": totals["cost_usd"],
                           "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
                           "models_metered": totals["models_metered"],
                           "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
@@ -13561,7 +13599,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
-    result["summary"] = {a: {k: v for k, v in s.items() if k in ("runs", "evaluated", "successes", "success_rate")}
+    result["summary"] = {a: {k: v for k, v in s.items()
+                             if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
 
@@ -13587,7 +13626,8 @@ def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
         k, sep, v = s.partition("=")
         if not sep or not k or not v or (allowed and v not in allowed):
             raise AgentbenchError(f"bad {what}", code="bad_value",
-                                  value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
+                                  value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}"
+                                                                  if allowed else ""))
         out[k] = v
     return out
 
@@ -13603,7 +13643,8 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
     return install_pinned_claude(ctx.platform)
 
 
-@command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)", mutating=True)
+@command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)",
+         mutating=True)
 @args_of(_rehearse_args)
 def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13640,7 +13681,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not (example / STUDY_FILE).is_file():
         raise AgentbenchError("the bundled example study is missing", code="bundled_example_study_missing",
                               expected=str(example))
-    base = Path(ctx.platform.normalize_path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="agentbench-demo-"))
+    base = (Path(ctx.platform.normalize_path(args.dir)) if args.dir
+            else Path(tempfile.mkdtemp(prefix="agentbench-demo-")))
     study = base / "study"
     if study.exists():
         raise AgentbenchError("the demo directory already holds a study",
@@ -13658,7 +13700,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cal = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(paths.state / "calibration.json",
                       {"tasks": cal, "config_hash": demo.hash, "at": utc_now()})
-    log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x {args.repeats} repeats")
+    log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x "
+        f"{args.repeats} repeats")
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
         out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
@@ -13670,7 +13713,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
     runs = run_records_for_report(rpaths)
-    incomplete = [r["run_id"] for r in runs if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
+    incomplete = [r["run_id"] for r in runs
+                  if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
@@ -13684,10 +13728,12 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--every", type=finite_float, default=240.0, help="ping a base not pinged for this long (s)")
+    p.add_argument("--every", type=finite_float, default=240.0,
+                   help="ping a base not pinged for this long (s)")
 
 
-@command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached", mutating=True)
+@command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached",
+         mutating=True)
 @args_of(_tick_args)
 def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13709,7 +13755,8 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                             session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
                             meta={"base": rec["name"]}, cfg=cfg,
                             env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
-                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
+                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
+                                encoding="utf-8"))
             rec["last_ping"] = time.time()
             write_json_atomic(f, rec)
         pinged.append({"base": rec["name"], "job_id": out["job_id"]})
@@ -13743,7 +13790,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
 
 
-@command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)", mutating=False)
+@command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)",
+         mutating=False)
 @args_of(_serve_args)
 def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
@@ -13763,8 +13811,10 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--env-file")
-    p.add_argument("--credentials-file", help="owner-only file of credentials to add (Slurm jobs); deleted once read")
-    p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin (local jobs)")
+    p.add_argument("--credentials-file",
+                   help="owner-only file of credentials to add (Slurm jobs); deleted once read")
+    p.add_argument("--credentials-stdin", action="store_true",
+                   help="read the credentials from stdin (local jobs)")
 
 
 @command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
@@ -13874,8 +13924,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno in WRITE_REFUSED_ERRNOS:
             code, obj = 2, {"error": "the study's files cannot be written", "code": "write_refused",
-                            "reason": os.strerror(exc.errno or 0), "errno": errno.errorcode.get(exc.errno or 0),
-                            "path": exc.filename, "hint": "free disk space, or make the study writable, then retry"}
+                            "reason": os.strerror(exc.errno or 0),
+                            "errno": errno.errorcode.get(exc.errno or 0),
+                            "path": exc.filename,
+                            "hint": "free disk space, or make the study writable, then retry"}
         else:
             code, obj = 2, {"error": "internal error", "code": "internal_error", "type": type(exc).__name__,
                             "detail": str(exc), "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
