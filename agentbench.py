@@ -21,28 +21,28 @@ Sections (line ranges), strictly bottom-up:
       524-1773  Platform seam
      1774-2275  Files, locks and the registry
      2276-2466  Records: the declared shapes of the job's and run's files
-     2467-2654  Processes
-     2655-3018  Executors: where a job's supervisor runs (local, Slurm)
-     3019-3133  Env scrub
-     3134-3509  The sandbox
-     3510-3962  Stream and usage
-     3963-4345  Study configuration
-     4346-5152  The metering gateway
-     5153-6042  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6043-6514  The supervisor process: one job's `claude` run to its end
-     6515-6796  Sessions and bases: every launch (start, fork, continue)
-     6797-7460  Tasks, arms and checks: a study's contents, loaded once
-     7461-8399  Runs and the pipeline
-     8400-8850  Runs by hand and the run driver's checks: the pipeline's public API
-     8851-9358  Statistics
-     9359-10287 The report: what each arm did
-    10288-10929 Rendering: Markdown and HTML
-    10930-11460 Run pages: the report as a directory
-    11461-12272 Offline scripted model
-    12273-12568 The scripted model: rehearsal of a study
-    12569-12630 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12631-12768 Calibration and assignment: a study's tasks checked and its runs planned
-    12769-13831 The CLI and main
+     2467-2658  Processes
+     2659-3023  Executors: where a job's supervisor runs (local, Slurm)
+     3024-3138  Env scrub
+     3139-3514  The sandbox
+     3515-3967  Stream and usage
+     3968-4350  Study configuration
+     4351-5157  The metering gateway
+     5158-6054  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6055-6534  The supervisor process: one job's `claude` run to its end
+     6535-6825  Sessions and bases: every launch (start, fork, continue)
+     6826-7498  Tasks, arms and checks: a study's contents, loaded once
+     7499-8467  Runs and the pipeline
+     8468-8918  Runs by hand and the run driver's checks: the pipeline's public API
+     8919-9426  Statistics
+     9427-10355 The report: what each arm did
+    10356-10997 Rendering: Markdown and HTML
+    10998-11528 Run pages: the report as a directory
+    11529-12340 Offline scripted model
+    12341-12636 The scripted model: rehearsal of a study
+    12637-12698 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12699-12836 Calibration and assignment: a study's tasks checked and its runs planned
+    12837-13951 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -2532,7 +2532,8 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                 break
             except subprocess.TimeoutExpired:
                 timed_out = time.monotonic() >= deadline
-                capped = os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size > OUTPUT_CAP_BYTES
+                capped = (os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size
+                          > OUTPUT_CAP_BYTES)
                 if timed_out or capped:
                     platform.kill_tree([me] if me else [], session_ids=[proc.pid])
                     with contextlib.suppress(Exception):
@@ -2626,8 +2627,10 @@ def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = 
     with the caller's environment `env` (this process's unless given)."""
     npm = shutil.which("npm")
     if not npm:
-        raise AgentbenchError("the claude binary was not found and npm is not available to install it", code="claude_binary_not_found_npm",
-                              hint=f"install it: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+        raise AgentbenchError("the claude binary was not found and npm is not available to install it",
+                              code="claude_binary_not_found_npm",
+                              hint=("install it: npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"))
     prefix = HERE / ".agentbench-tools"
     prefix.mkdir(parents=True, exist_ok=True)
     log(f"installing @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED} into {prefix} (one time)")
@@ -2638,7 +2641,8 @@ def install_pinned_claude(platform: "Platform", env: Mapping[str, str] | None = 
     if res.returncode != 0 or not local_claude_path().is_file():
         raise AgentbenchError("installing the claude binary failed", code="installing_claude_binary_failed",
                               detail=res.stderr[-2000:],
-                              hint=f"install it by hand: npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}")
+                              hint=("install it by hand: npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}"))
     return str(local_claude_path())
 
 
@@ -2692,11 +2696,12 @@ def sbatch_argv(job_id: str, script: str, *, output: str, chdir: str, slurm: Map
     extra = list(slurm.get("sbatch_args") or [])
     # --output takes a filename pattern: a literal % in the path is written %%.  --export=ALL
     # overrides a site's SBATCH_EXPORT (the supervisor needs PATH and the study's variables).
-    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}", f"--output={output.replace('%', '%%')}",
-            f"--chdir={chdir}", "--ntasks=1", "--export=ALL"]
+    argv = ["sbatch", "--parsable", f"--job-name=agentbench-{job_id}",
+            f"--output={output.replace('%', '%%')}", f"--chdir={chdir}", "--ntasks=1", "--export=ALL"]
     if slurm.get("partition"):
         argv.append(f"--partition={slurm['partition']}")
-    sets_time = any(a in ("-t", "--time") or a.startswith("--time=") or (a.startswith("-t") and not a.startswith("--"))
+    sets_time = any(a in ("-t", "--time") or a.startswith("--time=")
+                    or (a.startswith("-t") and not a.startswith("--"))
                     for a in extra)
     if wall_s and not sets_time:
         margin = slurm.get("time_margin_s")
@@ -2759,8 +2764,8 @@ def slurm_submit(platform: "Platform", paths: StudyPaths, job: Mapping[str, Any]
     slurm = dict(job.get("slurm") or {})
     study_root = str(paths.root)
     script = paths.job_dir(job["job_id"]) / "slurm.sh"
-    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root, job["job_id"],
-                                                 credentials_file))
+    write_text_atomic(script, slurm_batch_script(slurm.get("python") or sys.executable, study_root,
+                                                 job["job_id"], credentials_file))
     argv = sbatch_argv(job["job_id"], str(script), output=os.path.join(job["raw_dir"], "supervisor.log"),
                        chdir=study_root, slurm=slurm, wall_s=(job.get("limits") or {}).get("wall_s"))
     res = run_command(argv, cwd=study_root, env=env, timeout_s=SBATCH_TIMEOUT_S, platform=platform)
@@ -5202,7 +5207,8 @@ def argv_fingerprint(argv: Sequence[str]) -> str:
             skip_next = False
             continue
         masked.append(a)
-        if a in ("--session-id", "--resume", "--mcp-config", "--append-system-prompt-file", "--max-budget-usd"):
+        if a in ("--session-id", "--resume", "--mcp-config", "--append-system-prompt-file",
+                 "--max-budget-usd"):
             skip_next = True
     return sha256_bytes(json.dumps(masked).encode())
 
@@ -5533,7 +5539,8 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
 def finalize_killed_before_start(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
                                  kill_req: Mapping[str, Any]) -> bool:
     """Record a job whose kill request came before its session started: `killed`, at no cost."""
-    return finalize_job(paths, platform, job, status="killed", reason=str(kill_req.get("reason") or "requested"),
+    return finalize_job(paths, platform, job, status="killed",
+                        reason=str(kill_req.get("reason") or "requested"),
                         usage=None, extra={"detail": "killed before its session started"})
 
 
@@ -5708,7 +5715,8 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
     return survivors
 
 
-def _usage_from_raw(job: Mapping[str, Any], paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
+def _usage_from_raw(job: Mapping[str, Any],
+                    paths: StudyPaths | None = None) -> tuple[dict[str, Any], StreamState]:
     st = stream_state_from_file(os.path.join(job["raw_dir"], "stream.jsonl"))
     st.prices = job.get("prices")
     prior = job.get("prior") or {}
@@ -5736,7 +5744,8 @@ def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
     return executor_for(launcher).presence(platform, runtime, launcher, os.environ if env is None else env)
 
 
-def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Callable[[], bool | None]) -> str:
+def reap_verdict(*, started: bool, age_s: float, lost_after: float,
+                 presence: Callable[[], bool | None]) -> str:
     """What the reaper does with an active job that has no result yet (pure; `presence` is asked
     only when the answer depends on it, since asking Slurm costs a call):
 
@@ -5757,7 +5766,8 @@ def reap_verdict(*, started: bool, age_s: float, lost_after: float, presence: Ca
     return "keep" if there is not False else "never_started"
 
 
-def never_started_verdict(*, kill_requested: bool, claimed: bool, slurm_job: str | None) -> tuple[str, str | None]:
+def never_started_verdict(*, kill_requested: bool, claimed: bool,
+                          slurm_job: str | None) -> tuple[str, str | None]:
     """How a job whose supervisor never ran is finalised (pure): a kill that came first is a kill,
     anything else a launch error with the detail the user needs."""
     if kill_requested:
@@ -5805,7 +5815,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             with RegistryLock(paths.lock, platform):
                 if (paths.active / job_id).exists():
                     reg = read_registry(paths)
-                    if job_id not in (reg.get("finalizing") or []) and not (paths.job_dir(job_id) / "ledgered").exists():
+                    if (job_id not in (reg.get("finalizing") or [])
+                            and not (paths.job_dir(job_id) / "ledgered").exists()):
                         _count_job(reg, job_id, res)     # the crash came before the counters
                         write_json_atomic(paths.registry, reg)
                     _complete_finalize(paths, job, res, check_ledger=True)
@@ -5852,7 +5863,8 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
             continue
         log_tail = ""
         with contextlib.suppress(OSError):
-            log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8", errors="replace")[-400:]
+            log_tail = Path(job["raw_dir"], "supervisor.log").read_text(encoding="utf-8",
+                                                                        errors="replace")[-400:]
         finalize_job(paths, platform, job, status="failed", reason="launch_error", usage=None,
                      extra={"detail": detail, **({"log_tail": log_tail} if log_tail else {})})
         reaped.append(job_id)
@@ -6121,7 +6133,8 @@ class Supervisor:
                 with contextlib.suppress(OSError, ValueError):
                     raw.close()
 
-    def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str, reason: str | None) -> None:
+    def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str,
+              reason: str | None) -> None:
         if self.end is None:
             self.end = (status, reason)
             log(f"{self.job_id}: stopping claude ({status}/{reason})")
@@ -6266,12 +6279,14 @@ class Supervisor:
             prior = self.job.get("prior") or {}
             usage = usage_record(self.state.result, self.state,
                                  prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
-                                 prior_model_usage=prior.get("model_usage"), requested_model=str(self.job["model"]))
+                                 prior_model_usage=prior.get("model_usage"),
+                                 requested_model=str(self.job["model"]))
         try:
             finalize_job(self.paths, self.platform, self.job, status="failed", reason="supervisor_error",
-                         usage=usage, extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
-                                             "survivors": [dataclasses.asdict(s) for s in survivors],
-                                             "flags": sorted(self.flags | {"supervisor_error"})})
+                         usage=usage,
+                         extra={"detail": f"supervisor error: {type(exc).__name__}: {exc}"[:2000],
+                                "survivors": [dataclasses.asdict(s) for s in survivors],
+                                "flags": sorted(self.flags | {"supervisor_error"})})
         except Exception as exc2:  # the reaper is the last resort (a lock held for an hour, a full disk)
             log(f"{self.job_id}: could not finalise after a supervisor error: {exc2}")
             return 1
@@ -6339,8 +6354,10 @@ class Supervisor:
         self.sandbox = sandbox_record(sandbox)
         if sandbox["kind"] == "bwrap":
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
-                                        hidden=study_hidden_dirs(self.paths.root), private_home=str(jdir / "home"),
-                                        project_dir=str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))),
+                                        hidden=study_hidden_dirs(self.paths.root),
+                                        private_home=str(jdir / "home"),
+                                        project_dir=str(claude_projects_dir(env)
+                                                        / transcript_dir_name(os.path.realpath(job["cwd"]))),
                                         ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
         stderr_fh = open(raw_dir / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
@@ -6359,8 +6376,8 @@ class Supervisor:
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
-        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None, claude_started_at=utc_now(),
-                            sandbox=self.sandbox)
+        self._write_runtime(claude=dataclasses.asdict(claude) if claude else None,
+                            claude_started_at=utc_now(), sandbox=self.sandbox)
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
 
@@ -6371,7 +6388,8 @@ class Supervisor:
                 proc.stdin.write(prompt)
                 proc.stdin.close()
         threading.Thread(target=feed_prompt, daemon=True).start()
-        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"), daemon=True)
+        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"),
+                                  daemon=True)
         reader.start()
         last_hb = 0.0
         while proc.poll() is None:
@@ -6445,7 +6463,8 @@ class Supervisor:
                 reason = "uncorroborated_" + str(reason)
             # Requests for another model (a side model, or one the agent asked for itself) are
             # metered at that model's price; the flag makes them visible.
-            if any(m != "(unknown)" and not model_matches(str(job["model"]), m) for m in usage["models_metered"]):
+            if any(m != "(unknown)" and not model_matches(str(job["model"]), m)
+                   for m in usage["models_metered"]):
                 self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
@@ -6504,7 +6523,8 @@ class Supervisor:
         deadline = time.monotonic() + 3600
         while True:
             try:
-                finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage, extra=extra)
+                finalize_job(self.paths, self.platform, job, status=status, reason=reason, usage=usage,
+                             extra=extra)
                 return
             except AgentbenchError as exc:
                 if exc.code != "locked" or time.monotonic() > deadline:
@@ -6533,7 +6553,8 @@ def check_job_limits(limits: Mapping[str, Any]) -> None:
                               hint="claude refuses a zero budget; give a positive amount")
 
 
-def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, stall_after_s: float | None = None,
+def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None,
+                   stall_after_s: float | None = None,
                    orphan_after_s: float | None = None, max_budget_usd: float | None = None,
                    max_turns: int | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The limits of one session: every launch builds them here.  What a caller leaves out (None)
@@ -6543,7 +6564,8 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None, st
     budget = launch["budget"]
     session_cap = float(launch["max_minutes"]) * 60      # max_minutes bounds any one session
     limits: dict[str, Any] = {
-        "wall_s": wall_s if wall_s is not None else min(float(budget.get("wall_s") or session_cap), session_cap),
+        "wall_s": (wall_s if wall_s is not None
+                   else min(float(budget.get("wall_s") or session_cap), session_cap)),
         "stall_after_s": stall_after_s if stall_after_s is not None else launch.get("stall_after_s"),
         "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
         "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
@@ -6557,8 +6579,9 @@ def study_binary(ctx: Host, cfg: Mapping[str, Any]) -> str:
     binary, how = find_claude_binary(cfg.get("binary"), ctx.env)
     if not binary:
         raise AgentbenchError("the claude binary was not found", code="claude_binary_not_found", how=how,
-                              hint=f"install it (npm install -g @anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
-                                   "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN")
+                              hint=("install it (npm install -g "
+                                    f"@anthropic-ai/claude-code@{CLAUDE_CODE_PINNED}), "
+                                    "or set `binary` with init, or AGENTBENCH_CLAUDE_BIN"))
     return binary
 
 
@@ -6643,7 +6666,8 @@ def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any],
     # bubblewrap is refused now), on the compute node for Slurm jobs (recorded as the mode only).
     mode = sandbox_mode_of(cfg)
     launch["sandbox"] = (resolve_sandbox(mode) if executor_for(launch["executor"]).runs_here
-                         else {"mode": mode, "kind": None, "binary": None, "reason": "decided on the compute node"})
+                         else {"mode": mode, "kind": None, "binary": None,
+                               "reason": "decided on the compute node"})
     return launch
 
 
@@ -6663,7 +6687,8 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform, env=ctx.env)
     job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
-                     system_prompt=system_prompt if system_prompt is not None else base_system_prompt(cfg, paths, system_extra),
+                     system_prompt=(system_prompt if system_prompt is not None
+                                    else base_system_prompt(cfg, paths, system_extra)),
                      session_id=session_id,
                      resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
                      env_extra={**dict(cfg.get("env") or {}), **dict(env_extra or {})}, raw_dir=raw_dir,
@@ -6691,7 +6716,8 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
     rec = read_json(base_file(paths, name), default=None)
     if rec is None:
         raise AgentbenchError("no such base", code="no_such_base", base=name, refusal="base",
-                              hint=f"train it first: agentbench.py train --task {name} (or --base NAME --brief FILE)")
+                              hint=(f"train it first: agentbench.py train --task {name} "
+                                    "(or --base NAME --brief FILE)"))
     return rec
 
 
@@ -6740,11 +6766,13 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
     sess = session_record(paths, rec["session_id"])
     env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
     if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
-        raise AgentbenchError("the base's session transcript was not found", code="bases_session_transcript_not_found", base=base,
+        raise AgentbenchError("the base's session transcript was not found",
+                              code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
                               hint="claude keeps transcripts under $CLAUDE_CONFIG_DIR/projects; use the same "
                                    "CLAUDE_CONFIG_DIR as when the base was trained")
-    return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"], "model_usage": sess["model_usage"],
+    return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"],
+                                                   "model_usage": sess["model_usage"],
                                                    "context_tokens": sess.get("context_tokens", 0)}}
 
 
@@ -6753,7 +6781,8 @@ def duplicate_continue(paths: StudyPaths, prev_id: str, job_id: str) -> dict[str
     existing = read_json(paths.job_file(job_id))
     return {"job_id": job_id, "session_id": existing.get("session_id"), "kind": existing.get("kind"),
             "cwd": existing.get("cwd"), "status": job_status(paths, job_id).get("status"),
-            "duplicate": True, "note": f"job {prev_id} was already continued; the repeated request was ignored"}
+            "duplicate": True,
+            "note": f"job {prev_id} was already continued; the repeated request was ignored"}
 
 
 def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits: Mapping[str, Any],
@@ -6882,7 +6911,8 @@ def bundle_symlinks(root: str | os.PathLike[str], parts: Sequence[str] = LINK_FR
 def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
     links = bundle_symlinks(root)
     if links:
-        raise AgentbenchError("the task bundle holds symlinks", code="task_bundle_holds_symlinks", task=task_id, links=links,
+        raise AgentbenchError("the task bundle holds symlinks", code="task_bundle_holds_symlinks",
+                              task=task_id, links=links,
                               hint="replace each link by the file it points to (a link can bring the "
                                    "oracle, the reference or a host file into the workspace)")
 
@@ -6958,7 +6988,8 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
                               known=["{" + k + "}" for k in CHECK_PLACEHOLDERS])
     t = spec.get("timeout_s", check_default_timeout_s(which))
     if not is_number(t) or not 0 < t <= MAX_CHECK_TIMEOUT_S:
-        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in (0, {MAX_CHECK_TIMEOUT_S}]",
+        raise AgentbenchError(f"task {which}.timeout_s must be a number of seconds in "
+                              f"(0, {MAX_CHECK_TIMEOUT_S}]",
                               code="bad_check_timeout", task=task_id, timeout_s=t)
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
         raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
@@ -7032,7 +7063,8 @@ def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[st
     return {k: v for k, v in tasks.items() if k in only}
 
 
-def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any], only: Sequence[str] | None = None) -> dict[str, Task]:
+def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
+               only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
         raise AgentbenchError("tasks directory not found", code="tasks_directory_not_found", tasks=str(tdir),
@@ -7275,7 +7307,8 @@ def receipt_verdict(receipt: Any, exit_code: int | None, timed_out: bool, *, whi
         else:
             score_f = finite_number(raw_score, lo=0.0, hi=1.0)
             if score_f is None:
-                return out(False, 0.0, "refused", f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
+                return out(False, 0.0, "refused",
+                           f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
             score = score_f
         if passed and exit_code != 0:
             return out(False, 0.0, "refused", f"the receipt says passed but the check exited {exit_code}")
@@ -7382,7 +7415,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rec["sandbox"] = sandbox_record(sandbox)
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
-                "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:], "stderr_tail": res.stderr[-4000:],
+                "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
+                "stderr_tail": res.stderr[-4000:],
                 "at": utc_now()})
     if which == "oracle":
         rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold and not rec["grader_error"]
@@ -7392,7 +7426,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
 
 # -- calibration -----------------------------------------------------------------------------------
 
-def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> dict[str, Any]:
+def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
+                   env: Mapping[str, str]) -> dict[str, Any]:
     """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
     problems: list[str] = []
     runs: list[dict[str, Any]] = []
@@ -7414,11 +7449,13 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
                              "oracle_success": o["success"]})
                 if not g["passed"]:
-                    problems.append(f"attempt {i}: the gate fails on starter + reference: {g['stderr_tail'][-300:]}")
+                    problems.append(f"attempt {i}: the gate fails on starter + reference: "
+                                    f"{g['stderr_tail'][-300:]}")
                 if o.get("grader_error"):
                     problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
                 elif not o["success"]:
-                    problems.append(f"attempt {i}: the hidden tests score {o['score']} < threshold {task.threshold}")
+                    problems.append(f"attempt {i}: the hidden tests score {o['score']} "
+                                    f"< threshold {task.threshold}")
         partial_gate = None
         if task.partial.is_dir():
             # The rehearsal submits partial/ first so that gate feedback cycles really happen:
@@ -7435,7 +7472,8 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task, env: Map
             "at": utc_now()}
 
 
-def calibration_to_reuse(given: Mapping[str, Any] | None, tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
+def calibration_to_reuse(given: Mapping[str, Any] | None,
+                         tasks: Mapping[str, Task]) -> dict[str, dict[str, Any]]:
     """Of calibration results measured moments ago (task id -> calibrate_task's answer), those
     still true of `tasks`: the entry is a well-formed result of that task with the bundle it has
     now.  A task whose files changed since (or that has no entry) must be calibrated again."""
@@ -7495,7 +7533,8 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
 
 
 def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True) + "\n").encode()
+    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
+            + "\n").encode()
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -7530,10 +7569,12 @@ def run_is_final(paths: StudyPaths, run_id: str) -> bool:
 def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
     r = load_run(paths, run_id)
     ev = r.get("evaluation") or {}
-    return {k: v for k, v in {"run_id": run_id, "task": r.get("task"), "arm": r.get("arm"), "repeat": r.get("repeat"),
-                              "status": r.get("status"), "outcome": r.get("outcome"), "validity": r.get("validity"),
-                              "success": ev.get("success"), "score": ev.get("score"), "cost_usd": r.get("cost_usd"),
-                              "gate_cycles": r.get("gate_cycles"), "reason": r.get("error") or r.get("failure_reason")}.items()
+    return {k: v for k, v in {"run_id": run_id, "task": r.get("task"), "arm": r.get("arm"),
+                              "repeat": r.get("repeat"), "status": r.get("status"),
+                              "outcome": r.get("outcome"), "validity": r.get("validity"),
+                              "success": ev.get("success"), "score": ev.get("score"),
+                              "cost_usd": r.get("cost_usd"), "gate_cycles": r.get("gate_cycles"),
+                              "reason": r.get("error") or r.get("failure_reason")}.items()
             if v is not None}
 
 
@@ -7556,7 +7597,8 @@ def list_runs(paths: StudyPaths, all_runs: bool = False, status: str | None = No
 
 def latest_run_job(paths: StudyPaths, run_id: str) -> str | None:
     jobs = load_run(paths, run_id).get("jobs") or []
-    execs = [j for j in jobs if j.get("role") in ("executor", "continue", "resume", "repair", "gate_feedback")]
+    execs = [j for j in jobs
+             if j.get("role") in ("executor", "continue", "resume", "repair", "gate_feedback")]
     return execs[-1]["job_id"] if execs else None
 
 
@@ -7597,7 +7639,8 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
     for j in rec.get("jobs") or []:
         if (paths.active / j["job_id"]).exists():
             results.append(kill_job(paths, ctx.platform, j["job_id"], reason="run_killed"))
-    return {"run_id": run_id, "jobs": results, "survivors": sorted({p for r in results for p in r["survivors"]})}
+    return {"run_id": run_id, "jobs": results,
+            "survivors": sorted({p for r in results for p in r["survivors"]})}
 
 
 def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
@@ -7692,7 +7735,8 @@ def shell_steps(command: str) -> list[tuple[str, str | None, bool]]:
     return steps
 
 
-def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protected: Mapping[str, str]) -> list[dict[str, Any]]:
+def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str,
+                     protected: Mapping[str, str]) -> list[dict[str, Any]]:
     """Behaviour audit (pure): tool calls that touch paths outside the workspace or read protected dirs.
 
     `protected` maps a label (study, oracle, gate, tasks) to a directory.  Relative paths of file
@@ -7722,7 +7766,8 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
                 if d and os.path.normpath(d) in cmd and not inside(d, ws):
                     findings.append({"kind": f"bash_touches_{label}", "tool": name, "detail": cmd[:300]})
             for tok in re.findall(r"(?<![\w.])(/[^\s'\"|;&<>()]+)", cmd):
-                if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/", "/proc/self")):
+                if not inside(tok, ws) and not tok.startswith(("/dev/", "/tmp/", "/usr/", "/bin/",
+                                                               "/proc/self")):
                     findings.append({"kind": "bash_path_outside_workspace", "tool": name, "path": tok})
             # Relative paths that climb out of the workspace (../../state/...), step by step.
             here = ws                       # where the current step runs
@@ -7741,7 +7786,8 @@ def audit_tool_calls(calls: Iterable[Mapping[str, Any]], workspace: str, protect
                     for label, d in protected.items():
                         if d and inside(full, d):
                             findings.append({"kind": f"bash_touches_{label}", "tool": name, "path": tok})
-                cd = None if in_heredoc else re.fullmatch(r"\s*cd\s+([^\s'\"$`~|;&<>()-][^\s'\"$`~|;&<>()]*)\s*", step)
+                cd = None if in_heredoc else re.fullmatch(
+                    r"\s*cd\s+([^\s'\"$`~|;&<>()-][^\s'\"$`~|;&<>()]*)\s*", step)
                 if cd:
                     target = os.path.normpath(os.path.join(here, cd.group(1)))
                     here = target if inside(target, ws) else ws
@@ -7835,7 +7881,8 @@ class RunVerdict(NamedTuple):
 
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
-                 success: bool, grader_error: str | None = None, hidden_access: Iterable[str] = ()) -> RunVerdict:
+                 success: bool, grader_error: str | None = None,
+                 hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
@@ -7863,7 +7910,8 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
         outcome = "timeout"
     else:
         outcome = "success" if success else "failure"
-    failure = None if success else ("grader_error" if outcome == "grader_error" else (stop or "hidden tests failed"))
+    failure = None if success else ("grader_error" if outcome == "grader_error"
+                                    else (stop or "hidden tests failed"))
     return RunVerdict(outcome, validity, why, failure)
 
 
@@ -7939,7 +7987,8 @@ class RunPipeline:
         session_cap = float(self.launch["max_minutes"]) * 60
         limits = session_limits(
             self.launch,
-            wall_s=min(session_cap, max(MIN_SESSION_WALL_S, wall_left)) if budget.get("wall_s") else session_cap,
+            wall_s=(min(session_cap, max(MIN_SESSION_WALL_S, wall_left)) if budget.get("wall_s")
+                    else session_cap),
             orphan_after_s=0 if self.opts.driver else None,
             max_budget_usd=max(round(remaining, 6), 0.000001),
             extra={"snapshot_seconds": self.cfg.get("snapshot_seconds") or [],
@@ -7954,7 +8003,8 @@ class RunPipeline:
         raw_dir = str(self.paths.run_dir(self.run_id) / "raw" / f"{self.attempt:02d}-{role}")
         while True:
             try:
-                out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra, raw_dir, base)
+                out = self._start(kind, prompt + marker, cwd, resume_job, limits, meta, system_extra,
+                                  raw_dir, base)
                 break
             except AgentbenchError as exc:
                 if exc.payload.get("refusal") != "parallel_cap" or not self.opts.driver:
@@ -7988,7 +8038,8 @@ class RunPipeline:
                                 meta_extra=meta, cfg=self.cfg, driver=self.opts.driver, raw_dir=raw_dir)
         resume, prior = None, {}
         if base:
-            fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False, env_extra=self.opts.env_extra)
+            fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False,
+                           env_extra=self.opts.env_extra)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
         return start_job(self.ctx, self.paths, kind=kind, prompt=prompt, cwd=cwd, session_id=None,
@@ -8008,7 +8059,8 @@ class RunPipeline:
         """Close a job's Slurm queue wait once its supervisor has written its runtime (or the job
         ended): precise to one poll."""
         since = self._in_slurm_queue.get(jid)
-        if since is None or not (self.paths.runtime_file(jid).exists() or self.paths.result_file(jid).exists()):
+        if since is None or not (self.paths.runtime_file(jid).exists()
+                                 or self.paths.result_file(jid).exists()):
             return
         del self._in_slurm_queue[jid]
         waited = round(time.monotonic() - since, 3)
@@ -8026,7 +8078,8 @@ class RunPipeline:
         cost = billed_cost_usd(res.get("usage"))
         self.spent = round(float(self.rec.get("cost_usd") or 0.0) + cost, 6)
         self.rec["cost_usd"] = self.spent
-        self.rec["cost_estimated"] = bool(self.rec.get("cost_estimated")) or bool((res.get("usage") or {}).get("estimated"))
+        self.rec["cost_estimated"] = (bool(self.rec.get("cost_estimated"))
+                                      or bool((res.get("usage") or {}).get("estimated")))
         tok = self.rec.get("tokens") or {k: 0 for k in TOKEN_KEYS}
         self.rec["tokens"] = add_tokens(tok, (res.get("usage") or {}).get("tokens") or {})
         entry.update({"status": res["status"], "reason": res.get("reason"), "cost_usd": cost,
@@ -8050,7 +8103,8 @@ class RunPipeline:
             return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
         tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
         names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
-        return "\n".join(f"- {n}" for n in names[:30]) or "- the public checks did not pass (see the output below)"
+        return ("\n".join(f"- {n}" for n in names[:30])
+                or "- the public checks did not pass (see the output below)")
 
     def review_setup(self, task: Task, ws: str, n: int) -> tuple[Path, str]:
         """A fresh reviewer's directory (a read-only snapshot of the work) and its prompt."""
@@ -8060,8 +8114,8 @@ class RunPipeline:
             shutil.rmtree(rdir)
         shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
         changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
-        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task), work_dir=str(work),
-                        review_path=str(rdir / "review.json"),
+        prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task),
+                        work_dir=str(work), review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
         return rdir, prompt
 
@@ -8125,7 +8179,8 @@ class RunPipeline:
             self.rec.update({"status": "not_started", "outcome": None, "paused_by_breaker": True,
                              "jobs": [], "cost_usd": 0.0})
         else:
-            self.rec.update({"status": "error", "outcome": "error", "error": reason, "error_detail": dict(detail),
+            self.rec.update({"status": "error", "outcome": "error", "error": reason,
+                             "error_detail": dict(detail),
                              "validity": "infrastructure_failure", "validity_reason": reason,
                              "finished_at": utc_now()})
         self._save()
@@ -8146,7 +8201,8 @@ class RunPipeline:
                                     fault.get("missing_fixture"), host_env=self.ctx.env)
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
-        statement = (Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists() else task.title
+        statement = ((Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists()
+                     else task.title)
         check_hint = task_check_hint(task, ws)
         prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=statement,
                         workspace=ws, check_hint=check_hint)
@@ -8201,7 +8257,8 @@ class RunPipeline:
                 cycles += 1
                 fb = render(self.tpl["gate_feedback"], cycle=cycles, cycles_left=arm.gate_cycles - cycles,
                             failed_checks=self.failed_checks_text(gate_rec),
-                            gate_output=((gate_rec.get("stderr_tail") or "") + (gate_rec.get("stdout_tail") or ""))[-3000:])
+                            gate_output=((gate_rec.get("stderr_tail") or "")
+                                         + (gate_rec.get("stdout_tail") or ""))[-3000:])
                 res = self._run_job("gate_feedback", fb, cwd=ws, resume_job=last_job, kind="continue")
                 last_job = rec["jobs"][-1]["job_id"]
                 stop = self.stop_reason(res)
@@ -8214,7 +8271,8 @@ class RunPipeline:
             review = self._review(task, ws, 1)
             if review["verdict"] == "revise":
                 findings = "\n".join(f"- [{f.get('severity')}] {f.get('file')}: {f.get('detail')}"
-                                     for f in review.get("findings") or [] if isinstance(f, dict)) or "- (none listed)"
+                                     for f in review.get("findings") or []
+                                     if isinstance(f, dict)) or "- (none listed)"
                 res = self._run_job("repair", render(self.tpl["review_feedback"], findings=findings,
                                                      summary=review.get("summary") or ""),
                                     cwd=ws, resume_job=last_job, kind="continue")
@@ -8265,7 +8323,8 @@ class RunPipeline:
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
         edited = [f for f in edited_public_tests(task, ws)
-                  if not (removed and (f == removed or f.startswith(removed + "/")) and not (Path(ws) / f).exists())]
+                  if not (removed and (f == removed or f.startswith(removed + "/"))
+                          and not (Path(ws) / f).exists())]
         if edited:
             findings.append({"kind": "edited_public_tests", "files": edited})
         copied = hidden_file_copies(task, rec["artifacts"], "oracle")
@@ -8283,27 +8342,35 @@ class RunPipeline:
                       "timed_out": ev["timed_out"], "at": ev["at"], "snapshots": snapshots,
                       "artifacts_sha256": rec["artifacts"]["sha256"],
                       "receipt": {"kind": ev.get("receipt"), "channel": ev.get("receipt_channel"),
-                                  "protected": ev.get("receipt_protected"), "problem": ev.get("receipt_problem")},
+                                  "protected": ev.get("receipt_protected"),
+                                  "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
-        rec["sandbox"] = sandbox_summary([(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-                                          for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
+        rec["sandbox"] = sandbox_summary(
+            [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
+             for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None, tool_uses=tool_uses,
+        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
+                               tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
-                               hidden_access=[f["kind"] for f in findings if f.get("kind") in HIDDEN_ACCESS_KINDS])
+                               hidden_access=[f["kind"] for f in findings
+                                              if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
-                    "claude_version": next((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("claude_version")
-                                           for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
+                    "claude_version": next(
+                        (read_json(self.paths.result_file(j["job_id"]), default={}) or {})
+                        .get("claude_version")
+                        for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
         rec["provenance"]["claude_version"] = rec["claude_version"]
-        rec["provenance"]["models_reported"] = sorted({m for j in rec["jobs"] for m in
-                                                       ((read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("models_reported") or [])})
+        rec["provenance"]["models_reported"] = sorted({
+            m for j in rec["jobs"]
+            for m in ((read_json(self.paths.result_file(j["job_id"]), default={}) or {})
+                      .get("models_reported") or [])})
         self._save()
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("score", success=ev["success"], score=ev["score"])
@@ -8388,7 +8455,8 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 else:
                     results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(parallel, len(todo) or 1)))]
+    threads = [threading.Thread(target=worker, daemon=True)
+               for _ in range(max(1, min(parallel, len(todo) or 1)))]
     for t in threads:
         t.start()
     for t in threads:
@@ -12776,7 +12844,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
-FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000), "limit": (0, 1_000_000)}
+FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
+                   "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
 
@@ -12847,12 +12916,14 @@ COMMANDS: dict[str, Command] = {}
 def command(name: str, summary: str, *, mutating: bool, hidden: bool = False) -> Callable[..., Any]:
     """Register a handler; the decorated function's `configure` attribute adds its arguments."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating, hidden)
+        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating,
+                                 hidden)
         return fn
     return deco
 
 
-def args_of(configure: Callable[[argparse.ArgumentParser], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def args_of(configure: Callable[[argparse.ArgumentParser], None]
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.configure = configure  # type: ignore[attr-defined]
         return fn
@@ -12904,7 +12975,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
-            warnings.append("the study's env sets variables the scrub drops by default: " + ", ".join(readded))
+            warnings.append("the study's env sets variables the scrub drops by default: "
+                            + ", ".join(readded))
     except AgentbenchError as exc:
         if study is not None:   # no study given is fine here; a broken one is worth saying
             warnings.append("study: " + exc.one_line())
@@ -12928,21 +13000,25 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     host = {k: v for k, v in ctx.env.items() if not is_credential_var(k)}
     secret = {k: v for k, v in ctx.env.items() if is_credential_var(k)}
     placeholder = {"ANTHROPIC_BASE_URL": "http://127.0.0.1:<port>", GATEWAY_TOKEN_VAR: "<job token>"}
-    _, claude_report = claude_env(host, extra=study_env, gateway=placeholder if gateway_mode == "on" else None,
+    _, claude_report = claude_env(host, extra=study_env,
+                                  gateway=placeholder if gateway_mode == "on" else None,
                                   secret=secret, binary=binary)
     if gateway_mode == "on":
         refusal = gateway_refusal({**ctx.env, **study_env}, gateway_mode)
         if refusal is not None:
             warnings.append("sessions would be refused: " + refusal.one_line())
-    slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH")) for name in ("sbatch", "squeue", "scancel")}
+    slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH"))
+                   for name in ("sbatch", "squeue", "scancel")}
     if executor == "slurm" and not all(slurm_tools.values()):
         warnings.append("the study's executor is slurm but these Slurm commands are not on PATH: "
                         + ", ".join(n for n, v in slurm_tools.items() if not v))
     probe = sandbox_probe(ctx.env)
     kind = sandbox_decision(sandbox_mode, bool(probe["available"]))
     if kind == "refuse":
-        warnings.append(("the study requires sandbox bwrap: its Slurm jobs need bubblewrap on the compute nodes; "
-                         if executor == "slurm" else "the study requires sandbox bwrap, so launches are refused: ")
+        warnings.append(("the study requires sandbox bwrap: its Slurm jobs need bubblewrap on the "
+                         "compute nodes; "
+                         if executor == "slurm" else
+                         "the study requires sandbox bwrap, so launches are refused: ")
                         + str(probe["reason"]))
     elif kind == "none" and sandbox_mode == "auto":
         warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
@@ -12962,13 +13038,16 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         reasons.append(f"no claude binary found ({how})")
     elif not version:
         reasons.append(f"the claude binary at {binary} did not answer --version")
-    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "python": {"version": pyplatform.python_version(), "executable": sys.executable},
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION,
+            "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
             "git": {"path": git, "version": git_version},
             "executor": {"kind": executor, "slurm_commands": slurm_tools},
-            "platform": {"seam": ctx.platform.name, "system": pyplatform.system(), "release": pyplatform.release()},
-            "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT), "drop_prefixes": list(ENV_DROP_PREFIXES),
+            "platform": {"seam": ctx.platform.name, "system": pyplatform.system(),
+                         "release": pyplatform.release()},
+            "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT),
+                          "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "claude_env": claude_report, "sandbox": sandbox,
             "study": study, "warnings": warnings}
@@ -12985,8 +13064,10 @@ def _init_args(p: argparse.ArgumentParser) -> None:
                            help=setting.help)
     for key, (typ, text) in BUDGET_SETTINGS.items():
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, help=f"budget.{key}: {text}")
-    p.add_argument("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker")
-    p.add_argument("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)")
+    p.add_argument("--reset-breaker", action="store_true",
+                   help="resume a study paused by its circuit breaker")
+    p.add_argument("--slurm-partition",
+                   help="the Slurm partition of the study's jobs (with --executor slurm)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for every claude session of the study (repeatable; "
                         "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
@@ -12995,7 +13076,8 @@ def _init_args(p: argparse.ArgumentParser) -> None:
 @command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
 @args_of(_init_args)
 def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study) else os.path.join(ctx.cwd, args.study)))
+    root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study)
+                                            else os.path.join(ctx.cwd, args.study)))
     paths = StudyPaths(root)
     existing = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
     if existing is not None and not isinstance(existing, dict):
@@ -13035,14 +13117,17 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _train_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="the base's name (default: the task id with --task)")
-    p.add_argument("--brief", help="file holding the training prompt (default with --task: templates/train_base.md)")
-    p.add_argument("--task", help="train on a copy of this task's public files (a per-task base runs fork from)")
+    p.add_argument("--brief",
+                   help="file holding the training prompt (default with --task: templates/train_base.md)")
+    p.add_argument("--task",
+                   help="train on a copy of this task's public files (a per-task base runs fork from)")
     p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
     p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
     _launch_args(p)
 
 
-@command("train", "train a base session that runs fork from (same context, read from the prompt cache)", mutating=True)
+@command("train", "train a base session that runs fork from (same context, read from the prompt cache)",
+         mutating=True)
 @args_of(_train_args)
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
@@ -13061,7 +13146,8 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-@command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run (--run)", mutating=True)
+@command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run "
+                  "(--run)", mutating=True)
 @args_of(_spawn_args)
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(ctx.study(args))
@@ -13079,7 +13165,8 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
     _launch_args(p)
 
 
-@command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption", mutating=True)
+@command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption",
+         mutating=True)
 @args_of(_continue_args)
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13119,7 +13206,8 @@ def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-@command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results delivered once", mutating=False)
+@command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results "
+                 "delivered once", mutating=False)
 @args_of(_wait_args)
 def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
@@ -13187,7 +13275,8 @@ def _list_args(p: argparse.ArgumentParser) -> None:
                    "without it: active and undelivered jobs, running runs")
     p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
                    "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT, help="at most this many jobs and runs")
+    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT,
+                   help="at most this many jobs and runs")
     p.add_argument("--offset", type=int, default=0,
                    help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
 
@@ -13222,7 +13311,8 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                           "session_id": rec["session_id"]})
     runs, runs_total, runs_next = list_runs_page(paths, all_runs=everything, status=args.status,
                                                  offset=args.offset, limit=args.limit)
-    return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0), "breaker": reg.get("breaker"),
+    return {"counts": reg.get("counts", {}), "spent_usd": reg.get("spent_usd", 0.0),
+            "breaker": reg.get("breaker"),
             "active": len(active_job_ids(paths)), "jobs": jobs, "jobs_truncated": job_next is not None,
             "bases": bases, "runs": runs, "runs_truncated": runs_next is not None,
             "jobs_total": jobs_total, "runs_total": runs_total, "offset": args.offset,
@@ -13247,7 +13337,8 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         load_run(paths, r)   # every target validated before anything is killed
     results = [kill_job(paths, ctx.platform, j) for j in args.job]
     run_results = [kill_run(ctx, paths, r) for r in args.run]
-    survivors = sorted({p for r in results for p in r["survivors"]} | {p for r in run_results for p in r.get("survivors", [])})
+    survivors = sorted({p for r in results for p in r["survivors"]}
+                       | {p for r in run_results for p in r.get("survivors", [])})
     unverified = [r["job_id"] for r in results + [j for rr in run_results for j in rr.get("jobs", [])]
                   if r.get("unverified")]
     return {"jobs": results, "runs": run_results, "survivors": survivors, "unverified": unverified,
@@ -13263,7 +13354,8 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[], help="only these tasks (repeatable)")
 
 
-@command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle", mutating=True)
+@command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle",
+         mutating=True)
 @args_of(_calibrate_args)
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
@@ -13271,17 +13363,23 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--repeats", type=bounded_int("repeats"), help="repeats per task x arm (default: study.json `repeats`, else 1)")
+    p.add_argument("--repeats", type=bounded_int("repeats"),
+                   help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
     p.add_argument("--split", default="main")
-    p.add_argument("--reassign", action="store_true", help="replace this split's manifest (only if none of its runs started)")
-    p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
-    p.add_argument("--power-delta", type=finite_float, help="estimate repeats to detect this success-rate difference")
-    p.add_argument("--power-base", type=finite_float, default=0.5, help="baseline success rate for --power-delta")
+    p.add_argument("--reassign", action="store_true",
+                   help="replace this split's manifest (only if none of its runs started)")
+    p.add_argument("--fault", action="append", default=[],
+                   help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
+    p.add_argument("--power-delta", type=finite_float,
+                   help="estimate repeats to detect this success-rate difference")
+    p.add_argument("--power-base", type=finite_float, default=0.5,
+                   help="baseline success rate for --power-delta")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
-@command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs", mutating=True)
+@command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs",
+         mutating=True)
 @args_of(_assign_args)
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
@@ -13312,7 +13410,8 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
 
 
-@command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records success", mutating=True)
+@command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records "
+                     "success", mutating=True)
 @args_of(_evaluate_args)
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return evaluate_runs(ctx, load_study(ctx.study(args)), args.run, every_running=args.all)
@@ -13324,7 +13423,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", default=[])
     p.add_argument("--arm", action="append", default=[])
     p.add_argument("--split")
-    p.add_argument("--parallel", type=bounded_int("parallel"), help="pipelines at once (default: the study's parallel cap)")
+    p.add_argument("--parallel", type=bounded_int("parallel"),
+                   help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
@@ -13342,7 +13442,8 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if " run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"] or msg.split(" ")[1:2] == ["error"]:
+            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
+                    or msg.split(" ")[1:2] == ["error"]):
                 self.done += 1
             now = time.monotonic()
             line = f"[{self.done}/{self.total}] {msg}"
@@ -13371,7 +13472,8 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
         prog.close()
 
 
-@command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or --detach", mutating=True)
+@command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or "
+                "--detach", mutating=True)
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13383,9 +13485,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Like a supervisor, the driver's environment holds no credential (any process of the
         # user can read it): they reach it on its stdin, and it hands them on to its supervisors.
-        pid = detach_agentbench(ctx.platform, ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
-                                               "--force"] + [x for r in ids for x in ("--run", r)],
-                                cwd=str(paths.root), env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
+        pid = detach_agentbench(ctx.platform,
+                                ["_drive", "--study", str(paths.root), "--parallel", str(parallel),
+                                 "--force"] + [x for r in ids for x in ("--run", r)],
+                                cwd=str(paths.root),
+                                env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
@@ -13427,7 +13531,8 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="json", choices=["json", "md"])
 
 
-@command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio", mutating=False)
+@command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio",
+         mutating=False)
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13445,9 +13550,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
     p.add_argument("--baseline")
-    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); with "
-                                 "--format html, a path ending in / (or an existing directory) gets a directory: "
-                                 "index.html and one page per run under runs/")
+    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
+                                 "with --format html, a path ending in / (or an existing directory) gets a "
+                                 "directory: index.html and one page per run under runs/")
     p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
 
 
@@ -13467,7 +13572,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The gateways' figures beside the binaries' own, per model (side models included).
     ledger_lines = read_jsonl(paths.ledger)[0]
     totals = aggregate_usage(ledger_lines, by="model")["totals"]
-    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"],
+                          "cost_reported_usd": totals["cost_usd"],
                           "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
                           "models_metered": totals["models_metered"],
                           "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
@@ -13498,7 +13604,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
-    result["summary"] = {a: {k: v for k, v in s.items() if k in ("runs", "evaluated", "successes", "success_rate")}
+    result["summary"] = {a: {k: v for k, v in s.items()
+                             if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
 
@@ -13524,7 +13631,8 @@ def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
         k, sep, v = s.partition("=")
         if not sep or not k or not v or (allowed and v not in allowed):
             raise AgentbenchError(f"bad {what}", code="bad_value",
-                                  value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}" if allowed else ""))
+                                  value=s, hint="RUN_ID=VALUE" + (f" with VALUE in {list(allowed)}"
+                                                                  if allowed else ""))
         out[k] = v
     return out
 
@@ -13540,7 +13648,8 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
     return install_pinned_claude(ctx.platform)
 
 
-@command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)", mutating=True)
+@command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)",
+         mutating=True)
 @args_of(_rehearse_args)
 def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13577,7 +13686,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not (example / STUDY_FILE).is_file():
         raise AgentbenchError("the bundled example study is missing", code="bundled_example_study_missing",
                               expected=str(example))
-    base = Path(ctx.platform.normalize_path(args.dir)) if args.dir else Path(tempfile.mkdtemp(prefix="agentbench-demo-"))
+    base = (Path(ctx.platform.normalize_path(args.dir)) if args.dir
+            else Path(tempfile.mkdtemp(prefix="agentbench-demo-")))
     study = base / "study"
     if study.exists():
         raise AgentbenchError("the demo directory already holds a study",
@@ -13595,7 +13705,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cal = {t.id: calibrate_task(paths, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(paths.state / "calibration.json",
                       {"tasks": cal, "config_hash": demo.hash, "at": utc_now()})
-    log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x {args.repeats} repeats")
+    log(f"demo study in {study}; rehearsing {len(tasks)} tasks x {len(cfg['arms'])} arms x "
+        f"{args.repeats} repeats")
     prog = Progress(len(tasks) * len(cfg["arms"]) * args.repeats)
     try:
         out = rehearse_study(ctx, paths, scratch=study / "rehearsal", parallel=args.parallel,
@@ -13607,7 +13718,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
     runs = run_records_for_report(rpaths)
-    incomplete = [r["run_id"] for r in runs if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
+    incomplete = [r["run_id"] for r in runs
+                  if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
@@ -13621,10 +13733,12 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--every", type=finite_float, default=240.0, help="ping a base not pinged for this long (s)")
+    p.add_argument("--every", type=finite_float, default=240.0,
+                   help="ping a base not pinged for this long (s)")
 
 
-@command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached", mutating=True)
+@command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached",
+         mutating=True)
 @args_of(_tick_args)
 def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
@@ -13646,7 +13760,8 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                             session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
                             meta={"base": rec["name"]}, cfg=cfg,
                             env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
-                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(encoding="utf-8"))
+                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
+                                encoding="utf-8"))
             rec["last_ping"] = time.time()
             write_json_atomic(f, rec)
         pinged.append({"base": rec["name"], "job_id": out["job_id"]})
@@ -13680,7 +13795,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
 
 
-@command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)", mutating=False)
+@command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)",
+         mutating=False)
 @args_of(_serve_args)
 def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
@@ -13700,8 +13816,10 @@ def _supervise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--study", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--env-file")
-    p.add_argument("--credentials-file", help="owner-only file of credentials to add (Slurm jobs); deleted once read")
-    p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin (local jobs)")
+    p.add_argument("--credentials-file",
+                   help="owner-only file of credentials to add (Slurm jobs); deleted once read")
+    p.add_argument("--credentials-stdin", action="store_true",
+                   help="read the credentials from stdin (local jobs)")
 
 
 @command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
@@ -13811,8 +13929,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno in WRITE_REFUSED_ERRNOS:
             code, obj = 2, {"error": "the study's files cannot be written", "code": "write_refused",
-                            "reason": os.strerror(exc.errno or 0), "errno": errno.errorcode.get(exc.errno or 0),
-                            "path": exc.filename, "hint": "free disk space, or make the study writable, then retry"}
+                            "reason": os.strerror(exc.errno or 0),
+                            "errno": errno.errorcode.get(exc.errno or 0),
+                            "path": exc.filename,
+                            "hint": "free disk space, or make the study writable, then retry"}
         else:
             code, obj = 2, {"error": "internal error", "code": "internal_error", "type": type(exc).__name__,
                             "detail": str(exc), "trace": traceback.format_exc(limit=8).splitlines()[-6:]}
