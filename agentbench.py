@@ -14,35 +14,35 @@ banner says what its section owns and what it must not do.
 
 Sections (line ranges), strictly bottom-up:
        94-164   Start-up: lazy imports and the cached-bytecode launcher
-      165-262   Constants
-      263-366   Errors and output
-      367-475   Hostile numbers
-      476-523   Fault points
-      524-1773  Platform seam
-     1774-2275  Files, locks and the registry
-     2276-2466  Records: the declared shapes of the job's and run's files
-     2467-2658  Processes
-     2659-3023  Executors: where a job's supervisor runs (local, Slurm)
-     3024-3138  Env scrub
-     3139-3514  The sandbox
-     3515-3967  Stream and usage
-     3968-4350  Study configuration
-     4351-5157  The metering gateway
-     5158-6054  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6055-6534  The supervisor process: one job's `claude` run to its end
-     6535-6825  Sessions and bases: every launch (start, fork, continue)
-     6826-7498  Tasks, arms and checks: a study's contents, loaded once
-     7499-8467  Runs and the pipeline
-     8468-8918  Runs by hand and the run driver's checks: the pipeline's public API
-     8919-9426  Statistics
-     9427-10355 The report: what each arm did
-    10356-10997 Rendering: Markdown and HTML
-    10998-11528 Run pages: the report as a directory
-    11529-12340 Offline scripted model
-    12341-12636 The scripted model: rehearsal of a study
-    12637-12698 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12699-12836 Calibration and assignment: a study's tasks checked and its runs planned
-    12837-13951 The CLI and main
+      165-269   Constants
+      270-373   Errors and output
+      374-482   Hostile numbers
+      483-530   Fault points
+      531-1780  Platform seam
+     1781-2282  Files, locks and the registry
+     2283-2473  Records: the declared shapes of the job's and run's files
+     2474-2665  Processes
+     2666-3031  Executors: where a job's supervisor runs (local, Slurm)
+     3032-3146  Env scrub
+     3147-3522  The sandbox
+     3523-3975  Stream and usage
+     3976-4358  Study configuration
+     4359-5165  The metering gateway
+     5166-6062  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6063-6542  The supervisor process: one job's `claude` run to its end
+     6543-6833  Sessions and bases: every launch (start, fork, continue)
+     6834-7506  Tasks, arms and checks: a study's contents, loaded once
+     7507-8475  Runs and the pipeline
+     8476-8927  Runs by hand and the run driver's checks: the pipeline's public API
+     8928-9435  Statistics
+     9436-10364 The report: what each arm did
+    10365-11006 Rendering: Markdown and HTML
+    11007-11537 Run pages: the report as a directory
+    11538-12349 Offline scripted model
+    12350-12645 The scripted model: rehearsal of a study
+    12646-12707 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12708-12845 Calibration and assignment: a study's tasks checked and its runs planned
+    12846-13960 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -258,6 +258,13 @@ PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 
 #: The rehearsal's training of a per-task base: a few scripted turns.
 TRAIN_REHEARSAL_WALL_S = 600
 TRAIN_REHEARSAL_STALL_AFTER_S = 300
+#: A Slurm job asks for its wall limit plus this margin (start-up, finalisation) unless the
+#: study's `slurm.time_margin_s` or its own sbatch_args say otherwise.
+SLURM_TIME_MARGIN_DEFAULT_S = 600.0
+#: `tick --every`: a base not pinged for this long is pinged.
+TICK_EVERY_DEFAULT_S = 240.0
+#: `assign --power-base`: the baseline success rate a power plan assumes.
+POWER_BASE_DEFAULT = 0.5
 
 
 # ==================================================================================================
@@ -2705,7 +2712,8 @@ def sbatch_argv(job_id: str, script: str, *, output: str, chdir: str, slurm: Map
                     for a in extra)
     if wall_s and not sets_time:
         margin = slurm.get("time_margin_s")
-        minutes = math.ceil((float(wall_s) + (600.0 if margin is None else float(margin))) / 60)
+        margin_s = SLURM_TIME_MARGIN_DEFAULT_S if margin is None else float(margin)
+        minutes = math.ceil((float(wall_s) + margin_s) / 60)
         argv.append(f"--time={max(1, minutes)}")
     return argv + extra + [script]
 
@@ -8872,7 +8880,8 @@ def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, t
     the train_base template; on a copy of the task's public files unless `workspace` is given."""
     paths = study.paths
     cfg = study.cfg
-    task = pick_tasks(study.tasks, [task_id])[task_id] if task_id else None
+    # One bundle by name, as load_tasks refuses it (an unknown name before an empty directory).
+    task = load_tasks(study.paths, study.cfg, only=[task_id])[task_id] if task_id else None
     base = base or (task.id if task else None)
     if not base:
         raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
@@ -12762,7 +12771,7 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
 
 def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int | None = None,
                 seed: int | None = None, reassign: bool = False, faults: Sequence[str] = (),
-                power_delta: float | None = None, power_base: float = 0.5,
+                power_delta: float | None = None, power_base: float = POWER_BASE_DEFAULT,
                 force: bool = False) -> dict[str, Any]:
     """`assign`: the randomized, paired, blocked manifest of tasks x arms x repeats (defaults: the
     study's `repeats` and `seed`), its runs registered; `faults` are RUN_ID=FAULT specs for runs
@@ -13373,7 +13382,7 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
                    help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
     p.add_argument("--power-delta", type=finite_float,
                    help="estimate repeats to detect this success-rate difference")
-    p.add_argument("--power-base", type=finite_float, default=0.5,
+    p.add_argument("--power-base", type=finite_float, default=POWER_BASE_DEFAULT,
                    help="baseline success rate for --power-delta")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
@@ -13733,7 +13742,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--every", type=finite_float, default=240.0,
+    p.add_argument("--every", type=finite_float, default=TICK_EVERY_DEFAULT_S,
                    help="ping a base not pinged for this long (s)")
 
 

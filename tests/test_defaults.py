@@ -141,3 +141,31 @@ def test_a_new_study_writes_out_the_documented_defaults(tmp_path, fake_env):
     for key in ("model", "effort", "permission_mode", "tools", "parallel", "max_minutes"):
         assert cfg[key] == ab.DEFAULT_LAUNCH[key]
     assert cfg["budget"] == ab.DEFAULT_BUDGET
+
+
+@pytest.mark.parametrize("command, flag, constant, readme", [
+    ("wait", "--timeout", "WAIT_DEFAULT_S", "(default 540"),
+    ("list", "--limit", "LIST_LIMIT_DEFAULT", "`--limit` (default 200)"),
+    ("tick", "--every", "TICK_EVERY_DEFAULT_S", "`--every` seconds (default 240)"),
+    ("assign", "--power-base", "POWER_BASE_DEFAULT", "`--power-base P`, default 0.5"),
+])
+def test_a_flag_defaults_to_its_named_constant_and_the_readme_says_so(command, flag, constant, readme):
+    value = getattr(ab, constant)
+    assert help_defaults(command)[flag] == value
+    assert readme in README.read_text(encoding="utf-8")
+    assert readme.rstrip(")").endswith(f"{value:g}")
+
+
+def test_a_slurm_job_asks_for_its_wall_time_plus_the_default_margin():
+    argv = ab.sbatch_argv("j1", "s.sh", output="o", chdir=".", slurm={}, wall_s=60)
+    minutes = int(ab.SLURM_TIME_MARGIN_DEFAULT_S // 60) + 1
+    assert f"--time={minutes}" in argv and ab.SLURM_TIME_MARGIN_DEFAULT_S == 600.0
+    assert "`time_margin_s` (default 600)" in README.read_text(encoding="utf-8")
+
+
+def test_training_an_unknown_task_is_refused_by_name_even_when_the_study_has_none(tmp_path, fake_env):
+    study = tmp_path / "s"
+    (study / "tasks").mkdir(parents=True)
+    assert run_main(["init", "--study", str(study)])[0] == 0
+    code, out = run_main(["train", "--study", str(study), "--task", "nope"])
+    assert code == 2 and out["code"] == "unknown_task" and out["tasks"] == ["nope"]
