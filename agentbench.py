@@ -7646,7 +7646,7 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
     results = []
     for j in rec.get("jobs") or []:
         if (paths.active / j["job_id"]).exists():
-            results.append(kill_job(paths, ctx.platform, j["job_id"], reason="run_killed"))
+            results.append(kill_job(paths, ctx.platform, j["job_id"], reason="run_killed", env=ctx.env))
     return {"run_id": run_id, "jobs": results,
             "survivors": sorted({p for r in results for p in r["survivors"]})}
 
@@ -8021,7 +8021,7 @@ class RunPipeline:
                 # wait is queueing, not the agent's time: it does not count against the run's wall.
                 waited = time.monotonic()
                 time.sleep(max(0.5, self.opts.poll_s))
-                reap_jobs(self.paths, self.ctx.platform)
+                reap_jobs(self.paths, self.ctx.platform, env=self.ctx.env)
                 self.add_queued(time.monotonic() - waited)
         if executor_for(self.launch.get("executor")).queues:
             self._in_slurm_queue[out["job_id"]] = time.monotonic()
@@ -8059,7 +8059,7 @@ class RunPipeline:
         while not job_is_final(self.paths, jid):
             self._note_started(jid)
             time.sleep(self.opts.poll_s)
-            reap_jobs(self.paths, self.ctx.platform, only=[jid])
+            reap_jobs(self.paths, self.ctx.platform, only=[jid], env=self.ctx.env)
         self._note_started(jid)
         return self.account_job(jid)
 
@@ -8542,7 +8542,7 @@ def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
     launch = study.launch
     study_binary(host, study.cfg)
     refuse_if_paused(paths, launch)
-    reap_jobs(paths, host.platform)
+    reap_jobs(paths, host.platform, env=host.env)
     refuse_at_parallel_cap(len(active_job_ids(paths)), int(launch["parallel"]),
                            hint="wait for a job to finish (`wait --any`)")
     pipe = pipeline_for(host, study, run_id)
@@ -8899,7 +8899,7 @@ def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, t
     ws = Path(host.platform.normalize_path(workspace)) if workspace else paths.bases / base / "workspace"
     # Refusals that do not depend on the base come first: a refused retraining must not have
     # wiped the old base's workspace (start_job asks again, as the state may change meanwhile).
-    refuse_launch(paths, cfg)
+    refuse_launch(paths, cfg, host.env)
     # One trainer per base at a time: two concurrent calls would otherwise both start a session in
     # the same workspace and the base would name only the last.  The check, the launch and the
     # record happen under the base's own lock (taken before, never inside, the registry lock).
@@ -12547,7 +12547,7 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
     register_base(paths, task.id, out, ws)
     while not job_is_final(paths, out["job_id"]):
         time.sleep(0.2)
-        reap_jobs(paths, ctx.platform, only=[out["job_id"]])
+        reap_jobs(paths, ctx.platform, only=[out["job_id"]], env=ctx.env)
 
 
 def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int, repeats: int | None,
@@ -12574,7 +12574,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
     validate_launch_values(cfg)
-    require_executor_ready(executor or cfg.get("executor"))
+    require_executor_ready(executor or cfg.get("executor"), ctx.env)
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
         raise AgentbenchError("the rehearsal directory is not empty", code="rehearsal_directory_not_empty",
                               dir=str(scratch),
@@ -13235,7 +13235,7 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     last_touch = 0.0
     while True:
         if not ctx.is_child:
-            reap_jobs(paths, ctx.platform)
+            reap_jobs(paths, ctx.platform, env=ctx.env)
             if args.run:
                 sweep_interrupted_runs(paths, ctx.platform)
             if time.monotonic() - last_touch > 5:
@@ -13295,7 +13295,7 @@ def _list_args(p: argparse.ArgumentParser) -> None:
 def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not ctx.is_child:
-        reap_jobs(paths, ctx.platform)
+        reap_jobs(paths, ctx.platform, env=ctx.env)
         sweep_interrupted_runs(paths, ctx.platform)
     reg = read_registry(paths)
     ids = active_job_ids(paths) + list_markers(paths.undelivered)
@@ -13344,7 +13344,7 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         load_job(paths, j)
     for r in args.run:
         load_run(paths, r)   # every target validated before anything is killed
-    results = [kill_job(paths, ctx.platform, j) for j in args.job]
+    results = [kill_job(paths, ctx.platform, j, env=ctx.env) for j in args.job]
     run_results = [kill_run(ctx, paths, r) for r in args.run]
     survivors = sorted({p for r in results for p in r["survivors"]}
                        | {p for r in run_results for p in r.get("survivors", [])})
