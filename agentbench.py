@@ -30,19 +30,19 @@ Sections (line ranges), strictly bottom-up:
      4359-5165  The metering gateway
      5166-6062  Jobs: a session's record (create, launch, finalise, reap, kill)
      6063-6542  The supervisor process: one job's `claude` run to its end
-     6543-6833  Sessions and bases: every launch (start, fork, continue)
-     6834-7506  Tasks, arms and checks: a study's contents, loaded once
-     7507-8475  Runs and the pipeline
-     8476-8927  Runs by hand and the run driver's checks: the pipeline's public API
-     8928-9435  Statistics
-     9436-10364 The report: what each arm did
-    10365-11006 Rendering: Markdown and HTML
-    11007-11537 Run pages: the report as a directory
-    11538-12349 Offline scripted model
-    12350-12645 The scripted model: rehearsal of a study
-    12646-12707 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12708-12845 Calibration and assignment: a study's tasks checked and its runs planned
-    12846-13960 The CLI and main
+     6543-6873  Sessions and bases: every launch (start, fork, continue)
+     6874-7546  Tasks, arms and checks: a study's contents, loaded once
+     7547-8515  Runs and the pipeline
+     8516-8967  Runs by hand and the run driver's checks: the pipeline's public API
+     8968-9475  Statistics
+     9476-10404 The report: what each arm did
+    10405-11046 Rendering: Markdown and HTML
+    11047-11577 Run pages: the report as a directory
+    11578-12389 Offline scripted model
+    12390-12685 The scripted model: rehearsal of a study
+    12686-12747 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12748-12885 Calibration and assignment: a study's tasks checked and its runs planned
+    12886-13969 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -6829,6 +6829,46 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
                          raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
     except DuplicateRequest as dup:
         return duplicate_continue(paths, prev_id, dup.job_id)
+
+
+def ping_bases(host: Host, paths: StudyPaths, every_s: float) -> dict[str, Any]:
+    """Keep-warm pings (`tick`): fork every ready base not pinged for `every_s` seconds with a
+    one-line prompt, outside every run's budget (PING_LIMITS), so that its prefix stays cached."""
+    cfg = load_study_config(paths)
+    pinged, skipped = [], []
+    for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
+        name = f.stem
+        with base_lock(paths, host.platform, name):
+            # Read under the base's lock: a retraining in between must not be written back over.
+            rec = read_json(f)
+            st = base_state(paths, rec)
+            if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < every_s:
+                skipped.append({"base": rec["name"], "state": st})
+                continue
+            ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
+            fk = fork_base(host, paths, rec["name"], ws, copy_workspace=False)
+            limits = session_limits(launch_config(cfg), **PING_LIMITS)
+            out = start_job(host, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
+                            session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
+                            meta={"base": rec["name"]}, cfg=cfg,
+                            env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
+                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
+                                encoding="utf-8"))
+            rec["last_ping"] = time.time()
+            write_json_atomic(f, rec)
+        pinged.append({"base": rec["name"], "job_id": out["job_id"]})
+    return {"pinged": pinged, "skipped": skipped}
+
+
+def expire_base(host: Host, paths: StudyPaths, name: str) -> dict[str, Any]:
+    """Retire a base (`expire`): no more pings, no more forks."""
+    load_base(paths, name)   # refused before a lock file is made for a base that is not there
+    with base_lock(paths, host.platform, name):
+        rec = load_base(paths, name)
+        rec["expired"] = True
+        rec["expired_at"] = utc_now()
+        write_json_atomic(base_file(paths, name), rec)
+    return {"base": name, "state": "expired"}
 
 
 # ==================================================================================================
@@ -13750,31 +13790,7 @@ def _tick_args(p: argparse.ArgumentParser) -> None:
          mutating=True)
 @args_of(_tick_args)
 def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
-    pinged, skipped = [], []
-    for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
-        name = f.stem
-        with base_lock(paths, ctx.platform, name):
-            # Read under the base's lock: a retraining in between must not be written back over.
-            rec = read_json(f)
-            st = base_state(paths, rec)
-            if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < args.every:
-                skipped.append({"base": rec["name"], "state": st})
-                continue
-            ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
-            fk = fork_base(ctx, paths, rec["name"], ws, copy_workspace=False)
-            limits = session_limits(launch_config(cfg), **PING_LIMITS)
-            out = start_job(ctx, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
-                            session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
-                            meta={"base": rec["name"]}, cfg=cfg,
-                            env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
-                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
-                                encoding="utf-8"))
-            rec["last_ping"] = time.time()
-            write_json_atomic(f, rec)
-        pinged.append({"base": rec["name"], "job_id": out["job_id"]})
-    return {"pinged": pinged, "skipped": skipped}
+    return ping_bases(ctx, ctx.study(args), args.every)
 
 
 def _expire_args(p: argparse.ArgumentParser) -> None:
@@ -13785,14 +13801,7 @@ def _expire_args(p: argparse.ArgumentParser) -> None:
 @command("expire", "retire a base: no more pings, no more forks", mutating=True)
 @args_of(_expire_args)
 def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    load_base(paths, args.base)   # refused before a lock file is made for a base that is not there
-    with base_lock(paths, ctx.platform, args.base):
-        rec = load_base(paths, args.base)
-        rec["expired"] = True
-        rec["expired_at"] = utc_now()
-        write_json_atomic(base_file(paths, args.base), rec)
-    return {"base": args.base, "state": "expired"}
+    return expire_base(ctx, ctx.study(args), args.base)
 
 
 # -- the scripted model by hand --------------------------------------------------------------------

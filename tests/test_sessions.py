@@ -389,3 +389,22 @@ def test_continue_job_refuses_a_session_that_another_job_is_resuming(study, tmp_
                                           ("", "invalid_job_id")])
 def test_continue_job_of_an_unknown_job_is_refused(study, job_id, code):
     refused(lambda: ab.continue_job(host(), ab.StudyPaths(study), job_id, "more", study_limits(study)), code)
+
+
+# ---- keep-warm pings and retiring a base ---------------------------------------------------------
+
+def test_ping_bases_pings_a_ready_base_once_per_interval_and_expire_base_retires_it(study, tmp_path):
+    tr = train(study, tmp_path, "warm", "cost=0.01")
+    assert wait_result(study, tr["job_id"])["status"] == "ok"
+    paths = ab.StudyPaths(study)
+    got = ab.ping_bases(host(), paths, 0.0)
+    assert [p["base"] for p in got["pinged"]] == ["warm"] and got["skipped"] == []
+    ping = ab.load_job(paths, got["pinged"][0]["job_id"])
+    assert ping["kind"] == "ping" and ping["limits"]["max_turns"] == ab.PING_LIMITS["max_turns"]
+    wait_result(study, ping["job_id"])
+    # Pinged just now: not again within the interval.
+    again = ab.ping_bases(host(), paths, 3600.0)
+    assert again["pinged"] == [] and again["skipped"] == [{"base": "warm", "state": "ready"}]
+    assert ab.expire_base(host(), paths, "warm") == {"base": "warm", "state": "expired"}
+    assert ab.ping_bases(host(), paths, 0.0) == {"pinged": [], "skipped": [{"base": "warm", "state": "expired"}]}
+    refused(lambda: ab.expire_base(host(), paths, "nobody"), "no_such_base")
