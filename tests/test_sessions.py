@@ -406,5 +406,6 @@ def test_ping_bases_pings_a_ready_base_once_per_interval_and_expire_base_retires
     again = ab.ping_bases(host(), paths, 3600.0)
     assert again["pinged"] == [] and again["skipped"] == [{"base": "warm", "state": "ready"}]
     assert ab.expire_base(host(), paths, "warm") == {"base": "warm", "state": "expired"}
-    assert ab.ping_bases(host(), paths, 0.0) == {"pinged": [], "skipped": [{"base": "warm", "state": "expired"}]}
+    assert ab.ping_bases(host(), paths, 0.0) == {"pinged": [],
+                                                 "skipped": [{"base": "warm", "state": "expired"}]}
     refused(lambda: ab.expire_base(host(), paths, "nobody"), "no_such_base")
