@@ -15,34 +15,34 @@ banner says what its section owns and what it must not do.
 Sections (line ranges), strictly bottom-up:
        94-164   Start-up: lazy imports and the cached-bytecode launcher
       165-269   Constants
-      270-373   Errors and output
-      374-482   Hostile numbers
-      483-530   Fault points
-      531-1780  Platform seam
-     1781-2282  Files, locks and the registry
-     2283-2473  Records: the declared shapes of the job's and run's files
-     2474-2665  Processes
-     2666-3031  Executors: where a job's supervisor runs (local, Slurm)
-     3032-3146  Env scrub
-     3147-3522  The sandbox
-     3523-3975  Stream and usage
-     3976-4358  Study configuration
-     4359-5165  The metering gateway
-     5166-6062  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6063-6542  The supervisor process: one job's `claude` run to its end
-     6543-6873  Sessions and bases: every launch (start, fork, continue)
-     6874-7546  Tasks, arms and checks: a study's contents, loaded once
-     7547-8515  Runs and the pipeline
-     8516-8967  Runs by hand and the run driver's checks: the pipeline's public API
-     8968-9475  Statistics
-     9476-10404 The report: what each arm did
-    10405-11046 Rendering: Markdown and HTML
-    11047-11577 Run pages: the report as a directory
-    11578-12389 Offline scripted model
-    12390-12685 The scripted model: rehearsal of a study
-    12686-12747 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12748-12885 Calibration and assignment: a study's tasks checked and its runs planned
-    12886-13969 The CLI and main
+      270-378   Errors and output
+      379-487   Hostile numbers
+      488-535   Fault points
+      536-1785  Platform seam
+     1786-2287  Files, locks and the registry
+     2288-2478  Records: the declared shapes of the job's and run's files
+     2479-2670  Processes
+     2671-3036  Executors: where a job's supervisor runs (local, Slurm)
+     3037-3151  Env scrub
+     3152-3527  The sandbox
+     3528-3980  Stream and usage
+     3981-4363  Study configuration
+     4364-5170  The metering gateway
+     5171-6067  Jobs: a session's record (create, launch, finalise, reap, kill)
+     6068-6547  The supervisor process: one job's `claude` run to its end
+     6548-6878  Sessions and bases: every launch (start, fork, continue)
+     6879-7551  Tasks, arms and checks: a study's contents, loaded once
+     7552-8520  Runs and the pipeline
+     8521-8972  Runs by hand and the run driver's checks: the pipeline's public API
+     8973-9480  Statistics
+     9481-10409 The report: what each arm did
+    10410-11051 Rendering: Markdown and HTML
+    11052-11582 Run pages: the report as a directory
+    11583-12394 Offline scripted model
+    12395-12690 The scripted model: rehearsal of a study
+    12691-12752 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12753-12890 Calibration and assignment: a study's tasks checked and its runs planned
+    12891-13974 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -338,16 +338,21 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 # -- environment overrides (test and tuning knobs) -------------------------------------------------
 
 def env_float(name: str, default: float) -> float:
-    """A float from the environment (test and tuning overrides), or `default` when unset."""
+    """A finite float from the environment (test and tuning overrides), or `default` when unset."""
     # This process's own environment: a tuning knob is set where a process starts, and its
     # detached children (supervisors, the run driver) inherit it from there.
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise AgentbenchError(f"{name} must be a number", code="env_not_a_number", value=raw) from None
+    if not math.isfinite(value):
+        # A NaN compares false with every age and an infinity never passes: either would turn a
+        # loss window or a poll interval into "always" or "never", silently.
+        raise AgentbenchError(f"{name} must be a finite number", code="env_not_a_number", value=raw)
+    return value
 
 
 def lost_after_s() -> float:

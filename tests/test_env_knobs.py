@@ -20,7 +20,7 @@ def test_env_float_reads_a_number_or_falls_back_when_unset(monkeypatch, raw, exp
     assert ab.env_float(KNOB, 7.5) == expected
 
 
-@pytest.mark.parametrize("raw", ["abc", "1,5", "2s", "--1"])
+@pytest.mark.parametrize("raw", ["abc", "1,5", "2s", "--1", "nan", "inf", "-inf", "1e999"])
 def test_env_float_refuses_a_value_that_is_not_a_number(monkeypatch, raw):
     monkeypatch.setenv(KNOB, raw)
     with pytest.raises(ab.AgentbenchError) as info:
