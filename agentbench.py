@@ -33,16 +33,16 @@ Sections (line ranges), strictly bottom-up:
      6548-6878  Sessions and bases: every launch (start, fork, continue)
      6879-7551  Tasks, arms and checks: a study's contents, loaded once
      7552-8520  Runs and the pipeline
-     8521-8972  Runs by hand and the run driver's checks: the pipeline's public API
-     8973-9480  Statistics
-     9481-10409 The report: what each arm did
-    10410-11051 Rendering: Markdown and HTML
-    11052-11582 Run pages: the report as a directory
-    11583-12394 Offline scripted model
-    12395-12690 The scripted model: rehearsal of a study
-    12691-12752 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12753-12890 Calibration and assignment: a study's tasks checked and its runs planned
-    12891-13974 The CLI and main
+     8521-8967  Runs by hand and the run driver's checks: the pipeline's public API
+     8968-9475  Statistics
+     9476-10404 The report: what each arm did
+    10405-11046 Rendering: Markdown and HTML
+    11047-11577 Run pages: the report as a directory
+    11578-12389 Offline scripted model
+    12390-12685 The scripted model: rehearsal of a study
+    12686-12747 Reading at scale: the streamed ledger, paged listings, the paused collector
+    12748-12885 Calibration and assignment: a study's tasks checked and its runs planned
+    12886-13969 The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -2978,8 +2978,8 @@ class SlurmExecutor(Executor):
                 "host": platform.hostname(), "at": time.time()}
 
     def launch_error(self, exc: AgentbenchError | OSError) -> str:
-        detail = (exc.payload.get("detail") or exc.payload.get("error")) if isinstance(exc, AgentbenchError) \
-            else str(exc)
+        detail = ((exc.payload.get("detail") or exc.payload.get("error"))
+                  if isinstance(exc, AgentbenchError) else str(exc))
         return f"cannot submit to slurm: {detail}"
 
     def handle(self, launcher: Mapping[str, Any]) -> dict[str, Any]:
@@ -5942,8 +5942,8 @@ def kill_step(f: KillFacts) -> KillAction:
     if not done & set(KILL_FINISH_ACTIONS):
         # The launch may have been recorded meanwhile (a supervisor just detached, an sbatch that
         # answered): what follows goes by the record as it is now.
-        if f.slurm_job is not None and not done & {"cancel_queued", "cancel_queued_late"} \
-                and not f.final and not f.runtime:
+        if (f.slurm_job is not None and not done & {"cancel_queued", "cancel_queued_late"}
+                and not f.final and not f.runtime):
             # Still queued: cancelled here.  One that started is handled below like any other.
             return KillAction("cancel_queued_late", 2.0)
         if f.slurm_job is not None and f.runtime and not f.final and "cancel_started" not in done:
@@ -8765,11 +8765,6 @@ def refuse_unproven(study: Study, force: bool) -> None:
                               hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
 
 
-def real_run_guard(paths: StudyPaths, cfg: Mapping[str, Any], force: bool) -> None:
-    """refuse_unproven for a caller that holds the study's paths and config, not a Study."""
-    refuse_unproven(load_study(paths, cfg), force)
-
-
 def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:
     """Every refusal before `run` drives `run_ids` (an unproven configuration unless `force`, bad
     launch values, a missing executor, bases that are not ready); the pipelines to run at once:
@@ -8904,8 +8899,8 @@ def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, labe
     limits = launch_limits(study.launch, flags)
     study_binary(host, cfg)   # a missing binary is refused before anything is created
     name = label or uuid.uuid4().hex[:12]
-    ws = Path(host.platform.normalize_path(workspace)) if workspace else \
-        paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}"
+    ws = (Path(host.platform.normalize_path(workspace)) if workspace
+          else paths.state / "workspaces" / f"{name}-{uuid.uuid4().hex[:6]}")
     resume, prior = None, {}
     with removed_on_refusal(ws):
         if base:

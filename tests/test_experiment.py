@@ -631,14 +631,14 @@ def test_run_refuses_an_unproven_configuration(roman, fake_env):
     paths = ab.StudyPaths(roman)
     cfg = json.loads((roman / "study.json").read_text())
     write_json(roman / "state" / "rehearsal.json", {"ok": True, "config_hash": ab.config_hash(paths, cfg)})
-    ab.real_run_guard(paths, cfg, force=False)
+    ab.refuse_unproven(ab.load_study(paths, cfg), force=False)
     # ... but not once an arm text changed after it, nor a failed rehearsal
     (roman / "arms" / "B.md").write_text("Be brief.\n")
     code, out = run_main(["run", "--study", str(roman)])
     assert code == 2 and len(out["problems"]) == 2, out
     write_json(roman / "state" / "rehearsal.json", {"ok": False, "config_hash": ab.config_hash(paths, cfg)})
     with pytest.raises(ab.AgentbenchError):
-        ab.real_run_guard(paths, cfg, force=False)
+        ab.refuse_unproven(ab.load_study(paths, cfg), force=False)
 
 
 def test_run_force_overrides_the_guard_and_runs_with_the_fake(roman, fake_env):
