@@ -12,37 +12,37 @@ The file is organised in bannered sections, strictly bottom-up: a definition use
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
 banner says what its section owns and what it must not do.
 
-Sections (line ranges), strictly bottom-up:
-       94-164   Start-up: lazy imports and the cached-bytecode launcher
-      165-269   Constants
-      270-378   Errors and output
-      379-487   Hostile numbers
-      488-535   Fault points
-      536-1785  Platform seam
-     1786-2287  Files, locks and the registry
-     2288-2478  Records: the declared shapes of the job's and run's files
-     2479-2670  Processes
-     2671-3036  Executors: where a job's supervisor runs (local, Slurm)
-     3037-3151  Env scrub
-     3152-3527  The sandbox
-     3528-3980  Stream and usage
-     3981-4363  Study configuration
-     4364-5170  The metering gateway
-     5171-6067  Jobs: a session's record (create, launch, finalise, reap, kill)
-     6068-6547  The supervisor process: one job's `claude` run to its end
-     6548-6878  Sessions and bases: every launch (start, fork, continue)
-     6879-7551  Tasks, arms and checks: a study's contents, loaded once
-     7552-8520  Runs and the pipeline
-     8521-8967  Runs by hand and the run driver's checks: the pipeline's public API
-     8968-9475  Statistics
-     9476-10404 The report: what each arm did
-    10405-11046 Rendering: Markdown and HTML
-    11047-11577 Run pages: the report as a directory
-    11578-12389 Offline scripted model
-    12390-12685 The scripted model: rehearsal of a study
-    12686-12747 Reading at scale: the streamed ledger, paged listings, the paused collector
-    12748-12885 Calibration and assignment: a study's tasks checked and its runs planned
-    12886-13969 The CLI and main
+Sections, strictly bottom-up:
+    Start-up: lazy imports and the cached-bytecode launcher
+    Constants
+    Errors and output
+    Hostile numbers
+    Fault points
+    Platform seam
+    Files, locks and the registry
+    Records: the declared shapes of the job's and run's files
+    Processes
+    Executors: where a job's supervisor runs (local, Slurm)
+    Env scrub
+    The sandbox
+    Stream and usage
+    Study configuration
+    The metering gateway
+    Jobs: a session's record (create, launch, finalise, reap, kill)
+    The supervisor process: one job's `claude` run to its end
+    Sessions and bases: every launch (start, fork, continue)
+    Tasks, arms and checks: a study's contents, loaded once
+    Runs and the pipeline
+    Runs by hand and the run driver's checks: the pipeline's public API
+    Statistics
+    The report: what each arm did
+    Rendering: Markdown and HTML
+    Run pages: the report as a directory
+    Offline scripted model
+    The scripted model: rehearsal of a study
+    Reading at scale: the streamed ledger, paged listings, the paused collector
+    Calibration and assignment: a study's tasks checked and its runs planned
+    The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
 configuration"; Slurm and the local executor are "Executors" (submitting, asking, cancelling, what
@@ -165,9 +165,10 @@ def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequenc
 # ==================================================================================================
 # Constants
 # ==================================================================================================
-# Every tunable number and fixed name in one place.  Test-only overrides come from the environment
-# (AGENTBENCH_*), read through env_float() so a bad value is an error, not a silent default.
-# Owns every default a user relies on (launch, budget, limits, prices).  Must not hold logic.
+# The study-wide defaults a user relies on (launch, budget, limits, prices) and the file's fixed
+# names.  Numbers that belong to one mechanism (the gateway's, the sandbox's, the report's) live in
+# that mechanism's section.  Test-only overrides come from the environment (AGENTBENCH_*), read
+# through env_float() so a bad value is an error, not a silent default.  Must not hold logic.
 
 VERSION = "0.1.0"
 #: The `claude` release this version of agentbench is tested against (npm @anthropic-ai/claude-code).
