@@ -2323,6 +2323,8 @@ class JobRecord(TypedDict):
     gateway: str                     # on | off
     study_usd: float | None          # the study's USD cap at creation
     sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
+    launch_spec: dict[str, Any]      # LaunchSpec.record(): the arm's resolved settings and files
+    arm_hash: str                    # LaunchSpec.hash: what a base and a manifest are matched on
     system_prompt_sha256: str
     prompt_sha256: str
 
@@ -4288,6 +4290,93 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: What the study-wide launch has of an arm's launch settings (each arm may override them).
+LAUNCH_SPEC_STUDY_KEYS = ("model", "effort", "permission_mode", "tools", "allowed_tools",
+                          "disallowed_tools")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How one arm's sessions start `claude`: every setting that changes the agent, resolved once
+    from the study and the arm (the study's value where the arm sets none), and passed whole from
+    the pipeline to the job record.  build_claude_argv alone turns it into argv.
+
+    File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`)
+    are study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring
+    (a directory file by file, the files an MCP config names included).  `mcp_json` is the MCP
+    config a job hands `claude` (study paths made absolute) and `bind_ro` the study paths its
+    sandbox shows read-only: both derived from the files, so neither is in the fingerprint."""
+    root: str
+    arm: str | None = None
+    model: str = DEFAULT_LAUNCH["model"]
+    effort: str | None = DEFAULT_LAUNCH["effort"]
+    fallback_model: str | None = None
+    permission_mode: str = DEFAULT_LAUNCH["permission_mode"]
+    tools: str = DEFAULT_TOOLS
+    allowed_tools: str = DEFAULT_TOOLS
+    disallowed_tools: str = ""
+    env: tuple[tuple[str, str], ...] = ()
+    system_prompt: str | None = None
+    mcp: str | None = None
+    settings: str | None = None
+    agents: str | None = None
+    plugins: tuple[str, ...] = ()
+    workspace_overlay: str | None = None
+    files: tuple[tuple[str, str], ...] = ()
+    mcp_json: str = '{"mcpServers": {}}\n'
+    bind_ro: tuple[str, ...] = ()
+
+    def settings_view(self) -> dict[str, Any]:
+        """The resolved settings (paths study-relative): what the fingerprint and the manifest hold."""
+        return {"model": self.model, "effort": self.effort, "fallback_model": self.fallback_model,
+                "permission_mode": self.permission_mode, "tools": self.tools,
+                "allowed_tools": self.allowed_tools, "disallowed_tools": self.disallowed_tools,
+                "env": dict(self.env), "system_prompt": self.system_prompt, "mcp": self.mcp,
+                "settings": self.settings, "agents": self.agents, "plugins": list(self.plugins),
+                "workspace_overlay": self.workspace_overlay}
+
+    @property
+    def fingerprint(self) -> str:
+        return sha256_bytes(json.dumps(self.settings_view(), sort_keys=True).encode())
+
+    @property
+    def hash(self) -> str:
+        """The arm's hash: the fingerprint and the sha256 of every file the arm brings."""
+        return sha256_bytes(json.dumps([self.fingerprint, sorted(self.files)]).encode())
+
+    def abs(self, rel: str) -> str:
+        return posixpath.join(self.root, rel)
+
+    def record(self) -> dict[str, Any]:
+        """Everything, for a job record (LaunchSpec.from_record reads it back) or a manifest."""
+        return {"arm": self.arm, "settings": self.settings_view(), "files": dict(self.files),
+                "fingerprint": self.fingerprint, "hash": self.hash, "root": self.root,
+                "mcp_json": self.mcp_json, "bind_ro": list(self.bind_ro)}
+
+    @classmethod
+    def from_record(cls, rec: Mapping[str, Any]) -> "LaunchSpec":
+        s = dict(rec["settings"])
+        return cls(root=str(rec["root"]), arm=rec.get("arm"), model=s["model"], effort=s.get("effort"),
+                   fallback_model=s.get("fallback_model"), permission_mode=s["permission_mode"],
+                   tools=s["tools"], allowed_tools=s["allowed_tools"],
+                   disallowed_tools=s.get("disallowed_tools") or "",
+                   env=tuple(sorted((str(k), str(v)) for k, v in (s.get("env") or {}).items())),
+                   system_prompt=s.get("system_prompt"), mcp=s.get("mcp"), settings=s.get("settings"),
+                   agents=s.get("agents"), plugins=tuple(s.get("plugins") or ()),
+                   workspace_overlay=s.get("workspace_overlay"),
+                   files=tuple(sorted((str(k), str(v)) for k, v in (rec.get("files") or {}).items())),
+                   mcp_json=str(rec.get("mcp_json") or '{"mcpServers": {}}\n'),
+                   bind_ro=tuple(str(p) for p in rec.get("bind_ro") or ()))
+
+
+def study_launch_spec(root: str | os.PathLike[str], cfg: Mapping[str, Any]) -> LaunchSpec:
+    """The study-wide launch (no arm): what a session outside an arm (spawn, train) starts with."""
+    launch = launch_config(cfg)
+    return LaunchSpec(root=os.path.abspath(root), **{k: launch[k] or (None if k == "effort" else "")
+                                                     for k in LAUNCH_SPEC_STUDY_KEYS},
+                      env=tuple(sorted((cfg.get("env") or {}).items())))
+
+
 def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
     out = dict(env)
     for item in items:
@@ -5180,21 +5269,34 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 # results back.  Owns job records, finalisation, the reaper and kill.  Must not know tasks, arms or
 # runs, and must not run `claude` itself (that is the supervisor process, below).
 
-def build_claude_argv(binary: str, launch: Mapping[str, Any], *, session_id: str | None,
+def build_claude_argv(binary: str, spec: LaunchSpec, *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
                       max_budget_usd: float | None, max_turns: int | None) -> list[str]:
-    """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume)."""
-    argv = [binary, "-p", "--output-format", "stream-json", "--verbose",
-            "--model", str(launch["model"])]
-    if launch.get("effort"):
-        argv += ["--effort", str(launch["effort"])]
-    argv += ["--permission-mode", str(launch["permission_mode"]),
-             "--tools", str(launch["tools"]),
-             "--allowedTools", str(launch.get("allowed_tools") or launch["tools"])]
-    if launch.get("disallowed_tools"):
-        argv += ["--disallowedTools", str(launch["disallowed_tools"])]
-    argv += ["--strict-mcp-config", "--mcp-config", mcp_config,
-             "--append-system-prompt-file", system_prompt_file]
+    """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume): the
+    one place a LaunchSpec becomes flags.  `mcp_config` is the job's own copy of the arm's MCP
+    config (an empty one when the arm has none: --strict-mcp-config keeps every other out)."""
+    argv = [binary, "-p", "--output-format", "stream-json", "--verbose", "--model", str(spec.model)]
+    if spec.fallback_model:
+        argv += ["--fallback-model", str(spec.fallback_model)]
+    if spec.effort:
+        argv += ["--effort", str(spec.effort)]
+    argv += ["--permission-mode", str(spec.permission_mode),
+             "--tools", str(spec.tools),
+             "--allowedTools", str(spec.allowed_tools or spec.tools)]
+    if spec.disallowed_tools:
+        argv += ["--disallowedTools", str(spec.disallowed_tools)]
+    argv += ["--strict-mcp-config", "--mcp-config", mcp_config]
+    if spec.system_prompt:
+        argv += ["--system-prompt-file", spec.abs(spec.system_prompt)]
+    argv += ["--append-system-prompt-file", system_prompt_file]
+    if spec.settings:
+        argv += ["--settings", spec.abs(spec.settings)]
+    if spec.agents:
+        argv += ["--agents", spec.abs(spec.agents)]
+    for plugin in spec.plugins:
+        argv += ["--plugin-dir", spec.abs(plugin)]
+    if spec.settings or spec.plugins:
+        argv += ["--include-hook-events"]   # the delivery check counts the hooks that fired
     if resume:
         argv += ["--resume", resume]
         if fork:
@@ -5327,12 +5429,33 @@ class DuplicateRequest(Exception):
         self.job_id = job_id
 
 
-def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str, cwd: str,
-                      launch: Mapping[str, Any], binary: str, system_prompt: str, session_id: str | None,
-                      resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
-                      meta: Mapping[str, Any], env_extra: Mapping[str, str] | None, raw_dir: str | None,
-                      driver: Mapping[str, Any] | None, marker: Path | None) -> JobRecord:
-    """create_job()'s second half, under its lock: the job's directory, built aside and renamed."""
+@dataclass(frozen=True)
+class JobRequest:
+    """One session to start, apart from how `claude` starts (the LaunchSpec): its kind, prompt and
+    cwd; the session it resumes or forks and that session's totals (`prior`); its limits; what the
+    job records of it (`meta`); more environment (`env_extra`, over the launch's own); where its
+    raw files go; the driver that owns it; the appended system prompt, given whole
+    (`system_prompt`) or as an arm text after the study's preamble (`system_extra`)."""
+    kind: str
+    prompt: str
+    cwd: str
+    limits: Mapping[str, Any]
+    session_id: str | None = None
+    resume: str | None = None
+    fork: bool = False
+    prior: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    env_extra: Mapping[str, str] = field(default_factory=dict)
+    raw_dir: str | None = None
+    driver: Mapping[str, Any] | None = None
+    system_extra: str = ""
+    system_prompt: str | None = None
+
+
+def _create_job_files(paths: StudyPaths, job_id: str, req: JobRequest, spec: LaunchSpec,
+                      launch: Mapping[str, Any], binary: str, marker: Path | None) -> JobRecord:
+    """create_job()'s second half, under its lock: the job's directory, built aside and renamed.
+    `req.system_prompt` and `req.env_extra` are final here (start_job resolved them)."""
     fault_point("create_job")
     # The job is built aside (a dot name: no listing sees it) and renamed into place whole,
     # so a crash from here on leaves no job directory without its job.json (no ghost job).
@@ -5341,33 +5464,37 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
     if build.exists():
         shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    if raw_dir:
-        Path(raw_dir).mkdir(parents=True, exist_ok=True)
+    if req.raw_dir:
+        Path(req.raw_dir).mkdir(parents=True, exist_ok=True)
     else:
         (build / "raw").mkdir()
-    raw = Path(raw_dir) if raw_dir else jdir / "raw"
-    (build / "prompt.txt").write_text(prompt, encoding="utf-8")
+    raw = Path(req.raw_dir) if req.raw_dir else jdir / "raw"
+    system_prompt = req.system_prompt or ""
+    (build / "prompt.txt").write_text(req.prompt, encoding="utf-8")
     sp_file = jdir / "system_prompt.md"
     (build / "system_prompt.md").write_text(system_prompt, encoding="utf-8")
     mcp_file = jdir / "mcp.json"
-    (build / "mcp.json").write_text('{"mcpServers": {}}\n', encoding="utf-8")
-    sid = session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
-    argv = build_claude_argv(binary, launch, session_id=sid, resume=resume, fork=fork,
+    (build / "mcp.json").write_text(spec.mcp_json, encoding="utf-8")
+    resume, fork = req.resume, req.fork
+    sid = req.session_id or (str(uuid.uuid4()) if (fork or not resume) else None)
+    limits = req.limits
+    argv = build_claude_argv(binary, spec, session_id=sid, resume=resume, fork=fork,
                              mcp_config=str(mcp_file), system_prompt_file=str(sp_file),
                              max_budget_usd=limits.get("max_budget_usd"),
                              max_turns=limits.get("max_turns"))
-    job: JobRecord = {"job_id": job_id, "kind": kind, "created_at": utc_now(), "created_ts": time.time(),
-           "cwd": cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
-           "fork": fork, "binary": binary, "model": launch["model"], "argv": argv,
-           "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(prior),
-           "meta": dict(meta), "env_extra": dict(env_extra or {}), "driver": driver,
+    job: JobRecord = {"job_id": job_id, "kind": req.kind, "created_at": utc_now(), "created_ts": time.time(),
+           "cwd": req.cwd, "raw_dir": str(raw), "session_id": sid or resume, "resume": resume,
+           "fork": fork, "binary": binary, "model": spec.model, "argv": argv,
+           "argv_sha256": argv_fingerprint(argv), "limits": dict(limits), "prior": dict(req.prior),
+           "meta": dict(req.meta), "env_extra": dict(req.env_extra or {}), "driver": req.driver,
            "prices": launch.get("prices") or None,
            "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
            "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
            "study_usd": (launch.get("budget") or {}).get("study_usd"),
            "sandbox": launch.get("sandbox"),
+           "launch_spec": spec.record(), "arm_hash": spec.hash,
            "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
-           "prompt_sha256": sha256_bytes(prompt.encode())}
+           "prompt_sha256": sha256_bytes(req.prompt.encode())}
     write_json_atomic(build / "job.json", job)
     # Marker first: an active marker whose job never appeared is removed by the reaper (under
     # this lock, a missing job directory is a creation that died).
@@ -5384,20 +5511,17 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
     return job
 
 
-def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: str, cwd: str,
-               launch: Mapping[str, Any], binary: str, system_prompt: str,
-               session_id: str | None, resume: str | None, fork: bool,
-               prior: Mapping[str, Any], limits: Mapping[str, Any], meta: Mapping[str, Any],
-               env_extra: Mapping[str, str] | None = None, raw_dir: str | None = None,
-               driver: Mapping[str, Any] | None = None, cap: int | None = None) -> JobRecord:
+def create_job(paths: StudyPaths, platform: "Platform", req: JobRequest, spec: LaunchSpec, *,
+               launch: Mapping[str, Any], binary: str, cap: int | None = None) -> JobRecord:
     """Register a job (under the registry lock) and return its record; launches nothing.
+    `launch` is the study-wide launch configuration (executor, gateway, budget, sandbox).
 
     The parallel cap is checked here, against the active markers, under the same lock that
     registers the job, so concurrent callers cannot overshoot it.
     """
     with RegistryLock(paths.lock, platform):
         refuse_at_parallel_cap(len(active_job_ids(paths)), cap)
-        continues = meta.get("continues")
+        continues = req.meta.get("continues")
         marker = paths.job_dir(continues) / "continued_by" if continues else None
         if continues and existing_continuation(paths, continues):
             # A job is continued at most once: a repeated request for the same step is ignored.
@@ -5414,10 +5538,7 @@ def create_job(paths: StudyPaths, platform: "Platform", *, kind: str, prompt: st
         reg["counts"]["created"] = int(reg["counts"].get("created", 0)) + 1
         write_json_atomic(paths.registry, reg)
         try:
-            return _create_job_files(paths, job_id, kind=kind, prompt=prompt, cwd=cwd, launch=launch,
-                                     binary=binary, system_prompt=system_prompt, session_id=session_id,
-                                     resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
-                                     env_extra=env_extra, raw_dir=raw_dir, driver=driver, marker=marker)
+            return _create_job_files(paths, job_id, req, spec, launch, binary, marker)
         except OSError:
             # A full disk or a file system turned read-only: the job was not made, so the
             # counter goes back (best effort: the old registry is no larger than the new one).
@@ -6411,7 +6532,8 @@ class Supervisor:
                                         private_home=str(jdir / "home"),
                                         project_dir=str(claude_projects_dir(env)
                                                         / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
+                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                                            *((job.get("launch_spec") or {}).get("bind_ro") or [])])
         return argv, env, prompt
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
@@ -6557,7 +6679,10 @@ class Supervisor:
         fp = init_fingerprint(st.init)
         drift = None
         if fp:
-            fp_path = self.paths.state / "fingerprint.json"
+            # One per launch: arms that differ in tools or model differ in their init on purpose.
+            arm_hash = str(self.job.get("arm_hash") or "")
+            fp_path = self.paths.state / (f"fingerprint-{arm_hash[:16]}.json"
+                                          if re.fullmatch(r"[0-9a-f]{64}", arm_hash) else "fingerprint.json")
             known = read_json(fp_path, default=None)
             if known is None:
                 with contextlib.suppress(OSError):
@@ -6738,31 +6863,35 @@ def refuse_launch(paths: StudyPaths, cfg: Mapping[str, Any],
     return launch
 
 
-def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str, session_id: str | None,
-              resume: str | None, fork: bool, prior: Mapping[str, Any], limits: Mapping[str, Any],
-              meta: Mapping[str, Any], system_extra: str = "", env_extra: Mapping[str, str] | None = None,
-              raw_dir: str | None = None, driver: Mapping[str, Any] | None = None,
-              cfg: Mapping[str, Any] | None = None, system_prompt: str | None = None) -> dict[str, Any]:
-    """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
+def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | None = None,
+              cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Validate, register and launch one job (the shared path of train, spawn, continue, run).
+    `spec`: how `claude` starts (an arm's; the study-wide one when None)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
     launch = refuse_launch(paths, cfg, ctx.env)
-    env_all = {**ctx.env, **dict(cfg.get("env") or {}), **dict(env_extra or {})}
+    spec = spec if spec is not None else study_launch_spec(paths.root, cfg)
+    env_extra = {**dict(spec.env), **dict(req.env_extra or {})}
+    env_all = {**ctx.env, **env_extra}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
         refusal = gateway_refusal(env_all, launch["gateway"])
         if refusal is not None:
             raise refusal
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform, env=ctx.env)
-    job = create_job(paths, ctx.platform, kind=kind, prompt=prompt, cwd=cwd, launch=launch, binary=binary,
-                     system_prompt=(system_prompt if system_prompt is not None
-                                    else base_system_prompt(cfg, paths, system_extra)),
-                     session_id=session_id,
-                     resume=resume, fork=fork, prior=prior, limits=limits, meta=meta,
-                     env_extra={**dict(cfg.get("env") or {}), **dict(env_extra or {})}, raw_dir=raw_dir,
-                     driver=driver, cap=int(launch["parallel"]))
+    system_prompt = (req.system_prompt if req.system_prompt is not None
+                     else base_system_prompt(cfg, paths, req.system_extra))
+    req = dataclasses.replace(req, system_prompt=system_prompt, env_extra=env_extra)
+    job = create_job(paths, ctx.platform, req, spec, launch=launch, binary=binary,
+                     cap=int(launch["parallel"]))
     launched = launch_supervisor(paths, ctx.platform, job, ctx.env)
-    return {"job_id": job["job_id"], "session_id": job["session_id"], "kind": kind, "cwd": cwd,
+    return {"job_id": job["job_id"], "session_id": job["session_id"], "kind": req.kind, "cwd": req.cwd,
             "status": launched["status"], **({"reason": launched["reason"]} if "reason" in launched else {})}
+
+
+def job_launch_spec(job: Mapping[str, Any], paths: StudyPaths, cfg: Mapping[str, Any]) -> LaunchSpec:
+    """The LaunchSpec a job ran with (a job made before specs were recorded: the study's)."""
+    rec = job.get("launch_spec")
+    return LaunchSpec.from_record(rec) if isinstance(rec, dict) else study_launch_spec(paths.root, cfg)
 
 
 
@@ -6882,10 +7011,14 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
     meta = {**(prev.get("meta") or {}), "continues": prev_id, **dict(meta_extra or {})}
     # The same system prompt as the session began with: a resume must not change the cached prefix.
     system_prompt = (paths.job_dir(prev_id) / "system_prompt.md").read_text(encoding="utf-8")
+    cfg = cfg if cfg is not None else load_study_config(paths)
+    # The same launch too: a resume starts `claude` with the flags its session began with.
+    spec = job_launch_spec(prev, paths, cfg)
+    req = JobRequest(kind=kind, prompt=prompt, cwd=prev["cwd"], limits=limits, session_id=sid, resume=sid,
+                     prior=prior, meta=meta, env_extra=dict(prev.get("env_extra") or {}), raw_dir=raw_dir,
+                     driver=driver, system_prompt=system_prompt)
     try:
-        return start_job(ctx, paths, kind=kind, prompt=prompt, cwd=prev["cwd"], session_id=sid, resume=sid,
-                         fork=False, prior=prior, limits=limits, meta=meta, env_extra=prev.get("env_extra"),
-                         raw_dir=raw_dir, cfg=cfg, driver=driver, system_prompt=system_prompt)
+        return start_job(ctx, paths, req, spec, cfg=cfg)
     except DuplicateRequest as dup:
         return duplicate_continue(paths, prev_id, dup.job_id)
 
@@ -6907,12 +7040,14 @@ def ping_bases(host: Host, paths: StudyPaths, every_s: float) -> dict[str, Any]:
             ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
             fk = fork_base(host, paths, rec["name"], ws, copy_workspace=False)
             limits = session_limits(launch_config(cfg), **PING_LIMITS)
-            out = start_job(host, paths, kind="ping", prompt="Reply with the single word OK.", cwd=str(ws),
-                            session_id=None, resume=fk["resume"], fork=True, prior=fk["prior"], limits=limits,
-                            meta={"base": rec["name"]}, cfg=cfg,
-                            env_extra={"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
-                            system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
-                                encoding="utf-8"))
+            base_job = load_job(paths, rec["job_id"])
+            req = JobRequest(kind="ping", prompt="Reply with the single word OK.", cwd=str(ws), limits=limits,
+                             resume=fk["resume"], fork=True, prior=fk["prior"], meta={"base": rec["name"]},
+                             env_extra={**dict(base_job.get("env_extra") or {}),
+                                        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
+                             system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
+                                 encoding="utf-8"))
+            out = start_job(host, paths, req, job_launch_spec(base_job, paths, cfg), cfg=cfg)
             rec["last_ping"] = time.time()
             write_json_atomic(f, rec)
         pinged.append({"base": rec["name"], "job_id": out["job_id"]})
@@ -8149,10 +8284,10 @@ class RunPipeline:
                            env_extra=self.opts.env_extra)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
-        return start_job(self.ctx, self.paths, kind=kind, prompt=prompt, cwd=cwd, session_id=None,
-                         resume=resume, fork=bool(resume), prior=prior, limits=limits, meta=meta,
-                         system_extra=system_extra, env_extra=self.opts.env_extra, raw_dir=raw_dir,
-                         driver=self.opts.driver, cfg=self.cfg)
+        req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
+                         prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
+                         raw_dir=raw_dir, driver=self.opts.driver)
+        return start_job(self.ctx, self.paths, req, None, cfg=self.cfg)
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
@@ -8961,9 +9096,9 @@ def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, labe
             f = fork_base(host, paths, base, ws, copy_workspace=not workspace)
             resume, prior = f["resume"], f["prior"]
         ws.mkdir(parents=True, exist_ok=True)
-        out = start_job(host, paths, kind="executor", prompt=prompt, cwd=str(ws), session_id=None,
-                        resume=resume, fork=bool(resume), prior=prior, limits=limits,
-                        meta={"base": base, "label": label}, cfg=cfg)
+        req = JobRequest(kind="executor", prompt=prompt, cwd=str(ws), limits=limits, resume=resume,
+                         fork=bool(resume), prior=prior, meta={"base": base, "label": label})
+        out = start_job(host, paths, req, cfg=cfg)
     return {**out, "base": base, "label": label}
 
 
@@ -9013,8 +9148,8 @@ def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, t
                 if old is not None and ws.exists():
                     shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
                 copy_tree(task.public, ws)
-            out = start_job(host, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None,
-                            resume=None, fork=False, prior={}, limits=limits, meta={"base": base}, cfg=cfg)
+            req = JobRequest(kind="train", prompt=prompt, cwd=str(ws), limits=limits, meta={"base": base})
+            out = start_job(host, paths, req, cfg=cfg)
         register_base(paths, base, out, ws)
     return {**out, "base": base}
 
@@ -12635,9 +12770,9 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
     limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S,
                             stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S, orphan_after_s=0,
                             max_budget_usd=float(usd_per_run))
-    out = start_job(ctx, paths, kind="train", prompt=prompt, cwd=str(ws), session_id=None, resume=None,
-                    fork=False, prior={}, limits=limits, meta={"base": task.id}, env_extra=env_extra,
-                    driver=driver, cfg=cfg)
+    req = JobRequest(kind="train", prompt=prompt, cwd=str(ws), limits=limits, meta={"base": task.id},
+                     env_extra=env_extra, driver=driver)
+    out = start_job(ctx, paths, req, cfg=cfg)
     register_base(paths, task.id, out, ws)
     while not job_is_final(paths, out["job_id"]):
         time.sleep(0.2)

@@ -187,9 +187,10 @@ def test_the_raw_stream_is_on_disk_after_a_poll_and_whole_at_the_end(tmp_path: P
     study = tmp_path / "s"
     assert run_main(["init", "--study", str(study)])[0] == 0
     paths, plat = ab.StudyPaths(study), ab.current_platform()
-    job = ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study),
-                        launch=ab.launch_config(ab.load_study_config(paths)), binary="claude", system_prompt="s",
-                        session_id=None, resume=None, fork=False, prior={}, limits={}, meta={})
+    job = ab.create_job(paths, plat, ab.JobRequest(kind="executor", prompt="p", cwd=str(study), limits={},
+                                                   system_prompt="s"),
+                        ab.study_launch_spec(paths.root, {}),
+                        launch=ab.launch_config(ab.load_study_config(paths)), binary="claude")
     sup = ab.Supervisor(paths, job["job_id"], plat)
     raw = tmp_path / "raw.jsonl"
     r, w = os.pipe()

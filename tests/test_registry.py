@@ -272,9 +272,10 @@ def register_job(study: Path, tmp_path: Path) -> tuple[ab.StudyPaths, dict]:
     """A registered (active) job, without a supervisor."""
     paths = ab.StudyPaths(study)
     launch = ab.launch_config(ab.load_study_config(paths))
-    job = ab.create_job(paths, PLAT, kind="executor", prompt="hi", cwd=str(tmp_path), launch=launch,
-                        binary="claude", system_prompt="", session_id=None, resume=None, fork=False,
-                        prior={}, limits={}, meta={"label": "t"})
+    job = ab.create_job(paths, PLAT, ab.JobRequest(kind="executor", prompt="hi", cwd=str(tmp_path),
+                                                   limits={},
+                        meta={"label": "t"}, system_prompt=""), ab.study_launch_spec(paths.root, {}),
+                        launch=launch, binary="claude")
     assert (paths.active / job["job_id"]).exists()
     return paths, job
 

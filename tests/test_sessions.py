@@ -61,11 +61,10 @@ def kill(study: Path, *job_ids: str) -> None:
 def start(study: Path, prompt: str, cwd: Path, **kw: Any) -> dict[str, Any]:
     """start_job with the study's own limits, as `spawn` calls it."""
     cwd.mkdir(parents=True, exist_ok=True)
-    args: dict[str, Any] = {"kind": "executor", "prompt": prompt, "cwd": str(cwd), "session_id": None,
-                            "resume": None, "fork": False, "prior": {}, "limits": study_limits(study),
-                            "meta": {"label": "direct"}}
+    args: dict[str, Any] = {"kind": "executor", "prompt": prompt, "cwd": str(cwd),
+                            "limits": study_limits(study), "meta": {"label": "direct"}}
     args.update(kw)
-    return ab.start_job(host(), ab.StudyPaths(study), **args)
+    return ab.start_job(host(), ab.StudyPaths(study), ab.JobRequest(**args))
 
 
 def refused(call, code: str) -> dict[str, Any]:

@@ -411,8 +411,8 @@ def test_a_supervisor_away_from_its_driver_stops_when_the_driver_beat_ends(study
     ctx = ab.Ctx(platform=PLATFORM, env=dict(os.environ), cwd=str(tmp_path), emit=lambda o: None, is_child=False)
     ws = tmp_path / "ws"
     ws.mkdir()
-    out = ab.start_job(ctx, ab.StudyPaths(study), kind="executor", prompt="Work.\nFAKE: hang\n", cwd=str(ws),
-                       session_id=None, resume=None, fork=False, prior={}, limits={}, meta={}, driver=driver)
+    out = ab.start_job(ctx, ab.StudyPaths(study), ab.JobRequest(kind="executor", prompt="Work.\nFAKE: hang\n",
+                                                                cwd=str(ws), limits={}, driver=driver))
     job = out["job_id"]
     _sup, claude, _ = running_job(study, job)
     # Its recorded pid is this test's, with a creation time that matches nothing: were it checked

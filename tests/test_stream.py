@@ -8,6 +8,8 @@ events, more than one `result`, cumulative totals over resume and fork, API erro
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from typing import Any
 
@@ -338,9 +340,9 @@ def test_cache_verdict_without_any_message_is_none() -> None:
 
 # ---- launch argv ----------------------------------------------------------------------------------
 
-LAUNCH = {"model": OPUS, "effort": "high", "permission_mode": "dontAsk",
-          "tools": "Bash,Read,Edit,Write,Glob,Grep", "allowed_tools": "Bash,Read,Edit",
-          "disallowed_tools": "Bash(rm *)"}
+LAUNCH = ab.LaunchSpec(root="/study", model=OPUS, effort="high", permission_mode="dontAsk",
+                       tools="Bash,Read,Edit,Write,Glob,Grep", allowed_tools="Bash,Read,Edit",
+                       disallowed_tools="Bash(rm *)")
 
 
 def argv(**kw: Any) -> list[str]:
@@ -380,7 +382,7 @@ def test_fork_argv_resumes_the_base_into_a_new_session_id() -> None:
     assert "--fork-session" in a
     assert flag_value(a, "--session-id") == "22222222-2222-2222-2222-222222222222"
     # The launch flags are repeated in full: a resume does not inherit them.
-    assert flag_value(a, "--model") == OPUS and flag_value(a, "--tools") == LAUNCH["tools"]
+    assert flag_value(a, "--model") == OPUS and flag_value(a, "--tools") == LAUNCH.tools
 
 
 def test_plain_resume_has_no_session_id_and_no_fork() -> None:
@@ -393,7 +395,7 @@ def test_plain_resume_has_no_session_id_and_no_fork() -> None:
 
 
 def test_empty_disallowed_tools_and_effort_are_left_out() -> None:
-    launch = dict(LAUNCH, disallowed_tools="", effort=None)
+    launch = dataclasses.replace(LAUNCH, disallowed_tools="", effort=None)
     a = ab.build_claude_argv("claude", launch, session_id="s", resume=None, fork=False,
                              mcp_config="m", system_prompt_file="p", max_budget_usd=None, max_turns=None)
     assert "--disallowedTools" not in a and "--effort" not in a
@@ -410,7 +412,7 @@ def test_argv_fingerprint_is_stable_across_per_call_values() -> None:
     forks = [argv(session_id=s, resume=r, fork=True) for s, r in (("n1", "b1"), ("n2", "b2"))]
     assert ab.argv_fingerprint(forks[0]) == ab.argv_fingerprint(forks[1])
     # A configuration change is a different fingerprint.
-    other_model = ab.build_claude_argv("/bin/claude", dict(LAUNCH, model="claude-sonnet-4-5"),
+    other_model = ab.build_claude_argv("/bin/claude", dataclasses.replace(LAUNCH, model="claude-sonnet-4-5"),
                                        session_id="aaaa", resume=None, fork=False,
                                        mcp_config="/j1/mcp.json", system_prompt_file="/j1/sp.md",
                                        max_budget_usd=5.0, max_turns=200)

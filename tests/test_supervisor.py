@@ -480,9 +480,10 @@ def test_model_refusal_does_not_depend_on_catching_the_process_alive(sv: Path, t
     # bills by request), so only the assistant events show the substitution.
     paths = ab.StudyPaths(sv)
     launch = ab.launch_config(json.loads((sv / "study.json").read_text()))
-    job = ab.create_job(paths, PLATFORM, kind="executor", prompt="x", cwd=str(tmp_path), launch=launch,
-                        binary="claude", system_prompt="", session_id=None, resume=None, fork=False,
-                        prior={}, limits={}, meta={})
+    job = ab.create_job(paths, PLATFORM, ab.JobRequest(kind="executor", prompt="x", cwd=str(tmp_path),
+                                                       limits={},
+                        meta={}, system_prompt=""), ab.study_launch_spec(paths.root, {}),
+                        launch=launch, binary="claude")
     sup = ab.Supervisor(paths, job["job_id"], PLATFORM)
     mu = {"claude-opus-4-5": {"inputTokens": 100, "outputTokens": 50, "costUSD": 0.01}}
     for ev in ({"type": "system", "subtype": "init", "session_id": "s", "model": "claude-opus-4-5"},
@@ -604,9 +605,10 @@ def test_wait_does_not_return_a_half_finalised_job(sv: Path, tmp_path: Path, mon
     # stopping wait's repair pass (which would otherwise complete the finalisation itself).
     paths = ab.StudyPaths(sv)
     launch = ab.launch_config(json.loads((sv / "study.json").read_text()))
-    job = ab.create_job(paths, PLATFORM, kind="executor", prompt="x", cwd=str(tmp_path), launch=launch,
-                        binary="claude", system_prompt="", session_id=None, resume=None, fork=False,
-                        prior={}, limits={}, meta={})
+    job = ab.create_job(paths, PLATFORM, ab.JobRequest(kind="executor", prompt="x", cwd=str(tmp_path),
+                                                       limits={},
+                        meta={}, system_prompt=""), ab.study_launch_spec(paths.root, {}),
+                        launch=launch, binary="claude")
     jid = job["job_id"]
     result = {"job_id": jid, "status": "ok", "reason": None, "kind": "executor", "meta": {},
               "session_id": job["session_id"], "usage": {}, "flags": []}
