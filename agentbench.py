@@ -2465,6 +2465,8 @@ class RunRecord(_RunRequired, total=False):
     evaluation: dict[str, Any]
     workspace: dict[str, Any]        # the prepared workspace: file count, git, manifest hash
     base: str | None                 # the trained base a forking arm starts from
+    arm_hash: str                    # the launch hash the run ran with (its arm's LaunchSpec.hash)
+    delivery: dict[str, Any]         # whether the arm's treatment reached the agent (treatment_delivery)
     sandbox: dict[str, Any]          # what ran sandboxed: kinds, reasons, sandboxed
     final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
     artifacts: dict[str, Any]        # the final workspace's files and their hashes
@@ -4062,8 +4064,21 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
 
+#: An arm's settings that change how its sessions start `claude` (each optional: the study's
+#: value where the arm sets none).  ARM_FILE_KEYS name files or directories inside the study.
+ARM_LAUNCH_KEYS = ("model", "effort", "fallback_model", "tools", "allowed_tools", "disallowed_tools",
+                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "plugins",
+                   "workspace_overlay")
+ARM_FILE_KEYS = ("system_prompt", "mcp", "settings", "agents", "plugins", "workspace_overlay")
+#: Of those, the files that must hold a JSON object (and, for mcp, an "mcpServers" object).
+ARM_JSON_KEYS = ("mcp", "settings", "agents")
 #: Keys of one arm's object in study.json.
-ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base")
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
+#: Study-wide limits an arm may not set: budgets, turn and wall limits stay equal across arms.
+ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "min_remaining_usd",
+                       "wall_s", "max_minutes", "max_turns", "stall_after_s", "orphan_after_s", "parallel",
+                       "repeats", "seed", "executor", "gateway", "sandbox", "prices", "binary", "slurm")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -4137,14 +4152,65 @@ def _check_prices(prices: Any) -> None:
                               code="prices_map_model_prefix_input", prices=str(prices)[:300])
 
 
+def _arm_refusal(arm: str, key: str, message: str, code: str, value: Any, hint: str) -> AgentbenchError:
+    return AgentbenchError(message, code=code, file=STUDY_FILE, arm=arm, key=key, value=str(value)[:200],
+                           hint=hint)
+
+
+def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
+    """The shape of an arm's launch settings (pure); its files are checked where they are read."""
+    for key in ("model", "fallback_model"):
+        val = spec.get(key)
+        if val is None:
+            continue
+        ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
+        if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
+                   for m in ids):
+            raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
+                               "arm_model_not_full_id", val,
+                               "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
+                               "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
+    for key, allowed in (("effort", EFFORTS), ("permission_mode", PERMISSION_MODES)):
+        if key in spec and spec[key] not in allowed:
+            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed),
+                               f"arm_unknown_{key}", spec[key], "write one of: " + ", ".join(allowed))
+    for key in ("tools", "allowed_tools", "disallowed_tools"):
+        if key in spec and not isinstance(spec[key], str):
+            raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
+                               spec[key], 'comma-separated tool names, e.g. "Bash,Read,Edit"')
+    env = spec.get("env")
+    if "env" in spec and not (isinstance(env, dict) and all(
+            isinstance(k, str) and ENV_NAME_RE.match(k) and isinstance(v, str) for k, v in env.items())):
+        raise _arm_refusal(name, "env", "an arm's env must map variable names to strings",
+                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"}')
+    for key in ARM_FILE_KEYS:
+        if key not in spec:
+            continue
+        vals = spec[key] if key == "plugins" else [spec[key]]
+        if key == "plugins" and not isinstance(spec[key], list):
+            vals = [None]
+        for v in vals:
+            if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
+                raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
+                                   "arm_file_outside_study", spec[key],
+                                   "a relative path under the study directory (no leading /, no ..)"
+                                   + ("; plugins is a list of them" if key == "plugins" else ""))
+
+
 def _check_arms(arms: Mapping[str, Any]) -> None:
     for name, spec in arms.items():
         if not isinstance(spec, dict):
             raise AgentbenchError("an arm must be an object", code="arm_object", arm=name)
+        limits = sorted(set(spec) & set(ARM_STUDY_WIDE_KEYS))
+        if limits:
+            raise AgentbenchError("an arm may not set a study-wide limit", code="arm_sets_study_wide_limit",
+                                  arm=name, key=limits[0], keys=limits,
+                                  hint="budgets, turn and wall limits are equal across arms; set them "
+                                       "for the study (init), not in an arm")
         extra = sorted(set(spec) - set(ARM_KEYS))
         if extra:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
-                                  arm=name, keys=extra, known=list(ARM_KEYS),
+                                  arm=name, key=extra[0], keys=extra, known=list(ARM_KEYS),
                                   hint="a misspelt arm setting would be ignored; fix or remove it")
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
@@ -4158,6 +4224,7 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
                 raise AgentbenchError(f"an arm's {key} must be true or false", code="arm_setting_not_bool",
                                       arm=name, value=str(spec[key]),
                                       hint=f'write "{key}": true (not a string)')
+        _check_arm_launch(name, spec)
 
 
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
@@ -7324,20 +7391,153 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
     return tasks
 
 
+def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -> Path:
+    """An arm's file setting as a path, refused unless it exists inside the study (links followed)
+    and is a directory when `want_dir`, else a regular file."""
+    p = paths.root / rel
+    root = os.path.realpath(paths.root)
+    real = os.path.realpath(p)
+    if os.path.commonpath([root, real]) != root:
+        raise AgentbenchError("an arm's file is outside the study", code="arm_file_outside_study", arm=arm,
+                              key=key, path=rel, hint="keep every file an arm brings inside the study "
+                                                      "directory (a link out of it counts as outside)")
+    if not os.path.exists(real):
+        raise AgentbenchError("an arm's file is missing", code="arm_file_missing", arm=arm, key=key, path=rel,
+                              hint="create it, or fix the path (relative to the study directory)")
+    if os.path.isdir(real) != want_dir:
+        raise AgentbenchError(f"an arm's {key} must be a " + ("directory" if want_dir else "file"),
+                              code="arm_file_wrong_kind", arm=arm, key=key, path=rel,
+                              hint=("plugins and workspace_overlay name directories; the other file "
+                                    "settings name files"))
+    return p
+
+
+def _arm_json(paths: StudyPaths, arm: str, key: str, rel: str) -> dict[str, Any]:
+    p = _arm_file(paths, arm, key, rel, want_dir=False)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AgentbenchError("an arm's file is not valid JSON", code="arm_file_not_json", arm=arm, key=key,
+                              path=rel, detail=str(exc)[:200], hint="fix the JSON (claude would ignore it "
+                                                                    "or refuse to start)") from None
+    if not isinstance(data, dict):
+        raise AgentbenchError("an arm's file must hold a JSON object", code="arm_file_not_json", arm=arm,
+                              key=key, path=rel, hint="the file must hold one JSON object")
+    return data
+
+
+def _study_file_named(paths: StudyPaths, text: str) -> str | None:
+    """The study-relative path that an MCP server's command or argument names, when it names an
+    existing file inside the study (relative to the study, or absolute under it); else None."""
+    if not text or "\x00" in text:
+        return None
+    root = os.path.realpath(paths.root)
+    cand = text if os.path.isabs(text) else os.path.join(root, text)
+    real = os.path.realpath(cand)
+    if ".." in text.split("/") or os.path.commonpath([root, real]) != root or not os.path.isfile(real):
+        return None
+    return Path(real).relative_to(root).as_posix()
+
+
+def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list[str]]:
+    """An arm's MCP config as its jobs hand it to `claude`, and the study files it names: a server's
+    `command` or argument naming a file in the study is made absolute (its sandbox binds that file
+    read-only at the same path, so the server runs inside the sandbox)."""
+    data = _arm_json(paths, arm, "mcp", rel)
+    servers = data.get("mcpServers")
+    if not isinstance(servers, dict) or not all(isinstance(v, dict) for v in servers.values()):
+        raise AgentbenchError("an arm's MCP config needs an mcpServers object of server objects",
+                              code="arm_mcp_config_invalid", arm=arm, key="mcp", path=rel,
+                              hint='{"mcpServers": {"NAME": {"command": "python3", "args": ["mcp/s.py"]}}}')
+    named: list[str] = []
+    out = copy.deepcopy(data)
+    for srv in out["mcpServers"].values():
+        fields = [("command", None)] + [("args", i) for i in range(len(srv.get("args") or []))
+                                         if isinstance(srv.get("args"), list)]
+        for key, i in fields:
+            val = srv.get(key) if i is None else srv[key][i]
+            hit = _study_file_named(paths, val) if isinstance(val, str) else None
+            if hit is None:
+                continue
+            named.append(hit)
+            absolute = str(Path(os.path.realpath(paths.root)) / hit)
+            if i is None:
+                srv[key] = absolute
+            else:
+                srv[key][i] = absolute
+    return json.dumps(out, indent=1, sort_keys=True) + "\n", sorted(set(named))
+
+
+def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
+                    spec: Mapping[str, Any]) -> LaunchSpec:
+    """One arm's LaunchSpec: the study's launch with the arm's settings over it, every file it
+    brings checked (inside the study, of the right kind, JSON where it must be) and hashed."""
+    base = study_launch_spec(paths.root, cfg)
+    over: dict[str, Any] = {k: spec[k] for k in ("model", "effort", "fallback_model", "tools",
+                                                   "allowed_tools", "disallowed_tools", "permission_mode")
+                            if k in spec}
+    if "tools" in spec and "allowed_tools" not in spec:
+        over["allowed_tools"] = spec["tools"]
+    if spec.get("env"):
+        over["env"] = tuple(sorted({**dict(base.env), **spec["env"]}.items()))
+    files: dict[str, str] = {}
+    bind: list[str] = []
+    root = os.path.realpath(paths.root)
+
+    def add(rel: str, p: Path) -> None:
+        if p.is_dir():
+            for sub, digest in tree_manifest(p).items():
+                files[f"{rel}/{sub}"] = digest
+        else:
+            files[rel] = sha256_file(p)
+
+    for key in ("system_prompt", "settings", "agents"):
+        if spec.get(key):
+            if key in ARM_JSON_KEYS:
+                _arm_json(paths, name, key, spec[key])   # a file claude would ignore or refuse
+            p = _arm_file(paths, name, key, spec[key], want_dir=False)
+            add(spec[key], p)
+            bind.append(os.path.realpath(p))
+            over[key] = spec[key]
+    if spec.get("mcp"):
+        over["mcp_json"], named = resolve_mcp_config(paths, name, spec["mcp"])
+        add(spec["mcp"], paths.root / spec["mcp"])
+        for rel in named:
+            add(rel, paths.root / rel)
+            bind.append(os.path.join(root, rel))
+        over["mcp"] = spec["mcp"]
+    plugins = []
+    for rel in spec.get("plugins") or []:
+        add(rel, _arm_file(paths, name, "plugins", rel, want_dir=True))
+        bind.append(os.path.realpath(paths.root / rel))
+        plugins.append(rel)
+    if plugins:
+        over["plugins"] = tuple(plugins)
+    if spec.get("workspace_overlay"):
+        add(spec["workspace_overlay"], _arm_file(paths, name, "workspace_overlay", spec["workspace_overlay"],
+                                                 want_dir=True))
+        over["workspace_overlay"] = spec["workspace_overlay"]
+    return dataclasses.replace(base, arm=name, files=tuple(sorted(files.items())),
+                               bind_ro=tuple(sorted(set(bind))), **over)
+
+
 @dataclass
 class Arm:
-    """A treatment: an appended preamble text, controller gate cycles, an independent review."""
+    """A treatment: an appended preamble text, controller gate cycles, an independent review, and
+    how its sessions start `claude` (`launch`: the study's, with the arm's settings over it)."""
     name: str
     preamble_text: str
     preamble_path: str | None
     gate_cycles: int
     review: bool
     fork_base: bool
+    launch: LaunchSpec
 
 
 def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
     """The study's arms, in their order (the first is the default baseline); `cfg` as
-    load_study_config returns it, its arms' shape already checked."""
+    load_study_config returns it, its arms' shape already checked; every file an arm brings is
+    checked here (see arm_launch_spec)."""
     arms_cfg = cfg.get("arms")
     if not isinstance(arms_cfg, dict) or not arms_cfg:
         raise AgentbenchError("study.json has no arms", code="study_json_no_arms",
@@ -7354,7 +7554,7 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
                                       arm=name, path=str(p))
             text, ppath = p.read_text(encoding="utf-8"), str(p)
         arms[name] = Arm(name, text, ppath, spec.get("gate_cycles", 0), spec.get("review", False),
-                         spec.get("fork_base", False))
+                         spec.get("fork_base", False), arm_launch_spec(paths, cfg, name, spec))
     return arms
 
 
@@ -7396,6 +7596,7 @@ def study_hash(cfg: Mapping[str, Any], tasks: Mapping[str, Task], arms: Mapping[
         h.update(f"{t.id}:{t.bundle_sha256}".encode())
     for a in arms.values():
         h.update(f"{a.name}:{a.gate_cycles}:{a.review}:{sha256_bytes(a.preamble_text.encode())}".encode())
+        h.update(f"{a.name}:{a.launch.hash}".encode())
     for name in TEMPLATE_NAMES:
         h.update(templates[name].template.encode())
     h.update(preamble.encode())
@@ -7910,9 +8111,12 @@ def git(platform: "Platform", cwd: str, *args: str, host_env: Mapping[str, str])
 
 def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_dir: Path,
                       missing_fixture: str | None = None,
-                      host_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+                      host_env: Mapping[str, str] | None = None,
+                      overlay: str | None = None) -> dict[str, Any]:
     """Copy public/ into runs/<id>/workspace, git-init and commit it, verify it against the bundle.
-    git runs with `host_env` (the Host's environment; a caller without a Host: this process's)."""
+    git runs with `host_env` (the Host's environment; a caller without a Host: this process's).
+    `overlay`: an arm's directory laid over the starter files (CLAUDE.md, .claude/skills/...)
+    before the commit, so that the agent's diff does not hold it."""
     host_env = os.environ if host_env is None else host_env
     ws = run_dir / "workspace"
     refuse_bundle_symlinks(task.id, task.root)
@@ -7926,6 +8130,11 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                               missing=sorted(set(task.public_manifest) - set(got)),
                               differing=sorted(k for k in got if task.public_manifest.get(k) != got[k]))
     info: dict[str, Any] = {"path": str(ws), "files": len(got), "manifest_sha256": manifest_sha256(got)}
+    if overlay:
+        laid = tree_manifest(overlay)
+        shutil.copytree(overlay, ws, dirs_exist_ok=True, symlinks=True,
+                        ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES))
+        info["overlay"] = {"files": sorted(laid), "manifest_sha256": manifest_sha256(laid)}
     if shutil.which("git"):
         ok = git(platform, str(ws), "init", "-q", host_env=host_env).returncode == 0
         ok = ok and git(platform, str(ws), "add", "-A", host_env=host_env).returncode == 0
@@ -8287,7 +8496,9 @@ class RunPipeline:
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
                          raw_dir=raw_dir, driver=self.opts.driver)
-        return start_job(self.ctx, self.paths, req, None, cfg=self.cfg)
+        # The reviewer is the instrument, equal across arms: it starts with the study's launch.
+        spec = None if kind == "reviewer" else self.arms[self.rec["arm"]].launch
+        return start_job(self.ctx, self.paths, req, spec, cfg=self.cfg)
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
@@ -8439,8 +8650,11 @@ class RunPipeline:
         (run_dir / "ctl").mkdir(parents=True, exist_ok=True)
         fault = rec.get("fault") or {}
         self._event("run_started", task=task.id, arm=arm.name)
+        overlay = arm.launch.workspace_overlay
         ws_info = prepare_workspace(self.paths, self.ctx.platform, task, run_dir,
-                                    fault.get("missing_fixture"), host_env=self.ctx.env)
+                                    fault.get("missing_fixture"), host_env=self.ctx.env,
+                                    overlay=arm.launch.abs(overlay) if overlay else None)
+        rec["arm_hash"] = arm.launch.hash
         ws = ws_info["path"]
         # The workspace copy: a missing_fixture fault may have removed TASK.md on purpose.
         statement = ((Path(ws) / "TASK.md").read_text(encoding="utf-8") if (Path(ws) / "TASK.md").exists()
@@ -8462,7 +8676,8 @@ class RunPipeline:
             "agentbench_git": agentbench_git_commit(self.ctx.platform, self.ctx.env),
             "task_bundle_sha256": task.bundle_sha256,
             "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
-            "model_requested": self.launch["model"], "assignment_seed": rec.get("seed", self.cfg.get("seed")),
+            "model_requested": arm.launch.model, "arm_hash": arm.launch.hash,
+            "assignment_seed": rec.get("seed", self.cfg.get("seed")),
             "platform": f"{self.ctx.platform.name}/{pyplatform.system()}", "rehearsal": self.opts.rehearsal,
             "base": base, "arm_text_in": ("prompt" if base else "system_prompt"),
             "fault": fault or None}
@@ -12730,6 +12945,18 @@ def scratch_study_config(paths: StudyPaths, cfg: Mapping[str, Any],
     return out
 
 
+def copy_arm_files(src: Path, dst: Path, arms: Mapping[str, Arm]) -> None:
+    """Every file the arms bring, copied to the same study-relative paths in a scratch study (their
+    settings stay relative there, and the scratch arms hash as the study's do)."""
+    for arm in arms.values():
+        spec = arm.launch
+        for rel in [*spec.plugins, *([spec.workspace_overlay] if spec.workspace_overlay else [])]:
+            (dst / rel).mkdir(parents=True, exist_ok=True)
+        for rel, _digest in spec.files:
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, dst / rel, follow_symlinks=False)
+
+
 def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per arm: runs, successes, gate cycles used, reviewer sessions and verdicts, cost."""
     out: dict[str, Any] = {}
@@ -12816,6 +13043,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
         scfg["repeats"] = repeats
     sp = StudyPaths(scratch)
     sp.state.mkdir(parents=True, exist_ok=True)
+    copy_arm_files(paths.root, scratch, arms)
     write_json_atomic(sp.study_file, scfg, sort_keys=False)   # arm order: the baseline
     write_json_atomic(sp.registry, read_registry(sp))
     reuse = calibration_to_reuse(calibration, tasks)

@@ -15,7 +15,7 @@ EXAMPLE = ROOT / "examples" / "study"
 
 def arm(name="A", gate_cycles=0, review=False):
     return ab.Arm(name=name, preamble_text="", preamble_path=None, gate_cycles=gate_cycles, review=review,
-                  fork_base=False)
+                  fork_base=False, launch=ab.LaunchSpec(root="/study", arm=name))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,157 @@
+"""Arms as whole Claude Code configurations: every arm setting's check (exit 2, arm and key named,
+the study tree unchanged), the LaunchSpec an arm resolves to and its hash, the argv built from it,
+and the pre-registration of each arm's launch in the manifest (`run` refuses a changed arm)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import agentbench as ab
+from conftest import run_main
+from test_bad_input import snapshot
+from test_experiment import tiny_study, write_json
+
+MCP = {"mcpServers": {"notes": {"command": "python3", "args": ["arm/mcp_server.py"]}}}
+
+
+def arm_files(root: Path) -> None:
+    """The files a full arm brings: an MCP config and its server, settings, agents, a plugin, an
+    overlay and a system prompt."""
+    (root / "arm" / "plugin" / ".claude-plugin").mkdir(parents=True)
+    (root / "arm" / "overlay").mkdir(parents=True)
+    write_json(root / "arm" / "mcp.json", MCP)
+    (root / "arm" / "mcp_server.py").write_text("print('server')\n")
+    write_json(root / "arm" / "settings.json", {"hooks": {}})
+    write_json(root / "arm" / "agents.json", {"helper": {"description": "d", "prompt": "p"}})
+    write_json(root / "arm" / "plugin" / ".claude-plugin" / "plugin.json", {"name": "p"})
+    (root / "arm" / "overlay" / "CLAUDE.md").write_text("Use small commits.\n")
+    (root / "arm" / "system.md").write_text("You are terse.\n")
+
+
+FULL_ARM = {"model": "claude-sonnet-4-5-20250929", "effort": "medium", "fallback_model": "claude-haiku-4-5",
+            "tools": "Bash,Read", "disallowed_tools": "WebFetch", "permission_mode": "acceptEdits",
+            "env": {"ARM_FLAG": "1"}, "system_prompt": "arm/system.md", "mcp": "arm/mcp.json",
+            "settings": "arm/settings.json", "agents": "arm/agents.json", "plugins": ["arm/plugin"],
+            "workspace_overlay": "arm/overlay"}
+
+
+@pytest.fixture
+def armed(tmp_path: Path, fake_env) -> Path:
+    root = tiny_study(tmp_path / "s", arms={"A": {}, "B": dict(FULL_ARM)}, env={"STUDY_VAR": "s"})
+    arm_files(root)
+    return root
+
+
+def set_arm(root: Path, arm: str, **settings: object) -> None:
+    cfg = json.loads((root / "study.json").read_text())
+    cfg["arms"][arm] = {**cfg["arms"][arm], **settings}
+    write_json(root / "study.json", cfg)
+
+
+# ---- every bad setting --------------------------------------------------------------------------
+
+BAD = [
+    ({"modle": "x"}, "arm_unknown_keys", "modle"),
+    ({"max_turns": 5}, "arm_sets_study_wide_limit", "max_turns"),
+    ({"budget": {"usd_per_run": 1}}, "arm_sets_study_wide_limit", "budget"),
+    ({"wall_s": 10}, "arm_sets_study_wide_limit", "wall_s"),
+    ({"model": "sonnet"}, "arm_model_not_full_id", "model"),
+    ({"model": 3}, "arm_model_not_full_id", "model"),
+    ({"fallback_model": "claude-haiku-4-5,haiku"}, "arm_model_not_full_id", "fallback_model"),
+    ({"effort": "huge"}, "arm_unknown_effort", "effort"),
+    ({"permission_mode": "yolo"}, "arm_unknown_permission_mode", "permission_mode"),
+    ({"tools": ["Bash"]}, "arm_tools_not_string", "tools"),
+    ({"allowed_tools": 1}, "arm_tools_not_string", "allowed_tools"),
+    ({"disallowed_tools": None}, "arm_tools_not_string", "disallowed_tools"),
+    ({"env": {"A B": "1"}}, "arm_env_not_strings", "env"),
+    ({"env": {"X": 1}}, "arm_env_not_strings", "env"),
+    ({"mcp": "/etc/passwd"}, "arm_file_outside_study", "mcp"),
+    ({"settings": "../x.json"}, "arm_file_outside_study", "settings"),
+    ({"plugins": "arm/plugin"}, "arm_file_outside_study", "plugins"),
+    ({"agents": "arm/nope.json"}, "arm_file_missing", "agents"),
+    ({"system_prompt": "arm/none.md"}, "arm_file_missing", "system_prompt"),
+    ({"workspace_overlay": "arm/none"}, "arm_file_missing", "workspace_overlay"),
+    ({"workspace_overlay": "arm/system.md"}, "arm_file_wrong_kind", "workspace_overlay"),
+    ({"plugins": ["arm/system.md"]}, "arm_file_wrong_kind", "plugins"),
+    ({"settings": "arm/bad.json"}, "arm_file_not_json", "settings"),
+    ({"agents": "arm/list.json"}, "arm_file_not_json", "agents"),
+    ({"mcp": "arm/bad.json"}, "arm_file_not_json", "mcp"),
+    ({"mcp": "arm/settings.json"}, "arm_mcp_config_invalid", "mcp"),
+    ({"settings": "arm/escape.json"}, "arm_file_outside_study", "settings"),
+]
+
+
+@pytest.mark.parametrize("setting, code, key", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+@pytest.mark.parametrize("command", ["assign", "rehearse"])
+def test_every_bad_arm_setting_is_refused_by_arm_and_key_and_writes_nothing(
+        armed: Path, tmp_path: Path, setting: dict, code: str, key: str, command: str) -> None:
+    (armed / "arm" / "bad.json").write_text("{not json")
+    (armed / "arm" / "list.json").write_text("[1, 2]")
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (armed / "arm" / "escape.json").symlink_to(outside)
+    set_arm(armed, "B", **setting)
+    argv = {"assign": ["assign", "--study", str(armed), "--force"],
+            "rehearse": ["rehearse", "--study", str(armed), "--dir", str(tmp_path / "reh")]}[command]
+    before = snapshot(armed)
+    rc, obj = run_main(argv)
+    assert rc == 2, obj
+    assert obj["code"] == code, obj
+    assert obj["arm"] == "B" and obj["key"] == key, obj
+    assert obj.get("hint"), obj
+    assert snapshot(armed) == before, "a refusal wrote something"
+    assert not (tmp_path / "reh").exists()
+
+
+# ---- the launch an arm resolves to ----------------------------------------------------------------
+
+def test_an_arm_launch_spec_overrides_the_study_and_hashes_every_file(armed: Path) -> None:
+    study = ab.load_study(ab.StudyPaths(armed))
+    a, b = study.arms["A"].launch, study.arms["B"].launch
+    assert a.model == "claude-opus-4-5" and a.arm == "A" and a.files == () and a.mcp is None
+    assert dict(a.env) == {"STUDY_VAR": "s"}
+    assert b.model == FULL_ARM["model"] and b.effort == "medium" and b.permission_mode == "acceptEdits"
+    assert b.tools == b.allowed_tools == "Bash,Read" and b.disallowed_tools == "WebFetch"
+    assert dict(b.env) == {"STUDY_VAR": "s", "ARM_FLAG": "1"}
+    files = dict(b.files)
+    for rel in ("arm/mcp.json", "arm/mcp_server.py", "arm/settings.json", "arm/agents.json",
+                "arm/system.md", "arm/plugin/.claude-plugin/plugin.json", "arm/overlay/CLAUDE.md"):
+        assert files[rel] == ab.sha256_file(armed / rel), rel
+    # The MCP server's script, named relative to the study, is made absolute and bound read-only.
+    mcp = json.loads(b.mcp_json)
+    server = str((armed / "arm" / "mcp_server.py").resolve())
+    assert mcp["mcpServers"]["notes"]["args"] == [server]
+    assert server in b.bind_ro and str((armed / "arm" / "settings.json").resolve()) in b.bind_ro
+    # The hash: same settings and files, same hash; one byte of one file, another hash.
+    again = ab.load_study(ab.StudyPaths(armed)).arms["B"].launch
+    assert again.hash == b.hash and a.hash != b.hash
+    (armed / "arm" / "mcp_server.py").write_text("print('changed')\n")
+    assert ab.load_study(ab.StudyPaths(armed)).arms["B"].launch.hash != b.hash
+    assert ab.LaunchSpec.from_record(b.record()) == b
+
+
+def test_the_argv_carries_exactly_the_arm_settings(armed: Path) -> None:
+    b = ab.load_study(ab.StudyPaths(armed)).arms["B"].launch
+    argv = ab.build_claude_argv("claude", b, session_id="s", resume=None, fork=False, mcp_config="/j/mcp.json",
+                                system_prompt_file="/j/sp.md", max_budget_usd=1.0, max_turns=5)
+
+    def val(flag: str) -> str:
+        assert argv.count(flag) == 1, (flag, argv)
+        return argv[argv.index(flag) + 1]
+    assert val("--model") == FULL_ARM["model"] and val("--effort") == "medium"
+    assert val("--fallback-model") == "claude-haiku-4-5" and val("--permission-mode") == "acceptEdits"
+    assert val("--tools") == "Bash,Read" and val("--disallowedTools") == "WebFetch"
+    assert val("--system-prompt-file") == str(armed / "arm" / "system.md")
+    assert val("--append-system-prompt-file") == "/j/sp.md"
+    assert val("--settings") == str(armed / "arm" / "settings.json")
+    assert val("--agents") == str(armed / "arm" / "agents.json")
+    assert val("--plugin-dir") == str(armed / "arm" / "plugin")
+    assert "--include-hook-events" in argv and "--strict-mcp-config" in argv
+    plain = ab.build_claude_argv("claude", ab.load_study(ab.StudyPaths(armed)).arms["A"].launch,
+                                 session_id="s", resume=None, fork=False, mcp_config="/j/mcp.json",
+                                 system_prompt_file="/j/sp.md", max_budget_usd=1.0, max_turns=5)
+    for flag in ("--fallback-model", "--system-prompt-file", "--settings", "--agents", "--plugin-dir",
+                 "--include-hook-events"):
+        assert flag not in plain
