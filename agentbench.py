@@ -7975,9 +7975,32 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
     return out
 
 
-def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
-            + "\n").encode()
+def manifest_arm(spec: LaunchSpec) -> dict[str, Any]:
+    """What a manifest pre-registers of one arm: its resolved launch settings, the sha256 of every
+    file it brings, and its hash (study-relative: the same study elsewhere, the same bytes)."""
+    return {"hash": spec.hash, "fingerprint": spec.fingerprint, "settings": spec.settings_view(),
+            "files": dict(spec.files)}
+
+
+def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
+                   arms: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+    body: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
+    if arms is not None:
+        body["arms"] = dict(arms)
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def arm_changes(registered: Mapping[str, Any], spec: LaunchSpec) -> dict[str, Any] | None:
+    """How an arm differs from what `assign` registered of it (pure): the settings and the files
+    (added, removed or changed) that differ; None when its hash is the same."""
+    if registered.get("hash") == spec.hash:
+        return None
+    now, then = manifest_arm(spec), dict(registered)
+    old_files, new_files = dict(then.get("files") or {}), now["files"]
+    old_set, new_set = dict(then.get("settings") or {}), now["settings"]
+    return {"settings": sorted(k for k in set(old_set) | set(new_set) if old_set.get(k) != new_set.get(k)),
+            "files": sorted(k for k in set(old_files) | set(new_files)
+                            if old_files.get(k) != new_files.get(k))}
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -8973,6 +8996,32 @@ def refuse_while_sessions_work(paths: StudyPaths, rec: Mapping[str, Any], run_id
                               run=run_id, hint="wait for it first")
 
 
+def refuse_changed_arms(study: Study, run_ids: Sequence[str]) -> None:
+    """No run starts with an arm whose settings or files changed after `assign` pre-registered it
+    (in its split's manifest): the arm and the file or setting are named.  Not overridable."""
+    paths = study.paths
+    manifests: dict[str, dict[str, Any]] = {}
+    for rid in run_ids:
+        rec = load_run(paths, rid)
+        split = str(rec.get("split") or "main")
+        if split not in manifests:
+            m = read_json(paths.state / "manifests" / f"{check_name('split', split)}.json", default=None)
+            manifests[split] = m.get("arms") or {} if isinstance(m, dict) else {}
+        registered = manifests[split].get(rec["arm"])
+        arm = study.arms.get(rec["arm"])
+        if not isinstance(registered, dict) or arm is None:
+            continue   # a manifest written before arms were registered
+        changes = arm_changes(registered, arm.launch)
+        if changes:
+            what = (changes["files"] or changes["settings"] or ["(hash)"])[0]
+            raise AgentbenchError(f"arm {rec['arm']} changed after assign: {what}",
+                                  code="arm_changed_after_assign", arm=rec["arm"], split=split,
+                                  file=changes["files"][0] if changes["files"] else None,
+                                  files=changes["files"], settings=changes["settings"],
+                                  hint="restore the arm as it was assigned, or `assign --reassign` to "
+                                       "pre-register the new one (refused once runs of the split started)")
+
+
 def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
               force: bool = False) -> dict[str, Any]:
     """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached).
@@ -8985,6 +9034,7 @@ def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
                               task=rec["task"], hint="run `calibrate`, or pass --force")
     # Refusals first, so that a refused spawn leaves the run untouched.
     arms = study.arms
+    refuse_changed_arms(study, [run_id])
     fork = base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
     if fork:
         require_base_ready(paths, fork)
@@ -9178,6 +9228,7 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
         raise AgentbenchError("no runs selected", code="no_runs_selected",
                               hint="run `assign` first, or check --run/--task/--arm")
     refuse_unproven(study, force)
+    refuse_changed_arms(study, run_ids)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
     arms = study.arms
@@ -13247,7 +13298,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         power = paired_power_repeats(power_base, power_delta, len(tasks))
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
-    data = manifest_bytes(manifest, seed, split)
+    data = manifest_bytes(manifest, seed, split, {a: manifest_arm(arm.launch) for a, arm in arms.items()})
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:

@@ -155,3 +155,35 @@ def test_the_argv_carries_exactly_the_arm_settings(armed: Path) -> None:
     for flag in ("--fallback-model", "--system-prompt-file", "--settings", "--agents", "--plugin-dir",
                  "--include-hook-events"):
         assert flag not in plain
+
+
+# ---- pre-registered -----------------------------------------------------------------------------
+
+def test_assign_registers_each_arm_and_run_refuses_an_arm_changed_after_it(armed: Path) -> None:
+    code, out = run_main(["assign", "--study", str(armed), "--force"])
+    assert code == 0, out
+    manifest = json.loads((armed / "state" / "manifests" / "main.json").read_text())
+    study = ab.load_study(ab.StudyPaths(armed))
+    for name in ("A", "B"):
+        assert manifest["arms"][name]["hash"] == study.arms[name].launch.hash
+    assert manifest["arms"]["B"]["settings"]["model"] == FULL_ARM["model"]
+    assert manifest["arms"]["B"]["files"]["arm/mcp_server.py"] == ab.sha256_file(armed / "arm" / "mcp_server.py")
+    assert str(armed) not in json.dumps(manifest), "a manifest holds no path of this machine"
+    # One byte of the MCP server's file: `run` (and `spawn --run`) refuse, naming the arm and file.
+    (armed / "arm" / "mcp_server.py").write_text("print('edited after assign')\n")
+    b_run = next(r["run_id"] for r in manifest["runs"] if r["arm"] == "B")
+    for argv in (["run", "--study", str(armed), "--force"],
+                 ["spawn", "--study", str(armed), "--run", b_run, "--force"]):
+        before = snapshot(armed)
+        code, out = run_main(argv)
+        assert code == 2 and out["code"] == "arm_changed_after_assign", out
+        assert out["arm"] == "B" and out["file"] == "arm/mcp_server.py", out
+        assert snapshot(armed) == before
+    # A changed setting is named too; restoring the arm lets `run` past the check.
+    (armed / "arm" / "mcp_server.py").write_text("print('server')\n")
+    set_arm(armed, "B", effort="high")
+    code, out = run_main(["run", "--study", str(armed), "--force", "--arm", "B"])
+    assert code == 2 and out["code"] == "arm_changed_after_assign" and out["settings"] == ["effort"], out
+    # A's runs are not refused for B's change.
+    a_runs = [r["run_id"] for r in manifest["runs"] if r["arm"] == "A"]
+    ab.refuse_changed_arms(ab.load_study(ab.StudyPaths(armed)), a_runs)
