@@ -8389,6 +8389,150 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     return RunVerdict(outcome, validity, why, failure)
 
 
+# -- delivery: whether an arm's treatment reached the agent ----------------------------------------
+
+#: Settings no event of a session shows (the request's effort, the environment, the system prompt
+#: text, the fallback and permission lists): reported as not observable, never flagged.
+DELIVERY_UNOBSERVABLE = ("effort", "fallback_model", "allowed_tools", "disallowed_tools", "env",
+                         "system_prompt")
+DELIVERY_TEXT_MAX = 200
+
+
+def session_delivery_facts(stream: str | os.PathLike[str],
+                           result: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What one session's stream and result show of its launch: its system/init event (model,
+    tools, permission mode, MCP servers and their status, agents, skills, plugins), the hooks that
+    fired, the tools it called by name, and the models that served it (the stream's and the
+    gateway's).  Every value from the stream is type-checked and cut short (it is hostile)."""
+    def names(v: Any) -> list[str]:
+        return [str(x)[:DELIVERY_TEXT_MAX] for x in v if isinstance(x, str)] if isinstance(v, list) else []
+
+    def objs(v: Any) -> list[dict[str, str]]:
+        return ([{k: str(x.get(k))[:DELIVERY_TEXT_MAX] for k in ("name", "status", "path") if k in x}
+                 for x in v if isinstance(x, dict)] if isinstance(v, list) else [])
+    init: dict[str, Any] | None = None
+    hooks: dict[str, int] = {}
+    calls: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for ev in iter_jsonl(stream, counts):
+        if ev.get("type") == "system" and ev.get("subtype") == "init" and init is None:
+            init = {"model": str(ev.get("model") or "")[:DELIVERY_TEXT_MAX],
+                    "permission_mode": str(ev.get("permissionMode") or "")[:DELIVERY_TEXT_MAX],
+                    "tools": names(ev.get("tools")), "agents": names(ev.get("agents")),
+                    "skills": names(ev.get("skills")), "mcp_servers": objs(ev.get("mcp_servers")),
+                    "plugins": objs(ev.get("plugins"))}
+        elif ev.get("type") == "system" and ev.get("subtype") == "hook_response":
+            name = str(ev.get("hook_event") or "?")[:DELIVERY_TEXT_MAX]
+            hooks[name] = hooks.get(name, 0) + 1
+        elif ev.get("type") == "assistant" and isinstance(ev.get("message"), dict):
+            for block in ev["message"].get("content") or []:
+                if isinstance(block, dict) and block.get("type") == "tool_use":
+                    name = str(block.get("name") or "?")[:DELIVERY_TEXT_MAX]
+                    calls[name] = calls.get(name, 0) + 1
+    res = result or {}
+    served = {str(m)[:DELIVERY_TEXT_MAX] for m in res.get("models_reported") or [] if isinstance(m, str)}
+    metered = (res.get("usage") or {}).get("models_metered")
+    served |= {str(m)[:DELIVERY_TEXT_MAX] for m in (metered if isinstance(metered, dict) else {})
+               if m != "(unknown)"}
+    return {"init": init, "hooks_fired": hooks, "tool_calls": calls, "models_served": sorted(served)}
+
+
+def _delivered_model(want: str, sessions: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
+    init_models = {str((s.get("init") or {}).get("model")) for s in sessions}
+    served = sorted({m for s in sessions for m in s.get("models_served") or []})
+    wrong = sorted({m for m in init_models | set(served) if not model_matches(want, m)})
+    return not wrong, (f"requested {want}, served {', '.join(served) or '(none)'}"
+                       + (f"; not the requested model: {', '.join(wrong)}" if wrong else ""))
+
+
+def treatment_delivery(spec: LaunchSpec, study: LaunchSpec, sessions: Sequence[Mapping[str, Any]],
+                       expect: Mapping[str, Any], overlay: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Whether each setting that distinguishes an arm from the study's launch took effect in a run
+    (pure).  `sessions`: session_delivery_facts of the run's agent sessions; `expect`: what the
+    arm's files declare (MCP server names, agent names, plugin paths, whether its settings have
+    hooks); `overlay`: what prepare_workspace laid.  Each setting is True (seen), False (not
+    delivered: the run is flagged `treatment_not_delivered`) or None (no event shows it)."""
+    mine, base = spec.settings_view(), study.settings_view()
+    distinct = sorted(k for k in mine if mine[k] != base[k] and mine[k] not in (None, "", [], {}))
+    out: dict[str, Any] = {}
+    inits = [s.get("init") or {} for s in sessions]
+    seen = bool(sessions) and all(s.get("init") for s in sessions)
+    for key in distinct:
+        ok: bool | None
+        detail = ""
+        if key in DELIVERY_UNOBSERVABLE:
+            ok, detail = None, "no event shows it"
+        elif not seen:
+            ok, detail = False, "a session has no init event"
+        elif key == "model":
+            ok, detail = _delivered_model(spec.model, sessions)
+        elif key == "permission_mode":
+            modes = sorted({str(i.get("permission_mode")) for i in inits})
+            ok, detail = modes == [spec.permission_mode], "init: " + ", ".join(modes)
+        elif key == "tools":
+            want = {t.strip() for t in spec.tools.split(",") if t.strip()} - {"default"}
+            missing = sorted(want - set.intersection(*[set(i.get("tools") or []) for i in inits]))
+            ok, detail = not missing, ("missing: " + ", ".join(missing)) if missing else "all present"
+        elif key == "mcp":
+            bad = sorted({f"{m.get('name')}:{m.get('status')}" for i in inits
+                          for m in i.get("mcp_servers") or []
+                          if m.get("name") in expect.get("mcp_servers", ())
+                          and m.get("status") != "connected"})
+            absent = sorted({n for n in expect.get("mcp_servers", ()) for i in inits
+                             if n not in {m.get("name") for m in i.get("mcp_servers") or []}})
+            ok = not bad and not absent
+            detail = "; ".join(x for x in (", ".join(bad), ("absent: " + ", ".join(absent)) if absent else "")
+                               if x) or "connected"
+        elif key == "agents":
+            absent = sorted({n for n in expect.get("agents", ()) for i in inits
+                             if n not in (i.get("agents") or [])})
+            ok, detail = not absent, ("absent: " + ", ".join(absent)) if absent else "loaded"
+        elif key == "plugins":
+            absent = sorted({p for p in expect.get("plugins", ()) for i in inits
+                             if p not in {str(x.get("path")) for x in i.get("plugins") or []}})
+            ok, detail = not absent, ("not loaded: " + ", ".join(absent)) if absent else "loaded"
+        elif key == "settings":
+            fired = sum(sum((s.get("hooks_fired") or {}).values()) for s in sessions)
+            ok = (fired > 0) if expect.get("hooks") else None
+            detail = f"{fired} hook event(s)" if expect.get("hooks") else "no hooks declared"
+        elif key == "workspace_overlay":
+            laid = (overlay or {}).get("files") or []
+            ok, detail = bool(laid), f"{len(laid)} file(s) laid over the starter files"
+        else:
+            ok, detail = None, "no check"
+        out[key] = {"delivered": ok, "detail": detail[:DELIVERY_TEXT_MAX * 2]}
+    calls: dict[str, int] = {}
+    for s in sessions:
+        for name, n in (s.get("tool_calls") or {}).items():
+            calls[name] = calls.get(name, 0) + int(n)
+    used = {"mcp_calls": sum(n for k, n in calls.items() if k.startswith("mcp__")),
+            "subagent_calls": sum(n for k, n in calls.items() if k in ("Task", "Agent")),
+            "skill_calls": calls.get("Skill", 0),
+            "hooks_fired": sum(sum((s.get("hooks_fired") or {}).values()) for s in sessions),
+            "models_served": sorted({m for s in sessions for m in s.get("models_served") or []})}
+    missed = sorted(k for k, v in out.items() if v["delivered"] is False)
+    return {"arm_hash": spec.hash, "settings": out, "used": used, "not_delivered": missed,
+            "flag": "treatment_not_delivered" if missed else None}
+
+
+def arm_delivery_expectations(spec: LaunchSpec) -> dict[str, Any]:
+    """What an arm's files declare, for treatment_delivery: its MCP servers' names, its agents'
+    names, its plugin directories as `claude` is given them, and whether its settings hold hooks
+    (files checked by arm_launch_spec; one that has since become unreadable declares nothing)."""
+    def load(rel: str | None) -> dict[str, Any]:
+        if not rel:
+            return {}
+        try:
+            data = json.loads(Path(spec.abs(rel)).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+    servers = (json.loads(spec.mcp_json).get("mcpServers") or {}) if spec.mcp else {}
+    return {"mcp_servers": sorted(str(k) for k in servers),
+            "agents": sorted(str(k) for k in load(spec.agents)),
+            "plugins": [spec.abs(p) for p in spec.plugins], "hooks": bool(load(spec.settings).get("hooks"))}
+
+
 class RunPipeline:
     """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
 
@@ -8831,6 +8975,7 @@ class RunPipeline:
              for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
+        rec["delivery"] = self._delivery(exec_jobs)
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
         verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
@@ -8855,6 +9000,23 @@ class RunPipeline:
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("score", success=ev["success"], score=ev["score"])
         self._event("run_finished", outcome=outcome, validity=validity, cost_usd=rec.get("cost_usd"))
+
+    def _delivery(self, exec_jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """treatment_delivery of this run's agent sessions (the reviewer's launch is the study's)."""
+        spec = self.arms[self.rec["arm"]].launch
+        sessions = []
+        for j in exec_jobs:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            if job:
+                sessions.append(session_delivery_facts(
+                    Path(job["raw_dir"]) / "stream.jsonl",
+                    read_json(self.paths.result_file(j["job_id"]), default=None)))
+        overlay = (self.rec.get("workspace") or {}).get("overlay")
+        out = treatment_delivery(spec, study_launch_spec(self.paths.root, self.cfg), sessions,
+                                 arm_delivery_expectations(spec), overlay)
+        if out["flag"]:
+            self._event("treatment_not_delivered", settings=",".join(out["not_delivered"]))
+        return out
 
     def _collect_transcripts(self, run_dir: Path) -> None:
         env = {**self.ctx.env, **self.opts.env_extra}
@@ -10781,6 +10943,47 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
     }
 
 
+def report_delivery(runs: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> dict[str, Any]:
+    """Per arm, whether its treatment reached the agent (each run's `delivery`, see
+    treatment_delivery): runs checked, runs flagged `treatment_not_delivered` and by which
+    setting, and what the agent used (MCP, subagent and skill calls, hooks fired, models served);
+    `note`: the sentence that heads every format when any run was flagged (else None)."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        d = r.get("delivery")
+        if not isinstance(d, dict) or str(r.get("arm")) not in arms:
+            continue
+        a = out.setdefault(str(r["arm"]), {"runs_checked": 0, "not_delivered": 0, "by_setting": {},
+                                           "settings": {}, "mcp_calls": 0, "subagent_calls": 0,
+                                           "skill_calls": 0, "hooks_fired": 0, "models_served": []})
+        a["runs_checked"] += 1
+        missed = [str(k) for k in d.get("not_delivered") or [] if isinstance(k, str)]
+        a["not_delivered"] += 1 if missed else 0
+        for k in missed:
+            a["by_setting"][k] = a["by_setting"].get(k, 0) + 1
+        for k, v in (d.get("settings") or {}).items():
+            if isinstance(v, dict):
+                st = a["settings"].setdefault(str(k), {"delivered": 0, "not_delivered": 0,
+                                                       "not_observable": 0})
+                st[{True: "delivered", False: "not_delivered"}.get(v.get("delivered"), "not_observable")] += 1
+        used = d.get("used") if isinstance(d.get("used"), dict) else {}
+        for k in ("mcp_calls", "subagent_calls", "skill_calls", "hooks_fired"):
+            n = used.get(k)
+            a[k] += int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
+        a["models_served"] = sorted(set(a["models_served"]) | {str(m) for m in used.get("models_served") or []
+                                                               if isinstance(m, str)})
+    flagged = {a: v for a, v in out.items() if v["not_delivered"]}
+    note = None
+    if flagged:
+        note = ("treatment_not_delivered: " + "; ".join(
+            f"arm {a}: {v['not_delivered']} of {v['runs_checked']} run(s) ("
+            + ", ".join(f"{k} in {n}" for k, n in sorted(v["by_setting"].items())) + ")"
+            for a, v in sorted(flagged.items()))
+            + " -- in those runs the arm's distinguishing setting never reached the agent, so the "
+              "comparison does not measure it")
+    return {"arms": dict(sorted(out.items())), "note": note}
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -10812,7 +11015,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     behaviour = report_behaviour(known, arms)
     exclusions = report_exclusions(known, arms, base)
     warning = _rpt_exclusion_warning(exclusions, base, primary)
-    warnings = [warning] if warning else []
+    delivery = report_delivery(known, arms)
+    warnings = [w for w in (delivery["note"], warning) if w]
     rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     est = [r for r in known if r.get("cost_estimated")]
     notes = list(warnings)
@@ -10840,6 +11044,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "excluded_runs": excluded_list,
         "warnings": warnings,
         "behaviour": behaviour,
+        "delivery": delivery,
         "exclusions": exclusions,
         "multiplicity": views[primary]["multiplicity"],
         "totals": {
@@ -11119,6 +11324,23 @@ def _rpt_snapshot_tables(report: dict) -> list[ReportTable]:
              ["Arm"] + [fmt_secs(float(t)) for t in times], rows)]
 
 
+def _rpt_delivery_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Treatment delivery per arm (only when runs carry a delivery check)."""
+    arms = (report.get("delivery") or {}).get("arms") or {}
+    if not arms:
+        return []
+    rows = []
+    for arm, a in arms.items():
+        checked = "; ".join(f"{k}: {v['delivered']} ok, {v['not_delivered']} not delivered"
+                            + (f", {v['not_observable']} not observable" if v["not_observable"] else "")
+                            for k, v in sorted(a["settings"].items())) or "(same launch as the study)"
+        rows.append([arm, str(a["runs_checked"]), str(a["not_delivered"]), checked,
+                     f"mcp {a['mcp_calls']}, subagents {a['subagent_calls']}, skills {a['skill_calls']}, "
+                     f"hooks {a['hooks_fired']}", ", ".join(a["models_served"]) or "-"])
+    return [("Treatment delivery", ["Arm", "Runs checked", "Not delivered", "Settings",
+                                    "Used", "Models served"], rows)]
+
+
 def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
     tables = [_rpt_arm_table(report), _rpt_fate_table(report), _rpt_review_table(report),
@@ -11126,6 +11348,7 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
               _rpt_task_table(report), _rpt_other_view_table(report), _rpt_excluded_table(report)]
     tables += _rpt_audit_tables(report)
     tables += _rpt_snapshot_tables(report)
+    tables += _rpt_delivery_tables(report)
     return tables
 
 
@@ -13135,6 +13358,13 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
                  "error": r.get("error") or ("paused: the circuit breaker stopped new launches"
                                              if r["run_id"] in driven["paused"] else None)}
                 for r in expected_ok if r.get("outcome") != "success" or r.get("validity") != "valid"]
+    # An arm whose configuration did not reach the agent (an MCP server that did not start, agents
+    # or a plugin not loaded, hooks that never fired, another model served) fails by its name.
+    problems += [{"run_id": r["run_id"], "arm": r.get("arm"),
+                  "error": f"arm {r.get('arm')}: treatment_not_delivered: "
+                           + ", ".join(f"{k} ({(r['delivery']['settings'].get(k) or {}).get('detail')})"
+                                       for k in r["delivery"]["not_delivered"])}
+                 for r in runs if (r.get("delivery") or {}).get("flag")]
     summary = rehearsal_summary(runs)
     # Every session went through its gateway (the scripted model was its upstream): one that
     # ended ok without a metered request reached the model some other way, and fails the proof.
