@@ -10984,6 +10984,30 @@ def report_delivery(runs: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> d
     return {"arms": dict(sorted(out.items())), "note": note}
 
 
+#: The keys of a run record that the report reads (and `list`, and the cost plan of `assign`): the
+#: runs summary that `report` reads instead of every record holds only these (see "Reading at
+#: scale").  A report that starts reading another key of a run must add it here;
+#: tests/test_runs_summary.py checks the report sections' reads against this list and compares
+#: the report built from the summary with the one built from the records.
+REPORT_RUN_KEYS = frozenset({
+    "run_id", "task", "arm", "repeat", "block", "split", "status", "outcome", "validity",
+    "validity_reason", "failure_reason", "error", "evaluation", "cost_usd", "cost_estimated",
+    "tokens", "wall_s", "gate_cycles", "review_verdicts", "provenance", "sandbox", "audit", "delivery",
+    "arm_hash"})
+#: What the report never reads of a run's evaluation: the per-check details.
+REPORT_UNREAD_EVALUATION_KEYS = frozenset({"checks"})
+
+
+def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a run record the report reads (REPORT_RUN_KEYS, the evaluation without its
+    per-check details): pure."""
+    out = {k: v for k, v in rec.items() if k in REPORT_RUN_KEYS}
+    ev = out.get("evaluation")
+    if isinstance(ev, dict):
+        out["evaluation"] = {k: v for k, v in ev.items() if k not in REPORT_UNREAD_EVALUATION_KEYS}
+    return out
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -13419,6 +13443,122 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
         yield obj
 
 
+# -- The runs summary: what `report` reads instead of every run record -----------------------------
+# state/runs_summary.jsonl holds one line per run: its id, the stamp of its record file (inode,
+# mtime in ns, size: a record is replaced by rename, so any rewrite changes the inode) and the
+# record's report view (report_view_of_run).  It is a cache, never the truth: `report` checks
+# every line against the record's current stamp (one stat per run, no read), reads again only the
+# records whose stamp moved or that have no line, and appends lines for them.  A torn or garbled
+# line, a missing file or a line older than its record therefore gives the same report as a fresh
+# summary.  The file is compacted (rewritten atomically) when it holds more than twice as many
+# lines as there are runs.  Nothing in it is ever believed over the record itself.
+
+RUNS_SUMMARY_FILE = "runs_summary.jsonl"
+#: The summary's format: a line of another version is stale.
+RUNS_SUMMARY_VERSION = 1
+
+
+def runs_summary_path(paths: StudyPaths) -> Path:
+    return paths.state / RUNS_SUMMARY_FILE
+
+
+def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
+    """Run id -> [inode, mtime_ns, size] of every record file in the run index (lstat: a link is
+    never followed, and a name that is not a run id is skipped)."""
+    out: dict[str, list[int]] = {}
+    try:
+        it = os.scandir(paths.run_index)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    with it:
+        for e in it:
+            name = e.name
+            if not name.endswith(".json") or name.startswith(".") or len(name) <= 5:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out[name[:-5]] = [st.st_ino, st.st_mtime_ns, st.st_size]
+    return out
+
+
+def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], dict[str, Any]]], int]:
+    """The summary's lines: run id -> (stamp, report view), the last line of an id winning, and
+    how many lines the file has.  A line that is not a well-formed entry is skipped (its run is
+    then read from its record)."""
+    out: dict[str, tuple[list[int], dict[str, Any]]] = {}
+    lines = 0
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return out, 0
+    loads = json.loads
+    for raw in data.split(b"\n"):
+        if not raw:
+            continue
+        lines += 1
+        try:
+            obj = loads(raw)
+            rid, stamp, view = obj["id"], obj["stamp"], obj["run"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if (obj.get("v") == RUNS_SUMMARY_VERSION and isinstance(rid, str) and isinstance(view, dict)
+                and isinstance(stamp, list)):
+            out[rid] = (stamp, view)
+    return out, lines
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def _summary_line(run_id: str, stamp: list[int], view: Mapping[str, Any]) -> str:
+    return json.dumps({"v": RUNS_SUMMARY_VERSION, "id": run_id, "stamp": stamp, "run": view},
+                      separators=(",", ":"), default=str) + "\n"
+
+
+def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]]:
+    """Every run's report view, in run id order, as `report` needs them: from the runs summary
+    where its line matches the record's stamp, else from the record (and the summary brought up
+    to date, unless `write` is false or the study cannot be written: the summary is only a
+    cache).  The same list, item for item, as report_view_of_run over every record."""
+    summary_file = runs_summary_path(paths)
+    with gc_paused():
+        stamps = run_record_stamps(paths)
+        cached, lines = read_runs_summary(summary_file)
+        out: list[dict[str, Any]] = []
+        fresh: list[str] = []
+        for rid in sorted(stamps):
+            hit = cached.get(rid)
+            stamp = stamps[rid]
+            if hit is not None and hit[0] == stamp:
+                out.append(hit[1])
+                continue
+            rec = read_json(run_file(paths, rid), default=None)
+            if not isinstance(rec, dict):
+                raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
+                                      run=rid, path=str(run_file(paths, rid)))
+            view = report_view_of_run(rec)
+            out.append(view)
+            fresh.append(_summary_line(rid, stamp, view))
+    if write and (fresh or lines > 2 * max(len(stamps), 1)):
+        with contextlib.suppress(OSError):
+            if lines + len(fresh) > 2 * max(len(stamps), 1):
+                # Compact: one line per run, written whole and renamed into place.
+                write_text_atomic(summary_file, "".join(
+                    _summary_line(rid, stamps[rid], view) for rid, view in zip(sorted(stamps), out)))
+            else:
+                with open(summary_file, "ab") as fh:
+                    # After a torn last line (a crash mid-append), start on a line of our own.
+                    torn = fh.tell() > 0 and not _ends_with_newline(summary_file)
+                    fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
+    return out
+
+
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
     """(start, stop, next offset or None) of one page of `total` items."""
     if offset < 0 or limit < 0:
@@ -13471,11 +13611,6 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
             "uncalibrated": uncalibrated(paths, tasks)}
 
 
-def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    with gc_paused():
-        return [load_run(paths, r) for r in all_run_ids(paths)]
-
-
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -13484,7 +13619,7 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
     pilot: dict[str, list[float]] = {}
-    for r in run_records_for_report(paths):
+    for r in report_runs(paths):
         if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
                 and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
             pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
@@ -14312,7 +14447,9 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline and args.baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=args.baseline, arms=arms)
-    runs = run_records_for_report(paths)
+    # The report views come from the runs summary (a cache checked against every record's stamp);
+    # the run pages below read the records themselves.
+    runs = report_runs(paths, write=not ctx.is_child)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
@@ -14338,7 +14475,9 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report directory",
                                   code="refused_inside_session_writes")
-        written = write_report_pages(paths, report, runs, Path(ctx.platform.normalize_path(args.out)))
+        with gc_paused():
+            records = [load_run(paths, r) for r in all_run_ids(paths)]
+        written = write_report_pages(paths, report, records, Path(ctx.platform.normalize_path(args.out)))
         result.update(written, path=written["index"], directory=str(Path(written["index"]).parent))
         out = None
     if out:
@@ -14461,10 +14600,10 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")
-    report = build_report(run_records_for_report(rpaths), list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    runs = report_runs(rpaths)
+    report = build_report(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
-    runs = run_records_for_report(rpaths)
     incomplete = [r["run_id"] for r in runs
                   if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
