@@ -6986,10 +6986,11 @@ def load_base(paths: StudyPaths, name: str) -> dict[str, Any]:
 
 def register_base(paths: StudyPaths, name: str, job: Mapping[str, Any], workspace: Path) -> None:
     """Record a base: the training job and session that runs fork from, and its cwd."""
+    arm_hash = read_json(paths.job_file(job["job_id"]), default={}).get("arm_hash")
     write_json_atomic(base_file(paths, name),
                       {"name": name, "job_id": job["job_id"], "session_id": job["session_id"],
                        "cwd": str(workspace), "created_at": utc_now(), "expired": False,
-                       "last_ping": time.time()})
+                       "last_ping": time.time(), "arm_hash": arm_hash})
 
 
 def base_state(paths: StudyPaths, rec: Mapping[str, Any]) -> str:
@@ -7011,10 +7012,29 @@ def require_base_ready(paths: StudyPaths, name: str) -> None:
 
 
 
+def base_name_for(task_id: str, spec: LaunchSpec, study: LaunchSpec) -> str:
+    """The base a forking arm's runs of a task fork (pure): one per task and launch hash -- the
+    task id for the study's own launch, `TASK.HASH12` for an arm that changes it."""
+    return task_id if spec.hash == study.hash else f"{task_id}.{spec.hash[:12]}"
+
+
+def refuse_base_launch(rec: Mapping[str, Any], spec: LaunchSpec | None) -> None:
+    """A base belongs to the launch it was trained with: a fork under another launch hash would
+    resume its conversation with other tools, model or prompt, and is refused by name."""
+    trained = rec.get("arm_hash")
+    if spec is not None and trained and trained != spec.hash:
+        raise AgentbenchError("the base was trained under another launch", code="base_launch_mismatch",
+                              base=rec.get("name"), arm=spec.arm, base_hash=trained, arm_hash=spec.hash,
+                              hint=f"train a base under this arm's launch: agentbench.py train --task TASK "
+                                   f"--arm {spec.arm or 'ARM'} (the pipeline forks TASK.HASH12 bases)")
+
+
 def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool,
-              env_extra: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals."""
+              env_extra: Mapping[str, str] | None = None, spec: LaunchSpec | None = None) -> dict[str, Any]:
+    """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals.
+    `spec`: the launch the fork starts with (refused unless the base was trained with it)."""
     rec = load_base(paths, base)
+    refuse_base_launch(rec, spec)
     reap_jobs(paths, ctx.platform, only=[rec["job_id"]], env=ctx.env)   # its session totals must be recorded
     state = base_state(paths, rec)
     if state == "ready" and not job_is_final(paths, rec["job_id"]):
@@ -8657,7 +8677,7 @@ class RunPipeline:
         resume, prior = None, {}
         if base:
             fk = fork_base(self.ctx, self.paths, base, Path(cwd), copy_workspace=False,
-                           env_extra=self.opts.env_extra)
+                           env_extra=self.opts.env_extra, spec=self.arms[self.rec["arm"]].launch)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
@@ -8829,7 +8849,8 @@ class RunPipeline:
         check_hint = task_check_hint(task, ws)
         prompt = render(self.tpl["task_prompt"], task_id=task.id, task_title=task.title, task_text=statement,
                         workspace=ws, check_hint=check_hint)
-        base = rec.get("base") or (task.id if arm.fork_base else None)
+        study_spec = study_launch_spec(self.paths.root, self.cfg)
+        base = rec.get("base") or (base_name_for(task.id, arm.launch, study_spec) if arm.fork_base else None)
         rec["base"] = base
         if base and arm.preamble_text.strip():
             # A fork keeps its base's system prompt (the binary snapshots it at the start of a
@@ -9184,6 +9205,15 @@ def refuse_changed_arms(study: Study, run_ids: Sequence[str]) -> None:
                                        "pre-register the new one (refused once runs of the split started)")
 
 
+def run_base(study: Study, rec: Mapping[str, Any]) -> str | None:
+    """The base a run forks: the one it names, else, for a forking arm, its task's base under the
+    arm's launch (base_name_for); None for an arm that does not fork."""
+    arm = study.arms[rec["arm"]]
+    if rec.get("base") or not arm.fork_base:
+        return rec.get("base")
+    return base_name_for(rec["task"], arm.launch, study_launch_spec(study.paths.root, study.cfg))
+
+
 def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
               force: bool = False) -> dict[str, Any]:
     """`spawn --run`: claim the run by hand, prepare its workspace, launch its executor (detached).
@@ -9197,9 +9227,10 @@ def spawn_run(host: Host, study: Study, run_id: str, *, base: str | None = None,
     # Refusals first, so that a refused spawn leaves the run untouched.
     arms = study.arms
     refuse_changed_arms(study, [run_id])
-    fork = base or rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+    fork = base or run_base(study, rec)
     if fork:
         require_base_ready(paths, fork)
+        refuse_base_launch(load_base(paths, fork), arms[rec["arm"]].launch)
     launch = study.launch
     study_binary(host, study.cfg)
     refuse_if_paused(paths, launch)
@@ -9395,19 +9426,25 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
     require_executor_ready(cfg.get("executor"))
     arms = study.arms
     missing: dict[str, str] = {}
+    trainers: dict[str, str] = {}
     for rid in run_ids:
         rec = load_run(paths, rid)
-        base = rec.get("base") or (rec["task"] if arms[rec["arm"]].fork_base else None)
+        base = run_base(study, rec)
         if base and base not in missing:
+            trainers[base] = f"train --task {rec['task']} --arm {rec['arm']}"
             try:
                 require_base_ready(paths, base)
+                refuse_base_launch(load_base(paths, base), arms[rec["arm"]].launch)
             except AgentbenchError as exc:
+                if exc.payload.get("code") == "base_launch_mismatch":
+                    raise
                 missing[base] = str(exc.payload.get("state") or "missing")
     missing = {b: s for b, s in missing.items() if s}
     if missing:
         raise AgentbenchError("runs fork bases that are not ready", code="runs_fork_bases_not_ready",
-                              bases=missing,
-                              hint="train them first: agentbench.py train --task T (one per task), then wait")
+                              bases=missing, train=[trainers[b] for b in sorted(missing)],
+                              hint="train them first (one per task and launch), then wait: "
+                                   + "; ".join(trainers[b] for b in sorted(missing)))
     cap = int(study.launch["parallel"])
     if parallel is not None and parallel < 1:
         raise AgentbenchError("--parallel must be >= 1", code="parallel_below_1", parallel=parallel)
@@ -9521,7 +9558,8 @@ def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, labe
     resume, prior = None, {}
     with removed_on_refusal(ws):
         if base:
-            f = fork_base(host, paths, base, ws, copy_workspace=not workspace)
+            f = fork_base(host, paths, base, ws, copy_workspace=not workspace,
+                          spec=study_launch_spec(paths.root, cfg))
             resume, prior = f["resume"], f["prior"]
         ws.mkdir(parents=True, exist_ok=True)
         req = JobRequest(kind="executor", prompt=prompt, cwd=str(ws), limits=limits, resume=resume,
@@ -9532,14 +9570,21 @@ def spawn_session(host: Host, study: Study, *, cwd: str, brief: str | None, labe
 
 def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, task_id: str | None = None,
                brief: str | None = None, workspace: str | None = None, replace: bool = False,
-               flags: LaunchFlags = LaunchFlags()) -> dict[str, Any]:
+               flags: LaunchFlags = LaunchFlags(), arm: str | None = None) -> dict[str, Any]:
     """`train`: a base session that runs fork from, prompted by the brief file or, with a task,
-    the train_base template; on a copy of the task's public files unless `workspace` is given."""
+    the train_base template; on a copy of the task's public files unless `workspace` is given.
+    `arm`: train under that arm's launch (the base is then named TASK.HASH12 by default, the one
+    its runs fork; a base belongs to one launch hash)."""
     paths = study.paths
     cfg = study.cfg
     # One bundle by name, as load_tasks refuses it (an unknown name before an empty directory).
     task = load_tasks(study.paths, study.cfg, only=[task_id])[task_id] if task_id else None
-    base = base or (task.id if task else None)
+    if arm is not None and arm not in study.arms:
+        raise AgentbenchError("no such arm", code="unknown_arm", arm=arm, known=sorted(study.arms),
+                              hint="name an arm of study.json")
+    spec = study.arms[arm].launch if arm is not None else None
+    base = base or ((base_name_for(task.id, spec, study_launch_spec(paths.root, cfg)) if spec else task.id)
+                    if task else None)
     if not base:
         raise AgentbenchError("train needs --base NAME (or --task T)", code="train_needs_base_name_task")
     check_name("base", base)
@@ -9577,7 +9622,7 @@ def train_base(host: Host, study: Study, *, cwd: str, base: str | None = None, t
                     shutil.rmtree(ws)   # a retrained base starts from the task's files, not the old notes
                 copy_tree(task.public, ws)
             req = JobRequest(kind="train", prompt=prompt, cwd=str(ws), limits=limits, meta={"base": base})
-            out = start_job(host, paths, req, cfg=cfg)
+            out = start_job(host, paths, req, spec, cfg=cfg)
         register_base(paths, base, out, ws)
     return {**out, "base": base}
 
@@ -13275,12 +13320,15 @@ def rehearsal_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], task: Task,
                          server: "ScriptedModelServer", env_extra: Mapping[str, str],
-                         driver: Mapping[str, Any] | None) -> None:
-    """Train the per-task base that `fork_base` arms fork from: the scripted agent reads the task
-    and writes notes, through the same job path as `train --task`."""
-    ws = paths.bases / task.id / "workspace"
+                         driver: Mapping[str, Any] | None, spec: LaunchSpec | None = None,
+                         name: str | None = None) -> None:
+    """Train the base that `fork_base` arms fork from, one per task and launch (`spec`, named
+    `name`; default the study's launch and the task id): the scripted agent reads the task and
+    writes notes, through the same job path as `train --task`."""
+    name = name or task.id
+    ws = paths.bases / name / "workspace"
     copy_tree(task.public, ws)
-    sid = f"train-{task.id}"
+    sid = f"train-{name}"
     server.add_script(sid, {"steps": [
         {"text": "Reading the task.",
          "tool_uses": [{"name": "Read", "input": {"file_path": str(ws / "TASK.md")}}]},
@@ -13295,10 +13343,10 @@ def train_rehearsal_base(ctx: Host, paths: StudyPaths, cfg: Mapping[str, Any], t
     limits = session_limits(launch, wall_s=TRAIN_REHEARSAL_WALL_S,
                             stall_after_s=TRAIN_REHEARSAL_STALL_AFTER_S, orphan_after_s=0,
                             max_budget_usd=float(usd_per_run))
-    req = JobRequest(kind="train", prompt=prompt, cwd=str(ws), limits=limits, meta={"base": task.id},
+    req = JobRequest(kind="train", prompt=prompt, cwd=str(ws), limits=limits, meta={"base": name},
                      env_extra=env_extra, driver=driver)
-    out = start_job(ctx, paths, req, cfg=cfg)
-    register_base(paths, task.id, out, ws)
+    out = start_job(ctx, paths, req, spec, cfg=cfg)
+    register_base(paths, name, out, ws)
     while not job_is_final(paths, out["job_id"]):
         time.sleep(0.2)
         reap_jobs(paths, ctx.platform, only=[out["job_id"]], env=ctx.env)
@@ -13364,9 +13412,13 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
             env_extra["HOME"] = str(home)
         driver = driver_record(ctx.platform, sp)
         with DriverBeat(driver):
-            if any(a.fork_base for a in arms.values()):
-                for t in tasks.values():
-                    train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
+            # One base per task and launch hash that a forking arm uses (the scratch study's arms).
+            study_spec = study_launch_spec(sp.root, scfg)
+            forking = {a.launch.hash: a.launch for a in load_arms(sp, scfg).values() if a.fork_base}
+            for t in tasks.values():
+                for spec in forking.values():
+                    train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver, spec,
+                                         base_name_for(t.id, spec, study_spec))
             scripts = RehearsalScripts(server, sp, tasks, arms, behaviours or {})
             opts = PipelineOptions(env_extra=env_extra, script_for=scripts,
                                    driver=driver, progress=progress, rehearsal=True)
@@ -14005,6 +14057,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="train on a copy of this task's public files (a per-task base runs fork from)")
     p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
     p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
+    p.add_argument("--arm", help="train under this arm's launch (its forks must share it; default "
+                                 "base name with --task: TASK.HASH12)")
     _launch_args(p)
 
 
@@ -14014,7 +14068,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
                       brief=args.brief, workspace=args.workspace, replace=args.replace,
-                      flags=launch_flags(args))
+                      flags=launch_flags(args), arm=args.arm)
 
 
 def _spawn_args(p: argparse.ArgumentParser) -> None:

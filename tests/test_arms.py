@@ -187,3 +187,19 @@ def test_assign_registers_each_arm_and_run_refuses_an_arm_changed_after_it(armed
     # A's runs are not refused for B's change.
     a_runs = [r["run_id"] for r in manifest["runs"] if r["arm"] == "A"]
     ab.refuse_changed_arms(ab.load_study(ab.StudyPaths(armed)), a_runs)
+
+
+# ---- bases follow the launch --------------------------------------------------------------------
+
+def test_a_base_is_named_per_task_and_launch_and_refused_to_another_launch() -> None:
+    study = ab.LaunchSpec(root="/s")
+    other = ab.LaunchSpec(root="/s", arm="M", model="claude-sonnet-4-5-20250929")
+    same = ab.LaunchSpec(root="/elsewhere", arm="A")
+    assert ab.base_name_for("t1", same, study) == "t1"
+    assert ab.base_name_for("t1", other, study) == "t1." + other.hash[:12]
+    ab.refuse_base_launch({"name": "t1", "arm_hash": study.hash}, same)
+    ab.refuse_base_launch({"name": "t1"}, other)            # a base from before launch hashes
+    ab.refuse_base_launch({"name": "t1", "arm_hash": study.hash}, None)
+    with pytest.raises(ab.AgentbenchError) as exc:
+        ab.refuse_base_launch({"name": "t1", "arm_hash": study.hash}, other)
+    assert exc.value.payload["code"] == "base_launch_mismatch" and exc.value.payload["arm"] == "M"

@@ -208,3 +208,42 @@ def test_a_broken_arm_fails_the_rehearsal_by_name(tmp_path, real_claude, monkeyp
     text = json.dumps(out)
     assert "arm X: treatment_not_delivered" in text and "flaky:failed" in text, out
     assert "arm A:" not in text
+
+
+def test_a_base_belongs_to_one_launch_hash(tmp_path, real_claude, server, monkeypatch):
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "cc"))
+    root = tiny_study(tmp_path / "study", arms={"A": {"fork_base": True},
+                                                "M": {"model": SONNET, "fork_base": True}})
+    init_real_study(root, real_claude, server.url, tmp_path / "cc", monkeypatch)
+    study = ab.load_study(ab.StudyPaths(root)).load_all()
+    m_hash = study.arms["M"].launch.hash
+    assert study.arms["A"].launch.hash == ab.study_launch_spec(root, study.cfg).hash
+    code, tr = run_main(["train", "--study", str(root), "--task", "tiny", "--arm", "M"])
+    assert code == 0, tr
+    assert tr["base"] == f"tiny.{m_hash[:12]}"
+    code, w = run_main(["wait", "--study", str(root), "--job", tr["job_id"], "--timeout", "120"])
+    assert code == 0, w
+    base = json.loads((root / "state" / "bases" / f"{tr['base']}.json").read_text())
+    assert base["arm_hash"] == m_hash
+    train_job = json.loads((root / "state" / "jobs" / tr["job_id"] / "job.json").read_text())
+    assert flag(train_job["argv"], "--model") == SONNET
+    assert run_main(["assign", "--study", str(root), "--force"])[0] == 0
+    runs = {r["arm"]: r["run_id"]
+            for r in json.loads((root / "state" / "manifests" / "main.json").read_text())["runs"]}
+    # The pipeline wants one base per task and launch hash: A's (the study's launch) is missing.
+    code, out = run_main(["run", "--study", str(root), "--force"])
+    assert code == 2 and out["code"] == "runs_fork_bases_not_ready", out
+    assert out["bases"] == {"tiny": "missing"} and out["train"] == ["train --task tiny --arm A"], out
+    # A's run may not fork M's base: refused by name, the run left as it was.
+    before = (root / "state" / "runs" / f"{runs['A']}.json").read_bytes()
+    code, out = run_main(["spawn", "--study", str(root), "--run", runs["A"], "--base", tr["base"], "--force"])
+    assert code == 2 and out["code"] == "base_launch_mismatch", out
+    assert out["base"] == tr["base"] and out["arm"] == "A" and out["base_hash"] == m_hash, out
+    assert (root / "state" / "runs" / f"{runs['A']}.json").read_bytes() == before
+    # M's run forks it, under M's launch.
+    code, sp = run_main(["spawn", "--study", str(root), "--run", runs["M"], "--force"])
+    assert code == 0, sp
+    assert run_main(["wait", "--study", str(root), "--job", sp["job_id"], "--timeout", "120"])[0] == 0
+    job = json.loads((root / "state" / "jobs" / sp["job_id"] / "job.json").read_text())
+    assert flag(job["argv"], "--resume") == base["session_id"] and flag(job["argv"], "--model") == SONNET
+    assert job["arm_hash"] == m_hash
