@@ -8865,6 +8865,7 @@ class RunPipeline:
             "task_bundle_sha256": task.bundle_sha256,
             "effective_context_sha256": sha256_bytes((system_full + "\n---\n" + prompt).encode()),
             "model_requested": arm.launch.model, "arm_hash": arm.launch.hash,
+            "launch": {"model": arm.launch.model, "effort": arm.launch.effort},
             "assignment_seed": rec.get("seed", self.cfg.get("seed")),
             "platform": f"{self.ctx.platform.name}/{pyplatform.system()}", "rehearsal": self.opts.rehearsal,
             "base": base, "arm_text_in": ("prompt" if base else "system_prompt"),
@@ -10109,7 +10110,8 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
     the study's rehearsal (the scripted model's usage at list prices: short sessions, a floor
     rather than a forecast); else PLAN_SESSION_TOKENS at the model's list price times the most
     sessions the arm can start (1 + gate cycles + 2 with a review), marked estimated.
-    `arms` maps a name to {"gate_cycles", "review"}."""
+    `arms` maps a name to {"gate_cycles", "review", "model"}: an arm's own model prices its
+    estimate (`model` is the study's, for an arm without one)."""
     per_arm: dict[str, dict[str, Any]] = {}
     for name, arm in arms.items():
         costs = [float(c) for c in pilot.get(name) or []
@@ -10124,10 +10126,10 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
         else:
             sessions = 1 + int(arm.get("gate_cycles") or 0) + (2 if arm.get("review") else 0)
             basis, n = "token_estimate", 0
-            per_run = sessions * estimate_cost_usd(PLAN_SESSION_TOKENS, model, prices)
+            per_run = sessions * estimate_cost_usd(PLAN_SESSION_TOKENS, arm.get("model") or model, prices)
         runs = n_tasks * repeats
         per_arm[name] = {"basis": basis, "measured_runs": n, "cost_per_run_usd": per_run,
-                         "runs": runs, "cost_usd": per_run * runs}
+                         "runs": runs, "cost_usd": per_run * runs, "model": arm.get("model") or model}
     bases = sorted({a["basis"] for a in per_arm.values()})
     return {"study_usd": math.fsum(a["cost_usd"] for a in per_arm.values()),
             "runs": n_tasks * repeats * len(per_arm), "basis": bases,
@@ -11053,6 +11055,37 @@ def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def report_prices(runs: Sequence[Mapping[str, Any]], view: Mapping[str, Any],
+                  base: str) -> dict[str, Any] | None:
+    """Comparisons across prices (None unless the arms ran with different models or efforts, as
+    their runs' provenance says): per arm its model and effort, cost per run and per success, and,
+    paired against the baseline over tasks, the difference in cost per run beside the difference
+    in success rate, so that a gain is read at its price."""
+    launches: dict[str, set[tuple[str, str]]] = {}
+    for r in runs:
+        lc = (r.get("provenance") or {}).get("launch")
+        if isinstance(lc, dict):
+            launches.setdefault(str(r.get("arm")), set()).add((str(lc.get("model")), str(lc.get("effort"))))
+    if len({x for v in launches.values() for x in v}) < 2:
+        return None
+    out: dict[str, Any] = {}
+    for arm, st in (view.get("per_arm") or {}).items():
+        row = {"models": sorted({m for m, _ in launches.get(arm, ())}),
+               "efforts": sorted({e for _, e in launches.get(arm, ())}),
+               "cost_per_run_usd": st.get("cost_per_run_usd"),
+               "cost_per_success_usd": st.get("cost_per_success_usd"),
+               "success_rate": st.get("success_rate")}
+        cmp = (view.get("comparisons") or {}).get(arm)
+        if arm != base and isinstance(cmp, dict):
+            cost = cmp.get("cost_per_run_usd") or {}
+            row.update({"success_diff": cmp.get("mean_diff"), "success_diff_ci": cmp.get("ci"),
+                        "cost_per_run_diff_usd": cost.get("mean_diff"),
+                        "cost_per_run_diff_ci": cost.get("ci"),
+                        "tasks_compared": cmp.get("tasks_compared")})
+        out[arm] = row
+    return {"baseline": base, "per_arm": out}
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -11114,6 +11147,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "warnings": warnings,
         "behaviour": behaviour,
         "delivery": delivery,
+        "prices": report_prices(known, views[primary], base),
         "exclusions": exclusions,
         "multiplicity": views[primary]["multiplicity"],
         "totals": {
@@ -11393,6 +11427,24 @@ def _rpt_snapshot_tables(report: dict) -> list[ReportTable]:
              ["Arm"] + [fmt_secs(float(t)) for t in times], rows)]
 
 
+def _rpt_price_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Comparisons across prices (only when the arms ran with different models or efforts)."""
+    prices = report.get("prices")
+    if not prices:
+        return []
+    rows = []
+    for arm, p in prices["per_arm"].items():
+        rows.append([arm, ", ".join(p["models"]) or "-", ", ".join(p["efforts"]) or "-",
+                     fmt_usd(p["cost_per_run_usd"]), fmt_usd(p["cost_per_success_usd"]),
+                     "-" if "success_diff" not in p else f"{_fmt_diff(p['success_diff'])} "
+                                                         f"{_fmt_diff_ci(p['success_diff_ci'])}",
+                     "-" if "cost_per_run_diff_usd" not in p else
+                     f"{_fmt_usd_diff(p['cost_per_run_diff_usd'])} {_fmt_usd_ci(p['cost_per_run_diff_ci'])}"])
+    return [(f"Comparisons across prices (paired against {prices['baseline']}, over tasks)",
+             ["Arm", "Model", "Effort", "Cost/run", "Cost/success", "Success diff (95% CI)",
+              "Cost/run diff (95% CI)"], rows)]
+
+
 def _rpt_delivery_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """Treatment delivery per arm (only when runs carry a delivery check)."""
     arms = (report.get("delivery") or {}).get("arms") or {}
@@ -11418,6 +11470,7 @@ def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     tables += _rpt_audit_tables(report)
     tables += _rpt_snapshot_tables(report)
     tables += _rpt_delivery_tables(report)
+    tables += _rpt_price_tables(report)
     return tables
 
 
@@ -13677,7 +13730,8 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
             pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
     reh = read_json(paths.state / "rehearsal.json", default=None)
     reh = reh if isinstance(reh, dict) else {}
-    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review} for a, arm in arms.items()}
+    shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review, "model": arm.launch.model}
+             for a, arm in arms.items()}
     reh_arms = reh.get("arms") if isinstance(reh.get("arms"), dict) else None
 
     def cost(r: int) -> dict[str, Any]:

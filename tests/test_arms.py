@@ -203,3 +203,47 @@ def test_a_base_is_named_per_task_and_launch_and_refused_to_another_launch() -> 
     with pytest.raises(ab.AgentbenchError) as exc:
         ab.refuse_base_launch({"name": "t1", "arm_hash": study.hash}, other)
     assert exc.value.payload["code"] == "base_launch_mismatch" and exc.value.payload["arm"] == "M"
+
+
+# ---- comparisons across prices ------------------------------------------------------------------
+
+def priced_run(rid: str, task: str, arm: str, success: bool, cost: float, model: str, effort: str) -> dict:
+    from test_report import run
+    rec = run(rid, task, arm, 1, success=success, cost=cost)
+    rec["provenance"] = {"launch": {"model": model, "effort": effort}}
+    return rec
+
+
+def test_arms_of_different_models_are_compared_at_their_prices() -> None:
+    runs = []
+    for i, task in enumerate(("t1", "t2", "t3", "t4")):
+        runs.append(priced_run(f"a{i}", task, "A", i < 2, 2.0, "claude-opus-4-5", "high"))
+        runs.append(priced_run(f"s{i}", task, "S", i < 3, 0.5, "claude-sonnet-4-5-20250929", "medium"))
+    rep = ab.build_report(runs, ["A", "S"])
+    prices = rep["prices"]
+    assert prices["per_arm"]["A"]["models"] == ["claude-opus-4-5"]
+    assert prices["per_arm"]["S"]["efforts"] == ["medium"]
+    assert prices["per_arm"]["A"]["cost_per_run_usd"] == pytest.approx(2.0)
+    assert prices["per_arm"]["A"]["cost_per_success_usd"] == pytest.approx(4.0)
+    assert prices["per_arm"]["S"]["cost_per_success_usd"] == pytest.approx(2.0 / 3)
+    assert prices["per_arm"]["S"]["success_diff"] == pytest.approx(0.25)
+    assert prices["per_arm"]["S"]["cost_per_run_diff_usd"] == pytest.approx(-1.5)
+    assert "success_diff" not in prices["per_arm"]["A"]
+    md = ab.render_report_md(rep)
+    assert "Comparisons across prices" in md and "claude-sonnet-4-5-20250929" in md
+    # Arms with one launch between them: no such section.
+    same = [priced_run(r["run_id"], r["task"], r["arm"], bool(r["evaluation"]["success"]), r["cost_usd"],
+                       "claude-opus-4-5", "high") for r in runs]
+    assert ab.build_report(same, ["A", "S"])["prices"] is None
+    assert "Comparisons across prices" not in ab.render_report_md(ab.build_report(same, ["A", "S"]))
+
+
+def test_assign_power_delta_prices_each_arm_by_its_own_model(tmp_path: Path, fake_env) -> None:
+    root = tiny_study(tmp_path / "s", tasks=("t1", "t2"),
+                      arms={"A": {}, "H": {"model": "claude-haiku-4-5-20251001"}})
+    code, out = run_main(["assign", "--study", str(root), "--force", "--power-delta", "0.3"])
+    assert code == 0, out
+    per_arm = out["power"]["plan"]["cost_at_repeats"]["per_arm"]
+    assert per_arm["A"]["model"] == "claude-opus-4-5" and per_arm["H"]["model"] == "claude-haiku-4-5-20251001"
+    assert per_arm["A"]["basis"] == per_arm["H"]["basis"] == "token_estimate"
+    assert per_arm["H"]["cost_per_run_usd"] < per_arm["A"]["cost_per_run_usd"]
