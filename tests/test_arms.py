@@ -247,3 +247,10 @@ def test_assign_power_delta_prices_each_arm_by_its_own_model(tmp_path: Path, fak
     assert per_arm["A"]["model"] == "claude-opus-4-5" and per_arm["H"]["model"] == "claude-haiku-4-5-20251001"
     assert per_arm["A"]["basis"] == per_arm["H"]["basis"] == "token_estimate"
     assert per_arm["H"]["cost_per_run_usd"] < per_arm["A"]["cost_per_run_usd"]
+
+
+def test_every_arm_setting_is_in_the_readme_table() -> None:
+    text = (Path(ab.__file__).resolve().parent / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| arm key |"):text.index("File settings are paths")]
+    for key in ab.ARM_LAUNCH_KEYS:
+        assert f"`{key}`" in table, key
