@@ -247,3 +247,31 @@ def test_a_base_belongs_to_one_launch_hash(tmp_path, real_claude, server, monkey
     job = json.loads((root / "state" / "jobs" / sp["job_id"] / "job.json").read_text())
     assert flag(job["argv"], "--resume") == base["session_id"] and flag(job["argv"], "--model") == SONNET
     assert job["arm_hash"] == m_hash
+
+
+def test_the_configurations_example_rehearses(tmp_path, real_claude, monkeypatch):
+    import shutil
+    from conftest import ROOT
+    monkeypatch.setenv("AGENTBENCH_CLAUDE_BIN", real_claude)
+    monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
+    root = tmp_path / "configurations"
+    shutil.copytree(ROOT / "examples" / "configurations", root,
+                    ignore=shutil.ignore_patterns("__pycache__", "state", "runs"))
+    code, cal = run_main(["calibrate", "--study", str(root)])
+    assert code == 0, cal
+    code, out = run_main(["rehearse", "--study", str(root), "--dir", str(tmp_path / "reh")])
+    assert code == 0 and out["ok"] is True, out
+    assert sorted(out["arms"]) == ["claude_md", "plain", "sonnet"]
+    recs = [json.loads(p.read_text()) for p in (tmp_path / "reh" / "state" / "runs").glob("*.json")]
+    study = ab.load_study(ab.StudyPaths(root)).load_all()
+    for rec in recs:
+        assert rec["arm_hash"] == study.arms[rec["arm"]].launch.hash
+        assert rec["delivery"]["flag"] is None, rec["delivery"]
+        ws = Path(rec["workspace"]["path"])
+        assert (ws / "CLAUDE.md").exists() == (rec["arm"] == "claude_md")
+        job = json.loads((tmp_path / "reh" / "state" / "jobs" / rec["jobs"][0]["job_id"] / "job.json").read_text())
+        assert flag(job["argv"], "--model") == ("claude-sonnet-4-5-20250929" if rec["arm"] == "sonnet"
+                                                else "claude-opus-4-5")
+    deliv = {r["arm"]: r["delivery"]["settings"] for r in recs}
+    assert deliv["sonnet"]["model"]["delivered"] is True and deliv["sonnet"]["effort"]["delivered"] is None
+    assert deliv["claude_md"]["workspace_overlay"]["delivered"] is True and deliv["plain"] == {}
