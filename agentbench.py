@@ -441,6 +441,8 @@ def count_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, whe
                hi: int = MAX_TOKEN_COUNT) -> int:
     """A token (or other) count: a whole number in [0, hi]; absent gives 0, anything else 0 plus
     an anomaly (a fractional count is truncated and flagged)."""
+    if type(value) is int and 0 <= value <= hi:   # the common case, answered without a float
+        return value
     f = finite_number(value, lo=0, hi=hi, anomalies=anomalies, where=where)
     if f is None:
         return 0
@@ -9574,42 +9576,77 @@ def cache_hit_ratio(tokens: dict) -> float | None:
     return read / denom if denom else None
 
 
-def _usage_empty() -> dict:
+def usage_empty() -> dict:
     return {"jobs": 0, "statuses": {}, "tokens": {k: 0 for k in _USAGE_TOKEN_KEYS},
             "cost_usd": 0.0, "cost_estimated_usd": 0.0, "estimated_jobs": 0,
             "cost_metered_usd": 0.0, "metered_jobs": 0, "requests": 0, "models_metered": {},
             "cache_verdicts": {}, "duration_s": 0.0}
 
 
-def _usage_add(acc: dict, line: dict) -> None:
-    acc["jobs"] += 1
-    status = str(line.get("status") or "(none)")
-    acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
-    tokens = line.get("tokens") or {}
-    for key, value in (tokens.items() if isinstance(tokens, dict) else []):
-        acc["tokens"][key] = acc["tokens"].get(key, 0) + count_from(value)
-    cost = usd_from(line.get("cost_delta_usd")) or 0.0
-    acc["cost_usd"] += cost
-    if line.get("estimated"):
-        acc["cost_estimated_usd"] += cost
-        acc["estimated_jobs"] += 1
+class UsageFigures(NamedTuple):
+    """One ledger line's figures, each checked once (hostile numbers count 0 or are left out),
+    then added to its group and to the totals."""
+    status: str
+    tokens: list[tuple[str, int]]
+    cost: float
+    estimated: bool
+    metered: float | None
+    requests: int
+    models_metered: list[tuple[str, int, float]]
+    verdict: str
+    duration: float
+
+
+def usage_figures(line: dict) -> UsageFigures:
+    tokens = line.get("tokens")
     metered = line.get("cost_metered_usd")
-    if isinstance(metered, (int, float)) and not isinstance(metered, bool):
-        # The gateway's figures beside the binary's own, per model (side models included).
-        acc["cost_metered_usd"] += float(metered)
-        acc["metered_jobs"] += 1
-        acc["requests"] += int(line.get("requests") or 0)
-        for model, row in (line.get("models_metered") or {}).items():
+    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    models: list[tuple[str, int, float]] = []
+    if metered_ok:
+        mm = line.get("models_metered")
+        for model, row in (mm.items() if isinstance(mm, dict) else ()):
             if isinstance(row, dict):
-                mine = acc["models_metered"].setdefault(str(model), {"requests": 0, "cost_usd": 0.0})
-                mine["requests"] += int(row.get("requests") or 0)
-                mine["cost_usd"] = round(mine["cost_usd"] + float(row.get("cost_usd") or 0.0), 6)
-    verdict = str(line.get("cache_verdict") or "(none)")
-    acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
-    acc["duration_s"] += finite_number(line.get("duration_s"), lo=0.0) or 0.0
+                models.append((str(model), count_from(row.get("requests")),
+                               usd_from(row.get("cost_usd")) or 0.0))
+    return UsageFigures(
+        status=str(line.get("status") or "(none)"),
+        tokens=([(key, count_from(value)) for key, value in tokens.items()]
+                if isinstance(tokens, dict) else []),
+        cost=usd_from(line.get("cost_delta_usd")) or 0.0,
+        estimated=bool(line.get("estimated")),
+        metered=float(metered) if metered_ok else None,
+        requests=count_from(line.get("requests")) if metered_ok else 0,
+        models_metered=models,
+        verdict=str(line.get("cache_verdict") or "(none)"),
+        duration=finite_number(line.get("duration_s"), lo=0.0) or 0.0)
 
 
-def _usage_finish(acc: dict) -> dict:
+def usage_add(acc: dict, fig: UsageFigures) -> None:
+    acc["jobs"] += 1
+    statuses = acc["statuses"]
+    statuses[fig.status] = statuses.get(fig.status, 0) + 1
+    tok = acc["tokens"]
+    for key, value in fig.tokens:
+        tok[key] = tok.get(key, 0) + value
+    acc["cost_usd"] += fig.cost
+    if fig.estimated:
+        acc["cost_estimated_usd"] += fig.cost
+        acc["estimated_jobs"] += 1
+    if fig.metered is not None:
+        # The gateway's figures beside the binary's own, per model (side models included).
+        acc["cost_metered_usd"] += fig.metered
+        acc["metered_jobs"] += 1
+        acc["requests"] += fig.requests
+        for model, requests, cost in fig.models_metered:
+            mine = acc["models_metered"].setdefault(model, {"requests": 0, "cost_usd": 0.0})
+            mine["requests"] += requests
+            mine["cost_usd"] = round(mine["cost_usd"] + cost, 6)
+    verdicts = acc["cache_verdicts"]
+    verdicts[fig.verdict] = verdicts.get(fig.verdict, 0) + 1
+    acc["duration_s"] += fig.duration
+
+
+def usage_finish(acc: dict) -> dict:
     tok = acc["tokens"]
     acc["tokens_total"] = sum(tok.get(k, 0) for k in ("input", "output", "cache_creation",
                                                      "cache_read"))
@@ -9644,11 +9681,15 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
         raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
                               choices=list(USAGE_GROUPINGS))
     groups: dict[str, dict] = {}
-    totals = _usage_empty()
+    totals = usage_empty()
     for line in ledger_lines:
+        fig = usage_figures(line)   # checked once, added twice
         key = _usage_key(line, by)
-        _usage_add(groups.setdefault(key, _usage_empty()), line)
-        _usage_add(totals, line)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = usage_empty()
+        usage_add(group, fig)
+        usage_add(totals, fig)
     order = sorted(groups, key=lambda k: (k == "(none)", k))
     notes = []
     if totals["estimated_jobs"]:
@@ -9656,8 +9697,8 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
                      f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
                      f"prices (marked ~)")
     return {"schema": USAGE_SCHEMA, "by": by,
-            "groups": {k: _usage_finish(groups[k]) for k in order},
-            "totals": _usage_finish(totals), "notes": notes}
+            "groups": {k: usage_finish(groups[k]) for k in order},
+            "totals": usage_finish(totals), "notes": notes}
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -12914,6 +12955,24 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]
     return out
 
 
+def report_metering(paths: StudyPaths) -> dict[str, Any]:
+    """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
+    models included), over every ledger line, and the jobs whose two figures disagree; one
+    streamed pass (the ledger is never held in memory)."""
+    counts: dict[str, int] = {}
+    totals = usage_empty()
+    mismatched: list[Any] = []
+    with gc_paused():
+        for line in iter_jsonl(paths.ledger, counts):
+            usage_add(totals, usage_figures(line))
+            if "cost_mismatch" in (line.get("flags") or []):
+                mismatched.append(line.get("job_id"))
+    totals = usage_finish(totals)
+    return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+            "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
+            "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
+
+
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
     """(start, stop, next offset or None) of one page of `total` items."""
     if offset < 0 or limit < 0:
@@ -13808,14 +13867,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
-    # The gateways' figures beside the binaries' own, per model (side models included).
-    ledger_lines = read_jsonl(paths.ledger)[0]
-    totals = aggregate_usage(ledger_lines, by="model")["totals"]
-    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"],
-                          "cost_reported_usd": totals["cost_usd"],
-                          "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
-                          "models_metered": totals["models_metered"],
-                          "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
+    report["metering"] = report_metering(paths)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
