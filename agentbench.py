@@ -307,8 +307,15 @@ class AgentbenchError(Exception):
 
 
 def json_line(obj: Any) -> str:
-    """The one serialisation of command output: compact, sorted keys, newline-terminated."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+    """The one serialisation of command output: compact, sorted keys, newline-terminated.  Text
+    that cannot be UTF-8 (a lone surrogate: a file name's undecodable byte) is written as a JSON
+    escape instead of failing the command."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str)
+    return text + "\n"
 
 
 _LOG_QUIET = False
@@ -11813,11 +11820,13 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
         return {"available": False, "why": "the run's workspace is not on disk", "files": []}
     old, new = _page_tree(starter), _page_tree(workspace)
     files, budget, cut = [], PAGE_DIFF_CHARS, 0
-    for rel in sorted(set(old) | set(new)):
-        a, b = old.get(rel), new.get(rel)
+    for raw in sorted(set(old) | set(new)):
+        rel = shown_name(raw)     # what the page shows: an odd name escaped, never raw bytes
+        a, b = old.get(raw), new.get(raw)
         if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
             try:
-                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                if a.stat().st_size == b.stat().st_size and sha256_regular(a) == sha256_regular(b) \
+                        and sha256_regular(b) is not None:
                     continue
             except OSError:
                 pass
@@ -12035,8 +12044,10 @@ def render_run_page(page: dict) -> str:
         rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
                  if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
-                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 (str(f.get("tool") or "-") + (f" ({f['session']})" if f.get("session") else ""))
+                 if isinstance(f, dict) else "-",
+                 # A path the agent named is shown escaped (control characters, undecodable bytes).
+                 _page_trim(shown_name(str(f.get("path") or f.get("files") or f.get("detail") or "")), 300)[0]
                  if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
         p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
@@ -12147,20 +12158,35 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
     runs = [r for r in runs if str(r.get("arm")) in arms]
     names = page_file_names(r.get("run_id") for r in runs)
     (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
     for r in runs:
-        task = tasks.get(str(r.get("task")))
-        starter = task.public if task else None
-        page = collect_run_page(paths, r, starter)
-        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
-               else None)
-        if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
-                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
-                                    f"the current starter")
-        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
+        target = out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))]
+        try:
+            task = tasks.get(str(r.get("task")))
+            starter = task.public if task else None
+            page = collect_run_page(paths, r, starter)
+            ran = ((r.get("provenance") or {}).get("task_bundle_sha256")
+                   if isinstance(r.get("provenance"), dict) else None)
+            if task and ran and ran != task.bundle_sha256:
+                page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                        f"the study now has {task.bundle_sha256[:16]}): the diff is "
+                                        f"against the current starter")
+            text = render_run_page(page)
+        except Exception as exc:   # one run's odd files never stop the pages of the others
+            failed.append(str(r.get("run_id")))
+            text = render_run_page({"run": {"run_id": r.get("run_id"), "task": r.get("task"),
+                                            "arm": r.get("arm"), "outcome": r.get("outcome"),
+                                            "validity": r.get("validity")},
+                                    "sessions": [], "receipts": [],
+                                    "diff": {"available": False, "files": [],
+                                             "why": f"this run's page could not be read in full: "
+                                                    f"{type(exc).__name__}: {exc}"[:500]}})
+        # Text that cannot be UTF-8 (an undecodable byte of a name) is written as \udcNN.
+        write_bytes_atomic(target, text.encode("utf-8", "backslashreplace"))
     index = out_dir / "index.html"
-    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
-    return {"index": str(index), "run_pages": len(names)}
+    write_bytes_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names))
+                       .encode("utf-8", "backslashreplace"))
+    return {"index": str(index), "run_pages": len(names), "run_pages_partial": failed}
 
 
 # ==================================================================================================
