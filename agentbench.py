@@ -7433,6 +7433,8 @@ def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAP
                     pending.append((e.path, erel + "/", depth + 1))
                     continue
                 size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                if caps.file_bytes is not None and size > caps.file_bytes:
+                    raise UnusableTree("file_over_cap", erel, size=size, cap=caps.file_bytes)
                 total += size
                 if caps.total_bytes is not None and total > caps.total_bytes:
                     raise UnusableTree("copy_over_cap", erel, size=total, cap=caps.total_bytes)
