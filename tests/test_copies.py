@@ -304,3 +304,46 @@ def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
     assert events[-1]["event"] == "workspace_over_cap" and events[-1]["cap"] == 2 * MB
     sup.workspace_measured_at, sup.limits = None, {"workspace_max_bytes": 5 * MB}
     assert ab.Supervisor._workspace_over_cap(sup) is False     # 3 MB of blocks; the hole is free
+
+
+@pytest.mark.parametrize("plant", ["link_to_zero", "fifo", "too_big", "link_to_good"])
+def test_a_review_json_that_is_not_a_plain_small_file_is_an_invalid_review(tmp_path, plant):
+    study = tmp_path / "study"
+    rdir = study / "runs" / "r1" / "review" / "01"
+    rdir.mkdir(parents=True)
+    good = tmp_path / "elsewhere.json"
+    good.write_text(json.dumps({"verdict": "accept", "findings": [], "summary": "fine"}))
+    target = rdir / "review.json"
+    if plant == "link_to_zero":
+        target.symlink_to("/dev/zero")
+    elif plant == "fifo":
+        os.mkfifo(target)
+    elif plant == "too_big":
+        target.write_text(json.dumps({"verdict": "accept", "findings": [], "summary": "x" * ab.REVIEW_MAX_BYTES}))
+    else:
+        target.symlink_to(good)          # a valid review, but reached through a link
+    fake = types.SimpleNamespace(paths=ab.StudyPaths(study), run_id="r1", rec={},
+                                 _save=lambda: None, _event=lambda *a, **k: None)
+    got = in_thread(lambda: ab.RunPipeline.collect_review(fake, 1, "ok"))
+    assert got["valid"] is False and fake.rec["review_verdicts"] == ["invalid"]
+
+
+def test_one_runs_page_that_cannot_be_built_never_stops_the_others(tmp_path, monkeypatch):
+    from test_experiment import copy_example
+    from test_report import run
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    runs = [run("r1", "roman", "A", 1, success=False), run("r2", "roman", "B", 1, success=True)]
+    real = ab.collect_run_page
+
+    def collect(paths, rec, starter):
+        if rec["run_id"] == "r1":
+            raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed")
+        return real(paths, rec, starter)
+
+    monkeypatch.setattr(ab, "collect_run_page", collect)
+    rep = ab.build_report(runs, ["A", "B"])
+    out = ab.write_report_pages(ab.StudyPaths(study), rep, runs, tmp_path / "site")
+    assert out["run_pages"] == 2 and out["run_pages_partial"] == ["r1"]
+    page = (tmp_path / "site" / "runs" / "r1.html").read_text(encoding="utf-8")
+    assert "could not be read in full" in page
+    assert "r2" in (tmp_path / "site" / "runs" / "r2.html").read_text(encoding="utf-8")
