@@ -236,6 +236,12 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "orphan_after_s": 0,
     "executor": "local",
     "slurm": None,
+    # Every copy or read agentbench makes of what a session left (workspaces, snapshots, review
+    # copies, transcripts) stops at these caps, in MB: per file and per copy (apparent sizes); a
+    # session whose workspace holds more than `workspace_mb` of real blocks is ended.
+    "copy_file_mb": 256,
+    "copy_total_mb": 1024,
+    "workspace_mb": 1024,
 }
 #: Slurm job states in which a submitted supervisor is still queued, starting, running or being
 #: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
@@ -301,8 +307,15 @@ class AgentbenchError(Exception):
 
 
 def json_line(obj: Any) -> str:
-    """The one serialisation of command output: compact, sorted keys, newline-terminated."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+    """The one serialisation of command output: compact, sorted keys, newline-terminated.  Text
+    that cannot be UTF-8 (a lone surrogate: a file name's undecodable byte) is written as a JSON
+    escape instead of failing the command."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str)
+    return text + "\n"
 
 
 _LOG_QUIET = False
@@ -2288,6 +2301,416 @@ def touch_last_call(paths: StudyPaths) -> None:
         pass
 
 
+# -- copies and reads of what a session left behind ------------------------------------------------
+# A workspace, a review directory, a snapshot and claude's transcripts may hold anything the agent
+# wrote: links to hidden files or to /dev/zero, FIFOs, sparse files of terabytes, names that are not
+# UTF-8, trees nested past PATH_MAX.  Every copy or read agentbench makes of them outside the sandbox
+# goes through the functions below: a link is copied as a link (or dropped), never followed; a FIFO,
+# socket or device is skipped, never opened for reading; a sparse file stays sparse; and a copy stops
+# at its caps (CopyCaps, from the study settings copy_file_mb and copy_total_mb).  What cannot be
+# copied within these rules raises UnusableTree: the agent's doing, never an infrastructure failure.
+
+#: A copy refuses a tree with more entries than this (each costs system calls, and an honest
+#: workspace is far smaller), ...
+COPY_MAX_ENTRIES = 200_000
+#: ... nested deeper than this (the walk holds one open directory per level), ...
+COPY_MAX_DEPTH = 128
+#: ... or with a relative path longer than this in bytes (past it, the copy's own absolute paths
+#: would pass the platform's PATH_MAX).
+COPY_MAX_PATH_BYTES = 3072
+_READ_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                  | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_DIR_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+#: Directories walked by descriptor (no path is ever re-resolved, so a directory swapped for a link
+#: mid-copy is not followed and depth never meets PATH_MAX); by path where the platform has no *at().
+_BY_FD = os.open in os.supports_dir_fd and os.scandir in os.supports_fd and bool(getattr(os, "O_NOFOLLOW", 0))
+#: errno values of a name the file system will not take: the name's fault, not the machine's.
+NAME_REFUSED_ERRNOS = frozenset(getattr(errno, n) for n in ("ENAMETOOLONG", "EILSEQ") if hasattr(errno, n))
+
+
+def shown_name(name: str) -> str:
+    """A file name as records and reports show it: printable, one line, and distinct for distinct
+    names.  A byte that is not UTF-8 (held by Python as a lone surrogate) becomes \\xNN, another
+    unprintable character (controls, bidi and zero-width marks, line separators) \\xNN below 0x80
+    else \\uNNNN or \\UNNNNNNNN, and a backslash is doubled."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    out = []
+    for ch in name:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif ch.isprintable():
+            out.append(ch)
+        elif code < 0x80:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(out)
+
+
+class UnusableTree(AgentbenchError):
+    """A tree (or file) that cannot be copied or read within the rules above: over a cap, nested
+    too deep, a name the file system refuses, an unreadable entry.  `why` is a short phrase."""
+
+    def __init__(self, why: str, path: str = "", **fields: Any):
+        super().__init__(f"the workspace cannot be copied or read within the copy rules: {why}",
+                         code="workspace_unusable", why=why, path=shown_name(str(path)),
+                         hint="the agent left files over the study's copy caps (copy_file_mb, "
+                              "copy_total_mb, workspace_mb), nested too deep, or unreadable", **fields)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class CopyCaps:
+    """The caps of one copy or read of a tree.  Sizes are apparent sizes (a sparse file counts at its
+    full length); None: no size cap (the experimenter's own task bundle)."""
+    file_bytes: int | None
+    total_bytes: int | None
+    entries: int = COPY_MAX_ENTRIES
+
+
+#: For the experimenter's own files (task bundles): no size cap, still no link followed.
+UNCAPPED = CopyCaps(None, None, entries=10 ** 9)
+#: The caps of a study that sets none (copy_file_mb and copy_total_mb's defaults).
+DEFAULT_COPY_CAPS = CopyCaps(int(DEFAULT_LAUNCH["copy_file_mb"] * 2 ** 20),
+                             int(DEFAULT_LAUNCH["copy_total_mb"] * 2 ** 20))
+
+
+def _at(d: int | str, name: str) -> tuple[str, dict[str, Any]]:
+    """A name in an open directory (descriptor) or a path, with the keyword arguments for os.*."""
+    return (name, {"dir_fd": d}) if isinstance(d, int) else (os.path.join(d, name), {})
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
+                 ) -> tuple[int, os.stat_result] | None:
+    """A descriptor and status of a regular file, opened without following a link and without
+    blocking (a FIFO left by the agent must not hang the reader), judged by what was opened; None
+    for a link, a FIFO, a socket, a device or a missing entry."""
+    try:
+        fd = os.open(path, _READ_NOFOLLOW, **({"dir_fd": dir_fd} if dir_fd is not None else {}))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EOPNOTSUPP):
+            return None          # a link (O_NOFOLLOW) or a socket
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
+    """A regular file's bytes (never through a link, never from a special file); None when the
+    entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > max_bytes:      # it grew while read
+            raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
+                   dir_fd: int | None = None) -> str | None:
+    """sha256 of a regular file's first st_size bytes, opened as open_regular does; None when it is
+    not one; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path, dir_fd=dir_fd)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        h, left = hashlib.sha256(), st.st_size      # a file growing while hashed is read as it was
+        while left > 0:
+            chunk = os.read(fd, min(1 << 20, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _copy_data(src: int, dst: int, size: int, sparse: bool) -> None:
+    """Copy the first `size` bytes; a sparse source is copied extent by extent (SEEK_DATA), its
+    holes left holes, so its real blocks never grow to its apparent size."""
+    def span(start: int, end: int) -> None:
+        os.lseek(src, start, os.SEEK_SET)
+        while start < end:
+            chunk = os.read(src, min(1 << 20, end - start))
+            if not chunk:
+                return
+            if hasattr(os, "pwrite"):
+                os.pwrite(dst, chunk, start)
+            else:
+                os.lseek(dst, start, os.SEEK_SET)
+                os.write(dst, chunk)
+            start += len(chunk)
+
+    if sparse and hasattr(os, "SEEK_DATA"):
+        pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(src, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break            # only a hole is left
+                raise
+            hole = min(os.lseek(src, data, os.SEEK_HOLE), size)
+            span(data, hole)
+            pos = hole
+        os.ftruncate(dst, size)
+    else:
+        span(0, size)
+
+
+@dataclass
+class _CopyTally:
+    caps: CopyCaps
+    listed: int = 0
+    files: int = 0
+    dirs: int = 0
+    links: int = 0
+    bytes: int = 0
+    sparse: int = 0
+    skipped_special: list[str] = field(default_factory=list)
+    dropped_links: list[str] = field(default_factory=list)
+
+    def entry(self, rel: str) -> None:
+        self.listed += 1
+        if self.listed > self.caps.entries:
+            raise UnusableTree("too_many_entries", rel, cap=self.caps.entries)
+        if len(os.fsencode(rel)) > COPY_MAX_PATH_BYTES:
+            raise UnusableTree("path_too_long", rel[:200], cap=COPY_MAX_PATH_BYTES)
+
+    def sized(self, rel: str, size: int) -> None:
+        cap, total = self.caps.file_bytes, self.caps.total_bytes
+        if cap is not None and size > cap:
+            raise UnusableTree("file_over_cap", rel, size=size, cap=cap)
+        if total is not None and self.bytes + size > total:
+            raise UnusableTree("copy_over_cap", rel, size=self.bytes + size, cap=total)
+        self.bytes += size
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": self.files, "dirs": self.dirs, "links": self.links, "bytes": self.bytes,
+                "sparse_files": self.sparse, "skipped_special": self.skipped_special[:50],
+                "dropped_links": self.dropped_links[:50]}
+
+
+def _link_stays_inside(rel: str, target: str) -> bool:
+    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
+    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
+        return False
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
+    return not (joined == ".." or joined.startswith("../"))
+
+
+def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
+                st: os.stat_result, links: str) -> None:
+    """One non-directory entry of safe_copy_tree (files, links, special files)."""
+    sp, skw = _at(sd, name)
+    dp, dkw = _at(dd, name)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.stat(dp, follow_symlinks=False, **dkw).st_mode):
+            os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(sp, **skw)
+        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+            tally.dropped_links.append(shown_name(rel))
+            return
+        os.symlink(target, dp, **dkw)
+        tally.links += 1
+        return
+    if not stat.S_ISREG(st.st_mode):
+        tally.skipped_special.append(shown_name(rel))
+        return
+    opened = open_regular(sp, dir_fd=skw.get("dir_fd"))
+    if opened is None:           # swapped for a link or a FIFO since it was listed: not followed
+        tally.skipped_special.append(shown_name(rel))
+        return
+    fd, fst = opened
+    try:
+        tally.sized(rel, fst.st_size)
+        out = os.open(dp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                      | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0),
+                      (fst.st_mode & 0o777) | 0o600, **dkw)
+        try:
+            sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
+            _copy_data(fd, out, fst.st_size, sparse)
+            tally.sparse += int(sparse)
+        finally:
+            os.close(out)
+        tally.files += 1
+    finally:
+        os.close(fd)
+
+
+def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], caps: CopyCaps, *,
+                   links: str = "keep", skip_names: Iterable[str] = (".git",),
+                   skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
+    """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
+
+    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
+    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
+    exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
+    copy cannot take; the partial copy is left for the caller to remove."""
+    skip = frozenset(skip_names)
+    tally = _CopyTally(caps)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(dst)
+    except FileExistsError:
+        if not overlay:
+            raise
+    opened: list[int] = []
+
+    def opendir(parent: int | str | None, name: str) -> int | str:
+        if not _BY_FD:
+            return name if parent is None else os.path.join(str(parent), name)
+        fd = os.open(name, _DIR_NOFOLLOW, **({"dir_fd": parent} if isinstance(parent, int) else {}))
+        opened.append(fd)
+        return fd
+
+    try:
+        # [source dir, destination dir, relative path, its entries left to copy]
+        root = (opendir(None, os.fspath(src)), opendir(None, os.fspath(dst)))
+        stack: list[tuple[int | str, int | str, str, list[os.DirEntry[str]]]] = []
+
+        def push(sd: int | str, dd: int | str, rel: str) -> None:
+            if len(stack) >= COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(sd) as it:
+                entries = []
+                for e in it:
+                    if e.name in skip or (skip_suffixes and e.name.endswith(skip_suffixes)):
+                        continue
+                    tally.entry(rel + e.name)
+                    entries.append(e)
+            stack.append((sd, dd, rel, sorted(entries, key=lambda e: e.name, reverse=True)))
+
+        push(root[0], root[1], "")
+        while stack:
+            sd, dd, rel, entries = stack[-1]
+            if not entries:
+                stack.pop()
+                for d in (sd, dd):
+                    if isinstance(d, int) and d in opened:
+                        opened.remove(d)
+                        os.close(d)
+                continue
+            e = entries.pop()
+            erel = rel + e.name
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue             # gone since it was listed (a live workspace)
+            if stat.S_ISDIR(st.st_mode):
+                dp, dkw = _at(dd, e.name)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(dp, 0o755, **dkw)
+                try:
+                    sub = opendir(sd, e.name)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                        tally.skipped_special.append(shown_name(erel))   # swapped since listed
+                        continue
+                    raise
+                tally.dirs += 1
+                push(sub, opendir(dd, e.name), erel + "/")
+            else:
+                _copy_entry(tally, sd, dd, e.name, erel, st, links)
+    except UnusableTree:
+        raise
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        if exc.errno in WRITE_REFUSED_ERRNOS and exc.errno not in (errno.EACCES, errno.EPERM):
+            raise                    # the machine's disk, not the agent's tree
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UnusableTree("unreadable", str(exc.filename or ""), detail=exc.strerror) from None
+        raise
+    finally:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return tally.summary()
+
+
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+    """Copy one regular file (a transcript): never through a link, never from a special file,
+    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
+    over the cap; returns the bytes copied."""
+    opened = open_regular(src)
+    if opened is None:
+        raise UnusableTree("not_a_regular_file", str(src))
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(Path(dst))
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        try:
+            _copy_data(fd, out, st.st_size, st.st_blocks * 512 < st.st_size
+                       if hasattr(st, "st_blocks") else False)
+        finally:
+            os.close(out)
+        os.replace(tmp, dst)
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
+def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
+    """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
+    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
+    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
+    total, seen, pending = 0, 0, [os.fspath(root)]
+    while pending:
+        d = pending.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                seen += 1
+                if seen > max_entries:
+                    return stop_above + 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += (st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size)
+                if total > stop_above:
+                    return total
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(e.path)
+    return total
+
+
 # ==================================================================================================
 # Records: the declared shapes of the job's and run's files
 # ==================================================================================================
@@ -4160,6 +4583,15 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
                                       hint=f'write "{key}": true (not a string)')
 
 
+#: The copy caps' settings (copy_file_mb, copy_total_mb, workspace_mb): megabytes, at most this many.
+MEGABYTES_MAX = 10_000_000
+MEGABYTES_WANT = f"a positive number of megabytes (at most {MEGABYTES_MAX})"
+
+
+def _is_megabytes(v: Any) -> bool:
+    return is_number(v) and 0 < v <= MEGABYTES_MAX
+
+
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
 #: the settings with a `flag`; budget's keys are BUDGET_SETTINGS below.
 STUDY_SETTINGS: tuple[Setting, ...] = (
@@ -4205,6 +4637,12 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             "an object of string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
+    Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
+    Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the most one copy of a workspace may hold (MB)"),
+    Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="a session whose workspace holds more (MB, real blocks) is ended"),
 )
 #: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
@@ -4288,6 +4726,12 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["prices"] = dict(cfg.get("prices") or {})
     out["gateway"] = cfg.get("gateway") or GATEWAY_DEFAULT
     return out
+
+
+def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
+    """The caps of every copy or read of a session's tree, from the effective launch configuration."""
+    return CopyCaps(file_bytes=int(float(launch["copy_file_mb"]) * 2 ** 20),
+                    total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
 def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
@@ -5244,19 +5688,20 @@ def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
     return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
 
 
-def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str) -> bool:
+def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str,
+                         max_bytes: int | None) -> bool:
     """Make a session resumable from another cwd: `claude --resume` looks only in the cwd's project.
 
-    Copies the transcript (never moves: the base stays usable).  True if it is now in place.
-    """
+    Copies the transcript (never moves: the base stays usable) by safe_copy_file: a transcript
+    the session replaced by a link or a FIFO, or one over `max_bytes`, raises UnusableTree.  True
+    if it is now in place."""
     dst = transcript_path(env, to_cwd, session_id)
-    if dst.exists():
+    if os.path.lexists(dst):
         return True
     src = transcript_path(env, from_cwd, session_id)
-    if not src.exists():
+    if not os.path.lexists(src):
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    safe_copy_file(src, dst, max_bytes if max_bytes is not None else DEFAULT_COPY_CAPS.file_bytes or 0)
     return True
 
 
@@ -5617,12 +6062,11 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     """Re-parse a raw stream copy (for a job whose supervisor died before finalising)."""
     st = StreamState()
-    try:
-        with open(path, "rb") as fh:
+    opened = open_regular(path)      # never through a link, never a FIFO
+    if opened is not None:
+        with os.fdopen(opened[0], "rb") as fh:
             for line in fh:
                 st.feed(line)
-    except FileNotFoundError:
-        pass
     return st
 
 
@@ -6083,6 +6527,9 @@ class Supervisor:
     """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
 
     POLL_S = 0.1
+    #: The live workspace cap (limits' workspace_max_bytes) is measured this often (seconds): one
+    #: lstat per entry, so not on every poll.
+    WORKSPACE_MEASURE_S = 3.0
 
     def __init__(self, paths: StudyPaths, job_id: str, platform: "Platform"):
         self.paths = paths
@@ -6098,6 +6545,7 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
+        self.workspace_measured_at: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
@@ -6220,6 +6668,9 @@ class Supervisor:
             self.flags.add("fault_interrupt")
             self._stop(proc, claude, "killed", "fault_interrupt")
             return
+        if self._workspace_over_cap():
+            self._stop(proc, claude, "failed", "workspace_over_cap")
+            return
         orphan = lim.get("orphan_after_s")
         if orphan and self._orphaned(float(orphan)):
             self._stop(proc, claude, "killed", "orphaned")
@@ -6233,6 +6684,22 @@ class Supervisor:
             if run_elapsed >= float(t) and int(t) not in self.snapshots_done:
                 self.snapshots_done.append(int(t))
                 self._snapshot(int(t))
+
+    def _workspace_over_cap(self) -> bool:
+        """The live workspace cap: every WORKSPACE_MEASURE_S, the real blocks under the session's
+        cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
+        cap = self.limits.get("workspace_max_bytes")
+        now = time.monotonic()
+        if not cap or (self.workspace_measured_at is not None
+                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+            return False
+        self.workspace_measured_at = now
+        used = tree_usage(self.job["cwd"], int(cap))
+        if used <= int(cap):
+            return False
+        self.flags.add("workspace_over_cap")
+        append_event(self.paths, "workspace_over_cap", job_id=self.job_id, bytes=used, cap=int(cap))
+        return True
 
     def _driver_lost(self) -> bool:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
@@ -6281,9 +6748,17 @@ class Supervisor:
         dst = Path(self.limits.get("snapshot_dir") or Path(self.job["raw_dir"]) / "snapshots") / f"t{t:06d}"
         if dst.exists():
             return
-        with contextlib.suppress(OSError, shutil.Error):
-            shutil.copytree(self.job["cwd"], dst, ignore=shutil.ignore_patterns(".git"), dirs_exist_ok=True)
-            append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
+        lim = self.limits
+        caps = CopyCaps(lim.get("copy_file_bytes"), lim.get("copy_total_bytes"))
+        try:
+            copied = safe_copy_tree(self.job["cwd"], dst, caps)
+        except (OSError, UnusableTree) as exc:
+            # No partial snapshot is left to be graded: the run's own end says what the workspace was.
+            shutil.rmtree(dst, ignore_errors=True)
+            append_event(self.paths, "snapshot_refused", job_id=self.job_id, t=t,
+                         why=getattr(exc, "why", None) or f"{type(exc).__name__}: {exc}"[:300])
+            return
+        append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst), bytes=copied["bytes"])
 
     def run(self) -> int:
         """Run the job; a supervisor that fails anyway kills its claude tree and finalises the
@@ -6639,6 +7114,11 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None,
         "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
         "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
         "max_turns": max_turns if max_turns is not None else budget.get("max_turns")}
+    if launch.get("workspace_mb") is not None:
+        # The copy caps the supervisor's snapshots obey, and its live cap on the workspace.
+        caps = copy_caps(launch)
+        limits.update({"copy_file_bytes": caps.file_bytes, "copy_total_bytes": caps.total_bytes,
+                       "workspace_max_bytes": int(float(launch["workspace_mb"]) * 2 ** 20)})
     if extra:
         limits.update(extra)
     return limits
@@ -6829,12 +7309,18 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
         raise AgentbenchError("base is not ready", code="base_not_ready",
                               base=base, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
+    cfg = load_study_config(paths)
+    caps = copy_caps(launch_config(cfg))
     if copy_workspace and not workspace.exists():
-        shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
+        try:
+            safe_copy_tree(rec["cwd"], workspace, caps)   # the base's session wrote it: hostile
+        except BaseException:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise
     workspace.mkdir(parents=True, exist_ok=True)
     sess = session_record(paths, rec["session_id"])
-    env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
-    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
+    env = {**ctx.env, **(cfg.get("env") or {}), **dict(env_extra or {})}
+    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace), caps.file_bytes):
         raise AgentbenchError("the base's session transcript was not found",
                               code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
@@ -6955,35 +7441,69 @@ TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_sys
                   "resume", "train_base")
 
 
-def entry_digest(path: str | os.PathLike[str]) -> str:
+def entry_digest(path: str | os.PathLike[str], max_bytes: int | None = None) -> str:
     """What a manifest records of one directory entry, never following it: a regular file's
     sha256; `symlink:<sha256 of its target text>` for a link; `special:<kind>` for a FIFO, a
-    socket or a device (never opened: reading one could block forever or never end)."""
+    socket or a device (never opened: reading one could block forever or never end).  A regular
+    file over `max_bytes` raises UnusableTree."""
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode):
-        return sha256_file(path)
+        digest = sha256_regular(path, max_bytes)
+        if digest is not None:
+            return digest
+        st = os.lstat(path)      # swapped for something else since it was looked at
     if stat.S_ISLNK(st.st_mode):
         return "symlink:" + sha256_bytes(os.fsencode(os.readlink(path)))
     kind = "fifo" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
     return f"special:{kind}"
 
 
-def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
-    """relative POSIX path -> entry_digest of every entry under `root` that is not a directory
-    (caches and .git excluded; links to directories are entries, never followed)."""
-    root = Path(root)
-    out: dict[str, str] = {}
-    if not root.is_dir():
+def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS
+                 ) -> dict[str, tuple[str, int]]:
+    """shown_name of the relative POSIX path -> (entry_digest, apparent size) of every entry under
+    `root` that is not a directory (caches and .git excluded; links to directories are entries,
+    never followed).  Within the copy caps and rules (UnusableTree past them)."""
+    out: dict[str, tuple[str, int]] = {}
+    if not os.path.isdir(root) or os.path.islink(root):
         return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES and d not in links)
-        for fn in sorted(filenames + links):
-            if fn in IGNORED_BUNDLE_NAMES or fn.endswith(".pyc"):
-                continue
-            full = Path(dirpath) / fn
-            out[full.relative_to(root).as_posix()] = entry_digest(full)
-    return out
+    total = 0
+    pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]
+    try:
+        while pending:
+            d, rel, depth = pending.pop()
+            if depth > COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(d) as it:
+                found = sorted(it, key=lambda e: e.name)
+            for e in found:
+                if e.name in IGNORED_BUNDLE_NAMES or e.name.endswith(".pyc"):
+                    continue
+                erel = rel + e.name
+                if len(os.fsencode(erel)) > COPY_MAX_PATH_BYTES:
+                    raise UnusableTree("path_too_long", erel[:200], cap=COPY_MAX_PATH_BYTES)
+                if len(out) + len(pending) >= caps.entries:
+                    raise UnusableTree("too_many_entries", erel, cap=caps.entries)
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append((e.path, erel + "/", depth + 1))
+                    continue
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                if caps.file_bytes is not None and size > caps.file_bytes:
+                    raise UnusableTree("file_over_cap", erel, size=size, cap=caps.file_bytes)
+                total += size
+                if caps.total_bytes is not None and total > caps.total_bytes:
+                    raise UnusableTree("copy_over_cap", erel, size=total, cap=caps.total_bytes)
+                out[shown_name(erel)] = (entry_digest(e.path, caps.file_bytes), size)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        raise
+    return dict(sorted(out.items()))
+
+
+def tree_manifest(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, str]:
+    """tree_entries' digests: shown relative path -> entry_digest."""
+    return {k: v[0] for k, v in tree_entries(root, caps).items()}
 
 
 def manifest_sha256(manifest: Mapping[str, str]) -> str:
@@ -7027,9 +7547,10 @@ def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
 
 
 def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy a directory's files (caches excluded) onto `dst`, overlaying what is there."""
-    shutil.copytree(src, dst, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES, "*.pyc"))
+    """Copy a directory of the experimenter's (a bundle part, an example) onto `dst`, overlaying
+    what is there; caches left out, links copied as links, special files skipped."""
+    safe_copy_tree(src, dst, UNCAPPED, skip_names=IGNORED_BUNDLE_NAMES, skip_suffixes=(".pyc",),
+                   overlay=True)
 
 
 @dataclass
@@ -7144,9 +7665,9 @@ def load_task(root: Path) -> Task:
                                   task=tid, path=str(root / sub))
     gate = _check_cmd(tid, "gate", spec["gate"])
     oracle = _check_cmd(tid, "oracle", spec["oracle"])
-    bundle = tree_manifest(root)
+    bundle = tree_manifest(root, UNCAPPED)
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public"))
+                tree_manifest(root / "public", UNCAPPED))
 
 
 def task_text(task: Task) -> str:
@@ -7448,17 +7969,6 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
-def _not_for_the_oracle_copy(directory: str, names: list[str]) -> set[str]:
-    """copytree's ignore: .git and every entry that is neither a directory, a file nor a link."""
-    out = {".git"} & set(names)
-    for name in names:
-        with contextlib.suppress(OSError):
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                out.add(name)
-    return out
-
-
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
               env: Mapping[str, str]) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
@@ -7475,8 +7985,10 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
-            # could block forever): the hidden tests grade files.
-            shutil.copytree(workspace, cwd, ignore=_not_for_the_oracle_copy, symlinks=True)
+            # could block forever): the hidden tests grade files.  Past the study's copy caps,
+            # UnusableTree: the agent's failure, not the grader's.
+            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
+            safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -7808,10 +8320,10 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
     return info
 
 
-def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
-    files = {}
-    for rel, digest in tree_manifest(ws).items():
-        files[rel] = {"sha256": digest, "size": os.lstat(Path(ws) / rel).st_size}
+def artifact_manifest(ws: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, Any]:
+    """Every file the run left, by shown name: digest (links and special files never followed)
+    and size; within the copy caps (UnusableTree past them)."""
+    files = {rel: {"sha256": digest, "size": size} for rel, (digest, size) in tree_entries(ws, caps).items()}
     return {"files": files, "sha256": manifest_sha256({k: v["sha256"] for k, v in files.items()})}
 
 
@@ -7923,10 +8435,9 @@ def hidden_file_copies(task: Task, artifacts: Mapping[str, Any], part: str) -> l
     for part, min_bytes in [(part, AUDIT_HIDDEN_MATCH_MIN_BYTES[part])]:
         base = task.root / part
         hidden: dict[str, str] = {}
-        for rel, digest in tree_manifest(base).items():
-            with contextlib.suppress(OSError):
-                if (base / rel).stat().st_size >= min_bytes and digest not in public:
-                    hidden.setdefault(digest, f"{part}/{rel}")
+        for rel, (digest, size) in tree_entries(base, UNCAPPED).items():
+            if size >= min_bytes and digest not in public:
+                hidden.setdefault(digest, f"{part}/{rel}")
         for rel, info in sorted((artifacts.get("files") or {}).items()):
             if isinstance(info, dict) and info.get("sha256") in hidden:
                 out.append({"file": rel, "equals": hidden[str(info["sha256"])]})
@@ -7941,7 +8452,11 @@ def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
         if not any(p.startswith("test") for p in parts):
             continue
         f = Path(ws) / rel
-        if not f.exists() or sha256_file(f) != digest:
+        try:
+            same = entry_digest(f, DEFAULT_COPY_CAPS.file_bytes) == digest   # never followed
+        except (OSError, UnusableTree):
+            same = False
+        if not same:
             out.append(rel)
     return out
 
@@ -7974,6 +8489,11 @@ def agentbench_git_commit(platform: "Platform", host_env: Mapping[str, str]) -> 
     return _GIT_COMMIT[0]
 
 
+#: A reviewer's review.json is read up to this many bytes (a larger one is an invalid review).
+REVIEW_MAX_BYTES = 1 << 20
+#: A run ends with this outcome when its workspace could not be copied or read within the copy
+#: rules (caps, depth, names) or outgrew the live cap: the agent's failure, valid, in the primary view.
+WORKSPACE_UNUSABLE = "workspace_unusable"
 #: A session that "succeeded" faster than this with no tool call and no solution did nothing.
 DEGENERATE_SESSION_S = 10.0
 #: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
@@ -7994,13 +8514,17 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
                  hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
-    "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
+    "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
+    left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
+    valid failure, never an exclusion); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
     gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
     of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
+    elif stop and stop.startswith(WORKSPACE_UNUSABLE + ":"):
+        validity, why = "valid", None
     elif grader_error:
         validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
     elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
@@ -8011,7 +8535,10 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     seen = sorted(set(hidden_access))
     if success and validity == "valid" and seen:
         validity, why = "tainted", "the audit found the agent saw hidden material: " + ", ".join(seen)
-    if grader_error and not infra:
+    unusable = bool(stop and stop.startswith(WORKSPACE_UNUSABLE + ":"))
+    if unusable:
+        outcome = WORKSPACE_UNUSABLE
+    elif grader_error and not infra:
         outcome = "grader_error"
     elif stop == "budget_exhausted":
         outcome = "budget_exhausted"
@@ -8221,8 +8748,11 @@ class RunPipeline:
         work = rdir / "work"
         if rdir.exists():
             shutil.rmtree(rdir)
-        shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
-        changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
+        # Links that lead out of the work are dropped: a reviewer following one would read
+        # whatever it names (the reference, the hidden tests) as the agent's files.
+        caps = copy_caps(self.launch)
+        safe_copy_tree(ws, work, caps, links="inside")
+        changed = sorted(k for k, v in tree_manifest(ws, caps).items() if task.public_manifest.get(k) != v)
         prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task),
                         work_dir=str(work), review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
@@ -8237,8 +8767,10 @@ class RunPipeline:
         """Read and validate review.json of review n; record the verdict (invalid if unusable)."""
         review_path = self.paths.run_dir(self.run_id) / "review" / f"{n:02d}" / "review.json"
         try:
-            review = read_json(review_path, default=None)
-        except AgentbenchError:
+            # The reviewer wrote it: read only a regular file, never through a link, and bounded.
+            data = read_capped(review_path, REVIEW_MAX_BYTES)
+            review = json.loads(data.decode("utf-8")) if data is not None else None
+        except (AgentbenchError, ValueError):
             review = None
         valid = isinstance(review, dict) and review.get("verdict") in ("accept", "revise")
         verdict = review["verdict"] if valid else None  # type: ignore[index]
@@ -8259,6 +8791,14 @@ class RunPipeline:
     def execute(self) -> dict[str, Any]:
         try:
             self._execute()
+        except UnusableTree as exc:
+            # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
+            # failure, graded as such, not an error.
+            if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+                self.end_error(exc.payload.get("error", "error"), exc.payload)
+            else:
+                task, ws = self._prepared
+                self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
         except AgentbenchError as exc:
             self.end_error(exc.payload.get("error", "error"), exc.payload)
         except Exception as exc:  # the pipeline never raises: record and move on
@@ -8335,6 +8875,7 @@ class RunPipeline:
             "fault": fault or None}
         rec["workspace"] = ws_info
         self._save()
+        self._prepared = (task, ws)
         return task, arm, ws, prompt
 
     def _execute(self) -> None:
@@ -8396,6 +8937,8 @@ class RunPipeline:
         st, reason = res.get("status"), res.get("reason")
         if reason == "budget":
             return "budget_exhausted"
+        if reason == "workspace_over_cap":
+            return f"{WORKSPACE_UNUSABLE}:workspace_over_cap"
         if st == "timeout":
             return "timeout"
         if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
@@ -8411,24 +8954,51 @@ class RunPipeline:
             return "budget_exhausted"
         return None
 
-    def finish(self, task: Task, ws: str, stop: str | None) -> None:
-        rec = self.rec
-        run_dir = self.paths.run_dir(self.run_id)
-        rec["artifacts"] = artifact_manifest(ws)
-        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
-        self._collect_transcripts(run_dir)
-        final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
-        write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
-        rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
-        calls: list[dict[str, Any]] = []
-        for j in rec["jobs"]:
-            job = read_json(self.paths.job_file(j["job_id"]), default=None)
-            if job and job.get("kind") != "reviewer":
-                calls += stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+    def _audit_sessions(self, task: Task, ws: str) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """The behaviour audit of every session of the run from its raw stream: the executor's and
+        repair sessions' calls against the workspace, each reviewer's against its own directory
+        (a reviewer that reads the reference is as tainting as an executor that does)."""
         protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
                      "reference": str(task.root / "reference"), "gate": str(task.root / "gate"),
                      "tasks": str(task.root.parent)}
-        findings = audit_tool_calls(calls, ws, protected)
+        n, findings = {"tool_calls": 0, "reviewer_tool_calls": 0}, []
+        for j in self.rec["jobs"]:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            if not job:
+                continue
+            calls = stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+            n["reviewer_tool_calls" if job.get("kind") == "reviewer" else "tool_calls"] += len(calls)
+            if job.get("kind") == "reviewer":
+                for f in audit_tool_calls(calls, str(job.get("cwd") or ws), protected):
+                    findings.append({**f, "session": "reviewer", "job_id": j["job_id"]})
+            else:
+                findings += audit_tool_calls(calls, ws, protected)
+        return n, findings
+
+    def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        rec = self.rec
+        run_dir = self.paths.run_dir(self.run_id)
+        caps = copy_caps(self.launch)
+        unusable = stop if stop and stop.startswith(WORKSPACE_UNUSABLE + ":") else None
+        if unusable is None:
+            try:
+                rec["artifacts"] = artifact_manifest(ws, caps)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if unusable is not None:
+            # Nothing of the workspace is read or graded past this point: the run is the agent's
+            # failure as it stands.
+            rec["artifacts"] = {"files": {}, "sha256": None, "unusable": unusable.split(":", 1)[1]}
+        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
+        self._collect_transcripts(run_dir)
+        final_gate: dict[str, Any] | None = None
+        if unusable is None:
+            final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+            write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
+            rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
+        else:
+            rec["final_contract"] = {"passed": False, "score": 0.0, "not_run": unusable}
+        n_calls, findings = self._audit_sessions(task, ws)
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
         edited = [f for f in edited_public_tests(task, ws)
@@ -8439,11 +9009,19 @@ class RunPipeline:
         copied = hidden_file_copies(task, rec["artifacts"], "oracle")
         if copied:
             findings.append({"kind": "copies_hidden_files", "files": copied})
-        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings),
+        rec["audit"] = {**n_calls, "findings": findings, "flagged": bool(findings),
                         # Said, not flagged: a correct solution may equal the reference (the
                         # rehearsal writes it by design); a reviewer weighs it with the tool calls.
                         "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
-        ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+        ev: dict[str, Any] | None = None
+        if unusable is None:
+            try:
+                ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if ev is None:
+            ev = {"success": False, "score": 0.0, "passed": False, "checks": [], "exit_code": None,
+                  "timed_out": False, "at": utc_now(), "grader_error": None}
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
@@ -8454,15 +9032,17 @@ class RunPipeline:
                                   "protected": ev.get("receipt_protected"),
                                   "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
+        if unusable is not None:
+            evaluation["workspace_unusable"] = unusable.split(":", 1)[1]
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["sandbox"] = sandbox_summary(
             [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-             for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
+             for j in rec["jobs"]] + [(final_gate or {}).get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
+        verdict = classify_run(stop=unusable or stop, first_session=exec_jobs[0] if exec_jobs else None,
                                tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
                                hidden_access=[f["kind"] for f in findings
@@ -8494,9 +9074,15 @@ class RunPipeline:
             if not job or not res or not res.get("session_id"):
                 continue
             src = transcript_path(env, job["cwd"], res["session_id"])
-            if src.exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, out / f"{j['job_id']}-{res['session_id']}.jsonl")
+            if os.path.lexists(src):
+                # The session could write its own transcript: a link (to /dev/zero, to the
+                # reference), a FIFO or a file over the cap is not copied, only recorded.
+                try:
+                    safe_copy_file(src, out / f"{j['job_id']}-{res['session_id']}.jsonl",
+                                   copy_caps(self.launch).file_bytes or 0)
+                except UnusableTree as exc:
+                    self.rec.setdefault("transcripts_refused", []).append(
+                        {"job_id": j["job_id"], "why": exc.why})
 
     def _grade_snapshots(self, task: Task) -> list[dict[str, Any]]:
         """Grade graded snapshots with the hidden tests, cached by content hash."""
@@ -8504,10 +9090,20 @@ class RunPipeline:
         snaps = self.paths.run_dir(self.run_id) / "snapshots"
         cache_dir = self.paths.state / "snapshot_grades"
         for snap in sorted(snaps.glob("t*")) if snaps.exists() else []:
-            digest = manifest_sha256(tree_manifest(snap))
+            try:
+                digest = manifest_sha256(tree_manifest(snap, copy_caps(self.launch)))
+            except UnusableTree as exc:
+                out.append({"t": int(snap.name[1:]), "score": 0.0, "success": False,
+                            WORKSPACE_UNUSABLE: exc.why})
+                continue
             cached = read_json(cache_dir / f"{task.id}-{digest[:24]}.json", default=None)
             if cached is None:
-                r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                try:
+                    r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                except UnusableTree as exc:
+                    out.append({"t": int(snap.name[1:]), "content_sha256": digest, "score": 0.0,
+                                "success": False, WORKSPACE_UNUSABLE: exc.why})
+                    continue
                 cached = {"score": r["score"], "success": r["success"]}
                 write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
             out.append({"t": int(snap.name[1:]), "content_sha256": digest, **cached})
@@ -11343,11 +11939,13 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
         return {"available": False, "why": "the run's workspace is not on disk", "files": []}
     old, new = _page_tree(starter), _page_tree(workspace)
     files, budget, cut = [], PAGE_DIFF_CHARS, 0
-    for rel in sorted(set(old) | set(new)):
-        a, b = old.get(rel), new.get(rel)
+    for raw in sorted(set(old) | set(new)):
+        rel = shown_name(raw)     # what the page shows: an odd name escaped, never raw bytes
+        a, b = old.get(raw), new.get(raw)
         if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
             try:
-                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                if a.stat().st_size == b.stat().st_size and sha256_regular(a) == sha256_regular(b) \
+                        and sha256_regular(b) is not None:
                     continue
             except OSError:
                 pass
@@ -11565,8 +12163,10 @@ def render_run_page(page: dict) -> str:
         rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
                  if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
-                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 (str(f.get("tool") or "-") + (f" ({f['session']})" if f.get("session") else ""))
+                 if isinstance(f, dict) else "-",
+                 # A path the agent named is shown escaped (control characters, undecodable bytes).
+                 _page_trim(shown_name(str(f.get("path") or f.get("files") or f.get("detail") or "")), 300)[0]
                  if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
         p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
@@ -11677,20 +12277,35 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
     runs = [r for r in runs if str(r.get("arm")) in arms]
     names = page_file_names(r.get("run_id") for r in runs)
     (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
     for r in runs:
-        task = tasks.get(str(r.get("task")))
-        starter = task.public if task else None
-        page = collect_run_page(paths, r, starter)
-        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
-               else None)
-        if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
-                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
-                                    f"the current starter")
-        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
+        target = out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))]
+        try:
+            task = tasks.get(str(r.get("task")))
+            starter = task.public if task else None
+            page = collect_run_page(paths, r, starter)
+            ran = ((r.get("provenance") or {}).get("task_bundle_sha256")
+                   if isinstance(r.get("provenance"), dict) else None)
+            if task and ran and ran != task.bundle_sha256:
+                page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                        f"the study now has {task.bundle_sha256[:16]}): the diff is "
+                                        f"against the current starter")
+            text = render_run_page(page)
+        except Exception as exc:   # one run's odd files never stop the pages of the others
+            failed.append(str(r.get("run_id")))
+            text = render_run_page({"run": {"run_id": r.get("run_id"), "task": r.get("task"),
+                                            "arm": r.get("arm"), "outcome": r.get("outcome"),
+                                            "validity": r.get("validity")},
+                                    "sessions": [], "receipts": [],
+                                    "diff": {"available": False, "files": [],
+                                             "why": f"this run's page could not be read in full: "
+                                                    f"{type(exc).__name__}: {exc}"[:500]}})
+        # Text that cannot be UTF-8 (an undecodable byte of a name) is written as \udcNN.
+        write_bytes_atomic(target, text.encode("utf-8", "backslashreplace"))
     index = out_dir / "index.html"
-    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
-    return {"index": str(index), "run_pages": len(names)}
+    write_bytes_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names))
+                       .encode("utf-8", "backslashreplace"))
+    return {"index": str(index), "run_pages": len(names), "run_pages_partial": failed}
 
 
 # ==================================================================================================
@@ -12518,7 +13133,7 @@ REHEARSAL_BEHAVIOURS = ("solve", "game_tests", "peek_oracle", "budget_burn", "ra
 
 
 def _overlay_files(root: Path) -> list[str]:
-    return sorted(tree_manifest(root)) if root.is_dir() else []
+    return sorted(tree_manifest(root, UNCAPPED)) if root.is_dir() else []
 
 
 def _read_steps(ws: str, rels: Iterable[str]) -> list[dict[str, Any]]:
