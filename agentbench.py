@@ -4856,6 +4856,22 @@ def _gateway_server_classes() -> tuple[Any, Any]:
     return _GATEWAY_CLASSES[0]
 
 
+@dataclass(frozen=True)
+class GatewayAnswer:
+    """What the upstream answered one forwarded request: its status and request id, how many
+    chunks were relayed, whether the relay broke off (`error`: why), and the usage, model and
+    stream error read from a Messages answer (`bad`: some usage figure could not be believed)."""
+    status: int
+    request_id: str | None
+    chunks: int
+    aborted: bool
+    error: str | None
+    usage: Mapping[str, Any]
+    model: str | None
+    bad: bool
+    stream_error: str | None
+
+
 class MeteringGateway:
     """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
     are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
@@ -4985,32 +5001,36 @@ class MeteringGateway:
             return None
         return h.rfile.read(length) if length else b""
 
+    def _refuse(self, h: Any, rec: Mapping[str, Any], t0: float, status: int, error: str, message: str,
+                refused: str, *, close: bool = False, messages: bool = False) -> None:
+        """Answer a request that is not forwarded (an API-shaped error) and record why: `refused`
+        names the rule; `messages`: a Messages request, recorded with zero cost and tokens."""
+        if close:
+            h.close_connection = True
+        self._reply(h, status, error, "agentbench gateway: " + message)
+        zero = {"cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}} if messages else {}
+        self._record({**rec, "status": status, "refused": refused, **zero,
+                      "duration_s": round(time.monotonic() - t0, 6)})
+
     def _handle(self, h: Any) -> None:
+        """One request: checked (token, body, path, budget; each refusal is one _refuse), then
+        forwarded, then metered and recorded."""
         t0 = time.monotonic()
         kind, path, allowed = gateway_route(h.command, h.path)
         rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
-            h.close_connection = True
-            self._reply(h, 401, "authentication_error",
-                        "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 401, "authentication_error",
+                         "this request does not carry the job's token", "token", close=True)
             return
         body = self._read_body(h)
         if body is None:
-            h.close_connection = True
-            self._reply(h, 413, "request_too_large",
-                        "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 413, "request_too_large", "request body too large or malformed", "body",
+                         close=True)
             return
         if not allowed:
-            self._reply(h, 403, "permission_error",
-                        "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
-                        "forwarded")
-            self._record({**rec, "status": 403, "refused": "path",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 403, "permission_error",
+                         "only POST /v1/messages and POST /v1/messages/count_tokens are forwarded", "path")
             return
         reserved = 0.0
         model = None
@@ -5030,24 +5050,31 @@ class MeteringGateway:
                 try:
                     refusal = self.budget.reserve(worst)
                 except AgentbenchError as exc:
-                    self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
-                    self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, rec, t0, 503, "api_error", exc.one_line(), "lock", messages=True)
                     return
                 if refusal is not None:
                     with self._lock:
                         self.refusal = self.refusal or refusal
                     # 400 invalid_request_error is final for the binary: it does not retry it.
-                    self._reply(h, 400, "invalid_request_error",
-                                f"agentbench gateway: budget exhausted: this request's worst case "
-                                f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
-                                f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)")
-                    self._record({**rec, "status": 400, "refused": refusal["limit"], "refusal": refusal,
-                                  "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, {**rec, "refusal": refusal}, t0, 400, "invalid_request_error",
+                                 f"budget exhausted: this request's worst case "
+                                 f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
+                                 f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)",
+                                 refusal["limit"], messages=True)
                     return
                 reserved = worst
+        answer = self._forward(h, kind, path, body)
+        if kind == "messages":
+            self._meter(rec, answer, model, reserved)
+        if answer.error:
+            rec["error"] = answer.error
+        rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
+                    "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
+        self._record(rec)
+
+    def _forward(self, h: Any, kind: str, path: str, body: bytes) -> GatewayAnswer:
+        """Send the request upstream with the real credential and relay the answer byte for byte,
+        reading the usage of a Messages answer as it passes."""
         meter = SseMeter()
         kept: list[bytes] = []
         kept_size = 0
@@ -5055,6 +5082,7 @@ class MeteringGateway:
         aborted = False
         chunks = 0
         request_id = None
+        error = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5118,33 +5146,36 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            error = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
                 with contextlib.suppress(OSError):
                     h.close_connection = True
                     self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
             else:
                 h.close_connection = True
-        if kind == "messages":
-            if kept:
-                usage, rmodel, bad = message_meter(b"".join(kept))
-            else:
-                usage, rmodel, bad = meter.usage, meter.model, meter.bad
-            tokens = metered_tokens(usage)
-            rmodel = rmodel or model
-            cost = estimate_cost_usd(tokens, rmodel, self.prices)
-            if self.budget is not None:
-                self.budget.settle(reserved, cost)
-            rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
-            if meter.error:
-                rec["stream_error"] = meter.error
-            if bad:
-                rec["bad_usage"] = True
-            if reserved and cost > reserved:
-                rec["reservation_exceeded"] = True
-        rec.update({"status": status, "request_id": str(request_id)[:200] if request_id else None,
-                    "chunks": chunks, "aborted": aborted, "duration_s": round(time.monotonic() - t0, 6)})
-        self._record(rec)
+        if kept:
+            usage, model, bad = message_meter(b"".join(kept))
+        else:
+            usage, model, bad = meter.usage, meter.model, meter.bad
+        return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
+                             chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
+                             stream_error=meter.error)
+
+    def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, model: str | None,
+               reserved: float) -> None:
+        """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`."""
+        tokens = metered_tokens(answer.usage)
+        rmodel = answer.model or model
+        cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        if self.budget is not None:
+            self.budget.settle(reserved, cost)
+        rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
+        if answer.stream_error:
+            rec["stream_error"] = answer.stream_error
+        if answer.bad:
+            rec["bad_usage"] = True
+        if reserved and cost > reserved:
+            rec["reservation_exceeded"] = True
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
