@@ -88,14 +88,102 @@ def test_message_meter_table(body, usage, model, bad):
     assert ab.message_meter(body) == (usage, model, bad)
 
 
-@pytest.mark.parametrize("body_bytes, max_tokens, expected", [
+@pytest.mark.parametrize("input_tokens, max_tokens, expected", [
     (0, 0, 0.0),
-    (3000, 0, round(1000 * 4.0 / 1e6, 6)),        # input at the dearest input-side price (1h write)
+    (1000, 0, round(1000 * 4.0 / 1e6, 6)),        # input at the dearest input-side price (1h write)
     (0, 1000, round(1000 * 10.0 / 1e6, 6)),
-    (3001, 1000, round((1001 * 4.0 + 1000 * 10.0) / 1e6, 6)),
+    (1001, 1000, round((1001 * 4.0 + 1000 * 10.0) / 1e6, 6)),
 ])
-def test_worst_case_usd(body_bytes, max_tokens, expected):
-    assert ab.worst_case_usd(body_bytes, max_tokens, "claude-test", PRICES) == expected
+def test_worst_case_usd(input_tokens, max_tokens, expected):
+    assert ab.worst_case_usd(input_tokens, max_tokens, "claude-test", PRICES) == expected
+
+
+def _msg(*content, **top) -> dict:
+    return {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": list(content)}],
+            **top}
+
+
+IMG = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+TXT = {"type": "text", "text": "hello"}
+
+
+@pytest.mark.parametrize("req, extra_tokens, unbounded", [
+    (_msg(TXT), 0, ()),
+    (_msg(TXT, IMG), ab.GATEWAY_IMAGE_TOKENS, ()),                       # an image: a fixed allowance
+    (_msg({"type": "tool_result", "tool_use_id": "t", "content": [IMG, IMG]}), 2 * ab.GATEWAY_IMAGE_TOKENS, ()),
+    (_msg({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}), 0, ()),
+    (_msg({"type": "document", "source": {"type": "content", "content": [TXT, IMG]}}),
+     ab.GATEWAY_IMAGE_TOKENS, ()),
+    (_msg({"type": "search_result", "source": "https://example.com/a", "title": "t", "content": [TXT]}), 0, ()),
+    (_msg(TXT, tools=[{"name": "Bash", "input_schema": {"type": "object"}},
+                      {"type": "custom", "name": "x", "input_schema": {"type": "object"}},
+                      {"type": "bash_20250124", "name": "bash"}]), ab.GATEWAY_CLIENT_TOOL_TOKENS, ()),
+    # what the body does not bound, by name
+    (_msg(TXT, tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]), 0,
+     ("server_tool:web_search_20250305",)),
+    (_msg(TXT, tools=[{"type": "web_fetch_20250910", "name": "web_fetch"},
+                      {"type": "code_execution_20250825", "name": "code_execution"}]), 0,
+     ("server_tool:code_execution_20250825", "server_tool:web_fetch_20250910")),
+    (_msg(TXT, tools=[{"type": "tool_search_tool_regex_20251119", "name": "tool_search"}]), 0,
+     ("server_tool:tool_search_tool_regex_20251119",)),
+    (_msg(TXT, tools=[{"type": "mcp_toolset", "mcp_server_name": "m"}]), 0, ("server_tool:mcp_toolset",)),
+    (_msg(TXT, tools=[{"type": "something_new_2027", "name": "n"}]), 0, ("server_tool:something_new_2027",)),
+    (_msg(TXT, mcp_servers=[{"type": "url", "url": "https://mcp.example.com", "name": "m"}]), 0,
+     ("mcp_servers",)),
+    (_msg(TXT, container="container_011"), 0, ("container",)),
+    (_msg(TXT, speed="fast"), 0, ("speed:fast",)),
+    (_msg(TXT, speed="standard"), 0, ()),
+    (_msg({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}),
+     ab.GATEWAY_IMAGE_TOKENS, ("url_source",)),
+    (_msg({"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}), 0,
+     ("url_source",)),
+    (_msg({"type": "document", "source": {"type": "file", "file_id": "file_011"}}), 0,
+     ("file_id", "file_source")),
+    (_msg({"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                          "data": "JVBERi0="}}), 0, ("pdf_document",)),
+    (_msg({"type": "container_upload", "file_id": "file_1"}), 0, ("container_upload", "file_id")),
+    (_msg({"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}), ab.GATEWAY_IMAGE_TOKENS,
+     ("file_id", "file_source")),                                          # found however deep
+    ({"model": "claude-test", "max_tokens": 10, "system": [{"type": "text", "text": "s"}, IMG],
+      "messages": []}, ab.GATEWAY_IMAGE_TOKENS, ()),
+])
+def test_request_bound_table(req, extra_tokens, unbounded):
+    body = json.dumps(req).encode()
+    got = ab.request_bound(body, "default-model")
+    assert got.unbounded == unbounded
+    assert got.input_tokens == len(body) + ab.GATEWAY_OVERHEAD_TOKENS + extra_tokens
+    assert (got.model, got.max_tokens) == ("claude-test", 10)
+
+
+DEEP = b'{"messages": [' + b'{"content": [' * 5000 + b'{"type": "image", "source": {"type": "url"}}' + \
+    b']}' * 5000 + b']}'
+
+
+@pytest.mark.parametrize("body, model, max_tokens, stream, readable", [
+    (b"", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (b"not json", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (b"[]", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (DEEP, "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),   # deeper than json.loads goes
+    (json.dumps({"model": 5, "max_tokens": True, "stream": 1}).encode(), "default-model",
+     ab.GATEWAY_DEFAULT_MAX_TOKENS, True, True),
+    (json.dumps({"model": "m", "max_tokens": -3}).encode(), "m", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, True),
+    (json.dumps({"model": "m", "max_tokens": 7, "tools": "x", "messages": {"a": [1, None]}}).encode(), "m", 7,
+     False, True),
+])
+def test_request_bound_of_odd_bodies(body, model, max_tokens, stream, readable):
+    got = ab.request_bound(body, "default-model")
+    assert (got.model, got.max_tokens, got.stream, got.unbounded) == (model, max_tokens, stream, ())
+    assert got.readable is readable
+    assert got.input_tokens == len(body) + ab.GATEWAY_OVERHEAD_TOKENS
+
+
+def test_a_deeply_nested_body_is_walked_without_recursion():
+    depth = 300    # within json's reach, beyond a comfortable recursion
+    body = (b'{"messages": [' + b'{"type": "tool_result", "content": [' * depth
+            + b'{"type": "image", "source": {"type": "url", "url": "u"}}' + b']}' * depth + b']}')
+    got = ab.request_bound(body, None)
+    assert got.readable and got.unbounded == ("url_source",)
 
 
 @pytest.mark.parametrize("worst, run_cap, run_used, study_cap, study_used, limit", [
@@ -568,3 +656,20 @@ def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkey
 ])
 def test_a_claimed_rate_limit_or_auth_failure_needs_the_wire(reason, wire, expected):
     assert ab.corroborated(reason, wire) is expected
+
+
+@pytest.mark.parametrize("budget, code", [
+    ({"unbounded_request_usd": 0.5}, None),
+    ({"unbounded_request_usd": 0}, None),
+    ({"unbounded_request_usd": -1}, "budget_values_finite_non_negative"),
+    ({"unbounded_request_usd": "1"}, "budget_values_finite_non_negative"),
+    ({"unbounded_request_usd": 6.0}, "unbounded_request_usd_above_run_budget"),      # default run: 5.0
+    ({"unbounded_request_usd": 2.0, "usd_per_run": 1.0}, "unbounded_request_usd_above_run_budget"),
+])
+def test_the_unbounded_request_setting_is_checked(budget, code):
+    if code is None:
+        ab.check_study_shape({"budget": budget})
+        return
+    with pytest.raises(ab.AgentbenchError) as exc:
+        ab.check_study_shape({"budget": budget})
+    assert exc.value.code == code
