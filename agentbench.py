@@ -4985,6 +4985,7 @@ def _gateway_server_classes() -> tuple[Any, Any]:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = 128   # a burst of connections is queued, not reset (the default: 5)
             gateway: "MeteringGateway"
 
         _GATEWAY_CLASSES.append((Handler, Server))

@@ -673,3 +673,284 @@ def test_the_unbounded_request_setting_is_checked(budget, code):
     with pytest.raises(ab.AgentbenchError) as exc:
         ab.check_study_shape({"budget": budget})
     assert exc.value.code == code
+
+
+# ---- spend that cannot race ------------------------------------------------------------------------
+
+class Overbiller:
+    """An upstream that bills every Messages request the most the gateway's bound allows (each
+    body byte a 1-hour cache write, the API's overhead too, max_tokens of output: far more than a
+    tokenizer would count), or `bill_input` tokens when set (beyond any bound).  Each request is
+    held until `release` is set, so that a test can have them all in flight at once; `hold_after_start`
+    holds a streamed answer after its message_start instead."""
+
+    def __init__(self, bill_input: int | None = None, hold_after_start: bool = False):
+        self.arrived: list[int] = []
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        up = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                req = json.loads(body)
+                with up.changed:
+                    up.arrived.append(len(body))
+                    up.changed.notify_all()
+                if not hold_after_start:
+                    up.release.wait(60)
+                n_in = bill_input if bill_input is not None else len(body) + ab.GATEWAY_OVERHEAD_TOKENS
+                usage = {"input_tokens": 0, "output_tokens": 1, "cache_creation_input_tokens": n_in,
+                         "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": n_in}}
+                start = ("message_start", {"type": "message_start", "message": {
+                    "id": "msg_o", "model": "claude-test", "usage": usage}})
+                end = ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                         "usage": {"output_tokens": req["max_tokens"]}})
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for i, part in enumerate((sse(start), sse(DELTA, end), sse(STOP))):
+                    if i == 1 and hold_after_start:
+                        up.release.wait(60)
+                    try:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def study_paths(tmp_path: Path, spent: float = 0.0) -> ab.StudyPaths:
+    paths = ab.StudyPaths(tmp_path / "study")
+    paths.state.mkdir(parents=True)
+    reg = ab.read_registry(paths)
+    reg["spent_usd"] = spent
+    ab.write_json_atomic(paths.registry, reg)
+    return paths
+
+
+def attack_body(pad: int) -> dict:
+    """A streamed request with max_tokens 1 and `pad` bytes of text."""
+    return {"model": "claude-test", "max_tokens": 1, "stream": True,
+            "messages": [{"role": "user", "content": "x" * pad}]}
+
+
+def send_at_once(gws: list, body: dict, n: int) -> list[int]:
+    """n requests from n threads, spread over the gateways, all started together; their statuses."""
+    statuses: list[int] = []
+    errors: list[str] = []
+    go = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        go.wait(30)
+        try:
+            statuses.append(post(gws[i % len(gws)], "/v1/messages", body)[0])
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(repr(exc))
+            statuses.append(-1)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return statuses, threads, errors
+
+
+def wait_until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_sixteen_requests_at_once_never_spend_past_the_run_cap(tmp_path):
+    """The attack: 16 requests sent at once, max_tokens 1, against an upstream that bills each the
+    most it can.  Every reservation is decided under one lock counting those in flight, and each
+    bounds its bill: the first ones fit, the rest are refused, and once all are answered the
+    metered spend is within the cap (the bound says within cap + one reservation)."""
+    up = Overbiller()
+    paths = study_paths(tmp_path)
+    body = attack_body(20_000)
+    data = json.dumps(body).encode()
+    one = ab.worst_case_usd(ab.request_bound(data, None).input_tokens, 1, "claude-test", PRICES)
+    # The old estimate (a third of the body's bytes, no overhead) would have reserved a third of
+    # what this upstream bills: 16 of them fitted a cap that 5 of the real bills exceed.
+    old = round((len(data) / 3) * 4.0 / 1e6 + 10.0 / 1e6, 6)
+    assert one > 2.9 * old
+    cap = 5.5 * one
+    budget = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=cap, study_cap=None)
+    gw = make_gateway(tmp_path, up.url, budget=budget)
+    try:
+        statuses, threads, errors = send_at_once([gw], body, 16)
+        # Ordered by events: the refused ones are answered at once; the others wait upstream.
+        wait_until(lambda: len(up.arrived) + len(statuses) == 16, "every request forwarded or refused")
+        assert len(up.arrived) == 5 and sorted(statuses) == [400] * 11, errors
+        assert budget.reserved == pytest.approx(5 * one)
+        up.release.set()
+        for t in threads:
+            t.join(60)
+        assert sorted(statuses) == [200] * 5 + [400] * 11
+        recs = records(tmp_path, 16)
+        metered = sum(r["cost_usd"] for r in recs)
+        assert metered == pytest.approx(5 * one) and metered <= cap
+        assert all(r["cost_usd"] == r["reserved_usd"] for r in recs if r["status"] == 200)   # billed = bound
+        assert not any(r.get("reservation_exceeded") for r in recs) and gw.cutoff is None
+        assert {r.get("refused") for r in recs if r["status"] == 400} == {"usd_per_run"}
+    finally:
+        gw.stop()
+        up.close()
+
+
+def test_sixteen_requests_at_once_over_two_jobs_never_spend_past_the_study_cap(tmp_path):
+    """The same attack spread over two live jobs of one study, with money already spent: each
+    reservation counts the ledger, the other job's reservations in flight and its own."""
+    up = Overbiller()
+    paths = study_paths(tmp_path, spent=0.25)
+    body = attack_body(20_000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1, "claude-test",
+                            PRICES)
+    cap = 0.25 + 6.5 * one
+    gws = []
+    for job in ("j000001", "j000002"):
+        budget = ab.GatewayBudget(paths, PLAT, job, run_cap=100.0, study_cap=cap)
+        gws.append(ab.MeteringGateway(upstream=up.url, creds={"ANTHROPIC_API_KEY": REAL_KEY}, prices=PRICES,
+                                      record_path=tmp_path / f"{job}.jsonl", budget=budget,
+                                      default_model="claude-test"))
+        gws[-1].start()
+    try:
+        statuses, threads, errors = send_at_once(gws, body, 16)
+        wait_until(lambda: len(up.arrived) + len(statuses) == 16, "every request forwarded or refused")
+        assert len(up.arrived) == 6
+        up.release.set()
+        for t in threads:
+            t.join(60)
+        assert sorted(statuses) == [200] * 6 + [400] * 10
+        # A record (and the settling of its reservation) follows the answer's last byte.
+        wait_until(lambda: sum(len(g.records) for g in gws) == 16, "every request recorded")
+        metered = sum(g.budget.metered for g in gws)
+        assert metered == pytest.approx(6 * one) and 0.25 + metered <= cap
+        assert all(g.refusal is None or g.refusal["limit"] == "study_usd" for g in gws)
+    finally:
+        for g in gws:
+            g.stop()
+        up.close()
+
+
+def test_a_request_whose_cost_the_body_does_not_bound_is_refused_by_name_unless_the_study_states_it(tmp_path,
+                                                                                                    upstream):
+    paths = study_paths(tmp_path)
+    gw = make_gateway(tmp_path, upstream.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=5.0,
+                                                                      study_cap=None))
+    search = {"model": "claude-test", "max_tokens": 10, "stream": True,
+              "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+              "messages": [{"role": "user", "content": "search the web"}]}
+    pdf_by_url = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "url", "url": "https://example.com/big.pdf"}}]}]}
+    try:
+        for body, name in ((search, "server_tool:web_search_20250305"), (pdf_by_url, "url_source")):
+            status, data, _ = post(gw, "/v1/messages", body)
+            err = json.loads(data)["error"]
+            assert status == 400 and name in err["message"] and "unbounded_request_usd" in err["message"]
+        assert upstream.requests == [] and gw.refusal is None and gw.cutoff is None
+        recs = records(tmp_path, 2)
+        assert [r["refused"] for r in recs] == ["unbounded", "unbounded"]
+        assert recs[0]["unbounded"] == ["server_tool:web_search_20250305"] and recs[0]["cost_usd"] == 0.0
+        # A body this gateway cannot read (here: nested deeper than its parser goes) is not forwarded.
+        host, port = gw.url.rsplit("/", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/messages", body=DEEP, headers={"x-api-key": gw.token})
+        assert conn.getresponse().status == 400
+        conn.close()
+        assert records(tmp_path, 3)[-1]["refused"] == "unreadable" and upstream.requests == []
+    finally:
+        gw.stop()
+    # Allowed with a stated worst case: reserved on top of the bound, and forwarded.
+    gw = make_gateway(tmp_path, upstream.url, budget=ab.GatewayBudget(paths, PLAT, "j000002", run_cap=5.0,
+                                                                      study_cap=None))
+    gw.unbounded_usd = 0.75
+    try:
+        assert post(gw, "/v1/messages", search)[0] == 200
+        rec = records(tmp_path, 4)[-1]
+        data = json.dumps(search).encode()
+        bound = ab.worst_case_usd(ab.request_bound(data, None).input_tokens, 10, "claude-test", PRICES)
+        assert rec["reserved_usd"] == round(bound + 0.75, 6) and rec["unbounded"] == ["server_tool:web_search_20250305"]
+        assert len(upstream.requests) == 1
+    finally:
+        gw.stop()
+
+
+def raw_post(gw: ab.MeteringGateway, body: dict) -> bytes:
+    """Everything the gateway sends back until it closes the connection (a cut answer is never
+    completed, so a client library would only raise)."""
+    import socket
+    data = json.dumps(body).encode()
+    host, port = gw.url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-api-key: " + gw.token.encode()
+                  + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+        out = b""
+        while True:
+            part = s.recv(65536)
+            if not part:
+                return out
+            out += part
+
+
+def test_a_cap_reached_mid_answer_cuts_it_and_refuses_the_next(tmp_path):
+    up = Overbiller()
+    up.release.set()
+    paths = study_paths(tmp_path)
+    body = attack_body(1000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1, "claude-test",
+                            PRICES)
+    budget = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=one, study_cap=None)   # room for exactly one
+    gw = make_gateway(tmp_path, up.url, budget=budget)
+    try:
+        got = raw_post(gw, body)
+        assert got.startswith(b"HTTP/1.1 200") and b"message_stop" not in got and not got.endswith(b"0\r\n\r\n")
+        assert gw.cutoff["limit"] == "usd_per_run" and gw.refusal == gw.cutoff
+        rec = records(tmp_path, 1)[0]
+        assert rec["cut"] and rec["aborted"] and rec["cost_usd"] == one       # what was metered of it counts
+        status, data, _ = post(gw, "/v1/messages", body)
+        assert status == 400 and "answers were cut" in json.loads(data)["error"]["message"]
+        assert len(up.arrived) == 1
+    finally:
+        gw.stop()
+        up.close()
+
+
+def test_an_answer_billed_past_its_reservation_is_cut_at_once_and_nothing_more_goes_out(tmp_path):
+    """The original attack's upstream: 2M input tokens billed on a tiny body.  No bound can hold
+    such a bill; the gateway sees it in the answer's first event, cuts the answer there (the
+    upstream is still holding the rest) and refuses whatever comes next."""
+    up = Overbiller(bill_input=2_000_000, hold_after_start=True)
+    paths = study_paths(tmp_path)
+    gw = make_gateway(tmp_path, up.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=1.0,
+                                                                 study_cap=5.0))
+    try:
+        got = raw_post(gw, attack_body(10))     # returns while the upstream still holds the answer
+        assert not up.release.is_set() and b"content_block_delta" not in got
+        assert gw.cutoff["limit"] == "reservation_exceeded"
+        rec = records(tmp_path, 1)[0]
+        assert rec["cut"] and rec["reservation_exceeded"] and rec["cost_usd"] > rec["reserved_usd"]
+        statuses = [post(gw, "/v1/messages", attack_body(10))[0] for _ in range(15)]
+        assert statuses == [400] * 15 and len(up.arrived) == 1
+        assert {r.get("refused") for r in records(tmp_path, 16)[1:]} == {"reservation_exceeded"}
+    finally:
+        gw.stop()
+        up.close()
