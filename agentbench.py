@@ -6343,6 +6343,17 @@ class Supervisor:
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
         self.gateway: MeteringGateway | None = None
+        # Set by the steps of _run as they happen (None until then).
+        self.me: ProcId | None = None                 # this supervisor's own identity
+        self.subreaper = False                        # orphans of the session are adopted here
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._claude: ProcId | None = None
+        self._stderr_fh: Any = None
+        self._reader_thread: threading.Thread | None = None
+        self._raw_out: Any = None                     # the reader's raw copy, flushed by each poll
+        self._raw_dirty = False
+        self._driver_checked = 0.0
+        self._beat_seen: tuple[int, float] | None = None
 
     # -- runtime file (this process is its only writer) --------------------------------------------
     def _write_runtime(self, **changes: Any) -> None:
@@ -6399,8 +6410,8 @@ class Supervisor:
     def _flush_raw(self) -> None:
         """Flush what the reader wrote to the raw file since the last poll (the writer object is
         thread-safe; once the reader has closed it there is nothing left to flush)."""
-        raw = getattr(self, "_raw_out", None)
-        if raw is not None and getattr(self, "_raw_dirty", False):
+        raw = self._raw_out
+        if raw is not None and self._raw_dirty:
             self._raw_dirty = False
             with contextlib.suppress(ValueError, OSError):
                 raw.flush()
@@ -6469,7 +6480,7 @@ class Supervisor:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
         nobody would read its result, and it must not go on spending."""
         driver = self.job.get("driver")
-        if not driver or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
+        if not driver or time.monotonic() - self._driver_checked < 2.0:
             return False
         self._driver_checked = time.monotonic()
         if self.platform.is_local(driver):
@@ -6490,7 +6501,7 @@ class Supervisor:
         except OSError:
             return False
         now = time.monotonic()
-        seen = getattr(self, "_beat_seen", None)
+        seen = self._beat_seen
         if seen is None or seen[0] != mtime:
             self._beat_seen = (mtime, now)
             return False
@@ -6526,8 +6537,7 @@ class Supervisor:
 
     def _fail_safe(self, exc: BaseException) -> int:
         log(f"{self.job_id}: supervisor error: {type(exc).__name__}: {exc}")
-        claude = getattr(self, "_claude", None)
-        proc = getattr(self, "_proc", None)
+        claude, proc = self._claude, self._proc
         survivors: list[ProcId] = []
         with contextlib.suppress(Exception):
             if claude is not None:
@@ -6551,33 +6561,60 @@ class Supervisor:
         return 0
 
     def _run(self) -> int:
-        job = self.job
-        jdir = self.paths.job_dir(self.job_id)
-        # One supervisor per job, once: never start claude for a job that is final, was killed
-        # before it started, or already has a live supervisor.
-        if self.paths.result_file(self.job_id).exists():
+        """The job's steps, in order: claim it, prepare the launch, spawn `claude` and poll it to
+        its end, sweep what it left, finalise.  A step that finalises the job itself (a job
+        already final or killed before it started, a gateway or sandbox that cannot start)
+        answers None and the job ends there."""
+        if not self._claim():
             return 0
+        launch = self._prepare()
+        if launch is None:
+            return 0
+        argv, env, prompt = launch
+        proc = self._spawn(argv, env)
+        if proc is None:
+            return 0
+        self._poll(proc, prompt)
+        survivors = self._sweep(proc)
+        self._finish(proc.returncode, survivors)
+        if self.gateway is not None and self.gateway.budget is not None:
+            self.gateway.budget.discard()   # the ledger line counts this job's cost from now on
+        return 0
+
+    def _claim(self) -> bool:
+        """One supervisor per job, once: never start claude for a job that is final, was killed
+        before it started, or already has a live supervisor.  True: this process runs the job."""
+        jdir = self.paths.job_dir(self.job_id)
+        if self.paths.result_file(self.job_id).exists():
+            return False
         try:
             # The claim is atomic and permanent: a second supervisor never starts claude again.
             os.close(os.open(jdir / "supervisor.claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
-            return 0
+            return False
         kill_req = read_json(jdir / "kill.request", default=None)
         if kill_req is not None:
             # Killed before it started: record that now (once-only, whoever else is finalising),
             # so that `kill` and `wait` need not wait for a supervisor that will never write a
             # runtime, nor for the reaper.
-            finalize_killed_before_start(self.paths, self.platform, job, kill_req)
-            return 0
-        me = self.platform.proc_id(os.getpid())
+            finalize_killed_before_start(self.paths, self.platform, self.job, kill_req)
+            return False
+        return True
+
+    def _prepare(self) -> tuple[list[str], dict[str, str], bytes] | None:
+        """The runtime record, the gateway, `claude`'s environment and the (sandboxed) argv.
+        None when the job could not be prepared and has been finalised `launch_error` or
+        `sandbox_unavailable`."""
+        job = self.job
+        jdir = self.paths.job_dir(self.job_id)
+        self.me = self.platform.proc_id(os.getpid())
         # Orphans of the session (a backgrounded `nohup ... &` in a new session, a double fork)
         # are adopted by this process instead of init, so the sweep below still finds them.
         self.subreaper = self.platform.become_subreaper()
-        raw_dir = Path(job["raw_dir"])
-        raw_dir.mkdir(parents=True, exist_ok=True)
+        Path(job["raw_dir"]).mkdir(parents=True, exist_ok=True)
         # This process's environment, read once here where the supervisor starts.
         environ = dict(os.environ)
-        self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+        self._write_runtime(status="running", supervisor=dataclasses.asdict(self.me) if self.me else None,
                             subreaper=self.subreaper,
                             host=self.platform.hostname(), slurm_job_id=environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
@@ -6594,21 +6631,23 @@ class Supervisor:
                 detail = exc.one_line() if isinstance(exc, AgentbenchError) else str(exc)
                 finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                              usage=None, extra={"detail": f"cannot start the gateway: {detail}"})
-                return 0
+                return None
             env, _ = claude_env(host, extra=extra, gateway=self.gateway.claude_vars(), binary=job["binary"])
             self._write_runtime(gateway=self.gateway.url)
         else:
             env, _ = claude_env(host, extra=extra, gateway=None, secret=secret, binary=job["binary"])
         env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
-        prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
+        prompt = (jdir / "prompt.txt").read_bytes()
         argv = list(job["argv"])
         try:
             # Decided again where this supervisor runs (a Slurm compute node decides here only).
             sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
         except AgentbenchError as exc:
+            if self.gateway is not None:
+                self.gateway.stop(wait_s=0)
             finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
                          usage=None, extra={"detail": exc.one_line()})
-            return 0
+            return None
         self.sandbox = sandbox_record(sandbox)
         if sandbox["kind"] == "bwrap":
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
@@ -6617,20 +6656,26 @@ class Supervisor:
                                         project_dir=str(claude_projects_dir(env)
                                                         / transcript_dir_name(os.path.realpath(job["cwd"]))),
                                         ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
-        stderr_fh = open(raw_dir / "stderr.txt", "ab")
+        return argv, env, prompt
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """Start `claude` (inside its sandbox when there is one) with stdout piped to the reader.
+        None when it could not start: the job is then finalised `launch_error`."""
+        job = self.job
+        self._stderr_fh = open(Path(job["raw_dir"]) / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
-        if sandbox["kind"] == "bwrap":
+        if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
         try:
             proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
+                                    stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
         except OSError as exc:
-            stderr_fh.close()
+            self._stderr_fh.close()
             if self.gateway is not None:
                 self.gateway.stop(wait_s=0)
             finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                          usage=None, extra={"detail": f"cannot start claude: {exc}"})
-            return 0
+            return None
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
@@ -6638,6 +6683,12 @@ class Supervisor:
                             claude_started_at=utc_now(), sandbox=self.sandbox)
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
+        return proc
+
+    def _poll(self, proc: subprocess.Popen[bytes], prompt: bytes) -> None:
+        """Feed the prompt, read the stream in a thread, and enforce the limits every POLL_S
+        until `claude` exits (a stop decided by _check kills its tree and waits for the exit)."""
+        claude = self._claude
 
         def feed_prompt() -> None:
             # Write the prompt and close stdin: an open stdin can stall the binary.
@@ -6646,9 +6697,9 @@ class Supervisor:
                 proc.stdin.write(prompt)
                 proc.stdin.close()
         threading.Thread(target=feed_prompt, daemon=True).start()
-        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"),
-                                  daemon=True)
-        reader.start()
+        self._reader_thread = threading.Thread(
+            target=self._reader, args=(proc.stdout, Path(self.job["raw_dir"]) / "stream.jsonl"), daemon=True)
+        self._reader_thread.start()
         last_hb = 0.0
         while proc.poll() is None:
             time.sleep(self.POLL_S)
@@ -6665,19 +6716,24 @@ class Supervisor:
                 time.sleep(0.2)
                 if claude:
                     self.platform.kill_tree([claude], session_ids=[proc.pid])
-        exit_code = proc.returncode
-        # Sweep what claude left behind (background tool processes hold our stdout pipe open).
+
+    def _sweep(self, proc: subprocess.Popen[bytes]) -> list[ProcId]:
+        """After `claude` exits: kill what it left behind (background tool processes hold the
+        stdout pipe open), drain the reader, stop the gateway, and decide whether a session
+        that died without a result was killed.  Answers the processes that survived the kill."""
         survivors: list[ProcId] = []
-        roots = [claude] if claude else []
-        if self.subreaper and me is not None:
+        roots = [self._claude] if self._claude else []
+        if self.subreaper and self.me is not None:
             # Adopted orphans are children of this process now, whatever session they made.
-            roots += self.platform.descendants(me)
+            roots += self.platform.descendants(self.me)
         if roots:
             survivors = self.platform.kill_tree(roots, session_ids=[proc.pid])
         if self.subreaper:
             self.platform.reap_zombies()
-        reader.join(timeout=10)
-        stderr_fh.close()
+        if self._reader_thread is not None:
+            self._reader_thread.join(timeout=10)
+        if self._stderr_fh is not None:
+            self._stderr_fh.close()
         if self.gateway is not None:
             self.gateway.stop()
         if self.end is None and self.state.result is None:
@@ -6685,13 +6741,10 @@ class Supervisor:
             # process of the Slurm job at once): a session that died without a result while a
             # kill was pending was killed, not crashed.  Judged after the reader drained the
             # stream, so that a result printed just before the kill still counts.
-            kill_req = read_json(jdir / "kill.request", default=None)
+            kill_req = read_json(self.paths.job_dir(self.job_id) / "kill.request", default=None)
             if kill_req is not None or self.terminate_requested:
                 self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
-        self._finish(exit_code, survivors)
-        if self.gateway is not None and self.gateway.budget is not None:
-            self.gateway.budget.discard()   # the ledger line counts this job's cost from now on
-        return 0
+        return survivors
 
     def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
         job = self.job
