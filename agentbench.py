@@ -251,7 +251,7 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
-                                  "study_usd": 200.0, "min_remaining_usd": 0.05}
+                                  "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
 #: request that crossed it; the supervisor stops a session whose list-price estimate passes the
 #: budget by this factor plus this pad (an estimate, so only a clear overrun counts).
@@ -259,8 +259,10 @@ BUDGET_BACKSTOP_FACTOR = 1.25
 BUDGET_BACKSTOP_PAD_USD = 0.01
 #: The shortest wall limit a run's next session gets when its run has almost no wall time left.
 MIN_SESSION_WALL_S = 5.0
-#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.
-PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120,
+#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.  Its budget is
+#: a ceiling, not its cost (mostly cache reads): the gateway reserves one token per byte of the
+#: request, so a base of about 190 KB of context still fits at the dearest default price.
+PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 2.0, "stall_after_s": 120,
                                "orphan_after_s": 0}
 #: The rehearsal's training of a per-task base: a few scripted turns.
 TRAIN_REHEARSAL_WALL_S = 600
@@ -2747,6 +2749,7 @@ class JobRecord(TypedDict):
     slurm: dict[str, Any] | None
     gateway: str                     # on | off
     study_usd: float | None          # the study's USD cap at creation
+    unbounded_request_usd: float | None   # the gateway's stated worst case of an unbounded request
     sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
     system_prompt_sha256: str
     prompt_sha256: str
@@ -4548,6 +4551,13 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
+    per_run = budget.get("usd_per_run", DEFAULT_BUDGET["usd_per_run"])
+    if budget.get("unbounded_request_usd", 0) > per_run:
+        raise AgentbenchError("budget.unbounded_request_usd is larger than a run's budget",
+                              code="unbounded_request_usd_above_run_budget",
+                              unbounded_request_usd=budget["unbounded_request_usd"], usd_per_run=per_run,
+                              hint="no such request could ever fit; state a worst case below usd_per_run, "
+                                   "or 0 to refuse them")
 
 
 def _check_prices(prices: Any) -> None:
@@ -4653,6 +4663,9 @@ BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_turns": (int, "claude --max-turns of a session"),
     "study_usd": (finite_float, "the study's cost cap: no launch once spent"),
     "min_remaining_usd": (finite_float, "no new session for a run with less budget left"),
+    "unbounded_request_usd": (finite_float, "worst case (USD) the gateway reserves for a request whose cost "
+                                            "its body does not bound (server-side tools, URL or Files API "
+                                            "content, PDFs); 0: such requests are refused"),
 }
 
 
@@ -4830,8 +4843,21 @@ GATEWAY_MAX_BODY_BYTES = 64 << 20
 GATEWAY_CHUNK_BYTES = 64 << 10
 #: A non-streamed answer is kept for metering up to this size (it is forwarded whole regardless).
 GATEWAY_MAX_METER_BYTES = 16 << 20
-#: The worst-case input of a request: its body's bytes / this many (a token is rarely shorter).
-GATEWAY_BYTES_PER_TOKEN = 3.0
+#: The worst-case input of a request: its body's bytes / this many.  A token stands for at least
+#: one byte of the text it encodes, and the body holds every byte of that text (JSON only adds),
+#: so one token per byte bounds what a hostile body can be billed (honest text runs ~4 bytes).
+GATEWAY_BYTES_PER_TOKEN = 1.0
+#: Tokens the API adds to any request beyond its body (the tool-use system prompt, turn framing).
+GATEWAY_OVERHEAD_TOKENS = 2048
+#: Tokens of one inline image, whatever its bytes: the API scales an image down to a bounded size
+#: (a tiny, highly compressed file can stand for a large picture).
+GATEWAY_IMAGE_TOKENS = 8192
+#: Tokens an Anthropic-defined client tool (bash, text editor, computer, memory) adds beyond its
+#: few bytes of definition (its schema and instructions are the API's).
+GATEWAY_CLIENT_TOOL_TOKENS = 2048
+GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
+#: Where a content block's data may come from for its cost to be bounded by the body: inline.
+GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
 #: How long stop() waits for requests still in flight to settle their metering.
@@ -5039,6 +5065,7 @@ class SseMeter:
         self.error: str | None = None
         self.bad = False
         self.events = 0
+        self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -5064,12 +5091,14 @@ class SseMeter:
             msg = ev["message"]
             self.usage, bad = _clean_usage(msg.get("usage"))
             self.bad = self.bad or bad
+            self.updates += 1
             if isinstance(msg.get("model"), str):
                 self.model = msg["model"][:200]
         elif kind == "message_delta":
             usage, bad = _clean_usage(ev.get("usage"))
             self.bad = self.bad or bad
             self.usage.update(usage)
+            self.updates += 1
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -5093,14 +5122,103 @@ def metered_tokens(usage: Mapping[str, Any]) -> dict[str, int]:
     return tokens_from_usage(usage)
 
 
-def worst_case_usd(body_bytes: int, max_tokens: int, model: str | None,
+@dataclass(frozen=True)
+class RequestBound:
+    """What a Messages request body says about its cost (see request_bound): the model it is
+    priced at, whether it streams, its max_tokens, the most input tokens it can be billed, and the
+    parts whose cost the body does not bound (`unbounded`, by name; empty: fully bounded).
+    `readable`: the body is a JSON object this process could parse (one that is not cannot be
+    bounded, and the API would refuse it anyway, unless its parser goes deeper than this one)."""
+    model: str | None
+    stream: bool
+    max_tokens: int
+    input_tokens: int
+    unbounded: tuple[str, ...]
+    readable: bool = True
+
+
+def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
+    """(extra input tokens, unbounded part names) of the content blocks anywhere below `roots`
+    (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
+    number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
+    uploaded container file) and PDF pages (text and a picture per page, compressed) are not
+    bounded by the body."""
+    extra, unbounded = 0, []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        source = node.get("source")
+        if kind == "image":
+            extra += GATEWAY_IMAGE_TOKENS
+        if isinstance(source, dict):
+            stype = source.get("type")
+            if stype not in GATEWAY_INLINE_SOURCES:
+                unbounded.append(f"{str(stype)[:40]}_source")
+            elif stype == "base64" and kind == "document" and source.get("media_type") != "text/plain":
+                unbounded.append("pdf_document")
+        if "file_id" in node:
+            unbounded.append("file_id")
+        if kind == "container_upload":
+            unbounded.append("container_upload")
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return extra, unbounded
+
+
+def request_bound(body: bytes, default_model: str | None) -> RequestBound:
+    """The cost bound of one Messages request body (pure, never raises).
+
+    Input: one token per body byte (GATEWAY_BYTES_PER_TOKEN), plus the API's own overhead, a
+    fixed allowance per image and per Anthropic-defined client tool.  Output: max_tokens (the
+    default when missing or not a positive integer).  Refused by name unless the study states a
+    worst case for them: server-side tools (web search and fetch, code execution, tool search,
+    MCP toolsets; any tool `type` not known to run on the client), remote MCP servers, a code
+    execution container, content fetched from a URL or the Files API, PDF documents, and fast
+    mode (`speed`, priced at a multiple the study's price table does not hold)."""
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        req = None
+    readable = isinstance(req, dict)
+    req = req if isinstance(req, dict) else {}
+    model = req.get("model") if isinstance(req.get("model"), str) else default_model
+    mt = req.get("max_tokens")
+    mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
+    tokens = math.ceil(len(body) / GATEWAY_BYTES_PER_TOKEN) + GATEWAY_OVERHEAD_TOKENS
+    unbounded: list[str] = []
+    tools = req.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in (None, "custom"):
+            continue
+        if isinstance(kind, str) and kind.startswith(GATEWAY_CLIENT_TOOL_PREFIXES):
+            tokens += GATEWAY_CLIENT_TOOL_TOKENS
+        else:
+            unbounded.append("server_tool:" + str(kind)[:60])
+    if req.get("mcp_servers"):
+        unbounded.append("mcp_servers")
+    if req.get("container") is not None:
+        unbounded.append("container")
+    if req.get("speed") not in (None, "standard"):
+        unbounded.append("speed:" + str(req.get("speed"))[:20])
+    extra, parts = _content_bound([req.get("messages"), req.get("system")])
+    unbounded += parts
+    return RequestBound(model=model, stream=bool(req.get("stream")),
+                        max_tokens=mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS, input_tokens=tokens + extra,
+                        unbounded=tuple(sorted(set(unbounded))), readable=readable)
+
+
+def worst_case_usd(input_tokens: int, max_tokens: int, model: str | None,
                    prices: Mapping[str, Sequence[float]] | None) -> float:
-    """What one Messages request can cost at most (pure): its input estimated from the body's
-    size at the dearest input-side price (a cache write costs more than plain input), plus
-    max_tokens of output."""
+    """What one Messages request can cost at most (pure): its input bound at the dearest
+    input-side price (every token could be a 1-hour cache write), plus max_tokens of output."""
     p_in, p_out, p_5m, p_1h, _ = price_for(model, prices)
-    tokens_in = math.ceil(max(body_bytes, 0) / GATEWAY_BYTES_PER_TOKEN)
-    return round((tokens_in * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
+    return round((max(input_tokens, 0) * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
 
 
 def reservation_refusal(worst: float, *, run_cap: float | None, run_used: float,
@@ -5185,8 +5303,9 @@ def gateway_dir(paths: StudyPaths) -> Path:
     return paths.state / "gateway"
 
 
-def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> float:
-    """Metered cost plus reservations in flight of every live job but `exclude`.  A job whose
+def live_reservations_usd(paths: StudyPaths, exclude: str | None = None,
+                          keys: tuple[str, ...] = ("metered_usd", "reserved_usd")) -> float:
+    """Metered cost plus reservations in flight (`keys`) of every live job but `exclude`.  A job whose
     ledger line is written is counted by the ledger instead.  Read under the study's gateway lock
     (see GatewayBudget); a file that still cannot be parsed (its writer died mid-write) is skipped,
     and so is any figure that is not a finite positive number."""
@@ -5201,7 +5320,7 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
                 data = json.loads(Path(entry.path).read_bytes())
             except (OSError, ValueError):
                 continue
-            for key in ("metered_usd", "reserved_usd"):
+            for key in keys:
                 val = data.get(key) if isinstance(data, dict) else None
                 total += spend_from(val)   # an edited reservation file fails closed
     return total
@@ -5258,6 +5377,22 @@ class GatewayBudget:
                 self._publish()
             return refusal
 
+    def reached(self, live: float) -> dict[str, Any] | None:
+        """Which cap the metered spend has reached with `live` (what the answers still streaming
+        have cost so far) counted, or None.  The study's: its ledger spend and every other live
+        job's metered cost (not their reservations: this is spend, not a forecast)."""
+        with self._lock:
+            run_used = self.metered + live
+        if self.run_cap is not None and run_used >= self.run_cap:
+            return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
+        if self.study_cap:
+            with self._study_lock():
+                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
+                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            if used >= self.study_cap:
+                return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
+        return None
+
     def settle(self, reserved: float, cost: float) -> None:
         with self._lock:
             self.reserved = max(self.reserved - reserved, 0.0)
@@ -5296,10 +5431,37 @@ def _gateway_server_classes() -> tuple[Any, Any]:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = 128   # a burst of connections is queued, not reset (the default: 5)
             gateway: "MeteringGateway"
 
         _GATEWAY_CLASSES.append((Handler, Server))
     return _GATEWAY_CLASSES[0]
+
+
+@dataclass(frozen=True)
+class GatewayAnswer:
+    """What the upstream answered one forwarded request: its status and request id, how many
+    chunks were relayed, whether the relay broke off (`error`: why), and the usage, model and
+    stream error read from a Messages answer (`bad`: some usage figure could not be believed)."""
+    status: int
+    request_id: str | None
+    chunks: int
+    aborted: bool
+    error: str | None
+    usage: Mapping[str, Any]
+    model: str | None
+    bad: bool
+    stream_error: str | None
+    cut: bool = False
+
+
+@dataclass(frozen=True)
+class LiveAnswer:
+    """A Messages request on its way: its number among the gateway's, the model it is priced at
+    and the USD reserved for it."""
+    ticket: int
+    model: str | None
+    reserved: float
 
 
 class MeteringGateway:
@@ -5309,7 +5471,7 @@ class MeteringGateway:
     def __init__(self, *, upstream: str | None, creds: Mapping[str, str],
                  prices: Mapping[str, Sequence[float]] | None,
                  record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
-                 default_model: str | None = None):
+                 default_model: str | None = None, unbounded_usd: float = 0.0):
         self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
         self.auth = gateway_auth_headers(creds)
         self.token = "abgw-" + secrets.token_urlsafe(32)
@@ -5317,7 +5479,15 @@ class MeteringGateway:
         self.record_path = Path(record_path)
         self.budget = budget
         self.default_model = default_model
+        #: The worst case the study states for a request the body does not bound (0: refused).
+        self.unbounded_usd = unbounded_usd
         self.refusal: dict[str, Any] | None = None
+        #: Set once the metered spend reached a cap (or an answer cost more than its reservation):
+        #: every live answer is cut, every later Messages request refused, and the supervisor ends
+        #: the session `budget`.
+        self.cutoff: dict[str, Any] | None = None
+        self._live: dict[int, float] = {}
+        self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
@@ -5431,76 +5601,107 @@ class MeteringGateway:
             return None
         return h.rfile.read(length) if length else b""
 
+    def _refuse(self, h: Any, rec: Mapping[str, Any], t0: float, status: int, error: str, message: str,
+                refused: str, *, close: bool = False, messages: bool = False) -> None:
+        """Answer a request that is not forwarded (an API-shaped error) and record why: `refused`
+        names the rule; `messages`: a Messages request, recorded with zero cost and tokens."""
+        if close:
+            h.close_connection = True
+        self._reply(h, status, error, "agentbench gateway: " + message)
+        zero = {"cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}} if messages else {}
+        self._record({**rec, "status": status, "refused": refused, **zero,
+                      "duration_s": round(time.monotonic() - t0, 6)})
+
     def _handle(self, h: Any) -> None:
+        """One request: checked (token, body, path, budget; each refusal is one _refuse), then
+        forwarded, then metered and recorded."""
         t0 = time.monotonic()
         kind, path, allowed = gateway_route(h.command, h.path)
         rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
-            h.close_connection = True
-            self._reply(h, 401, "authentication_error",
-                        "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 401, "authentication_error",
+                         "this request does not carry the job's token", "token", close=True)
             return
         body = self._read_body(h)
         if body is None:
-            h.close_connection = True
-            self._reply(h, 413, "request_too_large",
-                        "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 413, "request_too_large", "request body too large or malformed", "body",
+                         close=True)
             return
         if not allowed:
-            self._reply(h, 403, "permission_error",
-                        "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
-                        "forwarded")
-            self._record({**rec, "status": 403, "refused": "path",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 403, "permission_error",
+                         "only POST /v1/messages and POST /v1/messages/count_tokens are forwarded", "path")
             return
-        reserved = 0.0
-        model = None
+        live = None
         if kind == "messages":
-            try:
-                req = json.loads(body) if body else {}
-            except ValueError:
-                req = {}
-            req = req if isinstance(req, dict) else {}
-            model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
-            mt = req.get("max_tokens")
-            mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
-            max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
-            rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
+            bound = request_bound(body, self.default_model)
+            rec.update({"model": bound.model, "stream": bound.stream, "max_tokens": bound.max_tokens,
+                        "body_bytes": len(body), "input_bound_tokens": bound.input_tokens})
+            if bound.unbounded:
+                rec["unbounded"] = list(bound.unbounded)
+            if self.cutoff is not None:
+                self._refuse(h, {**rec, "refusal": self.cutoff}, t0, 400, "invalid_request_error",
+                             f"budget exhausted: {self.cutoff['limit']} reached, this session's answers were "
+                             f"cut", self.cutoff["limit"], messages=True)
+                return
+            if not bound.readable:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "a Messages request must be a JSON object this gateway can read (its cost is "
+                             "bounded from it)", "unreadable", messages=True)
+                return
+            if bound.unbounded and not self.unbounded_usd:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "this request's cost cannot be bounded from its body ("
+                             + ", ".join(bound.unbounded) + "); a study that accepts such requests states "
+                             "their worst case in budget.unbounded_request_usd", "unbounded", messages=True)
+                return
+            worst = worst_case_usd(bound.input_tokens, bound.max_tokens, bound.model, self.prices)
+            worst = round(worst + (self.unbounded_usd if bound.unbounded else 0.0), 6)
+            reserved = 0.0
             if self.budget is not None:
-                worst = worst_case_usd(len(body), max_tokens, model, self.prices)
                 try:
                     refusal = self.budget.reserve(worst)
                 except AgentbenchError as exc:
-                    self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
-                    self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, rec, t0, 503, "api_error", exc.one_line(), "lock", messages=True)
                     return
                 if refusal is not None:
                     with self._lock:
                         self.refusal = self.refusal or refusal
                     # 400 invalid_request_error is final for the binary: it does not retry it.
-                    self._reply(h, 400, "invalid_request_error",
-                                f"agentbench gateway: budget exhausted: this request's worst case "
-                                f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
-                                f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)")
-                    self._record({**rec, "status": 400, "refused": refusal["limit"], "refusal": refusal,
-                                  "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, {**rec, "refusal": refusal}, t0, 400, "invalid_request_error",
+                                 f"budget exhausted: this request's worst case "
+                                 f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
+                                 f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)",
+                                 refusal["limit"], messages=True)
                     return
                 reserved = worst
+            with self._lock:
+                self._tickets += 1
+                live = LiveAnswer(ticket=self._tickets, model=bound.model, reserved=reserved)
+        answer = self._forward(h, path, body, live)
+        if live is not None:
+            self._meter(rec, answer, live)
+        if answer.cut:
+            rec["cut"] = True
+        if answer.error:
+            rec["error"] = answer.error
+        rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
+                    "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
+        self._record(rec)
+
+    def _forward(self, h: Any, path: str, body: bytes, live: LiveAnswer | None) -> GatewayAnswer:
+        """Send the request upstream with the real credential and relay the answer byte for byte,
+        reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
+        is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
+        cut = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
         aborted = False
         chunks = 0
         request_id = None
+        error = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5541,12 +5742,18 @@ class MeteringGateway:
                 if not data:
                     break
                 chunks += 1
-                if kind == "messages":
+                if live is not None:
                     if is_sse:
+                        seen = meter.updates
                         meter.feed(data)
+                        if meter.updates != seen:
+                            self._observe(live, meter)
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
+                if self.cutoff is not None:
+                    cut = aborted = True   # stop relaying: what was metered of it counts
+                    break
                 try:
                     h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                     h.wfile.flush()
@@ -5564,33 +5771,64 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            error = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
                 with contextlib.suppress(OSError):
                     h.close_connection = True
                     self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
             else:
                 h.close_connection = True
-        if kind == "messages":
-            if kept:
-                usage, rmodel, bad = message_meter(b"".join(kept))
-            else:
-                usage, rmodel, bad = meter.usage, meter.model, meter.bad
-            tokens = metered_tokens(usage)
-            rmodel = rmodel or model
-            cost = estimate_cost_usd(tokens, rmodel, self.prices)
-            if self.budget is not None:
-                self.budget.settle(reserved, cost)
-            rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
-            if meter.error:
-                rec["stream_error"] = meter.error
-            if bad:
-                rec["bad_usage"] = True
-            if reserved and cost > reserved:
-                rec["reservation_exceeded"] = True
-        rec.update({"status": status, "request_id": str(request_id)[:200] if request_id else None,
-                    "chunks": chunks, "aborted": aborted, "duration_s": round(time.monotonic() - t0, 6)})
-        self._record(rec)
+        if kept:
+            usage, model, bad = message_meter(b"".join(kept))
+        else:
+            usage, model, bad = meter.usage, meter.model, meter.bad
+        return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
+                             chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
+                             stream_error=meter.error, cut=cut)
+
+    def _cut(self, why: Mapping[str, Any]) -> None:
+        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        with self._lock:
+            if self.cutoff is None:
+                self.cutoff = dict(why)
+                self.refusal = self.refusal or self.cutoff
+
+    def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
+        """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
+        reservation (the bound failed) or the metered spend, live answers included, reached a cap."""
+        running = estimate_cost_usd(metered_tokens(meter.usage), meter.model or live.model, self.prices)
+        with self._lock:
+            self._live[live.ticket] = running
+            total = sum(self._live.values())
+        if self.budget is None:
+            return
+        if running > live.reserved + 1e-9:
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved,
+                       "cost_usd": round(running, 6)})
+            return
+        with contextlib.suppress(OSError, AgentbenchError):
+            reached = self.budget.reached(total)
+            if reached is not None:
+                self._cut(reached)
+
+    def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
+        """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        tokens = metered_tokens(answer.usage)
+        rmodel = answer.model or live.model
+        cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        with self._lock:
+            self._live.pop(live.ticket, None)   # before it is settled: never counted twice
+        if self.budget is not None:
+            self.budget.settle(live.reserved, cost)
+        rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": live.reserved})
+        if answer.stream_error:
+            rec["stream_error"] = answer.stream_error
+        if answer.bad:
+            rec["bad_usage"] = True
+        if self.budget is not None and cost > live.reserved + 1e-9:
+            rec["reservation_exceeded"] = True
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved, "cost_usd": cost})
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
@@ -5604,13 +5842,15 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     limits = job.get("limits") or {}
     run_cap = limits.get("max_budget_usd")
     study_cap = job.get("study_usd")
+    unbounded = job.get("unbounded_request_usd")
     budget = GatewayBudget(paths, platform, str(job["job_id"]),
                            run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
                            study_cap=(float(study_cap)
                                       if isinstance(study_cap, (int, float)) and study_cap > 0 else None))
     gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
                          record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
-                         default_model=job.get("model"))
+                         default_model=job.get("model"),
+                         unbounded_usd=float(unbounded) if is_number(unbounded) and unbounded > 0 else 0.0)
     gw.start()
     return gw
 
@@ -5812,6 +6052,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
            "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
            "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
            "study_usd": (launch.get("budget") or {}).get("study_usd"),
+           "unbounded_request_usd": (launch.get("budget") or {}).get("unbounded_request_usd"),
            "sandbox": launch.get("sandbox"),
            "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
            "prompt_sha256": sha256_bytes(prompt.encode())}
@@ -6657,6 +6898,9 @@ class Supervisor:
                 self.flags.add("model_substituted")
                 self._stop(proc, claude, "failed", "model_refused")
                 return
+        if self.gateway is not None and self.gateway.cutoff is not None:
+            self._stop(proc, claude, "failed", "budget")   # its gateway cut the answers at a cap
+            return
         budget = lim.get("max_budget_usd")
         if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
             self._stop(proc, claude, "failed", "budget")
@@ -6997,8 +7241,8 @@ class Supervisor:
             if (usage["requests"] and not usage.get("estimated")
                     and cost_mismatch(usage["cost_metered_usd"], usage.get("cost_delta_usd"))):
                 self.flags.add("cost_mismatch")
-            if gw.refusal is not None and self.end is None and status != "ok":
-                status, reason = "failed", "budget"
+            if gw.refusal is not None and self.end is None and (status != "ok" or gw.cutoff is not None):
+                status, reason = "failed", "budget"   # a cut answer ends the session `budget`, whatever came
             wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
             if status == "failed" and not corroborated(reason, wire):
                 # A claimed rate limit or auth failure the wire never saw: written into the stream
