@@ -42,6 +42,7 @@ Sections, strictly bottom-up:
     The scripted model: rehearsal of a study
     Reading at scale: the streamed ledger, paged listings, the paused collector
     Calibration and assignment: a study's tasks checked and its runs planned
+    Interop: Inspect logs, ATIF trajectories, Harbor tasks
     The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
@@ -141,6 +142,7 @@ socket: Any = LazyModule("socket")
 ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
 urllib: Any = LazyModule("urllib")
+zipfile: Any = LazyModule("zipfile")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
 #: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
@@ -3228,7 +3230,12 @@ class SandboxPlan:
     rw: directories bound read-write (the workspace, the private HOME).
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
-    cwd: the working directory inside."""
+    cwd: the working directory inside.
+    container: paths a container image would have, given last: ("bind" | "ro-bind", source,
+    destination) or ("tmpfs", "", destination) rows (see container_rows).  With any, the root is a
+    private tmpfs holding `root_entries` (the host's top-level names: each bound read-only, or
+    a link made again), remounted read-only at the end, so that new top-level paths (/app,
+    /tests, /logs) can be made in it."""
     hide: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     ro: tuple[str, ...] = ()
@@ -3236,6 +3243,8 @@ class SandboxPlan:
     cwd: str = "/"
     inner_hide: tuple[str, ...] = ()
     inner_rw: tuple[str, ...] = ()
+    container: tuple[tuple[str, str, str], ...] = ()
+    root_entries: tuple[tuple[str, str | None], ...] = ()
 
 
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
@@ -3245,8 +3254,13 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     the private /tmp, the hiding tmpfs mounts (outer first; none already inside /tmp or another
     hidden directory), the tool directories that a hide covered, then read-only and read-write
     binds (a workspace inside the hidden study comes back this way)."""
-    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/"), ("--dev", "/dev"), ("--proc", "/proc"),
-                                   ("--tmpfs", "/tmp")]
+    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/")]
+    if plan.container:
+        rows = [("--tmpfs", "/")]
+        for name, target in plan.root_entries:
+            rows.append(("--symlink", target, "/" + name) if target is not None
+                        else ("--ro-bind", "/" + name, "/" + name))
+    rows += [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
     covered = ["/tmp"]
     for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
         if d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered):
@@ -3266,6 +3280,10 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
         rows.append(("--tmpfs", d))
     for d in plan.inner_rw:
         rows.append(("--bind", d, d))
+    for op, source, dest in plan.container:
+        rows.append(("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest))
+    if plan.container:
+        rows.append(("--remount-ro", "/"))
     return rows
 
 
@@ -3447,15 +3465,92 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
     return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
 
 
+#: Where a container spec may not put anything: the host's own system directories (a task's
+#: paths are made in a private root beside them, never over them).
+CONTAINER_RESERVED = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
+                      "/dev", "/sys", "/tmp", "/run", "/var", "/boot", "/root", "/home", "/opt", "/srv",
+                      "/mnt", "/media", "/snap", "/nix")
+CONTAINER_KEYS = ("workdir", "ro", "scratch")
+
+
+def container_spec_problem(spec: Any) -> str | None:
+    """Why a check's or reference's `container` spec cannot be used, or None (pure).  The spec:
+    {"workdir": "/app", "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}: the workdir
+    (where the workspace is bound read-write and the command starts), read-only binds from paths
+    relative to the check's own directory, and empty writable directories."""
+    if not isinstance(spec, dict) or set(spec) - set(CONTAINER_KEYS) or "workdir" not in spec:
+        return f"container must be an object with workdir and optionally ro and scratch ({spec!r:.100})"
+    ro = spec.get("ro", {})
+    scratch = spec.get("scratch", [])
+    if not isinstance(ro, dict) or not isinstance(scratch, list):
+        return "container.ro must map container paths to relative paths; container.scratch must be a list"
+    dests = [spec["workdir"], *ro, *scratch]
+    for d in dests:
+        if not isinstance(d, str) or not d.startswith("/") or posixpath.normpath(d) != d or len(d) > 200:
+            return f"container path {d!r:.100} is not an absolute, normal path"
+        if any(d == r or _under(d, r) for r in CONTAINER_RESERVED if r != "/") or d == "/":
+            return f"container path {d} lies in a host system directory"
+        if not re.fullmatch(r"[A-Za-z0-9_./-]+", d):
+            return f"container path {d!r:.100} holds characters other than letters, digits and ._-/"
+    if len(set(dests)) != len(dests):
+        return "container paths repeat"
+    for src in ro.values():
+        if not isinstance(src, str) or src.startswith("/") or ".." in src.split("/") or len(src) > 200:
+            return f"container.ro source {src!r:.100} is not a relative path inside the bundle"
+    return None
+
+
+def container_top_names(spec: Mapping[str, Any]) -> list[str]:
+    """The top-level names a container spec claims (/app -> app) (pure)."""
+    dests = [spec["workdir"], *(spec.get("ro") or {}), *(spec.get("scratch") or [])]
+    return sorted({d.strip("/").split("/")[0] for d in dests})
+
+
+def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> list[tuple[str, str, str]]:
+    """The mounts of a container spec (pure): the workspace read-write at the workdir, each ro
+    source (under `base`) read-only at its path, each scratch path an empty private tmpfs."""
+    rows = [("bind", workspace, str(spec["workdir"]))]
+    rows += [("ro-bind", posixpath.join(base, src), dest)
+             for dest, src in sorted((spec.get("ro") or {}).items())]
+    rows += [("tmpfs", "", d) for d in spec.get("scratch") or []]
+    return rows
+
+
+def host_root_entries(claimed: Sequence[str]) -> list[tuple[str, str | None]]:
+    """The host's top-level names for a private root: (name, link target or None), without the
+    ones bubblewrap makes itself (proc, dev, tmp) and the ones a container spec claims."""
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(os.listdir("/")):
+        if name in ("proc", "dev", "tmp") or name in claimed:
+            continue
+        full = "/" + name
+        if os.path.islink(full):
+            out.append((name, os.readlink(full)))
+        elif os.path.isdir(full) or os.path.isfile(full):
+            out.append((name, None))
+    return out
+
+
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                  hidden: Sequence[str], ro: Sequence[str]) -> list[str]:
+                  hidden: Sequence[str], ro: Sequence[str],
+                  container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
     """The sandboxed argv of one check command: its cwd (the workspace, or the oracle's copy)
     read-write, its pristine check directories read-only, the study, the tasks and the real home
-    masked.  The environment is the caller's (credential-free) one, unchanged."""
+    masked.  The environment is the caller's (credential-free) one, unchanged.  With a
+    `container` spec (see container_rows) the cwd is also bound at the spec's workdir, where the
+    command starts, and the spec's paths are made (read-only ones from under `container_base`)."""
     homes = real_homes(env)
     tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    rows: tuple[tuple[str, str, str], ...] = ()
+    entries: tuple[tuple[str, str | None], ...] = ()
+    inner = _real(cwd)
+    if container:
+        rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
+        entries = tuple(host_root_entries(container_top_names(container)))
+        inner = str(container["workdir"])
     plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=_real(cwd))
+                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=inner,
+                       container=rows, root_entries=entries)
     return sandbox_argv(bwrap, plan, argv)
 
 
@@ -12885,6 +12980,752 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
 
 
 # ==================================================================================================
+# Interop: Inspect logs, ATIF trajectories, Harbor tasks
+# ==================================================================================================
+# Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
+# eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
+# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
+# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# read size-capped, never through a link, garbage lines counted and skipped, every number checked.
+# Must not start sessions or checks or change a study: an export only reads the study, and an import
+# writes only new task bundles (calibrate then proves them).
+
+#: A stream, prompt or system prompt larger than this is read up to it (the rest is said, not read).
+INTEROP_FILE_MAX_BYTES = 16 * 2**20
+#: A stream line longer than this is skipped as garbage (a real event is far smaller).
+INTEROP_LINE_MAX_BYTES = 2**20
+#: Events read from one stream at most; the rest is counted as left out.
+INTEROP_EVENTS_MAX = 20000
+#: One message's text (or one tool result, or one tool call's arguments as JSON) at most.
+INTEROP_TEXT_MAX_CHARS = 40000
+#: Ids (tool calls, messages) longer than this are cut: they go into names and references.
+INTEROP_ID_MAX_CHARS = 200
+#: A recorded wall time beyond this (a year) is not believed.
+MAX_WALL_S_RECORD = 366 * 86400.0
+INSPECT_LOG_VERSION = 2
+ATIF_VERSION = "ATIF-v1.8"
+EXPORT_FORMATS = ("inspect", "atif")
+
+
+def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
+    """`value` as text of at most `limit` characters (a cut says how much was left out) (pure)."""
+    text = value if isinstance(value, str) else "" if value is None else str(value)
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... {len(text) - limit} characters left out by agentbench]"
+
+
+def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
+                      ) -> tuple[bytes | None, str | None]:
+    """(up to `cap` bytes of a regular file, a problem or None), never through a link at the last
+    component, never blocking on a FIFO: (None, why) for a file that is missing, a link or special."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, f"not read ({'a link' if exc.errno == errno.ELOOP else exc.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        chunks, total = [], 0
+        while total <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > cap:
+        return data[:cap], f"cut at {cap} bytes"
+    return data, None
+
+
+def read_text_bounded(path: str | os.PathLike[str], limit: int = INTEROP_TEXT_MAX_CHARS) -> str | None:
+    data, _ = read_file_bounded(path, cap=limit * 4)
+    return None if data is None else clip_text(data.decode("utf-8", "replace"), limit)
+
+
+def stream_events(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The JSON object lines of a stream, and how many lines were garbage (not JSON, not an
+    object, too long) or beyond INTEROP_EVENTS_MAX (pure)."""
+    events: list[dict[str, Any]] = []
+    garbage = 0
+    for raw in data.split(b"\n"):
+        raw = raw.strip()
+        if not raw:
+            continue
+        if len(raw) > INTEROP_LINE_MAX_BYTES or len(events) >= INTEROP_EVENTS_MAX:
+            garbage += 1
+            continue
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            garbage += 1
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+        else:
+            garbage += 1
+    return events, garbage
+
+
+def _id_text(value: Any) -> str | None:
+    return clip_text(value, INTEROP_ID_MAX_CHARS) if isinstance(value, str) and value else None
+
+
+def _block_text(content: Any) -> str:
+    """A tool result's or user message's content (a string or a list of blocks) as text (pure)."""
+    if isinstance(content, str):
+        return clip_text(content)
+    parts = []
+    for block in content if isinstance(content, list) else []:
+        if isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text") if isinstance(block.get("text"), str) else "")
+        elif isinstance(block, dict) and isinstance(block.get("type"), str):
+            parts.append(f"[{clip_text(block['type'], 40)} content left out]")
+    return clip_text("\n".join(parts))
+
+
+def _tool_input(value: Any) -> dict[str, Any]:
+    """A tool call's arguments: a JSON object, cut to size as a whole (then {"truncated": text})."""
+    if not isinstance(value, dict):
+        return {"value": clip_text(json.dumps(json_safe(value), default=str))} if value is not None else {}
+    text = json.dumps(json_safe(value), default=str)
+    if len(text) > INTEROP_TEXT_MAX_CHARS:
+        return {"truncated": clip_text(text)}
+    return json.loads(text)
+
+
+def _usage_tokens(usage: Any) -> dict[str, int]:
+    u = usage if isinstance(usage, dict) else {}
+    return {"input": count_from(u.get("input_tokens")), "output": count_from(u.get("output_tokens")),
+            "cache_creation": count_from(u.get("cache_creation_input_tokens")),
+            "cache_read": count_from(u.get("cache_read_input_tokens"))}
+
+
+def session_items(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A session's stream as chains of items (pure): {"chains": {chain: [item]}, "model",
+    "result"}.  The main chain is "" and a sub-agent's side chain is keyed by the tool call that
+    started it (the events' parent_tool_use_id).  Items: {"type": "assistant", "text", "thinking",
+    "tool_calls": [{"id", "name", "input"}], "usage", "model"} (the events of one API message,
+    which share a message id, merged), {"type": "tool_results", "results": [{"tool_use_id",
+    "content", "is_error"}]} and {"type": "user", "text"}.  Unknown events are skipped."""
+    chains: dict[str, list[dict[str, Any]]] = {}
+    model, result = None, None
+    for ev in events:
+        kind = ev.get("type")
+        chain = _id_text(ev.get("parent_tool_use_id")) or ""
+        msg = ev.get("message") if isinstance(ev.get("message"), dict) else {}
+        content = msg.get("content")
+        items = chains.setdefault(chain, [])
+        if kind == "system" and ev.get("subtype") == "init" and isinstance(ev.get("model"), str):
+            model = model or clip_text(ev["model"], INTEROP_ID_MAX_CHARS)
+        elif kind == "assistant":
+            mid = _id_text(msg.get("id"))
+            last = items[-1] if items else None
+            if not (last and last["type"] == "assistant" and mid and last["message_id"] == mid):
+                last = {"type": "assistant", "message_id": mid, "text": "", "thinking": "", "tool_calls": [],
+                        "usage": None, "model": _id_text(msg.get("model"))}
+                items.append(last)
+            for block in content if isinstance(content, list) else []:
+                if not isinstance(block, dict):
+                    continue
+                if block.get("type") == "text" and isinstance(block.get("text"), str):
+                    last["text"] = clip_text((last["text"] + "\n" if last["text"] else "") + block["text"])
+                elif block.get("type") == "thinking" and isinstance(block.get("thinking"), str):
+                    last["thinking"] = clip_text(last["thinking"] + block["thinking"])
+                elif block.get("type") == "tool_use":
+                    call_id = _id_text(block.get("id")) or f"call-{len(last['tool_calls']) + 1}"
+                    last["tool_calls"].append({"id": call_id,
+                                               "name": clip_text(block.get("name") or "unknown", 200),
+                                               "input": _tool_input(block.get("input"))})
+            if isinstance(msg.get("usage"), dict):
+                last["usage"] = _usage_tokens(msg["usage"])
+        elif kind == "user":
+            if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
+                                                 for b in content):
+                res = [{"tool_use_id": _id_text(b.get("tool_use_id")),
+                        "content": _block_text(b.get("content")), "is_error": b.get("is_error") is True}
+                       for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+                items.append({"type": "tool_results", "results": res})
+            elif content is not None:
+                items.append({"type": "user", "text": _block_text(content)})
+        elif kind == "result":
+            result = {"usage": _usage_tokens(ev.get("usage")), "is_error": ev.get("is_error") is True,
+                      "subtype": _id_text(ev.get("subtype")), "text": clip_text(ev.get("result"))
+                      if isinstance(ev.get("result"), str) else None}
+    return {"chains": {k: v for k, v in chains.items() if v}, "model": model, "result": result}
+
+
+@dataclass(frozen=True)
+class SessionSource:
+    """One session (job) of a study as an export reads it: its record's checked fields, its
+    prompts and parsed stream, and its ledger line (None when it has none)."""
+    job_id: str
+    run_id: str | None
+    role: str
+    session_id: str | None
+    prompt: str | None
+    system_prompt: str | None
+    session: dict[str, Any]
+    garbage_lines: int
+    problems: tuple[str, ...]
+    ledger: dict[str, Any] | None
+    claude_version: str | None
+    model: str | None
+    created_at: str | None
+
+
+def _inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def iso_or_none(value: Any) -> str | None:
+    """An ISO 8601 timestamp with a zone as it is, else None (pure)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        stamp = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return value if stamp.tzinfo is not None else None
+
+
+def load_session_source(paths: StudyPaths, job_id: str, ledger: Mapping[str, Mapping[str, Any]]
+                        ) -> SessionSource:
+    """A job's session read for export: its stream from its raw directory (which must lie inside
+    the study), its prompt and system prompt, bounded; what could not be read is in `problems`."""
+    job = read_json(paths.job_file(job_id), default=None)
+    job = job if isinstance(job, dict) else {}
+    meta = job.get("meta") if isinstance(job.get("meta"), dict) else {}
+    problems: list[str] = []
+    raw_dir = job.get("raw_dir")
+    events: list[dict[str, Any]] = []
+    garbage = 0
+    if not isinstance(raw_dir, str) or not _inside(raw_dir, paths.root):
+        problems.append("the job's raw directory is not inside the study: its stream was not read")
+    else:
+        data, problem = read_file_bounded(Path(raw_dir) / "stream.jsonl")
+        if problem:
+            problems.append(f"stream.jsonl: {problem}")
+        if data:
+            events, garbage = stream_events(data)
+    run_id = meta.get("run_id")
+    run_id = run_id if isinstance(run_id, str) and NAME_RE.match(run_id) else None
+    line = ledger.get(job_id)
+    return SessionSource(
+        job_id=job_id, run_id=run_id, role=clip_text(meta.get("role") or job.get("kind") or "session", 40),
+        session_id=_id_text(job.get("session_id")),
+        prompt=read_text_bounded(paths.job_dir(job_id) / "prompt.txt"),
+        system_prompt=read_text_bounded(paths.job_dir(job_id) / "system_prompt.md"),
+        session=session_items(events), garbage_lines=garbage, problems=tuple(problems),
+        ledger=dict(line) if isinstance(line, Mapping) else None,
+        claude_version=_id_text((line or {}).get("claude_version")), model=_id_text(job.get("model")),
+        created_at=iso_or_none(job.get("created_at")))
+
+
+def ledger_by_job(paths: StudyPaths) -> dict[str, dict[str, Any]]:
+    counts: dict[str, int] = {}
+    return {str(r.get("job_id")): r for r in iter_ledger_once_per_job(paths.ledger, counts)}
+
+
+def session_cost(line: Mapping[str, Any] | None) -> tuple[float | None, dict[str, int]]:
+    """A ledger line's cost (metered by the gateway where it was, else the binary's own delta) and
+    tokens, each checked (pure)."""
+    if not line:
+        return None, {"input": 0, "output": 0, "cache_creation": 0, "cache_read": 0}
+    cost = usd_from(line.get("cost_metered_usd"))
+    if cost is None:
+        cost = usd_from(line.get("cost_delta_usd"))
+    tok = line.get("tokens") if isinstance(line.get("tokens"), dict) else {}
+    return cost, {k: count_from(tok.get(k)) for k in ("input", "output", "cache_creation", "cache_read")}
+
+
+def model_usage_of(lines: Iterable[Mapping[str, Any] | None],
+                   default_model: str) -> dict[str, dict[str, Any]]:
+    """Inspect's model_usage (model -> tokens and cost) summed over ledger lines: per model from
+    the gateway's metering, else the line's totals under its first model used (pure)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def add(model: str, tokens: Mapping[str, int], cost: float | None) -> None:
+        u = out.setdefault(model, {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                   "input_tokens_cache_write": 0, "input_tokens_cache_read": 0,
+                                   "total_cost": 0.0})
+        u["input_tokens"] += tokens["input"]
+        u["output_tokens"] += tokens["output"]
+        u["input_tokens_cache_write"] += tokens["cache_creation"]
+        u["input_tokens_cache_read"] += tokens["cache_read"]
+        u["total_tokens"] += sum(tokens.values())
+        u["total_cost"] = round(u["total_cost"] + (cost or 0.0), 6)
+    for line in lines:
+        if not line:
+            continue
+        metered = line.get("models_metered") if isinstance(line.get("models_metered"), dict) else {}
+        if metered:
+            for name, m in metered.items():
+                m = m if isinstance(m, dict) else {}
+                tok = m.get("tokens") if isinstance(m.get("tokens"), dict) else {}
+                add("anthropic/" + clip_text(name, INTEROP_ID_MAX_CHARS),
+                    {k: count_from(tok.get(k)) for k in ("input", "output", "cache_creation", "cache_read")},
+                    usd_from(m.get("cost_usd")))
+            continue
+        used = line.get("models_used") if isinstance(line.get("models_used"), list) else []
+        name = (clip_text(used[0], INTEROP_ID_MAX_CHARS) if used and isinstance(used[0], str)
+                else default_model)
+        cost, tokens = session_cost(line)
+        add(name if name.startswith("anthropic/") else "anthropic/" + name, tokens, cost)
+    return out
+
+
+# -- ATIF trajectories -----------------------------------------------------------------------------
+
+def _atif_metrics(usage: Mapping[str, int] | None) -> dict[str, int] | None:
+    if not usage:
+        return None
+    return {"prompt_tokens": usage["input"] + usage["cache_creation"] + usage["cache_read"],
+            "completion_tokens": usage["output"], "cached_tokens": usage["cache_read"]}
+
+
+def atif_steps(items: Sequence[Mapping[str, Any]], model: str | None,
+               sub_refs: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """ATIF steps of one chain (pure), numbered from 1: an assistant message is an agent step with
+    its tool calls, and the tool results that answer them become that step's observation (a result
+    of a sub-agent's call refers to the sub-agent's embedded trajectory by `sub_refs`); a user
+    message is a user step; results that answer no call of the step before are a system step.
+    Also the notes on what was moved."""
+    steps: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for item in items:
+        if item["type"] == "assistant":
+            step: dict[str, Any] = {"step_id": len(steps) + 1, "source": "agent", "message": item["text"]}
+            if item.get("model") or model:
+                step["model_name"] = item.get("model") or model
+            if item["thinking"]:
+                step["reasoning_content"] = item["thinking"]
+            if item["tool_calls"]:
+                step["tool_calls"] = [{"tool_call_id": c["id"], "function_name": c["name"],
+                                       "arguments": c["input"]} for c in item["tool_calls"]]
+            metrics = _atif_metrics(item.get("usage"))
+            if metrics:
+                step["metrics"] = metrics
+            steps.append(step)
+        elif item["type"] == "tool_results":
+            last = steps[-1] if steps else None
+            calls = {c["tool_call_id"] for c in (last or {}).get("tool_calls") or []}
+            target = last if last is not None and last["source"] == "agent" and calls else None
+            if target is None:
+                target = {"step_id": len(steps) + 1, "source": "system", "message": "Tool results."}
+                steps.append(target)
+                notes.append(f"step {target['step_id']}: tool results without a call before them")
+            results = target.setdefault("observation", {"results": []})["results"]
+            for r in item["results"]:
+                res: dict[str, Any] = {"content": r["content"]}
+                if r["tool_use_id"] in calls:
+                    res["source_call_id"] = r["tool_use_id"]
+                if r["tool_use_id"] in sub_refs:
+                    res["subagent_trajectory_ref"] = [{"trajectory_id": sub_refs[r["tool_use_id"]]}]
+                if r["is_error"]:
+                    res["extra"] = {"is_error": True}
+                results.append(res)
+        else:
+            steps.append({"step_id": len(steps) + 1, "source": "user", "message": item["text"]})
+    return steps, notes
+
+
+def atif_trajectory(src: SessionSource, *, version: str, continued_from: str | None = None
+                    ) -> dict[str, Any]:
+    """One session as an ATIF trajectory (pure): its system prompt and prompt as the first steps,
+    its main chain's messages, every sub-agent side chain as an embedded sub-trajectory referred
+    to from the result of the tool call that started it, tokens per step, and the ledger's tokens
+    and (metered) cost as final_metrics."""
+    session = src.session
+    model = session.get("model") or src.model
+    agent = {"name": "claude-code", "version": src.claude_version or "unknown"}
+    if model:
+        agent["model_name"] = model
+    chains = session["chains"]
+    sub_refs = {chain: f"{src.job_id}:{chain}" for chain in chains if chain}
+    head: list[dict[str, Any]] = []
+    if src.system_prompt:
+        head.append({"source": "system", "message": src.system_prompt})
+    if src.prompt:
+        head.append({"source": "user", "message": src.prompt})
+    body, notes = atif_steps(chains.get("", []), model, sub_refs)
+    answered = {r.get("source_call_id") for s in body
+                for r in (s.get("observation") or {}).get("results", [])}
+    for chain, ref in sub_refs.items():   # a sub-agent whose call has no result yet: refer from its call
+        if chain in answered:
+            continue
+        for s in body:
+            if any(c["tool_call_id"] == chain for c in s.get("tool_calls") or []):
+                s.setdefault("observation", {"results": []})["results"].append(
+                    {"source_call_id": chain, "subagent_trajectory_ref": [{"trajectory_id": ref}]})
+                break
+        else:
+            notes.append(f"sub-agent chain {chain} has no tool call in the main chain")
+    steps = head + body
+    for i, s in enumerate(steps, 1):
+        s["step_id"] = i
+    if not steps:
+        steps = [{"step_id": 1, "source": "system", "message": "The session's stream held no messages."}]
+        notes.append("empty session")
+    subs = []
+    for chain, ref in sub_refs.items():
+        sub_steps, sub_notes = atif_steps(chains[chain], model, {})
+        subs.append({"schema_version": version, "session_id": src.session_id, "trajectory_id": ref,
+                     "agent": {**agent, "extra": {"side_chain_of_tool_call": chain}}, "steps": sub_steps,
+                     **({"notes": "; ".join(sub_notes)} if sub_notes else {})})
+    cost, tokens = session_cost(src.ledger)
+    if src.ledger is None and session.get("result"):
+        tokens = session["result"]["usage"]
+    final = {"total_prompt_tokens": tokens["input"] + tokens["cache_creation"] + tokens["cache_read"],
+             "total_completion_tokens": tokens["output"], "total_cached_tokens": tokens["cache_read"],
+             "total_steps": len(steps)}
+    if cost is not None:
+        final["total_cost_usd"] = cost
+    if src.garbage_lines:
+        notes.append(f"{src.garbage_lines} stream lines were not events and were skipped")
+    notes += list(src.problems)
+    metered = bool(src.ledger and usd_from(src.ledger.get("cost_metered_usd")) is not None)
+    out: dict[str, Any] = {"schema_version": version, "session_id": src.session_id,
+                           "trajectory_id": src.job_id, "agent": agent, "steps": steps,
+                           "final_metrics": final,
+                           "extra": {"agentbench_version": VERSION, "job_id": src.job_id,
+                                     "run_id": src.run_id, "role": src.role, "cost_metered": metered,
+                                     "is_error": bool((session.get("result") or {}).get("is_error"))}}
+    if continued_from:
+        out["continued_trajectory_ref"] = continued_from
+    if notes:
+        out["notes"] = clip_text("; ".join(notes), 4000)
+    if subs:
+        out["subagent_trajectories"] = subs
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def study_job_ids(paths: StudyPaths) -> list[str]:
+    try:
+        names = os.listdir(paths.jobs)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if JOB_ID_RE.match(n))
+
+
+def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """Every session of the study as <out>/<run id or _sessions>/<job id>/trajectory.json; a
+    session resumed from an earlier one of the same run refers to it (continued_trajectory_ref)."""
+    ledger = ledger_by_job(paths)
+    planned: list[tuple[Path, dict[str, Any]]] = []
+    last_of_session: dict[tuple[str, str], str] = {}
+    for jid in study_job_ids(paths):
+        src = load_session_source(paths, jid, ledger)
+        group = src.run_id or "_sessions"
+        key = (group, src.session_id or "")
+        prev = last_of_session.get(key) if src.session_id else None
+        traj = atif_trajectory(src, version=ATIF_VERSION,
+                               continued_from=f"../{prev}/trajectory.json" if prev else None)
+        last_of_session[key] = jid
+        planned.append((out / group / jid / "trajectory.json", traj))
+    for path, traj in planned:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, traj)
+    return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
+            "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
+            "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
+            "sessions_with_problems": sorted(t["trajectory_id"] for _, t in planned if t.get("notes"))}
+
+
+# -- Inspect eval logs -----------------------------------------------------------------------------
+
+def inspect_messages(sources: Sequence[SessionSource], run_id: str) -> list[dict[str, Any]]:
+    """A run's chat in Inspect's message shapes (pure): the first session's system prompt, then per
+    session (executor, gate feedback, reviewer, repair...) its prompt as a user message marked with
+    its role, and its main chain's assistant messages, tool calls and tool results.  Sub-agent side
+    chains are left out here (the ATIF export keeps them)."""
+    msgs: list[dict[str, Any]] = []
+
+    def add(msg: dict[str, Any]) -> None:
+        msg["id"] = f"{run_id}-m{len(msgs) + 1}"
+        msgs.append(msg)
+    for src in sources:
+        tag = {"agentbench_role": src.role, "job_id": src.job_id}
+        if not msgs and src.system_prompt:
+            add({"role": "system", "content": src.system_prompt, "source": "input", "metadata": tag})
+        if src.prompt:
+            add({"role": "user", "content": src.prompt, "source": "input", "metadata": tag})
+        names: dict[str, str] = {}
+        model = src.session.get("model") or src.model
+        for item in src.session["chains"].get("", []):
+            if item["type"] == "assistant":
+                calls = [{"id": c["id"], "function": c["name"], "arguments": c["input"], "type": "function"}
+                         for c in item["tool_calls"]]
+                names.update({c["id"]: c["name"] for c in item["tool_calls"]})
+                msg: dict[str, Any] = {"role": "assistant", "content": item["text"], "source": "generate",
+                                       "metadata": tag}
+                if calls:
+                    msg["tool_calls"] = calls
+                if item.get("model") or model:
+                    msg["model"] = "anthropic/" + str(item.get("model") or model)
+                add(msg)
+            elif item["type"] == "tool_results":
+                for r in item["results"]:
+                    msg = {"role": "tool", "content": r["content"], "tool_call_id": r["tool_use_id"],
+                           "function": names.get(r["tool_use_id"] or ""), "metadata": tag}
+                    if r["is_error"]:
+                        msg["error"] = {"type": "unknown", "message": clip_text(r["content"], 2000)}
+                    add(msg)
+            else:
+                add({"role": "user", "content": item["text"], "source": "input", "metadata": tag})
+    return msgs
+
+
+def _sample_scores(run: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    ev = run.get("evaluation") if isinstance(run.get("evaluation"), dict) else {}
+    outcome = clip_text(run.get("outcome") or run.get("status") or "unknown", 80)
+    scores: dict[str, dict[str, Any]] = {}
+    score = finite_number(ev.get("score"), lo=0.0, hi=1.0)
+    if score is not None:
+        counts = {k: ev.get(k) for k in ("tests_passed", "tests_total") if isinstance(ev.get(k), int)}
+        scores["hidden_tests"] = {"value": score, "answer": outcome,
+                                  "explanation": f"hidden tests: score {score:g}, threshold "
+                                                 f"{finite_number(ev.get('threshold'), lo=0, hi=1)}",
+                                  "metadata": {**counts, "grader_error": (
+                                      clip_text(ev.get("grader_error"), 2000) if ev.get("grader_error")
+                                      else None)}}
+    scores["success"] = {"value": 1.0 if ev.get("success") is True else 0.0, "answer": outcome,
+                         "explanation": "hidden tests passed at the threshold" if ev.get("success") is True
+                         else f"not a success: {outcome}"}
+    validity = clip_text(run.get("validity") or "unlabelled", 80)
+    scores["validity"] = {"value": validity,
+                          "explanation": clip_text(run.get("validity_reason") or validity, 2000)}
+    return scores
+
+
+def inspect_sample(run: Mapping[str, Any], sources: Sequence[SessionSource], sample_id: str, epoch: int,
+                   model: str) -> dict[str, Any]:
+    """One run as an Inspect sample (pure): its chat, scores, the audit findings and the
+    pair/block ids in metadata, its tokens and metered cost as model_usage."""
+    msgs = inspect_messages(sources, str(run.get("run_id")))
+    audit = run.get("audit") if isinstance(run.get("audit"), dict) else {}
+    findings = audit.get("findings") if isinstance(audit.get("findings"), list) else []
+    usage = model_usage_of([s.ledger for s in sources], model)
+    cost = round(math.fsum(u["total_cost"] for u in usage.values()), 6)
+    meta = {"run_id": run.get("run_id"), "arm": run.get("arm"), "task": run.get("task"),
+            "repeat": run.get("repeat"), "split": run.get("split"), "block": run.get("block"),
+            "pair": f"{run.get('split')}/{run.get('task')}/repeat-{run.get('repeat')}",
+            "order_in_block": run.get("order_in_block"), "status": run.get("status"),
+            "outcome": run.get("outcome"), "validity": run.get("validity"),
+            "validity_reason": run.get("validity_reason"), "failure_reason": run.get("failure_reason"),
+            "gate_cycles": run.get("gate_cycles"), "gates": run.get("gates"),
+            "review_verdicts": run.get("review_verdicts"), "fault": run.get("fault"),
+            "audit_findings": findings[:200], "audit_flagged": audit.get("flagged"),
+            "sandbox": run.get("sandbox"), "cost_usd_metered": cost,
+            "cost_usd_reported": usd_from(run.get("cost_usd")), "cost_estimated": run.get("cost_estimated"),
+            "sessions": [{"job_id": s.job_id, "role": s.role, "session_id": s.session_id,
+                          "problems": list(s.problems), "garbage_lines": s.garbage_lines} for s in sources]}
+    meta = json_safe(meta)
+    last = next((m for m in reversed(msgs) if m["role"] == "assistant"), None)
+    output: dict[str, Any] = {"model": model, "choices": [], "completion": ""}
+    if last:
+        output["choices"] = [{"message": last, "stop_reason": "stop"}]
+        output["completion"] = last["content"]
+    started, finished = iso_or_none(run.get("started_at")), iso_or_none(run.get("finished_at"))
+    wall = finite_number(run.get("wall_s"), lo=0.0, hi=MAX_WALL_S_RECORD)
+    inp = next((s.prompt for s in sources if s.prompt), None) or clip_text(run.get("task") or "")
+    error = None
+    if run.get("status") == "error":
+        text = clip_text(run.get("error") or run.get("failure_reason") or "the run ended in error", 4000)
+        error = {"message": text, "traceback": text, "traceback_ansi": text}
+    sample = {"id": sample_id, "epoch": epoch, "input": inp,
+              "target": "the hidden tests pass at the task's threshold", "messages": msgs, "output": output,
+              "scores": _sample_scores(run), "metadata": meta, "store": {}, "events": [],
+              "model_usage": usage, "started_at": started, "completed_at": finished, "total_time": wall,
+              "working_time": wall, "error": error, "attachments": {},
+              "uuid": hashlib.sha256(f"{sample_id}/{epoch}/{run.get('run_id')}".encode()).hexdigest()[:22]}
+    return {k: v for k, v in sample.items() if v is not None}
+
+
+INSPECT_SUMMARY_KEYS = ("id", "epoch", "input", "target", "metadata", "scores", "model_usage", "started_at",
+                        "completed_at", "total_time", "working_time", "uuid")
+
+
+def inspect_summary(sample: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: sample[k] for k in INSPECT_SUMMARY_KEYS if k in sample}
+    out["completed"] = True
+    out["message_count"] = len(sample.get("messages") or [])
+    if sample.get("error"):
+        out["error"] = sample["error"]["message"]
+    return out
+
+
+def _metric(name: str, value: float) -> dict[str, Any]:
+    return {"name": name, "value": round(value, 6), "params": {}}
+
+
+def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int) -> dict[str, Any]:
+    """The log's results (pure): per scorer the mean (and for validity the valid share)."""
+    scores = []
+    for name in ("hidden_tests", "success"):
+        vals = [s["scores"][name]["value"] for s in samples if name in s["scores"]]
+        scores.append({"name": name, "scorer": name, "scored_samples": len(vals),
+                       "unscored_samples": len(samples) - len(vals), "params": {},
+                       "metrics": {"mean": _metric("mean", math.fsum(vals) / len(vals) if vals else 0.0)}})
+    labels = [s["scores"]["validity"]["value"] for s in samples]
+    scores.append({"name": "validity", "scorer": "validity", "scored_samples": len(labels),
+                   "unscored_samples": 0, "params": {},
+                   "metrics": {"valid": _metric("valid", sum(1 for v in labels if v == "valid") / len(labels)
+                                                if labels else 0.0)}})
+    return {"total_samples": len(samples), "completed_samples": completed, "scores": scores}
+
+
+def study_status(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The study's progress in words Inspect knows (pure): "success" once every run has ended
+    (finished, error or interrupted), "started" while some have not; the counts by status."""
+    by: dict[str, int] = {}
+    for r in runs:
+        key = str(r.get("status") or "unknown")[:40]
+        by[key] = by.get(key, 0) + 1
+    done = bool(runs) and all(r.get("status") in RUN_FINAL for r in runs)
+    return {"inspect_status": "success" if done else "started", "runs_by_status": dict(sorted(by.items())),
+            "complete": done}
+
+
+def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, int]]:
+    """run id -> (sample id, epoch) (pure): the task and the repeat; when one arm holds the same
+    task and repeat in several splits, the id also names the split."""
+    seen: dict[tuple[str, str, int], int] = {}
+    for r in runs:
+        key = (str(r.get("arm")), str(r.get("task")), int(count_from(r.get("repeat"), hi=10**6)))
+        seen[key] = seen.get(key, 0) + 1
+    out = {}
+    for r in runs:
+        rep = int(count_from(r.get("repeat"), hi=10**6))
+        key = (str(r.get("arm")), str(r.get("task")), rep)
+        sid = str(r.get("task")) if seen[key] == 1 else f"{r.get('task')}.{r.get('split')}"
+        out[str(r["run_id"])] = (sid, max(1, rep))
+    return out
+
+
+def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
+                runs: Sequence[Mapping[str, Any]], samples: Sequence[dict[str, Any]],
+                status: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+    """An arm's eval log header (the log without its samples) (pure).  The key order is the one
+    inspect-ai writes."""
+    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    starts = sorted(s for s in (iso_or_none(r.get("started_at")) for r in runs) if s)
+    ends = sorted(s for s in (iso_or_none(r.get("finished_at")) for r in runs) if s)
+    created = starts[0] if starts else utc_now()
+    eval_id = hashlib.sha256(f"{run_id}/{arm}".encode()).hexdigest()[:22]
+    usage: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        for name, u in s["model_usage"].items():
+            tot = usage.setdefault(name, {k: 0 for k in u})
+            for k, v in u.items():
+                tot[k] = round(tot[k] + v, 6) if k == "total_cost" else tot[k] + v
+    completed = sum(1 for r in runs if r.get("status") in RUN_FINAL)
+    arm_meta = {"name": arm, "gate_cycles": arm_cfg.get("gate_cycles", 0),
+                "review": bool(arm_cfg.get("review")), "preamble": arm_cfg.get("preamble"),
+                "fork_base": bool(arm_cfg.get("fork_base"))}
+    plan_steps = (["executor"] + (["gate_feedback"] if arm_meta["gate_cycles"] else [])
+                  + (["reviewer", "repair"] if arm_meta["review"] else []))
+    return {
+        "version": INSPECT_LOG_VERSION, "status": status["inspect_status"],
+        "eval": {"eval_id": eval_id, "run_id": run_id, "created": created, "task": arm, "task_id": eval_id,
+                 "task_version": 0, "task_display_name": f"{study_name}: arm {arm}", "task_attribs": {},
+                 "task_args": {}, "task_args_passed": {}, "solver": f"agentbench/{arm}",
+                 "solver_args": json_safe(arm_meta), "tags": ["agentbench", f"arm:{arm}"],
+                 "dataset": {"name": study_name, "samples": len(samples),
+                             "sample_ids": sorted({s["id"] for s in samples})},
+                 "model": model, "model_generate_config": {}, "model_args": {},
+                 "config": {"epochs": max((s["epoch"] for s in samples), default=1)},
+                 "packages": {"agentbench": VERSION},
+                 "metadata": json_safe({"agentbench": {"study": study_name, "arm": arm_meta,
+                                                       "study_status": status, "seed": cfg.get("seed"),
+                                                       "effort": cfg.get("effort")}})},
+        "plan": {"name": "plan", "steps": [{"solver": s, "params": {}} for s in plan_steps], "config": {}},
+        "results": inspect_results(samples, completed),
+        "stats": {"started_at": created, "completed_at": ends[-1] if ends and status["complete"] else "",
+                  "model_usage": usage},
+        "tags": [], "metadata": {}}
+
+
+def _inspect_stamp(created: str) -> str:
+    stamp = datetime.datetime.fromisoformat(created.replace("Z", "+00:00")).astimezone(datetime.timezone.utc)
+    return stamp.strftime("%Y-%m-%dT%H-%M-%S+00-00")
+
+
+def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> None:
+    """An `.eval` file as inspect-ai lays it out, written aside and renamed into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("header.json", json.dumps(header, allow_nan=False))
+            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            for s in samples:
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def export_inspect(study: Study, out: Path) -> dict[str, Any]:
+    """One Inspect eval log per arm: every run of the arm a sample (see inspect_sample)."""
+    paths, cfg = study.paths, study.cfg
+    arms_cfg = cfg.get("arms") if isinstance(cfg.get("arms"), dict) else {}
+    runs = [load_run(paths, r) for r in all_run_ids(paths)]
+    ids = inspect_sample_ids(runs)
+    ledger = ledger_by_job(paths)
+    status = study_status(runs)
+    run_id = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:22]
+    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    logs = []
+    for arm, arm_cfg in arms_cfg.items():
+        arm_runs = [r for r in runs if r.get("arm") == arm]
+        samples = []
+        for r in arm_runs:
+            jobs = [j for j in r.get("jobs") or [] if isinstance(j, dict)
+                    and isinstance(j.get("job_id"), str) and JOB_ID_RE.match(j["job_id"])]
+            sources = [load_session_source(paths, j["job_id"], ledger) for j in jobs]
+            sid, epoch = ids[str(r["run_id"])]
+            samples.append(inspect_sample(r, sources, sid, epoch, model))
+        header = inspect_log(paths.root.name, arm, arm_cfg if isinstance(arm_cfg, dict) else {}, cfg,
+                             arm_runs, samples, status, run_id)
+        name = f"{_inspect_stamp(header['eval']['created'])}_{arm}_{header['eval']['eval_id']}.eval"
+        logs.append((out / name, header, samples))
+    for path, header, samples in logs:
+        write_eval_zip(path, header, samples)
+    listed = [{"file": p.name, "arm": h["eval"]["task"], "samples": len(s),
+               "cost_usd": round(math.fsum(u["total_cost"] for u in h["stats"]["model_usage"].values()), 6)}
+              for p, h, s in logs]
+    return {"format": "inspect", "out": str(out), "status": status["inspect_status"],
+            "study_status": status, "logs": listed,
+            "next": f"inspect view --log-dir {out}"}
+
+
+def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
+    """`export`: the study in another tool's format under `out` (made if missing; files of the same
+    names are replaced, so a second export of an unchanged study gives the same files)."""
+    if fmt not in EXPORT_FORMATS:
+        raise AgentbenchError("unknown export format", code="unknown_export_format", format=fmt,
+                              formats=list(EXPORT_FORMATS))
+    if out.exists() and not out.is_dir():
+        raise AgentbenchError("--out is not a directory", code="export_out_not_a_directory", out=str(out),
+                              hint="name a new or existing directory")
+    if _inside(out, study.paths.root / STATE_DIR) or _inside(out, study.paths.runs):
+        raise AgentbenchError("--out lies inside the study's state or runs", code="export_out_inside_study",
+                              out=str(out),
+                              hint="export to a directory outside <study>/state and <study>/runs")
+    study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
+    out.mkdir(parents=True, exist_ok=True)
+    return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
+
+
+# ==================================================================================================
 # The CLI and main
 # ==================================================================================================
 # Argument parsing (a parser that raises instead of printing or exiting), the command table, the
@@ -13777,6 +14618,23 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "arms": out["arms"], "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
             "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
+
+
+# -- interop: export and import-tasks -------------------------------------------------------------
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+    p.add_argument("--out", required=True, help="directory to write into (made if missing)")
+
+
+@command("export", "the study as Inspect eval logs (one per arm) or ATIF trajectories (one per session)",
+         mutating=False)
+@args_of(_export_args)
+def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    return export_study(load_study(ctx.study(args)), args.format,
+                        Path(ctx.platform.normalize_path(args.out)).absolute())
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------
