@@ -7086,11 +7086,19 @@ class Task:
     spec: dict[str, Any]
     bundle_sha256: str
     public_manifest: dict[str, str]
+    #: task.json `reference` (a script run in a copy of the workspace), None: reference/ is an overlay.
+    reference_spec: dict[str, Any] | None = None
+    #: A script reference's effect as an overlay (files it wrote), made for a rehearsal.
+    overlay: Path | None = None
 
     @property
     def public(self) -> Path: return self.root / "public"
     @property
     def reference(self) -> Path: return self.root / "reference"
+    @property
+    def reference_files(self) -> Path:
+        """The files a rehearsed agent writes: the overlay (reference/, or a script's effect)."""
+        return self.overlay or self.reference
     @property
     def partial(self) -> Path: return self.root / "partial"
     @property
@@ -7143,6 +7151,13 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
         raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
                               code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
+    if spec.get("container") is not None:
+        problem = container_spec_problem(spec["container"])
+        if problem:
+            raise AgentbenchError(f"task {which}.container cannot be used: {problem}",
+                                  code="task_container_spec_invalid", task=task_id,
+                                  hint='e.g. {"workdir": "/app", "ro": {"/tests": "tests"}, '
+                                       '"scratch": ["/logs/verifier"]}')
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
         if not is_number(th) or not 0 < th <= 1:
@@ -7184,9 +7199,15 @@ def load_task(root: Path) -> Task:
                                   task=tid, path=str(root / sub))
     gate = _check_cmd(tid, "gate", spec["gate"])
     oracle = _check_cmd(tid, "oracle", spec["oracle"])
+    ref_spec = None
+    if spec.get("reference") is not None:
+        ref_spec = _check_cmd(tid, "reference", spec["reference"])
+        if not (root / "reference").is_dir():
+            raise AgentbenchError("task.json names a reference script but the bundle lacks reference/",
+                                  code="task_bundle_lacks", task=tid, path=str(root / "reference"))
     bundle = tree_manifest(root)
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public"))
+                tree_manifest(root / "public"), ref_spec)
 
 
 def task_text(task: Task) -> str:
@@ -7499,6 +7520,13 @@ def _not_for_the_oracle_copy(directory: str, names: list[str]) -> set[str]:
     return out
 
 
+def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, Any]) -> str:
+    """Why a command with a container spec cannot run here (pure)."""
+    paths = [container["workdir"], *(container.get("ro") or {}), *(container.get("scratch") or [])]
+    return (f"it needs the container paths {', '.join(paths)}, which only the bubblewrap sandbox gives, "
+            f"and this one runs unsandboxed ({sandbox.get('reason') or sandbox.get('kind')})")
+
+
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
               env: Mapping[str, str]) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
@@ -7520,6 +7548,21 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    container = spec.get("container")
+    cenv, _ = check_env(env)
+    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+    if container and sandbox["kind"] != "bwrap":
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rec = receipt_verdict(None, CHECK_CANNOT_RUN_CODES[1], False, which=which)
+        rec.update({"grader_error": container_unavailable(container, sandbox),
+                    "sandbox": sandbox_record(sandbox), "which": which, "exit_code": None, "timed_out": False,
+                    "output_capped": False, "wall_s": 0.0, "stdout_tail": "", "stderr_tail": "",
+                    "at": utc_now(), "receipt_channel": "none",
+                    "receipt_protected": False})
+        if which == "oracle":
+            rec.update({"success": False, "threshold": task.threshold})
+        return rec
     uses_fd = any("{" + RECEIPT_FD_PLACEHOLDER + "}" in a for a in spec["cmd"])
     # The channel is a socket pair, not a pipe: a pipe can be opened again through
     # /proc/<check>/fd/N by any process of the same user (the code under test among them, which
@@ -7528,14 +7571,14 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     channel = b""
     try:
-        argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir,
-                          **({"receipt_fd": str(wfd)} if uses_fd else {}))
-        cenv, _ = check_env(env)
-        sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+        argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
+                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
         if sandbox["kind"] == "bwrap":
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
-                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []))
+                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
+                                 container=container,
+                                 container_base=gate_dir if which == "gate" else oracle_dir)
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
                           pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
         if uses_fd:
@@ -7573,6 +7616,67 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     return rec
 
 
+def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str,
+                    env: Mapping[str, str]) -> str | None:
+    """Put the task's reference solution into the workspace `ws` (a copy the caller owns); the
+    problem, or None.  An overlay (reference/) is copied onto it; a script (task.json `reference`)
+    runs in it like a check: credential-free, sandboxed, {reference} naming a pristine copy of
+    reference/ (read-only), or with a container spec the workspace at its workdir."""
+    spec = task.reference_spec
+    if spec is None:
+        copy_tree(task.reference, ws)
+        return None
+    ref_dir = str(pristine_copy(paths, task, "reference"))
+    container = spec.get("container")
+    cenv, _ = check_env(env)
+    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+    if container and sandbox["kind"] != "bwrap":
+        return f"the reference script cannot run: {container_unavailable(container, sandbox)}"
+    argv = [a.replace("{reference}", ref_dir) for a in
+            expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
+                       gate="<gate-not-available>", oracle="<oracle-not-available>")]
+    if sandbox["kind"] == "bwrap":
+        argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
+                             hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
+                             container=container, container_base=ref_dir)
+    timeout = check_timeout_s(spec, "reference")
+    res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform)
+    if res.timed_out:
+        return f"the reference script timed out after {timeout:g} s"
+    if res.returncode != 0:
+        return f"the reference script exited {res.returncode}: {(res.stderr or res.stdout)[-300:]}"
+    return None
+
+
+def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> Task:
+    """The task with a script reference's effect as an overlay (`overlay`: every file the script
+    added or changed, as text), for a rehearsal whose scripted agent writes files; kept under the
+    study's state by bundle hash.  An overlay reference, or a script that fails, leaves it as it is
+    (calibration says why)."""
+    if task.reference_spec is None:
+        return task
+    dst = paths.state / "pristine" / task.id / task.bundle_sha256[:16] / "reference-overlay"
+    if not dst.is_dir():
+        with tempfile.TemporaryDirectory(prefix=f"ab-ref-{task.id}-") as tmp:
+            ws = os.path.join(tmp, "ws")
+            copy_tree(task.public, ws)
+            if apply_reference(paths, platform, task, ws, env):
+                return task
+            after = tree_manifest(ws)
+            staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
+            for rel, digest in after.items():
+                changed = task.public_manifest.get(rel) != digest
+                if changed and not digest.startswith(("symlink:", "special:")):
+                    (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+            staged.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(staged, dst)
+            except OSError:
+                shutil.rmtree(staged, ignore_errors=True)
+    return dataclasses.replace(task, overlay=dst)
+
+
 # -- calibration -----------------------------------------------------------------------------------
 
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
@@ -7592,7 +7696,11 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             for i in (1, 2):
                 ws = os.path.join(tmp, f"ref{i}")
                 copy_tree(task.public, ws)
-                copy_tree(task.reference, ws)
+                failed = apply_reference(paths, platform, task, ws, env)
+                if failed:
+                    problems.append(f"attempt {i}: {failed}")
+                    runs.append({"attempt": i, "reference_problem": failed})
+                    continue
                 g = run_check(paths, platform, task, "gate", ws, env)
                 o = run_check(paths, platform, task, "oracle", ws, env)
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
@@ -7616,6 +7724,10 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             if partial_gate:
                 problems.append("the gate passes on starter + partial/ (it must fail, or rehearsed gate "
                                 "cycles never happen)")
+    lost = task.spec.get("not_carried_over")
+    if problems and isinstance(lost, list) and lost:
+        problems.append("the task was imported and this host lacks what its environment gave it: "
+                        + "; ".join(str(x)[:200] for x in lost[:20]))
     return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
             "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
             "at": utc_now()}
@@ -12521,7 +12633,7 @@ def _test_step(ws: str) -> dict[str, Any]:
 def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> dict[str, Any]:
     """The executor's scripted steps across all its turns (first prompt, feedback, repair)."""
     public = set(task.public_manifest)
-    ref = _overlay_files(task.reference)
+    ref = _overlay_files(task.reference_files)
     partial = _overlay_files(task.partial)
     steps: list[dict[str, Any]] = [{"text": "Reading the task.",
                                     "tool_uses": [{"name": "Read",
@@ -12555,7 +12667,7 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
         steps.append({"text": "I wrote a first version; it may not cover every case yet."})
         known |= set(partial)
     steps += _read_steps(ws, [r for r in ref if r in known])
-    steps.append(_write_step(ws, task.reference, ref, "Writing the solution."))
+    steps.append(_write_step(ws, task.reference_files, ref, "Writing the solution."))
     steps.append(_test_step(ws))
     steps.append({"text": "Done: the solution is written and the public tests pass."})
     if arm.review:
@@ -12565,7 +12677,7 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
 
 
 def reviewer_script(task: Task, work_dir: str, review_path: str, verdict: str) -> dict[str, Any]:
-    files = _overlay_files(task.reference) or sorted(task.public_manifest)
+    files = _overlay_files(task.reference_files) or sorted(task.public_manifest)
     review = {"verdict": verdict,
               "findings": ([{"severity": "minor", "file": files[0],
                              "detail": "Re-run the public tests and confirm the edge cases named in "
@@ -12748,7 +12860,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
             if any(a.fork_base for a in arms.values()):
                 for t in tasks.values():
                     train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
-            scripts = RehearsalScripts(server, sp, tasks, arms, behaviours or {})
+            solved = {k: reference_overlay(sp, ctx.platform, t, ctx.env) for k, t in tasks.items()}
+            scripts = RehearsalScripts(server, sp, solved, arms, behaviours or {})
             opts = PipelineOptions(env_extra=env_extra, script_for=scripts,
                                    driver=driver, progress=progress, rehearsal=True)
             driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
@@ -13725,6 +13838,436 @@ def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
     return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
 
 
+# -- Harbor tasks ----------------------------------------------------------------------------------
+# A Harbor task directory: instruction.md, task.toml, environment/ (a Dockerfile or compose file and
+# the files it copies), tests/test.sh (writes /logs/verifier/reward.txt, one number, or reward.json,
+# a dict of numbers), solution/solve.sh.  It becomes a bundle: TASK.md and the starter files in
+# public/, a syntax gate (Harbor tasks have no public checks), the tests and a harness in oracle/
+# (run with the container paths bound: the workspace at the workdir, /tests read-only, an empty
+# /logs/verifier), solve.sh as a reference script.  What needs the image is listed, not faked.
+
+#: A Harbor task directory larger than this (or with more files) is refused as not a task.
+HARBOR_TASK_MAX_BYTES = 64 * 2**20
+HARBOR_TASK_MAX_FILES = 5000
+HARBOR_DEFAULT_WORKDIR = "/app"
+HARBOR_VERIFIER_TIMEOUT_S = 600.0
+HARBOR_REQUIRED = ("instruction.md", "task.toml", "tests/test.sh", "solution/solve.sh", "environment")
+#: Files of environment/ that describe the image rather than belong in it.
+HARBOR_IMAGE_FILES = frozenset({"Dockerfile", "docker-compose.yaml", "docker-compose.yml", "compose.yaml",
+                                "compose.yml", ".dockerignore"})
+
+#: The oracle harness of an imported task (written into oracle/harbor_verifier.py).  It runs the
+#: task's tests/test.sh as the Harbor verifier does, in the workdir, with nothing of its own open
+#: to the test (the receipt channel is closed in the child), then reads the reward the tests wrote
+#: and writes one receipt line on the channel.
+HARBOR_VERIFIER_PY = '''"""agentbench's harness for an imported Harbor task: run /tests/test.sh in the
+workdir, read the reward it wrote under /logs/verifier and write one JSON receipt on the receipt channel.
+Usage: harbor_verifier.py RECEIPT_FD WORKDIR THRESHOLD"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+fd, workdir, threshold = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+logs = "/logs/verifier"
+proc = subprocess.run(["bash", "/tests/test.sh"], cwd=workdir, stdin=subprocess.DEVNULL,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True)
+sys.stdout.write(proc.stdout.decode("utf-8", "replace")[-20000:])
+reward, problem, raw = 0.0, None, None
+
+
+def read(name):
+    path = os.path.join(logs, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        return fh.read(65536).decode("utf-8", "replace")
+
+
+text = read("reward.txt")
+if text is not None:
+    raw = text.strip()
+    try:
+        reward = float(raw)
+    except ValueError:
+        problem = "reward.txt does not hold one number"
+else:
+    text = read("reward.json")
+    if text is None:
+        problem = "the tests wrote no reward.txt or reward.json under /logs/verifier"
+    else:
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raw = None
+        nums = raw if isinstance(raw, dict) else {}
+        vals = [v for v in nums.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if not nums or len(vals) != len(nums):
+            problem = "reward.json is not an object of numbers"
+        else:
+            reward = float(nums["reward"]) if "reward" in nums else sum(vals) / len(vals)
+if problem is None and not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
+    problem = "the reward is not a number in [0, 1]"
+score = reward if problem is None else 0.0
+passed = problem is None and score >= threshold
+receipt = {"passed": passed, "score": score, "harbor_reward": raw if isinstance(raw, (str, dict)) else None,
+           "checks": [{"id": "test.sh", "passed": proc.returncode == 0,
+                       "detail": "exit %d" % proc.returncode},
+                      {"id": "reward", "passed": passed, "detail": problem or "reward %g" % reward}]}
+os.write(fd, (json.dumps(receipt) + "\\n").encode())
+os.close(fd)
+sys.exit(0 if passed else 1)
+'''
+
+#: The gate of an imported task (gate/syntax_gate.py): Harbor tasks have no public checks, so the
+#: gate checks only that the workspace's Python files compile and its shell scripts parse.
+HARBOR_SYNTAX_GATE_PY = '''"""agentbench's gate for an imported Harbor task (which has no public checks):
+every Python file of the workspace compiles and every shell script parses.  Usage: syntax_gate.py WORKSPACE"""
+import json
+import os
+import subprocess
+import sys
+
+root = sys.argv[1]
+checks = []
+for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+    for name in sorted(filenames):
+        path = os.path.join(dirpath, name)
+        rel = os.path.relpath(path, root)
+        if os.path.islink(path) or not name.endswith((".py", ".sh")):
+            continue
+        if name.endswith(".py"):
+            try:
+                with open(path, "rb") as fh:
+                    compile(fh.read(), rel, "exec", dont_inherit=True)
+                checks.append({"id": rel, "passed": True, "detail": "compiles"})
+            except (SyntaxError, ValueError) as exc:
+                checks.append({"id": rel, "passed": False, "detail": str(exc)[:300]})
+        else:
+            res = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+            checks.append({"id": rel, "passed": res.returncode == 0,
+                           "detail": res.stderr.strip()[:300] or "parses"})
+passed = all(c["passed"] for c in checks)
+print(json.dumps({"passed": passed, "score": 1.0 if passed else 0.0, "checks": checks,
+                  "tests_passed": sum(c["passed"] for c in checks), "tests_total": len(checks)}))
+sys.exit(0 if passed else 1)
+'''
+
+
+def parse_toml(text: str, where: str) -> dict[str, Any]:
+    """task.toml as a dict, with the standard library's reader (Python 3.11 and later)."""
+    try:
+        import tomllib
+    except ImportError:
+        raise AgentbenchError("reading task.toml needs Python 3.11 or later (the standard tomllib)",
+                              code="toml_reader_missing", path=where,
+                              hint="run import-tasks with python3.11 or later; the tasks it writes "
+                                   "run on any supported Python") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise AgentbenchError("task.toml is not valid TOML", code="harbor_task_toml_invalid", path=where,
+                              detail=str(exc)[:300]) from None
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments left out
+    (pure)."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    if buf.strip():
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def _copy_args(args: str) -> tuple[list[str], bool] | None:
+    """A COPY/ADD's paths (sources then destination) and whether it copies from another stage or
+    image (pure); None when they cannot be read."""
+    words = args.split()
+    from_other = any(w.startswith("--from") for w in words)
+    words = [w for w in words if not w.startswith("--")]
+    rest = " ".join(words)
+    if rest.startswith("["):
+        try:
+            parts = json.loads(rest)
+        except ValueError:
+            return None
+        return ([str(p) for p in parts], from_other) if isinstance(parts, list) and len(parts) >= 2 else None
+    return (words, from_other) if len(words) >= 2 else None
+
+
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
+                            ) -> dict[str, Any]:
+    """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
+    Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
+    the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    lost: list[str] = []
+    steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
+    workdir = workdir_cfg
+    current = "/"
+    copies: list[tuple[list[str], str]] = []
+    for word, args in steps:
+        if word == "FROM":
+            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                        "this host's are used)")
+        elif word == "WORKDIR":
+            current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
+            workdir = workdir_cfg or current
+        elif word in ("COPY", "ADD"):
+            parsed = _copy_args(args)
+            if parsed is None or parsed[1]:
+                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                continue
+            paths, _ = parsed
+            if any("://" in p for p in paths[:-1]):
+                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                continue
+            dest = posixpath.normpath(posixpath.join(current, paths[-1]))
+            copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+            lost.append(f"Dockerfile {word} {args[:200]}")
+    workdir = workdir or HARBOR_DEFAULT_WORKDIR
+    files: dict[str, str] = {}
+    if not copies:
+        for rel in env_files:
+            if "/" in rel or rel not in HARBOR_IMAGE_FILES:
+                files[rel] = rel
+        return {"workdir": workdir, "files": files, "not_carried_over": lost}
+    for sources, dest in copies:
+        for src in sources:
+            src_n = posixpath.normpath(src).lstrip("/")
+            placed: list[tuple[str, str]] = []
+            if src_n in ("", "."):
+                placed = [(r, posixpath.join(dest, r)) for r in env_files
+                          if not ("/" not in r and r in HARBOR_IMAGE_FILES)]
+            elif src_n in env_files:
+                into_dir = dest.endswith("/") or len(sources) > 1
+                placed = [(src_n, posixpath.join(dest, posixpath.basename(src_n)) if into_dir else dest)]
+            elif any(r.startswith(src_n + "/") for r in env_files):
+                placed = [(r, posixpath.join(dest, r[len(src_n) + 1:])) for r in env_files
+                          if r.startswith(src_n + "/")]
+            else:
+                placed = [(r, posixpath.join(dest, posixpath.basename(r))) for r in env_files
+                          if fnmatch.fnmatch(r, src_n)]
+            if not placed:
+                lost.append(f"Dockerfile COPY source {src[:150]} (not in environment/)")
+            for rel, target in placed:
+                target = posixpath.normpath(target)
+                if not target.startswith(workdir.rstrip("/") + "/"):
+                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    continue
+                files[rel] = target[len(workdir.rstrip("/")) + 1:]
+    return {"workdir": workdir, "files": files, "not_carried_over": lost}
+
+
+def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure)."""
+    lost: list[str] = []
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    if env.get("docker_image"):
+        lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
+    if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
+        lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
+                    f"gpu_types = {env.get('gpu_types')!r:.80})")
+    if env.get("allow_internet") or env.get("network_mode") not in (None, "none", "no-network"):
+        lost.append("network access as the task asks it (allow_internet / network_mode): the sandbox's "
+                    "own network policy applies")
+    for key in ("cpus", "memory_mb", "storage_mb"):
+        if env.get(key) is not None:
+            lost.append(f"the resource limit {key} = {env[key]!r:.40} (not enforced)")
+    for key in ("env", "mcp_servers", "healthcheck", "skills_dir"):
+        if env.get(key):
+            lost.append(f"[environment] {key}")
+    for part in ("agent", "verifier", "solution"):
+        sec = cfg.get(part) if isinstance(cfg.get(part), dict) else {}
+        for key in ("env", "user", "allowed_hosts", "network_mode"):
+            if sec.get(key):
+                lost.append(f"[{part}] {key}")
+    return lost
+
+
+def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
+    """Every file of a task directory (relative), and its problems: links, special files, size."""
+    files, problems, total = [], [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                problems.append(f"{rel} is a link")
+            elif stat.S_ISREG(st.st_mode):
+                files.append(rel)
+                total += st.st_size
+            elif not stat.S_ISDIR(st.st_mode):
+                problems.append(f"{rel} is not a file or directory")
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__")
+                             and not os.path.islink(os.path.join(dirpath, d)))
+        if len(files) > HARBOR_TASK_MAX_FILES or total > HARBOR_TASK_MAX_BYTES:
+            problems.append(f"more than {HARBOR_TASK_MAX_FILES} files or {HARBOR_TASK_MAX_BYTES} bytes")
+            break
+    return sorted(files), problems
+
+
+def _seconds(value: Any, default: float) -> float | None:
+    if value is None:
+        return default
+    got = finite_number(value, lo=1.0, hi=MAX_CHECK_TIMEOUT_S)
+    return got
+
+
+def plan_harbor_task(root: Path) -> dict[str, Any]:
+    """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
+    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    problems: list[str] = []
+    if not NAME_RE.match(root.name):
+        problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
+    missing = [p for p in HARBOR_REQUIRED if not (root / p).exists()]
+    if missing:
+        return {"id": root.name, "problems": problems + [f"lacks {m}" for m in missing]}
+    files, file_problems = _harbor_files(root)
+    problems += file_problems
+    if problems:
+        return {"id": root.name, "problems": problems}
+    toml_path = root / "task.toml"
+    cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
+    env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    verifier_s = _seconds(verifier.get("timeout_sec"), HARBOR_VERIFIER_TIMEOUT_S)
+    agent_s = _seconds(agent.get("timeout_sec"), DEFAULT_ORACLE_TIMEOUT_S)
+    if verifier_s is None or agent_s is None:
+        problems.append("a timeout_sec in task.toml is not a number of seconds in "
+                        f"[1, {MAX_CHECK_TIMEOUT_S:g}]")
+    workdir_cfg = env_cfg.get("workdir")
+    if workdir_cfg is not None and not isinstance(workdir_cfg, str):
+        problems.append("[environment] workdir is not a path")
+        workdir_cfg = None
+    env_files = [f[len("environment/"):] for f in files if f.startswith("environment/")]
+    dockerfile = None
+    if (root / "environment" / "Dockerfile").is_file():
+        dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
+    bad = container_spec_problem(container)
+    if bad:
+        problems.append(f"its workdir cannot be given here: {bad}")
+    if any(f.split("/")[-1] in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+           for f in env_files if "/" not in f):
+        problems.append("its environment is a multi-container compose file (one workspace is all "
+                        "agentbench has)")
+    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
+    title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
+    return {"id": root.name, "problems": problems, "root": root, "files": files, "title": title,
+            "instruction": instruction, "workdir": env_plan["workdir"], "starter": env_plan["files"],
+            "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
+            "metadata": json_safe({k: v for k, v in meta.items()
+                                   if isinstance(v, (str, int, float, bool, list))}),
+            "container": container}
+
+
+def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The task.json of an imported Harbor task (pure)."""
+    wd = plan["workdir"]
+    return {
+        "id": plan["id"], "title": plan["title"],
+        "gate": {"cmd": ["{python}", "{gate}/syntax_gate.py", "{workspace}"], "timeout_s": 120,
+                 "receipt": "json"},
+        "oracle": {"cmd": ["{python}", "{oracle}/harbor_verifier.py", "{receipt_fd}", "{workspace}", "1.0"],
+                   "timeout_s": plan["verifier_timeout_s"], "threshold": 1.0, "container": plan["container"]},
+        "reference": {"cmd": ["bash", "/solution/solve.sh"], "timeout_s": plan["agent_timeout_s"],
+                      "container": {"workdir": wd, "ro": {"/solution": "solution"}, "scratch": []}},
+        "check_hint": (f"This task comes from a Harbor task: paths under {wd} in TASK.md mean your working "
+                       "directory. There are no public tests; the hidden tests grade the result."),
+        "not_carried_over": plan["not_carried_over"],
+        "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
+                   "agent_timeout_s": plan["agent_timeout_s"],
+                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+    }
+
+
+def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
+    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    root: Path = plan["root"]
+    (dst / "public").mkdir(parents=True)
+    note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
+    write_text_atomic(dst / "public" / "TASK.md", note + plan["instruction"])
+    for src, rel in sorted(plan["starter"].items()):
+        if rel == "TASK.md":
+            continue
+        (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+    (dst / "gate").mkdir()
+    write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
+    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
+    shutil.copytree(root / "solution", dst / "reference" / "solution")
+    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
+
+
+def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+    """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
+    whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
+    written), then each written as a new bundle under `out` (staged beside, renamed in)."""
+    if out.exists() and not out.is_dir():
+        raise AgentbenchError("--tasks is not a directory", code="tasks_out_not_a_directory", tasks=str(out))
+    plans, refused = [], {}
+    for d in dirs:
+        if not d.is_dir():
+            refused[str(d)] = ["not a directory"]
+            continue
+        plan = plan_harbor_task(d)
+        if plan["id"] in [p["id"] for p in plans]:
+            plan["problems"].append("another directory of this call has the same name")
+        if (out / plan["id"]).exists():
+            plan["problems"].append(f"{out / plan['id']} exists already")
+        if plan["problems"]:
+            refused[str(d)] = plan["problems"]
+        else:
+            plans.append(plan)
+    if refused:
+        raise AgentbenchError("some Harbor task directories cannot be imported; nothing was written",
+                              code="harbor_task_refused", refused=refused,
+                              hint="a Harbor task needs instruction.md, task.toml, environment/, "
+                                   "tests/test.sh and solution/solve.sh, and no links")
+    if not plans:
+        raise AgentbenchError("no task directories given", code="no_task_directories")
+    out.mkdir(parents=True, exist_ok=True)
+    stage = out / f".import-{uuid.uuid4().hex[:8]}"
+    try:
+        for plan in plans:
+            write_harbor_bundle(plan, stage / plan["id"])
+        for plan in plans:
+            os.rename(stage / plan["id"], out / plan["id"])
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return {"imported": [{"task": p["id"], "path": str(out / p["id"]), "workdir": p["workdir"],
+                          "starter_files": sorted(p["starter"].values()),
+                          "oracle_timeout_s": p["verifier_timeout_s"],
+                          "reference_timeout_s": p["agent_timeout_s"],
+                          "not_carried_over": p["not_carried_over"]} for p in plans],
+            "tasks": str(out),
+            "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
+
+
 # ==================================================================================================
 # The CLI and main
 # ==================================================================================================
@@ -14635,6 +15178,20 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return export_study(load_study(ctx.study(args)), args.format,
                         Path(ctx.platform.normalize_path(args.out)).absolute())
+
+
+def _import_tasks_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
+    p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
+    p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+
+
+@command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
+         mutating=True)
+@args_of(_import_tasks_args)
+def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------
