@@ -13982,7 +13982,7 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
         if not buf and (not stripped or stripped.startswith("#")):
             continue
         if stripped.endswith("\\"):
-            buf += stripped[:-1] + " "
+            buf += stripped[:-1].rstrip() + " "
             continue
         buf += stripped
         word, _, rest = buf.partition(" ")
