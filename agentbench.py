@@ -272,8 +272,6 @@ TRAIN_REHEARSAL_STALL_AFTER_S = 300
 #: A Slurm job asks for its wall limit plus this margin (start-up, finalisation) unless the
 #: study's `slurm.time_margin_s` or its own sbatch_args say otherwise.
 SLURM_TIME_MARGIN_DEFAULT_S = 600.0
-#: `tick --every`: a base not pinged for this long is pinged.
-TICK_EVERY_DEFAULT_S = 240.0
 #: `assign --power-base`: the baseline success rate a power plan assumes.
 POWER_BASE_DEFAULT = 0.5
 
@@ -392,6 +390,21 @@ def slurm_poll_s() -> float:
     """How long one process reuses a Slurm job state it read: a driver polling queued jobs must
     not hammer the controller with a squeue call per job per poll."""
     return env_float("AGENTBENCH_SLURM_POLL_S", 10.0)
+
+
+def ping_ttl_s() -> float:
+    """The time-to-live of a base's cached prefix: the 5-minute cache `claude` writes."""
+    return env_float("AGENTBENCH_PING_TTL_S", 300.0)
+
+
+def ping_margin_s() -> float:
+    """How close to its time-to-live a warm base is `expiring`, the only state a ping is sent in."""
+    return env_float("AGENTBENCH_PING_MARGIN_S", 60.0)
+
+
+def ping_activity_s() -> float:
+    """How recent the study's last activity must be for a base to be kept warm."""
+    return env_float("AGENTBENCH_PING_ACTIVITY_S", 600.0)
 
 
 # ==================================================================================================
@@ -2303,6 +2316,17 @@ def touch_last_call(paths: StudyPaths) -> None:
         os.utime(paths.last_call)
     except OSError:
         pass
+
+
+def study_activity_marker(paths: StudyPaths) -> Path:
+    """Touched when a session other than a ping starts or ends, and by `wait` and `run`."""
+    return paths.state / "activity"
+
+
+def mark_study_active(paths: StudyPaths) -> None:
+    if paths.state.is_dir():
+        with contextlib.suppress(OSError):
+            touch_marker(study_activity_marker(paths))
 
 
 # -- copies and reads of what a session left behind ------------------------------------------------
@@ -4811,6 +4835,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             "an object of string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
+    Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
     Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
     Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
@@ -6518,6 +6543,8 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
         _complete_finalize(paths, job, result, check_ledger=False)
     append_event(paths, "job_finished", job_id=job_id, status=status, reason=reason,
                  run_id=(job.get("meta") or {}).get("run_id"), cost_usd=usage.get("cost_delta_usd"))
+    if job.get("kind") != "ping":
+        mark_study_active(paths)   # the keep-warm rule keeps bases warm while the study is active
     return True
 
 
@@ -7766,6 +7793,8 @@ def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | 
             raise refusal
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform, env=ctx.env)
+    if req.kind != "ping":
+        mark_study_active(paths)
     system_prompt = (req.system_prompt if req.system_prompt is not None
                      else base_system_prompt(cfg, paths, req.system_extra))
     req = dataclasses.replace(req, system_prompt=system_prompt, env_extra=env_extra)
@@ -7785,6 +7814,11 @@ def job_launch_spec(job: Mapping[str, Any], paths: StudyPaths, cfg: Mapping[str,
 
 def base_file(paths: StudyPaths, name: str) -> Path:
     return paths.bases / f"{check_name('base', name)}.json"
+
+
+def base_used_marker(paths: StudyPaths, name: str) -> Path:
+    """Touched when a base is really used (a fork that is not a ping): its mtime is the last use."""
+    return paths.bases / f".{check_name('base', name)}.used"
 
 
 def base_lock(paths: StudyPaths, platform: "Platform", name: str) -> RegistryLock:
@@ -7851,9 +7885,11 @@ def refuse_base_launch(rec: Mapping[str, Any], spec: LaunchSpec | None) -> None:
 
 
 def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_workspace: bool,
-              env_extra: Mapping[str, str] | None = None, spec: LaunchSpec | None = None) -> dict[str, Any]:
+              env_extra: Mapping[str, str] | None = None, spec: LaunchSpec | None = None,
+              use: bool = True) -> dict[str, Any]:
     """Prepare a fork of a ready base in `workspace`: transcript in place, prior = base's totals.
-    `spec`: the launch the fork starts with (refused unless the base was trained with it)."""
+    `spec`: the launch the fork starts with (refused unless the base was trained with it); `use`:
+    a real use (not a keep-warm ping), which restarts the count of pings since the last use."""
     rec = load_base(paths, base)
     refuse_base_launch(rec, spec)
     reap_jobs(paths, ctx.platform, only=[rec["job_id"]], env=ctx.env)   # its session totals must be recorded
@@ -7881,6 +7917,9 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
                               hint="claude keeps transcripts under $CLAUDE_CONFIG_DIR/projects; use the same "
                                    "CLAUDE_CONFIG_DIR as when the base was trained")
+    if use:
+        with contextlib.suppress(OSError):
+            touch_marker(base_used_marker(paths, base))
     return {"resume": rec["session_id"], "prior": {"cost_usd": sess["cost_total_usd"],
                                                    "model_usage": sess["model_usage"],
                                                    "context_tokens": sess.get("context_tokens", 0)}}
@@ -7937,9 +7976,83 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
         return duplicate_continue(paths, prev_id, dup.job_id)
 
 
-def ping_bases(host: Host, paths: StudyPaths, every_s: float) -> dict[str, Any]:
-    """Keep-warm pings (`tick`): fork every ready base not pinged for `every_s` seconds with a
-    one-line prompt, outside every run's budget (PING_LIMITS), so that its prefix stays cached."""
+# -- keep-warm: a rule, not a timer ----------------------------------------------------------------
+
+def cache_state(age_s: float, ttl_s: float, margin_s: float) -> str:
+    """A base's cached prefix (pure): `warm`, `expiring` (within `margin_s` of its time-to-live)
+    or `cold`, `age_s` after it was last written or read (by a fork, a ping or its training)."""
+    if age_s >= ttl_s:
+        return "cold"
+    return "expiring" if age_s >= ttl_s - margin_s else "warm"
+
+
+def ping_break_even(prices: Sequence[float]) -> int:
+    """Pings worth sending before the cached prefix would cost less to write again (pure): a ping
+    reads the prefix (cache read price), letting it go cold means writing it again (the 5-minute
+    write price), so floor((write - read) / read); 0 when a read is free or not dearer."""
+    write, read = float(prices[2]), float(prices[4])
+    return int(math.floor((write - read) / read)) if read > 0 and write > read else 0
+
+
+@dataclass(frozen=True)
+class PingFacts:
+    """What the keep-warm rule decides on, for one base."""
+    pings_on: bool
+    state: str            # base_state: ready, training, expired, failed:...
+    cache: str            # cache_state: warm, expiring, cold
+    in_flight: bool       # a ping of it has not ended
+    active: bool          # the study was active within ping_activity_s
+    pings_since_use: int  # pings sent since its last real use (a fork of a run, or its training)
+    cap: int              # ping_break_even of its model's prices
+
+
+def ping_decision(f: PingFacts) -> tuple[bool, str]:
+    """Ping a base only while every condition holds (pure); else the first that stopped it:
+    `pings_off`, `state:<base state>`, `state:warm|cold`, `in_flight`, `no_activity`, `cap:N/M`."""
+    if not f.pings_on:
+        return False, "pings_off"
+    if f.state != "ready":
+        return False, f"state:{f.state}"
+    if f.cache != "expiring":
+        return False, f"state:{f.cache}"
+    if f.in_flight:
+        return False, "in_flight"
+    if not f.active:
+        return False, "no_activity"
+    if f.pings_since_use >= f.cap:
+        return False, f"cap:{f.pings_since_use}/{f.cap}"
+    return True, "ping"
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def ping_facts(paths: StudyPaths, rec: Mapping[str, Any], cfg: Mapping[str, Any], now: float) -> PingFacts:
+    """The facts of one base's record (read under its lock)."""
+    state = base_state(paths, rec)
+    trained = _mtime(paths.result_file(rec["job_id"])) if state == "ready" else 0.0
+    used = max(trained, _mtime(base_used_marker(paths, rec["name"])))
+    ping_job = rec.get("ping_job")
+    ping_end = _mtime(paths.result_file(ping_job)) if ping_job else 0.0
+    touched = max(used, ping_end)
+    since = int(rec.get("pings_since_use") or 0) if float(rec.get("pings_counted_from") or 0) >= used else 0
+    model = str(read_json(paths.job_file(rec["job_id"]), default={}).get("model") or "")
+    return PingFacts(pings_on=cfg.get("keep_warm", True) is not False, state=state,
+                     cache=cache_state(now - touched, ping_ttl_s(), ping_margin_s()) if touched else "cold",
+                     in_flight=bool(ping_job) and not job_is_final(paths, ping_job),
+                     active=now - _mtime(study_activity_marker(paths)) < ping_activity_s(),
+                     pings_since_use=since, cap=ping_break_even(price_for(model, cfg.get("prices"))))
+
+
+def ping_bases(host: Host, paths: StudyPaths) -> dict[str, Any]:
+    """One keep-warm pass (`tick`, `wait`): every base that ping_decision allows is forked with a
+    one-line prompt, outside every run's budget (PING_LIMITS), under the launch it was trained
+    with; every decision, with the condition that stopped it, goes to the events log (the ping's
+    cost to the ledger, as every job's)."""
     cfg = load_study_config(paths)
     pinged, skipped = [], []
     for f in sorted(paths.bases.glob("*.json")) if paths.bases.is_dir() else []:
@@ -7947,22 +8060,28 @@ def ping_bases(host: Host, paths: StudyPaths, every_s: float) -> dict[str, Any]:
         with base_lock(paths, host.platform, name):
             # Read under the base's lock: a retraining in between must not be written back over.
             rec = read_json(f)
-            st = base_state(paths, rec)
-            if st != "ready" or time.time() - float(rec.get("last_ping") or 0) < every_s:
-                skipped.append({"base": rec["name"], "state": st})
+            facts = ping_facts(paths, rec, cfg, time.time())
+            go, why = ping_decision(facts)
+            append_event(paths, "ping_decision", base=rec["name"], ping=go, why=why, cache=facts.cache,
+                         pings_since_use=facts.pings_since_use, cap=facts.cap)
+            if not go:
+                skipped.append({"base": rec["name"], "state": base_state(paths, rec), "why": why})
                 continue
             ws = paths.state / "pings" / f"{rec['name']}-{uuid.uuid4().hex[:6]}"
-            fk = fork_base(host, paths, rec["name"], ws, copy_workspace=False)
-            limits = session_limits(launch_config(cfg), **PING_LIMITS)
             base_job = load_job(paths, rec["job_id"])
+            spec = job_launch_spec(base_job, paths, cfg)
+            fk = fork_base(host, paths, rec["name"], ws, copy_workspace=False, spec=spec, use=False)
+            limits = session_limits(launch_config(cfg), **PING_LIMITS)
             req = JobRequest(kind="ping", prompt="Reply with the single word OK.", cwd=str(ws), limits=limits,
                              resume=fk["resume"], fork=True, prior=fk["prior"], meta={"base": rec["name"]},
                              env_extra={**dict(base_job.get("env_extra") or {}),
                                         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(PING_MAX_OUTPUT_TOKENS)},
                              system_prompt=(paths.job_dir(rec["job_id"]) / "system_prompt.md").read_text(
                                  encoding="utf-8"))
-            out = start_job(host, paths, req, job_launch_spec(base_job, paths, cfg), cfg=cfg)
-            rec["last_ping"] = time.time()
+            out = start_job(host, paths, req, spec, cfg=cfg)
+            rec.update({"last_ping": time.time(), "ping_job": out["job_id"],
+                        "pings_since_use": facts.pings_since_use + 1,
+                        "pings_counted_from": time.time()})
             write_json_atomic(f, rec)
         pinged.append({"base": rec["name"], "job_id": out["job_id"]})
     return {"pinged": pinged, "skipped": skipped}
@@ -16523,7 +16642,13 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
                 sweep_interrupted_runs(paths, ctx.platform)
             if time.monotonic() - last_touch > 5:
                 touch_last_call(paths)
+                mark_study_active(paths)
                 last_touch = time.monotonic()
+                if paths.bases.is_dir():
+                    try:
+                        ping_bases(ctx, paths)   # the keep-warm pass: the rule decides, per base
+                    except (AgentbenchError, OSError) as exc:
+                        log(f"keep-warm pass: {exc}")
         targets = list(dict.fromkeys(args.job))
         if args.all or (args.any and not args.job and not args.run):
             targets = list(dict.fromkeys(targets + active_job_ids(paths) + list_markers(paths.undelivered)))
@@ -16772,6 +16897,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
+    mark_study_active(paths)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -17053,15 +17179,13 @@ def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _tick_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--every", type=finite_float, default=TICK_EVERY_DEFAULT_S,
-                   help="ping a base not pinged for this long (s)")
 
 
 @command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached",
          mutating=True)
 @args_of(_tick_args)
 def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    return ping_bases(ctx, ctx.study(args), args.every)
+    return ping_bases(ctx, ctx.study(args))
 
 
 def _expire_args(p: argparse.ArgumentParser) -> None:

@@ -254,3 +254,42 @@ def test_every_arm_setting_is_in_the_readme_table() -> None:
     table = text[text.index("| arm key |"):text.index("File settings are paths")]
     for key in ab.ARM_LAUNCH_KEYS:
         assert f"`{key}`" in table, key
+
+
+# ---- keep-warm: the ping rule -------------------------------------------------------------------
+
+FACTS = dict(pings_on=True, state="ready", cache="expiring", in_flight=False, active=True,
+             pings_since_use=0, cap=11)
+
+
+@pytest.mark.parametrize("change, want", [
+    ({}, (True, "ping")),
+    ({"pings_on": False}, (False, "pings_off")),
+    ({"state": "training"}, (False, "state:training")),
+    ({"state": "expired"}, (False, "state:expired")),
+    ({"cache": "warm"}, (False, "state:warm")),
+    ({"cache": "cold"}, (False, "state:cold")),
+    ({"in_flight": True}, (False, "in_flight")),
+    ({"active": False}, (False, "no_activity")),
+    ({"pings_since_use": 10}, (True, "ping")),
+    ({"pings_since_use": 11}, (False, "cap:11/11")),
+    ({"cap": 0}, (False, "cap:0/0")),
+    ({"pings_on": False, "cache": "cold", "active": False}, (False, "pings_off")),   # the first condition
+])
+def test_the_ping_rule(change: dict, want: tuple) -> None:
+    assert ab.ping_decision(ab.PingFacts(**{**FACTS, **change})) == want
+
+
+@pytest.mark.parametrize("age, state", [(0, "warm"), (239.9, "warm"), (240, "expiring"), (299.9, "expiring"),
+                                        (300, "cold"), (1e9, "cold")])
+def test_cache_state_by_age(age: float, state: str) -> None:
+    assert ab.cache_state(age, 300.0, 60.0) == state
+
+
+def test_the_break_even_count_of_pings() -> None:
+    # A ping reads the prefix; going cold means writing it again (5-minute writes): 11 at today's
+    # ratios (write 1.25x input, read 0.1x input).
+    assert ab.ping_break_even(ab.price_for("claude-opus-4-5")) == 11
+    assert ab.ping_break_even([5.0, 25.0, 6.25, 10.0, 0.5]) == 11
+    assert ab.ping_break_even([1.0, 1.0, 1.0, 1.0, 0.0]) == 0          # a free read: never worth a ping
+    assert ab.ping_break_even([1.0, 1.0, 0.1, 0.1, 0.1]) == 0

@@ -275,3 +275,48 @@ def test_the_configurations_example_rehearses(tmp_path, real_claude, monkeypatch
     deliv = {r["arm"]: r["delivery"]["settings"] for r in recs}
     assert deliv["sonnet"]["model"]["delivered"] is True and deliv["sonnet"]["effort"]["delivered"] is None
     assert deliv["claude_md"]["workspace_overlay"]["delivered"] is True and deliv["plain"] == {}
+
+
+def test_a_base_is_pinged_while_wait_runs_and_not_after_the_study_goes_quiet(tmp_path, real_claude, server,
+                                                                              monkeypatch):
+    from conftest import wait_result, write_brief
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "cc"))
+    root = tiny_study(tmp_path / "study")
+    init_real_study(root, real_claude, server.url, tmp_path / "cc", monkeypatch)
+    server.add_script("base", {"steps": [{"text": "I have read the task. " * 20}]})
+    server.add_script("slow", {"steps": [{"text": "Working.", "tool_uses": [
+        {"name": "Bash", "input": {"command": "sleep 6", "description": "wait a little"}}]}, {"text": "Done."}]})
+    code, tr = run_main(["train", "--study", str(root), "--base", "b",
+                         "--brief", write_brief(tmp_path, "Read the task. [agentbench-script:base]")])
+    assert code == 0, tr
+    assert wait_result(root, tr["job_id"], timeout=90)["status"] == "ok"
+    # Always within the margin of its time-to-live: the other conditions decide.
+    monkeypatch.setenv("AGENTBENCH_PING_MARGIN_S", "100000")
+    code, sp = run_main(["spawn", "--study", str(root),
+                         "--brief", write_brief(tmp_path, "Work. [agentbench-script:slow]")])
+    assert code == 0, sp
+    code, w = run_main(["wait", "--study", str(root), "--job", sp["job_id"], "--timeout", "120"])
+    assert code == 0, w
+
+    def decisions() -> list[dict]:
+        return [json.loads(ln) for ln in (root / "state" / "events.jsonl").read_text().splitlines()
+                if '"ping_decision"' in ln]
+    pinged = [d for d in decisions() if d["ping"]]
+    # Pinged while wait ran (once a pass; never two at once), counted since the base's last use.
+    assert pinged and all(d["base"] == "b" and d["cap"] == 11 for d in pinged), decisions()
+    assert [d["pings_since_use"] for d in pinged] == list(range(len(pinged)))
+    # Passes while that ping ran said so; it is a ping job under the base's launch, in the ledger.
+    assert {d["why"] for d in decisions()} <= {"ping", "in_flight", "state:warm"}, decisions()
+    base = json.loads((root / "state" / "bases" / "b.json").read_text())
+    ping = wait_result(root, base["ping_job"], timeout=90)
+    assert ping["kind"] == "ping" and ping["status"] == "ok"
+    assert base["ping_job"] in {ln["job_id"] for ln in ledger_lines(root)}
+    # The study goes quiet: the next pass pings nothing, and says why.
+    monkeypatch.setenv("AGENTBENCH_PING_ACTIVITY_S", "0")
+    code, ticked = run_main(["tick", "--study", str(root)])
+    assert code == 0 and ticked["pinged"] == [] and ticked["skipped"][0]["why"] == "no_activity", ticked
+    assert decisions()[-1]["why"] == "no_activity"
+
+
+def ledger_lines(root: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (root / "state" / "ledger.jsonl").read_text().splitlines() if ln.strip()]

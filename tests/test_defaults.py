@@ -146,7 +146,6 @@ def test_a_new_study_writes_out_the_documented_defaults(tmp_path, fake_env):
 @pytest.mark.parametrize("command, flag, constant, readme", [
     ("wait", "--timeout", "WAIT_DEFAULT_S", "(default 540"),
     ("list", "--limit", "LIST_LIMIT_DEFAULT", "`--limit` (default 200)"),
-    ("tick", "--every", "TICK_EVERY_DEFAULT_S", "`--every` seconds (default 240)"),
     ("assign", "--power-base", "POWER_BASE_DEFAULT", "`--power-base P`, default 0.5"),
 ])
 def test_a_flag_defaults_to_its_named_constant_and_the_readme_says_so(command, flag, constant, readme):

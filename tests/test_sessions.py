@@ -392,19 +392,29 @@ def test_continue_job_of_an_unknown_job_is_refused(study, job_id, code):
 
 # ---- keep-warm pings and retiring a base ---------------------------------------------------------
 
-def test_ping_bases_pings_a_ready_base_once_per_interval_and_expire_base_retires_it(study, tmp_path):
+def test_ping_bases_follows_the_keep_warm_rule_and_expire_base_retires_it(study, tmp_path, monkeypatch):
     tr = train(study, tmp_path, "warm", "cost=0.01")
     assert wait_result(study, tr["job_id"])["status"] == "ok"
     paths = ab.StudyPaths(study)
-    got = ab.ping_bases(host(), paths, 0.0)
+    # Just trained: its cache is warm, no ping.
+    got = ab.ping_bases(host(), paths)
+    assert got["pinged"] == [] and got["skipped"] == [{"base": "warm", "state": "ready", "why": "state:warm"}]
+    # Within the margin of its time-to-live, the study active: pinged, under its own launch.
+    monkeypatch.setenv("AGENTBENCH_PING_TTL_S", "3600")
+    monkeypatch.setenv("AGENTBENCH_PING_MARGIN_S", "3600")
+    got = ab.ping_bases(host(), paths)
     assert [p["base"] for p in got["pinged"]] == ["warm"] and got["skipped"] == []
     ping = ab.load_job(paths, got["pinged"][0]["job_id"])
     assert ping["kind"] == "ping" and ping["limits"]["max_turns"] == ab.PING_LIMITS["max_turns"]
     wait_result(study, ping["job_id"])
-    # Pinged just now: not again within the interval.
-    again = ab.ping_bases(host(), paths, 3600.0)
-    assert again["pinged"] == [] and again["skipped"] == [{"base": "warm", "state": "ready"}]
+    # The study quiet: no ping.
+    monkeypatch.setenv("AGENTBENCH_PING_ACTIVITY_S", "0")
+    again = ab.ping_bases(host(), paths)
+    assert again["pinged"] == [] and again["skipped"][0]["why"] == "no_activity"
+    decisions = [json.loads(ln) for ln in (study / "state" / "events.jsonl").read_text().splitlines()
+                 if '"ping_decision"' in ln]
+    assert [d["why"] for d in decisions] == ["state:warm", "ping", "no_activity"]
     assert ab.expire_base(host(), paths, "warm") == {"base": "warm", "state": "expired"}
-    assert ab.ping_bases(host(), paths, 0.0) == {"pinged": [],
-                                                 "skipped": [{"base": "warm", "state": "expired"}]}
+    assert ab.ping_bases(host(), paths)["skipped"] == [{"base": "warm", "state": "expired",
+                                                        "why": "state:expired"}]
     refused(lambda: ab.expire_base(host(), paths, "nobody"), "no_such_base")
