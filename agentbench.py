@@ -10237,6 +10237,10 @@ class RunPipeline:
         return out
 
 
+#: How often `wait` and the run driver make a keep-warm pass (ping_bases) over the study's bases.
+KEEP_WARM_PASS_S = 5.0
+
+
 def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: PipelineOptions,
                parallel: int, study: Study | None = None) -> dict[str, Any]:
     """Run pipelines for `run_ids` with at most `parallel` at once.  Finished runs are skipped.
@@ -10287,12 +10291,26 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 else:
                     results[rid] = {"outcome": rec.get("outcome"), "status": rec.get("status")}
 
+    def keep_warm(stop: threading.Event) -> None:
+        # The driver's keep-warm pass (as `wait`'s): the rule decides per base, every few seconds.
+        while not stop.wait(KEEP_WARM_PASS_S):
+            if paths.bases.is_dir():
+                try:
+                    ping_bases(ctx, paths)
+                except (AgentbenchError, OSError) as exc:
+                    log(f"keep-warm pass: {exc}")
+
     threads = [threading.Thread(target=worker, daemon=True)
                for _ in range(max(1, min(parallel, len(todo) or 1)))]
+    stop = threading.Event()
+    warm = threading.Thread(target=keep_warm, args=(stop,), daemon=True)
+    warm.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    stop.set()
+    warm.join()
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
 
