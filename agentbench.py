@@ -7793,13 +7793,13 @@ def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | 
             raise refusal
     binary = study_binary(ctx, cfg)
     reap_jobs(paths, ctx.platform, env=ctx.env)
-    if req.kind != "ping":
-        mark_study_active(paths)
     system_prompt = (req.system_prompt if req.system_prompt is not None
                      else base_system_prompt(cfg, paths, req.system_extra))
     req = dataclasses.replace(req, system_prompt=system_prompt, env_extra=env_extra)
     job = create_job(paths, ctx.platform, req, spec, launch=launch, binary=binary,
                      cap=int(launch["parallel"]))
+    if req.kind != "ping":
+        mark_study_active(paths)   # only once the job exists: a refused launch writes nothing
     launched = launch_supervisor(paths, ctx.platform, job, ctx.env)
     return {"job_id": job["job_id"], "session_id": job["session_id"], "kind": req.kind, "cwd": req.cwd,
             "status": launched["status"], **({"reason": launched["reason"]} if "reason" in launched else {})}
