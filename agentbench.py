@@ -4614,7 +4614,7 @@ PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissi
 #: An arm's settings that change how its sessions start `claude` (each optional: the study's
 #: value where the arm sets none).  ARM_FILE_KEYS name files or directories inside the study.
 ARM_LAUNCH_KEYS = ("model", "effort", "fallback_model", "tools", "allowed_tools", "disallowed_tools",
-                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "plugins",
+                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "agent", "plugins",
                    "workspace_overlay")
 ARM_FILE_KEYS = ("system_prompt", "mcp", "settings", "agents", "plugins", "workspace_overlay")
 #: Of those, the files that must hold a JSON object (and, for mcp, an "mcpServers" object).
@@ -4732,6 +4732,9 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
         if key in spec and not isinstance(spec[key], str):
             raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
                                spec[key], 'comma-separated tool names, e.g. "Bash,Read,Edit"')
+    if "agent" in spec and not (isinstance(spec["agent"], str) and NAME_RE.match(spec["agent"])):
+        raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
+                           spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
     env = spec.get("env")
     if "env" in spec and not (isinstance(env, dict) and all(
             isinstance(k, str) and ENV_NAME_RE.match(k) and isinstance(v, str) for k, v in env.items())):
@@ -4966,6 +4969,7 @@ class LaunchSpec:
     mcp: str | None = None
     settings: str | None = None
     agents: str | None = None
+    agent: str | None = None
     plugins: tuple[str, ...] = ()
     workspace_overlay: str | None = None
     files: tuple[tuple[str, str], ...] = ()
@@ -4978,8 +4982,8 @@ class LaunchSpec:
                 "permission_mode": self.permission_mode, "tools": self.tools,
                 "allowed_tools": self.allowed_tools, "disallowed_tools": self.disallowed_tools,
                 "env": dict(self.env), "system_prompt": self.system_prompt, "mcp": self.mcp,
-                "settings": self.settings, "agents": self.agents, "plugins": list(self.plugins),
-                "workspace_overlay": self.workspace_overlay}
+                "settings": self.settings, "agents": self.agents, "agent": self.agent,
+                "plugins": list(self.plugins), "workspace_overlay": self.workspace_overlay}
 
     @property
     def fingerprint(self) -> str:
@@ -5008,7 +5012,7 @@ class LaunchSpec:
                    disallowed_tools=s.get("disallowed_tools") or "",
                    env=tuple(sorted((str(k), str(v)) for k, v in (s.get("env") or {}).items())),
                    system_prompt=s.get("system_prompt"), mcp=s.get("mcp"), settings=s.get("settings"),
-                   agents=s.get("agents"), plugins=tuple(s.get("plugins") or ()),
+                   agents=s.get("agents"), agent=s.get("agent"), plugins=tuple(s.get("plugins") or ()),
                    workspace_overlay=s.get("workspace_overlay"),
                    files=tuple(sorted((str(k), str(v)) for k, v in (rec.get("files") or {}).items())),
                    mcp_json=str(rec.get("mcp_json") or '{"mcpServers": {}}\n'),
@@ -6166,6 +6170,8 @@ def build_claude_argv(binary: str, spec: LaunchSpec, *, session_id: str | None,
         argv += ["--settings", spec.abs(spec.settings)]
     if spec.agents:
         argv += ["--agents", spec.abs(spec.agents)]
+    if spec.agent:
+        argv += ["--agent", spec.agent]
     for plugin in spec.plugins:
         argv += ["--plugin-dir", spec.abs(plugin)]
     if spec.settings or spec.plugins:
@@ -8496,7 +8502,8 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
     brings checked (inside the study, of the right kind, JSON where it must be) and hashed."""
     base = study_launch_spec(paths.root, cfg)
     over: dict[str, Any] = {k: spec[k] for k in ("model", "effort", "fallback_model", "tools",
-                                                   "allowed_tools", "disallowed_tools", "permission_mode")
+                                                   "allowed_tools", "disallowed_tools", "permission_mode",
+                                                   "agent")
                             if k in spec}
     if "tools" in spec and "allowed_tools" not in spec:
         over["allowed_tools"] = spec["tools"]
@@ -9513,7 +9520,7 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
 #: Settings no event of a session shows (the request's effort, the environment, the system prompt
 #: text, the fallback and permission lists): reported as not observable, never flagged.
 DELIVERY_UNOBSERVABLE = ("effort", "fallback_model", "allowed_tools", "disallowed_tools", "env",
-                         "system_prompt")
+                         "system_prompt", "agent")
 DELIVERY_TEXT_MAX = 200
 
 

@@ -33,7 +33,8 @@ def arm_files(root: Path) -> None:
 FULL_ARM = {"model": "claude-sonnet-4-5-20250929", "effort": "medium", "fallback_model": "claude-haiku-4-5",
             "tools": "Bash,Read", "disallowed_tools": "WebFetch", "permission_mode": "acceptEdits",
             "env": {"ARM_FLAG": "1"}, "system_prompt": "arm/system.md", "mcp": "arm/mcp.json",
-            "settings": "arm/settings.json", "agents": "arm/agents.json", "plugins": ["arm/plugin"],
+            "settings": "arm/settings.json", "agents": "arm/agents.json", "agent": "helper",
+            "plugins": ["arm/plugin"],
             "workspace_overlay": "arm/overlay"}
 
 
@@ -63,6 +64,7 @@ BAD = [
     ({"effort": "huge"}, "arm_unknown_effort", "effort"),
     ({"permission_mode": "yolo"}, "arm_unknown_permission_mode", "permission_mode"),
     ({"tools": ["Bash"]}, "arm_tools_not_string", "tools"),
+    ({"agent": "a helper"}, "arm_agent_not_name", "agent"),
     ({"allowed_tools": 1}, "arm_tools_not_string", "allowed_tools"),
     ({"disallowed_tools": None}, "arm_tools_not_string", "disallowed_tools"),
     ({"env": {"A B": "1"}}, "arm_env_not_strings", "env"),
@@ -146,13 +148,13 @@ def test_the_argv_carries_exactly_the_arm_settings(armed: Path) -> None:
     assert val("--system-prompt-file") == str(armed / "arm" / "system.md")
     assert val("--append-system-prompt-file") == "/j/sp.md"
     assert val("--settings") == str(armed / "arm" / "settings.json")
-    assert val("--agents") == str(armed / "arm" / "agents.json")
+    assert val("--agents") == str(armed / "arm" / "agents.json") and val("--agent") == "helper"
     assert val("--plugin-dir") == str(armed / "arm" / "plugin")
     assert "--include-hook-events" in argv and "--strict-mcp-config" in argv
     plain = ab.build_claude_argv("claude", ab.load_study(ab.StudyPaths(armed)).arms["A"].launch,
                                  session_id="s", resume=None, fork=False, mcp_config="/j/mcp.json",
                                  system_prompt_file="/j/sp.md", max_budget_usd=1.0, max_turns=5)
-    for flag in ("--fallback-model", "--system-prompt-file", "--settings", "--agents", "--plugin-dir",
+    for flag in ("--fallback-model", "--system-prompt-file", "--settings", "--agents", "--agent", "--plugin-dir",
                  "--include-hook-events"):
         assert flag not in plain
 
