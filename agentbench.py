@@ -2157,6 +2157,27 @@ class RegistryLock:
         self.release()
 
 
+JOB_ID_RE = re.compile(r"^j\d{6,}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def is_safe_id(value: Any) -> bool:
+    """The one id rule (pure), for every id or name that becomes part of a path: session, job and
+    run ids, task, arm and base names.  1-64 letters, digits, '.', '_' or '-', starting with a
+    letter or digit, the whole string (no separator, no '..' component, no newline, no NUL)."""
+    return isinstance(value, str) and NAME_RE.fullmatch(value) is not None
+
+
+def checked_id(kind: str, value: Any) -> str:
+    """`value` if it is a safe id (is_safe_id), else the refusal `unsafe_id`: an id from a file or a
+    stream that would not stay one path component inside its directory."""
+    if not is_safe_id(value):
+        raise AgentbenchError(f"{kind} id is not a safe path component", code="unsafe_id",
+                              value=str(value)[:200], hint="ids are 1-64 letters, digits, '.', '_' or '-'; "
+                                                           "this one was edited or forged")
+    return str(value)
+
+
 @dataclass(frozen=True)
 class StudyPaths:
     """Where everything of one study lives.  Pure path arithmetic; creates nothing."""
@@ -2195,20 +2216,18 @@ class StudyPaths:
     @property
     def driver(self) -> Path: return self.state / "driver.json"
 
-    def job_dir(self, job_id: str) -> Path: return self.jobs / job_id
-    def job_file(self, job_id: str) -> Path: return self.jobs / job_id / "job.json"
-    def runtime_file(self, job_id: str) -> Path: return self.jobs / job_id / "runtime.json"
-    def result_file(self, job_id: str) -> Path: return self.jobs / job_id / "result.json"
-    def run_dir(self, run_id: str) -> Path: return self.runs / run_id
-
-
-JOB_ID_RE = re.compile(r"^j\d{6,}$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+    def job_dir(self, job_id: str) -> Path: return self.jobs / checked_id("job", job_id)
+    def job_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "job.json"
+    def runtime_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "runtime.json"
+    def result_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "result.json"
+    def run_dir(self, run_id: str) -> Path: return self.runs / checked_id("run", run_id)
+    def session_file(self, session_id: str) -> Path:
+        return self.sessions / f"{checked_id('session', session_id)}.json"
 
 
 def check_name(kind: str, value: str) -> str:
     """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
-    if not NAME_RE.match(value or ""):
+    if not is_safe_id(value):
         raise AgentbenchError(f"invalid {kind} name", code="invalid_name", value=value,
                               hint="use 1-64 letters, digits, '.', '_' or '-', "
                                    "starting with a letter or digit")
@@ -3626,6 +3645,7 @@ class StreamState:
         self.unknown_types = 0
         self.lines = 0
         self.session_id: str | None = None
+        self.session_ids: list[str] = []     # every distinct session id the stream named (bounded)
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
         # The running cost estimate (see estimated_cost): micro-USD per message and their sum, at
@@ -3662,8 +3682,11 @@ class StreamState:
         if kind not in self.KNOWN_TYPES:
             self.unknown_types += 1
             return ev
-        if ev.get("session_id") and not self.session_id:
-            self.session_id = str(ev["session_id"])
+        if ev.get("session_id"):
+            sid = str(ev["session_id"])[:200]
+            self.session_id = self.session_id or sid
+            if sid not in self.session_ids and len(self.session_ids) < 20:
+                self.session_ids.append(sid)
         if kind == "system" and ev.get("subtype") == "init":
             self.init = ev
         elif kind == "assistant":
@@ -3810,20 +3833,64 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
     return "failed", "exit_code" if exit_code not in (0, None) else "is_error"
 
 
-#: Session failures that pause the whole study (the circuit breaker) and the upstream HTTP
-#: statuses that show them on the wire.
-WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403)}
+#: Session failures that exclude a run as not the agent's doing.  Each is claimed by a line of
+#: claude's stdout, which any process of the session can write (/proc/1/fd/1): a claim counts only
+#: when the session's gateway saw the condition on the wire (claim_corroboration).
+CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "prompt_too_long", "auth", "model_refused")
+#: The upstream HTTP statuses that show each condition (usage_limit and auth pause the whole study:
+#: the circuit breaker), and the type of an `error` event inside a streamed answer that shows it.
+WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,),
+                    "prompt_too_long": (400, 413)}
+WIRE_ERROR_TYPES_OF = {"usage_limit": ("rate_limit_error",), "overloaded": ("overloaded_error",),
+                       "api_error": ("api_error", "overloaded_error")}
 
 
-def corroborated(reason: str | None, wire_statuses: Iterable[Any] | None) -> bool:
-    """Whether a session's failure `reason` is what its gateway saw upstream (pure).  Any process
-    of the session can write to claude's stdout, so a `result` line claiming a rate limit or an
-    authentication failure proves nothing by itself: with a gateway, only an answer of that
-    status that really came through it does.  Without a gateway, or one that carried no request
-    (None), there is nothing to check."""
-    if wire_statuses is None or reason not in WIRE_STATUSES_OF:
+def _wire_shows(reason: str, rec: Mapping[str, Any], requested_model: str) -> bool:
+    """Whether one gateway record shows `reason` (pure).  The gateway's own refusals (a wrong
+    token, a path it does not forward, a budget) were answers to requests from inside the session
+    and show nothing about the upstream."""
+    if rec.get("refused") and rec.get("refused") != "lock":
+        return False
+    status = rec.get("status")
+    status = status if isinstance(status, int) and not isinstance(status, bool) else None
+    if reason == "model_refused":
+        # An answer from another model to a request for the study's model.  A request that asked
+        # for another model itself (a side model, or one the agent chose) is no substitution.
+        model, asked = rec.get("model"), rec.get("model_requested")
+        return (rec.get("kind") == "messages" and status == 200 and isinstance(model, str)
+                and (not isinstance(asked, str) or model_matches(requested_model, asked))
+                and not model_matches(requested_model, model))
+    if str(rec.get("stream_error") or "") in WIRE_ERROR_TYPES_OF.get(reason, ()):
         return True
-    return any(st in WIRE_STATUSES_OF[reason] for st in wire_statuses)
+    if reason == "api_error":
+        return (status is not None and status >= 500) or bool(rec.get("error"))
+    return status in WIRE_STATUSES_OF.get(reason, ())
+
+
+def claim_corroboration(reason: str | None, records: Sequence[Mapping[str, Any]] | None,
+                        requested_model: str) -> str:
+    """What the gateway's records say of a session's failure `reason` (pure):
+    `not_a_claim` (no infrastructure condition claimed), `corroborated` (a record shows it),
+    `uncorroborated` (the session made requests through its gateway and none shows it: a line
+    written into claude's stdout by a process of the session), `no_gateway` (records is None:
+    nothing can check the claim) or `no_requests` (a gateway that carried no request: the binary
+    never reached it, and no tool of the session ran, since every tool call follows an answer)."""
+    if reason not in CLAIMED_CONDITIONS:
+        return "not_a_claim"
+    if records is None:
+        return "no_gateway"
+    if not records:
+        return "no_requests"
+    if any(_wire_shows(str(reason), r, requested_model) for r in records if isinstance(r, Mapping)):
+        return "corroborated"
+    return "uncorroborated"
+
+
+def claim_counts(corroboration: str) -> bool:
+    """Whether a claimed condition may move a run out of the agent's outcome (pure).  Only what the
+    gateway saw, or a gateway that saw no request at all, counts; without a gateway the claim
+    cannot be checked and the conservative reading holds: the run is the agent's failure."""
+    return corroboration in ("not_a_claim", "corroborated", "no_requests")
 
 
 def model_usage_delta(now: Mapping[str, Any] | None,
@@ -4782,7 +4849,7 @@ class GatewayBudget:
         self.metered = 0.0
         self.reserved = 0.0
         self._lock = threading.Lock()
-        self.file = gateway_dir(paths) / f"{job_id}.json"
+        self.file = gateway_dir(paths) / f"{checked_id('job', job_id)}.json"
 
     def _study_lock(self) -> Any:
         gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
@@ -5024,7 +5091,8 @@ class MeteringGateway:
             mt = req.get("max_tokens")
             mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
             max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
-            rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
+            rec.update({"model": model, "model_requested": model, "stream": bool(req.get("stream")),
+                        "max_tokens": max_tokens})
             if self.budget is not None:
                 worst = worst_case_usd(len(body), max_tokens, model, self.prices)
                 try:
@@ -5239,7 +5307,8 @@ def transcript_dir_name(cwd: str) -> str:
 
 
 def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
-    return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
+    name = checked_id("session", session_id) + ".jsonl"
+    return claude_projects_dir(env) / transcript_dir_name(cwd) / name
 
 
 def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str) -> bool:
@@ -5260,7 +5329,7 @@ def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str,
 
 def session_record(paths: StudyPaths, session_id: str) -> dict[str, Any]:
     """What the study knows of a `claude` session: last reported cumulative cost, modelUsage, context."""
-    return read_json(paths.sessions / f"{session_id}.json", default=None) or {
+    return read_json(paths.session_file(session_id), default=None) or {
         "session_id": session_id, "cost_total_usd": 0.0, "model_usage": {}, "context_tokens": 0}
 
 
@@ -5472,7 +5541,7 @@ def _complete_finalize(paths: StudyPaths, job: Mapping[str, Any], result: Mappin
                     "last_job": job_id, "cwd": job.get("cwd"), "updated_at": utc_now()})
         if result.get("context_tokens"):
             rec["context_tokens"] = result["context_tokens"]
-        write_json_atomic(paths.sessions / f"{sid}.json", rec)
+        write_json_atomic(paths.session_file(sid), rec)
     reg = read_registry(paths)
     if job_id in (reg.get("finalizing") or []):
         # Before the active marker goes: the reaper only looks at active jobs, and the
@@ -6202,11 +6271,17 @@ class Supervisor:
         elif stall and silent <= float(stall) and self.runtime.get("stalled"):
             self._write_runtime(stalled=False)
         requested = str(self.job["model"])
-        for m in models:
-            if not model_matches(requested, m):
-                self.flags.add("model_substituted")
-                self._stop(proc, claude, "failed", "model_refused")
-                return
+        gw = self.gateway
+        if gw is not None:
+            # The wire, not the stream: any process of the session can print an assistant event
+            # naming another model.  Only an answer the gateway carried shows a substitution.
+            substituted = claim_corroboration("model_refused", list(gw.records), requested) == "corroborated"
+        else:
+            substituted = any(not model_matches(requested, m) for m in models)
+        if substituted:
+            self.flags.add("model_substituted")
+            self._stop(proc, claude, "failed", "model_refused")
+            return
         budget = lim.get("max_budget_usd")
         if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
             self._stop(proc, claude, "failed", "budget")
@@ -6502,9 +6577,25 @@ class Supervisor:
                 self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         return survivors
 
+    def _session_ids(self) -> tuple[str | None, list[str]]:
+        """(the session id this job's record keeps, the other ids the stream named).  The id is the
+        one agentbench assigned (the job record has it); a stream line naming another one is an
+        anomaly, flagged and never adopted, and nothing the stream says becomes a path."""
+        assigned = self.job.get("session_id")
+        named = list(self.state.session_ids)
+        if not is_safe_id(assigned):
+            assigned = next((i for i in named if is_safe_id(i)), None)
+        foreign = [i for i in named if i != assigned]
+        if foreign:
+            self.flags.add("session_id_mismatch")
+            note_anomaly(self.state.anomalies, "stream.session_id", foreign[0],
+                         "not the session id agentbench assigned")
+        return assigned, [json_safe(i) for i in foreign]
+
     def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
         job = self.job
         st = self.state
+        session_id, foreign_ids = self._session_ids()
         prior = job.get("prior") or {}
         usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                              prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
@@ -6514,6 +6605,12 @@ class Supervisor:
         else:
             status, reason = classify_session(st.result, exit_code)
         gw = self.gateway
+        requested = str(job["model"])
+        # The gateway's records (None: the study runs without one; a job meant to have one whose
+        # gateway never started carried no request).
+        records: list[dict[str, Any]] | None = (
+            list(gw.records) if gw is not None
+            else ([] if job.get("gateway", GATEWAY_DEFAULT) == "on" else None))
         if gw is not None:
             # The wire's figures beside the binary's own; budgets count the metered one.
             usage.update(gw.summary())
@@ -6522,12 +6619,6 @@ class Supervisor:
                 self.flags.add("cost_mismatch")
             if gw.refusal is not None and self.end is None and status != "ok":
                 status, reason = "failed", "budget"
-            wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
-            if status == "failed" and not corroborated(reason, wire):
-                # A claimed rate limit or auth failure the wire never saw: written into the stream
-                # by a process of the session.  The agent's doing, and no reason to pause the study.
-                self.flags.add("uncorroborated_result")
-                reason = "uncorroborated_" + str(reason)
             # Requests for another model (a side model, or one the agent asked for itself) are
             # metered at that model's price; the flag makes them visible.
             if any(m != "(unknown)" and not model_matches(str(job["model"]), m)
@@ -6535,13 +6626,22 @@ class Supervisor:
                 self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
-        requested = str(job["model"])
         others = [m for m in usage.get("models_used") or []
                   if not model_matches(requested, m)]
         # Responses that reported another model: _check() stops such a session while it runs,
         # but a short session can end between two polls, so the final accounting looks again
         # (modelUsage is keyed by the requested model and cannot show a substitution).
         substituted = [m for m in st.models if not model_matches(requested, m)]
+        if records:
+            # Under a gateway that carried requests, the wire says which model answered; an
+            # assistant event naming another one that no answer matches was printed by a process
+            # of the session: flagged, believed for nothing.
+            on_wire = claim_corroboration("model_refused", records, requested) == "corroborated"
+            if substituted and not on_wire:
+                self.flags.add("stream_model_unconfirmed")
+            substituted = substituted if on_wire else []
+            if on_wire and not substituted:
+                substituted = ["(seen by the gateway)"]
         if substituted:
             self.flags.add("model_substituted")
             if status == "ok":
@@ -6550,6 +6650,14 @@ class Supervisor:
             self.flags.add("other_models_billed")
             if status == "ok" and not (job.get("limits") or {}).get("allow_side_models"):
                 status, reason = "failed", "model_refused"
+        claimed = reason if status == "failed" else None
+        corroboration = claim_corroboration(claimed, records, requested)
+        if not claim_counts(corroboration):
+            # An infrastructure condition the wire never saw (or, without a gateway, could not
+            # see): written into the stream by a process of the session, for all anyone knows.
+            # The agent's failure, and no reason to pause the study.
+            self.flags.add("uncorroborated_result")
+            reason = "uncorroborated_" + str(reason)
         if len(st.results) > 1:
             self.flags.add("multiple_results")
         if st.bad_lines:
@@ -6581,7 +6689,9 @@ class Supervisor:
                  "result_text": str(res.get("result") or "")[:2000] if res else None,
                  "models_reported": st.models, "bad_lines": st.bad_lines, "unknown_events": st.unknown_types,
                  "survivors": [dataclasses.asdict(s) for s in survivors],
-                 "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
+                 "session_id": session_id, "stream_session_ids": foreign_ids,
+                 "claim": ({"reason": claimed, "corroboration": corroboration}
+                           if claimed in CLAIMED_CONDITIONS else None),
                  "snapshots": self.snapshots_done, "flags": sorted(self.flags),
                  "sandbox": self.sandbox,
                  **({"gateway_refusal": gw.refusal} if gw is not None and gw.refusal else {})}
@@ -7654,7 +7764,7 @@ RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "ga
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
-    return paths.run_index / f"{check_name('run', run_id)}.json"
+    return paths.run_index / f"{checked_id('run', run_id)}.json"
 
 
 def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
@@ -11692,7 +11802,7 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
 # overrides replace them (e.g. to provoke --max-budget-usd).
 
 SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
-SCRIPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SCRIPT_ID_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 SCRIPT_FAULTS = ("429", "529", "overloaded", "prompt_too_long", "500", "hang", "cut", "malformed")
 USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
                        "cache_read_input_tokens",
@@ -12294,7 +12404,7 @@ class ScriptedModelServer:
     # -- scripts -----------------------------------------------------------------------------------
     def add_script(self, script_id: str, script: dict) -> None:
         """Register a script in memory (wins over a file of the same id)."""
-        if not SCRIPT_ID_RE.match(script_id or ""):
+        if not SCRIPT_ID_RE.fullmatch(script_id or ""):
             raise AgentbenchError("bad script id", code="bad_script_id",
                                   script=script_id, allowed="[A-Za-z0-9_.-]+")
         validate_script(script, script_id)
@@ -12310,7 +12420,7 @@ class ScriptedModelServer:
             script = self._scripts.get(script_id)
         if script is not None:
             return script
-        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id):
+        if self.scripts_dir is None or not SCRIPT_ID_RE.fullmatch(script_id):
             return None
         path = self.scripts_dir / f"{script_id}.json"
         try:
@@ -12324,7 +12434,7 @@ class ScriptedModelServer:
 
     def script_problem(self, script_id: str) -> str:
         """Why get_script() found no script for this id, in words (for the error answer)."""
-        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id or ""):
+        if self.scripts_dir is None or not SCRIPT_ID_RE.fullmatch(script_id or ""):
             return "no such script registered"
         path = self.scripts_dir / f"{script_id}.json"
         try:
