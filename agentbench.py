@@ -2443,6 +2443,8 @@ class ResultRecord(_ResultRequired, total=False):
     snapshots: list[int]             # the `snapshots` limits (elapsed seconds) taken during the session
     sandbox: dict[str, Any] | None
     gateway_refusal: dict[str, Any]  # what the gateway refused (budget), if it did
+    stream_session_ids: list[str]    # session ids the stream named other than the assigned one
+    claim: dict[str, Any] | None     # a claimed infrastructure condition and what the gateway said of it
 
 
 class _RunRequired(TypedDict):
@@ -7641,6 +7643,63 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     return rec
 
 
+# -- grader errors proven --------------------------------------------------------------------------
+# A check that times out, crashes, is killed or stopped, or prints an incoherent receipt gave no
+# verdict; but the code under test runs inside it and can cause exactly that (a solution that
+# sends SIGSTOP to its harness makes the check time out).  So the same check is re-run at once on
+# the task's reference (starter + reference/, which calibration proved passes) in a fresh copy:
+# if the reference passes, the grader works and the solution caused the error -- the agent's
+# failure; only when the reference fails too is it a grader error, which excludes the run.
+
+def grader_error_proof(error: str, reference: Mapping[str, Any] | None, which: str) -> dict[str, Any]:
+    """What a check's grader error means once the same check ran on the reference (pure).
+
+    `reference` is that re-run's receipt (None: the task has no reference to re-run on).  Returns
+    grader_error (None when the solution caused it), grader_error_caused_by_solution (the error,
+    or None) and reference_rerun (what the re-run gave)."""
+    if reference is None:
+        return {"grader_error": error, "grader_error_caused_by_solution": None,
+                "reference_rerun": {"ran": False, "why": "the task has no reference/ to re-run on"}}
+    ref_error = reference.get("grader_error")
+    ref_passed = bool(reference.get("success") if which == "oracle" else reference.get("passed"))
+    rerun = {"ran": True, "passed": ref_passed and not ref_error, "grader_error": ref_error,
+             "score": reference.get("score"), "timed_out": reference.get("timed_out"),
+             "exit_code": reference.get("exit_code")}
+    if ref_passed and not ref_error:
+        return {"grader_error": None, "grader_error_caused_by_solution": error, "reference_rerun": rerun}
+    why = ref_error or f"the reference does not pass (score {reference.get('score')})"
+    return {"grader_error": f"{error}; on the reference too: {why}"[:600],
+            "grader_error_caused_by_solution": None, "reference_rerun": rerun}
+
+
+def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
+                     env: Mapping[str, str]) -> dict[str, Any]:
+    """run_check(); when it gives a grader error, the same check re-run on the reference decides
+    whose error it was (grader_error_proof).  A solution-caused error is a fail with score 0."""
+    rec = run_check(paths, platform, task, which, workspace, env)
+    error = rec.get("grader_error")
+    if not error:
+        return rec
+    reference = None
+    if task.reference.is_dir():
+        with tempfile.TemporaryDirectory(prefix=f"ab-ref-{task.id}-") as tmp:
+            ws = os.path.join(tmp, "reference")
+            try:
+                copy_tree(task.public, ws)
+                copy_tree(task.reference, ws)
+                reference = run_check(paths, platform, task, which, ws, env)
+            except (OSError, shutil.Error) as exc:
+                reference = {"grader_error": f"the reference could not be checked: {type(exc).__name__}",
+                             "passed": False, "success": False}
+    proof = grader_error_proof(str(error), reference, which)
+    rec.update(proof)
+    if proof["grader_error_caused_by_solution"]:
+        rec.update({"passed": False, "score": 0.0})
+        if which == "oracle":
+            rec["success"] = False
+    return rec
+
+
 # -- calibration -----------------------------------------------------------------------------------
 
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
@@ -8099,13 +8158,15 @@ class RunVerdict(NamedTuple):
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
                  success: bool, grader_error: str | None = None,
-                 hidden_access: Iterable[str] = ()) -> RunVerdict:
+                 hidden_access: Iterable[str] = (), solution_broke_grader: str | None = None) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
-    gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
-    of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
+    gave none (invalid grading, proven by the reference failing the same check too: never the
+    agent's failure); `solution_broke_grader` a check error that the reference's re-run showed the
+    solution caused (the agent's failure, `grader_error_caused_by_solution`); `hidden_access` the
+    audit's findings of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
@@ -8128,7 +8189,8 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     else:
         outcome = "success" if success else "failure"
     failure = None if success else ("grader_error" if outcome == "grader_error"
-                                    else (stop or "hidden tests failed"))
+                                    else (stop or ("grader_error_caused_by_solution" if solution_broke_grader
+                                                   else "hidden tests failed")))
     return RunVerdict(outcome, validity, why, failure)
 
 
@@ -8306,7 +8368,7 @@ class RunPipeline:
         return res
 
     def run_gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
-        rec = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+        rec = run_check_proven(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
         n = len(self.rec.setdefault("gates", [])) + 1
         write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
         self.rec["gates"].append({"n": n, "label": label, "passed": rec["passed"], "score": rec["score"]})
@@ -8525,7 +8587,7 @@ class RunPipeline:
         rec["artifacts"] = artifact_manifest(ws)
         write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
         self._collect_transcripts(run_dir)
-        final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+        final_gate = run_check_proven(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
         write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
         rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
         calls: list[dict[str, Any]] = []
@@ -8551,7 +8613,7 @@ class RunPipeline:
                         # Said, not flagged: a correct solution may equal the reference (the
                         # rehearsal writes it by design); a reviewer weighs it with the tool calls.
                         "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
-        ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+        ev = run_check_proven(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
@@ -8561,7 +8623,9 @@ class RunPipeline:
                       "receipt": {"kind": ev.get("receipt"), "channel": ev.get("receipt_channel"),
                                   "protected": ev.get("receipt_protected"),
                                   "problem": ev.get("receipt_problem")},
-                      "grader_error": ev.get("grader_error")}
+                      "grader_error": ev.get("grader_error"),
+                      "grader_error_caused_by_solution": ev.get("grader_error_caused_by_solution"),
+                      "reference_rerun": ev.get("reference_rerun")}
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["sandbox"] = sandbox_summary(
             [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
@@ -8573,6 +8637,7 @@ class RunPipeline:
         verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
                                tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
+                               solution_broke_grader=ev.get("grader_error_caused_by_solution"),
                                hidden_access=[f["kind"] for f in findings
                                               if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
