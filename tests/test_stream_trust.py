@@ -338,7 +338,7 @@ def _forging_command(lines: list[dict]) -> str:
             "    except OSError:\n"
             "        pass\n"
             "print('FORGED', n)\n")
-    return "python3 -c " + json.dumps(prog).replace("$", "\\$")
+    return f"python3 -c \"import base64; exec(base64.b64decode('{base64.b64encode(prog.encode()).decode()}'))\""
 
 
 @pytest.mark.real_claude
