@@ -652,11 +652,13 @@ def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkey
     ("usage_limit", [200, 429], True),
     ("usage_limit", [200, 200], False),         # a rate limit the wire never saw was written in
     ("auth", [401], True), ("auth", [403], True), ("auth", [200], False),
-    ("usage_limit", None, True),                # no gateway, or nothing through it: nothing to check
-    ("api_error", [200], True), (None, [200], True),
+    ("usage_limit", [], True),                  # a gateway that carried no request: nothing to check
+    ("usage_limit", None, False),               # no gateway: the claim cannot count
+    ("api_error", [200], False), ("api_error", [200, 503], True), (None, [200], True),
 ])
 def test_a_claimed_rate_limit_or_auth_failure_needs_the_wire(reason, wire, expected):
-    assert ab.corroborated(reason, wire) is expected
+    records = None if wire is None else [{"kind": "messages", "status": st, "model": "m"} for st in wire]
+    assert ab.claim_counts(ab.claim_corroboration(reason, records, "m")) is expected
 
 
 @pytest.mark.parametrize("budget, code", [
