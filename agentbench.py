@@ -9698,8 +9698,8 @@ class RunPipeline:
         for j in self.rec["jobs"]:
             job = read_json(self.paths.job_file(j["job_id"]), default=None)
             res = read_json(self.paths.result_file(j["job_id"]), default=None)
-            if not job or not res or not res.get("session_id"):
-                continue
+            if not job or not res or not is_safe_id(res.get("session_id")):
+                continue   # no session, or an id that cannot be a file name (never made a path)
             src = transcript_path(env, job["cwd"], res["session_id"])
             if os.path.lexists(src):
                 # The session could write its own transcript: a link (to /dev/zero, to the
