@@ -4620,6 +4620,7 @@ class SseMeter:
         self.bad = False
         self.events = 0
         self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
+        self.ended = False   # the answer's message_delta (its final usage) was read
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -4653,6 +4654,7 @@ class SseMeter:
             self.bad = self.bad or bad
             self.usage.update(usage)
             self.updates += 1
+            self.ended = True
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -5007,6 +5009,7 @@ class GatewayAnswer:
     bad: bool
     stream_error: str | None
     cut: bool = False
+    complete: bool = True   # its final usage was read (a cut answer's may not have been)
 
 
 @dataclass(frozen=True)
@@ -5041,6 +5044,7 @@ class MeteringGateway:
         #: the session `budget`.
         self.cutoff: dict[str, Any] | None = None
         self._live: dict[int, float] = {}
+        self._upstreams: dict[int, http.client.HTTPConnection] = {}   # of live Messages answers
         self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -5248,7 +5252,7 @@ class MeteringGateway:
         reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
         is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
-        cut = False
+        cut = replied = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
@@ -5256,6 +5260,8 @@ class MeteringGateway:
         chunks = 0
         request_id = None
         error = None
+        is_sse = False
+        conn = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5277,6 +5283,12 @@ class MeteringGateway:
                     if not reused or attempt:
                         raise
             assert resp is not None and conn is not None
+            if live is not None:
+                with self._lock:
+                    self._upstreams[live.ticket] = conn
+                    cut = self.cutoff is not None   # set while this request went out: not relayed
+            if cut:
+                raise ConnectionAbortedError("cut: the gateway's cutoff is set")
             status = resp.status
             request_id = resp.getheader("request-id") or resp.getheader("x-request-id")
             ctype = str(resp.getheader("content-type") or "")
@@ -5291,8 +5303,12 @@ class MeteringGateway:
                 h.send_header("transfer-encoding", "chunked")
             h.end_headers()
             h.wfile.flush()
+            replied = True
             while True:
                 data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
+                if live is not None and self.cutoff is not None and not data:
+                    cut = aborted = True   # the cut shut its upstream connection: not a normal end
+                    break
                 if not data:
                     break
                 chunks += 1
@@ -5305,7 +5321,7 @@ class MeteringGateway:
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
-                if self.cutoff is not None:
+                if live is not None and self.cutoff is not None:
                     cut = aborted = True   # stop relaying: what was metered of it counts
                     break
                 try:
@@ -5325,27 +5341,42 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
+            cut = cut or (live is not None and self.cutoff is not None)   # the cut shut its upstream
             error = f"{type(exc).__name__}: {exc}"[:300]
-            if chunks == 0:
+            if conn is not None:
+                conn.close()
+            h.close_connection = True
+            if not replied:
                 with contextlib.suppress(OSError):
-                    h.close_connection = True
-                    self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
-            else:
-                h.close_connection = True
+                    if cut:   # final for the binary, as every budget refusal
+                        status = 400
+                        self._reply(h, 400, "invalid_request_error", "agentbench gateway: budget exhausted: "
+                                    "this session's answers were cut")
+                    else:
+                        self._reply(h, 502, "api_error",
+                                    "agentbench gateway: the upstream could not be reached")
+        if live is not None:
+            with self._lock:
+                self._upstreams.pop(live.ticket, None)
         if kept:
             usage, model, bad = message_meter(b"".join(kept))
         else:
             usage, model, bad = meter.usage, meter.model, meter.bad
         return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
                              chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
-                             stream_error=meter.error, cut=cut)
+                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut)
 
     def _cut(self, why: Mapping[str, Any]) -> None:
-        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        """Set the cutoff (the first reason stays): new requests are refused, and every live answer
+        stops, an idle one too: its upstream connection is shut, which ends its relay at once."""
         with self._lock:
             if self.cutoff is None:
                 self.cutoff = dict(why)
                 self.refusal = self.refusal or self.cutoff
+            upstreams = list(self._upstreams.values())
+        for conn in upstreams:
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
         """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
@@ -5367,10 +5398,15 @@ class MeteringGateway:
 
     def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
         """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
-        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold.  A
+        cut answer whose final usage never came (the upstream may bill what it had generated, or
+        its whole input) is charged its reservation when that is more: the caps fail closed."""
         tokens = metered_tokens(answer.usage)
         rmodel = answer.model or live.model
         cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        if answer.cut and not answer.complete and live.reserved > cost:
+            cost = live.reserved
+            rec["charged"] = "reservation"
         with self._lock:
             self._live.pop(live.ticket, None)   # before it is settled: never counted twice
         if self.budget is not None:
