@@ -4383,7 +4383,9 @@ def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CA
 # the token (anything else gets 401), swaps it for the real credential, forwards to the upstream
 # (the user's ANTHROPIC_BASE_URL, else the public API over verified TLS), streams answers back byte
 # for byte, meters every Messages answer from its own events at the study's prices, and reserves
-# each request's worst case against the run's and the study's remaining money before forwarding it.
+# each request's worst case (a bound on what it can be billed) against the run's and the study's
+# remaining money, in one step under a study-wide lock, before forwarding it.  A request whose cost
+# its body does not bound is refused; when the metered spend reaches a cap, live answers are cut.
 # It owns: the allow-list environment of `claude`, the job's gateway.jsonl, and the study's live
 # reservations under state/gateway/.  It must not: write results, the ledger or the registry (the
 # supervisor does), log a header or a body, or let a credential reach `claude`'s environment.
