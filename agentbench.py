@@ -4957,6 +4957,9 @@ GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
 GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
+#: How often, at most, a streaming answer's usage re-reads the study's spend (the ledger and the other
+#: live sessions) to see whether the study's cap is reached mid-answer.
+GATEWAY_STUDY_RECHECK_S = 0.5
 #: How long stop() waits for requests still in flight to settle their metering.
 GATEWAY_STOP_WAIT_S = 10.0
 #: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
@@ -5447,6 +5450,7 @@ class GatewayBudget:
         self.reserved = 0.0
         self._lock = threading.Lock()
         self.file = gateway_dir(paths) / f"{job_id}.json"
+        self._others, self._others_at = 0.0, -math.inf   # the study's spend but this job's, when read
 
     def _study_lock(self) -> Any:
         gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
@@ -5485,9 +5489,13 @@ class GatewayBudget:
         if self.run_cap is not None and run_used >= self.run_cap:
             return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
         if self.study_cap:
-            with self._study_lock():
-                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
-                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            now = time.monotonic()
+            if now - self._others_at >= GATEWAY_STUDY_RECHECK_S:
+                with self._study_lock():
+                    self._others = registry_spent_usd(read_registry(self.paths)) + \
+                        live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+                self._others_at = now
+            used = self._others + run_used
             if used >= self.study_cap:
                 return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
         return None

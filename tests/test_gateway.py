@@ -985,3 +985,35 @@ def test_a_cut_stops_an_idle_answer_too_and_charges_it_its_reservation(tmp_path)
         t.join(60)
         gw.stop()
         up.close()
+
+
+def test_the_study_cap_reached_by_another_session_mid_answer_cuts_it(tmp_path, monkeypatch):
+    """While an answer streams, the study's spend grows elsewhere (a session that ran without the
+    gateway is counted at its end): the answer's next usage event sees the cap reached."""
+    monkeypatch.setattr(ab, "GATEWAY_STUDY_RECHECK_S", 0.0)   # re-read the study at every event
+    up = Overbiller(hold_after_start=True)
+    paths = study_paths(tmp_path)
+    body = dict(attack_body(1000), max_tokens=1000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1000, "claude-test",
+                            PRICES)
+    gw = make_gateway(tmp_path, up.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=None,
+                                                                 study_cap=2 * one))
+    got: list[bytes] = []
+    t = threading.Thread(target=raw_post, args=(gw, body, got))
+    try:
+        t.start()
+        wait_until(lambda: b"message_start" in b"".join(got), "the answer's first event relayed")
+        assert gw.cutoff is None
+        reg = ab.read_registry(paths)
+        reg["spent_usd"] = 2 * one
+        ab.write_json_atomic(paths.registry, reg)
+        up.release.set()
+        t.join(60)
+        assert b"message_stop" not in b"".join(got)
+        assert gw.cutoff["limit"] == "study_usd" and records(tmp_path, 1)[0]["cut"]
+        assert post(gw, "/v1/messages", body)[0] == 400
+    finally:
+        up.release.set()
+        t.join(60)
+        gw.stop()
+        up.close()
