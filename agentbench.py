@@ -5244,7 +5244,7 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
     (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
     number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
     uploaded container file) and PDF pages (text and a picture per page, compressed) are not
-    bounded by the body."""
+    bounded by the body.  A tool call's `input` is not searched: it is data, not content."""
     extra, unbounded = 0, []
     stack = list(roots)
     while stack:
@@ -5268,7 +5268,9 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
             unbounded.append("file_id")
         if kind == "container_upload":
             unbounded.append("container_upload")
-        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        # A tool call's input is the model's own JSON, billed as text: whatever it holds is no block.
+        skip = "input" if isinstance(kind, str) and kind.endswith("tool_use") else None
+        stack.extend(v for k, v in node.items() if k != skip and isinstance(v, (dict, list)))
     return extra, unbounded
 
 

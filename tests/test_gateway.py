@@ -147,6 +147,10 @@ TXT = {"type": "text", "text": "hello"}
      ("file_id", "file_source")),                                          # found however deep
     ({"model": "claude-test", "max_tokens": 10, "system": [{"type": "text", "text": "s"}, IMG],
       "messages": []}, ab.GATEWAY_IMAGE_TOKENS, ()),
+    # a tool call's input is data (the model's JSON), whatever keys it has
+    (_msg({"type": "tool_use", "id": "t", "name": "fetch", "input": {
+        "source": {"type": "url", "url": "https://example.com"}, "file_id": "f", "type": "container_upload"}}),
+     0, ()),
 ])
 def test_request_bound_table(req, extra_tokens, unbounded):
     body = json.dumps(req).encode()
