@@ -4993,7 +4993,9 @@ def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CA
 # the token (anything else gets 401), swaps it for the real credential, forwards to the upstream
 # (the user's ANTHROPIC_BASE_URL, else the public API over verified TLS), streams answers back byte
 # for byte, meters every Messages answer from its own events at the study's prices, and reserves
-# each request's worst case against the run's and the study's remaining money before forwarding it.
+# each request's worst case (a bound on what it can be billed) against the run's and the study's
+# remaining money, in one step under a study-wide lock, before forwarding it.  A request whose cost
+# its body does not bound is refused; when the metered spend reaches a cap, live answers are cut.
 # It owns: the allow-list environment of `claude`, the job's gateway.jsonl, and the study's live
 # reservations under state/gateway/.  It must not: write results, the ledger or the registry (the
 # supervisor does), log a header or a body, or let a credential reach `claude`'s environment.
@@ -5024,6 +5026,9 @@ GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
 GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
+#: How often, at most, a streaming answer's usage re-reads the study's spend (the ledger and the other
+#: live sessions) to see whether the study's cap is reached mid-answer.
+GATEWAY_STUDY_RECHECK_S = 0.5
 #: How long stop() waits for requests still in flight to settle their metering.
 GATEWAY_STOP_WAIT_S = 10.0
 #: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
@@ -5230,6 +5235,7 @@ class SseMeter:
         self.bad = False
         self.events = 0
         self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
+        self.ended = False   # the answer's message_delta (its final usage) was read
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -5263,6 +5269,7 @@ class SseMeter:
             self.bad = self.bad or bad
             self.usage.update(usage)
             self.updates += 1
+            self.ended = True
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -5306,7 +5313,7 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
     (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
     number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
     uploaded container file) and PDF pages (text and a picture per page, compressed) are not
-    bounded by the body."""
+    bounded by the body.  A tool call's `input` is not searched: it is data, not content."""
     extra, unbounded = 0, []
     stack = list(roots)
     while stack:
@@ -5330,7 +5337,9 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
             unbounded.append("file_id")
         if kind == "container_upload":
             unbounded.append("container_upload")
-        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        # A tool call's input is the model's own JSON, billed as text: whatever it holds is no block.
+        skip = "input" if isinstance(kind, str) and kind.endswith("tool_use") else None
+        stack.extend(v for k, v in node.items() if k != skip and isinstance(v, (dict, list)))
     return extra, unbounded
 
 
@@ -5512,6 +5521,7 @@ class GatewayBudget:
         self.reserved = 0.0
         self._lock = threading.Lock()
         self.file = gateway_dir(paths) / f"{checked_id('job', job_id)}.json"
+        self._others, self._others_at = 0.0, -math.inf   # the study's spend but this job's, when read
 
     def _study_lock(self) -> Any:
         gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
@@ -5550,9 +5560,13 @@ class GatewayBudget:
         if self.run_cap is not None and run_used >= self.run_cap:
             return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
         if self.study_cap:
-            with self._study_lock():
-                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
-                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            now = time.monotonic()
+            if now - self._others_at >= GATEWAY_STUDY_RECHECK_S:
+                with self._study_lock():
+                    self._others = registry_spent_usd(read_registry(self.paths)) + \
+                        live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+                self._others_at = now
+            used = self._others + run_used
             if used >= self.study_cap:
                 return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
         return None
@@ -5617,6 +5631,7 @@ class GatewayAnswer:
     bad: bool
     stream_error: str | None
     cut: bool = False
+    complete: bool = True   # its final usage was read (a cut answer's may not have been)
 
 
 @dataclass(frozen=True)
@@ -5651,6 +5666,7 @@ class MeteringGateway:
         #: the session `budget`.
         self.cutoff: dict[str, Any] | None = None
         self._live: dict[int, float] = {}
+        self._upstreams: dict[int, http.client.HTTPConnection] = {}   # of live Messages answers
         self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -5859,7 +5875,7 @@ class MeteringGateway:
         reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
         is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
-        cut = False
+        cut = replied = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
@@ -5867,6 +5883,8 @@ class MeteringGateway:
         chunks = 0
         request_id = None
         error = None
+        is_sse = False
+        conn = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5888,6 +5906,12 @@ class MeteringGateway:
                     if not reused or attempt:
                         raise
             assert resp is not None and conn is not None
+            if live is not None:
+                with self._lock:
+                    self._upstreams[live.ticket] = conn
+                    cut = self.cutoff is not None   # set while this request went out: not relayed
+            if cut:
+                raise ConnectionAbortedError("cut: the gateway's cutoff is set")
             status = resp.status
             request_id = resp.getheader("request-id") or resp.getheader("x-request-id")
             ctype = str(resp.getheader("content-type") or "")
@@ -5902,8 +5926,12 @@ class MeteringGateway:
                 h.send_header("transfer-encoding", "chunked")
             h.end_headers()
             h.wfile.flush()
+            replied = True
             while True:
                 data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
+                if live is not None and self.cutoff is not None and not data:
+                    cut = aborted = True   # the cut shut its upstream connection: not a normal end
+                    break
                 if not data:
                     break
                 chunks += 1
@@ -5916,7 +5944,7 @@ class MeteringGateway:
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
-                if self.cutoff is not None:
+                if live is not None and self.cutoff is not None:
                     cut = aborted = True   # stop relaying: what was metered of it counts
                     break
                 try:
@@ -5936,27 +5964,42 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
+            cut = cut or (live is not None and self.cutoff is not None)   # the cut shut its upstream
             error = f"{type(exc).__name__}: {exc}"[:300]
-            if chunks == 0:
+            if conn is not None:
+                conn.close()
+            h.close_connection = True
+            if not replied:
                 with contextlib.suppress(OSError):
-                    h.close_connection = True
-                    self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
-            else:
-                h.close_connection = True
+                    if cut:   # final for the binary, as every budget refusal
+                        status = 400
+                        self._reply(h, 400, "invalid_request_error", "agentbench gateway: budget exhausted: "
+                                    "this session's answers were cut")
+                    else:
+                        self._reply(h, 502, "api_error",
+                                    "agentbench gateway: the upstream could not be reached")
+        if live is not None:
+            with self._lock:
+                self._upstreams.pop(live.ticket, None)
         if kept:
             usage, model, bad = message_meter(b"".join(kept))
         else:
             usage, model, bad = meter.usage, meter.model, meter.bad
         return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
                              chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
-                             stream_error=meter.error, cut=cut)
+                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut)
 
     def _cut(self, why: Mapping[str, Any]) -> None:
-        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        """Set the cutoff (the first reason stays): new requests are refused, and every live answer
+        stops, an idle one too: its upstream connection is shut, which ends its relay at once."""
         with self._lock:
             if self.cutoff is None:
                 self.cutoff = dict(why)
                 self.refusal = self.refusal or self.cutoff
+            upstreams = list(self._upstreams.values())
+        for conn in upstreams:
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
         """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
@@ -5978,10 +6021,15 @@ class MeteringGateway:
 
     def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
         """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
-        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold.  A
+        cut answer whose final usage never came (the upstream may bill what it had generated, or
+        its whole input) is charged its reservation when that is more: the caps fail closed."""
         tokens = metered_tokens(answer.usage)
         rmodel = answer.model or live.model
         cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        if answer.cut and not answer.complete and live.reserved > cost:
+            cost = live.reserved
+            rec["charged"] = "reservation"
         with self._lock:
             self._live.pop(live.ticket, None)   # before it is settled: never counted twice
         if self.budget is not None:
