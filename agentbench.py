@@ -11835,18 +11835,21 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
 
 
 def _page_read_stream(path: Path) -> list[bytes]:
-    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines)."""
-    out, total = [], 0
+    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines).  Read
+    without following a link or opening a FIFO, and never more than that many bytes (a link to
+    /dev/zero in its place would be one endless line)."""
     try:
-        with open(path, "rb") as fh:
-            for line in fh:
-                total += len(line)
-                if total > PAGE_STREAM_BYTES:
-                    break
-                out.append(line)
+        opened = open_regular(path)
+        if opened is None:
+            return []
+        with os.fdopen(opened[0], "rb") as fh:
+            data = fh.read(PAGE_STREAM_BYTES + 1)
     except OSError:
-        pass
-    return out
+        return []
+    lines = data.splitlines(keepends=True)
+    if len(data) > PAGE_STREAM_BYTES and lines:
+        lines.pop()          # the cut one
+    return lines
 
 
 def _page_tree(root: Path) -> dict[str, Path]:

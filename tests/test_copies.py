@@ -347,3 +347,13 @@ def test_one_runs_page_that_cannot_be_built_never_stops_the_others(tmp_path, mon
     page = (tmp_path / "site" / "runs" / "r1.html").read_text(encoding="utf-8")
     assert "could not be read in full" in page
     assert "r2" in (tmp_path / "site" / "runs" / "r2.html").read_text(encoding="utf-8")
+
+
+def test_a_run_pages_stream_read_never_follows_a_link_to_an_endless_device(tmp_path, monkeypatch):
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    assert in_thread(lambda: ab._page_read_stream(tmp_path / "zero.jsonl")) == []
+    assert in_thread(lambda: ab._page_read_stream(tmp_path / "fifo.jsonl")) == []
+    monkeypatch.setattr(ab, "PAGE_STREAM_BYTES", 10)
+    (tmp_path / "s.jsonl").write_bytes(b"1234\n5678\n90ab\n")
+    assert ab._page_read_stream(tmp_path / "s.jsonl") == [b"1234\n", b"5678\n"]
