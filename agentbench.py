@@ -2576,6 +2576,9 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
     copy cannot take; the partial copy is left for the caller to remove."""
     skip = frozenset(skip_names)
     tally = _CopyTally(caps)
+    if os.path.islink(src) or not os.path.isdir(src):
+        # A workspace the session replaced by a link (to /etc, to the tasks) is never entered.
+        raise UnusableTree("not_a_directory", str(src))
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(dst)
@@ -7462,7 +7465,9 @@ def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAP
     `root` that is not a directory (caches and .git excluded; links to directories are entries,
     never followed).  Within the copy caps and rules (UnusableTree past them)."""
     out: dict[str, tuple[str, int]] = {}
-    if not os.path.isdir(root) or os.path.islink(root):
+    if os.path.islink(root):
+        raise UnusableTree("not_a_directory", str(root))   # replaced by a link: never entered
+    if not os.path.isdir(root):
         return out
     total = 0
     pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]

@@ -357,3 +357,14 @@ def test_a_run_pages_stream_read_never_follows_a_link_to_an_endless_device(tmp_p
     monkeypatch.setattr(ab, "PAGE_STREAM_BYTES", 10)
     (tmp_path / "s.jsonl").write_bytes(b"1234\n5678\n90ab\n")
     assert ab._page_read_stream(tmp_path / "s.jsonl") == [b"1234\n", b"5678\n"]
+
+
+def test_a_workspace_replaced_by_a_link_is_never_entered(hostile, tmp_path):
+    ws = tmp_path / "ws"
+    ws.symlink_to(hostile["ref"])
+    for call in (lambda: ab.safe_copy_tree(ws, tmp_path / "copy", ab.DEFAULT_COPY_CAPS),
+                 lambda: ab.artifact_manifest(ws)):
+        with pytest.raises(ab.UnusableTree) as err:
+            call()
+        assert err.value.why == "not_a_directory"
+    assert not (tmp_path / "copy").exists()
