@@ -2557,6 +2557,8 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
             _copy_data(fd, out, fst.st_size, sparse)
             tally.sparse += int(sparse)
+            if os.utime in os.supports_fd:
+                os.utime(out, ns=(fst.st_atime_ns, fst.st_mtime_ns))   # as copytree kept them
         finally:
             os.close(out)
         tally.files += 1
@@ -6546,7 +6548,8 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
-        self.workspace_measured_at: float | None = None
+        #: When the live workspace cap is next measured (monotonic; None: at the first poll).
+        self.workspace_next_measure: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
@@ -6691,11 +6694,13 @@ class Supervisor:
         cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
         cap = self.limits.get("workspace_max_bytes")
         now = time.monotonic()
-        if not cap or (self.workspace_measured_at is not None
-                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+        if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        self.workspace_measured_at = now
         used = tree_usage(self.job["cwd"], int(cap))
+        # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
+        # takes a noticeable time (never more than a twentieth of the poll thread's time).
+        took = time.monotonic() - now
+        self.workspace_next_measure = time.monotonic() + max(self.WORKSPACE_MEASURE_S, 20 * took)
         if used <= int(cap):
             return False
         self.flags.add("workspace_over_cap")

@@ -296,13 +296,16 @@ def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
     (ws / "link").symlink_to("/usr")         # not followed: /usr is not counted
     with open(ws / "hole", "wb") as fh:
         fh.truncate(2 ** 30)
-    sup = types.SimpleNamespace(limits={"workspace_max_bytes": 2 * MB}, workspace_measured_at=None,
+    sup = types.SimpleNamespace(limits={"workspace_max_bytes": 2 * MB}, workspace_next_measure=None,
                                 WORKSPACE_MEASURE_S=3.0, job={"cwd": str(ws)}, flags=set(),
                                 paths=ab.StudyPaths(study), job_id="j000001")
     assert ab.Supervisor._workspace_over_cap(sup) is True and "workspace_over_cap" in sup.flags
     events = [json.loads(x) for x in (study / "state" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "workspace_over_cap" and events[-1]["cap"] == 2 * MB
-    sup.workspace_measured_at, sup.limits = None, {"workspace_max_bytes": 5 * MB}
+    # Not measured again on the next poll: once per WORKSPACE_MEASURE_S at most.
+    assert sup.workspace_next_measure is not None
+    assert ab.Supervisor._workspace_over_cap(sup) is False
+    sup.workspace_next_measure, sup.limits = None, {"workspace_max_bytes": 5 * MB}
     assert ab.Supervisor._workspace_over_cap(sup) is False     # 3 MB of blocks; the hole is free
 
 
@@ -368,3 +371,15 @@ def test_a_workspace_replaced_by_a_link_is_never_entered(hostile, tmp_path):
             call()
         assert err.value.why == "not_a_directory"
     assert not (tmp_path / "copy").exists()
+
+
+def test_a_copy_keeps_modes_and_times_but_never_setuid(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    f = ws / "run.sh"
+    f.write_text("#!/bin/sh\necho hi\n")
+    os.chmod(f, 0o4755)
+    os.utime(f, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    ab.safe_copy_tree(ws, tmp_path / "copy", ab.DEFAULT_COPY_CAPS)
+    st = os.stat(tmp_path / "copy" / "run.sh")
+    assert st.st_mode & 0o7777 == 0o755 and st.st_mtime_ns == 1_000_000_000_000_000_000
