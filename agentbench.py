@@ -2895,6 +2895,7 @@ class RunRecord(_RunRequired, total=False):
     final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
     artifacts: dict[str, Any]        # the final workspace's files and their hashes
     audit: dict[str, Any]            # the behaviour audit's findings
+    transcripts_refused: list[dict[str, Any]]   # transcripts not collected (a link, a FIFO, over the cap)
     gates: list[dict[str, Any]]
     gate_cycles: int
     reviews: list[dict[str, Any]]
