@@ -2688,11 +2688,15 @@ def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max
 
 def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
     """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
-    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
-    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
-    total, seen, pending = 0, 0, [os.fspath(root)]
+    not followed; the walk stops once past `stop_above` bytes.  A tree no copy could take counts as
+    over (returns stop_above + 1): more than `max_entries` entries, or nested past the copies'
+    depth or path limits (where data could otherwise hide from this walk).  One lstat per entry."""
+    top = os.fspath(root)
+    total, seen, pending = 0, 0, [(top, 0)]
     while pending:
-        d = pending.pop()
+        d, depth = pending.pop()
+        if depth > COPY_MAX_DEPTH or len(os.fsencode(d)) - len(os.fsencode(top)) > COPY_MAX_PATH_BYTES:
+            return stop_above + 1
         try:
             it = os.scandir(d)
         except OSError:
@@ -2710,7 +2714,7 @@ def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int =
                 if total > stop_above:
                     return total
                 if stat.S_ISDIR(st.st_mode):
-                    pending.append(e.path)
+                    pending.append((e.path, depth + 1))
     return total
 
 

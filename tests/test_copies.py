@@ -233,6 +233,8 @@ def test_a_tree_nested_past_path_max_is_unusable(tmp_path, levels, name, why):
     with pytest.raises(ab.UnusableTree) as err:
         ab.tree_entries(ws)
     assert err.value.why == why
+    # The live cap cannot be evaded by hiding data where its walk would not reach.
+    assert ab.tree_usage(ws, 10 * MB) > 10 * MB
 
 
 def test_the_copy_caps_are_study_settings_with_validation():
