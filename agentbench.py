@@ -2667,16 +2667,16 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
     return tally.summary()
 
 
-def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int | None) -> int:
     """Copy one regular file (a transcript): never through a link, never from a special file,
-    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
-    over the cap; returns the bytes copied."""
+    never past `max_bytes` (None: the experimenter's own file, no cap), sparse kept sparse.
+    UnusableTree when it is not a regular file or is over the cap; returns the bytes copied."""
     opened = open_regular(src)
     if opened is None:
         raise UnusableTree("not_a_regular_file", str(src))
     fd, st = opened
     try:
-        if st.st_size > max_bytes:
+        if max_bytes is not None and st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
         Path(dst).parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_sibling(Path(dst))
@@ -8488,13 +8488,13 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
             copy_tree(task.public, ws)
             if apply_reference(paths, platform, task, ws, env):
                 return task
-            after = tree_manifest(ws)
+            after = tree_manifest(ws, UNCAPPED)
             staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
             for rel, digest in after.items():
                 changed = task.public_manifest.get(rel) != digest
                 if changed and not digest.startswith(("symlink:", "special:")):
                     (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+                    safe_copy_file(os.path.join(ws, rel), staged / rel, None)
             staged.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(staged, dst)
