@@ -2522,12 +2522,14 @@ class _CopyTally:
                 "dropped_links": self.dropped_links[:50]}
 
 
-def _link_stays_inside(rel: str, target: str) -> bool:
-    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
-    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
-        return False
-    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
-    return not (joined == ".." or joined.startswith("../"))
+def _link_stays_inside(target: str) -> bool:
+    """A link that cannot lead out of the tree however it is resolved: relative, without a `..`.
+    (A lexical check of `..` is not enough: in `l/x/../..` with `l -> .`, the kernel resolves `l`
+    first and the second `..` climbs out, while the text says it stays.)  A chain of such links
+    only ever goes down from where each one sits."""
+    parts = target.replace("\\", "/").split("/")
+    return bool(target) and not os.path.isabs(target) and not target.startswith(("/", "\\")) \
+        and ".." not in parts and not re.match(r"^[A-Za-z]:", target)
 
 
 def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
@@ -2540,7 +2542,7 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(sp, **skw)
-        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+        if links == "drop" or (links == "inside" and not _link_stays_inside(target)):
             tally.dropped_links.append(shown_name(rel))
             return
         os.symlink(target, dp, **dkw)
@@ -2577,8 +2579,8 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
                    skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
     """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
 
-    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
-    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    `links`: "keep" copies every link as a link, "inside" only relative ones without `..` (the
+    others are dropped: a reader of the copy cannot follow one out), "drop" none.  Entries named
     in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
     exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
     copy cannot take; the partial copy is left for the caller to remove."""

@@ -103,6 +103,27 @@ def test_a_link_to_the_reference_stays_a_link_and_a_reviewer_copy_drops_it(hosti
     assert regular_files_with(keep, marker) == [] and regular_files_with(review, marker) == []
 
 
+def test_no_chain_of_links_leads_out_of_a_reviewer_copy(tmp_path):
+    """`l -> .` stays in; `esc -> l/x/../..` looks inside as text (l/x/.. is l, l/.. is .) but the
+    kernel resolves `l` first and climbs out of the tree.  Only links without `..` are kept."""
+    ws = tmp_path / "ws"
+    (ws / "x").mkdir(parents=True)
+    (tmp_path / "secret.txt").write_text("outside the work\n")
+    (ws / "l").symlink_to(".")
+    (ws / "esc").symlink_to("l/x/../..")
+    (ws / "up").symlink_to("x/../..")
+    (ws / "ok").symlink_to("x")
+    assert (ws / "esc" / "secret.txt").read_text() == "outside the work\n"   # the trap is real
+    work = tmp_path / "review" / "work"
+    got = ab.safe_copy_tree(ws, work, ab.DEFAULT_COPY_CAPS, links="inside")
+    assert sorted(got["dropped_links"]) == ["esc", "up"]
+    assert (work / "l").is_symlink() and (work / "ok").is_symlink()
+    for dirpath, dirnames, filenames in os.walk(work, followlinks=True):
+        assert len(Path(dirpath).relative_to(work).parts) < 5, "a loop or a way out"
+        assert "secret.txt" not in filenames
+        dirnames[:] = [d for d in dirnames if d != "l"]       # l -> . is a loop by design
+
+
 def test_the_oracles_throw_away_copy_keeps_links_as_links(hostile, tmp_path):
     """run_check's copy goes through the same primitive: a link in the workspace to the reference
     is a link in the copy, never the reference's files."""
