@@ -2541,12 +2541,14 @@ class _CopyTally:
                 "dropped_links": self.dropped_links[:50]}
 
 
-def _link_stays_inside(rel: str, target: str) -> bool:
-    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
-    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
-        return False
-    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
-    return not (joined == ".." or joined.startswith("../"))
+def _link_stays_inside(target: str) -> bool:
+    """A link that cannot lead out of the tree however it is resolved: relative, without a `..`.
+    (A lexical check of `..` is not enough: in `l/x/../..` with `l -> .`, the kernel resolves `l`
+    first and the second `..` climbs out, while the text says it stays.)  A chain of such links
+    only ever goes down from where each one sits."""
+    parts = target.replace("\\", "/").split("/")
+    return bool(target) and not os.path.isabs(target) and not target.startswith(("/", "\\")) \
+        and ".." not in parts and not re.match(r"^[A-Za-z]:", target)
 
 
 def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
@@ -2559,7 +2561,7 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(sp, **skw)
-        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+        if links == "drop" or (links == "inside" and not _link_stays_inside(target)):
             tally.dropped_links.append(shown_name(rel))
             return
         os.symlink(target, dp, **dkw)
@@ -2582,6 +2584,8 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
             _copy_data(fd, out, fst.st_size, sparse)
             tally.sparse += int(sparse)
+            if os.utime in os.supports_fd:
+                os.utime(out, ns=(fst.st_atime_ns, fst.st_mtime_ns))   # as copytree kept them
         finally:
             os.close(out)
         tally.files += 1
@@ -2594,13 +2598,16 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
                    skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
     """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
 
-    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
-    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    `links`: "keep" copies every link as a link, "inside" only relative ones without `..` (the
+    others are dropped: a reader of the copy cannot follow one out), "drop" none.  Entries named
     in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
     exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
     copy cannot take; the partial copy is left for the caller to remove."""
     skip = frozenset(skip_names)
     tally = _CopyTally(caps)
+    if os.path.islink(src) or not os.path.isdir(src):
+        # A workspace the session replaced by a link (to /etc, to the tasks) is never entered.
+        raise UnusableTree("not_a_directory", str(src))
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(dst)
@@ -2681,16 +2688,16 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
     return tally.summary()
 
 
-def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int | None) -> int:
     """Copy one regular file (a transcript): never through a link, never from a special file,
-    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
-    over the cap; returns the bytes copied."""
+    never past `max_bytes` (None: the experimenter's own file, no cap), sparse kept sparse.
+    UnusableTree when it is not a regular file or is over the cap; returns the bytes copied."""
     opened = open_regular(src)
     if opened is None:
         raise UnusableTree("not_a_regular_file", str(src))
     fd, st = opened
     try:
-        if st.st_size > max_bytes:
+        if max_bytes is not None and st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
         Path(dst).parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_sibling(Path(dst))
@@ -2708,11 +2715,15 @@ def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max
 
 def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
     """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
-    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
-    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
-    total, seen, pending = 0, 0, [os.fspath(root)]
+    not followed; the walk stops once past `stop_above` bytes.  A tree no copy could take counts as
+    over (returns stop_above + 1): more than `max_entries` entries, or nested past the copies'
+    depth or path limits (where data could otherwise hide from this walk).  One lstat per entry."""
+    top = os.fspath(root)
+    total, seen, pending = 0, 0, [(top, 0)]
     while pending:
-        d = pending.pop()
+        d, depth = pending.pop()
+        if depth > COPY_MAX_DEPTH or len(os.fsencode(d)) - len(os.fsencode(top)) > COPY_MAX_PATH_BYTES:
+            return stop_above + 1
         try:
             it = os.scandir(d)
         except OSError:
@@ -2730,7 +2741,7 @@ def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int =
                 if total > stop_above:
                     return total
                 if stat.S_ISDIR(st.st_mode):
-                    pending.append(e.path)
+                    pending.append((e.path, depth + 1))
     return total
 
 
@@ -2918,6 +2929,7 @@ class RunRecord(_RunRequired, total=False):
     final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
     artifacts: dict[str, Any]        # the final workspace's files and their hashes
     audit: dict[str, Any]            # the behaviour audit's findings
+    transcripts_refused: list[dict[str, Any]]   # transcripts not collected (a link, a FIFO, over the cap)
     gates: list[dict[str, Any]]
     gate_cycles: int
     reviews: list[dict[str, Any]]
@@ -7000,7 +7012,8 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
-        self.workspace_measured_at: float | None = None
+        #: When the live workspace cap is next measured (monotonic; None: at the first poll).
+        self.workspace_next_measure: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
@@ -7154,11 +7167,13 @@ class Supervisor:
         cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
         cap = self.limits.get("workspace_max_bytes")
         now = time.monotonic()
-        if not cap or (self.workspace_measured_at is not None
-                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+        if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        self.workspace_measured_at = now
         used = tree_usage(self.job["cwd"], int(cap))
+        # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
+        # takes a noticeable time (never more than a twentieth of the poll thread's time).
+        took = time.monotonic() - now
+        self.workspace_next_measure = time.monotonic() + max(self.WORKSPACE_MEASURE_S, 20 * took)
         if used <= int(cap):
             return False
         self.flags.add("workspace_over_cap")
@@ -7963,7 +7978,9 @@ def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAP
     `root` that is not a directory (caches and .git excluded; links to directories are entries,
     never followed).  Within the copy caps and rules (UnusableTree past them)."""
     out: dict[str, tuple[str, int]] = {}
-    if not os.path.isdir(root) or os.path.islink(root):
+    if os.path.islink(root):
+        raise UnusableTree("not_a_directory", str(root))   # replaced by a link: never entered
+    if not os.path.isdir(root):
         return out
     total = 0
     pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]
@@ -8633,13 +8650,13 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
             copy_tree(task.public, ws)
             if apply_reference(paths, platform, task, ws, env):
                 return task
-            after = tree_manifest(ws)
+            after = tree_manifest(ws, UNCAPPED)
             staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
             for rel, digest in after.items():
                 changed = task.public_manifest.get(rel) != digest
                 if changed and not digest.startswith(("symlink:", "special:")):
                     (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+                    safe_copy_file(os.path.join(ws, rel), staged / rel, None)
             staged.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(staged, dst)
@@ -12551,18 +12568,21 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
 
 
 def _page_read_stream(path: Path) -> list[bytes]:
-    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines)."""
-    out, total = [], 0
+    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines).  Read
+    without following a link or opening a FIFO, and never more than that many bytes (a link to
+    /dev/zero in its place would be one endless line)."""
     try:
-        with open(path, "rb") as fh:
-            for line in fh:
-                total += len(line)
-                if total > PAGE_STREAM_BYTES:
-                    break
-                out.append(line)
+        opened = open_regular(path)
+        if opened is None:
+            return []
+        with os.fdopen(opened[0], "rb") as fh:
+            data = fh.read(PAGE_STREAM_BYTES + 1)
     except OSError:
-        pass
-    return out
+        return []
+    lines = data.splitlines(keepends=True)
+    if len(data) > PAGE_STREAM_BYTES and lines:
+        lines.pop()          # the cut one
+    return lines
 
 
 def _page_tree(root: Path) -> dict[str, Path]:
