@@ -140,6 +140,7 @@ secrets: Any = LazyModule("secrets")
 socket: Any = LazyModule("socket")
 ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
+fractions: Any = LazyModule("fractions")
 urllib: Any = LazyModule("urllib")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
@@ -9101,10 +9102,237 @@ def mcnemar_exact(b: int, c: int) -> float:
     return _binomial_two_sided_half(b, b + c)
 
 
+# -- Statistics: the paired test clustered by task -------------------------------------------------
+# The primary test of a comparison: per task one difference (arm minus baseline, each side the mean
+# over the runs it has on that task), tested by flipping the signs of the differences.  Beside it,
+# secondary figures: a cluster-robust standard error and a McNemar test that respects the tasks.
+
+#: Most (partial sum x multiplicity) steps the exact sign-flip enumeration may take; beyond it the
+#: test is a seeded Monte Carlo over sign flips.
+PERM_EXACT_WORK = 2_000_000
+#: Monte Carlo sign flips when the enumeration would be too long.
+PERM_DRAWS = 20_000
+
+
+def stream_seed(seed: int, *names: str) -> int:
+    """A 63-bit seed for one named stream of random numbers (an arm, a comparison, a figure), from
+    the study's seed and the names: the first 8 bytes of the SHA-256 of their JSON.  Two streams
+    with different names share no draws (up to a 2^-63 chance), and one stream does not depend on
+    which other streams a report draws first."""
+    digest = hashlib.sha256(json.dumps([int(seed), *map(str, names)]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def exact_integers(values: Sequence[Any]) -> list[int]:
+    """`values` (ints, floats or fractions) as integers over their least common denominator.
+
+    Exact: a float is a dyadic rational and a Fraction is one, so no two differences that are
+    equal become unequal and no sum is rounded.  Raises ValueError on a NaN or an infinity."""
+    ratios = []
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"a difference must be finite, got {v!r}")
+        ratios.append(v.as_integer_ratio())
+    den = 1
+    for _, d in ratios:
+        den = den * d // math.gcd(den, d)
+    return [n * (den // d) for n, d in ratios]
+
+
+def _flip_groups(ints: Sequence[int]) -> dict[int, int]:
+    """|difference| -> how many tasks have it, zeros left out (a flipped zero is the same zero)."""
+    groups: dict[int, int] = {}
+    for v in ints:
+        if v:
+            groups[abs(v)] = groups.get(abs(v), 0) + 1
+    return groups
+
+
+def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | None:
+    """How many of the 2^k sign assignments give |sum| >= observed; None past `max_work`.
+
+    Enumerated by the distribution of the signed sum: the m tasks sharing |d| = v contribute
+    v (2j - m) with multiplicity C(m, j), j of them positive; the sums are exact integers, so
+    "at least as extreme" is decided without a tolerance."""
+    dist = {0: 1}
+    work = 0
+    for v, m in sorted(groups.items()):
+        work += len(dist) * (m + 1)
+        if work > max_work:
+            return None
+        weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
+        nxt: dict[int, int] = {}
+        for s, c in dist.items():
+            for step, w in weights:
+                nxt[s + step] = nxt.get(s + step, 0) + c * w
+        dist = nxt
+    return sum(c for s, c in dist.items() if abs(s) >= observed)
+
+
+def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
+                   max_work: int = PERM_EXACT_WORK) -> dict[str, Any]:
+    """Paired permutation (sign-flip) test of a mean difference over tasks, two-sided.
+
+    Null hypothesis: within each task the two arms are exchangeable, so each task's difference
+    is as likely to have its sign as the opposite one, independently across tasks.  The
+    statistic is |sum of the differences| (equivalently |mean|); the p-value is the share of the
+    2^n sign assignments whose |sum| is at least the observed one.  Exact (every assignment,
+    counted through the distribution of the sum; see _flip_exact) while that takes at most
+    `max_work` steps, which covers every study of up to ~20 tasks and far larger ones whose
+    differences repeat (success rates over a few repeats take few values).  Beyond it, `draws`
+    seeded random assignments (random.Random(seed)) give p = (1 + hits) / (1 + draws), never
+    0, with its Monte Carlo standard error sqrt(p (1 - p) / draws).  Zero differences stay in n
+    and change nothing.  Differences may be ints, floats or fractions (see exact_integers).
+    References: Fisher, The Design of Experiments (1935), sec. 21; Good, Permutation,
+    Parametric and Bootstrap Tests of Hypotheses, 3rd ed. (2005), sec. 3.1; Phipson & Smyth,
+    Stat. Appl. Genet. Mol. Biol. 9:39 (2010) for the Monte Carlo p-value.
+    """
+    ints = exact_integers(diffs)
+    n = len(ints)
+    groups = _flip_groups(ints)
+    k = sum(groups.values())
+    observed = abs(sum(ints))
+    out: dict[str, Any] = {"tasks": n, "informative_tasks": k, "statistic": "abs_sum"}
+    if n == 0:
+        return {**out, "p": None, "method": None}
+    hits = _flip_exact(groups, observed, max_work) if k else 1
+    if hits is not None:
+        return {**out, "p": min(1.0, hits / 2 ** k) if k else 1.0, "method": "exact",
+                "assignments": 2 ** k, "mc_se": None}
+    if draws < 1:
+        raise ValueError("draws must be >= 1")
+    rng = random.Random(seed)
+    items = sorted(groups.items())
+    hits = 0
+    for _ in range(draws):
+        s = 0
+        for v, m in items:
+            # j of m tasks positive: j ~ Binomial(m, 1/2), the popcount of m random bits.
+            s += v * (2 * rng.getrandbits(m).bit_count() - m)
+        hits += abs(s) >= observed
+    p = (1 + hits) / (1 + draws)
+    return {**out, "p": p, "method": "monte_carlo", "draws": draws, "seed": seed,
+            "mc_se": math.sqrt(p * (1.0 - p) / draws)}
+
+
+def cluster_se_of_mean(values: Sequence[float]) -> float | None:
+    """Cluster-robust standard error of a mean over tasks with one value per task:
+    sqrt(sum (d_t - mean)^2 / (K (K - 1))) over the K tasks.  It is the sandwich (CR1) standard
+    error of an intercept-only regression clustered by task, and it carries whatever correlation
+    the runs of one task share.  None for fewer than two tasks.  Reference: Cameron & Miller,
+    J. Human Resources 50:317-372 (2015), sec. II.C."""
+    xs = [float(v) for v in values]
+    k = len(xs)
+    if k < 2:
+        return None
+    m = math.fsum(xs) / k
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (k * (k - 1)))
+
+
+def clustered_mcnemar(cells: Sequence[tuple[int, int, int, int]]) -> dict[str, Any]:
+    """McNemar's test for paired proportions with runs clustered in tasks (Obuchowski 1998).
+
+    `cells` are per task (arm successes, arm runs, baseline successes, baseline runs).  The rates
+    p_a = sum x_a / N_a and p_b = sum x_b / N_b are ratio estimators over the K tasks; their
+    variances and covariance come from the task totals,
+        V_a = K / (K - 1) sum_t (x_at - n_at p_a)^2 / N_a^2, likewise V_b,
+        C   = K / (K - 1) sum_t (x_at - n_at p_a)(x_bt - n_bt p_b) / (N_a N_b),
+    and X^2 = (p_a - p_b)^2 / (V_a + V_b - 2 C) is referred to chi-square with 1 df.  With equal
+    runs per task in both arms this is Obuchowski's statistic; it needs no pairing of runs inside
+    a task, so it does not depend on repeat labels, and a missing run costs only itself.  p is
+    None with fewer than two tasks or a zero variance with a non-zero difference; 1.0 for no
+    difference.  Reference: Obuchowski, "On the comparison of correlated proportions for
+    clustered data", Statistics in Medicine 17:1495-1507 (1998)."""
+    rows = [(int(a), int(na), int(b), int(nb)) for a, na, b, nb in cells if na > 0 and nb > 0]
+    k = len(rows)
+    n_a = sum(r[1] for r in rows)
+    n_b = sum(r[3] for r in rows)
+    out: dict[str, Any] = {"tasks": k, "arm_runs": n_a, "baseline_runs": n_b}
+    if k == 0:
+        return {**out, "arm_rate": None, "baseline_rate": None, "chi2": None, "p": None}
+    pa = sum(r[0] for r in rows) / n_a
+    pb = sum(r[2] for r in rows) / n_b
+    out.update(arm_rate=pa, baseline_rate=pb)
+    if k < 2:
+        return {**out, "chi2": None, "p": None}
+    ra = [x - n * pa for x, n, _, _ in rows]
+    rb = [x - n * pb for _, _, x, n in rows]
+    f = k / (k - 1)
+    var = f * (math.fsum(u * u for u in ra) / n_a ** 2 + math.fsum(v * v for v in rb) / n_b ** 2
+               - 2.0 * math.fsum(u * v for u, v in zip(ra, rb)) / (n_a * n_b))
+    diff = pa - pb
+    if abs(diff) <= 1e-15:
+        return {**out, "chi2": 0.0, "p": 1.0}
+    if var <= 0.0:
+        return {**out, "chi2": None, "p": None}
+    chi2 = diff * diff / var
+    return {**out, "chi2": chi2, "p": math.erfc(math.sqrt(chi2 / 2.0))}
+
+
+def binomial_draw(rng: random.Random, n: int, p: float) -> int:
+    """One Binomial(n, p) draw, exact for p given as a double, in O(log n) steps of random bits.
+
+    Each of the n trials succeeds when its uniform U < p.  U's binary digits are drawn a level
+    at a time for the trials still undecided: at a digit where p has 1, the undecided trials
+    whose digit is 0 are decided successes; where p has 0, those whose digit is 1 are decided
+    failures; the others stay undecided.  A level's digits are the bits of one getrandbits call,
+    counted by popcount, so a draw costs about log2(n) calls whatever n is, and the same
+    seed gives the same draws on every Python version."""
+    if n <= 0 or p <= 0.0:
+        return 0
+    if p >= 1.0:
+        return n
+    num, den = p.as_integer_ratio()          # p = num / 2^e exactly
+    bits = den.bit_length() - 1
+    successes, undecided = 0, n
+    for i in range(bits - 1, -1, -1):
+        if not undecided:
+            break
+        ones = rng.getrandbits(undecided).bit_count()
+        if (num >> i) & 1:
+            successes += undecided - ones
+            undecided = ones
+        else:
+            undecided -= ones
+    return successes
+
+
 #: (values, seed, resamples, level) -> interval: a report asks the same question more than once
 #: (both views, an arm and its comparisons); the answer is a pure function of the key.
 _BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
 BOOTSTRAP_CACHE_MAX = 4096
+
+
+def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
+
+    A resample is described by how many times it takes each distinct value: a multinomial
+    draw of n over the distinct values weighted by their counts, made as conditional binomials
+    (binomial_draw), so a resample costs a few steps per distinct value instead of n index draws.
+    When most values are distinct that saving is gone and the indices are drawn directly."""
+    n = len(xs)
+    counts: dict[float, int] = {}
+    for x in xs:
+        counts[x] = counts.get(x, 0) + 1
+    if len(counts) * 8 > n:
+        # Random.choices without weights draws index floor(random() * n) per element: the same
+        # stream on every Python >= 3.6.
+        choices = rng.choices
+        return [math.fsum(choices(xs, k=n)) / n for _ in range(n_resamples)]
+    values = sorted(counts)
+    weights = [counts[v] for v in values]
+    means = []
+    for _ in range(n_resamples):
+        left, weight_left, total = n, n, 0.0
+        for v, w in zip(values, weights):
+            c = left if w == weight_left else binomial_draw(rng, left, w / weight_left)
+            total += c * v
+            left -= c
+            weight_left -= w
+            if not left:
+                break
+        means.append(total / n)
+    return means
 
 
 def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
@@ -9115,8 +9343,10 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     Draws `n_resamples` resamples of the differences with replacement (same size as the data),
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
-    the paired design replicates. The generator is random.Random(seed) (indices drawn by
-    Random.choices), so the interval is reproducible across runs and Python versions.
+    the paired design replicates; it is drawn as counts per distinct value (_bootstrap_means),
+    which is what makes it cheap at many tasks.  The generator is random.Random(seed), so the
+    interval is reproducible across runs and Python versions; the report gives every interval
+    its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
     The interval is clamped to [min(diffs), max(diffs)], where every resample mean lies.
     Reference: Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
@@ -9134,11 +9364,7 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     key = (tuple(xs), seed, n_resamples, level)
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
-    # Random.choices without weights draws index floor(random() * n) for each element: the same
-    # stream on every Python >= 3.6, and several times faster than an explicit loop.
-    choices = random.Random(seed).choices
-    n = len(xs)
-    means = sorted(sum(choices(xs, k=n)) / n for _ in range(n_resamples))
+    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
     tail = (1.0 - level) / 2.0
     lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
     hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
