@@ -9126,8 +9126,11 @@ def stream_seed(seed: int, *names: str) -> int:
 def exact_integers(values: Sequence[Any]) -> list[int]:
     """`values` (ints, floats or fractions) as integers over their least common denominator.
 
-    Exact: a float is a dyadic rational and a Fraction is one, so no two differences that are
-    equal become unequal and no sum is rounded.  Raises ValueError on a NaN or an infinity."""
+    Exact: a float is a dyadic rational and a Fraction is one, so no sum is rounded and "at
+    least as extreme" is decided without a tolerance.  A float is taken at its exact value, so a
+    caller whose differences are ratios (2/3 - 1/3) passes them as fractions: as doubles they
+    can differ in the last bit from the same ratio reached another way.  Raises ValueError on a
+    NaN or an infinity."""
     ratios = []
     for v in values:
         if isinstance(v, float) and not math.isfinite(v):
