@@ -9717,6 +9717,10 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
 
 REPORT_SCHEMA = "agentbench-report/1"
+#: The primary test of every comparison (see sign_flip_test), as the plan and the report name it.
+REPORT_PRIMARY_TEST = "paired_sign_flip_over_tasks"
+#: Bootstrap resamples per interval unless the analysis plan says otherwise.
+REPORT_BOOTSTRAP_DRAWS = 10000
 USAGE_SCHEMA = "agentbench-usage/1"
 USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
@@ -9862,11 +9866,14 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
 
 
 def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
-    """Each task's success rate over its evaluated runs, in the order of the task keys."""
-    per_task: dict[str, list[bool]] = {}
+    """Each task's success rate over its evaluated runs, in the order of the task keys (counted
+    per task: successes and runs, no list per run)."""
+    per_task: dict[str, list[int]] = {}
     for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
-    return [sum(v) / len(v) for _, v in sorted(per_task.items())]
+        cell = per_task.setdefault(str(r.get("_task", r.get("task"))), [0, 0])
+        cell[0] += run_succeeded(r)
+        cell[1] += 1
+    return [s / n for _, (s, n) in sorted(per_task.items())]
 
 
 def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
@@ -9927,7 +9934,7 @@ def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
     return reasons
 
 
-def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
+def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0, draws: int = 10000) -> dict:
     """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
 
     Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
@@ -9936,12 +9943,13 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
     this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
     misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
-    itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
+    itself.  `seed` is this arm's own stream (stream_seed).  Reference: Davison & Hinkley,
+    Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
     evaluated = [r for r in runs if run_evaluated(r)]
     successes = sum(1 for r in evaluated if run_succeeded(r))
     task_rates = _rpt_task_rates(evaluated)
-    task_ci = bootstrap_mean_diff_ci(task_rates, seed)
+    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
     ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
     outcomes: dict[str, int] = {}
     for r in started:
@@ -10030,35 +10038,54 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
     return out
 
 
+def _rpt_exact_mean(values: list[Any]) -> Any:
+    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order."""
+    return sum((fractions.Fraction(v) for v in values), fractions.Fraction(0)) / len(values)
+
+
+def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
+    its own stream of random numbers (used only past the exact enumeration)."""
+    res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
+    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
+
+
 def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed: int,
-                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool]) -> dict:
-    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the mean
-    over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks where
-    both arms have one, its seeded bootstrap 95% CI (as for success rates), and the counts of
-    tasks where the arm is higher / lower / equal with an exact two-sided sign test on them."""
-    per_task = []
+                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool],
+                       names: tuple[str, ...], draws: int = 10000, primary: bool = False) -> dict:
+    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
+    mean over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks
+    where both arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as
+    for success rates), the counts of tasks where the arm is higher / lower / equal with an
+    exact two-sided sign test on them (secondary), and with `primary` the primary sign-flip test.
+    `names` name the figure's random streams."""
+    per_task, exact = [], []
     higher = lower = equal = 0
     for task in tasks:
         va = [v for v in (value(r) for r in index.get((task, arm), []) if runs_of(r)) if v is not None]
         vb = [v for v in (value(r) for r in index.get((task, base), []) if runs_of(r)) if v is not None]
         if not va or not vb:
             continue
-        ma, mb = math.fsum(va) / len(va), math.fsum(vb) / len(vb)
-        diff = ma - mb
-        if abs(diff) <= 1e-12:
+        ma, mb = _rpt_exact_mean(va), _rpt_exact_mean(vb)
+        d = ma - mb
+        if d == 0:
             equal += 1
-            diff = 0.0
-        elif diff > 0:
+        elif d > 0:
             higher += 1
         else:
             lower += 1
-        per_task.append({"task": task, "arm": ma, "baseline": mb, "diff": diff,
+        exact.append(d)
+        per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
                          "arm_n": len(va), "baseline_n": len(vb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    return {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
-            "higher": higher, "lower": lower, "equal": equal,
-            "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
+           "se_cluster": cluster_se_of_mean(diffs),
+           "higher": higher, "lower": lower, "equal": equal,
+           "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    if primary:
+        out["primary"] = _rpt_primary(exact, seed, names)
+    return out
 
 
 def run_score(run: dict) -> float | None:
@@ -10075,14 +10102,20 @@ def _rpt_ended(run: dict) -> bool:
     return _rpt_pending(run) is None
 
 
-def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) -> dict:
+def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
+                 view: str = "exclusions_applied", draws: int = 10000) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
-    apart, of the hidden-test score and of the cost per ended run)."""
-    per_task = []
+    apart, of the hidden-test score and of the cost per ended run).
+
+    Per task the difference of the two success rates, each over the runs that arm has on the
+    task (a missing repeat costs only itself; repeats are never paired by their index, which the
+    assignment shuffles).  Primary: the sign-flip test of the mean difference (`primary`; its
+    Holm adjustment is added over the family later).  Secondary, unadjusted: the sign test over
+    tasks and the task-clustered McNemar test.  Every random figure draws from its own stream,
+    named by the view, the figure, the arm and the baseline."""
+    per_task, exact, cells = [], [], []
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
-    mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
-          "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
     for task in tasks:
         ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
         rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
@@ -10096,41 +10129,20 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             continue
         sa = sum(1 for r in ra if run_succeeded(r))
         sb = sum(1 for r in rb if run_succeeded(r))
-        # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
-        lhs, rhs = sa * len(rb), sb * len(ra)
-        if lhs > rhs:
+        d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+        if d > 0:
             wins += 1
-        elif lhs < rhs:
+        elif d < 0:
             losses += 1
         else:
             ties += 1
+        exact.append(d)
+        cells.append((sa, len(ra), sb, len(rb)))
         per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
-                         "diff": sa / len(ra) - sb / len(rb) if lhs != rhs else 0.0,
-                         "arm_n": len(ra), "baseline_n": len(rb)})
-        # McNemar pairs runs with the same repeat index, on tasks where both arms have exactly
-        # the same set of evaluated repeat indices (a partial set would pair by accident).
-        reps_a = [r.get("repeat") for r in ra]
-        reps_b = [r.get("repeat") for r in rb]
-        if (None in reps_a or None in reps_b or len(set(reps_a)) != len(reps_a)
-                or len(set(reps_b)) != len(reps_b) or set(reps_a) != set(reps_b)):
-            mc["tasks_skipped"].append(task)
-            continue
-        mc["tasks_used"].append(task)
-        by_rep_b = {r.get("repeat"): run_succeeded(r) for r in rb}
-        for r in ra:
-            ya, yb = run_succeeded(r), by_rep_b[r.get("repeat")]
-            mc["pairs"] += 1
-            key = ("both_success" if ya and yb else "arm_only_success" if ya else
-                   "baseline_only_success" if yb else "both_failure")
-            mc[key] += 1
+                         "diff": float(d), "arm_n": len(ra), "baseline_n": len(rb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    mcnemar = None
-    if mc["pairs"]:
-        mc["p"] = mcnemar_exact(mc["arm_only_success"], mc["baseline_only_success"])
-        mcnemar = mc
-    elif mc["tasks_skipped"]:
-        mcnemar = {**mc, "p": None}
+    names = (view, "success", arm, base)
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
     return {
         "arm": arm, "baseline": base,
         "tasks_compared": len(per_task),
@@ -10139,17 +10151,21 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "tasks_without_data": neither,
         "mean_diff": mean(diffs),
         "ci": list(ci) if ci else None,
+        "se_cluster": cluster_se_of_mean(diffs),
+        "primary": _rpt_primary(exact, seed, names),
         "wins": wins, "losses": losses, "ties": ties,
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
-        "mcnemar": mcnemar,
+        "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended),
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated,
+                                    (view, "score", arm, base), draws, primary=True),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended,
+                                               (view, "cost", arm, base), draws),
     }
 
 
 def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
-              tasks: list[str], seed: int) -> dict:
+              tasks: list[str], seed: int, view: str = "exclusions_applied", draws: int = 10000) -> dict:
     by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     for r in runs:
@@ -10157,13 +10173,15 @@ def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str
     for r in left_out:
         out_by_arm[r["arm"]].append(r)
     index = _rpt_index(runs)
-    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a], seed) for a in arms}
-    comparisons = {a: _rpt_compare(index, a, base, tasks, seed) for a in arms if a != base}
+    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a],
+                                 stream_seed(seed, "bootstrap", view, "task_success_rate", a), draws)
+               for a in arms}
+    comparisons = {a: _rpt_compare(index, a, base, tasks, seed, view, draws) for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
             "per_task": _rpt_task_cells(index, arms, tasks)}
 
 
-def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
+def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
     notes = []
     for arm, st in view["per_arm"].items():
         if st["runs"] == 0:
@@ -10204,15 +10222,18 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
             notes.append(f"{label}{arm} vs {base}: a single task, so the bootstrap interval is "
                          f"a point and says nothing about other tasks")
         informative = cmp["wins"] + cmp["losses"]
-        if 0 < informative and sign_test_min_p(informative) > 0.05:
-            notes.append(f"{label}{arm} vs {base}: with {informative} untied task(s) the exact "
-                         f"sign test cannot go below p = {sign_test_min_p(informative):.4g}")
+        if 0 < informative and sign_test_min_p(informative) > alpha:
+            notes.append(f"{label}{arm} vs {base}: with {informative} task(s) that differ, no test "
+                         f"over tasks (primary or sign test) can go below p = "
+                         f"{sign_test_min_p(informative):.4g}")
         if informative == 0:
-            notes.append(f"{label}{arm} vs {base}: every compared task is tied; sign test p = 1")
-        mc = cmp["mcnemar"]
-        if mc and mc["tasks_skipped"]:
-            notes.append(f"{label}{arm} vs {base}: McNemar skips {len(mc['tasks_skipped'])} "
-                         f"task(s) whose evaluated repeat indices differ between the arms")
+            notes.append(f"{label}{arm} vs {base}: every compared task is tied; the primary test's "
+                         f"p = 1")
+        prim = cmp["primary"]
+        if prim.get("method") == "monte_carlo":
+            notes.append(f"{label}{arm} vs {base}: too many distinct task differences to enumerate "
+                         f"every sign flip; the primary p is from {prim['draws']} random flips "
+                         f"(Monte Carlo standard error {prim['mc_se']:.2g})")
     return notes
 
 
@@ -10308,20 +10329,25 @@ def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
-def _rpt_holm_view(view: dict) -> dict:
-    """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
-    McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
+def _rpt_holm_view(view: dict, alpha: float = 0.05) -> dict:
+    """Holm-adjust the primary p-values of a view over the pre-registered family, every arm
+    against the baseline: once for the success rate and once for the score.  An arm of the
+    family without a p (no task compared) counts in the family size as p = 1, so a missing
+    comparison never makes the others easier to reject.  Writes `primary.p_holm` and
+    `primary.reject`; returns the multiplicity record."""
     cmps = view["comparisons"]
-    sign = [a for a, c in cmps.items() if c.get("sign_test_p") is not None]
-    mcn = [a for a, c in cmps.items() if (c.get("mcnemar") or {}).get("p") is not None]
-    sign_adj = dict(zip(sign, holm_adjust([cmps[a]["sign_test_p"] for a in sign])))
-    mcn_adj = dict(zip(mcn, holm_adjust([cmps[a]["mcnemar"]["p"] for a in mcn])))
-    for a, c in cmps.items():
-        c["sign_test_p_holm"] = sign_adj.get(a)
-        if c.get("mcnemar"):
-            c["mcnemar"]["p_holm"] = mcn_adj.get(a)
-    families = {"sign_test": sign, "mcnemar": mcn}
-    view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
+    family = list(cmps)
+    for outcome in ("success", "score"):
+        def prim(c: dict) -> dict:
+            return c["primary"] if outcome == "success" else c["score"]["primary"]
+        ps = [prim(cmps[a]).get("p") for a in family]
+        adj = holm_adjust([1.0 if p is None else p for p in ps])
+        for a, p, q in zip(family, ps, adj):
+            prim(cmps[a])["p_holm"] = q if p is not None else None
+            prim(cmps[a])["reject"] = p is not None and q is not None and q <= alpha
+    view["multiplicity"] = {"method": "holm", "alpha": alpha, "test": REPORT_PRIMARY_TEST,
+                            "families": {"success": family, "score": family},
+                            "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
     return view["multiplicity"]
 
 
@@ -10425,6 +10451,108 @@ def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dic
     return out
 
 
+# -- Report: the analysis plan --------------------------------------------------------------------
+# What `assign` fixes before any run (written into the manifest) and what the report does with it:
+# the analysis that follows the plan is the confirmatory one; one asked to differ is exploratory.
+
+PLAN_SCHEMA = "agentbench-analysis-plan/1"
+
+
+def analysis_plan(arms: Sequence[str], baseline: str, seed: int, alpha: float = REPORT_ALPHA,
+                  draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """The pre-registered analysis of a study with these arms: every arm against `baseline` on
+    the success rate and on the score, by the primary test, Holm over that family at `alpha`,
+    bootstrap intervals from `seed` with `draws` resamples."""
+    return {"schema": PLAN_SCHEMA, "baseline": str(baseline), "primary_test": REPORT_PRIMARY_TEST,
+            "outcomes": ["success", "score"],
+            "family": [str(a) for a in arms if str(a) != str(baseline)],
+            "multiplicity": "holm", "alpha": alpha,
+            "bootstrap": {"seed": int(seed), "draws": int(draws), "level": 0.95},
+            "secondary": ["sign_test", "clustered_mcnemar", "se_cluster"]}
+
+
+def plan_problems(plan: Any) -> list[str]:
+    """What makes a plan read from a manifest unusable, in words (empty: none).  A manifest is a
+    file: every field is checked before it steers the analysis."""
+    if not isinstance(plan, dict):
+        return ["the analysis plan is not an object"]
+    problems = []
+    if plan.get("schema") != PLAN_SCHEMA:
+        problems.append(f"unknown plan schema {plan.get('schema')!r}")
+    if not isinstance(plan.get("baseline"), str) or not plan.get("baseline"):
+        problems.append("the plan names no baseline")
+    fam = plan.get("family")
+    if not isinstance(fam, list) or not all(isinstance(a, str) for a in fam):
+        problems.append("the plan's family is not a list of arm names")
+    alpha = plan.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 0.5:
+        problems.append("the plan's alpha is not a number in (0, 0.5)")
+    boot = plan.get("bootstrap")
+    seed = boot.get("seed") if isinstance(boot, dict) else None
+    draws = boot.get("draws") if isinstance(boot, dict) else None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        problems.append("the plan's bootstrap seed is not an integer")
+    if isinstance(draws, bool) or not isinstance(draws, int) or not 100 <= draws <= 1_000_000:
+        problems.append("the plan's bootstrap draws are not an integer in [100, 1000000]")
+    return problems
+
+
+def report_analysis(plan: Any, source: str | None, arms: list[str], baseline: str | None,
+                    seed: int) -> dict[str, Any]:
+    """The analysis a report runs and how it stands to the study's plan.
+
+    `plan` is the one `assign` wrote (None: there is none; `source` says where it was read);
+    `baseline` and `seed` are what this report was asked for (None: the plan's baseline).
+    Returns the plan in force, `pre_registered` (a valid plan was found), `exploratory` (this
+    analysis differs from it) with the `deviations` in words, and the baseline, seed, alpha
+    and bootstrap draws to use."""
+    problems = plan_problems(plan) if plan is not None else []
+    valid = plan is not None and not problems
+    if valid:
+        base = baseline if baseline is not None else plan["baseline"]
+        deviations = []
+        if base != plan["baseline"]:
+            deviations.append(f"baseline {base} instead of the plan's {plan['baseline']}")
+        if plan["baseline"] not in arms:
+            base = baseline if baseline is not None else arms[0]
+            deviations.append(f"the plan's baseline {plan['baseline']} is not an arm of the study")
+        family = [a for a in arms if a != base]
+        if plan["primary_test"] != REPORT_PRIMARY_TEST:
+            deviations.append(f"primary test {REPORT_PRIMARY_TEST} instead of the plan's "
+                              f"{plan['primary_test']}")
+        if base == plan["baseline"] and sorted(family) != sorted(plan["family"]):
+            deviations.append(f"the family is {', '.join(family) or 'empty'} against {base}; the "
+                              f"plan's was {', '.join(plan['family']) or 'empty'}")
+        if seed != plan["bootstrap"]["seed"]:
+            deviations.append(f"bootstrap seed {seed} instead of the plan's {plan['bootstrap']['seed']}")
+        return {"plan": plan, "source": source, "pre_registered": True,
+                "exploratory": bool(deviations), "deviations": deviations, "baseline": base,
+                "seed": seed, "alpha": float(plan["alpha"]), "draws": plan["bootstrap"]["draws"],
+                "plan_problems": []}
+    base = baseline if baseline is not None else (arms[0] if arms else None)
+    deviations = [f"the manifest's plan is unusable ({'; '.join(problems)})"] if problems else []
+    return {"plan": analysis_plan(arms, base, seed) if base is not None else None, "source": None,
+            "pre_registered": False, "exploratory": bool(problems), "deviations": deviations,
+            "baseline": base, "seed": seed, "alpha": REPORT_ALPHA, "draws": REPORT_BOOTSTRAP_DRAWS,
+            "plan_problems": problems}
+
+
+def _rpt_analysis_note(analysis: dict) -> str:
+    """The note that says which analysis this is: the pre-registered one, or exploratory, or one
+    without a plan."""
+    if analysis["exploratory"]:
+        return ("EXPLORATORY: this analysis differs from the study's pre-registered plan ("
+                + "; ".join(analysis["deviations"]) + "); its p-values do not carry the plan's "
+                "error control: treat any finding as a lead to test in a new study")
+    if analysis["pre_registered"]:
+        return (f"pre-registered: the analysis follows the plan `assign` wrote into the manifest "
+                f"({analysis['source']}): every arm against {analysis['baseline']}, primary test "
+                f"{REPORT_PRIMARY_TEST}, Holm at alpha {analysis['alpha']}")
+    return ("not pre-registered: the manifest holds no analysis plan (a study assigned before "
+            "plans were written, or runs made without `assign`); the report follows the default "
+            "plan, fixed in advance by agentbench, but nobody fixed it for this study")
+
+
 def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
     """The arms to report on (the study's, else those seen in the runs in first-seen order) and
     the baseline (default the first); AgentbenchError when there are none or the baseline is not
@@ -10444,16 +10572,19 @@ def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[
 
 
 def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
-               tasks: list[str], seed: int) -> dict[str, dict]:
+               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
+               draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
     Holm-adjusted p-values."""
-    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
-    # With nothing excluded the two views have the same input: computed once, copied.
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed,
+                                             "exclusions_applied", draws)}
+    # With nothing excluded the two views have the same input: computed once, copied (the same
+    # figures from the same draws: they are one computation, not two).
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
-                             else _rpt_view(known, [], arms, base, tasks, seed))
+                             else _rpt_view(known, [], arms, base, tasks, seed, "all_included", draws))
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
-        _rpt_holm_view(views[name])
+        _rpt_holm_view(views[name], alpha)
     return views
 
 
@@ -10503,16 +10634,19 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
 
 
 def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
-    """The note that p-values are Holm-adjusted, when a family holds more than one arm."""
-    if len(families["sign_test"]) > 1 or len(families["mcnemar"]) > 1:
-        return (f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                f"with {base} (sign test family: {', '.join(families['sign_test']) or 'none'}; "
-                f"McNemar family: {', '.join(families['mcnemar']) or 'none'}); read the adjusted "
-                f"columns before calling a difference significant")
+    """The note that the primary p-values are Holm-adjusted, when the family holds more than one
+    arm."""
+    fam = families.get("success") or []
+    if len(fam) > 1:
+        return (f"multiple comparisons: the primary p-values are Holm-adjusted over the family of "
+                f"every arm against {base} ({', '.join(fam)}), once for the success rate and once "
+                f"for the score; read the adjusted column before calling a difference significant. "
+                f"The sign test and the clustered McNemar test are secondary and not adjusted")
     return None
 
 
-def _rpt_methods(seed: int) -> dict[str, Any]:
+def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
+                 alpha: float = REPORT_ALPHA) -> dict[str, Any]:
     """The report's `methods`: how each figure is computed, in words."""
     return {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
@@ -10521,22 +10655,41 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
                         "task_success_rate gives that one)",
         "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
                              "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
-                             "repeats cluster in), 10000 resamples, "
-                             f"random.Random({seed}); it sees only how tasks differ, so with "
+                             f"repeats cluster in), {draws} resamples drawn as counts per distinct "
+                             f"value, each arm and view on its own stream seeded from {seed} and "
+                             "their names; it sees only how tasks differ, so with "
                              "few tasks, or tasks that scored alike, it is too narrow: read it "
                              "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
+        "primary_test": "for each arm against the baseline, per task the arm's success rate minus "
+                        "the baseline's, each over the runs that arm has on the task (a missing "
+                        "repeat costs only itself; repeats are never paired by index); the mean of "
+                        "those differences tested by an exact paired permutation (sign-flip) test "
+                        "over tasks: p is the share of the 2^n ways of flipping the signs of the n "
+                        "task differences whose |sum| is at least the observed one, all of them "
+                        f"counted exactly, or beyond {PERM_EXACT_WORK} enumeration steps {PERM_DRAWS} "
+                        "seeded random flips with their Monte Carlo standard error; the same for "
+                        "the mean hidden-test score (Fisher 1935; Good 2005, sec. 3.1)",
+        "null_hypothesis": "within each task the two arms are exchangeable: each task's difference "
+                           "is as likely to have either sign, whatever the tasks' difficulty or "
+                           "how the effect varies between tasks",
+        "paired_difference": "mean over tasks where both arms have data of the per-task "
+                             "differences; 95% percentile bootstrap over tasks, "
+                             f"{draws} resamples, on its own stream (seed {seed}, the view, the "
+                             "figure and the arms); se_cluster: the cluster-robust standard error "
+                             "of that mean over tasks, sqrt(sum (d - mean)^2 / (K (K - 1))) "
+                             "(Cameron & Miller 2015)",
         "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
                                  "runs and on the mean cost of ended runs; higher/lower/equal tasks "
-                                 "with an exact two-sided sign test",
-        "paired_difference": "per task: arm success rate minus baseline success rate over the "
-                             "task's evaluated runs; mean over tasks where both arms have data; "
-                             "95% percentile bootstrap over tasks, 10000 resamples, "
-                             f"random.Random({seed})",
-        "sign_test": "exact two-sided binomial sign test over tasks, ties dropped",
-        "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
-                   "arms have the same evaluated repeat indices",
+                                 "with an exact two-sided sign test (secondary); the cost has no "
+                                 "primary test",
+        "sign_test": "secondary, not adjusted: exact two-sided binomial sign test over tasks, ties "
+                     "dropped",
+        "clustered_mcnemar": "secondary, not adjusted: McNemar's test for paired proportions with "
+                             "runs clustered in tasks (Obuchowski, Statistics in Medicine 17:1495, "
+                             "1998): pooled success rates of the two arms on the compared tasks, "
+                             "their variance and covariance from the task totals, chi-square 1 df",
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
                      "parallel slot or in a Slurm queue (recorded apart as queued_s); median over "
                      "runs",
@@ -10549,15 +10702,20 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
         "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
                                    f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
-        "multiplicity": "Holm step-down adjustment across the arms compared with the baseline, "
-                        "one family for the sign tests and one for the McNemar tests of the "
-                        f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
-                        "and cost comparisons are not adjusted",
+        "multiplicity": "Holm step-down adjustment of the primary p-values over the pre-registered "
+                        "family, every arm against the baseline, once for the success rate and "
+                        f"once for the score (family-wise error rate {alpha}; an arm without a "
+                        "compared task counts as p = 1); secondary tests and the cost are not "
+                        "adjusted",
+        "analysis_plan": "`assign` writes the plan (baseline, primary test, family, alpha, "
+                         "bootstrap seed and draws) into the manifest before any run; the report "
+                         "follows it, and an analysis asked to differ from it (another baseline or "
+                         "seed) is labelled exploratory",
     }
 
 
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False) -> dict:
+                 include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
 
     `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
@@ -10569,9 +10727,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     runs of the view; every other run is counted under an explicit key (not_started, running,
     not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
     words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    bootstrap intervals use streams seeded from `seed`, so the report is reproducible.
+    `plan` is the analysis plan `assign` wrote (read from `plan_source`); `analysis` says whether
+    this report follows it or is exploratory (see report_analysis).
     """
-    arms, base = _rpt_arms(runs, arms, baseline)
+    arms, _ = _rpt_arms(runs, arms, None)
+    analysis = report_analysis(plan, plan_source, arms, baseline, seed)
+    arms, base = _rpt_arms(runs, arms, analysis["baseline"])
     known, unknown = [], []
     for r in runs:
         (known if str(r.get("arm")) in arms else unknown).append(r)
@@ -10581,7 +10743,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     tasks = sorted({r["_task"] for r in known})
     excluded = [r for r in known if run_excluded(r)]
     kept = [r for r in known if not run_excluded(r)]
-    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed)
+    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed, analysis["alpha"],
+                       analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(known, arms)
@@ -10590,9 +10753,9 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     warnings = [warning] if warning else []
     rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     est = [r for r in known if r.get("cost_estimated")]
-    notes = list(warnings)
+    notes = list(warnings) + [_rpt_analysis_note(analysis)]
     notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
-    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
     if multiplicity:
@@ -10605,6 +10768,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "arms": arms,
         "baseline": base,
         "seed": seed,
+        "analysis": analysis,
+        "exploratory": analysis["exploratory"],
         "primary_view": primary,
         "tasks": tasks,
         "per_arm": views[primary]["per_arm"],
@@ -10627,7 +10792,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
-        "methods": _rpt_methods(seed),
+        "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
 
@@ -10798,45 +10963,75 @@ def _rpt_review_table(report: dict) -> ReportTable:
              "Gate cycles", "Failure reasons"], rows)
 
 
+def _fmt_primary(prim: dict | None) -> str:
+    """A primary p-value, marked ~ with its standard error when it is a Monte Carlo estimate."""
+    if not prim or prim.get("p") is None:
+        return "-"
+    if prim.get("method") == "monte_carlo":
+        return f"~{fmt_p(prim['p'])} (MC se {prim['mc_se']:.1g})"
+    return fmt_p(prim["p"])
+
+
+def _fmt_se(se: float | None, digits: int = 3) -> str:
+    return "-" if se is None else f"{se:.{digits}f}"
+
+
+def _rpt_analysis_line(report: dict) -> str:
+    """One sentence on the analysis: pre-registered, exploratory, or without a plan."""
+    an = report.get("analysis") or {}
+    if an.get("exploratory"):
+        return ("EXPLORATORY analysis: it differs from the study's pre-registered plan ("
+                + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
+                "error control.")
+    if an.get("pre_registered"):
+        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+                f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
+                f"{an.get('alpha')}.")
+    return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
+            "followed.")
+
+
 def _rpt_comparison_table(report: dict) -> ReportTable:
-    """The paired success comparisons against the baseline, with their Holm-adjusted p-values."""
+    """The paired success comparisons against the baseline: the primary test with its Holm
+    adjustment over the family, then the secondary figures (unadjusted)."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
-        mc = c["mcnemar"]
-        mc_txt = "-" if not mc or mc.get("p") is None else (
-            f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
-            f"p {fmt_p(mc['p'])}")
+        mc = c.get("clustered_mcnemar") or {}
+        prim = c.get("primary") or {}
         fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
-                     _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     fmt_p(c["sign_test_p"]), mc_txt, fmt_p(c.get("sign_test_p_holm")),
-                     fmt_p((mc or {}).get("p_holm")),
+                     _fmt_diff_ci(c["ci"]), _fmt_se(c.get("se_cluster")), _fmt_primary(prim),
+                     fmt_p(prim.get("p_holm")), f"{c['wins']}/{c['losses']}/{c['ties']}",
+                     fmt_p(c["sign_test_p"]), fmt_p(mc.get("p")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
     return (f"Paired comparison against {base} (over tasks)",
-            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-             "Sign test p", "McNemar (arm-only/base-only, p)",
-             f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
-             f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "SE (clustered)",
+             "Primary p (sign-flip)",
+             f"Primary p, Holm over {len(fam.get('success') or [])} arm(s)", "W/L/T",
+             "Sign test p (secondary)", "Clustered McNemar p (secondary)",
              "Flagged runs (arm/base)"], rows)
 
 
 def _rpt_score_cost_table(report: dict) -> ReportTable:
-    """The paired score and cost-per-run comparisons against the baseline."""
+    """The paired score (with its primary test) and cost-per-run comparisons against the baseline."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
+        prim = sc.get("primary") or {}
         rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
                      ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
-                     _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
+                     _fmt_num_ci(sc["ci"], 3), _fmt_primary(prim), fmt_p(prim.get("p_holm")),
+                     f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
                      fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
                      _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
                      f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
     return (f"Paired score and cost against {base} (over tasks)",
-            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
-             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows)
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "Primary p (sign-flip)",
+             "Primary p, Holm", "H/L/E", "Sign test p (secondary)",
+             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p (secondary)"], rows)
 
 
 def _rpt_task_table(report: dict) -> ReportTable:
@@ -10924,6 +11119,8 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    parts += ["", (f"> **{_md_cell(_rpt_analysis_line(report))}**"
+                   if report.get("exploratory") else _md_cell(_rpt_analysis_line(report)))]
     for w in report.get("warnings") or []:
         parts += ["", f"> **Warning:** {_md_cell(w)}"]
     for title, headers, rows in _rpt_tables(report):
@@ -11247,6 +11444,9 @@ def render_report_html(report: dict, extra: str = "") -> str:
              f'{html.escape(fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             (f'<div class="warning exploratory" role="alert"><strong>'
+              f'{html.escape(_rpt_analysis_line(report))}</strong></div>' if report.get("exploratory")
+              else f'<p class="meta analysis">{html.escape(_rpt_analysis_line(report))}</p>'),
              *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
                for w in report.get("warnings") or []],
              '<div class="charts">',
