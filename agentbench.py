@@ -7587,9 +7587,12 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
     return out
 
 
-def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
-            + "\n").encode()
+def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
+                   plan: Mapping[str, Any] | None = None) -> bytes:
+    doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
+    if plan is not None:
+        doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -13208,6 +13211,26 @@ def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
         return [load_run(paths, r) for r in all_run_ids(paths)]
 
 
+def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+    """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
+    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
+    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
+    gives an unusable plan, which the report labels as such."""
+    mdir = paths.state / "manifests"
+    names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
+    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if name is None:
+        return None, None
+    source = f"manifest of split {name[:-len('.json')]}"
+    try:
+        doc = read_json(mdir / name)
+    except AgentbenchError:
+        return {"schema": None}, source
+    if not isinstance(doc, dict) or "analysis_plan" not in doc:
+        return None, None
+    return doc["analysis_plan"], source
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -13260,7 +13283,10 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         power = paired_power_repeats(power_base, power_delta, len(tasks))
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
-    data = manifest_bytes(manifest, seed, split)
+    # The analysis is fixed with the assignment, before any run: the study's first arm is the
+    # baseline, every other arm is compared with it (see analysis_plan).
+    plan = analysis_plan(list(arms), list(arms)[0], seed)
+    data = manifest_bytes(manifest, seed, split, plan)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -13275,6 +13301,10 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                               hint="run `calibrate` first (or pass --force to assign anyway)")
     mpath = paths.state / "manifests" / f"{split}.json"
     existing = mpath.read_bytes() if mpath.exists() else None
+    if existing is not None and existing == manifest_bytes(manifest, seed, split):
+        # The same assignment, written before manifests held a plan: kept as it is.  A plan added
+        # now, after runs may have been seen, would not be a pre-registration.
+        data = existing
     with RegistryLock(paths.lock, host.platform):
         if existing is not None and existing != data:
             if not reassign:
@@ -13310,6 +13340,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
             "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
             "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "analysis_plan": json.loads(data).get("analysis_plan"),
             "faults": dict(applied)}
 
 
@@ -14028,11 +14059,14 @@ def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
-    p.add_argument("--baseline")
+    p.add_argument("--baseline", help="compare every arm with this one (default: the analysis plan's; "
+                                      "another makes the analysis exploratory)")
     p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
                                  "with --format html, a path ending in / (or an existing directory) gets a "
                                  "directory: index.html and one page per run under runs/")
-    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="bootstrap seed (default: the analysis plan's, else the study seed; another "
+                        "makes the analysis exploratory)")
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
@@ -14045,9 +14079,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=args.baseline, arms=arms)
     runs = run_records_for_report(paths)
-    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
+    plan, plan_source = analysis_plan_of_study(paths)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if args.seed is not None:
+        seed = args.seed
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
     with gc_paused():
-        report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+        report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
+                              plan_source=plan_source)
     # The gateways' figures beside the binaries' own, per model (side models included).
     ledger_lines = read_jsonl(paths.ledger)[0]
     totals = aggregate_usage(ledger_lines, by="model")["totals"]

@@ -88,3 +88,99 @@ def test_assign_prices_the_plan_from_a_pilot(tmp_path):
     assert code == 0, out
     assert out["power"]["plan"]["cost_at_repeats"]["estimated"] is True
     assert out["power"]["plan"]["cost_at_repeats"]["per_arm"]["A"]["basis"] == "token_estimate"
+
+
+# -- The analysis plan: written by assign, followed by report, deviations labelled -------------------
+
+def _finish_runs(study, outcomes):
+    """Finish every run by hand: evaluated, success by `outcomes(arm, task, repeat)`."""
+    for p in sorted((study / "state" / "runs").glob("*.json")):
+        rec = json.loads(p.read_text())
+        ok = outcomes(rec["arm"], rec["task"], rec["repeat"])
+        rec.update(status="finished", outcome="success" if ok else "failure", validity="valid",
+                   evaluation={"success": ok, "score": 1.0 if ok else 0.0})
+        p.write_text(json.dumps(rec))
+
+
+def test_assign_writes_the_plan_and_report_follows_it(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "2", "--seed", "7", "--force"])
+    assert code == 0, out
+    manifest = json.loads((study / "state" / "manifests" / "main.json").read_text())
+    plan = manifest["analysis_plan"]
+    assert out["analysis_plan"] == plan
+    assert plan == ab.analysis_plan(["A", "B"], "A", 7)
+    assert (plan["baseline"], plan["family"], plan["alpha"], plan["primary_test"]) == (
+        "A", ["B"], 0.05, "paired_sign_flip_over_tasks")
+    assert plan["bootstrap"] == {"seed": 7, "draws": 10000, "level": 0.95}
+    _finish_runs(study, lambda arm, task, rep: arm == "B" or rep == 1)
+
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0, rep
+    an = rep["analysis"]
+    assert an["pre_registered"] and not an["exploratory"] and rep["exploratory"] is False
+    assert an["source"] == "manifest of split main" and rep["seed"] == 7 and an["deviations"] == []
+    assert any(n.startswith("pre-registered: the analysis follows the plan") for n in rep["notes"])
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert "Pre-registered analysis" in md["markdown"] and "EXPLORATORY" not in md["markdown"]
+
+    # Another baseline, another seed: exploratory, said in every format.
+    for extra, words in ((["--baseline", "B"], "baseline B instead of the plan's A"),
+                         (["--seed", "8"], "bootstrap seed 8 instead of the plan's 7")):
+        code, rep = run_main(["report", "--study", str(study), *extra])
+        assert code == 0 and rep["exploratory"] is True and rep["analysis"]["deviations"] == [words]
+        assert any(n.startswith("EXPLORATORY") and words in n for n in rep["notes"])
+        code, md = run_main(["report", "--study", str(study), "--format", "md", *extra])
+        assert f"**EXPLORATORY analysis: it differs from the study's pre-registered plan ({words})" \
+            in md["markdown"]
+        out_html = tmp_path / f"r{extra[0][2:]}.html"
+        code, res = run_main(["report", "--study", str(study), "--format", "html", "--out", str(out_html),
+                              *extra])
+        page = out_html.read_text()
+        assert code == 0 and 'class="warning exploratory"' in page and "EXPLORATORY analysis" in page
+
+
+def test_a_manifest_from_before_plans_is_kept_and_reported_as_not_pre_registered(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "1", "--force"])
+    assert code == 0, out
+    mpath = study / "state" / "manifests" / "main.json"
+    doc = json.loads(mpath.read_text())
+    del doc["analysis_plan"]
+    old = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    mpath.write_bytes(old)
+    # Assigning again with the same arguments keeps the old manifest (no plan added after the fact).
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "1", "--force"])
+    assert code == 0 and out["unchanged"] is True and out["analysis_plan"] is None
+    assert mpath.read_bytes() == old
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0 and rep["analysis"]["pre_registered"] is False and rep["exploratory"] is False
+    assert any(n.startswith("not pre-registered") for n in rep["notes"])
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"alpha": 0.9}, "the plan's alpha is not a number in (0, 0.5)"),
+    ({"baseline": 3}, "the plan names no baseline"),
+    ({"family": "B"}, "the plan's family is not a list of arm names"),
+    ({"bootstrap": {"seed": "x", "draws": 10000}}, "the plan's bootstrap seed is not an integer"),
+    ({"bootstrap": {"seed": 1, "draws": 10 ** 9}},
+     "the plan's bootstrap draws are not an integer in [100, 1000000]"),
+    ({"schema": "other"}, "unknown plan schema 'other'"),
+])
+def test_an_unusable_plan_is_named_and_makes_the_analysis_exploratory(change, problem):
+    plan = {**ab.analysis_plan(["A", "B"], "A", 1), **change}
+    assert ab.plan_problems(plan) == [problem]
+    an = ab.report_analysis(plan, "manifest of split main", ["A", "B"], None, 1)
+    assert an["exploratory"] and not an["pre_registered"] and problem in an["deviations"][0]
+    assert an["alpha"] == 0.05 and an["baseline"] == "A"
+
+
+def test_report_analysis_deviations_by_table():
+    plan = ab.analysis_plan(["A", "B", "C"], "A", 5)
+    same = ab.report_analysis(plan, "m", ["A", "B", "C"], None, 5)
+    assert not same["exploratory"] and same["baseline"] == "A" and same["deviations"] == []
+    assert ab.report_analysis(plan, "m", ["A", "B", "C"], "A", 5)["exploratory"] is False
+    grown = ab.report_analysis(plan, "m", ["A", "B", "C", "D"], None, 5)
+    assert grown["deviations"] == ["the family is B, C, D against A; the plan's was B, C"]
+    gone = ab.report_analysis(plan, "m", ["B", "C"], None, 5)
+    assert gone["baseline"] == "B" and "the plan's baseline A is not an arm of the study" in gone["deviations"]
