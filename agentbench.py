@@ -9438,47 +9438,134 @@ def sign_test_min_p(n: int) -> float:
     return sign_test_two_sided(n, 0)
 
 
+#: Sign-flip enumeration steps a simulated study may take; past them the simulation refers the
+#: flip statistic to its normal approximation (mean 0, variance the sum of squared differences).
+POWER_SIM_EXACT_WORK = 100_000
+
+
+def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tuple[bool, bool]:
+    """(primary test rejects, sign test rejects) for one simulated study, both in the direction
+    of the effect.  The primary test is the exact sign-flip test while it is cheap, else its
+    normal approximation (the flip distribution's own mean 0 and variance sum d^2)."""
+    total = sum(diffs)
+    toward = direction * total > 0
+    res = sign_flip_test(diffs, max_work=POWER_SIM_EXACT_WORK, draws=1) if len(diffs) <= 24 else None
+    if res is not None and res["method"] == "exact":
+        primary = toward and res["p"] <= alpha
+    else:
+        ss = sum(d * d for d in diffs)
+        primary = toward and ss > 0 and math.erfc(abs(total) / math.sqrt(2.0 * ss)) <= alpha
+    wins = sum(1 for d in diffs if direction * d > 0)
+    losses = sum(1 for d in diffs if direction * d < 0)
+    return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
+
+
 def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
-                      tau: float, n_sim: int, seed: int) -> dict:
-    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
+                      tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
+    """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
+    direction of delta, with the study's clustering: per simulated study and task, a baseline
+    rate p0 + N(0, sd_base) and an effect delta + N(0, tau), both clamped to [0, 1]; then
+    `repeats` runs per arm (binomial_draw); then the tests over tasks.  random.Random(seed)."""
     rng = random.Random(seed)
-    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
     direction = 1.0 if delta > 0 else -1.0
-    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
+    hits = {"primary": 0, "sign_test": 0}
     for _ in range(n_sim):
         diffs = []
-        b = c = 0
         for _t in range(n_tasks):
-            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
-            p1_t = min(1.0, max(0.0, p0 + d_t))
-            s0 = s1 = 0
-            for _r in range(repeats):
-                y0 = rng.random() < p0
-                y1 = rng.random() < p1_t
-                s0 += y0
-                s1 += y1
-                if y1 and not y0:
-                    b += 1
-                elif y0 and not y1:
-                    c += 1
-            diffs.append((s1 - s0) / repeats)
-        m = math.fsum(diffs) / n_tasks
-        if n_tasks > 1:
-            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
-            if var > 0:
-                if direction * m / math.sqrt(var / n_tasks) > z_a:
-                    hits["mean_diff_z"] += 1
-            elif direction * m > 0:
-                hits["mean_diff_z"] += 1
-        wins = sum(1 for d in diffs if direction * d > 0)
-        losses = sum(1 for d in diffs if direction * d < 0)
-        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
-            hits["sign_test"] += 1
-        agree, against = (b, c) if direction > 0 else (c, b)
-        if agree > against and mcnemar_exact(b, c) <= alpha:
-            hits["mcnemar"] += 1
-    return {"studies": n_sim, "seed": seed, "repeats": repeats,
-            "power": {k: v / n_sim for k, v in hits.items()}}
+            b_t = min(1.0, max(0.0, p0 + (rng.gauss(0.0, sd_base) if sd_base > 0 else 0.0)))
+            a_t = min(1.0, max(0.0, b_t + delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)))
+            diffs.append(binomial_draw(rng, repeats, a_t) - binomial_draw(rng, repeats, b_t))
+        primary, sign = _simulated_rejects(diffs, alpha, direction)
+        hits["primary"] += primary
+        hits["sign_test"] += sign
+    power = {k: v / n_sim for k, v in hits.items()}
+    return {"studies": n_sim, "seed": seed, "repeats": repeats, "power": power,
+            "mc_se": math.sqrt(power["primary"] * (1.0 - power["primary"]) / n_sim)}
+
+
+#: Between-task standard deviations the power simulation assumes without a pilot to measure them
+#: (defaults, stated as such): of the baseline's success rate, and of the arm's effect.
+POWER_DEFAULT_SD_BASE = 0.2
+POWER_DEFAULT_TAU = 0.1
+
+
+def between_task_sd(cells: Sequence[tuple[int, int, int, int]], paired: bool) -> float | None:
+    """Between-task standard deviation of a success rate (paired=False: cells are (x, n, _, _)) or
+    of a difference of two (paired=True: (x_a, n_a, x_b, n_b)), from pilot counts per task.
+
+    The spread of the observed per-task values, less the binomial noise each carries: var_between
+    = max(0, s^2 - mean_t v_t), with v_t = p_t (1 - p_t) / (n_t - 1) per rate (unbiased for the
+    sampling variance p (1 - p) / n; the two rates' added for a difference).  A method-of-moments
+    estimate, as in a one-way random-effects model.  None with fewer than 3 tasks of at least 2
+    runs per side.  Reference: Searle, Casella & McCulloch, Variance Components (1992), ch. 3."""
+    vals, noise = [], []
+    for xa, na, xb, nb in cells:
+        if na < 2 or (paired and nb < 2):
+            continue
+        pa = xa / na
+        v = pa * (1.0 - pa) / (na - 1)
+        if paired:
+            pb = xb / nb
+            vals.append(pa - pb)
+            v += pb * (1.0 - pb) / (nb - 1)
+        else:
+            vals.append(pa)
+        noise.append(v)
+    if len(vals) < 3:
+        return None
+    m = math.fsum(vals) / len(vals)
+    s2 = math.fsum((x - m) ** 2 for x in vals) / (len(vals) - 1)
+    return math.sqrt(max(0.0, s2 - math.fsum(noise) / len(noise)))
+
+
+def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
+                                power: float = 0.8, *, tau: float, sd_base: float,
+                                start: int, max_repeats: int = 1000, n_sim: int = 400,
+                                seed: int = 0) -> dict[str, Any]:
+    """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
+
+    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
+    (the normal approximation's answer), doubles while the simulated power falls short and
+    bisects back down to the smallest number of repeats that reaches it; None when even
+    `max_repeats` does not (more tasks are needed).  The power is a Monte Carlo estimate with
+    standard error `mc_se`, about 0.02 at 400 studies."""
+    cache: dict[int, dict] = {}
+
+    def sim(r: int) -> dict:
+        if r not in cache:
+            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+        return cache[r]
+
+    if sign_test_min_p(n_tasks) > alpha:
+        # Fewer tasks than any test over tasks needs: no number of repeats helps, nothing to run.
+        return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+                "repeats": None, "studies_per_point": 0, "seed": seed, "alpha": alpha, "tau": tau,
+                "sd_base": sd_base, "achieved_power": None, "mc_se": None, "sign_test_power": None,
+                "power_by_repeats": [],
+                "reason": f"with {n_tasks} task(s) the smallest p-value the test can give is "
+                          f"{sign_test_min_p(n_tasks):.4g} > alpha {alpha}"}
+    hi = max(1, min(int(start or 1), max_repeats))
+    while sim(hi)["power"]["primary"] < power and hi < max_repeats:
+        hi = min(max_repeats, hi * 2)
+    found = sim(hi)["power"]["primary"] >= power
+    lo = 0
+    while found and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sim(mid)["power"]["primary"] >= power:
+            hi = mid
+        else:
+            lo = mid
+    repeats = hi if found else None
+    return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+            "repeats": repeats, "studies_per_point": n_sim, "seed": seed, "alpha": alpha,
+            "tau": tau, "sd_base": sd_base,
+            "achieved_power": sim(repeats)["power"]["primary"] if repeats else None,
+            "mc_se": sim(repeats)["mc_se"] if repeats else None,
+            "sign_test_power": sim(repeats)["power"]["sign_test"] if repeats else None,
+            "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
+                                  "sign_test_power": c["power"]["sign_test"]}
+                                 for r, c in sorted(cache.items())]}
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -9546,12 +9633,12 @@ def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: i
     elif repeats > max_repeats:
         notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
     if n_tasks < sign_min_tasks:
-        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
-                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
-                     f"over pairs")
+        notes.append(f"no test over tasks (the primary sign-flip test or the sign test) can reach "
+                     f"p <= {alpha} with fewer than {sign_min_tasks} tasks, whatever the repeats; "
+                     f"add tasks")
     if n_tasks < 10:
-        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "consider simulate > 0")
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; read the "
+                     "simulated power of the primary test (`simulation`)")
     return notes
 
 
@@ -9574,8 +9661,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     t correction). If the denominator is not positive no number of repeats suffices: more tasks
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
-    recommended r reports the rejection rate of the mean-difference z-test, the exact sign test
-    over tasks, and the exact McNemar test over (task, repeat) pairs, in the direction of delta.
+    recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
+    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
     Raises AgentbenchError (exit 2) on arguments outside their ranges.
@@ -13418,6 +13506,72 @@ def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
     return doc["analysis_plan"], source
 
 
+def pilot_clustering(study: Study, split: str) -> dict[str, Any]:
+    """Between-task standard deviations for the power simulation, from the study's pilot: the
+    evaluated real runs of other splits (not rehearsed).  Of the baseline's (the first arm's) rate,
+    and of each other arm's difference from it, pooled as the root mean square over the arms.
+    Where the pilot cannot say (fewer than 3 tasks with 2 evaluated runs per side) the stated
+    defaults stand.  The rehearsal is not used: its outcomes are scripted, so how its tasks
+    differ says nothing about the real agent."""
+    arms = list(study.arms)
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r in report_runs(study.paths, write=False):
+        if (r.get("split") != split and r.get("status") == "finished" and run_evaluated(r)
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            cell = counts.setdefault((str(r.get("task")), str(r["arm"])), [0, 0])
+            cell[0] += run_succeeded(r)
+            cell[1] += 1
+    base = arms[0]
+    tasks = sorted({t for t, _ in counts})
+    sd_base = between_task_sd([(*counts[(t, base)], 0, 0) for t in tasks if (t, base) in counts],
+                              paired=False)
+    taus = []
+    for arm in arms[1:]:
+        tau = between_task_sd([(*counts[(t, arm)], *counts[(t, base)]) for t in tasks
+                               if (t, arm) in counts and (t, base) in counts], paired=True)
+        if tau is not None:
+            taus.append(tau)
+    pilot_runs = sum(n for _, n in counts.values())
+    return {"sd_base": sd_base if sd_base is not None else POWER_DEFAULT_SD_BASE,
+            "sd_base_basis": "pilot" if sd_base is not None else "default",
+            "tau": math.sqrt(math.fsum(t * t for t in taus) / len(taus)) if taus else POWER_DEFAULT_TAU,
+            "tau_basis": "pilot" if taus else "default", "pilot_runs": pilot_runs}
+
+
+def assign_power(study: Study, split: str, delta: float, p_base: float, seed: int) -> dict[str, Any]:
+    """For `assign --power-delta`: the repeats at which the primary test reaches 80% power, by
+    simulation under the study's clustering (pilot_clustering), at alpha / m for a family of m
+    comparisons (the first step of Holm's procedure: a conservative bound); the normal
+    approximation beside it, as the search's starting point and a check."""
+    arms = list(study.arms)
+    family = max(1, len(arms) - 1)
+    alpha = REPORT_ALPHA / family
+    clus = pilot_clustering(study, split)
+    power = paired_power_repeats(p_base, delta, len(study.tasks), alpha, tau=clus["tau"])
+    start = power["repeats"] or power["max_repeats"]
+    sim = primary_power_by_simulation(p_base, delta, len(study.tasks), alpha, power["power"],
+                                      tau=clus["tau"], sd_base=clus["sd_base"], start=start,
+                                      max_repeats=power["max_repeats"], seed=seed)
+    notes = list(power["notes"])
+    defaults = [k for k in ("sd_base", "tau") if clus[f"{k}_basis"] == "default"]
+    if defaults:
+        notes.append(f"no pilot to measure how tasks differ: the simulation assumes the default "
+                     f"between-task sd of the baseline rate {POWER_DEFAULT_SD_BASE} and of the "
+                     f"effect {POWER_DEFAULT_TAU} (run a pilot split, e.g. `assign --split pilot`, "
+                     f"to measure them)")
+    if family > 1:
+        notes.append(f"alpha {REPORT_ALPHA} over a family of {family} comparisons: each is planned at "
+                     f"{alpha:.4g}, Holm's first step (conservative)")
+    if sim["repeats"] is None:
+        notes.append(f"even {power['max_repeats']} repeats do not give the primary test power "
+                     f"{power['power']} with {len(study.tasks)} tasks: add tasks")
+    return {**power, "repeats_normal_approximation": power["repeats"], "repeats": sim["repeats"],
+            "feasible": sim["repeats"] is not None,
+            "runs_per_arm": sim["repeats"] * len(study.tasks) if sim["repeats"] else None,
+            "achieved_power": sim["achieved_power"], "family_size": family,
+            "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -13440,7 +13594,8 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
 
     out = {"repeats": repeats,
            "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"]),
+                                                                      power["alpha"], power["power"],
+                                                                      power["tau"]),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -13467,7 +13622,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
-        power = paired_power_repeats(power_base, power_delta, len(tasks))
+        power = assign_power(study, split, power_delta, power_base, seed)
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     # The analysis is fixed with the assignment, before any run: the study's first arm is the

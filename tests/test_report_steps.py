@@ -78,8 +78,9 @@ def test_power_notes_say_why_a_plan_falls_short():
     notes = ab._power_notes(None, 1000, 0.8, 4, 0.3, 40, 0.05, 6)
     assert notes[0].startswith("no number of repeats reaches power 0.8 with 4 tasks")
     assert "use at least 40 tasks" in notes[0]
-    assert "cannot reach p <= 0.05 with fewer than 6 tasks" in notes[1]
-    assert notes[2].startswith("fewer than 10 tasks")
+    assert "can reach p <= 0.05 with fewer than 6 tasks, whatever the repeats; add tasks" in notes[1]
+    assert notes[2].startswith("fewer than 10 tasks") and "(`simulation`)" in notes[2]
+    assert "simulate >" not in " ".join(notes)   # a note names only what a user can find
     assert ab._power_notes(2000, 1000, 0.8, 12, 0.0, None, 0.05, 6) == [
         "2000 repeats needed, above the cap of 1000"]
 
