@@ -9165,7 +9165,7 @@ def mcnemar_exact(b: int, c: int) -> float:
 
 #: Most (partial sum x multiplicity) steps the exact sign-flip enumeration may take; beyond it the
 #: test is a seeded Monte Carlo over sign flips.
-PERM_EXACT_WORK = 2_000_000
+PERM_EXACT_WORK = 400_000
 #: Monte Carlo sign flips when the enumeration would be too long.
 PERM_DRAWS = 20_000
 
@@ -9213,12 +9213,21 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
     Enumerated by the distribution of the signed sum: the m tasks sharing |d| = v contribute
     v (2j - m) with multiplicity C(m, j), j of them positive; the sums are exact integers, so
     "at least as extreme" is decided without a tolerance."""
-    dist = {0: 1}
-    work = 0
+    # The work is bounded before any of it is done: after each group the distinct sums are at
+    # most the product of (m + 1) so far, and at most (sum of m v so far) / g + 1 (sums of
+    # multiples of g, g the gcd of the values, in steps of 2 g).
+    g = 0
+    for v in groups:
+        g = math.gcd(g, v)
+    states, span, work = 1, 0, 0
     for v, m in sorted(groups.items()):
-        work += len(dist) * (m + 1)
+        work += states * (m + 1)
         if work > max_work:
             return None
+        span += m * v
+        states = min(states * (m + 1), span // g + 1)
+    dist = {0: 1}
+    for v, m in sorted(groups.items()):
         weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
         nxt: dict[int, int] = {}
         for s, c in dist.items():
@@ -9226,6 +9235,31 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
                 nxt[s + step] = nxt.get(s + step, 0) + c * w
         dist = nxt
     return sum(c for s, c in dist.items() if abs(s) >= observed)
+
+
+def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
+    """How many of `draws` random sign assignments of `values` give |sum| >= observed.
+
+    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
+    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups."""
+    n = len(values)
+    total = sum(values)
+    tables = []
+    for start in range(0, n, 8):
+        chunk = values[start:start + 8]
+        table = [0] * 256
+        for byte in range(1, 256):
+            low = byte & -byte
+            table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1] if low.bit_length() <= len(chunk)
+                                                else 0)
+        tables.append(table)
+    nbytes = len(tables)
+    hits = 0
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
+    return hits
 
 
 def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
@@ -9257,18 +9291,11 @@ def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
     hits = _flip_exact(groups, observed, max_work) if k else 1
     if hits is not None:
         return {**out, "p": min(1.0, hits / 2 ** k) if k else 1.0, "method": "exact",
-                "assignments": 2 ** k, "mc_se": None}
+                "assignments": f"2^{k}", "mc_se": None}
     if draws < 1:
         raise ValueError("draws must be >= 1")
-    rng = random.Random(seed)
-    items = sorted(groups.items())
-    hits = 0
-    for _ in range(draws):
-        s = 0
-        for v, m in items:
-            # j of m tasks positive: j ~ Binomial(m, 1/2), the popcount of m random bits.
-            s += v * (2 * rng.getrandbits(m).bit_count() - m)
-        hits += abs(s) >= observed
+    hits = _flip_monte_carlo([v for v, m in sorted(groups.items()) for _ in range(m)], observed,
+                             random.Random(seed), draws)
     p = (1 + hits) / (1 + draws)
     return {**out, "p": p, "method": "monte_carlo", "draws": draws, "seed": seed,
             "mc_se": math.sqrt(p * (1.0 - p) / draws)}
@@ -9362,22 +9389,42 @@ _BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
 BOOTSTRAP_CACHE_MAX = 4096
 
 
+def _bootstrap_means_bytes(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """Resample means for up to 256 values, with every index drawn in C: random bytes, those at or
+    above the largest multiple of n below 256 deleted (bytes.translate, so every index is equally
+    likely), each kept byte b picking value b mod n from the values repeated 256 // n times."""
+    n = len(xs)
+    reps = 256 // n
+    ext = xs * reps
+    drop = bytes(range(reps * n, 256))
+    need = n * n_resamples
+    buf = b""
+    while len(buf) < need:
+        chunk = max(4096, (need - len(buf)) * 256 // (reps * n) + 64)
+        buf += rng.getrandbits(8 * chunk).to_bytes(chunk, "little").translate(None, drop)
+    pick = ext.__getitem__
+    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, need, n)]
+
+
 def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
     """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
 
-    A resample is described by how many times it takes each distinct value: a multinomial
-    draw of n over the distinct values weighted by their counts, made as conditional binomials
-    (binomial_draw), so a resample costs a few steps per distinct value instead of n index draws.
-    When most values are distinct that saving is gone and the indices are drawn directly."""
+    Up to 256 tasks, indices come from random bytes (_bootstrap_means_bytes).  Beyond, when the
+    tasks take few distinct values (success rates over a few repeats), a resample is described by
+    how many times it takes each distinct value: a multinomial draw of n over the distinct values
+    weighted by their counts, made as conditional binomials (binomial_draw), a few steps per
+    distinct value instead of n index draws.  Otherwise the indices are drawn one by one."""
     n = len(xs)
+    if n <= 256:
+        return _bootstrap_means_bytes(xs, rng, n_resamples)
     counts: dict[float, int] = {}
     for x in xs:
         counts[x] = counts.get(x, 0) + 1
-    if len(counts) * 8 > n:
+    if len(counts) * 32 > n:
         # Random.choices without weights draws index floor(random() * n) per element: the same
         # stream on every Python >= 3.6.
         choices = rng.choices
-        return [math.fsum(choices(xs, k=n)) / n for _ in range(n_resamples)]
+        return [sum(choices(xs, k=n)) / n for _ in range(n_resamples)]
     values = sorted(counts)
     weights = [counts[v] for v in values]
     means = []

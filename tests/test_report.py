@@ -182,7 +182,7 @@ def test_paired_comparison_c_vs_a(report):
     assert cmp["ci"] == [0.0, 0.5]
     # Primary: one non-zero difference, so its two sign flips are both as extreme: p = 1, exact.
     prim = cmp["primary"]
-    assert (prim["p"], prim["method"], prim["assignments"], prim["tasks"]) == (1.0, "exact", 2, 3)
+    assert (prim["p"], prim["method"], prim["assignments"], prim["tasks"]) == (1.0, "exact", "2^1", 3)
     assert prim["test"] == "paired_sign_flip_over_tasks" and prim["p_holm"] == 1.0
     # se_cluster: diffs 0.5, 0, 0 (mean 1/6): sqrt(((1/3)^2 + 2 (1/6)^2) / (3 * 2)) = sqrt(1/36).
     assert cmp["se_cluster"] == pytest.approx(1 / 6)
