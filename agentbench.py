@@ -11382,7 +11382,7 @@ def _rpt_ended(run: dict) -> bool:
 
 
 def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
-                 view: str = "exclusions_applied", draws: int = 10000) -> dict:
+                 draws: int = 10000) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
     apart, of the hidden-test score and of the cost per ended run).
 
@@ -11391,7 +11391,8 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
     assignment shuffles).  Primary: the sign-flip test of the mean difference (`primary`; its
     Holm adjustment is added over the family later).  Secondary, unadjusted: the sign test over
     tasks and the task-clustered McNemar test.  Every random figure draws from its own stream,
-    named by the view, the figure, the arm and the baseline."""
+    named by the figure, the arm and the baseline (the two views of one figure share it: common
+    random numbers, so a difference between the views comes from the runs, not the draws)."""
     per_task, exact, cells = [], [], []
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
@@ -11420,7 +11421,7 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
         per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
                          "diff": float(d), "arm_n": len(ra), "baseline_n": len(rb)})
     diffs = [t["diff"] for t in per_task]
-    names = (view, "success", arm, base)
+    names = ("success", arm, base)
     ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
     return {
         "arm": arm, "baseline": base,
@@ -11437,14 +11438,18 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
         "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
         "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated,
-                                    (view, "score", arm, base), draws, primary=True),
+                                    ("score", arm, base), draws, primary=True),
         "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended,
-                                               (view, "cost", arm, base), draws),
+                                               ("cost", arm, base), draws),
     }
 
 
 def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
-              tasks: list[str], seed: int, view: str = "exclusions_applied", draws: int = 10000) -> dict:
+              tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
+              changed: frozenset[str] = frozenset()) -> dict:
+    """One view's per-arm figures, comparisons and per-task cells.  With `same_as` (another view
+    of the same study) the figures of every arm not in `changed`, and the comparisons where
+    neither side is, are that view's (copied): their runs are the same, so is every figure."""
     by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     for r in runs:
@@ -11452,10 +11457,14 @@ def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str
     for r in left_out:
         out_by_arm[r["arm"]].append(r)
     index = _rpt_index(runs)
-    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a],
-                                 stream_seed(seed, "bootstrap", view, "task_success_rate", a), draws)
+    per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
+                   _rpt_arm_stats(by_arm[a], out_by_arm[a],
+                                  stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
                for a in arms}
-    comparisons = {a: _rpt_compare(index, a, base, tasks, seed, view, draws) for a in arms if a != base}
+    comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
+                       if same_as and a not in changed and base not in changed
+                       else _rpt_compare(index, a, base, tasks, seed, draws))
+                   for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
             "per_task": _rpt_task_cells(index, arms, tasks)}
 
@@ -11855,12 +11864,14 @@ def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: 
                draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
     Holm-adjusted p-values."""
-    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed,
-                                             "exclusions_applied", draws)}
-    # With nothing excluded the two views have the same input: computed once, copied (the same
-    # figures from the same draws: they are one computation, not two).
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed, draws)}
+    # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
+    # only what an exclusion touches is computed again (the arms with excluded runs and the
+    # comparisons with such an arm on either side).
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
-                             else _rpt_view(known, [], arms, base, tasks, seed, "all_included", draws))
+                             else _rpt_view(known, [], arms, base, tasks, seed, draws,
+                                            same_as=views["exclusions_applied"],
+                                            changed=frozenset(r["arm"] for r in excluded)))
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
         _rpt_holm_view(views[name], alpha)
@@ -11934,9 +11945,9 @@ def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
                         "task_success_rate gives that one)",
         "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
                              "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
-                             f"repeats cluster in), {draws} resamples drawn as counts per distinct "
-                             f"value, each arm and view on its own stream seeded from {seed} and "
-                             "their names; it sees only how tasks differ, so with "
+                             f"repeats cluster in), {draws} resamples, each arm on its own stream "
+                             f"seeded from {seed} and its name (both views of the arm share it); "
+                             "it sees only how tasks differ, so with "
                              "few tasks, or tasks that scored alike, it is too narrow: read it "
                              "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
@@ -11955,10 +11966,10 @@ def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
                            "how the effect varies between tasks",
         "paired_difference": "mean over tasks where both arms have data of the per-task "
                              "differences; 95% percentile bootstrap over tasks, "
-                             f"{draws} resamples, on its own stream (seed {seed}, the view, the "
-                             "figure and the arms); se_cluster: the cluster-robust standard error "
-                             "of that mean over tasks, sqrt(sum (d - mean)^2 / (K (K - 1))) "
-                             "(Cameron & Miller 2015)",
+                             f"{draws} resamples, on its own stream (seed {seed}, the figure and "
+                             "the arms; both views of a figure share it); se_cluster: the "
+                             "cluster-robust standard error of that mean over tasks, "
+                             "sqrt(sum (d - mean)^2 / (K (K - 1))) (Cameron & Miller 2015)",
         "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
                                  "runs and on the mean cost of ended runs; higher/lower/equal tasks "
                                  "with an exact two-sided sign test (secondary); the cost has no "

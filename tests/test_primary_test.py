@@ -115,3 +115,23 @@ def test_relabelling_repeats_within_tasks_changes_no_primary_figure():
             assert base["views"][view]["multiplicity"] == other["views"][view]["multiplicity"]
     # The study is not degenerate: the primary test saw real differences in both comparisons.
     assert all(base["comparisons"][a]["primary"]["informative_tasks"] >= 4 for a in ("B", "C"))
+
+
+def test_a_view_computes_again_only_what_an_exclusion_touches():
+    # Exclusions only in arm C: A and B are the same runs in both views, so their figures and
+    # the B-vs-A comparison are the same (one computation); C's and C-vs-A's are computed again.
+    runs = _study_with_gaps()
+    runs = [r for r in runs if r["validity"] != "infrastructure_failure" or r["arm"] == "C"]
+    runs.append(run("Cx", "t0", "C", 9, validity="infrastructure_failure", success=True))
+    rep = ab.build_report(runs, ["A", "B", "C"], seed=3)
+    ex, al = rep["views"]["exclusions_applied"], rep["views"]["all_included"]
+    for arm in ("A", "B"):
+        assert ex["per_arm"][arm] == al["per_arm"][arm]
+    b_ex, b_al = dict(ex["comparisons"]["B"]), dict(al["comparisons"]["B"])
+    assert json.dumps(b_ex, sort_keys=True) == json.dumps(b_al, sort_keys=True)
+    assert ex["per_arm"]["C"]["excluded"] >= 1 and al["per_arm"]["C"]["excluded"] == 0
+    assert ex["per_arm"]["C"]["evaluated"] < al["per_arm"]["C"]["evaluated"]
+    # Computed again from the runs, not copied: the same as a report built without exclusions.
+    plain = ab.build_report([{**r, "validity": "valid"} for r in runs], ["A", "B", "C"], seed=3)
+    assert al["comparisons"]["C"]["primary"] == plain["comparisons"]["C"]["primary"]
+    assert al["comparisons"]["C"]["ci"] == plain["comparisons"]["C"]["ci"]
