@@ -11517,11 +11517,11 @@ def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> l
         if informative == 0:
             notes.append(f"{label}{arm} vs {base}: every compared task is tied; the primary test's "
                          f"p = 1")
-        prim = cmp["primary"]
-        if prim.get("method") == "monte_carlo":
-            notes.append(f"{label}{arm} vs {base}: too many distinct task differences to enumerate "
-                         f"every sign flip; the primary p is from {prim['draws']} random flips "
-                         f"(Monte Carlo standard error {prim['mc_se']:.2g})")
+        for what, prim in (("success", cmp["primary"]), ("score", cmp["score"].get("primary") or {})):
+            if prim.get("method") == "monte_carlo":
+                notes.append(f"{label}{arm} vs {base}: too many distinct task differences in {what} "
+                             f"to enumerate every sign flip; its primary p is from {prim['draws']} "
+                             f"random flips (Monte Carlo standard error {prim['mc_se']:.2g})")
     return notes
 
 

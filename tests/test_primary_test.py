@@ -135,3 +135,22 @@ def test_a_view_computes_again_only_what_an_exclusion_touches():
     plain = ab.build_report([{**r, "validity": "valid"} for r in runs], ["A", "B", "C"], seed=3)
     assert al["comparisons"]["C"]["primary"] == plain["comparisons"]["C"]["primary"]
     assert al["comparisons"]["C"]["ci"] == plain["comparisons"]["C"]["ci"]
+
+
+def test_a_monte_carlo_primary_p_is_marked_with_its_standard_error():
+    # 40 tasks whose score differences are all distinct: 2^40 flips with no repeated values are
+    # past the enumeration, so the score's primary p is a Monte Carlo estimate, shown with "~".
+    runs = []
+    for t in range(40):
+        for arm, score in (("A", 0.3), ("B", 0.3 + (t + 1) / 97)):
+            r = run(f"{arm}{t}", f"t{t:02d}", arm, 1, success=True)
+            r["evaluation"]["score"] = score
+            runs.append(r)
+    rep = ab.build_report(runs, ["A", "B"], seed=2)
+    prim = rep["comparisons"]["B"]["score"]["primary"]
+    assert prim["method"] == "monte_carlo" and prim["draws"] == ab.PERM_DRAWS
+    assert prim["p"] == 1 / (1 + ab.PERM_DRAWS)     # every task up: no random flip is as extreme
+    md = ab.render_report_md(rep)
+    assert f"~{ab.fmt_p(prim['p'])} (MC se " in md
+    assert any(n.startswith("B vs A: too many distinct task differences in score") and "Monte Carlo" in n
+               for n in rep["notes"])
