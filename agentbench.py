@@ -141,6 +141,7 @@ secrets: Any = LazyModule("secrets")
 socket: Any = LazyModule("socket")
 ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
+fractions: Any = LazyModule("fractions")
 urllib: Any = LazyModule("urllib")
 zipfile: Any = LazyModule("zipfile")
 
@@ -8839,9 +8840,12 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
     return out
 
 
-def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
-            + "\n").encode()
+def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
+                   plan: Mapping[str, Any] | None = None) -> bytes:
+    doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
+    if plan is not None:
+        doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -10444,10 +10448,287 @@ def mcnemar_exact(b: int, c: int) -> float:
     return _binomial_two_sided_half(b, b + c)
 
 
+# -- Statistics: the paired test clustered by task -------------------------------------------------
+# The primary test of a comparison: per task one difference (arm minus baseline, each side the mean
+# over the runs it has on that task), tested by flipping the signs of the differences.  Beside it,
+# secondary figures: a cluster-robust standard error and a McNemar test that respects the tasks.
+
+#: Most (partial sum x multiplicity) steps the exact sign-flip enumeration may take; beyond it the
+#: test is a seeded Monte Carlo over sign flips.
+PERM_EXACT_WORK = 400_000
+#: Monte Carlo sign flips when the enumeration would be too long.
+PERM_DRAWS = 20_000
+
+
+def stream_seed(seed: int, *names: str) -> int:
+    """A 63-bit seed for one named stream of random numbers (an arm, a comparison, a figure), from
+    the study's seed and the names: the first 8 bytes of the SHA-256 of their JSON.  Two streams
+    with different names share no draws (up to a 2^-63 chance), and one stream does not depend on
+    which other streams a report draws first."""
+    digest = hashlib.sha256(json.dumps([int(seed), *map(str, names)]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def exact_integers(values: Sequence[Any]) -> list[int]:
+    """`values` (ints, floats or fractions) as integers over their least common denominator.
+
+    Exact: a float is a dyadic rational and a Fraction is one, so no sum is rounded and "at
+    least as extreme" is decided without a tolerance.  A float is taken at its exact value, so a
+    caller whose differences are ratios (2/3 - 1/3) passes them as fractions: as doubles they
+    can differ in the last bit from the same ratio reached another way.  Raises ValueError on a
+    NaN or an infinity."""
+    ratios = []
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"a difference must be finite, got {v!r}")
+        ratios.append(v.as_integer_ratio())
+    den = 1
+    for _, d in ratios:
+        den = den * d // math.gcd(den, d)
+    return [n * (den // d) for n, d in ratios]
+
+
+def _flip_groups(ints: Sequence[int]) -> dict[int, int]:
+    """|difference| -> how many tasks have it, zeros left out (a flipped zero is the same zero)."""
+    groups: dict[int, int] = {}
+    for v in ints:
+        if v:
+            groups[abs(v)] = groups.get(abs(v), 0) + 1
+    return groups
+
+
+def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | None:
+    """How many of the 2^k sign assignments give |sum| >= observed; None past `max_work`.
+
+    Enumerated by the distribution of the signed sum: the m tasks sharing |d| = v contribute
+    v (2j - m) with multiplicity C(m, j), j of them positive; the sums are exact integers, so
+    "at least as extreme" is decided without a tolerance."""
+    # The work is bounded before any of it is done: after each group the distinct sums are at
+    # most the product of (m + 1) so far, and at most (sum of m v so far) / g + 1 (sums of
+    # multiples of g, g the gcd of the values, in steps of 2 g).
+    g = 0
+    for v in groups:
+        g = math.gcd(g, v)
+    states, span, work = 1, 0, 0
+    for v, m in sorted(groups.items()):
+        work += states * (m + 1)
+        if work > max_work:
+            return None
+        span += m * v
+        states = min(states * (m + 1), span // g + 1)
+    dist = {0: 1}
+    for v, m in sorted(groups.items()):
+        weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
+        nxt: dict[int, int] = {}
+        for s, c in dist.items():
+            for step, w in weights:
+                nxt[s + step] = nxt.get(s + step, 0) + c * w
+        dist = nxt
+    return sum(c for s, c in dist.items() if abs(s) >= observed)
+
+
+def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
+    """How many of `draws` random sign assignments of `values` give |sum| >= observed.
+
+    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
+    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups."""
+    n = len(values)
+    total = sum(values)
+    tables = []
+    for start in range(0, n, 8):
+        chunk = values[start:start + 8]
+        table = [0] * 256
+        for byte in range(1, 256):
+            low = byte & -byte
+            table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1] if low.bit_length() <= len(chunk)
+                                                else 0)
+        tables.append(table)
+    nbytes = len(tables)
+    hits = 0
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
+    return hits
+
+
+def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
+                   max_work: int = PERM_EXACT_WORK) -> dict[str, Any]:
+    """Paired permutation (sign-flip) test of a mean difference over tasks, two-sided.
+
+    Null hypothesis: within each task the two arms are exchangeable, so each task's difference
+    is as likely to have its sign as the opposite one, independently across tasks.  The
+    statistic is |sum of the differences| (equivalently |mean|); the p-value is the share of the
+    2^n sign assignments whose |sum| is at least the observed one.  Exact (every assignment,
+    counted through the distribution of the sum; see _flip_exact) while that takes at most
+    `max_work` steps, which covers every study of up to ~20 tasks and far larger ones whose
+    differences repeat (success rates over a few repeats take few values).  Beyond it, `draws`
+    seeded random assignments (random.Random(seed)) give p = (1 + hits) / (1 + draws), never
+    0, with its Monte Carlo standard error sqrt(p (1 - p) / draws).  Zero differences stay in n
+    and change nothing.  Differences may be ints, floats or fractions (see exact_integers).
+    References: Fisher, The Design of Experiments (1935), sec. 21; Good, Permutation,
+    Parametric and Bootstrap Tests of Hypotheses, 3rd ed. (2005), sec. 3.1; Phipson & Smyth,
+    Stat. Appl. Genet. Mol. Biol. 9:39 (2010) for the Monte Carlo p-value.
+    """
+    ints = exact_integers(diffs)
+    n = len(ints)
+    groups = _flip_groups(ints)
+    k = sum(groups.values())
+    observed = abs(sum(ints))
+    out: dict[str, Any] = {"tasks": n, "informative_tasks": k, "statistic": "abs_sum"}
+    if n == 0:
+        return {**out, "p": None, "method": None}
+    hits = _flip_exact(groups, observed, max_work) if k else 1
+    if hits is not None:
+        return {**out, "p": min(1.0, hits / 2 ** k) if k else 1.0, "method": "exact",
+                "assignments": f"2^{k}", "mc_se": None}
+    if draws < 1:
+        raise ValueError("draws must be >= 1")
+    hits = _flip_monte_carlo([v for v, m in sorted(groups.items()) for _ in range(m)], observed,
+                             random.Random(seed), draws)
+    p = (1 + hits) / (1 + draws)
+    return {**out, "p": p, "method": "monte_carlo", "draws": draws, "seed": seed,
+            "mc_se": math.sqrt(p * (1.0 - p) / draws)}
+
+
+def cluster_se_of_mean(values: Sequence[float]) -> float | None:
+    """Cluster-robust standard error of a mean over tasks with one value per task:
+    sqrt(sum (d_t - mean)^2 / (K (K - 1))) over the K tasks.  It is the sandwich (CR1) standard
+    error of an intercept-only regression clustered by task, and it carries whatever correlation
+    the runs of one task share.  None for fewer than two tasks.  Reference: Cameron & Miller,
+    J. Human Resources 50:317-372 (2015), sec. II.C."""
+    xs = [float(v) for v in values]
+    k = len(xs)
+    if k < 2:
+        return None
+    m = math.fsum(xs) / k
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (k * (k - 1)))
+
+
+def clustered_mcnemar(cells: Sequence[tuple[int, int, int, int]]) -> dict[str, Any]:
+    """McNemar's test for paired proportions with runs clustered in tasks (Obuchowski 1998).
+
+    `cells` are per task (arm successes, arm runs, baseline successes, baseline runs).  The rates
+    p_a = sum x_a / N_a and p_b = sum x_b / N_b are ratio estimators over the K tasks; their
+    variances and covariance come from the task totals,
+        V_a = K / (K - 1) sum_t (x_at - n_at p_a)^2 / N_a^2, likewise V_b,
+        C   = K / (K - 1) sum_t (x_at - n_at p_a)(x_bt - n_bt p_b) / (N_a N_b),
+    and X^2 = (p_a - p_b)^2 / (V_a + V_b - 2 C) is referred to chi-square with 1 df.  With equal
+    runs per task in both arms this is Obuchowski's statistic; it needs no pairing of runs inside
+    a task, so it does not depend on repeat labels, and a missing run costs only itself.  p is
+    None with fewer than two tasks or a zero variance with a non-zero difference; 1.0 for no
+    difference.  Reference: Obuchowski, "On the comparison of correlated proportions for
+    clustered data", Statistics in Medicine 17:1495-1507 (1998)."""
+    rows = [(int(a), int(na), int(b), int(nb)) for a, na, b, nb in cells if na > 0 and nb > 0]
+    k = len(rows)
+    n_a = sum(cell[1] for cell in rows)
+    n_b = sum(cell[3] for cell in rows)
+    out: dict[str, Any] = {"tasks": k, "arm_runs": n_a, "baseline_runs": n_b}
+    if k == 0:
+        return {**out, "arm_rate": None, "baseline_rate": None, "chi2": None, "p": None}
+    pa = sum(cell[0] for cell in rows) / n_a
+    pb = sum(cell[2] for cell in rows) / n_b
+    out.update(arm_rate=pa, baseline_rate=pb)
+    if k < 2:
+        return {**out, "chi2": None, "p": None}
+    ra = [x - n * pa for x, n, _, _ in rows]
+    rb = [x - n * pb for _, _, x, n in rows]
+    f = k / (k - 1)
+    var = f * (math.fsum(u * u for u in ra) / n_a ** 2 + math.fsum(v * v for v in rb) / n_b ** 2
+               - 2.0 * math.fsum(u * v for u, v in zip(ra, rb)) / (n_a * n_b))
+    diff = pa - pb
+    if abs(diff) <= 1e-15:
+        return {**out, "chi2": 0.0, "p": 1.0}
+    if var <= 0.0:
+        return {**out, "chi2": None, "p": None}
+    chi2 = diff * diff / var
+    return {**out, "chi2": chi2, "p": math.erfc(math.sqrt(chi2 / 2.0))}
+
+
+def binomial_draw(rng: random.Random, n: int, p: float) -> int:
+    """One Binomial(n, p) draw, exact for p given as a double, in O(log n) steps of random bits.
+
+    Each of the n trials succeeds when its uniform U < p.  U's binary digits are drawn a level
+    at a time for the trials still undecided: at a digit where p has 1, the undecided trials
+    whose digit is 0 are decided successes; where p has 0, those whose digit is 1 are decided
+    failures; the others stay undecided.  A level's digits are the bits of one getrandbits call,
+    counted by popcount, so a draw costs about log2(n) calls whatever n is, and the same
+    seed gives the same draws on every Python version."""
+    if n <= 0 or p <= 0.0:
+        return 0
+    if p >= 1.0:
+        return n
+    num, den = p.as_integer_ratio()          # p = num / 2^e exactly
+    bits = den.bit_length() - 1
+    successes, undecided = 0, n
+    for i in range(bits - 1, -1, -1):
+        if not undecided:
+            break
+        ones = rng.getrandbits(undecided).bit_count()
+        if (num >> i) & 1:
+            successes += undecided - ones
+            undecided = ones
+        else:
+            undecided -= ones
+    return successes
+
+
 #: (values, seed, resamples, level) -> interval: a report asks the same question more than once
 #: (both views, an arm and its comparisons); the answer is a pure function of the key.
 _BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
 BOOTSTRAP_CACHE_MAX = 4096
+
+
+def _bootstrap_means_bytes(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """Resample means for up to 256 values, with every index drawn in C: random bytes, those at or
+    above the largest multiple of n below 256 deleted (bytes.translate, so every index is equally
+    likely), each kept byte b picking value b mod n from the values repeated 256 // n times."""
+    n = len(xs)
+    reps = 256 // n
+    ext = xs * reps
+    drop = bytes(range(reps * n, 256))
+    need = n * n_resamples
+    buf = b""
+    while len(buf) < need:
+        chunk = max(4096, (need - len(buf)) * 256 // (reps * n) + 64)
+        buf += rng.getrandbits(8 * chunk).to_bytes(chunk, "little").translate(None, drop)
+    pick = ext.__getitem__
+    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, need, n)]
+
+
+def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
+
+    Up to 256 tasks, indices come from random bytes (_bootstrap_means_bytes).  Beyond, when the
+    tasks take few distinct values (success rates over a few repeats), a resample is described by
+    how many times it takes each distinct value: a multinomial draw of n over the distinct values
+    weighted by their counts, made as conditional binomials (binomial_draw), a few steps per
+    distinct value instead of n index draws.  Otherwise the indices are drawn one by one."""
+    n = len(xs)
+    if n <= 256:
+        return _bootstrap_means_bytes(xs, rng, n_resamples)
+    counts: dict[float, int] = {}
+    for x in xs:
+        counts[x] = counts.get(x, 0) + 1
+    if len(counts) * 32 > n:
+        # Random.choices without weights draws index floor(random() * n) per element: the same
+        # stream on every Python >= 3.6.
+        choices = rng.choices
+        return [sum(choices(xs, k=n)) / n for _ in range(n_resamples)]
+    values = sorted(counts)
+    weights = [counts[v] for v in values]
+    means = []
+    for _ in range(n_resamples):
+        left, weight_left, total = n, n, 0.0
+        for v, w in zip(values, weights):
+            c = left if w == weight_left else binomial_draw(rng, left, w / weight_left)
+            total += c * v
+            left -= c
+            weight_left -= w
+            if not left:
+                break
+        means.append(total / n)
+    return means
 
 
 def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
@@ -10458,8 +10739,10 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     Draws `n_resamples` resamples of the differences with replacement (same size as the data),
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
-    the paired design replicates. The generator is random.Random(seed) (indices drawn by
-    Random.choices), so the interval is reproducible across runs and Python versions.
+    the paired design replicates; it is drawn as counts per distinct value (_bootstrap_means),
+    which is what makes it cheap at many tasks.  The generator is random.Random(seed), so the
+    interval is reproducible across runs and Python versions; the report gives every interval
+    its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
     The interval is clamped to [min(diffs), max(diffs)], where every resample mean lies.
     Reference: Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
@@ -10477,11 +10760,7 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     key = (tuple(xs), seed, n_resamples, level)
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
-    # Random.choices without weights draws index floor(random() * n) for each element: the same
-    # stream on every Python >= 3.6, and several times faster than an explicit loop.
-    choices = random.Random(seed).choices
-    n = len(xs)
-    means = sorted(sum(choices(xs, k=n)) / n for _ in range(n_resamples))
+    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
     tail = (1.0 - level) / 2.0
     lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
     hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
@@ -10496,47 +10775,134 @@ def sign_test_min_p(n: int) -> float:
     return sign_test_two_sided(n, 0)
 
 
+#: Sign-flip enumeration steps a simulated study may take; past them the simulation refers the
+#: flip statistic to its normal approximation (mean 0, variance the sum of squared differences).
+POWER_SIM_EXACT_WORK = 100_000
+
+
+def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tuple[bool, bool]:
+    """(primary test rejects, sign test rejects) for one simulated study, both in the direction
+    of the effect.  The primary test is the exact sign-flip test while it is cheap, else its
+    normal approximation (the flip distribution's own mean 0 and variance sum d^2)."""
+    total = sum(diffs)
+    toward = direction * total > 0
+    res = sign_flip_test(diffs, max_work=POWER_SIM_EXACT_WORK, draws=1) if len(diffs) <= 24 else None
+    if res is not None and res["method"] == "exact":
+        primary = toward and res["p"] <= alpha
+    else:
+        ss = sum(d * d for d in diffs)
+        primary = toward and ss > 0 and math.erfc(abs(total) / math.sqrt(2.0 * ss)) <= alpha
+    wins = sum(1 for d in diffs if direction * d > 0)
+    losses = sum(1 for d in diffs if direction * d < 0)
+    return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
+
+
 def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
-                      tau: float, n_sim: int, seed: int) -> dict:
-    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
+                      tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
+    """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
+    direction of delta, with the study's clustering: per simulated study and task, a baseline
+    rate p0 + N(0, sd_base) and an effect delta + N(0, tau), both clamped to [0, 1]; then
+    `repeats` runs per arm (binomial_draw); then the tests over tasks.  random.Random(seed)."""
     rng = random.Random(seed)
-    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
     direction = 1.0 if delta > 0 else -1.0
-    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
+    hits = {"primary": 0, "sign_test": 0}
     for _ in range(n_sim):
         diffs = []
-        b = c = 0
         for _t in range(n_tasks):
-            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
-            p1_t = min(1.0, max(0.0, p0 + d_t))
-            s0 = s1 = 0
-            for _r in range(repeats):
-                y0 = rng.random() < p0
-                y1 = rng.random() < p1_t
-                s0 += y0
-                s1 += y1
-                if y1 and not y0:
-                    b += 1
-                elif y0 and not y1:
-                    c += 1
-            diffs.append((s1 - s0) / repeats)
-        m = math.fsum(diffs) / n_tasks
-        if n_tasks > 1:
-            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
-            if var > 0:
-                if direction * m / math.sqrt(var / n_tasks) > z_a:
-                    hits["mean_diff_z"] += 1
-            elif direction * m > 0:
-                hits["mean_diff_z"] += 1
-        wins = sum(1 for d in diffs if direction * d > 0)
-        losses = sum(1 for d in diffs if direction * d < 0)
-        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
-            hits["sign_test"] += 1
-        agree, against = (b, c) if direction > 0 else (c, b)
-        if agree > against and mcnemar_exact(b, c) <= alpha:
-            hits["mcnemar"] += 1
-    return {"studies": n_sim, "seed": seed, "repeats": repeats,
-            "power": {k: v / n_sim for k, v in hits.items()}}
+            b_t = min(1.0, max(0.0, p0 + (rng.gauss(0.0, sd_base) if sd_base > 0 else 0.0)))
+            a_t = min(1.0, max(0.0, b_t + delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)))
+            diffs.append(binomial_draw(rng, repeats, a_t) - binomial_draw(rng, repeats, b_t))
+        primary, sign = _simulated_rejects(diffs, alpha, direction)
+        hits["primary"] += primary
+        hits["sign_test"] += sign
+    power = {k: v / n_sim for k, v in hits.items()}
+    return {"studies": n_sim, "seed": seed, "repeats": repeats, "power": power,
+            "mc_se": math.sqrt(power["primary"] * (1.0 - power["primary"]) / n_sim)}
+
+
+#: Between-task standard deviations the power simulation assumes without a pilot to measure them
+#: (defaults, stated as such): of the baseline's success rate, and of the arm's effect.
+POWER_DEFAULT_SD_BASE = 0.2
+POWER_DEFAULT_TAU = 0.1
+
+
+def between_task_sd(cells: Sequence[tuple[int, int, int, int]], paired: bool) -> float | None:
+    """Between-task standard deviation of a success rate (paired=False: cells are (x, n, _, _)) or
+    of a difference of two (paired=True: (x_a, n_a, x_b, n_b)), from pilot counts per task.
+
+    The spread of the observed per-task values, less the binomial noise each carries: var_between
+    = max(0, s^2 - mean_t v_t), with v_t = p_t (1 - p_t) / (n_t - 1) per rate (unbiased for the
+    sampling variance p (1 - p) / n; the two rates' added for a difference).  A method-of-moments
+    estimate, as in a one-way random-effects model.  None with fewer than 3 tasks of at least 2
+    runs per side.  Reference: Searle, Casella & McCulloch, Variance Components (1992), ch. 3."""
+    vals, noise = [], []
+    for xa, na, xb, nb in cells:
+        if na < 2 or (paired and nb < 2):
+            continue
+        pa = xa / na
+        v = pa * (1.0 - pa) / (na - 1)
+        if paired:
+            pb = xb / nb
+            vals.append(pa - pb)
+            v += pb * (1.0 - pb) / (nb - 1)
+        else:
+            vals.append(pa)
+        noise.append(v)
+    if len(vals) < 3:
+        return None
+    m = math.fsum(vals) / len(vals)
+    s2 = math.fsum((x - m) ** 2 for x in vals) / (len(vals) - 1)
+    return math.sqrt(max(0.0, s2 - math.fsum(noise) / len(noise)))
+
+
+def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
+                                power: float = 0.8, *, tau: float, sd_base: float,
+                                start: int, max_repeats: int = 1000, n_sim: int = 400,
+                                seed: int = 0) -> dict[str, Any]:
+    """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
+
+    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
+    (the normal approximation's answer), doubles while the simulated power falls short and
+    bisects back down to the smallest number of repeats that reaches it; None when even
+    `max_repeats` does not (more tasks are needed).  The power is a Monte Carlo estimate with
+    standard error `mc_se`, about 0.02 at 400 studies."""
+    cache: dict[int, dict] = {}
+
+    def sim(r: int) -> dict:
+        if r not in cache:
+            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+        return cache[r]
+
+    if sign_test_min_p(n_tasks) > alpha:
+        # Fewer tasks than any test over tasks needs: no number of repeats helps, nothing to run.
+        return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+                "repeats": None, "studies_per_point": 0, "seed": seed, "alpha": alpha, "tau": tau,
+                "sd_base": sd_base, "achieved_power": None, "mc_se": None, "sign_test_power": None,
+                "power_by_repeats": [],
+                "reason": f"with {n_tasks} task(s) the smallest p-value the test can give is "
+                          f"{sign_test_min_p(n_tasks):.4g} > alpha {alpha}"}
+    hi = max(1, min(int(start or 1), max_repeats))
+    while sim(hi)["power"]["primary"] < power and hi < max_repeats:
+        hi = min(max_repeats, hi * 2)
+    found = sim(hi)["power"]["primary"] >= power
+    lo = 0
+    while found and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sim(mid)["power"]["primary"] >= power:
+            hi = mid
+        else:
+            lo = mid
+    repeats = hi if found else None
+    return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+            "repeats": repeats, "studies_per_point": n_sim, "seed": seed, "alpha": alpha,
+            "tau": tau, "sd_base": sd_base,
+            "achieved_power": sim(repeats)["power"]["primary"] if repeats else None,
+            "mc_se": sim(repeats)["mc_se"] if repeats else None,
+            "sign_test_power": sim(repeats)["power"]["sign_test"] if repeats else None,
+            "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
+                                  "sign_test_power": c["power"]["sign_test"]}
+                                 for r, c in sorted(cache.items())]}
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -10604,12 +10970,12 @@ def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: i
     elif repeats > max_repeats:
         notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
     if n_tasks < sign_min_tasks:
-        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
-                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
-                     f"over pairs")
+        notes.append(f"no test over tasks (the primary sign-flip test or the sign test) can reach "
+                     f"p <= {alpha} with fewer than {sign_min_tasks} tasks, whatever the repeats; "
+                     f"add tasks")
     if n_tasks < 10:
-        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "consider simulate > 0")
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; read the "
+                     "simulated power of the primary test (`simulation`)")
     return notes
 
 
@@ -10632,8 +10998,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     t correction). If the denominator is not positive no number of repeats suffices: more tasks
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
-    recommended r reports the rejection rate of the mean-difference z-test, the exact sign test
-    over tasks, and the exact McNemar test over (task, repeat) pairs, in the direction of delta.
+    recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
+    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
     Raises AgentbenchError (exit 2) on arguments outside their ranges.
@@ -10831,6 +11198,10 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
 
 REPORT_SCHEMA = "agentbench-report/1"
+#: The primary test of every comparison (see sign_flip_test), as the plan and the report name it.
+REPORT_PRIMARY_TEST = "paired_sign_flip_over_tasks"
+#: Bootstrap resamples per interval unless the analysis plan says otherwise.
+REPORT_BOOTSTRAP_DRAWS = 10000
 USAGE_SCHEMA = "agentbench-usage/1"
 USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
@@ -11015,11 +11386,14 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
 
 
 def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
-    """Each task's success rate over its evaluated runs, in the order of the task keys."""
-    per_task: dict[str, list[bool]] = {}
+    """Each task's success rate over its evaluated runs, in the order of the task keys (counted
+    per task: successes and runs, no list per run)."""
+    per_task: dict[str, list[int]] = {}
     for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
-    return [sum(v) / len(v) for _, v in sorted(per_task.items())]
+        cell = per_task.setdefault(str(r.get("_task", r.get("task"))), [0, 0])
+        cell[0] += run_succeeded(r)
+        cell[1] += 1
+    return [s / n for _, (s, n) in sorted(per_task.items())]
 
 
 def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
@@ -11080,7 +11454,7 @@ def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
     return reasons
 
 
-def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
+def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0, draws: int = 10000) -> dict:
     """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
 
     Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
@@ -11089,12 +11463,13 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
     this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
     misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
-    itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
+    itself.  `seed` is this arm's own stream (stream_seed).  Reference: Davison & Hinkley,
+    Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
     evaluated = [r for r in runs if run_evaluated(r)]
     successes = sum(1 for r in evaluated if run_succeeded(r))
     task_rates = _rpt_task_rates(evaluated)
-    task_ci = bootstrap_mean_diff_ci(task_rates, seed)
+    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
     ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
     outcomes: dict[str, int] = {}
     for r in started:
@@ -11183,35 +11558,54 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
     return out
 
 
+def _rpt_exact_mean(values: list[Any]) -> Any:
+    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order."""
+    return sum((fractions.Fraction(v) for v in values), fractions.Fraction(0)) / len(values)
+
+
+def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
+    its own stream of random numbers (used only past the exact enumeration)."""
+    res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
+    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
+
+
 def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed: int,
-                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool]) -> dict:
-    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the mean
-    over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks where
-    both arms have one, its seeded bootstrap 95% CI (as for success rates), and the counts of
-    tasks where the arm is higher / lower / equal with an exact two-sided sign test on them."""
-    per_task = []
+                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool],
+                       names: tuple[str, ...], draws: int = 10000, primary: bool = False) -> dict:
+    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
+    mean over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks
+    where both arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as
+    for success rates), the counts of tasks where the arm is higher / lower / equal with an
+    exact two-sided sign test on them (secondary), and with `primary` the primary sign-flip test.
+    `names` name the figure's random streams."""
+    per_task, exact = [], []
     higher = lower = equal = 0
     for task in tasks:
         va = [v for v in (value(r) for r in index.get((task, arm), []) if runs_of(r)) if v is not None]
         vb = [v for v in (value(r) for r in index.get((task, base), []) if runs_of(r)) if v is not None]
         if not va or not vb:
             continue
-        ma, mb = math.fsum(va) / len(va), math.fsum(vb) / len(vb)
-        diff = ma - mb
-        if abs(diff) <= 1e-12:
+        ma, mb = _rpt_exact_mean(va), _rpt_exact_mean(vb)
+        d = ma - mb
+        if d == 0:
             equal += 1
-            diff = 0.0
-        elif diff > 0:
+        elif d > 0:
             higher += 1
         else:
             lower += 1
-        per_task.append({"task": task, "arm": ma, "baseline": mb, "diff": diff,
+        exact.append(d)
+        per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
                          "arm_n": len(va), "baseline_n": len(vb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    return {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
-            "higher": higher, "lower": lower, "equal": equal,
-            "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
+           "se_cluster": cluster_se_of_mean(diffs),
+           "higher": higher, "lower": lower, "equal": equal,
+           "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    if primary:
+        out["primary"] = _rpt_primary(exact, seed, names)
+    return out
 
 
 def run_score(run: dict) -> float | None:
@@ -11228,14 +11622,21 @@ def _rpt_ended(run: dict) -> bool:
     return _rpt_pending(run) is None
 
 
-def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) -> dict:
+def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
+                 draws: int = 10000) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
-    apart, of the hidden-test score and of the cost per ended run)."""
-    per_task = []
+    apart, of the hidden-test score and of the cost per ended run).
+
+    Per task the difference of the two success rates, each over the runs that arm has on the
+    task (a missing repeat costs only itself; repeats are never paired by their index, which the
+    assignment shuffles).  Primary: the sign-flip test of the mean difference (`primary`; its
+    Holm adjustment is added over the family later).  Secondary, unadjusted: the sign test over
+    tasks and the task-clustered McNemar test.  Every random figure draws from its own stream,
+    named by the figure, the arm and the baseline (the two views of one figure share it: common
+    random numbers, so a difference between the views comes from the runs, not the draws)."""
+    per_task, exact, cells = [], [], []
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
-    mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
-          "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
     for task in tasks:
         ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
         rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
@@ -11249,41 +11650,20 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             continue
         sa = sum(1 for r in ra if run_succeeded(r))
         sb = sum(1 for r in rb if run_succeeded(r))
-        # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
-        lhs, rhs = sa * len(rb), sb * len(ra)
-        if lhs > rhs:
+        d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+        if d > 0:
             wins += 1
-        elif lhs < rhs:
+        elif d < 0:
             losses += 1
         else:
             ties += 1
+        exact.append(d)
+        cells.append((sa, len(ra), sb, len(rb)))
         per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
-                         "diff": sa / len(ra) - sb / len(rb) if lhs != rhs else 0.0,
-                         "arm_n": len(ra), "baseline_n": len(rb)})
-        # McNemar pairs runs with the same repeat index, on tasks where both arms have exactly
-        # the same set of evaluated repeat indices (a partial set would pair by accident).
-        reps_a = [r.get("repeat") for r in ra]
-        reps_b = [r.get("repeat") for r in rb]
-        if (None in reps_a or None in reps_b or len(set(reps_a)) != len(reps_a)
-                or len(set(reps_b)) != len(reps_b) or set(reps_a) != set(reps_b)):
-            mc["tasks_skipped"].append(task)
-            continue
-        mc["tasks_used"].append(task)
-        by_rep_b = {r.get("repeat"): run_succeeded(r) for r in rb}
-        for r in ra:
-            ya, yb = run_succeeded(r), by_rep_b[r.get("repeat")]
-            mc["pairs"] += 1
-            key = ("both_success" if ya and yb else "arm_only_success" if ya else
-                   "baseline_only_success" if yb else "both_failure")
-            mc[key] += 1
+                         "diff": float(d), "arm_n": len(ra), "baseline_n": len(rb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    mcnemar = None
-    if mc["pairs"]:
-        mc["p"] = mcnemar_exact(mc["arm_only_success"], mc["baseline_only_success"])
-        mcnemar = mc
-    elif mc["tasks_skipped"]:
-        mcnemar = {**mc, "p": None}
+    names = ("success", arm, base)
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
     return {
         "arm": arm, "baseline": base,
         "tasks_compared": len(per_task),
@@ -11292,17 +11672,25 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "tasks_without_data": neither,
         "mean_diff": mean(diffs),
         "ci": list(ci) if ci else None,
+        "se_cluster": cluster_se_of_mean(diffs),
+        "primary": _rpt_primary(exact, seed, names),
         "wins": wins, "losses": losses, "ties": ties,
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
-        "mcnemar": mcnemar,
+        "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended),
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated,
+                                    ("score", arm, base), draws, primary=True),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended,
+                                               ("cost", arm, base), draws),
     }
 
 
 def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
-              tasks: list[str], seed: int) -> dict:
+              tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
+              changed: frozenset[str] = frozenset()) -> dict:
+    """One view's per-arm figures, comparisons and per-task cells.  With `same_as` (another view
+    of the same study) the figures of every arm not in `changed`, and the comparisons where
+    neither side is, are that view's (copied): their runs are the same, so is every figure."""
     by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     for r in runs:
@@ -11310,13 +11698,19 @@ def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str
     for r in left_out:
         out_by_arm[r["arm"]].append(r)
     index = _rpt_index(runs)
-    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a], seed) for a in arms}
-    comparisons = {a: _rpt_compare(index, a, base, tasks, seed) for a in arms if a != base}
+    per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
+                   _rpt_arm_stats(by_arm[a], out_by_arm[a],
+                                  stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
+               for a in arms}
+    comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
+                       if same_as and a not in changed and base not in changed
+                       else _rpt_compare(index, a, base, tasks, seed, draws))
+                   for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
             "per_task": _rpt_task_cells(index, arms, tasks)}
 
 
-def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
+def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
     notes = []
     for arm, st in view["per_arm"].items():
         if st["runs"] == 0:
@@ -11357,15 +11751,18 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
             notes.append(f"{label}{arm} vs {base}: a single task, so the bootstrap interval is "
                          f"a point and says nothing about other tasks")
         informative = cmp["wins"] + cmp["losses"]
-        if 0 < informative and sign_test_min_p(informative) > 0.05:
-            notes.append(f"{label}{arm} vs {base}: with {informative} untied task(s) the exact "
-                         f"sign test cannot go below p = {sign_test_min_p(informative):.4g}")
+        if 0 < informative and sign_test_min_p(informative) > alpha:
+            notes.append(f"{label}{arm} vs {base}: with {informative} task(s) that differ, no test "
+                         f"over tasks (primary or sign test) can go below p = "
+                         f"{sign_test_min_p(informative):.4g}")
         if informative == 0:
-            notes.append(f"{label}{arm} vs {base}: every compared task is tied; sign test p = 1")
-        mc = cmp["mcnemar"]
-        if mc and mc["tasks_skipped"]:
-            notes.append(f"{label}{arm} vs {base}: McNemar skips {len(mc['tasks_skipped'])} "
-                         f"task(s) whose evaluated repeat indices differ between the arms")
+            notes.append(f"{label}{arm} vs {base}: every compared task is tied; the primary test's "
+                         f"p = 1")
+        for what, prim in (("success", cmp["primary"]), ("score", cmp["score"].get("primary") or {})):
+            if prim.get("method") == "monte_carlo":
+                notes.append(f"{label}{arm} vs {base}: too many distinct task differences in {what} "
+                             f"to enumerate every sign flip; its primary p is from {prim['draws']} "
+                             f"random flips (Monte Carlo standard error {prim['mc_se']:.2g})")
     return notes
 
 
@@ -11461,20 +11858,25 @@ def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
-def _rpt_holm_view(view: dict) -> dict:
-    """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
-    McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
+def _rpt_holm_view(view: dict, alpha: float = 0.05) -> dict:
+    """Holm-adjust the primary p-values of a view over the pre-registered family, every arm
+    against the baseline: once for the success rate and once for the score.  An arm of the
+    family without a p (no task compared) counts in the family size as p = 1, so a missing
+    comparison never makes the others easier to reject.  Writes `primary.p_holm` and
+    `primary.reject`; returns the multiplicity record."""
     cmps = view["comparisons"]
-    sign = [a for a, c in cmps.items() if c.get("sign_test_p") is not None]
-    mcn = [a for a, c in cmps.items() if (c.get("mcnemar") or {}).get("p") is not None]
-    sign_adj = dict(zip(sign, holm_adjust([cmps[a]["sign_test_p"] for a in sign])))
-    mcn_adj = dict(zip(mcn, holm_adjust([cmps[a]["mcnemar"]["p"] for a in mcn])))
-    for a, c in cmps.items():
-        c["sign_test_p_holm"] = sign_adj.get(a)
-        if c.get("mcnemar"):
-            c["mcnemar"]["p_holm"] = mcn_adj.get(a)
-    families = {"sign_test": sign, "mcnemar": mcn}
-    view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
+    family = list(cmps)
+    for outcome in ("success", "score"):
+        def prim(c: dict) -> dict:
+            return c["primary"] if outcome == "success" else c["score"]["primary"]
+        ps = [prim(cmps[a]).get("p") for a in family]
+        adj = holm_adjust([1.0 if p is None else p for p in ps])
+        for a, p, q in zip(family, ps, adj):
+            prim(cmps[a])["p_holm"] = q if p is not None else None
+            prim(cmps[a])["reject"] = p is not None and q is not None and q <= alpha
+    view["multiplicity"] = {"method": "holm", "alpha": alpha, "test": REPORT_PRIMARY_TEST,
+                            "families": {"success": family, "score": family},
+                            "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
     return view["multiplicity"]
 
 
@@ -11578,6 +11980,108 @@ def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dic
     return out
 
 
+# -- Report: the analysis plan --------------------------------------------------------------------
+# What `assign` fixes before any run (written into the manifest) and what the report does with it:
+# the analysis that follows the plan is the confirmatory one; one asked to differ is exploratory.
+
+PLAN_SCHEMA = "agentbench-analysis-plan/1"
+
+
+def analysis_plan(arms: Sequence[str], baseline: str, seed: int, alpha: float = REPORT_ALPHA,
+                  draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """The pre-registered analysis of a study with these arms: every arm against `baseline` on
+    the success rate and on the score, by the primary test, Holm over that family at `alpha`,
+    bootstrap intervals from `seed` with `draws` resamples."""
+    return {"schema": PLAN_SCHEMA, "baseline": str(baseline), "primary_test": REPORT_PRIMARY_TEST,
+            "outcomes": ["success", "score"],
+            "family": [str(a) for a in arms if str(a) != str(baseline)],
+            "multiplicity": "holm", "alpha": alpha,
+            "bootstrap": {"seed": int(seed), "draws": int(draws), "level": 0.95},
+            "secondary": ["sign_test", "clustered_mcnemar", "se_cluster"]}
+
+
+def plan_problems(plan: Any) -> list[str]:
+    """What makes a plan read from a manifest unusable, in words (empty: none).  A manifest is a
+    file: every field is checked before it steers the analysis."""
+    if not isinstance(plan, dict):
+        return ["the analysis plan is not an object"]
+    problems = []
+    if plan.get("schema") != PLAN_SCHEMA:
+        problems.append(f"unknown plan schema {plan.get('schema')!r}")
+    if not isinstance(plan.get("baseline"), str) or not plan.get("baseline"):
+        problems.append("the plan names no baseline")
+    fam = plan.get("family")
+    if not isinstance(fam, list) or not all(isinstance(a, str) for a in fam):
+        problems.append("the plan's family is not a list of arm names")
+    alpha = plan.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 0.5:
+        problems.append("the plan's alpha is not a number in (0, 0.5)")
+    boot = plan.get("bootstrap")
+    seed = boot.get("seed") if isinstance(boot, dict) else None
+    draws = boot.get("draws") if isinstance(boot, dict) else None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        problems.append("the plan's bootstrap seed is not an integer")
+    if isinstance(draws, bool) or not isinstance(draws, int) or not 100 <= draws <= 1_000_000:
+        problems.append("the plan's bootstrap draws are not an integer in [100, 1000000]")
+    return problems
+
+
+def report_analysis(plan: Any, source: str | None, arms: list[str], baseline: str | None,
+                    seed: int) -> dict[str, Any]:
+    """The analysis a report runs and how it stands to the study's plan.
+
+    `plan` is the one `assign` wrote (None: there is none; `source` says where it was read);
+    `baseline` and `seed` are what this report was asked for (None: the plan's baseline).
+    Returns the plan in force, `pre_registered` (a valid plan was found), `exploratory` (this
+    analysis differs from it) with the `deviations` in words, and the baseline, seed, alpha
+    and bootstrap draws to use."""
+    problems = plan_problems(plan) if plan is not None else []
+    valid = plan is not None and not problems
+    if valid:
+        base = baseline if baseline is not None else plan["baseline"]
+        deviations = []
+        if base != plan["baseline"]:
+            deviations.append(f"baseline {base} instead of the plan's {plan['baseline']}")
+        if plan["baseline"] not in arms:
+            base = baseline if baseline is not None else arms[0]
+            deviations.append(f"the plan's baseline {plan['baseline']} is not an arm of the study")
+        family = [a for a in arms if a != base]
+        if plan["primary_test"] != REPORT_PRIMARY_TEST:
+            deviations.append(f"primary test {REPORT_PRIMARY_TEST} instead of the plan's "
+                              f"{plan['primary_test']}")
+        if base == plan["baseline"] and sorted(family) != sorted(plan["family"]):
+            deviations.append(f"the family is {', '.join(family) or 'empty'} against {base}; the "
+                              f"plan's was {', '.join(plan['family']) or 'empty'}")
+        if seed != plan["bootstrap"]["seed"]:
+            deviations.append(f"bootstrap seed {seed} instead of the plan's {plan['bootstrap']['seed']}")
+        return {"plan": plan, "source": source, "pre_registered": True,
+                "exploratory": bool(deviations), "deviations": deviations, "baseline": base,
+                "seed": seed, "alpha": float(plan["alpha"]), "draws": plan["bootstrap"]["draws"],
+                "plan_problems": []}
+    base = baseline if baseline is not None else (arms[0] if arms else None)
+    deviations = [f"the manifest's plan is unusable ({'; '.join(problems)})"] if problems else []
+    return {"plan": analysis_plan(arms, base, seed) if base is not None else None, "source": None,
+            "pre_registered": False, "exploratory": bool(problems), "deviations": deviations,
+            "baseline": base, "seed": seed, "alpha": REPORT_ALPHA, "draws": REPORT_BOOTSTRAP_DRAWS,
+            "plan_problems": problems}
+
+
+def _rpt_analysis_note(analysis: dict) -> str:
+    """The note that says which analysis this is: the pre-registered one, or exploratory, or one
+    without a plan."""
+    if analysis["exploratory"]:
+        return ("EXPLORATORY: this analysis differs from the study's pre-registered plan ("
+                + "; ".join(analysis["deviations"]) + "); its p-values do not carry the plan's "
+                "error control: treat any finding as a lead to test in a new study")
+    if analysis["pre_registered"]:
+        return (f"pre-registered: the analysis follows the plan `assign` wrote into the manifest "
+                f"({analysis['source']}): every arm against {analysis['baseline']}, primary test "
+                f"{REPORT_PRIMARY_TEST}, Holm at alpha {analysis['alpha']}")
+    return ("not pre-registered: the manifest holds no analysis plan (a study assigned before "
+            "plans were written, or runs made without `assign`); the report follows the default "
+            "plan, fixed in advance by agentbench, but nobody fixed it for this study")
+
+
 def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
     """The arms to report on (the study's, else those seen in the runs in first-seen order) and
     the baseline (default the first); AgentbenchError when there are none or the baseline is not
@@ -11597,16 +12101,21 @@ def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[
 
 
 def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
-               tasks: list[str], seed: int) -> dict[str, dict]:
+               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
+               draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
     Holm-adjusted p-values."""
-    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
-    # With nothing excluded the two views have the same input: computed once, copied.
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed, draws)}
+    # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
+    # only what an exclusion touches is computed again (the arms with excluded runs and the
+    # comparisons with such an arm on either side).
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
-                             else _rpt_view(known, [], arms, base, tasks, seed))
+                             else _rpt_view(known, [], arms, base, tasks, seed, draws,
+                                            same_as=views["exclusions_applied"],
+                                            changed=frozenset(r["arm"] for r in excluded)))
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
-        _rpt_holm_view(views[name])
+        _rpt_holm_view(views[name], alpha)
     return views
 
 
@@ -11656,16 +12165,19 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
 
 
 def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
-    """The note that p-values are Holm-adjusted, when a family holds more than one arm."""
-    if len(families["sign_test"]) > 1 or len(families["mcnemar"]) > 1:
-        return (f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                f"with {base} (sign test family: {', '.join(families['sign_test']) or 'none'}; "
-                f"McNemar family: {', '.join(families['mcnemar']) or 'none'}); read the adjusted "
-                f"columns before calling a difference significant")
+    """The note that the primary p-values are Holm-adjusted, when the family holds more than one
+    arm."""
+    fam = families.get("success") or []
+    if len(fam) > 1:
+        return (f"multiple comparisons: the primary p-values are Holm-adjusted over the family of "
+                f"every arm against {base} ({', '.join(fam)}), once for the success rate and once "
+                f"for the score; read the adjusted column before calling a difference significant. "
+                f"The sign test and the clustered McNemar test are secondary and not adjusted")
     return None
 
 
-def _rpt_methods(seed: int) -> dict[str, Any]:
+def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
+                 alpha: float = REPORT_ALPHA) -> dict[str, Any]:
     """The report's `methods`: how each figure is computed, in words."""
     return {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
@@ -11674,22 +12186,41 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
                         "task_success_rate gives that one)",
         "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
                              "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
-                             "repeats cluster in), 10000 resamples, "
-                             f"random.Random({seed}); it sees only how tasks differ, so with "
+                             f"repeats cluster in), {draws} resamples, each arm on its own stream "
+                             f"seeded from {seed} and its name (both views of the arm share it); "
+                             "it sees only how tasks differ, so with "
                              "few tasks, or tasks that scored alike, it is too narrow: read it "
                              "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
+        "primary_test": "for each arm against the baseline, per task the arm's success rate minus "
+                        "the baseline's, each over the runs that arm has on the task (a missing "
+                        "repeat costs only itself; repeats are never paired by index); the mean of "
+                        "those differences tested by an exact paired permutation (sign-flip) test "
+                        "over tasks: p is the share of the 2^n ways of flipping the signs of the n "
+                        "task differences whose |sum| is at least the observed one, all of them "
+                        f"counted exactly, or beyond {PERM_EXACT_WORK} enumeration steps {PERM_DRAWS} "
+                        "seeded random flips with their Monte Carlo standard error; the same for "
+                        "the mean hidden-test score (Fisher 1935; Good 2005, sec. 3.1)",
+        "null_hypothesis": "within each task the two arms are exchangeable: each task's difference "
+                           "is as likely to have either sign, whatever the tasks' difficulty or "
+                           "how the effect varies between tasks",
+        "paired_difference": "mean over tasks where both arms have data of the per-task "
+                             "differences; 95% percentile bootstrap over tasks, "
+                             f"{draws} resamples, on its own stream (seed {seed}, the figure and "
+                             "the arms; both views of a figure share it); se_cluster: the "
+                             "cluster-robust standard error of that mean over tasks, "
+                             "sqrt(sum (d - mean)^2 / (K (K - 1))) (Cameron & Miller 2015)",
         "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
                                  "runs and on the mean cost of ended runs; higher/lower/equal tasks "
-                                 "with an exact two-sided sign test",
-        "paired_difference": "per task: arm success rate minus baseline success rate over the "
-                             "task's evaluated runs; mean over tasks where both arms have data; "
-                             "95% percentile bootstrap over tasks, 10000 resamples, "
-                             f"random.Random({seed})",
-        "sign_test": "exact two-sided binomial sign test over tasks, ties dropped",
-        "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
-                   "arms have the same evaluated repeat indices",
+                                 "with an exact two-sided sign test (secondary); the cost has no "
+                                 "primary test",
+        "sign_test": "secondary, not adjusted: exact two-sided binomial sign test over tasks, ties "
+                     "dropped",
+        "clustered_mcnemar": "secondary, not adjusted: McNemar's test for paired proportions with "
+                             "runs clustered in tasks (Obuchowski, Statistics in Medicine 17:1495, "
+                             "1998): pooled success rates of the two arms on the compared tasks, "
+                             "their variance and covariance from the task totals, chi-square 1 df",
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
                      "parallel slot or in a Slurm queue (recorded apart as queued_s); median over "
                      "runs",
@@ -11702,10 +12233,15 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
         "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
                                    f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
-        "multiplicity": "Holm step-down adjustment across the arms compared with the baseline, "
-                        "one family for the sign tests and one for the McNemar tests of the "
-                        f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
-                        "and cost comparisons are not adjusted",
+        "multiplicity": "Holm step-down adjustment of the primary p-values over the pre-registered "
+                        "family, every arm against the baseline, once for the success rate and "
+                        f"once for the score (family-wise error rate {alpha}; an arm without a "
+                        "compared task counts as p = 1); secondary tests and the cost are not "
+                        "adjusted",
+        "analysis_plan": "`assign` writes the plan (baseline, primary test, family, alpha, "
+                         "bootstrap seed and draws) into the manifest before any run; the report "
+                         "follows it, and an analysis asked to differ from it (another baseline or "
+                         "seed) is labelled exploratory",
     }
 
 
@@ -11733,7 +12269,7 @@ def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False) -> dict:
+                 include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
 
     `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
@@ -11745,9 +12281,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     runs of the view; every other run is counted under an explicit key (not_started, running,
     not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
     words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    bootstrap intervals use streams seeded from `seed`, so the report is reproducible.
+    `plan` is the analysis plan `assign` wrote (read from `plan_source`); `analysis` says whether
+    this report follows it or is exploratory (see report_analysis).
     """
-    arms, base = _rpt_arms(runs, arms, baseline)
+    arms, _ = _rpt_arms(runs, arms, None)
+    analysis = report_analysis(plan, plan_source, arms, baseline, seed)
+    arms, base = _rpt_arms(runs, arms, analysis["baseline"])
     known, unknown = [], []
     for r in runs:
         (known if str(r.get("arm")) in arms else unknown).append(r)
@@ -11757,7 +12297,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     tasks = sorted({r["_task"] for r in known})
     excluded = [r for r in known if run_excluded(r)]
     kept = [r for r in known if not run_excluded(r)]
-    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed)
+    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed, analysis["alpha"],
+                       analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(known, arms)
@@ -11766,9 +12307,9 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     warnings = [warning] if warning else []
     rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     est = [r for r in known if r.get("cost_estimated")]
-    notes = list(warnings)
+    notes = list(warnings) + [_rpt_analysis_note(analysis)]
     notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
-    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
     if multiplicity:
@@ -11781,6 +12322,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "arms": arms,
         "baseline": base,
         "seed": seed,
+        "analysis": analysis,
+        "exploratory": analysis["exploratory"],
         "primary_view": primary,
         "tasks": tasks,
         "per_arm": views[primary]["per_arm"],
@@ -11803,7 +12346,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
-        "methods": _rpt_methods(seed),
+        "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
 
@@ -11974,45 +12517,75 @@ def _rpt_review_table(report: dict) -> ReportTable:
              "Gate cycles", "Failure reasons"], rows)
 
 
+def _fmt_primary(prim: dict | None) -> str:
+    """A primary p-value, marked ~ with its standard error when it is a Monte Carlo estimate."""
+    if not prim or prim.get("p") is None:
+        return "-"
+    if prim.get("method") == "monte_carlo":
+        return f"~{fmt_p(prim['p'])} (MC se {prim['mc_se']:.1g})"
+    return fmt_p(prim["p"])
+
+
+def _fmt_se(se: float | None, digits: int = 3) -> str:
+    return "-" if se is None else f"{se:.{digits}f}"
+
+
+def _rpt_analysis_line(report: dict) -> str:
+    """One sentence on the analysis: pre-registered, exploratory, or without a plan."""
+    an = report.get("analysis") or {}
+    if an.get("exploratory"):
+        return ("EXPLORATORY analysis: it differs from the study's pre-registered plan ("
+                + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
+                "error control.")
+    if an.get("pre_registered"):
+        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+                f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
+                f"{an.get('alpha')}.")
+    return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
+            "followed.")
+
+
 def _rpt_comparison_table(report: dict) -> ReportTable:
-    """The paired success comparisons against the baseline, with their Holm-adjusted p-values."""
+    """The paired success comparisons against the baseline: the primary test with its Holm
+    adjustment over the family, then the secondary figures (unadjusted)."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
-        mc = c["mcnemar"]
-        mc_txt = "-" if not mc or mc.get("p") is None else (
-            f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
-            f"p {fmt_p(mc['p'])}")
+        mc = c.get("clustered_mcnemar") or {}
+        prim = c.get("primary") or {}
         fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
-                     _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     fmt_p(c["sign_test_p"]), mc_txt, fmt_p(c.get("sign_test_p_holm")),
-                     fmt_p((mc or {}).get("p_holm")),
+                     _fmt_diff_ci(c["ci"]), _fmt_se(c.get("se_cluster")), _fmt_primary(prim),
+                     fmt_p(prim.get("p_holm")), f"{c['wins']}/{c['losses']}/{c['ties']}",
+                     fmt_p(c["sign_test_p"]), fmt_p(mc.get("p")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
     return (f"Paired comparison against {base} (over tasks)",
-            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-             "Sign test p", "McNemar (arm-only/base-only, p)",
-             f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
-             f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "SE (clustered)",
+             "Primary p (sign-flip)",
+             f"Primary p, Holm over {len(fam.get('success') or [])} arm(s)", "W/L/T",
+             "Sign test p (secondary)", "Clustered McNemar p (secondary)",
              "Flagged runs (arm/base)"], rows)
 
 
 def _rpt_score_cost_table(report: dict) -> ReportTable:
-    """The paired score and cost-per-run comparisons against the baseline."""
+    """The paired score (with its primary test) and cost-per-run comparisons against the baseline."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
+        prim = sc.get("primary") or {}
         rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
                      ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
-                     _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
+                     _fmt_num_ci(sc["ci"], 3), _fmt_primary(prim), fmt_p(prim.get("p_holm")),
+                     f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
                      fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
                      _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
                      f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
     return (f"Paired score and cost against {base} (over tasks)",
-            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
-             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows)
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "Primary p (sign-flip)",
+             "Primary p, Holm", "H/L/E", "Sign test p (secondary)",
+             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p (secondary)"], rows)
 
 
 def _rpt_task_table(report: dict) -> ReportTable:
@@ -12100,6 +12673,8 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    parts += ["", (f"> **{_md_cell(_rpt_analysis_line(report))}**"
+                   if report.get("exploratory") else _md_cell(_rpt_analysis_line(report)))]
     for w in report.get("warnings") or []:
         parts += ["", f"> **Warning:** {_md_cell(w)}"]
     for title, headers, rows in _rpt_tables(report):
@@ -12423,6 +12998,9 @@ def render_report_html(report: dict, extra: str = "") -> str:
              f'{html.escape(fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             (f'<div class="warning exploratory" role="alert"><strong>'
+              f'{html.escape(_rpt_analysis_line(report))}</strong></div>' if report.get("exploratory")
+              else f'<p class="meta analysis">{html.escape(_rpt_analysis_line(report))}</p>'),
              *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
                for w in report.get("warnings") or []],
              '<div class="charts">',
@@ -14336,6 +14914,92 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
             "uncalibrated": uncalibrated(paths, tasks)}
 
 
+def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+    """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
+    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
+    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
+    gives an unusable plan, which the report labels as such."""
+    mdir = paths.state / "manifests"
+    names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
+    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if name is None:
+        return None, None
+    source = f"manifest of split {name[:-len('.json')]}"
+    try:
+        doc = read_json(mdir / name)
+    except AgentbenchError:
+        return {"schema": None}, source
+    if not isinstance(doc, dict) or "analysis_plan" not in doc:
+        return None, None
+    return doc["analysis_plan"], source
+
+
+def pilot_clustering(study: Study, split: str) -> dict[str, Any]:
+    """Between-task standard deviations for the power simulation, from the study's pilot: the
+    evaluated real runs of other splits (not rehearsed).  Of the baseline's (the first arm's) rate,
+    and of each other arm's difference from it, pooled as the root mean square over the arms.
+    Where the pilot cannot say (fewer than 3 tasks with 2 evaluated runs per side) the stated
+    defaults stand.  The rehearsal is not used: its outcomes are scripted, so how its tasks
+    differ says nothing about the real agent."""
+    arms = list(study.arms)
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r in report_runs(study.paths, write=False):
+        if (r.get("split") != split and r.get("status") == "finished" and run_evaluated(r)
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            cell = counts.setdefault((str(r.get("task")), str(r["arm"])), [0, 0])
+            cell[0] += run_succeeded(r)
+            cell[1] += 1
+    base = arms[0]
+    tasks = sorted({t for t, _ in counts})
+    sd_base = between_task_sd([(*counts[(t, base)], 0, 0) for t in tasks if (t, base) in counts],
+                              paired=False)
+    taus = []
+    for arm in arms[1:]:
+        tau = between_task_sd([(*counts[(t, arm)], *counts[(t, base)]) for t in tasks
+                               if (t, arm) in counts and (t, base) in counts], paired=True)
+        if tau is not None:
+            taus.append(tau)
+    pilot_runs = sum(n for _, n in counts.values())
+    return {"sd_base": sd_base if sd_base is not None else POWER_DEFAULT_SD_BASE,
+            "sd_base_basis": "pilot" if sd_base is not None else "default",
+            "tau": math.sqrt(math.fsum(t * t for t in taus) / len(taus)) if taus else POWER_DEFAULT_TAU,
+            "tau_basis": "pilot" if taus else "default", "pilot_runs": pilot_runs}
+
+
+def assign_power(study: Study, split: str, delta: float, p_base: float, seed: int) -> dict[str, Any]:
+    """For `assign --power-delta`: the repeats at which the primary test reaches 80% power, by
+    simulation under the study's clustering (pilot_clustering), at alpha / m for a family of m
+    comparisons (the first step of Holm's procedure: a conservative bound); the normal
+    approximation beside it, as the search's starting point and a check."""
+    arms = list(study.arms)
+    family = max(1, len(arms) - 1)
+    alpha = REPORT_ALPHA / family
+    clus = pilot_clustering(study, split)
+    power = paired_power_repeats(p_base, delta, len(study.tasks), alpha, tau=clus["tau"])
+    start = power["repeats"] or power["max_repeats"]
+    sim = primary_power_by_simulation(p_base, delta, len(study.tasks), alpha, power["power"],
+                                      tau=clus["tau"], sd_base=clus["sd_base"], start=start,
+                                      max_repeats=power["max_repeats"], seed=seed)
+    notes = list(power["notes"])
+    defaults = [k for k in ("sd_base", "tau") if clus[f"{k}_basis"] == "default"]
+    if defaults:
+        notes.append(f"no pilot to measure how tasks differ: the simulation assumes the default "
+                     f"between-task sd of the baseline rate {POWER_DEFAULT_SD_BASE} and of the "
+                     f"effect {POWER_DEFAULT_TAU} (run a pilot split, e.g. `assign --split pilot`, "
+                     f"to measure them)")
+    if family > 1:
+        notes.append(f"alpha {REPORT_ALPHA} over a family of {family} comparisons: each is planned at "
+                     f"{alpha:.4g}, Holm's first step (conservative)")
+    if sim["repeats"] is None:
+        notes.append(f"even {power['max_repeats']} repeats do not give the primary test power "
+                     f"{power['power']} with {len(study.tasks)} tasks: add tasks")
+    return {**power, "repeats_normal_approximation": power["repeats"], "repeats": sim["repeats"],
+            "feasible": sim["repeats"] is not None,
+            "runs_per_arm": sim["repeats"] * len(study.tasks) if sim["repeats"] else None,
+            "achieved_power": sim["achieved_power"], "family_size": family,
+            "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -14358,7 +15022,8 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
 
     out = {"repeats": repeats,
            "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"]),
+                                                                      power["alpha"], power["power"],
+                                                                      power["tau"]),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -14385,10 +15050,13 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
-        power = paired_power_repeats(power_base, power_delta, len(tasks))
+        power = assign_power(study, split, power_delta, power_base, seed)
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
-    data = manifest_bytes(manifest, seed, split)
+    # The analysis is fixed with the assignment, before any run: the study's first arm is the
+    # baseline, every other arm is compared with it (see analysis_plan).
+    plan = analysis_plan(list(arms), list(arms)[0], seed)
+    data = manifest_bytes(manifest, seed, split, plan)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -14403,6 +15071,10 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                               hint="run `calibrate` first (or pass --force to assign anyway)")
     mpath = paths.state / "manifests" / f"{split}.json"
     existing = mpath.read_bytes() if mpath.exists() else None
+    if existing is not None and existing == manifest_bytes(manifest, seed, split):
+        # The same assignment, written before manifests held a plan: kept as it is.  A plan added
+        # now, after runs may have been seen, would not be a pre-registration.
+        data = existing
     with RegistryLock(paths.lock, host.platform):
         if existing is not None and existing != data:
             if not reassign:
@@ -14438,6 +15110,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
             "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
             "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "analysis_plan": json.loads(data).get("analysis_plan"),
             "faults": dict(applied)}
 
 
@@ -16332,11 +17005,14 @@ def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", default="json", choices=["json", "md", "html"])
-    p.add_argument("--baseline")
+    p.add_argument("--baseline", help="compare every arm with this one (default: the analysis plan's; "
+                                      "another makes the analysis exploratory)")
     p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
                                  "with --format html, a path ending in / (or an existing directory) gets a "
                                  "directory: index.html and one page per run under runs/")
-    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="bootstrap seed (default: the analysis plan's, else the study seed; another "
+                        "makes the analysis exploratory)")
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
@@ -16351,9 +17027,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The report views come from the runs summary (a cache checked against every record's stamp);
     # the run pages below read the records themselves.
     runs = report_runs(paths, write=not ctx.is_child)
-    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
+    plan, plan_source = analysis_plan_of_study(paths)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if args.seed is not None:
+        seed = args.seed
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
     with gc_paused():
-        report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+        report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
+                              plan_source=plan_source)
     report["metering"] = report_metering(paths)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
