@@ -10689,6 +10689,13 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
         notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
+    opened = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+              and "open" in ((r.get("sandbox") or {}).get("networks") or [])]
+    if opened:
+        why = sorted({w for r in opened for w in (r.get("sandbox") or {}).get("network_opened") or []})
+        notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
+                     f"reach every listening port of the host and other sessions that had it too"
+                     + (f" ({'; '.join(why)})" if why else ""))
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
