@@ -3385,6 +3385,15 @@ class SandboxPlan:
     network: str = "none"
 
 
+def outermost(dirs: Iterable[str]) -> list[str]:
+    """The absolute directories of `dirs` that lie in no other one, in order ("/" never) (pure)."""
+    out: list[str] = []
+    for d in dirs:
+        if d.startswith("/") and d != "/" and not any(_under(d, b) for b in out):
+            out = [b for b in out if not _under(b, d)] + [d]
+    return out
+
+
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
@@ -3396,10 +3405,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     and the sockets."""
     rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
-    base: list[str] = []
-    for d in plan.base:
-        if d.startswith("/") and d != "/" and not any(_under(d, b) for b in base):
-            base = [b for b in base if not _under(b, d)] + [d]
+    base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
     covered: list[str] = []
     for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
@@ -3717,10 +3723,11 @@ def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
     """What a sandbox sees on this host, for `where`: the system directories and links, the tool
     directories, what of /etc is masked, what each launch adds, the networks and the filter."""
     plan = base_plan(binary, env, [])
+    bound = outermost(plan.base)
     return {"root": "bubblewrap's own empty root: nothing of the host unless listed here",
-            "system_read_only": [d for d in plan.base if d in SANDBOX_SYSTEM_DIRS],
+            "system_read_only": [d for d in bound if d in SANDBOX_SYSTEM_DIRS],
             "system_links": {p: t for p, t in plan.links},
-            "tools_read_only": [d for d in plan.base if d not in SANDBOX_SYSTEM_DIRS],
+            "tools_read_only": [d for d in bound if d not in SANDBOX_SYSTEM_DIRS],
             "etc_masked": sorted(list(d for d in plan.hide if _under(d, "/etc")) + list(plan.mask)),
             "session_adds": ["its workspace (read-write)", "a private HOME (read-write)",
                              "an empty private config dir with its own transcript directory (read-write)",
@@ -13442,6 +13449,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     gateway_mode = GATEWAY_DEFAULT
     study_env: dict[str, str] = {}
     sandbox_mode = sandbox_default()
+    open_arms: list[str] = []
     try:
         paths = ctx.study(args)
         study = str(paths.root)
@@ -13451,6 +13459,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         cfg_binary = study_cfg.get("binary")
         executor = str(study_cfg.get("executor") or "local")
         sandbox_mode = sandbox_mode_of(study_cfg)
+        open_arms = list(study_cfg.get("network_open_arms") or [])
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
@@ -13501,8 +13510,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                         + str(probe["reason"]))
     elif kind == "none" and sandbox_mode == "auto":
         warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
+    view = sandbox_view(binary, ctx.env)
+    if kind == "bwrap" and view["seccomp"]["arch"] is None:
+        warnings.append("sandboxed processes run without the seccomp filter here: "
+                        + str(view["seccomp"]["reason"]))
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
-               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host"}
+               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
+               "view": view, "network_open_arms": open_arms}
     git = shutil.which("git")
     git_version = None
     if git:

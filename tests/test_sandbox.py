@@ -253,6 +253,28 @@ def test_where_reports_auto_unsandboxed_and_slurm(study, tmp_path, monkeypatch):
     assert any("compute nodes" in w for w in where["warnings"])
 
 
+@needs_bwrap
+def test_where_says_what_a_sandbox_sees_and_an_unknown_machine_has_no_filter(study, monkeypatch):
+    _set(study, sandbox="bwrap", network_open_arms=[])
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0, where
+    view = where["sandbox"]["view"]
+    assert "/usr" in view["system_read_only"] and "/etc" in view["system_read_only"]
+    assert "/" not in view["system_read_only"] + view["tools_read_only"]
+    assert all(p.startswith("/etc/") for p in view["etc_masked"])
+    if os.path.exists("/etc/shadow"):
+        assert "/etc/shadow" in view["etc_masked"]
+    assert view["seccomp"]["denied"] == list(ab.SECCOMP_DENIED) and "check" in view["network"]
+    assert where["sandbox"]["network_open_arms"] == []
+    monkeypatch.setattr(ab, "seccomp_here", lambda: {"arch": None, "machine": "armv7l", "denied": [],
+                                                     "reason": "no system call table for the machine 'armv7l'"})
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0 and where["sandbox"]["view"]["seccomp"]["arch"] is None
+    assert any("without the seccomp filter" in w and "armv7l" in w for w in where["warnings"]), where["warnings"]
+    rec = ab.sandbox_record({"mode": "bwrap", "kind": "bwrap"}, "none")
+    assert rec["seccomp"] is None and "armv7l" in rec["seccomp_reason"]   # recorded in every job and check
+
+
 # ---- checks under bubblewrap ----------------------------------------------------------------------
 
 def _example_study(tmp_path: Path, mode: str) -> tuple[ab.StudyPaths, dict]:
