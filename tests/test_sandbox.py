@@ -52,7 +52,7 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
         # a hide only where a base directory holds it, outer first; "/" never
         ("--tmpfs", "/etc/ssh"), ("--tmpfs", "/srv/study"),
-        ("--ro-bind", "/dev/null", "/etc/shadow"),   # a mask outside every base is not needed
+        ("--ro-bind", "/dev/null", "/etc/shadow"),   # /opt/elsewhere/secret: in no base, no mask
         # a base directory a hide covered comes back
         ("--ro-bind", "/srv/study/.venv", "/srv/study/.venv"),
         ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
