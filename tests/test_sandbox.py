@@ -58,12 +58,13 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
         ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
+        ("--remount-ro", "/"),   # the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
     inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
                                    inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
                                    sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
-    assert ab.sandbox_mounts(inner)[-4:] == [
+    assert ab.sandbox_mounts(inner)[-5:-1] == [
         ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
          "/home/u/.claude/projects/-srv-study-runs-r1-workspace"),
