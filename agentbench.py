@@ -3587,11 +3587,15 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
 # Owns: the `sandbox` study setting ("auto" | "bwrap" | "none"), the decision which sandbox a
 # launch gets, the probe that tells whether bubblewrap really runs on this host (once per process,
 # cached, with the reason when not), and the pure builders of the bubblewrap argv: a table of
-# mounts (read-only host, hidden study/tasks/home, tool directories bound back, read-only and
-# read-write binds, private /tmp, /proc and /dev), then the namespace options.  Also the receipt
-# channel of check commands: an inherited pipe named by the {receipt_fd} placeholder.
+# mounts over bubblewrap's own empty root (the system and tool directories read-only, /etc's
+# secrets masked, the study/tasks/home hidden where a bound directory holds them, read-only and
+# read-write binds, private /tmp, /proc and /dev, a session's gateway socket), then the namespace
+# options: the network (none, or the host's for an opened arm) and the seccomp filter (its
+# classic-BPF program per architecture).  Also the receipt channel of check commands: an
+# inherited socket named by the {receipt_fd} placeholder.
 # Must not: start sessions or checks itself, read the study's registry, or change an environment
-# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR).
+# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR, and inside
+# a session's sandbox ANTHROPIC_BASE_URL, pointed at its relay).
 
 SANDBOX_MODES = ("auto", "bwrap", "none")
 #: What a study that says nothing gets: bubblewrap where it runs, else none (said in the report).
@@ -3951,7 +3955,9 @@ def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[s
     prefixes = sorted({_real(sys.prefix), _real(sys.base_prefix), _real(posixpath.dirname(sys.executable))})
     entries = [_real(e) for e in (env.get("PATH") or "").split(os.pathsep) if e.startswith("/")]
     entries = [e for e in entries if os.path.isdir(e)]
-    return tool_dirs(bins, prefixes, entries, homes, keep_out=[_real(k) for k in keep_out])
+    # Only what exists: bubblewrap refuses to bind a missing source.
+    return [d for d in tool_dirs(bins, prefixes, entries, homes, keep_out=[_real(k) for k in keep_out])
+            if os.path.isdir(d)]
 
 
 def real_homes(env: Mapping[str, str]) -> list[str]:
