@@ -4111,8 +4111,10 @@ def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, An
     networks = sorted({str(r.get("network") or "unknown") for r in recs})
     opened = sorted({str(r["network_reason"]) for r in recs
                      if r.get("kind") == "bwrap" and r.get("network") == "open" and r.get("network_reason")})
+    unfiltered = sorted({str(r.get("seccomp_reason") or "no filter recorded") for r in recs
+                         if r.get("kind") == "bwrap" and not r.get("seccomp")})
     return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons,
-            "networks": networks, "network_opened": opened}
+            "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
 def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
@@ -11770,6 +11772,12 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
         notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
                      f"reach every listening port of the host and other sessions that had it too"
                      + (f" ({'; '.join(why)})" if why else ""))
+    bare = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+            and (r.get("sandbox") or {}).get("unfiltered")]
+    if bare:
+        why = sorted({w for r in bare for w in (r.get("sandbox") or {}).get("unfiltered") or []})
+        notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
+                     f"their processes could inspect others as the host allows ({'; '.join(why)})")
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
