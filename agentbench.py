@@ -87,6 +87,7 @@ from typing import NamedTuple, TypedDict
 import base64
 import errno
 import select
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -3620,11 +3621,15 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
 # Owns: the `sandbox` study setting ("auto" | "bwrap" | "none"), the decision which sandbox a
 # launch gets, the probe that tells whether bubblewrap really runs on this host (once per process,
 # cached, with the reason when not), and the pure builders of the bubblewrap argv: a table of
-# mounts (read-only host, hidden study/tasks/home, tool directories bound back, read-only and
-# read-write binds, private /tmp, /proc and /dev), then the namespace options.  Also the receipt
-# channel of check commands: an inherited pipe named by the {receipt_fd} placeholder.
+# mounts over bubblewrap's own empty root (the system and tool directories read-only, /etc's
+# secrets masked, the study/tasks/home hidden where a bound directory holds them, read-only and
+# read-write binds, private /tmp, /proc and /dev, a session's gateway socket), then the namespace
+# options: the network (none, or the host's for an opened arm) and the seccomp filter (its
+# classic-BPF program per architecture).  Also the receipt channel of check commands: an
+# inherited socket named by the {receipt_fd} placeholder.
 # Must not: start sessions or checks itself, read the study's registry, or change an environment
-# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR).
+# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR, and inside
+# a session's sandbox ANTHROPIC_BASE_URL, pointed at its relay).
 
 SANDBOX_MODES = ("auto", "bwrap", "none")
 #: What a study that says nothing gets: bubblewrap where it runs, else none (said in the report).
@@ -3634,20 +3639,76 @@ SANDBOX_PROBE_TIMEOUT_S = 20.0
 #: Namespace options of every sandbox: own pid namespace (the supervisor, other sessions and their
 #: environments invisible; every process dies with the sandbox's first one), own IPC, killed with
 #: the parent (the supervisor or the check runner), a new terminal session, no capabilities (root
-#: inside could otherwise unmount the hiding tmpfs).  The network stays shared: the session must
-#: reach its loopback gateway or scripted model.
+#: inside could otherwise unmount the hiding tmpfs).  The network is decided per launch
+#: (SANDBOX_NETWORKS).
 SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
                              "--cap-drop", "ALL")
+#: What a sandboxed process can reach: "none", an own network namespace with only its own loopback
+#: (every check; a session, whose gateway then comes in as a Unix socket); "open", the host's
+#: network (a session of an arm the study opens it for, or one without a gateway).
+SANDBOX_NETWORKS = ("none", "open")
+#: A session's network as recorded: only its own gateway, or the host's.
+SESSION_NETWORKS = ("gateway", "open")
 #: Directories never hidden, whatever a setting says (hiding them would hide the host itself).
 SANDBOX_NEVER_HIDE = ("/", "/usr", "/bin", "/lib", "/etc", "/proc", "/dev")
+#: The host's system directories, bound read-only (a symlink, as on a merged-/usr system, is made
+#: again as the same symlink).  Nothing else of the host is there unless a launch binds it.
+SANDBOX_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+#: What of /etc is never readable inside: password hashes, sudo rules, host and TLS private keys,
+#: the cluster's authentication key (munge) and database passwords (slurmdbd), VPN, Wi-Fi, mail,
+#: Kerberos and service credentials.  A directory is masked by an empty tmpfs, a file by /dev/null.
+SANDBOX_ETC_SECRETS = (
+    "/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers", "/etc/sudoers.d",
+    "/etc/security/opasswd", "/etc/ssh", "/etc/ssl/private", "/etc/pki/tls/private", "/etc/munge",
+    "/etc/slurm/slurmdbd.conf", "/etc/krb5.keytab", "/etc/ipsec.secrets", "/etc/ipsec.d/private",
+    "/etc/wireguard", "/etc/openvpn", "/etc/NetworkManager/system-connections", "/etc/ppp/chap-secrets",
+    "/etc/ppp/pap-secrets", "/etc/mysql/debian.cnf", "/etc/letsencrypt", "/etc/credstore",
+    "/etc/credstore.encrypted", "/etc/docker", "/etc/kubernetes", "/etc/rancher", "/etc/libvirt/secrets",
+    "/etc/postfix/sasl_passwd", "/etc/exim4/passwd.client", "/etc/davfs2/secrets", "/etc/cups/ssl",
+    "/etc/.pwd.lock", "/etc/netrc", "/etc/gitlab", "/etc/ceph")
+#: Where a session's gateway socket appears inside its sandbox (a new mount point in bwrap's own
+#: root, which the sandboxed process cannot unmount nor replace).
+SANDBOX_GATEWAY_SOCKET = "/run/agentbench/gateway.sock"
 
 
-#: The first program inside a session's sandbox: it gives back the default SIGTERM that the bwrap
-#: processes around it ignore (sandbox_preexec) and execs `claude`.  So a graceful stop reaches
-#: `claude` (which then still reports its result and cost) instead of bwrap, whose death would
-#: take the whole sandbox down at once; a hard kill of bwrap still ends everything inside.
-SANDBOX_EXEC_SHIM = ("import os, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
-                     "os.execvp(sys.argv[1], sys.argv[1:])")
+#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", then
+#: claude's argv).  It gives back the default SIGTERM that the bwrap processes around it ignore
+#: (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its result and
+#: cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a socket,
+#: it first listens on a free loopback port of the sandbox's own network namespace, forks a relay
+#: that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there: the
+#: port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
+#: this session's API access, since the gateway still checks the job's token.
+SANDBOX_EXEC_SHIM = "\n".join((
+    "import os, signal, socket, sys, threading",
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)",
+    "path = sys.argv[1]",
+    "def pipe(a, b):",
+    "    try:",
+    "        while True:",
+    "            d = a.recv(65536)",
+    "            if not d: break",
+    "            b.sendall(d)",
+    "    except OSError: pass",
+    "    try: b.shutdown(socket.SHUT_WR)",
+    "    except OSError: pass",
+    "def serve(c):",
+    "    u = socket.socket(socket.AF_UNIX)",
+    "    try: u.connect(path)",
+    "    except OSError: c.close(); u.close(); return",
+    "    t = threading.Thread(target=pipe, args=(u, c), daemon=True); t.start()",
+    "    pipe(c, u); t.join(); c.close(); u.close()",
+    "if path != '-':",
+    "    lis = socket.socket(); lis.bind(('127.0.0.1', 0)); lis.listen(64)",
+    "    os.environ['ANTHROPIC_BASE_URL'] = 'http://127.0.0.1:%d' % lis.getsockname()[1]",
+    "    if os.fork() == 0:",
+    "        try:",
+    "            while True:",
+    "                c = lis.accept()[0]",
+    "                threading.Thread(target=serve, args=(c,), daemon=True).start()",
+    "        finally: os._exit(0)",
+    "    lis.close()",
+    "os.execvp(sys.argv[2], sys.argv[2:])"))
 
 
 def sandbox_preexec() -> None:
@@ -3677,108 +3738,214 @@ def sandbox_mode_of(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None
     return str(mode) if mode is not None else sandbox_default(env)
 
 
+def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> tuple[str, str | None]:
+    """(network, why) of one session (pure): "gateway" (its own gateway only), or "open" with the
+    reason: the study opens the network for its arm, or it has no gateway to reach the API by."""
+    if arm is not None and arm in open_arms:
+        return "open", f"the study opens the network for arm {arm} (network_open_arms)"
+    if gateway != "on":
+        return "open", "the study sets gateway off: claude reaches the API itself"
+    return "gateway", None
+
+
+# -- the seccomp filter ----------------------------------------------------------------------------
+# A classic-BPF program (struct sock_filter: u16 code, u8 jt, u8 jf, u32 k) that bubblewrap loads
+# with --seccomp FD: a system call of another architecture than the host's (a 32-bit entry on a
+# 64-bit kernel, whose numbers differ) kills the process; each denied call fails with EPERM;
+# everything else is allowed.
+
+#: Calls by which a process inspects or drives another one (memory, descriptors, counters).
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open")
+#: Per machine name: the AUDIT_ARCH value seccomp reports, and the denied calls' numbers.
+SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
+    "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298}),
+    "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
+                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241}),
+}
+SECCOMP_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+#: x86_64's x32 calls carry this bit in their number: none is allowed to pass the table unmatched.
+SECCOMP_X32_BIT = 0x40000000
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_SECCOMP_RET_KILL_PROCESS, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
+
+
+def seccomp_arch(machine: str) -> str | None:
+    """The syscall table's name for a machine name (os.uname().machine), None when unknown (pure)."""
+    name = SECCOMP_ARCH_ALIASES.get(machine, machine)
+    return name if name in SECCOMP_ARCHES else None
+
+
+def seccomp_program(arch: str) -> bytes:
+    """The filter for `arch` (a key of SECCOMP_ARCHES), packed for bwrap --seccomp (pure)."""
+    audit, numbers = SECCOMP_ARCHES[arch]
+    nrs = [numbers[name] for name in SECCOMP_DENIED]
+    head = [(_BPF_LD_W_ABS, 0, 0, 4), (_BPF_JEQ_K, 1, 0, audit),
+            (_BPF_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS), (_BPF_LD_W_ABS, 0, 0, 0)]
+    tests = [(_BPF_JGE_K, SECCOMP_X32_BIT)] if arch == "x86_64" else []
+    tests += [(_BPF_JEQ_K, nr) for nr in nrs]
+    prog = list(head)
+    for i, (code, k) in enumerate(tests):
+        # jump over the remaining tests and the ALLOW to the EPERM return
+        prog.append((code, len(tests) - i, 0, k))
+    prog += [(_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW), (_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+def seccomp_here() -> dict[str, Any]:
+    """This host's filter: {"arch", "denied", "reason"}; arch None (no filter, and why) on a
+    machine without a table here."""
+    machine = os.uname().machine if hasattr(os, "uname") else sys.platform
+    arch = seccomp_arch(machine)
+    return {"arch": arch, "machine": machine, "denied": list(SECCOMP_DENIED) if arch else [],
+            "reason": None if arch else (f"no system call table for the machine {machine!r} (known: "
+                                         + ", ".join(SECCOMP_ARCHES) + "): sandboxes run without the "
+                                         "filter, and say so")}
+
+
+def seccomp_fd() -> int | None:
+    """A pipe's read end holding this host's filter (for bwrap --seccomp; the caller passes it to
+    the child and closes it), or None on a machine without a table."""
+    arch = seccomp_here()["arch"]
+    if arch is None:
+        return None
+    data = seccomp_program(arch)
+    rfd, wfd = os.pipe()
+    try:
+        os.write(wfd, data)   # a few hundred bytes: far below any pipe's buffer
+    finally:
+        os.close(wfd)
+    return rfd
+
+
+# -- the file view ---------------------------------------------------------------------------------
+
 def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
 @dataclass(frozen=True)
 class SandboxPlan:
-    """What one sandboxed process sees (absolute, resolved paths).
+    """What one sandboxed process sees (absolute, resolved paths); the root is bubblewrap's own
+    empty one, so nothing of the host is there unless listed here.
 
-    hide: directories masked by an empty tmpfs (the study, the tasks, the user's real home).
-    tools: directories bound back read-only after hiding (the binary's and Python's install
-    directories, PATH entries in the home); only those under a hidden directory are bound.
+    links: (path, target) symlinks made again (system directories that are links).
+    base: directories bound read-only: the system directories, then the tool directories (the
+    binary's, its interpreter's and Python's install directories, PATH entries).
+    hide: directories masked by an empty tmpfs where a base directory holds them (the study, the
+    tasks, the user's real home); mask: files masked by /dev/null (the secrets of /etc).
     ro: files or directories bound read-only (a pristine check dir, a job's prompt files).
     rw: directories bound read-write (the workspace, the private HOME).
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
-    cwd: the working directory inside.
+    sockets: (host path, path inside) bound in (a session's gateway socket).
+    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.
     container: paths a container image would have, given last: ("bind" | "ro-bind", source,
-    destination) or ("tmpfs", "", destination) rows (see container_rows).  With any, the root is a
-    private tmpfs holding `root_entries` (the host's top-level names: each bound read-only, or
-    a link made again), remounted read-only at the end, so that new top-level paths (/app,
-    /tests, /logs) can be made in it."""
+    destination) or ("tmpfs", "", destination) rows (see container_rows); they can be made at any
+    top-level path, since the root is bubblewrap's own."""
+    links: tuple[tuple[str, str], ...] = ()
+    base: tuple[str, ...] = ()
     hide: tuple[str, ...] = ()
-    tools: tuple[str, ...] = ()
+    mask: tuple[str, ...] = ()
     ro: tuple[str, ...] = ()
     rw: tuple[str, ...] = ()
     cwd: str = "/"
     inner_hide: tuple[str, ...] = ()
     inner_rw: tuple[str, ...] = ()
+    sockets: tuple[tuple[str, str], ...] = ()
+    network: str = "none"
     container: tuple[tuple[str, str, str], ...] = ()
-    root_entries: tuple[tuple[str, str | None], ...] = ()
+
+
+def outermost(dirs: Iterable[str]) -> list[str]:
+    """The absolute directories of `dirs` that lie in no other one, in order ("/" never) (pure)."""
+    out: list[str] = []
+    for d in dirs:
+        if d.startswith("/") and d != "/" and not any(_under(d, b) for b in out):
+            out = [b for b in out if not _under(b, d)] + [d]
+    return out
 
 
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
-    Later mounts win over earlier ones for the same path, so: the read-only root, /dev, /proc,
-    the private /tmp, the hiding tmpfs mounts (outer first; none already inside /tmp or another
-    hidden directory), the tool directories that a hide covered, then read-only and read-write
-    binds (a workspace inside the hidden study comes back this way)."""
-    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/")]
-    if plan.container:
-        rows = [("--tmpfs", "/")]
-        for name, target in plan.root_entries:
-            rows.append(("--symlink", target, "/" + name) if target is not None
-                        else ("--ro-bind", "/" + name, "/" + name))
-    rows += [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
-    covered = ["/tmp"]
+    Later mounts win over earlier ones for the same path, so: /dev, /proc, the private /tmp, the
+    system symlinks, the base directories (one inside another is bound once, by the outer), then
+    the hiding tmpfs and /dev/null masks (only where a base directory holds them, outer first,
+    none inside another), the base directories that a hide covered bound back, then read-only and
+    read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
+    the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
+    rows += [("--symlink", target, path) for path, target in plan.links]
+    base = outermost(plan.base)
+    rows += [("--ro-bind", d, d) for d in base]
+    covered: list[str] = []
     for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
-        if d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered):
+        if (d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered)
+                or not any(_under(d, b) and d != b for b in base)):
             continue
         rows.append(("--tmpfs", d))
         covered.append(d)
-    seen: set[str] = set()
-    for d in plan.tools:
-        if d not in seen and any(_under(d, c) for c in covered) and not any(_under(c, d) for c in covered):
+    for f in plan.mask:
+        if any(_under(f, b) for b in base) and not any(_under(f, c) for c in covered):
+            rows.append(("--ro-bind", "/dev/null", f))
+    for d in plan.base:
+        if any(_under(d, c) for c in covered) and not any(_under(c, d) for c in covered):
             rows.append(("--ro-bind", d, d))
-        seen.add(d)
-    for d in plan.ro:
-        rows.append(("--ro-bind", d, d))
-    for d in plan.rw:
-        rows.append(("--bind", d, d))
-    for d in plan.inner_hide:
-        rows.append(("--tmpfs", d))
-    for d in plan.inner_rw:
-        rows.append(("--bind", d, d))
-    for op, source, dest in plan.container:
-        rows.append(("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest))
-    if plan.container:
-        rows.append(("--remount-ro", "/"))
+    rows += [("--ro-bind", d, d) for d in plan.ro]
+    rows += [("--bind", d, d) for d in plan.rw]
+    rows += [("--tmpfs", d) for d in plan.inner_hide]
+    rows += [("--bind", d, d) for d in plan.inner_rw]
+    rows += [("--bind", src, dst) for src, dst in plan.sockets]
+    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
+             for op, source, dest in plan.container]
+    rows.append(("--remount-ro", "/"))
     return rows
 
 
-def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str]) -> list[str]:
-    """The full bubblewrap command that runs `argv` under `plan` (pure)."""
+def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str], seccomp: int | None = None) -> list[str]:
+    """The full bubblewrap command that runs `argv` under `plan` (pure); `seccomp`: the descriptor
+    the filter is read from (the child must inherit it)."""
+    if plan.network not in SANDBOX_NETWORKS:
+        raise ValueError(f"unknown sandbox network {plan.network!r}")
     out = [bwrap]
     for row in sandbox_mounts(plan):
         out += list(row)
-    out += list(SANDBOX_NAMESPACE_OPTIONS) + ["--chdir", plan.cwd, "--"]
-    return out + list(argv)
+    out += list(SANDBOX_NAMESPACE_OPTIONS)
+    if plan.network == "none":
+        out.append("--unshare-net")
+    if seccomp is not None:
+        out += ["--seccomp", str(int(seccomp))]
+    return out + ["--chdir", plan.cwd, "--"] + list(argv)
 
 
 def tool_dirs(binary_paths: Sequence[str], python_prefixes: Sequence[str], path_entries: Sequence[str],
-              homes: Sequence[str]) -> list[str]:
-    """Directories that must stay visible for the sandboxed program to run at all (pure).
+              homes: Sequence[str], keep_out: Sequence[str] = ()) -> list[str]:
+    """Directories that must be visible for the sandboxed program to run at all (pure).
 
-    The binary's own directory and the one above it (an npm package keeps its files beside its
-    bin/), Python's prefixes, and, for a PATH entry inside a hidden home, that home's top-level
-    directory holding it (~/.pyenv for ~/.pyenv/shims: a version manager's shims need the rest
-    of it).  A home itself is never given back whole."""
+    Each binary's own directory, and the one above it when that is a `bin` directory (an npm
+    package or an interpreter's prefix keeps its files beside its bin/); Python's prefixes; every
+    PATH entry, except one inside a home, for which the home's top-level directory holding it is
+    given (~/.pyenv for ~/.pyenv/shims: a version manager's shims need the rest of it).  Never a
+    home itself, "/", nor a directory that holds one of `keep_out` (the study, the workspace):
+    such a PATH entry is left out rather than expose what lies under it."""
     out: list[str] = []
     for b in binary_paths:
         d = posixpath.dirname(b)
-        out += [d, posixpath.dirname(d)]
+        out.append(d)
+        if posixpath.basename(d) == "bin":
+            out.append(posixpath.dirname(d))
     out += list(python_prefixes)
     for entry in path_entries:
-        for home in homes:
-            if entry != home and _under(entry, home):
-                rest = entry[len(home.rstrip("/")) + 1:].split("/")[0]
-                out.append(home.rstrip("/") + "/" + rest)
+        homed = [h for h in homes if entry != h and _under(entry, h)]
+        if homed:
+            out.append(homed[0].rstrip("/") + "/" + entry[len(homed[0].rstrip("/")) + 1:].split("/")[0])
+        elif entry not in homes:
+            out.append(entry)
     clean = []
     for d in out:
-        if d and d.startswith("/") and d not in clean and d not in homes and d != "/":
+        if (d and d.startswith("/") and d not in clean and d not in homes and d != "/"
+                and not any(_under(k, d) for k in list(keep_out) + list(homes))):
             clean.append(d)
     return clean
 
@@ -3787,15 +3954,44 @@ def _real(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(os.fspath(path))
 
 
-def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[str]) -> list[str]:
-    """tool_dirs() for this process: the binary (as named and resolved), sys.prefix and
-    sys.base_prefix, and the PATH of `env`."""
+def script_interpreter(path: str, env: Mapping[str, str]) -> str | None:
+    """The interpreter a `#!` script names (through `/usr/bin/env NAME`, found on env's PATH),
+    resolved; None for a binary or an unreadable file."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", "replace").split()
+    if not words:
+        return None
+    prog = words[0]
+    if posixpath.basename(prog) == "env":
+        names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        prog = shutil.which(names[0], path=env.get("PATH")) or "" if names else ""
+    return _real(prog) if prog.startswith("/") else None
+
+
+def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[str],
+                   keep_out: Sequence[str] = ()) -> list[str]:
+    """tool_dirs() for this process: the binary (as named and resolved) and the interpreter a
+    script binary names (node, for an npm install), sys.prefix and sys.base_prefix, and the
+    PATH of `env`."""
     bins = []
     if binary:
-        bins = [os.path.abspath(binary), _real(binary)]
+        found = binary if "/" in binary else (shutil.which(binary, path=env.get("PATH")) or binary)
+        bins = [os.path.abspath(found), _real(found)]
+        interp = script_interpreter(_real(found), env)
+        if interp:
+            bins.append(interp)
     prefixes = sorted({_real(sys.prefix), _real(sys.base_prefix), _real(posixpath.dirname(sys.executable))})
     entries = [_real(e) for e in (env.get("PATH") or "").split(os.pathsep) if e.startswith("/")]
-    return tool_dirs(bins, prefixes, entries, homes)
+    entries = [e for e in entries if os.path.isdir(e)]
+    # Only what exists: bubblewrap refuses to bind a missing source.
+    return [d for d in tool_dirs(bins, prefixes, entries, homes, keep_out=[_real(k) for k in keep_out])
+            if os.path.isdir(d)]
 
 
 def real_homes(env: Mapping[str, str]) -> list[str]:
@@ -3834,30 +4030,68 @@ def study_hidden_dirs(study_root: str | os.PathLike[str],
     return out
 
 
+def system_view() -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """This host's (links, system directories, secret directories, secret files of /etc): what
+    exists of SANDBOX_SYSTEM_DIRS and SANDBOX_ETC_SECRETS (a secret behind a link, by its target)."""
+    links, dirs = [], []
+    for d in SANDBOX_SYSTEM_DIRS:
+        if os.path.islink(d):
+            links.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            dirs.append(d)
+    hide: list[str] = []
+    mask: list[str] = []
+    for s in SANDBOX_ETC_SECRETS:
+        r = _real(s)
+        if os.path.isdir(r):
+            if r not in hide:
+                hide.append(r)
+        elif os.path.lexists(r) and r not in mask:
+            mask.append(r)
+    return tuple(links), tuple(dirs), tuple(hide), tuple(mask)
+
+
+def base_plan(binary: str | None, env: Mapping[str, str], hidden: Sequence[str], *,
+              keep_out: Sequence[str] = (), network: str = "none") -> SandboxPlan:
+    """The host's part of every plan: the system and tool directories, the hides and masks (a
+    launch adds its own binds with dataclasses.replace)."""
+    homes = real_homes(env)
+    links, system, secret_dirs, secret_files = system_view()
+    tools = host_tool_dirs(binary, env, homes, keep_out=list(hidden) + list(keep_out))
+    return SandboxPlan(links=links, base=system + tuple(tools),
+                       hide=tuple(list(hidden) + homes) + secret_dirs, mask=secret_files, network=network)
+
+
 _SANDBOX_PROBES: dict[str, dict[str, Any]] = {}
 
 
 def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Does bubblewrap really run here?  {"available", "binary", "reason"}; run once per process
-    per binary found (a PATH without bwrap answers at once, uncached)."""
+    """Does bubblewrap really run here, as every launch uses it (own file view, no network, the
+    seccomp filter)?  {"available", "binary", "reason"}; run once per process per binary found (a
+    PATH without bwrap answers at once, uncached)."""
     # None: this process's own PATH (the probe is of the host this process runs on).
-    path = (env if env is not None else os.environ).get("PATH")
-    binary = shutil.which(SANDBOX_BINARY, path=path)
+    env = env if env is not None else os.environ
+    binary = shutil.which(SANDBOX_BINARY, path=env.get("PATH"))
     if not binary:
         return {"available": False, "binary": None,
                 "reason": f"{SANDBOX_BINARY} is not on PATH (Debian/Ubuntu package: bubblewrap)"}
     if binary in _SANDBOX_PROBES:
         return dict(_SANDBOX_PROBES[binary])
     marker = "agentbench-sandbox-probe"
-    argv = sandbox_argv(binary, SandboxPlan(cwd="/"), [sys.executable, "-I", "-c", f"print({marker!r})"])
+    plan = dataclasses.replace(base_plan(sys.executable, env, []), cwd="/")
+    fd = seccomp_fd()
+    argv = sandbox_argv(binary, plan, [sys.executable, "-I", "-c", f"print({marker!r})"], seccomp=fd)
     try:
         res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                             timeout=SANDBOX_PROBE_TIMEOUT_S)
+                             timeout=SANDBOX_PROBE_TIMEOUT_S, pass_fds=() if fd is None else (fd,))
         ok = res.returncode == 0 and res.stdout.decode("utf-8", "replace").strip() == marker
         reason = None if ok else (f"{binary} exited {res.returncode}: "
                                   + res.stderr.decode("utf-8", "replace").strip()[-300:])
     except (OSError, subprocess.SubprocessError) as exc:
         ok, reason = False, f"{binary} cannot run: {exc}"
+    finally:
+        if fd is not None:
+            os.close(fd)
     out = {"available": ok, "binary": binary, "reason": reason}
     _SANDBOX_PROBES[binary] = out
     return dict(out)
@@ -3888,43 +4122,68 @@ def resolve_sandbox(mode: str, env: Mapping[str, str] | None = None) -> dict[str
             "reason": None if kind == "bwrap" else probe["reason"]}
 
 
-def sandbox_record(decision: Mapping[str, Any]) -> dict[str, Any]:
-    """What a job, check or run records of its sandbox."""
-    return {"mode": decision.get("mode"), "kind": decision.get("kind"), "reason": decision.get("reason")}
+def sandbox_record(decision: Mapping[str, Any], network: str | None = None,
+                   network_reason: str | None = None) -> dict[str, Any]:
+    """What a job, check or run records of its sandbox: its kind, its network ("none", "gateway"
+    or "open"; an unsandboxed process has the host's, "open") and the seccomp filter's
+    architecture (None: no filter, and why)."""
+    boxed = decision.get("kind") == "bwrap"
+    sc = seccomp_here() if boxed else {"arch": None, "reason": "not sandboxed"}
+    return {"mode": decision.get("mode"), "kind": decision.get("kind"), "reason": decision.get("reason"),
+            "network": (network or "none") if boxed else "open",
+            "network_reason": network_reason if boxed else "not sandboxed",
+            "seccomp": sc["arch"], "seccomp_reason": sc["reason"]}
 
 
 def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
     """A run's sandbox from its sessions' and checks' records (pure): sandboxed only when every
-    one of them ran under bubblewrap (a record missing counts as not sandboxed)."""
+    one of them ran under bubblewrap (a record missing counts as not sandboxed); the networks they
+    had, and why any sandboxed one had the host's."""
     recs = [r or {} for r in records]
     kinds = sorted({str(r.get("kind") or "unknown") for r in recs})
     reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") != "bwrap" and r.get("reason")})
-    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons}
+    networks = sorted({str(r.get("network") or "unknown") for r in recs})
+    opened = sorted({str(r["network_reason"]) for r in recs
+                     if r.get("kind") == "bwrap" and r.get("network") == "open" and r.get("network_reason")})
+    unfiltered = sorted({str(r.get("seccomp_reason") or "no filter recorded") for r in recs
+                         if r.get("kind") == "bwrap" and not r.get("seccomp")})
+    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons,
+            "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
 def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                     hidden: Sequence[str], private_home: str, project_dir: str,
-                    ro: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
+                    seccomp: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The sandboxed argv and environment of one `claude` session.
 
-    HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude,
-    where agentbench collects transcripts from) is an empty private tmpfs, gone with the session,
-    with only `project_dir`, this session's own transcripts, bound into it read-write: nothing of
-    the real config dir is readable (a login's credentials, other sessions' files and history) or
-    writable (settings and hooks that later sessions, or the user's own claude, would run); the
-    workspace read-write; `ro` (the job's system prompt and MCP files) read-only; the real home
-    and `hidden` masked; TMPDIR is the private /tmp."""
-    homes = real_homes(env)
+    The file view is the host's system and tool directories (base_plan) and: HOME becomes
+    `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude, where
+    agentbench collects transcripts from) is an empty private tmpfs, gone with the session, with
+    only `project_dir`, this session's own transcripts, bound into it read-write; the workspace
+    read-write; `ro` (the job's system prompt and MCP files) read-only; TMPDIR is the private
+    /tmp.  Network "gateway": an own network namespace into which `gateway_socket` (the gateway's
+    Unix socket on the host) is bound, relayed on loopback by the shim; "open": the host's."""
+    if network not in SESSION_NETWORKS:
+        raise ValueError(f"unknown session network {network!r}")
+    if network == "gateway" and not gateway_socket:
+        raise ValueError("a session whose network is its gateway needs the gateway's socket")
     config = env.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
     for d in (config, private_home, project_dir):
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0], env, homes)),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)),
-                       rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
-                       inner_hide=(_real(config),), inner_rw=(_real(project_dir),))
-    return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
+    base = base_plan(argv[0], env, hidden, keep_out=[cwd], network="none" if network == "gateway" else "open")
+    if network == "open" and os.path.isdir("/run/systemd/resolve"):   # resolv.conf may point there
+        base = dataclasses.replace(base, base=base.base + ("/run/systemd/resolve",))
+    plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)),
+                               rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
+                               inner_hide=(_real(config),), inner_rw=(_real(project_dir),),
+                               sockets=(((gateway_socket, SANDBOX_GATEWAY_SOCKET),)
+                                        if network == "gateway" and gateway_socket else ()))
+    shim = [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM,
+            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-"]
+    return sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp), new_env
 
 
 #: Where a container spec may not put anything: the host's own system directories (a task's
@@ -3962,12 +4221,6 @@ def container_spec_problem(spec: Any) -> str | None:
     return None
 
 
-def container_top_names(spec: Mapping[str, Any]) -> list[str]:
-    """The top-level names a container spec claims (/app -> app) (pure)."""
-    dests = [spec["workdir"], *(spec.get("ro") or {}), *(spec.get("scratch") or [])]
-    return sorted({d.strip("/").split("/")[0] for d in dests})
-
-
 def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> list[tuple[str, str, str]]:
     """The mounts of a container spec (pure): the workspace read-write at the workdir, each ro
     source (under `base`) read-only at its path, each scratch path an empty private tmpfs."""
@@ -3978,42 +4231,48 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
     return rows
 
 
-def host_root_entries(claimed: Sequence[str]) -> list[tuple[str, str | None]]:
-    """The host's top-level names for a private root: (name, link target or None), without the
-    ones bubblewrap makes itself (proc, dev, tmp) and the ones a container spec claims."""
-    out: list[tuple[str, str | None]] = []
-    for name in sorted(os.listdir("/")):
-        if name in ("proc", "dev", "tmp") or name in claimed:
-            continue
-        full = "/" + name
-        if os.path.islink(full):
-            out.append((name, os.readlink(full)))
-        elif os.path.isdir(full) or os.path.isfile(full):
-            out.append((name, None))
-    return out
-
-
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                  hidden: Sequence[str], ro: Sequence[str],
+                  hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
                   container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
-    """The sandboxed argv of one check command: its cwd (the workspace, or the oracle's copy)
-    read-write, its pristine check directories read-only, the study, the tasks and the real home
-    masked.  The environment is the caller's (credential-free) one, unchanged.  With a
-    `container` spec (see container_rows) the cwd is also bound at the spec's workdir, where the
-    command starts, and the spec's paths are made (read-only ones from under `container_base`)."""
-    homes = real_homes(env)
-    tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    """The sandboxed argv of one check command: the host's system and tool directories
+    (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
+    directories read-only, no network at all.  The environment is the caller's (credential-free)
+    one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
+    spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
+    under `container_base`)."""
+    base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
     rows: tuple[tuple[str, str, str], ...] = ()
-    entries: tuple[tuple[str, str | None], ...] = ()
     inner = _real(cwd)
     if container:
         rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
-        entries = tuple(host_root_entries(container_top_names(container)))
         inner = str(container["workdir"])
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=inner,
-                       container=rows, root_entries=entries)
-    return sandbox_argv(bwrap, plan, argv)
+    plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
+                               cwd=inner, container=rows)
+    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+
+
+def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """What a sandbox sees on this host, for `where`: the system directories and links, the tool
+    directories, what of /etc is masked, what each launch adds, the networks and the filter."""
+    plan = base_plan(binary, env, [])
+    bound = outermost(plan.base)
+    return {"root": "bubblewrap's own empty root: nothing of the host unless listed here",
+            "system_read_only": [d for d in bound if d in SANDBOX_SYSTEM_DIRS],
+            "system_links": {p: t for p, t in plan.links},
+            "tools_read_only": [d for d in bound if d not in SANDBOX_SYSTEM_DIRS],
+            "etc_masked": sorted(list(d for d in plan.hide if _under(d, "/etc")) + list(plan.mask)),
+            "session_adds": ["its workspace (read-write)", "a private HOME (read-write)",
+                             "an empty private config dir with its own transcript directory (read-write)",
+                             "its system prompt and MCP files (read-only)", "a private /tmp, /dev and /proc",
+                             f"its gateway's socket at {SANDBOX_GATEWAY_SOCKET}"],
+            "check_adds": ["its working directory: the workspace or the oracle's copy (read-write)",
+                           "the pristine gate (and oracle) directories (read-only)",
+                           "a task's container paths, when its check names them",
+                           "a private /tmp, /dev and /proc"],
+            "network": {"session": "an own network namespace; only its gateway, relayed on loopback "
+                                   "(network_open_arms or gateway off: the host's network)",
+                        "check": "none (an own network namespace with only loopback)"},
+            "seccomp": seccomp_here()}
 
 
 # -- the receipt channel of check commands ---------------------------------------------------------
@@ -4715,6 +4974,14 @@ def _check_sandbox(v: Any) -> None:
                               hint='"auto": bubblewrap where it runs; "bwrap": required; "none": never')
 
 
+def _check_network_open_arms(v: Any) -> None:
+    if not (isinstance(v, list) and all(isinstance(a, str) and a for a in v)) or len(v) > 1000:
+        raise AgentbenchError("network_open_arms must be a list of arm names", code="bad_network_open_arms",
+                              file=STUDY_FILE, key="network_open_arms", value=str(v)[:200],
+                              hint='e.g. "network_open_arms": ["with-mcp"]; leave it out to keep every '
+                                   "session's network to its gateway")
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
@@ -4803,6 +5070,9 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
                  'the credentials'),
     Setting("sandbox", None, check=_check_sandbox, flag=str,
             help="auto (bubblewrap where it runs), bwrap (required) or none"),
+    Setting("network_open_arms", None, check=_check_network_open_arms,
+            help="arms whose sandboxed sessions share the host's network (MCP servers, package "
+                 "installs); every other session reaches only its own gateway"),
     Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
@@ -5629,6 +5899,24 @@ def _gateway_server_classes() -> tuple[Any, Any]:
     return _GATEWAY_CLASSES[0]
 
 
+def _gateway_unix_server_class() -> Any:
+    """The gateway's server on a Unix socket (the way in from a sandbox with no network of its
+    own): the same handler, bound to a path instead of a TCP port."""
+    if len(_GATEWAY_CLASSES) < 2:
+        _, tcp_server = _gateway_server_classes()
+
+        class UnixServer(tcp_server):   # type: ignore[valid-type,misc]
+            address_family = socket.AF_UNIX
+
+            def server_bind(self) -> None:   # no host name or port to look up
+                self.socket.bind(self.server_address)
+                self.server_address = self.socket.getsockname()
+                self.server_name, self.server_port = "localhost", 0
+
+        _GATEWAY_CLASSES.append((None, UnixServer))
+    return _GATEWAY_CLASSES[1][1]
+
+
 @dataclass(frozen=True)
 class GatewayAnswer:
     """What the upstream answered one forwarded request: its status and request id, how many
@@ -5687,6 +5975,8 @@ class MeteringGateway:
         self._inflight = 0
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._unix: Any = None
+        self.socket_path: str | None = None
         self.url = ""
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -5700,14 +5990,38 @@ class MeteringGateway:
         self._thread.start()
         return self.url
 
+    def listen_unix(self) -> str:
+        """Also serve on a Unix socket, in a private directory of its own (owner-only) under /tmp
+        (a socket's path must be short), removed by stop(): a sandboxed session reaches its
+        gateway only through it, bound into its sandbox.  Answers the socket's path."""
+        d = tempfile.mkdtemp(prefix="abgw-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        path = os.path.join(d, "gateway.sock")
+        try:
+            srv = _gateway_unix_server_class()(path, _gateway_server_classes()[0])
+        except OSError:
+            os.rmdir(d)
+            raise
+        srv.gateway = self
+        self._unix = srv
+        self.socket_path = path
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+        return path
+
     def claude_vars(self) -> dict[str, str]:
         return {"ANTHROPIC_BASE_URL": self.url, GATEWAY_TOKEN_VAR: self.token}
 
     def stop(self, wait_s: float = GATEWAY_STOP_WAIT_S) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        for srv in (self._server, self._unix):
+            if srv is not None:
+                srv.shutdown()
+                srv.server_close()
+        self._server = self._unix = None
+        if self.socket_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.socket_path))
+            self.socket_path = None
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -7017,6 +7331,7 @@ class Supervisor:
         self.workspace_next_measure: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
+        self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
         self._lock = threading.Lock()
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
@@ -7361,14 +7676,32 @@ class Supervisor:
             finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
                          usage=None, extra={"detail": exc.one_line()})
             return None
-        self.sandbox = sandbox_record(sandbox)
+        # The network the launch decided (network_open_arms); without a gateway, the host's.
+        asked = job.get("sandbox") or {}
+        if self.gateway is None:
+            network, why = session_network([], None, "off")
+        elif asked.get("network") in SESSION_NETWORKS:
+            network, why = str(asked["network"]), asked.get("network_reason")
+        else:
+            network, why = "gateway", None
+        self.sandbox = sandbox_record(sandbox, network, why)
         if sandbox["kind"] == "bwrap":
+            try:
+                sock = self.gateway.listen_unix() if network == "gateway" and self.gateway else None
+                self._seccomp_fd = seccomp_fd()
+            except OSError as exc:
+                if self.gateway is not None:
+                    self.gateway.stop(wait_s=0)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
+                return None
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
                                         hidden=study_hidden_dirs(self.paths.root),
                                         private_home=str(jdir / "home"),
                                         project_dir=str(claude_projects_dir(env)
                                                         / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
+                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")],
+                                        network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
         return argv, env, prompt
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
@@ -7379,9 +7712,16 @@ class Supervisor:
         kwargs = self.platform.tree_popen_kwargs()
         if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
+        if self._seccomp_fd is not None:
+            kwargs["pass_fds"] = (self._seccomp_fd,)
         try:
-            proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
+            try:
+                proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
+            finally:
+                if self._seccomp_fd is not None:   # bwrap holds its own copy now
+                    os.close(self._seccomp_fd)
+                    self._seccomp_fd = None
         except OSError as exc:
             self._stderr_fh.close()
             if self.gateway is not None:
@@ -7743,6 +8083,9 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
     launch = refuse_launch(paths, cfg, ctx.env)
+    network, why = session_network(list(cfg.get("network_open_arms") or []), meta.get("arm"),
+                                   launch["gateway"])
+    launch["sandbox"] = {**launch["sandbox"], "network": network, "network_reason": why}
     env_all = {**ctx.env, **dict(cfg.get("env") or {}), **dict(env_extra or {})}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
         refusal = gateway_refusal(env_all, launch["gateway"])
@@ -8281,6 +8624,11 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
             text, ppath = p.read_text(encoding="utf-8"), str(p)
         arms[name] = Arm(name, text, ppath, spec.get("gate_cycles", 0), spec.get("review", False),
                          spec.get("fork_base", False))
+    unknown = sorted(set(cfg.get("network_open_arms") or []) - set(arms))
+    if unknown:
+        raise AgentbenchError("network_open_arms names arms the study does not have",
+                              code="network_open_arm_unknown", arms=unknown, known=list(arms),
+                              hint="a misspelt arm would keep its sessions off the network; fix the name")
     return arms
 
 
@@ -8558,24 +8906,27 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     # could then read the honest line out and write its own); a socket cannot be.
     pair = socket.socketpair() if uses_fd else None
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
+    sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
     try:
         argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
                           oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
         if sandbox["kind"] == "bwrap":
+            sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
-                                 container=container,
+                                 seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
+        fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
-                          pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
+                          pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
             channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
-        for fd in (rfd, wfd):
+        for fd in (rfd, wfd, sfd):
             if fd >= 0:
                 os.close(fd)
         if tmp:
@@ -8624,12 +8975,18 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
     argv = [a.replace("{reference}", ref_dir) for a in
             expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
                        gate="<gate-not-available>", oracle="<oracle-not-available>")]
-    if sandbox["kind"] == "bwrap":
-        argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
-                             hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
-                             container=container, container_base=ref_dir)
-    timeout = check_timeout_s(spec, "reference")
-    res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform)
+    sfd = seccomp_fd() if sandbox["kind"] == "bwrap" else None
+    try:
+        if sandbox["kind"] == "bwrap":
+            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
+                                 hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
+                                 seccomp=sfd, container=container, container_base=ref_dir)
+        timeout = check_timeout_s(spec, "reference")
+        res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform,
+                          pass_fds=() if sfd is None else (sfd,))
+    finally:
+        if sfd is not None:
+            os.close(sfd)
     if res.timed_out:
         return f"the reference script timed out after {timeout:g} s"
     if res.returncode != 0:
@@ -12158,6 +12515,19 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
         notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
+    opened = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+              and "open" in ((r.get("sandbox") or {}).get("networks") or [])]
+    if opened:
+        why = sorted({w for r in opened for w in (r.get("sandbox") or {}).get("network_opened") or []})
+        notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
+                     f"reach every listening port of the host and other sessions that had it too"
+                     + (f" ({'; '.join(why)})" if why else ""))
+    bare = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+            and (r.get("sandbox") or {}).get("unfiltered")]
+    if bare:
+        why = sorted({w for r in bare for w in (r.get("sandbox") or {}).get("unfiltered") or []})
+        notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
+                     f"their processes could inspect others as the host allows ({'; '.join(why)})")
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
@@ -16419,6 +16789,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     gateway_mode = GATEWAY_DEFAULT
     study_env: dict[str, str] = {}
     sandbox_mode = sandbox_default()
+    open_arms: list[str] = []
     try:
         paths = ctx.study(args)
         study = str(paths.root)
@@ -16428,6 +16799,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         cfg_binary = study_cfg.get("binary")
         executor = str(study_cfg.get("executor") or "local")
         sandbox_mode = sandbox_mode_of(study_cfg)
+        open_arms = list(study_cfg.get("network_open_arms") or [])
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
@@ -16478,8 +16850,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                         + str(probe["reason"]))
     elif kind == "none" and sandbox_mode == "auto":
         warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
+    view = sandbox_view(binary, ctx.env)
+    if kind == "bwrap" and view["seccomp"]["arch"] is None:
+        warnings.append("sandboxed processes run without the seccomp filter here: "
+                        + str(view["seccomp"]["reason"]))
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
-               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host"}
+               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
+               "view": view, "network_open_arms": open_arms}
     git = shutil.which("git")
     git_version = None
     if git:

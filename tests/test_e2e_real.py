@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -327,20 +326,21 @@ def _kill_leftovers(study: Path) -> None:
 
 
 def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_claude):
-    # The session is sandboxed where bubblewrap runs: /tmp (and so tmp_path) is private to it, the
-    # host's other directories are visible read-only, so the release file lives in /var/tmp.
-    release_dir = Path(tempfile.mkdtemp(prefix="agentbench-release-", dir="/var/tmp"))
-    release = release_dir / "release"
+    # The session is sandboxed where bubblewrap runs and sees nothing of the host but its own
+    # workspace and the system: it waits for a file that nobody writes, and the release is a new
+    # script (the scripted model reads it on every request) whose sessions finish at once.
     scripts = tmp_path / "scripts"
     scripts.mkdir()
-    hold = {"steps": [
-        {"text": "Working on it.", "tool_uses": [{"name": "Bash", "input": {
-            "command": f"while [ ! -e {release} ]; do sleep 0.2; done; echo released",
-            "description": "wait for the release file"}}]},
-        {"text": "Done."}]}
-    tmp = scripts / "hold.json.tmp"
-    tmp.write_text(json.dumps(hold))
-    os.replace(tmp, scripts / "hold.json")
+
+    def hold_script(command: str) -> None:
+        hold = {"steps": [
+            {"text": "Working on it.", "tool_uses": [{"name": "Bash", "input": {
+                "command": command, "description": "wait for the release file"}}]},
+            {"text": "Done."}]}
+        tmp = scripts / "hold.json.tmp"
+        tmp.write_text(json.dumps(hold))
+        os.replace(tmp, scripts / "hold.json")
+    hold_script("while [ ! -e release-never-written ]; do sleep 0.2; done; echo released")
     env = cli_env()
     server = subprocess.Popen([sys.executable, str(AGENTBENCH), "serve-model", "--scripts", str(scripts)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -388,7 +388,7 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
         _wait_for(lambda: (study / "state" / "jobs" / job_id / "result.json").exists(),
                   "the driver watchdog to stop the session", timeout=60)
 
-        release.write_text("go")  # from now on a session of this script finishes at once
+        hold_script("echo released")  # from now on a session of this script finishes at once
         code, out, err = run_cli(["run", "--study", str(study), "--force", "--parallel", "1"], env, timeout=300)
         assert code == 0, (out, err[-3000:])
         assert out["interrupted"] == [victim]
@@ -418,4 +418,3 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=30)
-        shutil.rmtree(release_dir, ignore_errors=True)
