@@ -16325,8 +16325,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     # The analysis is fixed with the assignment, before any run: the study's first arm is the
     # baseline, every other arm is compared with it (see analysis_plan).
     plan = analysis_plan(list(arms), list(arms)[0], seed)
-    data = manifest_bytes(manifest, seed, split, plan,
-                          {a: manifest_arm(arm.launch) for a, arm in arms.items()})
+    registered = {a: manifest_arm(arm.launch) for a, arm in arms.items()}
+    data = manifest_bytes(manifest, seed, split, plan, registered)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -16341,7 +16341,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                               hint="run `calibrate` first (or pass --force to assign anyway)")
     mpath = paths.state / "manifests" / f"{split}.json"
     existing = mpath.read_bytes() if mpath.exists() else None
-    if existing is not None and existing == manifest_bytes(manifest, seed, split):
+    if existing is not None and existing in (manifest_bytes(manifest, seed, split),
+                                             manifest_bytes(manifest, seed, split, None, registered)):
         # The same assignment, written before manifests held a plan: kept as it is.  A plan added
         # now, after runs may have been seen, would not be a pre-registration.
         data = existing
