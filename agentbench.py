@@ -4363,12 +4363,17 @@ def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any
 
     Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
     described in `anomalies`."""
-    if u is not None and not isinstance(u, Mapping):
-        note_anomaly(anomalies, where, u, "not an object")
-    u = u if isinstance(u, Mapping) else {}
+    if type(u) is not dict:   # (a plain dict is a Mapping: the ABC check only for the rest)
+        if u is not None and not isinstance(u, Mapping):
+            note_anomaly(anomalies, where, u, "not an object")
+        u = u if isinstance(u, Mapping) else {}
     cc = u.get("cache_creation")
-    cc = cc if isinstance(cc, Mapping) else {}
+    if type(cc) is not dict:
+        cc = cc if isinstance(cc, Mapping) else {}
+
     def num(x: Any, key: str) -> int:
+        if x is None or (type(x) is int and 0 <= x <= MAX_TOKEN_COUNT):   # the common cases, at once
+            return x or 0
         return count_from(x, anomalies=anomalies, where=f"{where}.{key}")
     total_cc = num(u.get("cache_creation_input_tokens"), "cache_creation_input_tokens")
     h1 = num(cc.get("ephemeral_1h_input_tokens"), "cache_creation.ephemeral_1h_input_tokens")
@@ -4461,14 +4466,19 @@ class StreamState:
             return None
 
     def _feed(self, raw: str | bytes) -> dict[str, Any] | None:
-        if isinstance(raw, bytes):
-            raw = raw.decode("utf-8", "replace")
         raw = raw.strip()
         if not raw:
             return None
         self.lines += 1
         try:
             ev = json.loads(raw)
+        except UnicodeDecodeError:
+            # Not UTF-8: read with replacement characters, as a line of text would be.
+            try:
+                ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+            except ValueError:
+                self.bad_lines += 1
+                return None
         except ValueError:
             self.bad_lines += 1
             return None
