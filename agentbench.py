@@ -13500,10 +13500,14 @@ def load_session_source(paths: StudyPaths, job_id: str, ledger: Mapping[str, Map
                         ) -> SessionSource:
     """A job's session read for export: its stream from its raw directory (which must lie inside
     the study), its prompt and system prompt, bounded; what could not be read is in `problems`."""
-    job = read_json(paths.job_file(job_id), default=None)
+    problems: list[str] = []
+    try:
+        job = read_json(paths.job_file(job_id), default=None)
+    except AgentbenchError:
+        job = None
+        problems.append("job.json is not valid JSON")
     job = job if isinstance(job, dict) else {}
     meta = job.get("meta") if isinstance(job.get("meta"), dict) else {}
-    problems: list[str] = []
     raw_dir = job.get("raw_dir")
     events: list[dict[str, Any]] = []
     garbage = 0
@@ -15372,7 +15376,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 @command("export", "the study as Inspect eval logs (one per arm) or ATIF trajectories (one per session)",
-         mutating=False)
+         mutating=True)
 @args_of(_export_args)
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return export_study(load_study(ctx.study(args)), args.format,

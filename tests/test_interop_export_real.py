@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -137,7 +138,9 @@ def test_inspect_view_lists_the_exported_logs(demo_study, tmp_path):
     assert sorted(f["task"] for f in listed["files"]) == ["A", "B", "C", "D"]
 
 
-def test_inspect_view_screenshot_shows_the_samples(demo_study, tmp_path):
+def test_inspect_view_screenshot_shows_the_logs(demo_study, tmp_path):
+    """Headless Chromium renders `inspect view` on the export: the log list names every arm's log
+    with its model (and its sample count and tokens once loaded); the screenshot is kept beside."""
     venv = interop_venv()
     browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
     if browser is None:
@@ -146,11 +149,18 @@ def test_inspect_view_screenshot_shows_the_samples(demo_study, tmp_path):
     code, res, _ = run_cli(["export", "--study", str(demo_study), "--format", "inspect", "--out", str(out)])
     assert code == 0
     shot = tmp_path / "view.png"
+    # Virtual time lets the page's scripts run to completion before the picture is taken.
+    flags = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=120000",
+             "--run-all-compositor-stages-before-draw", "--window-size=1400,900"]
     with inspect_view(venv, out) as url:
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
-                        f"--screenshot={shot}", "--window-size=1400,900", url + "/"], capture_output=True,
-                       timeout=180)
-    assert shot.is_file() and shot.stat().st_size > 10000
+        subprocess.run([*flags, f"--screenshot={shot}", url + "/"], capture_output=True, timeout=300)
+        dom = subprocess.run([*flags, "--dump-dom", url + "/"], capture_output=True, text=True,
+                             timeout=300).stdout
+    assert shot.is_file() and shot.stat().st_size > 20000
+    text = " ".join(re.sub(r"<[^>]+>", " ", dom[dom.find("<body"):]).split())
+    assert "anthropic/claude-opus-4-5" in text
+    for arm in ("A", "B", "C", "D"):
+        assert f" {arm} anthropic/claude-opus-4-5" in text, text[:2000]
 
 
 def test_every_demo_session_exports_as_a_valid_atif_trajectory(demo_study, tmp_path):
