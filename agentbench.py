@@ -238,6 +238,12 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "orphan_after_s": 0,
     "executor": "local",
     "slurm": None,
+    # Every copy or read agentbench makes of what a session left (workspaces, snapshots, review
+    # copies, transcripts) stops at these caps, in MB: per file and per copy (apparent sizes); a
+    # session whose workspace holds more than `workspace_mb` of real blocks is ended.
+    "copy_file_mb": 256,
+    "copy_total_mb": 1024,
+    "workspace_mb": 1024,
 }
 #: Slurm job states in which a submitted supervisor is still queued, starting, running or being
 #: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
@@ -247,7 +253,7 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
-                                  "study_usd": 200.0, "min_remaining_usd": 0.05}
+                                  "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
 #: request that crossed it; the supervisor stops a session whose list-price estimate passes the
 #: budget by this factor plus this pad (an estimate, so only a clear overrun counts).
@@ -255,8 +261,10 @@ BUDGET_BACKSTOP_FACTOR = 1.25
 BUDGET_BACKSTOP_PAD_USD = 0.01
 #: The shortest wall limit a run's next session gets when its run has almost no wall time left.
 MIN_SESSION_WALL_S = 5.0
-#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.
-PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120,
+#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.  Its budget is
+#: a ceiling, not its cost (mostly cache reads): the gateway reserves one token per byte of the
+#: request, so a base of about 190 KB of context still fits at the dearest default price.
+PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 2.0, "stall_after_s": 120,
                                "orphan_after_s": 0}
 #: The rehearsal's training of a per-task base: a few scripted turns.
 TRAIN_REHEARSAL_WALL_S = 600
@@ -303,8 +311,15 @@ class AgentbenchError(Exception):
 
 
 def json_line(obj: Any) -> str:
-    """The one serialisation of command output: compact, sorted keys, newline-terminated."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+    """The one serialisation of command output: compact, sorted keys, newline-terminated.  Text
+    that cannot be UTF-8 (a lone surrogate: a file name's undecodable byte) is written as a JSON
+    escape instead of failing the command."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str)
+    return text + "\n"
 
 
 _LOG_QUIET = False
@@ -443,6 +458,8 @@ def count_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, whe
                hi: int = MAX_TOKEN_COUNT) -> int:
     """A token (or other) count: a whole number in [0, hi]; absent gives 0, anything else 0 plus
     an anomaly (a fractional count is truncated and flagged)."""
+    if type(value) is int and 0 <= value <= hi:   # the common case, answered without a float
+        return value
     f = finite_number(value, lo=0, hi=hi, anomalies=anomalies, where=where)
     if f is None:
         return 0
@@ -2288,6 +2305,416 @@ def touch_last_call(paths: StudyPaths) -> None:
         pass
 
 
+# -- copies and reads of what a session left behind ------------------------------------------------
+# A workspace, a review directory, a snapshot and claude's transcripts may hold anything the agent
+# wrote: links to hidden files or to /dev/zero, FIFOs, sparse files of terabytes, names that are not
+# UTF-8, trees nested past PATH_MAX.  Every copy or read agentbench makes of them outside the sandbox
+# goes through the functions below: a link is copied as a link (or dropped), never followed; a FIFO,
+# socket or device is skipped, never opened for reading; a sparse file stays sparse; and a copy stops
+# at its caps (CopyCaps, from the study settings copy_file_mb and copy_total_mb).  What cannot be
+# copied within these rules raises UnusableTree: the agent's doing, never an infrastructure failure.
+
+#: A copy refuses a tree with more entries than this (each costs system calls, and an honest
+#: workspace is far smaller), ...
+COPY_MAX_ENTRIES = 200_000
+#: ... nested deeper than this (the walk holds one open directory per level), ...
+COPY_MAX_DEPTH = 128
+#: ... or with a relative path longer than this in bytes (past it, the copy's own absolute paths
+#: would pass the platform's PATH_MAX).
+COPY_MAX_PATH_BYTES = 3072
+_READ_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                  | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_DIR_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+#: Directories walked by descriptor (no path is ever re-resolved, so a directory swapped for a link
+#: mid-copy is not followed and depth never meets PATH_MAX); by path where the platform has no *at().
+_BY_FD = os.open in os.supports_dir_fd and os.scandir in os.supports_fd and bool(getattr(os, "O_NOFOLLOW", 0))
+#: errno values of a name the file system will not take: the name's fault, not the machine's.
+NAME_REFUSED_ERRNOS = frozenset(getattr(errno, n) for n in ("ENAMETOOLONG", "EILSEQ") if hasattr(errno, n))
+
+
+def shown_name(name: str) -> str:
+    """A file name as records and reports show it: printable, one line, and distinct for distinct
+    names.  A byte that is not UTF-8 (held by Python as a lone surrogate) becomes \\xNN, another
+    unprintable character (controls, bidi and zero-width marks, line separators) \\xNN below 0x80
+    else \\uNNNN or \\UNNNNNNNN, and a backslash is doubled."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    out = []
+    for ch in name:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif ch.isprintable():
+            out.append(ch)
+        elif code < 0x80:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(out)
+
+
+class UnusableTree(AgentbenchError):
+    """A tree (or file) that cannot be copied or read within the rules above: over a cap, nested
+    too deep, a name the file system refuses, an unreadable entry.  `why` is a short phrase."""
+
+    def __init__(self, why: str, path: str = "", **fields: Any):
+        super().__init__(f"the workspace cannot be copied or read within the copy rules: {why}",
+                         code="workspace_unusable", why=why, path=shown_name(str(path)),
+                         hint="the agent left files over the study's copy caps (copy_file_mb, "
+                              "copy_total_mb, workspace_mb), nested too deep, or unreadable", **fields)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class CopyCaps:
+    """The caps of one copy or read of a tree.  Sizes are apparent sizes (a sparse file counts at its
+    full length); None: no size cap (the experimenter's own task bundle)."""
+    file_bytes: int | None
+    total_bytes: int | None
+    entries: int = COPY_MAX_ENTRIES
+
+
+#: For the experimenter's own files (task bundles): no size cap, still no link followed.
+UNCAPPED = CopyCaps(None, None, entries=10 ** 9)
+#: The caps of a study that sets none (copy_file_mb and copy_total_mb's defaults).
+DEFAULT_COPY_CAPS = CopyCaps(int(DEFAULT_LAUNCH["copy_file_mb"] * 2 ** 20),
+                             int(DEFAULT_LAUNCH["copy_total_mb"] * 2 ** 20))
+
+
+def _at(d: int | str, name: str) -> tuple[str, dict[str, Any]]:
+    """A name in an open directory (descriptor) or a path, with the keyword arguments for os.*."""
+    return (name, {"dir_fd": d}) if isinstance(d, int) else (os.path.join(d, name), {})
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
+                 ) -> tuple[int, os.stat_result] | None:
+    """A descriptor and status of a regular file, opened without following a link and without
+    blocking (a FIFO left by the agent must not hang the reader), judged by what was opened; None
+    for a link, a FIFO, a socket, a device or a missing entry."""
+    try:
+        fd = os.open(path, _READ_NOFOLLOW, **({"dir_fd": dir_fd} if dir_fd is not None else {}))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EOPNOTSUPP):
+            return None          # a link (O_NOFOLLOW) or a socket
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
+    """A regular file's bytes (never through a link, never from a special file); None when the
+    entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > max_bytes:      # it grew while read
+            raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
+                   dir_fd: int | None = None) -> str | None:
+    """sha256 of a regular file's first st_size bytes, opened as open_regular does; None when it is
+    not one; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path, dir_fd=dir_fd)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        h, left = hashlib.sha256(), st.st_size      # a file growing while hashed is read as it was
+        while left > 0:
+            chunk = os.read(fd, min(1 << 20, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _copy_data(src: int, dst: int, size: int, sparse: bool) -> None:
+    """Copy the first `size` bytes; a sparse source is copied extent by extent (SEEK_DATA), its
+    holes left holes, so its real blocks never grow to its apparent size."""
+    def span(start: int, end: int) -> None:
+        os.lseek(src, start, os.SEEK_SET)
+        while start < end:
+            chunk = os.read(src, min(1 << 20, end - start))
+            if not chunk:
+                return
+            if hasattr(os, "pwrite"):
+                os.pwrite(dst, chunk, start)
+            else:
+                os.lseek(dst, start, os.SEEK_SET)
+                os.write(dst, chunk)
+            start += len(chunk)
+
+    if sparse and hasattr(os, "SEEK_DATA"):
+        pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(src, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break            # only a hole is left
+                raise
+            hole = min(os.lseek(src, data, os.SEEK_HOLE), size)
+            span(data, hole)
+            pos = hole
+        os.ftruncate(dst, size)
+    else:
+        span(0, size)
+
+
+@dataclass
+class _CopyTally:
+    caps: CopyCaps
+    listed: int = 0
+    files: int = 0
+    dirs: int = 0
+    links: int = 0
+    bytes: int = 0
+    sparse: int = 0
+    skipped_special: list[str] = field(default_factory=list)
+    dropped_links: list[str] = field(default_factory=list)
+
+    def entry(self, rel: str) -> None:
+        self.listed += 1
+        if self.listed > self.caps.entries:
+            raise UnusableTree("too_many_entries", rel, cap=self.caps.entries)
+        if len(os.fsencode(rel)) > COPY_MAX_PATH_BYTES:
+            raise UnusableTree("path_too_long", rel[:200], cap=COPY_MAX_PATH_BYTES)
+
+    def sized(self, rel: str, size: int) -> None:
+        cap, total = self.caps.file_bytes, self.caps.total_bytes
+        if cap is not None and size > cap:
+            raise UnusableTree("file_over_cap", rel, size=size, cap=cap)
+        if total is not None and self.bytes + size > total:
+            raise UnusableTree("copy_over_cap", rel, size=self.bytes + size, cap=total)
+        self.bytes += size
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": self.files, "dirs": self.dirs, "links": self.links, "bytes": self.bytes,
+                "sparse_files": self.sparse, "skipped_special": self.skipped_special[:50],
+                "dropped_links": self.dropped_links[:50]}
+
+
+def _link_stays_inside(rel: str, target: str) -> bool:
+    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
+    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
+        return False
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
+    return not (joined == ".." or joined.startswith("../"))
+
+
+def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
+                st: os.stat_result, links: str) -> None:
+    """One non-directory entry of safe_copy_tree (files, links, special files)."""
+    sp, skw = _at(sd, name)
+    dp, dkw = _at(dd, name)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.stat(dp, follow_symlinks=False, **dkw).st_mode):
+            os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(sp, **skw)
+        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+            tally.dropped_links.append(shown_name(rel))
+            return
+        os.symlink(target, dp, **dkw)
+        tally.links += 1
+        return
+    if not stat.S_ISREG(st.st_mode):
+        tally.skipped_special.append(shown_name(rel))
+        return
+    opened = open_regular(sp, dir_fd=skw.get("dir_fd"))
+    if opened is None:           # swapped for a link or a FIFO since it was listed: not followed
+        tally.skipped_special.append(shown_name(rel))
+        return
+    fd, fst = opened
+    try:
+        tally.sized(rel, fst.st_size)
+        out = os.open(dp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                      | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0),
+                      (fst.st_mode & 0o777) | 0o600, **dkw)
+        try:
+            sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
+            _copy_data(fd, out, fst.st_size, sparse)
+            tally.sparse += int(sparse)
+        finally:
+            os.close(out)
+        tally.files += 1
+    finally:
+        os.close(fd)
+
+
+def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], caps: CopyCaps, *,
+                   links: str = "keep", skip_names: Iterable[str] = (".git",),
+                   skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
+    """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
+
+    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
+    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
+    exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
+    copy cannot take; the partial copy is left for the caller to remove."""
+    skip = frozenset(skip_names)
+    tally = _CopyTally(caps)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(dst)
+    except FileExistsError:
+        if not overlay:
+            raise
+    opened: list[int] = []
+
+    def opendir(parent: int | str | None, name: str) -> int | str:
+        if not _BY_FD:
+            return name if parent is None else os.path.join(str(parent), name)
+        fd = os.open(name, _DIR_NOFOLLOW, **({"dir_fd": parent} if isinstance(parent, int) else {}))
+        opened.append(fd)
+        return fd
+
+    try:
+        # [source dir, destination dir, relative path, its entries left to copy]
+        root = (opendir(None, os.fspath(src)), opendir(None, os.fspath(dst)))
+        stack: list[tuple[int | str, int | str, str, list[os.DirEntry[str]]]] = []
+
+        def push(sd: int | str, dd: int | str, rel: str) -> None:
+            if len(stack) >= COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(sd) as it:
+                entries = []
+                for e in it:
+                    if e.name in skip or (skip_suffixes and e.name.endswith(skip_suffixes)):
+                        continue
+                    tally.entry(rel + e.name)
+                    entries.append(e)
+            stack.append((sd, dd, rel, sorted(entries, key=lambda e: e.name, reverse=True)))
+
+        push(root[0], root[1], "")
+        while stack:
+            sd, dd, rel, entries = stack[-1]
+            if not entries:
+                stack.pop()
+                for d in (sd, dd):
+                    if isinstance(d, int) and d in opened:
+                        opened.remove(d)
+                        os.close(d)
+                continue
+            e = entries.pop()
+            erel = rel + e.name
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue             # gone since it was listed (a live workspace)
+            if stat.S_ISDIR(st.st_mode):
+                dp, dkw = _at(dd, e.name)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(dp, 0o755, **dkw)
+                try:
+                    sub = opendir(sd, e.name)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                        tally.skipped_special.append(shown_name(erel))   # swapped since listed
+                        continue
+                    raise
+                tally.dirs += 1
+                push(sub, opendir(dd, e.name), erel + "/")
+            else:
+                _copy_entry(tally, sd, dd, e.name, erel, st, links)
+    except UnusableTree:
+        raise
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        if exc.errno in WRITE_REFUSED_ERRNOS and exc.errno not in (errno.EACCES, errno.EPERM):
+            raise                    # the machine's disk, not the agent's tree
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UnusableTree("unreadable", str(exc.filename or ""), detail=exc.strerror) from None
+        raise
+    finally:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return tally.summary()
+
+
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+    """Copy one regular file (a transcript): never through a link, never from a special file,
+    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
+    over the cap; returns the bytes copied."""
+    opened = open_regular(src)
+    if opened is None:
+        raise UnusableTree("not_a_regular_file", str(src))
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(Path(dst))
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        try:
+            _copy_data(fd, out, st.st_size, st.st_blocks * 512 < st.st_size
+                       if hasattr(st, "st_blocks") else False)
+        finally:
+            os.close(out)
+        os.replace(tmp, dst)
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
+def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
+    """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
+    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
+    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
+    total, seen, pending = 0, 0, [os.fspath(root)]
+    while pending:
+        d = pending.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                seen += 1
+                if seen > max_entries:
+                    return stop_above + 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += (st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size)
+                if total > stop_above:
+                    return total
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(e.path)
+    return total
+
+
 # ==================================================================================================
 # Records: the declared shapes of the job's and run's files
 # ==================================================================================================
@@ -2324,6 +2751,7 @@ class JobRecord(TypedDict):
     slurm: dict[str, Any] | None
     gateway: str                     # on | off
     study_usd: float | None          # the study's USD cap at creation
+    unbounded_request_usd: float | None   # the gateway's stated worst case of an unbounded request
     sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
     system_prompt_sha256: str
     prompt_sha256: str
@@ -4218,6 +4646,13 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
+    per_run = budget.get("usd_per_run", DEFAULT_BUDGET["usd_per_run"])
+    if budget.get("unbounded_request_usd", 0) > per_run:
+        raise AgentbenchError("budget.unbounded_request_usd is larger than a run's budget",
+                              code="unbounded_request_usd_above_run_budget",
+                              unbounded_request_usd=budget["unbounded_request_usd"], usd_per_run=per_run,
+                              hint="no such request could ever fit; state a worst case below usd_per_run, "
+                                   "or 0 to refuse them")
 
 
 def _check_prices(prices: Any) -> None:
@@ -4251,6 +4686,15 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
                 raise AgentbenchError(f"an arm's {key} must be true or false", code="arm_setting_not_bool",
                                       arm=name, value=str(spec[key]),
                                       hint=f'write "{key}": true (not a string)')
+
+
+#: The copy caps' settings (copy_file_mb, copy_total_mb, workspace_mb): megabytes, at most this many.
+MEGABYTES_MAX = 10_000_000
+MEGABYTES_WANT = f"a positive number of megabytes (at most {MEGABYTES_MAX})"
+
+
+def _is_megabytes(v: Any) -> bool:
+    return is_number(v) and 0 < v <= MEGABYTES_MAX
 
 
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
@@ -4298,6 +4742,12 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             "an object of string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
+    Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
+    Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the most one copy of a workspace may hold (MB)"),
+    Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="a session whose workspace holds more (MB, real blocks) is ended"),
 )
 #: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
@@ -4308,6 +4758,9 @@ BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_turns": (int, "claude --max-turns of a session"),
     "study_usd": (finite_float, "the study's cost cap: no launch once spent"),
     "min_remaining_usd": (finite_float, "no new session for a run with less budget left"),
+    "unbounded_request_usd": (finite_float, "worst case (USD) the gateway reserves for a request whose cost "
+                                            "its body does not bound (server-side tools, URL or Files API "
+                                            "content, PDFs); 0: such requests are refused"),
 }
 
 
@@ -4381,6 +4834,12 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["prices"] = dict(cfg.get("prices") or {})
     out["gateway"] = cfg.get("gateway") or GATEWAY_DEFAULT
     return out
+
+
+def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
+    """The caps of every copy or read of a session's tree, from the effective launch configuration."""
+    return CopyCaps(file_bytes=int(float(launch["copy_file_mb"]) * 2 ** 20),
+                    total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
 def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
@@ -4479,8 +4938,21 @@ GATEWAY_MAX_BODY_BYTES = 64 << 20
 GATEWAY_CHUNK_BYTES = 64 << 10
 #: A non-streamed answer is kept for metering up to this size (it is forwarded whole regardless).
 GATEWAY_MAX_METER_BYTES = 16 << 20
-#: The worst-case input of a request: its body's bytes / this many (a token is rarely shorter).
-GATEWAY_BYTES_PER_TOKEN = 3.0
+#: The worst-case input of a request: its body's bytes / this many.  A token stands for at least
+#: one byte of the text it encodes, and the body holds every byte of that text (JSON only adds),
+#: so one token per byte bounds what a hostile body can be billed (honest text runs ~4 bytes).
+GATEWAY_BYTES_PER_TOKEN = 1.0
+#: Tokens the API adds to any request beyond its body (the tool-use system prompt, turn framing).
+GATEWAY_OVERHEAD_TOKENS = 2048
+#: Tokens of one inline image, whatever its bytes: the API scales an image down to a bounded size
+#: (a tiny, highly compressed file can stand for a large picture).
+GATEWAY_IMAGE_TOKENS = 8192
+#: Tokens an Anthropic-defined client tool (bash, text editor, computer, memory) adds beyond its
+#: few bytes of definition (its schema and instructions are the API's).
+GATEWAY_CLIENT_TOOL_TOKENS = 2048
+GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
+#: Where a content block's data may come from for its cost to be bounded by the body: inline.
+GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
 #: How long stop() waits for requests still in flight to settle their metering.
@@ -4688,6 +5160,7 @@ class SseMeter:
         self.error: str | None = None
         self.bad = False
         self.events = 0
+        self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -4713,12 +5186,14 @@ class SseMeter:
             msg = ev["message"]
             self.usage, bad = _clean_usage(msg.get("usage"))
             self.bad = self.bad or bad
+            self.updates += 1
             if isinstance(msg.get("model"), str):
                 self.model = msg["model"][:200]
         elif kind == "message_delta":
             usage, bad = _clean_usage(ev.get("usage"))
             self.bad = self.bad or bad
             self.usage.update(usage)
+            self.updates += 1
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -4742,14 +5217,103 @@ def metered_tokens(usage: Mapping[str, Any]) -> dict[str, int]:
     return tokens_from_usage(usage)
 
 
-def worst_case_usd(body_bytes: int, max_tokens: int, model: str | None,
+@dataclass(frozen=True)
+class RequestBound:
+    """What a Messages request body says about its cost (see request_bound): the model it is
+    priced at, whether it streams, its max_tokens, the most input tokens it can be billed, and the
+    parts whose cost the body does not bound (`unbounded`, by name; empty: fully bounded).
+    `readable`: the body is a JSON object this process could parse (one that is not cannot be
+    bounded, and the API would refuse it anyway, unless its parser goes deeper than this one)."""
+    model: str | None
+    stream: bool
+    max_tokens: int
+    input_tokens: int
+    unbounded: tuple[str, ...]
+    readable: bool = True
+
+
+def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
+    """(extra input tokens, unbounded part names) of the content blocks anywhere below `roots`
+    (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
+    number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
+    uploaded container file) and PDF pages (text and a picture per page, compressed) are not
+    bounded by the body."""
+    extra, unbounded = 0, []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        source = node.get("source")
+        if kind == "image":
+            extra += GATEWAY_IMAGE_TOKENS
+        if isinstance(source, dict):
+            stype = source.get("type")
+            if stype not in GATEWAY_INLINE_SOURCES:
+                unbounded.append(f"{str(stype)[:40]}_source")
+            elif stype == "base64" and kind == "document" and source.get("media_type") != "text/plain":
+                unbounded.append("pdf_document")
+        if "file_id" in node:
+            unbounded.append("file_id")
+        if kind == "container_upload":
+            unbounded.append("container_upload")
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return extra, unbounded
+
+
+def request_bound(body: bytes, default_model: str | None) -> RequestBound:
+    """The cost bound of one Messages request body (pure, never raises).
+
+    Input: one token per body byte (GATEWAY_BYTES_PER_TOKEN), plus the API's own overhead, a
+    fixed allowance per image and per Anthropic-defined client tool.  Output: max_tokens (the
+    default when missing or not a positive integer).  Refused by name unless the study states a
+    worst case for them: server-side tools (web search and fetch, code execution, tool search,
+    MCP toolsets; any tool `type` not known to run on the client), remote MCP servers, a code
+    execution container, content fetched from a URL or the Files API, PDF documents, and fast
+    mode (`speed`, priced at a multiple the study's price table does not hold)."""
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        req = None
+    readable = isinstance(req, dict)
+    req = req if isinstance(req, dict) else {}
+    model = req.get("model") if isinstance(req.get("model"), str) else default_model
+    mt = req.get("max_tokens")
+    mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
+    tokens = math.ceil(len(body) / GATEWAY_BYTES_PER_TOKEN) + GATEWAY_OVERHEAD_TOKENS
+    unbounded: list[str] = []
+    tools = req.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in (None, "custom"):
+            continue
+        if isinstance(kind, str) and kind.startswith(GATEWAY_CLIENT_TOOL_PREFIXES):
+            tokens += GATEWAY_CLIENT_TOOL_TOKENS
+        else:
+            unbounded.append("server_tool:" + str(kind)[:60])
+    if req.get("mcp_servers"):
+        unbounded.append("mcp_servers")
+    if req.get("container") is not None:
+        unbounded.append("container")
+    if req.get("speed") not in (None, "standard"):
+        unbounded.append("speed:" + str(req.get("speed"))[:20])
+    extra, parts = _content_bound([req.get("messages"), req.get("system")])
+    unbounded += parts
+    return RequestBound(model=model, stream=bool(req.get("stream")),
+                        max_tokens=mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS, input_tokens=tokens + extra,
+                        unbounded=tuple(sorted(set(unbounded))), readable=readable)
+
+
+def worst_case_usd(input_tokens: int, max_tokens: int, model: str | None,
                    prices: Mapping[str, Sequence[float]] | None) -> float:
-    """What one Messages request can cost at most (pure): its input estimated from the body's
-    size at the dearest input-side price (a cache write costs more than plain input), plus
-    max_tokens of output."""
+    """What one Messages request can cost at most (pure): its input bound at the dearest
+    input-side price (every token could be a 1-hour cache write), plus max_tokens of output."""
     p_in, p_out, p_5m, p_1h, _ = price_for(model, prices)
-    tokens_in = math.ceil(max(body_bytes, 0) / GATEWAY_BYTES_PER_TOKEN)
-    return round((tokens_in * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
+    return round((max(input_tokens, 0) * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
 
 
 def reservation_refusal(worst: float, *, run_cap: float | None, run_used: float,
@@ -4834,8 +5398,9 @@ def gateway_dir(paths: StudyPaths) -> Path:
     return paths.state / "gateway"
 
 
-def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> float:
-    """Metered cost plus reservations in flight of every live job but `exclude`.  A job whose
+def live_reservations_usd(paths: StudyPaths, exclude: str | None = None,
+                          keys: tuple[str, ...] = ("metered_usd", "reserved_usd")) -> float:
+    """Metered cost plus reservations in flight (`keys`) of every live job but `exclude`.  A job whose
     ledger line is written is counted by the ledger instead.  Read under the study's gateway lock
     (see GatewayBudget); a file that still cannot be parsed (its writer died mid-write) is skipped,
     and so is any figure that is not a finite positive number."""
@@ -4850,7 +5415,7 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
                 data = json.loads(Path(entry.path).read_bytes())
             except (OSError, ValueError):
                 continue
-            for key in ("metered_usd", "reserved_usd"):
+            for key in keys:
                 val = data.get(key) if isinstance(data, dict) else None
                 total += spend_from(val)   # an edited reservation file fails closed
     return total
@@ -4907,6 +5472,22 @@ class GatewayBudget:
                 self._publish()
             return refusal
 
+    def reached(self, live: float) -> dict[str, Any] | None:
+        """Which cap the metered spend has reached with `live` (what the answers still streaming
+        have cost so far) counted, or None.  The study's: its ledger spend and every other live
+        job's metered cost (not their reservations: this is spend, not a forecast)."""
+        with self._lock:
+            run_used = self.metered + live
+        if self.run_cap is not None and run_used >= self.run_cap:
+            return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
+        if self.study_cap:
+            with self._study_lock():
+                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
+                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            if used >= self.study_cap:
+                return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
+        return None
+
     def settle(self, reserved: float, cost: float) -> None:
         with self._lock:
             self.reserved = max(self.reserved - reserved, 0.0)
@@ -4945,10 +5526,37 @@ def _gateway_server_classes() -> tuple[Any, Any]:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = 128   # a burst of connections is queued, not reset (the default: 5)
             gateway: "MeteringGateway"
 
         _GATEWAY_CLASSES.append((Handler, Server))
     return _GATEWAY_CLASSES[0]
+
+
+@dataclass(frozen=True)
+class GatewayAnswer:
+    """What the upstream answered one forwarded request: its status and request id, how many
+    chunks were relayed, whether the relay broke off (`error`: why), and the usage, model and
+    stream error read from a Messages answer (`bad`: some usage figure could not be believed)."""
+    status: int
+    request_id: str | None
+    chunks: int
+    aborted: bool
+    error: str | None
+    usage: Mapping[str, Any]
+    model: str | None
+    bad: bool
+    stream_error: str | None
+    cut: bool = False
+
+
+@dataclass(frozen=True)
+class LiveAnswer:
+    """A Messages request on its way: its number among the gateway's, the model it is priced at
+    and the USD reserved for it."""
+    ticket: int
+    model: str | None
+    reserved: float
 
 
 class MeteringGateway:
@@ -4958,7 +5566,7 @@ class MeteringGateway:
     def __init__(self, *, upstream: str | None, creds: Mapping[str, str],
                  prices: Mapping[str, Sequence[float]] | None,
                  record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
-                 default_model: str | None = None):
+                 default_model: str | None = None, unbounded_usd: float = 0.0):
         self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
         self.auth = gateway_auth_headers(creds)
         self.token = "abgw-" + secrets.token_urlsafe(32)
@@ -4966,7 +5574,15 @@ class MeteringGateway:
         self.record_path = Path(record_path)
         self.budget = budget
         self.default_model = default_model
+        #: The worst case the study states for a request the body does not bound (0: refused).
+        self.unbounded_usd = unbounded_usd
         self.refusal: dict[str, Any] | None = None
+        #: Set once the metered spend reached a cap (or an answer cost more than its reservation):
+        #: every live answer is cut, every later Messages request refused, and the supervisor ends
+        #: the session `budget`.
+        self.cutoff: dict[str, Any] | None = None
+        self._live: dict[int, float] = {}
+        self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
@@ -5080,76 +5696,107 @@ class MeteringGateway:
             return None
         return h.rfile.read(length) if length else b""
 
+    def _refuse(self, h: Any, rec: Mapping[str, Any], t0: float, status: int, error: str, message: str,
+                refused: str, *, close: bool = False, messages: bool = False) -> None:
+        """Answer a request that is not forwarded (an API-shaped error) and record why: `refused`
+        names the rule; `messages`: a Messages request, recorded with zero cost and tokens."""
+        if close:
+            h.close_connection = True
+        self._reply(h, status, error, "agentbench gateway: " + message)
+        zero = {"cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}} if messages else {}
+        self._record({**rec, "status": status, "refused": refused, **zero,
+                      "duration_s": round(time.monotonic() - t0, 6)})
+
     def _handle(self, h: Any) -> None:
+        """One request: checked (token, body, path, budget; each refusal is one _refuse), then
+        forwarded, then metered and recorded."""
         t0 = time.monotonic()
         kind, path, allowed = gateway_route(h.command, h.path)
         rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
-            h.close_connection = True
-            self._reply(h, 401, "authentication_error",
-                        "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 401, "authentication_error",
+                         "this request does not carry the job's token", "token", close=True)
             return
         body = self._read_body(h)
         if body is None:
-            h.close_connection = True
-            self._reply(h, 413, "request_too_large",
-                        "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 413, "request_too_large", "request body too large or malformed", "body",
+                         close=True)
             return
         if not allowed:
-            self._reply(h, 403, "permission_error",
-                        "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
-                        "forwarded")
-            self._record({**rec, "status": 403, "refused": "path",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 403, "permission_error",
+                         "only POST /v1/messages and POST /v1/messages/count_tokens are forwarded", "path")
             return
-        reserved = 0.0
-        model = None
+        live = None
         if kind == "messages":
-            try:
-                req = json.loads(body) if body else {}
-            except ValueError:
-                req = {}
-            req = req if isinstance(req, dict) else {}
-            model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
-            mt = req.get("max_tokens")
-            mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
-            max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
-            rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
+            bound = request_bound(body, self.default_model)
+            rec.update({"model": bound.model, "stream": bound.stream, "max_tokens": bound.max_tokens,
+                        "body_bytes": len(body), "input_bound_tokens": bound.input_tokens})
+            if bound.unbounded:
+                rec["unbounded"] = list(bound.unbounded)
+            if self.cutoff is not None:
+                self._refuse(h, {**rec, "refusal": self.cutoff}, t0, 400, "invalid_request_error",
+                             f"budget exhausted: {self.cutoff['limit']} reached, this session's answers were "
+                             f"cut", self.cutoff["limit"], messages=True)
+                return
+            if not bound.readable:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "a Messages request must be a JSON object this gateway can read (its cost is "
+                             "bounded from it)", "unreadable", messages=True)
+                return
+            if bound.unbounded and not self.unbounded_usd:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "this request's cost cannot be bounded from its body ("
+                             + ", ".join(bound.unbounded) + "); a study that accepts such requests states "
+                             "their worst case in budget.unbounded_request_usd", "unbounded", messages=True)
+                return
+            worst = worst_case_usd(bound.input_tokens, bound.max_tokens, bound.model, self.prices)
+            worst = round(worst + (self.unbounded_usd if bound.unbounded else 0.0), 6)
+            reserved = 0.0
             if self.budget is not None:
-                worst = worst_case_usd(len(body), max_tokens, model, self.prices)
                 try:
                     refusal = self.budget.reserve(worst)
                 except AgentbenchError as exc:
-                    self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
-                    self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, rec, t0, 503, "api_error", exc.one_line(), "lock", messages=True)
                     return
                 if refusal is not None:
                     with self._lock:
                         self.refusal = self.refusal or refusal
                     # 400 invalid_request_error is final for the binary: it does not retry it.
-                    self._reply(h, 400, "invalid_request_error",
-                                f"agentbench gateway: budget exhausted: this request's worst case "
-                                f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
-                                f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)")
-                    self._record({**rec, "status": 400, "refused": refusal["limit"], "refusal": refusal,
-                                  "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, {**rec, "refusal": refusal}, t0, 400, "invalid_request_error",
+                                 f"budget exhausted: this request's worst case "
+                                 f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
+                                 f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)",
+                                 refusal["limit"], messages=True)
                     return
                 reserved = worst
+            with self._lock:
+                self._tickets += 1
+                live = LiveAnswer(ticket=self._tickets, model=bound.model, reserved=reserved)
+        answer = self._forward(h, path, body, live)
+        if live is not None:
+            self._meter(rec, answer, live)
+        if answer.cut:
+            rec["cut"] = True
+        if answer.error:
+            rec["error"] = answer.error
+        rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
+                    "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
+        self._record(rec)
+
+    def _forward(self, h: Any, path: str, body: bytes, live: LiveAnswer | None) -> GatewayAnswer:
+        """Send the request upstream with the real credential and relay the answer byte for byte,
+        reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
+        is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
+        cut = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
         aborted = False
         chunks = 0
         request_id = None
+        error = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5190,12 +5837,18 @@ class MeteringGateway:
                 if not data:
                     break
                 chunks += 1
-                if kind == "messages":
+                if live is not None:
                     if is_sse:
+                        seen = meter.updates
                         meter.feed(data)
+                        if meter.updates != seen:
+                            self._observe(live, meter)
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
+                if self.cutoff is not None:
+                    cut = aborted = True   # stop relaying: what was metered of it counts
+                    break
                 try:
                     h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                     h.wfile.flush()
@@ -5213,33 +5866,64 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            error = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
                 with contextlib.suppress(OSError):
                     h.close_connection = True
                     self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
             else:
                 h.close_connection = True
-        if kind == "messages":
-            if kept:
-                usage, rmodel, bad = message_meter(b"".join(kept))
-            else:
-                usage, rmodel, bad = meter.usage, meter.model, meter.bad
-            tokens = metered_tokens(usage)
-            rmodel = rmodel or model
-            cost = estimate_cost_usd(tokens, rmodel, self.prices)
-            if self.budget is not None:
-                self.budget.settle(reserved, cost)
-            rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
-            if meter.error:
-                rec["stream_error"] = meter.error
-            if bad:
-                rec["bad_usage"] = True
-            if reserved and cost > reserved:
-                rec["reservation_exceeded"] = True
-        rec.update({"status": status, "request_id": str(request_id)[:200] if request_id else None,
-                    "chunks": chunks, "aborted": aborted, "duration_s": round(time.monotonic() - t0, 6)})
-        self._record(rec)
+        if kept:
+            usage, model, bad = message_meter(b"".join(kept))
+        else:
+            usage, model, bad = meter.usage, meter.model, meter.bad
+        return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
+                             chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
+                             stream_error=meter.error, cut=cut)
+
+    def _cut(self, why: Mapping[str, Any]) -> None:
+        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        with self._lock:
+            if self.cutoff is None:
+                self.cutoff = dict(why)
+                self.refusal = self.refusal or self.cutoff
+
+    def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
+        """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
+        reservation (the bound failed) or the metered spend, live answers included, reached a cap."""
+        running = estimate_cost_usd(metered_tokens(meter.usage), meter.model or live.model, self.prices)
+        with self._lock:
+            self._live[live.ticket] = running
+            total = sum(self._live.values())
+        if self.budget is None:
+            return
+        if running > live.reserved + 1e-9:
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved,
+                       "cost_usd": round(running, 6)})
+            return
+        with contextlib.suppress(OSError, AgentbenchError):
+            reached = self.budget.reached(total)
+            if reached is not None:
+                self._cut(reached)
+
+    def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
+        """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        tokens = metered_tokens(answer.usage)
+        rmodel = answer.model or live.model
+        cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        with self._lock:
+            self._live.pop(live.ticket, None)   # before it is settled: never counted twice
+        if self.budget is not None:
+            self.budget.settle(live.reserved, cost)
+        rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": live.reserved})
+        if answer.stream_error:
+            rec["stream_error"] = answer.stream_error
+        if answer.bad:
+            rec["bad_usage"] = True
+        if self.budget is not None and cost > live.reserved + 1e-9:
+            rec["reservation_exceeded"] = True
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved, "cost_usd": cost})
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
@@ -5253,13 +5937,15 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     limits = job.get("limits") or {}
     run_cap = limits.get("max_budget_usd")
     study_cap = job.get("study_usd")
+    unbounded = job.get("unbounded_request_usd")
     budget = GatewayBudget(paths, platform, str(job["job_id"]),
                            run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
                            study_cap=(float(study_cap)
                                       if isinstance(study_cap, (int, float)) and study_cap > 0 else None))
     gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
                          record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
-                         default_model=job.get("model"))
+                         default_model=job.get("model"),
+                         unbounded_usd=float(unbounded) if is_number(unbounded) and unbounded > 0 else 0.0)
     gw.start()
     return gw
 
@@ -5337,19 +6023,20 @@ def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
     return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
 
 
-def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str) -> bool:
+def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str,
+                         max_bytes: int | None) -> bool:
     """Make a session resumable from another cwd: `claude --resume` looks only in the cwd's project.
 
-    Copies the transcript (never moves: the base stays usable).  True if it is now in place.
-    """
+    Copies the transcript (never moves: the base stays usable) by safe_copy_file: a transcript
+    the session replaced by a link or a FIFO, or one over `max_bytes`, raises UnusableTree.  True
+    if it is now in place."""
     dst = transcript_path(env, to_cwd, session_id)
-    if dst.exists():
+    if os.path.lexists(dst):
         return True
     src = transcript_path(env, from_cwd, session_id)
-    if not src.exists():
+    if not os.path.lexists(src):
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    safe_copy_file(src, dst, max_bytes if max_bytes is not None else DEFAULT_COPY_CAPS.file_bytes or 0)
     return True
 
 
@@ -5460,6 +6147,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
            "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
            "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
            "study_usd": (launch.get("budget") or {}).get("study_usd"),
+           "unbounded_request_usd": (launch.get("budget") or {}).get("unbounded_request_usd"),
            "sandbox": launch.get("sandbox"),
            "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
            "prompt_sha256": sha256_bytes(prompt.encode())}
@@ -5710,12 +6398,11 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     """Re-parse a raw stream copy (for a job whose supervisor died before finalising)."""
     st = StreamState()
-    try:
-        with open(path, "rb") as fh:
+    opened = open_regular(path)      # never through a link, never a FIFO
+    if opened is not None:
+        with os.fdopen(opened[0], "rb") as fh:
             for line in fh:
                 st.feed(line)
-    except FileNotFoundError:
-        pass
     return st
 
 
@@ -6176,6 +6863,9 @@ class Supervisor:
     """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
 
     POLL_S = 0.1
+    #: The live workspace cap (limits' workspace_max_bytes) is measured this often (seconds): one
+    #: lstat per entry, so not on every poll.
+    WORKSPACE_MEASURE_S = 3.0
 
     def __init__(self, paths: StudyPaths, job_id: str, platform: "Platform"):
         self.paths = paths
@@ -6191,6 +6881,7 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
+        self.workspace_measured_at: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
@@ -6302,6 +6993,9 @@ class Supervisor:
                 self.flags.add("model_substituted")
                 self._stop(proc, claude, "failed", "model_refused")
                 return
+        if self.gateway is not None and self.gateway.cutoff is not None:
+            self._stop(proc, claude, "failed", "budget")   # its gateway cut the answers at a cap
+            return
         budget = lim.get("max_budget_usd")
         if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
             self._stop(proc, claude, "failed", "budget")
@@ -6312,6 +7006,9 @@ class Supervisor:
         if n and tool_results >= int(n):
             self.flags.add("fault_interrupt")
             self._stop(proc, claude, "killed", "fault_interrupt")
+            return
+        if self._workspace_over_cap():
+            self._stop(proc, claude, "failed", "workspace_over_cap")
             return
         orphan = lim.get("orphan_after_s")
         if orphan and self._orphaned(float(orphan)):
@@ -6326,6 +7023,22 @@ class Supervisor:
             if run_elapsed >= float(t) and int(t) not in self.snapshots_done:
                 self.snapshots_done.append(int(t))
                 self._snapshot(int(t))
+
+    def _workspace_over_cap(self) -> bool:
+        """The live workspace cap: every WORKSPACE_MEASURE_S, the real blocks under the session's
+        cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
+        cap = self.limits.get("workspace_max_bytes")
+        now = time.monotonic()
+        if not cap or (self.workspace_measured_at is not None
+                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+            return False
+        self.workspace_measured_at = now
+        used = tree_usage(self.job["cwd"], int(cap))
+        if used <= int(cap):
+            return False
+        self.flags.add("workspace_over_cap")
+        append_event(self.paths, "workspace_over_cap", job_id=self.job_id, bytes=used, cap=int(cap))
+        return True
 
     def _driver_lost(self) -> bool:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
@@ -6374,9 +7087,17 @@ class Supervisor:
         dst = Path(self.limits.get("snapshot_dir") or Path(self.job["raw_dir"]) / "snapshots") / f"t{t:06d}"
         if dst.exists():
             return
-        with contextlib.suppress(OSError, shutil.Error):
-            shutil.copytree(self.job["cwd"], dst, ignore=shutil.ignore_patterns(".git"), dirs_exist_ok=True)
-            append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
+        lim = self.limits
+        caps = CopyCaps(lim.get("copy_file_bytes"), lim.get("copy_total_bytes"))
+        try:
+            copied = safe_copy_tree(self.job["cwd"], dst, caps)
+        except (OSError, UnusableTree) as exc:
+            # No partial snapshot is left to be graded: the run's own end says what the workspace was.
+            shutil.rmtree(dst, ignore_errors=True)
+            append_event(self.paths, "snapshot_refused", job_id=self.job_id, t=t,
+                         why=getattr(exc, "why", None) or f"{type(exc).__name__}: {exc}"[:300])
+            return
+        append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst), bytes=copied["bytes"])
 
     def run(self) -> int:
         """Run the job; a supervisor that fails anyway kills its claude tree and finalises the
@@ -6615,8 +7336,8 @@ class Supervisor:
             if (usage["requests"] and not usage.get("estimated")
                     and cost_mismatch(usage["cost_metered_usd"], usage.get("cost_delta_usd"))):
                 self.flags.add("cost_mismatch")
-            if gw.refusal is not None and self.end is None and status != "ok":
-                status, reason = "failed", "budget"
+            if gw.refusal is not None and self.end is None and (status != "ok" or gw.cutoff is not None):
+                status, reason = "failed", "budget"   # a cut answer ends the session `budget`, whatever came
             wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
             if status == "failed" and not corroborated(reason, wire):
                 # A claimed rate limit or auth failure the wire never saw: written into the stream
@@ -6732,6 +7453,11 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None,
         "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
         "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
         "max_turns": max_turns if max_turns is not None else budget.get("max_turns")}
+    if launch.get("workspace_mb") is not None:
+        # The copy caps the supervisor's snapshots obey, and its live cap on the workspace.
+        caps = copy_caps(launch)
+        limits.update({"copy_file_bytes": caps.file_bytes, "copy_total_bytes": caps.total_bytes,
+                       "workspace_max_bytes": int(float(launch["workspace_mb"]) * 2 ** 20)})
     if extra:
         limits.update(extra)
     return limits
@@ -6922,12 +7648,18 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
         raise AgentbenchError("base is not ready", code="base_not_ready",
                               base=base, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
+    cfg = load_study_config(paths)
+    caps = copy_caps(launch_config(cfg))
     if copy_workspace and not workspace.exists():
-        shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
+        try:
+            safe_copy_tree(rec["cwd"], workspace, caps)   # the base's session wrote it: hostile
+        except BaseException:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise
     workspace.mkdir(parents=True, exist_ok=True)
     sess = session_record(paths, rec["session_id"])
-    env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
-    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
+    env = {**ctx.env, **(cfg.get("env") or {}), **dict(env_extra or {})}
+    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace), caps.file_bytes):
         raise AgentbenchError("the base's session transcript was not found",
                               code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
@@ -7048,35 +7780,69 @@ TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_sys
                   "resume", "train_base")
 
 
-def entry_digest(path: str | os.PathLike[str]) -> str:
+def entry_digest(path: str | os.PathLike[str], max_bytes: int | None = None) -> str:
     """What a manifest records of one directory entry, never following it: a regular file's
     sha256; `symlink:<sha256 of its target text>` for a link; `special:<kind>` for a FIFO, a
-    socket or a device (never opened: reading one could block forever or never end)."""
+    socket or a device (never opened: reading one could block forever or never end).  A regular
+    file over `max_bytes` raises UnusableTree."""
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode):
-        return sha256_file(path)
+        digest = sha256_regular(path, max_bytes)
+        if digest is not None:
+            return digest
+        st = os.lstat(path)      # swapped for something else since it was looked at
     if stat.S_ISLNK(st.st_mode):
         return "symlink:" + sha256_bytes(os.fsencode(os.readlink(path)))
     kind = "fifo" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
     return f"special:{kind}"
 
 
-def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
-    """relative POSIX path -> entry_digest of every entry under `root` that is not a directory
-    (caches and .git excluded; links to directories are entries, never followed)."""
-    root = Path(root)
-    out: dict[str, str] = {}
-    if not root.is_dir():
+def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS
+                 ) -> dict[str, tuple[str, int]]:
+    """shown_name of the relative POSIX path -> (entry_digest, apparent size) of every entry under
+    `root` that is not a directory (caches and .git excluded; links to directories are entries,
+    never followed).  Within the copy caps and rules (UnusableTree past them)."""
+    out: dict[str, tuple[str, int]] = {}
+    if not os.path.isdir(root) or os.path.islink(root):
         return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES and d not in links)
-        for fn in sorted(filenames + links):
-            if fn in IGNORED_BUNDLE_NAMES or fn.endswith(".pyc"):
-                continue
-            full = Path(dirpath) / fn
-            out[full.relative_to(root).as_posix()] = entry_digest(full)
-    return out
+    total = 0
+    pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]
+    try:
+        while pending:
+            d, rel, depth = pending.pop()
+            if depth > COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(d) as it:
+                found = sorted(it, key=lambda e: e.name)
+            for e in found:
+                if e.name in IGNORED_BUNDLE_NAMES or e.name.endswith(".pyc"):
+                    continue
+                erel = rel + e.name
+                if len(os.fsencode(erel)) > COPY_MAX_PATH_BYTES:
+                    raise UnusableTree("path_too_long", erel[:200], cap=COPY_MAX_PATH_BYTES)
+                if len(out) + len(pending) >= caps.entries:
+                    raise UnusableTree("too_many_entries", erel, cap=caps.entries)
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append((e.path, erel + "/", depth + 1))
+                    continue
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                if caps.file_bytes is not None and size > caps.file_bytes:
+                    raise UnusableTree("file_over_cap", erel, size=size, cap=caps.file_bytes)
+                total += size
+                if caps.total_bytes is not None and total > caps.total_bytes:
+                    raise UnusableTree("copy_over_cap", erel, size=total, cap=caps.total_bytes)
+                out[shown_name(erel)] = (entry_digest(e.path, caps.file_bytes), size)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        raise
+    return dict(sorted(out.items()))
+
+
+def tree_manifest(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, str]:
+    """tree_entries' digests: shown relative path -> entry_digest."""
+    return {k: v[0] for k, v in tree_entries(root, caps).items()}
 
 
 def manifest_sha256(manifest: Mapping[str, str]) -> str:
@@ -7120,9 +7886,10 @@ def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
 
 
 def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy a directory's files (caches excluded) onto `dst`, overlaying what is there."""
-    shutil.copytree(src, dst, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES, "*.pyc"))
+    """Copy a directory of the experimenter's (a bundle part, an example) onto `dst`, overlaying
+    what is there; caches left out, links copied as links, special files skipped."""
+    safe_copy_tree(src, dst, UNCAPPED, skip_names=IGNORED_BUNDLE_NAMES, skip_suffixes=(".pyc",),
+                   overlay=True)
 
 
 @dataclass
@@ -7258,9 +8025,9 @@ def load_task(root: Path) -> Task:
         if not (root / "reference").is_dir():
             raise AgentbenchError("task.json names a reference script but the bundle lacks reference/",
                                   code="task_bundle_lacks", task=tid, path=str(root / "reference"))
-    bundle = tree_manifest(root)
+    bundle = tree_manifest(root, UNCAPPED)
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public"), ref_spec)
+                tree_manifest(root / "public", UNCAPPED), ref_spec)
 
 
 def task_text(task: Task) -> str:
@@ -7562,17 +8329,6 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
-def _not_for_the_oracle_copy(directory: str, names: list[str]) -> set[str]:
-    """copytree's ignore: .git and every entry that is neither a directory, a file nor a link."""
-    out = {".git"} & set(names)
-    for name in names:
-        with contextlib.suppress(OSError):
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                out.add(name)
-    return out
-
-
 def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, Any]) -> str:
     """Why a command with a container spec cannot run here (pure)."""
     paths = [container["workdir"], *(container.get("ro") or {}), *(container.get("scratch") or [])]
@@ -7596,8 +8352,10 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
-            # could block forever): the hidden tests grade files.
-            shutil.copytree(workspace, cwd, ignore=_not_for_the_oracle_copy, symlinks=True)
+            # could block forever): the hidden tests grade files.  Past the study's copy caps,
+            # UnusableTree: the agent's failure, not the grader's.
+            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
+            safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -8013,10 +8771,10 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
     return info
 
 
-def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
-    files = {}
-    for rel, digest in tree_manifest(ws).items():
-        files[rel] = {"sha256": digest, "size": os.lstat(Path(ws) / rel).st_size}
+def artifact_manifest(ws: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, Any]:
+    """Every file the run left, by shown name: digest (links and special files never followed)
+    and size; within the copy caps (UnusableTree past them)."""
+    files = {rel: {"sha256": digest, "size": size} for rel, (digest, size) in tree_entries(ws, caps).items()}
     return {"files": files, "sha256": manifest_sha256({k: v["sha256"] for k, v in files.items()})}
 
 
@@ -8128,10 +8886,9 @@ def hidden_file_copies(task: Task, artifacts: Mapping[str, Any], part: str) -> l
     for part, min_bytes in [(part, AUDIT_HIDDEN_MATCH_MIN_BYTES[part])]:
         base = task.root / part
         hidden: dict[str, str] = {}
-        for rel, digest in tree_manifest(base).items():
-            with contextlib.suppress(OSError):
-                if (base / rel).stat().st_size >= min_bytes and digest not in public:
-                    hidden.setdefault(digest, f"{part}/{rel}")
+        for rel, (digest, size) in tree_entries(base, UNCAPPED).items():
+            if size >= min_bytes and digest not in public:
+                hidden.setdefault(digest, f"{part}/{rel}")
         for rel, info in sorted((artifacts.get("files") or {}).items()):
             if isinstance(info, dict) and info.get("sha256") in hidden:
                 out.append({"file": rel, "equals": hidden[str(info["sha256"])]})
@@ -8146,7 +8903,11 @@ def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
         if not any(p.startswith("test") for p in parts):
             continue
         f = Path(ws) / rel
-        if not f.exists() or sha256_file(f) != digest:
+        try:
+            same = entry_digest(f, DEFAULT_COPY_CAPS.file_bytes) == digest   # never followed
+        except (OSError, UnusableTree):
+            same = False
+        if not same:
             out.append(rel)
     return out
 
@@ -8179,6 +8940,11 @@ def agentbench_git_commit(platform: "Platform", host_env: Mapping[str, str]) -> 
     return _GIT_COMMIT[0]
 
 
+#: A reviewer's review.json is read up to this many bytes (a larger one is an invalid review).
+REVIEW_MAX_BYTES = 1 << 20
+#: A run ends with this outcome when its workspace could not be copied or read within the copy
+#: rules (caps, depth, names) or outgrew the live cap: the agent's failure, valid, in the primary view.
+WORKSPACE_UNUSABLE = "workspace_unusable"
 #: A session that "succeeded" faster than this with no tool call and no solution did nothing.
 DEGENERATE_SESSION_S = 10.0
 #: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
@@ -8199,13 +8965,17 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
                  hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
-    "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
+    "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
+    left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
+    valid failure, never an exclusion); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
     gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
     of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
+    elif stop and stop.startswith(WORKSPACE_UNUSABLE + ":"):
+        validity, why = "valid", None
     elif grader_error:
         validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
     elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
@@ -8216,7 +8986,10 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     seen = sorted(set(hidden_access))
     if success and validity == "valid" and seen:
         validity, why = "tainted", "the audit found the agent saw hidden material: " + ", ".join(seen)
-    if grader_error and not infra:
+    unusable = bool(stop and stop.startswith(WORKSPACE_UNUSABLE + ":"))
+    if unusable:
+        outcome = WORKSPACE_UNUSABLE
+    elif grader_error and not infra:
         outcome = "grader_error"
     elif stop == "budget_exhausted":
         outcome = "budget_exhausted"
@@ -8426,8 +9199,11 @@ class RunPipeline:
         work = rdir / "work"
         if rdir.exists():
             shutil.rmtree(rdir)
-        shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
-        changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
+        # Links that lead out of the work are dropped: a reviewer following one would read
+        # whatever it names (the reference, the hidden tests) as the agent's files.
+        caps = copy_caps(self.launch)
+        safe_copy_tree(ws, work, caps, links="inside")
+        changed = sorted(k for k, v in tree_manifest(ws, caps).items() if task.public_manifest.get(k) != v)
         prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task),
                         work_dir=str(work), review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
@@ -8442,8 +9218,10 @@ class RunPipeline:
         """Read and validate review.json of review n; record the verdict (invalid if unusable)."""
         review_path = self.paths.run_dir(self.run_id) / "review" / f"{n:02d}" / "review.json"
         try:
-            review = read_json(review_path, default=None)
-        except AgentbenchError:
+            # The reviewer wrote it: read only a regular file, never through a link, and bounded.
+            data = read_capped(review_path, REVIEW_MAX_BYTES)
+            review = json.loads(data.decode("utf-8")) if data is not None else None
+        except (AgentbenchError, ValueError):
             review = None
         valid = isinstance(review, dict) and review.get("verdict") in ("accept", "revise")
         verdict = review["verdict"] if valid else None  # type: ignore[index]
@@ -8464,6 +9242,14 @@ class RunPipeline:
     def execute(self) -> dict[str, Any]:
         try:
             self._execute()
+        except UnusableTree as exc:
+            # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
+            # failure, graded as such, not an error.
+            if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+                self.end_error(exc.payload.get("error", "error"), exc.payload)
+            else:
+                task, ws = self._prepared
+                self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
         except AgentbenchError as exc:
             self.end_error(exc.payload.get("error", "error"), exc.payload)
         except Exception as exc:  # the pipeline never raises: record and move on
@@ -8540,6 +9326,7 @@ class RunPipeline:
             "fault": fault or None}
         rec["workspace"] = ws_info
         self._save()
+        self._prepared = (task, ws)
         return task, arm, ws, prompt
 
     def _execute(self) -> None:
@@ -8601,6 +9388,8 @@ class RunPipeline:
         st, reason = res.get("status"), res.get("reason")
         if reason == "budget":
             return "budget_exhausted"
+        if reason == "workspace_over_cap":
+            return f"{WORKSPACE_UNUSABLE}:workspace_over_cap"
         if st == "timeout":
             return "timeout"
         if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
@@ -8616,24 +9405,51 @@ class RunPipeline:
             return "budget_exhausted"
         return None
 
-    def finish(self, task: Task, ws: str, stop: str | None) -> None:
-        rec = self.rec
-        run_dir = self.paths.run_dir(self.run_id)
-        rec["artifacts"] = artifact_manifest(ws)
-        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
-        self._collect_transcripts(run_dir)
-        final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
-        write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
-        rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
-        calls: list[dict[str, Any]] = []
-        for j in rec["jobs"]:
-            job = read_json(self.paths.job_file(j["job_id"]), default=None)
-            if job and job.get("kind") != "reviewer":
-                calls += stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+    def _audit_sessions(self, task: Task, ws: str) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """The behaviour audit of every session of the run from its raw stream: the executor's and
+        repair sessions' calls against the workspace, each reviewer's against its own directory
+        (a reviewer that reads the reference is as tainting as an executor that does)."""
         protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
                      "reference": str(task.root / "reference"), "gate": str(task.root / "gate"),
                      "tasks": str(task.root.parent)}
-        findings = audit_tool_calls(calls, ws, protected)
+        n, findings = {"tool_calls": 0, "reviewer_tool_calls": 0}, []
+        for j in self.rec["jobs"]:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            if not job:
+                continue
+            calls = stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+            n["reviewer_tool_calls" if job.get("kind") == "reviewer" else "tool_calls"] += len(calls)
+            if job.get("kind") == "reviewer":
+                for f in audit_tool_calls(calls, str(job.get("cwd") or ws), protected):
+                    findings.append({**f, "session": "reviewer", "job_id": j["job_id"]})
+            else:
+                findings += audit_tool_calls(calls, ws, protected)
+        return n, findings
+
+    def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        rec = self.rec
+        run_dir = self.paths.run_dir(self.run_id)
+        caps = copy_caps(self.launch)
+        unusable = stop if stop and stop.startswith(WORKSPACE_UNUSABLE + ":") else None
+        if unusable is None:
+            try:
+                rec["artifacts"] = artifact_manifest(ws, caps)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if unusable is not None:
+            # Nothing of the workspace is read or graded past this point: the run is the agent's
+            # failure as it stands.
+            rec["artifacts"] = {"files": {}, "sha256": None, "unusable": unusable.split(":", 1)[1]}
+        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
+        self._collect_transcripts(run_dir)
+        final_gate: dict[str, Any] | None = None
+        if unusable is None:
+            final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+            write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
+            rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
+        else:
+            rec["final_contract"] = {"passed": False, "score": 0.0, "not_run": unusable}
+        n_calls, findings = self._audit_sessions(task, ws)
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
         edited = [f for f in edited_public_tests(task, ws)
@@ -8644,11 +9460,19 @@ class RunPipeline:
         copied = hidden_file_copies(task, rec["artifacts"], "oracle")
         if copied:
             findings.append({"kind": "copies_hidden_files", "files": copied})
-        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings),
+        rec["audit"] = {**n_calls, "findings": findings, "flagged": bool(findings),
                         # Said, not flagged: a correct solution may equal the reference (the
                         # rehearsal writes it by design); a reviewer weighs it with the tool calls.
                         "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
-        ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+        ev: dict[str, Any] | None = None
+        if unusable is None:
+            try:
+                ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if ev is None:
+            ev = {"success": False, "score": 0.0, "passed": False, "checks": [], "exit_code": None,
+                  "timed_out": False, "at": utc_now(), "grader_error": None}
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
@@ -8659,15 +9483,17 @@ class RunPipeline:
                                   "protected": ev.get("receipt_protected"),
                                   "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
+        if unusable is not None:
+            evaluation["workspace_unusable"] = unusable.split(":", 1)[1]
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["sandbox"] = sandbox_summary(
             [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-             for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
+             for j in rec["jobs"]] + [(final_gate or {}).get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
+        verdict = classify_run(stop=unusable or stop, first_session=exec_jobs[0] if exec_jobs else None,
                                tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
                                hidden_access=[f["kind"] for f in findings
@@ -8699,9 +9525,15 @@ class RunPipeline:
             if not job or not res or not res.get("session_id"):
                 continue
             src = transcript_path(env, job["cwd"], res["session_id"])
-            if src.exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, out / f"{j['job_id']}-{res['session_id']}.jsonl")
+            if os.path.lexists(src):
+                # The session could write its own transcript: a link (to /dev/zero, to the
+                # reference), a FIFO or a file over the cap is not copied, only recorded.
+                try:
+                    safe_copy_file(src, out / f"{j['job_id']}-{res['session_id']}.jsonl",
+                                   copy_caps(self.launch).file_bytes or 0)
+                except UnusableTree as exc:
+                    self.rec.setdefault("transcripts_refused", []).append(
+                        {"job_id": j["job_id"], "why": exc.why})
 
     def _grade_snapshots(self, task: Task) -> list[dict[str, Any]]:
         """Grade graded snapshots with the hidden tests, cached by content hash."""
@@ -8709,10 +9541,20 @@ class RunPipeline:
         snaps = self.paths.run_dir(self.run_id) / "snapshots"
         cache_dir = self.paths.state / "snapshot_grades"
         for snap in sorted(snaps.glob("t*")) if snaps.exists() else []:
-            digest = manifest_sha256(tree_manifest(snap))
+            try:
+                digest = manifest_sha256(tree_manifest(snap, copy_caps(self.launch)))
+            except UnusableTree as exc:
+                out.append({"t": int(snap.name[1:]), "score": 0.0, "success": False,
+                            WORKSPACE_UNUSABLE: exc.why})
+                continue
             cached = read_json(cache_dir / f"{task.id}-{digest[:24]}.json", default=None)
             if cached is None:
-                r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                try:
+                    r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                except UnusableTree as exc:
+                    out.append({"t": int(snap.name[1:]), "content_sha256": digest, "score": 0.0,
+                                "success": False, WORKSPACE_UNUSABLE: exc.why})
+                    continue
                 cached = {"score": r["score"], "success": r["success"]}
                 write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
             out.append({"t": int(snap.name[1:]), "content_sha256": digest, **cached})
@@ -9781,42 +10623,77 @@ def cache_hit_ratio(tokens: dict) -> float | None:
     return read / denom if denom else None
 
 
-def _usage_empty() -> dict:
+def usage_empty() -> dict:
     return {"jobs": 0, "statuses": {}, "tokens": {k: 0 for k in _USAGE_TOKEN_KEYS},
             "cost_usd": 0.0, "cost_estimated_usd": 0.0, "estimated_jobs": 0,
             "cost_metered_usd": 0.0, "metered_jobs": 0, "requests": 0, "models_metered": {},
             "cache_verdicts": {}, "duration_s": 0.0}
 
 
-def _usage_add(acc: dict, line: dict) -> None:
-    acc["jobs"] += 1
-    status = str(line.get("status") or "(none)")
-    acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
-    tokens = line.get("tokens") or {}
-    for key, value in (tokens.items() if isinstance(tokens, dict) else []):
-        acc["tokens"][key] = acc["tokens"].get(key, 0) + count_from(value)
-    cost = usd_from(line.get("cost_delta_usd")) or 0.0
-    acc["cost_usd"] += cost
-    if line.get("estimated"):
-        acc["cost_estimated_usd"] += cost
-        acc["estimated_jobs"] += 1
+class UsageFigures(NamedTuple):
+    """One ledger line's figures, each checked once (hostile numbers count 0 or are left out),
+    then added to its group and to the totals."""
+    status: str
+    tokens: list[tuple[str, int]]
+    cost: float
+    estimated: bool
+    metered: float | None
+    requests: int
+    models_metered: list[tuple[str, int, float]]
+    verdict: str
+    duration: float
+
+
+def usage_figures(line: dict) -> UsageFigures:
+    tokens = line.get("tokens")
     metered = line.get("cost_metered_usd")
-    if isinstance(metered, (int, float)) and not isinstance(metered, bool):
-        # The gateway's figures beside the binary's own, per model (side models included).
-        acc["cost_metered_usd"] += float(metered)
-        acc["metered_jobs"] += 1
-        acc["requests"] += int(line.get("requests") or 0)
-        for model, row in (line.get("models_metered") or {}).items():
+    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    models: list[tuple[str, int, float]] = []
+    if metered_ok:
+        mm = line.get("models_metered")
+        for model, row in (mm.items() if isinstance(mm, dict) else ()):
             if isinstance(row, dict):
-                mine = acc["models_metered"].setdefault(str(model), {"requests": 0, "cost_usd": 0.0})
-                mine["requests"] += int(row.get("requests") or 0)
-                mine["cost_usd"] = round(mine["cost_usd"] + float(row.get("cost_usd") or 0.0), 6)
-    verdict = str(line.get("cache_verdict") or "(none)")
-    acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
-    acc["duration_s"] += finite_number(line.get("duration_s"), lo=0.0) or 0.0
+                models.append((str(model), count_from(row.get("requests")),
+                               usd_from(row.get("cost_usd")) or 0.0))
+    return UsageFigures(
+        status=str(line.get("status") or "(none)"),
+        tokens=([(key, count_from(value)) for key, value in tokens.items()]
+                if isinstance(tokens, dict) else []),
+        cost=usd_from(line.get("cost_delta_usd")) or 0.0,
+        estimated=bool(line.get("estimated")),
+        metered=float(metered) if metered_ok else None,
+        requests=count_from(line.get("requests")) if metered_ok else 0,
+        models_metered=models,
+        verdict=str(line.get("cache_verdict") or "(none)"),
+        duration=finite_number(line.get("duration_s"), lo=0.0) or 0.0)
 
 
-def _usage_finish(acc: dict) -> dict:
+def usage_add(acc: dict, fig: UsageFigures) -> None:
+    acc["jobs"] += 1
+    statuses = acc["statuses"]
+    statuses[fig.status] = statuses.get(fig.status, 0) + 1
+    tok = acc["tokens"]
+    for key, value in fig.tokens:
+        tok[key] = tok.get(key, 0) + value
+    acc["cost_usd"] += fig.cost
+    if fig.estimated:
+        acc["cost_estimated_usd"] += fig.cost
+        acc["estimated_jobs"] += 1
+    if fig.metered is not None:
+        # The gateway's figures beside the binary's own, per model (side models included).
+        acc["cost_metered_usd"] += fig.metered
+        acc["metered_jobs"] += 1
+        acc["requests"] += fig.requests
+        for model, requests, cost in fig.models_metered:
+            mine = acc["models_metered"].setdefault(model, {"requests": 0, "cost_usd": 0.0})
+            mine["requests"] += requests
+            mine["cost_usd"] = round(mine["cost_usd"] + cost, 6)
+    verdicts = acc["cache_verdicts"]
+    verdicts[fig.verdict] = verdicts.get(fig.verdict, 0) + 1
+    acc["duration_s"] += fig.duration
+
+
+def usage_finish(acc: dict) -> dict:
     tok = acc["tokens"]
     acc["tokens_total"] = sum(tok.get(k, 0) for k in ("input", "output", "cache_creation",
                                                      "cache_read"))
@@ -9851,11 +10728,15 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
         raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
                               choices=list(USAGE_GROUPINGS))
     groups: dict[str, dict] = {}
-    totals = _usage_empty()
+    totals = usage_empty()
     for line in ledger_lines:
+        fig = usage_figures(line)   # checked once, added twice
         key = _usage_key(line, by)
-        _usage_add(groups.setdefault(key, _usage_empty()), line)
-        _usage_add(totals, line)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = usage_empty()
+        usage_add(group, fig)
+        usage_add(totals, fig)
     order = sorted(groups, key=lambda k: (k == "(none)", k))
     notes = []
     if totals["estimated_jobs"]:
@@ -9863,8 +10744,8 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
                      f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
                      f"prices (marked ~)")
     return {"schema": USAGE_SCHEMA, "by": by,
-            "groups": {k: _usage_finish(groups[k]) for k in order},
-            "totals": _usage_finish(totals), "notes": notes}
+            "groups": {k: usage_finish(groups[k]) for k in order},
+            "totals": usage_finish(totals), "notes": notes}
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -11509,11 +12390,13 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
         return {"available": False, "why": "the run's workspace is not on disk", "files": []}
     old, new = _page_tree(starter), _page_tree(workspace)
     files, budget, cut = [], PAGE_DIFF_CHARS, 0
-    for rel in sorted(set(old) | set(new)):
-        a, b = old.get(rel), new.get(rel)
+    for raw in sorted(set(old) | set(new)):
+        rel = shown_name(raw)     # what the page shows: an odd name escaped, never raw bytes
+        a, b = old.get(raw), new.get(raw)
         if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
             try:
-                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                if a.stat().st_size == b.stat().st_size and sha256_regular(a) == sha256_regular(b) \
+                        and sha256_regular(b) is not None:
                     continue
             except OSError:
                 pass
@@ -11731,8 +12614,10 @@ def render_run_page(page: dict) -> str:
         rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
                  if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
-                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 (str(f.get("tool") or "-") + (f" ({f['session']})" if f.get("session") else ""))
+                 if isinstance(f, dict) else "-",
+                 # A path the agent named is shown escaped (control characters, undecodable bytes).
+                 _page_trim(shown_name(str(f.get("path") or f.get("files") or f.get("detail") or "")), 300)[0]
                  if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
         p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
@@ -11843,20 +12728,35 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
     runs = [r for r in runs if str(r.get("arm")) in arms]
     names = page_file_names(r.get("run_id") for r in runs)
     (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
     for r in runs:
-        task = tasks.get(str(r.get("task")))
-        starter = task.public if task else None
-        page = collect_run_page(paths, r, starter)
-        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
-               else None)
-        if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
-                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
-                                    f"the current starter")
-        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
+        target = out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))]
+        try:
+            task = tasks.get(str(r.get("task")))
+            starter = task.public if task else None
+            page = collect_run_page(paths, r, starter)
+            ran = ((r.get("provenance") or {}).get("task_bundle_sha256")
+                   if isinstance(r.get("provenance"), dict) else None)
+            if task and ran and ran != task.bundle_sha256:
+                page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                        f"the study now has {task.bundle_sha256[:16]}): the diff is "
+                                        f"against the current starter")
+            text = render_run_page(page)
+        except Exception as exc:   # one run's odd files never stop the pages of the others
+            failed.append(str(r.get("run_id")))
+            text = render_run_page({"run": {"run_id": r.get("run_id"), "task": r.get("task"),
+                                            "arm": r.get("arm"), "outcome": r.get("outcome"),
+                                            "validity": r.get("validity")},
+                                    "sessions": [], "receipts": [],
+                                    "diff": {"available": False, "files": [],
+                                             "why": f"this run's page could not be read in full: "
+                                                    f"{type(exc).__name__}: {exc}"[:500]}})
+        # Text that cannot be UTF-8 (an undecodable byte of a name) is written as \udcNN.
+        write_bytes_atomic(target, text.encode("utf-8", "backslashreplace"))
     index = out_dir / "index.html"
-    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
-    return {"index": str(index), "run_pages": len(names)}
+    write_bytes_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names))
+                       .encode("utf-8", "backslashreplace"))
+    return {"index": str(index), "run_pages": len(names), "run_pages_partial": failed}
 
 
 # ==================================================================================================
@@ -12684,7 +13584,7 @@ REHEARSAL_BEHAVIOURS = ("solve", "game_tests", "peek_oracle", "budget_burn", "ra
 
 
 def _overlay_files(root: Path) -> list[str]:
-    return sorted(tree_manifest(root)) if root.is_dir() else []
+    return sorted(tree_manifest(root, UNCAPPED)) if root.is_dir() else []
 
 
 def _read_steps(ws: str, rels: Iterable[str]) -> list[dict[str, Any]]:
@@ -13122,6 +14022,24 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]
     return out
 
 
+def report_metering(paths: StudyPaths) -> dict[str, Any]:
+    """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
+    models included), over every ledger line, and the jobs whose two figures disagree; one
+    streamed pass (the ledger is never held in memory)."""
+    counts: dict[str, int] = {}
+    totals = usage_empty()
+    mismatched: list[Any] = []
+    with gc_paused():
+        for line in iter_jsonl(paths.ledger, counts):
+            usage_add(totals, usage_figures(line))
+            if "cost_mismatch" in (line.get("flags") or []):
+                mismatched.append(line.get("job_id"))
+    totals = usage_finish(totals)
+    return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+            "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
+            "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
+
+
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
     """(start, stop, next offset or None) of one page of `total` items."""
     if offset < 0 or limit < 0:
@@ -13317,18 +14235,23 @@ def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
 
 def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
                       ) -> tuple[bytes | None, str | None]:
-    """(up to `cap` bytes of a regular file, a problem or None), never through a link at the last
-    component, never blocking on a FIFO: (None, why) for a file that is missing, a link or special."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    """(up to `cap` bytes of a regular file, a problem or None), opened as open_regular opens
+    (never through a link, never blocking on a FIFO): (None, why) for a file that is missing, a
+    link or special.  Unlike read_capped, a longer file gives its first `cap` bytes, said."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None, "missing"
+        opened = open_regular(path)
     except OSError as exc:
-        return None, f"not read ({'a link' if exc.errno == errno.ELOOP else exc.strerror})"
+        return None, f"not read ({exc.strerror})"
+    if opened is None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError as exc:
+            return None, f"not read ({exc.strerror})"
+        return None, "not read (a link)" if stat.S_ISLNK(mode) else "not a regular file"
+    fd, _ = opened
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, "not a regular file"
         chunks, total = [], 0
         while total <= cap:
             chunk = os.read(fd, min(1 << 20, cap + 1 - total))
@@ -15204,14 +16127,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
-    # The gateways' figures beside the binaries' own, per model (side models included).
-    ledger_lines = read_jsonl(paths.ledger)[0]
-    totals = aggregate_usage(ledger_lines, by="model")["totals"]
-    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"],
-                          "cost_reported_usd": totals["cost_usd"],
-                          "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
-                          "models_metered": totals["models_metered"],
-                          "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
+    report["metering"] = report_metering(paths)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
