@@ -8477,9 +8477,15 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
             staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
             for rel, digest in after.items():
                 changed = task.public_manifest.get(rel) != digest
-                if changed and not digest.startswith(("symlink:", "special:")):
-                    (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+                if not changed or digest.startswith(("symlink:", "special:")):
+                    continue
+                data = Path(ws, rel).read_bytes()
+                try:   # the scripted agent writes text through the Write tool: binary is left out
+                    data.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                (staged / rel).write_bytes(data)
             staged.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(staged, dst)
