@@ -522,6 +522,8 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
                          "--tasks", str(study / "tasks")],
         "_drive": ["_drive", "--study", s],
         "_supervise": ["_supervise", "--study", s, "--job", "j000001"],
+        "export": ["export", "--study", s, "--format", "atif", "--out", str(tmp_path / "exported")],
+        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path), "--tasks", str(tmp_path / "imported")],
     }
 
 
