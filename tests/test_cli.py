@@ -520,6 +520,8 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
         "expire": ["expire", "--study", s, "--base", "b"],
         "_drive": ["_drive", "--study", s],
         "_supervise": ["_supervise", "--study", s, "--job", "j000001"],
+        "export": ["export", "--study", s, "--format", "atif", "--out", str(tmp_path / "exported")],
+        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path), "--tasks", str(tmp_path / "imported")],
     }
 
 
@@ -530,7 +532,7 @@ def test_every_mutating_command_is_covered_by_the_child_refusal_test(study, tmp_
 
 @pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "assign",
                                   "gate", "review", "evaluate", "run", "rehearse", "demo", "tick",
-                                  "expire", "_drive", "_supervise"])
+                                  "expire", "export", "import-tasks", "_drive", "_supervise"])
 def test_child_marker_refuses_mutating_commands(name, study, tmp_path, monkeypatch):
     argv = _child_refusal_cases(study, tmp_path)[name]
     before = tree_snapshot(study)
