@@ -5481,6 +5481,8 @@ def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CA
 GATEWAY_UPSTREAM_DEFAULT = "https://api.anthropic.com"
 #: How long the gateway waits on the upstream for a connection or the next bytes of an answer.
 GATEWAY_UPSTREAM_TIMEOUT_S = 600.0
+#: The longest path a Unix socket may have on every POSIX system (Linux allows 107 bytes).
+GATEWAY_SOCKET_MAX_PATH = 100
 #: Largest request body the gateway accepts (a bigger one is refused with 413).
 GATEWAY_MAX_BODY_BYTES = 64 << 20
 #: Bytes read from the upstream per forwarded chunk.
@@ -6172,6 +6174,7 @@ class MeteringGateway:
         self._thread: threading.Thread | None = None
         self._unix: Any = None
         self.socket_path: str | None = None
+        self._socket_dir: str | None = None   # the private directory made for the socket, if any
         self.url = ""
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -6185,20 +6188,27 @@ class MeteringGateway:
         self._thread.start()
         return self.url
 
-    def listen_unix(self) -> str:
-        """Also serve on a Unix socket, in a private directory of its own (owner-only) under /tmp
-        (a socket's path must be short), removed by stop(): a sandboxed session reaches its
-        gateway only through it, bound into its sandbox.  Answers the socket's path."""
-        d = tempfile.mkdtemp(prefix="abgw-", dir="/tmp" if os.path.isdir("/tmp") else None)
-        path = os.path.join(d, "gateway.sock")
+    def listen_unix(self, near: str | os.PathLike[str] | None = None) -> str:
+        """Also serve on a Unix socket (a sandboxed session reaches its gateway only through it,
+        bound into its sandbox): `gateway.sock` in the directory `near` (the job's) when that path
+        is short enough for a socket, else in a private owner-only directory of its own under
+        /tmp; stop() removes the socket (and that directory).  Answers the socket's path."""
+        own = None
+        path = os.path.join(os.fspath(near), "gateway.sock") if near is not None else ""
+        if not path or len(os.fsencode(path)) > GATEWAY_SOCKET_MAX_PATH:
+            own = tempfile.mkdtemp(prefix="abgw-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            path = os.path.join(own, "gateway.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)   # a socket left by a killed supervisor of this job
         try:
             srv = _gateway_unix_server_class()(path, _gateway_server_classes()[0])
         except OSError:
-            os.rmdir(d)
+            if own:
+                os.rmdir(own)
             raise
         srv.gateway = self
         self._unix = srv
-        self.socket_path = path
+        self.socket_path, self._socket_dir = path, own
         threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
         return path
 
@@ -6214,9 +6224,10 @@ class MeteringGateway:
         if self.socket_path:
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.socket_path))
-            self.socket_path = None
+            if self._socket_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self._socket_dir)
+            self.socket_path = self._socket_dir = None
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -7918,7 +7929,7 @@ class Supervisor:
         self.sandbox = sandbox_record(sandbox, network, why)
         if sandbox["kind"] == "bwrap":
             try:
-                sock = self.gateway.listen_unix() if network == "gateway" and self.gateway else None
+                sock = self.gateway.listen_unix(jdir) if network == "gateway" and self.gateway else None
                 self._seccomp_fd = seccomp_fd()
             except OSError as exc:
                 if self.gateway is not None:

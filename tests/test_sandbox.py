@@ -488,3 +488,26 @@ def test_a_bad_sandbox_default_in_the_given_environment_is_refused():
     with pytest.raises(ab.AgentbenchError) as info:
         ab.sandbox_mode_of({"sandbox": "chroot"}, {})
     assert info.value.code == "bad_sandbox_mode"
+
+
+@pytest.mark.parametrize("long_dir", [False, True], ids=["in-the-job-dir", "path-too-long-so-under-tmp"])
+def test_the_gateway_also_answers_on_its_unix_socket_and_removes_it(tmp_path, long_dir):
+    near = tmp_path / ("d" * 120 if long_dir else "job")
+    near.mkdir()
+    gw = ab.MeteringGateway(upstream="http://127.0.0.1:9", creds={}, prices=None, record_path=tmp_path / "g.jsonl")
+    gw.start()
+    try:
+        path = gw.listen_unix(near)
+        assert (os.path.dirname(path) == str(near)) is (not long_dir)
+        assert len(os.fsencode(path)) <= ab.GATEWAY_SOCKET_MAX_PATH
+        import socket
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nx-api-key: guess\r\n\r\n{}")
+            assert s.recv(64).startswith(b"HTTP/1.1 401"), "a wrong token is refused here too"
+    finally:
+        gw.stop(wait_s=0)
+    assert not os.path.exists(path) and (near.is_dir() and (long_dir or list(near.iterdir()) == []))
+    if long_dir:
+        assert not os.path.exists(os.path.dirname(path))
