@@ -7121,8 +7121,12 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
                only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
-        raise AgentbenchError("tasks directory not found", code="tasks_directory_not_found", tasks=str(tdir),
-                              hint="set `tasks` in study.json (relative to the study dir)")
+        study = shlex.quote(str(paths.root))
+        raise AgentbenchError(f"tasks directory not found: {tdir}", code="tasks_directory_not_found",
+                              tasks=str(tdir),
+                              hint="create a task in it with `python3 agentbench.py new-task --study "
+                                   f"{study} --task NAME`, or point `tasks` in study.json at your "
+                                   "tasks directory")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
         if sub.is_dir() and (sub / "task.json").exists():
@@ -7130,9 +7134,10 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
             tasks[t.id] = t
     tasks = pick_tasks(tasks, only)
     if not tasks:
-        raise AgentbenchError("no tasks found", code="no_tasks_found", tasks=str(tdir),
+        raise AgentbenchError(f"no tasks found in {tdir}", code="no_tasks_found", tasks=str(tdir),
                               hint="each task is a directory tasks/<id>/ holding task.json, public/, "
-                                   "gate/ and oracle/ (see examples/study)")
+                                   "gate/ and oracle/; `python3 agentbench.py new-task --study "
+                                   f"{shlex.quote(str(paths.root))} --task NAME` writes one")
     return tasks
 
 
@@ -7480,6 +7485,35 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
 
 # -- calibration -----------------------------------------------------------------------------------
 
+def check_failure_text(rec: Mapping[str, Any]) -> str:
+    """Why a check did not pass, in one line a task author can act on (pure): the receipt's
+    problem or the grader error, the exit status, and the end of its stderr."""
+    parts = []
+    if rec.get("receipt_problem"):
+        parts.append(str(rec["receipt_problem"]))
+    if rec.get("grader_error"):
+        parts.append(f"grader error: {rec['grader_error']}")
+    if rec.get("timed_out"):
+        parts.append("timed out")
+    parts.append(f"exit {rec.get('exit_code')}")
+    tail = str(rec.get("stderr_tail") or "").strip()
+    if tail:
+        parts.append("stderr: " + " | ".join(tail.splitlines()[-3:])[-300:])
+    return "; ".join(parts)
+
+
+def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """What calibrate records of one check run: its verdict and, when it did not pass, why."""
+    out = {"passed": bool(rec.get("passed")), "score": rec.get("score"), "exit_code": rec.get("exit_code")}
+    if rec.get("receipt_problem"):
+        out["receipt_problem"] = rec["receipt_problem"]
+    if rec.get("grader_error"):
+        out["grader_error"] = rec["grader_error"]
+    if not out["passed"] or rec.get("grader_error"):
+        out["stderr_tail"] = str(rec.get("stderr_tail") or "")[-500:]
+    return out
+
+
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                    env: Mapping[str, str]) -> dict[str, Any]:
     """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
@@ -7501,15 +7535,17 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                 g = run_check(paths, platform, task, "gate", ws, env)
                 o = run_check(paths, platform, task, "oracle", ws, env)
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
-                             "oracle_success": o["success"]})
+                             "oracle_success": o["success"], "gate": check_diagnosis(g),
+                             "oracle": check_diagnosis(o)})
                 if not g["passed"]:
                     problems.append(f"attempt {i}: the gate fails on starter + reference: "
-                                    f"{g['stderr_tail'][-300:]}")
+                                    + check_failure_text(g))
                 if o.get("grader_error"):
-                    problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
+                    problems.append(f"attempt {i}: the oracle gave no valid verdict: "
+                                    + check_failure_text(o))
                 elif not o["success"]:
                     problems.append(f"attempt {i}: the hidden tests score {o['score']} "
-                                    f"< threshold {task.threshold}")
+                                    f"< threshold {task.threshold}: " + check_failure_text(o))
         partial_gate = None
         if task.partial.is_dir():
             # The rehearsal submits partial/ first so that gate feedback cycles really happen:
@@ -12884,6 +12920,254 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             "faults": dict(applied)}
 
 
+# -- new-task: a complete task bundle to start from ------------------------------------------------
+
+#: The kinds of task `new-task` writes: what the agent is asked to do in each.
+SCAFFOLD_KINDS = {"python-fix": "fix a bug in a small Python module",
+                  "cli": "add an option to a small command-line tool"}
+
+#: The hidden oracle every scaffolded task starts with.  The receipt channel the safe way: the
+#: descriptor is made non-inheritable at once and the process non-dumpable, the code under test
+#: runs only in child processes (which never get the descriptor), and this parent alone writes
+#: the one receipt line after they finished.  %(checks)s is the task kind's list of checks.
+SCAFFOLD_ORACLE = '''#!/usr/bin/env python3
+"""Hidden tests of the task: agentbench never copies this directory into a workspace.
+
+EDIT HERE: the CHECKS list. A check is (id, the arguments after `python`, the stdout it must
+print). Each runs in a child process with the workspace copy as its directory, so the code under
+test never runs in this process and never sees the receipt channel.
+Usage (agentbench passes both, see task.json): run.py WORKSPACE --receipt-fd FD
+"""
+import json
+import os
+import subprocess
+import sys
+
+CHECKS = [
+%(checks)s
+]
+TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
+
+
+def not_dumpable():
+    """Linux: no other process of this user may take this process's descriptors."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
+    except (OSError, AttributeError):
+        pass
+
+
+def run_check(workspace, args, expected):
+    try:
+        proc = subprocess.run([sys.executable, "-E", "-s", *args], cwd=workspace, text=True,
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, "timed out after %%d s" %% TIMEOUT_S
+    got = proc.stdout.strip()
+    if got == expected:
+        return True, "ok"
+    return False, "expected %%r, got %%r (exit %%d) %%s" %% (expected, got[-200:], proc.returncode,
+                                                        proc.stderr.strip()[-300:])
+
+
+def main(argv):
+    if len(argv) != 4 or argv[2] != "--receipt-fd":
+        print("usage: run.py WORKSPACE --receipt-fd FD", file=sys.stderr)
+        return 2
+    fd = int(argv[3])
+    os.set_inheritable(fd, False)   # no child process (no code under test) is handed the channel
+    not_dumpable()
+    checks = []
+    for check_id, args, expected in CHECKS:
+        passed, detail = run_check(argv[1], args, expected)
+        checks.append({"id": check_id, "passed": passed, "detail": detail})
+    n = sum(1 for c in checks if c["passed"])
+    receipt = {"passed": n == len(checks), "score": n / len(checks), "checks": checks,
+               "tests_passed": n, "tests_total": len(checks)}
+    os.write(fd, (json.dumps(receipt) + "\\n").encode("utf-8"))   # the one receipt line
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+'''
+
+_FIX_STARTER = '''"""Small statistics helpers."""
+
+
+def mean(values):
+    """The arithmetic mean of a non-empty list of numbers; ValueError when it is empty."""
+    return sum(values) / (len(values) - 1)
+
+
+def clamp(value, low, high):
+    """value limited to [low, high]."""
+    return max(low, min(value, high))
+'''
+
+_FIX_REFERENCE = _FIX_STARTER.replace(
+    "    return sum(values) / (len(values) - 1)",
+    '    if not values:\n        raise ValueError("mean of an empty list")\n'
+    "    return sum(values) / len(values)")
+
+_FIX_TESTS = '''import unittest
+
+import stats
+
+
+class TestStats(unittest.TestCase):
+    def test_mean(self):
+        self.assertEqual(stats.mean([2, 4, 6]), 4)
+
+    def test_clamp(self):
+        self.assertEqual(stats.clamp(15, 0, 10), 10)
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+_FIX_CHECKS = '''    ("mean_of_three", ["-c", "import stats; print(stats.mean([2, 4, 6]))"], "4.0"),
+    ("mean_of_one", ["-c", "import stats; print(stats.mean([5]))"], "5.0"),
+    ("mean_of_floats", ["-c", "import stats; print(stats.mean([0.5, 1.5]))"], "1.0"),
+    ("mean_of_empty", ["-c", "import stats\\ntry:\\n    stats.mean([])\\nexcept ValueError:\\n"
+                                "    print('ValueError')"], "ValueError"),
+    ("clamp_kept", ["-c", "import stats; print(stats.clamp(15, 0, 10))"], "10"),'''
+
+_FIX_TASK_MD = '''# Fix the mean
+
+`stats.mean` gives wrong answers: `mean([2, 4, 6])` should be `4.0`. Fix it, and make
+`mean([])` raise `ValueError` instead of crashing with another error. Keep `clamp` as it is.
+'''
+
+_CLI_STARTER = '''"""greet: a tiny command-line tool.  Usage: python3 greet.py NAME [--shout]"""
+import argparse
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="greet")
+    parser.add_argument("name")
+    args = parser.parse_args(argv)
+    print(f"Hello, {args.name}!")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+
+_CLI_REFERENCE = _CLI_STARTER.replace(
+    '    parser.add_argument("name")\n',
+    '    parser.add_argument("name")\n'
+    '    parser.add_argument("--shout", action="store_true", help="print in capitals")\n').replace(
+    '    print(f"Hello, {args.name}!")\n',
+    '    text = f"Hello, {args.name}!"\n    print(text.upper() if args.shout else text)\n')
+
+_CLI_TESTS = '''import subprocess
+import sys
+import unittest
+
+
+def greet(*args):
+    return subprocess.run([sys.executable, "greet.py", *args], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+class TestGreet(unittest.TestCase):
+    def test_plain(self):
+        self.assertEqual(greet("Ada"), "Hello, Ada!")
+
+    def test_shout(self):
+        self.assertEqual(greet("Ada", "--shout"), "HELLO, ADA!")
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+_CLI_CHECKS = '''    ("plain", ["greet.py", "Ada"], "Hello, Ada!"),
+    ("shout", ["greet.py", "Ada", "--shout"], "HELLO, ADA!"),
+    ("shout_before_name", ["greet.py", "--shout", "Lin"], "HELLO, LIN!"),
+    ("two_words", ["greet.py", "Grace Hopper", "--shout"], "HELLO, GRACE HOPPER!"),'''
+
+_CLI_TASK_MD = '''# Add --shout to greet
+
+`python3 greet.py NAME` prints `Hello, NAME!`. Add an option `--shout` that prints the same
+greeting in capitals (`python3 greet.py Ada --shout` prints `HELLO, ADA!`), before or after
+the name. Without it the output stays as it is.
+'''
+
+#: What each kind writes: (starter file, starter, reference, public tests, TASK.md, oracle checks).
+SCAFFOLD_FILES = {"python-fix": ("stats.py", _FIX_STARTER, _FIX_REFERENCE, _FIX_TESTS, _FIX_TASK_MD,
+                                 _FIX_CHECKS),
+                  "cli": ("greet.py", _CLI_STARTER, _CLI_REFERENCE, _CLI_TESTS, _CLI_TASK_MD, _CLI_CHECKS)}
+
+
+def scaffold_files(task_id: str, kind: str) -> dict[str, str]:
+    """The files of a new task bundle of `kind`, by path relative to the task's directory (pure)."""
+    if kind not in SCAFFOLD_FILES:
+        raise AgentbenchError("unknown task kind", code="unknown_task_kind", kind=kind,
+                              kinds=sorted(SCAFFOLD_FILES), hint="pass --kind " + " or --kind ".join(
+                                  sorted(SCAFFOLD_FILES)))
+    starter_name, starter, reference, tests, task_md, checks = SCAFFOLD_FILES[kind]
+    test_name = "test_" + starter_name
+    spec = {"id": task_id, "title": task_md.splitlines()[0].lstrip("# ").strip(),
+            "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"],
+                     "timeout_s": 120},
+            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd",
+                               "{receipt_fd}"], "timeout_s": 300, "threshold": 1.0},
+            "check_hint": "Run the public tests from the workspace root with: "
+                          "python3 -m unittest discover -s tests -t tests"}
+    edit = (f"# Task {task_id} ({kind}): where to edit\n\n"
+            "Written by `agentbench.py new-task`; this file is not part of any workspace.\n\n"
+            "| file | what to change |\n|---|---|\n"
+            "| `task.json` | the title; the commands' `timeout_s`; the oracle's `threshold` |\n"
+            "| `public/TASK.md` | the statement the agent reads |\n"
+            f"| `public/{starter_name}` | the starter code the agent gets |\n"
+            f"| `public/tests/{test_name}` | the public tests the agent may run |\n"
+            f"| `gate/{test_name}` | the public checks the controller runs (keep them like the "
+            "public tests) |\n"
+            "| `oracle/run.py` | the hidden tests: its `CHECKS` list |\n"
+            f"| `reference/{starter_name}` | a solution: it must pass the gate and the oracle, "
+            "and the starter must fail the oracle |\n\n"
+            "Then run `python3 agentbench.py calibrate --study STUDY`: it checks all of that, "
+            "without a model.\n")
+    return {"task.json": json.dumps(spec, indent=2) + "\n", "EDIT.md": edit,
+            "public/TASK.md": task_md, f"public/{starter_name}": starter,
+            f"public/tests/{test_name}": tests, f"gate/{test_name}": tests,
+            "oracle/run.py": SCAFFOLD_ORACLE % {"checks": checks},
+            f"reference/{starter_name}": reference}
+
+
+def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
+    """`new-task`: write a complete task bundle into the study's tasks directory.  A bad name, an
+    unknown kind or an existing task directory is refused before anything is written; the bundle
+    appears whole (written beside it, then renamed into place)."""
+    check_name("task", task_id)
+    files = scaffold_files(task_id, kind)
+    cfg = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
+    tdir = tasks_dir(paths, cfg if isinstance(cfg, dict) else {})
+    dest = tdir / task_id
+    if dest.exists() or dest.is_symlink():
+        raise AgentbenchError("the task directory already exists", code="task_already_exists",
+                              task=task_id, path=str(dest),
+                              hint="choose another name, or delete the directory first")
+    tdir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".new-{task_id}-", dir=tdir))
+    try:
+        for rel, text in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"task": task_id, "kind": kind, "dir": str(dest), "files": sorted(files),
+            "edit": str(dest / "EDIT.md")}
+
+
 # ==================================================================================================
 # The CLI and main
 # ==================================================================================================
@@ -13137,6 +13421,11 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         existing, {st.key: getattr(args, st.key) for st in STUDY_SETTINGS if st.flag is not None},
         {key: getattr(args, key) for key in BUDGET_SETTINGS}, slurm_partition=args.slurm_partition,
         env_items=args.env)
+    if not cfg.get("arms"):
+        # A study needs an arm; the first one is the report's baseline.  Others are added to
+        # study.json by hand (see the README's "Your first study").
+        cfg["arms"] = {"baseline": {}}
+        changed.append("arms")
     check_study_shape(cfg)
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -13158,8 +13447,13 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         with RegistryLock(paths.lock, ctx.platform):
             if not paths.registry.exists():
                 write_json_atomic(paths.registry, read_registry(paths))
+    tdir = tasks_dir(paths, cfg)
+    has_tasks = tdir.is_dir() and any((sub / "task.json").is_file() for sub in tdir.iterdir())
+    study = shlex.quote(str(root))
     return {"study": str(root), "created": existing is None, "changed": changed, "config": cfg,
-            "launch": launch_config(cfg)}
+            "launch": launch_config(cfg),
+            "next": (f"python3 agentbench.py calibrate --study {study}" if has_tasks
+                     else f"python3 agentbench.py new-task --study {study} --task NAME")}
 
 
 # -- train / spawn / continue ----------------------------------------------------------------------
@@ -13407,8 +13701,45 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle",
          mutating=True)
 @args_of(_calibrate_args)
-def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
+def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    paths = ctx.study(args)
+    out = calibrate_study(ctx, load_study(paths), args.task)
+    study = shlex.quote(str(paths.root))
+    failed = sorted(t for t, r in out["tasks"].items() if not r["ok"])
+    if failed:
+        return 2, {**out, "error": "calibration failed for " + ", ".join(failed),
+                   "code": "calibration_failed", "failed": failed,
+                   "hint": "fix what tasks.<id>.problems names (each attempt's gate and oracle give the "
+                           "receipt problem, exit status and stderr), then run "
+                           f"`python3 agentbench.py calibrate --study {study}` again"}
+    if out["uncalibrated"]:
+        out["next"] = f"python3 agentbench.py calibrate --study {study}"
+    else:
+        out["next"] = f"python3 agentbench.py assign --study {study}"
+    return 0, out
+
+
+def _new_task_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", help="the study directory (default $AGENTBENCH_STUDY, else the cwd); "
+                                   "it need not have a study.json yet")
+    p.add_argument("--task", required=True, help="the new task's id: its directory name under tasks/")
+    p.add_argument("--kind", default="python-fix", choices=sorted(SCAFFOLD_KINDS),
+                   help="; ".join(f"{k}: {v}" for k, v in SCAFFOLD_KINDS.items()))
+
+
+@command("new-task", "write a complete task bundle (statement, starter, public tests, hidden oracle, "
+                     "reference) that calibrates at once", mutating=True)
+@args_of(_new_task_args)
+def cmd_new_task(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if not (args.study or ctx.env.get("AGENTBENCH_STUDY")):
+        raise AgentbenchError("no study given", code="no_study_given",
+                              hint="pass --study DIR (the directory need not exist yet)")
+    paths = ctx.study(args, must_exist=False)
+    out = scaffold_task(paths, args.task, args.kind)
+    study = shlex.quote(str(paths.root))
+    out["next"] = (f"python3 agentbench.py calibrate --study {study}" if paths.study_file.exists()
+                   else f"python3 agentbench.py init --study {study}")
+    return out
 
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
