@@ -4110,12 +4110,30 @@ def _check_sandbox(v: Any) -> None:
                               hint='"auto": bubblewrap where it runs; "bwrap": required; "none": never')
 
 
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> dict[str, str]:
+    """For each unknown key, the known one it is most likely a misspelling of (pure)."""
+    out = {}
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+        if close:
+            out[str(key)] = close[0]
+    return out
+
+
+def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
+    guesses = did_you_mean(unknown, known)
+    if guesses:
+        return "did you mean " + ", ".join(f"`{v}` for `{k}`" for k, v in guesses.items()) + "?"
+    return f"a misspelt {what} would be ignored; fix or remove it"
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
         raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
-                              keys=unknown,
-                              known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
+                              keys=unknown, known=sorted(DEFAULT_BUDGET),
+                              did_you_mean=did_you_mean(unknown, sorted(DEFAULT_BUDGET)),
+                              hint=_misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
@@ -4143,7 +4161,8 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
         if extra:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
                                   arm=name, keys=extra, known=list(ARM_KEYS),
-                                  hint="a misspelt arm setting would be ignored; fix or remove it")
+                                  did_you_mean=did_you_mean(extra, ARM_KEYS),
+                                  hint=_misspelt_hint(extra, ARM_KEYS, "arm setting"))
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
                                   arm=name)
@@ -4225,10 +4244,12 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
     model id, an effort) are checked by validate_launch_values where sessions are launched."""
     unknown = sorted(k for k in set(cfg) - STUDY_KEYS if not str(k).startswith("_"))
     if unknown:
+        guesses = did_you_mean(unknown, sorted(STUDY_KEYS))
         raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
                               keys=unknown, known=sorted(STUDY_KEYS),
-                              hint="a misspelt key would be ignored; fix or remove it (keys starting "
-                                   "with _ are free, e.g. for a comment)")
+                              did_you_mean=guesses,
+                              hint=(_misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
+                                    + " (keys starting with _ are free, e.g. for a comment)"))
     for setting in STUDY_SETTINGS:
         val = cfg.get(setting.key)
         if val is None:
@@ -4388,6 +4409,10 @@ GATEWAY_MAX_METER_BYTES = 16 << 20
 GATEWAY_BYTES_PER_TOKEN = 3.0
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
+#: After this many requests in a row found the upstream unreachable, the gateway answers the next
+#: ones with an error the binary does not retry, so the session ends at once instead of after
+#: minutes of retries against an upstream that is not there.
+GATEWAY_UNREACHABLE_FINAL = 2
 #: How long stop() waits for requests still in flight to settle their metering.
 GATEWAY_STOP_WAIT_S = 10.0
 #: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
@@ -4490,6 +4515,12 @@ def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None
         return AgentbenchError("the metering gateway cannot carry a claude.ai login "
                                "(CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
                                refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
+    if not any(env.get(v) for v in GATEWAY_CARRIED):
+        # Without one every session would fail on authentication, after its retries.
+        return AgentbenchError("no credential for the model API: the gateway has nothing to forward",
+                               code="no_credential", refusal="gateway", credentials=[],
+                               hint="export ANTHROPIC_API_KEY=... (or ANTHROPIC_AUTH_TOKEN) in the shell "
+                                    "that runs agentbench; `rehearse` and `demo` need none")
     return None
 
 
@@ -4523,6 +4554,63 @@ def gateway_auth_headers(creds: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
+
+
+#: How long the preflight request to the upstream (`where --check-api`, the start of `run`) may
+#: take in all, name resolution included.
+UPSTREAM_CHECK_TIMEOUT_S = 8.0
+
+
+def upstream_check_verdict(status: int | None, body: bytes, error: str | None) -> dict[str, Any]:
+    """What the answer to the preflight count_tokens request says (pure): ok, or the problem
+    (`upstream_unreachable`, `credential_rejected`, `upstream_refused`) and the reason in words."""
+    if status is None:
+        return {"ok": False, "problem": "upstream_unreachable",
+                "reason": f"the upstream could not be reached: {error}"[:400]}
+    message = ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(body[:65536].decode("utf-8", "replace")).get("error")
+        message = str(err.get("message") if isinstance(err, dict) else err or "")[:300]
+    if 200 <= status < 300:
+        return {"ok": True, "status": status}
+    if status in (401, 403):
+        return {"ok": False, "status": status, "problem": "credential_rejected",
+                "reason": f"the upstream rejected the credential (HTTP {status}): {message}".rstrip(": ")}
+    return {"ok": False, "status": status, "problem": "upstream_refused",
+            "reason": f"the upstream refused a count_tokens request (HTTP {status}): {message}".rstrip(": ")}
+
+
+def check_upstream(env: Mapping[str, str], model: str,
+                   timeout_s: float = UPSTREAM_CHECK_TIMEOUT_S) -> dict[str, Any]:
+    """One free request (POST /v1/messages/count_tokens) to the upstream the gateway would use,
+    with the credential it would carry: whether the upstream answers and accepts the key.  Takes
+    at most `timeout_s` (an unanswered request is a verdict too)."""
+    url = (env.get("ANTHROPIC_BASE_URL") or "").strip() or GATEWAY_UPSTREAM_DEFAULT
+    scheme, host, port, prefix = gateway_upstream(url)
+    headers = dict(gateway_auth_headers({k: env[k] for k in GATEWAY_WITHHELD if env.get(k)}))
+    headers.update({"content-type": "application/json", "anthropic-version": "2023-06-01"})
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}]}).encode()
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        conn = (http.client.HTTPSConnection(host, port, timeout=timeout_s,
+                                            context=ssl.create_default_context())
+                if scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout_s))
+        try:
+            conn.request("POST", prefix + "/v1/messages/count_tokens", body=body, headers=headers)
+            resp = conn.getresponse()
+            got.update(status=resp.status, body=resp.read(65536))
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            got["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            conn.close()
+
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or not got:
+        got = {"error": f"no answer within {timeout_s:g} s"}
+    return {"url": url, **upstream_check_verdict(got.get("status"), got.get("body") or b"", got.get("error"))}
 
 
 def gateway_route(method: str, raw_path: str) -> tuple[str, str, bool]:
@@ -4876,6 +4964,7 @@ class MeteringGateway:
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._inflight = 0
+        self._unreachable = 0   # requests in a row that found the upstream unreachable
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.url = ""
@@ -5120,11 +5209,25 @@ class MeteringGateway:
             aborted = True
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
+                with self._lock:
+                    self._unreachable += 1
+                    final = self._unreachable >= GATEWAY_UNREACHABLE_FINAL
+                status = 400 if final else 502
+                rec["unreachable_in_a_row"] = self._unreachable
                 with contextlib.suppress(OSError):
                     h.close_connection = True
-                    self._reply(h, 502, "api_error", "agentbench gateway: the upstream could not be reached")
+                    if final:   # 400 invalid_request_error is final for the binary: no more retries
+                        self._reply(h, 400, "invalid_request_error",
+                                    f"agentbench gateway: the upstream could not be reached "
+                                    f"{GATEWAY_UNREACHABLE_FINAL} times in a row ({rec['error']})")
+                    else:
+                        self._reply(h, 502, "api_error",
+                                    "agentbench gateway: the upstream could not be reached")
             else:
                 h.close_connection = True
+        else:
+            with self._lock:
+                self._unreachable = 0
         if kind == "messages":
             if kept:
                 usage, rmodel, bad = message_meter(b"".join(kept))
@@ -8797,9 +8900,36 @@ def refuse_unproven(study: Study, force: bool) -> None:
     if not reh.get("ok") or reh.get("config_hash") != h:
         problems.append("no passing rehearsal of the current configuration")
     if problems:
+        where = shlex.quote(str(paths.root))
+        step = "calibrate" if len(problems) == 2 or "calibration" in problems[0] else "rehearse"
         raise AgentbenchError("refusing to spend money on an unproven configuration",
                               code="unproven_configuration", problems=problems,
-                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
+                              hint=f"run `python3 agentbench.py {step} --study {where}` (free, offline)"
+                                   + (", then `rehearse`" if step == "calibrate" else "")
+                                   + "; --force overrides")
+
+
+def refuse_unreachable_api(study: Study, env: Mapping[str, str]) -> dict[str, Any] | None:
+    """Before real money is at stake: the gateway has a credential to carry, and the upstream
+    answers one free request (count_tokens) with it.  Refused (exit 2) with the reason; None when
+    there is nothing to check (the gateway off, or sessions that reach no real API:
+    AGENTBENCH_OFFLINE=1), else the check's answer."""
+    cfg = study.cfg
+    env_all = {**env, **dict(cfg.get("env") or {})}
+    gateway = launch_config(cfg)["gateway"]
+    if gateway != "on" or env_all.get("AGENTBENCH_OFFLINE") == "1":
+        return None
+    refusal = gateway_refusal(env_all, gateway)
+    if refusal is not None:
+        raise refusal
+    got = check_upstream(env_all, str(launch_config(cfg)["model"]))
+    if not got["ok"]:
+        raise AgentbenchError(got["reason"], code=got["problem"], url=got["url"], status=got.get("status"),
+                              hint=("check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN)"
+                                    if got["problem"] == "credential_rejected" else
+                                    "check ANTHROPIC_BASE_URL and the network; "
+                                    "`python3 agentbench.py where --check-api` asks again"))
+    return got
 
 
 def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:
@@ -8807,9 +8937,21 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
     launch values, a missing executor, bases that are not ready); the pipelines to run at once:
     `parallel` (default and at most the study's parallel cap)."""
     paths, cfg = study.paths, study.cfg
+    where = shlex.quote(str(paths.root))
+    # In the order a user fixes them: calibrate, assign, rehearse.
+    bad = uncalibrated(paths, study.tasks)
+    if bad and not force:
+        raise AgentbenchError("refusing to spend money on an unproven configuration",
+                              code="unproven_configuration", tasks=bad,
+                              problems=["tasks are not calibrated: " + ", ".join(bad)],
+                              hint=f"run `python3 agentbench.py calibrate --study {where}` first, then "
+                                   "`assign` and `rehearse`; --force overrides")
     if not run_ids:
+        if not all_run_ids(paths):
+            raise AgentbenchError("no runs: the study has no assignment yet", code="no_runs_selected",
+                                  hint=f"run `python3 agentbench.py assign --study {where}` first")
         raise AgentbenchError("no runs selected", code="no_runs_selected",
-                              hint="run `assign` first, or check --run/--task/--arm")
+                              hint="check --run/--task/--arm/--split against `list --all`")
     refuse_unproven(study, force)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
@@ -9302,7 +9444,7 @@ def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: i
                      f"over pairs")
     if n_tasks < 10:
         notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "consider simulate > 0")
+                     "check it by simulation with `assign --power-simulate 2000`")
     return notes
 
 
@@ -10363,6 +10505,31 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
     }
 
 
+def arm_changes(arm_specs: Mapping[str, Any], baseline: str) -> dict[str, str]:
+    """What each arm changes against the baseline, in words, from the arms' settings in
+    study.json (pure): its preamble file, gate cycles, a reviewer, forking a base."""
+    base = arm_specs.get(baseline) if isinstance(arm_specs.get(baseline), Mapping) else {}
+
+    def said(spec: Mapping[str, Any]) -> dict[str, str]:
+        out = {"preamble": f"preamble {spec['preamble']}" if spec.get("preamble") else "no preamble",
+               "gate_cycles": (f"{spec['gate_cycles']} gate feedback cycles" if spec.get("gate_cycles")
+                               else "no gate cycles"),
+               "review": "a reviewer" if spec.get("review") is True else "no reviewer",
+               "fork_base": "forks a per-task base" if spec.get("fork_base") is True else "fresh sessions"}
+        return out
+
+    mine = said(base)
+    changes = {}
+    for name, spec in arm_specs.items():
+        if name == baseline:
+            changes[name] = "the baseline: " + ", ".join(mine.values())
+            continue
+        other = said(spec if isinstance(spec, Mapping) else {})
+        diff = [other[k] for k in other if other[k] != mine[k]]
+        changes[name] = ", ".join(diff) if diff else "the same settings as the baseline"
+    return changes
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -10560,7 +10727,8 @@ def _rpt_arm_table(report: dict) -> ReportTable:
     for a in arms:
         s = pa[a]
         est = s["cost_estimated_usd"] > 0
-        rows.append([a + (" (baseline)" if a == base else ""), fmt_int(s["runs"]),
+        changes = [str((report.get("arm_changes") or {}).get(a, "-"))] if "arm_changes" in report else []
+        rows.append([a + (" (baseline)" if a == base else ""), *changes, fmt_int(s["runs"]),
                      fmt_int(s["evaluated"]), fmt_int(s["successes"]),
                      fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
                      fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
@@ -10569,10 +10737,13 @@ def _rpt_arm_table(report: dict) -> ReportTable:
                      fmt_usd(s["cost_usd"], est), fmt_int(s["tokens"].get("total", 0)),
                      fmt_secs(s["median_wall_s"]), fmt_num(s["gate_cycles"]["mean"], 2),
                      _rpt_flag_cell(s)])
+    sim = " (simulated)" if report["totals"].get("rehearsed_runs") else ""
     return ("Results per arm",
-            ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-             "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success",
-             "Total cost", "Tokens", "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows)
+            ["Arm", *(["Changes against the baseline"] if "arm_changes" in report else []),
+             "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+             "Mean rate over tasks", "95% CI over tasks", "Mean score", f"Cost/run{sim}",
+             f"Cost/success{sim}", f"Total cost{sim}", "Tokens", "Median wall", "Gate cycles (mean)",
+             "Flagged by audit"], rows)
 
 
 def _rpt_fate_table(report: dict) -> ReportTable:
@@ -10783,7 +10954,7 @@ h1 { font-size: 1.6em; margin-bottom: 0.2em; }
 h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #bbb; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
+th { background: #f0f0f0; white-space: normal; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .charts { display: flex; flex-wrap: wrap; gap: 1.5em; }
 figure { margin: 0; }
@@ -11033,6 +11204,31 @@ def html_table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
 
 
+#: Columns of one HTML table at most: a wider table is split into parts that each repeat the first
+#: column, so that every column stays on a 1280 px screen.
+HTML_TABLE_MAX_COLUMNS = 9
+
+
+def column_chunks(n_columns: int, max_columns: int = HTML_TABLE_MAX_COLUMNS) -> list[list[int]]:
+    """The column indexes of each part of a table split to at most `max_columns` columns, each
+    part led by column 0 (pure)."""
+    if n_columns <= max_columns:
+        return [list(range(n_columns))]
+    rest = list(range(1, n_columns))
+    step = max_columns - 1
+    parts = [rest[i:i + step] for i in range(0, len(rest), step)]
+    if len(parts) > 1 and len(parts[-1]) < step // 2:   # no stub part of one or two columns
+        per = -(-len(rest) // len(parts))
+        parts = [rest[i:i + per] for i in range(0, len(rest), per)]
+    return [[0, *p] for p in parts]
+
+
+def html_tables(headers: list[str], rows: list[list[str]]) -> str:
+    """html_table, split into parts of at most HTML_TABLE_MAX_COLUMNS columns."""
+    return "\n".join(html_table([headers[i] for i in cols], [[r[i] for i in cols] for r in rows])
+                     for cols in column_chunks(len(headers)))
+
+
 def render_report_html(report: dict, extra: str = "") -> str:
     """One self-contained page: inline CSS and SVG, no scripts, no external resources.
 
@@ -11068,7 +11264,7 @@ def render_report_html(report: dict, extra: str = "") -> str:
         parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
-        parts.append(html_table(headers, rows) if rows else "<p>(none)</p>")
+        parts.append(html_tables(headers, rows) if rows else "<p>(none)</p>")
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:
@@ -12815,6 +13011,24 @@ def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
         return [load_run(paths, r) for r in all_run_ids(paths)]
 
 
+def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
+    """What a power plan's costs say against the study's cap, in words (pure)."""
+    cap = plan.get("study_budget_usd")
+    if not is_number(cap) or cap <= 0:
+        return []
+    out = []
+    for key, what in (("cost_at_repeats", "the chosen"), ("cost_at_recommended_repeats", "the recommended")):
+        got = plan.get(key) or {}
+        usd = got.get("study_usd")
+        if is_number(usd) and usd > cap:
+            reps = got.get("repeats", plan.get("repeats"))
+            out.append(f"at {what} {reps} repeats the study is expected to cost ${usd:.2f}, above its cap "
+                       f"budget.study_usd = ${cap:.2f}: raise the cap (`init --study-usd`), aim at "
+                       "a larger difference (`assign --power-delta`), or use fewer repeats "
+                       "(`assign --repeats`)")
+    return out
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -12843,13 +13057,14 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
     if power.get("repeats"):
         out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    out["warnings"] = plan_warnings(out)
     return out
 
 
 def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int | None = None,
                 seed: int | None = None, reassign: bool = False, faults: Sequence[str] = (),
                 power_delta: float | None = None, power_base: float = POWER_BASE_DEFAULT,
-                force: bool = False) -> dict[str, Any]:
+                force: bool = False, power_simulate: int = 0) -> dict[str, Any]:
     """`assign`: the randomized, paired, blocked manifest of tasks x arms x repeats (defaults: the
     study's `repeats` and `seed`), its runs registered; `faults` are RUN_ID=FAULT specs for runs
     not started; `power_delta` adds a power estimate and its cost plan."""
@@ -12864,7 +13079,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
-        power = paired_power_repeats(power_base, power_delta, len(tasks))
+        power = paired_power_repeats(power_base, power_delta, len(tasks), simulate=power_simulate,
+                                     seed=seed)
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     data = manifest_bytes(manifest, seed, split)
@@ -12914,7 +13130,13 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                     save_run(paths, rec)
     append_event(paths, "assigned", split=split, runs=len(manifest), sha256=sha256_bytes(data))
     blocks = sorted({m["block"] for m in manifest})
-    return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
+    where = shlex.quote(str(paths.root))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    rehearsed = isinstance(reh, dict) and reh.get("ok") is True and reh.get("config_hash") == study.hash
+    warnings = list(((power or {}).get("plan") or {}).get("warnings") or [])
+    return {"next": f"python3 agentbench.py {'run' if rehearsed else 'rehearse'} --study {where}",
+            "warnings": warnings, "split": split, "runs": len(manifest), "tasks": len(tasks),
+            "arms": sorted(arms),
             "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
             "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
             "faults": dict(applied)}
@@ -13179,7 +13401,7 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
 FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
-                   "limit": (0, 1_000_000)}
+                   "limit": (0, 1_000_000), "simulate": (0, 100_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
 
@@ -13277,9 +13499,12 @@ def launch_flags(args: argparse.Namespace) -> LaunchFlags:
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd")
-    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s")
-    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns")
+    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd",
+                   help="cost limit of this session in USD (default: the study's budget.usd_per_run)")
+    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s",
+                   help="wall-time limit of this session in seconds (default: the study's max_minutes)")
+    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns",
+                   help="claude --max-turns of this session (default: the study's budget.max_turns)")
     p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
                    help="kill the job if no orchestrator call arrives for this long (0 = off)")
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
@@ -13287,8 +13512,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 
 # -- where -----------------------------------------------------------------------------------------
 
+def _where_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--check-api", action="store_true",
+                   help="ask the upstream one free request (count_tokens) with the credential the "
+                        "gateway would carry: is it reachable, is the key accepted")
+
+
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
-@args_of(_study_arg)
+@args_of(_where_args)
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     warnings: list[str] = []
     cfg_binary = None
@@ -13297,6 +13529,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     gateway_mode = GATEWAY_DEFAULT
     study_env: dict[str, str] = {}
     sandbox_mode = sandbox_default()
+    study_cfg: dict[str, Any] = {}
+    study_error = None
     try:
         paths = ctx.study(args)
         study = str(paths.root)
@@ -13314,6 +13548,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     except AgentbenchError as exc:
         if study is not None:   # no study given is fine here; a broken one is worth saying
             warnings.append("study: " + exc.one_line())
+        if getattr(args, "study", None) and study is None:
+            study_error = exc   # a study named on the command line that is not one: an error
     binary, how = find_claude_binary(cfg_binary, ctx.env)
     version = claude_version(binary, ctx.platform) if binary else None
     if not binary:
@@ -13337,10 +13573,12 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     _, claude_report = claude_env(host, extra=study_env,
                                   gateway=placeholder if gateway_mode == "on" else None,
                                   secret=secret, binary=binary)
+    env_all = {**ctx.env, **study_env}
+    credentials = sorted(k for k in GATEWAY_WITHHELD if k != "ANTHROPIC_BASE_URL" and env_all.get(k))
     if gateway_mode == "on":
-        refusal = gateway_refusal({**ctx.env, **study_env}, gateway_mode)
-        if refusal is not None:
-            warnings.append("sessions would be refused: " + refusal.one_line())
+        refusal = gateway_refusal(env_all, gateway_mode)
+        if refusal is not None and env_all.get("AGENTBENCH_OFFLINE") != "1":
+            warnings.append("real sessions (run, spawn, train) would be refused: " + refusal.one_line())
     slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH"))
                    for name in ("sbatch", "squeue", "scancel")}
     if executor == "slurm" and not all(slurm_tools.values()):
@@ -13372,7 +13610,15 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         reasons.append(f"no claude binary found ({how})")
     elif not version:
         reasons.append(f"the claude binary at {binary} did not answer --version")
-    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION,
+    api = None
+    if args.check_api:
+        api = check_upstream(env_all, str(study_cfg.get("model") or DEFAULT_LAUNCH["model"]))
+        if not api["ok"]:
+            reasons.append(api["reason"])
+    if study_error is not None:
+        reasons.insert(0, study_error.payload["error"] + ": " + str(args.study))
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "credentials": credentials,
+           "api_check": api,
             "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
@@ -13385,6 +13631,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "claude_env": claude_report, "sandbox": sandbox,
             "study": study, "warnings": warnings}
+    if study_error is not None:
+        out.update(error=study_error.payload["error"], code=study_error.payload["code"],
+                   hint=study_error.payload.get("hint"))
+    elif api is not None and not api["ok"]:
+        out.update(error=api["reason"], code=api["problem"],
+                   hint="check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), ANTHROPIC_BASE_URL "
+                        "and the network")
     return (0 if out["ok"] else 2), out
 
 
@@ -13483,7 +13736,7 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="fork this base session (--resume BASE --fork-session --session-id NEW)")
     p.add_argument("--brief", help="file holding the prompt")
-    p.add_argument("--label")
+    p.add_argument("--label", help="a free label kept in the job's meta (shown by list and wait)")
     p.add_argument("--workspace", help="cwd for the session (default: a copy of the base's, or a new dir)")
     p.add_argument("--run", help="an experiment run id (prepares its workspace; see `run`)")
     p.add_argument("--force", action="store_true", help="with --run: allow an uncalibrated task")
@@ -13505,7 +13758,7 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--job", help="continue this job's session")
     p.add_argument("--run", help="continue the latest session of this run")
-    p.add_argument("--brief", required=True)
+    p.add_argument("--brief", required=True, help="file holding the next turn's prompt")
     _launch_args(p)
 
 
@@ -13528,7 +13781,9 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
     p.add_argument("--all", action="store_true", help="every active or undelivered job")
     p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
-    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S)
+    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
+                   help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
+                        "exit 3 when it passes first")
 
 
 def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
@@ -13665,8 +13920,9 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _kill_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--job", action="append", default=[])
-    p.add_argument("--run", action="append", default=[])
+    p.add_argument("--job", action="append", default=[], help="job id to kill (repeatable)")
+    p.add_argument("--run", action="append", default=[],
+                   help="run id to kill, every session of it (repeatable)")
 
 
 @command("kill", "kill a job's or run's supervisor and claude tree; verify; record `killed`", mutating=True)
@@ -13747,7 +14003,8 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=bounded_int("repeats"),
                    help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
-    p.add_argument("--split", default="main")
+    p.add_argument("--split", default="main",
+                   help="the manifest's name (default main); e.g. pilot, for runs that price a study")
     p.add_argument("--reassign", action="store_true",
                    help="replace this split's manifest (only if none of its runs started)")
     p.add_argument("--fault", action="append", default=[],
@@ -13756,6 +14013,9 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
                    help="estimate repeats to detect this success-rate difference")
     p.add_argument("--power-base", type=finite_float, default=POWER_BASE_DEFAULT,
                    help="baseline success rate for --power-delta")
+    p.add_argument("--power-simulate", type=bounded_int("simulate"), default=0, metavar="N",
+                   help="with --power-delta: also simulate N studies (seeded) at the recommended repeats "
+                        "and report each test's power")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
@@ -13765,12 +14025,13 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
                        seed=args.seed, reassign=args.reassign, faults=args.fault,
-                       power_delta=args.power_delta, power_base=args.power_base, force=args.force)
+                       power_delta=args.power_delta, power_base=args.power_base, force=args.force,
+                       power_simulate=args.power_simulate)
 
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--run", required=True)
+    p.add_argument("--run", required=True, help="the run id (see `list` or the manifest from `assign`)")
 
 
 @command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
@@ -13787,7 +14048,7 @@ def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--run", action="append", default=[])
+    p.add_argument("--run", action="append", default=[], help="run id to evaluate (repeatable)")
     p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
 
 
@@ -13801,9 +14062,9 @@ def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _run_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--run", action="append", default=[], help="run ids (default: every run not started)")
-    p.add_argument("--task", action="append", default=[])
-    p.add_argument("--arm", action="append", default=[])
-    p.add_argument("--split")
+    p.add_argument("--task", action="append", default=[], help="only runs of this task (repeatable)")
+    p.add_argument("--arm", action="append", default=[], help="only runs of this arm (repeatable)")
+    p.add_argument("--split", help="only runs of this split (see assign --split)")
     p.add_argument("--parallel", type=bounded_int("parallel"),
                    help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
@@ -13861,6 +14122,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
+    refuse_unreachable_api(study, ctx.env)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -13880,7 +14142,7 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
     _run_args(p)
-    p.add_argument("--env-file")
+    p.add_argument("--env-file", help="internal: the environment, passed through a file")
     p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin")
 
 
@@ -13908,8 +14170,10 @@ def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _usage_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"])
-    p.add_argument("--format", default="json", choices=["json", "md"])
+    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"],
+                   help="the grouping of the sums (default kind)")
+    p.add_argument("--format", default="json", choices=["json", "md"],
+                   help="json (default), or md: the same as a Markdown table under `markdown`")
 
 
 @command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio",
@@ -13929,8 +14193,10 @@ def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--format", default="json", choices=["json", "md", "html"])
-    p.add_argument("--baseline")
+    p.add_argument("--format", default="json", choices=["json", "md", "html"],
+                   help="json (default: the report is the answer), md (at a terminal the Markdown "
+                        "itself, else under `markdown`) or html (a page, written to a file)")
+    p.add_argument("--baseline", help="the arm every other arm is compared with (default: the first arm)")
     p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
                                  "with --format html, a path ending in / (or an existing directory) gets a "
                                  "directory: index.html and one page per run under runs/")
@@ -13950,6 +14216,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+    report["arm_changes"] = arm_changes(cfg.get("arms") or {}, report["baseline"])
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    only_rehearsed = None
+    if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
+            and not any(r.get("status") not in (None, "not_started") for r in runs)):
+        # Nothing of this study has run yet: its rehearsal's results are in the scratch study.
+        only_rehearsed = f"python3 agentbench.py report --study {shlex.quote(reh['scratch'])} --format md"
+        report.setdefault("warnings", []).insert(
+            0, "this study has no results of its own yet; its only results are its rehearsal's "
+               f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
+    if report["totals"].get("rehearsed_runs"):
+        report["costs_simulated"] = True
     # The gateways' figures beside the binaries' own, per model (side models included).
     ledger_lines = read_jsonl(paths.ledger)[0]
     totals = aggregate_usage(ledger_lines, by="model")["totals"]
@@ -13981,10 +14259,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                   code="refused_inside_session_writes")
         write_text_atomic(out, text)
         result["path"] = str(out)
+    if only_rehearsed:
+        result["next"] = only_rehearsed
     if args.format == "json":
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
+        result["markdown_for_terminal"] = text   # at a terminal, main prints only this text
     result["summary"] = {a: {k: v for k, v in s.items()
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
@@ -13996,8 +14277,11 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
-    p.add_argument("--repeats", type=bounded_int("repeats"))
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
+                   help="rehearsed runs at once (default 4)")
+    p.add_argument("--repeats", type=bounded_int("repeats"),
+                   help="repeats per task x arm (default: the study's `repeats`)")
+    p.add_argument("--force", action="store_true", help="rehearse even with uncalibrated tasks")
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
@@ -14032,7 +14316,7 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
 @command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)",
          mutating=True)
 @args_of(_rehearse_args)
-def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]] | dict[str, Any]:
     paths = ctx.study(args)
     behaviours = _pairs(args.behaviour, "--behaviour", REHEARSAL_BEHAVIOURS)
     faults = _pairs(args.fault, "--fault")
@@ -14045,19 +14329,37 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     study = load_study(paths).load_all()
     cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    where = shlex.quote(str(paths.root))
+    bad = uncalibrated(paths, tasks)
+    if bad and not args.force:
+        raise AgentbenchError("tasks are not calibrated: " + ", ".join(bad), code="tasks_not_calibrated",
+                              tasks=bad, hint=f"run `python3 agentbench.py calibrate --study {where}` "
+                                              "and fix what it reports (--force rehearses anyway)")
     prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
                              behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
     finally:
         prog.close()
-    return {**out, "report_command": f"agentbench.py report --study {scratch} --format md"}
+    report = f"python3 agentbench.py report --study {shlex.quote(str(scratch))} --format md"
+    out = {**out, "report_command": report, "costs_simulated": True,
+           "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
+                    for a, v in (out.get("arms") or {}).items()},
+           "cost_note": "every cost here is simulated (scripted model, list prices): nothing was billed",
+           "next": (f"python3 agentbench.py run --study {where}" if out["ok"] else report)}
+    if not out["ok"]:
+        return 2, {**out, "error": f"the rehearsal did not pass: {len(out['problems'])} problem(s)",
+                   "code": "rehearsal_failed",
+                   "hint": f"see `problems` and the runs' pages: {report}; fix them and rehearse again"}
+    return out
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
-    p.add_argument("--repeats", type=bounded_int("repeats"), default=2)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
+                   help="rehearsed runs at once (default 4)")
+    p.add_argument("--repeats", type=bounded_int("repeats"), default=2,
+                   help="repeats per task x arm (default 2)")
 
 
 @command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
@@ -14096,6 +14398,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")
     report = build_report(run_records_for_report(rpaths), list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    report["arm_changes"] = arm_changes(cfg["arms"], report["baseline"])
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
     runs = run_records_for_report(rpaths)
@@ -14105,9 +14408,14 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
             "sandboxed_runs": sum(1 for r in runs if (r.get("sandbox") or {}).get("sandboxed")),
-            "arms": out["arms"], "problems": out["problems"],
+            "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
+                     for a, v in out["arms"].items()},
+            "costs_simulated": True,
+            "cost_note": "every cost here is simulated: the scripted model priced its answers at list "
+                         "prices and nothing was billed",
+            "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
-            "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
+            "next": f"python3 agentbench.py report --study {shlex.quote(str(rpaths.root))} --format md"}
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------
@@ -14127,7 +14435,7 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _expire_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--base", required=True)
+    p.add_argument("--base", required=True, help="the base's name")
 
 
 @command("expire", "retire a base: no more pings, no more forks", mutating=True)
@@ -14139,7 +14447,7 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 # -- the scripted model by hand --------------------------------------------------------------------
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="loopback port (default 0: any free one)")
     p.add_argument("--scripts", required=True, help="directory of <script id>.json files")
     p.add_argument("--cache-ttl-scale", type=finite_float, default=1.0,
                    help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
@@ -14163,9 +14471,9 @@ def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
 # -- internal --------------------------------------------------------------------------------------
 
 def _supervise_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--env-file")
+    p.add_argument("--study", required=True, help="the study directory")
+    p.add_argument("--job", required=True, help="the job id")
+    p.add_argument("--env-file", help="the environment, passed through a file")
     p.add_argument("--credentials-file",
                    help="owner-only file of credentials to add (Slurm jobs); deleted once read")
     p.add_argument("--credentials-stdin", action="store_true",
@@ -14225,6 +14533,42 @@ def help_object(cmd: Command | None = None) -> dict[str, Any]:
             "commands": [{"name": c.name, "summary": c.summary} for c in COMMANDS.values() if not c.hidden]}
 
 
+def help_text(cmd: Command | None = None) -> str:
+    """`--help` for a person at a terminal: argparse's own text (a program gets help_object)."""
+    if cmd is not None:
+        p = build_parser(cmd)
+        p.description = cmd.summary
+        return p.format_help()
+    width = max(len(c.name) for c in COMMANDS.values())
+    lines = ["usage: agentbench.py <command> [--study DIR] [options]   (agentbench.py <command> --help)", "",
+             "agentbench: controlled experiments on the headless Claude Code agent. Every command prints",
+             "one JSON object (indented at a terminal; --compact for one line); exit 0 ok, 2 usage error",
+             "or refused, 3 wait timed out, 4 wait met with a job not ok.", "", "commands:"]
+    lines += [f"  {c.name.ljust(width)}  {c.summary}" for c in COMMANDS.values() if not c.hidden]
+    lines += ["", "First study: python3 agentbench.py new-task --study S --task T; then init, calibrate, "
+                  "assign, rehearse, run, report (README: \"Your first study\")."]
+    return "\n".join(lines) + "\n"
+
+
+def help_request(argv: Sequence[str]) -> Command | None | bool:
+    """What a help request asks for (pure): False when argv is none, None for the command list,
+    else the command."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return None
+    if argv[0] == "help":
+        return COMMANDS.get(argv[1]) if len(argv) > 1 else None
+    if argv[0] in COMMANDS and ("-h" in argv[1:] or "--help" in argv[1:]):
+        return COMMANDS[argv[0]]
+    return False
+
+
+def output_style(argv: Sequence[str], stdout_is_tty: bool) -> tuple[list[str], bool]:
+    """(argv without the global --compact, whether to indent the answer) (pure): indented for a
+    person at a terminal, one compact line for a program or with --compact."""
+    compact = "--compact" in argv
+    return [a for a in argv if a != "--compact"], stdout_is_tty and not compact
+
+
 def dispatch(argv: list[str], ctx: Ctx) -> tuple[int, dict[str, Any] | None]:
     if not argv or argv[0] in ("-h", "--help", "help"):
         if len(argv) > 1 and argv[0] == "help" and argv[1] in COMMANDS:
@@ -14261,10 +14605,26 @@ def main(argv: list[str] | None = None) -> int:
     """The one boundary: run a command, print exactly one JSON object on stdout, return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     emitted: list[bool] = []
+    tty = False
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        tty = bool(sys.stdout.isatty())
+    argv, indent = output_style(argv, tty)
+    wanted = help_request(argv)
+    if indent and wanted is not False:
+        # A person at a terminal asked for help: argparse's text (a program gets the JSON object).
+        sys.stdout.write(help_text(wanted if isinstance(wanted, Command) else None))
+        sys.stdout.flush()
+        return 0
 
     def emit(obj: dict[str, Any]) -> None:
         if not emitted:
-            sys.stdout.write(json_line(obj))
+            if indent and isinstance(obj.get("markdown_for_terminal"), str):
+                # `report --format md` at a terminal: the Markdown itself, for a person to read.
+                sys.stdout.write(obj["markdown_for_terminal"])
+            else:
+                obj = {k: v for k, v in obj.items() if k != "markdown_for_terminal"}
+                sys.stdout.write(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str, indent=2)
+                                 + "\n" if indent else json_line(obj))
             sys.stdout.flush()
             emitted.append(True)
 
