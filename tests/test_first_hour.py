@@ -248,12 +248,12 @@ def test_run_refusals_come_in_the_order_a_user_fixes_them(tmp_path):
 
 def test_new_task_refuses_an_existing_task_and_a_bad_name_writing_nothing(tmp_path):
     study = scaffolded(tmp_path)
-    before = sorted(str(p) for p in study.rglob("*"))
+    before = sorted(str(p) for p in (study / "tasks").rglob("*"))
     for argv, code_name in ((["--task", "t1"], "task_already_exists"), (["--task", "../evil"], "invalid_name"),
                             (["--task", "ok", "--kind", "haskell"], "bad_arguments")):
         code, obj, _ = run_cli(["new-task", "--study", str(study), *argv], user_env())
         assert code == 2 and obj["code"] == code_name, obj
-    assert sorted(str(p) for p in study.rglob("*")) == before
+    assert sorted(str(p) for p in (study / "tasks").rglob("*")) == before
 
 
 def test_where_on_a_missing_study_is_an_error_and_says_when_there_is_no_credential(tmp_path):
