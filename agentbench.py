@@ -6205,6 +6205,17 @@ class Supervisor:
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
         self.gateway: MeteringGateway | None = None
+        # Set by the steps of _run as they happen (None until then).
+        self.me: ProcId | None = None                 # this supervisor's own identity
+        self.subreaper = False                        # orphans of the session are adopted here
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._claude: ProcId | None = None
+        self._stderr_fh: Any = None
+        self._reader_thread: threading.Thread | None = None
+        self._raw_out: Any = None                     # the reader's raw copy, flushed by each poll
+        self._raw_dirty = False
+        self._driver_checked = 0.0
+        self._beat_seen: tuple[int, float] | None = None
 
     # -- runtime file (this process is its only writer) --------------------------------------------
     def _write_runtime(self, **changes: Any) -> None:
@@ -6261,8 +6272,8 @@ class Supervisor:
     def _flush_raw(self) -> None:
         """Flush what the reader wrote to the raw file since the last poll (the writer object is
         thread-safe; once the reader has closed it there is nothing left to flush)."""
-        raw = getattr(self, "_raw_out", None)
-        if raw is not None and getattr(self, "_raw_dirty", False):
+        raw = self._raw_out
+        if raw is not None and self._raw_dirty:
             self._raw_dirty = False
             with contextlib.suppress(ValueError, OSError):
                 raw.flush()
@@ -6328,7 +6339,7 @@ class Supervisor:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
         nobody would read its result, and it must not go on spending."""
         driver = self.job.get("driver")
-        if not driver or time.monotonic() - getattr(self, "_driver_checked", 0.0) < 2.0:
+        if not driver or time.monotonic() - self._driver_checked < 2.0:
             return False
         self._driver_checked = time.monotonic()
         if self.platform.is_local(driver):
@@ -6349,7 +6360,7 @@ class Supervisor:
         except OSError:
             return False
         now = time.monotonic()
-        seen = getattr(self, "_beat_seen", None)
+        seen = self._beat_seen
         if seen is None or seen[0] != mtime:
             self._beat_seen = (mtime, now)
             return False
@@ -6385,8 +6396,7 @@ class Supervisor:
 
     def _fail_safe(self, exc: BaseException) -> int:
         log(f"{self.job_id}: supervisor error: {type(exc).__name__}: {exc}")
-        claude = getattr(self, "_claude", None)
-        proc = getattr(self, "_proc", None)
+        claude, proc = self._claude, self._proc
         survivors: list[ProcId] = []
         with contextlib.suppress(Exception):
             if claude is not None:
@@ -6410,33 +6420,60 @@ class Supervisor:
         return 0
 
     def _run(self) -> int:
-        job = self.job
-        jdir = self.paths.job_dir(self.job_id)
-        # One supervisor per job, once: never start claude for a job that is final, was killed
-        # before it started, or already has a live supervisor.
-        if self.paths.result_file(self.job_id).exists():
+        """The job's steps, in order: claim it, prepare the launch, spawn `claude` and poll it to
+        its end, sweep what it left, finalise.  A step that finalises the job itself (a job
+        already final or killed before it started, a gateway or sandbox that cannot start)
+        answers None and the job ends there."""
+        if not self._claim():
             return 0
+        launch = self._prepare()
+        if launch is None:
+            return 0
+        argv, env, prompt = launch
+        proc = self._spawn(argv, env)
+        if proc is None:
+            return 0
+        self._poll(proc, prompt)
+        survivors = self._sweep(proc)
+        self._finish(proc.returncode, survivors)
+        if self.gateway is not None and self.gateway.budget is not None:
+            self.gateway.budget.discard()   # the ledger line counts this job's cost from now on
+        return 0
+
+    def _claim(self) -> bool:
+        """One supervisor per job, once: never start claude for a job that is final, was killed
+        before it started, or already has a live supervisor.  True: this process runs the job."""
+        jdir = self.paths.job_dir(self.job_id)
+        if self.paths.result_file(self.job_id).exists():
+            return False
         try:
             # The claim is atomic and permanent: a second supervisor never starts claude again.
             os.close(os.open(jdir / "supervisor.claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
-            return 0
+            return False
         kill_req = read_json(jdir / "kill.request", default=None)
         if kill_req is not None:
             # Killed before it started: record that now (once-only, whoever else is finalising),
             # so that `kill` and `wait` need not wait for a supervisor that will never write a
             # runtime, nor for the reaper.
-            finalize_killed_before_start(self.paths, self.platform, job, kill_req)
-            return 0
-        me = self.platform.proc_id(os.getpid())
+            finalize_killed_before_start(self.paths, self.platform, self.job, kill_req)
+            return False
+        return True
+
+    def _prepare(self) -> tuple[list[str], dict[str, str], bytes] | None:
+        """The runtime record, the gateway, `claude`'s environment and the (sandboxed) argv.
+        None when the job could not be prepared and has been finalised `launch_error` or
+        `sandbox_unavailable`."""
+        job = self.job
+        jdir = self.paths.job_dir(self.job_id)
+        self.me = self.platform.proc_id(os.getpid())
         # Orphans of the session (a backgrounded `nohup ... &` in a new session, a double fork)
         # are adopted by this process instead of init, so the sweep below still finds them.
         self.subreaper = self.platform.become_subreaper()
-        raw_dir = Path(job["raw_dir"])
-        raw_dir.mkdir(parents=True, exist_ok=True)
+        Path(job["raw_dir"]).mkdir(parents=True, exist_ok=True)
         # This process's environment, read once here where the supervisor starts.
         environ = dict(os.environ)
-        self._write_runtime(status="running", supervisor=dataclasses.asdict(me) if me else None,
+        self._write_runtime(status="running", supervisor=dataclasses.asdict(self.me) if self.me else None,
                             subreaper=self.subreaper,
                             host=self.platform.hostname(), slurm_job_id=environ.get("SLURM_JOB_ID"),
                             started_at=utc_now(), started_ts=time.time(), session_id=job.get("session_id"))
@@ -6453,21 +6490,23 @@ class Supervisor:
                 detail = exc.one_line() if isinstance(exc, AgentbenchError) else str(exc)
                 finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                              usage=None, extra={"detail": f"cannot start the gateway: {detail}"})
-                return 0
+                return None
             env, _ = claude_env(host, extra=extra, gateway=self.gateway.claude_vars(), binary=job["binary"])
             self._write_runtime(gateway=self.gateway.url)
         else:
             env, _ = claude_env(host, extra=extra, gateway=None, secret=secret, binary=job["binary"])
         env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
-        prompt = (self.paths.job_dir(self.job_id) / "prompt.txt").read_bytes()
+        prompt = (jdir / "prompt.txt").read_bytes()
         argv = list(job["argv"])
         try:
             # Decided again where this supervisor runs (a Slurm compute node decides here only).
             sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
         except AgentbenchError as exc:
+            if self.gateway is not None:
+                self.gateway.stop(wait_s=0)
             finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
                          usage=None, extra={"detail": exc.one_line()})
-            return 0
+            return None
         self.sandbox = sandbox_record(sandbox)
         if sandbox["kind"] == "bwrap":
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
@@ -6476,20 +6515,26 @@ class Supervisor:
                                         project_dir=str(claude_projects_dir(env)
                                                         / transcript_dir_name(os.path.realpath(job["cwd"]))),
                                         ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
-        stderr_fh = open(raw_dir / "stderr.txt", "ab")
+        return argv, env, prompt
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """Start `claude` (inside its sandbox when there is one) with stdout piped to the reader.
+        None when it could not start: the job is then finalised `launch_error`."""
+        job = self.job
+        self._stderr_fh = open(Path(job["raw_dir"]) / "stderr.txt", "ab")
         kwargs = self.platform.tree_popen_kwargs()
-        if sandbox["kind"] == "bwrap":
+        if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
         try:
             proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=stderr_fh, **kwargs)
+                                    stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
         except OSError as exc:
-            stderr_fh.close()
+            self._stderr_fh.close()
             if self.gateway is not None:
                 self.gateway.stop(wait_s=0)
             finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                          usage=None, extra={"detail": f"cannot start claude: {exc}"})
-            return 0
+            return None
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
@@ -6497,6 +6542,12 @@ class Supervisor:
                             claude_started_at=utc_now(), sandbox=self.sandbox)
         append_event(self.paths, "job_started", job_id=self.job_id, kind=job.get("kind"),
                      run_id=(job.get("meta") or {}).get("run_id"))
+        return proc
+
+    def _poll(self, proc: subprocess.Popen[bytes], prompt: bytes) -> None:
+        """Feed the prompt, read the stream in a thread, and enforce the limits every POLL_S
+        until `claude` exits (a stop decided by _check kills its tree and waits for the exit)."""
+        claude = self._claude
 
         def feed_prompt() -> None:
             # Write the prompt and close stdin: an open stdin can stall the binary.
@@ -6505,9 +6556,9 @@ class Supervisor:
                 proc.stdin.write(prompt)
                 proc.stdin.close()
         threading.Thread(target=feed_prompt, daemon=True).start()
-        reader = threading.Thread(target=self._reader, args=(proc.stdout, raw_dir / "stream.jsonl"),
-                                  daemon=True)
-        reader.start()
+        self._reader_thread = threading.Thread(
+            target=self._reader, args=(proc.stdout, Path(self.job["raw_dir"]) / "stream.jsonl"), daemon=True)
+        self._reader_thread.start()
         last_hb = 0.0
         while proc.poll() is None:
             time.sleep(self.POLL_S)
@@ -6524,19 +6575,24 @@ class Supervisor:
                 time.sleep(0.2)
                 if claude:
                     self.platform.kill_tree([claude], session_ids=[proc.pid])
-        exit_code = proc.returncode
-        # Sweep what claude left behind (background tool processes hold our stdout pipe open).
+
+    def _sweep(self, proc: subprocess.Popen[bytes]) -> list[ProcId]:
+        """After `claude` exits: kill what it left behind (background tool processes hold the
+        stdout pipe open), drain the reader, stop the gateway, and decide whether a session
+        that died without a result was killed.  Answers the processes that survived the kill."""
         survivors: list[ProcId] = []
-        roots = [claude] if claude else []
-        if self.subreaper and me is not None:
+        roots = [self._claude] if self._claude else []
+        if self.subreaper and self.me is not None:
             # Adopted orphans are children of this process now, whatever session they made.
-            roots += self.platform.descendants(me)
+            roots += self.platform.descendants(self.me)
         if roots:
             survivors = self.platform.kill_tree(roots, session_ids=[proc.pid])
         if self.subreaper:
             self.platform.reap_zombies()
-        reader.join(timeout=10)
-        stderr_fh.close()
+        if self._reader_thread is not None:
+            self._reader_thread.join(timeout=10)
+        if self._stderr_fh is not None:
+            self._stderr_fh.close()
         if self.gateway is not None:
             self.gateway.stop()
         if self.end is None and self.state.result is None:
@@ -6544,13 +6600,10 @@ class Supervisor:
             # process of the Slurm job at once): a session that died without a result while a
             # kill was pending was killed, not crashed.  Judged after the reader drained the
             # stream, so that a result printed just before the kill still counts.
-            kill_req = read_json(jdir / "kill.request", default=None)
+            kill_req = read_json(self.paths.job_dir(self.job_id) / "kill.request", default=None)
             if kill_req is not None or self.terminate_requested:
                 self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
-        self._finish(exit_code, survivors)
-        if self.gateway is not None and self.gateway.budget is not None:
-            self.gateway.budget.discard()   # the ledger line counts this job's cost from now on
-        return 0
+        return survivors
 
     def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
         job = self.job
@@ -10530,6 +10583,29 @@ def arm_changes(arm_specs: Mapping[str, Any], baseline: str) -> dict[str, str]:
     return changes
 
 
+#: The keys of a run record that the report reads (and `list`, and the cost plan of `assign`): the
+#: runs summary that `report` reads instead of every record holds only these (see "Reading at
+#: scale").  A report that starts reading another key of a run must add it here;
+#: tests/test_runs_summary.py checks the report sections' reads against this list and compares
+#: the report built from the summary with the one built from the records.
+REPORT_RUN_KEYS = frozenset({
+    "run_id", "task", "arm", "repeat", "block", "split", "status", "outcome", "validity",
+    "validity_reason", "failure_reason", "error", "evaluation", "cost_usd", "cost_estimated",
+    "tokens", "wall_s", "gate_cycles", "review_verdicts", "provenance", "sandbox", "audit"})
+#: What the report never reads of a run's evaluation: the per-check details.
+REPORT_UNREAD_EVALUATION_KEYS = frozenset({"checks"})
+
+
+def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a run record the report reads (REPORT_RUN_KEYS, the evaluation without its
+    per-check details): pure."""
+    out = {k: v for k, v in rec.items() if k in REPORT_RUN_KEYS}
+    ev = out.get("evaluation")
+    if isinstance(ev, dict):
+        out["evaluation"] = {k: v for k, v in ev.items() if k not in REPORT_UNREAD_EVALUATION_KEYS}
+    return out
+
+
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
                  include_excluded: bool = False) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
@@ -12954,6 +13030,122 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
         yield obj
 
 
+# -- The runs summary: what `report` reads instead of every run record -----------------------------
+# state/runs_summary.jsonl holds one line per run: its id, the stamp of its record file (inode,
+# mtime in ns, size: a record is replaced by rename, so any rewrite changes the inode) and the
+# record's report view (report_view_of_run).  It is a cache, never the truth: `report` checks
+# every line against the record's current stamp (one stat per run, no read), reads again only the
+# records whose stamp moved or that have no line, and appends lines for them.  A torn or garbled
+# line, a missing file or a line older than its record therefore gives the same report as a fresh
+# summary.  The file is compacted (rewritten atomically) when it holds more than twice as many
+# lines as there are runs.  Nothing in it is ever believed over the record itself.
+
+RUNS_SUMMARY_FILE = "runs_summary.jsonl"
+#: The summary's format: a line of another version is stale.
+RUNS_SUMMARY_VERSION = 1
+
+
+def runs_summary_path(paths: StudyPaths) -> Path:
+    return paths.state / RUNS_SUMMARY_FILE
+
+
+def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
+    """Run id -> [inode, mtime_ns, size] of every record file in the run index (lstat: a link is
+    never followed, and a name that is not a run id is skipped)."""
+    out: dict[str, list[int]] = {}
+    try:
+        it = os.scandir(paths.run_index)
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    with it:
+        for e in it:
+            name = e.name
+            if not name.endswith(".json") or name.startswith(".") or len(name) <= 5:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out[name[:-5]] = [st.st_ino, st.st_mtime_ns, st.st_size]
+    return out
+
+
+def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], dict[str, Any]]], int]:
+    """The summary's lines: run id -> (stamp, report view), the last line of an id winning, and
+    how many lines the file has.  A line that is not a well-formed entry is skipped (its run is
+    then read from its record)."""
+    out: dict[str, tuple[list[int], dict[str, Any]]] = {}
+    lines = 0
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return out, 0
+    loads = json.loads
+    for raw in data.split(b"\n"):
+        if not raw:
+            continue
+        lines += 1
+        try:
+            obj = loads(raw)
+            rid, stamp, view = obj["id"], obj["stamp"], obj["run"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if (obj.get("v") == RUNS_SUMMARY_VERSION and isinstance(rid, str) and isinstance(view, dict)
+                and isinstance(stamp, list)):
+            out[rid] = (stamp, view)
+    return out, lines
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def _summary_line(run_id: str, stamp: list[int], view: Mapping[str, Any]) -> str:
+    return json.dumps({"v": RUNS_SUMMARY_VERSION, "id": run_id, "stamp": stamp, "run": view},
+                      separators=(",", ":"), default=str) + "\n"
+
+
+def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]]:
+    """Every run's report view, in run id order, as `report` needs them: from the runs summary
+    where its line matches the record's stamp, else from the record (and the summary brought up
+    to date, unless `write` is false or the study cannot be written: the summary is only a
+    cache).  The same list, item for item, as report_view_of_run over every record."""
+    summary_file = runs_summary_path(paths)
+    with gc_paused():
+        stamps = run_record_stamps(paths)
+        cached, lines = read_runs_summary(summary_file)
+        out: list[dict[str, Any]] = []
+        fresh: list[str] = []
+        for rid in sorted(stamps):
+            hit = cached.get(rid)
+            stamp = stamps[rid]
+            if hit is not None and hit[0] == stamp:
+                out.append(hit[1])
+                continue
+            rec = read_json(run_file(paths, rid), default=None)
+            if not isinstance(rec, dict):
+                raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
+                                      run=rid, path=str(run_file(paths, rid)))
+            view = report_view_of_run(rec)
+            out.append(view)
+            fresh.append(_summary_line(rid, stamp, view))
+    if write and (fresh or lines > 2 * max(len(stamps), 1)):
+        with contextlib.suppress(OSError):
+            if lines + len(fresh) > 2 * max(len(stamps), 1):
+                # Compact: one line per run, written whole and renamed into place.
+                write_text_atomic(summary_file, "".join(
+                    _summary_line(rid, stamps[rid], view) for rid, view in zip(sorted(stamps), out)))
+            else:
+                with open(summary_file, "ab") as fh:
+                    # After a torn last line (a crash mid-append), start on a line of our own.
+                    torn = fh.tell() > 0 and not _ends_with_newline(summary_file)
+                    fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
+    return out
+
+
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
     """(start, stop, next offset or None) of one page of `total` items."""
     if offset < 0 or limit < 0:
@@ -13006,11 +13198,6 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
             "uncalibrated": uncalibrated(paths, tasks)}
 
 
-def run_records_for_report(paths: StudyPaths) -> list[dict[str, Any]]:
-    with gc_paused():
-        return [load_run(paths, r) for r in all_run_ids(paths)]
-
-
 def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
     """What a power plan's costs say against the study's cap, in words (pure)."""
     cap = plan.get("study_budget_usd")
@@ -13037,7 +13224,7 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
     pilot: dict[str, list[float]] = {}
-    for r in run_records_for_report(paths):
+    for r in report_runs(paths):
         if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
                 and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
             pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
@@ -14212,7 +14399,9 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline and args.baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=args.baseline, arms=arms)
-    runs = run_records_for_report(paths)
+    # The report views come from the runs summary (a cache checked against every record's stamp);
+    # the run pages below read the records themselves.
+    runs = report_runs(paths, write=not ctx.is_child)
     seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed)
@@ -14250,7 +14439,9 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report directory",
                                   code="refused_inside_session_writes")
-        written = write_report_pages(paths, report, runs, Path(ctx.platform.normalize_path(args.out)))
+        with gc_paused():
+            records = [load_run(paths, r) for r in all_run_ids(paths)]
+        written = write_report_pages(paths, report, records, Path(ctx.platform.normalize_path(args.out)))
         result.update(written, path=written["index"], directory=str(Path(written["index"]).parent))
         out = None
     if out:
@@ -14397,11 +14588,11 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")
-    report = build_report(run_records_for_report(rpaths), list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    runs = report_runs(rpaths)
+    report = build_report(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
     report["arm_changes"] = arm_changes(cfg["arms"], report["baseline"])
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
-    runs = run_records_for_report(rpaths)
     incomplete = [r["run_id"] for r in runs
                   if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),

@@ -1,0 +1,271 @@
+"""The runs summary (state/runs_summary.jsonl): what `report` reads instead of every run record.
+
+It is a cache checked against each record's stamp, so the report built from it must equal, byte for
+byte, the report built from the records themselves: on a fresh summary, a missing one, one with a
+torn or garbled line, and one older than a record.  The report sections' reads of a run's keys are
+checked against REPORT_RUN_KEYS, the keys the summary keeps."""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import contextlib
+import os
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ab
+
+ARMS = ["A", "B", "C"]
+
+
+def record(rng: random.Random, n: int, task: str, arm: str, repeat: int) -> dict:
+    """One run record of many shapes: finished (success, failure, excluded, tainted, discordant
+    across arms), not started, running, error, interrupted, budget stops; with the bulky parts a
+    real record has (artifacts, jobs, gates, per-check details) that the report never reads."""
+    rid = f"r{n:05d}"
+    rec: dict = {"run_id": rid, "task": task, "arm": arm, "repeat": repeat, "block": f"b-{task}",
+                 "split": "main", "status": "finished",
+                 "jobs": [{"job_id": f"j{n}", "role": "executor", "tool_uses": 3}],
+                 "artifacts": {"files": {f"f{i}.py": "0" * 64 for i in range(20)}, "sha256": "1" * 64},
+                 "gates": [{"passed": False, "stdout_tail": "x" * 300}], "workspace": {"files": 3},
+                 "provenance": {"agentbench": "0.1.0", "rehearsal": n % 11 == 0, "model": "m"},
+                 "sandbox": {"sandboxed": n % 5 != 0, "kinds": ["bwrap"]},
+                 "tokens": {"input": rng.randrange(1000), "output": rng.randrange(500),
+                            "cache_read": rng.randrange(5000), "cache_creation": rng.randrange(300)},
+                 "cost_usd": round(rng.random() * 2, 4), "cost_estimated": n % 13 == 0,
+                 "wall_s": round(5 + rng.random() * 300, 3), "gate_cycles": rng.randrange(4),
+                 "review_verdicts": rng.choice([[], ["accept"], ["revise", "accept"]])}
+    kind = rng.random()
+    if kind < 0.05:
+        rec["status"] = "not_started"
+        for k in ("tokens", "cost_usd", "wall_s"):
+            rec.pop(k)
+        return rec
+    if kind < 0.08:
+        rec["status"] = "running"
+        return rec
+    if kind < 0.11:
+        rec.update(status="error", outcome="error", error="launch_error",
+                   error_detail={"detail": "y" * 200})
+        return rec
+    if kind < 0.13:
+        rec.update(status="interrupted", outcome=None)
+        return rec
+    # Discordant by arm: B helps on even tasks, C hurts on odd ones.
+    p = 0.5 + (0.3 if arm == "B" and int(task[1:]) % 2 == 0 else 0) - (0.3 if arm == "C" and int(task[1:]) % 2 else 0)
+    ok = rng.random() < p
+    score = 1.0 if ok else round(rng.random() * 0.8, 3)
+    rec["evaluation"] = {"success": ok, "score": score, "passed": ok, "tests_passed": 4 if ok else 1,
+                         "tests_total": 4, "threshold": 1.0, "exit_code": 0 if ok else 1,
+                         "checks": [{"id": f"c{i}", "passed": ok, "detail": "z" * 200} for i in range(5)],
+                         "snapshots": [{"t": 60, "score": score / 2}, {"t": 300, "score": score}]}
+    rec["outcome"] = "success" if ok else "failure"
+    rec["validity"] = "valid"
+    if kind < 0.18:
+        rec.update(validity="infrastructure_failure", validity_reason="infrastructure:overloaded")
+    elif kind < 0.21:
+        rec.update(validity="degenerate", validity_reason="degenerate:no_tool_calls")
+    elif kind < 0.26:
+        rec.update(outcome="budget_exhausted", failure_reason="budget_exhausted")
+    rec["audit"] = {"tool_calls": rng.randrange(30), "flagged": kind < 0.35,
+                    "findings": [{"kind": "reads_oracle", "path": "../oracle/run.py"}] if kind < 0.35 else [],
+                    "equals_reference": []}
+    return rec
+
+
+def make_study(root: Path, runs: int = 360, seed: int = 7) -> ab.StudyPaths:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert ab.main(["init", "--study", str(root)]) == 0
+    cfg = json.loads((root / "study.json").read_text())
+    cfg["arms"] = {a: {} for a in ARMS}
+    (root / "study.json").write_text(json.dumps(cfg))
+    paths = ab.StudyPaths(root)
+    paths.run_index.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    n = 0
+    per = runs // (12 * len(ARMS))
+    for t in range(12):
+        for a in ARMS:
+            for rep in range(1, per + 1):
+                n += 1
+                rec = record(rng, n, f"t{t:02d}", a, rep)
+                ab.write_json_atomic(ab.run_file(paths, rec["run_id"]), rec)
+    return paths
+
+
+def records(paths: ab.StudyPaths) -> list[dict]:
+    return [ab.load_run(paths, r) for r in ab.all_run_ids(paths)]
+
+
+def rendered(runs: list[dict]) -> tuple[str, str, str]:
+    rep = ab.build_report(runs, ARMS, seed=3)
+    return (json.dumps(rep, indent=1, sort_keys=True, default=str), ab.render_report_md(rep),
+            ab.render_report_html(rep))
+
+
+def report_cli(paths: ab.StudyPaths, fmt: str, out: Path) -> str:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert ab.main(["report", "--study", str(paths.root), "--format", fmt, "--out", str(out)]) == 0
+    return out.read_text()
+
+
+@pytest.fixture
+def study(tmp_path) -> ab.StudyPaths:
+    return make_study(tmp_path / "study")
+
+
+def test_the_report_from_the_summary_equals_the_report_from_the_records(study, tmp_path):
+    truth = rendered(records(study))
+    assert not ab.runs_summary_path(study).exists()
+    first = ab.report_runs(study)            # builds the summary from the records
+    assert ab.runs_summary_path(study).exists()
+    second = ab.report_runs(study)           # reads it back
+    assert rendered(first) == truth
+    assert rendered(second) == truth
+    # Every format through the command, twice (without and then with the summary): the same bytes.
+    for fmt in ("json", "md", "html"):
+        ab.runs_summary_path(study).unlink()
+        a = report_cli(study, fmt, tmp_path / f"a.{fmt}")
+        b = report_cli(study, fmt, tmp_path / f"b.{fmt}")
+        assert a == b
+
+
+def test_the_summary_holds_only_what_the_report_reads(study):
+    ab.report_runs(study)
+    lines = ab.runs_summary_path(study).read_text().splitlines()
+    assert len(lines) == len(ab.all_run_ids(study))
+    for line in lines:
+        run = json.loads(line)["run"]
+        assert set(run) <= ab.REPORT_RUN_KEYS
+        assert "checks" not in (run.get("evaluation") or {})
+
+
+def test_a_torn_or_garbled_line_gives_the_same_report(study):
+    truth = rendered(records(study))
+    ab.report_runs(study)
+    f = ab.runs_summary_path(study)
+    data = f.read_bytes()
+    lines = data.split(b"\n")
+    lines[3] = b'{"v": 1, "id": "r00004", "stamp": [1, 2, 3], "run": {"arm": "Z"'   # torn
+    lines[5] = b"\xff\xfe not json"
+    lines[7] = b'{"v": 1, "id": "r00008", "stamp": "bad", "run": []}'
+    f.write_bytes(b"\n".join(lines)[:-40])    # and a torn last line
+    assert rendered(ab.report_runs(study)) == truth
+    assert rendered(ab.report_runs(study)) == truth   # after the repair appended fresh lines
+
+
+def test_a_missing_summary_gives_the_same_report(study):
+    truth = rendered(records(study))
+    ab.report_runs(study)
+    ab.runs_summary_path(study).unlink()
+    assert rendered(ab.report_runs(study)) == truth
+
+
+def test_a_summary_older_than_a_record_gives_the_same_report(study):
+    ab.report_runs(study)
+    # A record changes after the summary was written (same size, same second: only the stamp moves).
+    rid = ab.all_run_ids(study)[10]
+    rec = ab.load_run(study, rid)
+    rec["evaluation"] = {"success": True, "score": 1.0, "tests_passed": 4, "tests_total": 4}
+    rec["outcome"], rec["validity"], rec["status"] = "success", "valid", "finished"
+    ab.save_run(study, rec)
+    new = ab.load_run(study, ab.all_run_ids(study)[0])
+    ab.save_run(study, {**new, "run_id": "r99999", "task": "t00", "arm": "B", "repeat": 99})
+    truth = rendered(records(study))
+    got = ab.report_runs(study)
+    assert rendered(got) == truth
+    assert [r["run_id"] for r in got] == ab.all_run_ids(study)
+
+
+def test_a_removed_record_leaves_the_report(study):
+    ab.report_runs(study)
+    rid = ab.all_run_ids(study)[4]
+    ab.run_file(study, rid).unlink()
+    assert rid not in [r["run_id"] for r in ab.report_runs(study)]
+
+
+def test_the_summary_is_compacted_when_it_holds_twice_the_runs(study):
+    ab.report_runs(study)
+    f = ab.runs_summary_path(study)
+    n = len(ab.all_run_ids(study))
+    for rid in ab.all_run_ids(study)[: n // 2 + 5]:
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 1.0})
+    ab.report_runs(study)
+    for rid in ab.all_run_ids(study)[: n // 2 + 5]:
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 2.0})
+    ab.report_runs(study)
+    assert len(f.read_text().splitlines()) <= 2 * n
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+
+
+def test_a_summary_that_cannot_be_written_still_reports(study):
+    """A read-only or full study: the summary is only a cache, so the report goes on without it
+    (a directory in its place makes every read and write of it fail, whoever runs the test)."""
+    truth = rendered(records(study))
+    ab.runs_summary_path(study).mkdir()
+    assert rendered(ab.report_runs(study)) == truth
+    assert ab.runs_summary_path(study).is_dir()
+
+
+def test_without_write_nothing_is_written(study):
+    ab.report_runs(study, write=False)
+    assert not ab.runs_summary_path(study).exists()
+
+
+def test_a_link_or_a_directory_in_the_run_index_is_not_a_run(study, tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"run_id": "evil", "arm": "A", "task": "t00", "status": "finished"}))
+    os.symlink(outside, study.run_index / "evil.json")
+    (study.run_index / "dir.json").mkdir()
+    got = ab.report_runs(study)
+    assert "evil" not in [r.get("run_id") for r in got]
+
+
+# -- The report's reads of a run, checked against the keys the summary keeps ------------------------
+
+REPORT_SECTIONS = ("Statistics", "The report: what each arm did", "Rendering: Markdown and HTML")
+#: Names the report sections give a run record.
+RUN_NAMES = {"r", "run", "rec"}
+
+
+def run_key_reads(text: str) -> set[str]:
+    """Every constant key read from a name in RUN_NAMES (x.get("k"), x["k"]) in the report
+    sections of `text`."""
+    lines = text.split("\n")
+    banner = "# " + "=" * 98
+    keep: list[str] = []
+    on = False
+    for i, line in enumerate(lines):
+        if line == banner and i + 2 < len(lines) and lines[i + 2] == banner:
+            on = lines[i + 1][2:].strip() in REPORT_SECTIONS
+        if on:
+            keep.append(line)
+    keys: set[str] = set()
+    for node in ast.walk(ast.parse("\n".join(keep))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in RUN_NAMES
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            keys.add(node.args[0].value)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+              and node.value.id in RUN_NAMES and isinstance(node.slice, ast.Constant)):
+            keys.add(node.slice.value)
+    return keys
+
+
+def test_every_run_key_the_report_reads_is_kept_by_the_summary():
+    text = Path(ab.__file__).read_text(encoding="utf-8")
+    reads = run_key_reads(text)
+    assert reads, "the checker found no reads: the section titles moved"
+    derived = {k for k in reads if k.startswith("_")}   # set by the report itself (e.g. _task)
+    assert reads - derived - ab.REPORT_RUN_KEYS == set(), (
+        "the report reads run keys the runs summary does not keep: add them to REPORT_RUN_KEYS")
+
+
+def test_the_key_checker_finds_reads():
+    src = "\n".join(["# " + "=" * 98, "# Statistics", "# " + "=" * 98,
+                     "def f(r, run):", "    return r.get('a'), run['b'], x.get('c')"])
+    assert run_key_reads(src) == {"a", "b"}
