@@ -14309,7 +14309,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
-    refuse_unreachable_api(study, ctx.env)
+    if not all(run_is_final(paths, r) for r in ids):   # something will launch: money is at stake
+        refuse_unreachable_api(study, ctx.env)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -14323,8 +14324,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
-                "hint": "poll with `wait --run R` or `list`"}
-    return drive_foreground(ctx, study, ids, parallel)
+                "hint": "poll with `wait --run R` or `list`",
+                "next": f"python3 agentbench.py wait --study {shlex.quote(str(paths.root))} --all"}
+    out = drive_foreground(ctx, study, ids, parallel)
+    where = shlex.quote(str(paths.root))
+    return {**out, "next": f"python3 agentbench.py report --study {where} --format html"}
 
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
