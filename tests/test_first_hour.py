@@ -430,8 +430,9 @@ def test_the_demo_report_shows_every_column_of_the_per_arm_table_at_1280_px(tmp_
     page = Path(demo["report"]["html"])
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
              "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"]
-    shot = tmp_path / "report.png"
-    subprocess.run([chromium, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
+    shot = tmp_path / "report.png"   # 1280 px wide and tall enough to hold the per-arm table
+    subprocess.run([chromium, *flags, "--window-size=1280,2200", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=180)
     assert shot.exists() and shot.stat().st_size > 1000
     # The layout: the right edge of every cell of the per-arm tables, as Chromium placed them.
     probe = tmp_path / "probe.html"
