@@ -4944,6 +4944,15 @@ def _gateway_server_classes() -> tuple[Any, Any]:
     return _GATEWAY_CLASSES[0]
 
 
+def upstream_down(exc: BaseException) -> bool:
+    """Whether a forwarding error says the upstream cannot be reached at all (refused, no route,
+    no such host, no answer, a certificate that does not verify), rather than a failure of one
+    request."""
+    if isinstance(exc, (ConnectionRefusedError, TimeoutError, socket.gaierror, ssl.SSLError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+
+
 class MeteringGateway:
     """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
     are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
@@ -5210,7 +5219,9 @@ class MeteringGateway:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
                 with self._lock:
-                    self._unreachable += 1
+                    # Only a connection that could not be made counts: nothing a session sends
+                    # (odd headers, a dropped connection) can end its own session this way.
+                    self._unreachable = self._unreachable + 1 if upstream_down(exc) else 0
                     final = self._unreachable >= GATEWAY_UNREACHABLE_FINAL
                 status = 400 if final else 502
                 rec["unreachable_in_a_row"] = self._unreachable

@@ -266,17 +266,14 @@ def test_where_on_a_missing_study_is_an_error_and_says_when_there_is_no_credenti
     assert code == 2 and obj["code"] == "upstream_unreachable" and obj["api_check"]["ok"] is False, obj
 
 
-def test_a_gateway_whose_upstream_keeps_failing_answers_a_final_error(tmp_path):
-    """claude retries a 502 for minutes; after GATEWAY_UNREACHABLE_FINAL failures in a row the
-    gateway answers 400 invalid_request_error, which ends the session at once."""
+def _gateway_statuses(tmp_path: Path, upstream: str, n: int) -> list[tuple[int, str]]:
     import http.client
-    gw = ab.MeteringGateway(upstream=f"http://127.0.0.1:{closed_port()}", creds={"ANTHROPIC_API_KEY": "k"},
-                            prices=None, record_path=tmp_path / "gateway.jsonl", budget=None,
-                            default_model="claude-opus-4-5")
+    gw = ab.MeteringGateway(upstream=upstream, creds={"ANTHROPIC_API_KEY": "k"}, prices=None,
+                            record_path=tmp_path / "gateway.jsonl", budget=None, default_model="claude-opus-4-5")
     gw.start()
+    statuses = []
     try:
-        statuses = []
-        for _ in range(ab.GATEWAY_UNREACHABLE_FINAL + 1):
+        for _ in range(n):
             host, port = gw.url.rsplit("/", 1)[1].split(":")
             conn = http.client.HTTPConnection(host, int(port), timeout=30)
             conn.request("POST", "/v1/messages", body=b'{"model": "claude-opus-4-5", "max_tokens": 5}',
@@ -286,8 +283,38 @@ def test_a_gateway_whose_upstream_keeps_failing_answers_a_final_error(tmp_path):
             conn.close()
     finally:
         gw.stop()
+    return statuses
+
+
+def test_a_gateway_whose_upstream_keeps_failing_answers_a_final_error(tmp_path):
+    """claude retries a 502 for minutes; after GATEWAY_UNREACHABLE_FINAL failures in a row the
+    gateway answers 400 invalid_request_error, which ends the session at once."""
+    statuses = _gateway_statuses(tmp_path, f"http://127.0.0.1:{closed_port()}", ab.GATEWAY_UNREACHABLE_FINAL + 1)
     assert statuses[0] == (502, "api_error")
     assert statuses[ab.GATEWAY_UNREACHABLE_FINAL - 1:] == [(400, "invalid_request_error")] * 2
+
+
+def test_an_upstream_that_drops_connections_is_not_taken_for_a_dead_one(tmp_path):
+    """Only a connection that cannot be made counts: an upstream that accepts and hangs up (as a
+    session could provoke for one request) keeps getting the retryable 502."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        statuses = _gateway_statuses(tmp_path, f"http://127.0.0.1:{listener.getsockname()[1]}", 3)
+    finally:
+        listener.close()
+    assert statuses == [(502, "api_error")] * 3
 
 
 # ---- output for a person and for a program ----------------------------------------------------------
