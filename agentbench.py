@@ -42,6 +42,7 @@ Sections, strictly bottom-up:
     The scripted model: rehearsal of a study
     Reading at scale: the streamed ledger, paged listings, the paused collector
     Calibration and assignment: a study's tasks checked and its runs planned
+    Interop: Inspect logs, ATIF trajectories, Harbor tasks
     The CLI and main
 
 Where to look: the study's configuration (its keys, defaults, init's flags, the merge) is "Study
@@ -141,6 +142,7 @@ socket: Any = LazyModule("socket")
 ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
 urllib: Any = LazyModule("urllib")
+zipfile: Any = LazyModule("zipfile")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
 #: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
@@ -236,6 +238,12 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "orphan_after_s": 0,
     "executor": "local",
     "slurm": None,
+    # Every copy or read agentbench makes of what a session left (workspaces, snapshots, review
+    # copies, transcripts) stops at these caps, in MB: per file and per copy (apparent sizes); a
+    # session whose workspace holds more than `workspace_mb` of real blocks is ended.
+    "copy_file_mb": 256,
+    "copy_total_mb": 1024,
+    "workspace_mb": 1024,
 }
 #: Slurm job states in which a submitted supervisor is still queued, starting, running or being
 #: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
@@ -245,7 +253,7 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
-                                  "study_usd": 200.0, "min_remaining_usd": 0.05}
+                                  "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
 #: request that crossed it; the supervisor stops a session whose list-price estimate passes the
 #: budget by this factor plus this pad (an estimate, so only a clear overrun counts).
@@ -253,8 +261,10 @@ BUDGET_BACKSTOP_FACTOR = 1.25
 BUDGET_BACKSTOP_PAD_USD = 0.01
 #: The shortest wall limit a run's next session gets when its run has almost no wall time left.
 MIN_SESSION_WALL_S = 5.0
-#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.
-PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120,
+#: A keep-warm ping of a base (`tick`): one short turn, outside every run's budget.  Its budget is
+#: a ceiling, not its cost (mostly cache reads): the gateway reserves one token per byte of the
+#: request, so a base of about 190 KB of context still fits at the dearest default price.
+PING_LIMITS: dict[str, Any] = {"wall_s": 300, "max_turns": 1, "max_budget_usd": 2.0, "stall_after_s": 120,
                                "orphan_after_s": 0}
 #: The rehearsal's training of a per-task base: a few scripted turns.
 TRAIN_REHEARSAL_WALL_S = 600
@@ -301,8 +311,15 @@ class AgentbenchError(Exception):
 
 
 def json_line(obj: Any) -> str:
-    """The one serialisation of command output: compact, sorted keys, newline-terminated."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+    """The one serialisation of command output: compact, sorted keys, newline-terminated.  Text
+    that cannot be UTF-8 (a lone surrogate: a file name's undecodable byte) is written as a JSON
+    escape instead of failing the command."""
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str)
+    return text + "\n"
 
 
 _LOG_QUIET = False
@@ -441,6 +458,8 @@ def count_from(value: Any, *, anomalies: list[dict[str, Any]] | None = None, whe
                hi: int = MAX_TOKEN_COUNT) -> int:
     """A token (or other) count: a whole number in [0, hi]; absent gives 0, anything else 0 plus
     an anomaly (a fractional count is truncated and flagged)."""
+    if type(value) is int and 0 <= value <= hi:   # the common case, answered without a float
+        return value
     f = finite_number(value, lo=0, hi=hi, anomalies=anomalies, where=where)
     if f is None:
         return 0
@@ -2286,6 +2305,416 @@ def touch_last_call(paths: StudyPaths) -> None:
         pass
 
 
+# -- copies and reads of what a session left behind ------------------------------------------------
+# A workspace, a review directory, a snapshot and claude's transcripts may hold anything the agent
+# wrote: links to hidden files or to /dev/zero, FIFOs, sparse files of terabytes, names that are not
+# UTF-8, trees nested past PATH_MAX.  Every copy or read agentbench makes of them outside the sandbox
+# goes through the functions below: a link is copied as a link (or dropped), never followed; a FIFO,
+# socket or device is skipped, never opened for reading; a sparse file stays sparse; and a copy stops
+# at its caps (CopyCaps, from the study settings copy_file_mb and copy_total_mb).  What cannot be
+# copied within these rules raises UnusableTree: the agent's doing, never an infrastructure failure.
+
+#: A copy refuses a tree with more entries than this (each costs system calls, and an honest
+#: workspace is far smaller), ...
+COPY_MAX_ENTRIES = 200_000
+#: ... nested deeper than this (the walk holds one open directory per level), ...
+COPY_MAX_DEPTH = 128
+#: ... or with a relative path longer than this in bytes (past it, the copy's own absolute paths
+#: would pass the platform's PATH_MAX).
+COPY_MAX_PATH_BYTES = 3072
+_READ_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                  | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+_DIR_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+#: Directories walked by descriptor (no path is ever re-resolved, so a directory swapped for a link
+#: mid-copy is not followed and depth never meets PATH_MAX); by path where the platform has no *at().
+_BY_FD = os.open in os.supports_dir_fd and os.scandir in os.supports_fd and bool(getattr(os, "O_NOFOLLOW", 0))
+#: errno values of a name the file system will not take: the name's fault, not the machine's.
+NAME_REFUSED_ERRNOS = frozenset(getattr(errno, n) for n in ("ENAMETOOLONG", "EILSEQ") if hasattr(errno, n))
+
+
+def shown_name(name: str) -> str:
+    """A file name as records and reports show it: printable, one line, and distinct for distinct
+    names.  A byte that is not UTF-8 (held by Python as a lone surrogate) becomes \\xNN, another
+    unprintable character (controls, bidi and zero-width marks, line separators) \\xNN below 0x80
+    else \\uNNNN or \\UNNNNNNNN, and a backslash is doubled."""
+    if name.isprintable() and "\\" not in name:
+        return name
+    out = []
+    for ch in name:
+        code = ord(ch)
+        if ch == "\\":
+            out.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif ch.isprintable():
+            out.append(ch)
+        elif code < 0x80:
+            out.append(f"\\x{code:02x}")
+        else:
+            out.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(out)
+
+
+class UnusableTree(AgentbenchError):
+    """A tree (or file) that cannot be copied or read within the rules above: over a cap, nested
+    too deep, a name the file system refuses, an unreadable entry.  `why` is a short phrase."""
+
+    def __init__(self, why: str, path: str = "", **fields: Any):
+        super().__init__(f"the workspace cannot be copied or read within the copy rules: {why}",
+                         code="workspace_unusable", why=why, path=shown_name(str(path)),
+                         hint="the agent left files over the study's copy caps (copy_file_mb, "
+                              "copy_total_mb, workspace_mb), nested too deep, or unreadable", **fields)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class CopyCaps:
+    """The caps of one copy or read of a tree.  Sizes are apparent sizes (a sparse file counts at its
+    full length); None: no size cap (the experimenter's own task bundle)."""
+    file_bytes: int | None
+    total_bytes: int | None
+    entries: int = COPY_MAX_ENTRIES
+
+
+#: For the experimenter's own files (task bundles): no size cap, still no link followed.
+UNCAPPED = CopyCaps(None, None, entries=10 ** 9)
+#: The caps of a study that sets none (copy_file_mb and copy_total_mb's defaults).
+DEFAULT_COPY_CAPS = CopyCaps(int(DEFAULT_LAUNCH["copy_file_mb"] * 2 ** 20),
+                             int(DEFAULT_LAUNCH["copy_total_mb"] * 2 ** 20))
+
+
+def _at(d: int | str, name: str) -> tuple[str, dict[str, Any]]:
+    """A name in an open directory (descriptor) or a path, with the keyword arguments for os.*."""
+    return (name, {"dir_fd": d}) if isinstance(d, int) else (os.path.join(d, name), {})
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
+                 ) -> tuple[int, os.stat_result] | None:
+    """A descriptor and status of a regular file, opened without following a link and without
+    blocking (a FIFO left by the agent must not hang the reader), judged by what was opened; None
+    for a link, a FIFO, a socket, a device or a missing entry."""
+    try:
+        fd = os.open(path, _READ_NOFOLLOW, **({"dir_fd": dir_fd} if dir_fd is not None else {}))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EOPNOTSUPP):
+            return None          # a link (O_NOFOLLOW) or a socket
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
+    """A regular file's bytes (never through a link, never from a special file); None when the
+    entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        chunks, got = [], 0
+        while got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > max_bytes:      # it grew while read
+            raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
+                   dir_fd: int | None = None) -> str | None:
+    """sha256 of a regular file's first st_size bytes, opened as open_regular does; None when it is
+    not one; UnusableTree("file_over_cap") past `max_bytes`."""
+    opened = open_regular(path, dir_fd=dir_fd)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
+        h, left = hashlib.sha256(), st.st_size      # a file growing while hashed is read as it was
+        while left > 0:
+            chunk = os.read(fd, min(1 << 20, left))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _copy_data(src: int, dst: int, size: int, sparse: bool) -> None:
+    """Copy the first `size` bytes; a sparse source is copied extent by extent (SEEK_DATA), its
+    holes left holes, so its real blocks never grow to its apparent size."""
+    def span(start: int, end: int) -> None:
+        os.lseek(src, start, os.SEEK_SET)
+        while start < end:
+            chunk = os.read(src, min(1 << 20, end - start))
+            if not chunk:
+                return
+            if hasattr(os, "pwrite"):
+                os.pwrite(dst, chunk, start)
+            else:
+                os.lseek(dst, start, os.SEEK_SET)
+                os.write(dst, chunk)
+            start += len(chunk)
+
+    if sparse and hasattr(os, "SEEK_DATA"):
+        pos = 0
+        while pos < size:
+            try:
+                data = os.lseek(src, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break            # only a hole is left
+                raise
+            hole = min(os.lseek(src, data, os.SEEK_HOLE), size)
+            span(data, hole)
+            pos = hole
+        os.ftruncate(dst, size)
+    else:
+        span(0, size)
+
+
+@dataclass
+class _CopyTally:
+    caps: CopyCaps
+    listed: int = 0
+    files: int = 0
+    dirs: int = 0
+    links: int = 0
+    bytes: int = 0
+    sparse: int = 0
+    skipped_special: list[str] = field(default_factory=list)
+    dropped_links: list[str] = field(default_factory=list)
+
+    def entry(self, rel: str) -> None:
+        self.listed += 1
+        if self.listed > self.caps.entries:
+            raise UnusableTree("too_many_entries", rel, cap=self.caps.entries)
+        if len(os.fsencode(rel)) > COPY_MAX_PATH_BYTES:
+            raise UnusableTree("path_too_long", rel[:200], cap=COPY_MAX_PATH_BYTES)
+
+    def sized(self, rel: str, size: int) -> None:
+        cap, total = self.caps.file_bytes, self.caps.total_bytes
+        if cap is not None and size > cap:
+            raise UnusableTree("file_over_cap", rel, size=size, cap=cap)
+        if total is not None and self.bytes + size > total:
+            raise UnusableTree("copy_over_cap", rel, size=self.bytes + size, cap=total)
+        self.bytes += size
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": self.files, "dirs": self.dirs, "links": self.links, "bytes": self.bytes,
+                "sparse_files": self.sparse, "skipped_special": self.skipped_special[:50],
+                "dropped_links": self.dropped_links[:50]}
+
+
+def _link_stays_inside(rel: str, target: str) -> bool:
+    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
+    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
+        return False
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
+    return not (joined == ".." or joined.startswith("../"))
+
+
+def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
+                st: os.stat_result, links: str) -> None:
+    """One non-directory entry of safe_copy_tree (files, links, special files)."""
+    sp, skw = _at(sd, name)
+    dp, dkw = _at(dd, name)
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.stat(dp, follow_symlinks=False, **dkw).st_mode):
+            os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(sp, **skw)
+        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+            tally.dropped_links.append(shown_name(rel))
+            return
+        os.symlink(target, dp, **dkw)
+        tally.links += 1
+        return
+    if not stat.S_ISREG(st.st_mode):
+        tally.skipped_special.append(shown_name(rel))
+        return
+    opened = open_regular(sp, dir_fd=skw.get("dir_fd"))
+    if opened is None:           # swapped for a link or a FIFO since it was listed: not followed
+        tally.skipped_special.append(shown_name(rel))
+        return
+    fd, fst = opened
+    try:
+        tally.sized(rel, fst.st_size)
+        out = os.open(dp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                      | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0),
+                      (fst.st_mode & 0o777) | 0o600, **dkw)
+        try:
+            sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
+            _copy_data(fd, out, fst.st_size, sparse)
+            tally.sparse += int(sparse)
+        finally:
+            os.close(out)
+        tally.files += 1
+    finally:
+        os.close(fd)
+
+
+def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], caps: CopyCaps, *,
+                   links: str = "keep", skip_names: Iterable[str] = (".git",),
+                   skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
+    """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
+
+    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
+    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
+    exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
+    copy cannot take; the partial copy is left for the caller to remove."""
+    skip = frozenset(skip_names)
+    tally = _CopyTally(caps)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(dst)
+    except FileExistsError:
+        if not overlay:
+            raise
+    opened: list[int] = []
+
+    def opendir(parent: int | str | None, name: str) -> int | str:
+        if not _BY_FD:
+            return name if parent is None else os.path.join(str(parent), name)
+        fd = os.open(name, _DIR_NOFOLLOW, **({"dir_fd": parent} if isinstance(parent, int) else {}))
+        opened.append(fd)
+        return fd
+
+    try:
+        # [source dir, destination dir, relative path, its entries left to copy]
+        root = (opendir(None, os.fspath(src)), opendir(None, os.fspath(dst)))
+        stack: list[tuple[int | str, int | str, str, list[os.DirEntry[str]]]] = []
+
+        def push(sd: int | str, dd: int | str, rel: str) -> None:
+            if len(stack) >= COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(sd) as it:
+                entries = []
+                for e in it:
+                    if e.name in skip or (skip_suffixes and e.name.endswith(skip_suffixes)):
+                        continue
+                    tally.entry(rel + e.name)
+                    entries.append(e)
+            stack.append((sd, dd, rel, sorted(entries, key=lambda e: e.name, reverse=True)))
+
+        push(root[0], root[1], "")
+        while stack:
+            sd, dd, rel, entries = stack[-1]
+            if not entries:
+                stack.pop()
+                for d in (sd, dd):
+                    if isinstance(d, int) and d in opened:
+                        opened.remove(d)
+                        os.close(d)
+                continue
+            e = entries.pop()
+            erel = rel + e.name
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue             # gone since it was listed (a live workspace)
+            if stat.S_ISDIR(st.st_mode):
+                dp, dkw = _at(dd, e.name)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(dp, 0o755, **dkw)
+                try:
+                    sub = opendir(sd, e.name)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                        tally.skipped_special.append(shown_name(erel))   # swapped since listed
+                        continue
+                    raise
+                tally.dirs += 1
+                push(sub, opendir(dd, e.name), erel + "/")
+            else:
+                _copy_entry(tally, sd, dd, e.name, erel, st, links)
+    except UnusableTree:
+        raise
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        if exc.errno in WRITE_REFUSED_ERRNOS and exc.errno not in (errno.EACCES, errno.EPERM):
+            raise                    # the machine's disk, not the agent's tree
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise UnusableTree("unreadable", str(exc.filename or ""), detail=exc.strerror) from None
+        raise
+    finally:
+        for fd in opened:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return tally.summary()
+
+
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+    """Copy one regular file (a transcript): never through a link, never from a special file,
+    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
+    over the cap; returns the bytes copied."""
+    opened = open_regular(src)
+    if opened is None:
+        raise UnusableTree("not_a_regular_file", str(src))
+    fd, st = opened
+    try:
+        if st.st_size > max_bytes:
+            raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
+        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(Path(dst))
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
+        try:
+            _copy_data(fd, out, st.st_size, st.st_blocks * 512 < st.st_size
+                       if hasattr(st, "st_blocks") else False)
+        finally:
+            os.close(out)
+        os.replace(tmp, dst)
+        return st.st_size
+    finally:
+        os.close(fd)
+
+
+def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
+    """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
+    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
+    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
+    total, seen, pending = 0, 0, [os.fspath(root)]
+    while pending:
+        d = pending.pop()
+        try:
+            it = os.scandir(d)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                seen += 1
+                if seen > max_entries:
+                    return stop_above + 1
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total += (st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size)
+                if total > stop_above:
+                    return total
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(e.path)
+    return total
+
+
 # ==================================================================================================
 # Records: the declared shapes of the job's and run's files
 # ==================================================================================================
@@ -2322,6 +2751,7 @@ class JobRecord(TypedDict):
     slurm: dict[str, Any] | None
     gateway: str                     # on | off
     study_usd: float | None          # the study's USD cap at creation
+    unbounded_request_usd: float | None   # the gateway's stated worst case of an unbounded request
     sandbox: dict[str, Any] | None   # the launch's sandbox decision (kind, mode, binary, reason)
     system_prompt_sha256: str
     prompt_sha256: str
@@ -3228,7 +3658,12 @@ class SandboxPlan:
     rw: directories bound read-write (the workspace, the private HOME).
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
-    cwd: the working directory inside."""
+    cwd: the working directory inside.
+    container: paths a container image would have, given last: ("bind" | "ro-bind", source,
+    destination) or ("tmpfs", "", destination) rows (see container_rows).  With any, the root is a
+    private tmpfs holding `root_entries` (the host's top-level names: each bound read-only, or
+    a link made again), remounted read-only at the end, so that new top-level paths (/app,
+    /tests, /logs) can be made in it."""
     hide: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     ro: tuple[str, ...] = ()
@@ -3236,6 +3671,8 @@ class SandboxPlan:
     cwd: str = "/"
     inner_hide: tuple[str, ...] = ()
     inner_rw: tuple[str, ...] = ()
+    container: tuple[tuple[str, str, str], ...] = ()
+    root_entries: tuple[tuple[str, str | None], ...] = ()
 
 
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
@@ -3245,8 +3682,13 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     the private /tmp, the hiding tmpfs mounts (outer first; none already inside /tmp or another
     hidden directory), the tool directories that a hide covered, then read-only and read-write
     binds (a workspace inside the hidden study comes back this way)."""
-    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/"), ("--dev", "/dev"), ("--proc", "/proc"),
-                                   ("--tmpfs", "/tmp")]
+    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/")]
+    if plan.container:
+        rows = [("--tmpfs", "/")]
+        for name, target in plan.root_entries:
+            rows.append(("--symlink", target, "/" + name) if target is not None
+                        else ("--ro-bind", "/" + name, "/" + name))
+    rows += [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
     covered = ["/tmp"]
     for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
         if d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered):
@@ -3266,6 +3708,10 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
         rows.append(("--tmpfs", d))
     for d in plan.inner_rw:
         rows.append(("--bind", d, d))
+    for op, source, dest in plan.container:
+        rows.append(("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest))
+    if plan.container:
+        rows.append(("--remount-ro", "/"))
     return rows
 
 
@@ -3447,15 +3893,92 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
     return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
 
 
+#: Where a container spec may not put anything: the host's own system directories (a task's
+#: paths are made in a private root beside them, never over them).
+CONTAINER_RESERVED = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
+                      "/dev", "/sys", "/tmp", "/run", "/var", "/boot", "/root", "/home", "/opt", "/srv",
+                      "/mnt", "/media", "/snap", "/nix")
+CONTAINER_KEYS = ("workdir", "ro", "scratch")
+
+
+def container_spec_problem(spec: Any) -> str | None:
+    """Why a check's or reference's `container` spec cannot be used, or None (pure).  The spec:
+    {"workdir": "/app", "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}: the workdir
+    (where the workspace is bound read-write and the command starts), read-only binds from paths
+    relative to the check's own directory, and empty writable directories."""
+    if not isinstance(spec, dict) or set(spec) - set(CONTAINER_KEYS) or "workdir" not in spec:
+        return f"container must be an object with workdir and optionally ro and scratch ({spec!r:.100})"
+    ro = spec.get("ro", {})
+    scratch = spec.get("scratch", [])
+    if not isinstance(ro, dict) or not isinstance(scratch, list):
+        return "container.ro must map container paths to relative paths; container.scratch must be a list"
+    dests = [spec["workdir"], *ro, *scratch]
+    for d in dests:
+        if not isinstance(d, str) or not d.startswith("/") or posixpath.normpath(d) != d or len(d) > 200:
+            return f"container path {d!r:.100} is not an absolute, normal path"
+        if any(d == r or _under(d, r) for r in CONTAINER_RESERVED if r != "/") or d == "/":
+            return f"container path {d} lies in a host system directory"
+        if not re.fullmatch(r"[A-Za-z0-9_./-]+", d):
+            return f"container path {d!r:.100} holds characters other than letters, digits and ._-/"
+    if len(set(dests)) != len(dests):
+        return "container paths repeat"
+    for src in ro.values():
+        if not isinstance(src, str) or src.startswith("/") or ".." in src.split("/") or len(src) > 200:
+            return f"container.ro source {src!r:.100} is not a relative path inside the bundle"
+    return None
+
+
+def container_top_names(spec: Mapping[str, Any]) -> list[str]:
+    """The top-level names a container spec claims (/app -> app) (pure)."""
+    dests = [spec["workdir"], *(spec.get("ro") or {}), *(spec.get("scratch") or [])]
+    return sorted({d.strip("/").split("/")[0] for d in dests})
+
+
+def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> list[tuple[str, str, str]]:
+    """The mounts of a container spec (pure): the workspace read-write at the workdir, each ro
+    source (under `base`) read-only at its path, each scratch path an empty private tmpfs."""
+    rows = [("bind", workspace, str(spec["workdir"]))]
+    rows += [("ro-bind", posixpath.join(base, src), dest)
+             for dest, src in sorted((spec.get("ro") or {}).items())]
+    rows += [("tmpfs", "", d) for d in spec.get("scratch") or []]
+    return rows
+
+
+def host_root_entries(claimed: Sequence[str]) -> list[tuple[str, str | None]]:
+    """The host's top-level names for a private root: (name, link target or None), without the
+    ones bubblewrap makes itself (proc, dev, tmp) and the ones a container spec claims."""
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(os.listdir("/")):
+        if name in ("proc", "dev", "tmp") or name in claimed:
+            continue
+        full = "/" + name
+        if os.path.islink(full):
+            out.append((name, os.readlink(full)))
+        elif os.path.isdir(full) or os.path.isfile(full):
+            out.append((name, None))
+    return out
+
+
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                  hidden: Sequence[str], ro: Sequence[str]) -> list[str]:
+                  hidden: Sequence[str], ro: Sequence[str],
+                  container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
     """The sandboxed argv of one check command: its cwd (the workspace, or the oracle's copy)
     read-write, its pristine check directories read-only, the study, the tasks and the real home
-    masked.  The environment is the caller's (credential-free) one, unchanged."""
+    masked.  The environment is the caller's (credential-free) one, unchanged.  With a
+    `container` spec (see container_rows) the cwd is also bound at the spec's workdir, where the
+    command starts, and the spec's paths are made (read-only ones from under `container_base`)."""
     homes = real_homes(env)
     tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    rows: tuple[tuple[str, str, str], ...] = ()
+    entries: tuple[tuple[str, str | None], ...] = ()
+    inner = _real(cwd)
+    if container:
+        rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
+        entries = tuple(host_root_entries(container_top_names(container)))
+        inner = str(container["workdir"])
     plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=_real(cwd))
+                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=inner,
+                       container=rows, root_entries=entries)
     return sandbox_argv(bwrap, plan, argv)
 
 
@@ -4141,6 +4664,13 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
+    per_run = budget.get("usd_per_run", DEFAULT_BUDGET["usd_per_run"])
+    if budget.get("unbounded_request_usd", 0) > per_run:
+        raise AgentbenchError("budget.unbounded_request_usd is larger than a run's budget",
+                              code="unbounded_request_usd_above_run_budget",
+                              unbounded_request_usd=budget["unbounded_request_usd"], usd_per_run=per_run,
+                              hint="no such request could ever fit; state a worst case below usd_per_run, "
+                                   "or 0 to refuse them")
 
 
 def _check_prices(prices: Any) -> None:
@@ -4175,6 +4705,15 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
                 raise AgentbenchError(f"an arm's {key} must be true or false", code="arm_setting_not_bool",
                                       arm=name, value=str(spec[key]),
                                       hint=f'write "{key}": true (not a string)')
+
+
+#: The copy caps' settings (copy_file_mb, copy_total_mb, workspace_mb): megabytes, at most this many.
+MEGABYTES_MAX = 10_000_000
+MEGABYTES_WANT = f"a positive number of megabytes (at most {MEGABYTES_MAX})"
+
+
+def _is_megabytes(v: Any) -> bool:
+    return is_number(v) and 0 < v <= MEGABYTES_MAX
 
 
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
@@ -4222,6 +4761,12 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             "an object of string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
+    Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
+    Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="the most one copy of a workspace may hold (MB)"),
+    Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
+            help="a session whose workspace holds more (MB, real blocks) is ended"),
 )
 #: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
@@ -4232,6 +4777,9 @@ BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
     "max_turns": (int, "claude --max-turns of a session"),
     "study_usd": (finite_float, "the study's cost cap: no launch once spent"),
     "min_remaining_usd": (finite_float, "no new session for a run with less budget left"),
+    "unbounded_request_usd": (finite_float, "worst case (USD) the gateway reserves for a request whose cost "
+                                            "its body does not bound (server-side tools, URL or Files API "
+                                            "content, PDFs); 0: such requests are refused"),
 }
 
 
@@ -4307,6 +4855,12 @@ def launch_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["prices"] = dict(cfg.get("prices") or {})
     out["gateway"] = cfg.get("gateway") or GATEWAY_DEFAULT
     return out
+
+
+def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
+    """The caps of every copy or read of a session's tree, from the effective launch configuration."""
+    return CopyCaps(file_bytes=int(float(launch["copy_file_mb"]) * 2 ** 20),
+                    total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
 def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
@@ -4405,8 +4959,21 @@ GATEWAY_MAX_BODY_BYTES = 64 << 20
 GATEWAY_CHUNK_BYTES = 64 << 10
 #: A non-streamed answer is kept for metering up to this size (it is forwarded whole regardless).
 GATEWAY_MAX_METER_BYTES = 16 << 20
-#: The worst-case input of a request: its body's bytes / this many (a token is rarely shorter).
-GATEWAY_BYTES_PER_TOKEN = 3.0
+#: The worst-case input of a request: its body's bytes / this many.  A token stands for at least
+#: one byte of the text it encodes, and the body holds every byte of that text (JSON only adds),
+#: so one token per byte bounds what a hostile body can be billed (honest text runs ~4 bytes).
+GATEWAY_BYTES_PER_TOKEN = 1.0
+#: Tokens the API adds to any request beyond its body (the tool-use system prompt, turn framing).
+GATEWAY_OVERHEAD_TOKENS = 2048
+#: Tokens of one inline image, whatever its bytes: the API scales an image down to a bounded size
+#: (a tiny, highly compressed file can stand for a large picture).
+GATEWAY_IMAGE_TOKENS = 8192
+#: Tokens an Anthropic-defined client tool (bash, text editor, computer, memory) adds beyond its
+#: few bytes of definition (its schema and instructions are the API's).
+GATEWAY_CLIENT_TOOL_TOKENS = 2048
+GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
+#: Where a content block's data may come from for its cost to be bounded by the body: inline.
+GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
 #: After this many requests in a row found the upstream unreachable, the gateway answers the next
@@ -4681,6 +5248,7 @@ class SseMeter:
         self.error: str | None = None
         self.bad = False
         self.events = 0
+        self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -4706,12 +5274,14 @@ class SseMeter:
             msg = ev["message"]
             self.usage, bad = _clean_usage(msg.get("usage"))
             self.bad = self.bad or bad
+            self.updates += 1
             if isinstance(msg.get("model"), str):
                 self.model = msg["model"][:200]
         elif kind == "message_delta":
             usage, bad = _clean_usage(ev.get("usage"))
             self.bad = self.bad or bad
             self.usage.update(usage)
+            self.updates += 1
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -4735,14 +5305,103 @@ def metered_tokens(usage: Mapping[str, Any]) -> dict[str, int]:
     return tokens_from_usage(usage)
 
 
-def worst_case_usd(body_bytes: int, max_tokens: int, model: str | None,
+@dataclass(frozen=True)
+class RequestBound:
+    """What a Messages request body says about its cost (see request_bound): the model it is
+    priced at, whether it streams, its max_tokens, the most input tokens it can be billed, and the
+    parts whose cost the body does not bound (`unbounded`, by name; empty: fully bounded).
+    `readable`: the body is a JSON object this process could parse (one that is not cannot be
+    bounded, and the API would refuse it anyway, unless its parser goes deeper than this one)."""
+    model: str | None
+    stream: bool
+    max_tokens: int
+    input_tokens: int
+    unbounded: tuple[str, ...]
+    readable: bool = True
+
+
+def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
+    """(extra input tokens, unbounded part names) of the content blocks anywhere below `roots`
+    (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
+    number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
+    uploaded container file) and PDF pages (text and a picture per page, compressed) are not
+    bounded by the body."""
+    extra, unbounded = 0, []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        source = node.get("source")
+        if kind == "image":
+            extra += GATEWAY_IMAGE_TOKENS
+        if isinstance(source, dict):
+            stype = source.get("type")
+            if stype not in GATEWAY_INLINE_SOURCES:
+                unbounded.append(f"{str(stype)[:40]}_source")
+            elif stype == "base64" and kind == "document" and source.get("media_type") != "text/plain":
+                unbounded.append("pdf_document")
+        if "file_id" in node:
+            unbounded.append("file_id")
+        if kind == "container_upload":
+            unbounded.append("container_upload")
+        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return extra, unbounded
+
+
+def request_bound(body: bytes, default_model: str | None) -> RequestBound:
+    """The cost bound of one Messages request body (pure, never raises).
+
+    Input: one token per body byte (GATEWAY_BYTES_PER_TOKEN), plus the API's own overhead, a
+    fixed allowance per image and per Anthropic-defined client tool.  Output: max_tokens (the
+    default when missing or not a positive integer).  Refused by name unless the study states a
+    worst case for them: server-side tools (web search and fetch, code execution, tool search,
+    MCP toolsets; any tool `type` not known to run on the client), remote MCP servers, a code
+    execution container, content fetched from a URL or the Files API, PDF documents, and fast
+    mode (`speed`, priced at a multiple the study's price table does not hold)."""
+    try:
+        req = json.loads(body)
+    except (ValueError, RecursionError):
+        req = None
+    readable = isinstance(req, dict)
+    req = req if isinstance(req, dict) else {}
+    model = req.get("model") if isinstance(req.get("model"), str) else default_model
+    mt = req.get("max_tokens")
+    mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
+    tokens = math.ceil(len(body) / GATEWAY_BYTES_PER_TOKEN) + GATEWAY_OVERHEAD_TOKENS
+    unbounded: list[str] = []
+    tools = req.get("tools")
+    for tool in tools if isinstance(tools, list) else []:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in (None, "custom"):
+            continue
+        if isinstance(kind, str) and kind.startswith(GATEWAY_CLIENT_TOOL_PREFIXES):
+            tokens += GATEWAY_CLIENT_TOOL_TOKENS
+        else:
+            unbounded.append("server_tool:" + str(kind)[:60])
+    if req.get("mcp_servers"):
+        unbounded.append("mcp_servers")
+    if req.get("container") is not None:
+        unbounded.append("container")
+    if req.get("speed") not in (None, "standard"):
+        unbounded.append("speed:" + str(req.get("speed"))[:20])
+    extra, parts = _content_bound([req.get("messages"), req.get("system")])
+    unbounded += parts
+    return RequestBound(model=model, stream=bool(req.get("stream")),
+                        max_tokens=mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS, input_tokens=tokens + extra,
+                        unbounded=tuple(sorted(set(unbounded))), readable=readable)
+
+
+def worst_case_usd(input_tokens: int, max_tokens: int, model: str | None,
                    prices: Mapping[str, Sequence[float]] | None) -> float:
-    """What one Messages request can cost at most (pure): its input estimated from the body's
-    size at the dearest input-side price (a cache write costs more than plain input), plus
-    max_tokens of output."""
+    """What one Messages request can cost at most (pure): its input bound at the dearest
+    input-side price (every token could be a 1-hour cache write), plus max_tokens of output."""
     p_in, p_out, p_5m, p_1h, _ = price_for(model, prices)
-    tokens_in = math.ceil(max(body_bytes, 0) / GATEWAY_BYTES_PER_TOKEN)
-    return round((tokens_in * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
+    return round((max(input_tokens, 0) * max(p_in, p_5m, p_1h) + max(max_tokens, 0) * p_out) / 1e6, 6)
 
 
 def reservation_refusal(worst: float, *, run_cap: float | None, run_used: float,
@@ -4827,8 +5486,9 @@ def gateway_dir(paths: StudyPaths) -> Path:
     return paths.state / "gateway"
 
 
-def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> float:
-    """Metered cost plus reservations in flight of every live job but `exclude`.  A job whose
+def live_reservations_usd(paths: StudyPaths, exclude: str | None = None,
+                          keys: tuple[str, ...] = ("metered_usd", "reserved_usd")) -> float:
+    """Metered cost plus reservations in flight (`keys`) of every live job but `exclude`.  A job whose
     ledger line is written is counted by the ledger instead.  Read under the study's gateway lock
     (see GatewayBudget); a file that still cannot be parsed (its writer died mid-write) is skipped,
     and so is any figure that is not a finite positive number."""
@@ -4843,7 +5503,7 @@ def live_reservations_usd(paths: StudyPaths, exclude: str | None = None) -> floa
                 data = json.loads(Path(entry.path).read_bytes())
             except (OSError, ValueError):
                 continue
-            for key in ("metered_usd", "reserved_usd"):
+            for key in keys:
                 val = data.get(key) if isinstance(data, dict) else None
                 total += spend_from(val)   # an edited reservation file fails closed
     return total
@@ -4900,6 +5560,22 @@ class GatewayBudget:
                 self._publish()
             return refusal
 
+    def reached(self, live: float) -> dict[str, Any] | None:
+        """Which cap the metered spend has reached with `live` (what the answers still streaming
+        have cost so far) counted, or None.  The study's: its ledger spend and every other live
+        job's metered cost (not their reservations: this is spend, not a forecast)."""
+        with self._lock:
+            run_used = self.metered + live
+        if self.run_cap is not None and run_used >= self.run_cap:
+            return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
+        if self.study_cap:
+            with self._study_lock():
+                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
+                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            if used >= self.study_cap:
+                return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
+        return None
+
     def settle(self, reserved: float, cost: float) -> None:
         with self._lock:
             self.reserved = max(self.reserved - reserved, 0.0)
@@ -4938,6 +5614,7 @@ def _gateway_server_classes() -> tuple[Any, Any]:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = 128   # a burst of connections is queued, not reset (the default: 5)
             gateway: "MeteringGateway"
 
         _GATEWAY_CLASSES.append((Handler, Server))
@@ -4953,6 +5630,32 @@ def upstream_down(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
 
 
+@dataclass(frozen=True)
+class GatewayAnswer:
+    """What the upstream answered one forwarded request: its status and request id, how many
+    chunks were relayed, whether the relay broke off (`error`: why), and the usage, model and
+    stream error read from a Messages answer (`bad`: some usage figure could not be believed)."""
+    status: int
+    request_id: str | None
+    chunks: int
+    aborted: bool
+    error: str | None
+    usage: Mapping[str, Any]
+    model: str | None
+    bad: bool
+    stream_error: str | None
+    cut: bool = False
+
+
+@dataclass(frozen=True)
+class LiveAnswer:
+    """A Messages request on its way: its number among the gateway's, the model it is priced at
+    and the USD reserved for it."""
+    ticket: int
+    model: str | None
+    reserved: float
+
+
 class MeteringGateway:
     """The gateway of one job (see the section banner).  start() binds 127.0.0.1:0; url and token
     are what `claude` gets; stop() shuts it down and waits briefly for requests in flight."""
@@ -4960,7 +5663,7 @@ class MeteringGateway:
     def __init__(self, *, upstream: str | None, creds: Mapping[str, str],
                  prices: Mapping[str, Sequence[float]] | None,
                  record_path: str | os.PathLike[str], budget: GatewayBudget | None = None,
-                 default_model: str | None = None):
+                 default_model: str | None = None, unbounded_usd: float = 0.0):
         self.scheme, self.host, self.port, self.prefix = gateway_upstream(upstream)
         self.auth = gateway_auth_headers(creds)
         self.token = "abgw-" + secrets.token_urlsafe(32)
@@ -4968,7 +5671,15 @@ class MeteringGateway:
         self.record_path = Path(record_path)
         self.budget = budget
         self.default_model = default_model
+        #: The worst case the study states for a request the body does not bound (0: refused).
+        self.unbounded_usd = unbounded_usd
         self.refusal: dict[str, Any] | None = None
+        #: Set once the metered spend reached a cap (or an answer cost more than its reservation):
+        #: every live answer is cut, every later Messages request refused, and the supervisor ends
+        #: the session `budget`.
+        self.cutoff: dict[str, Any] | None = None
+        self._live: dict[int, float] = {}
+        self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
@@ -5083,76 +5794,107 @@ class MeteringGateway:
             return None
         return h.rfile.read(length) if length else b""
 
+    def _refuse(self, h: Any, rec: Mapping[str, Any], t0: float, status: int, error: str, message: str,
+                refused: str, *, close: bool = False, messages: bool = False) -> None:
+        """Answer a request that is not forwarded (an API-shaped error) and record why: `refused`
+        names the rule; `messages`: a Messages request, recorded with zero cost and tokens."""
+        if close:
+            h.close_connection = True
+        self._reply(h, status, error, "agentbench gateway: " + message)
+        zero = {"cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS}} if messages else {}
+        self._record({**rec, "status": status, "refused": refused, **zero,
+                      "duration_s": round(time.monotonic() - t0, 6)})
+
     def _handle(self, h: Any) -> None:
+        """One request: checked (token, body, path, budget; each refusal is one _refuse), then
+        forwarded, then metered and recorded."""
         t0 = time.monotonic()
         kind, path, allowed = gateway_route(h.command, h.path)
         rec: dict[str, Any] = {"at": utc_now(), "method": h.command, "path": path.partition("?")[0][:200],
                                "kind": kind}
         if not token_matches(presented_token(h.headers), self.token):
-            h.close_connection = True
-            self._reply(h, 401, "authentication_error",
-                        "agentbench gateway: this request does not carry the job's token")
-            self._record({**rec, "status": 401, "refused": "token",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 401, "authentication_error",
+                         "this request does not carry the job's token", "token", close=True)
             return
         body = self._read_body(h)
         if body is None:
-            h.close_connection = True
-            self._reply(h, 413, "request_too_large",
-                        "agentbench gateway: request body too large or malformed")
-            self._record({**rec, "status": 413, "refused": "body",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 413, "request_too_large", "request body too large or malformed", "body",
+                         close=True)
             return
         if not allowed:
-            self._reply(h, 403, "permission_error",
-                        "agentbench gateway: only POST /v1/messages and POST /v1/messages/count_tokens are "
-                        "forwarded")
-            self._record({**rec, "status": 403, "refused": "path",
-                          "duration_s": round(time.monotonic() - t0, 6)})
+            self._refuse(h, rec, t0, 403, "permission_error",
+                         "only POST /v1/messages and POST /v1/messages/count_tokens are forwarded", "path")
             return
-        reserved = 0.0
-        model = None
+        live = None
         if kind == "messages":
-            try:
-                req = json.loads(body) if body else {}
-            except ValueError:
-                req = {}
-            req = req if isinstance(req, dict) else {}
-            model = req.get("model") if isinstance(req.get("model"), str) else self.default_model
-            mt = req.get("max_tokens")
-            mt_ok = isinstance(mt, int) and not isinstance(mt, bool) and mt > 0
-            max_tokens = mt if mt_ok else GATEWAY_DEFAULT_MAX_TOKENS
-            rec.update({"model": model, "stream": bool(req.get("stream")), "max_tokens": max_tokens})
+            bound = request_bound(body, self.default_model)
+            rec.update({"model": bound.model, "stream": bound.stream, "max_tokens": bound.max_tokens,
+                        "body_bytes": len(body), "input_bound_tokens": bound.input_tokens})
+            if bound.unbounded:
+                rec["unbounded"] = list(bound.unbounded)
+            if self.cutoff is not None:
+                self._refuse(h, {**rec, "refusal": self.cutoff}, t0, 400, "invalid_request_error",
+                             f"budget exhausted: {self.cutoff['limit']} reached, this session's answers were "
+                             f"cut", self.cutoff["limit"], messages=True)
+                return
+            if not bound.readable:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "a Messages request must be a JSON object this gateway can read (its cost is "
+                             "bounded from it)", "unreadable", messages=True)
+                return
+            if bound.unbounded and not self.unbounded_usd:
+                self._refuse(h, rec, t0, 400, "invalid_request_error",
+                             "this request's cost cannot be bounded from its body ("
+                             + ", ".join(bound.unbounded) + "); a study that accepts such requests states "
+                             "their worst case in budget.unbounded_request_usd", "unbounded", messages=True)
+                return
+            worst = worst_case_usd(bound.input_tokens, bound.max_tokens, bound.model, self.prices)
+            worst = round(worst + (self.unbounded_usd if bound.unbounded else 0.0), 6)
+            reserved = 0.0
             if self.budget is not None:
-                worst = worst_case_usd(len(body), max_tokens, model, self.prices)
                 try:
                     refusal = self.budget.reserve(worst)
                 except AgentbenchError as exc:
-                    self._reply(h, 503, "api_error", "agentbench gateway: " + exc.one_line())
-                    self._record({**rec, "status": 503, "refused": "lock", "cost_usd": 0.0,
-                                  "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, rec, t0, 503, "api_error", exc.one_line(), "lock", messages=True)
                     return
                 if refusal is not None:
                     with self._lock:
                         self.refusal = self.refusal or refusal
                     # 400 invalid_request_error is final for the binary: it does not retry it.
-                    self._reply(h, 400, "invalid_request_error",
-                                f"agentbench gateway: budget exhausted: this request's worst case "
-                                f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
-                                f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)")
-                    self._record({**rec, "status": 400, "refused": refusal["limit"], "refusal": refusal,
-                                  "cost_usd": 0.0, "tokens": {k: 0 for k in TOKEN_KEYS},
-                                  "duration_s": round(time.monotonic() - t0, 6)})
+                    self._refuse(h, {**rec, "refusal": refusal}, t0, 400, "invalid_request_error",
+                                 f"budget exhausted: this request's worst case "
+                                 f"(${refusal['worst_case_usd']:.6f}) does not fit {refusal['limit']} "
+                                 f"(${refusal['used_usd']:.6f} of ${refusal['cap_usd']:.6f} used)",
+                                 refusal["limit"], messages=True)
                     return
                 reserved = worst
+            with self._lock:
+                self._tickets += 1
+                live = LiveAnswer(ticket=self._tickets, model=bound.model, reserved=reserved)
+        answer = self._forward(h, path, body, live)
+        if live is not None:
+            self._meter(rec, answer, live)
+        if answer.cut:
+            rec["cut"] = True
+        if answer.error:
+            rec["error"] = answer.error
+        rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
+                    "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
+        self._record(rec)
+
+    def _forward(self, h: Any, path: str, body: bytes, live: LiveAnswer | None) -> GatewayAnswer:
+        """Send the request upstream with the real credential and relay the answer byte for byte,
+        reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
+        is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
+        cut = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
         aborted = False
         chunks = 0
         request_id = None
+        error = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5193,12 +5935,18 @@ class MeteringGateway:
                 if not data:
                     break
                 chunks += 1
-                if kind == "messages":
+                if live is not None:
                     if is_sse:
+                        seen = meter.updates
                         meter.feed(data)
+                        if meter.updates != seen:
+                            self._observe(live, meter)
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
+                if self.cutoff is not None:
+                    cut = aborted = True   # stop relaying: what was metered of it counts
+                    break
                 try:
                     h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
                     h.wfile.flush()
@@ -5216,21 +5964,20 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            error = f"{type(exc).__name__}: {exc}"[:300]
             if chunks == 0:
                 with self._lock:
                     # Only a connection that could not be made counts: nothing a session sends
                     # (odd headers, a dropped connection) can end its own session this way.
                     self._unreachable = self._unreachable + 1 if upstream_down(exc) else 0
                     final = self._unreachable >= GATEWAY_UNREACHABLE_FINAL
-                status = 400 if final else 502
-                rec["unreachable_in_a_row"] = self._unreachable
                 with contextlib.suppress(OSError):
                     h.close_connection = True
                     if final:   # 400 invalid_request_error is final for the binary: no more retries
+                        status = 400
                         self._reply(h, 400, "invalid_request_error",
                                     f"agentbench gateway: the upstream could not be reached "
-                                    f"{GATEWAY_UNREACHABLE_FINAL} times in a row ({rec['error']})")
+                                    f"{GATEWAY_UNREACHABLE_FINAL} times in a row ({error})")
                     else:
                         self._reply(h, 502, "api_error",
                                     "agentbench gateway: the upstream could not be reached")
@@ -5239,26 +5986,57 @@ class MeteringGateway:
         else:
             with self._lock:
                 self._unreachable = 0
-        if kind == "messages":
-            if kept:
-                usage, rmodel, bad = message_meter(b"".join(kept))
-            else:
-                usage, rmodel, bad = meter.usage, meter.model, meter.bad
-            tokens = metered_tokens(usage)
-            rmodel = rmodel or model
-            cost = estimate_cost_usd(tokens, rmodel, self.prices)
-            if self.budget is not None:
-                self.budget.settle(reserved, cost)
-            rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": reserved})
-            if meter.error:
-                rec["stream_error"] = meter.error
-            if bad:
-                rec["bad_usage"] = True
-            if reserved and cost > reserved:
-                rec["reservation_exceeded"] = True
-        rec.update({"status": status, "request_id": str(request_id)[:200] if request_id else None,
-                    "chunks": chunks, "aborted": aborted, "duration_s": round(time.monotonic() - t0, 6)})
-        self._record(rec)
+        if kept:
+            usage, model, bad = message_meter(b"".join(kept))
+        else:
+            usage, model, bad = meter.usage, meter.model, meter.bad
+        return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
+                             chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
+                             stream_error=meter.error, cut=cut)
+
+    def _cut(self, why: Mapping[str, Any]) -> None:
+        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        with self._lock:
+            if self.cutoff is None:
+                self.cutoff = dict(why)
+                self.refusal = self.refusal or self.cutoff
+
+    def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
+        """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
+        reservation (the bound failed) or the metered spend, live answers included, reached a cap."""
+        running = estimate_cost_usd(metered_tokens(meter.usage), meter.model or live.model, self.prices)
+        with self._lock:
+            self._live[live.ticket] = running
+            total = sum(self._live.values())
+        if self.budget is None:
+            return
+        if running > live.reserved + 1e-9:
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved,
+                       "cost_usd": round(running, 6)})
+            return
+        with contextlib.suppress(OSError, AgentbenchError):
+            reached = self.budget.reached(total)
+            if reached is not None:
+                self._cut(reached)
+
+    def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
+        """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        tokens = metered_tokens(answer.usage)
+        rmodel = answer.model or live.model
+        cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        with self._lock:
+            self._live.pop(live.ticket, None)   # before it is settled: never counted twice
+        if self.budget is not None:
+            self.budget.settle(live.reserved, cost)
+        rec.update({"model": rmodel, "tokens": tokens, "cost_usd": cost, "reserved_usd": live.reserved})
+        if answer.stream_error:
+            rec["stream_error"] = answer.stream_error
+        if answer.bad:
+            rec["bad_usage"] = True
+        if self.budget is not None and cost > live.reserved + 1e-9:
+            rec["reservation_exceeded"] = True
+            self._cut({"limit": "reservation_exceeded", "reserved_usd": live.reserved, "cost_usd": cost})
 
 
 def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any],
@@ -5272,13 +6050,15 @@ def start_job_gateway(paths: StudyPaths, platform: "Platform", job: Mapping[str,
     limits = job.get("limits") or {}
     run_cap = limits.get("max_budget_usd")
     study_cap = job.get("study_usd")
+    unbounded = job.get("unbounded_request_usd")
     budget = GatewayBudget(paths, platform, str(job["job_id"]),
                            run_cap=float(run_cap) if isinstance(run_cap, (int, float)) else None,
                            study_cap=(float(study_cap)
                                       if isinstance(study_cap, (int, float)) and study_cap > 0 else None))
     gw = MeteringGateway(upstream=upstream, creds=source, prices=job.get("prices"),
                          record_path=paths.job_dir(str(job["job_id"])) / "gateway.jsonl", budget=budget,
-                         default_model=job.get("model"))
+                         default_model=job.get("model"),
+                         unbounded_usd=float(unbounded) if is_number(unbounded) and unbounded > 0 else 0.0)
     gw.start()
     return gw
 
@@ -5356,19 +6136,20 @@ def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
     return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
 
 
-def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str) -> bool:
+def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str,
+                         max_bytes: int | None) -> bool:
     """Make a session resumable from another cwd: `claude --resume` looks only in the cwd's project.
 
-    Copies the transcript (never moves: the base stays usable).  True if it is now in place.
-    """
+    Copies the transcript (never moves: the base stays usable) by safe_copy_file: a transcript
+    the session replaced by a link or a FIFO, or one over `max_bytes`, raises UnusableTree.  True
+    if it is now in place."""
     dst = transcript_path(env, to_cwd, session_id)
-    if dst.exists():
+    if os.path.lexists(dst):
         return True
     src = transcript_path(env, from_cwd, session_id)
-    if not src.exists():
+    if not os.path.lexists(src):
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    safe_copy_file(src, dst, max_bytes if max_bytes is not None else DEFAULT_COPY_CAPS.file_bytes or 0)
     return True
 
 
@@ -5479,6 +6260,7 @@ def _create_job_files(paths: StudyPaths, job_id: str, *, kind: str, prompt: str,
            "executor": launch.get("executor") or "local", "slurm": launch.get("slurm") or None,
            "gateway": launch.get("gateway") or GATEWAY_DEFAULT,
            "study_usd": (launch.get("budget") or {}).get("study_usd"),
+           "unbounded_request_usd": (launch.get("budget") or {}).get("unbounded_request_usd"),
            "sandbox": launch.get("sandbox"),
            "system_prompt_sha256": sha256_bytes(system_prompt.encode()),
            "prompt_sha256": sha256_bytes(prompt.encode())}
@@ -5729,12 +6511,11 @@ def launch_supervisor(paths: StudyPaths, platform: "Platform", job: Mapping[str,
 def stream_state_from_file(path: str | os.PathLike[str]) -> StreamState:
     """Re-parse a raw stream copy (for a job whose supervisor died before finalising)."""
     st = StreamState()
-    try:
-        with open(path, "rb") as fh:
+    opened = open_regular(path)      # never through a link, never a FIFO
+    if opened is not None:
+        with os.fdopen(opened[0], "rb") as fh:
             for line in fh:
                 st.feed(line)
-    except FileNotFoundError:
-        pass
     return st
 
 
@@ -6195,6 +6976,9 @@ class Supervisor:
     """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
 
     POLL_S = 0.1
+    #: The live workspace cap (limits' workspace_max_bytes) is measured this often (seconds): one
+    #: lstat per entry, so not on every poll.
+    WORKSPACE_MEASURE_S = 3.0
 
     def __init__(self, paths: StudyPaths, job_id: str, platform: "Platform"):
         self.paths = paths
@@ -6210,6 +6994,7 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
+        self.workspace_measured_at: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._lock = threading.Lock()
@@ -6321,6 +7106,9 @@ class Supervisor:
                 self.flags.add("model_substituted")
                 self._stop(proc, claude, "failed", "model_refused")
                 return
+        if self.gateway is not None and self.gateway.cutoff is not None:
+            self._stop(proc, claude, "failed", "budget")   # its gateway cut the answers at a cap
+            return
         budget = lim.get("max_budget_usd")
         if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
             self._stop(proc, claude, "failed", "budget")
@@ -6331,6 +7119,9 @@ class Supervisor:
         if n and tool_results >= int(n):
             self.flags.add("fault_interrupt")
             self._stop(proc, claude, "killed", "fault_interrupt")
+            return
+        if self._workspace_over_cap():
+            self._stop(proc, claude, "failed", "workspace_over_cap")
             return
         orphan = lim.get("orphan_after_s")
         if orphan and self._orphaned(float(orphan)):
@@ -6345,6 +7136,22 @@ class Supervisor:
             if run_elapsed >= float(t) and int(t) not in self.snapshots_done:
                 self.snapshots_done.append(int(t))
                 self._snapshot(int(t))
+
+    def _workspace_over_cap(self) -> bool:
+        """The live workspace cap: every WORKSPACE_MEASURE_S, the real blocks under the session's
+        cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
+        cap = self.limits.get("workspace_max_bytes")
+        now = time.monotonic()
+        if not cap or (self.workspace_measured_at is not None
+                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+            return False
+        self.workspace_measured_at = now
+        used = tree_usage(self.job["cwd"], int(cap))
+        if used <= int(cap):
+            return False
+        self.flags.add("workspace_over_cap")
+        append_event(self.paths, "workspace_over_cap", job_id=self.job_id, bytes=used, cap=int(cap))
+        return True
 
     def _driver_lost(self) -> bool:
         """A job started by a `run` driver stops when that driver is gone (checked every ~2 s):
@@ -6393,9 +7200,17 @@ class Supervisor:
         dst = Path(self.limits.get("snapshot_dir") or Path(self.job["raw_dir"]) / "snapshots") / f"t{t:06d}"
         if dst.exists():
             return
-        with contextlib.suppress(OSError, shutil.Error):
-            shutil.copytree(self.job["cwd"], dst, ignore=shutil.ignore_patterns(".git"), dirs_exist_ok=True)
-            append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst))
+        lim = self.limits
+        caps = CopyCaps(lim.get("copy_file_bytes"), lim.get("copy_total_bytes"))
+        try:
+            copied = safe_copy_tree(self.job["cwd"], dst, caps)
+        except (OSError, UnusableTree) as exc:
+            # No partial snapshot is left to be graded: the run's own end says what the workspace was.
+            shutil.rmtree(dst, ignore_errors=True)
+            append_event(self.paths, "snapshot_refused", job_id=self.job_id, t=t,
+                         why=getattr(exc, "why", None) or f"{type(exc).__name__}: {exc}"[:300])
+            return
+        append_event(self.paths, "snapshot", job_id=self.job_id, t=t, path=str(dst), bytes=copied["bytes"])
 
     def run(self) -> int:
         """Run the job; a supervisor that fails anyway kills its claude tree and finalises the
@@ -6634,8 +7449,8 @@ class Supervisor:
             if (usage["requests"] and not usage.get("estimated")
                     and cost_mismatch(usage["cost_metered_usd"], usage.get("cost_delta_usd"))):
                 self.flags.add("cost_mismatch")
-            if gw.refusal is not None and self.end is None and status != "ok":
-                status, reason = "failed", "budget"
+            if gw.refusal is not None and self.end is None and (status != "ok" or gw.cutoff is not None):
+                status, reason = "failed", "budget"   # a cut answer ends the session `budget`, whatever came
             wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
             if status == "failed" and not corroborated(reason, wire):
                 # A claimed rate limit or auth failure the wire never saw: written into the stream
@@ -6751,6 +7566,11 @@ def session_limits(launch: Mapping[str, Any], *, wall_s: float | None = None,
         "orphan_after_s": orphan_after_s if orphan_after_s is not None else launch.get("orphan_after_s"),
         "max_budget_usd": max_budget_usd if max_budget_usd is not None else budget.get("usd_per_run"),
         "max_turns": max_turns if max_turns is not None else budget.get("max_turns")}
+    if launch.get("workspace_mb") is not None:
+        # The copy caps the supervisor's snapshots obey, and its live cap on the workspace.
+        caps = copy_caps(launch)
+        limits.update({"copy_file_bytes": caps.file_bytes, "copy_total_bytes": caps.total_bytes,
+                       "workspace_max_bytes": int(float(launch["workspace_mb"]) * 2 ** 20)})
     if extra:
         limits.update(extra)
     return limits
@@ -6941,12 +7761,18 @@ def fork_base(ctx: Host, paths: StudyPaths, base: str, workspace: Path, *, copy_
         raise AgentbenchError("base is not ready", code="base_not_ready",
                               base=base, state=state, refusal="base",
                               hint="wait for its training job, or retrain it with --replace")
+    cfg = load_study_config(paths)
+    caps = copy_caps(launch_config(cfg))
     if copy_workspace and not workspace.exists():
-        shutil.copytree(rec["cwd"], workspace, ignore=shutil.ignore_patterns(".git"))
+        try:
+            safe_copy_tree(rec["cwd"], workspace, caps)   # the base's session wrote it: hostile
+        except BaseException:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise
     workspace.mkdir(parents=True, exist_ok=True)
     sess = session_record(paths, rec["session_id"])
-    env = {**ctx.env, **(load_study_config(paths).get("env") or {}), **dict(env_extra or {})}
-    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace)):
+    env = {**ctx.env, **(cfg.get("env") or {}), **dict(env_extra or {})}
+    if not ensure_transcript_at(env, rec["session_id"], rec["cwd"], str(workspace), caps.file_bytes):
         raise AgentbenchError("the base's session transcript was not found",
                               code="bases_session_transcript_not_found", base=base,
                               expected=str(transcript_path(env, rec["cwd"], rec["session_id"])),
@@ -7067,35 +7893,69 @@ TEMPLATE_NAMES = ("task_prompt", "gate_feedback", "review_prompt", "reviewer_sys
                   "resume", "train_base")
 
 
-def entry_digest(path: str | os.PathLike[str]) -> str:
+def entry_digest(path: str | os.PathLike[str], max_bytes: int | None = None) -> str:
     """What a manifest records of one directory entry, never following it: a regular file's
     sha256; `symlink:<sha256 of its target text>` for a link; `special:<kind>` for a FIFO, a
-    socket or a device (never opened: reading one could block forever or never end)."""
+    socket or a device (never opened: reading one could block forever or never end).  A regular
+    file over `max_bytes` raises UnusableTree."""
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode):
-        return sha256_file(path)
+        digest = sha256_regular(path, max_bytes)
+        if digest is not None:
+            return digest
+        st = os.lstat(path)      # swapped for something else since it was looked at
     if stat.S_ISLNK(st.st_mode):
         return "symlink:" + sha256_bytes(os.fsencode(os.readlink(path)))
     kind = "fifo" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
     return f"special:{kind}"
 
 
-def tree_manifest(root: str | os.PathLike[str]) -> dict[str, str]:
-    """relative POSIX path -> entry_digest of every entry under `root` that is not a directory
-    (caches and .git excluded; links to directories are entries, never followed)."""
-    root = Path(root)
-    out: dict[str, str] = {}
-    if not root.is_dir():
+def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS
+                 ) -> dict[str, tuple[str, int]]:
+    """shown_name of the relative POSIX path -> (entry_digest, apparent size) of every entry under
+    `root` that is not a directory (caches and .git excluded; links to directories are entries,
+    never followed).  Within the copy caps and rules (UnusableTree past them)."""
+    out: dict[str, tuple[str, int]] = {}
+    if not os.path.isdir(root) or os.path.islink(root):
         return out
-    for dirpath, dirnames, filenames in os.walk(root):
-        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
-        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_BUNDLE_NAMES and d not in links)
-        for fn in sorted(filenames + links):
-            if fn in IGNORED_BUNDLE_NAMES or fn.endswith(".pyc"):
-                continue
-            full = Path(dirpath) / fn
-            out[full.relative_to(root).as_posix()] = entry_digest(full)
-    return out
+    total = 0
+    pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]
+    try:
+        while pending:
+            d, rel, depth = pending.pop()
+            if depth > COPY_MAX_DEPTH:
+                raise UnusableTree("nested_too_deep", rel[:200], cap=COPY_MAX_DEPTH)
+            with os.scandir(d) as it:
+                found = sorted(it, key=lambda e: e.name)
+            for e in found:
+                if e.name in IGNORED_BUNDLE_NAMES or e.name.endswith(".pyc"):
+                    continue
+                erel = rel + e.name
+                if len(os.fsencode(erel)) > COPY_MAX_PATH_BYTES:
+                    raise UnusableTree("path_too_long", erel[:200], cap=COPY_MAX_PATH_BYTES)
+                if len(out) + len(pending) >= caps.entries:
+                    raise UnusableTree("too_many_entries", erel, cap=caps.entries)
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append((e.path, erel + "/", depth + 1))
+                    continue
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                if caps.file_bytes is not None and size > caps.file_bytes:
+                    raise UnusableTree("file_over_cap", erel, size=size, cap=caps.file_bytes)
+                total += size
+                if caps.total_bytes is not None and total > caps.total_bytes:
+                    raise UnusableTree("copy_over_cap", erel, size=total, cap=caps.total_bytes)
+                out[shown_name(erel)] = (entry_digest(e.path, caps.file_bytes), size)
+    except OSError as exc:
+        if exc.errno in NAME_REFUSED_ERRNOS:
+            raise UnusableTree("name_refused", exc.filename or "", detail=exc.strerror) from None
+        raise
+    return dict(sorted(out.items()))
+
+
+def tree_manifest(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, str]:
+    """tree_entries' digests: shown relative path -> entry_digest."""
+    return {k: v[0] for k, v in tree_entries(root, caps).items()}
 
 
 def manifest_sha256(manifest: Mapping[str, str]) -> str:
@@ -7139,9 +7999,10 @@ def refuse_bundle_symlinks(task_id: str, root: str | os.PathLike[str]) -> None:
 
 
 def copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Copy a directory's files (caches excluded) onto `dst`, overlaying what is there."""
-    shutil.copytree(src, dst, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES, "*.pyc"))
+    """Copy a directory of the experimenter's (a bundle part, an example) onto `dst`, overlaying
+    what is there; caches left out, links copied as links, special files skipped."""
+    safe_copy_tree(src, dst, UNCAPPED, skip_names=IGNORED_BUNDLE_NAMES, skip_suffixes=(".pyc",),
+                   overlay=True)
 
 
 @dataclass
@@ -7158,11 +8019,19 @@ class Task:
     spec: dict[str, Any]
     bundle_sha256: str
     public_manifest: dict[str, str]
+    #: task.json `reference` (a script run in a copy of the workspace), None: reference/ is an overlay.
+    reference_spec: dict[str, Any] | None = None
+    #: A script reference's effect as an overlay (files it wrote), made for a rehearsal.
+    overlay: Path | None = None
 
     @property
     def public(self) -> Path: return self.root / "public"
     @property
     def reference(self) -> Path: return self.root / "reference"
+    @property
+    def reference_files(self) -> Path:
+        """The files a rehearsed agent writes: the overlay (reference/, or a script's effect)."""
+        return self.overlay or self.reference
     @property
     def partial(self) -> Path: return self.root / "partial"
     @property
@@ -7215,6 +8084,13 @@ def _check_cmd(task_id: str, which: str, spec: Any) -> dict[str, Any]:
     if spec.get("receipt", "auto") not in CHECK_RECEIPT_MODES:
         raise AgentbenchError(f"task {which}.receipt must be one of {', '.join(CHECK_RECEIPT_MODES)}",
                               code="bad_receipt_mode", task=task_id, receipt=spec.get("receipt"))
+    if spec.get("container") is not None:
+        problem = container_spec_problem(spec["container"])
+        if problem:
+            raise AgentbenchError(f"task {which}.container cannot be used: {problem}",
+                                  code="task_container_spec_invalid", task=task_id,
+                                  hint='e.g. {"workdir": "/app", "ro": {"/tests": "tests"}, '
+                                       '"scratch": ["/logs/verifier"]}')
     if which == "oracle":
         th = spec.get("threshold", DEFAULT_ORACLE_THRESHOLD)
         if not is_number(th) or not 0 < th <= 1:
@@ -7256,9 +8132,15 @@ def load_task(root: Path) -> Task:
                                   task=tid, path=str(root / sub))
     gate = _check_cmd(tid, "gate", spec["gate"])
     oracle = _check_cmd(tid, "oracle", spec["oracle"])
-    bundle = tree_manifest(root)
+    ref_spec = None
+    if spec.get("reference") is not None:
+        ref_spec = _check_cmd(tid, "reference", spec["reference"])
+        if not (root / "reference").is_dir():
+            raise AgentbenchError("task.json names a reference script but the bundle lacks reference/",
+                                  code="task_bundle_lacks", task=tid, path=str(root / "reference"))
+    bundle = tree_manifest(root, UNCAPPED)
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public"))
+                tree_manifest(root / "public", UNCAPPED), ref_spec)
 
 
 def task_text(task: Task) -> str:
@@ -7565,15 +8447,11 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
-def _not_for_the_oracle_copy(directory: str, names: list[str]) -> set[str]:
-    """copytree's ignore: .git and every entry that is neither a directory, a file nor a link."""
-    out = {".git"} & set(names)
-    for name in names:
-        with contextlib.suppress(OSError):
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                out.add(name)
-    return out
+def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, Any]) -> str:
+    """Why a command with a container spec cannot run here (pure)."""
+    paths = [container["workdir"], *(container.get("ro") or {}), *(container.get("scratch") or [])]
+    return (f"it needs the container paths {', '.join(paths)}, which only the bubblewrap sandbox gives, "
+            f"and this one runs unsandboxed ({sandbox.get('reason') or sandbox.get('kind')})")
 
 
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
@@ -7592,11 +8470,28 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
-            # could block forever): the hidden tests grade files.
-            shutil.copytree(workspace, cwd, ignore=_not_for_the_oracle_copy, symlinks=True)
+            # could block forever): the hidden tests grade files.  Past the study's copy caps,
+            # UnusableTree: the agent's failure, not the grader's.
+            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
+            safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    container = spec.get("container")
+    cenv, _ = check_env(env)
+    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+    if container and sandbox["kind"] != "bwrap":
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rec = receipt_verdict(None, CHECK_CANNOT_RUN_CODES[1], False, which=which)
+        rec.update({"grader_error": container_unavailable(container, sandbox),
+                    "sandbox": sandbox_record(sandbox), "which": which, "exit_code": None, "timed_out": False,
+                    "output_capped": False, "wall_s": 0.0, "stdout_tail": "", "stderr_tail": "",
+                    "at": utc_now(), "receipt_channel": "none",
+                    "receipt_protected": False})
+        if which == "oracle":
+            rec.update({"success": False, "threshold": task.threshold})
+        return rec
     uses_fd = any("{" + RECEIPT_FD_PLACEHOLDER + "}" in a for a in spec["cmd"])
     # The channel is a socket pair, not a pipe: a pipe can be opened again through
     # /proc/<check>/fd/N by any process of the same user (the code under test among them, which
@@ -7605,14 +8500,14 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     channel = b""
     try:
-        argv = expand_cmd(spec["cmd"], workspace=cwd, gate=gate_dir, oracle=oracle_dir,
-                          **({"receipt_fd": str(wfd)} if uses_fd else {}))
-        cenv, _ = check_env(env)
-        sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+        argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
+                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
         if sandbox["kind"] == "bwrap":
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
-                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []))
+                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
+                                 container=container,
+                                 container_base=gate_dir if which == "gate" else oracle_dir)
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
                           pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
         if uses_fd:
@@ -7648,6 +8543,67 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         rec["success"] = bool(rec["passed"]) and rec["score"] >= task.threshold and not rec["grader_error"]
         rec["threshold"] = task.threshold
     return rec
+
+
+def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str,
+                    env: Mapping[str, str]) -> str | None:
+    """Put the task's reference solution into the workspace `ws` (a copy the caller owns); the
+    problem, or None.  An overlay (reference/) is copied onto it; a script (task.json `reference`)
+    runs in it like a check: credential-free, sandboxed, {reference} naming a pristine copy of
+    reference/ (read-only), or with a container spec the workspace at its workdir."""
+    spec = task.reference_spec
+    if spec is None:
+        copy_tree(task.reference, ws)
+        return None
+    ref_dir = str(pristine_copy(paths, task, "reference"))
+    container = spec.get("container")
+    cenv, _ = check_env(env)
+    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
+    if container and sandbox["kind"] != "bwrap":
+        return f"the reference script cannot run: {container_unavailable(container, sandbox)}"
+    argv = [a.replace("{reference}", ref_dir) for a in
+            expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
+                       gate="<gate-not-available>", oracle="<oracle-not-available>")]
+    if sandbox["kind"] == "bwrap":
+        argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
+                             hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
+                             container=container, container_base=ref_dir)
+    timeout = check_timeout_s(spec, "reference")
+    res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform)
+    if res.timed_out:
+        return f"the reference script timed out after {timeout:g} s"
+    if res.returncode != 0:
+        return f"the reference script exited {res.returncode}: {(res.stderr or res.stdout)[-300:]}"
+    return None
+
+
+def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str]) -> Task:
+    """The task with a script reference's effect as an overlay (`overlay`: every file the script
+    added or changed, as text), for a rehearsal whose scripted agent writes files; kept under the
+    study's state by bundle hash.  An overlay reference, or a script that fails, leaves it as it is
+    (calibration says why)."""
+    if task.reference_spec is None:
+        return task
+    dst = paths.state / "pristine" / task.id / task.bundle_sha256[:16] / "reference-overlay"
+    if not dst.is_dir():
+        with tempfile.TemporaryDirectory(prefix=f"ab-ref-{task.id}-") as tmp:
+            ws = os.path.join(tmp, "ws")
+            copy_tree(task.public, ws)
+            if apply_reference(paths, platform, task, ws, env):
+                return task
+            after = tree_manifest(ws)
+            staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
+            for rel, digest in after.items():
+                changed = task.public_manifest.get(rel) != digest
+                if changed and not digest.startswith(("symlink:", "special:")):
+                    (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+            staged.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(staged, dst)
+            except OSError:
+                shutil.rmtree(staged, ignore_errors=True)
+    return dataclasses.replace(task, overlay=dst)
 
 
 # -- calibration -----------------------------------------------------------------------------------
@@ -7698,7 +8654,11 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             for i in (1, 2):
                 ws = os.path.join(tmp, f"ref{i}")
                 copy_tree(task.public, ws)
-                copy_tree(task.reference, ws)
+                failed = apply_reference(paths, platform, task, ws, env)
+                if failed:
+                    problems.append(f"attempt {i}: {failed}")
+                    runs.append({"attempt": i, "reference_problem": failed})
+                    continue
                 g = run_check(paths, platform, task, "gate", ws, env)
                 o = run_check(paths, platform, task, "oracle", ws, env)
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
@@ -7724,6 +8684,10 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             if partial_gate:
                 problems.append("the gate passes on starter + partial/ (it must fail, or rehearsed gate "
                                 "cycles never happen)")
+    lost = task.spec.get("not_carried_over")
+    if problems and isinstance(lost, list) and lost:
+        problems.append("the task was imported and this host lacks what its environment gave it: "
+                        + "; ".join(str(x)[:200] for x in lost[:20]))
     return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
             "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
             "at": utc_now()}
@@ -7956,10 +8920,10 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
     return info
 
 
-def artifact_manifest(ws: str | os.PathLike[str]) -> dict[str, Any]:
-    files = {}
-    for rel, digest in tree_manifest(ws).items():
-        files[rel] = {"sha256": digest, "size": os.lstat(Path(ws) / rel).st_size}
+def artifact_manifest(ws: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAPS) -> dict[str, Any]:
+    """Every file the run left, by shown name: digest (links and special files never followed)
+    and size; within the copy caps (UnusableTree past them)."""
+    files = {rel: {"sha256": digest, "size": size} for rel, (digest, size) in tree_entries(ws, caps).items()}
     return {"files": files, "sha256": manifest_sha256({k: v["sha256"] for k, v in files.items()})}
 
 
@@ -8071,10 +9035,9 @@ def hidden_file_copies(task: Task, artifacts: Mapping[str, Any], part: str) -> l
     for part, min_bytes in [(part, AUDIT_HIDDEN_MATCH_MIN_BYTES[part])]:
         base = task.root / part
         hidden: dict[str, str] = {}
-        for rel, digest in tree_manifest(base).items():
-            with contextlib.suppress(OSError):
-                if (base / rel).stat().st_size >= min_bytes and digest not in public:
-                    hidden.setdefault(digest, f"{part}/{rel}")
+        for rel, (digest, size) in tree_entries(base, UNCAPPED).items():
+            if size >= min_bytes and digest not in public:
+                hidden.setdefault(digest, f"{part}/{rel}")
         for rel, info in sorted((artifacts.get("files") or {}).items()):
             if isinstance(info, dict) and info.get("sha256") in hidden:
                 out.append({"file": rel, "equals": hidden[str(info["sha256"])]})
@@ -8089,7 +9052,11 @@ def edited_public_tests(task: Task, ws: str | os.PathLike[str]) -> list[str]:
         if not any(p.startswith("test") for p in parts):
             continue
         f = Path(ws) / rel
-        if not f.exists() or sha256_file(f) != digest:
+        try:
+            same = entry_digest(f, DEFAULT_COPY_CAPS.file_bytes) == digest   # never followed
+        except (OSError, UnusableTree):
+            same = False
+        if not same:
             out.append(rel)
     return out
 
@@ -8122,6 +9089,11 @@ def agentbench_git_commit(platform: "Platform", host_env: Mapping[str, str]) -> 
     return _GIT_COMMIT[0]
 
 
+#: A reviewer's review.json is read up to this many bytes (a larger one is an invalid review).
+REVIEW_MAX_BYTES = 1 << 20
+#: A run ends with this outcome when its workspace could not be copied or read within the copy
+#: rules (caps, depth, names) or outgrew the live cap: the agent's failure, valid, in the primary view.
+WORKSPACE_UNUSABLE = "workspace_unusable"
 #: A session that "succeeded" faster than this with no tool call and no solution did nothing.
 DEGENERATE_SESSION_S = 10.0
 #: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
@@ -8142,13 +9114,17 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
                  hidden_access: Iterable[str] = ()) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
-    "budget_exhausted", "timeout", "killed:<reason>"); `first_session` is its first executor job
+    "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
+    left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
+    valid failure, never an exclusion); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
     gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
     of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
+    elif stop and stop.startswith(WORKSPACE_UNUSABLE + ":"):
+        validity, why = "valid", None
     elif grader_error:
         validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
     elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
@@ -8159,7 +9135,10 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     seen = sorted(set(hidden_access))
     if success and validity == "valid" and seen:
         validity, why = "tainted", "the audit found the agent saw hidden material: " + ", ".join(seen)
-    if grader_error and not infra:
+    unusable = bool(stop and stop.startswith(WORKSPACE_UNUSABLE + ":"))
+    if unusable:
+        outcome = WORKSPACE_UNUSABLE
+    elif grader_error and not infra:
         outcome = "grader_error"
     elif stop == "budget_exhausted":
         outcome = "budget_exhausted"
@@ -8369,8 +9348,11 @@ class RunPipeline:
         work = rdir / "work"
         if rdir.exists():
             shutil.rmtree(rdir)
-        shutil.copytree(ws, work, ignore=shutil.ignore_patterns(".git"))
-        changed = sorted(k for k, v in tree_manifest(ws).items() if task.public_manifest.get(k) != v)
+        # Links that lead out of the work are dropped: a reviewer following one would read
+        # whatever it names (the reference, the hidden tests) as the agent's files.
+        caps = copy_caps(self.launch)
+        safe_copy_tree(ws, work, caps, links="inside")
+        changed = sorted(k for k, v in tree_manifest(ws, caps).items() if task.public_manifest.get(k) != v)
         prompt = render(self.tpl["review_prompt"], task_title=task.title, task_text=task_text(task),
                         work_dir=str(work), review_path=str(rdir / "review.json"),
                         changed_files="\n".join(f"- {c}" for c in changed) or "- (none)")
@@ -8385,8 +9367,10 @@ class RunPipeline:
         """Read and validate review.json of review n; record the verdict (invalid if unusable)."""
         review_path = self.paths.run_dir(self.run_id) / "review" / f"{n:02d}" / "review.json"
         try:
-            review = read_json(review_path, default=None)
-        except AgentbenchError:
+            # The reviewer wrote it: read only a regular file, never through a link, and bounded.
+            data = read_capped(review_path, REVIEW_MAX_BYTES)
+            review = json.loads(data.decode("utf-8")) if data is not None else None
+        except (AgentbenchError, ValueError):
             review = None
         valid = isinstance(review, dict) and review.get("verdict") in ("accept", "revise")
         verdict = review["verdict"] if valid else None  # type: ignore[index]
@@ -8407,6 +9391,14 @@ class RunPipeline:
     def execute(self) -> dict[str, Any]:
         try:
             self._execute()
+        except UnusableTree as exc:
+            # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
+            # failure, graded as such, not an error.
+            if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+                self.end_error(exc.payload.get("error", "error"), exc.payload)
+            else:
+                task, ws = self._prepared
+                self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
         except AgentbenchError as exc:
             self.end_error(exc.payload.get("error", "error"), exc.payload)
         except Exception as exc:  # the pipeline never raises: record and move on
@@ -8483,6 +9475,7 @@ class RunPipeline:
             "fault": fault or None}
         rec["workspace"] = ws_info
         self._save()
+        self._prepared = (task, ws)
         return task, arm, ws, prompt
 
     def _execute(self) -> None:
@@ -8544,6 +9537,8 @@ class RunPipeline:
         st, reason = res.get("status"), res.get("reason")
         if reason == "budget":
             return "budget_exhausted"
+        if reason == "workspace_over_cap":
+            return f"{WORKSPACE_UNUSABLE}:workspace_over_cap"
         if st == "timeout":
             return "timeout"
         if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
@@ -8559,24 +9554,51 @@ class RunPipeline:
             return "budget_exhausted"
         return None
 
-    def finish(self, task: Task, ws: str, stop: str | None) -> None:
-        rec = self.rec
-        run_dir = self.paths.run_dir(self.run_id)
-        rec["artifacts"] = artifact_manifest(ws)
-        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
-        self._collect_transcripts(run_dir)
-        final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
-        write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
-        rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
-        calls: list[dict[str, Any]] = []
-        for j in rec["jobs"]:
-            job = read_json(self.paths.job_file(j["job_id"]), default=None)
-            if job and job.get("kind") != "reviewer":
-                calls += stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+    def _audit_sessions(self, task: Task, ws: str) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """The behaviour audit of every session of the run from its raw stream: the executor's and
+        repair sessions' calls against the workspace, each reviewer's against its own directory
+        (a reviewer that reads the reference is as tainting as an executor that does)."""
         protected = {"study": str(self.paths.state), "oracle": str(task.root / "oracle"),
                      "reference": str(task.root / "reference"), "gate": str(task.root / "gate"),
                      "tasks": str(task.root.parent)}
-        findings = audit_tool_calls(calls, ws, protected)
+        n, findings = {"tool_calls": 0, "reviewer_tool_calls": 0}, []
+        for j in self.rec["jobs"]:
+            job = read_json(self.paths.job_file(j["job_id"]), default=None)
+            if not job:
+                continue
+            calls = stream_state_from_file(Path(job["raw_dir"]) / "stream.jsonl").tool_calls
+            n["reviewer_tool_calls" if job.get("kind") == "reviewer" else "tool_calls"] += len(calls)
+            if job.get("kind") == "reviewer":
+                for f in audit_tool_calls(calls, str(job.get("cwd") or ws), protected):
+                    findings.append({**f, "session": "reviewer", "job_id": j["job_id"]})
+            else:
+                findings += audit_tool_calls(calls, ws, protected)
+        return n, findings
+
+    def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        rec = self.rec
+        run_dir = self.paths.run_dir(self.run_id)
+        caps = copy_caps(self.launch)
+        unusable = stop if stop and stop.startswith(WORKSPACE_UNUSABLE + ":") else None
+        if unusable is None:
+            try:
+                rec["artifacts"] = artifact_manifest(ws, caps)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if unusable is not None:
+            # Nothing of the workspace is read or graded past this point: the run is the agent's
+            # failure as it stands.
+            rec["artifacts"] = {"files": {}, "sha256": None, "unusable": unusable.split(":", 1)[1]}
+        write_json_atomic(run_dir / "artifacts.json", rec["artifacts"])
+        self._collect_transcripts(run_dir)
+        final_gate: dict[str, Any] | None = None
+        if unusable is None:
+            final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+            write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
+            rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
+        else:
+            rec["final_contract"] = {"passed": False, "score": 0.0, "not_run": unusable}
+        n_calls, findings = self._audit_sessions(task, ws)
         # A test file the controller removed (a missing_fixture fault) is not the agent's edit.
         removed = str((rec.get("fault") or {}).get("missing_fixture") or "").strip("/")
         edited = [f for f in edited_public_tests(task, ws)
@@ -8587,11 +9609,19 @@ class RunPipeline:
         copied = hidden_file_copies(task, rec["artifacts"], "oracle")
         if copied:
             findings.append({"kind": "copies_hidden_files", "files": copied})
-        rec["audit"] = {"tool_calls": len(calls), "findings": findings, "flagged": bool(findings),
+        rec["audit"] = {**n_calls, "findings": findings, "flagged": bool(findings),
                         # Said, not flagged: a correct solution may equal the reference (the
                         # rehearsal writes it by design); a reviewer weighs it with the tool calls.
                         "equals_reference": hidden_file_copies(task, rec["artifacts"], "reference")}
-        ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+        ev: dict[str, Any] | None = None
+        if unusable is None:
+            try:
+                ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+            except UnusableTree as exc:
+                unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
+        if ev is None:
+            ev = {"success": False, "score": 0.0, "passed": False, "checks": [], "exit_code": None,
+                  "timed_out": False, "at": utc_now(), "grader_error": None}
         snapshots = self._grade_snapshots(task)
         evaluation = {"success": ev["success"], "score": ev["score"], "passed": ev["passed"],
                       "tests_passed": ev.get("tests_passed"), "tests_total": ev.get("tests_total"),
@@ -8602,15 +9632,17 @@ class RunPipeline:
                                   "protected": ev.get("receipt_protected"),
                                   "problem": ev.get("receipt_problem")},
                       "grader_error": ev.get("grader_error")}
+        if unusable is not None:
+            evaluation["workspace_unusable"] = unusable.split(":", 1)[1]
         write_json_atomic(run_dir / "evaluation.json", evaluation)
         rec["sandbox"] = sandbox_summary(
             [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-             for j in rec["jobs"]] + [final_gate.get("sandbox"), ev.get("sandbox")])
+             for j in rec["jobs"]] + [(final_gate or {}).get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["wall_s"] = round(self.active_s(), 3)
         tool_uses = sum(int(j.get("tool_uses") or 0) for j in exec_jobs)
-        verdict = classify_run(stop=stop, first_session=exec_jobs[0] if exec_jobs else None,
+        verdict = classify_run(stop=unusable or stop, first_session=exec_jobs[0] if exec_jobs else None,
                                tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
                                hidden_access=[f["kind"] for f in findings
@@ -8642,9 +9674,15 @@ class RunPipeline:
             if not job or not res or not res.get("session_id"):
                 continue
             src = transcript_path(env, job["cwd"], res["session_id"])
-            if src.exists():
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, out / f"{j['job_id']}-{res['session_id']}.jsonl")
+            if os.path.lexists(src):
+                # The session could write its own transcript: a link (to /dev/zero, to the
+                # reference), a FIFO or a file over the cap is not copied, only recorded.
+                try:
+                    safe_copy_file(src, out / f"{j['job_id']}-{res['session_id']}.jsonl",
+                                   copy_caps(self.launch).file_bytes or 0)
+                except UnusableTree as exc:
+                    self.rec.setdefault("transcripts_refused", []).append(
+                        {"job_id": j["job_id"], "why": exc.why})
 
     def _grade_snapshots(self, task: Task) -> list[dict[str, Any]]:
         """Grade graded snapshots with the hidden tests, cached by content hash."""
@@ -8652,10 +9690,20 @@ class RunPipeline:
         snaps = self.paths.run_dir(self.run_id) / "snapshots"
         cache_dir = self.paths.state / "snapshot_grades"
         for snap in sorted(snaps.glob("t*")) if snaps.exists() else []:
-            digest = manifest_sha256(tree_manifest(snap))
+            try:
+                digest = manifest_sha256(tree_manifest(snap, copy_caps(self.launch)))
+            except UnusableTree as exc:
+                out.append({"t": int(snap.name[1:]), "score": 0.0, "success": False,
+                            WORKSPACE_UNUSABLE: exc.why})
+                continue
             cached = read_json(cache_dir / f"{task.id}-{digest[:24]}.json", default=None)
             if cached is None:
-                r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                try:
+                    r = run_check(self.paths, self.ctx.platform, task, "oracle", str(snap), self.ctx.env)
+                except UnusableTree as exc:
+                    out.append({"t": int(snap.name[1:]), "content_sha256": digest, "score": 0.0,
+                                "success": False, WORKSPACE_UNUSABLE: exc.why})
+                    continue
                 cached = {"score": r["score"], "success": r["success"]}
                 write_json_atomic(cache_dir / f"{task.id}-{digest[:24]}.json", cached)
             out.append({"t": int(snap.name[1:]), "content_sha256": digest, **cached})
@@ -9763,42 +10811,77 @@ def cache_hit_ratio(tokens: dict) -> float | None:
     return read / denom if denom else None
 
 
-def _usage_empty() -> dict:
+def usage_empty() -> dict:
     return {"jobs": 0, "statuses": {}, "tokens": {k: 0 for k in _USAGE_TOKEN_KEYS},
             "cost_usd": 0.0, "cost_estimated_usd": 0.0, "estimated_jobs": 0,
             "cost_metered_usd": 0.0, "metered_jobs": 0, "requests": 0, "models_metered": {},
             "cache_verdicts": {}, "duration_s": 0.0}
 
 
-def _usage_add(acc: dict, line: dict) -> None:
-    acc["jobs"] += 1
-    status = str(line.get("status") or "(none)")
-    acc["statuses"][status] = acc["statuses"].get(status, 0) + 1
-    tokens = line.get("tokens") or {}
-    for key, value in (tokens.items() if isinstance(tokens, dict) else []):
-        acc["tokens"][key] = acc["tokens"].get(key, 0) + count_from(value)
-    cost = usd_from(line.get("cost_delta_usd")) or 0.0
-    acc["cost_usd"] += cost
-    if line.get("estimated"):
-        acc["cost_estimated_usd"] += cost
-        acc["estimated_jobs"] += 1
+class UsageFigures(NamedTuple):
+    """One ledger line's figures, each checked once (hostile numbers count 0 or are left out),
+    then added to its group and to the totals."""
+    status: str
+    tokens: list[tuple[str, int]]
+    cost: float
+    estimated: bool
+    metered: float | None
+    requests: int
+    models_metered: list[tuple[str, int, float]]
+    verdict: str
+    duration: float
+
+
+def usage_figures(line: dict) -> UsageFigures:
+    tokens = line.get("tokens")
     metered = line.get("cost_metered_usd")
-    if isinstance(metered, (int, float)) and not isinstance(metered, bool):
-        # The gateway's figures beside the binary's own, per model (side models included).
-        acc["cost_metered_usd"] += float(metered)
-        acc["metered_jobs"] += 1
-        acc["requests"] += int(line.get("requests") or 0)
-        for model, row in (line.get("models_metered") or {}).items():
+    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    models: list[tuple[str, int, float]] = []
+    if metered_ok:
+        mm = line.get("models_metered")
+        for model, row in (mm.items() if isinstance(mm, dict) else ()):
             if isinstance(row, dict):
-                mine = acc["models_metered"].setdefault(str(model), {"requests": 0, "cost_usd": 0.0})
-                mine["requests"] += int(row.get("requests") or 0)
-                mine["cost_usd"] = round(mine["cost_usd"] + float(row.get("cost_usd") or 0.0), 6)
-    verdict = str(line.get("cache_verdict") or "(none)")
-    acc["cache_verdicts"][verdict] = acc["cache_verdicts"].get(verdict, 0) + 1
-    acc["duration_s"] += finite_number(line.get("duration_s"), lo=0.0) or 0.0
+                models.append((str(model), count_from(row.get("requests")),
+                               usd_from(row.get("cost_usd")) or 0.0))
+    return UsageFigures(
+        status=str(line.get("status") or "(none)"),
+        tokens=([(key, count_from(value)) for key, value in tokens.items()]
+                if isinstance(tokens, dict) else []),
+        cost=usd_from(line.get("cost_delta_usd")) or 0.0,
+        estimated=bool(line.get("estimated")),
+        metered=float(metered) if metered_ok else None,
+        requests=count_from(line.get("requests")) if metered_ok else 0,
+        models_metered=models,
+        verdict=str(line.get("cache_verdict") or "(none)"),
+        duration=finite_number(line.get("duration_s"), lo=0.0) or 0.0)
 
 
-def _usage_finish(acc: dict) -> dict:
+def usage_add(acc: dict, fig: UsageFigures) -> None:
+    acc["jobs"] += 1
+    statuses = acc["statuses"]
+    statuses[fig.status] = statuses.get(fig.status, 0) + 1
+    tok = acc["tokens"]
+    for key, value in fig.tokens:
+        tok[key] = tok.get(key, 0) + value
+    acc["cost_usd"] += fig.cost
+    if fig.estimated:
+        acc["cost_estimated_usd"] += fig.cost
+        acc["estimated_jobs"] += 1
+    if fig.metered is not None:
+        # The gateway's figures beside the binary's own, per model (side models included).
+        acc["cost_metered_usd"] += fig.metered
+        acc["metered_jobs"] += 1
+        acc["requests"] += fig.requests
+        for model, requests, cost in fig.models_metered:
+            mine = acc["models_metered"].setdefault(model, {"requests": 0, "cost_usd": 0.0})
+            mine["requests"] += requests
+            mine["cost_usd"] = round(mine["cost_usd"] + cost, 6)
+    verdicts = acc["cache_verdicts"]
+    verdicts[fig.verdict] = verdicts.get(fig.verdict, 0) + 1
+    acc["duration_s"] += fig.duration
+
+
+def usage_finish(acc: dict) -> dict:
     tok = acc["tokens"]
     acc["tokens_total"] = sum(tok.get(k, 0) for k in ("input", "output", "cache_creation",
                                                      "cache_read"))
@@ -9833,11 +10916,15 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
         raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
                               choices=list(USAGE_GROUPINGS))
     groups: dict[str, dict] = {}
-    totals = _usage_empty()
+    totals = usage_empty()
     for line in ledger_lines:
+        fig = usage_figures(line)   # checked once, added twice
         key = _usage_key(line, by)
-        _usage_add(groups.setdefault(key, _usage_empty()), line)
-        _usage_add(totals, line)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = usage_empty()
+        usage_add(group, fig)
+        usage_add(totals, fig)
     order = sorted(groups, key=lambda k: (k == "(none)", k))
     notes = []
     if totals["estimated_jobs"]:
@@ -9845,8 +10932,8 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
                      f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
                      f"prices (marked ~)")
     return {"schema": USAGE_SCHEMA, "by": by,
-            "groups": {k: _usage_finish(groups[k]) for k in order},
-            "totals": _usage_finish(totals), "notes": notes}
+            "groups": {k: usage_finish(groups[k]) for k in order},
+            "totals": usage_finish(totals), "notes": notes}
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -11545,11 +12632,13 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
         return {"available": False, "why": "the run's workspace is not on disk", "files": []}
     old, new = _page_tree(starter), _page_tree(workspace)
     files, budget, cut = [], PAGE_DIFF_CHARS, 0
-    for rel in sorted(set(old) | set(new)):
-        a, b = old.get(rel), new.get(rel)
+    for raw in sorted(set(old) | set(new)):
+        rel = shown_name(raw)     # what the page shows: an odd name escaped, never raw bytes
+        a, b = old.get(raw), new.get(raw)
         if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
             try:
-                if a.stat().st_size == b.stat().st_size and sha256_file(a) == sha256_file(b):
+                if a.stat().st_size == b.stat().st_size and sha256_regular(a) == sha256_regular(b) \
+                        and sha256_regular(b) is not None:
                     continue
             except OSError:
                 pass
@@ -11767,8 +12856,10 @@ def render_run_page(page: dict) -> str:
         rows = [[REPORT_AUDIT_GROUPS.get(audit_group(str(f.get("kind"))), str(f.get("kind")))
                  if isinstance(f, dict) else "malformed",
                  str(f.get("kind")) if isinstance(f, dict) else "-",
-                 str(f.get("tool") or "-") if isinstance(f, dict) else "-",
-                 _page_trim(f.get("path") or f.get("files") or f.get("detail") or "", 300)[0]
+                 (str(f.get("tool") or "-") + (f" ({f['session']})" if f.get("session") else ""))
+                 if isinstance(f, dict) else "-",
+                 # A path the agent named is shown escaped (control characters, undecodable bytes).
+                 _page_trim(shown_name(str(f.get("path") or f.get("files") or f.get("detail") or "")), 300)[0]
                  if isinstance(f, dict) else _page_trim(f, 300)[0]]
                 for f in (findings if isinstance(findings, list) else [findings])]
         p.append(f'<p class="flag">Flagged.</p>' + html_table(["Group", "Kind", "Tool", "What"], rows))
@@ -11879,20 +12970,35 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
     runs = [r for r in runs if str(r.get("arm")) in arms]
     names = page_file_names(r.get("run_id") for r in runs)
     (out_dir / PAGE_RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
     for r in runs:
-        task = tasks.get(str(r.get("task")))
-        starter = task.public if task else None
-        page = collect_run_page(paths, r, starter)
-        ran = ((r.get("provenance") or {}).get("task_bundle_sha256") if isinstance(r.get("provenance"), dict)
-               else None)
-        if task and ran and ran != task.bundle_sha256:
-            page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
-                                    f"the study now has {task.bundle_sha256[:16]}): the diff is against "
-                                    f"the current starter")
-        write_text_atomic(out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))], render_run_page(page))
+        target = out_dir / PAGE_RUNS_DIR / names[str(r.get("run_id"))]
+        try:
+            task = tasks.get(str(r.get("task")))
+            starter = task.public if task else None
+            page = collect_run_page(paths, r, starter)
+            ran = ((r.get("provenance") or {}).get("task_bundle_sha256")
+                   if isinstance(r.get("provenance"), dict) else None)
+            if task and ran and ran != task.bundle_sha256:
+                page["diff"]["note"] = (f"the task bundle changed since this run (it ran {str(ran)[:16]}, "
+                                        f"the study now has {task.bundle_sha256[:16]}): the diff is "
+                                        f"against the current starter")
+            text = render_run_page(page)
+        except Exception as exc:   # one run's odd files never stop the pages of the others
+            failed.append(str(r.get("run_id")))
+            text = render_run_page({"run": {"run_id": r.get("run_id"), "task": r.get("task"),
+                                            "arm": r.get("arm"), "outcome": r.get("outcome"),
+                                            "validity": r.get("validity")},
+                                    "sessions": [], "receipts": [],
+                                    "diff": {"available": False, "files": [],
+                                             "why": f"this run's page could not be read in full: "
+                                                    f"{type(exc).__name__}: {exc}"[:500]}})
+        # Text that cannot be UTF-8 (an undecodable byte of a name) is written as \udcNN.
+        write_bytes_atomic(target, text.encode("utf-8", "backslashreplace"))
     index = out_dir / "index.html"
-    write_text_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names)))
-    return {"index": str(index), "run_pages": len(names)}
+    write_bytes_atomic(index, render_report_html(report, extra=render_run_index(report, runs, names))
+                       .encode("utf-8", "backslashreplace"))
+    return {"index": str(index), "run_pages": len(names), "run_pages_partial": failed}
 
 
 # ==================================================================================================
@@ -12720,7 +13826,7 @@ REHEARSAL_BEHAVIOURS = ("solve", "game_tests", "peek_oracle", "budget_burn", "ra
 
 
 def _overlay_files(root: Path) -> list[str]:
-    return sorted(tree_manifest(root)) if root.is_dir() else []
+    return sorted(tree_manifest(root, UNCAPPED)) if root.is_dir() else []
 
 
 def _read_steps(ws: str, rels: Iterable[str]) -> list[dict[str, Any]]:
@@ -12745,7 +13851,7 @@ def _test_step(ws: str) -> dict[str, Any]:
 def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> dict[str, Any]:
     """The executor's scripted steps across all its turns (first prompt, feedback, repair)."""
     public = set(task.public_manifest)
-    ref = _overlay_files(task.reference)
+    ref = _overlay_files(task.reference_files)
     partial = _overlay_files(task.partial)
     steps: list[dict[str, Any]] = [{"text": "Reading the task.",
                                     "tool_uses": [{"name": "Read",
@@ -12779,7 +13885,7 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
         steps.append({"text": "I wrote a first version; it may not cover every case yet."})
         known |= set(partial)
     steps += _read_steps(ws, [r for r in ref if r in known])
-    steps.append(_write_step(ws, task.reference, ref, "Writing the solution."))
+    steps.append(_write_step(ws, task.reference_files, ref, "Writing the solution."))
     steps.append(_test_step(ws))
     steps.append({"text": "Done: the solution is written and the public tests pass."})
     if arm.review:
@@ -12789,7 +13895,7 @@ def executor_script(task: Task, arm: Arm, ws: str, behaviour: str = "solve") -> 
 
 
 def reviewer_script(task: Task, work_dir: str, review_path: str, verdict: str) -> dict[str, Any]:
-    files = _overlay_files(task.reference) or sorted(task.public_manifest)
+    files = _overlay_files(task.reference_files) or sorted(task.public_manifest)
     review = {"verdict": verdict,
               "findings": ([{"severity": "minor", "file": files[0],
                              "detail": "Re-run the public tests and confirm the edge cases named in "
@@ -12972,7 +14078,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
             if any(a.fork_base for a in arms.values()):
                 for t in tasks.values():
                     train_rehearsal_base(ctx, sp, scfg, t, server, env_extra, driver)
-            scripts = RehearsalScripts(server, sp, tasks, arms, behaviours or {})
+            solved = {k: reference_overlay(sp, ctx.platform, t, ctx.env) for k, t in tasks.items()}
+            scripts = RehearsalScripts(server, sp, solved, arms, behaviours or {})
             opts = PipelineOptions(env_extra=env_extra, script_for=scripts,
                                    driver=driver, progress=progress, rehearsal=True)
             driven = drive_runs(ctx, sp, [r["run_id"] for r in manifest], opts, parallel)
@@ -13155,6 +14262,24 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]
                     torn = fh.tell() > 0 and not _ends_with_newline(summary_file)
                     fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
     return out
+
+
+def report_metering(paths: StudyPaths) -> dict[str, Any]:
+    """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
+    models included), over every ledger line, and the jobs whose two figures disagree; one
+    streamed pass (the ledger is never held in memory)."""
+    counts: dict[str, int] = {}
+    totals = usage_empty()
+    mismatched: list[Any] = []
+    with gc_paused():
+        for line in iter_jsonl(paths.ledger, counts):
+            usage_add(totals, usage_figures(line))
+            if "cost_mismatch" in (line.get("flags") or []):
+                mismatched.append(line.get("job_id"))
+    totals = usage_finish(totals)
+    return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
+            "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
+            "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
 
 
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
@@ -13586,6 +14711,1182 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
         raise
     return {"task": task_id, "kind": kind, "dir": str(dest), "files": sorted(files),
             "edit": str(dest / "EDIT.md")}
+
+
+# ==================================================================================================
+# Interop: Inspect logs, ATIF trajectories, Harbor tasks
+# ==================================================================================================
+# Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
+# eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
+# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
+# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# read size-capped, never through a link, garbage lines counted and skipped, every number checked.
+# Must not start sessions or checks or change a study: an export only reads the study, and an import
+# writes only new task bundles (calibrate then proves them).
+
+#: A stream, prompt or system prompt larger than this is read up to it (the rest is said, not read).
+INTEROP_FILE_MAX_BYTES = 16 * 2**20
+#: A stream line longer than this is skipped as garbage (a real event is far smaller).
+INTEROP_LINE_MAX_BYTES = 2**20
+#: Events read from one stream at most; the rest is counted as left out.
+INTEROP_EVENTS_MAX = 20000
+#: One message's text (or one tool result, or one tool call's arguments as JSON) at most.
+INTEROP_TEXT_MAX_CHARS = 40000
+#: Ids (tool calls, messages) longer than this are cut: they go into names and references.
+INTEROP_ID_MAX_CHARS = 200
+#: A recorded wall time beyond this (a year) is not believed.
+MAX_WALL_S_RECORD = 366 * 86400.0
+INSPECT_LOG_VERSION = 2
+ATIF_VERSION = "ATIF-v1.8"
+EXPORT_FORMATS = ("inspect", "atif")
+
+
+def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
+    """`value` as text of at most `limit` characters (a cut says how much was left out) (pure)."""
+    text = value if isinstance(value, str) else "" if value is None else str(value)
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... {len(text) - limit} characters left out by agentbench]"
+
+
+def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
+                      ) -> tuple[bytes | None, str | None]:
+    """(up to `cap` bytes of a regular file, a problem or None), never through a link at the last
+    component, never blocking on a FIFO: (None, why) for a file that is missing, a link or special."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, f"not read ({'a link' if exc.errno == errno.ELOOP else exc.strerror})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        chunks, total = [], 0
+        while total <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > cap:
+        return data[:cap], f"cut at {cap} bytes"
+    return data, None
+
+
+def read_text_bounded(path: str | os.PathLike[str], limit: int = INTEROP_TEXT_MAX_CHARS) -> str | None:
+    data, _ = read_file_bounded(path, cap=limit * 4)
+    return None if data is None else clip_text(data.decode("utf-8", "replace"), limit)
+
+
+def stream_events(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The JSON object lines of a stream, and how many lines were garbage (not JSON, not an
+    object, too long) or beyond INTEROP_EVENTS_MAX (pure)."""
+    events: list[dict[str, Any]] = []
+    garbage = 0
+    for raw in data.split(b"\n"):
+        raw = raw.strip()
+        if not raw:
+            continue
+        if len(raw) > INTEROP_LINE_MAX_BYTES or len(events) >= INTEROP_EVENTS_MAX:
+            garbage += 1
+            continue
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            garbage += 1
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+        else:
+            garbage += 1
+    return events, garbage
+
+
+def _id_text(value: Any) -> str | None:
+    return clip_text(value, INTEROP_ID_MAX_CHARS) if isinstance(value, str) and value else None
+
+
+def _block_text(content: Any) -> str:
+    """A tool result's or user message's content (a string or a list of blocks) as text (pure)."""
+    if isinstance(content, str):
+        return clip_text(content)
+    parts = []
+    for block in content if isinstance(content, list) else []:
+        if isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text") if isinstance(block.get("text"), str) else "")
+        elif isinstance(block, dict) and isinstance(block.get("type"), str):
+            parts.append(f"[{clip_text(block['type'], 40)} content left out]")
+    return clip_text("\n".join(parts))
+
+
+def _tool_input(value: Any) -> dict[str, Any]:
+    """A tool call's arguments: a JSON object, cut to size as a whole (then {"truncated": text})."""
+    if not isinstance(value, dict):
+        return {"value": clip_text(json.dumps(json_safe(value), default=str))} if value is not None else {}
+    text = json.dumps(json_safe(value), default=str)
+    if len(text) > INTEROP_TEXT_MAX_CHARS:
+        return {"truncated": clip_text(text)}
+    return json.loads(text)
+
+
+def _usage_tokens(usage: Any) -> dict[str, int]:
+    u = usage if isinstance(usage, dict) else {}
+    return {"input": count_from(u.get("input_tokens")), "output": count_from(u.get("output_tokens")),
+            "cache_creation": count_from(u.get("cache_creation_input_tokens")),
+            "cache_read": count_from(u.get("cache_read_input_tokens"))}
+
+
+def session_items(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A session's stream as chains of items (pure): {"chains": {chain: [item]}, "model",
+    "result"}.  The main chain is "" and a sub-agent's side chain is keyed by the tool call that
+    started it (the events' parent_tool_use_id).  Items: {"type": "assistant", "text", "thinking",
+    "tool_calls": [{"id", "name", "input"}], "usage", "model"} (the events of one API message,
+    which share a message id, merged), {"type": "tool_results", "results": [{"tool_use_id",
+    "content", "is_error"}]} and {"type": "user", "text"}.  Unknown events are skipped."""
+    chains: dict[str, list[dict[str, Any]]] = {}
+    model, result = None, None
+    for ev in events:
+        kind = ev.get("type")
+        chain = _id_text(ev.get("parent_tool_use_id")) or ""
+        msg = ev.get("message") if isinstance(ev.get("message"), dict) else {}
+        content = msg.get("content")
+        items = chains.setdefault(chain, [])
+        if kind == "system" and ev.get("subtype") == "init" and isinstance(ev.get("model"), str):
+            model = model or clip_text(ev["model"], INTEROP_ID_MAX_CHARS)
+        elif kind == "assistant":
+            mid = _id_text(msg.get("id"))
+            last = items[-1] if items else None
+            if not (last and last["type"] == "assistant" and mid and last["message_id"] == mid):
+                last = {"type": "assistant", "message_id": mid, "text": "", "thinking": "", "tool_calls": [],
+                        "usage": None, "model": _id_text(msg.get("model"))}
+                items.append(last)
+            for block in content if isinstance(content, list) else []:
+                if not isinstance(block, dict):
+                    continue
+                if block.get("type") == "text" and isinstance(block.get("text"), str):
+                    last["text"] = clip_text((last["text"] + "\n" if last["text"] else "") + block["text"])
+                elif block.get("type") == "thinking" and isinstance(block.get("thinking"), str):
+                    last["thinking"] = clip_text(last["thinking"] + block["thinking"])
+                elif block.get("type") == "tool_use":
+                    call_id = _id_text(block.get("id")) or f"call-{len(last['tool_calls']) + 1}"
+                    last["tool_calls"].append({"id": call_id,
+                                               "name": clip_text(block.get("name") or "unknown", 200),
+                                               "input": _tool_input(block.get("input"))})
+            if isinstance(msg.get("usage"), dict):
+                last["usage"] = _usage_tokens(msg["usage"])
+        elif kind == "user":
+            if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
+                                                 for b in content):
+                res = [{"tool_use_id": _id_text(b.get("tool_use_id")),
+                        "content": _block_text(b.get("content")), "is_error": b.get("is_error") is True}
+                       for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+                items.append({"type": "tool_results", "results": res})
+            elif content is not None:
+                items.append({"type": "user", "text": _block_text(content)})
+        elif kind == "result":
+            result = {"usage": _usage_tokens(ev.get("usage")), "is_error": ev.get("is_error") is True,
+                      "subtype": _id_text(ev.get("subtype")), "text": clip_text(ev.get("result"))
+                      if isinstance(ev.get("result"), str) else None}
+    return {"chains": {k: v for k, v in chains.items() if v}, "model": model, "result": result}
+
+
+@dataclass(frozen=True)
+class SessionSource:
+    """One session (job) of a study as an export reads it: its record's checked fields, its
+    prompts and parsed stream, and its ledger line (None when it has none)."""
+    job_id: str
+    run_id: str | None
+    role: str
+    session_id: str | None
+    prompt: str | None
+    system_prompt: str | None
+    session: dict[str, Any]
+    garbage_lines: int
+    problems: tuple[str, ...]
+    ledger: dict[str, Any] | None
+    claude_version: str | None
+    model: str | None
+    created_at: str | None
+
+
+def _inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def iso_or_none(value: Any) -> str | None:
+    """An ISO 8601 timestamp with a zone as it is, else None (pure)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        stamp = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return value if stamp.tzinfo is not None else None
+
+
+def load_session_source(paths: StudyPaths, job_id: str, ledger: Mapping[str, Mapping[str, Any]]
+                        ) -> SessionSource:
+    """A job's session read for export: its stream from its raw directory (which must lie inside
+    the study), its prompt and system prompt, bounded; what could not be read is in `problems`."""
+    job = read_json(paths.job_file(job_id), default=None)
+    job = job if isinstance(job, dict) else {}
+    meta = job.get("meta") if isinstance(job.get("meta"), dict) else {}
+    problems: list[str] = []
+    raw_dir = job.get("raw_dir")
+    events: list[dict[str, Any]] = []
+    garbage = 0
+    if not isinstance(raw_dir, str) or not _inside(raw_dir, paths.root):
+        problems.append("the job's raw directory is not inside the study: its stream was not read")
+    else:
+        data, problem = read_file_bounded(Path(raw_dir) / "stream.jsonl")
+        if problem:
+            problems.append(f"stream.jsonl: {problem}")
+        if data:
+            events, garbage = stream_events(data)
+    run_id = meta.get("run_id")
+    run_id = run_id if isinstance(run_id, str) and NAME_RE.match(run_id) else None
+    line = ledger.get(job_id)
+    return SessionSource(
+        job_id=job_id, run_id=run_id, role=clip_text(meta.get("role") or job.get("kind") or "session", 40),
+        session_id=_id_text(job.get("session_id")),
+        prompt=read_text_bounded(paths.job_dir(job_id) / "prompt.txt"),
+        system_prompt=read_text_bounded(paths.job_dir(job_id) / "system_prompt.md"),
+        session=session_items(events), garbage_lines=garbage, problems=tuple(problems),
+        ledger=dict(line) if isinstance(line, Mapping) else None,
+        claude_version=_id_text((line or {}).get("claude_version")), model=_id_text(job.get("model")),
+        created_at=iso_or_none(job.get("created_at")))
+
+
+def ledger_by_job(paths: StudyPaths) -> dict[str, dict[str, Any]]:
+    counts: dict[str, int] = {}
+    return {str(r.get("job_id")): r for r in iter_ledger_once_per_job(paths.ledger, counts)}
+
+
+def session_cost(line: Mapping[str, Any] | None) -> tuple[float | None, dict[str, int]]:
+    """A ledger line's cost (metered by the gateway where it was, else the binary's own delta) and
+    tokens, each checked (pure)."""
+    if not line:
+        return None, {"input": 0, "output": 0, "cache_creation": 0, "cache_read": 0}
+    cost = usd_from(line.get("cost_metered_usd"))
+    if cost is None:
+        cost = usd_from(line.get("cost_delta_usd"))
+    tok = line.get("tokens") if isinstance(line.get("tokens"), dict) else {}
+    return cost, {k: count_from(tok.get(k)) for k in ("input", "output", "cache_creation", "cache_read")}
+
+
+def model_usage_of(lines: Iterable[Mapping[str, Any] | None],
+                   default_model: str) -> dict[str, dict[str, Any]]:
+    """Inspect's model_usage (model -> tokens and cost) summed over ledger lines: per model from
+    the gateway's metering, else the line's totals under its first model used (pure)."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def add(model: str, tokens: Mapping[str, int], cost: float | None) -> None:
+        u = out.setdefault(model, {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                   "input_tokens_cache_write": 0, "input_tokens_cache_read": 0,
+                                   "total_cost": 0.0})
+        u["input_tokens"] += tokens["input"]
+        u["output_tokens"] += tokens["output"]
+        u["input_tokens_cache_write"] += tokens["cache_creation"]
+        u["input_tokens_cache_read"] += tokens["cache_read"]
+        u["total_tokens"] += sum(tokens.values())
+        u["total_cost"] = round(u["total_cost"] + (cost or 0.0), 6)
+    for line in lines:
+        if not line:
+            continue
+        metered = line.get("models_metered") if isinstance(line.get("models_metered"), dict) else {}
+        if metered:
+            for name, m in metered.items():
+                m = m if isinstance(m, dict) else {}
+                tok = m.get("tokens") if isinstance(m.get("tokens"), dict) else {}
+                add("anthropic/" + clip_text(name, INTEROP_ID_MAX_CHARS),
+                    {k: count_from(tok.get(k)) for k in ("input", "output", "cache_creation", "cache_read")},
+                    usd_from(m.get("cost_usd")))
+            continue
+        used = line.get("models_used") if isinstance(line.get("models_used"), list) else []
+        name = (clip_text(used[0], INTEROP_ID_MAX_CHARS) if used and isinstance(used[0], str)
+                else default_model)
+        cost, tokens = session_cost(line)
+        add(name if name.startswith("anthropic/") else "anthropic/" + name, tokens, cost)
+    return out
+
+
+# -- ATIF trajectories -----------------------------------------------------------------------------
+
+def _atif_metrics(usage: Mapping[str, int] | None) -> dict[str, int] | None:
+    if not usage:
+        return None
+    return {"prompt_tokens": usage["input"] + usage["cache_creation"] + usage["cache_read"],
+            "completion_tokens": usage["output"], "cached_tokens": usage["cache_read"]}
+
+
+def atif_steps(items: Sequence[Mapping[str, Any]], model: str | None,
+               sub_refs: Mapping[str, str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """ATIF steps of one chain (pure), numbered from 1: an assistant message is an agent step with
+    its tool calls, and the tool results that answer them become that step's observation (a result
+    of a sub-agent's call refers to the sub-agent's embedded trajectory by `sub_refs`); a user
+    message is a user step; results that answer no call of the step before are a system step.
+    Also the notes on what was moved."""
+    steps: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for item in items:
+        if item["type"] == "assistant":
+            step: dict[str, Any] = {"step_id": len(steps) + 1, "source": "agent", "message": item["text"]}
+            if item.get("model") or model:
+                step["model_name"] = item.get("model") or model
+            if item["thinking"]:
+                step["reasoning_content"] = item["thinking"]
+            if item["tool_calls"]:
+                step["tool_calls"] = [{"tool_call_id": c["id"], "function_name": c["name"],
+                                       "arguments": c["input"]} for c in item["tool_calls"]]
+            metrics = _atif_metrics(item.get("usage"))
+            if metrics:
+                step["metrics"] = metrics
+            steps.append(step)
+        elif item["type"] == "tool_results":
+            last = steps[-1] if steps else None
+            calls = {c["tool_call_id"] for c in (last or {}).get("tool_calls") or []}
+            target = last if last is not None and last["source"] == "agent" and calls else None
+            if target is None:
+                target = {"step_id": len(steps) + 1, "source": "system", "message": "Tool results."}
+                steps.append(target)
+                notes.append(f"step {target['step_id']}: tool results without a call before them")
+            results = target.setdefault("observation", {"results": []})["results"]
+            for r in item["results"]:
+                res: dict[str, Any] = {"content": r["content"]}
+                if r["tool_use_id"] in calls:
+                    res["source_call_id"] = r["tool_use_id"]
+                if r["tool_use_id"] in sub_refs:
+                    res["subagent_trajectory_ref"] = [{"trajectory_id": sub_refs[r["tool_use_id"]]}]
+                if r["is_error"]:
+                    res["extra"] = {"is_error": True}
+                results.append(res)
+        else:
+            steps.append({"step_id": len(steps) + 1, "source": "user", "message": item["text"]})
+    return steps, notes
+
+
+def atif_trajectory(src: SessionSource, *, version: str, continued_from: str | None = None
+                    ) -> dict[str, Any]:
+    """One session as an ATIF trajectory (pure): its system prompt and prompt as the first steps,
+    its main chain's messages, every sub-agent side chain as an embedded sub-trajectory referred
+    to from the result of the tool call that started it, tokens per step, and the ledger's tokens
+    and (metered) cost as final_metrics."""
+    session = src.session
+    model = session.get("model") or src.model
+    agent = {"name": "claude-code", "version": src.claude_version or "unknown"}
+    if model:
+        agent["model_name"] = model
+    chains = session["chains"]
+    sub_refs = {chain: f"{src.job_id}:{chain}" for chain in chains if chain}
+    head: list[dict[str, Any]] = []
+    if src.system_prompt:
+        head.append({"source": "system", "message": src.system_prompt})
+    if src.prompt:
+        head.append({"source": "user", "message": src.prompt})
+    body, notes = atif_steps(chains.get("", []), model, sub_refs)
+    answered = {r.get("source_call_id") for s in body
+                for r in (s.get("observation") or {}).get("results", [])}
+    for chain, ref in sub_refs.items():   # a sub-agent whose call has no result yet: refer from its call
+        if chain in answered:
+            continue
+        for s in body:
+            if any(c["tool_call_id"] == chain for c in s.get("tool_calls") or []):
+                s.setdefault("observation", {"results": []})["results"].append(
+                    {"source_call_id": chain, "subagent_trajectory_ref": [{"trajectory_id": ref}]})
+                break
+        else:
+            notes.append(f"sub-agent chain {chain} has no tool call in the main chain")
+    steps = head + body
+    for i, s in enumerate(steps, 1):
+        s["step_id"] = i
+    if not steps:
+        steps = [{"step_id": 1, "source": "system", "message": "The session's stream held no messages."}]
+        notes.append("empty session")
+    subs = []
+    for chain, ref in sub_refs.items():
+        sub_steps, sub_notes = atif_steps(chains[chain], model, {})
+        subs.append({"schema_version": version, "session_id": src.session_id, "trajectory_id": ref,
+                     "agent": {**agent, "extra": {"side_chain_of_tool_call": chain}}, "steps": sub_steps,
+                     **({"notes": "; ".join(sub_notes)} if sub_notes else {})})
+    cost, tokens = session_cost(src.ledger)
+    if src.ledger is None and session.get("result"):
+        tokens = session["result"]["usage"]
+    final = {"total_prompt_tokens": tokens["input"] + tokens["cache_creation"] + tokens["cache_read"],
+             "total_completion_tokens": tokens["output"], "total_cached_tokens": tokens["cache_read"],
+             "total_steps": len(steps)}
+    if cost is not None:
+        final["total_cost_usd"] = cost
+    if src.garbage_lines:
+        notes.append(f"{src.garbage_lines} stream lines were not events and were skipped")
+    notes += list(src.problems)
+    metered = bool(src.ledger and usd_from(src.ledger.get("cost_metered_usd")) is not None)
+    out: dict[str, Any] = {"schema_version": version, "session_id": src.session_id,
+                           "trajectory_id": src.job_id, "agent": agent, "steps": steps,
+                           "final_metrics": final,
+                           "extra": {"agentbench_version": VERSION, "job_id": src.job_id,
+                                     "run_id": src.run_id, "role": src.role, "cost_metered": metered,
+                                     "is_error": bool((session.get("result") or {}).get("is_error"))}}
+    if continued_from:
+        out["continued_trajectory_ref"] = continued_from
+    if notes:
+        out["notes"] = clip_text("; ".join(notes), 4000)
+    if subs:
+        out["subagent_trajectories"] = subs
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def study_job_ids(paths: StudyPaths) -> list[str]:
+    try:
+        names = os.listdir(paths.jobs)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if JOB_ID_RE.match(n))
+
+
+def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """Every session of the study as <out>/<run id or _sessions>/<job id>/trajectory.json; a
+    session resumed from an earlier one of the same run refers to it (continued_trajectory_ref)."""
+    ledger = ledger_by_job(paths)
+    planned: list[tuple[Path, dict[str, Any]]] = []
+    last_of_session: dict[tuple[str, str], str] = {}
+    for jid in study_job_ids(paths):
+        src = load_session_source(paths, jid, ledger)
+        group = src.run_id or "_sessions"
+        key = (group, src.session_id or "")
+        prev = last_of_session.get(key) if src.session_id else None
+        traj = atif_trajectory(src, version=ATIF_VERSION,
+                               continued_from=f"../{prev}/trajectory.json" if prev else None)
+        last_of_session[key] = jid
+        planned.append((out / group / jid / "trajectory.json", traj))
+    for path, traj in planned:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, traj)
+    return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
+            "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
+            "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
+            "sessions_with_problems": sorted(t["trajectory_id"] for _, t in planned if t.get("notes"))}
+
+
+# -- Inspect eval logs -----------------------------------------------------------------------------
+
+def inspect_messages(sources: Sequence[SessionSource], run_id: str) -> list[dict[str, Any]]:
+    """A run's chat in Inspect's message shapes (pure): the first session's system prompt, then per
+    session (executor, gate feedback, reviewer, repair...) its prompt as a user message marked with
+    its role, and its main chain's assistant messages, tool calls and tool results.  Sub-agent side
+    chains are left out here (the ATIF export keeps them)."""
+    msgs: list[dict[str, Any]] = []
+
+    def add(msg: dict[str, Any]) -> None:
+        msg["id"] = f"{run_id}-m{len(msgs) + 1}"
+        msgs.append(msg)
+    for src in sources:
+        tag = {"agentbench_role": src.role, "job_id": src.job_id}
+        if not msgs and src.system_prompt:
+            add({"role": "system", "content": src.system_prompt, "source": "input", "metadata": tag})
+        if src.prompt:
+            add({"role": "user", "content": src.prompt, "source": "input", "metadata": tag})
+        names: dict[str, str] = {}
+        model = src.session.get("model") or src.model
+        for item in src.session["chains"].get("", []):
+            if item["type"] == "assistant":
+                calls = [{"id": c["id"], "function": c["name"], "arguments": c["input"], "type": "function"}
+                         for c in item["tool_calls"]]
+                names.update({c["id"]: c["name"] for c in item["tool_calls"]})
+                msg: dict[str, Any] = {"role": "assistant", "content": item["text"], "source": "generate",
+                                       "metadata": tag}
+                if calls:
+                    msg["tool_calls"] = calls
+                if item.get("model") or model:
+                    msg["model"] = "anthropic/" + str(item.get("model") or model)
+                add(msg)
+            elif item["type"] == "tool_results":
+                for r in item["results"]:
+                    msg = {"role": "tool", "content": r["content"], "tool_call_id": r["tool_use_id"],
+                           "function": names.get(r["tool_use_id"] or ""), "metadata": tag}
+                    if r["is_error"]:
+                        msg["error"] = {"type": "unknown", "message": clip_text(r["content"], 2000)}
+                    add(msg)
+            else:
+                add({"role": "user", "content": item["text"], "source": "input", "metadata": tag})
+    return msgs
+
+
+def _sample_scores(run: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    ev = run.get("evaluation") if isinstance(run.get("evaluation"), dict) else {}
+    outcome = clip_text(run.get("outcome") or run.get("status") or "unknown", 80)
+    scores: dict[str, dict[str, Any]] = {}
+    score = finite_number(ev.get("score"), lo=0.0, hi=1.0)
+    if score is not None:
+        counts = {k: ev.get(k) for k in ("tests_passed", "tests_total") if isinstance(ev.get(k), int)}
+        scores["hidden_tests"] = {"value": score, "answer": outcome,
+                                  "explanation": f"hidden tests: score {score:g}, threshold "
+                                                 f"{finite_number(ev.get('threshold'), lo=0, hi=1)}",
+                                  "metadata": {**counts, "grader_error": (
+                                      clip_text(ev.get("grader_error"), 2000) if ev.get("grader_error")
+                                      else None)}}
+    scores["success"] = {"value": 1.0 if ev.get("success") is True else 0.0, "answer": outcome,
+                         "explanation": "hidden tests passed at the threshold" if ev.get("success") is True
+                         else f"not a success: {outcome}"}
+    validity = clip_text(run.get("validity") or "unlabelled", 80)
+    scores["validity"] = {"value": validity,
+                          "explanation": clip_text(run.get("validity_reason") or validity, 2000)}
+    return scores
+
+
+def inspect_sample(run: Mapping[str, Any], sources: Sequence[SessionSource], sample_id: str, epoch: int,
+                   model: str) -> dict[str, Any]:
+    """One run as an Inspect sample (pure): its chat, scores, the audit findings and the
+    pair/block ids in metadata, its tokens and metered cost as model_usage."""
+    msgs = inspect_messages(sources, str(run.get("run_id")))
+    audit = run.get("audit") if isinstance(run.get("audit"), dict) else {}
+    findings = audit.get("findings") if isinstance(audit.get("findings"), list) else []
+    usage = model_usage_of([s.ledger for s in sources], model)
+    cost = round(math.fsum(u["total_cost"] for u in usage.values()), 6)
+    meta = {"run_id": run.get("run_id"), "arm": run.get("arm"), "task": run.get("task"),
+            "repeat": run.get("repeat"), "split": run.get("split"), "block": run.get("block"),
+            "pair": f"{run.get('split')}/{run.get('task')}/repeat-{run.get('repeat')}",
+            "order_in_block": run.get("order_in_block"), "status": run.get("status"),
+            "outcome": run.get("outcome"), "validity": run.get("validity"),
+            "validity_reason": run.get("validity_reason"), "failure_reason": run.get("failure_reason"),
+            "gate_cycles": run.get("gate_cycles"), "gates": run.get("gates"),
+            "review_verdicts": run.get("review_verdicts"), "fault": run.get("fault"),
+            "audit_findings": findings[:200], "audit_flagged": audit.get("flagged"),
+            "sandbox": run.get("sandbox"), "cost_usd_metered": cost,
+            "cost_usd_reported": usd_from(run.get("cost_usd")), "cost_estimated": run.get("cost_estimated"),
+            "sessions": [{"job_id": s.job_id, "role": s.role, "session_id": s.session_id,
+                          "problems": list(s.problems), "garbage_lines": s.garbage_lines} for s in sources]}
+    meta = json_safe(meta)
+    last = next((m for m in reversed(msgs) if m["role"] == "assistant"), None)
+    output: dict[str, Any] = {"model": model, "choices": [], "completion": ""}
+    if last:
+        output["choices"] = [{"message": last, "stop_reason": "stop"}]
+        output["completion"] = last["content"]
+    started, finished = iso_or_none(run.get("started_at")), iso_or_none(run.get("finished_at"))
+    wall = finite_number(run.get("wall_s"), lo=0.0, hi=MAX_WALL_S_RECORD)
+    inp = next((s.prompt for s in sources if s.prompt), None) or clip_text(run.get("task") or "")
+    error = None
+    if run.get("status") == "error":
+        text = clip_text(run.get("error") or run.get("failure_reason") or "the run ended in error", 4000)
+        error = {"message": text, "traceback": text, "traceback_ansi": text}
+    sample = {"id": sample_id, "epoch": epoch, "input": inp,
+              "target": "the hidden tests pass at the task's threshold", "messages": msgs, "output": output,
+              "scores": _sample_scores(run), "metadata": meta, "store": {}, "events": [],
+              "model_usage": usage, "started_at": started, "completed_at": finished, "total_time": wall,
+              "working_time": wall, "error": error, "attachments": {},
+              "uuid": hashlib.sha256(f"{sample_id}/{epoch}/{run.get('run_id')}".encode()).hexdigest()[:22]}
+    return {k: v for k, v in sample.items() if v is not None}
+
+
+INSPECT_SUMMARY_KEYS = ("id", "epoch", "input", "target", "metadata", "scores", "model_usage", "started_at",
+                        "completed_at", "total_time", "working_time", "uuid")
+
+
+def inspect_summary(sample: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: sample[k] for k in INSPECT_SUMMARY_KEYS if k in sample}
+    out["completed"] = True
+    out["message_count"] = len(sample.get("messages") or [])
+    if sample.get("error"):
+        out["error"] = sample["error"]["message"]
+    return out
+
+
+def _metric(name: str, value: float) -> dict[str, Any]:
+    return {"name": name, "value": round(value, 6), "params": {}}
+
+
+def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int) -> dict[str, Any]:
+    """The log's results (pure): per scorer the mean (and for validity the valid share)."""
+    scores = []
+    for name in ("hidden_tests", "success"):
+        vals = [s["scores"][name]["value"] for s in samples if name in s["scores"]]
+        scores.append({"name": name, "scorer": name, "scored_samples": len(vals),
+                       "unscored_samples": len(samples) - len(vals), "params": {},
+                       "metrics": {"mean": _metric("mean", math.fsum(vals) / len(vals) if vals else 0.0)}})
+    labels = [s["scores"]["validity"]["value"] for s in samples]
+    scores.append({"name": "validity", "scorer": "validity", "scored_samples": len(labels),
+                   "unscored_samples": 0, "params": {},
+                   "metrics": {"valid": _metric("valid", sum(1 for v in labels if v == "valid") / len(labels)
+                                                if labels else 0.0)}})
+    return {"total_samples": len(samples), "completed_samples": completed, "scores": scores}
+
+
+def study_status(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The study's progress in words Inspect knows (pure): "success" once every run has ended
+    (finished, error or interrupted), "started" while some have not; the counts by status."""
+    by: dict[str, int] = {}
+    for r in runs:
+        key = str(r.get("status") or "unknown")[:40]
+        by[key] = by.get(key, 0) + 1
+    done = bool(runs) and all(r.get("status") in RUN_FINAL for r in runs)
+    return {"inspect_status": "success" if done else "started", "runs_by_status": dict(sorted(by.items())),
+            "complete": done}
+
+
+def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, int]]:
+    """run id -> (sample id, epoch) (pure): the task and the repeat; when one arm holds the same
+    task and repeat in several splits, the id also names the split."""
+    seen: dict[tuple[str, str, int], int] = {}
+    for r in runs:
+        key = (str(r.get("arm")), str(r.get("task")), int(count_from(r.get("repeat"), hi=10**6)))
+        seen[key] = seen.get(key, 0) + 1
+    out = {}
+    for r in runs:
+        rep = int(count_from(r.get("repeat"), hi=10**6))
+        key = (str(r.get("arm")), str(r.get("task")), rep)
+        sid = str(r.get("task")) if seen[key] == 1 else f"{r.get('task')}.{r.get('split')}"
+        out[str(r["run_id"])] = (sid, max(1, rep))
+    return out
+
+
+def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
+                runs: Sequence[Mapping[str, Any]], samples: Sequence[dict[str, Any]],
+                status: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+    """An arm's eval log header (the log without its samples) (pure).  The key order is the one
+    inspect-ai writes."""
+    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    starts = sorted(s for s in (iso_or_none(r.get("started_at")) for r in runs) if s)
+    ends = sorted(s for s in (iso_or_none(r.get("finished_at")) for r in runs) if s)
+    created = starts[0] if starts else utc_now()
+    eval_id = hashlib.sha256(f"{run_id}/{arm}".encode()).hexdigest()[:22]
+    usage: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        for name, u in s["model_usage"].items():
+            tot = usage.setdefault(name, {k: 0 for k in u})
+            for k, v in u.items():
+                tot[k] = round(tot[k] + v, 6) if k == "total_cost" else tot[k] + v
+    completed = sum(1 for r in runs if r.get("status") in RUN_FINAL)
+    arm_meta = {"name": arm, "gate_cycles": arm_cfg.get("gate_cycles", 0),
+                "review": bool(arm_cfg.get("review")), "preamble": arm_cfg.get("preamble"),
+                "fork_base": bool(arm_cfg.get("fork_base"))}
+    plan_steps = (["executor"] + (["gate_feedback"] if arm_meta["gate_cycles"] else [])
+                  + (["reviewer", "repair"] if arm_meta["review"] else []))
+    return {
+        "version": INSPECT_LOG_VERSION, "status": status["inspect_status"],
+        "eval": {"eval_id": eval_id, "run_id": run_id, "created": created, "task": arm, "task_id": eval_id,
+                 "task_version": 0, "task_display_name": f"{study_name}: arm {arm}", "task_attribs": {},
+                 "task_args": {}, "task_args_passed": {}, "solver": f"agentbench/{arm}",
+                 "solver_args": json_safe(arm_meta), "tags": ["agentbench", f"arm:{arm}"],
+                 "dataset": {"name": study_name, "samples": len(samples),
+                             "sample_ids": sorted({s["id"] for s in samples})},
+                 "model": model, "model_generate_config": {}, "model_args": {},
+                 "config": {"epochs": max((s["epoch"] for s in samples), default=1)},
+                 "packages": {"agentbench": VERSION},
+                 "metadata": json_safe({"agentbench": {"study": study_name, "arm": arm_meta,
+                                                       "study_status": status, "seed": cfg.get("seed"),
+                                                       "effort": cfg.get("effort")}})},
+        "plan": {"name": "plan", "steps": [{"solver": s, "params": {}} for s in plan_steps], "config": {}},
+        "results": inspect_results(samples, completed),
+        "stats": {"started_at": created, "completed_at": ends[-1] if ends and status["complete"] else "",
+                  "model_usage": usage},
+        "tags": [], "metadata": {}}
+
+
+def _inspect_stamp(created: str) -> str:
+    stamp = datetime.datetime.fromisoformat(created.replace("Z", "+00:00")).astimezone(datetime.timezone.utc)
+    return stamp.strftime("%Y-%m-%dT%H-%M-%S+00-00")
+
+
+def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> None:
+    """An `.eval` file as inspect-ai lays it out, written aside and renamed into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("header.json", json.dumps(header, allow_nan=False))
+            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            for s in samples:
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def export_inspect(study: Study, out: Path) -> dict[str, Any]:
+    """One Inspect eval log per arm: every run of the arm a sample (see inspect_sample)."""
+    paths, cfg = study.paths, study.cfg
+    arms_cfg = cfg.get("arms") if isinstance(cfg.get("arms"), dict) else {}
+    runs = [load_run(paths, r) for r in all_run_ids(paths)]
+    ids = inspect_sample_ids(runs)
+    ledger = ledger_by_job(paths)
+    status = study_status(runs)
+    run_id = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:22]
+    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    logs = []
+    for arm, arm_cfg in arms_cfg.items():
+        arm_runs = [r for r in runs if r.get("arm") == arm]
+        samples = []
+        for r in arm_runs:
+            jobs = [j for j in r.get("jobs") or [] if isinstance(j, dict)
+                    and isinstance(j.get("job_id"), str) and JOB_ID_RE.match(j["job_id"])]
+            sources = [load_session_source(paths, j["job_id"], ledger) for j in jobs]
+            sid, epoch = ids[str(r["run_id"])]
+            samples.append(inspect_sample(r, sources, sid, epoch, model))
+        header = inspect_log(paths.root.name, arm, arm_cfg if isinstance(arm_cfg, dict) else {}, cfg,
+                             arm_runs, samples, status, run_id)
+        name = f"{_inspect_stamp(header['eval']['created'])}_{arm}_{header['eval']['eval_id']}.eval"
+        logs.append((out / name, header, samples))
+    for path, header, samples in logs:
+        write_eval_zip(path, header, samples)
+    listed = [{"file": p.name, "arm": h["eval"]["task"], "samples": len(s),
+               "cost_usd": round(math.fsum(u["total_cost"] for u in h["stats"]["model_usage"].values()), 6)}
+              for p, h, s in logs]
+    return {"format": "inspect", "out": str(out), "status": status["inspect_status"],
+            "study_status": status, "logs": listed,
+            "next": f"inspect view --log-dir {out}"}
+
+
+def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
+    """`export`: the study in another tool's format under `out` (made if missing; files of the same
+    names are replaced, so a second export of an unchanged study gives the same files)."""
+    if fmt not in EXPORT_FORMATS:
+        raise AgentbenchError("unknown export format", code="unknown_export_format", format=fmt,
+                              formats=list(EXPORT_FORMATS))
+    if out.exists() and not out.is_dir():
+        raise AgentbenchError("--out is not a directory", code="export_out_not_a_directory", out=str(out),
+                              hint="name a new or existing directory")
+    if _inside(out, study.paths.root / STATE_DIR) or _inside(out, study.paths.runs):
+        raise AgentbenchError("--out lies inside the study's state or runs", code="export_out_inside_study",
+                              out=str(out),
+                              hint="export to a directory outside <study>/state and <study>/runs")
+    study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
+    out.mkdir(parents=True, exist_ok=True)
+    return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
+
+
+# -- Harbor tasks ----------------------------------------------------------------------------------
+# A Harbor task directory: instruction.md, task.toml, environment/ (a Dockerfile or compose file and
+# the files it copies), tests/test.sh (writes /logs/verifier/reward.txt, one number, or reward.json,
+# a dict of numbers), solution/solve.sh.  It becomes a bundle: TASK.md and the starter files in
+# public/, a syntax gate (Harbor tasks have no public checks), the tests and a harness in oracle/
+# (run with the container paths bound: the workspace at the workdir, /tests read-only, an empty
+# /logs/verifier), solve.sh as a reference script.  What needs the image is listed, not faked.
+
+#: A Harbor task directory larger than this (or with more files) is refused as not a task.
+HARBOR_TASK_MAX_BYTES = 64 * 2**20
+HARBOR_TASK_MAX_FILES = 5000
+HARBOR_DEFAULT_WORKDIR = "/app"
+HARBOR_VERIFIER_TIMEOUT_S = 600.0
+HARBOR_REQUIRED = ("instruction.md", "task.toml", "tests/test.sh", "solution/solve.sh", "environment")
+#: Files of environment/ that describe the image rather than belong in it.
+HARBOR_IMAGE_FILES = frozenset({"Dockerfile", "docker-compose.yaml", "docker-compose.yml", "compose.yaml",
+                                "compose.yml", ".dockerignore"})
+
+#: The oracle harness of an imported task (written into oracle/harbor_verifier.py).  It runs the
+#: task's tests/test.sh as the Harbor verifier does, in the workdir, with nothing of its own open
+#: to the test (the receipt channel is closed in the child), then reads the reward the tests wrote
+#: and writes one receipt line on the channel.
+HARBOR_VERIFIER_PY = '''"""agentbench's harness for an imported Harbor task: run /tests/test.sh in the
+workdir, read the reward it wrote under /logs/verifier and write one JSON receipt on the receipt channel.
+Usage: harbor_verifier.py RECEIPT_FD WORKDIR THRESHOLD"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+fd, workdir, threshold = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+logs = "/logs/verifier"
+proc = subprocess.run(["bash", "/tests/test.sh"], cwd=workdir, stdin=subprocess.DEVNULL,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True)
+sys.stdout.write(proc.stdout.decode("utf-8", "replace")[-20000:])
+reward, problem, raw = 0.0, None, None
+
+
+def read(name):
+    path = os.path.join(logs, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        return fh.read(65536).decode("utf-8", "replace")
+
+
+text = read("reward.txt")
+if text is not None:
+    raw = text.strip()
+    try:
+        reward = float(raw)
+    except ValueError:
+        problem = "reward.txt does not hold one number"
+else:
+    text = read("reward.json")
+    if text is None:
+        problem = "the tests wrote no reward.txt or reward.json under /logs/verifier"
+    else:
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raw = None
+        nums = raw if isinstance(raw, dict) else {}
+        vals = [v for v in nums.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if not nums or len(vals) != len(nums):
+            problem = "reward.json is not an object of numbers"
+        else:
+            reward = float(nums["reward"]) if "reward" in nums else sum(vals) / len(vals)
+if problem is None and not (math.isfinite(reward) and 0.0 <= reward <= 1.0):
+    problem = "the reward is not a number in [0, 1]"
+score = reward if problem is None else 0.0
+passed = problem is None and score >= threshold
+receipt = {"passed": passed, "score": score, "harbor_reward": raw if isinstance(raw, (str, dict)) else None,
+           "checks": [{"id": "test.sh", "passed": proc.returncode == 0,
+                       "detail": "exit %d" % proc.returncode},
+                      {"id": "reward", "passed": passed, "detail": problem or "reward %g" % reward}]}
+os.write(fd, (json.dumps(receipt) + "\\n").encode())
+os.close(fd)
+sys.exit(0 if passed else 1)
+'''
+
+#: The gate of an imported task (gate/syntax_gate.py): Harbor tasks have no public checks, so the
+#: gate checks only that the workspace's Python files compile and its shell scripts parse.
+HARBOR_SYNTAX_GATE_PY = '''"""agentbench's gate for an imported Harbor task (which has no public checks):
+every Python file of the workspace compiles and every shell script parses.  Usage: syntax_gate.py WORKSPACE"""
+import json
+import os
+import subprocess
+import sys
+
+root = sys.argv[1]
+checks = []
+for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__"))
+    for name in sorted(filenames):
+        path = os.path.join(dirpath, name)
+        rel = os.path.relpath(path, root)
+        if os.path.islink(path) or not name.endswith((".py", ".sh")):
+            continue
+        if name.endswith(".py"):
+            try:
+                with open(path, "rb") as fh:
+                    compile(fh.read(), rel, "exec", dont_inherit=True)
+                checks.append({"id": rel, "passed": True, "detail": "compiles"})
+            except (SyntaxError, ValueError) as exc:
+                checks.append({"id": rel, "passed": False, "detail": str(exc)[:300]})
+        else:
+            res = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+            checks.append({"id": rel, "passed": res.returncode == 0,
+                           "detail": res.stderr.strip()[:300] or "parses"})
+passed = all(c["passed"] for c in checks)
+print(json.dumps({"passed": passed, "score": 1.0 if passed else 0.0, "checks": checks,
+                  "tests_passed": sum(c["passed"] for c in checks), "tests_total": len(checks)}))
+sys.exit(0 if passed else 1)
+'''
+
+
+def parse_toml(text: str, where: str) -> dict[str, Any]:
+    """task.toml as a dict, with the standard library's reader (Python 3.11 and later)."""
+    try:
+        import tomllib
+    except ImportError:
+        raise AgentbenchError("reading task.toml needs Python 3.11 or later (the standard tomllib)",
+                              code="toml_reader_missing", path=where,
+                              hint="run import-tasks with python3.11 or later; the tasks it writes "
+                                   "run on any supported Python") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise AgentbenchError("task.toml is not valid TOML", code="harbor_task_toml_invalid", path=where,
+                              detail=str(exc)[:300]) from None
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments left out
+    (pure)."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1].rstrip() + " "
+            continue
+        buf += stripped
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    if buf.strip():
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def _copy_args(args: str) -> tuple[list[str], bool] | None:
+    """A COPY/ADD's paths (sources then destination) and whether it copies from another stage or
+    image (pure); None when they cannot be read."""
+    words = args.split()
+    from_other = any(w.startswith("--from") for w in words)
+    words = [w for w in words if not w.startswith("--")]
+    rest = " ".join(words)
+    if rest.startswith("["):
+        try:
+            parts = json.loads(rest)
+        except ValueError:
+            return None
+        return ([str(p) for p in parts], from_other) if isinstance(parts, list) and len(parts) >= 2 else None
+    return (words, from_other) if len(words) >= 2 else None
+
+
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
+                            ) -> dict[str, Any]:
+    """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
+    Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
+    the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    lost: list[str] = []
+    steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
+    workdir = workdir_cfg
+    current = "/"
+    copies: list[tuple[list[str], str]] = []
+    for word, args in steps:
+        if word == "FROM":
+            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                        "this host's are used)")
+        elif word == "WORKDIR":
+            current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
+            workdir = workdir_cfg or current
+        elif word in ("COPY", "ADD"):
+            parsed = _copy_args(args)
+            if parsed is None or parsed[1]:
+                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                continue
+            paths, _ = parsed
+            if any("://" in p for p in paths[:-1]):
+                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                continue
+            dest = posixpath.normpath(posixpath.join(current, paths[-1]))
+            copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+            lost.append(f"Dockerfile {word} {args[:200]}")
+    workdir = workdir or HARBOR_DEFAULT_WORKDIR
+    files: dict[str, str] = {}
+    if not copies:
+        for rel in env_files:
+            if "/" in rel or rel not in HARBOR_IMAGE_FILES:
+                files[rel] = rel
+        return {"workdir": workdir, "files": files, "not_carried_over": lost}
+    for sources, dest in copies:
+        for src in sources:
+            src_n = posixpath.normpath(src).lstrip("/")
+            placed: list[tuple[str, str]] = []
+            if src_n in ("", "."):
+                placed = [(r, posixpath.join(dest, r)) for r in env_files
+                          if not ("/" not in r and r in HARBOR_IMAGE_FILES)]
+            elif src_n in env_files:
+                into_dir = dest.endswith("/") or len(sources) > 1
+                placed = [(src_n, posixpath.join(dest, posixpath.basename(src_n)) if into_dir else dest)]
+            elif any(r.startswith(src_n + "/") for r in env_files):
+                placed = [(r, posixpath.join(dest, r[len(src_n) + 1:])) for r in env_files
+                          if r.startswith(src_n + "/")]
+            else:
+                placed = [(r, posixpath.join(dest, posixpath.basename(r))) for r in env_files
+                          if fnmatch.fnmatch(r, src_n)]
+            if not placed:
+                lost.append(f"Dockerfile COPY source {src[:150]} (not in environment/)")
+            for rel, target in placed:
+                target = posixpath.normpath(target)
+                if not target.startswith(workdir.rstrip("/") + "/"):
+                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    continue
+                files[rel] = target[len(workdir.rstrip("/")) + 1:]
+    return {"workdir": workdir, "files": files, "not_carried_over": lost}
+
+
+def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure)."""
+    lost: list[str] = []
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    if env.get("docker_image"):
+        lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
+    if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
+        lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
+                    f"gpu_types = {env.get('gpu_types')!r:.80})")
+    if env.get("allow_internet") or env.get("network_mode") not in (None, "none", "no-network"):
+        lost.append("network access as the task asks it (allow_internet / network_mode): the sandbox's "
+                    "own network policy applies")
+    for key in ("cpus", "memory_mb", "storage_mb"):
+        if env.get(key) is not None:
+            lost.append(f"the resource limit {key} = {env[key]!r:.40} (not enforced)")
+    for key in ("env", "mcp_servers", "healthcheck", "skills_dir"):
+        if env.get(key):
+            lost.append(f"[environment] {key}")
+    for part in ("agent", "verifier", "solution"):
+        sec = cfg.get(part) if isinstance(cfg.get(part), dict) else {}
+        for key in ("env", "user", "allowed_hosts", "network_mode"):
+            if sec.get(key):
+                lost.append(f"[{part}] {key}")
+    return lost
+
+
+def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
+    """Every file of a task directory (relative), and its problems: links, special files, size."""
+    files, problems, total = [], [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            full = Path(dirpath) / name
+            rel = full.relative_to(root).as_posix()
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                problems.append(f"{rel} is a link")
+            elif stat.S_ISREG(st.st_mode):
+                files.append(rel)
+                total += st.st_size
+            elif not stat.S_ISDIR(st.st_mode):
+                problems.append(f"{rel} is not a file or directory")
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__")
+                             and not os.path.islink(os.path.join(dirpath, d)))
+        if len(files) > HARBOR_TASK_MAX_FILES or total > HARBOR_TASK_MAX_BYTES:
+            problems.append(f"more than {HARBOR_TASK_MAX_FILES} files or {HARBOR_TASK_MAX_BYTES} bytes")
+            break
+    return sorted(files), problems
+
+
+def _seconds(value: Any, default: float) -> float | None:
+    if value is None:
+        return default
+    got = finite_number(value, lo=1.0, hi=MAX_CHECK_TIMEOUT_S)
+    return got
+
+
+def plan_harbor_task(root: Path) -> dict[str, Any]:
+    """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
+    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    problems: list[str] = []
+    if not NAME_RE.match(root.name):
+        problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
+    missing = [p for p in HARBOR_REQUIRED if not (root / p).exists()]
+    if missing:
+        return {"id": root.name, "problems": problems + [f"lacks {m}" for m in missing]}
+    files, file_problems = _harbor_files(root)
+    problems += file_problems
+    if problems:
+        return {"id": root.name, "problems": problems}
+    toml_path = root / "task.toml"
+    cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
+    env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    verifier_s = _seconds(verifier.get("timeout_sec"), HARBOR_VERIFIER_TIMEOUT_S)
+    agent_s = _seconds(agent.get("timeout_sec"), DEFAULT_ORACLE_TIMEOUT_S)
+    if verifier_s is None or agent_s is None:
+        problems.append("a timeout_sec in task.toml is not a number of seconds in "
+                        f"[1, {MAX_CHECK_TIMEOUT_S:g}]")
+    workdir_cfg = env_cfg.get("workdir")
+    if workdir_cfg is not None and not isinstance(workdir_cfg, str):
+        problems.append("[environment] workdir is not a path")
+        workdir_cfg = None
+    env_files = [f[len("environment/"):] for f in files if f.startswith("environment/")]
+    dockerfile = None
+    if (root / "environment" / "Dockerfile").is_file():
+        dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
+    bad = container_spec_problem(container)
+    if bad:
+        problems.append(f"its workdir cannot be given here: {bad}")
+    if any(f.split("/")[-1] in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+           for f in env_files if "/" not in f):
+        problems.append("its environment is a multi-container compose file (one workspace is all "
+                        "agentbench has)")
+    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
+    title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
+    return {"id": root.name, "problems": problems, "root": root, "files": files, "title": title,
+            "instruction": instruction, "workdir": env_plan["workdir"], "starter": env_plan["files"],
+            "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
+            "metadata": json_safe({k: v for k, v in meta.items()
+                                   if isinstance(v, (str, int, float, bool, list))}),
+            "container": container}
+
+
+def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The task.json of an imported Harbor task (pure)."""
+    wd = plan["workdir"]
+    return {
+        "id": plan["id"], "title": plan["title"],
+        "gate": {"cmd": ["{python}", "{gate}/syntax_gate.py", "{workspace}"], "timeout_s": 120,
+                 "receipt": "json"},
+        "oracle": {"cmd": ["{python}", "{oracle}/harbor_verifier.py", "{receipt_fd}", "{workspace}", "1.0"],
+                   "timeout_s": plan["verifier_timeout_s"], "threshold": 1.0, "container": plan["container"]},
+        "reference": {"cmd": ["bash", "/solution/solve.sh"], "timeout_s": plan["agent_timeout_s"],
+                      "container": {"workdir": wd, "ro": {"/solution": "solution"}, "scratch": []}},
+        "check_hint": (f"This task comes from a Harbor task: paths under {wd} in TASK.md mean your working "
+                       "directory. There are no public tests; the hidden tests grade the result."),
+        "not_carried_over": plan["not_carried_over"],
+        "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
+                   "agent_timeout_s": plan["agent_timeout_s"],
+                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+    }
+
+
+def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
+    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    root: Path = plan["root"]
+    (dst / "public").mkdir(parents=True)
+    note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
+    write_text_atomic(dst / "public" / "TASK.md", note + plan["instruction"])
+    for src, rel in sorted(plan["starter"].items()):
+        if rel == "TASK.md":
+            continue
+        (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+    (dst / "gate").mkdir()
+    write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
+    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
+    shutil.copytree(root / "solution", dst / "reference" / "solution")
+    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
+
+
+def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+    """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
+    whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
+    written), then each written as a new bundle under `out` (staged beside, renamed in)."""
+    if out.exists() and not out.is_dir():
+        raise AgentbenchError("--tasks is not a directory", code="tasks_out_not_a_directory", tasks=str(out))
+    plans, refused = [], {}
+    for d in dirs:
+        if not d.is_dir():
+            refused[str(d)] = ["not a directory"]
+            continue
+        plan = plan_harbor_task(d)
+        if plan["id"] in [p["id"] for p in plans]:
+            plan["problems"].append("another directory of this call has the same name")
+        if (out / plan["id"]).exists():
+            plan["problems"].append(f"{out / plan['id']} exists already")
+        if plan["problems"]:
+            refused[str(d)] = plan["problems"]
+        else:
+            plans.append(plan)
+    if refused:
+        raise AgentbenchError("some Harbor task directories cannot be imported; nothing was written",
+                              code="harbor_task_refused", refused=refused,
+                              hint="a Harbor task needs instruction.md, task.toml, environment/, "
+                                   "tests/test.sh and solution/solve.sh, and no links")
+    if not plans:
+        raise AgentbenchError("no task directories given", code="no_task_directories")
+    out.mkdir(parents=True, exist_ok=True)
+    stage = out / f".import-{uuid.uuid4().hex[:8]}"
+    try:
+        for plan in plans:
+            write_harbor_bundle(plan, stage / plan["id"])
+        for plan in plans:
+            os.rename(stage / plan["id"], out / plan["id"])
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return {"imported": [{"task": p["id"], "path": str(out / p["id"]), "workdir": p["workdir"],
+                          "starter_files": sorted(p["starter"].values()),
+                          "oracle_timeout_s": p["verifier_timeout_s"],
+                          "reference_timeout_s": p["agent_timeout_s"],
+                          "not_carried_over": p["not_carried_over"]} for p in plans],
+            "tasks": str(out),
+            "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
 
 
 # ==================================================================================================
@@ -14432,14 +16733,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
     if report["totals"].get("rehearsed_runs"):
         report["costs_simulated"] = True
-    # The gateways' figures beside the binaries' own, per model (side models included).
-    ledger_lines = read_jsonl(paths.ledger)[0]
-    totals = aggregate_usage(ledger_lines, by="model")["totals"]
-    report["metering"] = {"cost_metered_usd": totals["cost_metered_usd"],
-                          "cost_reported_usd": totals["cost_usd"],
-                          "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
-                          "models_metered": totals["models_metered"],
-                          "cost_mismatch_jobs": gateway_proof(ledger_lines)["mismatched"]}
+    report["metering"] = report_metering(paths)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
@@ -14622,6 +16916,37 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
             "next": f"python3 agentbench.py report --study {shlex.quote(str(rpaths.root))} --format md"}
+
+
+# -- interop: export and import-tasks -------------------------------------------------------------
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+    p.add_argument("--out", required=True, help="directory to write into (made if missing)")
+
+
+@command("export", "the study as Inspect eval logs (one per arm) or ATIF trajectories (one per session)",
+         mutating=False)
+@args_of(_export_args)
+def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    return export_study(load_study(ctx.study(args)), args.format,
+                        Path(ctx.platform.normalize_path(args.out)).absolute())
+
+
+def _import_tasks_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
+    p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
+    p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+
+
+@command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
+         mutating=True)
+@args_of(_import_tasks_args)
+def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------

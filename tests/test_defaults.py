@@ -84,7 +84,7 @@ def test_session_limits_fill_what_the_caller_leaves_out_from_the_study(launch_ch
 
 def test_a_ping_is_one_short_turn_outside_every_budget():
     got = ab.session_limits(LAUNCH, **ab.PING_LIMITS)
-    assert got == {"wall_s": 300, "max_turns": 1, "max_budget_usd": 0.5, "stall_after_s": 120, "orphan_after_s": 0}
+    assert got == {"wall_s": 300, "max_turns": 1, "max_budget_usd": 2.0, "stall_after_s": 120, "orphan_after_s": 0}
     ab.check_job_limits(got)
 
 

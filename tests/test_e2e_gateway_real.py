@@ -202,3 +202,55 @@ def test_four_parallel_loops_never_spend_more_than_the_study_cap(tmp_path, gw_st
         assert "budget exhausted" in r["result_text"] and r["gateway_refusal"]["limit"] in r["result_text"]
     assert ab.read_registry(ab.StudyPaths(gw_study))["spent_usd"] == pytest.approx(total)
     assert len(ledger(gw_study)) == 4
+
+
+# A request of the agent's own making with a server-side tool (web search): its cost is not
+# bounded by its body, so the gateway refuses it by name.
+SEARCH = (
+    "python3 -c \"import os,json,urllib.request as u,urllib.error as e\n"
+    "b=json.dumps({'model':'claude-opus-4-5','max_tokens':50,'messages':[{'role':'user','content':'hi'}],"
+    "'tools':[{'type':'web_search_20250305','name':'web_search','max_uses':50}]}).encode()\n"
+    "r=u.Request(os.environ['ANTHROPIC_BASE_URL']+'/v1/messages',data=b,headers={'x-api-key':os.environ['ANTHROPIC_API_KEY'],"
+    "'content-type':'application/json','anthropic-version':'2023-06-01'})\n"
+    "try: print(u.urlopen(r).status)\n"
+    "except e.HTTPError as x: print(x.code, x.read().decode())\" > search.txt"
+)
+
+
+def test_a_server_side_tool_request_from_inside_the_session_is_refused_by_name(tmp_path, gw_study, server):
+    server.add_script("search", {"steps": [
+        {"text": "Searching.", "tool_uses": [{"name": "Bash", "input": {"command": SEARCH}}]},
+        {"text": "Done."}]})
+    code, sp = run_main(["spawn", "--study", str(gw_study),
+                         "--brief", write_brief(tmp_path, "Search. [agentbench-script:search]")])
+    assert code == 0, sp
+    res = wait_result(gw_study, sp["job_id"], timeout=120)
+    assert res["status"] == "ok", res                     # a refused request is no budget end
+    got = (Path(sp["cwd"]) / "search.txt").read_text()
+    assert got.startswith("400") and "server_tool:web_search_20250305" in got, got
+    recs = gateway_records(gw_study, sp["job_id"])
+    assert [r["unbounded"] for r in recs if r.get("refused") == "unbounded"] == [["server_tool:web_search_20250305"]]
+    assert not any("web_search" in (e.get("body") or b"").decode(errors="replace") for e in server.requests_log)
+
+
+def test_an_answer_billed_past_its_bound_is_cut_and_the_session_ends_budget(tmp_path, gw_study, server):
+    """The scripted model as an upstream that overbills: 2M input tokens on an ordinary request.
+    The gateway cuts the answer at its first event, refuses the binary's retries, and the
+    supervisor ends the session `budget` at once (it does not wait for the binary to give up)."""
+    server.capture_bodies = True
+    server.add_script("overbill", {"steps": [
+        {"text": "Working.", "usage": {"input_tokens": 2_000_000, "output_tokens": 1},
+         "tool_uses": [{"name": "Bash", "input": {"command": "true"}}]},
+        {"text": "Done."}]})
+    code, sp = run_main(["spawn", "--study", str(gw_study), "--max-budget-usd", "5",
+                         "--brief", write_brief(tmp_path, "Go. [agentbench-script:overbill]")])
+    assert code == 0, sp
+    res = wait_result(gw_study, sp["job_id"], timeout=180)
+    assert (res["status"], res["reason"]) == ("failed", "budget"), res
+    assert res["gateway_refusal"]["limit"] == "reservation_exceeded"
+    recs = [r for r in gateway_records(gw_study, sp["job_id"]) if r["kind"] == "messages"]
+    cut = [r for r in recs if r.get("cut")]
+    assert cut and all(r["reservation_exceeded"] for r in cut)
+    # Nothing was forwarded after the cut: every later request was refused.
+    after = recs[recs.index(cut[0]) + 1:]
+    assert all(r.get("refused") == "reservation_exceeded" for r in after if not r.get("cut"))

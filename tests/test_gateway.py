@@ -88,14 +88,102 @@ def test_message_meter_table(body, usage, model, bad):
     assert ab.message_meter(body) == (usage, model, bad)
 
 
-@pytest.mark.parametrize("body_bytes, max_tokens, expected", [
+@pytest.mark.parametrize("input_tokens, max_tokens, expected", [
     (0, 0, 0.0),
-    (3000, 0, round(1000 * 4.0 / 1e6, 6)),        # input at the dearest input-side price (1h write)
+    (1000, 0, round(1000 * 4.0 / 1e6, 6)),        # input at the dearest input-side price (1h write)
     (0, 1000, round(1000 * 10.0 / 1e6, 6)),
-    (3001, 1000, round((1001 * 4.0 + 1000 * 10.0) / 1e6, 6)),
+    (1001, 1000, round((1001 * 4.0 + 1000 * 10.0) / 1e6, 6)),
 ])
-def test_worst_case_usd(body_bytes, max_tokens, expected):
-    assert ab.worst_case_usd(body_bytes, max_tokens, "claude-test", PRICES) == expected
+def test_worst_case_usd(input_tokens, max_tokens, expected):
+    assert ab.worst_case_usd(input_tokens, max_tokens, "claude-test", PRICES) == expected
+
+
+def _msg(*content, **top) -> dict:
+    return {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": list(content)}],
+            **top}
+
+
+IMG = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+TXT = {"type": "text", "text": "hello"}
+
+
+@pytest.mark.parametrize("req, extra_tokens, unbounded", [
+    (_msg(TXT), 0, ()),
+    (_msg(TXT, IMG), ab.GATEWAY_IMAGE_TOKENS, ()),                       # an image: a fixed allowance
+    (_msg({"type": "tool_result", "tool_use_id": "t", "content": [IMG, IMG]}), 2 * ab.GATEWAY_IMAGE_TOKENS, ()),
+    (_msg({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}), 0, ()),
+    (_msg({"type": "document", "source": {"type": "content", "content": [TXT, IMG]}}),
+     ab.GATEWAY_IMAGE_TOKENS, ()),
+    (_msg({"type": "search_result", "source": "https://example.com/a", "title": "t", "content": [TXT]}), 0, ()),
+    (_msg(TXT, tools=[{"name": "Bash", "input_schema": {"type": "object"}},
+                      {"type": "custom", "name": "x", "input_schema": {"type": "object"}},
+                      {"type": "bash_20250124", "name": "bash"}]), ab.GATEWAY_CLIENT_TOOL_TOKENS, ()),
+    # what the body does not bound, by name
+    (_msg(TXT, tools=[{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]), 0,
+     ("server_tool:web_search_20250305",)),
+    (_msg(TXT, tools=[{"type": "web_fetch_20250910", "name": "web_fetch"},
+                      {"type": "code_execution_20250825", "name": "code_execution"}]), 0,
+     ("server_tool:code_execution_20250825", "server_tool:web_fetch_20250910")),
+    (_msg(TXT, tools=[{"type": "tool_search_tool_regex_20251119", "name": "tool_search"}]), 0,
+     ("server_tool:tool_search_tool_regex_20251119",)),
+    (_msg(TXT, tools=[{"type": "mcp_toolset", "mcp_server_name": "m"}]), 0, ("server_tool:mcp_toolset",)),
+    (_msg(TXT, tools=[{"type": "something_new_2027", "name": "n"}]), 0, ("server_tool:something_new_2027",)),
+    (_msg(TXT, mcp_servers=[{"type": "url", "url": "https://mcp.example.com", "name": "m"}]), 0,
+     ("mcp_servers",)),
+    (_msg(TXT, container="container_011"), 0, ("container",)),
+    (_msg(TXT, speed="fast"), 0, ("speed:fast",)),
+    (_msg(TXT, speed="standard"), 0, ()),
+    (_msg({"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}),
+     ab.GATEWAY_IMAGE_TOKENS, ("url_source",)),
+    (_msg({"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}), 0,
+     ("url_source",)),
+    (_msg({"type": "document", "source": {"type": "file", "file_id": "file_011"}}), 0,
+     ("file_id", "file_source")),
+    (_msg({"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                          "data": "JVBERi0="}}), 0, ("pdf_document",)),
+    (_msg({"type": "container_upload", "file_id": "file_1"}), 0, ("container_upload", "file_id")),
+    (_msg({"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}), ab.GATEWAY_IMAGE_TOKENS,
+     ("file_id", "file_source")),                                          # found however deep
+    ({"model": "claude-test", "max_tokens": 10, "system": [{"type": "text", "text": "s"}, IMG],
+      "messages": []}, ab.GATEWAY_IMAGE_TOKENS, ()),
+])
+def test_request_bound_table(req, extra_tokens, unbounded):
+    body = json.dumps(req).encode()
+    got = ab.request_bound(body, "default-model")
+    assert got.unbounded == unbounded
+    assert got.input_tokens == len(body) + ab.GATEWAY_OVERHEAD_TOKENS + extra_tokens
+    assert (got.model, got.max_tokens) == ("claude-test", 10)
+
+
+DEEP = b'{"messages": [' + b'{"content": [' * 5000 + b'{"type": "image", "source": {"type": "url"}}' + \
+    b']}' * 5000 + b']}'
+
+
+@pytest.mark.parametrize("body, model, max_tokens, stream, readable", [
+    (b"", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (b"not json", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (b"[]", "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),
+    (DEEP, "default-model", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, False),   # deeper than json.loads goes
+    (json.dumps({"model": 5, "max_tokens": True, "stream": 1}).encode(), "default-model",
+     ab.GATEWAY_DEFAULT_MAX_TOKENS, True, True),
+    (json.dumps({"model": "m", "max_tokens": -3}).encode(), "m", ab.GATEWAY_DEFAULT_MAX_TOKENS, False, True),
+    (json.dumps({"model": "m", "max_tokens": 7, "tools": "x", "messages": {"a": [1, None]}}).encode(), "m", 7,
+     False, True),
+])
+def test_request_bound_of_odd_bodies(body, model, max_tokens, stream, readable):
+    got = ab.request_bound(body, "default-model")
+    assert (got.model, got.max_tokens, got.stream, got.unbounded) == (model, max_tokens, stream, ())
+    assert got.readable is readable
+    assert got.input_tokens == len(body) + ab.GATEWAY_OVERHEAD_TOKENS
+
+
+def test_a_deeply_nested_body_is_walked_without_recursion():
+    depth = 300    # within json's reach, beyond a comfortable recursion
+    body = (b'{"messages": [' + b'{"type": "tool_result", "content": [' * depth
+            + b'{"type": "image", "source": {"type": "url", "url": "u"}}' + b']}' * depth + b']}')
+    got = ab.request_bound(body, None)
+    assert got.readable and got.unbounded == ("url_source",)
 
 
 @pytest.mark.parametrize("worst, run_cap, run_used, study_cap, study_used, limit", [
@@ -364,7 +452,8 @@ def test_a_request_that_does_not_fit_the_budget_is_refused_with_a_final_400(tmp_
         assert status == 400 and err["type"] == "invalid_request_error" and "budget" in err["message"]
         assert len(upstream.requests) == 1                # the refused request never went out
         assert gw.refusal["limit"] == "usd_per_run"
-        assert records(tmp_path, 2)[-1]["refused"] == "usd_per_run"
+        # (the first answer is recorded after its last byte: possibly after the refusal)
+        assert [r.get("refused") for r in records(tmp_path, 2)].count("usd_per_run") == 1
         assert budget.metered == EXPECTED_COST and budget.reserved == 0.0
         live = json.loads((paths.state / "gateway" / "j000001.json").read_text())
         assert live["metered_usd"] == EXPECTED_COST and live["reserved_usd"] == 0.0
@@ -568,3 +657,301 @@ def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkey
 ])
 def test_a_claimed_rate_limit_or_auth_failure_needs_the_wire(reason, wire, expected):
     assert ab.corroborated(reason, wire) is expected
+
+
+@pytest.mark.parametrize("budget, code", [
+    ({"unbounded_request_usd": 0.5}, None),
+    ({"unbounded_request_usd": 0}, None),
+    ({"unbounded_request_usd": -1}, "budget_values_finite_non_negative"),
+    ({"unbounded_request_usd": "1"}, "budget_values_finite_non_negative"),
+    ({"unbounded_request_usd": 6.0}, "unbounded_request_usd_above_run_budget"),      # default run: 5.0
+    ({"unbounded_request_usd": 2.0, "usd_per_run": 1.0}, "unbounded_request_usd_above_run_budget"),
+])
+def test_the_unbounded_request_setting_is_checked(budget, code):
+    if code is None:
+        ab.check_study_shape({"budget": budget})
+        return
+    with pytest.raises(ab.AgentbenchError) as exc:
+        ab.check_study_shape({"budget": budget})
+    assert exc.value.code == code
+
+
+# ---- spend that cannot race ------------------------------------------------------------------------
+
+class Overbiller:
+    """An upstream that bills every Messages request the most the gateway's bound allows (each
+    body byte a 1-hour cache write, the API's overhead too, max_tokens of output: far more than a
+    tokenizer would count), or `bill_input` tokens when set (beyond any bound).  Each request is
+    held until `release` is set, so that a test can have them all in flight at once; `hold_after_start`
+    holds a streamed answer after its message_start instead."""
+
+    def __init__(self, bill_input: int | None = None, hold_after_start: bool = False):
+        self.arrived: list[int] = []
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        up = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                req = json.loads(body)
+                with up.changed:
+                    up.arrived.append(len(body))
+                    up.changed.notify_all()
+                if not hold_after_start:
+                    up.release.wait(60)
+                n_in = bill_input if bill_input is not None else len(body) + ab.GATEWAY_OVERHEAD_TOKENS
+                usage = {"input_tokens": 0, "output_tokens": 1, "cache_creation_input_tokens": n_in,
+                         "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": n_in}}
+                start = ("message_start", {"type": "message_start", "message": {
+                    "id": "msg_o", "model": "claude-test", "usage": usage}})
+                end = ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                         "usage": {"output_tokens": req["max_tokens"]}})
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for i, part in enumerate((sse(start), sse(DELTA, end), sse(STOP))):
+                    if i == 1 and hold_after_start:
+                        up.release.wait(60)
+                    try:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def study_paths(tmp_path: Path, spent: float = 0.0) -> ab.StudyPaths:
+    paths = ab.StudyPaths(tmp_path / "study")
+    paths.state.mkdir(parents=True)
+    reg = ab.read_registry(paths)
+    reg["spent_usd"] = spent
+    ab.write_json_atomic(paths.registry, reg)
+    return paths
+
+
+def attack_body(pad: int) -> dict:
+    """A streamed request with max_tokens 1 and `pad` bytes of text."""
+    return {"model": "claude-test", "max_tokens": 1, "stream": True,
+            "messages": [{"role": "user", "content": "x" * pad}]}
+
+
+def send_at_once(gws: list, body: dict, n: int) -> list[int]:
+    """n requests from n threads, spread over the gateways, all started together; their statuses."""
+    statuses: list[int] = []
+    errors: list[str] = []
+    go = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        go.wait(30)
+        try:
+            statuses.append(post(gws[i % len(gws)], "/v1/messages", body)[0])
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(repr(exc))
+            statuses.append(-1)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return statuses, threads, errors
+
+
+def wait_until(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_sixteen_requests_at_once_never_spend_past_the_run_cap(tmp_path):
+    """The attack: 16 requests sent at once, max_tokens 1, against an upstream that bills each the
+    most it can.  Every reservation is decided under one lock counting those in flight, and each
+    bounds its bill: the first ones fit, the rest are refused, and once all are answered the
+    metered spend is within the cap (the bound says within cap + one reservation)."""
+    up = Overbiller()
+    paths = study_paths(tmp_path)
+    body = attack_body(20_000)
+    data = json.dumps(body).encode()
+    one = ab.worst_case_usd(ab.request_bound(data, None).input_tokens, 1, "claude-test", PRICES)
+    # The old estimate (a third of the body's bytes, no overhead) would have reserved a third of
+    # what this upstream bills: 16 of them fitted a cap that 5 of the real bills exceed.
+    old = round((len(data) / 3) * 4.0 / 1e6 + 10.0 / 1e6, 6)
+    assert one > 2.9 * old
+    cap = 5.5 * one
+    budget = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=cap, study_cap=None)
+    gw = make_gateway(tmp_path, up.url, budget=budget)
+    try:
+        statuses, threads, errors = send_at_once([gw], body, 16)
+        # Ordered by events: the refused ones are answered at once; the others wait upstream.
+        wait_until(lambda: len(up.arrived) + len(statuses) == 16, "every request forwarded or refused")
+        assert len(up.arrived) == 5 and sorted(statuses) == [400] * 11, errors
+        assert budget.reserved == pytest.approx(5 * one)
+        up.release.set()
+        for t in threads:
+            t.join(60)
+        assert sorted(statuses) == [200] * 5 + [400] * 11
+        recs = records(tmp_path, 16)
+        metered = sum(r["cost_usd"] for r in recs)
+        assert metered == pytest.approx(5 * one) and metered <= cap
+        assert all(r["cost_usd"] == r["reserved_usd"] for r in recs if r["status"] == 200)   # billed = bound
+        assert not any(r.get("reservation_exceeded") for r in recs) and gw.cutoff is None
+        assert {r.get("refused") for r in recs if r["status"] == 400} == {"usd_per_run"}
+    finally:
+        gw.stop()
+        up.close()
+
+
+def test_sixteen_requests_at_once_over_two_jobs_never_spend_past_the_study_cap(tmp_path):
+    """The same attack spread over two live jobs of one study, with money already spent: each
+    reservation counts the ledger, the other job's reservations in flight and its own."""
+    up = Overbiller()
+    paths = study_paths(tmp_path, spent=0.25)
+    body = attack_body(20_000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1, "claude-test",
+                            PRICES)
+    cap = 0.25 + 6.5 * one
+    gws = []
+    for job in ("j000001", "j000002"):
+        budget = ab.GatewayBudget(paths, PLAT, job, run_cap=100.0, study_cap=cap)
+        gws.append(ab.MeteringGateway(upstream=up.url, creds={"ANTHROPIC_API_KEY": REAL_KEY}, prices=PRICES,
+                                      record_path=tmp_path / f"{job}.jsonl", budget=budget,
+                                      default_model="claude-test"))
+        gws[-1].start()
+    try:
+        statuses, threads, errors = send_at_once(gws, body, 16)
+        wait_until(lambda: len(up.arrived) + len(statuses) == 16, "every request forwarded or refused")
+        assert len(up.arrived) == 6
+        up.release.set()
+        for t in threads:
+            t.join(60)
+        assert sorted(statuses) == [200] * 6 + [400] * 10
+        # A record (and the settling of its reservation) follows the answer's last byte.
+        wait_until(lambda: sum(len(g.records) for g in gws) == 16, "every request recorded")
+        metered = sum(g.budget.metered for g in gws)
+        assert metered == pytest.approx(6 * one) and 0.25 + metered <= cap
+        assert all(g.refusal is None or g.refusal["limit"] == "study_usd" for g in gws)
+    finally:
+        for g in gws:
+            g.stop()
+        up.close()
+
+
+def test_a_request_whose_cost_the_body_does_not_bound_is_refused_by_name_unless_the_study_states_it(tmp_path,
+                                                                                                    upstream):
+    paths = study_paths(tmp_path)
+    gw = make_gateway(tmp_path, upstream.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=5.0,
+                                                                      study_cap=None))
+    search = {"model": "claude-test", "max_tokens": 10, "stream": True,
+              "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+              "messages": [{"role": "user", "content": "search the web"}]}
+    pdf_by_url = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "url", "url": "https://example.com/big.pdf"}}]}]}
+    try:
+        for body, name in ((search, "server_tool:web_search_20250305"), (pdf_by_url, "url_source")):
+            status, data, _ = post(gw, "/v1/messages", body)
+            err = json.loads(data)["error"]
+            assert status == 400 and name in err["message"] and "unbounded_request_usd" in err["message"]
+        assert upstream.requests == [] and gw.refusal is None and gw.cutoff is None
+        recs = records(tmp_path, 2)
+        assert [r["refused"] for r in recs] == ["unbounded", "unbounded"]
+        assert recs[0]["unbounded"] == ["server_tool:web_search_20250305"] and recs[0]["cost_usd"] == 0.0
+        # A body this gateway cannot read (here: nested deeper than its parser goes) is not forwarded.
+        host, port = gw.url.rsplit("/", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/messages", body=DEEP, headers={"x-api-key": gw.token})
+        assert conn.getresponse().status == 400
+        conn.close()
+        assert records(tmp_path, 3)[-1]["refused"] == "unreadable" and upstream.requests == []
+    finally:
+        gw.stop()
+    # Allowed with a stated worst case: reserved on top of the bound, and forwarded.
+    gw = make_gateway(tmp_path, upstream.url, budget=ab.GatewayBudget(paths, PLAT, "j000002", run_cap=5.0,
+                                                                      study_cap=None))
+    gw.unbounded_usd = 0.75
+    try:
+        assert post(gw, "/v1/messages", search)[0] == 200
+        rec = records(tmp_path, 4)[-1]
+        data = json.dumps(search).encode()
+        bound = ab.worst_case_usd(ab.request_bound(data, None).input_tokens, 10, "claude-test", PRICES)
+        assert rec["reserved_usd"] == round(bound + 0.75, 6) and rec["unbounded"] == ["server_tool:web_search_20250305"]
+        assert len(upstream.requests) == 1
+    finally:
+        gw.stop()
+
+
+def raw_post(gw: ab.MeteringGateway, body: dict) -> bytes:
+    """Everything the gateway sends back until it closes the connection (a cut answer is never
+    completed, so a client library would only raise)."""
+    import socket
+    data = json.dumps(body).encode()
+    host, port = gw.url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-api-key: " + gw.token.encode()
+                  + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
+        out = b""
+        while True:
+            part = s.recv(65536)
+            if not part:
+                return out
+            out += part
+
+
+def test_a_cap_reached_mid_answer_cuts_it_and_refuses_the_next(tmp_path):
+    up = Overbiller()
+    up.release.set()
+    paths = study_paths(tmp_path)
+    body = attack_body(1000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1, "claude-test",
+                            PRICES)
+    budget = ab.GatewayBudget(paths, PLAT, "j000001", run_cap=one, study_cap=None)   # room for exactly one
+    gw = make_gateway(tmp_path, up.url, budget=budget)
+    try:
+        got = raw_post(gw, body)
+        assert got.startswith(b"HTTP/1.1 200") and b"message_stop" not in got and not got.endswith(b"0\r\n\r\n")
+        assert gw.cutoff["limit"] == "usd_per_run" and gw.refusal == gw.cutoff
+        rec = records(tmp_path, 1)[0]
+        assert rec["cut"] and rec["aborted"] and rec["cost_usd"] == one       # what was metered of it counts
+        status, data, _ = post(gw, "/v1/messages", body)
+        assert status == 400 and "answers were cut" in json.loads(data)["error"]["message"]
+        assert len(up.arrived) == 1
+    finally:
+        gw.stop()
+        up.close()
+
+
+def test_an_answer_billed_past_its_reservation_is_cut_at_once_and_nothing_more_goes_out(tmp_path):
+    """The original attack's upstream: 2M input tokens billed on a tiny body.  No bound can hold
+    such a bill; the gateway sees it in the answer's first event, cuts the answer there (the
+    upstream is still holding the rest) and refuses whatever comes next."""
+    up = Overbiller(bill_input=2_000_000, hold_after_start=True)
+    paths = study_paths(tmp_path)
+    gw = make_gateway(tmp_path, up.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=1.0,
+                                                                 study_cap=5.0))
+    try:
+        got = raw_post(gw, attack_body(10))     # returns while the upstream still holds the answer
+        assert not up.release.is_set() and b"content_block_delta" not in got
+        assert gw.cutoff["limit"] == "reservation_exceeded"
+        rec = records(tmp_path, 1)[0]
+        assert rec["cut"] and rec["reservation_exceeded"] and rec["cost_usd"] > rec["reserved_usd"]
+        statuses = [post(gw, "/v1/messages", attack_body(10))[0] for _ in range(15)]
+        assert statuses == [400] * 15 and len(up.arrived) == 1
+        assert {r.get("refused") for r in records(tmp_path, 16)[1:]} == {"reservation_exceeded"}
+    finally:
+        gw.stop()
+        up.close()

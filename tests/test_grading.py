@@ -157,5 +157,5 @@ def test_special_files_in_the_workspace_neither_hang_nor_break_grading(tmp_path)
     assert files["a.py"]["sha256"] == ab.sha256_file(ws / "a.py")
     # The oracle's copy leaves the FIFO out instead of failing on it.
     copy = tmp_path / "copy"
-    ab.shutil.copytree(ws, copy, ignore=ab._not_for_the_oracle_copy, symlinks=True)
+    ab.safe_copy_tree(ws, copy, ab.DEFAULT_COPY_CAPS)
     assert sorted(p.name for p in copy.iterdir()) == ["a.py", "up", "zero"]

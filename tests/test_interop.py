@@ -1,0 +1,186 @@
+"""Interop, fast part: the hostile-input readers (bounded, never through a link, garbage
+tolerated), the stream -> chains model with sub-agent side chains, the ATIF and Inspect builders as
+tables, and the export command's refusals.  The real consumers check a crafted side-chain session
+when the interop venv is there (tests/interop_consumers.py)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ab, run_main
+from interop_consumers import interop_venv, invalid_trajectories
+
+
+def ev(kind: str, content, parent=None, mid=None, **kw) -> dict:
+    msg = {"content": content}
+    if mid:
+        msg["id"] = mid
+    return {"type": kind, "message": msg, "parent_tool_use_id": parent, **kw}
+
+
+SIDE_CHAIN_STREAM = [
+    {"type": "system", "subtype": "init", "model": "claude-opus-4-5", "session_id": "s1"},
+    ev("assistant", [{"type": "text", "text": "I will delegate."}], mid="m1"),
+    ev("assistant", [{"type": "tool_use", "id": "task1", "name": "Task", "input": {"prompt": "look"}}], mid="m1"),
+    ev("user", "look around", parent="task1"),
+    ev("assistant", [{"type": "tool_use", "id": "sub-read", "name": "Read", "input": {"file_path": "a"}}],
+       parent="task1", mid="m2"),
+    ev("user", [{"type": "tool_result", "tool_use_id": "sub-read", "content": "hello"}], parent="task1"),
+    ev("assistant", [{"type": "text", "text": "found hello"}], parent="task1", mid="m3"),
+    ev("user", [{"type": "tool_result", "tool_use_id": "task1", "content": [{"type": "text", "text": "hello"}]}]),
+    ev("assistant", [{"type": "thinking", "thinking": "ok"}, {"type": "text", "text": "Done."}], mid="m4"),
+    {"type": "result", "subtype": "success", "is_error": False, "result": "Done.",
+     "usage": {"input_tokens": 10, "output_tokens": 20, "cache_read_input_tokens": 5}},
+]
+
+
+def _lines(events) -> bytes:
+    return b"".join(json.dumps(e).encode() + b"\n" for e in events)
+
+
+def test_stream_events_skip_garbage_and_overlong_lines():
+    data = (b'{"type": "assistant"}\nnot json\n[1, 2]\n\n' + b'{"x": "' + b"a" * (ab.INTEROP_LINE_MAX_BYTES + 1)
+            + b'"}\n{"type": "result"}\n\xff\xfe\n')
+    events, garbage = ab.stream_events(data)
+    assert [e["type"] for e in events] == ["assistant", "result"]
+    assert garbage == 4
+
+
+def test_read_file_bounded_never_follows_a_link_and_caps(tmp_path):
+    real = tmp_path / "real.jsonl"
+    real.write_bytes(b"x" * 1000)
+    link = tmp_path / "stream.jsonl"
+    link.symlink_to(real)
+    assert ab.read_file_bounded(link)[0] is None and "link" in ab.read_file_bounded(link)[1]
+    data, problem = ab.read_file_bounded(real, cap=100)
+    assert len(data) == 100 and "cut at 100" in problem
+    assert ab.read_file_bounded(tmp_path / "missing") == (None, "missing")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert ab.read_file_bounded(fifo) == (None, "not a regular file")   # returns at once, never blocks
+
+
+def test_session_items_merge_one_message_and_keep_side_chains_apart():
+    s = ab.session_items(SIDE_CHAIN_STREAM)
+    main, side = s["chains"][""], s["chains"]["task1"]
+    assert s["model"] == "claude-opus-4-5" and s["result"]["usage"]["output"] == 20
+    assert [i["type"] for i in main] == ["assistant", "tool_results", "assistant"]
+    assert main[0]["text"] == "I will delegate." and main[0]["tool_calls"][0]["id"] == "task1"
+    assert main[2]["thinking"] == "ok" and main[2]["text"] == "Done."
+    assert [i["type"] for i in side] == ["user", "assistant", "tool_results", "assistant"]
+
+
+def test_hostile_values_are_cut_and_checked():
+    huge = "z" * (ab.INTEROP_TEXT_MAX_CHARS * 2)
+    s = ab.session_items([ev("assistant", [{"type": "text", "text": huge},
+                                           {"type": "tool_use", "id": "i" * 5000, "name": None,
+                                            "input": {"k": huge}}, "junk", {"type": 7}], mid="m"),
+                          ev("user", [{"type": "tool_result", "tool_use_id": 12, "content": {"a": 1}}]),
+                          {"type": "assistant", "message": "not an object"}, {"type": "weird"}])
+    a = s["chains"][""][0]
+    assert len(a["text"]) < ab.INTEROP_TEXT_MAX_CHARS + 200 and "left out by agentbench" in a["text"]
+    call = a["tool_calls"][0]
+    assert len(call["id"]) < 300 and call["name"] == "unknown" and set(call["input"]) == {"truncated"}
+    assert s["chains"][""][1]["results"][0]["tool_use_id"] is None
+
+
+def _source(events, **kw) -> "ab.SessionSource":
+    base = dict(job_id="j000001", run_id="r0001", role="executor", session_id="s1", prompt="Fix it.",
+                system_prompt="Be careful.", session=ab.session_items(events), garbage_lines=0, problems=(),
+                ledger={"job_id": "j000001", "cost_metered_usd": 0.25, "cost_delta_usd": 0.3,
+                        "claude_version": "2.1.332",
+                        "tokens": {"input": 1, "output": 2, "cache_creation": 3, "cache_read": 4}},
+                claude_version="2.1.332", model="claude-opus-4-5", created_at=None)
+    base.update(kw)
+    return ab.SessionSource(**base)
+
+
+def test_atif_trajectory_embeds_side_chains_and_refers_to_them():
+    t = ab.atif_trajectory(_source(SIDE_CHAIN_STREAM), version=ab.ATIF_VERSION)
+    assert [s["source"] for s in t["steps"]] == ["system", "user", "agent", "agent"]
+    assert [s["step_id"] for s in t["steps"]] == [1, 2, 3, 4]
+    call_step = t["steps"][2]
+    result = call_step["observation"]["results"][0]
+    assert result["source_call_id"] == "task1"
+    ref = result["subagent_trajectory_ref"][0]["trajectory_id"]
+    sub = t["subagent_trajectories"][0]
+    assert sub["trajectory_id"] == ref and [s["source"] for s in sub["steps"]] == ["user", "agent", "agent"]
+    assert t["steps"][3]["reasoning_content"] == "ok"
+    assert t["final_metrics"] == {"total_prompt_tokens": 8, "total_completion_tokens": 2,
+                                  "total_cached_tokens": 4, "total_steps": 4, "total_cost_usd": 0.25}
+
+
+def test_atif_trajectory_of_an_empty_or_garbage_session_is_still_one_step():
+    t = ab.atif_trajectory(_source([], prompt=None, system_prompt=None, ledger=None, garbage_lines=3,
+                                   problems=("stream.jsonl: not read (a link)",)), version=ab.ATIF_VERSION)
+    assert len(t["steps"]) == 1 and "3 stream lines" in t["notes"] and "a link" in t["notes"]
+    assert "total_cost_usd" not in t["final_metrics"]
+
+
+def test_crafted_trajectories_pass_harbors_validator(tmp_path):
+    venv = interop_venv()
+    paths = []
+    for i, src in enumerate([_source(SIDE_CHAIN_STREAM), _source([], prompt=None, system_prompt=None),
+                             _source([ev("user", [{"type": "tool_result", "tool_use_id": "x", "content": "?"}]),
+                                      ev("assistant", [{"type": "tool_use", "id": "c", "name": "Bash",
+                                                        "input": {"command": "ls"}}])])]):
+        p = tmp_path / f"t{i}.json"
+        p.write_text(json.dumps(ab.atif_trajectory(src, version=ab.ATIF_VERSION, continued_from="../x.json")))
+        paths.append(str(p))
+    assert invalid_trajectories(venv, paths) == {}
+
+
+@pytest.mark.parametrize("runs, expected", [
+    ([{"run_id": "r1", "arm": "A", "task": "t", "repeat": 1, "split": "main"},
+      {"run_id": "r2", "arm": "A", "task": "t", "repeat": 2, "split": "main"}],
+     {"r1": ("t", 1), "r2": ("t", 2)}),
+    ([{"run_id": "r1", "arm": "A", "task": "t", "repeat": 1, "split": "main"},
+      {"run_id": "r2", "arm": "A", "task": "t", "repeat": 1, "split": "pilot"}],
+     {"r1": ("t.main", 1), "r2": ("t.pilot", 1)}),
+    ([{"run_id": "r1", "arm": "A", "task": "t", "repeat": "x", "split": "main"}], {"r1": ("t", 1)}),
+])
+def test_inspect_sample_ids(runs, expected):
+    assert ab.inspect_sample_ids(runs) == expected
+
+
+@pytest.mark.parametrize("statuses, status, complete", [
+    (["finished", "error", "interrupted"], "success", True),
+    (["finished", "running"], "started", False),
+    ([], "started", False),
+])
+def test_study_status(statuses, status, complete):
+    got = ab.study_status([{"status": s} for s in statuses])
+    assert (got["inspect_status"], got["complete"]) == (status, complete)
+
+
+def test_model_usage_prefers_the_gateways_metering():
+    lines = [{"models_metered": {"m1": {"cost_usd": 0.5, "tokens": {"input": 1, "output": 2}}},
+              "cost_delta_usd": 9.0},
+             {"models_used": ["m2"], "cost_delta_usd": 0.25, "tokens": {"output": 5}},
+             {"models_used": ["m2"], "cost_delta_usd": float("nan"), "tokens": {"output": -3}}, None]
+    u = ab.model_usage_of(lines, "anthropic/x")
+    assert u["anthropic/m1"]["total_cost"] == 0.5 and u["anthropic/m1"]["total_tokens"] == 3
+    assert u["anthropic/m2"]["total_cost"] == 0.25 and u["anthropic/m2"]["output_tokens"] == 5
+
+
+def test_export_refuses_an_out_that_is_a_file_or_inside_the_study(study, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    code, out = run_main(["export", "--study", str(study), "--format", "inspect", "--out", str(f)])
+    assert code == 2 and out["code"] == "export_out_not_a_directory"
+    code, out = run_main(["export", "--study", str(study), "--format", "atif",
+                          "--out", str(study / "state" / "x")])
+    assert code == 2 and out["code"] == "export_out_inside_study"
+    assert not (study / "state" / "x").exists()
+    code, out = run_main(["export", "--study", str(study), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert code == 2 and out["code"] == "bad_arguments" and not (tmp_path / "o").exists()
+
+
+def test_export_of_a_study_without_runs_is_empty_but_valid(study, tmp_path):
+    code, out = run_main(["export", "--study", str(study), "--format", "atif", "--out", str(tmp_path / "a")])
+    assert code == 0 and out["trajectories"] == 0
+    code, out = run_main(["export", "--study", str(study), "--format", "inspect", "--out", str(tmp_path / "i")])
+    assert code == 0 and out["status"] == "started" and all(log["samples"] == 0 for log in out["logs"])
