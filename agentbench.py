@@ -87,6 +87,7 @@ from typing import NamedTuple, TypedDict
 import base64
 import errno
 import select
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +142,7 @@ secrets: Any = LazyModule("secrets")
 socket: Any = LazyModule("socket")
 ssl: Any = LazyModule("ssl")
 statistics: Any = LazyModule("statistics")
+fractions: Any = LazyModule("fractions")
 urllib: Any = LazyModule("urllib")
 zipfile: Any = LazyModule("zipfile")
 
@@ -2176,6 +2178,27 @@ class RegistryLock:
         self.release()
 
 
+JOB_ID_RE = re.compile(r"^j\d{6,}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def is_safe_id(value: Any) -> bool:
+    """The one id rule (pure), for every id or name that becomes part of a path: session, job and
+    run ids, task, arm and base names.  1-64 letters, digits, '.', '_' or '-', starting with a
+    letter or digit, the whole string (no separator, no '..' component, no newline, no NUL)."""
+    return isinstance(value, str) and NAME_RE.fullmatch(value) is not None
+
+
+def checked_id(kind: str, value: Any) -> str:
+    """`value` if it is a safe id (is_safe_id), else the refusal `unsafe_id`: an id from a file or a
+    stream that would not stay one path component inside its directory."""
+    if not is_safe_id(value):
+        raise AgentbenchError(f"{kind} id is not a safe path component", code="unsafe_id",
+                              value=str(value)[:200], hint="ids are 1-64 letters, digits, '.', '_' or '-'; "
+                                                           "this one was edited or forged")
+    return str(value)
+
+
 @dataclass(frozen=True)
 class StudyPaths:
     """Where everything of one study lives.  Pure path arithmetic; creates nothing."""
@@ -2214,20 +2237,18 @@ class StudyPaths:
     @property
     def driver(self) -> Path: return self.state / "driver.json"
 
-    def job_dir(self, job_id: str) -> Path: return self.jobs / job_id
-    def job_file(self, job_id: str) -> Path: return self.jobs / job_id / "job.json"
-    def runtime_file(self, job_id: str) -> Path: return self.jobs / job_id / "runtime.json"
-    def result_file(self, job_id: str) -> Path: return self.jobs / job_id / "result.json"
-    def run_dir(self, run_id: str) -> Path: return self.runs / run_id
-
-
-JOB_ID_RE = re.compile(r"^j\d{6,}$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+    def job_dir(self, job_id: str) -> Path: return self.jobs / checked_id("job", job_id)
+    def job_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "job.json"
+    def runtime_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "runtime.json"
+    def result_file(self, job_id: str) -> Path: return self.job_dir(job_id) / "result.json"
+    def run_dir(self, run_id: str) -> Path: return self.runs / checked_id("run", run_id)
+    def session_file(self, session_id: str) -> Path:
+        return self.sessions / f"{checked_id('session', session_id)}.json"
 
 
 def check_name(kind: str, value: str) -> str:
     """Refuse names that could escape a directory or confuse a shell: letters, digits, ._- only."""
-    if not NAME_RE.match(value or ""):
+    if not is_safe_id(value):
         raise AgentbenchError(f"invalid {kind} name", code="invalid_name", value=value,
                               hint="use 1-64 letters, digits, '.', '_' or '-', "
                                    "starting with a letter or digit")
@@ -2522,12 +2543,14 @@ class _CopyTally:
                 "dropped_links": self.dropped_links[:50]}
 
 
-def _link_stays_inside(rel: str, target: str) -> bool:
-    """A relative link whose target, taken lexically from where it sits, stays in the tree."""
-    if not target or os.path.isabs(target) or target.startswith(("/", "\\")):
-        return False
-    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target.replace("\\", "/")))
-    return not (joined == ".." or joined.startswith("../"))
+def _link_stays_inside(target: str) -> bool:
+    """A link that cannot lead out of the tree however it is resolved: relative, without a `..`.
+    (A lexical check of `..` is not enough: in `l/x/../..` with `l -> .`, the kernel resolves `l`
+    first and the second `..` climbs out, while the text says it stays.)  A chain of such links
+    only ever goes down from where each one sits."""
+    parts = target.replace("\\", "/").split("/")
+    return bool(target) and not os.path.isabs(target) and not target.startswith(("/", "\\")) \
+        and ".." not in parts and not re.match(r"^[A-Za-z]:", target)
 
 
 def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel: str,
@@ -2540,7 +2563,7 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             os.unlink(dp, **dkw)     # an overlay replaces the file; never writes through a link
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(sp, **skw)
-        if links == "drop" or (links == "inside" and not _link_stays_inside(rel, target)):
+        if links == "drop" or (links == "inside" and not _link_stays_inside(target)):
             tally.dropped_links.append(shown_name(rel))
             return
         os.symlink(target, dp, **dkw)
@@ -2563,6 +2586,8 @@ def _copy_entry(tally: _CopyTally, sd: int | str, dd: int | str, name: str, rel:
             sparse = fst.st_blocks * 512 < fst.st_size if hasattr(fst, "st_blocks") else False
             _copy_data(fd, out, fst.st_size, sparse)
             tally.sparse += int(sparse)
+            if os.utime in os.supports_fd:
+                os.utime(out, ns=(fst.st_atime_ns, fst.st_mtime_ns))   # as copytree kept them
         finally:
             os.close(out)
         tally.files += 1
@@ -2575,13 +2600,16 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
                    skip_suffixes: tuple[str, ...] = (), overlay: bool = False) -> dict[str, Any]:
     """Copy the tree `src` to `dst` by the rules of this block and return what was copied.
 
-    `links`: "keep" copies every link as a link, "inside" only relative ones that stay in the tree
-    (others are dropped: a reader of the copy cannot follow them out), "drop" none.  Entries named
+    `links`: "keep" copies every link as a link, "inside" only relative ones without `..` (the
+    others are dropped: a reader of the copy cannot follow one out), "drop" none.  Entries named
     in `skip_names` or ending in `skip_suffixes` are left out at every level.  `overlay`: `dst` may
     exist, its files are replaced.  UnusableTree past a cap, too deep, or on a name or entry the
     copy cannot take; the partial copy is left for the caller to remove."""
     skip = frozenset(skip_names)
     tally = _CopyTally(caps)
+    if os.path.islink(src) or not os.path.isdir(src):
+        # A workspace the session replaced by a link (to /etc, to the tasks) is never entered.
+        raise UnusableTree("not_a_directory", str(src))
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
     try:
         os.mkdir(dst)
@@ -2662,16 +2690,16 @@ def safe_copy_tree(src: str | os.PathLike[str], dst: str | os.PathLike[str], cap
     return tally.summary()
 
 
-def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int) -> int:
+def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max_bytes: int | None) -> int:
     """Copy one regular file (a transcript): never through a link, never from a special file,
-    never past `max_bytes`, sparse kept sparse.  UnusableTree when it is not a regular file or is
-    over the cap; returns the bytes copied."""
+    never past `max_bytes` (None: the experimenter's own file, no cap), sparse kept sparse.
+    UnusableTree when it is not a regular file or is over the cap; returns the bytes copied."""
     opened = open_regular(src)
     if opened is None:
         raise UnusableTree("not_a_regular_file", str(src))
     fd, st = opened
     try:
-        if st.st_size > max_bytes:
+        if max_bytes is not None and st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(src), size=st.st_size, cap=max_bytes)
         Path(dst).parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_sibling(Path(dst))
@@ -2689,11 +2717,15 @@ def safe_copy_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], max
 
 def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int = COPY_MAX_ENTRIES) -> int:
     """The real bytes (allocated blocks, so a sparse file counts what it holds) under `root`, links
-    not followed; the walk stops once past `stop_above` bytes, and a tree of more than
-    `max_entries` entries counts as over (returns stop_above + 1).  Cheap: one lstat per entry."""
-    total, seen, pending = 0, 0, [os.fspath(root)]
+    not followed; the walk stops once past `stop_above` bytes.  A tree no copy could take counts as
+    over (returns stop_above + 1): more than `max_entries` entries, or nested past the copies'
+    depth or path limits (where data could otherwise hide from this walk).  One lstat per entry."""
+    top = os.fspath(root)
+    total, seen, pending = 0, 0, [(top, 0)]
     while pending:
-        d = pending.pop()
+        d, depth = pending.pop()
+        if depth > COPY_MAX_DEPTH or len(os.fsencode(d)) - len(os.fsencode(top)) > COPY_MAX_PATH_BYTES:
+            return stop_above + 1
         try:
             it = os.scandir(d)
         except OSError:
@@ -2711,7 +2743,7 @@ def tree_usage(root: str | os.PathLike[str], stop_above: int, max_entries: int =
                 if total > stop_above:
                     return total
                 if stat.S_ISDIR(st.st_mode):
-                    pending.append(e.path)
+                    pending.append((e.path, depth + 1))
     return total
 
 
@@ -2854,6 +2886,8 @@ class ResultRecord(_ResultRequired, total=False):
     snapshots: list[int]             # the `snapshots` limits (elapsed seconds) taken during the session
     sandbox: dict[str, Any] | None
     gateway_refusal: dict[str, Any]  # what the gateway refused (budget), if it did
+    stream_session_ids: list[str]    # session ids the stream named other than the assigned one
+    claim: dict[str, Any] | None     # a claimed infrastructure condition and what the gateway said of it
 
 
 class _RunRequired(TypedDict):
@@ -2897,6 +2931,7 @@ class RunRecord(_RunRequired, total=False):
     final_contract: dict[str, Any]   # the public check on the final workspace: passed, score
     artifacts: dict[str, Any]        # the final workspace's files and their hashes
     audit: dict[str, Any]            # the behaviour audit's findings
+    transcripts_refused: list[dict[str, Any]]   # transcripts not collected (a link, a FIFO, over the cap)
     gates: list[dict[str, Any]]
     gate_cycles: int
     reviews: list[dict[str, Any]]
@@ -3586,11 +3621,15 @@ def check_env(host: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
 # Owns: the `sandbox` study setting ("auto" | "bwrap" | "none"), the decision which sandbox a
 # launch gets, the probe that tells whether bubblewrap really runs on this host (once per process,
 # cached, with the reason when not), and the pure builders of the bubblewrap argv: a table of
-# mounts (read-only host, hidden study/tasks/home, tool directories bound back, read-only and
-# read-write binds, private /tmp, /proc and /dev), then the namespace options.  Also the receipt
-# channel of check commands: an inherited pipe named by the {receipt_fd} placeholder.
+# mounts over bubblewrap's own empty root (the system and tool directories read-only, /etc's
+# secrets masked, the study/tasks/home hidden where a bound directory holds them, read-only and
+# read-write binds, private /tmp, /proc and /dev, a session's gateway socket), then the namespace
+# options: the network (none, or the host's for an opened arm) and the seccomp filter (its
+# classic-BPF program per architecture).  Also the receipt channel of check commands: an
+# inherited socket named by the {receipt_fd} placeholder.
 # Must not: start sessions or checks itself, read the study's registry, or change an environment
-# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR).
+# beyond the few variables a sandboxed process needs (HOME, CLAUDE_CONFIG_DIR, TMPDIR, and inside
+# a session's sandbox ANTHROPIC_BASE_URL, pointed at its relay).
 
 SANDBOX_MODES = ("auto", "bwrap", "none")
 #: What a study that says nothing gets: bubblewrap where it runs, else none (said in the report).
@@ -3600,20 +3639,76 @@ SANDBOX_PROBE_TIMEOUT_S = 20.0
 #: Namespace options of every sandbox: own pid namespace (the supervisor, other sessions and their
 #: environments invisible; every process dies with the sandbox's first one), own IPC, killed with
 #: the parent (the supervisor or the check runner), a new terminal session, no capabilities (root
-#: inside could otherwise unmount the hiding tmpfs).  The network stays shared: the session must
-#: reach its loopback gateway or scripted model.
+#: inside could otherwise unmount the hiding tmpfs).  The network is decided per launch
+#: (SANDBOX_NETWORKS).
 SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
                              "--cap-drop", "ALL")
+#: What a sandboxed process can reach: "none", an own network namespace with only its own loopback
+#: (every check; a session, whose gateway then comes in as a Unix socket); "open", the host's
+#: network (a session of an arm the study opens it for, or one without a gateway).
+SANDBOX_NETWORKS = ("none", "open")
+#: A session's network as recorded: only its own gateway, or the host's.
+SESSION_NETWORKS = ("gateway", "open")
 #: Directories never hidden, whatever a setting says (hiding them would hide the host itself).
 SANDBOX_NEVER_HIDE = ("/", "/usr", "/bin", "/lib", "/etc", "/proc", "/dev")
+#: The host's system directories, bound read-only (a symlink, as on a merged-/usr system, is made
+#: again as the same symlink).  Nothing else of the host is there unless a launch binds it.
+SANDBOX_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+#: What of /etc is never readable inside: password hashes, sudo rules, host and TLS private keys,
+#: the cluster's authentication key (munge) and database passwords (slurmdbd), VPN, Wi-Fi, mail,
+#: Kerberos and service credentials.  A directory is masked by an empty tmpfs, a file by /dev/null.
+SANDBOX_ETC_SECRETS = (
+    "/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers", "/etc/sudoers.d",
+    "/etc/security/opasswd", "/etc/ssh", "/etc/ssl/private", "/etc/pki/tls/private", "/etc/munge",
+    "/etc/slurm/slurmdbd.conf", "/etc/krb5.keytab", "/etc/ipsec.secrets", "/etc/ipsec.d/private",
+    "/etc/wireguard", "/etc/openvpn", "/etc/NetworkManager/system-connections", "/etc/ppp/chap-secrets",
+    "/etc/ppp/pap-secrets", "/etc/mysql/debian.cnf", "/etc/letsencrypt", "/etc/credstore",
+    "/etc/credstore.encrypted", "/etc/docker", "/etc/kubernetes", "/etc/rancher", "/etc/libvirt/secrets",
+    "/etc/postfix/sasl_passwd", "/etc/exim4/passwd.client", "/etc/davfs2/secrets", "/etc/cups/ssl",
+    "/etc/.pwd.lock", "/etc/netrc", "/etc/gitlab", "/etc/ceph")
+#: Where a session's gateway socket appears inside its sandbox (a new mount point in bwrap's own
+#: root, which the sandboxed process cannot unmount nor replace).
+SANDBOX_GATEWAY_SOCKET = "/run/agentbench/gateway.sock"
 
 
-#: The first program inside a session's sandbox: it gives back the default SIGTERM that the bwrap
-#: processes around it ignore (sandbox_preexec) and execs `claude`.  So a graceful stop reaches
-#: `claude` (which then still reports its result and cost) instead of bwrap, whose death would
-#: take the whole sandbox down at once; a hard kill of bwrap still ends everything inside.
-SANDBOX_EXEC_SHIM = ("import os, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_DFL); "
-                     "os.execvp(sys.argv[1], sys.argv[1:])")
+#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", then
+#: claude's argv).  It gives back the default SIGTERM that the bwrap processes around it ignore
+#: (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its result and
+#: cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a socket,
+#: it first listens on a free loopback port of the sandbox's own network namespace, forks a relay
+#: that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there: the
+#: port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
+#: this session's API access, since the gateway still checks the job's token.
+SANDBOX_EXEC_SHIM = "\n".join((
+    "import os, signal, socket, sys, threading",
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)",
+    "path = sys.argv[1]",
+    "def pipe(a, b):",
+    "    try:",
+    "        while True:",
+    "            d = a.recv(65536)",
+    "            if not d: break",
+    "            b.sendall(d)",
+    "    except OSError: pass",
+    "    try: b.shutdown(socket.SHUT_WR)",
+    "    except OSError: pass",
+    "def serve(c):",
+    "    u = socket.socket(socket.AF_UNIX)",
+    "    try: u.connect(path)",
+    "    except OSError: c.close(); u.close(); return",
+    "    t = threading.Thread(target=pipe, args=(u, c), daemon=True); t.start()",
+    "    pipe(c, u); t.join(); c.close(); u.close()",
+    "if path != '-':",
+    "    lis = socket.socket(); lis.bind(('127.0.0.1', 0)); lis.listen(64)",
+    "    os.environ['ANTHROPIC_BASE_URL'] = 'http://127.0.0.1:%d' % lis.getsockname()[1]",
+    "    if os.fork() == 0:",
+    "        try:",
+    "            while True:",
+    "                c = lis.accept()[0]",
+    "                threading.Thread(target=serve, args=(c,), daemon=True).start()",
+    "        finally: os._exit(0)",
+    "    lis.close()",
+    "os.execvp(sys.argv[2], sys.argv[2:])"))
 
 
 def sandbox_preexec() -> None:
@@ -3643,108 +3738,214 @@ def sandbox_mode_of(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None
     return str(mode) if mode is not None else sandbox_default(env)
 
 
+def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> tuple[str, str | None]:
+    """(network, why) of one session (pure): "gateway" (its own gateway only), or "open" with the
+    reason: the study opens the network for its arm, or it has no gateway to reach the API by."""
+    if arm is not None and arm in open_arms:
+        return "open", f"the study opens the network for arm {arm} (network_open_arms)"
+    if gateway != "on":
+        return "open", "the study sets gateway off: claude reaches the API itself"
+    return "gateway", None
+
+
+# -- the seccomp filter ----------------------------------------------------------------------------
+# A classic-BPF program (struct sock_filter: u16 code, u8 jt, u8 jf, u32 k) that bubblewrap loads
+# with --seccomp FD: a system call of another architecture than the host's (a 32-bit entry on a
+# 64-bit kernel, whose numbers differ) kills the process; each denied call fails with EPERM;
+# everything else is allowed.
+
+#: Calls by which a process inspects or drives another one (memory, descriptors, counters).
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open")
+#: Per machine name: the AUDIT_ARCH value seccomp reports, and the denied calls' numbers.
+SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
+    "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298}),
+    "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
+                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241}),
+}
+SECCOMP_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+#: x86_64's x32 calls carry this bit in their number: none is allowed to pass the table unmatched.
+SECCOMP_X32_BIT = 0x40000000
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_SECCOMP_RET_KILL_PROCESS, _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
+
+
+def seccomp_arch(machine: str) -> str | None:
+    """The syscall table's name for a machine name (os.uname().machine), None when unknown (pure)."""
+    name = SECCOMP_ARCH_ALIASES.get(machine, machine)
+    return name if name in SECCOMP_ARCHES else None
+
+
+def seccomp_program(arch: str) -> bytes:
+    """The filter for `arch` (a key of SECCOMP_ARCHES), packed for bwrap --seccomp (pure)."""
+    audit, numbers = SECCOMP_ARCHES[arch]
+    nrs = [numbers[name] for name in SECCOMP_DENIED]
+    head = [(_BPF_LD_W_ABS, 0, 0, 4), (_BPF_JEQ_K, 1, 0, audit),
+            (_BPF_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS), (_BPF_LD_W_ABS, 0, 0, 0)]
+    tests = [(_BPF_JGE_K, SECCOMP_X32_BIT)] if arch == "x86_64" else []
+    tests += [(_BPF_JEQ_K, nr) for nr in nrs]
+    prog = list(head)
+    for i, (code, k) in enumerate(tests):
+        # jump over the remaining tests and the ALLOW to the EPERM return
+        prog.append((code, len(tests) - i, 0, k))
+    prog += [(_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW), (_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EPERM)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+def seccomp_here() -> dict[str, Any]:
+    """This host's filter: {"arch", "denied", "reason"}; arch None (no filter, and why) on a
+    machine without a table here."""
+    machine = os.uname().machine if hasattr(os, "uname") else sys.platform
+    arch = seccomp_arch(machine)
+    return {"arch": arch, "machine": machine, "denied": list(SECCOMP_DENIED) if arch else [],
+            "reason": None if arch else (f"no system call table for the machine {machine!r} (known: "
+                                         + ", ".join(SECCOMP_ARCHES) + "): sandboxes run without the "
+                                         "filter, and say so")}
+
+
+def seccomp_fd() -> int | None:
+    """A pipe's read end holding this host's filter (for bwrap --seccomp; the caller passes it to
+    the child and closes it), or None on a machine without a table."""
+    arch = seccomp_here()["arch"]
+    if arch is None:
+        return None
+    data = seccomp_program(arch)
+    rfd, wfd = os.pipe()
+    try:
+        os.write(wfd, data)   # a few hundred bytes: far below any pipe's buffer
+    finally:
+        os.close(wfd)
+    return rfd
+
+
+# -- the file view ---------------------------------------------------------------------------------
+
 def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
 @dataclass(frozen=True)
 class SandboxPlan:
-    """What one sandboxed process sees (absolute, resolved paths).
+    """What one sandboxed process sees (absolute, resolved paths); the root is bubblewrap's own
+    empty one, so nothing of the host is there unless listed here.
 
-    hide: directories masked by an empty tmpfs (the study, the tasks, the user's real home).
-    tools: directories bound back read-only after hiding (the binary's and Python's install
-    directories, PATH entries in the home); only those under a hidden directory are bound.
+    links: (path, target) symlinks made again (system directories that are links).
+    base: directories bound read-only: the system directories, then the tool directories (the
+    binary's, its interpreter's and Python's install directories, PATH entries).
+    hide: directories masked by an empty tmpfs where a base directory holds them (the study, the
+    tasks, the user's real home); mask: files masked by /dev/null (the secrets of /etc).
     ro: files or directories bound read-only (a pristine check dir, a job's prompt files).
     rw: directories bound read-write (the workspace, the private HOME).
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
-    cwd: the working directory inside.
+    sockets: (host path, path inside) bound in (a session's gateway socket).
+    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.
     container: paths a container image would have, given last: ("bind" | "ro-bind", source,
-    destination) or ("tmpfs", "", destination) rows (see container_rows).  With any, the root is a
-    private tmpfs holding `root_entries` (the host's top-level names: each bound read-only, or
-    a link made again), remounted read-only at the end, so that new top-level paths (/app,
-    /tests, /logs) can be made in it."""
+    destination) or ("tmpfs", "", destination) rows (see container_rows); they can be made at any
+    top-level path, since the root is bubblewrap's own."""
+    links: tuple[tuple[str, str], ...] = ()
+    base: tuple[str, ...] = ()
     hide: tuple[str, ...] = ()
-    tools: tuple[str, ...] = ()
+    mask: tuple[str, ...] = ()
     ro: tuple[str, ...] = ()
     rw: tuple[str, ...] = ()
     cwd: str = "/"
     inner_hide: tuple[str, ...] = ()
     inner_rw: tuple[str, ...] = ()
+    sockets: tuple[tuple[str, str], ...] = ()
+    network: str = "none"
     container: tuple[tuple[str, str, str], ...] = ()
-    root_entries: tuple[tuple[str, str | None], ...] = ()
+
+
+def outermost(dirs: Iterable[str]) -> list[str]:
+    """The absolute directories of `dirs` that lie in no other one, in order ("/" never) (pure)."""
+    out: list[str] = []
+    for d in dirs:
+        if d.startswith("/") and d != "/" and not any(_under(d, b) for b in out):
+            out = [b for b in out if not _under(b, d)] + [d]
+    return out
 
 
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
-    Later mounts win over earlier ones for the same path, so: the read-only root, /dev, /proc,
-    the private /tmp, the hiding tmpfs mounts (outer first; none already inside /tmp or another
-    hidden directory), the tool directories that a hide covered, then read-only and read-write
-    binds (a workspace inside the hidden study comes back this way)."""
-    rows: list[tuple[str, ...]] = [("--ro-bind", "/", "/")]
-    if plan.container:
-        rows = [("--tmpfs", "/")]
-        for name, target in plan.root_entries:
-            rows.append(("--symlink", target, "/" + name) if target is not None
-                        else ("--ro-bind", "/" + name, "/" + name))
-    rows += [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
-    covered = ["/tmp"]
+    Later mounts win over earlier ones for the same path, so: /dev, /proc, the private /tmp, the
+    system symlinks, the base directories (one inside another is bound once, by the outer), then
+    the hiding tmpfs and /dev/null masks (only where a base directory holds them, outer first,
+    none inside another), the base directories that a hide covered bound back, then read-only and
+    read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
+    the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
+    rows += [("--symlink", target, path) for path, target in plan.links]
+    base = outermost(plan.base)
+    rows += [("--ro-bind", d, d) for d in base]
+    covered: list[str] = []
     for d in sorted(set(plan.hide), key=lambda p: (p.count("/"), p)):
-        if d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered):
+        if (d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered)
+                or not any(_under(d, b) and d != b for b in base)):
             continue
         rows.append(("--tmpfs", d))
         covered.append(d)
-    seen: set[str] = set()
-    for d in plan.tools:
-        if d not in seen and any(_under(d, c) for c in covered) and not any(_under(c, d) for c in covered):
+    for f in plan.mask:
+        if any(_under(f, b) for b in base) and not any(_under(f, c) for c in covered):
+            rows.append(("--ro-bind", "/dev/null", f))
+    for d in plan.base:
+        if any(_under(d, c) for c in covered) and not any(_under(c, d) for c in covered):
             rows.append(("--ro-bind", d, d))
-        seen.add(d)
-    for d in plan.ro:
-        rows.append(("--ro-bind", d, d))
-    for d in plan.rw:
-        rows.append(("--bind", d, d))
-    for d in plan.inner_hide:
-        rows.append(("--tmpfs", d))
-    for d in plan.inner_rw:
-        rows.append(("--bind", d, d))
-    for op, source, dest in plan.container:
-        rows.append(("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest))
-    if plan.container:
-        rows.append(("--remount-ro", "/"))
+    rows += [("--ro-bind", d, d) for d in plan.ro]
+    rows += [("--bind", d, d) for d in plan.rw]
+    rows += [("--tmpfs", d) for d in plan.inner_hide]
+    rows += [("--bind", d, d) for d in plan.inner_rw]
+    rows += [("--bind", src, dst) for src, dst in plan.sockets]
+    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
+             for op, source, dest in plan.container]
+    rows.append(("--remount-ro", "/"))
     return rows
 
 
-def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str]) -> list[str]:
-    """The full bubblewrap command that runs `argv` under `plan` (pure)."""
+def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str], seccomp: int | None = None) -> list[str]:
+    """The full bubblewrap command that runs `argv` under `plan` (pure); `seccomp`: the descriptor
+    the filter is read from (the child must inherit it)."""
+    if plan.network not in SANDBOX_NETWORKS:
+        raise ValueError(f"unknown sandbox network {plan.network!r}")
     out = [bwrap]
     for row in sandbox_mounts(plan):
         out += list(row)
-    out += list(SANDBOX_NAMESPACE_OPTIONS) + ["--chdir", plan.cwd, "--"]
-    return out + list(argv)
+    out += list(SANDBOX_NAMESPACE_OPTIONS)
+    if plan.network == "none":
+        out.append("--unshare-net")
+    if seccomp is not None:
+        out += ["--seccomp", str(int(seccomp))]
+    return out + ["--chdir", plan.cwd, "--"] + list(argv)
 
 
 def tool_dirs(binary_paths: Sequence[str], python_prefixes: Sequence[str], path_entries: Sequence[str],
-              homes: Sequence[str]) -> list[str]:
-    """Directories that must stay visible for the sandboxed program to run at all (pure).
+              homes: Sequence[str], keep_out: Sequence[str] = ()) -> list[str]:
+    """Directories that must be visible for the sandboxed program to run at all (pure).
 
-    The binary's own directory and the one above it (an npm package keeps its files beside its
-    bin/), Python's prefixes, and, for a PATH entry inside a hidden home, that home's top-level
-    directory holding it (~/.pyenv for ~/.pyenv/shims: a version manager's shims need the rest
-    of it).  A home itself is never given back whole."""
+    Each binary's own directory, and the one above it when that is a `bin` directory (an npm
+    package or an interpreter's prefix keeps its files beside its bin/); Python's prefixes; every
+    PATH entry, except one inside a home, for which the home's top-level directory holding it is
+    given (~/.pyenv for ~/.pyenv/shims: a version manager's shims need the rest of it).  Never a
+    home itself, "/", nor a directory that holds one of `keep_out` (the study, the workspace):
+    such a PATH entry is left out rather than expose what lies under it."""
     out: list[str] = []
     for b in binary_paths:
         d = posixpath.dirname(b)
-        out += [d, posixpath.dirname(d)]
+        out.append(d)
+        if posixpath.basename(d) == "bin":
+            out.append(posixpath.dirname(d))
     out += list(python_prefixes)
     for entry in path_entries:
-        for home in homes:
-            if entry != home and _under(entry, home):
-                rest = entry[len(home.rstrip("/")) + 1:].split("/")[0]
-                out.append(home.rstrip("/") + "/" + rest)
+        homed = [h for h in homes if entry != h and _under(entry, h)]
+        if homed:
+            out.append(homed[0].rstrip("/") + "/" + entry[len(homed[0].rstrip("/")) + 1:].split("/")[0])
+        elif entry not in homes:
+            out.append(entry)
     clean = []
     for d in out:
-        if d and d.startswith("/") and d not in clean and d not in homes and d != "/":
+        if (d and d.startswith("/") and d not in clean and d not in homes and d != "/"
+                and not any(_under(k, d) for k in list(keep_out) + list(homes))):
             clean.append(d)
     return clean
 
@@ -3753,15 +3954,44 @@ def _real(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(os.fspath(path))
 
 
-def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[str]) -> list[str]:
-    """tool_dirs() for this process: the binary (as named and resolved), sys.prefix and
-    sys.base_prefix, and the PATH of `env`."""
+def script_interpreter(path: str, env: Mapping[str, str]) -> str | None:
+    """The interpreter a `#!` script names (through `/usr/bin/env NAME`, found on env's PATH),
+    resolved; None for a binary or an unreadable file."""
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode("utf-8", "replace").split()
+    if not words:
+        return None
+    prog = words[0]
+    if posixpath.basename(prog) == "env":
+        names = [w for w in words[1:] if not w.startswith("-") and "=" not in w]
+        prog = shutil.which(names[0], path=env.get("PATH")) or "" if names else ""
+    return _real(prog) if prog.startswith("/") else None
+
+
+def host_tool_dirs(binary: str | None, env: Mapping[str, str], homes: Sequence[str],
+                   keep_out: Sequence[str] = ()) -> list[str]:
+    """tool_dirs() for this process: the binary (as named and resolved) and the interpreter a
+    script binary names (node, for an npm install), sys.prefix and sys.base_prefix, and the
+    PATH of `env`."""
     bins = []
     if binary:
-        bins = [os.path.abspath(binary), _real(binary)]
+        found = binary if "/" in binary else (shutil.which(binary, path=env.get("PATH")) or binary)
+        bins = [os.path.abspath(found), _real(found)]
+        interp = script_interpreter(_real(found), env)
+        if interp:
+            bins.append(interp)
     prefixes = sorted({_real(sys.prefix), _real(sys.base_prefix), _real(posixpath.dirname(sys.executable))})
     entries = [_real(e) for e in (env.get("PATH") or "").split(os.pathsep) if e.startswith("/")]
-    return tool_dirs(bins, prefixes, entries, homes)
+    entries = [e for e in entries if os.path.isdir(e)]
+    # Only what exists: bubblewrap refuses to bind a missing source.
+    return [d for d in tool_dirs(bins, prefixes, entries, homes, keep_out=[_real(k) for k in keep_out])
+            if os.path.isdir(d)]
 
 
 def real_homes(env: Mapping[str, str]) -> list[str]:
@@ -3800,30 +4030,68 @@ def study_hidden_dirs(study_root: str | os.PathLike[str],
     return out
 
 
+def system_view() -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """This host's (links, system directories, secret directories, secret files of /etc): what
+    exists of SANDBOX_SYSTEM_DIRS and SANDBOX_ETC_SECRETS (a secret behind a link, by its target)."""
+    links, dirs = [], []
+    for d in SANDBOX_SYSTEM_DIRS:
+        if os.path.islink(d):
+            links.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            dirs.append(d)
+    hide: list[str] = []
+    mask: list[str] = []
+    for s in SANDBOX_ETC_SECRETS:
+        r = _real(s)
+        if os.path.isdir(r):
+            if r not in hide:
+                hide.append(r)
+        elif os.path.lexists(r) and r not in mask:
+            mask.append(r)
+    return tuple(links), tuple(dirs), tuple(hide), tuple(mask)
+
+
+def base_plan(binary: str | None, env: Mapping[str, str], hidden: Sequence[str], *,
+              keep_out: Sequence[str] = (), network: str = "none") -> SandboxPlan:
+    """The host's part of every plan: the system and tool directories, the hides and masks (a
+    launch adds its own binds with dataclasses.replace)."""
+    homes = real_homes(env)
+    links, system, secret_dirs, secret_files = system_view()
+    tools = host_tool_dirs(binary, env, homes, keep_out=list(hidden) + list(keep_out))
+    return SandboxPlan(links=links, base=system + tuple(tools),
+                       hide=tuple(list(hidden) + homes) + secret_dirs, mask=secret_files, network=network)
+
+
 _SANDBOX_PROBES: dict[str, dict[str, Any]] = {}
 
 
 def sandbox_probe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Does bubblewrap really run here?  {"available", "binary", "reason"}; run once per process
-    per binary found (a PATH without bwrap answers at once, uncached)."""
+    """Does bubblewrap really run here, as every launch uses it (own file view, no network, the
+    seccomp filter)?  {"available", "binary", "reason"}; run once per process per binary found (a
+    PATH without bwrap answers at once, uncached)."""
     # None: this process's own PATH (the probe is of the host this process runs on).
-    path = (env if env is not None else os.environ).get("PATH")
-    binary = shutil.which(SANDBOX_BINARY, path=path)
+    env = env if env is not None else os.environ
+    binary = shutil.which(SANDBOX_BINARY, path=env.get("PATH"))
     if not binary:
         return {"available": False, "binary": None,
                 "reason": f"{SANDBOX_BINARY} is not on PATH (Debian/Ubuntu package: bubblewrap)"}
     if binary in _SANDBOX_PROBES:
         return dict(_SANDBOX_PROBES[binary])
     marker = "agentbench-sandbox-probe"
-    argv = sandbox_argv(binary, SandboxPlan(cwd="/"), [sys.executable, "-I", "-c", f"print({marker!r})"])
+    plan = dataclasses.replace(base_plan(sys.executable, env, []), cwd="/")
+    fd = seccomp_fd()
+    argv = sandbox_argv(binary, plan, [sys.executable, "-I", "-c", f"print({marker!r})"], seccomp=fd)
     try:
         res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                             timeout=SANDBOX_PROBE_TIMEOUT_S)
+                             timeout=SANDBOX_PROBE_TIMEOUT_S, pass_fds=() if fd is None else (fd,))
         ok = res.returncode == 0 and res.stdout.decode("utf-8", "replace").strip() == marker
         reason = None if ok else (f"{binary} exited {res.returncode}: "
                                   + res.stderr.decode("utf-8", "replace").strip()[-300:])
     except (OSError, subprocess.SubprocessError) as exc:
         ok, reason = False, f"{binary} cannot run: {exc}"
+    finally:
+        if fd is not None:
+            os.close(fd)
     out = {"available": ok, "binary": binary, "reason": reason}
     _SANDBOX_PROBES[binary] = out
     return dict(out)
@@ -3854,43 +4122,68 @@ def resolve_sandbox(mode: str, env: Mapping[str, str] | None = None) -> dict[str
             "reason": None if kind == "bwrap" else probe["reason"]}
 
 
-def sandbox_record(decision: Mapping[str, Any]) -> dict[str, Any]:
-    """What a job, check or run records of its sandbox."""
-    return {"mode": decision.get("mode"), "kind": decision.get("kind"), "reason": decision.get("reason")}
+def sandbox_record(decision: Mapping[str, Any], network: str | None = None,
+                   network_reason: str | None = None) -> dict[str, Any]:
+    """What a job, check or run records of its sandbox: its kind, its network ("none", "gateway"
+    or "open"; an unsandboxed process has the host's, "open") and the seccomp filter's
+    architecture (None: no filter, and why)."""
+    boxed = decision.get("kind") == "bwrap"
+    sc = seccomp_here() if boxed else {"arch": None, "reason": "not sandboxed"}
+    return {"mode": decision.get("mode"), "kind": decision.get("kind"), "reason": decision.get("reason"),
+            "network": (network or "none") if boxed else "open",
+            "network_reason": network_reason if boxed else "not sandboxed",
+            "seccomp": sc["arch"], "seccomp_reason": sc["reason"]}
 
 
 def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
     """A run's sandbox from its sessions' and checks' records (pure): sandboxed only when every
-    one of them ran under bubblewrap (a record missing counts as not sandboxed)."""
+    one of them ran under bubblewrap (a record missing counts as not sandboxed); the networks they
+    had, and why any sandboxed one had the host's."""
     recs = [r or {} for r in records]
     kinds = sorted({str(r.get("kind") or "unknown") for r in recs})
     reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") != "bwrap" and r.get("reason")})
-    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons}
+    networks = sorted({str(r.get("network") or "unknown") for r in recs})
+    opened = sorted({str(r["network_reason"]) for r in recs
+                     if r.get("kind") == "bwrap" and r.get("network") == "open" and r.get("network_reason")})
+    unfiltered = sorted({str(r.get("seccomp_reason") or "no filter recorded") for r in recs
+                         if r.get("kind") == "bwrap" and not r.get("seccomp")})
+    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons,
+            "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
 def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                     hidden: Sequence[str], private_home: str, project_dir: str,
-                    ro: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
+                    seccomp: int | None = None) -> tuple[list[str], dict[str, str]]:
     """The sandboxed argv and environment of one `claude` session.
 
-    HOME becomes `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude,
-    where agentbench collects transcripts from) is an empty private tmpfs, gone with the session,
-    with only `project_dir`, this session's own transcripts, bound into it read-write: nothing of
-    the real config dir is readable (a login's credentials, other sessions' files and history) or
-    writable (settings and hooks that later sessions, or the user's own claude, would run); the
-    workspace read-write; `ro` (the job's system prompt and MCP files) read-only; the real home
-    and `hidden` masked; TMPDIR is the private /tmp."""
-    homes = real_homes(env)
+    The file view is the host's system and tool directories (base_plan) and: HOME becomes
+    `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude, where
+    agentbench collects transcripts from) is an empty private tmpfs, gone with the session, with
+    only `project_dir`, this session's own transcripts, bound into it read-write; the workspace
+    read-write; `ro` (the job's system prompt and MCP files) read-only; TMPDIR is the private
+    /tmp.  Network "gateway": an own network namespace into which `gateway_socket` (the gateway's
+    Unix socket on the host) is bound, relayed on loopback by the shim; "open": the host's."""
+    if network not in SESSION_NETWORKS:
+        raise ValueError(f"unknown session network {network!r}")
+    if network == "gateway" and not gateway_socket:
+        raise ValueError("a session whose network is its gateway needs the gateway's socket")
     config = env.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
     for d in (config, private_home, project_dir):
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(host_tool_dirs(argv[0], env, homes)),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)),
-                       rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
-                       inner_hide=(_real(config),), inner_rw=(_real(project_dir),))
-    return sandbox_argv(bwrap, plan, [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM, *argv]), new_env
+    base = base_plan(argv[0], env, hidden, keep_out=[cwd], network="none" if network == "gateway" else "open")
+    if network == "open" and os.path.isdir("/run/systemd/resolve"):   # resolv.conf may point there
+        base = dataclasses.replace(base, base=base.base + ("/run/systemd/resolve",))
+    plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)),
+                               rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
+                               inner_hide=(_real(config),), inner_rw=(_real(project_dir),),
+                               sockets=(((gateway_socket, SANDBOX_GATEWAY_SOCKET),)
+                                        if network == "gateway" and gateway_socket else ()))
+    shim = [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM,
+            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-"]
+    return sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp), new_env
 
 
 #: Where a container spec may not put anything: the host's own system directories (a task's
@@ -3928,12 +4221,6 @@ def container_spec_problem(spec: Any) -> str | None:
     return None
 
 
-def container_top_names(spec: Mapping[str, Any]) -> list[str]:
-    """The top-level names a container spec claims (/app -> app) (pure)."""
-    dests = [spec["workdir"], *(spec.get("ro") or {}), *(spec.get("scratch") or [])]
-    return sorted({d.strip("/").split("/")[0] for d in dests})
-
-
 def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> list[tuple[str, str, str]]:
     """The mounts of a container spec (pure): the workspace read-write at the workdir, each ro
     source (under `base`) read-only at its path, each scratch path an empty private tmpfs."""
@@ -3944,42 +4231,48 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
     return rows
 
 
-def host_root_entries(claimed: Sequence[str]) -> list[tuple[str, str | None]]:
-    """The host's top-level names for a private root: (name, link target or None), without the
-    ones bubblewrap makes itself (proc, dev, tmp) and the ones a container spec claims."""
-    out: list[tuple[str, str | None]] = []
-    for name in sorted(os.listdir("/")):
-        if name in ("proc", "dev", "tmp") or name in claimed:
-            continue
-        full = "/" + name
-        if os.path.islink(full):
-            out.append((name, os.readlink(full)))
-        elif os.path.isdir(full) or os.path.isfile(full):
-            out.append((name, None))
-    return out
-
-
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                  hidden: Sequence[str], ro: Sequence[str],
+                  hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
                   container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
-    """The sandboxed argv of one check command: its cwd (the workspace, or the oracle's copy)
-    read-write, its pristine check directories read-only, the study, the tasks and the real home
-    masked.  The environment is the caller's (credential-free) one, unchanged.  With a
-    `container` spec (see container_rows) the cwd is also bound at the spec's workdir, where the
-    command starts, and the spec's paths are made (read-only ones from under `container_base`)."""
-    homes = real_homes(env)
-    tools = host_tool_dirs(argv[0] if argv else None, env, homes)
+    """The sandboxed argv of one check command: the host's system and tool directories
+    (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
+    directories read-only, no network at all.  The environment is the caller's (credential-free)
+    one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
+    spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
+    under `container_base`)."""
+    base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
     rows: tuple[tuple[str, str, str], ...] = ()
-    entries: tuple[tuple[str, str | None], ...] = ()
     inner = _real(cwd)
     if container:
         rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
-        entries = tuple(host_root_entries(container_top_names(container)))
         inner = str(container["workdir"])
-    plan = SandboxPlan(hide=tuple(list(hidden) + homes), tools=tuple(tools),
-                       ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),), cwd=inner,
-                       container=rows, root_entries=entries)
-    return sandbox_argv(bwrap, plan, argv)
+    plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
+                               cwd=inner, container=rows)
+    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+
+
+def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """What a sandbox sees on this host, for `where`: the system directories and links, the tool
+    directories, what of /etc is masked, what each launch adds, the networks and the filter."""
+    plan = base_plan(binary, env, [])
+    bound = outermost(plan.base)
+    return {"root": "bubblewrap's own empty root: nothing of the host unless listed here",
+            "system_read_only": [d for d in bound if d in SANDBOX_SYSTEM_DIRS],
+            "system_links": {p: t for p, t in plan.links},
+            "tools_read_only": [d for d in bound if d not in SANDBOX_SYSTEM_DIRS],
+            "etc_masked": sorted(list(d for d in plan.hide if _under(d, "/etc")) + list(plan.mask)),
+            "session_adds": ["its workspace (read-write)", "a private HOME (read-write)",
+                             "an empty private config dir with its own transcript directory (read-write)",
+                             "its system prompt and MCP files (read-only)", "a private /tmp, /dev and /proc",
+                             f"its gateway's socket at {SANDBOX_GATEWAY_SOCKET}"],
+            "check_adds": ["its working directory: the workspace or the oracle's copy (read-write)",
+                           "the pristine gate (and oracle) directories (read-only)",
+                           "a task's container paths, when its check names them",
+                           "a private /tmp, /dev and /proc"],
+            "network": {"session": "an own network namespace; only its gateway, relayed on loopback "
+                                   "(network_open_arms or gateway off: the host's network)",
+                        "check": "none (an own network namespace with only loopback)"},
+            "seccomp": seccomp_here()}
 
 
 # -- the receipt channel of check commands ---------------------------------------------------------
@@ -4070,12 +4363,17 @@ def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any
 
     Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
     described in `anomalies`."""
-    if u is not None and not isinstance(u, Mapping):
-        note_anomaly(anomalies, where, u, "not an object")
-    u = u if isinstance(u, Mapping) else {}
+    if type(u) is not dict:   # (a plain dict is a Mapping: the ABC check only for the rest)
+        if u is not None and not isinstance(u, Mapping):
+            note_anomaly(anomalies, where, u, "not an object")
+        u = u if isinstance(u, Mapping) else {}
     cc = u.get("cache_creation")
-    cc = cc if isinstance(cc, Mapping) else {}
+    if type(cc) is not dict:
+        cc = cc if isinstance(cc, Mapping) else {}
+
     def num(x: Any, key: str) -> int:
+        if x is None or (type(x) is int and 0 <= x <= MAX_TOKEN_COUNT):   # the common cases, at once
+            return x or 0
         return count_from(x, anomalies=anomalies, where=f"{where}.{key}")
     total_cc = num(u.get("cache_creation_input_tokens"), "cache_creation_input_tokens")
     h1 = num(cc.get("ephemeral_1h_input_tokens"), "cache_creation.ephemeral_1h_input_tokens")
@@ -4149,6 +4447,7 @@ class StreamState:
         self.unknown_types = 0
         self.lines = 0
         self.session_id: str | None = None
+        self.session_ids: list[str] = []     # every distinct session id the stream named (bounded)
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
         # The running cost estimate (see estimated_cost): micro-USD per message and their sum, at
@@ -4167,14 +4466,19 @@ class StreamState:
             return None
 
     def _feed(self, raw: str | bytes) -> dict[str, Any] | None:
-        if isinstance(raw, bytes):
-            raw = raw.decode("utf-8", "replace")
         raw = raw.strip()
         if not raw:
             return None
         self.lines += 1
         try:
             ev = json.loads(raw)
+        except UnicodeDecodeError:
+            # Not UTF-8: read with replacement characters, as a line of text would be.
+            try:
+                ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+            except ValueError:
+                self.bad_lines += 1
+                return None
         except ValueError:
             self.bad_lines += 1
             return None
@@ -4185,8 +4489,11 @@ class StreamState:
         if kind not in self.KNOWN_TYPES:
             self.unknown_types += 1
             return ev
-        if ev.get("session_id") and not self.session_id:
-            self.session_id = str(ev["session_id"])
+        if ev.get("session_id"):
+            sid = str(ev["session_id"])[:200]
+            self.session_id = self.session_id or sid
+            if sid not in self.session_ids and len(self.session_ids) < 20:
+                self.session_ids.append(sid)
         if kind == "system" and ev.get("subtype") == "init":
             self.init = ev
         elif kind == "assistant":
@@ -4333,20 +4640,64 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
     return "failed", "exit_code" if exit_code not in (0, None) else "is_error"
 
 
-#: Session failures that pause the whole study (the circuit breaker) and the upstream HTTP
-#: statuses that show them on the wire.
-WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403)}
+#: Session failures that exclude a run as not the agent's doing.  Each is claimed by a line of
+#: claude's stdout, which any process of the session can write (/proc/1/fd/1): a claim counts only
+#: when the session's gateway saw the condition on the wire (claim_corroboration).
+CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "prompt_too_long", "auth", "model_refused")
+#: The upstream HTTP statuses that show each condition (usage_limit and auth pause the whole study:
+#: the circuit breaker), and the type of an `error` event inside a streamed answer that shows it.
+WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,),
+                    "prompt_too_long": (400, 413)}
+WIRE_ERROR_TYPES_OF = {"usage_limit": ("rate_limit_error",), "overloaded": ("overloaded_error",),
+                       "api_error": ("api_error", "overloaded_error")}
 
 
-def corroborated(reason: str | None, wire_statuses: Iterable[Any] | None) -> bool:
-    """Whether a session's failure `reason` is what its gateway saw upstream (pure).  Any process
-    of the session can write to claude's stdout, so a `result` line claiming a rate limit or an
-    authentication failure proves nothing by itself: with a gateway, only an answer of that
-    status that really came through it does.  Without a gateway, or one that carried no request
-    (None), there is nothing to check."""
-    if wire_statuses is None or reason not in WIRE_STATUSES_OF:
+def _wire_shows(reason: str, rec: Mapping[str, Any], requested_model: str) -> bool:
+    """Whether one gateway record shows `reason` (pure).  The gateway's own refusals (a wrong
+    token, a path it does not forward, a budget) were answers to requests from inside the session
+    and show nothing about the upstream."""
+    if rec.get("refused") and rec.get("refused") != "lock":
+        return False
+    status = rec.get("status")
+    status = status if isinstance(status, int) and not isinstance(status, bool) else None
+    if reason == "model_refused":
+        # An answer from another model to a request for the study's model.  A request that asked
+        # for another model itself (a side model, or one the agent chose) is no substitution.
+        model, asked = rec.get("model"), rec.get("model_requested")
+        return (rec.get("kind") == "messages" and status == 200 and isinstance(model, str)
+                and (not isinstance(asked, str) or model_matches(requested_model, asked))
+                and not model_matches(requested_model, model))
+    if str(rec.get("stream_error") or "") in WIRE_ERROR_TYPES_OF.get(reason, ()):
         return True
-    return any(st in WIRE_STATUSES_OF[reason] for st in wire_statuses)
+    if reason == "api_error":
+        return (status is not None and status >= 500) or bool(rec.get("error"))
+    return status in WIRE_STATUSES_OF.get(reason, ())
+
+
+def claim_corroboration(reason: str | None, records: Sequence[Mapping[str, Any]] | None,
+                        requested_model: str) -> str:
+    """What the gateway's records say of a session's failure `reason` (pure):
+    `not_a_claim` (no infrastructure condition claimed), `corroborated` (a record shows it),
+    `uncorroborated` (the session made requests through its gateway and none shows it: a line
+    written into claude's stdout by a process of the session), `no_gateway` (records is None:
+    nothing can check the claim) or `no_requests` (a gateway that carried no request: the binary
+    never reached it, and no tool of the session ran, since every tool call follows an answer)."""
+    if reason not in CLAIMED_CONDITIONS:
+        return "not_a_claim"
+    if records is None:
+        return "no_gateway"
+    if not records:
+        return "no_requests"
+    if any(_wire_shows(str(reason), r, requested_model) for r in records if isinstance(r, Mapping)):
+        return "corroborated"
+    return "uncorroborated"
+
+
+def claim_counts(corroboration: str) -> bool:
+    """Whether a claimed condition may move a run out of the agent's outcome (pure).  Only what the
+    gateway saw, or a gateway that saw no request at all, counts; without a gateway the claim
+    cannot be checked and the conservative reading holds: the run is the agent's failure."""
+    return corroboration in ("not_a_claim", "corroborated", "no_requests")
 
 
 def model_usage_delta(now: Mapping[str, Any] | None,
@@ -4650,6 +5001,14 @@ def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> s
     return f"a misspelt {what} would be ignored; fix or remove it"
 
 
+def _check_network_open_arms(v: Any) -> None:
+    if not (isinstance(v, list) and all(isinstance(a, str) and a for a in v)) or len(v) > 1000:
+        raise AgentbenchError("network_open_arms must be a list of arm names", code="bad_network_open_arms",
+                              file=STUDY_FILE, key="network_open_arms", value=str(v)[:200],
+                              hint='e.g. "network_open_arms": ["with-mcp"]; leave it out to keep every '
+                                   "session's network to its gateway")
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
@@ -4740,6 +5099,9 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
                  'the credentials'),
     Setting("sandbox", None, check=_check_sandbox, flag=str,
             help="auto (bubblewrap where it runs), bwrap (required) or none"),
+    Setting("network_open_arms", None, check=_check_network_open_arms,
+            help="arms whose sandboxed sessions share the host's network (MCP servers, package "
+                 "installs); every other session reaches only its own gateway"),
     Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
@@ -4945,7 +5307,9 @@ def refuse_at_parallel_cap(active: int, cap: int | None, hint: str = PARALLEL_CA
 # the token (anything else gets 401), swaps it for the real credential, forwards to the upstream
 # (the user's ANTHROPIC_BASE_URL, else the public API over verified TLS), streams answers back byte
 # for byte, meters every Messages answer from its own events at the study's prices, and reserves
-# each request's worst case against the run's and the study's remaining money before forwarding it.
+# each request's worst case (a bound on what it can be billed) against the run's and the study's
+# remaining money, in one step under a study-wide lock, before forwarding it.  A request whose cost
+# its body does not bound is refused; when the metered spend reaches a cap, live answers are cut.
 # It owns: the allow-list environment of `claude`, the job's gateway.jsonl, and the study's live
 # reservations under state/gateway/.  It must not: write results, the ledger or the registry (the
 # supervisor does), log a header or a body, or let a credential reach `claude`'s environment.
@@ -4980,6 +5344,9 @@ GATEWAY_DEFAULT_MAX_TOKENS = 32000
 #: ones with an error the binary does not retry, so the session ends at once instead of after
 #: minutes of retries against an upstream that is not there.
 GATEWAY_UNREACHABLE_FINAL = 2
+#: How often, at most, a streaming answer's usage re-reads the study's spend (the ledger and the other
+#: live sessions) to see whether the study's cap is reached mid-answer.
+GATEWAY_STUDY_RECHECK_S = 0.5
 #: How long stop() waits for requests still in flight to settle their metering.
 GATEWAY_STOP_WAIT_S = 10.0
 #: Metered and self-reported cost differ "beyond rounding" above max(absolute, relative * larger).
@@ -5249,6 +5616,7 @@ class SseMeter:
         self.bad = False
         self.events = 0
         self.updates = 0   # usage figures read so far (message_start, message_delta): a changed count
+        self.ended = False   # the answer's message_delta (its final usage) was read
 
     def feed(self, data: bytes) -> None:
         lines = (self._rest + data).split(b"\n")
@@ -5282,6 +5650,7 @@ class SseMeter:
             self.bad = self.bad or bad
             self.usage.update(usage)
             self.updates += 1
+            self.ended = True
         elif kind == "error":
             err = ev.get("error")
             self.error = str(err.get("type") if isinstance(err, dict) else err)[:200]
@@ -5325,7 +5694,7 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
     (pure; iterative, so a deeply nested body cannot exhaust the stack).  Images cost a bounded
     number of tokens whatever their bytes; data fetched by the API (a URL, a Files API id, an
     uploaded container file) and PDF pages (text and a picture per page, compressed) are not
-    bounded by the body."""
+    bounded by the body.  A tool call's `input` is not searched: it is data, not content."""
     extra, unbounded = 0, []
     stack = list(roots)
     while stack:
@@ -5349,7 +5718,9 @@ def _content_bound(roots: Iterable[Any]) -> tuple[int, list[str]]:
             unbounded.append("file_id")
         if kind == "container_upload":
             unbounded.append("container_upload")
-        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        # A tool call's input is the model's own JSON, billed as text: whatever it holds is no block.
+        skip = "input" if isinstance(kind, str) and kind.endswith("tool_use") else None
+        stack.extend(v for k, v in node.items() if k != skip and isinstance(v, (dict, list)))
     return extra, unbounded
 
 
@@ -5530,7 +5901,8 @@ class GatewayBudget:
         self.metered = 0.0
         self.reserved = 0.0
         self._lock = threading.Lock()
-        self.file = gateway_dir(paths) / f"{job_id}.json"
+        self.file = gateway_dir(paths) / f"{checked_id('job', job_id)}.json"
+        self._others, self._others_at = 0.0, -math.inf   # the study's spend but this job's, when read
 
     def _study_lock(self) -> Any:
         gateway_dir(self.paths).mkdir(parents=True, exist_ok=True)
@@ -5569,9 +5941,13 @@ class GatewayBudget:
         if self.run_cap is not None and run_used >= self.run_cap:
             return {"limit": "usd_per_run", "cap_usd": round(self.run_cap, 6), "used_usd": round(run_used, 6)}
         if self.study_cap:
-            with self._study_lock():
-                used = registry_spent_usd(read_registry(self.paths)) + run_used + \
-                    live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+            now = time.monotonic()
+            if now - self._others_at >= GATEWAY_STUDY_RECHECK_S:
+                with self._study_lock():
+                    self._others = registry_spent_usd(read_registry(self.paths)) + \
+                        live_reservations_usd(self.paths, exclude=self.job_id, keys=("metered_usd",))
+                self._others_at = now
+            used = self._others + run_used
             if used >= self.study_cap:
                 return {"limit": "study_usd", "cap_usd": round(self.study_cap, 6), "used_usd": round(used, 6)}
         return None
@@ -5630,6 +6006,24 @@ def upstream_down(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
 
 
+def _gateway_unix_server_class() -> Any:
+    """The gateway's server on a Unix socket (the way in from a sandbox with no network of its
+    own): the same handler, bound to a path instead of a TCP port."""
+    if len(_GATEWAY_CLASSES) < 2:
+        _, tcp_server = _gateway_server_classes()
+
+        class UnixServer(tcp_server):   # type: ignore[valid-type,misc]
+            address_family = socket.AF_UNIX
+
+            def server_bind(self) -> None:   # no host name or port to look up
+                self.socket.bind(self.server_address)
+                self.server_address = self.socket.getsockname()
+                self.server_name, self.server_port = "localhost", 0
+
+        _GATEWAY_CLASSES.append((None, UnixServer))
+    return _GATEWAY_CLASSES[1][1]
+
+
 @dataclass(frozen=True)
 class GatewayAnswer:
     """What the upstream answered one forwarded request: its status and request id, how many
@@ -5645,6 +6039,7 @@ class GatewayAnswer:
     bad: bool
     stream_error: str | None
     cut: bool = False
+    complete: bool = True   # its final usage was read (a cut answer's may not have been)
 
 
 @dataclass(frozen=True)
@@ -5679,6 +6074,7 @@ class MeteringGateway:
         #: the session `budget`.
         self.cutoff: dict[str, Any] | None = None
         self._live: dict[int, float] = {}
+        self._upstreams: dict[int, http.client.HTTPConnection] = {}   # of live Messages answers
         self._tickets = 0
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -5687,6 +6083,8 @@ class MeteringGateway:
         self._unreachable = 0   # requests in a row that found the upstream unreachable
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._unix: Any = None
+        self.socket_path: str | None = None
         self.url = ""
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -5700,14 +6098,38 @@ class MeteringGateway:
         self._thread.start()
         return self.url
 
+    def listen_unix(self) -> str:
+        """Also serve on a Unix socket, in a private directory of its own (owner-only) under /tmp
+        (a socket's path must be short), removed by stop(): a sandboxed session reaches its
+        gateway only through it, bound into its sandbox.  Answers the socket's path."""
+        d = tempfile.mkdtemp(prefix="abgw-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        path = os.path.join(d, "gateway.sock")
+        try:
+            srv = _gateway_unix_server_class()(path, _gateway_server_classes()[0])
+        except OSError:
+            os.rmdir(d)
+            raise
+        srv.gateway = self
+        self._unix = srv
+        self.socket_path = path
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+        return path
+
     def claude_vars(self) -> dict[str, str]:
         return {"ANTHROPIC_BASE_URL": self.url, GATEWAY_TOKEN_VAR: self.token}
 
     def stop(self, wait_s: float = GATEWAY_STOP_WAIT_S) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        for srv in (self._server, self._unix):
+            if srv is not None:
+                srv.shutdown()
+                srv.server_close()
+        self._server = self._unix = None
+        if self.socket_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.socket_path))
+            self.socket_path = None
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -5828,7 +6250,8 @@ class MeteringGateway:
         live = None
         if kind == "messages":
             bound = request_bound(body, self.default_model)
-            rec.update({"model": bound.model, "stream": bound.stream, "max_tokens": bound.max_tokens,
+            rec.update({"model": bound.model, "model_requested": bound.model, "stream": bound.stream,
+                        "max_tokens": bound.max_tokens,
                         "body_bytes": len(body), "input_bound_tokens": bound.input_tokens})
             if bound.unbounded:
                 rec["unbounded"] = list(bound.unbounded)
@@ -5887,7 +6310,7 @@ class MeteringGateway:
         reading the usage of a Messages answer (`live`) as it passes; the relay stops (the answer
         is cut) as soon as the gateway's cutoff is set, by this answer's usage or another's."""
         meter = SseMeter()
-        cut = False
+        cut = replied = False
         kept: list[bytes] = []
         kept_size = 0
         status = 502
@@ -5895,6 +6318,8 @@ class MeteringGateway:
         chunks = 0
         request_id = None
         error = None
+        is_sse = False
+        conn = None
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -5916,6 +6341,12 @@ class MeteringGateway:
                     if not reused or attempt:
                         raise
             assert resp is not None and conn is not None
+            if live is not None:
+                with self._lock:
+                    self._upstreams[live.ticket] = conn
+                    cut = self.cutoff is not None   # set while this request went out: not relayed
+            if cut:
+                raise ConnectionAbortedError("cut: the gateway's cutoff is set")
             status = resp.status
             request_id = resp.getheader("request-id") or resp.getheader("x-request-id")
             ctype = str(resp.getheader("content-type") or "")
@@ -5930,8 +6361,12 @@ class MeteringGateway:
                 h.send_header("transfer-encoding", "chunked")
             h.end_headers()
             h.wfile.flush()
+            replied = True
             while True:
                 data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
+                if live is not None and self.cutoff is not None and not data:
+                    cut = aborted = True   # the cut shut its upstream connection: not a normal end
+                    break
                 if not data:
                     break
                 chunks += 1
@@ -5944,7 +6379,7 @@ class MeteringGateway:
                     elif kept_size < GATEWAY_MAX_METER_BYTES:
                         kept.append(data)
                         kept_size += len(data)
-                if self.cutoff is not None:
+                if live is not None and self.cutoff is not None:
                     cut = aborted = True   # stop relaying: what was metered of it counts
                     break
                 try:
@@ -5964,16 +6399,23 @@ class MeteringGateway:
                 self._reuse(conn)
         except (OSError, http.client.HTTPException) as exc:
             aborted = True
+            cut = cut or (live is not None and self.cutoff is not None)   # the cut shut its upstream
             error = f"{type(exc).__name__}: {exc}"[:300]
-            if chunks == 0:
+            if conn is not None:
+                conn.close()
+            h.close_connection = True
+            if not replied:
                 with self._lock:
                     # Only a connection that could not be made counts: nothing a session sends
                     # (odd headers, a dropped connection) can end its own session this way.
                     self._unreachable = self._unreachable + 1 if upstream_down(exc) else 0
-                    final = self._unreachable >= GATEWAY_UNREACHABLE_FINAL
+                    final = not cut and self._unreachable >= GATEWAY_UNREACHABLE_FINAL
                 with contextlib.suppress(OSError):
-                    h.close_connection = True
-                    if final:   # 400 invalid_request_error is final for the binary: no more retries
+                    if cut:   # final for the binary, as every budget refusal
+                        status = 400
+                        self._reply(h, 400, "invalid_request_error", "agentbench gateway: budget exhausted: "
+                                    "this session's answers were cut")
+                    elif final:   # 400 invalid_request_error is final for the binary: no more retries
                         status = 400
                         self._reply(h, 400, "invalid_request_error",
                                     f"agentbench gateway: the upstream could not be reached "
@@ -5981,25 +6423,31 @@ class MeteringGateway:
                     else:
                         self._reply(h, 502, "api_error",
                                     "agentbench gateway: the upstream could not be reached")
-            else:
-                h.close_connection = True
         else:
             with self._lock:
                 self._unreachable = 0
+        if live is not None:
+            with self._lock:
+                self._upstreams.pop(live.ticket, None)
         if kept:
             usage, model, bad = message_meter(b"".join(kept))
         else:
             usage, model, bad = meter.usage, meter.model, meter.bad
         return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
                              chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
-                             stream_error=meter.error, cut=cut)
+                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut)
 
     def _cut(self, why: Mapping[str, Any]) -> None:
-        """Set the cutoff (the first reason stays): live answers stop, new requests are refused."""
+        """Set the cutoff (the first reason stays): new requests are refused, and every live answer
+        stops, an idle one too: its upstream connection is shut, which ends its relay at once."""
         with self._lock:
             if self.cutoff is None:
                 self.cutoff = dict(why)
                 self.refusal = self.refusal or self.cutoff
+            upstreams = list(self._upstreams.values())
+        for conn in upstreams:
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
         """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
@@ -6021,10 +6469,15 @@ class MeteringGateway:
 
     def _meter(self, rec: dict[str, Any], answer: GatewayAnswer, live: LiveAnswer) -> None:
         """Cost a Messages answer at the study's prices, settle its reservation, note it in `rec`.
-        An answer that cost more than its reservation sets the cutoff: the bound did not hold."""
+        An answer that cost more than its reservation sets the cutoff: the bound did not hold.  A
+        cut answer whose final usage never came (the upstream may bill what it had generated, or
+        its whole input) is charged its reservation when that is more: the caps fail closed."""
         tokens = metered_tokens(answer.usage)
         rmodel = answer.model or live.model
         cost = estimate_cost_usd(tokens, rmodel, self.prices)
+        if answer.cut and not answer.complete and live.reserved > cost:
+            cost = live.reserved
+            rec["charged"] = "reservation"
         with self._lock:
             self._live.pop(live.ticket, None)   # before it is settled: never counted twice
         if self.budget is not None:
@@ -6133,7 +6586,8 @@ def transcript_dir_name(cwd: str) -> str:
 
 
 def transcript_path(env: Mapping[str, str], cwd: str, session_id: str) -> Path:
-    return claude_projects_dir(env) / transcript_dir_name(cwd) / f"{session_id}.jsonl"
+    name = checked_id("session", session_id) + ".jsonl"
+    return claude_projects_dir(env) / transcript_dir_name(cwd) / name
 
 
 def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str, to_cwd: str,
@@ -6155,7 +6609,7 @@ def ensure_transcript_at(env: Mapping[str, str], session_id: str, from_cwd: str,
 
 def session_record(paths: StudyPaths, session_id: str) -> dict[str, Any]:
     """What the study knows of a `claude` session: last reported cumulative cost, modelUsage, context."""
-    return read_json(paths.sessions / f"{session_id}.json", default=None) or {
+    return read_json(paths.session_file(session_id), default=None) or {
         "session_id": session_id, "cost_total_usd": 0.0, "model_usage": {}, "context_tokens": 0}
 
 
@@ -6368,7 +6822,7 @@ def _complete_finalize(paths: StudyPaths, job: Mapping[str, Any], result: Mappin
                     "last_job": job_id, "cwd": job.get("cwd"), "updated_at": utc_now()})
         if result.get("context_tokens"):
             rec["context_tokens"] = result["context_tokens"]
-        write_json_atomic(paths.sessions / f"{sid}.json", rec)
+        write_json_atomic(paths.session_file(sid), rec)
     reg = read_registry(paths)
     if job_id in (reg.get("finalizing") or []):
         # Before the active marker goes: the reaper only looks at active jobs, and the
@@ -6994,9 +7448,11 @@ class Supervisor:
         self.end: tuple[str, str | None] | None = None
         self.flags: set[str] = set()
         self.snapshots_done: list[int] = []
-        self.workspace_measured_at: float | None = None
+        #: When the live workspace cap is next measured (monotonic; None: at the first poll).
+        self.workspace_next_measure: float | None = None
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
+        self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
         self._lock = threading.Lock()
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
@@ -7101,12 +7557,18 @@ class Supervisor:
         elif stall and silent <= float(stall) and self.runtime.get("stalled"):
             self._write_runtime(stalled=False)
         requested = str(self.job["model"])
-        for m in models:
-            if not model_matches(requested, m):
-                self.flags.add("model_substituted")
-                self._stop(proc, claude, "failed", "model_refused")
-                return
-        if self.gateway is not None and self.gateway.cutoff is not None:
+        gw = self.gateway
+        if gw is not None:
+            # The wire, not the stream: any process of the session can print an assistant event
+            # naming another model.  Only an answer the gateway carried shows a substitution.
+            substituted = claim_corroboration("model_refused", list(gw.records), requested) == "corroborated"
+        else:
+            substituted = any(not model_matches(requested, m) for m in models)
+        if substituted:
+            self.flags.add("model_substituted")
+            self._stop(proc, claude, "failed", "model_refused")
+            return
+        if gw is not None and gw.cutoff is not None:
             self._stop(proc, claude, "failed", "budget")   # its gateway cut the answers at a cap
             return
         budget = lim.get("max_budget_usd")
@@ -7142,11 +7604,13 @@ class Supervisor:
         cwd (links not followed) against limits' workspace_max_bytes; over it is the agent's doing."""
         cap = self.limits.get("workspace_max_bytes")
         now = time.monotonic()
-        if not cap or (self.workspace_measured_at is not None
-                       and now - self.workspace_measured_at < self.WORKSPACE_MEASURE_S):
+        if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        self.workspace_measured_at = now
         used = tree_usage(self.job["cwd"], int(cap))
+        # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
+        # takes a noticeable time (never more than a twentieth of the poll thread's time).
+        took = time.monotonic() - now
+        self.workspace_next_measure = time.monotonic() + max(self.WORKSPACE_MEASURE_S, 20 * took)
         if used <= int(cap):
             return False
         self.flags.add("workspace_over_cap")
@@ -7333,14 +7797,32 @@ class Supervisor:
             finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
                          usage=None, extra={"detail": exc.one_line()})
             return None
-        self.sandbox = sandbox_record(sandbox)
+        # The network the launch decided (network_open_arms); without a gateway, the host's.
+        asked = job.get("sandbox") or {}
+        if self.gateway is None:
+            network, why = session_network([], None, "off")
+        elif asked.get("network") in SESSION_NETWORKS:
+            network, why = str(asked["network"]), asked.get("network_reason")
+        else:
+            network, why = "gateway", None
+        self.sandbox = sandbox_record(sandbox, network, why)
         if sandbox["kind"] == "bwrap":
+            try:
+                sock = self.gateway.listen_unix() if network == "gateway" and self.gateway else None
+                self._seccomp_fd = seccomp_fd()
+            except OSError as exc:
+                if self.gateway is not None:
+                    self.gateway.stop(wait_s=0)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
+                return None
             argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
                                         hidden=study_hidden_dirs(self.paths.root),
                                         private_home=str(jdir / "home"),
                                         project_dir=str(claude_projects_dir(env)
                                                         / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")])
+                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json")],
+                                        network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
         return argv, env, prompt
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
@@ -7351,9 +7833,16 @@ class Supervisor:
         kwargs = self.platform.tree_popen_kwargs()
         if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
+        if self._seccomp_fd is not None:
+            kwargs["pass_fds"] = (self._seccomp_fd,)
         try:
-            proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
+            try:
+                proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
+            finally:
+                if self._seccomp_fd is not None:   # bwrap holds its own copy now
+                    os.close(self._seccomp_fd)
+                    self._seccomp_fd = None
         except OSError as exc:
             self._stderr_fh.close()
             if self.gateway is not None:
@@ -7431,9 +7920,25 @@ class Supervisor:
                 self.end = ("killed", str((kill_req or {}).get("reason") or "supervisor_terminated"))
         return survivors
 
+    def _session_ids(self) -> tuple[str | None, list[str]]:
+        """(the session id this job's record keeps, the other ids the stream named).  The id is the
+        one agentbench assigned (the job record has it); a stream line naming another one is an
+        anomaly, flagged and never adopted, and nothing the stream says becomes a path."""
+        assigned = self.job.get("session_id")
+        named = list(self.state.session_ids)
+        if not is_safe_id(assigned):
+            assigned = next((i for i in named if is_safe_id(i)), None)
+        foreign = [i for i in named if i != assigned]
+        if foreign:
+            self.flags.add("session_id_mismatch")
+            note_anomaly(self.state.anomalies, "stream.session_id", foreign[0],
+                         "not the session id agentbench assigned")
+        return assigned, [json_safe(i) for i in foreign]
+
     def _finish(self, exit_code: int | None, survivors: list[ProcId]) -> None:
         job = self.job
         st = self.state
+        session_id, foreign_ids = self._session_ids()
         prior = job.get("prior") or {}
         usage = usage_record(st.result, st, prior_cost=usd_from(prior.get("cost_usd")) or 0.0,
                              prior_model_usage=prior.get("model_usage"), requested_model=job["model"])
@@ -7443,6 +7948,12 @@ class Supervisor:
         else:
             status, reason = classify_session(st.result, exit_code)
         gw = self.gateway
+        requested = str(job["model"])
+        # The gateway's records (None: the study runs without one; a job meant to have one whose
+        # gateway never started carried no request).
+        records: list[dict[str, Any]] | None = (
+            list(gw.records) if gw is not None
+            else ([] if job.get("gateway", GATEWAY_DEFAULT) == "on" else None))
         if gw is not None:
             # The wire's figures beside the binary's own; budgets count the metered one.
             usage.update(gw.summary())
@@ -7451,12 +7962,6 @@ class Supervisor:
                 self.flags.add("cost_mismatch")
             if gw.refusal is not None and self.end is None and (status != "ok" or gw.cutoff is not None):
                 status, reason = "failed", "budget"   # a cut answer ends the session `budget`, whatever came
-            wire = [r.get("status") for r in list(gw.records)] or None   # none: nothing went through it
-            if status == "failed" and not corroborated(reason, wire):
-                # A claimed rate limit or auth failure the wire never saw: written into the stream
-                # by a process of the session.  The agent's doing, and no reason to pause the study.
-                self.flags.add("uncorroborated_result")
-                reason = "uncorroborated_" + str(reason)
             # Requests for another model (a side model, or one the agent asked for itself) are
             # metered at that model's price; the flag makes them visible.
             if any(m != "(unknown)" and not model_matches(str(job["model"]), m)
@@ -7464,13 +7969,22 @@ class Supervisor:
                 self.flags.add("other_models_metered")
         if status == "ok" and exit_code not in (0, None):
             self.flags.add("exit_code_nonzero_after_success")
-        requested = str(job["model"])
         others = [m for m in usage.get("models_used") or []
                   if not model_matches(requested, m)]
         # Responses that reported another model: _check() stops such a session while it runs,
         # but a short session can end between two polls, so the final accounting looks again
         # (modelUsage is keyed by the requested model and cannot show a substitution).
         substituted = [m for m in st.models if not model_matches(requested, m)]
+        if records:
+            # Under a gateway that carried requests, the wire says which model answered; an
+            # assistant event naming another one that no answer matches was printed by a process
+            # of the session: flagged, believed for nothing.
+            on_wire = claim_corroboration("model_refused", records, requested) == "corroborated"
+            if substituted and not on_wire:
+                self.flags.add("stream_model_unconfirmed")
+            substituted = substituted if on_wire else []
+            if on_wire and not substituted:
+                substituted = ["(seen by the gateway)"]
         if substituted:
             self.flags.add("model_substituted")
             if status == "ok":
@@ -7479,6 +7993,14 @@ class Supervisor:
             self.flags.add("other_models_billed")
             if status == "ok" and not (job.get("limits") or {}).get("allow_side_models"):
                 status, reason = "failed", "model_refused"
+        claimed = reason if status == "failed" else None
+        corroboration = claim_corroboration(claimed, records, requested)
+        if not claim_counts(corroboration):
+            # An infrastructure condition the wire never saw (or, without a gateway, could not
+            # see): written into the stream by a process of the session, for all anyone knows.
+            # The agent's failure, and no reason to pause the study.
+            self.flags.add("uncorroborated_result")
+            reason = "uncorroborated_" + str(reason)
         if len(st.results) > 1:
             self.flags.add("multiple_results")
         if st.bad_lines:
@@ -7510,7 +8032,9 @@ class Supervisor:
                  "result_text": str(res.get("result") or "")[:2000] if res else None,
                  "models_reported": st.models, "bad_lines": st.bad_lines, "unknown_events": st.unknown_types,
                  "survivors": [dataclasses.asdict(s) for s in survivors],
-                 "session_id": res.get("session_id") or st.session_id or job.get("session_id"),
+                 "session_id": session_id, "stream_session_ids": foreign_ids,
+                 "claim": ({"reason": claimed, "corroboration": corroboration}
+                           if claimed in CLAIMED_CONDITIONS else None),
                  "snapshots": self.snapshots_done, "flags": sorted(self.flags),
                  "sandbox": self.sandbox,
                  **({"gateway_refusal": gw.refusal} if gw is not None and gw.refusal else {})}
@@ -7680,6 +8204,9 @@ def start_job(ctx: Host, paths: StudyPaths, *, kind: str, prompt: str, cwd: str,
     """Validate, register and launch one job (the shared path of train, spawn, continue, run)."""
     cfg = cfg if cfg is not None else load_study_config(paths)
     launch = refuse_launch(paths, cfg, ctx.env)
+    network, why = session_network(list(cfg.get("network_open_arms") or []), meta.get("arm"),
+                                   launch["gateway"])
+    launch["sandbox"] = {**launch["sandbox"], "network": network, "network_reason": why}
     env_all = {**ctx.env, **dict(cfg.get("env") or {}), **dict(env_extra or {})}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
         refusal = gateway_refusal(env_all, launch["gateway"])
@@ -7916,7 +8443,9 @@ def tree_entries(root: str | os.PathLike[str], caps: CopyCaps = DEFAULT_COPY_CAP
     `root` that is not a directory (caches and .git excluded; links to directories are entries,
     never followed).  Within the copy caps and rules (UnusableTree past them)."""
     out: dict[str, tuple[str, int]] = {}
-    if not os.path.isdir(root) or os.path.islink(root):
+    if os.path.islink(root):
+        raise UnusableTree("not_a_directory", str(root))   # replaced by a link: never entered
+    if not os.path.isdir(root):
         return out
     total = 0
     pending: list[tuple[str, str, int]] = [(os.fspath(root), "", 0)]
@@ -8221,6 +8750,11 @@ def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
             text, ppath = p.read_text(encoding="utf-8"), str(p)
         arms[name] = Arm(name, text, ppath, spec.get("gate_cycles", 0), spec.get("review", False),
                          spec.get("fork_base", False))
+    unknown = sorted(set(cfg.get("network_open_arms") or []) - set(arms))
+    if unknown:
+        raise AgentbenchError("network_open_arms names arms the study does not have",
+                              code="network_open_arm_unknown", arms=unknown, known=list(arms),
+                              hint="a misspelt arm would keep its sessions off the network; fix the name")
     return arms
 
 
@@ -8498,24 +9032,27 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     # could then read the honest line out and write its own); a socket cannot be.
     pair = socket.socketpair() if uses_fd else None
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
+    sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
     try:
         argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
                           oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
         if sandbox["kind"] == "bwrap":
+            sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
-                                 container=container,
+                                 seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
+        fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
-                          pass_fds=(wfd,) if uses_fd and os.name == "posix" else ())
+                          pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
             channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
-        for fd in (rfd, wfd):
+        for fd in (rfd, wfd, sfd):
             if fd >= 0:
                 os.close(fd)
         if tmp:
@@ -8564,12 +9101,18 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
     argv = [a.replace("{reference}", ref_dir) for a in
             expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
                        gate="<gate-not-available>", oracle="<oracle-not-available>")]
-    if sandbox["kind"] == "bwrap":
-        argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
-                             hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
-                             container=container, container_base=ref_dir)
-    timeout = check_timeout_s(spec, "reference")
-    res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform)
+    sfd = seccomp_fd() if sandbox["kind"] == "bwrap" else None
+    try:
+        if sandbox["kind"] == "bwrap":
+            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
+                                 hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
+                                 seccomp=sfd, container=container, container_base=ref_dir)
+        timeout = check_timeout_s(spec, "reference")
+        res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform,
+                          pass_fds=() if sfd is None else (sfd,))
+    finally:
+        if sfd is not None:
+            os.close(sfd)
     if res.timed_out:
         return f"the reference script timed out after {timeout:g} s"
     if res.returncode != 0:
@@ -8591,19 +9134,77 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
             copy_tree(task.public, ws)
             if apply_reference(paths, platform, task, ws, env):
                 return task
-            after = tree_manifest(ws)
+            after = tree_manifest(ws, UNCAPPED)
             staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
             for rel, digest in after.items():
                 changed = task.public_manifest.get(rel) != digest
                 if changed and not digest.startswith(("symlink:", "special:")):
                     (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(os.path.join(ws, rel), staged / rel)
+                    safe_copy_file(os.path.join(ws, rel), staged / rel, None)
             staged.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(staged, dst)
             except OSError:
                 shutil.rmtree(staged, ignore_errors=True)
     return dataclasses.replace(task, overlay=dst)
+
+
+# -- grader errors proven --------------------------------------------------------------------------
+# A check that times out, crashes, is killed or stopped, or prints an incoherent receipt gave no
+# verdict; but the code under test runs inside it and can cause exactly that (a solution that
+# sends SIGSTOP to its harness makes the check time out).  So the same check is re-run at once on
+# the task's reference (starter + reference/, which calibration proved passes) in a fresh copy:
+# if the reference passes, the grader works and the solution caused the error -- the agent's
+# failure; only when the reference fails too is it a grader error, which excludes the run.
+
+def grader_error_proof(error: str, reference: Mapping[str, Any] | None, which: str) -> dict[str, Any]:
+    """What a check's grader error means once the same check ran on the reference (pure).
+
+    `reference` is that re-run's receipt (None: the task has no reference to re-run on).  Returns
+    grader_error (None when the solution caused it), grader_error_caused_by_solution (the error,
+    or None) and reference_rerun (what the re-run gave)."""
+    if reference is None:
+        return {"grader_error": error, "grader_error_caused_by_solution": None,
+                "reference_rerun": {"ran": False, "why": "the task has no reference/ to re-run on"}}
+    ref_error = reference.get("grader_error")
+    ref_passed = bool(reference.get("success") if which == "oracle" else reference.get("passed"))
+    rerun = {"ran": True, "passed": ref_passed and not ref_error, "grader_error": ref_error,
+             "score": reference.get("score"), "timed_out": reference.get("timed_out"),
+             "exit_code": reference.get("exit_code")}
+    if ref_passed and not ref_error:
+        return {"grader_error": None, "grader_error_caused_by_solution": error, "reference_rerun": rerun}
+    why = ref_error or f"the reference does not pass (score {reference.get('score')})"
+    return {"grader_error": f"{error}; on the reference too: {why}"[:600],
+            "grader_error_caused_by_solution": None, "reference_rerun": rerun}
+
+
+def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
+                     env: Mapping[str, str]) -> dict[str, Any]:
+    """run_check(); when it gives a grader error, the same check re-run on the reference decides
+    whose error it was (grader_error_proof).  A solution-caused error is a fail with score 0."""
+    rec = run_check(paths, platform, task, which, workspace, env)
+    error = rec.get("grader_error")
+    if not error:
+        return rec
+    reference = None
+    if task.reference.is_dir():
+        with tempfile.TemporaryDirectory(prefix=f"ab-ref-{task.id}-") as tmp:
+            ws = os.path.join(tmp, "reference")
+            try:
+                copy_tree(task.public, ws)
+                failed = apply_reference(paths, platform, task, ws, env)
+                reference = (run_check(paths, platform, task, which, ws, env) if failed is None
+                             else {"grader_error": failed, "passed": False, "success": False})
+            except (OSError, shutil.Error, AgentbenchError) as exc:
+                reference = {"grader_error": f"the reference could not be checked: {type(exc).__name__}",
+                             "passed": False, "success": False}
+    proof = grader_error_proof(str(error), reference, which)
+    rec.update(proof)
+    if proof["grader_error_caused_by_solution"]:
+        rec.update({"passed": False, "score": 0.0})
+        if which == "oracle":
+            rec["success"] = False
+    return rec
 
 
 # -- calibration -----------------------------------------------------------------------------------
@@ -8753,9 +9354,12 @@ def make_assignment(task_ids: Sequence[str], arm_names: Sequence[str], repeats: 
     return out
 
 
-def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str) -> bytes:
-    return (json.dumps({"split": split, "seed": seed, "runs": list(manifest)}, indent=1, sort_keys=True)
-            + "\n").encode()
+def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
+                   plan: Mapping[str, Any] | None = None) -> bytes:
+    doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
+    if plan is not None:
+        doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 # -- runs ------------------------------------------------------------------------------------------
@@ -8768,7 +9372,7 @@ RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "ga
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
-    return paths.run_index / f"{check_name('run', run_id)}.json"
+    return paths.run_index / f"{checked_id('run', run_id)}.json"
 
 
 def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
@@ -9111,15 +9715,17 @@ class RunVerdict(NamedTuple):
 
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
                  success: bool, grader_error: str | None = None,
-                 hidden_access: Iterable[str] = ()) -> RunVerdict:
+                 hidden_access: Iterable[str] = (), solution_broke_grader: str | None = None) -> RunVerdict:
     """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
     left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
     valid failure, never an exclusion); `first_session` is its first executor job
     as the run record keeps it; `success` is the hidden tests' verdict, `grader_error` why they
-    gave none (invalid grading: never the agent's failure); `hidden_access` the audit's findings
-    of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
+    gave none (invalid grading, proven by the reference failing the same check too: never the
+    agent's failure); `solution_broke_grader` a check error that the reference's re-run showed the
+    solution caused (the agent's failure, `grader_error_caused_by_solution`); `hidden_access` the
+    audit's findings of hidden material seen (HIDDEN_ACCESS_KINDS), which make a success `tainted`."""
     infra = bool(stop and stop.startswith("infrastructure:"))
     if infra:
         validity, why = "infrastructure_failure", str(stop).split(":", 1)[1]
@@ -9147,7 +9753,8 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
     else:
         outcome = "success" if success else "failure"
     failure = None if success else ("grader_error" if outcome == "grader_error"
-                                    else (stop or "hidden tests failed"))
+                                    else (stop or ("grader_error_caused_by_solution" if solution_broke_grader
+                                                   else "hidden tests failed")))
     return RunVerdict(outcome, validity, why, failure)
 
 
@@ -9325,7 +9932,7 @@ class RunPipeline:
         return res
 
     def run_gate(self, task: Task, ws: str, label: str) -> dict[str, Any]:
-        rec = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+        rec = run_check_proven(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
         n = len(self.rec.setdefault("gates", [])) + 1
         write_json_atomic(self.paths.run_dir(self.run_id) / "receipts" / f"gate-{n:02d}-{label}.json", rec)
         self.rec["gates"].append({"n": n, "label": label, "passed": rec["passed"], "score": rec["score"]})
@@ -9593,7 +10200,7 @@ class RunPipeline:
         self._collect_transcripts(run_dir)
         final_gate: dict[str, Any] | None = None
         if unusable is None:
-            final_gate = run_check(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
+            final_gate = run_check_proven(self.paths, self.ctx.platform, task, "gate", ws, self.ctx.env)
             write_json_atomic(run_dir / "receipts" / "final-contract.json", final_gate)
             rec["final_contract"] = {"passed": final_gate["passed"], "score": final_gate["score"]}
         else:
@@ -9616,7 +10223,7 @@ class RunPipeline:
         ev: dict[str, Any] | None = None
         if unusable is None:
             try:
-                ev = run_check(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
+                ev = run_check_proven(self.paths, self.ctx.platform, task, "oracle", ws, self.ctx.env)
             except UnusableTree as exc:
                 unusable = f"{WORKSPACE_UNUSABLE}:{exc.why}"
         if ev is None:
@@ -9631,7 +10238,9 @@ class RunPipeline:
                       "receipt": {"kind": ev.get("receipt"), "channel": ev.get("receipt_channel"),
                                   "protected": ev.get("receipt_protected"),
                                   "problem": ev.get("receipt_problem")},
-                      "grader_error": ev.get("grader_error")}
+                      "grader_error": ev.get("grader_error"),
+                      "grader_error_caused_by_solution": ev.get("grader_error_caused_by_solution"),
+                      "reference_rerun": ev.get("reference_rerun")}
         if unusable is not None:
             evaluation["workspace_unusable"] = unusable.split(":", 1)[1]
         write_json_atomic(run_dir / "evaluation.json", evaluation)
@@ -9645,6 +10254,7 @@ class RunPipeline:
         verdict = classify_run(stop=unusable or stop, first_session=exec_jobs[0] if exec_jobs else None,
                                tool_uses=tool_uses,
                                success=bool(ev["success"]), grader_error=ev.get("grader_error"),
+                               solution_broke_grader=ev.get("grader_error_caused_by_solution"),
                                hidden_access=[f["kind"] for f in findings
                                               if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
@@ -9671,8 +10281,8 @@ class RunPipeline:
         for j in self.rec["jobs"]:
             job = read_json(self.paths.job_file(j["job_id"]), default=None)
             res = read_json(self.paths.result_file(j["job_id"]), default=None)
-            if not job or not res or not res.get("session_id"):
-                continue
+            if not job or not res or not is_safe_id(res.get("session_id")):
+                continue   # no session, or an id that cannot be a file name (never made a path)
             src = transcript_path(env, job["cwd"], res["session_id"])
             if os.path.lexists(src):
                 # The session could write its own transcript: a link (to /dev/zero, to the
@@ -10391,10 +11001,287 @@ def mcnemar_exact(b: int, c: int) -> float:
     return _binomial_two_sided_half(b, b + c)
 
 
+# -- Statistics: the paired test clustered by task -------------------------------------------------
+# The primary test of a comparison: per task one difference (arm minus baseline, each side the mean
+# over the runs it has on that task), tested by flipping the signs of the differences.  Beside it,
+# secondary figures: a cluster-robust standard error and a McNemar test that respects the tasks.
+
+#: Most (partial sum x multiplicity) steps the exact sign-flip enumeration may take; beyond it the
+#: test is a seeded Monte Carlo over sign flips.
+PERM_EXACT_WORK = 400_000
+#: Monte Carlo sign flips when the enumeration would be too long.
+PERM_DRAWS = 20_000
+
+
+def stream_seed(seed: int, *names: str) -> int:
+    """A 63-bit seed for one named stream of random numbers (an arm, a comparison, a figure), from
+    the study's seed and the names: the first 8 bytes of the SHA-256 of their JSON.  Two streams
+    with different names share no draws (up to a 2^-63 chance), and one stream does not depend on
+    which other streams a report draws first."""
+    digest = hashlib.sha256(json.dumps([int(seed), *map(str, names)]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def exact_integers(values: Sequence[Any]) -> list[int]:
+    """`values` (ints, floats or fractions) as integers over their least common denominator.
+
+    Exact: a float is a dyadic rational and a Fraction is one, so no sum is rounded and "at
+    least as extreme" is decided without a tolerance.  A float is taken at its exact value, so a
+    caller whose differences are ratios (2/3 - 1/3) passes them as fractions: as doubles they
+    can differ in the last bit from the same ratio reached another way.  Raises ValueError on a
+    NaN or an infinity."""
+    ratios = []
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"a difference must be finite, got {v!r}")
+        ratios.append(v.as_integer_ratio())
+    den = 1
+    for _, d in ratios:
+        den = den * d // math.gcd(den, d)
+    return [n * (den // d) for n, d in ratios]
+
+
+def _flip_groups(ints: Sequence[int]) -> dict[int, int]:
+    """|difference| -> how many tasks have it, zeros left out (a flipped zero is the same zero)."""
+    groups: dict[int, int] = {}
+    for v in ints:
+        if v:
+            groups[abs(v)] = groups.get(abs(v), 0) + 1
+    return groups
+
+
+def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | None:
+    """How many of the 2^k sign assignments give |sum| >= observed; None past `max_work`.
+
+    Enumerated by the distribution of the signed sum: the m tasks sharing |d| = v contribute
+    v (2j - m) with multiplicity C(m, j), j of them positive; the sums are exact integers, so
+    "at least as extreme" is decided without a tolerance."""
+    # The work is bounded before any of it is done: after each group the distinct sums are at
+    # most the product of (m + 1) so far, and at most (sum of m v so far) / g + 1 (sums of
+    # multiples of g, g the gcd of the values, in steps of 2 g).
+    g = 0
+    for v in groups:
+        g = math.gcd(g, v)
+    states, span, work = 1, 0, 0
+    for v, m in sorted(groups.items()):
+        work += states * (m + 1)
+        if work > max_work:
+            return None
+        span += m * v
+        states = min(states * (m + 1), span // g + 1)
+    dist = {0: 1}
+    for v, m in sorted(groups.items()):
+        weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
+        nxt: dict[int, int] = {}
+        for s, c in dist.items():
+            for step, w in weights:
+                nxt[s + step] = nxt.get(s + step, 0) + c * w
+        dist = nxt
+    return sum(c for s, c in dist.items() if abs(s) >= observed)
+
+
+def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
+    """How many of `draws` random sign assignments of `values` give |sum| >= observed.
+
+    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
+    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups."""
+    n = len(values)
+    total = sum(values)
+    tables = []
+    for start in range(0, n, 8):
+        chunk = values[start:start + 8]
+        table = [0] * 256
+        for byte in range(1, 256):
+            low = byte & -byte
+            table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1] if low.bit_length() <= len(chunk)
+                                                else 0)
+        tables.append(table)
+    nbytes = len(tables)
+    hits = 0
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
+    return hits
+
+
+def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
+                   max_work: int = PERM_EXACT_WORK) -> dict[str, Any]:
+    """Paired permutation (sign-flip) test of a mean difference over tasks, two-sided.
+
+    Null hypothesis: within each task the two arms are exchangeable, so each task's difference
+    is as likely to have its sign as the opposite one, independently across tasks.  The
+    statistic is |sum of the differences| (equivalently |mean|); the p-value is the share of the
+    2^n sign assignments whose |sum| is at least the observed one.  Exact (every assignment,
+    counted through the distribution of the sum; see _flip_exact) while that takes at most
+    `max_work` steps, which covers every study of up to ~20 tasks and far larger ones whose
+    differences repeat (success rates over a few repeats take few values).  Beyond it, `draws`
+    seeded random assignments (random.Random(seed)) give p = (1 + hits) / (1 + draws), never
+    0, with its Monte Carlo standard error sqrt(p (1 - p) / draws).  Zero differences stay in n
+    and change nothing.  Differences may be ints, floats or fractions (see exact_integers).
+    References: Fisher, The Design of Experiments (1935), sec. 21; Good, Permutation,
+    Parametric and Bootstrap Tests of Hypotheses, 3rd ed. (2005), sec. 3.1; Phipson & Smyth,
+    Stat. Appl. Genet. Mol. Biol. 9:39 (2010) for the Monte Carlo p-value.
+    """
+    ints = exact_integers(diffs)
+    n = len(ints)
+    groups = _flip_groups(ints)
+    k = sum(groups.values())
+    observed = abs(sum(ints))
+    out: dict[str, Any] = {"tasks": n, "informative_tasks": k, "statistic": "abs_sum"}
+    if n == 0:
+        return {**out, "p": None, "method": None}
+    hits = _flip_exact(groups, observed, max_work) if k else 1
+    if hits is not None:
+        return {**out, "p": min(1.0, hits / 2 ** k) if k else 1.0, "method": "exact",
+                "assignments": f"2^{k}", "mc_se": None}
+    if draws < 1:
+        raise ValueError("draws must be >= 1")
+    hits = _flip_monte_carlo([v for v, m in sorted(groups.items()) for _ in range(m)], observed,
+                             random.Random(seed), draws)
+    p = (1 + hits) / (1 + draws)
+    return {**out, "p": p, "method": "monte_carlo", "draws": draws, "seed": seed,
+            "mc_se": math.sqrt(p * (1.0 - p) / draws)}
+
+
+def cluster_se_of_mean(values: Sequence[float]) -> float | None:
+    """Cluster-robust standard error of a mean over tasks with one value per task:
+    sqrt(sum (d_t - mean)^2 / (K (K - 1))) over the K tasks.  It is the sandwich (CR1) standard
+    error of an intercept-only regression clustered by task, and it carries whatever correlation
+    the runs of one task share.  None for fewer than two tasks.  Reference: Cameron & Miller,
+    J. Human Resources 50:317-372 (2015), sec. II.C."""
+    xs = [float(v) for v in values]
+    k = len(xs)
+    if k < 2:
+        return None
+    m = math.fsum(xs) / k
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (k * (k - 1)))
+
+
+def clustered_mcnemar(cells: Sequence[tuple[int, int, int, int]]) -> dict[str, Any]:
+    """McNemar's test for paired proportions with runs clustered in tasks (Obuchowski 1998).
+
+    `cells` are per task (arm successes, arm runs, baseline successes, baseline runs).  The rates
+    p_a = sum x_a / N_a and p_b = sum x_b / N_b are ratio estimators over the K tasks; their
+    variances and covariance come from the task totals,
+        V_a = K / (K - 1) sum_t (x_at - n_at p_a)^2 / N_a^2, likewise V_b,
+        C   = K / (K - 1) sum_t (x_at - n_at p_a)(x_bt - n_bt p_b) / (N_a N_b),
+    and X^2 = (p_a - p_b)^2 / (V_a + V_b - 2 C) is referred to chi-square with 1 df.  With equal
+    runs per task in both arms this is Obuchowski's statistic; it needs no pairing of runs inside
+    a task, so it does not depend on repeat labels, and a missing run costs only itself.  p is
+    None with fewer than two tasks or a zero variance with a non-zero difference; 1.0 for no
+    difference.  Reference: Obuchowski, "On the comparison of correlated proportions for
+    clustered data", Statistics in Medicine 17:1495-1507 (1998)."""
+    rows = [(int(a), int(na), int(b), int(nb)) for a, na, b, nb in cells if na > 0 and nb > 0]
+    k = len(rows)
+    n_a = sum(cell[1] for cell in rows)
+    n_b = sum(cell[3] for cell in rows)
+    out: dict[str, Any] = {"tasks": k, "arm_runs": n_a, "baseline_runs": n_b}
+    if k == 0:
+        return {**out, "arm_rate": None, "baseline_rate": None, "chi2": None, "p": None}
+    pa = sum(cell[0] for cell in rows) / n_a
+    pb = sum(cell[2] for cell in rows) / n_b
+    out.update(arm_rate=pa, baseline_rate=pb)
+    if k < 2:
+        return {**out, "chi2": None, "p": None}
+    ra = [x - n * pa for x, n, _, _ in rows]
+    rb = [x - n * pb for _, _, x, n in rows]
+    f = k / (k - 1)
+    var = f * (math.fsum(u * u for u in ra) / n_a ** 2 + math.fsum(v * v for v in rb) / n_b ** 2
+               - 2.0 * math.fsum(u * v for u, v in zip(ra, rb)) / (n_a * n_b))
+    diff = pa - pb
+    if abs(diff) <= 1e-15:
+        return {**out, "chi2": 0.0, "p": 1.0}
+    if var <= 0.0:
+        return {**out, "chi2": None, "p": None}
+    chi2 = diff * diff / var
+    return {**out, "chi2": chi2, "p": math.erfc(math.sqrt(chi2 / 2.0))}
+
+
+def binomial_draw(rng: random.Random, n: int, p: float) -> int:
+    """One Binomial(n, p) draw, exact for p given as a double, in O(log n) steps of random bits.
+
+    Each of the n trials succeeds when its uniform U < p.  U's binary digits are drawn a level
+    at a time for the trials still undecided: at a digit where p has 1, the undecided trials
+    whose digit is 0 are decided successes; where p has 0, those whose digit is 1 are decided
+    failures; the others stay undecided.  A level's digits are the bits of one getrandbits call,
+    counted by popcount, so a draw costs about log2(n) calls whatever n is, and the same
+    seed gives the same draws on every Python version."""
+    if n <= 0 or p <= 0.0:
+        return 0
+    if p >= 1.0:
+        return n
+    num, den = p.as_integer_ratio()          # p = num / 2^e exactly
+    bits = den.bit_length() - 1
+    successes, undecided = 0, n
+    for i in range(bits - 1, -1, -1):
+        if not undecided:
+            break
+        ones = rng.getrandbits(undecided).bit_count()
+        if (num >> i) & 1:
+            successes += undecided - ones
+            undecided = ones
+        else:
+            undecided -= ones
+    return successes
+
+
 #: (values, seed, resamples, level) -> interval: a report asks the same question more than once
 #: (both views, an arm and its comparisons); the answer is a pure function of the key.
 _BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
 BOOTSTRAP_CACHE_MAX = 4096
+
+
+def _bootstrap_means_bytes(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """Resample means for up to 256 values, with every index drawn in C: random bytes, those at or
+    above the largest multiple of n below 256 deleted (bytes.translate, so every index is equally
+    likely), each kept byte b picking value b mod n from the values repeated 256 // n times."""
+    n = len(xs)
+    reps = 256 // n
+    ext = xs * reps
+    drop = bytes(range(reps * n, 256))
+    need = n * n_resamples
+    buf = b""
+    while len(buf) < need:
+        chunk = max(4096, (need - len(buf)) * 256 // (reps * n) + 64)
+        buf += rng.getrandbits(8 * chunk).to_bytes(chunk, "little").translate(None, drop)
+    pick = ext.__getitem__
+    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, need, n)]
+
+
+def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
+    """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
+
+    Up to 256 tasks, indices come from random bytes (_bootstrap_means_bytes).  Beyond, when the
+    tasks take few distinct values (success rates over a few repeats), a resample is described by
+    how many times it takes each distinct value: a multinomial draw of n over the distinct values
+    weighted by their counts, made as conditional binomials (binomial_draw), a few steps per
+    distinct value instead of n index draws.  Otherwise the indices are drawn one by one."""
+    n = len(xs)
+    if n <= 256:
+        return _bootstrap_means_bytes(xs, rng, n_resamples)
+    counts: dict[float, int] = {}
+    for x in xs:
+        counts[x] = counts.get(x, 0) + 1
+    if len(counts) * 32 > n:
+        # Random.choices without weights draws index floor(random() * n) per element: the same
+        # stream on every Python >= 3.6.
+        choices = rng.choices
+        return [sum(choices(xs, k=n)) / n for _ in range(n_resamples)]
+    values = sorted(counts)
+    weights = [counts[v] for v in values]
+    means = []
+    for _ in range(n_resamples):
+        left, weight_left, total = n, n, 0.0
+        for v, w in zip(values, weights):
+            c = left if w == weight_left else binomial_draw(rng, left, w / weight_left)
+            total += c * v
+            left -= c
+            weight_left -= w
+            if not left:
+                break
+        means.append(total / n)
+    return means
 
 
 def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 10000,
@@ -10405,8 +11292,10 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     Draws `n_resamples` resamples of the differences with replacement (same size as the data),
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
-    the paired design replicates. The generator is random.Random(seed) (indices drawn by
-    Random.choices), so the interval is reproducible across runs and Python versions.
+    the paired design replicates; it is drawn as counts per distinct value (_bootstrap_means),
+    which is what makes it cheap at many tasks.  The generator is random.Random(seed), so the
+    interval is reproducible across runs and Python versions; the report gives every interval
+    its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
     The interval is clamped to [min(diffs), max(diffs)], where every resample mean lies.
     Reference: Efron & Tibshirani, An Introduction to the Bootstrap (1993), ch. 13.
@@ -10424,11 +11313,7 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     key = (tuple(xs), seed, n_resamples, level)
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
-    # Random.choices without weights draws index floor(random() * n) for each element: the same
-    # stream on every Python >= 3.6, and several times faster than an explicit loop.
-    choices = random.Random(seed).choices
-    n = len(xs)
-    means = sorted(sum(choices(xs, k=n)) / n for _ in range(n_resamples))
+    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
     tail = (1.0 - level) / 2.0
     lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
     hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
@@ -10443,47 +11328,134 @@ def sign_test_min_p(n: int) -> float:
     return sign_test_two_sided(n, 0)
 
 
+#: Sign-flip enumeration steps a simulated study may take; past them the simulation refers the
+#: flip statistic to its normal approximation (mean 0, variance the sum of squared differences).
+POWER_SIM_EXACT_WORK = 100_000
+
+
+def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tuple[bool, bool]:
+    """(primary test rejects, sign test rejects) for one simulated study, both in the direction
+    of the effect.  The primary test is the exact sign-flip test while it is cheap, else its
+    normal approximation (the flip distribution's own mean 0 and variance sum d^2)."""
+    total = sum(diffs)
+    toward = direction * total > 0
+    res = sign_flip_test(diffs, max_work=POWER_SIM_EXACT_WORK, draws=1) if len(diffs) <= 24 else None
+    if res is not None and res["method"] == "exact":
+        primary = toward and res["p"] <= alpha
+    else:
+        ss = sum(d * d for d in diffs)
+        primary = toward and ss > 0 and math.erfc(abs(total) / math.sqrt(2.0 * ss)) <= alpha
+    wins = sum(1 for d in diffs if direction * d > 0)
+    losses = sum(1 for d in diffs if direction * d < 0)
+    return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
+
+
 def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
-                      tau: float, n_sim: int, seed: int) -> dict:
-    """Monte Carlo rejection rates of the three paired tests (see paired_power_repeats)."""
+                      tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
+    """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
+    direction of delta, with the study's clustering: per simulated study and task, a baseline
+    rate p0 + N(0, sd_base) and an effect delta + N(0, tau), both clamped to [0, 1]; then
+    `repeats` runs per arm (binomial_draw); then the tests over tasks.  random.Random(seed)."""
     rng = random.Random(seed)
-    z_a = statistics.NormalDist().inv_cdf(1.0 - alpha / 2.0)
     direction = 1.0 if delta > 0 else -1.0
-    hits = {"mean_diff_z": 0, "sign_test": 0, "mcnemar": 0}
+    hits = {"primary": 0, "sign_test": 0}
     for _ in range(n_sim):
         diffs = []
-        b = c = 0
         for _t in range(n_tasks):
-            d_t = delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)
-            p1_t = min(1.0, max(0.0, p0 + d_t))
-            s0 = s1 = 0
-            for _r in range(repeats):
-                y0 = rng.random() < p0
-                y1 = rng.random() < p1_t
-                s0 += y0
-                s1 += y1
-                if y1 and not y0:
-                    b += 1
-                elif y0 and not y1:
-                    c += 1
-            diffs.append((s1 - s0) / repeats)
-        m = math.fsum(diffs) / n_tasks
-        if n_tasks > 1:
-            var = math.fsum((d - m) ** 2 for d in diffs) / (n_tasks - 1)
-            if var > 0:
-                if direction * m / math.sqrt(var / n_tasks) > z_a:
-                    hits["mean_diff_z"] += 1
-            elif direction * m > 0:
-                hits["mean_diff_z"] += 1
-        wins = sum(1 for d in diffs if direction * d > 0)
-        losses = sum(1 for d in diffs if direction * d < 0)
-        if wins > losses and sign_test_two_sided(wins, losses) <= alpha:
-            hits["sign_test"] += 1
-        agree, against = (b, c) if direction > 0 else (c, b)
-        if agree > against and mcnemar_exact(b, c) <= alpha:
-            hits["mcnemar"] += 1
-    return {"studies": n_sim, "seed": seed, "repeats": repeats,
-            "power": {k: v / n_sim for k, v in hits.items()}}
+            b_t = min(1.0, max(0.0, p0 + (rng.gauss(0.0, sd_base) if sd_base > 0 else 0.0)))
+            a_t = min(1.0, max(0.0, b_t + delta + (rng.gauss(0.0, tau) if tau > 0 else 0.0)))
+            diffs.append(binomial_draw(rng, repeats, a_t) - binomial_draw(rng, repeats, b_t))
+        primary, sign = _simulated_rejects(diffs, alpha, direction)
+        hits["primary"] += primary
+        hits["sign_test"] += sign
+    power = {k: v / n_sim for k, v in hits.items()}
+    return {"studies": n_sim, "seed": seed, "repeats": repeats, "power": power,
+            "mc_se": math.sqrt(power["primary"] * (1.0 - power["primary"]) / n_sim)}
+
+
+#: Between-task standard deviations the power simulation assumes without a pilot to measure them
+#: (defaults, stated as such): of the baseline's success rate, and of the arm's effect.
+POWER_DEFAULT_SD_BASE = 0.2
+POWER_DEFAULT_TAU = 0.1
+
+
+def between_task_sd(cells: Sequence[tuple[int, int, int, int]], paired: bool) -> float | None:
+    """Between-task standard deviation of a success rate (paired=False: cells are (x, n, _, _)) or
+    of a difference of two (paired=True: (x_a, n_a, x_b, n_b)), from pilot counts per task.
+
+    The spread of the observed per-task values, less the binomial noise each carries: var_between
+    = max(0, s^2 - mean_t v_t), with v_t = p_t (1 - p_t) / (n_t - 1) per rate (unbiased for the
+    sampling variance p (1 - p) / n; the two rates' added for a difference).  A method-of-moments
+    estimate, as in a one-way random-effects model.  None with fewer than 3 tasks of at least 2
+    runs per side.  Reference: Searle, Casella & McCulloch, Variance Components (1992), ch. 3."""
+    vals, noise = [], []
+    for xa, na, xb, nb in cells:
+        if na < 2 or (paired and nb < 2):
+            continue
+        pa = xa / na
+        v = pa * (1.0 - pa) / (na - 1)
+        if paired:
+            pb = xb / nb
+            vals.append(pa - pb)
+            v += pb * (1.0 - pb) / (nb - 1)
+        else:
+            vals.append(pa)
+        noise.append(v)
+    if len(vals) < 3:
+        return None
+    m = math.fsum(vals) / len(vals)
+    s2 = math.fsum((x - m) ** 2 for x in vals) / (len(vals) - 1)
+    return math.sqrt(max(0.0, s2 - math.fsum(noise) / len(noise)))
+
+
+def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha: float = 0.05,
+                                power: float = 0.8, *, tau: float, sd_base: float,
+                                start: int, max_repeats: int = 1000, n_sim: int = 400,
+                                seed: int = 0) -> dict[str, Any]:
+    """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
+
+    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
+    (the normal approximation's answer), doubles while the simulated power falls short and
+    bisects back down to the smallest number of repeats that reaches it; None when even
+    `max_repeats` does not (more tasks are needed).  The power is a Monte Carlo estimate with
+    standard error `mc_se`, about 0.02 at 400 studies."""
+    cache: dict[int, dict] = {}
+
+    def sim(r: int) -> dict:
+        if r not in cache:
+            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+        return cache[r]
+
+    if sign_test_min_p(n_tasks) > alpha:
+        # Fewer tasks than any test over tasks needs: no number of repeats helps, nothing to run.
+        return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+                "repeats": None, "studies_per_point": 0, "seed": seed, "alpha": alpha, "tau": tau,
+                "sd_base": sd_base, "achieved_power": None, "mc_se": None, "sign_test_power": None,
+                "power_by_repeats": [],
+                "reason": f"with {n_tasks} task(s) the smallest p-value the test can give is "
+                          f"{sign_test_min_p(n_tasks):.4g} > alpha {alpha}"}
+    hi = max(1, min(int(start or 1), max_repeats))
+    while sim(hi)["power"]["primary"] < power and hi < max_repeats:
+        hi = min(max_repeats, hi * 2)
+    found = sim(hi)["power"]["primary"] >= power
+    lo = 0
+    while found and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sim(mid)["power"]["primary"] >= power:
+            hi = mid
+        else:
+            lo = mid
+    repeats = hi if found else None
+    return {"method": "simulation of the primary test (sign-flip over tasks) under clustering",
+            "repeats": repeats, "studies_per_point": n_sim, "seed": seed, "alpha": alpha,
+            "tau": tau, "sd_base": sd_base,
+            "achieved_power": sim(repeats)["power"]["primary"] if repeats else None,
+            "mc_se": sim(repeats)["mc_se"] if repeats else None,
+            "sign_test_power": sim(repeats)["power"]["sign_test"] if repeats else None,
+            "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
+                                  "sign_test_power": c["power"]["sign_test"]}
+                                 for r, c in sorted(cache.items())]}
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -10551,12 +11523,12 @@ def _power_notes(repeats: int | None, max_repeats: int, power: float, n_tasks: i
     elif repeats > max_repeats:
         notes.append(f"{repeats} repeats needed, above the cap of {max_repeats}")
     if n_tasks < sign_min_tasks:
-        notes.append(f"the exact sign test over tasks cannot reach p <= {alpha} with fewer than "
-                     f"{sign_min_tasks} tasks; rely on the bootstrap interval or McNemar "
-                     f"over pairs")
+        notes.append(f"no test over tasks (the primary sign-flip test or the sign test) can reach "
+                     f"p <= {alpha} with fewer than {sign_min_tasks} tasks, whatever the repeats; "
+                     f"add tasks")
     if n_tasks < 10:
-        notes.append("fewer than 10 tasks: the normal approximation is optimistic; "
-                     "check it by simulation with `assign --power-simulate 2000`")
+        notes.append("fewer than 10 tasks: the normal approximation is optimistic; read the "
+                     "simulated power of the primary test (`simulation`)")
     return notes
 
 
@@ -10579,8 +11551,9 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     t correction). If the denominator is not positive no number of repeats suffices: more tasks
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
-    recommended r reports the rejection rate of the mean-difference z-test, the exact sign test
-    over tasks, and the exact McNemar test over (task, repeat) pairs, in the direction of delta.
+    recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
+    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
     Raises AgentbenchError (exit 2) on arguments outside their ranges.
@@ -10778,6 +11751,10 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
 
 REPORT_SCHEMA = "agentbench-report/1"
+#: The primary test of every comparison (see sign_flip_test), as the plan and the report name it.
+REPORT_PRIMARY_TEST = "paired_sign_flip_over_tasks"
+#: Bootstrap resamples per interval unless the analysis plan says otherwise.
+REPORT_BOOTSTRAP_DRAWS = 10000
 USAGE_SCHEMA = "agentbench-usage/1"
 USAGE_GROUPINGS = ("kind", "arm", "task", "model", "status")
 
@@ -10962,11 +11939,14 @@ def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
 
 
 def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
-    """Each task's success rate over its evaluated runs, in the order of the task keys."""
-    per_task: dict[str, list[bool]] = {}
+    """Each task's success rate over its evaluated runs, in the order of the task keys (counted
+    per task: successes and runs, no list per run)."""
+    per_task: dict[str, list[int]] = {}
     for r in evaluated:
-        per_task.setdefault(str(r.get("_task", r.get("task"))), []).append(run_succeeded(r))
-    return [sum(v) / len(v) for _, v in sorted(per_task.items())]
+        cell = per_task.setdefault(str(r.get("_task", r.get("task"))), [0, 0])
+        cell[0] += run_succeeded(r)
+        cell[1] += 1
+    return [s / n for _, (s, n) in sorted(per_task.items())]
 
 
 def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
@@ -11027,7 +12007,7 @@ def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
     return reasons
 
 
-def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dict:
+def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0, draws: int = 10000) -> dict:
     """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
 
     Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
@@ -11036,12 +12016,13 @@ def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0) -> dic
     study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
     this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
     misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
-    itself.  Reference: Davison & Hinkley, Bootstrap Methods and their Application (1997), 3.8."""
+    itself.  `seed` is this arm's own stream (stream_seed).  Reference: Davison & Hinkley,
+    Bootstrap Methods and their Application (1997), 3.8."""
     started = [r for r in runs if r.get("status") != "not_started"]
     evaluated = [r for r in runs if run_evaluated(r)]
     successes = sum(1 for r in evaluated if run_succeeded(r))
     task_rates = _rpt_task_rates(evaluated)
-    task_ci = bootstrap_mean_diff_ci(task_rates, seed)
+    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
     ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
     outcomes: dict[str, int] = {}
     for r in started:
@@ -11130,35 +12111,54 @@ def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
     return out
 
 
+def _rpt_exact_mean(values: list[Any]) -> Any:
+    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order."""
+    return sum((fractions.Fraction(v) for v in values), fractions.Fraction(0)) / len(values)
+
+
+def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
+    its own stream of random numbers (used only past the exact enumeration)."""
+    res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
+    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
+
+
 def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed: int,
-                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool]) -> dict:
-    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the mean
-    over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks where
-    both arms have one, its seeded bootstrap 95% CI (as for success rates), and the counts of
-    tasks where the arm is higher / lower / equal with an exact two-sided sign test on them."""
-    per_task = []
+                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool],
+                       names: tuple[str, ...], draws: int = 10000, primary: bool = False) -> dict:
+    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
+    mean over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks
+    where both arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as
+    for success rates), the counts of tasks where the arm is higher / lower / equal with an
+    exact two-sided sign test on them (secondary), and with `primary` the primary sign-flip test.
+    `names` name the figure's random streams."""
+    per_task, exact = [], []
     higher = lower = equal = 0
     for task in tasks:
         va = [v for v in (value(r) for r in index.get((task, arm), []) if runs_of(r)) if v is not None]
         vb = [v for v in (value(r) for r in index.get((task, base), []) if runs_of(r)) if v is not None]
         if not va or not vb:
             continue
-        ma, mb = math.fsum(va) / len(va), math.fsum(vb) / len(vb)
-        diff = ma - mb
-        if abs(diff) <= 1e-12:
+        ma, mb = _rpt_exact_mean(va), _rpt_exact_mean(vb)
+        d = ma - mb
+        if d == 0:
             equal += 1
-            diff = 0.0
-        elif diff > 0:
+        elif d > 0:
             higher += 1
         else:
             lower += 1
-        per_task.append({"task": task, "arm": ma, "baseline": mb, "diff": diff,
+        exact.append(d)
+        per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
                          "arm_n": len(va), "baseline_n": len(vb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    return {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
-            "higher": higher, "lower": lower, "equal": equal,
-            "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
+           "se_cluster": cluster_se_of_mean(diffs),
+           "higher": higher, "lower": lower, "equal": equal,
+           "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    if primary:
+        out["primary"] = _rpt_primary(exact, seed, names)
+    return out
 
 
 def run_score(run: dict) -> float | None:
@@ -11175,14 +12175,21 @@ def _rpt_ended(run: dict) -> bool:
     return _rpt_pending(run) is None
 
 
-def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) -> dict:
+def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
+                 draws: int = 10000) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
-    apart, of the hidden-test score and of the cost per ended run)."""
-    per_task = []
+    apart, of the hidden-test score and of the cost per ended run).
+
+    Per task the difference of the two success rates, each over the runs that arm has on the
+    task (a missing repeat costs only itself; repeats are never paired by their index, which the
+    assignment shuffles).  Primary: the sign-flip test of the mean difference (`primary`; its
+    Holm adjustment is added over the family later).  Secondary, unadjusted: the sign test over
+    tasks and the task-clustered McNemar test.  Every random figure draws from its own stream,
+    named by the figure, the arm and the baseline (the two views of one figure share it: common
+    random numbers, so a difference between the views comes from the runs, not the draws)."""
+    per_task, exact, cells = [], [], []
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
-    mc = {"pairs": 0, "tasks_used": [], "tasks_skipped": [], "arm_only_success": 0,
-          "baseline_only_success": 0, "both_success": 0, "both_failure": 0}
     for task in tasks:
         ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
         rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
@@ -11196,41 +12203,20 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
             continue
         sa = sum(1 for r in ra if run_succeeded(r))
         sb = sum(1 for r in rb if run_succeeded(r))
-        # Compare the rates sa/len(ra) and sb/len(rb) exactly, by cross-multiplying.
-        lhs, rhs = sa * len(rb), sb * len(ra)
-        if lhs > rhs:
+        d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+        if d > 0:
             wins += 1
-        elif lhs < rhs:
+        elif d < 0:
             losses += 1
         else:
             ties += 1
+        exact.append(d)
+        cells.append((sa, len(ra), sb, len(rb)))
         per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
-                         "diff": sa / len(ra) - sb / len(rb) if lhs != rhs else 0.0,
-                         "arm_n": len(ra), "baseline_n": len(rb)})
-        # McNemar pairs runs with the same repeat index, on tasks where both arms have exactly
-        # the same set of evaluated repeat indices (a partial set would pair by accident).
-        reps_a = [r.get("repeat") for r in ra]
-        reps_b = [r.get("repeat") for r in rb]
-        if (None in reps_a or None in reps_b or len(set(reps_a)) != len(reps_a)
-                or len(set(reps_b)) != len(reps_b) or set(reps_a) != set(reps_b)):
-            mc["tasks_skipped"].append(task)
-            continue
-        mc["tasks_used"].append(task)
-        by_rep_b = {r.get("repeat"): run_succeeded(r) for r in rb}
-        for r in ra:
-            ya, yb = run_succeeded(r), by_rep_b[r.get("repeat")]
-            mc["pairs"] += 1
-            key = ("both_success" if ya and yb else "arm_only_success" if ya else
-                   "baseline_only_success" if yb else "both_failure")
-            mc[key] += 1
+                         "diff": float(d), "arm_n": len(ra), "baseline_n": len(rb)})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, seed)
-    mcnemar = None
-    if mc["pairs"]:
-        mc["p"] = mcnemar_exact(mc["arm_only_success"], mc["baseline_only_success"])
-        mcnemar = mc
-    elif mc["tasks_skipped"]:
-        mcnemar = {**mc, "p": None}
+    names = ("success", arm, base)
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
     return {
         "arm": arm, "baseline": base,
         "tasks_compared": len(per_task),
@@ -11239,17 +12225,25 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int) 
         "tasks_without_data": neither,
         "mean_diff": mean(diffs),
         "ci": list(ci) if ci else None,
+        "se_cluster": cluster_se_of_mean(diffs),
+        "primary": _rpt_primary(exact, seed, names),
         "wins": wins, "losses": losses, "ties": ties,
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
-        "mcnemar": mcnemar,
+        "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended),
+        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated,
+                                    ("score", arm, base), draws, primary=True),
+        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended,
+                                               ("cost", arm, base), draws),
     }
 
 
 def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
-              tasks: list[str], seed: int) -> dict:
+              tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
+              changed: frozenset[str] = frozenset()) -> dict:
+    """One view's per-arm figures, comparisons and per-task cells.  With `same_as` (another view
+    of the same study) the figures of every arm not in `changed`, and the comparisons where
+    neither side is, are that view's (copied): their runs are the same, so is every figure."""
     by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
     for r in runs:
@@ -11257,13 +12251,19 @@ def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str
     for r in left_out:
         out_by_arm[r["arm"]].append(r)
     index = _rpt_index(runs)
-    per_arm = {a: _rpt_arm_stats(by_arm[a], out_by_arm[a], seed) for a in arms}
-    comparisons = {a: _rpt_compare(index, a, base, tasks, seed) for a in arms if a != base}
+    per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
+                   _rpt_arm_stats(by_arm[a], out_by_arm[a],
+                                  stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
+               for a in arms}
+    comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
+                       if same_as and a not in changed and base not in changed
+                       else _rpt_compare(index, a, base, tasks, seed, draws))
+                   for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
             "per_task": _rpt_task_cells(index, arms, tasks)}
 
 
-def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
+def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
     notes = []
     for arm, st in view["per_arm"].items():
         if st["runs"] == 0:
@@ -11304,15 +12304,18 @@ def _rpt_view_notes(view: dict, base: str, label: str) -> list[str]:
             notes.append(f"{label}{arm} vs {base}: a single task, so the bootstrap interval is "
                          f"a point and says nothing about other tasks")
         informative = cmp["wins"] + cmp["losses"]
-        if 0 < informative and sign_test_min_p(informative) > 0.05:
-            notes.append(f"{label}{arm} vs {base}: with {informative} untied task(s) the exact "
-                         f"sign test cannot go below p = {sign_test_min_p(informative):.4g}")
+        if 0 < informative and sign_test_min_p(informative) > alpha:
+            notes.append(f"{label}{arm} vs {base}: with {informative} task(s) that differ, no test "
+                         f"over tasks (primary or sign test) can go below p = "
+                         f"{sign_test_min_p(informative):.4g}")
         if informative == 0:
-            notes.append(f"{label}{arm} vs {base}: every compared task is tied; sign test p = 1")
-        mc = cmp["mcnemar"]
-        if mc and mc["tasks_skipped"]:
-            notes.append(f"{label}{arm} vs {base}: McNemar skips {len(mc['tasks_skipped'])} "
-                         f"task(s) whose evaluated repeat indices differ between the arms")
+            notes.append(f"{label}{arm} vs {base}: every compared task is tied; the primary test's "
+                         f"p = 1")
+        for what, prim in (("success", cmp["primary"]), ("score", cmp["score"].get("primary") or {})):
+            if prim.get("method") == "monte_carlo":
+                notes.append(f"{label}{arm} vs {base}: too many distinct task differences in {what} "
+                             f"to enumerate every sign flip; its primary p is from {prim['draws']} "
+                             f"random flips (Monte Carlo standard error {prim['mc_se']:.2g})")
     return notes
 
 
@@ -11408,20 +12411,25 @@ def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
-def _rpt_holm_view(view: dict) -> dict:
-    """Holm-adjust, across the arms compared with the baseline, the sign-test p and (apart) the
-    McNemar p of a view; writes `sign_test_p_holm` and `mcnemar.p_holm` and returns the families."""
+def _rpt_holm_view(view: dict, alpha: float = 0.05) -> dict:
+    """Holm-adjust the primary p-values of a view over the pre-registered family, every arm
+    against the baseline: once for the success rate and once for the score.  An arm of the
+    family without a p (no task compared) counts in the family size as p = 1, so a missing
+    comparison never makes the others easier to reject.  Writes `primary.p_holm` and
+    `primary.reject`; returns the multiplicity record."""
     cmps = view["comparisons"]
-    sign = [a for a, c in cmps.items() if c.get("sign_test_p") is not None]
-    mcn = [a for a, c in cmps.items() if (c.get("mcnemar") or {}).get("p") is not None]
-    sign_adj = dict(zip(sign, holm_adjust([cmps[a]["sign_test_p"] for a in sign])))
-    mcn_adj = dict(zip(mcn, holm_adjust([cmps[a]["mcnemar"]["p"] for a in mcn])))
-    for a, c in cmps.items():
-        c["sign_test_p_holm"] = sign_adj.get(a)
-        if c.get("mcnemar"):
-            c["mcnemar"]["p_holm"] = mcn_adj.get(a)
-    families = {"sign_test": sign, "mcnemar": mcn}
-    view["multiplicity"] = {"method": "holm", "alpha": REPORT_ALPHA, "families": families}
+    family = list(cmps)
+    for outcome in ("success", "score"):
+        def prim(c: dict) -> dict:
+            return c["primary"] if outcome == "success" else c["score"]["primary"]
+        ps = [prim(cmps[a]).get("p") for a in family]
+        adj = holm_adjust([1.0 if p is None else p for p in ps])
+        for a, p, q in zip(family, ps, adj):
+            prim(cmps[a])["p_holm"] = q if p is not None else None
+            prim(cmps[a])["reject"] = p is not None and q is not None and q <= alpha
+    view["multiplicity"] = {"method": "holm", "alpha": alpha, "test": REPORT_PRIMARY_TEST,
+                            "families": {"success": family, "score": family},
+                            "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
     return view["multiplicity"]
 
 
@@ -11525,6 +12533,108 @@ def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dic
     return out
 
 
+# -- Report: the analysis plan --------------------------------------------------------------------
+# What `assign` fixes before any run (written into the manifest) and what the report does with it:
+# the analysis that follows the plan is the confirmatory one; one asked to differ is exploratory.
+
+PLAN_SCHEMA = "agentbench-analysis-plan/1"
+
+
+def analysis_plan(arms: Sequence[str], baseline: str, seed: int, alpha: float = REPORT_ALPHA,
+                  draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """The pre-registered analysis of a study with these arms: every arm against `baseline` on
+    the success rate and on the score, by the primary test, Holm over that family at `alpha`,
+    bootstrap intervals from `seed` with `draws` resamples."""
+    return {"schema": PLAN_SCHEMA, "baseline": str(baseline), "primary_test": REPORT_PRIMARY_TEST,
+            "outcomes": ["success", "score"],
+            "family": [str(a) for a in arms if str(a) != str(baseline)],
+            "multiplicity": "holm", "alpha": alpha,
+            "bootstrap": {"seed": int(seed), "draws": int(draws), "level": 0.95},
+            "secondary": ["sign_test", "clustered_mcnemar", "se_cluster"]}
+
+
+def plan_problems(plan: Any) -> list[str]:
+    """What makes a plan read from a manifest unusable, in words (empty: none).  A manifest is a
+    file: every field is checked before it steers the analysis."""
+    if not isinstance(plan, dict):
+        return ["the analysis plan is not an object"]
+    problems = []
+    if plan.get("schema") != PLAN_SCHEMA:
+        problems.append(f"unknown plan schema {plan.get('schema')!r}")
+    if not isinstance(plan.get("baseline"), str) or not plan.get("baseline"):
+        problems.append("the plan names no baseline")
+    fam = plan.get("family")
+    if not isinstance(fam, list) or not all(isinstance(a, str) for a in fam):
+        problems.append("the plan's family is not a list of arm names")
+    alpha = plan.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha < 0.5:
+        problems.append("the plan's alpha is not a number in (0, 0.5)")
+    boot = plan.get("bootstrap")
+    seed = boot.get("seed") if isinstance(boot, dict) else None
+    draws = boot.get("draws") if isinstance(boot, dict) else None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        problems.append("the plan's bootstrap seed is not an integer")
+    if isinstance(draws, bool) or not isinstance(draws, int) or not 100 <= draws <= 1_000_000:
+        problems.append("the plan's bootstrap draws are not an integer in [100, 1000000]")
+    return problems
+
+
+def report_analysis(plan: Any, source: str | None, arms: list[str], baseline: str | None,
+                    seed: int) -> dict[str, Any]:
+    """The analysis a report runs and how it stands to the study's plan.
+
+    `plan` is the one `assign` wrote (None: there is none; `source` says where it was read);
+    `baseline` and `seed` are what this report was asked for (None: the plan's baseline).
+    Returns the plan in force, `pre_registered` (a valid plan was found), `exploratory` (this
+    analysis differs from it) with the `deviations` in words, and the baseline, seed, alpha
+    and bootstrap draws to use."""
+    problems = plan_problems(plan) if plan is not None else []
+    valid = plan is not None and not problems
+    if valid:
+        base = baseline if baseline is not None else plan["baseline"]
+        deviations = []
+        if base != plan["baseline"]:
+            deviations.append(f"baseline {base} instead of the plan's {plan['baseline']}")
+        if plan["baseline"] not in arms:
+            base = baseline if baseline is not None else arms[0]
+            deviations.append(f"the plan's baseline {plan['baseline']} is not an arm of the study")
+        family = [a for a in arms if a != base]
+        if plan["primary_test"] != REPORT_PRIMARY_TEST:
+            deviations.append(f"primary test {REPORT_PRIMARY_TEST} instead of the plan's "
+                              f"{plan['primary_test']}")
+        if base == plan["baseline"] and sorted(family) != sorted(plan["family"]):
+            deviations.append(f"the family is {', '.join(family) or 'empty'} against {base}; the "
+                              f"plan's was {', '.join(plan['family']) or 'empty'}")
+        if seed != plan["bootstrap"]["seed"]:
+            deviations.append(f"bootstrap seed {seed} instead of the plan's {plan['bootstrap']['seed']}")
+        return {"plan": plan, "source": source, "pre_registered": True,
+                "exploratory": bool(deviations), "deviations": deviations, "baseline": base,
+                "seed": seed, "alpha": float(plan["alpha"]), "draws": plan["bootstrap"]["draws"],
+                "plan_problems": []}
+    base = baseline if baseline is not None else (arms[0] if arms else None)
+    deviations = [f"the manifest's plan is unusable ({'; '.join(problems)})"] if problems else []
+    return {"plan": analysis_plan(arms, base, seed) if base is not None else None, "source": None,
+            "pre_registered": False, "exploratory": bool(problems), "deviations": deviations,
+            "baseline": base, "seed": seed, "alpha": REPORT_ALPHA, "draws": REPORT_BOOTSTRAP_DRAWS,
+            "plan_problems": problems}
+
+
+def _rpt_analysis_note(analysis: dict) -> str:
+    """The note that says which analysis this is: the pre-registered one, or exploratory, or one
+    without a plan."""
+    if analysis["exploratory"]:
+        return ("EXPLORATORY: this analysis differs from the study's pre-registered plan ("
+                + "; ".join(analysis["deviations"]) + "); its p-values do not carry the plan's "
+                "error control: treat any finding as a lead to test in a new study")
+    if analysis["pre_registered"]:
+        return (f"pre-registered: the analysis follows the plan `assign` wrote into the manifest "
+                f"({analysis['source']}): every arm against {analysis['baseline']}, primary test "
+                f"{REPORT_PRIMARY_TEST}, Holm at alpha {analysis['alpha']}")
+    return ("not pre-registered: the manifest holds no analysis plan (a study assigned before "
+            "plans were written, or runs made without `assign`); the report follows the default "
+            "plan, fixed in advance by agentbench, but nobody fixed it for this study")
+
+
 def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
     """The arms to report on (the study's, else those seen in the runs in first-seen order) and
     the baseline (default the first); AgentbenchError when there are none or the baseline is not
@@ -11544,16 +12654,21 @@ def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[
 
 
 def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
-               tasks: list[str], seed: int) -> dict[str, dict]:
+               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
+               draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
     Holm-adjusted p-values."""
-    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed)}
-    # With nothing excluded the two views have the same input: computed once, copied.
+    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed, draws)}
+    # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
+    # only what an exclusion touches is computed again (the arms with excluded runs and the
+    # comparisons with such an arm on either side).
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
-                             else _rpt_view(known, [], arms, base, tasks, seed))
+                             else _rpt_view(known, [], arms, base, tasks, seed, draws,
+                                            same_as=views["exclusions_applied"],
+                                            changed=frozenset(r["arm"] for r in excluded)))
     for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
         _rpt_flag_view(views[name], view_runs)
-        _rpt_holm_view(views[name])
+        _rpt_holm_view(views[name], alpha)
     return views
 
 
@@ -11596,6 +12711,19 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
         notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
+    opened = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+              and "open" in ((r.get("sandbox") or {}).get("networks") or [])]
+    if opened:
+        why = sorted({w for r in opened for w in (r.get("sandbox") or {}).get("network_opened") or []})
+        notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
+                     f"reach every listening port of the host and other sessions that had it too"
+                     + (f" ({'; '.join(why)})" if why else ""))
+    bare = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
+            and (r.get("sandbox") or {}).get("unfiltered")]
+    if bare:
+        why = sorted({w for r in bare for w in (r.get("sandbox") or {}).get("unfiltered") or []})
+        notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
+                     f"their processes could inspect others as the host allows ({'; '.join(why)})")
     if est:
         notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
@@ -11603,16 +12731,19 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
 
 
 def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
-    """The note that p-values are Holm-adjusted, when a family holds more than one arm."""
-    if len(families["sign_test"]) > 1 or len(families["mcnemar"]) > 1:
-        return (f"multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                f"with {base} (sign test family: {', '.join(families['sign_test']) or 'none'}; "
-                f"McNemar family: {', '.join(families['mcnemar']) or 'none'}); read the adjusted "
-                f"columns before calling a difference significant")
+    """The note that the primary p-values are Holm-adjusted, when the family holds more than one
+    arm."""
+    fam = families.get("success") or []
+    if len(fam) > 1:
+        return (f"multiple comparisons: the primary p-values are Holm-adjusted over the family of "
+                f"every arm against {base} ({', '.join(fam)}), once for the success rate and once "
+                f"for the score; read the adjusted column before calling a difference significant. "
+                f"The sign test and the clustered McNemar test are secondary and not adjusted")
     return None
 
 
-def _rpt_methods(seed: int) -> dict[str, Any]:
+def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
+                 alpha: float = REPORT_ALPHA) -> dict[str, Any]:
     """The report's `methods`: how each figure is computed, in words."""
     return {
         "success_rate": "successes / evaluated runs of the view; 95% Wilson score interval "
@@ -11621,22 +12752,41 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
                         "task_success_rate gives that one)",
         "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
                              "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
-                             "repeats cluster in), 10000 resamples, "
-                             f"random.Random({seed}); it sees only how tasks differ, so with "
+                             f"repeats cluster in), {draws} resamples, each arm on its own stream "
+                             f"seeded from {seed} and its name (both views of the arm share it); "
+                             "it sees only how tasks differ, so with "
                              "few tasks, or tasks that scored alike, it is too narrow: read it "
                              "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
+        "primary_test": "for each arm against the baseline, per task the arm's success rate minus "
+                        "the baseline's, each over the runs that arm has on the task (a missing "
+                        "repeat costs only itself; repeats are never paired by index); the mean of "
+                        "those differences tested by an exact paired permutation (sign-flip) test "
+                        "over tasks: p is the share of the 2^n ways of flipping the signs of the n "
+                        "task differences whose |sum| is at least the observed one, all of them "
+                        f"counted exactly, or beyond {PERM_EXACT_WORK} enumeration steps {PERM_DRAWS} "
+                        "seeded random flips with their Monte Carlo standard error; the same for "
+                        "the mean hidden-test score (Fisher 1935; Good 2005, sec. 3.1)",
+        "null_hypothesis": "within each task the two arms are exchangeable: each task's difference "
+                           "is as likely to have either sign, whatever the tasks' difficulty or "
+                           "how the effect varies between tasks",
+        "paired_difference": "mean over tasks where both arms have data of the per-task "
+                             "differences; 95% percentile bootstrap over tasks, "
+                             f"{draws} resamples, on its own stream (seed {seed}, the figure and "
+                             "the arms; both views of a figure share it); se_cluster: the "
+                             "cluster-robust standard error of that mean over tasks, "
+                             "sqrt(sum (d - mean)^2 / (K (K - 1))) (Cameron & Miller 2015)",
         "paired_score_and_cost": "as paired_difference, on the mean hidden-test score of evaluated "
                                  "runs and on the mean cost of ended runs; higher/lower/equal tasks "
-                                 "with an exact two-sided sign test",
-        "paired_difference": "per task: arm success rate minus baseline success rate over the "
-                             "task's evaluated runs; mean over tasks where both arms have data; "
-                             "95% percentile bootstrap over tasks, 10000 resamples, "
-                             f"random.Random({seed})",
-        "sign_test": "exact two-sided binomial sign test over tasks, ties dropped",
-        "mcnemar": "exact conditional McNemar over (task, repeat) pairs, on tasks where both "
-                   "arms have the same evaluated repeat indices",
+                                 "with an exact two-sided sign test (secondary); the cost has no "
+                                 "primary test",
+        "sign_test": "secondary, not adjusted: exact two-sided binomial sign test over tasks, ties "
+                     "dropped",
+        "clustered_mcnemar": "secondary, not adjusted: McNemar's test for paired proportions with "
+                             "runs clustered in tasks (Obuchowski, Statistics in Medicine 17:1495, "
+                             "1998): pooled success rates of the two arms on the compared tasks, "
+                             "their variance and covariance from the task totals, chi-square 1 df",
         "wall_time": "per run: from its start to its evaluation, without the time it waited for a "
                      "parallel slot or in a Slurm queue (recorded apart as queued_s); median over "
                      "runs",
@@ -11649,10 +12799,15 @@ def _rpt_methods(seed: int) -> dict[str, Any]:
         "differential_exclusions": "per arm, ended runs excluded vs kept against the baseline's, "
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
                                    f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
-        "multiplicity": "Holm step-down adjustment across the arms compared with the baseline, "
-                        "one family for the sign tests and one for the McNemar tests of the "
-                        f"success comparison (family-wise error rate {REPORT_ALPHA}); the score "
-                        "and cost comparisons are not adjusted",
+        "multiplicity": "Holm step-down adjustment of the primary p-values over the pre-registered "
+                        "family, every arm against the baseline, once for the success rate and "
+                        f"once for the score (family-wise error rate {alpha}; an arm without a "
+                        "compared task counts as p = 1); secondary tests and the cost are not "
+                        "adjusted",
+        "analysis_plan": "`assign` writes the plan (baseline, primary test, family, alpha, "
+                         "bootstrap seed and draws) into the manifest before any run; the report "
+                         "follows it, and an analysis asked to differ from it (another baseline or "
+                         "seed) is labelled exploratory",
     }
 
 
@@ -11705,7 +12860,7 @@ def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False) -> dict:
+                 include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict (SPEC 10).
 
     `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
@@ -11717,9 +12872,13 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     runs of the view; every other run is counted under an explicit key (not_started, running,
     not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
     words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use random.Random(seed), so the report is reproducible.
+    bootstrap intervals use streams seeded from `seed`, so the report is reproducible.
+    `plan` is the analysis plan `assign` wrote (read from `plan_source`); `analysis` says whether
+    this report follows it or is exploratory (see report_analysis).
     """
-    arms, base = _rpt_arms(runs, arms, baseline)
+    arms, _ = _rpt_arms(runs, arms, None)
+    analysis = report_analysis(plan, plan_source, arms, baseline, seed)
+    arms, base = _rpt_arms(runs, arms, analysis["baseline"])
     known, unknown = [], []
     for r in runs:
         (known if str(r.get("arm")) in arms else unknown).append(r)
@@ -11729,7 +12888,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     tasks = sorted({r["_task"] for r in known})
     excluded = [r for r in known if run_excluded(r)]
     kept = [r for r in known if not run_excluded(r)]
-    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed)
+    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed, analysis["alpha"],
+                       analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(known, arms)
@@ -11738,9 +12898,9 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     warnings = [warning] if warning else []
     rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
     est = [r for r in known if r.get("cost_estimated")]
-    notes = list(warnings)
+    notes = list(warnings) + [_rpt_analysis_note(analysis)]
     notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
-    notes.extend(_rpt_view_notes(views[primary], base, ""))
+    notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
     if multiplicity:
@@ -11753,6 +12913,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
         "arms": arms,
         "baseline": base,
         "seed": seed,
+        "analysis": analysis,
+        "exploratory": analysis["exploratory"],
         "primary_view": primary,
         "tasks": tasks,
         "per_arm": views[primary]["per_arm"],
@@ -11775,7 +12937,7 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
-        "methods": _rpt_methods(seed),
+        "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
         "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
     }
 
@@ -11950,45 +13112,75 @@ def _rpt_review_table(report: dict) -> ReportTable:
              "Gate cycles", "Failure reasons"], rows)
 
 
+def _fmt_primary(prim: dict | None) -> str:
+    """A primary p-value, marked ~ with its standard error when it is a Monte Carlo estimate."""
+    if not prim or prim.get("p") is None:
+        return "-"
+    if prim.get("method") == "monte_carlo":
+        return f"~{fmt_p(prim['p'])} (MC se {prim['mc_se']:.1g})"
+    return fmt_p(prim["p"])
+
+
+def _fmt_se(se: float | None, digits: int = 3) -> str:
+    return "-" if se is None else f"{se:.{digits}f}"
+
+
+def _rpt_analysis_line(report: dict) -> str:
+    """One sentence on the analysis: pre-registered, exploratory, or without a plan."""
+    an = report.get("analysis") or {}
+    if an.get("exploratory"):
+        return ("EXPLORATORY analysis: it differs from the study's pre-registered plan ("
+                + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
+                "error control.")
+    if an.get("pre_registered"):
+        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+                f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
+                f"{an.get('alpha')}.")
+    return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
+            "followed.")
+
+
 def _rpt_comparison_table(report: dict) -> ReportTable:
-    """The paired success comparisons against the baseline, with their Holm-adjusted p-values."""
+    """The paired success comparisons against the baseline: the primary test with its Holm
+    adjustment over the family, then the secondary figures (unadjusted)."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
-        mc = c["mcnemar"]
-        mc_txt = "-" if not mc or mc.get("p") is None else (
-            f"{mc['arm_only_success']}/{mc['baseline_only_success']} of {mc['pairs']} pairs, "
-            f"p {fmt_p(mc['p'])}")
+        mc = c.get("clustered_mcnemar") or {}
+        prim = c.get("primary") or {}
         fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
-                     _fmt_diff_ci(c["ci"]), f"{c['wins']}/{c['losses']}/{c['ties']}",
-                     fmt_p(c["sign_test_p"]), mc_txt, fmt_p(c.get("sign_test_p_holm")),
-                     fmt_p((mc or {}).get("p_holm")),
+                     _fmt_diff_ci(c["ci"]), _fmt_se(c.get("se_cluster")), _fmt_primary(prim),
+                     fmt_p(prim.get("p_holm")), f"{c['wins']}/{c['losses']}/{c['ties']}",
+                     fmt_p(c["sign_test_p"]), fmt_p(mc.get("p")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
     fam = (report.get("multiplicity") or {}).get("families") or {}
     return (f"Paired comparison against {base} (over tasks)",
-            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "W/L/T",
-             "Sign test p", "McNemar (arm-only/base-only, p)",
-             f"Sign test p, Holm over {len(fam.get('sign_test') or [])} arm(s)",
-             f"McNemar p, Holm over {len(fam.get('mcnemar') or [])} arm(s)",
+            ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "SE (clustered)",
+             "Primary p (sign-flip)",
+             f"Primary p, Holm over {len(fam.get('success') or [])} arm(s)", "W/L/T",
+             "Sign test p (secondary)", "Clustered McNemar p (secondary)",
              "Flagged runs (arm/base)"], rows)
 
 
 def _rpt_score_cost_table(report: dict) -> ReportTable:
-    """The paired score and cost-per-run comparisons against the baseline."""
+    """The paired score (with its primary test) and cost-per-run comparisons against the baseline."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
+        prim = sc.get("primary") or {}
         rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
                      ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
-                     _fmt_num_ci(sc["ci"], 3), f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
+                     _fmt_num_ci(sc["ci"], 3), _fmt_primary(prim), fmt_p(prim.get("p_holm")),
+                     f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
                      fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
                      _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
                      f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
     return (f"Paired score and cost against {base} (over tasks)",
-            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "H/L/E", "Sign test p",
-             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p"], rows)
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "Primary p (sign-flip)",
+             "Primary p, Holm", "H/L/E", "Sign test p (secondary)",
+             "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p (secondary)"], rows)
 
 
 def _rpt_task_table(report: dict) -> ReportTable:
@@ -12076,6 +13268,8 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    parts += ["", (f"> **{_md_cell(_rpt_analysis_line(report))}**"
+                   if report.get("exploratory") else _md_cell(_rpt_analysis_line(report)))]
     for w in report.get("warnings") or []:
         parts += ["", f"> **Warning:** {_md_cell(w)}"]
     for title, headers, rows in _rpt_tables(report):
@@ -12424,6 +13618,9 @@ def render_report_html(report: dict, extra: str = "") -> str:
              f'{html.escape(fmt_usd(tot["cost_usd"], tot["cost_estimated_usd"] > 0))}'
              f'{" (simulated: a rehearsal, nothing billed)" if tot.get("rehearsed_runs") else ""}; '
              f'bootstrap seed {html.escape(str(report["seed"]))}.</p>',
+             (f'<div class="warning exploratory" role="alert"><strong>'
+              f'{html.escape(_rpt_analysis_line(report))}</strong></div>' if report.get("exploratory")
+              else f'<p class="meta analysis">{html.escape(_rpt_analysis_line(report))}</p>'),
              *[f'<div class="warning" role="alert"><strong>Warning:</strong> {html.escape(w)}</div>'
                for w in report.get("warnings") or []],
              '<div class="charts">',
@@ -12569,18 +13766,21 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
 
 
 def _page_read_stream(path: Path) -> list[bytes]:
-    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines)."""
-    out, total = [], 0
+    """Up to PAGE_STREAM_BYTES of a raw stream, whole lines (a missing file is no lines).  Read
+    without following a link or opening a FIFO, and never more than that many bytes (a link to
+    /dev/zero in its place would be one endless line)."""
     try:
-        with open(path, "rb") as fh:
-            for line in fh:
-                total += len(line)
-                if total > PAGE_STREAM_BYTES:
-                    break
-                out.append(line)
+        opened = open_regular(path)
+        if opened is None:
+            return []
+        with os.fdopen(opened[0], "rb") as fh:
+            data = fh.read(PAGE_STREAM_BYTES + 1)
     except OSError:
-        pass
-    return out
+        return []
+    lines = data.splitlines(keepends=True)
+    if len(data) > PAGE_STREAM_BYTES and lines:
+        lines.pop()          # the cut one
+    return lines
 
 
 def _page_tree(root: Path) -> dict[str, Path]:
@@ -13064,7 +14264,7 @@ def write_report_pages(paths: StudyPaths, report: dict, runs: list[dict], out_di
 # overrides replace them (e.g. to provoke --max-budget-usd).
 
 SCRIPT_MARKER_RE = re.compile(r"\[agentbench-script:([A-Za-z0-9_.\-]+)\]")
-SCRIPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SCRIPT_ID_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 SCRIPT_FAULTS = ("429", "529", "overloaded", "prompt_too_long", "500", "hang", "cut", "malformed")
 USAGE_OVERRIDE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
                        "cache_read_input_tokens",
@@ -13666,7 +14866,7 @@ class ScriptedModelServer:
     # -- scripts -----------------------------------------------------------------------------------
     def add_script(self, script_id: str, script: dict) -> None:
         """Register a script in memory (wins over a file of the same id)."""
-        if not SCRIPT_ID_RE.match(script_id or ""):
+        if not SCRIPT_ID_RE.fullmatch(script_id or ""):
             raise AgentbenchError("bad script id", code="bad_script_id",
                                   script=script_id, allowed="[A-Za-z0-9_.-]+")
         validate_script(script, script_id)
@@ -13682,7 +14882,7 @@ class ScriptedModelServer:
             script = self._scripts.get(script_id)
         if script is not None:
             return script
-        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id):
+        if self.scripts_dir is None or not SCRIPT_ID_RE.fullmatch(script_id):
             return None
         path = self.scripts_dir / f"{script_id}.json"
         try:
@@ -13696,7 +14896,7 @@ class ScriptedModelServer:
 
     def script_problem(self, script_id: str) -> str:
         """Why get_script() found no script for this id, in words (for the error answer)."""
-        if self.scripts_dir is None or not SCRIPT_ID_RE.match(script_id or ""):
+        if self.scripts_dir is None or not SCRIPT_ID_RE.fullmatch(script_id or ""):
             return "no such script registered"
         path = self.scripts_dir / f"{script_id}.json"
         try:
@@ -14352,6 +15552,92 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+    """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
+    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
+    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
+    gives an unusable plan, which the report labels as such."""
+    mdir = paths.state / "manifests"
+    names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
+    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if name is None:
+        return None, None
+    source = f"manifest of split {name[:-len('.json')]}"
+    try:
+        doc = read_json(mdir / name)
+    except AgentbenchError:
+        return {"schema": None}, source
+    if not isinstance(doc, dict) or "analysis_plan" not in doc:
+        return None, None
+    return doc["analysis_plan"], source
+
+
+def pilot_clustering(study: Study, split: str) -> dict[str, Any]:
+    """Between-task standard deviations for the power simulation, from the study's pilot: the
+    evaluated real runs of other splits (not rehearsed).  Of the baseline's (the first arm's) rate,
+    and of each other arm's difference from it, pooled as the root mean square over the arms.
+    Where the pilot cannot say (fewer than 3 tasks with 2 evaluated runs per side) the stated
+    defaults stand.  The rehearsal is not used: its outcomes are scripted, so how its tasks
+    differ says nothing about the real agent."""
+    arms = list(study.arms)
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r in report_runs(study.paths, write=False):
+        if (r.get("split") != split and r.get("status") == "finished" and run_evaluated(r)
+                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
+            cell = counts.setdefault((str(r.get("task")), str(r["arm"])), [0, 0])
+            cell[0] += run_succeeded(r)
+            cell[1] += 1
+    base = arms[0]
+    tasks = sorted({t for t, _ in counts})
+    sd_base = between_task_sd([(*counts[(t, base)], 0, 0) for t in tasks if (t, base) in counts],
+                              paired=False)
+    taus = []
+    for arm in arms[1:]:
+        tau = between_task_sd([(*counts[(t, arm)], *counts[(t, base)]) for t in tasks
+                               if (t, arm) in counts and (t, base) in counts], paired=True)
+        if tau is not None:
+            taus.append(tau)
+    pilot_runs = sum(n for _, n in counts.values())
+    return {"sd_base": sd_base if sd_base is not None else POWER_DEFAULT_SD_BASE,
+            "sd_base_basis": "pilot" if sd_base is not None else "default",
+            "tau": math.sqrt(math.fsum(t * t for t in taus) / len(taus)) if taus else POWER_DEFAULT_TAU,
+            "tau_basis": "pilot" if taus else "default", "pilot_runs": pilot_runs}
+
+
+def assign_power(study: Study, split: str, delta: float, p_base: float, seed: int) -> dict[str, Any]:
+    """For `assign --power-delta`: the repeats at which the primary test reaches 80% power, by
+    simulation under the study's clustering (pilot_clustering), at alpha / m for a family of m
+    comparisons (the first step of Holm's procedure: a conservative bound); the normal
+    approximation beside it, as the search's starting point and a check."""
+    arms = list(study.arms)
+    family = max(1, len(arms) - 1)
+    alpha = REPORT_ALPHA / family
+    clus = pilot_clustering(study, split)
+    power = paired_power_repeats(p_base, delta, len(study.tasks), alpha, tau=clus["tau"])
+    start = power["repeats"] or power["max_repeats"]
+    sim = primary_power_by_simulation(p_base, delta, len(study.tasks), alpha, power["power"],
+                                      tau=clus["tau"], sd_base=clus["sd_base"], start=start,
+                                      max_repeats=power["max_repeats"], seed=seed)
+    notes = list(power["notes"])
+    defaults = [k for k in ("sd_base", "tau") if clus[f"{k}_basis"] == "default"]
+    if defaults:
+        notes.append(f"no pilot to measure how tasks differ: the simulation assumes the default "
+                     f"between-task sd of the baseline rate {POWER_DEFAULT_SD_BASE} and of the "
+                     f"effect {POWER_DEFAULT_TAU} (run a pilot split, e.g. `assign --split pilot`, "
+                     f"to measure them)")
+    if family > 1:
+        notes.append(f"alpha {REPORT_ALPHA} over a family of {family} comparisons: each is planned at "
+                     f"{alpha:.4g}, Holm's first step (conservative)")
+    if sim["repeats"] is None:
+        notes.append(f"even {power['max_repeats']} repeats do not give the primary test power "
+                     f"{power['power']} with {len(study.tasks)} tasks: add tasks")
+    return {**power, "repeats_normal_approximation": power["repeats"], "repeats": sim["repeats"],
+            "feasible": sim["repeats"] is not None,
+            "runs_per_arm": sim["repeats"] * len(study.tasks) if sim["repeats"] else None,
+            "achieved_power": sim["achieved_power"], "family_size": family,
+            "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
                 split: str) -> dict[str, Any]:
     """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
@@ -14374,7 +15660,8 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
 
     out = {"repeats": repeats,
            "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"]),
+                                                                      power["alpha"], power["power"],
+                                                                      power["tau"]),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -14387,7 +15674,7 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
 def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int | None = None,
                 seed: int | None = None, reassign: bool = False, faults: Sequence[str] = (),
                 power_delta: float | None = None, power_base: float = POWER_BASE_DEFAULT,
-                force: bool = False, power_simulate: int = 0) -> dict[str, Any]:
+                force: bool = False) -> dict[str, Any]:
     """`assign`: the randomized, paired, blocked manifest of tasks x arms x repeats (defaults: the
     study's `repeats` and `seed`), its runs registered; `faults` are RUN_ID=FAULT specs for runs
     not started; `power_delta` adds a power estimate and its cost plan."""
@@ -14402,11 +15689,13 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
         if not 0 < power_delta < 1 or not 0 <= power_base <= 1:
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
-        power = paired_power_repeats(power_base, power_delta, len(tasks), simulate=power_simulate,
-                                     seed=seed)
+        power = assign_power(study, split, power_delta, power_base, seed)
         power["plan"] = assign_plan(study, repeats, power, power_base, split)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
-    data = manifest_bytes(manifest, seed, split)
+    # The analysis is fixed with the assignment, before any run: the study's first arm is the
+    # baseline, every other arm is compared with it (see analysis_plan).
+    plan = analysis_plan(list(arms), list(arms)[0], seed)
+    data = manifest_bytes(manifest, seed, split, plan)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -14421,6 +15710,10 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                               hint="run `calibrate` first (or pass --force to assign anyway)")
     mpath = paths.state / "manifests" / f"{split}.json"
     existing = mpath.read_bytes() if mpath.exists() else None
+    if existing is not None and existing == manifest_bytes(manifest, seed, split):
+        # The same assignment, written before manifests held a plan: kept as it is.  A plan added
+        # now, after runs may have been seen, would not be a pre-registration.
+        data = existing
     with RegistryLock(paths.lock, host.platform):
         if existing is not None and existing != data:
             if not reassign:
@@ -14462,6 +15755,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             "arms": sorted(arms),
             "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
             "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
+            "analysis_plan": json.loads(data).get("analysis_plan"),
             "faults": dict(applied)}
 
 
@@ -15900,7 +17194,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
 FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
-                   "limit": (0, 1_000_000), "simulate": (0, 100_000)}
+                   "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
 
@@ -16030,6 +17324,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     sandbox_mode = sandbox_default()
     study_cfg: dict[str, Any] = {}
     study_error = None
+    open_arms: list[str] = []
     try:
         paths = ctx.study(args)
         study = str(paths.root)
@@ -16039,6 +17334,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         cfg_binary = study_cfg.get("binary")
         executor = str(study_cfg.get("executor") or "local")
         sandbox_mode = sandbox_mode_of(study_cfg)
+        open_arms = list(study_cfg.get("network_open_arms") or [])
         readded = sorted(k for k in (study_cfg.get("env") or {})
                          if k in ENV_DROP_EXACT or k.startswith(ENV_DROP_PREFIXES))
         if readded:
@@ -16093,8 +17389,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                         + str(probe["reason"]))
     elif kind == "none" and sandbox_mode == "auto":
         warnings.append("sessions and checks will run unsandboxed here: " + str(probe["reason"]))
+    view = sandbox_view(binary, ctx.env)
+    if kind == "bwrap" and view["seccomp"]["arch"] is None:
+        warnings.append("sandboxed processes run without the seccomp filter here: "
+                        + str(view["seccomp"]["reason"]))
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
-               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host"}
+               "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
+               "view": view, "network_open_arms": open_arms}
     git = shutil.which("git")
     git_version = None
     if git:
@@ -16512,9 +17813,6 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
                    help="estimate repeats to detect this success-rate difference")
     p.add_argument("--power-base", type=finite_float, default=POWER_BASE_DEFAULT,
                    help="baseline success rate for --power-delta")
-    p.add_argument("--power-simulate", type=bounded_int("simulate"), default=0, metavar="N",
-                   help="with --power-delta: also simulate N studies (seeded) at the recommended repeats "
-                        "and report each test's power")
     p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
 
 
@@ -16524,8 +17822,7 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
                        seed=args.seed, reassign=args.reassign, faults=args.fault,
-                       power_delta=args.power_delta, power_base=args.power_base, force=args.force,
-                       power_simulate=args.power_simulate)
+                       power_delta=args.power_delta, power_base=args.power_base, force=args.force)
 
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
@@ -16699,11 +17996,14 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="json", choices=["json", "md", "html"],
                    help="json (default: the report is the answer), md (at a terminal the Markdown "
                         "itself, else under `markdown`) or html (a page, written to a file)")
-    p.add_argument("--baseline", help="the arm every other arm is compared with (default: the first arm)")
+    p.add_argument("--baseline", help="compare every arm with this one (default: the analysis plan's; "
+                                      "another makes the analysis exploratory)")
     p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
                                  "with --format html, a path ending in / (or an existing directory) gets a "
                                  "directory: index.html and one page per run under runs/")
-    p.add_argument("--seed", type=int, default=None, help="bootstrap seed (default: the study seed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="bootstrap seed (default: the analysis plan's, else the study seed; another "
+                        "makes the analysis exploratory)")
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
@@ -16718,9 +18018,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The report views come from the runs summary (a cache checked against every record's stamp);
     # the run pages below read the records themselves.
     runs = report_runs(paths, write=not ctx.is_child)
-    seed = args.seed if args.seed is not None else int(cfg.get("seed") or 0)
+    plan, plan_source = analysis_plan_of_study(paths)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if args.seed is not None:
+        seed = args.seed
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
     with gc_paused():
-        report = build_report(runs, arms, baseline=args.baseline, seed=seed)
+        report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
+                              plan_source=plan_source)
     report["arm_changes"] = arm_changes(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None

@@ -60,7 +60,9 @@ def main() -> int:
             out: dict = {"repeat": args.repeat}
             for name, step in (("short", {"text": "ok"}), ("long", {"text": "working", "tool_uses": many})):
                 srv.add_script(name, {"steps": [dict(step, loop=True)]})
-                body = json.dumps({"model": "claude-opus-4-5", "max_tokens": 1000, "stream": True,
+                # max_tokens covers the long answer's output (the gateway cuts an answer billed past
+                # its bound, and the scripted model does not stop at max_tokens).
+                body = json.dumps({"model": "claude-opus-4-5", "max_tokens": 32000, "stream": True,
                                    "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
                                    "messages": [{"role": "user", "content": f"go [agentbench-script:{name}]"}]}).encode()
                 direct, via, events = [], [], 0

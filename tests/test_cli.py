@@ -521,6 +521,8 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
         "demo": ["demo", "--dir", str(tmp_path / "demo")],
         "tick": ["tick", "--study", s],
         "expire": ["expire", "--study", s, "--base", "b"],
+        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path / "harbor-task"),
+                         "--tasks", str(study / "tasks")],
         "_drive": ["_drive", "--study", s],
         "_supervise": ["_supervise", "--study", s, "--job", "j000001"],
     }
@@ -534,7 +536,7 @@ def test_every_mutating_command_is_covered_by_the_child_refusal_test(study, tmp_
 @pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "new-task", "import-tasks",
                                   "assign",
                                   "gate", "review", "evaluate", "run", "rehearse", "demo", "tick",
-                                  "expire", "_drive", "_supervise"])
+                                  "expire", "import-tasks", "_drive", "_supervise"])
 def test_child_marker_refuses_mutating_commands(name, study, tmp_path, monkeypatch):
     argv = _child_refusal_cases(study, tmp_path)[name]
     before = tree_snapshot(study)

@@ -103,6 +103,27 @@ def test_a_link_to_the_reference_stays_a_link_and_a_reviewer_copy_drops_it(hosti
     assert regular_files_with(keep, marker) == [] and regular_files_with(review, marker) == []
 
 
+def test_no_chain_of_links_leads_out_of_a_reviewer_copy(tmp_path):
+    """`l -> .` stays in; `esc -> l/x/../..` looks inside as text (l/x/.. is l, l/.. is .) but the
+    kernel resolves `l` first and climbs out of the tree.  Only links without `..` are kept."""
+    ws = tmp_path / "ws"
+    (ws / "x").mkdir(parents=True)
+    (tmp_path / "secret.txt").write_text("outside the work\n")
+    (ws / "l").symlink_to(".")
+    (ws / "esc").symlink_to("l/x/../..")
+    (ws / "up").symlink_to("x/../..")
+    (ws / "ok").symlink_to("x")
+    assert (ws / "esc" / "secret.txt").read_text() == "outside the work\n"   # the trap is real
+    work = tmp_path / "review" / "work"
+    got = ab.safe_copy_tree(ws, work, ab.DEFAULT_COPY_CAPS, links="inside")
+    assert sorted(got["dropped_links"]) == ["esc", "up"]
+    assert (work / "l").is_symlink() and (work / "ok").is_symlink()
+    for dirpath, dirnames, filenames in os.walk(work, followlinks=True):
+        assert len(Path(dirpath).relative_to(work).parts) < 5, "a loop or a way out"
+        assert "secret.txt" not in filenames
+        dirnames[:] = [d for d in dirnames if d != "l"]       # l -> . is a loop by design
+
+
 def test_the_oracles_throw_away_copy_keeps_links_as_links(hostile, tmp_path):
     """run_check's copy goes through the same primitive: a link in the workspace to the reference
     is a link in the copy, never the reference's files."""
@@ -233,6 +254,8 @@ def test_a_tree_nested_past_path_max_is_unusable(tmp_path, levels, name, why):
     with pytest.raises(ab.UnusableTree) as err:
         ab.tree_entries(ws)
     assert err.value.why == why
+    # The live cap cannot be evaded by hiding data where its walk would not reach.
+    assert ab.tree_usage(ws, 10 * MB) > 10 * MB
 
 
 def test_the_copy_caps_are_study_settings_with_validation():
@@ -296,13 +319,16 @@ def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
     (ws / "link").symlink_to("/usr")         # not followed: /usr is not counted
     with open(ws / "hole", "wb") as fh:
         fh.truncate(2 ** 30)
-    sup = types.SimpleNamespace(limits={"workspace_max_bytes": 2 * MB}, workspace_measured_at=None,
+    sup = types.SimpleNamespace(limits={"workspace_max_bytes": 2 * MB}, workspace_next_measure=None,
                                 WORKSPACE_MEASURE_S=3.0, job={"cwd": str(ws)}, flags=set(),
                                 paths=ab.StudyPaths(study), job_id="j000001")
     assert ab.Supervisor._workspace_over_cap(sup) is True and "workspace_over_cap" in sup.flags
     events = [json.loads(x) for x in (study / "state" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "workspace_over_cap" and events[-1]["cap"] == 2 * MB
-    sup.workspace_measured_at, sup.limits = None, {"workspace_max_bytes": 5 * MB}
+    # Not measured again on the next poll: once per WORKSPACE_MEASURE_S at most.
+    assert sup.workspace_next_measure is not None
+    assert ab.Supervisor._workspace_over_cap(sup) is False
+    sup.workspace_next_measure, sup.limits = None, {"workspace_max_bytes": 5 * MB}
     assert ab.Supervisor._workspace_over_cap(sup) is False     # 3 MB of blocks; the hole is free
 
 
@@ -347,3 +373,36 @@ def test_one_runs_page_that_cannot_be_built_never_stops_the_others(tmp_path, mon
     page = (tmp_path / "site" / "runs" / "r1.html").read_text(encoding="utf-8")
     assert "could not be read in full" in page
     assert "r2" in (tmp_path / "site" / "runs" / "r2.html").read_text(encoding="utf-8")
+
+
+def test_a_run_pages_stream_read_never_follows_a_link_to_an_endless_device(tmp_path, monkeypatch):
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    assert in_thread(lambda: ab._page_read_stream(tmp_path / "zero.jsonl")) == []
+    assert in_thread(lambda: ab._page_read_stream(tmp_path / "fifo.jsonl")) == []
+    monkeypatch.setattr(ab, "PAGE_STREAM_BYTES", 10)
+    (tmp_path / "s.jsonl").write_bytes(b"1234\n5678\n90ab\n")
+    assert ab._page_read_stream(tmp_path / "s.jsonl") == [b"1234\n", b"5678\n"]
+
+
+def test_a_workspace_replaced_by_a_link_is_never_entered(hostile, tmp_path):
+    ws = tmp_path / "ws"
+    ws.symlink_to(hostile["ref"])
+    for call in (lambda: ab.safe_copy_tree(ws, tmp_path / "copy", ab.DEFAULT_COPY_CAPS),
+                 lambda: ab.artifact_manifest(ws)):
+        with pytest.raises(ab.UnusableTree) as err:
+            call()
+        assert err.value.why == "not_a_directory"
+    assert not (tmp_path / "copy").exists()
+
+
+def test_a_copy_keeps_modes_and_times_but_never_setuid(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    f = ws / "run.sh"
+    f.write_text("#!/bin/sh\necho hi\n")
+    os.chmod(f, 0o4755)
+    os.utime(f, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    ab.safe_copy_tree(ws, tmp_path / "copy", ab.DEFAULT_COPY_CAPS)
+    st = os.stat(tmp_path / "copy" / "run.sh")
+    assert st.st_mode & 0o7777 == 0o755 and st.st_mtime_ns == 1_000_000_000_000_000_000

@@ -182,8 +182,11 @@ def test_a_workspace_past_the_caps_is_the_agents_valid_failure(tmp_path, real_cl
     rid, rec = run_one(study)
     assert rec["status"] == "finished", rec.get("error_detail")
     assert (rec["outcome"], rec["validity"]) == ("workspace_unusable", "valid"), rec
-    assert rec["failure_reason"] == f"workspace_unusable:{why}" and rec["evaluation"]["success"] is False
-    assert rec["evaluation"]["workspace_unusable"] == why
+    # Nested past the limits, the live cap may end the session first (it counts such a tree as over,
+    # so nothing hides below its walk): either way the same outcome.
+    whys = {why} | ({"workspace_over_cap"} if why == "path_too_long" else set())
+    assert rec["evaluation"]["success"] is False and rec["evaluation"]["workspace_unusable"] in whys, rec
+    assert rec["failure_reason"] == f"workspace_unusable:{rec['evaluation']['workspace_unusable']}"
     # Nothing of its size was copied anywhere: the run directory (workspace included: the hole
     # costs nothing) and the host's temporary directory hold no real blocks of it.
     assert real_bytes(study / "runs" / rid) < 50 * 2 ** 20

@@ -254,3 +254,55 @@ def test_an_answer_billed_past_its_bound_is_cut_and_the_session_ends_budget(tmp_
     # Nothing was forwarded after the cut: every later request was refused.
     after = recs[recs.index(cut[0]) + 1:]
     assert all(r.get("refused") == "reservation_exceeded" for r in after if not r.get("cut"))
+
+
+# The agent's own attack: 16 requests at once with its job token, max_tokens 1, each a body of
+# ~20 KB that names a script billing it the most its bound allows (every byte a 1-hour cache write).
+ATTACK_BODY = {"model": "claude-opus-4-5", "max_tokens": 1, "stream": False,
+               "tools": [{"name": "noop", "description": "x", "input_schema": {"type": "object"}}],
+               "messages": [{"role": "user", "content": "[agentbench-script:bill] " + "x" * 20000}]}
+ATTACK = (
+    "python3 - <<'PY'\n"
+    "import os, json, threading, urllib.request as u, urllib.error as e\n"
+    f"b = json.dumps({ATTACK_BODY!r}).encode()\n"
+    "out, go = [], threading.Barrier(16)\n"
+    "def one():\n"
+    "    r = u.Request(os.environ['ANTHROPIC_BASE_URL'] + '/v1/messages', data=b, headers={\n"
+    "        'x-api-key': os.environ['ANTHROPIC_API_KEY'], 'content-type': 'application/json',\n"
+    "        'anthropic-version': '2023-06-01'})\n"
+    "    go.wait()\n"
+    "    try: out.append(u.urlopen(r).status)\n"
+    "    except e.HTTPError as x: out.append(x.code)\n"
+    "ts = [threading.Thread(target=one) for _ in range(16)]\n"
+    "[t.start() for t in ts]; [t.join() for t in ts]\n"
+    "open('attack.txt', 'w').write(json.dumps(sorted(out)))\n"
+    "PY"
+)
+
+
+def test_sixteen_requests_at_once_from_inside_a_session_stay_within_the_run_budget(tmp_path, gw_study, server):
+    body = json.dumps(ATTACK_BODY).encode()
+    n_in = len(body) + ab.GATEWAY_OVERHEAD_TOKENS                    # the gateway's bound, billed in full
+    server.add_script("bill", {"steps": [{"text": "ok", "usage": {
+        "input_tokens": 0, "output_tokens": 1, "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": n_in, "ephemeral_1h_input_tokens": n_in}}]})
+    server.add_script("attack", {"steps": [
+        {"text": "Attacking.", "tool_uses": [{"name": "Bash", "input": {"command": ATTACK}}]},
+        {"text": "Done."}]})
+    budget = 2.0
+    code, sp = run_main(["spawn", "--study", str(gw_study), "--max-budget-usd", str(budget),
+                         "--brief", write_brief(tmp_path, "Go. [agentbench-script:attack]")])
+    assert code == 0, sp
+    res = wait_result(gw_study, sp["job_id"], timeout=240)
+    statuses = json.loads((Path(sp["cwd"]) / "attack.txt").read_text())
+    recs = [r for r in gateway_records(gw_study, sp["job_id"]) if r["kind"] == "messages"]
+    attack = [r for r in recs if r.get("body_bytes") == len(body)]
+    one = ab.worst_case_usd(n_in, 1, "claude-opus-4-5", None)
+    ok = [r for r in attack if r["status"] == 200]
+    assert len(attack) == 16 and statuses.count(200) == len(ok) and statuses.count(400) == 16 - len(ok)
+    assert all(r["cost_usd"] == r["reserved_usd"] == one for r in ok)     # each billed its whole bound
+    assert 1 <= len(ok) < 16 and {r["refused"] for r in attack if r["status"] == 400} == {"usd_per_run"}
+    u = res["usage"]
+    assert u["cost_metered_usd"] <= budget, u
+    assert not any(r.get("reservation_exceeded") for r in recs)
+    assert (res["status"], res["reason"]) == ("failed", "budget"), res    # the next turn no longer fit

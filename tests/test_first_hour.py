@@ -481,9 +481,8 @@ def test_assign_with_power_delta_warns_through_the_cli_when_the_plan_is_over_the
     study = scaffolded(tmp_path)
     assert run_cli(["init", "--study", str(study), "--study-usd", "0.01"], user_env())[0] == 0
     assert run_cli(["calibrate", "--study", str(study)], user_env())[0] == 0
-    code, obj, _ = run_cli(["assign", "--study", str(study), "--power-delta", "0.3", "--power-simulate", "200"],
-                           user_env())
+    code, obj, _ = run_cli(["assign", "--study", str(study), "--power-delta", "0.3"], user_env())
     assert code == 0, obj
     assert obj["warnings"] and all("above its cap" in w and "$0.01" in w for w in obj["warnings"]), obj
-    assert obj["power"]["simulation"]["studies"] == 200
+    assert obj["power"]["simulation"]
     assert all(unknown_flags(n) == [] for n in obj["power"]["notes"] + obj["warnings"])

@@ -147,6 +147,10 @@ TXT = {"type": "text", "text": "hello"}
      ("file_id", "file_source")),                                          # found however deep
     ({"model": "claude-test", "max_tokens": 10, "system": [{"type": "text", "text": "s"}, IMG],
       "messages": []}, ab.GATEWAY_IMAGE_TOKENS, ()),
+    # a tool call's input is data (the model's JSON), whatever keys it has
+    (_msg({"type": "tool_use", "id": "t", "name": "fetch", "input": {
+        "source": {"type": "url", "url": "https://example.com"}, "file_id": "f", "type": "container_upload"}}),
+     0, ()),
 ])
 def test_request_bound_table(req, extra_tokens, unbounded):
     body = json.dumps(req).encode()
@@ -430,7 +434,8 @@ def test_non_streamed_answers_and_count_tokens_are_forwarded_and_other_paths_ref
         assert len(upstream.requests) == 2
         assert all({k.lower(): v for k, v in r["headers"].items()}["authorization"] == "Bearer " + REAL_KEY
                    for r in upstream.requests)
-        recs = records(tmp_path, 3)
+        # (an answer is recorded after its last byte: the order of records may differ from the calls')
+        recs = sorted(records(tmp_path, 3), key=lambda r: ["messages", "count_tokens", "other"].index(r["kind"]))
         assert [r["kind"] for r in recs] == ["messages", "count_tokens", "other"]
         assert recs[0]["cost_usd"] == round((10 * 2.0 + 20 * 10.0) / 1e6, 6)
         assert gw.summary()["requests"] == 1
@@ -652,11 +657,13 @@ def test_credentials_handed_to_a_process_are_passed_on_to_its_supervisors(monkey
     ("usage_limit", [200, 429], True),
     ("usage_limit", [200, 200], False),         # a rate limit the wire never saw was written in
     ("auth", [401], True), ("auth", [403], True), ("auth", [200], False),
-    ("usage_limit", None, True),                # no gateway, or nothing through it: nothing to check
-    ("api_error", [200], True), (None, [200], True),
+    ("usage_limit", [], True),                  # a gateway that carried no request: nothing to check
+    ("usage_limit", None, False),               # no gateway: the claim cannot count
+    ("api_error", [200], False), ("api_error", [200, 503], True), (None, [200], True),
 ])
 def test_a_claimed_rate_limit_or_auth_failure_needs_the_wire(reason, wire, expected):
-    assert ab.corroborated(reason, wire) is expected
+    records = None if wire is None else [{"kind": "messages", "status": st, "model": "m"} for st in wire]
+    assert ab.claim_counts(ab.claim_corroboration(reason, records, "m")) is expected
 
 
 @pytest.mark.parametrize("budget, code", [
@@ -685,7 +692,7 @@ class Overbiller:
     held until `release` is set, so that a test can have them all in flight at once; `hold_after_start`
     holds a streamed answer after its message_start instead."""
 
-    def __init__(self, bill_input: int | None = None, hold_after_start: bool = False):
+    def __init__(self, bill_input: int | None = None, hold_after_start: bool = False, marked_only: bool = False):
         self.arrived: list[int] = []
         self.release = threading.Event()
         self.lock = threading.Lock()
@@ -706,7 +713,8 @@ class Overbiller:
                     up.changed.notify_all()
                 if not hold_after_start:
                     up.release.wait(60)
-                n_in = bill_input if bill_input is not None else len(body) + ab.GATEWAY_OVERHEAD_TOKENS
+                over = bill_input is not None and (not marked_only or b"OVERBILL" in body)
+                n_in = bill_input if over else len(body) + ab.GATEWAY_OVERHEAD_TOKENS
                 usage = {"input_tokens": 0, "output_tokens": 1, "cache_creation_input_tokens": n_in,
                          "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": n_in}}
                 start = ("message_start", {"type": "message_start", "message": {
@@ -895,21 +903,21 @@ def test_a_request_whose_cost_the_body_does_not_bound_is_refused_by_name_unless_
         gw.stop()
 
 
-def raw_post(gw: ab.MeteringGateway, body: dict) -> bytes:
+def raw_post(gw: ab.MeteringGateway, body: dict, into: list[bytes] | None = None) -> bytes:
     """Everything the gateway sends back until it closes the connection (a cut answer is never
-    completed, so a client library would only raise)."""
+    completed, so a client library would only raise); `into` gets each part as it arrives."""
     import socket
     data = json.dumps(body).encode()
     host, port = gw.url.rsplit("/", 1)[1].split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
+    into = [] if into is None else into
+    with socket.create_connection((host, int(port)), timeout=60) as s:
         s.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-api-key: " + gw.token.encode()
                   + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(data) + data)
-        out = b""
         while True:
             part = s.recv(65536)
             if not part:
-                return out
-            out += part
+                return b"".join(into)
+            into.append(part)
 
 
 def test_a_cap_reached_mid_answer_cuts_it_and_refuses_the_next(tmp_path):
@@ -953,5 +961,65 @@ def test_an_answer_billed_past_its_reservation_is_cut_at_once_and_nothing_more_g
         assert statuses == [400] * 15 and len(up.arrived) == 1
         assert {r.get("refused") for r in records(tmp_path, 16)[1:]} == {"reservation_exceeded"}
     finally:
+        gw.stop()
+        up.close()
+
+
+def test_a_cut_stops_an_idle_answer_too_and_charges_it_its_reservation(tmp_path):
+    """Two answers live: one waits upstream after its first event (within its bound), the other is
+    billed past its bound.  The cut ends the waiting one at once (its upstream connection is
+    shut), and, its final usage never having come, it is charged its reservation."""
+    up = Overbiller(bill_input=2_000_000, hold_after_start=True, marked_only=True)
+    paths = study_paths(tmp_path)
+    gw = make_gateway(tmp_path, up.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=2.0,
+                                                                 study_cap=None))
+    idle: list[bytes] = []
+    t = threading.Thread(target=raw_post, args=(gw, dict(attack_body(1000), max_tokens=1000), idle))
+    try:
+        t.start()
+        wait_until(lambda: b"message_start" in b"".join(idle), "the idle answer's first event relayed")
+        raw_post(gw, dict(attack_body(10), messages=[{"role": "user", "content": "OVERBILL"}]))
+        t.join(60)
+        assert not t.is_alive() and not up.release.is_set()     # ended while its upstream still held it
+        assert b"message_stop" not in b"".join(idle)
+        recs = records(tmp_path, 2)
+        waiting = next(r for r in recs if not r.get("reservation_exceeded"))
+        assert waiting["cut"] and waiting["charged"] == "reservation" and waiting["cost_usd"] == waiting["reserved_usd"]
+        assert gw.cutoff["limit"] == "reservation_exceeded"
+    finally:
+        up.release.set()
+        t.join(60)
+        gw.stop()
+        up.close()
+
+
+def test_the_study_cap_reached_by_another_session_mid_answer_cuts_it(tmp_path, monkeypatch):
+    """While an answer streams, the study's spend grows elsewhere (a session that ran without the
+    gateway is counted at its end): the answer's next usage event sees the cap reached."""
+    monkeypatch.setattr(ab, "GATEWAY_STUDY_RECHECK_S", 0.0)   # re-read the study at every event
+    up = Overbiller(hold_after_start=True)
+    paths = study_paths(tmp_path)
+    body = dict(attack_body(1000), max_tokens=1000)
+    one = ab.worst_case_usd(ab.request_bound(json.dumps(body).encode(), None).input_tokens, 1000, "claude-test",
+                            PRICES)
+    gw = make_gateway(tmp_path, up.url, budget=ab.GatewayBudget(paths, PLAT, "j000001", run_cap=None,
+                                                                 study_cap=2 * one))
+    got: list[bytes] = []
+    t = threading.Thread(target=raw_post, args=(gw, body, got))
+    try:
+        t.start()
+        wait_until(lambda: b"message_start" in b"".join(got), "the answer's first event relayed")
+        assert gw.cutoff is None
+        reg = ab.read_registry(paths)
+        reg["spent_usd"] = 2 * one
+        ab.write_json_atomic(paths.registry, reg)
+        up.release.set()
+        t.join(60)
+        assert b"message_stop" not in b"".join(got)
+        assert gw.cutoff["limit"] == "study_usd" and records(tmp_path, 1)[0]["cut"]
+        assert post(gw, "/v1/messages", body)[0] == 400
+    finally:
+        up.release.set()
+        t.join(60)
         gw.stop()
         up.close()

@@ -63,15 +63,18 @@ def test_container_spec_problem(spec, ok):
     assert (ab.container_spec_problem(spec) is None) == ok
 
 
-def test_container_mounts_make_a_private_root():
-    plan = ab.SandboxPlan(rw=("/w",), cwd="/app", container=tuple(ab.container_rows(
-        {"workdir": "/app", "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}, workspace="/w", base="/o")),
-        root_entries=(("usr", None), ("bin", "usr/bin")))
+def test_container_mounts_go_into_the_sandboxs_own_root():
+    # The root is bubblewrap's own, empty one (nothing of the host unless bound), so a container's
+    # top-level paths are made in it; it is made read-only last.
+    plan = ab.SandboxPlan(links=(("/bin", "usr/bin"),), base=("/usr",), rw=("/w",), cwd="/app",
+                          container=tuple(ab.container_rows(
+                              {"workdir": "/app", "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]},
+                              workspace="/w", base="/o")))
     rows = ab.sandbox_mounts(plan)
-    assert rows[0] == ("--tmpfs", "/") and ("--symlink", "usr/bin", "/bin") in rows
+    assert ("--symlink", "usr/bin", "/bin") in rows and ("--ro-bind", "/usr", "/usr") in rows
+    assert ("--ro-bind", "/", "/") not in rows and ("--tmpfs", "/") not in rows
     assert rows[-4:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
                          ("--tmpfs", "/logs/verifier"), ("--remount-ro", "/")]
-    assert ab.sandbox_mounts(ab.SandboxPlan())[0] == ("--ro-bind", "/", "/")   # unchanged without
 
 
 def _copy_tasks(tmp_path: Path, names) -> list[str]:

@@ -3,6 +3,7 @@ chosen repeats and the study's expected cost, priced from a pilot, a rehearsal, 
 estimate marked as such.  Every figure is checked against a hand computation."""
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -74,17 +75,159 @@ def test_assign_prices_the_plan_from_a_pilot(tmp_path):
     assert code == 0, out
     plan = out["power"]["plan"]
     assert plan["repeats"] == 3
-    assert plan["minimum_detectable_difference"] == ab.min_detectable_difference(0.5, 1, 3)
+    # No pilot with evaluations: the default between-task sd of the effect, stated.
+    assert out["power"]["clustering"]["tau_basis"] == "default"
+    assert plan["minimum_detectable_difference"] == ab.min_detectable_difference(
+        0.5, 1, 3, tau=ab.POWER_DEFAULT_TAU)
     cost = plan["cost_at_repeats"]
     # 1 task x 3 repeats per arm: A at 0.5 per run, B at 3.0 per run -> 1.5 + 9.0.
     assert cost["per_arm"]["A"]["basis"] == "pilot" and cost["per_arm"]["A"]["cost_per_run_usd"] == 0.5
     assert cost["study_usd"] == pytest.approx(10.5) and cost["estimated"] is False
-    rec = plan["cost_at_recommended_repeats"]
-    assert rec["repeats"] == out["power"]["repeats"]
-    assert rec["study_usd"] == pytest.approx(3.5 * out["power"]["repeats"])
+    # One task: no test over tasks can reach p <= 0.05 (its smallest p is 1), so no number of
+    # repeats is recommended, and the notes say to add tasks; no cost at a recommendation.
+    assert out["power"]["repeats"] is None and out["power"]["feasible"] is False
+    assert out["power"]["simulation"]["reason"].startswith("with 1 task(s) the smallest p-value")
+    assert any(n.endswith("add tasks") for n in out["power"]["notes"])
+    assert "cost_at_recommended_repeats" not in plan
+    # Every flag a note names is one of assign's (here: the pilot split the defaults point to).
+    code, helped = run_main(["assign", "--help"])
+    flags = {f for o in helped["options"] for f in o["flags"]}
+    named = re.findall(r"--[a-z][a-z-]*", " ".join(out["power"]["notes"]))
+    assert named and set(named) <= flags, named
     # without a pilot or a rehearsal the cost is a token estimate, marked so
     other = copy_example(tmp_path / "t", tasks=("roman",), arms=("A",))
     code, out = run_main(["assign", "--study", str(other), "--force", "--power-delta", "0.3"])
     assert code == 0, out
     assert out["power"]["plan"]["cost_at_repeats"]["estimated"] is True
     assert out["power"]["plan"]["cost_at_repeats"]["per_arm"]["A"]["basis"] == "token_estimate"
+
+
+# -- The analysis plan: written by assign, followed by report, deviations labelled -------------------
+
+def _finish_runs(study, outcomes):
+    """Finish every run by hand: evaluated, success by `outcomes(arm, task, repeat)`."""
+    for p in sorted((study / "state" / "runs").glob("*.json")):
+        rec = json.loads(p.read_text())
+        ok = outcomes(rec["arm"], rec["task"], rec["repeat"])
+        rec.update(status="finished", outcome="success" if ok else "failure", validity="valid",
+                   evaluation={"success": ok, "score": 1.0 if ok else 0.0})
+        p.write_text(json.dumps(rec))
+
+
+def test_assign_writes_the_plan_and_report_follows_it(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "2", "--seed", "7", "--force"])
+    assert code == 0, out
+    manifest = json.loads((study / "state" / "manifests" / "main.json").read_text())
+    plan = manifest["analysis_plan"]
+    assert out["analysis_plan"] == plan
+    assert plan == ab.analysis_plan(["A", "B"], "A", 7)
+    assert (plan["baseline"], plan["family"], plan["alpha"], plan["primary_test"]) == (
+        "A", ["B"], 0.05, "paired_sign_flip_over_tasks")
+    assert plan["bootstrap"] == {"seed": 7, "draws": 10000, "level": 0.95}
+    _finish_runs(study, lambda arm, task, rep: arm == "B" or rep == 1)
+
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0, rep
+    an = rep["analysis"]
+    assert an["pre_registered"] and not an["exploratory"] and rep["exploratory"] is False
+    assert an["source"] == "manifest of split main" and rep["seed"] == 7 and an["deviations"] == []
+    assert any(n.startswith("pre-registered: the analysis follows the plan") for n in rep["notes"])
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert "Pre-registered analysis" in md["markdown"] and "EXPLORATORY" not in md["markdown"]
+
+    # Another baseline, another seed: exploratory, said in every format.
+    for extra, words in ((["--baseline", "B"], "baseline B instead of the plan's A"),
+                         (["--seed", "8"], "bootstrap seed 8 instead of the plan's 7")):
+        code, rep = run_main(["report", "--study", str(study), *extra])
+        assert code == 0 and rep["exploratory"] is True and rep["analysis"]["deviations"] == [words]
+        assert any(n.startswith("EXPLORATORY") and words in n for n in rep["notes"])
+        code, md = run_main(["report", "--study", str(study), "--format", "md", *extra])
+        assert f"**EXPLORATORY analysis: it differs from the study's pre-registered plan ({words})" \
+            in md["markdown"]
+        out_html = tmp_path / f"r{extra[0][2:]}.html"
+        code, res = run_main(["report", "--study", str(study), "--format", "html", "--out", str(out_html),
+                              *extra])
+        page = out_html.read_text()
+        assert code == 0 and 'class="warning exploratory"' in page and "EXPLORATORY analysis" in page
+
+
+def test_a_manifest_from_before_plans_is_kept_and_reported_as_not_pre_registered(tmp_path):
+    study = copy_example(tmp_path / "s", tasks=("roman",), arms=("A", "B"))
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "1", "--force"])
+    assert code == 0, out
+    mpath = study / "state" / "manifests" / "main.json"
+    doc = json.loads(mpath.read_text())
+    del doc["analysis_plan"]
+    old = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    mpath.write_bytes(old)
+    # Assigning again with the same arguments keeps the old manifest (no plan added after the fact).
+    code, out = run_main(["assign", "--study", str(study), "--repeats", "1", "--force"])
+    assert code == 0 and out["unchanged"] is True and out["analysis_plan"] is None
+    assert mpath.read_bytes() == old
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0 and rep["analysis"]["pre_registered"] is False and rep["exploratory"] is False
+    assert any(n.startswith("not pre-registered") for n in rep["notes"])
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"alpha": 0.9}, "the plan's alpha is not a number in (0, 0.5)"),
+    ({"baseline": 3}, "the plan names no baseline"),
+    ({"family": "B"}, "the plan's family is not a list of arm names"),
+    ({"bootstrap": {"seed": "x", "draws": 10000}}, "the plan's bootstrap seed is not an integer"),
+    ({"bootstrap": {"seed": 1, "draws": 10 ** 9}},
+     "the plan's bootstrap draws are not an integer in [100, 1000000]"),
+    ({"schema": "other"}, "unknown plan schema 'other'"),
+])
+def test_an_unusable_plan_is_named_and_makes_the_analysis_exploratory(change, problem):
+    plan = {**ab.analysis_plan(["A", "B"], "A", 1), **change}
+    assert ab.plan_problems(plan) == [problem]
+    an = ab.report_analysis(plan, "manifest of split main", ["A", "B"], None, 1)
+    assert an["exploratory"] and not an["pre_registered"] and problem in an["deviations"][0]
+    assert an["alpha"] == 0.05 and an["baseline"] == "A"
+
+
+def test_report_analysis_deviations_by_table():
+    plan = ab.analysis_plan(["A", "B", "C"], "A", 5)
+    same = ab.report_analysis(plan, "m", ["A", "B", "C"], None, 5)
+    assert not same["exploratory"] and same["baseline"] == "A" and same["deviations"] == []
+    assert ab.report_analysis(plan, "m", ["A", "B", "C"], "A", 5)["exploratory"] is False
+    grown = ab.report_analysis(plan, "m", ["A", "B", "C", "D"], None, 5)
+    assert grown["deviations"] == ["the family is B, C, D against A; the plan's was B, C"]
+    gone = ab.report_analysis(plan, "m", ["B", "C"], None, 5)
+    assert gone["baseline"] == "B" and "the plan's baseline A is not an arm of the study" in gone["deviations"]
+
+
+def test_between_task_sd_by_hand():
+    # Rates 0/2, 1/2, 2/2: mean 0.5, s^2 = (0.25 + 0 + 0.25) / 2 = 0.25; binomial noise per task
+    # p (1 - p) / (n - 1) = 0, 0.25, 0 -> mean 1/12; between = sqrt(0.25 - 1/12) = sqrt(1/6).
+    cells = [(0, 2, 0, 0), (1, 2, 0, 0), (2, 2, 0, 0)]
+    assert ab.between_task_sd(cells, paired=False) == pytest.approx(math.sqrt(1 / 6))
+    # Differences 1 - 0, 0 - 1, 1/2 - 1/2: mean 0, s^2 = (1 + 1 + 0) / 2 = 1; noise 0, 0,
+    # 0.25 + 0.25 -> mean 1/6; between = sqrt(5/6).
+    diffs = [(2, 2, 0, 2), (0, 2, 2, 2), (1, 2, 1, 2)]
+    assert ab.between_task_sd(diffs, paired=True) == pytest.approx(math.sqrt(5 / 6))
+    # Pure noise larger than the spread: 0, never negative.  Too few tasks: None.
+    assert ab.between_task_sd([(1, 2, 0, 0)] * 4, paired=False) == 0.0
+    assert ab.between_task_sd(cells[:2], paired=False) is None
+    assert ab.between_task_sd([(1, 1, 0, 0)] * 5, paired=False) is None   # one run per task
+
+
+def test_primary_power_by_simulation_finds_the_smallest_repeats():
+    res = ab.primary_power_by_simulation(0.5, 0.2, 12, 0.05, 0.8, tau=0.1, sd_base=0.2, start=5,
+                                         seed=3)
+    r = res["repeats"]
+    curve = {row["repeats"]: row["power"] for row in res["power_by_repeats"]}
+    assert r is not None and curve[r] >= 0.8 and res["achieved_power"] == curve[r]
+    assert r - 1 in curve and curve[r - 1] < 0.8          # one fewer falls short (as simulated)
+    assert res["mc_se"] == pytest.approx(math.sqrt(curve[r] * (1 - curve[r]) / 400))
+    # Seeded: the same answer again.
+    assert ab.primary_power_by_simulation(0.5, 0.2, 12, 0.05, 0.8, tau=0.1, sd_base=0.2, start=5,
+                                          seed=3) == res
+    # More between-task spread of the effect needs more repeats (or more tasks).
+    wider = ab.primary_power_by_simulation(0.5, 0.2, 12, 0.05, 0.8, tau=0.25, sd_base=0.2, start=5,
+                                           seed=3)
+    assert wider["repeats"] is None or wider["repeats"] > r
+    # Five tasks: the smallest p over tasks is 2/32 > 0.05, so no repeats suffice, and nothing runs.
+    five = ab.primary_power_by_simulation(0.5, 0.4, 5, 0.05, 0.8, tau=0.0, sd_base=0.0, start=1)
+    assert five["repeats"] is None and five["power_by_repeats"] == []

@@ -8,6 +8,8 @@ import json
 import re
 import xml.etree.ElementTree as ET
 
+import math
+
 import pytest
 
 import agentbench as ab
@@ -178,12 +180,22 @@ def test_paired_comparison_c_vs_a(report):
     # Bootstrap: a resample mean is 0.5 K / 3 with K ~ Binomial(3, 1/3). P(K = 0) = 8/27 > 2.5%
     # so the lower bound is 0; P(K = 3) = 1/27 = 3.7% > 2.5% so the upper bound is 0.5.
     assert cmp["ci"] == [0.0, 0.5]
-    # McNemar: only t1 has the same evaluated repeats {1, 2} in both arms. Pair 1: both
-    # succeed; pair 2: only C succeeds -> b = 1, c = 0, p = 1.
-    mc = cmp["mcnemar"]
-    assert mc["tasks_used"] == ["t1"] and mc["tasks_skipped"] == ["t2", "t3"]
-    assert (mc["pairs"], mc["arm_only_success"], mc["baseline_only_success"]) == (2, 1, 0)
-    assert mc["both_success"] == 1 and mc["both_failure"] == 0 and mc["p"] == 1.0
+    # Primary: one non-zero difference, so its two sign flips are both as extreme: p = 1, exact.
+    prim = cmp["primary"]
+    assert (prim["p"], prim["method"], prim["assignments"], prim["tasks"]) == (1.0, "exact", "2^1", 3)
+    assert prim["test"] == "paired_sign_flip_over_tasks" and prim["p_holm"] == 1.0
+    # se_cluster: diffs 0.5, 0, 0 (mean 1/6): sqrt(((1/3)^2 + 2 (1/6)^2) / (3 * 2)) = sqrt(1/36).
+    assert cmp["se_cluster"] == pytest.approx(1 / 6)
+    # Clustered McNemar (Obuchowski) over every compared task, no pairing of repeats:
+    # C 2/2, 1/1, 0/1 -> p_a = 3/4; A 1/2, 2/2, 0/2 -> p_b = 1/2.  Residuals x - n p:
+    # C 0.5, 0.25, -0.75; A 0, 1, -1.  With K/(K-1) = 3/2:
+    # V_a = 1.5 * 0.875 / 16, V_b = 1.5 * 2 / 36, C = 1.5 * (0.25 + 0.75) / 24.
+    mc = cmp["clustered_mcnemar"]
+    var = 1.5 * 0.875 / 16 + 1.5 * 2 / 36 - 2 * 1.5 / 24
+    assert (mc["tasks"], mc["arm_runs"], mc["baseline_runs"]) == (3, 4, 6)
+    assert mc["chi2"] == pytest.approx(0.25 ** 2 / var)
+    assert mc["p"] == pytest.approx(math.erfc(math.sqrt(0.25 ** 2 / var / 2)))
+    assert "mcnemar" not in cmp   # the repeat-indexed McNemar is gone
 
 
 def test_paired_comparison_with_missing_task_and_empty_arm(report):
@@ -193,22 +205,24 @@ def test_paired_comparison_with_missing_task_and_empty_arm(report):
     assert cmp["mean_diff"] == pytest.approx(-0.25)
     assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (1, 1, 0)
     assert cmp["sign_test_p"] == 1.0
-    assert cmp["mcnemar"]["p"] is None and cmp["mcnemar"]["pairs"] == 0
+    # Sign flips of (+0.5, -1.0): sums -0.5, 1.5, -1.5, 0.5, all at least 0.5 in size: p = 1.
+    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["tasks"] == 2
     lo, hi = cmp["ci"]
     assert -1.0 <= lo <= -0.25 <= hi <= 0.5
 
     empty = report["comparisons"]["E"]
     assert empty["tasks_compared"] == 0 and empty["mean_diff"] is None
-    assert empty["ci"] is None and empty["sign_test_p"] is None and empty["mcnemar"] is None
+    assert empty["ci"] is None and empty["sign_test_p"] is None and empty["clustered_mcnemar"] is None
+    assert empty["primary"]["p"] is None and empty["primary"]["p_holm"] is None
+    assert empty["se_cluster"] is None
     assert "A" not in report["comparisons"]
 
 
 def test_all_included_comparison_uses_the_degenerate_run(report):
     cmp = report["views"]["all_included"]["comparisons"]["D"]
-    # t1 now has D repeats {1, 2}, both successes; A has 1 success (repeat 1) -> pairs:
-    # both succeed (r1), only D succeeds (r2).
-    assert cmp["mcnemar"]["tasks_used"] == ["t1"]
-    assert (cmp["mcnemar"]["arm_only_success"], cmp["mcnemar"]["both_success"]) == (1, 1)
+    # t1 now has D 2/2 (the degenerate run counts) against A 1/2: +0.5; t2 D 0/1 - A 2/2 = -1.
+    assert [t["diff"] for t in cmp["per_task"]] == [0.5, -1.0]
+    assert cmp["clustered_mcnemar"]["arm_runs"] == 3
 
 
 def test_per_task_table(report):
@@ -271,8 +285,8 @@ def test_all_tied_comparison():
     assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (0, 0, 4)
     assert cmp["mean_diff"] == 0.0 and cmp["ci"] == [0.0, 0.0]
     assert cmp["sign_test_p"] == 1.0
-    # McNemar over the four (task, repeat) pairs: all concordant -> p = 1.
-    assert cmp["mcnemar"]["pairs"] == 4 and cmp["mcnemar"]["p"] == 1.0
+    # No difference anywhere: the primary and the clustered McNemar p are both 1.
+    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] == 1.0
 
 
 def test_single_task_study():
@@ -282,8 +296,9 @@ def test_single_task_study():
     cmp = rep["comparisons"]["B"]
     assert cmp["tasks_compared"] == 1 and cmp["mean_diff"] == 1.0 and cmp["ci"] == [1.0, 1.0]
     assert cmp["sign_test_p"] == 1.0
-    # Two discordant pairs, both for B: p = 2 * (1/4) = 0.5.
-    assert cmp["mcnemar"]["p"] == 0.5
+    # One task: the primary test's two flips are equally extreme (p = 1); the clustered McNemar
+    # has no variance to estimate from one task.
+    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] is None
     assert any("a single task" in n for n in rep["notes"])
     assert rep["per_arm"]["B"]["success_ci"] == [ab.wilson_interval(2, 2)[0], 1.0]
     assert rep["per_arm"]["A"]["success_ci"][0] == 0.0
@@ -370,7 +385,9 @@ def test_markdown_has_tables_and_notes(report):
     # Then the mean rate over its tasks (t1 2/2, t2 1/1, t3 0/1 -> 66.7%) and its interval.
     assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%] | 66.7% | [0.0%, 100.0%] |" in row
     assert "~$2.00" in row
-    assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 1/0/2 | 1.0000 |" in md
+    # C vs A: mean diff, bootstrap CI, clustered SE 1/6, primary p 1 and its Holm value 1.
+    assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 0.167 | 1.0000 | 1.0000 | 1/0/2 | 1.0000 |" in md
+    assert "Pre-registered" not in md and "Not pre-registered" in md
     assert "| t1 | 1/2 (50.0%) | 2/2 (100.0%) | 1/1 (100.0%) | - |" in md
     assert "| r10 | t2 | C | infrastructure_failure | API 529 overloaded |" in md
     # Every table row has as many cells as its header.

@@ -179,7 +179,7 @@ def test_include_excluded_warning_says_the_primary_view_has_every_run():
 # ---- multiplicity ----------------------------------------------------------------------------------
 
 def test_holm_adjusted_p_values_by_hand():
-    """Three arms against A on six tasks; sign tests by hand, then Holm by hand."""
+    """Three arms against A on six tasks; primary sign-flip tests by hand, then Holm by hand."""
     runs = []
     wins = {"B": 6, "C": 5, "D": 3}   # tasks where the arm succeeds and A does not
     for i in range(6):
@@ -189,20 +189,24 @@ def test_holm_adjusted_p_values_by_hand():
             runs.append(run(f"{arm}{i}", t, arm, 1, success=i < w))
     rep = ab.build_report(runs, ["A", "B", "C", "D"])
     cmp = rep["comparisons"]
-    # sign test: B 6/0 -> 2/64 = 0.03125; C 5/0 (1 tie) -> 2/32 = 0.0625; D 3/0 -> 2/8 = 0.25.
-    assert [cmp[a]["sign_test_p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
+    # Primary: B has six differences of +1, so only the all-plus and all-minus flips reach
+    # |sum| = 6: 2/64 = 0.03125; C five (and a zero) -> 2/32 = 0.0625; D three -> 2/8 = 0.25.
+    assert [cmp[a]["primary"]["p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
     # Holm, m = 3: B 3 * 0.03125 = 0.09375; C max(0.09375, 2 * 0.0625) = 0.125; D max(.., 0.25).
-    assert [cmp[a]["sign_test_p_holm"] for a in "BCD"] == [0.09375, 0.125, 0.25]
-    # McNemar on the same pairs gives the same p-values (no baseline-only successes).
-    assert [cmp[a]["mcnemar"]["p_holm"] for a in "BCD"] == [0.09375, 0.125, 0.25]
-    assert rep["multiplicity"] == {"method": "holm", "alpha": 0.05,
-                                   "families": {"sign_test": ["B", "C", "D"], "mcnemar": ["B", "C", "D"]}}
-    assert any("Holm-adjusted across the arms compared with A" in n and "B, C, D" in n for n in rep["notes"])
+    assert [cmp[a]["primary"]["p_holm"] for a in "BCD"] == [0.09375, 0.125, 0.25]
+    assert [cmp[a]["primary"]["reject"] for a in "BCD"] == [False, False, False]
+    # The sign test gives the same p here; it is secondary and not adjusted.
+    assert [cmp[a]["sign_test_p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
+    assert "sign_test_p_holm" not in cmp["B"]
+    assert rep["multiplicity"] == {"method": "holm", "alpha": 0.05, "test": "paired_sign_flip_over_tasks",
+                                   "families": {"success": ["B", "C", "D"], "score": ["B", "C", "D"]},
+                                   "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
+    assert any("Holm-adjusted over the family of every arm against A (B, C, D)" in n for n in rep["notes"])
     md = ab.render_report_md(rep)
-    assert "Sign test p, Holm over 3 arm(s)" in md
+    assert "Primary p, Holm over 3 arm(s)" in md
     row = next(line for line in md.splitlines() if line.startswith("| B vs A |"))
     assert "0.0312" in row and "0.0938" in row
-    assert "Sign test p, Holm over 3 arm(s)" in ab.render_report_html(rep)
+    assert "Primary p, Holm over 3 arm(s)" in ab.render_report_html(rep)
 
 
 def test_holm_and_fisher_functions_by_hand():

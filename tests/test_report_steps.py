@@ -78,8 +78,9 @@ def test_power_notes_say_why_a_plan_falls_short():
     notes = ab._power_notes(None, 1000, 0.8, 4, 0.3, 40, 0.05, 6)
     assert notes[0].startswith("no number of repeats reaches power 0.8 with 4 tasks")
     assert "use at least 40 tasks" in notes[0]
-    assert "cannot reach p <= 0.05 with fewer than 6 tasks" in notes[1]
-    assert notes[2].startswith("fewer than 10 tasks")
+    assert "can reach p <= 0.05 with fewer than 6 tasks, whatever the repeats; add tasks" in notes[1]
+    assert notes[2].startswith("fewer than 10 tasks") and "(`simulation`)" in notes[2]
+    assert "simulate >" not in " ".join(notes)   # a note names only what a user can find
     assert ab._power_notes(2000, 1000, 0.8, 12, 0.0, None, 0.05, 6) == [
         "2000 repeats needed, above the cap of 1000"]
 
@@ -160,11 +161,12 @@ def test_report_arms_refusals(runs, arms, baseline, code):
 
 
 def test_multiplicity_note_only_when_a_family_has_two_arms():
-    assert ab._rpt_multiplicity_note({"sign_test": ["b"], "mcnemar": ["b"]}, "a") is None
-    assert ab._rpt_multiplicity_note({"sign_test": [], "mcnemar": []}, "a") is None
-    note = ab._rpt_multiplicity_note({"sign_test": ["b", "c"], "mcnemar": []}, "a")
-    assert note.startswith("multiple comparisons: p-values are Holm-adjusted across the arms compared "
-                           "with a (sign test family: b, c; McNemar family: none)")
+    assert ab._rpt_multiplicity_note({"success": ["b"], "score": ["b"]}, "a") is None
+    assert ab._rpt_multiplicity_note({"success": [], "score": []}, "a") is None
+    note = ab._rpt_multiplicity_note({"success": ["b", "c"], "score": ["b", "c"]}, "a")
+    assert note.startswith("multiple comparisons: the primary p-values are Holm-adjusted over the "
+                           "family of every arm against a (b, c)")
+    assert "secondary and not adjusted" in note
 
 
 def test_population_notes_in_order():
@@ -183,8 +185,10 @@ def test_population_notes_in_order():
 
 def test_methods_name_the_seed():
     methods = ab._rpt_methods(17)
-    assert "random.Random(17)" in methods["task_success_rate"]
-    assert "random.Random(17)" in methods["paired_difference"]
+    assert "seeded from 17" in methods["task_success_rate"]
+    assert "seed 17" in methods["paired_difference"]
+    assert "exchangeable" in methods["null_hypothesis"] and "Obuchowski" in methods["clustered_mcnemar"]
+    assert methods["sign_test"].startswith("secondary, not adjusted")
     assert methods["excluded_labels"] == list(ab.REPORT_EXCLUDED_VALIDITY)
 
 

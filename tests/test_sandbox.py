@@ -39,48 +39,108 @@ def test_sandbox_decision_table(mode, available, kind):
     assert ab.sandbox_decision(mode, available) == kind
 
 
-def test_mount_table_order_hides_then_binds_back():
-    plan = ab.SandboxPlan(hide=("/home/u", "/srv/study", "/srv/study/state", "/tmp/x/tasks", "/"),
-                          tools=("/home/u/.pyenv", "/usr/lib/node", "/srv/study"),
+def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
+    plan = ab.SandboxPlan(links=(("/bin", "usr/bin"),),
+                          base=("/usr", "/etc", "/usr/lib/node", "/srv", "/srv/study/.venv", "/"),
+                          hide=("/home/u", "/srv/study", "/srv/study/state", "/tmp/x/tasks", "/", "/etc/ssh"),
+                          mask=("/etc/shadow", "/opt/elsewhere/secret"),
                           ro=("/srv/study/state/pristine/t/gate",), rw=("/srv/study/runs/r1/workspace", "/home/u/.claude"),
                           cwd="/srv/study/runs/r1/workspace")
     assert ab.sandbox_mounts(plan) == [
-        ("--ro-bind", "/", "/"), ("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp"),
-        # outer first; "/" is never hidden, nor anything already under /tmp or another hide
-        ("--tmpfs", "/home/u"), ("--tmpfs", "/srv/study"),
-        # a tool dir comes back only when a hide covered it, and never a hidden dir itself
-        ("--ro-bind", "/home/u/.pyenv", "/home/u/.pyenv"),
+        ("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp"), ("--symlink", "usr/bin", "/bin"),
+        # the base, outer directories only ("/" never: the root is bubblewrap's own, empty)
+        ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
+        # a hide only where a base directory holds it, outer first; "/" never
+        ("--tmpfs", "/etc/ssh"), ("--tmpfs", "/srv/study"),
+        ("--ro-bind", "/dev/null", "/etc/shadow"),   # /opt/elsewhere/secret: in no base, no mask
+        # a base directory a hide covered comes back
+        ("--ro-bind", "/srv/study/.venv", "/srv/study/.venv"),
         ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
         ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
+        ("--remount-ro", "/"),   # the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
     inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
-                                   inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",))
-    assert ab.sandbox_mounts(inner)[-3:] == [
+                                   inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
+                                   sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
+    assert ab.sandbox_mounts(inner)[-5:-1] == [
         ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
-         "/home/u/.claude/projects/-srv-study-runs-r1-workspace")]
-    argv = ab.sandbox_argv("/usr/bin/bwrap", plan, ["claude", "-p"])
+         "/home/u/.claude/projects/-srv-study-runs-r1-workspace"),
+        ("--bind", "/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET)]
+    argv = ab.sandbox_argv("/usr/bin/bwrap", plan, ["claude", "-p"], seccomp=7)
     assert argv[0] == "/usr/bin/bwrap" and argv[-3:] == ["--", "claude", "-p"]
-    for opt in ("--unshare-pid", "--die-with-parent", "--new-session", "--unshare-ipc"):
+    for opt in ("--unshare-pid", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-net"):
         assert opt in argv
-    assert argv[argv.index("--cap-drop") + 1] == "ALL"
+    assert argv[argv.index("--cap-drop") + 1] == "ALL" and argv[argv.index("--seccomp") + 1] == "7"
     assert argv[argv.index("--chdir") + 1] == "/srv/study/runs/r1/workspace"
-    assert "--unshare-net" not in argv and "--unshare-all" not in argv   # the loopback gateway must be reachable
+    assert ("--ro-bind", "/", "/") not in list(zip(argv, argv[1:], argv[2:]))
+    opened = ab.sandbox_argv("/usr/bin/bwrap", ab.dataclasses.replace(plan, network="open"), ["x"])
+    assert "--unshare-net" not in opened and "--seccomp" not in opened
+    with pytest.raises(ValueError):
+        ab.sandbox_argv("/usr/bin/bwrap", ab.dataclasses.replace(plan, network="some"), ["x"])
 
 
-@pytest.mark.parametrize("binaries, prefixes, path, homes, want", [
-    # an npm package: the binary's dir and the package dir above it
-    (["/usr/lib/node_modules/pkg/bin/claude"], [], [], ["/root"],
+@pytest.mark.parametrize("binaries, prefixes, path, homes, keep_out, want", [
+    # an npm package: the binary's dir and the package dir above it (a bin/ dir)
+    (["/usr/lib/node_modules/pkg/bin/claude"], [], [], ["/root"], [],
      ["/usr/lib/node_modules/pkg/bin", "/usr/lib/node_modules/pkg"]),
     # a version manager in the home: its top-level directory, never the home itself
     ([], ["/root/.pyenv/versions/3.11"], ["/root/.pyenv/shims", "/root", "/usr/bin", "/root/.cargo/bin"], ["/root"],
-     ["/root/.pyenv/versions/3.11", "/root/.pyenv", "/root/.cargo"]),
-    (["/bin/x"], [], [], [], ["/bin"]),
+     [], ["/root/.pyenv/versions/3.11", "/root/.pyenv", "/usr/bin", "/root/.cargo"]),
+    (["/bin/x"], [], [], [], [], ["/bin"]),
+    # a native binary in a versions directory: that directory only
+    (["/root/.local/share/claude/versions/2.1.3"], [], [], ["/root"], [], ["/root/.local/share/claude/versions"]),
+    # a PATH entry holding the study or the workspace is left out, "/" never given
+    ([], [], ["/srv", "/srv/tools/bin", "/"], [], ["/srv/study"], ["/srv/tools/bin"]),
 ])
-def test_tool_dirs_table(binaries, prefixes, path, homes, want):
-    assert ab.tool_dirs(binaries, prefixes, path, homes) == want
+def test_tool_dirs_table(binaries, prefixes, path, homes, keep_out, want):
+    assert ab.tool_dirs(binaries, prefixes, path, homes, keep_out=keep_out) == want
+
+
+@pytest.mark.parametrize("arch, audit, nrs", [
+    ("x86_64", 0xC000003E, [101, 310, 311, 438, 312, 298]),
+    ("aarch64", 0xC00000B7, [117, 270, 271, 438, 272, 241]),
+])
+def test_seccomp_program_table(arch, audit, nrs):
+    prog = ab.seccomp_program(arch)
+    ins = [ab.struct.unpack("=HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    assert ins[0] == (0x20, 0, 0, 4) and ins[1] == (0x15, 1, 0, audit) and ins[2] == (0x06, 0, 0, 0x80000000)
+    assert ins[3] == (0x20, 0, 0, 0)
+    assert ins[-2] == (0x06, 0, 0, 0x7FFF0000) and ins[-1] == (0x06, 0, 0, 0x00050001)   # allow, EPERM
+
+    def run(nr: int) -> int:   # a tiny interpreter of the program for one call of the host's arch
+        pc, acc = 0, 0
+        while True:
+            code, jt, jf, k = ins[pc]
+            if code == 0x20:
+                acc = audit if k == 4 else nr
+                pc += 1
+            elif code == 0x06:
+                return k
+            else:
+                hit = acc == k if code == 0x15 else acc >= k
+                pc += 1 + (jt if hit else jf)
+    assert [run(n) for n in nrs] == [0x00050001] * 6
+    assert run(0) == run(59) == run(1000) == 0x7FFF0000
+    if arch == "x86_64":
+        assert run(0x40000000 + 101) == 0x00050001   # an x32 entry does not slip past
+
+
+@pytest.mark.parametrize("machine, arch", [("x86_64", "x86_64"), ("amd64", "x86_64"), ("aarch64", "aarch64"),
+                                           ("arm64", "aarch64"), ("armv7l", None), ("riscv64", None)])
+def test_seccomp_arch_table(machine, arch):
+    assert ab.seccomp_arch(machine) == arch
+
+
+@pytest.mark.parametrize("open_arms, arm, gateway, network", [
+    ([], "A", "on", "gateway"), (["B"], "A", "on", "gateway"), (["A"], "A", "on", "open"),
+    ([], "A", "off", "open"), ([], None, "on", "gateway"), (["A"], None, "on", "gateway"),
+])
+def test_session_network_table(open_arms, arm, gateway, network):
+    got, why = ab.session_network(open_arms, arm, gateway)
+    assert got == network and (why is None) == (network == "gateway")
 
 
 @pytest.mark.parametrize("data, line, problem", [
@@ -192,6 +252,33 @@ def test_where_reports_auto_unsandboxed_and_slurm(study, tmp_path, monkeypatch):
     code, where = run_main(["where", "--study", str(study)])
     assert code == 0 and where["sandbox"]["demanded"] is True and where["sandbox"]["decided_on"] == "each compute node"
     assert any("compute nodes" in w for w in where["warnings"])
+
+
+@needs_bwrap
+def test_where_says_what_a_sandbox_sees_and_an_unknown_machine_has_no_filter(study, monkeypatch):
+    _set(study, sandbox="bwrap", network_open_arms=[])
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0, where
+    view = where["sandbox"]["view"]
+    assert "/usr" in view["system_read_only"] and "/etc" in view["system_read_only"]
+    assert "/" not in view["system_read_only"] + view["tools_read_only"]
+    assert all(p.startswith("/etc/") for p in view["etc_masked"])
+    if os.path.exists("/etc/shadow"):
+        assert "/etc/shadow" in view["etc_masked"]
+    assert view["seccomp"]["denied"] == list(ab.SECCOMP_DENIED) and "check" in view["network"]
+    assert where["sandbox"]["network_open_arms"] == []
+    monkeypatch.setattr(ab, "seccomp_here", lambda: {"arch": None, "machine": "armv7l", "denied": [],
+                                                     "reason": "no system call table for the machine 'armv7l'"})
+    code, where = run_main(["where", "--study", str(study)])
+    assert code == 0 and where["sandbox"]["view"]["seccomp"]["arch"] is None
+    assert any("without the seccomp filter" in w and "armv7l" in w for w in where["warnings"]), where["warnings"]
+    rec = ab.sandbox_record({"mode": "bwrap", "kind": "bwrap"}, "none")
+    assert rec["seccomp"] is None and "armv7l" in rec["seccomp_reason"]   # recorded in every job and check
+    summary = ab.sandbox_summary([rec, rec])
+    assert summary["sandboxed"] and summary["unfiltered"] == [rec["seccomp_reason"]]
+    notes = ab._rpt_population_notes([{"run_id": "r1", "status": "finished", "sandbox": summary}],
+                                     [], [], False, [], [])
+    assert any("without the seccomp filter" in n and "armv7l" in n for n in notes), notes
 
 
 # ---- checks under bubblewrap ----------------------------------------------------------------------

@@ -317,5 +317,39 @@ def test_power_simulation_is_seeded_and_agrees_with_the_approximation():
     assert a["simulation"] == b["simulation"]
     # 30 tasks: the normal approximation should be close; 400 studies give a Monte Carlo
     # standard error of about sqrt(0.8 * 0.2 / 400) = 0.02, so allow 0.08.
-    assert a["simulation"]["power"]["mean_diff_z"] == pytest.approx(a["achieved_power"], abs=0.08)
+    # The primary (sign-flip) test at 30 tasks behaves like the z-test of the approximation.
+    assert a["simulation"]["power"]["primary"] == pytest.approx(a["achieved_power"], abs=0.08)
+    assert a["simulation"]["mc_se"] == pytest.approx(
+        math.sqrt(a["simulation"]["power"]["primary"] * (1 - a["simulation"]["power"]["primary"]) / 400))
     assert 0.0 <= a["simulation"]["power"]["sign_test"] <= 1.0
+
+
+def test_bootstrap_past_256_tasks_draws_counts_per_distinct_value():
+    # 600 tasks, values 0 and 1 in equal numbers: a resample mean is K/600 with K ~ Binomial(600,
+    # 1/2), whose 2.5% and 97.5% points are 0.5 -+ 1.96 * sqrt(0.25 / 600) = 0.5 -+ 0.0400.
+    # 4000 resamples put each bound within about 0.004 of those.
+    diffs = [0.0, 1.0] * 300
+    lo, hi = ab.bootstrap_mean_diff_ci(diffs, seed=4, n_resamples=4000)
+    half = 1.959964 * math.sqrt(0.25 / 600)
+    assert lo == pytest.approx(0.5 - half, abs=0.008) and hi == pytest.approx(0.5 + half, abs=0.008)
+    assert ab.bootstrap_mean_diff_ci(diffs, seed=4, n_resamples=4000) == (lo, hi)
+
+
+def test_binomial_draw_mean_and_variance():
+    rng = __import__("random").Random(9)
+    draws = [ab.binomial_draw(rng, 40, 0.3) for _ in range(20000)]
+    # Binomial(40, 0.3): mean 12, variance 8.4; the mean of 20,000 draws has sd 0.02.
+    assert statistics.fmean(draws) == pytest.approx(12.0, abs=0.1)
+    assert statistics.pvariance(draws) == pytest.approx(8.4, rel=0.05)
+    assert ab.binomial_draw(rng, 5, 0.0) == 0 and ab.binomial_draw(rng, 5, 1.0) == 5
+
+
+def test_stream_seeds_are_named_and_stable():
+    # The same names give the same stream; any other name (or order) another one.
+    a = ab.stream_seed(7, "bootstrap", "exclusions_applied", "success", "B", "A")
+    assert a == ab.stream_seed(7, "bootstrap", "exclusions_applied", "success", "B", "A")
+    others = {ab.stream_seed(7, "bootstrap", "exclusions_applied", "success", "C", "A"),
+              ab.stream_seed(7, "bootstrap", "all_included", "success", "B", "A"),
+              ab.stream_seed(8, "bootstrap", "exclusions_applied", "success", "B", "A"),
+              ab.stream_seed(7, "bootstrap", "exclusions_applied", "success", "A", "B")}
+    assert a not in others and len(others) == 4 and 0 <= a < 2 ** 63

@@ -1,0 +1,156 @@
+"""The primary test's properties, by seeded simulation and by relabelling.
+
+- Its size: with per-task effects that differ between tasks but average zero, it rejects at
+  nominal 0.05 no more than 6% of the time (the old McNemar over repeat-indexed pairs, which
+  treated the runs of one task as independent, rejected 11% here).
+- Its power: with a real effect it rejects more often than the sign test, which throws away
+  how large each task's difference is.
+- Its invariance: relabelling the repeats of an arm within a task (the assignment shuffles them,
+  so their labels carry no pairing) changes no primary figure.
+"""
+import json
+import math
+import random
+
+import agentbench as ab
+from test_report import run
+
+
+def _study_diffs(rng, effects, p0, repeats):
+    """One simulated study: per task, the arm's and the baseline's successes over `repeats` runs
+    each; returns the per-task differences as integers over `repeats` (exact), and the counts of
+    tasks where the arm did better and worse."""
+    diffs = []
+    for eff in effects:
+        s0 = sum(rng.random() < p0 for _ in range(repeats))
+        s1 = sum(rng.random() < p0 + eff for _ in range(repeats))
+        diffs.append(s1 - s0)
+    return diffs
+
+
+def _rates(effects, p0, repeats, studies, seed, alpha=0.05):
+    rng = random.Random(seed)
+    primary = sign = 0
+    for _ in range(studies):
+        diffs = _study_diffs(rng, effects, p0, repeats)
+        primary += ab.sign_flip_test(diffs)["p"] <= alpha
+        wins = sum(d > 0 for d in diffs)
+        losses = sum(d < 0 for d in diffs)
+        sign += ab.sign_test_two_sided(wins, losses) <= alpha
+    return primary / studies, sign / studies
+
+
+def test_size_with_heterogeneous_effects_of_mean_zero():
+    # 20 tasks x 5 repeats, baseline rate 0.5, the arm helps half the tasks by 0.3 and hurts the
+    # other half by 0.3: mean effect 0.  4,000 studies: the standard error of a rate near 0.05 is
+    # sqrt(0.05 * 0.95 / 4000) = 0.0034, so 0.06 is about three standard errors above nominal.
+    # (Measured: 0.0015.  The test is conservative here: the flips take each task's squared
+    # difference, effect included, as noise.)
+    effects = [0.3, -0.3] * 10
+    studies = 4000
+    rate, _ = _rates(effects, 0.5, 5, studies, seed=2026)
+    se = math.sqrt(0.05 * 0.95 / studies)
+    assert rate <= 0.06, f"rejection rate {rate:.4f} (se {se:.4f}) above 0.06"
+
+
+def test_power_beats_the_sign_test_with_a_real_effect():
+    # Every task gains 0.2 over a baseline rate of 0.4 (20 tasks x 5 repeats), 1,000 studies:
+    # the standard error of either rate is at most sqrt(0.25 / 1000) = 0.016, so a gap of three
+    # of them is no accident of the draws (measured: 0.689 against 0.579).
+    effects = [0.2] * 20
+    primary, sign = _rates(effects, 0.4, 5, 1000, seed=7)
+    assert primary - sign > 3 * 0.016, (primary, sign)
+    assert primary > 0.6
+
+
+def _relabelled(runs, seed):
+    """The same runs with each (task, arm)'s repeat labels permuted and the list shuffled."""
+    rng = random.Random(seed)
+    cells = {}
+    for r in runs:
+        cells.setdefault((r["task"], r["arm"]), []).append(r)
+    out = []
+    for cell in cells.values():
+        labels = [r["repeat"] for r in cell]
+        rng.shuffle(labels)
+        out += [{**r, "repeat": lab} for r, lab in zip(cell, labels)]
+    rng.shuffle(out)
+    return out
+
+
+def _study_with_gaps():
+    """Three arms, eight tasks, up to four repeats, with missing repeats, an excluded run and an
+    unevaluated one: the shape that made repeat-indexed pairing depend on the labels."""
+    rng = random.Random(11)
+    runs = []
+    for t in range(8):
+        for arm, p in (("A", 0.4), ("B", 0.6), ("C", 0.5)):
+            for rep in range(1, 5):
+                if rng.random() < 0.15:
+                    continue                  # a missing repeat
+                rid = f"{arm}{t}-{rep}"
+                if rng.random() < 0.05:
+                    runs.append(run(rid, f"t{t}", arm, rep, validity="infrastructure_failure",
+                                    success=False))
+                elif rng.random() < 0.05:
+                    runs.append(run(rid, f"t{t}", arm, rep, status="error", outcome="error"))
+                else:
+                    runs.append(run(rid, f"t{t}", arm, rep, success=rng.random() < p))
+    return runs
+
+
+def test_relabelling_repeats_within_tasks_changes_no_primary_figure():
+    runs = _study_with_gaps()
+    base = ab.build_report(runs, ["A", "B", "C"], seed=3)
+    for seed in range(5):
+        other = ab.build_report(_relabelled(runs, seed), ["A", "B", "C"], seed=3)
+        for view in ("exclusions_applied", "all_included"):
+            for arm in ("B", "C"):
+                a = base["views"][view]["comparisons"][arm]
+                b = other["views"][view]["comparisons"][arm]
+                for key in ("primary", "mean_diff", "ci", "se_cluster", "sign_test_p",
+                            "clustered_mcnemar", "per_task", "score"):
+                    assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key
+            assert base["views"][view]["per_arm"] == other["views"][view]["per_arm"]
+            assert base["views"][view]["multiplicity"] == other["views"][view]["multiplicity"]
+    # The study is not degenerate: the primary test saw real differences in both comparisons.
+    assert all(base["comparisons"][a]["primary"]["informative_tasks"] >= 4 for a in ("B", "C"))
+
+
+def test_a_view_computes_again_only_what_an_exclusion_touches():
+    # Exclusions only in arm C: A and B are the same runs in both views, so their figures and
+    # the B-vs-A comparison are the same (one computation); C's and C-vs-A's are computed again.
+    runs = _study_with_gaps()
+    runs = [r for r in runs if r["validity"] != "infrastructure_failure" or r["arm"] == "C"]
+    runs.append(run("Cx", "t0", "C", 9, validity="infrastructure_failure", success=True))
+    rep = ab.build_report(runs, ["A", "B", "C"], seed=3)
+    ex, al = rep["views"]["exclusions_applied"], rep["views"]["all_included"]
+    for arm in ("A", "B"):
+        assert ex["per_arm"][arm] == al["per_arm"][arm]
+    b_ex, b_al = dict(ex["comparisons"]["B"]), dict(al["comparisons"]["B"])
+    assert json.dumps(b_ex, sort_keys=True) == json.dumps(b_al, sort_keys=True)
+    assert ex["per_arm"]["C"]["excluded"] >= 1 and al["per_arm"]["C"]["excluded"] == 0
+    assert ex["per_arm"]["C"]["evaluated"] < al["per_arm"]["C"]["evaluated"]
+    # Computed again from the runs, not copied: the same as a report built without exclusions.
+    plain = ab.build_report([{**r, "validity": "valid"} for r in runs], ["A", "B", "C"], seed=3)
+    assert al["comparisons"]["C"]["primary"] == plain["comparisons"]["C"]["primary"]
+    assert al["comparisons"]["C"]["ci"] == plain["comparisons"]["C"]["ci"]
+
+
+def test_a_monte_carlo_primary_p_is_marked_with_its_standard_error():
+    # 40 tasks whose score differences are all distinct: 2^40 flips with no repeated values are
+    # past the enumeration, so the score's primary p is a Monte Carlo estimate, shown with "~".
+    runs = []
+    for t in range(40):
+        for arm, score in (("A", 0.3), ("B", 0.3 + (t + 1) / 97)):
+            r = run(f"{arm}{t}", f"t{t:02d}", arm, 1, success=True)
+            r["evaluation"]["score"] = score
+            runs.append(r)
+    rep = ab.build_report(runs, ["A", "B"], seed=2)
+    prim = rep["comparisons"]["B"]["score"]["primary"]
+    assert prim["method"] == "monte_carlo" and prim["draws"] == ab.PERM_DRAWS
+    assert prim["p"] == 1 / (1 + ab.PERM_DRAWS)     # every task up: no random flip is as extreme
+    md = ab.render_report_md(rep)
+    assert f"~{ab.fmt_p(prim['p'])} (MC se " in md
+    assert any(n.startswith("B vs A: too many distinct task differences in score") and "Monte Carlo" in n
+               for n in rep["notes"])
