@@ -9138,9 +9138,14 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
             staged = dst.with_name(f".overlay.{uuid.uuid4().hex[:8]}")
             for rel, digest in after.items():
                 changed = task.public_manifest.get(rel) != digest
-                if changed and not digest.startswith(("symlink:", "special:")):
-                    (staged / rel).parent.mkdir(parents=True, exist_ok=True)
-                    safe_copy_file(os.path.join(ws, rel), staged / rel, None)
+                if not changed or digest.startswith(("symlink:", "special:")):
+                    continue
+                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+                safe_copy_file(os.path.join(ws, rel), staged / rel, None)
+                try:   # the scripted agent writes text through the Write tool: binary is left out
+                    (staged / rel).read_bytes().decode("utf-8")
+                except UnicodeDecodeError:
+                    (staged / rel).unlink()
             staged.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(staged, dst)
@@ -16045,18 +16050,23 @@ def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
 
 def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
                       ) -> tuple[bytes | None, str | None]:
-    """(up to `cap` bytes of a regular file, a problem or None), never through a link at the last
-    component, never blocking on a FIFO: (None, why) for a file that is missing, a link or special."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    """(up to `cap` bytes of a regular file, a problem or None), opened as open_regular opens
+    (never through a link, never blocking on a FIFO): (None, why) for a file that is missing, a
+    link or special.  Unlike read_capped, a longer file gives its first `cap` bytes, said."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None, "missing"
+        opened = open_regular(path)
     except OSError as exc:
-        return None, f"not read ({'a link' if exc.errno == errno.ELOOP else exc.strerror})"
+        return None, f"not read ({exc.strerror})"
+    if opened is None:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError as exc:
+            return None, f"not read ({exc.strerror})"
+        return None, "not read (a link)" if stat.S_ISLNK(mode) else "not a regular file"
+    fd, _ = opened
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None, "not a regular file"
         chunks, total = [], 0
         while total <= cap:
             chunk = os.read(fd, min(1 << 20, cap + 1 - total))
@@ -16228,10 +16238,14 @@ def load_session_source(paths: StudyPaths, job_id: str, ledger: Mapping[str, Map
                         ) -> SessionSource:
     """A job's session read for export: its stream from its raw directory (which must lie inside
     the study), its prompt and system prompt, bounded; what could not be read is in `problems`."""
-    job = read_json(paths.job_file(job_id), default=None)
+    problems: list[str] = []
+    try:
+        job = read_json(paths.job_file(job_id), default=None)
+    except AgentbenchError:
+        job = None
+        problems.append("job.json is not valid JSON")
     job = job if isinstance(job, dict) else {}
     meta = job.get("meta") if isinstance(job.get("meta"), dict) else {}
-    problems: list[str] = []
     raw_dir = job.get("raw_dir")
     events: list[dict[str, Any]] = []
     garbage = 0
@@ -16785,6 +16799,14 @@ import subprocess
 import sys
 
 fd, workdir, threshold = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+# The channel is never handed to a child, and this process is made non-dumpable (Linux), so the
+# code under test that test.sh runs cannot take the descriptor through /proc.
+os.set_inheritable(fd, False)
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
 logs = "/logs/verifier"
 proc = subprocess.run(["bash", "/tests/test.sh"], cwd=workdir, stdin=subprocess.DEVNULL,
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, close_fds=True)
@@ -18237,7 +18259,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 @command("export", "the study as Inspect eval logs (one per arm) or ATIF trajectories (one per session)",
-         mutating=False)
+         mutating=True)
 @args_of(_export_args)
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return export_study(load_study(ctx.study(args)), args.format,

@@ -510,8 +510,6 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
         "kill": ["kill", "--study", s, "--job", "j000001"],
         "calibrate": ["calibrate", "--study", s],
         "new-task": ["new-task", "--study", s, "--task", "t1"],
-        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path / "harbor-task"), "--tasks",
-                         str(study / "tasks")],
         "assign": ["assign", "--study", s],
         "gate": ["gate", "--study", s, "--run", "r0001"],
         "review": ["review", "--study", s, "--run", "r0001"],
@@ -521,10 +519,10 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
         "demo": ["demo", "--dir", str(tmp_path / "demo")],
         "tick": ["tick", "--study", s],
         "expire": ["expire", "--study", s, "--base", "b"],
-        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path / "harbor-task"),
-                         "--tasks", str(study / "tasks")],
         "_drive": ["_drive", "--study", s],
         "_supervise": ["_supervise", "--study", s, "--job", "j000001"],
+        "export": ["export", "--study", s, "--format", "atif", "--out", str(tmp_path / "exported")],
+        "import-tasks": ["import-tasks", "--from", "harbor", str(tmp_path), "--tasks", str(tmp_path / "imported")],
     }
 
 
@@ -533,10 +531,10 @@ def test_every_mutating_command_is_covered_by_the_child_refusal_test(study, tmp_
     assert mutating == set(_child_refusal_cases(study, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "new-task", "import-tasks",
+@pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "new-task",
                                   "assign",
                                   "gate", "review", "evaluate", "run", "rehearse", "demo", "tick",
-                                  "expire", "import-tasks", "_drive", "_supervise"])
+                                  "expire", "export", "import-tasks", "_drive", "_supervise"])
 def test_child_marker_refuses_mutating_commands(name, study, tmp_path, monkeypatch):
     argv = _child_refusal_cases(study, tmp_path)[name]
     before = tree_snapshot(study)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ab, run_main
-from interop_consumers import interop_venv, invalid_trajectories
+from interop_consumers import interop_venv, invalid_trajectories, read_inspect_logs
 
 
 def ev(kind: str, content, parent=None, mid=None, **kw) -> dict:
@@ -179,8 +179,50 @@ def test_export_refuses_an_out_that_is_a_file_or_inside_the_study(study, tmp_pat
     assert code == 2 and out["code"] == "bad_arguments" and not (tmp_path / "o").exists()
 
 
+def _with_arms(study: Path) -> Path:
+    cfg = json.loads((study / "study.json").read_text())
+    cfg["arms"] = {"A": {}, "C": {"gate_cycles": 2}}
+    (study / "study.json").write_text(json.dumps(cfg))
+    return study
+
+
 def test_export_of_a_study_without_runs_is_empty_but_valid(study, tmp_path):
+    _with_arms(study)
     code, out = run_main(["export", "--study", str(study), "--format", "atif", "--out", str(tmp_path / "a")])
     assert code == 0 and out["trajectories"] == 0
     code, out = run_main(["export", "--study", str(study), "--format", "inspect", "--out", str(tmp_path / "i")])
-    assert code == 0 and out["status"] == "started" and all(log["samples"] == 0 for log in out["logs"])
+    assert code == 0 and out["status"] == "started"
+    assert [(log["arm"], log["samples"]) for log in out["logs"]] == [("A", 0), ("C", 0)]
+
+
+def _fake_job(study: Path, job_id: str, raw_dir: str, stream: bytes | None) -> None:
+    jd = study / "state" / "jobs" / job_id
+    jd.mkdir(parents=True)
+    (jd / "job.json").write_text(json.dumps({"job_id": job_id, "raw_dir": raw_dir, "session_id": "s-1",
+                                             "model": "claude-opus-4-5", "meta": {"role": "executor"}}))
+    (jd / "prompt.txt").write_text("Do it.")
+    if stream is not None:
+        Path(raw_dir).mkdir(parents=True, exist_ok=True)
+        (Path(raw_dir) / "stream.jsonl").write_bytes(stream)
+
+
+def test_atif_export_reads_no_stream_outside_the_study(study, tmp_path):
+    outside = tmp_path / "elsewhere"
+    _fake_job(study, "j000001", str(outside), _lines(SIDE_CHAIN_STREAM))
+    _fake_job(study, "j000002", str(study / "runs" / "x" / "raw" / "01"), b"garbage\n" + _lines(SIDE_CHAIN_STREAM))
+    code, out = run_main(["export", "--study", str(study), "--format", "atif", "--out", str(tmp_path / "o")])
+    assert code == 0 and out["trajectories"] == 2
+    first = json.loads((tmp_path / "o" / "_sessions" / "j000001" / "trajectory.json").read_text())
+    assert "not inside the study" in first["notes"] and len(first["steps"]) == 1   # the prompt only
+    second = json.loads((tmp_path / "o" / "_sessions" / "j000002" / "trajectory.json").read_text())
+    assert "1 stream lines" in second["notes"] and second["subagent_trajectories"]
+
+
+def test_an_empty_study_exports_logs_inspect_ai_reads(study, tmp_path):
+    venv = interop_venv()
+    _with_arms(study)
+    code, out = run_main(["export", "--study", str(study), "--format", "inspect", "--out", str(tmp_path / "i")])
+    assert code == 0
+    logs = read_inspect_logs(venv, [str(p) for p in sorted((tmp_path / "i").glob("*.eval"))])
+    assert [(log["task"], log["status"], log["samples"]) for log in logs] == [("A", "started", []),
+                                                                              ("C", "started", [])]
