@@ -5025,6 +5025,23 @@ def _check_sandbox(v: Any) -> None:
                               hint='"auto": bubblewrap where it runs; "bwrap": required; "none": never')
 
 
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> dict[str, str]:
+    """For each unknown key, the known one it is most likely a misspelling of (pure)."""
+    out = {}
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+        if close:
+            out[str(key)] = close[0]
+    return out
+
+
+def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
+    guesses = did_you_mean(unknown, known)
+    if guesses:
+        return "did you mean " + ", ".join(f"`{v}` for `{k}`" for k, v in guesses.items()) + "?"
+    return f"a misspelt {what} would be ignored; fix or remove it"
+
+
 def _check_network_open_arms(v: Any) -> None:
     if not (isinstance(v, list) and all(isinstance(a, str) and a for a in v)) or len(v) > 1000:
         raise AgentbenchError("network_open_arms must be a list of arm names", code="bad_network_open_arms",
@@ -5037,8 +5054,9 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
         raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
-                              keys=unknown,
-                              known=sorted(DEFAULT_BUDGET), hint="a misspelt budget would not apply")
+                              keys=unknown, known=sorted(DEFAULT_BUDGET),
+                              did_you_mean=did_you_mean(unknown, sorted(DEFAULT_BUDGET)),
+                              hint=_misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
@@ -5127,7 +5145,8 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
         if extra:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
                                   arm=name, key=extra[0], keys=extra, known=list(ARM_KEYS),
-                                  hint="a misspelt arm setting would be ignored; fix or remove it")
+                                  did_you_mean=did_you_mean(extra, ARM_KEYS),
+                                  hint=_misspelt_hint(extra, ARM_KEYS, "arm setting"))
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
                                   arm=name)
@@ -5232,10 +5251,12 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
     model id, an effort) are checked by validate_launch_values where sessions are launched."""
     unknown = sorted(k for k in set(cfg) - STUDY_KEYS if not str(k).startswith("_"))
     if unknown:
+        guesses = did_you_mean(unknown, sorted(STUDY_KEYS))
         raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
                               keys=unknown, known=sorted(STUDY_KEYS),
-                              hint="a misspelt key would be ignored; fix or remove it (keys starting "
-                                   "with _ are free, e.g. for a comment)")
+                              did_you_mean=guesses,
+                              hint=(_misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
+                                    + " (keys starting with _ are free, e.g. for a comment)"))
     for setting in STUDY_SETTINGS:
         val = cfg.get(setting.key)
         if val is None:
@@ -5506,6 +5527,10 @@ GATEWAY_CLIENT_TOOL_PREFIXES = ("bash_", "text_editor_", "computer_", "memory_")
 GATEWAY_INLINE_SOURCES = frozenset({"base64", "text", "content"})
 #: max_tokens assumed for a Messages request that names none (the API requires one anyway).
 GATEWAY_DEFAULT_MAX_TOKENS = 32000
+#: After this many requests in a row found the upstream unreachable, the gateway answers the next
+#: ones with an error the binary does not retry, so the session ends at once instead of after
+#: minutes of retries against an upstream that is not there.
+GATEWAY_UNREACHABLE_FINAL = 2
 #: How often, at most, a streaming answer's usage re-reads the study's spend (the ledger and the other
 #: live sessions) to see whether the study's cap is reached mid-answer.
 GATEWAY_STUDY_RECHECK_S = 0.5
@@ -5611,6 +5636,12 @@ def gateway_refusal(env: Mapping[str, str], mode: str) -> AgentbenchError | None
         return AgentbenchError("the metering gateway cannot carry a claude.ai login "
                                "(CLAUDE_CODE_OAUTH_TOKEN)", code="gateway_cannot_carry_login",
                                refusal="gateway", variable="CLAUDE_CODE_OAUTH_TOKEN", hint=hint)
+    if not any(env.get(v) for v in GATEWAY_CARRIED):
+        # Without one every session would fail on authentication, after its retries.
+        return AgentbenchError("no credential for the model API: the gateway has nothing to forward",
+                               code="no_credential", refusal="gateway", credentials=[],
+                               hint="export ANTHROPIC_API_KEY=... (or ANTHROPIC_AUTH_TOKEN) in the shell "
+                                    "that runs agentbench; `rehearse` and `demo` need none")
     return None
 
 
@@ -5644,6 +5675,63 @@ def gateway_auth_headers(creds: Mapping[str, str]) -> list[tuple[str, str]]:
     return out
 
 
+
+
+#: How long the preflight request to the upstream (`where --check-api`, the start of `run`) may
+#: take in all, name resolution included.
+UPSTREAM_CHECK_TIMEOUT_S = 8.0
+
+
+def upstream_check_verdict(status: int | None, body: bytes, error: str | None) -> dict[str, Any]:
+    """What the answer to the preflight count_tokens request says (pure): ok, or the problem
+    (`upstream_unreachable`, `credential_rejected`, `upstream_refused`) and the reason in words."""
+    if status is None:
+        return {"ok": False, "problem": "upstream_unreachable",
+                "reason": f"the upstream could not be reached: {error}"[:400]}
+    message = ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(body[:65536].decode("utf-8", "replace")).get("error")
+        message = str(err.get("message") if isinstance(err, dict) else err or "")[:300]
+    if 200 <= status < 300:
+        return {"ok": True, "status": status}
+    if status in (401, 403):
+        return {"ok": False, "status": status, "problem": "credential_rejected",
+                "reason": f"the upstream rejected the credential (HTTP {status}): {message}".rstrip(": ")}
+    return {"ok": False, "status": status, "problem": "upstream_refused",
+            "reason": f"the upstream refused a count_tokens request (HTTP {status}): {message}".rstrip(": ")}
+
+
+def check_upstream(env: Mapping[str, str], model: str,
+                   timeout_s: float = UPSTREAM_CHECK_TIMEOUT_S) -> dict[str, Any]:
+    """One free request (POST /v1/messages/count_tokens) to the upstream the gateway would use,
+    with the credential it would carry: whether the upstream answers and accepts the key.  Takes
+    at most `timeout_s` (an unanswered request is a verdict too)."""
+    url = (env.get("ANTHROPIC_BASE_URL") or "").strip() or GATEWAY_UPSTREAM_DEFAULT
+    scheme, host, port, prefix = gateway_upstream(url)
+    headers = dict(gateway_auth_headers({k: env[k] for k in GATEWAY_WITHHELD if env.get(k)}))
+    headers.update({"content-type": "application/json", "anthropic-version": "2023-06-01"})
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}]}).encode()
+    got: dict[str, Any] = {}
+
+    def ask() -> None:
+        conn = (http.client.HTTPSConnection(host, port, timeout=timeout_s,
+                                            context=ssl.create_default_context())
+                if scheme == "https" else http.client.HTTPConnection(host, port, timeout=timeout_s))
+        try:
+            conn.request("POST", prefix + "/v1/messages/count_tokens", body=body, headers=headers)
+            resp = conn.getresponse()
+            got.update(status=resp.status, body=resp.read(65536))
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            got["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            conn.close()
+
+    worker = threading.Thread(target=ask, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or not got:
+        got = {"error": f"no answer within {timeout_s:g} s"}
+    return {"url": url, **upstream_check_verdict(got.get("status"), got.get("body") or b"", got.get("error"))}
 
 
 def gateway_route(method: str, raw_path: str) -> tuple[str, str, bool]:
@@ -6096,6 +6184,15 @@ def _gateway_server_classes() -> tuple[Any, Any]:
     return _GATEWAY_CLASSES[0]
 
 
+def upstream_down(exc: BaseException) -> bool:
+    """Whether a forwarding error says the upstream cannot be reached at all (refused, no route,
+    no such host, no answer, a certificate that does not verify), rather than a failure of one
+    request."""
+    if isinstance(exc, (ConnectionRefusedError, TimeoutError, socket.gaierror, ssl.SSLError)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+
+
 def _gateway_unix_server_class() -> Any:
     """The gateway's server on a Unix socket (the way in from a sandbox with no network of its
     own): the same handler, bound to a path instead of a TCP port."""
@@ -6170,6 +6267,7 @@ class MeteringGateway:
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._inflight = 0
+        self._unreachable = 0   # requests in a row that found the upstream unreachable
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._unix: Any = None
@@ -6503,14 +6601,27 @@ class MeteringGateway:
                 conn.close()
             h.close_connection = True
             if not replied:
+                with self._lock:
+                    # Only a connection that could not be made counts: nothing a session sends
+                    # (odd headers, a dropped connection) can end its own session this way.
+                    self._unreachable = self._unreachable + 1 if upstream_down(exc) else 0
+                    final = not cut and self._unreachable >= GATEWAY_UNREACHABLE_FINAL
                 with contextlib.suppress(OSError):
                     if cut:   # final for the binary, as every budget refusal
                         status = 400
                         self._reply(h, 400, "invalid_request_error", "agentbench gateway: budget exhausted: "
                                     "this session's answers were cut")
+                    elif final:   # 400 invalid_request_error is final for the binary: no more retries
+                        status = 400
+                        self._reply(h, 400, "invalid_request_error",
+                                    f"agentbench gateway: the upstream could not be reached "
+                                    f"{GATEWAY_UNREACHABLE_FINAL} times in a row ({error})")
                     else:
                         self._reply(h, 502, "api_error",
                                     "agentbench gateway: the upstream could not be reached")
+        else:
+            with self._lock:
+                self._unreachable = 0
         if live is not None:
             with self._lock:
                 self._upstreams.pop(live.ticket, None)
@@ -8946,8 +9057,12 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
                only: Sequence[str] | None = None) -> dict[str, Task]:
     tdir = tasks_dir(paths, cfg)
     if not tdir.is_dir():
-        raise AgentbenchError("tasks directory not found", code="tasks_directory_not_found", tasks=str(tdir),
-                              hint="set `tasks` in study.json (relative to the study dir)")
+        study = shlex.quote(str(paths.root))
+        raise AgentbenchError(f"tasks directory not found: {tdir}", code="tasks_directory_not_found",
+                              tasks=str(tdir),
+                              hint="create a task in it with `python3 agentbench.py new-task --study "
+                                   f"{study} --task NAME`, or point `tasks` in study.json at your "
+                                   "tasks directory")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
         if sub.is_dir() and (sub / "task.json").exists():
@@ -8955,9 +9070,10 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
             tasks[t.id] = t
     tasks = pick_tasks(tasks, only)
     if not tasks:
-        raise AgentbenchError("no tasks found", code="no_tasks_found", tasks=str(tdir),
+        raise AgentbenchError(f"no tasks found in {tdir}", code="no_tasks_found", tasks=str(tdir),
                               hint="each task is a directory tasks/<id>/ holding task.json, public/, "
-                                   "gate/ and oracle/ (see examples/study)")
+                                   "gate/ and oracle/; `python3 agentbench.py new-task --study "
+                                   f"{shlex.quote(str(paths.root))} --task NAME` writes one")
     return tasks
 
 
@@ -9591,6 +9707,35 @@ def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+def check_failure_text(rec: Mapping[str, Any]) -> str:
+    """Why a check did not pass, in one line a task author can act on (pure): the receipt's
+    problem or the grader error, the exit status, and the end of its stderr."""
+    parts = []
+    if rec.get("receipt_problem"):
+        parts.append(str(rec["receipt_problem"]))
+    if rec.get("grader_error"):
+        parts.append(f"grader error: {rec['grader_error']}")
+    if rec.get("timed_out"):
+        parts.append("timed out")
+    parts.append(f"exit {rec.get('exit_code')}")
+    tail = str(rec.get("stderr_tail") or "").strip()
+    if tail:
+        parts.append("stderr: " + " | ".join(tail.splitlines()[-3:])[-300:])
+    return "; ".join(parts)
+
+
+def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """What calibrate records of one check run: its verdict and, when it did not pass, why."""
+    out = {"passed": bool(rec.get("passed")), "score": rec.get("score"), "exit_code": rec.get("exit_code")}
+    if rec.get("receipt_problem"):
+        out["receipt_problem"] = rec["receipt_problem"]
+    if rec.get("grader_error"):
+        out["grader_error"] = rec["grader_error"]
+    if not out["passed"] or rec.get("grader_error"):
+        out["stderr_tail"] = str(rec.get("stderr_tail") or "")[-500:]
+    return out
+
+
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                    env: Mapping[str, str]) -> dict[str, Any]:
     """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
@@ -9616,15 +9761,17 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                 g = run_check(paths, platform, task, "gate", ws, env)
                 o = run_check(paths, platform, task, "oracle", ws, env)
                 runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
-                             "oracle_success": o["success"]})
+                             "oracle_success": o["success"], "gate": check_diagnosis(g),
+                             "oracle": check_diagnosis(o)})
                 if not g["passed"]:
                     problems.append(f"attempt {i}: the gate fails on starter + reference: "
-                                    f"{g['stderr_tail'][-300:]}")
+                                    + check_failure_text(g))
                 if o.get("grader_error"):
-                    problems.append(f"attempt {i}: the oracle gave no valid verdict: {o['grader_error']}")
+                    problems.append(f"attempt {i}: the oracle gave no valid verdict: "
+                                    + check_failure_text(o))
                 elif not o["success"]:
                     problems.append(f"attempt {i}: the hidden tests score {o['score']} "
-                                    f"< threshold {task.threshold}")
+                                    f"< threshold {task.threshold}: " + check_failure_text(o))
         partial_gate = None
         if task.partial.is_dir():
             # The rehearsal submits partial/ first so that gate feedback cycles really happen:
@@ -11233,9 +11380,36 @@ def refuse_unproven(study: Study, force: bool) -> None:
     if not reh.get("ok") or reh.get("config_hash") != h:
         problems.append("no passing rehearsal of the current configuration")
     if problems:
+        where = shlex.quote(str(paths.root))
+        step = "calibrate" if len(problems) == 2 or "calibration" in problems[0] else "rehearse"
         raise AgentbenchError("refusing to spend money on an unproven configuration",
                               code="unproven_configuration", problems=problems,
-                              hint="run `calibrate` and `rehearse` (free, offline) first; --force overrides")
+                              hint=f"run `python3 agentbench.py {step} --study {where}` (free, offline)"
+                                   + (", then `rehearse`" if step == "calibrate" else "")
+                                   + "; --force overrides")
+
+
+def refuse_unreachable_api(study: Study, env: Mapping[str, str]) -> dict[str, Any] | None:
+    """Before real money is at stake: the gateway has a credential to carry, and the upstream
+    answers one free request (count_tokens) with it.  Refused (exit 2) with the reason; None when
+    there is nothing to check (the gateway off, or sessions that reach no real API:
+    AGENTBENCH_OFFLINE=1), else the check's answer."""
+    cfg = study.cfg
+    env_all = {**env, **dict(cfg.get("env") or {})}
+    gateway = launch_config(cfg)["gateway"]
+    if gateway != "on" or env_all.get("AGENTBENCH_OFFLINE") == "1":
+        return None
+    refusal = gateway_refusal(env_all, gateway)
+    if refusal is not None:
+        raise refusal
+    got = check_upstream(env_all, str(launch_config(cfg)["model"]))
+    if not got["ok"]:
+        raise AgentbenchError(got["reason"], code=got["problem"], url=got["url"], status=got.get("status"),
+                              hint=("check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN)"
+                                    if got["problem"] == "credential_rejected" else
+                                    "check ANTHROPIC_BASE_URL and the network; "
+                                    "`python3 agentbench.py where --check-api` asks again"))
+    return got
 
 
 def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:
@@ -11243,9 +11417,21 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
     launch values, a missing executor, bases that are not ready); the pipelines to run at once:
     `parallel` (default and at most the study's parallel cap)."""
     paths, cfg = study.paths, study.cfg
+    where = shlex.quote(str(paths.root))
+    # In the order a user fixes them: calibrate, assign, rehearse.
+    bad = uncalibrated(paths, study.tasks)
+    if bad and not force:
+        raise AgentbenchError("refusing to spend money on an unproven configuration",
+                              code="unproven_configuration", tasks=bad,
+                              problems=["tasks are not calibrated: " + ", ".join(bad)],
+                              hint=f"run `python3 agentbench.py calibrate --study {where}` first, then "
+                                   "`assign` and `rehearse`; --force overrides")
     if not run_ids:
+        if not all_run_ids(paths):
+            raise AgentbenchError("no runs: the study has no assignment yet", code="no_runs_selected",
+                                  hint=f"run `python3 agentbench.py assign --study {where}` first")
         raise AgentbenchError("no runs selected", code="no_runs_selected",
-                              hint="run `assign` first, or check --run/--task/--arm")
+                              hint="check --run/--task/--arm/--split against `list --all`")
     refuse_unproven(study, force)
     refuse_changed_arms(study, run_ids)
     validate_launch_values(cfg)
@@ -13440,6 +13626,35 @@ def report_delivery(runs: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> d
     return {"arms": dict(sorted(out.items())), "note": note}
 
 
+def arm_changes(arm_specs: Mapping[str, Any], baseline: str) -> dict[str, str]:
+    """What each arm changes against the baseline, in words, from the arms' settings in
+    study.json (pure): its preamble file, gate cycles, a reviewer, forking a base."""
+    base = arm_specs.get(baseline) if isinstance(arm_specs.get(baseline), Mapping) else {}
+
+    def said(spec: Mapping[str, Any]) -> dict[str, str]:
+        out = {"preamble": f"preamble {spec['preamble']}" if spec.get("preamble") else "no preamble",
+               "gate_cycles": (f"{spec['gate_cycles']} gate feedback cycles" if spec.get("gate_cycles")
+                               else "no gate cycles"),
+               "review": "a reviewer" if spec.get("review") is True else "no reviewer",
+               "fork_base": "forks a per-task base" if spec.get("fork_base") is True else "fresh sessions"}
+        # Every launch setting the arm sets (model, effort, tools, files it brings...), by name.
+        for key in sorted(k for k in spec if k not in out and k != "preamble"):
+            out[key] = f"{key} {json.dumps(spec[key], sort_keys=True, default=str)[:80]}"
+        return out
+
+    mine = said(base)
+    changes = {}
+    for name, spec in arm_specs.items():
+        if name == baseline:
+            changes[name] = "the baseline: " + ", ".join(mine.values())
+            continue
+        other = said(spec if isinstance(spec, Mapping) else {})
+        diff = [other[k] for k in other if other[k] != mine.get(k)]
+        diff += [f"no {k} setting" for k in mine if k not in other]
+        changes[name] = ", ".join(diff) if diff else "the same settings as the baseline"
+    return changes
+
+
 #: The keys of a run record that the report reads (and `list`, and the cost plan of `assign`): the
 #: runs summary that `report` reads instead of every record holds only these (see "Reading at
 #: scale").  A report that starts reading another key of a run must add it here;
@@ -13702,7 +13917,8 @@ def _rpt_arm_table(report: dict) -> ReportTable:
     for a in arms:
         s = pa[a]
         est = s["cost_estimated_usd"] > 0
-        rows.append([a + (" (baseline)" if a == base else ""), fmt_int(s["runs"]),
+        changes = [str((report.get("arm_changes") or {}).get(a, "-"))] if "arm_changes" in report else []
+        rows.append([a + (" (baseline)" if a == base else ""), *changes, fmt_int(s["runs"]),
                      fmt_int(s["evaluated"]), fmt_int(s["successes"]),
                      fmt_pct(s["success_rate"]), _fmt_ci(s["success_ci"]),
                      fmt_pct(s["task_success_rate"]), _fmt_ci(s["task_success_ci"]),
@@ -13711,10 +13927,13 @@ def _rpt_arm_table(report: dict) -> ReportTable:
                      fmt_usd(s["cost_usd"], est), fmt_int(s["tokens"].get("total", 0)),
                      fmt_secs(s["median_wall_s"]), fmt_num(s["gate_cycles"]["mean"], 2),
                      _rpt_flag_cell(s)])
+    sim = " (simulated)" if report["totals"].get("rehearsed_runs") else ""
     return ("Results per arm",
-            ["Arm", "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
-             "Mean rate over tasks", "95% CI over tasks", "Mean score", "Cost/run", "Cost/success",
-             "Total cost", "Tokens", "Median wall", "Gate cycles (mean)", "Flagged by audit"], rows)
+            ["Arm", *(["Changes against the baseline"] if "arm_changes" in report else []),
+             "Runs", "Evaluated", "Successes", "Success rate", "95% CI (Wilson)",
+             "Mean rate over tasks", "95% CI over tasks", "Mean score", f"Cost/run{sim}",
+             f"Cost/success{sim}", f"Total cost{sim}", "Tokens", "Median wall", "Gate cycles (mean)",
+             "Flagged by audit"], rows)
 
 
 def _rpt_fate_table(report: dict) -> ReportTable:
@@ -13994,7 +14213,7 @@ h1 { font-size: 1.6em; margin-bottom: 0.2em; }
 h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #bbb; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
+th { background: #f0f0f0; white-space: normal; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .charts { display: flex; flex-wrap: wrap; gap: 1.5em; }
 figure { margin: 0; }
@@ -14244,6 +14463,31 @@ def html_table(headers: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
 
 
+#: Columns of one HTML table at most: a wider table is split into parts that each repeat the first
+#: column, so that every column stays on a 1280 px screen.
+HTML_TABLE_MAX_COLUMNS = 9
+
+
+def column_chunks(n_columns: int, max_columns: int = HTML_TABLE_MAX_COLUMNS) -> list[list[int]]:
+    """The column indexes of each part of a table split to at most `max_columns` columns, each
+    part led by column 0 (pure)."""
+    if n_columns <= max_columns:
+        return [list(range(n_columns))]
+    rest = list(range(1, n_columns))
+    step = max_columns - 1
+    parts = [rest[i:i + step] for i in range(0, len(rest), step)]
+    if len(parts) > 1 and len(parts[-1]) < step // 2:   # no stub part of one or two columns
+        per = -(-len(rest) // len(parts))
+        parts = [rest[i:i + per] for i in range(0, len(rest), per)]
+    return [[0, *p] for p in parts]
+
+
+def html_tables(headers: list[str], rows: list[list[str]]) -> str:
+    """html_table, split into parts of at most HTML_TABLE_MAX_COLUMNS columns."""
+    return "\n".join(html_table([headers[i] for i in cols], [[r[i] for i in cols] for r in rows])
+                     for cols in column_chunks(len(headers)))
+
+
 def render_report_html(report: dict, extra: str = "") -> str:
     """One self-contained page: inline CSS and SVG, no scripts, no external resources.
 
@@ -14282,7 +14526,7 @@ def render_report_html(report: dict, extra: str = "") -> str:
         parts.append(extra)   # the run pages' index section (already escaped HTML)
     for heading, headers, rows in _rpt_tables(report):
         parts.append(f"<h2>{html.escape(heading)}</h2>")
-        parts.append(html_table(headers, rows) if rows else "<p>(none)</p>")
+        parts.append(html_tables(headers, rows) if rows else "<p>(none)</p>")
     parts.append('<h2>Notes</h2><ul class="notes">')
     parts += [f"<li>{html.escape(n)}</li>" for n in report["notes"]] or ["<li>(none)</li>"]
     if tot["cost_estimated_usd"] > 0:
@@ -16208,6 +16452,24 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
             "uncalibrated": uncalibrated(paths, tasks)}
 
 
+def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
+    """What a power plan's costs say against the study's cap, in words (pure)."""
+    cap = plan.get("study_budget_usd")
+    if not is_number(cap) or cap <= 0:
+        return []
+    out = []
+    for key, what in (("cost_at_repeats", "the chosen"), ("cost_at_recommended_repeats", "the recommended")):
+        got = plan.get(key) or {}
+        usd = got.get("study_usd")
+        if is_number(usd) and usd > cap:
+            reps = got.get("repeats", plan.get("repeats"))
+            out.append(f"at {what} {reps} repeats the study is expected to cost ${usd:.2f}, above its cap "
+                       f"budget.study_usd = ${cap:.2f}: raise the cap (`init --study-usd`), aim at "
+                       "a larger difference (`assign --power-delta`), or use fewer repeats "
+                       "(`assign --repeats`)")
+    return out
+
+
 def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
     """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
     manifest of split main, else the only manifest.  (None, None) when there is no such manifest
@@ -16324,6 +16586,7 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
     if power.get("repeats"):
         out["cost_at_recommended_repeats"] = {"repeats": power["repeats"], **cost(int(power["repeats"]))}
+    out["warnings"] = plan_warnings(out)
     return out
 
 
@@ -16404,11 +16667,265 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
                     save_run(paths, rec)
     append_event(paths, "assigned", split=split, runs=len(manifest), sha256=sha256_bytes(data))
     blocks = sorted({m["block"] for m in manifest})
-    return {"split": split, "runs": len(manifest), "tasks": len(tasks), "arms": sorted(arms),
+    where = shlex.quote(str(paths.root))
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    rehearsed = isinstance(reh, dict) and reh.get("ok") is True and reh.get("config_hash") == study.hash
+    warnings = list(((power or {}).get("plan") or {}).get("warnings") or [])
+    return {"next": f"python3 agentbench.py {'run' if rehearsed else 'rehearse'} --study {where}",
+            "warnings": warnings, "split": split, "runs": len(manifest), "tasks": len(tasks),
+            "arms": sorted(arms),
             "repeats": repeats, "seed": seed, "blocks": len(blocks), "manifest": str(mpath),
             "sha256": sha256_bytes(data), "unchanged": existing == data, "power": power,
             "analysis_plan": json.loads(data).get("analysis_plan"),
             "faults": dict(applied)}
+
+
+# -- new-task: a complete task bundle to start from ------------------------------------------------
+
+#: The kinds of task `new-task` writes: what the agent is asked to do in each.
+SCAFFOLD_KINDS = {"python-fix": "fix a bug in a small Python module",
+                  "cli": "add an option to a small command-line tool"}
+
+#: The hidden oracle every scaffolded task starts with.  The receipt channel the safe way: the
+#: descriptor is made non-inheritable at once and the process non-dumpable, the code under test
+#: runs only in child processes (which never get the descriptor), and this parent alone writes
+#: the one receipt line after they finished.  %(checks)s is the task kind's list of checks.
+SCAFFOLD_ORACLE = '''#!/usr/bin/env python3
+"""Hidden tests of the task: agentbench never copies this directory into a workspace.
+
+EDIT HERE: the CHECKS list. A check is (id, the arguments after `python`, the stdout it must
+print). Each runs in a child process with the workspace copy as its directory, so the code under
+test never runs in this process and never sees the receipt channel.
+Usage (agentbench passes both, see task.json): run.py WORKSPACE --receipt-fd FD
+"""
+import json
+import os
+import subprocess
+import sys
+
+CHECKS = [
+%(checks)s
+]
+TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
+
+
+def not_dumpable():
+    """Linux: no other process of this user may take this process's descriptors."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
+    except (OSError, AttributeError):
+        pass
+
+
+def run_check(workspace, args, expected):
+    try:
+        proc = subprocess.run([sys.executable, "-E", "-s", *args], cwd=workspace, text=True,
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, "timed out after %%d s" %% TIMEOUT_S
+    got = proc.stdout.strip()
+    if got == expected:
+        return True, "ok"
+    return False, "expected %%r, got %%r (exit %%d) %%s" %% (expected, got[-200:], proc.returncode,
+                                                        proc.stderr.strip()[-300:])
+
+
+def main(argv):
+    if len(argv) != 4 or argv[2] != "--receipt-fd":
+        print("usage: run.py WORKSPACE --receipt-fd FD", file=sys.stderr)
+        return 2
+    fd = int(argv[3])
+    os.set_inheritable(fd, False)   # no child process (no code under test) is handed the channel
+    not_dumpable()
+    checks = []
+    for check_id, args, expected in CHECKS:
+        passed, detail = run_check(argv[1], args, expected)
+        checks.append({"id": check_id, "passed": passed, "detail": detail})
+    n = sum(1 for c in checks if c["passed"])
+    receipt = {"passed": n == len(checks), "score": n / len(checks), "checks": checks,
+               "tests_passed": n, "tests_total": len(checks)}
+    os.write(fd, (json.dumps(receipt) + "\\n").encode("utf-8"))   # the one receipt line
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
+'''
+
+_FIX_STARTER = '''"""Small statistics helpers."""
+
+
+def mean(values):
+    """The arithmetic mean of a non-empty list of numbers; ValueError when it is empty."""
+    return sum(values) / (len(values) - 1)
+
+
+def clamp(value, low, high):
+    """value limited to [low, high]."""
+    return max(low, min(value, high))
+'''
+
+_FIX_REFERENCE = _FIX_STARTER.replace(
+    "    return sum(values) / (len(values) - 1)",
+    '    if not values:\n        raise ValueError("mean of an empty list")\n'
+    "    return sum(values) / len(values)")
+
+_FIX_TESTS = '''import unittest
+
+import stats
+
+
+class TestStats(unittest.TestCase):
+    def test_mean(self):
+        self.assertEqual(stats.mean([2, 4, 6]), 4)
+
+    def test_clamp(self):
+        self.assertEqual(stats.clamp(15, 0, 10), 10)
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+_FIX_CHECKS = '''    ("mean_of_three", ["-c", "import stats; print(stats.mean([2, 4, 6]))"], "4.0"),
+    ("mean_of_one", ["-c", "import stats; print(stats.mean([5]))"], "5.0"),
+    ("mean_of_floats", ["-c", "import stats; print(stats.mean([0.5, 1.5]))"], "1.0"),
+    ("mean_of_empty", ["-c", "import stats\\ntry:\\n    stats.mean([])\\nexcept ValueError:\\n"
+                                "    print('ValueError')"], "ValueError"),
+    ("clamp_kept", ["-c", "import stats; print(stats.clamp(15, 0, 10))"], "10"),'''
+
+_FIX_TASK_MD = '''# Fix the mean
+
+`stats.mean` gives wrong answers: `mean([2, 4, 6])` should be `4.0`. Fix it, and make
+`mean([])` raise `ValueError` instead of crashing with another error. Keep `clamp` as it is.
+'''
+
+_CLI_STARTER = '''"""greet: a tiny command-line tool.  Usage: python3 greet.py NAME [--shout]"""
+import argparse
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="greet")
+    parser.add_argument("name")
+    args = parser.parse_args(argv)
+    print(f"Hello, {args.name}!")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+
+_CLI_REFERENCE = _CLI_STARTER.replace(
+    '    parser.add_argument("name")\n',
+    '    parser.add_argument("name")\n'
+    '    parser.add_argument("--shout", action="store_true", help="print in capitals")\n').replace(
+    '    print(f"Hello, {args.name}!")\n',
+    '    text = f"Hello, {args.name}!"\n    print(text.upper() if args.shout else text)\n')
+
+_CLI_TESTS = '''import subprocess
+import sys
+import unittest
+
+
+def greet(*args):
+    return subprocess.run([sys.executable, "greet.py", *args], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+
+
+class TestGreet(unittest.TestCase):
+    def test_plain(self):
+        self.assertEqual(greet("Ada"), "Hello, Ada!")
+
+    def test_shout(self):
+        self.assertEqual(greet("Ada", "--shout"), "HELLO, ADA!")
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+_CLI_CHECKS = '''    ("plain", ["greet.py", "Ada"], "Hello, Ada!"),
+    ("shout", ["greet.py", "Ada", "--shout"], "HELLO, ADA!"),
+    ("shout_before_name", ["greet.py", "--shout", "Lin"], "HELLO, LIN!"),
+    ("two_words", ["greet.py", "Grace Hopper", "--shout"], "HELLO, GRACE HOPPER!"),'''
+
+_CLI_TASK_MD = '''# Add --shout to greet
+
+`python3 greet.py NAME` prints `Hello, NAME!`. Add an option `--shout` that prints the same
+greeting in capitals (`python3 greet.py Ada --shout` prints `HELLO, ADA!`), before or after
+the name. Without it the output stays as it is.
+'''
+
+#: What each kind writes: (starter file, starter, reference, public tests, TASK.md, oracle checks).
+SCAFFOLD_FILES = {"python-fix": ("stats.py", _FIX_STARTER, _FIX_REFERENCE, _FIX_TESTS, _FIX_TASK_MD,
+                                 _FIX_CHECKS),
+                  "cli": ("greet.py", _CLI_STARTER, _CLI_REFERENCE, _CLI_TESTS, _CLI_TASK_MD, _CLI_CHECKS)}
+
+
+def scaffold_files(task_id: str, kind: str) -> dict[str, str]:
+    """The files of a new task bundle of `kind`, by path relative to the task's directory (pure)."""
+    if kind not in SCAFFOLD_FILES:
+        raise AgentbenchError("unknown task kind", code="unknown_task_kind", kind=kind,
+                              kinds=sorted(SCAFFOLD_FILES), hint="pass --kind " + " or --kind ".join(
+                                  sorted(SCAFFOLD_FILES)))
+    starter_name, starter, reference, tests, task_md, checks = SCAFFOLD_FILES[kind]
+    test_name = "test_" + starter_name
+    spec = {"id": task_id, "title": task_md.splitlines()[0].lstrip("# ").strip(),
+            "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"],
+                     "timeout_s": 120},
+            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd",
+                               "{receipt_fd}"], "timeout_s": 300, "threshold": 1.0},
+            "check_hint": "Run the public tests from the workspace root with: "
+                          "python3 -m unittest discover -s tests -t tests"}
+    edit = (f"# Task {task_id} ({kind}): where to edit\n\n"
+            "Written by `agentbench.py new-task`; this file is not part of any workspace.\n\n"
+            "| file | what to change |\n|---|---|\n"
+            "| `task.json` | the title; the commands' `timeout_s`; the oracle's `threshold` |\n"
+            "| `public/TASK.md` | the statement the agent reads |\n"
+            f"| `public/{starter_name}` | the starter code the agent gets |\n"
+            f"| `public/tests/{test_name}` | the public tests the agent may run |\n"
+            f"| `gate/{test_name}` | the public checks the controller runs (keep them like the "
+            "public tests) |\n"
+            "| `oracle/run.py` | the hidden tests: its `CHECKS` list |\n"
+            f"| `reference/{starter_name}` | a solution: it must pass the gate and the oracle, "
+            "and the starter must fail the oracle |\n\n"
+            "Then run `python3 agentbench.py calibrate --study STUDY`: it checks all of that, "
+            "without a model.\n")
+    return {"task.json": json.dumps(spec, indent=2) + "\n", "EDIT.md": edit,
+            "public/TASK.md": task_md, f"public/{starter_name}": starter,
+            f"public/tests/{test_name}": tests, f"gate/{test_name}": tests,
+            "oracle/run.py": SCAFFOLD_ORACLE % {"checks": checks},
+            f"reference/{starter_name}": reference}
+
+
+def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
+    """`new-task`: write a complete task bundle into the study's tasks directory.  A bad name, an
+    unknown kind or an existing task directory is refused before anything is written; the bundle
+    appears whole (written beside it, then renamed into place)."""
+    check_name("task", task_id)
+    files = scaffold_files(task_id, kind)
+    cfg = read_json(paths.study_file, default=None) if paths.study_file.exists() else None
+    tdir = tasks_dir(paths, cfg if isinstance(cfg, dict) else {})
+    dest = tdir / task_id
+    if dest.exists() or dest.is_symlink():
+        raise AgentbenchError("the task directory already exists", code="task_already_exists",
+                              task=task_id, path=str(dest),
+                              hint="choose another name, or delete the directory first")
+    tdir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".new-{task_id}-", dir=tdir))
+    try:
+        for rel, text in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text, encoding="utf-8")
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"task": task_id, "kind": kind, "dir": str(dest), "files": sorted(files),
+            "edit": str(dest / "EDIT.md")}
 
 
 # ==================================================================================================
@@ -17713,9 +18230,12 @@ def launch_flags(args: argparse.Namespace) -> LaunchFlags:
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd")
-    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s")
-    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns")
+    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd",
+                   help="cost limit of this session in USD (default: the study's budget.usd_per_run)")
+    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s",
+                   help="wall-time limit of this session in seconds (default: the study's max_minutes)")
+    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns",
+                   help="claude --max-turns of this session (default: the study's budget.max_turns)")
     p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
                    help="kill the job if no orchestrator call arrives for this long (0 = off)")
     p.add_argument("--fault", help="interrupt:after_tool_uses=N")
@@ -17723,8 +18243,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
 
 # -- where -----------------------------------------------------------------------------------------
 
+def _where_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--check-api", action="store_true",
+                   help="ask the upstream one free request (count_tokens) with the credential the "
+                        "gateway would carry: is it reachable, is the key accepted")
+
+
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
-@args_of(_study_arg)
+@args_of(_where_args)
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     warnings: list[str] = []
     cfg_binary = None
@@ -17733,6 +18260,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     gateway_mode = GATEWAY_DEFAULT
     study_env: dict[str, str] = {}
     sandbox_mode = sandbox_default()
+    study_cfg: dict[str, Any] = {}
+    study_error = None
     open_arms: list[str] = []
     try:
         paths = ctx.study(args)
@@ -17752,6 +18281,8 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     except AgentbenchError as exc:
         if study is not None:   # no study given is fine here; a broken one is worth saying
             warnings.append("study: " + exc.one_line())
+        if getattr(args, "study", None) and study is None:
+            study_error = exc   # a study named on the command line that is not one: an error
     binary, how = find_claude_binary(cfg_binary, ctx.env)
     version = claude_version(binary, ctx.platform) if binary else None
     if not binary:
@@ -17775,10 +18306,12 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     _, claude_report = claude_env(host, extra=study_env,
                                   gateway=placeholder if gateway_mode == "on" else None,
                                   secret=secret, binary=binary)
+    env_all = {**ctx.env, **study_env}
+    credentials = sorted(k for k in GATEWAY_WITHHELD if k != "ANTHROPIC_BASE_URL" and env_all.get(k))
     if gateway_mode == "on":
-        refusal = gateway_refusal({**ctx.env, **study_env}, gateway_mode)
-        if refusal is not None:
-            warnings.append("sessions would be refused: " + refusal.one_line())
+        refusal = gateway_refusal(env_all, gateway_mode)
+        if refusal is not None and env_all.get("AGENTBENCH_OFFLINE") != "1":
+            warnings.append("real sessions (run, spawn, train) would be refused: " + refusal.one_line())
     slurm_tools = {name: shutil.which(name, path=ctx.env.get("PATH"))
                    for name in ("sbatch", "squeue", "scancel")}
     if executor == "slurm" and not all(slurm_tools.values()):
@@ -17815,7 +18348,15 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         reasons.append(f"no claude binary found ({how})")
     elif not version:
         reasons.append(f"the claude binary at {binary} did not answer --version")
-    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION,
+    api = None
+    if args.check_api:
+        api = check_upstream(env_all, str(study_cfg.get("model") or DEFAULT_LAUNCH["model"]))
+        if not api["ok"]:
+            reasons.append(api["reason"])
+    if study_error is not None:
+        reasons.insert(0, study_error.payload["error"] + ": " + str(args.study))
+    out = {"ok": not reasons, "reasons": reasons, "agentbench": VERSION, "credentials": credentials,
+           "api_check": api,
             "python": {"version": pyplatform.python_version(), "executable": sys.executable},
             "uv": shutil.which("uv"), "claude": {"path": binary, "found_by": how, "version": version,
                                                  "pinned": CLAUDE_CODE_PINNED},
@@ -17828,6 +18369,13 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
             "claude_env": claude_report, "sandbox": sandbox,
             "study": study, "warnings": warnings}
+    if study_error is not None:
+        out.update(error=study_error.payload["error"], code=study_error.payload["code"],
+                   hint=study_error.payload.get("hint"))
+    elif api is not None and not api["ok"]:
+        out.update(error=api["reason"], code=api["problem"],
+                   hint="check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), ANTHROPIC_BASE_URL "
+                        "and the network")
     return (0 if out["ok"] else 2), out
 
 
@@ -17864,6 +18412,11 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         existing, {st.key: getattr(args, st.key) for st in STUDY_SETTINGS if st.flag is not None},
         {key: getattr(args, key) for key in BUDGET_SETTINGS}, slurm_partition=args.slurm_partition,
         env_items=args.env)
+    if not cfg.get("arms"):
+        # A study needs an arm; the first one is the report's baseline.  Others are added to
+        # study.json by hand (see the README's "Your first study").
+        cfg["arms"] = {"baseline": {}}
+        changed.append("arms")
     check_study_shape(cfg)
     validate_launch_values(cfg)
     if cfg.get("permission_mode") == "bypassPermissions" and hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -17885,8 +18438,13 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         with RegistryLock(paths.lock, ctx.platform):
             if not paths.registry.exists():
                 write_json_atomic(paths.registry, read_registry(paths))
+    tdir = tasks_dir(paths, cfg)
+    has_tasks = tdir.is_dir() and any((sub / "task.json").is_file() for sub in tdir.iterdir())
+    study = shlex.quote(str(root))
     return {"study": str(root), "created": existing is None, "changed": changed, "config": cfg,
-            "launch": launch_config(cfg)}
+            "launch": launch_config(cfg),
+            "next": (f"python3 agentbench.py calibrate --study {study}" if has_tasks
+                     else f"python3 agentbench.py new-task --study {study} --task NAME")}
 
 
 # -- train / spawn / continue ----------------------------------------------------------------------
@@ -17918,7 +18476,7 @@ def _spawn_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--base", help="fork this base session (--resume BASE --fork-session --session-id NEW)")
     p.add_argument("--brief", help="file holding the prompt")
-    p.add_argument("--label")
+    p.add_argument("--label", help="a free label kept in the job's meta (shown by list and wait)")
     p.add_argument("--workspace", help="cwd for the session (default: a copy of the base's, or a new dir)")
     p.add_argument("--run", help="an experiment run id (prepares its workspace; see `run`)")
     p.add_argument("--force", action="store_true", help="with --run: allow an uncalibrated task")
@@ -17940,7 +18498,7 @@ def _continue_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--job", help="continue this job's session")
     p.add_argument("--run", help="continue the latest session of this run")
-    p.add_argument("--brief", required=True)
+    p.add_argument("--brief", required=True, help="file holding the next turn's prompt")
     _launch_args(p)
 
 
@@ -17963,7 +18521,9 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
     p.add_argument("--all", action="store_true", help="every active or undelivered job")
     p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
-    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S)
+    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
+                   help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
+                        "exit 3 when it passes first")
 
 
 def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
@@ -18106,8 +18666,9 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _kill_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--job", action="append", default=[])
-    p.add_argument("--run", action="append", default=[])
+    p.add_argument("--job", action="append", default=[], help="job id to kill (repeatable)")
+    p.add_argument("--run", action="append", default=[],
+                   help="run id to kill, every session of it (repeatable)")
 
 
 @command("kill", "kill a job's or run's supervisor and claude tree; verify; record `killed`", mutating=True)
@@ -18142,8 +18703,45 @@ def _calibrate_args(p: argparse.ArgumentParser) -> None:
 @command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle",
          mutating=True)
 @args_of(_calibrate_args)
-def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    return calibrate_study(ctx, load_study(ctx.study(args)), args.task)
+def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    paths = ctx.study(args)
+    out = calibrate_study(ctx, load_study(paths), args.task)
+    study = shlex.quote(str(paths.root))
+    failed = sorted(t for t, r in out["tasks"].items() if not r["ok"])
+    if failed:
+        return 2, {**out, "error": "calibration failed for " + ", ".join(failed),
+                   "code": "calibration_failed", "failed": failed,
+                   "hint": "fix what tasks.<id>.problems names (each attempt's gate and oracle give the "
+                           "receipt problem, exit status and stderr), then run "
+                           f"`python3 agentbench.py calibrate --study {study}` again"}
+    if out["uncalibrated"]:
+        out["next"] = f"python3 agentbench.py calibrate --study {study}"
+    else:
+        out["next"] = f"python3 agentbench.py assign --study {study}"
+    return 0, out
+
+
+def _new_task_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", help="the study directory (default $AGENTBENCH_STUDY, else the cwd); "
+                                   "it need not have a study.json yet")
+    p.add_argument("--task", required=True, help="the new task's id: its directory name under tasks/")
+    p.add_argument("--kind", default="python-fix", choices=sorted(SCAFFOLD_KINDS),
+                   help="; ".join(f"{k}: {v}" for k, v in SCAFFOLD_KINDS.items()))
+
+
+@command("new-task", "write a complete task bundle (statement, starter, public tests, hidden oracle, "
+                     "reference) that calibrates at once", mutating=True)
+@args_of(_new_task_args)
+def cmd_new_task(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if not (args.study or ctx.env.get("AGENTBENCH_STUDY")):
+        raise AgentbenchError("no study given", code="no_study_given",
+                              hint="pass --study DIR (the directory need not exist yet)")
+    paths = ctx.study(args, must_exist=False)
+    out = scaffold_task(paths, args.task, args.kind)
+    study = shlex.quote(str(paths.root))
+    out["next"] = (f"python3 agentbench.py calibrate --study {study}" if paths.study_file.exists()
+                   else f"python3 agentbench.py init --study {study}")
+    return out
 
 
 def _assign_args(p: argparse.ArgumentParser) -> None:
@@ -18151,7 +18749,8 @@ def _assign_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=bounded_int("repeats"),
                    help="repeats per task x arm (default: study.json `repeats`, else 1)")
     p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
-    p.add_argument("--split", default="main")
+    p.add_argument("--split", default="main",
+                   help="the manifest's name (default main); e.g. pilot, for runs that price a study")
     p.add_argument("--reassign", action="store_true",
                    help="replace this split's manifest (only if none of its runs started)")
     p.add_argument("--fault", action="append", default=[],
@@ -18174,7 +18773,7 @@ def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_target_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--run", required=True)
+    p.add_argument("--run", required=True, help="the run id (see `list` or the manifest from `assign`)")
 
 
 @command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
@@ -18191,7 +18790,7 @@ def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _evaluate_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--run", action="append", default=[])
+    p.add_argument("--run", action="append", default=[], help="run id to evaluate (repeatable)")
     p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
 
 
@@ -18205,9 +18804,9 @@ def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _run_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--run", action="append", default=[], help="run ids (default: every run not started)")
-    p.add_argument("--task", action="append", default=[])
-    p.add_argument("--arm", action="append", default=[])
-    p.add_argument("--split")
+    p.add_argument("--task", action="append", default=[], help="only runs of this task (repeatable)")
+    p.add_argument("--arm", action="append", default=[], help="only runs of this arm (repeatable)")
+    p.add_argument("--split", help="only runs of this split (see assign --split)")
     p.add_argument("--parallel", type=bounded_int("parallel"),
                    help="pipelines at once (default: the study's parallel cap)")
     p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
@@ -18265,6 +18864,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
+    if not all(run_is_final(paths, r) for r in ids):   # something will launch: money is at stake
+        refuse_unreachable_api(study, ctx.env)
     mark_study_active(paths)
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
@@ -18279,13 +18880,16 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
         return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
-                "hint": "poll with `wait --run R` or `list`"}
-    return drive_foreground(ctx, study, ids, parallel)
+                "hint": "poll with `wait --run R` or `list`",
+                "next": f"python3 agentbench.py wait --study {shlex.quote(str(paths.root))} --all"}
+    out = drive_foreground(ctx, study, ids, parallel)
+    where = shlex.quote(str(paths.root))
+    return {**out, "next": f"python3 agentbench.py report --study {where} --format html"}
 
 
 def _drive_args(p: argparse.ArgumentParser) -> None:
     _run_args(p)
-    p.add_argument("--env-file")
+    p.add_argument("--env-file", help="internal: the environment, passed through a file")
     p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin")
 
 
@@ -18313,8 +18917,10 @@ def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _usage_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"])
-    p.add_argument("--format", default="json", choices=["json", "md"])
+    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"],
+                   help="the grouping of the sums (default kind)")
+    p.add_argument("--format", default="json", choices=["json", "md"],
+                   help="json (default), or md: the same as a Markdown table under `markdown`")
 
 
 @command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio",
@@ -18334,7 +18940,9 @@ def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--format", default="json", choices=["json", "md", "html"])
+    p.add_argument("--format", default="json", choices=["json", "md", "html"],
+                   help="json (default: the report is the answer), md (at a terminal the Markdown "
+                        "itself, else under `markdown`) or html (a page, written to a file)")
     p.add_argument("--baseline", help="compare every arm with this one (default: the analysis plan's; "
                                       "another makes the analysis exploratory)")
     p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
@@ -18369,6 +18977,18 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
                               plan_source=plan_source)
+    report["arm_changes"] = arm_changes(cfg.get("arms") or {}, report["baseline"])
+    reh = read_json(paths.state / "rehearsal.json", default=None)
+    only_rehearsed = None
+    if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
+            and not any(r.get("status") not in (None, "not_started") for r in runs)):
+        # Nothing of this study has run yet: its rehearsal's results are in the scratch study.
+        only_rehearsed = f"python3 agentbench.py report --study {shlex.quote(reh['scratch'])} --format md"
+        report.setdefault("warnings", []).insert(
+            0, "this study has no results of its own yet; its only results are its rehearsal's "
+               f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
+    if report["totals"].get("rehearsed_runs"):
+        report["costs_simulated"] = True
     report["metering"] = report_metering(paths)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
@@ -18395,10 +19015,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                   code="refused_inside_session_writes")
         write_text_atomic(out, text)
         result["path"] = str(out)
+    if only_rehearsed:
+        result["next"] = only_rehearsed
     if args.format == "json":
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
+        result["markdown_for_terminal"] = text   # at a terminal, main prints only this text
     result["summary"] = {a: {k: v for k, v in s.items()
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
@@ -18410,8 +19033,11 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
-    p.add_argument("--repeats", type=bounded_int("repeats"))
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
+                   help="rehearsed runs at once (default 4)")
+    p.add_argument("--repeats", type=bounded_int("repeats"),
+                   help="repeats per task x arm (default: the study's `repeats`)")
+    p.add_argument("--force", action="store_true", help="rehearse even with uncalibrated tasks")
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
@@ -18446,7 +19072,7 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
 @command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)",
          mutating=True)
 @args_of(_rehearse_args)
-def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]] | dict[str, Any]:
     paths = ctx.study(args)
     behaviours = _pairs(args.behaviour, "--behaviour", REHEARSAL_BEHAVIOURS)
     faults = _pairs(args.fault, "--fault")
@@ -18459,19 +19085,37 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         paths.root / "rehearsals" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     study = load_study(paths).load_all()
     cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    where = shlex.quote(str(paths.root))
+    bad = uncalibrated(paths, tasks)
+    if bad and not args.force:
+        raise AgentbenchError("tasks are not calibrated: " + ", ".join(bad), code="tasks_not_calibrated",
+                              tasks=bad, hint=f"run `python3 agentbench.py calibrate --study {where}` "
+                                              "and fix what it reports (--force rehearses anyway)")
     prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
                              behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
     finally:
         prog.close()
-    return {**out, "report_command": f"agentbench.py report --study {scratch} --format md"}
+    report = f"python3 agentbench.py report --study {shlex.quote(str(scratch))} --format md"
+    out = {**out, "report_command": report, "costs_simulated": True,
+           "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
+                    for a, v in (out.get("arms") or {}).items()},
+           "cost_note": "every cost here is simulated (scripted model, list prices): nothing was billed",
+           "next": (f"python3 agentbench.py run --study {where}" if out["ok"] else report)}
+    if not out["ok"]:
+        return 2, {**out, "error": f"the rehearsal did not pass: {len(out['problems'])} problem(s)",
+                   "code": "rehearsal_failed",
+                   "hint": f"see `problems` and the runs' pages: {report}; fix them and rehearse again"}
+    return out
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4)
-    p.add_argument("--repeats", type=bounded_int("repeats"), default=2)
+    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
+                   help="rehearsed runs at once (default 4)")
+    p.add_argument("--repeats", type=bounded_int("repeats"), default=2,
+                   help="repeats per task x arm (default 2)")
 
 
 @command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
@@ -18511,6 +19155,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     rpaths = StudyPaths(study / "rehearsal")
     runs = report_runs(rpaths)
     report = build_report(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    report["arm_changes"] = arm_changes(cfg["arms"], report["baseline"])
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
     incomplete = [r["run_id"] for r in runs
@@ -18519,9 +19164,14 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
             "sandboxed_runs": sum(1 for r in runs if (r.get("sandbox") or {}).get("sandboxed")),
-            "arms": out["arms"], "problems": out["problems"],
+            "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
+                     for a, v in out["arms"].items()},
+            "costs_simulated": True,
+            "cost_note": "every cost here is simulated: the scripted model priced its answers at list "
+                         "prices and nothing was billed",
+            "problems": out["problems"],
             "report": {"html": str(rpaths.root / "report.html"), "md": str(rpaths.root / "report.md")},
-            "next": f"python3 agentbench.py report --study {rpaths.root} --format md"}
+            "next": f"python3 agentbench.py report --study {shlex.quote(str(rpaths.root))} --format md"}
 
 
 # -- interop: export and import-tasks -------------------------------------------------------------
@@ -18570,7 +19220,7 @@ def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 def _expire_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
-    p.add_argument("--base", required=True)
+    p.add_argument("--base", required=True, help="the base's name")
 
 
 @command("expire", "retire a base: no more pings, no more forks", mutating=True)
@@ -18582,7 +19232,7 @@ def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 # -- the scripted model by hand --------------------------------------------------------------------
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="loopback port (default 0: any free one)")
     p.add_argument("--scripts", required=True, help="directory of <script id>.json files")
     p.add_argument("--cache-ttl-scale", type=finite_float, default=1.0,
                    help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
@@ -18606,9 +19256,9 @@ def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
 # -- internal --------------------------------------------------------------------------------------
 
 def _supervise_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--env-file")
+    p.add_argument("--study", required=True, help="the study directory")
+    p.add_argument("--job", required=True, help="the job id")
+    p.add_argument("--env-file", help="the environment, passed through a file")
     p.add_argument("--credentials-file",
                    help="owner-only file of credentials to add (Slurm jobs); deleted once read")
     p.add_argument("--credentials-stdin", action="store_true",
@@ -18668,6 +19318,42 @@ def help_object(cmd: Command | None = None) -> dict[str, Any]:
             "commands": [{"name": c.name, "summary": c.summary} for c in COMMANDS.values() if not c.hidden]}
 
 
+def help_text(cmd: Command | None = None) -> str:
+    """`--help` for a person at a terminal: argparse's own text (a program gets help_object)."""
+    if cmd is not None:
+        p = build_parser(cmd)
+        p.description = cmd.summary
+        return p.format_help()
+    width = max(len(c.name) for c in COMMANDS.values())
+    lines = ["usage: agentbench.py <command> [--study DIR] [options]   (agentbench.py <command> --help)", "",
+             "agentbench: controlled experiments on the headless Claude Code agent. Every command prints",
+             "one JSON object (indented at a terminal; --compact for one line); exit 0 ok, 2 usage error",
+             "or refused, 3 wait timed out, 4 wait met with a job not ok.", "", "commands:"]
+    lines += [f"  {c.name.ljust(width)}  {c.summary}" for c in COMMANDS.values() if not c.hidden]
+    lines += ["", "First study: python3 agentbench.py new-task --study S --task T; then init, calibrate, "
+                  "assign, rehearse, run, report (README: \"Your first study\")."]
+    return "\n".join(lines) + "\n"
+
+
+def help_request(argv: Sequence[str]) -> Command | None | bool:
+    """What a help request asks for (pure): False when argv is none, None for the command list,
+    else the command."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return None
+    if argv[0] == "help":
+        return COMMANDS.get(argv[1]) if len(argv) > 1 else None
+    if argv[0] in COMMANDS and ("-h" in argv[1:] or "--help" in argv[1:]):
+        return COMMANDS[argv[0]]
+    return False
+
+
+def output_style(argv: Sequence[str], stdout_is_tty: bool) -> tuple[list[str], bool]:
+    """(argv without the global --compact, whether to indent the answer) (pure): indented for a
+    person at a terminal, one compact line for a program or with --compact."""
+    compact = "--compact" in argv
+    return [a for a in argv if a != "--compact"], stdout_is_tty and not compact
+
+
 def dispatch(argv: list[str], ctx: Ctx) -> tuple[int, dict[str, Any] | None]:
     if not argv or argv[0] in ("-h", "--help", "help"):
         if len(argv) > 1 and argv[0] == "help" and argv[1] in COMMANDS:
@@ -18704,10 +19390,26 @@ def main(argv: list[str] | None = None) -> int:
     """The one boundary: run a command, print exactly one JSON object on stdout, return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     emitted: list[bool] = []
+    tty = False
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        tty = bool(sys.stdout.isatty())
+    argv, indent = output_style(argv, tty)
+    wanted = help_request(argv)
+    if indent and wanted is not False:
+        # A person at a terminal asked for help: argparse's text (a program gets the JSON object).
+        sys.stdout.write(help_text(wanted if isinstance(wanted, Command) else None))
+        sys.stdout.flush()
+        return 0
 
     def emit(obj: dict[str, Any]) -> None:
         if not emitted:
-            sys.stdout.write(json_line(obj))
+            if indent and isinstance(obj.get("markdown_for_terminal"), str):
+                # `report --format md` at a terminal: the Markdown itself, for a person to read.
+                sys.stdout.write(obj["markdown_for_terminal"])
+            else:
+                obj = {k: v for k, v in obj.items() if k != "markdown_for_terminal"}
+                sys.stdout.write(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str, indent=2)
+                                 + "\n" if indent else json_line(obj))
             sys.stdout.flush()
             emitted.append(True)
 

@@ -152,6 +152,8 @@ def fake_env(tmp_path, monkeypatch) -> dict[str, str]:
     # workspace and its pids are compared with the host's: fake-binary tests run unsandboxed.
     # The real binary's tests keep the default (auto: bubblewrap where it runs).
     env["AGENTBENCH_SANDBOX_DEFAULT"] = "none"
+    # The fake reaches no model API: launches need no credential and `run` asks no upstream.
+    env["AGENTBENCH_OFFLINE"] = "1"
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)

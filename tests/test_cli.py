@@ -509,6 +509,7 @@ def _child_refusal_cases(study: Path, tmp_path: Path) -> dict[str, list[str]]:
         "continue": ["continue", "--study", s, "--job", "j000001", "--brief", brief],
         "kill": ["kill", "--study", s, "--job", "j000001"],
         "calibrate": ["calibrate", "--study", s],
+        "new-task": ["new-task", "--study", s, "--task", "t1"],
         "assign": ["assign", "--study", s],
         "gate": ["gate", "--study", s, "--run", "r0001"],
         "review": ["review", "--study", s, "--run", "r0001"],
@@ -530,7 +531,8 @@ def test_every_mutating_command_is_covered_by_the_child_refusal_test(study, tmp_
     assert mutating == set(_child_refusal_cases(study, tmp_path))
 
 
-@pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "assign",
+@pytest.mark.parametrize("name", ["init", "train", "spawn", "continue", "kill", "calibrate", "new-task",
+                                  "assign",
                                   "gate", "review", "evaluate", "run", "rehearse", "demo", "tick",
                                   "expire", "export", "import-tasks", "_drive", "_supervise"])
 def test_child_marker_refuses_mutating_commands(name, study, tmp_path, monkeypatch):

@@ -25,6 +25,7 @@ def test_rehearsal_with_a_fork_base_arm(tmp_path, real_claude, monkeypatch):
     cfg["arms"] = {"A": {"preamble": "arms/B.md"}, "F": {"preamble": "arms/B.md", "fork_base": True}}
     (study / "study.json").write_text(json.dumps(cfg))
     scratch = tmp_path / "rehearsal"
+    assert run_main(["calibrate", "--study", str(study)])[0] == 0
     code, out = run_main(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1"])
     assert code == 0, out
     assert out["ok"] is True, out["problems"]

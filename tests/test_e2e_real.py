@@ -51,6 +51,8 @@ def make_study(dst: Path, binary: str, arms: tuple[str, ...] = ("A", "B", "C", "
         else:
             data[key] = value
     (dst / "study.json").write_text(json.dumps(data, indent=1))
+    code, out, err = run_cli(["calibrate", "--study", str(dst)], cli_env())   # rehearse needs it
+    assert code == 0, (out, err[-2000:])
     return dst
 
 
@@ -275,7 +277,7 @@ def test_burning_the_budget_is_a_result_not_an_error(rehearsal_two, real_claude)
 def test_a_rate_limit_trips_the_breaker_and_pauses_the_queue(rehearsal_two, real_claude):
     r = rehearsal_two
     out, runs, order = r["out"], r["runs"], r["order"]
-    assert r["code"] == 0, (out, r["err"][-3000:])
+    assert r["code"] == 2 and out["code"] == "rehearsal_failed", (out, r["err"][-3000:])
     limited = runs[order[1]]
     assert limited["status"] == "finished" and limited["validity"] == "infrastructure_failure"
     assert "usage_limit" in limited["failure_reason"]

@@ -168,7 +168,7 @@ def test_calibrate_reports_a_reference_that_fails(tmp_path):
     ref = study / "tasks" / "roman" / "reference" / "roman.py"
     ref.write_text((study / "tasks" / "roman" / "public" / "roman.py").read_text())  # the "solution" is the starter
     code, out = run_main(["calibrate", "--study", str(study)])
-    assert code == 0, out
+    assert code == 2 and out["code"] == "calibration_failed" and out["failed"] == ["roman"], out
     res = out["tasks"]["roman"]
     assert out["ok"] is False and res["ok"] is False
     assert any("attempt 1" in p for p in res["problems"]) and any("attempt 2" in p for p in res["problems"])
@@ -184,7 +184,7 @@ def test_calibrate_reports_an_oracle_that_passes_on_the_starter(tmp_path):
         "import json, os, sys\nline = json.dumps({'passed': True, 'score': 1.0})\nprint(line)\n"
         "os.write(int(sys.argv[sys.argv.index('--receipt-fd') + 1]), (line + '\\n').encode())\n")
     code, out = run_main(["calibrate", "--study", str(study)])
-    assert code == 0, out
+    assert code == 2 and out["code"] == "calibration_failed" and out["failed"] == ["roman"], out
     res = out["tasks"]["roman"]
     assert res["ok"] is False
     assert res["starter_oracle_score"] == 1.0
@@ -202,7 +202,7 @@ def test_calibrate_reports_a_partial_solution_that_passes_the_gate(tmp_path):
     task = study / "tasks" / "roman"
     (task / "partial" / "roman.py").write_text((task / "reference" / "roman.py").read_text())
     code, out = run_main(["calibrate", "--study", str(study)])
-    assert code == 0, out
+    assert code == 2 and out["code"] == "calibration_failed" and out["failed"] == ["roman"], out
     res = out["tasks"]["roman"]
     assert res["ok"] is False and res["partial_gate_passed"] is True
     assert any("partial/" in p for p in res["problems"])

@@ -173,6 +173,7 @@ def test_a_real_rehearsal_writes_only_declared_keys(tmp_path: Path, real_claude:
     env.pop("AGENTBENCH_STUDY", None)
     env.pop("AGENTBENCH_CHILD", None)
     scratch = tmp_path / "scratch"
+    assert run_cli(["calibrate", "--study", str(study)], env)[0] == 0
     code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
                               "--parallel", "2"], env, timeout=420)
     assert code == 0 and out["ok"] is True, (out, err[-3000:])
