@@ -13626,7 +13626,7 @@ def report_delivery(runs: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> d
     return {"arms": dict(sorted(out.items())), "note": note}
 
 
-def arm_changes(arm_specs: Mapping[str, Any], baseline: str) -> dict[str, str]:
+def changes_against_baseline(arm_specs: Mapping[str, Any], baseline: str) -> dict[str, str]:
     """What each arm changes against the baseline, in words, from the arms' settings in
     study.json (pure): its preamble file, gate cycles, a reviewer, forking a base."""
     base = arm_specs.get(baseline) if isinstance(arm_specs.get(baseline), Mapping) else {}
@@ -18977,7 +18977,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     with gc_paused():
         report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
                               plan_source=plan_source)
-    report["arm_changes"] = arm_changes(cfg.get("arms") or {}, report["baseline"])
+    report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
     if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
@@ -19155,7 +19155,7 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     rpaths = StudyPaths(study / "rehearsal")
     runs = report_runs(rpaths)
     report = build_report(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
-    report["arm_changes"] = arm_changes(cfg["arms"], report["baseline"])
+    report["arm_changes"] = changes_against_baseline(cfg["arms"], report["baseline"])
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
     incomplete = [r["run_id"] for r in runs

@@ -226,6 +226,20 @@ def test_the_line_checker_names_the_section_and_line():
                                   "Alpha line 8: 126 characters", "Beta line 13: 126 characters"]
 
 
+def test_no_top_level_name_is_defined_twice():
+    """A second definition silently replaces the first (two branches each adding a helper of the
+    same name merge without a conflict): every top-level function and class has one home."""
+    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    twice = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append(f"{node.name} (lines {seen[node.name]} and {node.lineno})")
+            seen.setdefault(node.name, node.lineno)
+    assert twice == [], "defined twice: " + "; ".join(twice)
+
+
 def rewrite_map() -> None:
     text = SOURCE.read_text(encoding="utf-8")
     head, rest = text.split(MAP_START, 1)

@@ -432,7 +432,7 @@ def test_a_wide_table_is_split_so_every_part_fits():
 def test_each_arm_says_what_it_changes_against_the_baseline():
     specs = {"A": {"preamble": "arms/A.md"}, "C": {"preamble": "arms/A.md", "gate_cycles": 3},
              "D": {"preamble": "arms/D.md", "gate_cycles": 3, "review": True}, "E": {"preamble": "arms/A.md"}}
-    got = ab.arm_changes(specs, "A")
+    got = ab.changes_against_baseline(specs, "A")
     assert got["A"].startswith("the baseline: preamble arms/A.md")
     assert got["C"] == "3 gate feedback cycles"
     assert got["D"] == "preamble arms/D.md, 3 gate feedback cycles, a reviewer"
