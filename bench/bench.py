@@ -226,13 +226,23 @@ def feed_pipe(lines: list[bytes], rate: float | None) -> tuple[object, threading
     return os.fdopen(r, "rb"), t
 
 
+def register_job(ab, paths, plat, study: Path, launch: dict, cap: int):
+    """A bare executor job registered by create_job, whichever form the measured version has (a
+    JobRequest and a LaunchSpec now; keyword parameters before)."""
+    if hasattr(ab, "JobRequest"):
+        return ab.create_job(paths, plat, ab.JobRequest(kind="executor", prompt="p", cwd=str(study), limits={},
+                                                        system_prompt="s"),
+                             ab.study_launch_spec(paths.root, {}), launch=launch, binary="claude", cap=cap)
+    return ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study), launch=launch, binary="claude",
+                         system_prompt="s", session_id=None, resume=None, fork=False, prior={}, limits={}, meta={},
+                         cap=cap)
+
+
 def cpu_supervisor(ab, study: Path, lines: list[bytes], rate: float | None) -> float:
     paths = ab.StudyPaths(study)
     plat = ab.current_platform()
     launch = ab.launch_config(ab.load_study_config(paths))
-    job = ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study), launch=launch, binary="claude",
-                        system_prompt="s", session_id=None, resume=None, fork=False, prior={}, limits={}, meta={},
-                        cap=10 ** 6)
+    job = register_job(ab, paths, plat, study, launch, cap=10 ** 6)
     sup = ab.Supervisor(paths, job["job_id"], plat)
     raw = Path(job["raw_dir"]) / "bench-stream.jsonl"
     raw.parent.mkdir(parents=True, exist_ok=True)

@@ -77,9 +77,9 @@ def measure(study: Path, repeat: int, brief: Path) -> dict[str, float]:
     launch = ab.launch_config(ab.load_study_config(paths))
 
     def register_and_finalize() -> None:
-        job = ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study), launch=launch,
-                            binary="claude", system_prompt="s", session_id=None, resume=None, fork=False,
-                            prior={}, limits={}, meta={}, cap=8)
+        job = ab.create_job(paths, plat, ab.JobRequest(kind="executor", prompt="p", cwd=str(study), limits={},
+                                                       system_prompt="s"),
+                            ab.study_launch_spec(paths.root, {}), launch=launch, binary="claude", cap=8)
         ab.finalize_job(paths, plat, job, status="ok", reason=None, usage=None)
 
     spawned: list[str] = []
