@@ -203,6 +203,8 @@ def test_a_broken_arm_fails_the_rehearsal_by_name(tmp_path, real_claude, monkeyp
     monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
     root = tiny_study(tmp_path / "study", arms={"A": {}, "X": ARMS["X"]}, binary=real_claude)
     write_arm_files(root)
+    code, cal = run_main(["calibrate", "--study", str(root)])   # rehearse refuses an uncalibrated study
+    assert code == 0, cal
     code, out = run_main(["rehearse", "--study", str(root), "--dir", str(tmp_path / "reh")])
     assert code != 0 or out.get("ok") is False, out
     text = json.dumps(out)
