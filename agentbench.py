@@ -5104,7 +5104,8 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
     for key, allowed in (("effort", EFFORTS), ("permission_mode", PERMISSION_MODES)):
         if key in spec and spec[key] not in allowed:
             raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed),
-                               f"arm_unknown_{key}", spec[key], "write one of: " + ", ".join(allowed))
+                               "arm_unknown_effort" if key == "effort" else "arm_unknown_permission_mode",
+                               spec[key], "write one of: " + ", ".join(allowed))
     for key in ("tools", "allowed_tools", "disallowed_tools"):
         if key in spec and not isinstance(spec[key], str):
             raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
@@ -11403,13 +11404,19 @@ def refuse_unreachable_api(study: Study, env: Mapping[str, str]) -> dict[str, An
     if refusal is not None:
         raise refusal
     got = check_upstream(env_all, str(launch_config(cfg)["model"]))
-    if not got["ok"]:
-        raise AgentbenchError(got["reason"], code=got["problem"], url=got["url"], status=got.get("status"),
-                              hint=("check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN)"
-                                    if got["problem"] == "credential_rejected" else
-                                    "check ANTHROPIC_BASE_URL and the network; "
-                                    "`python3 agentbench.py where --check-api` asks again"))
-    return got
+    if got["ok"]:
+        return got
+    again = "`python3 agentbench.py where --check-api` asks again"
+    if got["problem"] == "credential_rejected":
+        raise AgentbenchError(got["reason"], code="credential_rejected", url=got["url"],
+                              status=got.get("status"),
+                              hint="check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN); " + again)
+    if got["problem"] == "upstream_refused":
+        raise AgentbenchError(got["reason"], code="upstream_refused", url=got["url"],
+                              status=got.get("status"),
+                              hint="check ANTHROPIC_BASE_URL and the network; " + again)
+    raise AgentbenchError(got["reason"], code="upstream_unreachable", url=got["url"],
+                          status=got.get("status"), hint="check ANTHROPIC_BASE_URL and the network; " + again)
 
 
 def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, force: bool) -> int:

@@ -36,8 +36,10 @@ MISSING = "tests/test_roman.py"
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-def make_study(dst: Path, binary: str, arms: tuple[str, ...] = ("A", "B", "C", "D"), **cfg: object) -> Path:
-    """The example study restricted to one task (and `arms`), with the binary under test pinned."""
+def make_study(dst: Path, binary: str, arms: tuple[str, ...] = ("A", "B", "C", "D"), *,
+               calibrated: bool = True, **cfg: object) -> Path:
+    """The example study restricted to one task (and `arms`), with the binary under test pinned;
+    calibrated unless `calibrated` is false (a study meant to be refused)."""
     shutil.copytree(EXAMPLE, dst, ignore=shutil.ignore_patterns("__pycache__", "state", "runs", "rehearsal*"))
     for sub in (dst / "tasks").iterdir():
         if sub.name != TASK:
@@ -51,8 +53,9 @@ def make_study(dst: Path, binary: str, arms: tuple[str, ...] = ("A", "B", "C", "
         else:
             data[key] = value
     (dst / "study.json").write_text(json.dumps(data, indent=1))
-    code, out, err = run_cli(["calibrate", "--study", str(dst)], cli_env())   # rehearse needs it
-    assert code == 0, (out, err[-2000:])
+    if calibrated:
+        code, out, err = run_cli(["calibrate", "--study", str(dst)], cli_env())   # rehearse needs it
+        assert code == 0, (out, err[-2000:])
     return dst
 
 

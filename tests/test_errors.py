@@ -22,9 +22,23 @@ def test_every_refusal_in_the_source_names_its_code():
     assert len(calls) > 100
     missing = [c.lineno for c in calls if not any(k.arg == "code" for k in c.keywords)]
     assert missing == [], f"AgentbenchError(...) without code= at lines {missing}"
+    # A refusal builder passes its `code` parameter on; every call of the builder names a constant.
+    builders = {"_arm_refusal": 3}
+    tree = ast.parse(AGENTBENCH.read_text(encoding="utf-8"))
+    inside = {n.lineno for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in builders
+              for n in ast.walk(f) if isinstance(n, ast.Call)}
     for c in calls:
         code = next(k.value for k in c.keywords if k.arg == "code")
+        if c.lineno in inside and isinstance(code, ast.Name) and code.id == "code":
+            continue
         assert isinstance(code, ast.Constant) and CODE_RE.match(code.value), c.lineno
+    built = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in builders]
+    assert built
+    for c in built:
+        pos = builders[c.func.id]
+        code = c.args[pos] if len(c.args) > pos else next(k.value for k in c.keywords if k.arg == "code")
+        choices = [code.body, code.orelse] if isinstance(code, ast.IfExp) else [code]
+        assert all(isinstance(x, ast.Constant) and CODE_RE.match(x.value) for x in choices), c.lineno
 
 
 def test_the_code_is_in_the_payload_and_the_one_line_form_leaves_it_out():

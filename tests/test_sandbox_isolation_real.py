@@ -322,9 +322,11 @@ def test_an_arm_the_study_opens_the_network_for_reaches_the_host_and_says_so(tmp
 
 def test_network_open_arms_must_name_the_studys_arms(tmp_path):
     from test_e2e_real import make_study
-    study = make_study(tmp_path / "study", sys.executable, arms=("A",), network_open_arms=["Z"])
+    study = make_study(tmp_path / "study", sys.executable, arms=("A",), calibrated=False,
+                       network_open_arms=["Z"])
     code, out = run_main(["assign", "--study", str(study), "--repeats", "1", "--force"])
     assert code == 2 and out["code"] == "network_open_arm_unknown", out
-    bad = make_study(tmp_path / "study2", sys.executable, arms=("A",), network_open_arms="A")
+    bad = make_study(tmp_path / "study2", sys.executable, arms=("A",), calibrated=False,
+                     network_open_arms="A")
     code, out = run_main(["assign", "--study", str(bad), "--repeats", "1", "--force"])
     assert code == 2 and out["code"] == "bad_network_open_arms", out

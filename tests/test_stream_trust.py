@@ -112,9 +112,9 @@ def _study(tmp_path: Path, gateway: str) -> ab.StudyPaths:
 
 def _supervisor(paths: ab.StudyPaths, tmp_path: Path, records: list[dict] | None) -> ab.Supervisor:
     launch = ab.launch_config(json.loads(paths.study_file.read_text()))
-    job = ab.create_job(paths, PLATFORM, kind="executor", prompt="x", cwd=str(tmp_path), launch=launch,
-                        binary="claude", system_prompt="", session_id=None, resume=None, fork=False,
-                        prior={}, limits={}, meta={})
+    job = ab.create_job(paths, PLATFORM, ab.JobRequest(kind="executor", prompt="x", cwd=str(tmp_path), limits={},
+                                                       system_prompt=""),
+                        ab.study_launch_spec(paths.root, {}), launch=launch, binary="claude")
     sup = ab.Supervisor(paths, job["job_id"], PLATFORM)
     if records is not None:
         gw = ab.MeteringGateway(upstream="http://127.0.0.1:9", creds={}, prices=None,
