@@ -16239,8 +16239,11 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
 # Reading at scale: the streamed ledger, paged listings, the paused collector
 # ==================================================================================================
 # How the read-only commands read what grows with a study (the ledger, run records, the job and run
-# listings) in time and memory that stay close to the data's size.  It owns no format and decides
-# nothing: the aggregates and summaries are the earlier sections' own functions, fed differently.
+# listings) in time and memory that stay close to the data's size.  It decides nothing: the
+# aggregates and summaries are the earlier sections' own functions, fed differently.  It owns two
+# caches, each checked against what it stands for and never believed over it: the runs summary
+# (every run's report view, stamped by its record file) and the ledger tally (the report's metering
+# pass up to a byte offset of the append-only ledger, so a report reads only the lines after it).
 
 
 @contextlib.contextmanager
@@ -16389,22 +16392,222 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]
     return out
 
 
-def report_metering(paths: StudyPaths) -> dict[str, Any]:
-    """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
-    models included), over every ledger line, and the jobs whose two figures disagree; one
-    streamed pass (the ledger is never held in memory)."""
-    counts: dict[str, int] = {}
-    totals = usage_empty()
-    mismatched: list[Any] = []
-    with gc_paused():
-        for line in iter_jsonl(paths.ledger, counts):
-            usage_add(totals, usage_figures(line))
-            if "cost_mismatch" in (line.get("flags") or []):
-                mismatched.append(line.get("job_id"))
+# -- The ledger tally: where the report's metering pass resumes -----------------------------------
+# state/ledger_tally.json holds the report's metering pass (report_metering) as it stood after the
+# ledger's first `offset` bytes: the usage accumulator before usage_finish (usage_add adds floats
+# one by one, and JSON writes a float so that it reads back bit for bit, so resuming from it and
+# adding the later lines gives what one pass over the whole ledger gives), the job ids flagged
+# cost_mismatch so far, and what identifies the bytes it was read from: the ledger's device and
+# inode and the digests of its first and of its last LEDGER_TALLY_WINDOW bytes before `offset`.
+# The ledger is append-only, so `report` reads only the lines after `offset`; a tally that is
+# missing, garbled, of another version, or that does not fit the ledger (another file, a ledger
+# truncated or rewritten) is ignored and the pass starts over from the first byte.  `offset`
+# always ends a complete line: a last line without its newline (being written, or cut by a crash)
+# is counted in the answer but not in the tally, so the next report reads it again once whole.
+# The tally is only a cache: written whole and renamed into place, never by a supervised session,
+# and a study that cannot be written (read-only, disk full) still gets its report.  A rewrite that
+# keeps the ledger's inode, its first and its last window before `offset` is not detected: nothing
+# of agentbench rewrites the ledger, and deleting the tally always gives a full pass.
+
+LEDGER_TALLY_FILE = "ledger_tally.json"
+#: The tally's format: a tally of another version is ignored.
+LEDGER_TALLY_VERSION = 1
+#: How many bytes at the ledger's start and before `offset` the tally's digests cover.
+LEDGER_TALLY_WINDOW = 4096
+#: A tally file larger than this is not read (the pass starts over) and not written.
+LEDGER_TALLY_MAX_BYTES = 64 * 2**20
+_TALLY_INT_FIELDS = ("jobs", "estimated_jobs", "metered_jobs", "requests")
+_TALLY_FLOAT_FIELDS = ("cost_usd", "cost_estimated_usd", "cost_metered_usd", "duration_s")
+_TALLY_MAX_ID = 2**64
+
+
+@dataclass(frozen=True)
+class LedgerTally:
+    """A checked tally: the metering pass after the ledger's first `offset` bytes."""
+    offset: int
+    device: int
+    inode: int
+    head_sha256: str
+    tail_sha256: str
+    totals: dict[str, Any]        # a usage accumulator (usage_empty, usage_add), not finished
+    mismatched: list[Any]         # the job ids of the lines flagged cost_mismatch, in ledger order
+
+
+def ledger_tally_path(paths: StudyPaths) -> Path:
+    return paths.state / LEDGER_TALLY_FILE
+
+
+def _count_ok(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _counts_ok(value: Any) -> bool:
+    return isinstance(value, dict) and all(_count_ok(v) for v in value.values())
+
+
+def _sum_ok(value: Any) -> bool:
+    return type(value) is float and math.isfinite(value)
+
+
+def usage_accumulator_ok(acc: Any) -> bool:
+    """Whether `acc` has the shape usage_add keeps (pure): the keys of usage_empty, counts as
+    whole numbers >= 0, sums as finite floats, the per-model rows as usage_add makes them, and
+    the counts that every line adds to (statuses, cache verdicts) summing to the jobs."""
+    empty = usage_empty()
+    if not isinstance(acc, dict) or set(acc) != set(empty):
+        return False
+    if not all(_count_ok(acc[k]) for k in _TALLY_INT_FIELDS) or not all(
+            _sum_ok(acc[k]) for k in _TALLY_FLOAT_FIELDS):
+        return False
+    if not all(_counts_ok(acc[k]) for k in ("statuses", "cache_verdicts", "tokens")):
+        return False
+    if not set(empty["tokens"]) <= set(acc["tokens"]):
+        return False
+    models = acc["models_metered"]
+    if not isinstance(models, dict) or not all(
+            isinstance(row, dict) and set(row) == {"requests", "cost_usd"} and _count_ok(row["requests"])
+            and _sum_ok(row["cost_usd"]) for row in models.values()):
+        return False
+    jobs = acc["jobs"]
+    return (acc["estimated_jobs"] <= jobs and acc["metered_jobs"] <= jobs
+            and sum(acc["statuses"].values()) == jobs and sum(acc["cache_verdicts"].values()) == jobs)
+
+
+def _sha256_hex_ok(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def ledger_tally_of(obj: Any) -> LedgerTally | None:
+    """The tally a parsed tally file holds, or None when any part of it is off (pure): not an
+    object, another version, a field missing or of the wrong type, a number out of range, an
+    accumulator usage_add could not have made, or more jobs than `offset` bytes can hold (an
+    object line takes at least 3)."""
+    if not isinstance(obj, dict) or obj.get("v") != LEDGER_TALLY_VERSION or type(obj.get("v")) is not int:
+        return None
+    offset, device, inode = obj.get("offset"), obj.get("device"), obj.get("inode")
+    if not all(_count_ok(v) and v < _TALLY_MAX_ID for v in (offset, device, inode)):
+        return None
+    head, tail = obj.get("head_sha256"), obj.get("tail_sha256")
+    totals, mismatched = obj.get("totals"), obj.get("cost_mismatch_jobs")
+    if not (_sha256_hex_ok(head) and _sha256_hex_ok(tail) and usage_accumulator_ok(totals)
+            and isinstance(mismatched, list)):
+        return None
+    if 3 * totals["jobs"] > offset or len(mismatched) > totals["jobs"]:
+        return None
+    return LedgerTally(offset=offset, device=device, inode=inode, head_sha256=head, tail_sha256=tail,
+                       totals=totals, mismatched=mismatched)
+
+
+def ledger_tally_windows(offset: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, length) of the two spans of the ledger a tally at `offset` digests (pure): its
+    first LEDGER_TALLY_WINDOW bytes and its last LEDGER_TALLY_WINDOW bytes before `offset` (fewer
+    when `offset` is smaller)."""
+    n = min(offset, LEDGER_TALLY_WINDOW)
+    return (0, n), (offset - n, n)
+
+
+def ledger_tally_fits(tally: LedgerTally, device: int, inode: int, size: int, head: bytes,
+                      tail: bytes) -> bool:
+    """Whether `tally` was read from this ledger (pure): the same file (device, inode), at least
+    `offset` bytes long, the same bytes in both windows (`head`, `tail`: what the file holds there
+    now), and `offset` just after a newline (a tally never ends inside a line)."""
+    if (tally.device, tally.inode) != (device, inode) or tally.offset > size:
+        return False
+    if tally.offset and not tail.endswith(b"\n"):
+        return False
+    return sha256_bytes(head) == tally.head_sha256 and sha256_bytes(tail) == tally.tail_sha256
+
+
+def _read_span(fh: Any, span: tuple[int, int]) -> bytes:
+    fh.seek(span[0])
+    return fh.read(span[1])
+
+
+def read_ledger_tally(path: Path) -> LedgerTally | None:
+    """The tally file's checked content; None when it is missing, not a regular file (never read
+    through a link), larger than LEDGER_TALLY_MAX_BYTES, not JSON or not a tally."""
+    try:
+        opened = open_regular(path)
+        if opened is None:
+            return None
+        fd, st = opened
+        with os.fdopen(fd, "rb") as fh:
+            if st.st_size > LEDGER_TALLY_MAX_BYTES:
+                return None
+            data = fh.read(LEDGER_TALLY_MAX_BYTES + 1)
+        return ledger_tally_of(json.loads(data))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def meter_ledger_line(raw: bytes, totals: dict[str, Any], mismatched: list[Any]) -> None:
+    """One raw ledger line into the metering pass, read as iter_jsonl reads a line (a blank line,
+    one that is not JSON and one that is not an object add nothing): its figures added to
+    `totals`, its job id appended to `mismatched` when its `flags` list holds cost_mismatch."""
+    raw = raw.strip()
+    if not raw:
+        return
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return
+    if isinstance(line, dict):
+        usage_add(totals, usage_figures(line))
+        flags = line.get("flags")
+        if isinstance(flags, list) and "cost_mismatch" in flags:
+            mismatched.append(line.get("job_id"))
+
+
+def _metering_answer(totals: dict[str, Any], mismatched: list[Any]) -> dict[str, Any]:
     totals = usage_finish(totals)
     return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
             "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
             "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
+
+
+def report_metering(paths: StudyPaths, *, write: bool = True) -> dict[str, Any]:
+    """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
+    models included), over every ledger line, and the jobs whose two figures disagree (a line
+    whose `flags` list holds cost_mismatch).  One streamed pass (the ledger is never held in
+    memory) that starts where the ledger tally left off when it fits this ledger, and brings the
+    tally up to date unless `write` is false; the same answer as a pass over the whole ledger."""
+    tally_file = ledger_tally_path(paths)
+    totals, mismatched = usage_empty(), []
+    try:
+        fh = open(paths.ledger, "rb")
+    except FileNotFoundError:
+        return _metering_answer(totals, mismatched)
+    with fh, gc_paused():
+        st = os.fstat(fh.fileno())
+        start = 0
+        tally = read_ledger_tally(tally_file)
+        if tally is not None and tally.offset <= st.st_size:
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(tally.offset))
+            if ledger_tally_fits(tally, st.st_dev, st.st_ino, st.st_size, head, tail):
+                start, totals, mismatched = tally.offset, tally.totals, tally.mismatched
+        fh.seek(start)
+        pos, unfinished = start, b""
+        for raw in fh:
+            if raw[-1:] != b"\n":
+                unfinished = raw       # the last line, without its newline: counted, not tallied
+                break
+            pos += len(raw)
+            meter_ledger_line(raw, totals, mismatched)
+        saved = None
+        if write and pos > start:
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(pos))
+            with contextlib.suppress(ValueError, RecursionError):   # e.g. a NaN: no tally
+                saved = json.dumps({"v": LEDGER_TALLY_VERSION, "offset": pos, "device": st.st_dev,
+                                    "inode": st.st_ino, "head_sha256": sha256_bytes(head),
+                                    "tail_sha256": sha256_bytes(tail), "totals": totals,
+                                    "cost_mismatch_jobs": mismatched},
+                                   separators=(",", ":"), allow_nan=False) + "\n"
+        meter_ledger_line(unfinished, totals, mismatched)
+    if saved is not None and len(saved) <= LEDGER_TALLY_MAX_BYTES:
+        # Keys in their order (not sorted): a model's place in the answer is where it first came.
+        with contextlib.suppress(OSError):
+            write_text_atomic(tally_file, saved)
+    return _metering_answer(totals, mismatched)
 
 
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
@@ -18996,7 +19199,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
     if report["totals"].get("rehearsed_runs"):
         report["costs_simulated"] = True
-    report["metering"] = report_metering(paths)
+    report["metering"] = report_metering(paths, write=not ctx.is_child)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:
