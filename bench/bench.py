@@ -373,11 +373,12 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
     out["bare_parse_of_the_ledger_s"] = round(ledger_parse, 3)
     for name, path in paths_by_name.items():
         row: dict = {}
-        with contextlib.suppress(FileNotFoundError):
-            summary.unlink()   # each version starts from the records alone
+        for cache in (summary, big / "state" / "ledger_tally.json"):
+            with contextlib.suppress(FileNotFoundError):
+                cache.unlink()   # each version starts from the records and the ledger alone
         for fmt in ("json", "html"):
-            # The first report of a version builds the runs summary (if it has one); the second
-            # is what every later look costs.
+            # The first report of a version builds the runs summary and the ledger tally (if it
+            # has them); the second is what every later look costs.
             for label in ("first", "again"):
                 log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
                 dt, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
