@@ -20,9 +20,10 @@ divided by:
   _check, in process) over N stream events, paced and as fast as possible, divided by the same
   pipe read by a `json.loads` loop.
 - report / usage / list: `report --format json|html` over R run records, first (which builds the
-  runs summary) and again (which reads it), each over a fresh interpreter's bare json.loads pass
-  over the summary file; `usage` over R ledger lines, over the same bare pass over the ledger
-  (wall seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
+  runs summary and the metering's ledger tally) and again (which reads them), each over a fresh
+  interpreter's bare json.loads pass over the summary file; `usage` over R ledger lines, first
+  (which builds its tally) and again, over the same bare pass over the ledger (wall seconds and
+  peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
 - file_size: bytes and lines of each agentbench.py measured (its compile cost by path).
 - exact_tail: one McNemar p-value by the recurrence against the per-term binomial coefficients it
   replaced (the old code, reproduced here as the baseline).
@@ -373,12 +374,13 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
     out["bare_parse_of_the_ledger_s"] = round(ledger_parse, 3)
     for name, path in paths_by_name.items():
         row: dict = {}
-        for cache in (summary, big / "state" / "ledger_tally.json"):
-            with contextlib.suppress(FileNotFoundError):
-                cache.unlink()   # each version starts from the records and the ledger alone
+        with contextlib.suppress(FileNotFoundError):
+            summary.unlink()   # each version starts from the records and the ledger alone
+        shutil.rmtree(big / "state" / "ledger_tallies", ignore_errors=True)
         for fmt in ("json", "html"):
             # The first report of a version builds the runs summary and the ledger tally (if it
-            # has them); the second is what every later look costs.
+            # has them); the second is what every later look costs.  `usage` below likewise:
+            # first from the ledger (a version with tallies builds its own), then again.
             for label in ("first", "again"):
                 log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
                 dt, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
@@ -390,10 +392,11 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
             for fmt in ("json", "html"):
                 row[f"report_{fmt}_again"]["over_bare_parse_x"] = ratio(row[f"report_{fmt}_again"]["wall_s"],
                                                                         parse)
-        log(f"{name}: usage over {n_runs} ledger lines")
-        dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
-        row["usage"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
-                        "over_bare_parse_x": ratio(dt, ledger_parse)}
+        for label in ("", "_again"):
+            log(f"{name}: usage over {n_runs} ledger lines{label.replace('_', ' ')}")
+            dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
+            row[f"usage{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
+                                    "over_bare_parse_x": ratio(dt, ledger_parse)}
         ls = {}
         for label, st in (("small", small), ("big", big)):
             ls[label] = statistics.median(fresh_process(path, ["list", "--study", str(st), "--all"], env)[0]
