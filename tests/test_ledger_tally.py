@@ -598,3 +598,39 @@ def test_inside_a_supervised_session_no_tally_is_written(tmp_path, monkeypatch):
     got = json.loads(cli("usage", "--study", str(paths.root), "--by", "arm"))
     assert got["usage"] == reference_usage(paths.ledger, "arm")[0]
     assert not (paths.state / ab.LEDGER_TALLY_DIR).exists()
+
+
+# -- Real sessions: the ledger the supervisors and gateways write --------------------------------------
+
+@pytest.mark.real_claude
+def test_real_sessions_are_metered_and_used_from_where_the_tallies_left_off(tmp_path, real_claude, server,
+                                                                            monkeypatch):
+    """The real binary against the scripted model, through its gateway: after each session the
+    report's metering and `usage` (resumed from their tallies) equal one pass over the ledger."""
+    from conftest import init_real_study, run_main, wait_result, write_brief
+    root, config_dir = tmp_path / "study", tmp_path / "claude-config"
+    init_real_study(root, real_claude, server.url, config_dir, monkeypatch)
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(config_dir))
+    paths = ab.StudyPaths(root)
+    usage = {"input_tokens": 1200, "output_tokens": 345, "cache_read_input_tokens": 4000}
+    offsets = []
+    for n in (1, 2):
+        server.add_script(f"paid{n}", {"steps": [
+            {"text": "Step one.", "usage": usage, "tool_uses": [{"name": "Bash", "input": {"command": "true"}}]},
+            {"text": "Done.", "usage": usage}]})
+        code, sp = run_main(["spawn", "--study", str(root), "--label", f"s{n}", "--brief",
+                             write_brief(tmp_path, f"Pay. [agentbench-script:paid{n}]", name=f"b{n}")])
+        assert code == 0, sp
+        assert wait_result(root, sp["job_id"], timeout=120)["status"] == "ok"
+        code, rep = run_main(["report", "--study", str(root)])
+        assert code == 0, rep
+        assert rep["metering"] == reference_metering(paths.ledger)
+        assert rep["metering"]["metered_jobs"] == n and rep["metering"]["requests"] >= 2 * n
+        code, us = run_main(["usage", "--study", str(root), "--by", "model"])
+        assert code == 0, us
+        assert (us["usage"], us["ledger_lines"], us["torn_lines"]) == reference_usage(paths.ledger, "model")
+        assert us["ledger_lines"] == n
+        size = paths.ledger.stat().st_size
+        assert tally(paths)["offset"] == tally(paths, "usage_by_model")["offset"] == size
+        offsets.append(size)
+    assert offsets[0] < offsets[1]
