@@ -12592,8 +12592,9 @@ class UsageFigures(NamedTuple):
 
 def usage_figures(line: dict) -> UsageFigures:
     tokens = line.get("tokens")
-    metered = line.get("cost_metered_usd")
-    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    # Any finite number (an int too large for a float, NaN or infinity is no metered figure).
+    metered = finite_number(line.get("cost_metered_usd"))
+    metered_ok = metered is not None
     models: list[tuple[str, int, float]] = []
     if metered_ok:
         mm = line.get("models_metered")
@@ -12607,7 +12608,7 @@ def usage_figures(line: dict) -> UsageFigures:
                 if isinstance(tokens, dict) else []),
         cost=usd_from(line.get("cost_delta_usd")) or 0.0,
         estimated=bool(line.get("estimated")),
-        metered=float(metered) if metered_ok else None,
+        metered=metered,
         requests=count_from(line.get("requests")) if metered_ok else 0,
         models_metered=models,
         verdict=str(line.get("cache_verdict") or "(none)"),

@@ -62,7 +62,8 @@ def ledger_line(rng: random.Random, n: int) -> bytes:
             {"cost_delta_usd": -1.0}, {"cost_delta_usd": 1e12}, {"cost_delta_usd": "0.5"},
             {"requests": 2**70, "cost_metered_usd": 0.5},
             {"models_metered": {"x": {"requests": -1, "cost_usd": "x"}, "y": "bad"}, "cost_metered_usd": 1},
-            {"cost_metered_usd": True}, {"duration_s": -3}, {"duration_s": "long"},
+            {"cost_metered_usd": True}, {"cost_metered_usd": float("nan")}, {"cost_metered_usd": float("-inf")},
+            {"cost_metered_usd": 10**400}, {"cost_metered_usd": "0.5"}, {"duration_s": -3}, {"duration_s": "long"},
             {"flags": "cost_mismatch"}, {"flags": {"cost_mismatch": 1}}, {"job_id": {"odd": [1]}},
             {"status": 7, "cache_verdict": ["x"]}, {"tokens": [1, 2]}]))
     text = json.dumps(line)
@@ -266,11 +267,30 @@ def test_a_truncated_or_rewritten_ledger_is_read_from_its_first_byte(paths, name
 
 
 @pytest.mark.parametrize("name,run,ref", PASSES, ids=PASS_IDS)
-def test_a_non_finite_figure_leaves_no_tally_and_the_answer_stands(paths, name, run, ref):
-    data = ledger_bytes(40, seed=12) + b'{"job_id": "nan", "cost_metered_usd": NaN, "requests": 1}\n'
-    paths.ledger.write_bytes(data)
+def test_a_metered_figure_that_is_no_finite_number_is_not_metered(paths, name, run, ref):
+    """NaN, an infinity or an int too large for a float: the line counts as not metered, and the
+    answer is valid JSON (it used to be NaN, or an OverflowError)."""
+    lines = [{"job_id": f"h{i}", "cost_metered_usd": v, "requests": 3} for i, v in
+             enumerate([float("nan"), float("inf"), 10**400, 0.5])]
+    paths.ledger.write_bytes(ledger_bytes(40, seed=12) + "".join(json.dumps(x) + "\n" for x in lines).encode())
     got = run(paths)
-    assert json.dumps(got) == json.dumps(ref(paths.ledger))   # NaN != NaN: compare the text
+    same(got, ref(paths.ledger))
+    json.dumps(got, allow_nan=False)
+    assert tally(paths, name)["offset"] == paths.ledger.stat().st_size
+    if name == "metering":
+        ab.ledger_tally_path(paths, name).unlink()
+        before = ab.report_metering(paths, write=False)
+        paths.ledger.write_bytes(paths.ledger.read_bytes()[:-len(json.dumps(lines[-1])) - 1])
+        assert ab.report_metering(paths, write=False)["metered_jobs"] == before["metered_jobs"] - 1
+
+
+@pytest.mark.parametrize("name,run,ref", PASSES, ids=PASS_IDS)
+def test_a_sum_beyond_a_float_leaves_no_tally_and_the_answer_stands(paths, name, run, ref):
+    big = [{"job_id": f"b{i}", "kind": "executor", "cost_metered_usd": 1.5e308, "requests": 1} for i in range(2)]
+    paths.ledger.write_bytes(ledger_bytes(40, seed=12) + "".join(json.dumps(x) + "\n" for x in big).encode())
+    got = run(paths)
+    assert json.dumps(got) == json.dumps(ref(paths.ledger))   # an infinity: compare the text
+    assert "Infinity" in json.dumps(got)
     assert not ab.ledger_tally_path(paths, name).exists()
 
 
