@@ -12945,7 +12945,7 @@ def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
 class _TaskCell:
     """One arm's runs of one task in one population."""
     __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
-                 "paired_costs", "flagged_evaluated")
+                 "paired_costs", "flagged_evaluated", "exact")
 
     def __init__(self) -> None:
         self.runs = self.evaluated = self.successes = self.flagged_evaluated = 0
@@ -12953,6 +12953,7 @@ class _TaskCell:
         self.costs: list[float] = []           # every run's cost
         self.paired_scores: list[float] = []   # evaluated runs' checked scores
         self.paired_costs: list[float] = []    # ended runs' checked costs
+        self.exact: dict[str, Any] = {}        # exact means of the paired lists, once each
 
     def merged(self, other: _TaskCell) -> _TaskCell:
         out = _TaskCell()
@@ -13195,15 +13196,14 @@ def _rpt_task_cells(view: Mapping[str, _ArmTally], arms: list[str], tasks: list[
 
 def _rpt_exact_mean(values: Sequence[Any]) -> fractions.Fraction:
     """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order.
-    Floats and ints (whose denominators are powers of two) are added as integers in units of
-    2**-1074, the smallest float step; anything else as fractions."""
-    total = 0
+    Numerators are added as integers per denominator (a float's is a power of two, so a list of
+    floats has few), then over the least common multiple of the denominators."""
+    by_den: dict[int, int] = {}
     for v in values:
         num, den = v.as_integer_ratio()
-        if den & (den - 1):
-            return sum((fractions.Fraction(x) for x in values), fractions.Fraction(0)) / len(values)
-        total += num << (1074 - den.bit_length() + 1)
-    return fractions.Fraction(total, len(values) << 1074)
+        by_den[den] = by_den.get(den, 0) + num
+    common = math.lcm(*by_den)
+    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
 
 
 def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -13213,11 +13213,20 @@ def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[st
     return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
 
 
+def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
+    """The exact mean of one of a cell's paired lists (None when it is empty), computed once per
+    cell: a baseline's cells serve every comparison."""
+    if field not in cell.exact:
+        values = getattr(cell, field)
+        cell.exact[field] = _rpt_exact_mean(values) if values else None
+    return cell.exact[field]
+
+
 def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
-                       values_of: Callable[[_TaskCell], list[float]], names: tuple[str, ...],
-                       draws: int = 10000, primary: bool = False) -> dict:
+                       field: str, names: tuple[str, ...], draws: int = 10000,
+                       primary: bool = False) -> dict:
     """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
-    mean of the values `values_of` takes from each arm's cell; then the mean over tasks where both
+    mean of each arm's cell's list `field` (paired_scores, paired_costs); then the mean over tasks where both
     arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as for success
     rates), the counts of tasks where the arm is higher / lower / equal with an exact two-sided
     sign test on them (secondary), and with `primary` the primary sign-flip test.  `names` name
@@ -13225,11 +13234,12 @@ def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks
     per_task, exact = [], []
     higher = lower = equal = 0
     for task in tasks:
-        va = values_of(view[arm].tasks.get(task, _NO_CELL))
-        vb = values_of(view[base].tasks.get(task, _NO_CELL))
-        if not va or not vb:
+        ca, cb = view[arm].tasks.get(task), view[base].tasks.get(task)
+        if ca is None or cb is None:
             continue
-        ma, mb = _rpt_exact_mean(va), _rpt_exact_mean(vb)
+        ma, mb = _rpt_cell_mean(ca, field), _rpt_cell_mean(cb, field)
+        if ma is None or mb is None:
+            continue
         d = ma - mb
         if d == 0:
             equal += 1
@@ -13239,7 +13249,7 @@ def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks
             lower += 1
         exact.append(d)
         per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
-                         "arm_n": len(va), "baseline_n": len(vb)})
+                         "arm_n": len(getattr(ca, field)), "baseline_n": len(getattr(cb, field))})
     diffs = [t["diff"] for t in per_task]
     ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
     out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
@@ -13306,9 +13316,9 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(view, arm, base, tasks, seed, lambda c: c.paired_scores,
-                                    ("score", arm, base), draws, primary=True),
-        "cost_per_run_usd": _rpt_paired_metric(view, arm, base, tasks, seed, lambda c: c.paired_costs,
+        "score": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_scores", ("score", arm, base),
+                                    draws, primary=True),
+        "cost_per_run_usd": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_costs",
                                                ("cost", arm, base), draws),
     }
 
@@ -16579,15 +16589,17 @@ def _summary_line(run_id: str, stamp: list[int], facts: RunFacts) -> str:
                       default=str) + "\n"
 
 
-def report_runs(paths: StudyPaths, *, write: bool = True) -> list[RunFacts]:
+def report_runs(paths: StudyPaths, *, write: bool = True,
+                stamps: Mapping[str, list[int]] | None = None) -> list[RunFacts]:
     """Every run's facts, in run id order, as `report` needs them: from the runs summary where its
     line matches the record's stamp, else from the record (and the summary brought up to date,
     unless `write` is false or the study cannot be written: the summary is only a cache).  The
-    same list, item for item, as run_facts over every record."""
+    same list, item for item, as run_facts over every record.  `stamps`: run_record_stamps, when
+    the caller has them already."""
     summary_file = runs_summary_path(paths)
     make = RunFacts._make
     with gc_paused():
-        stamps = run_record_stamps(paths)
+        stamps = run_record_stamps(paths) if stamps is None else stamps
         cached, lines = read_runs_summary(summary_file)
         out: list[RunFacts] = []
         fresh: list[str] = []
@@ -16617,6 +16629,71 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[RunFacts]:
                     torn = fh.tell() > 0 and not _ends_with_newline(summary_file)
                     fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
     return out
+
+
+# -- The report cache: the last report's figures, kept with what they were computed from -------------
+# state/report_cache.json holds one report (report_of_facts' answer) and its key: a digest of every
+# run record's stamp, of this program's own code, and of the report's arguments (arms, baseline,
+# seed, analysis plan).  `report` asked again with nothing changed answers from it after one stat
+# per run; any change to a record, to the code or to an argument is a new key, and the report is
+# computed from the facts again.  Like the summary, it is a cache: a file that is missing, torn,
+# of another key or not an object is ignored, and one that cannot be written is not needed.
+
+REPORT_CACHE_FILE = "report_cache.json"
+REPORT_CACHE_VERSION = 1
+
+
+def report_cache_path(paths: StudyPaths) -> Path:
+    return paths.state / REPORT_CACHE_FILE
+
+
+def _own_code_digest() -> str | None:
+    """sha256 of this program's source (None when it cannot be read): a report computed by other
+    code is not reused."""
+    try:
+        return sha256_file(__file__)
+    except (OSError, NameError, TypeError):
+        return None
+
+
+def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None:
+    """The cache key of a report over runs with these record stamps and these other inputs (any
+    JSON value: the arms, baseline, seed and plan); None when this program's code cannot be read."""
+    code = _own_code_digest()
+    if code is None:
+        return None
+    h = hashlib.sha256()
+    h.update(json.dumps([REPORT_CACHE_VERSION, RUNS_SUMMARY_VERSION, code, inputs], sort_keys=True,
+                        default=str).encode("utf-8"))
+    for rid in sorted(stamps):
+        h.update(f"\n{rid} {' '.join(map(str, stamps[rid]))}".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def read_report_cache(paths: StudyPaths, key: str | None) -> dict[str, Any] | None:
+    """The cached entry for `key` ({"report": ..., "any_started": ...}), or None."""
+    if key is None:
+        return None
+    try:
+        with gc_paused():
+            got = json.loads(report_cache_path(paths).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(got, dict) or got.get("v") != REPORT_CACHE_VERSION or got.get("key") != key
+            or not isinstance(got.get("report"), dict) or not isinstance(got.get("any_started"), bool)):
+        return None
+    return got
+
+
+def write_report_cache(paths: StudyPaths, key: str | None, report: Mapping[str, Any],
+                       any_started: bool) -> None:
+    """Keep `report` under `key`; a study that cannot be written goes without (only a cache)."""
+    if key is None:
+        return
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        write_text_atomic(report_cache_path(paths), json.dumps(
+            {"v": REPORT_CACHE_VERSION, "key": key, "any_started": any_started, "report": report},
+            separators=(",", ":"), default=str))   # in the report's own order: Markdown follows it
 
 
 def report_metering(paths: StudyPaths) -> dict[str, Any]:
@@ -19199,9 +19276,6 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline and args.baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=args.baseline, arms=arms)
-    # The report views come from the runs summary (a cache checked against every record's stamp);
-    # the run pages below read the records themselves.
-    runs = report_runs(paths, write=not ctx.is_child)
     plan, plan_source = analysis_plan_of_study(paths)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
@@ -19211,14 +19285,27 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         seed = plan_seed
     else:
         seed = int(cfg.get("seed") or 0)
-    with gc_paused():
-        report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                 plan_source=plan_source)
+    # The figures come from the report cache when no record, argument or line of code changed
+    # since it was written; else from the runs' facts (the runs summary, a cache checked against
+    # every record's stamp).  The run pages below read the records themselves.
+    stamps = run_record_stamps(paths)
+    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
+    cached = read_report_cache(paths, key)
+    if cached is not None:
+        report, any_started = cached["report"], cached["any_started"]
+    else:
+        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+        with gc_paused():
+            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
+                                     plan_source=plan_source)
+        any_started = any(f.status not in (None, "not_started") for f in runs)
+        if not ctx.is_child:
+            write_report_cache(paths, key, report, any_started)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
     if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
-            and not any(f.status not in (None, "not_started") for f in runs)):
+            and not any_started):
         # Nothing of this study has run yet: its rehearsal's results are in the scratch study.
         only_rehearsed = f"python3 agentbench.py report --study {shlex.quote(reh['scratch'])} --format md"
         report.setdefault("warnings", []).insert(
