@@ -16563,15 +16563,22 @@ def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], list[Any]]
         data = path.read_bytes()
     except OSError:
         return out, 0
-    loads = json.loads
-    for raw in data.split(b"\n"):
-        if not raw:
-            continue
+    try:
+        # Whole lines joined into one array: one parse instead of one per line.  A torn or
+        # garbled line fails it, and the lines are then parsed one by one.
+        rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]") if data.strip() else []
+    except ValueError:
+        rows = None
+    if rows is None:
+        rows = []
+        for raw in data.split(b"\n"):
+            if raw:
+                try:
+                    rows.append(json.loads(raw))
+                except ValueError:
+                    rows.append(None)
+    for row in rows:
         lines += 1
-        try:
-            row = loads(raw)
-        except ValueError:
-            continue
         if (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == RUNS_SUMMARY_VERSION
                 and type(row[1]) is str and type(row[2]) is list):
             out[row[1]] = (row[2], row)
