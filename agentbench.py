@@ -375,7 +375,7 @@ def env_float(name: str, default: float) -> float:
 
 
 def lost_after_s() -> float:
-    """Heartbeat age after which a job whose supervisor is dead is declared lost (SPEC: 120 s)."""
+    """Heartbeat age after which a job whose supervisor is dead is declared lost (120 s by default)."""
     return env_float("AGENTBENCH_LOST_AFTER_S", 120.0)
 
 
@@ -4925,7 +4925,7 @@ def is_number(value: Any) -> bool:
 
 
 def _check_slurm_settings(slurm: Any) -> None:
-    """The `slurm` object of study.json (SPEC 12): known keys, the right types, and no sbatch
+    """The `slurm` object of study.json: known keys, the right types, and no sbatch
     option agentbench sets itself."""
     if slurm is not None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
@@ -5229,7 +5229,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="a session whose workspace holds more (MB, real blocks) is ended"),
 )
-#: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
+#: The keys study.json may hold (tasks, arms, limits and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
 #: budget's keys: (init's flag type, help); their defaults are DEFAULT_BUDGET's.
 BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -8768,7 +8768,7 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
-#: The hidden tests' pass mark when task.json gives none (SPEC: calibration's default 0.9).
+#: The hidden tests' pass mark when task.json gives none (calibration's default too).
 DEFAULT_ORACLE_THRESHOLD = 0.9
 #: A check's `receipt` setting in task.json: `json` = a JSON receipt is required (no receipt is a
 #: grader error), `auto` = the last stdout line if it is one, else the exit code (0 pass, 1 fail).
@@ -10251,7 +10251,7 @@ class RunVerdict(NamedTuple):
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
                  success: bool, grader_error: str | None = None,
                  hidden_access: Iterable[str] = (), solution_broke_grader: str | None = None) -> RunVerdict:
-    """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
+    """A finished run's outcome and validity label (pure).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
     left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
@@ -10438,7 +10438,8 @@ def arm_delivery_expectations(spec: LaunchSpec) -> dict[str, Any]:
 
 
 class RunPipeline:
-    """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
+    """The per-run pipeline for one run (workspace, sessions, gates, review, grading, record);
+    `execute()` never raises."""
 
     def __init__(self, ctx: Host, paths: StudyPaths, run_id: str, cfg: Mapping[str, Any],
                  tasks: Mapping[str, Task], arms: Mapping[str, Arm], templates: Mapping[str, string.Template],
@@ -12527,7 +12528,7 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 # JSON-ready dicts whose notes say in words what was left out.  Pure: the CLI reads the registry
 # and the ledger and passes them in.  It must not read files or render tables, Markdown or HTML.
 
-# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
+# Validity labels that take a run out of the primary results: such runs measure the
 # infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
 # stay listed, with their reasons, and in `all_included`.
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
