@@ -16491,11 +16491,12 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
 # ==================================================================================================
 # How the read-only commands read what grows with a study (the ledger, run records, the job and run
 # listings) in time and memory that stay close to the data's size.  It decides nothing: the
-# aggregates and summaries are the earlier sections' own functions, fed differently.  It owns two
+# aggregates and summaries are the earlier sections' own functions, fed differently.  It owns the
 # caches, each checked against what it stands for and never believed over it: the runs summary
-# (every run's report view, stamped by its record file) and the ledger tallies (the report's
-# metering pass and `usage`'s, up to a byte offset of the append-only ledger, so that each reads
-# only the lines after it).
+# (every run's report view, stamped by its record file), the report cache (the last report's
+# figures, keyed by every record's stamp, the code and the arguments) and the ledger tallies (the
+# report's metering pass and `usage`'s, up to a byte offset of the append-only ledger, so that
+# each reads only the lines after it).
 
 
 @contextlib.contextmanager
