@@ -12594,8 +12594,9 @@ class UsageFigures(NamedTuple):
 
 def usage_figures(line: dict) -> UsageFigures:
     tokens = line.get("tokens")
-    metered = line.get("cost_metered_usd")
-    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    # Any finite number (an int too large for a float, NaN or infinity is no metered figure).
+    metered = finite_number(line.get("cost_metered_usd"))
+    metered_ok = metered is not None
     models: list[tuple[str, int, float]] = []
     if metered_ok:
         mm = line.get("models_metered")
@@ -12609,7 +12610,7 @@ def usage_figures(line: dict) -> UsageFigures:
                 if isinstance(tokens, dict) else []),
         cost=usd_from(line.get("cost_delta_usd")) or 0.0,
         estimated=bool(line.get("estimated")),
-        metered=float(metered) if metered_ok else None,
+        metered=metered,
         requests=count_from(line.get("requests")) if metered_ok else 0,
         models_metered=models,
         verdict=str(line.get("cache_verdict") or "(none)"),
@@ -12661,6 +12662,37 @@ def _usage_key(line: dict, by: str) -> str:
     return "(none)" if value is None or value == "" else str(value)
 
 
+def check_usage_grouping(by: str) -> None:
+    if by not in USAGE_GROUPINGS:
+        raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
+                              choices=list(USAGE_GROUPINGS))
+
+
+def usage_group_add(groups: dict[str, dict], totals: dict, line: dict, by: str) -> None:
+    """One ledger line into its group (by `by`) and into the totals: aggregate_usage's step, for
+    a pass that is resumed (the accumulators are usage_empty's, not finished)."""
+    fig = usage_figures(line)   # checked once, added twice
+    key = _usage_key(line, by)
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = usage_empty()
+    usage_add(group, fig)
+    usage_add(totals, fig)
+
+
+def usage_aggregate(groups: dict[str, dict], totals: dict, by: str) -> dict:
+    """aggregate_usage's answer from its accumulators (finished here, in place)."""
+    order = sorted(groups, key=lambda k: (k == "(none)", k))
+    notes = []
+    if totals["estimated_jobs"]:
+        notes.append(f"{totals['estimated_jobs']} job(s) ended before reporting a cost; "
+                     f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
+                     f"prices (marked ~)")
+    return {"schema": USAGE_SCHEMA, "by": by,
+            "groups": {k: usage_finish(groups[k]) for k in order},
+            "totals": usage_finish(totals), "notes": notes}
+
+
 def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     """Aggregate ledger lines (one per finished session) into groups by `by`.
 
@@ -12672,28 +12704,12 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     the session ended before reporting its cost), cache_hit_ratio (see cache_hit_ratio), cache
     verdict counts, summed duration. Groups are ordered by key, "(none)" last.
     """
-    if by not in USAGE_GROUPINGS:
-        raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
-                              choices=list(USAGE_GROUPINGS))
+    check_usage_grouping(by)
     groups: dict[str, dict] = {}
     totals = usage_empty()
     for line in ledger_lines:
-        fig = usage_figures(line)   # checked once, added twice
-        key = _usage_key(line, by)
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = usage_empty()
-        usage_add(group, fig)
-        usage_add(totals, fig)
-    order = sorted(groups, key=lambda k: (k == "(none)", k))
-    notes = []
-    if totals["estimated_jobs"]:
-        notes.append(f"{totals['estimated_jobs']} job(s) ended before reporting a cost; "
-                     f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
-                     f"prices (marked ~)")
-    return {"schema": USAGE_SCHEMA, "by": by,
-            "groups": {k: usage_finish(groups[k]) for k in order},
-            "totals": usage_finish(totals), "notes": notes}
+        usage_group_add(groups, totals, line, by)
+    return usage_aggregate(groups, totals, by)
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -16474,8 +16490,13 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
 # Reading at scale: the streamed ledger, paged listings, the paused collector
 # ==================================================================================================
 # How the read-only commands read what grows with a study (the ledger, run records, the job and run
-# listings) in time and memory that stay close to the data's size.  It owns no format and decides
-# nothing: the aggregates and summaries are the earlier sections' own functions, fed differently.
+# listings) in time and memory that stay close to the data's size.  It decides nothing: the
+# aggregates and summaries are the earlier sections' own functions, fed differently.  It owns the
+# caches, each checked against what it stands for and never believed over it: the runs summary
+# (every run's report view, stamped by its record file), the report cache (the last report's
+# figures, keyed by every record's stamp, the code and the arguments) and the ledger tallies (the
+# report's metering pass and `usage`'s, up to a byte offset of the append-only ledger, so that
+# each reads only the lines after it).
 
 
 @contextlib.contextmanager
@@ -16704,22 +16725,322 @@ def write_report_cache(paths: StudyPaths, key: str | None, report: Mapping[str, 
             separators=(",", ":"), default=str))   # in the report's own order: Markdown follows it
 
 
-def report_metering(paths: StudyPaths) -> dict[str, Any]:
+# -- Ledger tallies: where a pass over the ledger resumes ------------------------------------------
+# A tally (state/ledger_tallies/<pass>.json) holds a pass over the ledger as it stood after the
+# ledger's first `offset` bytes: the pass's state (for the report's metering, the usage accumulator
+# before usage_finish and the job ids flagged cost_mismatch; for `usage --by X`, the groups' and
+# the totals' accumulators, the job ids seen and the line counts) and what identifies the bytes it
+# was read from: the ledger's device and inode and the digests of its first and of its last
+# LEDGER_TALLY_WINDOW bytes before `offset`.  usage_add adds floats one by one and JSON writes a
+# float so that it reads back bit for bit (keys in their order), so resuming from a tally and
+# adding the later lines gives exactly what one pass over the whole ledger gives.  The ledger is
+# append-only, so a pass reads only the lines after `offset`; a tally that is missing, garbled, of
+# another version or pass, or that does not fit the ledger (another file, a ledger truncated or
+# rewritten) is ignored and the pass starts over from the first byte.  `offset` always ends a
+# complete line: a last line without its newline (being written, or cut by a crash) is counted in
+# the answer but not in the tally, so the next pass reads it again once whole.  A tally is only a
+# cache: written whole and renamed into place, never by a supervised session, and a study that
+# cannot be written (read-only, disk full) still gets its answer.  A rewrite that keeps the
+# ledger's inode, its first and its last window before `offset` is not detected: nothing of
+# agentbench rewrites the ledger, and deleting the tallies always gives a full pass.
+
+LEDGER_TALLY_DIR = "ledger_tallies"
+#: The tallies' format: a tally of another version is ignored.
+LEDGER_TALLY_VERSION = 1
+#: How many bytes at the ledger's start and before `offset` a tally's digests cover.
+LEDGER_TALLY_WINDOW = 4096
+#: A tally file larger than this is not read (the pass starts over) and not written.
+LEDGER_TALLY_MAX_BYTES = 64 * 2**20
+_TALLY_INT_FIELDS = ("jobs", "estimated_jobs", "metered_jobs", "requests")
+_TALLY_FLOAT_FIELDS = ("cost_usd", "cost_estimated_usd", "cost_metered_usd", "duration_s")
+_TALLY_MAX_ID = 2**64
+
+
+@dataclass(frozen=True)
+class LedgerMark:
+    """Where a tally stands: after the first `offset` bytes of the ledger file (device, inode)
+    whose first and last LEDGER_TALLY_WINDOW bytes before `offset` have these digests."""
+    offset: int
+    device: int
+    inode: int
+    head_sha256: str
+    tail_sha256: str
+
+
+@dataclass(frozen=True)
+class LedgerPass:
+    """A pass over the ledger that a tally can resume.  `name` names its tally file; `fresh()`
+    is its state before the first line; `take(raw, state)` adds one raw line (as iter_jsonl reads
+    a line: blank, not JSON, not an object); `dump(state)` is the state as JSON; `load(obj,
+    offset)` a dumped state checked against what `offset` bytes can hold, or None."""
+    name: str
+    fresh: Callable[[], Any]
+    take: Callable[[bytes, Any], None]
+    dump: Callable[[Any], Any]
+    load: Callable[[Any, int], Any]
+
+
+def ledger_tally_path(paths: StudyPaths, name: str) -> Path:
+    return paths.state / LEDGER_TALLY_DIR / f"{name}.json"
+
+
+def _count_ok(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _counts_ok(value: Any) -> bool:
+    return isinstance(value, dict) and all(_count_ok(v) for v in value.values())
+
+
+def _sum_ok(value: Any) -> bool:
+    return type(value) is float and math.isfinite(value)
+
+
+def usage_accumulator_ok(acc: Any) -> bool:
+    """Whether `acc` has the shape usage_add keeps (pure): the keys of usage_empty, counts as
+    whole numbers >= 0, sums as finite floats, the per-model rows as usage_add makes them, and
+    the counts that every line adds to (statuses, cache verdicts) summing to the jobs."""
+    empty = usage_empty()
+    if not isinstance(acc, dict) or set(acc) != set(empty):
+        return False
+    if not all(_count_ok(acc[k]) for k in _TALLY_INT_FIELDS) or not all(
+            _sum_ok(acc[k]) for k in _TALLY_FLOAT_FIELDS):
+        return False
+    if not all(_counts_ok(acc[k]) for k in ("statuses", "cache_verdicts", "tokens")):
+        return False
+    if not set(empty["tokens"]) <= set(acc["tokens"]):
+        return False
+    models = acc["models_metered"]
+    if not isinstance(models, dict) or not all(
+            isinstance(row, dict) and set(row) == {"requests", "cost_usd"} and _count_ok(row["requests"])
+            and _sum_ok(row["cost_usd"]) for row in models.values()):
+        return False
+    jobs = acc["jobs"]
+    return (acc["estimated_jobs"] <= jobs and acc["metered_jobs"] <= jobs
+            and sum(acc["statuses"].values()) == jobs and sum(acc["cache_verdicts"].values()) == jobs)
+
+
+def _sha256_hex_ok(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def ledger_tally_of(obj: Any, name: str) -> tuple[LedgerMark, Any] | None:
+    """The mark and the (unchecked) dumped state a parsed tally file of pass `name` holds, or
+    None when its frame is off (pure): not an object, another version or pass, a field missing
+    or of the wrong type, a number out of range."""
+    if (not isinstance(obj, dict) or type(obj.get("v")) is not int or obj["v"] != LEDGER_TALLY_VERSION
+            or obj.get("pass") != name or "state" not in obj):
+        return None
+    offset, device, inode = obj.get("offset"), obj.get("device"), obj.get("inode")
+    if not all(_count_ok(v) and v < _TALLY_MAX_ID for v in (offset, device, inode)):
+        return None
+    head, tail = obj.get("head_sha256"), obj.get("tail_sha256")
+    if not (_sha256_hex_ok(head) and _sha256_hex_ok(tail)):
+        return None
+    return LedgerMark(offset, device, inode, head, tail), obj["state"]
+
+
+def ledger_tally_windows(offset: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, length) of the two spans of the ledger a tally at `offset` digests (pure): its
+    first LEDGER_TALLY_WINDOW bytes and its last LEDGER_TALLY_WINDOW bytes before `offset` (fewer
+    when `offset` is smaller)."""
+    n = min(offset, LEDGER_TALLY_WINDOW)
+    return (0, n), (offset - n, n)
+
+
+def ledger_mark_fits(mark: LedgerMark, device: int, inode: int, size: int, head: bytes,
+                     tail: bytes) -> bool:
+    """Whether a tally at `mark` was read from this ledger (pure): the same file (device, inode),
+    at least `offset` bytes long, the same bytes in both windows (`head`, `tail`: what the file
+    holds there now), and `offset` just after a newline (a tally never ends inside a line)."""
+    if (mark.device, mark.inode) != (device, inode) or mark.offset > size:
+        return False
+    if mark.offset and not tail.endswith(b"\n"):
+        return False
+    return sha256_bytes(head) == mark.head_sha256 and sha256_bytes(tail) == mark.tail_sha256
+
+
+def read_ledger_tally(path: Path, name: str) -> tuple[LedgerMark, Any] | None:
+    """A tally file's mark and dumped state; None when it is missing, not a regular file (never
+    read through a link), larger than LEDGER_TALLY_MAX_BYTES, not JSON or not a tally of `name`."""
+    try:
+        opened = open_regular(path)
+        if opened is None:
+            return None
+        fd, st = opened
+        with os.fdopen(fd, "rb") as fh:
+            if st.st_size > LEDGER_TALLY_MAX_BYTES:
+                return None
+            data = fh.read(LEDGER_TALLY_MAX_BYTES + 1)
+        return ledger_tally_of(json.loads(data), name)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _read_span(fh: Any, span: tuple[int, int]) -> bytes:
+    fh.seek(span[0])
+    return fh.read(span[1])
+
+
+def resume_ledger_pass(paths: StudyPaths, lp: LedgerPass, *, write: bool) -> Any:
+    """The state of pass `lp` after every line of the ledger, streamed (never held in memory):
+    from its tally where the tally fits this ledger, else from the first byte; the tally brought
+    up to date unless `write` is false.  The same state as one pass over the whole ledger."""
+    try:
+        fh = open(paths.ledger, "rb")
+    except FileNotFoundError:
+        return lp.fresh()
+    tally_file = ledger_tally_path(paths, lp.name)
+    with fh, gc_paused():
+        st = os.fstat(fh.fileno())
+        start, state = 0, None
+        saved = read_ledger_tally(tally_file, lp.name)
+        if saved is not None and saved[0].offset <= st.st_size:
+            mark = saved[0]
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(mark.offset))
+            if ledger_mark_fits(mark, st.st_dev, st.st_ino, st.st_size, head, tail):
+                state = lp.load(saved[1], mark.offset)
+                start = mark.offset if state is not None else 0
+        if state is None:
+            state = lp.fresh()
+        fh.seek(start)
+        pos, unfinished, take = start, b"", lp.take
+        for raw in fh:
+            if raw[-1:] != b"\n":
+                unfinished = raw       # the last line, without its newline: counted, not tallied
+                break
+            pos += len(raw)
+            take(raw, state)
+        text = None
+        if write and pos > start:
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(pos))
+            with contextlib.suppress(ValueError, RecursionError):   # e.g. a NaN: no tally
+                # Keys in their order (not sorted): a group's or model's place is where it came.
+                text = json.dumps({"v": LEDGER_TALLY_VERSION, "pass": lp.name, "offset": pos,
+                                   "device": st.st_dev, "inode": st.st_ino,
+                                   "head_sha256": sha256_bytes(head), "tail_sha256": sha256_bytes(tail),
+                                   "state": lp.dump(state)}, separators=(",", ":"), allow_nan=False) + "\n"
+        take(unfinished, state)
+    if text is not None and len(text) <= LEDGER_TALLY_MAX_BYTES:
+        with contextlib.suppress(OSError):
+            write_text_atomic(tally_file, text)
+    return state
+
+
+# -- The report's metering, resumed ------------------------------------------------------------------
+
+def meter_ledger_line(raw: bytes, state: dict[str, Any]) -> None:
+    """One raw ledger line into the metering pass, read as iter_jsonl reads a line (a blank line,
+    one that is not JSON and one that is not an object add nothing): its figures added to the
+    accumulator `totals`, its job id appended to `cost_mismatch_jobs` when its `flags` list holds
+    cost_mismatch."""
+    raw = raw.strip()
+    if not raw:
+        return
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return
+    if isinstance(line, dict):
+        usage_add(state["totals"], usage_figures(line))
+        flags = line.get("flags")
+        if isinstance(flags, list) and "cost_mismatch" in flags:
+            state["cost_mismatch_jobs"].append(line.get("job_id"))
+
+
+def metering_state_of(obj: Any, offset: int) -> dict[str, Any] | None:
+    """A dumped metering state, checked (pure): an accumulator usage_add could have made, a list
+    of job ids no longer than its jobs, and no more jobs than `offset` bytes hold (an object line
+    takes at least 3)."""
+    if not isinstance(obj, dict) or set(obj) != {"totals", "cost_mismatch_jobs"}:
+        return None
+    totals, mismatched = obj["totals"], obj["cost_mismatch_jobs"]
+    if not usage_accumulator_ok(totals) or not isinstance(mismatched, list):
+        return None
+    if 3 * totals["jobs"] > offset or len(mismatched) > totals["jobs"]:
+        return None
+    return obj
+
+
+METERING_PASS = LedgerPass(
+    name="metering", fresh=lambda: {"totals": usage_empty(), "cost_mismatch_jobs": []},
+    take=meter_ledger_line, dump=lambda state: state, load=metering_state_of)
+
+
+def report_metering(paths: StudyPaths, *, write: bool = True) -> dict[str, Any]:
     """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
-    models included), over every ledger line, and the jobs whose two figures disagree; one
-    streamed pass (the ledger is never held in memory)."""
-    counts: dict[str, int] = {}
-    totals = usage_empty()
-    mismatched: list[Any] = []
-    with gc_paused():
-        for line in iter_jsonl(paths.ledger, counts):
-            usage_add(totals, usage_figures(line))
-            if "cost_mismatch" in (line.get("flags") or []):
-                mismatched.append(line.get("job_id"))
-    totals = usage_finish(totals)
+    models included), over every ledger line, and the jobs whose two figures disagree (a line
+    whose `flags` list holds cost_mismatch).  One streamed pass, resumed from its ledger tally
+    (see resume_ledger_pass): the same answer as a pass over the whole ledger."""
+    state = resume_ledger_pass(paths, METERING_PASS, write=write)
+    totals = usage_finish(state["totals"])
     return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
             "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
-            "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
+            "models_metered": totals["models_metered"], "cost_mismatch_jobs": state["cost_mismatch_jobs"]}
+
+
+# -- `usage`, resumed ---------------------------------------------------------------------------------
+# `usage --by X` keeps a tally per grouping.  Its state holds every job id seen (the first line of a
+# job id wins, as in iter_ledger_once_per_job), so a tally grows with the jobs (about 12 bytes a job).
+
+def usage_ledger_line(raw: bytes, state: dict[str, Any], by: str) -> None:
+    """One raw ledger line into the usage pass by `by`, as iter_ledger_once_per_job and
+    aggregate_usage take it: a line that is not JSON or not an object adds one to `torn`, a line
+    of a job id seen before (compared as text) is skipped, any other adds one to `lines` and its
+    figures to its group and the totals."""
+    raw = raw.strip()
+    if not raw:
+        return
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        state["torn"] += 1
+        return
+    if not isinstance(line, dict):
+        state["torn"] += 1
+        return
+    job_id = str(line.get("job_id"))
+    if job_id in state["seen"]:
+        return
+    state["seen"].add(job_id)
+    state["lines"] += 1
+    usage_group_add(state["groups"], state["totals"], line, by)
+
+
+def usage_state_of(obj: Any, offset: int) -> dict[str, Any] | None:
+    """A dumped usage state, checked (pure): accumulators usage_add could have made, as many
+    distinct job ids as lines, as many jobs in the totals and in the groups together, and no more
+    lines than `offset` bytes hold (an object line takes at least 3 bytes, a torn one 2)."""
+    keys = {"groups", "totals", "seen", "lines", "torn"}
+    if not isinstance(obj, dict) or set(obj) != keys:
+        return None
+    groups, totals, seen, lines, torn = (obj[k] for k in ("groups", "totals", "seen", "lines", "torn"))
+    if not (isinstance(groups, dict) and all(usage_accumulator_ok(g) for g in groups.values())
+            and usage_accumulator_ok(totals) and isinstance(seen, list)
+            and all(isinstance(j, str) for j in seen) and _count_ok(lines) and _count_ok(torn)):
+        return None
+    unique = set(seen)
+    if not (len(unique) == len(seen) == lines == totals["jobs"] == sum(g["jobs"] for g in groups.values())
+            and 3 * lines + 2 * torn <= offset):
+        return None
+    return {**obj, "seen": unique}
+
+
+def usage_pass(by: str) -> LedgerPass:
+    check_usage_grouping(by)
+    return LedgerPass(
+        name=f"usage_by_{by}",
+        fresh=lambda: {"groups": {}, "totals": usage_empty(), "seen": set(), "lines": 0, "torn": 0},
+        take=lambda raw, state: usage_ledger_line(raw, state, by),
+        dump=lambda state: {**state, "seen": list(state["seen"])}, load=usage_state_of)
+
+
+def usage_of_ledger(paths: StudyPaths, by: str, *, write: bool = True) -> tuple[dict[str, Any], int, int]:
+    """`usage`: the ledger aggregated by `by` (aggregate_usage over one line per job id), how many
+    lines were counted and how many were torn; one streamed pass, resumed from its ledger tally
+    (see resume_ledger_pass): the same answer as a pass over the whole ledger."""
+    state = resume_ledger_pass(paths, usage_pass(by), write=write)
+    return usage_aggregate(state["groups"], state["totals"], by), state["lines"], state["torn"]
 
 
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
@@ -19250,11 +19571,10 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    counts: dict[str, int] = {}
-    with gc_paused():   # aggregated while the ledger streams: memory does not grow with it
-        agg = aggregate_usage(iter_ledger_once_per_job(paths.ledger, counts), by=args.by)
-    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": counts["lines"],
-                           "torn_lines": counts["torn"]}
+    # Aggregated while the ledger streams (memory does not grow with it), from where its tally
+    # left off; a supervised session writes no tally.
+    agg, lines, torn = usage_of_ledger(paths, args.by, write=not ctx.is_child)
+    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": lines, "torn_lines": torn}
     if args.format == "md":
         out["markdown"] = render_usage_md(agg)
     return out
@@ -19321,7 +19641,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
     if report["totals"].get("rehearsed_runs"):
         report["costs_simulated"] = True
-    report["metering"] = report_metering(paths)
+    report["metering"] = report_metering(paths, write=not ctx.is_child)
     if args.format == "json":
         text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
     else:

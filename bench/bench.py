@@ -20,10 +20,11 @@ divided by:
   _check, in process) over N stream events, paced and as fast as possible, divided by the same
   pipe read by a `json.loads` loop.
 - report / usage / list: `report --format json|html` over R run records: first (which builds the
-  runs summary and the report cache), again (the cache), after 1% of the records changed (the
-  figures computed again from the summary) and with no report cache, each over a fresh
-  interpreter's bare json.loads pass over the summary file; `usage` over R ledger lines, over the same bare pass over the ledger
-  (wall seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
+  runs summary, the report cache and the metering's ledger tally), again (the caches), after 1% of
+  the records changed (the figures computed again from the summary) and with no report cache, each
+  over a fresh interpreter's bare json.loads pass over the summary file; `usage` over R ledger
+  lines, first (which builds its tally) and again, over the same bare pass over the ledger (wall
+  seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
 - file_size: bytes and lines of each agentbench.py measured (its compile cost by path).
 - exact_tail: one McNemar p-value by the recurrence against the per-term binomial coefficients it
   replaced (the old code, reproduced here as the baseline).
@@ -393,7 +394,8 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
         row: dict = {}
         for f in (summary, cache):
             with contextlib.suppress(FileNotFoundError):
-                f.unlink()   # each version starts from the records alone
+                f.unlink()   # each version starts from the records and the ledger alone
+        shutil.rmtree(big / "state" / "ledger_tallies", ignore_errors=True)
 
         def report(label: str, fmt: str) -> None:
             log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
@@ -421,10 +423,11 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
             for key in ("report_json_again", "report_html_again", "report_json_after_1pct_changed",
                         "report_json_uncached", "report_html_uncached"):
                 row[key]["over_bare_parse_x"] = ratio(row[key]["wall_s"], parse)
-        log(f"{name}: usage over {n_runs} ledger lines")
-        dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
-        row["usage"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
-                        "over_bare_parse_x": ratio(dt, ledger_parse)}
+        for label in ("", "_again"):   # from the ledger (building a tally), then from the tally
+            log(f"{name}: usage over {n_runs} ledger lines{label.replace('_', ' ')}")
+            dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
+            row[f"usage{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
+                                    "over_bare_parse_x": ratio(dt, ledger_parse)}
         ls = {}
         for label, st in (("small", small), ("big", big)):
             ls[label] = statistics.median(fresh_process(path, ["list", "--study", str(st), "--all"], env)[0]
