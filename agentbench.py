@@ -12525,8 +12525,10 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 # ==================================================================================================
 # Builds the report's data from run records and ledger lines: per arm, paired comparisons, per
 # task, the behaviour audit, differential exclusions, multiplicity, and the usage aggregate, as
-# JSON-ready dicts whose notes say in words what was left out.  Pure: the CLI reads the registry
-# and the ledger and passes them in.  It must not read files or render tables, Markdown or HTML.
+# JSON-ready dicts whose notes say in words what was left out.  A run record is read once, by
+# run_facts, into the facts every figure is added up from.  Pure: the CLI reads the records (or
+# their facts, from the runs summary) and the ledger and passes them in.  It must not read files
+# or render tables, Markdown or HTML.
 
 # Validity labels that take a run out of the primary results: such runs measure the
 # infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
