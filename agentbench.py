@@ -2454,6 +2454,18 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
     return fd, st
 
 
+def _read_upto(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from an open descriptor, read in chunks of at most 1 MiB."""
+    chunks, got = [], 0
+    while got < limit:
+        chunk = os.read(fd, min(1 << 20, limit - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """A regular file's bytes (never through a link, never from a special file); None when the
     entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
@@ -2464,18 +2476,28 @@ def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     try:
         if st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
-        chunks, got = [], 0
-        while got <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        if got > max_bytes:      # it grew while read
+        data = _read_upto(fd, max_bytes + 1)
+        if len(data) > max_bytes:      # it grew while read
             raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
+
+
+def read_head(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, bool] | None:
+    """The first `max_bytes` bytes of a regular file and whether it holds more, opened as
+    read_capped opens (never through a link, never blocking on a FIFO, never from a special file);
+    None when the entry is missing or not a regular file.  For a file whose head is worth reading
+    whatever its length (a raw stream); read_capped refuses a file over its cap instead."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, _ = opened
+    try:
+        data = _read_upto(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    return data[:max_bytes], len(data) > max_bytes
 
 
 def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
@@ -14671,15 +14693,14 @@ def _page_read_stream(path: Path) -> list[bytes]:
     without following a link or opening a FIFO, and never more than that many bytes (a link to
     /dev/zero in its place would be one endless line)."""
     try:
-        opened = open_regular(path)
-        if opened is None:
-            return []
-        with os.fdopen(opened[0], "rb") as fh:
-            data = fh.read(PAGE_STREAM_BYTES + 1)
+        got = read_head(path, PAGE_STREAM_BYTES)
     except OSError:
         return []
+    if got is None:
+        return []
+    data, more = got
     lines = data.splitlines(keepends=True)
-    if len(data) > PAGE_STREAM_BYTES and lines:
+    if more and lines and not lines[-1].endswith(b"\n"):
         lines.pop()          # the cut one
     return lines
 
@@ -17037,14 +17058,14 @@ def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
 
 def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
                       ) -> tuple[bytes | None, str | None]:
-    """(up to `cap` bytes of a regular file, a problem or None), opened as open_regular opens
-    (never through a link, never blocking on a FIFO): (None, why) for a file that is missing, a
-    link or special.  Unlike read_capped, a longer file gives its first `cap` bytes, said."""
+    """(up to `cap` bytes of a regular file, a problem or None) as read_head reads them: (None,
+    why) for a file that is missing, a link or special, or not readable; a longer file gives its
+    first `cap` bytes, said."""
     try:
-        opened = open_regular(path)
+        got = read_head(path, cap)
     except OSError as exc:
         return None, f"not read ({exc.strerror})"
-    if opened is None:
+    if got is None:
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
@@ -17052,21 +17073,8 @@ def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_
         except OSError as exc:
             return None, f"not read ({exc.strerror})"
         return None, "not read (a link)" if stat.S_ISLNK(mode) else "not a regular file"
-    fd, _ = opened
-    try:
-        chunks, total = [], 0
-        while total <= cap:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > cap:
-        return data[:cap], f"cut at {cap} bytes"
-    return data, None
+    data, more = got
+    return data, f"cut at {cap} bytes" if more else None
 
 
 def read_text_bounded(path: str | os.PathLike[str], limit: int = INTEROP_TEXT_MAX_CHARS) -> str | None:
