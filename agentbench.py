@@ -2456,6 +2456,18 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
     return fd, st
 
 
+def _read_upto(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from an open descriptor, read in chunks of at most 1 MiB."""
+    chunks, got = [], 0
+    while got < limit:
+        chunk = os.read(fd, min(1 << 20, limit - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """A regular file's bytes (never through a link, never from a special file); None when the
     entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
@@ -2466,18 +2478,28 @@ def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     try:
         if st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
-        chunks, got = [], 0
-        while got <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        if got > max_bytes:      # it grew while read
+        data = _read_upto(fd, max_bytes + 1)
+        if len(data) > max_bytes:      # it grew while read
             raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
+
+
+def read_head(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, bool] | None:
+    """The first `max_bytes` bytes of a regular file and whether it holds more, opened as
+    read_capped opens (never through a link, never blocking on a FIFO, never from a special file);
+    None when the entry is missing or not a regular file.  For a file whose head is worth reading
+    whatever its length (a raw stream); read_capped refuses a file over its cap instead."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, _ = opened
+    try:
+        data = _read_upto(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    return data[:max_bytes], len(data) > max_bytes
 
 
 def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
@@ -14803,14 +14825,16 @@ def render_report_html(report: dict, extra: str = "") -> str:
 # ==================================================================================================
 # Run pages: the report as a directory
 # ==================================================================================================
-# `report --format html --out DIR/` writes index.html (the report page plus the task x arm matrix of
-# runs, discordant pairs first) and runs/<run>.html, one page per run: the conversation as a
-# timeline from the raw streams, gate receipts and the feedback sent, the review, the workspace diff
-# against the task's starter, the audit, cost and tokens per session, provenance.  Everything in a
-# page comes from files the agent could influence (streams, its workspace): all of it is escaped,
+# `report --format html --out DIR/` writes index.html (the report page plus, per arm against the
+# baseline, the tasks where their success rates differ with links to the runs behind each, and the
+# task x arm matrix of runs) and runs/<run>.html, one page per run: the conversation as a timeline
+# from the raw streams, gate receipts and the feedback sent, the review, the workspace diff against
+# the task's starter, the audit, cost and tokens per session, provenance.  Everything in a page
+# comes from files the agent could influence (streams, its workspace): all of it is escaped,
 # trimmed and folded here, symlinks in the workspace are named and never followed.  Owns reading
-# those files for the pages and rendering them; it computes no statistics (the report builder does)
-# and writes only inside the directory it is given.
+# those files for the pages and rendering them; it computes no statistics beyond the per-task
+# success counts it lists (the report builder does the tests) and writes only inside the directory
+# it is given.
 
 PAGE_TEXT_CHARS = 6000          # one assistant text or prompt, beyond which it is cut
 PAGE_INPUT_CHARS = 3000         # one tool call's input (JSON)
@@ -14821,6 +14845,7 @@ PAGE_STREAM_BYTES = 32 * 1024 * 1024   # bytes of one raw stream read for a page
 PAGE_DIFF_FILE_BYTES = 256 * 1024      # a file larger than this is listed, not diffed
 PAGE_DIFF_CHARS = 200_000       # the whole diff of one run
 PAGE_RUNS_DIR = "runs"
+PAGE_ONE_SIDED_NAMED = 50       # tasks named as having evaluated runs on one side only; the rest counted
 
 
 def _page_trim(text: Any, limit: int) -> tuple[str, int]:
@@ -14922,15 +14947,14 @@ def _page_read_stream(path: Path) -> list[bytes]:
     without following a link or opening a FIFO, and never more than that many bytes (a link to
     /dev/zero in its place would be one endless line)."""
     try:
-        opened = open_regular(path)
-        if opened is None:
-            return []
-        with os.fdopen(opened[0], "rb") as fh:
-            data = fh.read(PAGE_STREAM_BYTES + 1)
+        got = read_head(path, PAGE_STREAM_BYTES)
     except OSError:
         return []
+    if got is None:
+        return []
+    data, more = got
     lines = data.splitlines(keepends=True)
-    if len(data) > PAGE_STREAM_BYTES and lines:
+    if more and lines and not lines[-1].endswith(b"\n"):
         lines.pop()          # the cut one
     return lines
 
@@ -15010,22 +15034,59 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
     return {"available": True, "files": files, "cut": cut}
 
 
-def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[str, Any]]:
-    """Same task and repeat, baseline and arm both evaluated, one succeeded and the other did not
-    (pure; excluded runs are left out, as in the primary view)."""
-    by_key: dict[tuple[str, str, Any], dict] = {}
+def _page_task(run: dict) -> str:
+    """A run's task as the report names it (a missing one is "(none)")."""
+    return "(none)" if run.get("task") is None else str(run.get("task"))
+
+
+def _page_run_order(run: dict) -> tuple:
+    """Display order of a cell's runs: by repeat number, then run id (an order, not a pairing)."""
+    rep = run.get("repeat")
+    num = isinstance(rep, int) and not isinstance(rep, bool)
+    return (not num, rep if num else 0, str(rep), str(run.get("run_id")))
+
+
+def differing_tasks(runs: list[dict], arms: list[str], base: str,
+                    include_excluded: bool = False) -> list[dict[str, Any]]:
+    """Per comparison (each arm against `base`, in the order of `arms`), the tasks where the two
+    arms' success rates differ (pure).
+
+    As the report compares them: per task, each arm's successes over its evaluated runs (excluded
+    runs left out unless `include_excluded`, as in the all-included view), the arm's rate minus the
+    baseline's.  Rows are sorted by the size of that difference, largest first, then by task; each
+    lists the evaluated runs of both sides (id and success) so a reader can open them.  A task with
+    evaluated runs on one side only has no difference and is named in `one_sided`."""
+    cells: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        if run_evaluated(r) and not run_excluded(r) and r.get("repeat") is not None:
-            by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
+        if run_evaluated(r) and (include_excluded or not run_excluded(r)):
+            cells.setdefault((_page_task(r), str(r.get("arm"))), []).append(r)
+    tasks = sorted({t for t, _ in cells})
     out = []
-    for (task, arm, rep), r in sorted(by_key.items(),
-                                      key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
-        if arm == base or arm not in arms:
+    for arm in arms:
+        if arm == base:
             continue
-        b = by_key.get((task, base, rep))
-        if b is not None and run_succeeded(r) != run_succeeded(b):
-            out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
-                        "baseline_run": b.get("run_id"), "arm_success": run_succeeded(r)})
+        rows, one_sided, compared = [], [], 0
+        for task in tasks:
+            ra, rb = cells.get((task, arm), []), cells.get((task, base), [])
+            if not ra or not rb:
+                if ra or rb:
+                    one_sided.append(task)
+                continue
+            compared += 1
+            sa, sb = sum(map(run_succeeded, ra)), sum(map(run_succeeded, rb))
+            d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+            if d == 0:
+                continue
+            rows.append((-abs(d), task, {
+                "task": task, "arm_successes": sa, "arm_evaluated": len(ra),
+                "baseline_successes": sb, "baseline_evaluated": len(rb), "diff": float(d),
+                "arm_runs": [{"run_id": r.get("run_id"), "success": run_succeeded(r)}
+                             for r in sorted(ra, key=_page_run_order)],
+                "baseline_runs": [{"run_id": r.get("run_id"), "success": run_succeeded(r)}
+                                  for r in sorted(rb, key=_page_run_order)]}))
+        rows.sort(key=lambda x: (x[0], x[1]))
+        out.append({"arm": arm, "baseline": base, "tasks_compared": compared,
+                    "tasks": [x[2] for x in rows], "one_sided": one_sided})
     return out
 
 
@@ -15272,36 +15333,60 @@ def render_run_page(page: dict) -> str:
 
 
 def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> str:
-    """The index page's extra section (pure): discordant pairs first, then the task x arm matrix
-    with a cell per run linking to its page."""
+    """The index page's extra section (pure): per arm against the baseline the tasks where their
+    success rates differ, largest difference first, each with links to the runs of both sides;
+    then the task x arm matrix with a cell per run linking to its page."""
     esc = html.escape
     arms, base = report["arms"], report["baseline"]
+    all_included = report.get("primary_view") == "all_included"
 
     def link(rid: Any) -> str:
         name = names.get(str(rid))
         return f'<a href="{PAGE_RUNS_DIR}/{esc(name)}">{esc(str(rid))}</a>' if name else esc(str(rid))
 
-    pairs = discordant_pairs(runs, arms, base)
-    p = [f"<h2>Discordant pairs: same task and repeat, {esc(base)} and the arm disagree ({len(pairs)})</h2>"]
-    rows = [f"<tr><td>{esc(x['task'])}</td><td>{esc(str(x['repeat']))}</td><td>{esc(x['arm'])}</td>"
-            f"<td>{link(x['arm_run'])} {'succeeded' if x['arm_success'] else 'failed'}</td>"
-            f"<td>{link(x['baseline_run'])} {'failed' if x['arm_success'] else 'succeeded'}</td></tr>"
-            for x in pairs]
-    p.append("<table><thead><tr><th>Task</th><th>Repeat</th><th>Arm</th><th>Arm run</th>"
-             f"<th>{esc(base)} run</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
-             if rows else "<p>(none)</p>")
+    def listed(side: list[dict]) -> str:
+        return "<br/>".join(f"{link(x['run_id'])} {'S' if x['success'] else 'F'}" for x in side)
+
+    comps = differing_tasks(runs, arms, base, include_excluded=all_included)
+    p = ["<p>Per task, each arm's success rate over its evaluated runs ("
+         + ("excluded runs included" if all_included else "excluded runs left out")
+         + ", as in the primary view); below, per arm against the baseline, the tasks where the two "
+           "rates differ, largest difference first. The comparison is of the two rates; each "
+           "side's runs are listed (S success, F failure) so the runs behind a difference can be "
+           "opened.</p>"] if comps else []
+    for comp in comps:
+        arm, rows = comp["arm"], comp["tasks"]
+        p.append(f"<h2>Tasks where {esc(arm)} and {esc(base)} differ ({len(rows)} of "
+                 f"{comp['tasks_compared']} compared)</h2>")
+        body = "".join(
+            f"<tr><td>{esc(x['task'])}</td>"
+            f"<td>{x['arm_successes']}/{x['arm_evaluated']}</td>"
+            f"<td>{x['baseline_successes']}/{x['baseline_evaluated']}</td>"
+            f"<td>{x['diff']:+.2f}</td><td>{listed(x['arm_runs'])}</td>"
+            f"<td>{listed(x['baseline_runs'])}</td></tr>" for x in rows)
+        p.append(f"<table><thead><tr><th>Task</th><th>{esc(arm)} successes</th>"
+                 f"<th>{esc(base)} successes</th>"
+                 f"<th>Rate difference ({esc(arm)} minus {esc(base)})</th><th>{esc(arm)} runs</th>"
+                 f"<th>{esc(base)} runs</th></tr></thead><tbody>{body}</tbody></table>"
+                 if rows else "<p>(none)</p>")
+        one = comp["one_sided"]
+        if one:
+            more = len(one) - PAGE_ONE_SIDED_NAMED
+            p.append(f"<p>Not compared, evaluated runs on one side only ({len(one)}): "
+                     + esc(", ".join(one[:PAGE_ONE_SIDED_NAMED]))
+                     + (f" and {more} more" if more > 0 else "") + ".</p>")
     p.append("<h2>Every run: task x arm</h2><p>Cell: run (S success, F failure, - not evaluated; "
              "X excluded; ! flagged by the audit).</p>")
     cells: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        cells.setdefault((str(r.get("task")), str(r.get("arm"))), []).append(r)
+        cells.setdefault((_page_task(r), str(r.get("arm"))), []).append(r)
     head = "".join(f"<th>{esc(a)}</th>" for a in arms)
     body = []
-    for task in sorted({str(r.get("task")) for r in runs}):
+    for task in sorted({_page_task(r) for r in runs}):
         tds = []
         for a in arms:
             marks = []
-            for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
+            for r in sorted(cells.get((task, a), []), key=_page_run_order):
                 mark = ("S" if run_succeeded(r) else "F") if run_evaluated(r) else "-"
                 mark += ("X" if run_excluded(r) else "") + ("!" if run_audit(r)["flagged"] else "")
                 marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
@@ -17617,14 +17702,14 @@ def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
 
 def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
                       ) -> tuple[bytes | None, str | None]:
-    """(up to `cap` bytes of a regular file, a problem or None), opened as open_regular opens
-    (never through a link, never blocking on a FIFO): (None, why) for a file that is missing, a
-    link or special.  Unlike read_capped, a longer file gives its first `cap` bytes, said."""
+    """(up to `cap` bytes of a regular file, a problem or None) as read_head reads them: (None,
+    why) for a file that is missing, a link or special, or not readable; a longer file gives its
+    first `cap` bytes, said."""
     try:
-        opened = open_regular(path)
+        got = read_head(path, cap)
     except OSError as exc:
         return None, f"not read ({exc.strerror})"
-    if opened is None:
+    if got is None:
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
@@ -17632,21 +17717,8 @@ def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_
         except OSError as exc:
             return None, f"not read ({exc.strerror})"
         return None, "not read (a link)" if stat.S_ISLNK(mode) else "not a regular file"
-    fd, _ = opened
-    try:
-        chunks, total = [], 0
-        while total <= cap:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > cap:
-        return data[:cap], f"cut at {cap} bytes"
-    return data, None
+    data, more = got
+    return data, f"cut at {cap} bytes" if more else None
 
 
 def read_text_bounded(path: str | os.PathLike[str], limit: int = INTEROP_TEXT_MAX_CHARS) -> str | None:
