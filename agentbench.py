@@ -16750,8 +16750,8 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
 
 # -- The report cache: the last report's figures, kept with what they were computed from -------------
 # state/report_cache.json holds one report (report_of_facts' answer) and its key: a digest of every
-# run record's stamp, of this program's own code, and of the report's arguments (arms, baseline,
-# seed, analysis plan).  `report` asked again with nothing changed answers from it after one stat
+# run record's stamp, of this program's own code and the interpreter's version, and of the report's
+# arguments (arms, baseline, seed, analysis plan).  `report` asked again with nothing changed answers from it after one stat
 # per run; any change to a record, to the code or to an argument is a new key, and the report is
 # computed from the facts again.  Like the summary, it is a cache: a file that is missing, torn,
 # of another key or not an object is ignored, and one that cannot be written is not needed.
@@ -16780,8 +16780,9 @@ def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None
     if code is None:
         return None
     h = hashlib.sha256()
-    h.update(json.dumps([REPORT_CACHE_VERSION, RUNS_SUMMARY_VERSION, code, inputs], sort_keys=True,
-                        default=str).encode("utf-8"))
+    # The interpreter too: its float arithmetic may differ (sum() of floats did in 3.12).
+    h.update(json.dumps([REPORT_CACHE_VERSION, RUNS_SUMMARY_VERSION, code, sys.version, inputs],
+                        sort_keys=True, default=str).encode("utf-8"))
     ids = sorted(stamps)
     h.update("\n".join(ids).encode("utf-8", "surrogateescape"))
     try:
