@@ -16751,9 +16751,9 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
 # -- The report cache: the last report's figures, kept with what they were computed from -------------
 # state/report_cache.json holds one report (report_of_facts' answer) and its key: a digest of every
 # run record's stamp, of this program's own code and the interpreter's version, and of the report's
-# arguments (arms, baseline, seed, analysis plan).  `report` asked again with nothing changed answers from it after one stat
-# per run; any change to a record, to the code or to an argument is a new key, and the report is
-# computed from the facts again.  Like the summary, it is a cache: a file that is missing, torn,
+# arguments (arms, baseline, seed, analysis plan).  `report` asked again with nothing changed
+# answers from it after one stat per run; any change to a record, to the code or to an argument is
+# a new key, and the report is computed from the facts again.  Like the summary, it is a cache: a file that is missing, torn,
 # of another key or not an object is ignored, and one that cannot be written is not needed.
 
 REPORT_CACHE_FILE = "report_cache.json"
