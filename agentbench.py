@@ -16753,8 +16753,9 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
 # run record's stamp, of this program's own code and the interpreter's version, and of the report's
 # arguments (arms, baseline, seed, analysis plan).  `report` asked again with nothing changed
 # answers from it after one stat per run; any change to a record, to the code or to an argument is
-# a new key, and the report is computed from the facts again.  Like the summary, it is a cache: a file that is missing, torn,
-# of another key or not an object is ignored, and one that cannot be written is not needed.
+# a new key, and the report is computed from the facts again.  Like the summary, it is a cache: a
+# file that is missing, torn, of another key or not an object is ignored, and one that cannot be
+# written is not needed.
 
 REPORT_CACHE_FILE = "report_cache.json"
 REPORT_CACHE_VERSION = 1
