@@ -58,6 +58,7 @@ calibrate and assign are "Calibration and assignment"; the CLI only converts fla
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import copy
 import dataclasses
@@ -66,6 +67,7 @@ import fnmatch
 import gc
 import importlib
 import io
+import itertools
 import json
 import math
 import os
@@ -375,7 +377,7 @@ def env_float(name: str, default: float) -> float:
 
 
 def lost_after_s() -> float:
-    """Heartbeat age after which a job whose supervisor is dead is declared lost (SPEC: 120 s)."""
+    """Heartbeat age after which a job whose supervisor is dead is declared lost (120 s by default)."""
     return env_float("AGENTBENCH_LOST_AFTER_S", 120.0)
 
 
@@ -2455,6 +2457,18 @@ def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None
     return fd, st
 
 
+def _read_upto(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from an open descriptor, read in chunks of at most 1 MiB."""
+    chunks, got = [], 0
+    while got < limit:
+        chunk = os.read(fd, min(1 << 20, limit - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     """A regular file's bytes (never through a link, never from a special file); None when the
     entry is missing or not a regular file; UnusableTree("file_over_cap") past `max_bytes`."""
@@ -2465,18 +2479,28 @@ def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes | None:
     try:
         if st.st_size > max_bytes:
             raise UnusableTree("file_over_cap", str(path), size=st.st_size, cap=max_bytes)
-        chunks, got = [], 0
-        while got <= max_bytes:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        if got > max_bytes:      # it grew while read
+        data = _read_upto(fd, max_bytes + 1)
+        if len(data) > max_bytes:      # it grew while read
             raise UnusableTree("file_over_cap", str(path), cap=max_bytes)
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
+
+
+def read_head(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, bool] | None:
+    """The first `max_bytes` bytes of a regular file and whether it holds more, opened as
+    read_capped opens (never through a link, never blocking on a FIFO, never from a special file);
+    None when the entry is missing or not a regular file.  For a file whose head is worth reading
+    whatever its length (a raw stream); read_capped refuses a file over its cap instead."""
+    opened = open_regular(path)
+    if opened is None:
+        return None
+    fd, _ = opened
+    try:
+        data = _read_upto(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    return data[:max_bytes], len(data) > max_bytes
 
 
 def sha256_regular(path: str | os.PathLike[str], max_bytes: int | None = None, *,
@@ -5027,7 +5051,7 @@ def is_number(value: Any) -> bool:
 
 
 def _check_slurm_settings(slurm: Any) -> None:
-    """The `slurm` object of study.json (SPEC 12): known keys, the right types, and no sbatch
+    """The `slurm` object of study.json: known keys, the right types, and no sbatch
     option agentbench sets itself."""
     if slurm is not None:
         if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
@@ -5331,7 +5355,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="a session whose workspace holds more (MB, real blocks) is ended"),
 )
-#: The keys study.json may hold (SPEC 5 and the launch, budget and executor settings).
+#: The keys study.json may hold (tasks, arms, limits and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
 #: budget's keys: (init's flag type, help); their defaults are DEFAULT_BUDGET's.
 BUDGET_SETTINGS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -8905,7 +8929,7 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
-#: The hidden tests' pass mark when task.json gives none (SPEC: calibration's default 0.9).
+#: The hidden tests' pass mark when task.json gives none (calibration's default too).
 DEFAULT_ORACLE_THRESHOLD = 0.9
 #: A check's `receipt` setting in task.json: `json` = a JSON receipt is required (no receipt is a
 #: grader error), `auto` = the last stdout line if it is one, else the exit code (0 pass, 1 fail).
@@ -10388,7 +10412,7 @@ class RunVerdict(NamedTuple):
 def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, tool_uses: int,
                  success: bool, grader_error: str | None = None,
                  hidden_access: Iterable[str] = (), solution_broke_grader: str | None = None) -> RunVerdict:
-    """A finished run's outcome and validity label (pure, SPEC 7).  `stop` is why its session loop
+    """A finished run's outcome and validity label (pure).  `stop` is why its session loop
     ended (None: it ran its course; "infrastructure:<status>:<reason>" when not the agent's doing;
     "budget_exhausted", "timeout", "killed:<reason>", "workspace_unusable:<why>" when the agent
     left a workspace agentbench cannot copy or read within its caps, or outgrew the live cap: a
@@ -10575,7 +10599,8 @@ def arm_delivery_expectations(spec: LaunchSpec) -> dict[str, Any]:
 
 
 class RunPipeline:
-    """The per-run pipeline of SPEC section 7 for one run; `execute()` never raises."""
+    """The per-run pipeline for one run (workspace, sessions, gates, review, grading, record);
+    `execute()` never raises."""
 
     def __init__(self, ctx: Host, paths: StudyPaths, run_id: str, cfg: Mapping[str, Any],
                  tasks: Mapping[str, Task], arms: Mapping[str, Arm], templates: Mapping[str, string.Template],
@@ -12661,10 +12686,12 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 # ==================================================================================================
 # Builds the report's data from run records and ledger lines: per arm, paired comparisons, per
 # task, the behaviour audit, differential exclusions, multiplicity, and the usage aggregate, as
-# JSON-ready dicts whose notes say in words what was left out.  Pure: the CLI reads the registry
-# and the ledger and passes them in.  It must not read files or render tables, Markdown or HTML.
+# JSON-ready dicts whose notes say in words what was left out.  A run record is read once, by
+# run_facts, into the facts every figure is added up from.  Pure: the CLI reads the records (or
+# their facts, from the runs summary) and the ledger and passes them in.  It must not read files
+# or render tables, Markdown or HTML.
 
-# Validity labels that take a run out of the primary results (SPEC 7, 14): such runs measure the
+# Validity labels that take a run out of the primary results: such runs measure the
 # infrastructure, not the treatment, or (tainted) a success the agent saw the answers for.  They
 # stay listed, with their reasons, and in `all_included`.
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
@@ -12730,8 +12757,9 @@ class UsageFigures(NamedTuple):
 
 def usage_figures(line: dict) -> UsageFigures:
     tokens = line.get("tokens")
-    metered = line.get("cost_metered_usd")
-    metered_ok = isinstance(metered, (int, float)) and not isinstance(metered, bool)
+    # Any finite number (an int too large for a float, NaN or infinity is no metered figure).
+    metered = finite_number(line.get("cost_metered_usd"))
+    metered_ok = metered is not None
     models: list[tuple[str, int, float]] = []
     if metered_ok:
         mm = line.get("models_metered")
@@ -12745,7 +12773,7 @@ def usage_figures(line: dict) -> UsageFigures:
                 if isinstance(tokens, dict) else []),
         cost=usd_from(line.get("cost_delta_usd")) or 0.0,
         estimated=bool(line.get("estimated")),
-        metered=float(metered) if metered_ok else None,
+        metered=metered,
         requests=count_from(line.get("requests")) if metered_ok else 0,
         models_metered=models,
         verdict=str(line.get("cache_verdict") or "(none)"),
@@ -12797,6 +12825,37 @@ def _usage_key(line: dict, by: str) -> str:
     return "(none)" if value is None or value == "" else str(value)
 
 
+def check_usage_grouping(by: str) -> None:
+    if by not in USAGE_GROUPINGS:
+        raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
+                              choices=list(USAGE_GROUPINGS))
+
+
+def usage_group_add(groups: dict[str, dict], totals: dict, line: dict, by: str) -> None:
+    """One ledger line into its group (by `by`) and into the totals: aggregate_usage's step, for
+    a pass that is resumed (the accumulators are usage_empty's, not finished)."""
+    fig = usage_figures(line)   # checked once, added twice
+    key = _usage_key(line, by)
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = usage_empty()
+    usage_add(group, fig)
+    usage_add(totals, fig)
+
+
+def usage_aggregate(groups: dict[str, dict], totals: dict, by: str) -> dict:
+    """aggregate_usage's answer from its accumulators (finished here, in place)."""
+    order = sorted(groups, key=lambda k: (k == "(none)", k))
+    notes = []
+    if totals["estimated_jobs"]:
+        notes.append(f"{totals['estimated_jobs']} job(s) ended before reporting a cost; "
+                     f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
+                     f"prices (marked ~)")
+    return {"schema": USAGE_SCHEMA, "by": by,
+            "groups": {k: usage_finish(groups[k]) for k in order},
+            "totals": usage_finish(totals), "notes": notes}
+
+
 def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     """Aggregate ledger lines (one per finished session) into groups by `by`.
 
@@ -12808,28 +12867,12 @@ def aggregate_usage(ledger_lines: Iterable[dict], by: str = "kind") -> dict:
     the session ended before reporting its cost), cache_hit_ratio (see cache_hit_ratio), cache
     verdict counts, summed duration. Groups are ordered by key, "(none)" last.
     """
-    if by not in USAGE_GROUPINGS:
-        raise AgentbenchError(f"unknown grouping {by!r}", code="unknown_grouping",
-                              choices=list(USAGE_GROUPINGS))
+    check_usage_grouping(by)
     groups: dict[str, dict] = {}
     totals = usage_empty()
     for line in ledger_lines:
-        fig = usage_figures(line)   # checked once, added twice
-        key = _usage_key(line, by)
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = usage_empty()
-        usage_add(group, fig)
-        usage_add(totals, fig)
-    order = sorted(groups, key=lambda k: (k == "(none)", k))
-    notes = []
-    if totals["estimated_jobs"]:
-        notes.append(f"{totals['estimated_jobs']} job(s) ended before reporting a cost; "
-                     f"${totals['cost_estimated_usd']:.4f} of the total is estimated from list "
-                     f"prices (marked ~)")
-    return {"schema": USAGE_SCHEMA, "by": by,
-            "groups": {k: usage_finish(groups[k]) for k in order},
-            "totals": usage_finish(totals), "notes": notes}
+        usage_group_add(groups, totals, line, by)
+    return usage_aggregate(groups, totals, by)
 
 
 # -- The report: per arm, paired comparisons, per task ---------------------------------------------
@@ -12846,238 +12889,9 @@ def run_succeeded(run: dict) -> bool:
     return run_evaluated(run) and bool(run["evaluation"].get("success"))
 
 
-def _rpt_pending(run: dict) -> str | None:
-    """'not_started' / 'running' for a run that has not ended, else None."""
-    status = run.get("status")
-    return status if status in ("not_started", "running") else None
-
-
 def _rpt_inc(d: dict, key: Any, by: int = 1) -> None:
     key = "(none)" if key is None else str(key)
     d[key] = d.get(key, 0) + by
-
-
-def _rpt_task_rates(evaluated: list[dict]) -> list[float]:
-    """Each task's success rate over its evaluated runs, in the order of the task keys (counted
-    per task: successes and runs, no list per run)."""
-    per_task: dict[str, list[int]] = {}
-    for r in evaluated:
-        cell = per_task.setdefault(str(r.get("_task", r.get("task"))), [0, 0])
-        cell[0] += run_succeeded(r)
-        cell[1] += 1
-    return [s / n for _, (s, n) in sorted(per_task.items())]
-
-
-def _rpt_not_evaluated_causes(ended_unevaluated: list[dict]) -> dict[str, int]:
-    """Runs that ended without an evaluation, counted by cause."""
-    not_eval_by_cause: dict[str, int] = {}
-    for r in ended_unevaluated:
-        # Name the cause by outcome when there is one; an error or interruption status wins
-        # over a plain "failure" outcome, which would hide why the run was never graded.
-        cause = r.get("outcome") or r.get("status") or "unknown"
-        if r.get("status") in ("error", "interrupted") and cause == "failure":
-            cause = r.get("status")
-        _rpt_inc(not_eval_by_cause, cause)
-    return not_eval_by_cause
-
-
-def _rpt_token_totals(runs: list[dict]) -> dict[str, int]:
-    """Tokens summed by type over `runs`, and their `total` (input, output, cache write and read)."""
-    tokens: dict[str, int] = {}
-    for r in runs:
-        for k, v in (r.get("tokens") or {}).items():
-            if isinstance(v, (int, float)):
-                tokens[k] = tokens.get(k, 0) + v
-    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
-                                                                "cache_creation", "cache_read"))
-    return tokens
-
-
-def _rpt_gate_cycles(started: list[dict]) -> dict:
-    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
-    cycles = [int(r.get("gate_cycles") or 0) for r in started]
-    cycle_dist: dict[str, int] = {}
-    for c in sorted(cycles):
-        _rpt_inc(cycle_dist, c)
-    return {"total": sum(cycles), "mean": mean(cycles),
-            "max": max(cycles) if cycles else None, "distribution": cycle_dist}
-
-
-def _rpt_review_verdicts(started: list[dict]) -> dict[str, dict[str, int]]:
-    """Review verdicts of the started runs: every one, and each run's last."""
-    verdicts_all: dict[str, int] = {}
-    verdicts_final: dict[str, int] = {}
-    for r in started:
-        vs = r.get("review_verdicts") or []
-        for v in vs:
-            _rpt_inc(verdicts_all, v)
-        if vs:
-            _rpt_inc(verdicts_final, vs[-1])
-    return {"all": verdicts_all, "final": verdicts_final}
-
-
-def _rpt_failure_reasons(started: list[dict]) -> dict[str, int]:
-    """Why the started runs that ended without success failed, counted by reason."""
-    reasons: dict[str, int] = {}
-    for r in started:
-        if _rpt_pending(r) or run_succeeded(r):
-            continue
-        _rpt_inc(reasons, r.get("failure_reason") or "(none given)")
-    return reasons
-
-
-def _rpt_arm_stats(runs: list[dict], left_out: list[dict], seed: int = 0, draws: int = 10000) -> dict:
-    """Per-arm figures over `runs` (the view); `left_out` are the arm's runs outside the view.
-
-    Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
-    of each task's success rate, with a percentile bootstrap interval that resamples tasks.  Runs
-    of one task are correlated (its repeats share its difficulty), so the task is the unit the
-    study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
-    this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
-    misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
-    itself.  `seed` is this arm's own stream (stream_seed).  Reference: Davison & Hinkley,
-    Bootstrap Methods and their Application (1997), 3.8."""
-    started = [r for r in runs if r.get("status") != "not_started"]
-    evaluated = [r for r in runs if run_evaluated(r)]
-    successes = sum(1 for r in evaluated if run_succeeded(r))
-    task_rates = _rpt_task_rates(evaluated)
-    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
-    ended_unevaluated = [r for r in runs if not run_evaluated(r) and not _rpt_pending(r)]
-    outcomes: dict[str, int] = {}
-    for r in started:
-        _rpt_inc(outcomes, r.get("outcome"))
-    scores = [float(r["evaluation"]["score"]) for r in evaluated
-              if isinstance(r["evaluation"].get("score"), (int, float))]
-    cost = math.fsum(float(r.get("cost_usd") or 0.0) for r in runs)
-    cost_est_runs = [r for r in runs if r.get("cost_estimated")]
-    cost_est = math.fsum(float(r.get("cost_usd") or 0.0) for r in cost_est_runs)
-    walls = [float(r["wall_s"]) for r in started if isinstance(r.get("wall_s"), (int, float))]
-    n_eval = len(evaluated)
-    # Conservative view: every ended run counts; one without an evaluation counts as a failure.
-    n_ended = n_eval + len(ended_unevaluated)
-    tests_passed = sum(int(r["evaluation"].get("tests_passed") or 0) for r in evaluated)
-    tests_total = sum(int(r["evaluation"].get("tests_total") or 0) for r in evaluated)
-
-    def count(pred) -> int:
-        return sum(1 for r in runs if pred(r))
-
-    return {
-        "runs": len(runs) + len(left_out),
-        "in_view": len(runs),
-        "excluded": len(left_out),
-        "not_started": count(lambda r: r.get("status") == "not_started"),
-        "running": count(lambda r: r.get("status") == "running"),
-        "started": len(started),
-        "evaluated": n_eval,
-        "not_evaluated": len(ended_unevaluated),
-        "not_evaluated_by_cause": _rpt_not_evaluated_causes(ended_unevaluated),
-        "successes": successes,
-        "failures": n_eval - successes,
-        "success_rate": successes / n_eval if n_eval else None,
-        "success_ci": list(wilson_interval(successes, n_eval)) if n_eval else None,
-        "tasks_evaluated": len(task_rates),
-        "task_success_rate": mean(task_rates),
-        "task_success_ci": list(task_ci) if task_ci else None,
-        "success_rate_conservative": successes / n_ended if n_ended else None,
-        "success_ci_conservative": list(wilson_interval(successes, n_ended)) if n_ended else None,
-        "errors": count(lambda r: r.get("status") == "error" or r.get("outcome") == "error"),
-        "interrupted": count(lambda r: r.get("status") == "interrupted"
-                             or r.get("outcome") == "interrupted"),
-        "budget_exhausted": count(lambda r: r.get("outcome") == "budget_exhausted"),
-        "timeouts": count(lambda r: r.get("outcome") == "timeout"),
-        "outcomes": outcomes,
-        "mean_score": mean(scores),
-        "tests_passed": tests_passed,
-        "tests_total": tests_total,
-        "cost_usd": cost,
-        "cost_estimated_usd": cost_est,
-        "cost_estimated_runs": len(cost_est_runs),
-        "cost_per_run_usd": cost / len(started) if started else None,
-        "cost_per_success_usd": cost / successes if successes else None,
-        "cost_excluded_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in left_out),
-        "tokens": _rpt_token_totals(runs),
-        "median_wall_s": median(walls),
-        "gate_cycles": _rpt_gate_cycles(started),
-        "review_verdicts": _rpt_review_verdicts(started),
-        "failure_reasons": _rpt_failure_reasons(started),
-    }
-
-
-def _rpt_index(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """Runs grouped by (task, arm), built once so the report stays linear in the run count."""
-    index: dict[tuple[str, str], list[dict]] = {}
-    for r in runs:
-        index.setdefault((r["_task"], r["arm"]), []).append(r)
-    return index
-
-
-def _rpt_task_cells(index: dict, arms: list[str], tasks: list[str]) -> dict:
-    """Per task, per arm: runs, evaluated, successes, rate, mean score, cost."""
-    out: dict[str, dict] = {}
-    for task in tasks:
-        row = {}
-        for arm in arms:
-            cell = index.get((task, arm), [])
-            ev = [r for r in cell if run_evaluated(r)]
-            s = sum(1 for r in ev if run_succeeded(r))
-            scores = [float(r["evaluation"]["score"]) for r in ev
-                      if isinstance(r["evaluation"].get("score"), (int, float))]
-            row[arm] = {"runs": len(cell), "evaluated": len(ev), "successes": s,
-                        "success_rate": s / len(ev) if ev else None,
-                        "mean_score": mean(scores),
-                        "cost_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in cell)}
-        out[task] = row
-    return out
-
-
-def _rpt_exact_mean(values: list[Any]) -> Any:
-    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order."""
-    return sum((fractions.Fraction(v) for v in values), fractions.Fraction(0)) / len(values)
-
-
-def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
-    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
-    its own stream of random numbers (used only past the exact enumeration)."""
-    res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
-    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
-
-
-def _rpt_paired_metric(index: dict, arm: str, base: str, tasks: list[str], seed: int,
-                       value: Callable[[dict], float | None], runs_of: Callable[[dict], bool],
-                       names: tuple[str, ...], draws: int = 10000, primary: bool = False) -> dict:
-    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
-    mean over the runs `runs_of` keeps that have a value, in each arm; then the mean over tasks
-    where both arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as
-    for success rates), the counts of tasks where the arm is higher / lower / equal with an
-    exact two-sided sign test on them (secondary), and with `primary` the primary sign-flip test.
-    `names` name the figure's random streams."""
-    per_task, exact = [], []
-    higher = lower = equal = 0
-    for task in tasks:
-        va = [v for v in (value(r) for r in index.get((task, arm), []) if runs_of(r)) if v is not None]
-        vb = [v for v in (value(r) for r in index.get((task, base), []) if runs_of(r)) if v is not None]
-        if not va or not vb:
-            continue
-        ma, mb = _rpt_exact_mean(va), _rpt_exact_mean(vb)
-        d = ma - mb
-        if d == 0:
-            equal += 1
-        elif d > 0:
-            higher += 1
-        else:
-            lower += 1
-        exact.append(d)
-        per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
-                         "arm_n": len(va), "baseline_n": len(vb)})
-    diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
-    out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
-           "se_cluster": cluster_se_of_mean(diffs),
-           "higher": higher, "lower": lower, "equal": equal,
-           "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
-    if primary:
-        out["primary"] = _rpt_primary(exact, seed, names)
-    return out
 
 
 def run_score(run: dict) -> float | None:
@@ -13090,11 +12904,544 @@ def run_cost(run: dict) -> float | None:
     return usd_from(run.get("cost_usd"), hi=math.inf)
 
 
-def _rpt_ended(run: dict) -> bool:
-    return _rpt_pending(run) is None
+# The groups audit findings are counted under, with the words the renderers use.  A kind the audit
+# learns later that fits none of them is counted under its own name.
+REPORT_AUDIT_GROUPS = {
+    "edited_tests": "edited public tests or checks",
+    "outside_workspace": "paths outside the workspace",
+    "reads_oracle": "hidden tests or reference",
+    "reads_gate": "gate (check) files",
+    "reads_tasks": "task bundle files",
+    "reads_study": "study or state files",
+}
 
 
-def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
+def audit_group(kind: str) -> str:
+    """The report group of one audit finding kind (see REPORT_AUDIT_GROUPS)."""
+    if kind.startswith("edited_"):
+        return "edited_tests"
+    if kind.endswith("_outside_workspace"):
+        return "outside_workspace"
+    m = re.fullmatch(r"(?:reads|bash_touches)_(\w+)", kind)
+    if m and f"reads_{m.group(1)}" in REPORT_AUDIT_GROUPS:
+        return f"reads_{m.group(1)}"
+    return kind
+
+
+def run_audit(run: dict) -> dict:
+    """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
+
+    The audit record is the pipeline's, but a run record is a file: a finding that is not an
+    object with a string kind is counted as `malformed_finding`, never dropped, and a record that
+    says flagged with no findings stays flagged."""
+    audit = run.get("audit")
+    if not isinstance(audit, dict):
+        return {"audited": False, "flagged": False, "groups": {}}
+    groups: dict[str, int] = {}
+    findings = audit.get("findings")
+    for f in findings if isinstance(findings, list) else []:
+        kind = f.get("kind") if isinstance(f, dict) else None
+        _rpt_inc(groups, audit_group(kind) if isinstance(kind, str) and kind else "malformed_finding")
+    if findings is not None and not isinstance(findings, list):
+        _rpt_inc(groups, "malformed_finding")
+    return {"audited": True, "flagged": bool(groups) or audit.get("flagged") is True, "groups": groups}
+
+
+# -- Report: the facts of one run ------------------------------------------------------------------
+# What the report reads of a run record is derived once, by run_facts, into a flat tuple: the runs
+# summary keeps these tuples in place of the records (cheap to store and to parse), and every
+# figure below adds them up.  No other function of the report reads a run record.
+
+class RunFacts(NamedTuple):
+    """What the report (and the power plan, and `demo`) need of one run record, each value
+    derived the way the report counts it.  Built by run_facts only; a JSON array in the runs
+    summary, so every field is a JSON value (lists, never tuples)."""
+    run_id: Any
+    arm: str                      # str() of the record's arm ("None" when it names none)
+    arm_given: bool               # the record names an arm
+    task: Any                     # as recorded (the excluded-runs list shows it so)
+    task_key: str                 # "(none)" or str(task): what the report groups by
+    repeat: Any
+    split: Any
+    status: Any
+    outcome: Any
+    validity: Any
+    validity_reason: Any
+    evaluated: bool               # the record has an evaluation object
+    success: bool
+    score: float | None           # float(score) when it is a number: the mean score
+    score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
+    tests_passed: int
+    tests_total: int
+    cost_raw: Any                 # cost_usd as recorded (the power plan prices from it)
+    cost: float                   # float(cost_usd or 0): what the cost sums add
+    cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
+    cost_estimated: bool
+    tokens: dict[str, Any] | None  # the numeric token counts, by type, in the record's order
+    wall_s: float | None
+    gate_cycles: int
+    review_verdicts: list | None
+    failure_reason: Any
+    audit: list | None            # [flagged, {group: findings}] (run_audit); None: not audited
+    snapshots: list | None        # the evaluation's graded snapshots
+    rehearsal: bool
+    launch: list | None           # [model, effort] of the provenance's launch
+    complete: bool                # status, provenance and evaluation all present
+    sandboxed: bool
+    sandbox: dict | None          # a finished run's sandbox when the report notes it, else None
+    delivery: list | None         # [not delivered, {setting: verdict}, [mcp, subagent, skill,
+                                  #  hooks], models served] of the delivery check
+
+
+def _int_or_zero(value: Any) -> int:
+    """int(value or 0), and 0 for what int() refuses: a count read from a record."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+
+
+def _sandbox_fact(rec: Mapping[str, Any]) -> dict | None:
+    """What the report's notes say of a finished run's sandbox (None: nothing to say)."""
+    if rec.get("status") != "finished":
+        return None
+    sb = rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}
+    if not sb.get("sandboxed"):
+        return {"sandboxed": False, "reasons": [str(w) for w in sb.get("reasons") or []]}
+    opened = "open" in (sb.get("networks") or [])
+    unfiltered = sb.get("unfiltered")
+    if not opened and not unfiltered:
+        return None
+    return {"sandboxed": True,
+            "network_opened": [str(w) for w in sb.get("network_opened") or []] if opened else None,
+            "unfiltered": [str(w) for w in unfiltered] if isinstance(unfiltered, list) and unfiltered
+            else None}
+
+
+def _delivery_fact(d: Any) -> list | None:
+    """A run's delivery check as the report counts it (see report_delivery)."""
+    if not isinstance(d, dict):
+        return None
+    missed = [str(k) for k in d.get("not_delivered") or [] if isinstance(k, str)]
+    settings = {}
+    for k, v in (d.get("settings") or {}).items():
+        if isinstance(v, dict):
+            settings[str(k)] = {True: "delivered", False: "not_delivered"}.get(v.get("delivered"),
+                                                                                "not_observable")
+    used = d.get("used") if isinstance(d.get("used"), dict) else {}
+    counts = []
+    for k in ("mcp_calls", "subagent_calls", "skill_calls", "hooks_fired"):
+        n = used.get(k)
+        counts.append(int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0)
+    models = [str(m) for m in used.get("models_served") or [] if isinstance(m, str)]
+    return [missed, settings, counts, models]
+
+
+def run_facts(rec: Mapping[str, Any]) -> RunFacts:
+    """The report's facts of one run record (pure)."""
+    ev = rec.get("evaluation")
+    evaluated = isinstance(ev, dict)
+    score = ev.get("score") if evaluated else None
+    tokens = rec.get("tokens")
+    tokens = ({k: v for k, v in tokens.items() if isinstance(v, (int, float))}
+              if isinstance(tokens, dict) else {})
+    wall = rec.get("wall_s")
+    verdicts = rec.get("review_verdicts")
+    audit = run_audit(rec)
+    snapshots = ev.get("snapshots") if evaluated else None
+    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
+    launch = prov.get("launch")
+    task = rec.get("task")
+    cost = rec.get("cost_usd")
+    return RunFacts(
+        run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
+        task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
+        split=rec.get("split"), status=rec.get("status"), outcome=rec.get("outcome"),
+        validity=rec.get("validity"),
+        validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
+        else None,
+        evaluated=evaluated, success=evaluated and bool(ev.get("success")),
+        score=float(score) if isinstance(score, (int, float)) else None,
+        score_checked=run_score(dict(rec)) if evaluated else None,
+        tests_passed=_int_or_zero(ev.get("tests_passed")) if evaluated else 0,
+        tests_total=_int_or_zero(ev.get("tests_total")) if evaluated else 0,
+        cost_raw=cost, cost=float(cost or 0.0) if isinstance(cost or 0.0, (int, float)) else 0.0,
+        cost_checked=usd_from(cost, hi=math.inf), cost_estimated=bool(rec.get("cost_estimated")),
+        tokens=tokens or None,
+        wall_s=float(wall) if isinstance(wall, (int, float)) else None,
+        gate_cycles=_int_or_zero(rec.get("gate_cycles")),
+        review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
+        failure_reason=rec.get("failure_reason"),
+        audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
+        snapshots=[s for s in snapshots if isinstance(s, dict)] if isinstance(snapshots, list) and snapshots
+        else None,
+        rehearsal=bool(prov.get("rehearsal")),
+        launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
+        complete=bool(rec.get("status") and rec.get("provenance") and ev),
+        sandboxed=bool((rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}).get("sandboxed")),
+        sandbox=_sandbox_fact(rec), delivery=_delivery_fact(rec.get("delivery")))
+
+
+#: Fields of a RunFacts, in order (a runs summary line of another length is stale).
+RUN_FACTS_FIELDS = RunFacts._fields
+
+
+# -- Report: the runs added up, once ---------------------------------------------------------------
+# One pass over the facts, in run order, adds every run to its arm's tally in its population (kept,
+# or excluded by its validity label) and to that tally's cell for its task.  The figures of a view
+# come from these tallies: the view with exclusions applied reads the kept ones, the view with
+# every run merges both.  Counts whose order the notes show keep where each key was first seen, so
+# a merged tally lists them as one pass over all the runs would.
+
+def _tally_inc(counter: dict[str, list[Any]], key: Any, pos: Any, by: int = 1) -> None:
+    """Count `key` (as _rpt_inc names it) in an ordered counter: key -> [count, first position]."""
+    key = "(none)" if key is None else str(key)
+    cell = counter.get(key)
+    if cell is None:
+        counter[key] = [by, pos]
+    else:
+        cell[0] += by
+
+
+def _tally_merge(*counters: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Ordered counters added up, each key at its first position over all of them."""
+    out: dict[str, list[Any]] = {}
+    for counter in counters:
+        for key, (n, pos) in counter.items():
+            cell = out.get(key)
+            if cell is None:
+                out[key] = [n, pos]
+            else:
+                cell[0] += n
+                cell[1] = min(cell[1], pos)
+    return out
+
+
+def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
+    """An ordered counter as a plain dict, keys in first-seen order."""
+    return {k: v[0] for k, v in sorted(counter.items(), key=lambda kv: kv[1][1])}
+
+
+class _TaskCell:
+    """One arm's runs of one task in one population."""
+    __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
+                 "paired_costs", "flagged_evaluated", "exact")
+
+    def __init__(self) -> None:
+        self.runs = self.evaluated = self.successes = self.flagged_evaluated = 0
+        self.scores: list[float] = []          # mean score: the evaluated runs' numeric scores
+        self.costs: list[float] = []           # every run's cost
+        self.paired_scores: list[float] = []   # evaluated runs' checked scores
+        self.paired_costs: list[float] = []    # ended runs' checked costs
+        self.exact: dict[str, Any] = {}        # exact means of the paired lists, once each
+
+    def merged(self, other: _TaskCell) -> _TaskCell:
+        out = _TaskCell()
+        out.runs, out.evaluated = self.runs + other.runs, self.evaluated + other.evaluated
+        out.successes = self.successes + other.successes
+        out.flagged_evaluated = self.flagged_evaluated + other.flagged_evaluated
+        out.scores, out.costs = self.scores + other.scores, self.costs + other.costs
+        out.paired_scores = self.paired_scores + other.paired_scores
+        out.paired_costs = self.paired_costs + other.paired_costs
+        return out
+
+
+class _ArmTally:
+    """One arm's runs in one population, added up in run order (see _rpt_tally)."""
+    __slots__ = ("runs", "not_started", "running", "started", "not_evaluated", "causes", "outcomes",
+                 "est_costs", "walls", "tests_passed", "tests_total", "errors", "interrupted",
+                 "budget_exhausted", "timeouts", "tokens", "cycles", "verdicts_all", "verdicts_final",
+                 "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks")
+
+    def __init__(self) -> None:
+        self.runs = self.not_started = self.running = self.started = self.not_evaluated = 0
+        self.tests_passed = self.tests_total = self.errors = self.interrupted = 0
+        self.budget_exhausted = self.timeouts = self.flagged = self.flagged_successes = self.ended = 0
+        self.causes: dict[str, list[int]] = {}
+        self.outcomes: dict[str, list[int]] = {}
+        self.verdicts_all: dict[str, list[int]] = {}
+        self.verdicts_final: dict[str, list[int]] = {}
+        self.reasons: dict[str, list[int]] = {}
+        self.labels: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[Any]] = {}
+        self.cycles: dict[int, int] = {}
+        self.est_costs: list[float] = []
+        self.walls: list[float] = []
+        self.tasks: dict[str, _TaskCell] = {}
+
+    def merged(self, other: _ArmTally) -> _ArmTally:
+        out = _ArmTally()
+        for name in ("runs", "not_started", "running", "started", "not_evaluated", "tests_passed",
+                     "tests_total", "errors", "interrupted", "budget_exhausted", "timeouts", "flagged",
+                     "flagged_successes", "ended"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for name in ("causes", "outcomes", "verdicts_all", "verdicts_final", "reasons", "labels",
+                     "tokens"):
+            setattr(out, name, _tally_merge(getattr(self, name), getattr(other, name)))
+        out.cycles = dict(self.cycles)
+        for c, n in other.cycles.items():
+            out.cycles[c] = out.cycles.get(c, 0) + n
+        out.est_costs, out.walls = self.est_costs + other.est_costs, self.walls + other.walls
+        out.tasks = dict(self.tasks)
+        for task, cell in other.tasks.items():
+            mine = out.tasks.get(task)
+            out.tasks[task] = cell if mine is None else mine.merged(cell)
+        return out
+
+
+def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
+    """(arm, excluded) -> that population's tally, over `known` in run order."""
+    tallies: dict[tuple[str, bool], _ArmTally] = {}
+    excluded_labels = REPORT_EXCLUDED_VALIDITY
+    for pos, f in enumerate(known):
+        excluded = f.validity in excluded_labels
+        t = tallies.get((f.arm, excluded))
+        if t is None:
+            t = tallies[(f.arm, excluded)] = _ArmTally()
+        cell = t.tasks.get(f.task_key)
+        if cell is None:
+            cell = t.tasks[f.task_key] = _TaskCell()
+        t.runs += 1
+        cell.runs += 1
+        cell.costs.append(f.cost)
+        status, outcome = f.status, f.outcome
+        pending = status == "not_started" or status == "running"
+        flagged = f.audit is not None and f.audit[0]
+        if status == "not_started":
+            t.not_started += 1
+        else:
+            t.started += 1
+            if status == "running":
+                t.running += 1
+            _tally_inc(t.outcomes, outcome, pos)
+            if f.wall_s is not None:
+                t.walls.append(f.wall_s)
+            t.cycles[f.gate_cycles] = t.cycles.get(f.gate_cycles, 0) + 1
+            if f.review_verdicts:
+                for j, v in enumerate(f.review_verdicts):
+                    _tally_inc(t.verdicts_all, v, (pos, j))   # several in one run: in their order
+                _tally_inc(t.verdicts_final, f.review_verdicts[-1], pos)
+            if not pending and not f.success:
+                _tally_inc(t.reasons, f.failure_reason or "(none given)", pos)
+        if f.evaluated:
+            cell.evaluated += 1
+            if f.success:
+                cell.successes += 1
+            if f.score is not None:
+                cell.scores.append(f.score)
+            if f.score_checked is not None:
+                cell.paired_scores.append(f.score_checked)
+            t.tests_passed += f.tests_passed
+            t.tests_total += f.tests_total
+            if flagged:
+                cell.flagged_evaluated += 1
+        if not pending:
+            t.ended += 1
+            if f.cost_checked is not None:
+                cell.paired_costs.append(f.cost_checked)
+            if excluded:
+                _tally_inc(t.labels, f.validity, pos)
+            if not f.evaluated:
+                # Name the cause by outcome when there is one; an error or interruption status
+                # wins over a plain "failure" outcome, which would hide why it was never graded.
+                t.not_evaluated += 1
+                cause = outcome or status or "unknown"
+                if status in ("error", "interrupted") and cause == "failure":
+                    cause = status
+                _tally_inc(t.causes, cause, pos)
+        if status == "error" or outcome == "error":
+            t.errors += 1
+        if status == "interrupted" or outcome == "interrupted":
+            t.interrupted += 1
+        if outcome == "budget_exhausted":
+            t.budget_exhausted += 1
+        elif outcome == "timeout":
+            t.timeouts += 1
+        if f.cost_estimated:
+            t.est_costs.append(f.cost)
+        if f.tokens:
+            tokens = t.tokens
+            for j, (k, v) in enumerate(f.tokens.items()):
+                have = tokens.get(k)
+                if have is None:
+                    tokens[k] = [v, (pos, j)]
+                else:
+                    have[0] += v
+        if flagged:
+            t.flagged += 1
+            t.flagged_successes += f.success
+    return tallies
+
+
+def _rpt_task_rates(t: _ArmTally) -> list[float]:
+    """Each task's success rate over its evaluated runs, in the order of the task keys."""
+    return [c.successes / c.evaluated for _, c in sorted(t.tasks.items()) if c.evaluated]
+
+
+def _rpt_token_totals(t: _ArmTally) -> dict[str, Any]:
+    """Tokens summed by type, and their `total` (input, output, cache write and read)."""
+    tokens = _tally_counts(t.tokens)
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    return tokens
+
+
+def _rpt_gate_cycles(t: _ArmTally) -> dict:
+    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
+    n = sum(t.cycles.values())
+    total = sum(c * k for c, k in t.cycles.items())
+    return {"total": total, "mean": float(total) / n if n else None,
+            "max": max(t.cycles) if t.cycles else None,
+            "distribution": {str(c): t.cycles[c] for c in sorted(t.cycles)}}
+
+
+def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int = 10000) -> dict:
+    """Per-arm figures over the tally `t` of the view's runs; `left_out` tallies the arm's runs
+    outside the view.
+
+    Besides the run-level rate and its Wilson interval, the task-level rate: the mean over tasks
+    of each task's success rate, with a percentile bootstrap interval that resamples tasks.  Runs
+    of one task are correlated (its repeats share its difficulty), so the task is the unit the
+    study replicates; with repeats and tasks that differ, the Wilson interval is too narrow and
+    this one is the honest width.  It resamples tasks only (a one-stage cluster bootstrap), so it
+    misses the noise within a task: with few tasks, or tasks that scored alike, it is too narrow
+    itself.  `seed` is this arm's own stream (stream_seed).  Reference: Davison & Hinkley,
+    Bootstrap Methods and their Application (1997), 3.8."""
+    cells = t.tasks.values()
+    n_eval = sum(c.evaluated for c in cells)
+    successes = sum(c.successes for c in cells)
+    task_rates = _rpt_task_rates(t)
+    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
+    cost = math.fsum(itertools.chain.from_iterable(c.costs for c in cells))
+    # Conservative view: every ended run counts; one without an evaluation counts as a failure.
+    n_ended = n_eval + t.not_evaluated
+    return {
+        "runs": t.runs + left_out.runs,
+        "in_view": t.runs,
+        "excluded": left_out.runs,
+        "not_started": t.not_started,
+        "running": t.running,
+        "started": t.started,
+        "evaluated": n_eval,
+        "not_evaluated": t.not_evaluated,
+        "not_evaluated_by_cause": _tally_counts(t.causes),
+        "successes": successes,
+        "failures": n_eval - successes,
+        "success_rate": successes / n_eval if n_eval else None,
+        "success_ci": list(wilson_interval(successes, n_eval)) if n_eval else None,
+        "tasks_evaluated": len(task_rates),
+        "task_success_rate": mean(task_rates),
+        "task_success_ci": list(task_ci) if task_ci else None,
+        "success_rate_conservative": successes / n_ended if n_ended else None,
+        "success_ci_conservative": list(wilson_interval(successes, n_ended)) if n_ended else None,
+        "errors": t.errors,
+        "interrupted": t.interrupted,
+        "budget_exhausted": t.budget_exhausted,
+        "timeouts": t.timeouts,
+        "outcomes": _tally_counts(t.outcomes),
+        "mean_score": mean(itertools.chain.from_iterable(c.scores for c in cells)),
+        "tests_passed": t.tests_passed,
+        "tests_total": t.tests_total,
+        "cost_usd": cost,
+        "cost_estimated_usd": math.fsum(t.est_costs),
+        "cost_estimated_runs": len(t.est_costs),
+        "cost_per_run_usd": cost / t.started if t.started else None,
+        "cost_per_success_usd": cost / successes if successes else None,
+        "cost_excluded_usd": math.fsum(itertools.chain.from_iterable(
+            c.costs for c in left_out.tasks.values())),
+        "tokens": _rpt_token_totals(t),
+        "median_wall_s": median(t.walls),
+        "gate_cycles": _rpt_gate_cycles(t),
+        "review_verdicts": {"all": _tally_counts(t.verdicts_all), "final": _tally_counts(t.verdicts_final)},
+        "failure_reasons": _tally_counts(t.reasons),
+    }
+
+
+_NO_CELL = _TaskCell()
+
+
+def _rpt_task_cells(view: Mapping[str, _ArmTally], arms: list[str], tasks: list[str]) -> dict:
+    """Per task, per arm: runs, evaluated, successes, rate, mean score, cost."""
+    out: dict[str, dict] = {}
+    for task in tasks:
+        row = {}
+        for arm in arms:
+            c = view[arm].tasks.get(task, _NO_CELL)
+            row[arm] = {"runs": c.runs, "evaluated": c.evaluated, "successes": c.successes,
+                        "success_rate": c.successes / c.evaluated if c.evaluated else None,
+                        "mean_score": mean(c.scores), "cost_usd": math.fsum(c.costs)}
+        out[task] = row
+    return out
+
+
+def _rpt_exact_mean(values: Sequence[Any]) -> fractions.Fraction:
+    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order.
+    Numerators are added as integers per denominator (a float's is a power of two, so a list of
+    floats has few), then over the least common multiple of the denominators."""
+    by_den: dict[int, int] = {}
+    for v in values:
+        num, den = v.as_integer_ratio()
+        by_den[den] = by_den.get(den, 0) + num
+    common = math.lcm(*by_den)
+    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
+
+
+def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
+    its own stream of random numbers (used only past the exact enumeration)."""
+    res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
+    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
+
+
+def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
+    """The exact mean of one of a cell's paired lists (None when it is empty), computed once per
+    cell: a baseline's cells serve every comparison."""
+    if field not in cell.exact:
+        values = getattr(cell, field)
+        cell.exact[field] = _rpt_exact_mean(values) if values else None
+    return cell.exact[field]
+
+
+def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
+                       field: str, names: tuple[str, ...], draws: int = 10000,
+                       primary: bool = False) -> dict:
+    """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
+    mean of each arm's cell's list `field` (paired_scores, paired_costs); then the mean over tasks where both
+    arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as for success
+    rates), the counts of tasks where the arm is higher / lower / equal with an exact two-sided
+    sign test on them (secondary), and with `primary` the primary sign-flip test.  `names` name
+    the figure's random streams."""
+    per_task, exact = [], []
+    higher = lower = equal = 0
+    for task in tasks:
+        ca, cb = view[arm].tasks.get(task), view[base].tasks.get(task)
+        if ca is None or cb is None:
+            continue
+        ma, mb = _rpt_cell_mean(ca, field), _rpt_cell_mean(cb, field)
+        if ma is None or mb is None:
+            continue
+        d = ma - mb
+        if d == 0:
+            equal += 1
+        elif d > 0:
+            higher += 1
+        else:
+            lower += 1
+        exact.append(d)
+        per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
+                         "arm_n": len(getattr(ca, field)), "baseline_n": len(getattr(cb, field))})
+    diffs = [t["diff"] for t in per_task]
+    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
+           "se_cluster": cluster_se_of_mean(diffs),
+           "higher": higher, "lower": lower, "equal": equal,
+           "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
+    if primary:
+        out["primary"] = _rpt_primary(exact, seed, names)
+    return out
+
+
+def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
                  draws: int = 10000) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
     apart, of the hidden-test score and of the cost per ended run).
@@ -13110,19 +13457,18 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
     no_arm, no_base, neither = [], [], []
     wins = losses = ties = 0
     for task in tasks:
-        ra = [r for r in index.get((task, arm), []) if run_evaluated(r)]
-        rb = [r for r in index.get((task, base), []) if run_evaluated(r)]
-        if not ra or not rb:
-            if ra:
+        ca, cb = view[arm].tasks.get(task, _NO_CELL), view[base].tasks.get(task, _NO_CELL)
+        na, nb = ca.evaluated, cb.evaluated
+        if not na or not nb:
+            if na:
                 no_base.append(task)
-            elif rb:
+            elif nb:
                 no_arm.append(task)
             else:
                 neither.append(task)
             continue
-        sa = sum(1 for r in ra if run_succeeded(r))
-        sb = sum(1 for r in rb if run_succeeded(r))
-        d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+        sa, sb = ca.successes, cb.successes
+        d = fractions.Fraction(sa, na) - fractions.Fraction(sb, nb)
         if d > 0:
             wins += 1
         elif d < 0:
@@ -13130,9 +13476,9 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
         else:
             ties += 1
         exact.append(d)
-        cells.append((sa, len(ra), sb, len(rb)))
-        per_task.append({"task": task, "arm_rate": sa / len(ra), "baseline_rate": sb / len(rb),
-                         "diff": float(d), "arm_n": len(ra), "baseline_n": len(rb)})
+        cells.append((sa, na, sb, nb))
+        per_task.append({"task": task, "arm_rate": sa / na, "baseline_rate": sb / nb,
+                         "diff": float(d), "arm_n": na, "baseline_n": nb})
     diffs = [t["diff"] for t in per_task]
     names = ("success", arm, base)
     ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
@@ -13150,36 +13496,30 @@ def _rpt_compare(index: dict, arm: str, base: str, tasks: list[str], seed: int,
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(index, arm, base, tasks, seed, run_score, run_evaluated,
-                                    ("score", arm, base), draws, primary=True),
-        "cost_per_run_usd": _rpt_paired_metric(index, arm, base, tasks, seed, run_cost, _rpt_ended,
+        "score": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_scores", ("score", arm, base),
+                                    draws, primary=True),
+        "cost_per_run_usd": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_costs",
                                                ("cost", arm, base), draws),
     }
 
 
-def _rpt_view(runs: list[dict], left_out: list[dict], arms: list[str], base: str,
-              tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
+def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
+              base: str, tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
               changed: frozenset[str] = frozenset()) -> dict:
-    """One view's per-arm figures, comparisons and per-task cells.  With `same_as` (another view
-    of the same study) the figures of every arm not in `changed`, and the comparisons where
+    """One view's per-arm figures, comparisons and per-task cells, from each arm's tally of the
+    view's runs (`view`) and of its runs outside the view (`left_out`).  With `same_as` (another
+    view of the same study) the figures of every arm not in `changed`, and the comparisons where
     neither side is, are that view's (copied): their runs are the same, so is every figure."""
-    by_arm: dict[str, list[dict]] = {a: [] for a in arms}
-    out_by_arm: dict[str, list[dict]] = {a: [] for a in arms}
-    for r in runs:
-        by_arm[r["arm"]].append(r)
-    for r in left_out:
-        out_by_arm[r["arm"]].append(r)
-    index = _rpt_index(runs)
     per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
-                   _rpt_arm_stats(by_arm[a], out_by_arm[a],
+                   _rpt_arm_stats(view[a], left_out[a],
                                   stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
                for a in arms}
     comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
                        if same_as and a not in changed and base not in changed
-                       else _rpt_compare(index, a, base, tasks, seed, draws))
+                       else _rpt_compare(view, a, base, tasks, seed, draws))
                    for a in arms if a != base}
     return {"per_arm": per_arm, "comparisons": comparisons,
-            "per_task": _rpt_task_cells(index, arms, tasks)}
+            "per_task": _rpt_task_cells(view, arms, tasks)}
 
 
 def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
@@ -13246,87 +13586,47 @@ def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> l
 # family-wise error rate that Holm's adjustment controls.
 REPORT_ALPHA = 0.05
 
-# The groups audit findings are counted under, with the words the renderers use.  A kind the audit
-# learns later that fits none of them is counted under its own name.
-REPORT_AUDIT_GROUPS = {
-    "edited_tests": "edited public tests or checks",
-    "outside_workspace": "paths outside the workspace",
-    "reads_oracle": "hidden tests or reference",
-    "reads_gate": "gate (check) files",
-    "reads_tasks": "task bundle files",
-    "reads_study": "study or state files",
-}
 
-
-def audit_group(kind: str) -> str:
-    """The report group of one audit finding kind (see REPORT_AUDIT_GROUPS)."""
-    if kind.startswith("edited_"):
-        return "edited_tests"
-    if kind.endswith("_outside_workspace"):
-        return "outside_workspace"
-    m = re.fullmatch(r"(?:reads|bash_touches)_(\w+)", kind)
-    if m and f"reads_{m.group(1)}" in REPORT_AUDIT_GROUPS:
-        return f"reads_{m.group(1)}"
-    return kind
-
-
-def run_audit(run: dict) -> dict:
-    """One run's audit as the report counts it: {audited, flagged, groups: {group: findings}}.
-
-    The audit record is the pipeline's, but a run record is a file: a finding that is not an
-    object with a string kind is counted as `malformed_finding`, never dropped, and a record that
-    says flagged with no findings stays flagged."""
-    audit = run.get("audit")
-    if not isinstance(audit, dict):
-        return {"audited": False, "flagged": False, "groups": {}}
-    groups: dict[str, int] = {}
-    findings = audit.get("findings")
-    for f in findings if isinstance(findings, list) else []:
-        kind = f.get("kind") if isinstance(f, dict) else None
-        _rpt_inc(groups, audit_group(kind) if isinstance(kind, str) and kind else "malformed_finding")
-    if findings is not None and not isinstance(findings, list):
-        _rpt_inc(groups, "malformed_finding")
-    return {"audited": True, "flagged": bool(groups) or audit.get("flagged") is True, "groups": groups}
-
-
-def report_behaviour(runs: list[dict], arms: list[str]) -> dict:
+def report_behaviour(known: Sequence[RunFacts], arms: list[str]) -> dict:
     """Per arm, over every run of the study (excluded ones too, each marked): audited and flagged
     runs, findings and runs by group, the flagged runs themselves and the successes among them."""
     out: dict[str, dict] = {}
     for arm in arms:
         out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
                     "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
-    for r in runs:
-        st, a = out[r["arm"]], run_audit(r)
+    for f in known:
+        st = out[f.arm]
         st["runs"] += 1
-        st["audited"] += a["audited"]
-        if not a["flagged"]:
+        if f.audit is None:
+            continue
+        st["audited"] += 1
+        flagged, groups = f.audit
+        if not flagged:
             continue
         st["flagged"] += 1
-        st["flagged_successes"] += run_succeeded(r)
-        for g, n in a["groups"].items():
+        st["flagged_successes"] += f.success
+        for g, n in groups.items():
             _rpt_inc(st["findings_by_group"], g, n)
             _rpt_inc(st["runs_by_group"], g)
-        st["flagged_runs"].append({"run_id": r.get("run_id"), "task": r["_task"], "repeat": r.get("repeat"),
-                                   "success": run_succeeded(r), "outcome": r.get("outcome"),
-                                   "excluded": run_excluded(r), "groups": dict(sorted(a["groups"].items()))})
+        st["flagged_runs"].append({"run_id": f.run_id, "task": f.task_key, "repeat": f.repeat,
+                                   "success": f.success, "outcome": f.outcome,
+                                   "excluded": f.validity in REPORT_EXCLUDED_VALIDITY,
+                                   "groups": dict(sorted(groups.items()))})
     return out
 
 
-def _rpt_flag_view(view: dict, view_runs: list[dict]) -> None:
-    """Add flagged-run counts to a view: per arm (`flagged`, `flagged_successes`) and per
-    comparison (`flagged_runs`: the flagged evaluated runs of each side on the compared tasks)."""
-    flagged = {id(r) for r in view_runs if run_audit(r)["flagged"]}
+def _rpt_flag_view(view: dict, tallies: Mapping[str, _ArmTally]) -> None:
+    """Add flagged-run counts to a view from its tallies: per arm (`flagged`,
+    `flagged_successes`) and per comparison (`flagged_runs`: the flagged evaluated runs of each
+    side on the compared tasks)."""
     for arm, st in view["per_arm"].items():
-        mine = [r for r in view_runs if r["arm"] == arm and id(r) in flagged]
-        st["flagged"] = len(mine)
-        st["flagged_successes"] = sum(1 for r in mine if run_succeeded(r))
+        st["flagged"] = tallies[arm].flagged
+        st["flagged_successes"] = tallies[arm].flagged_successes
     for arm, cmp in view["comparisons"].items():
         tasks = {t["task"] for t in cmp["per_task"]}
 
         def n_flagged(side: str) -> int:
-            return sum(1 for r in view_runs if r["arm"] == side and r["_task"] in tasks
-                       and run_evaluated(r) and id(r) in flagged)
+            return sum(c.flagged_evaluated for task, c in tallies[side].tasks.items() if task in tasks)
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
@@ -13352,21 +13652,20 @@ def _rpt_holm_view(view: dict, alpha: float = 0.05) -> dict:
     return view["multiplicity"]
 
 
-def report_exclusions(runs: list[dict], arms: list[str], base: str) -> dict:
+def report_exclusions(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str],
+                      base: str) -> dict:
     """Per arm: ended runs, excluded ones by validity label, and Fisher's exact test (two-sided) of
-    excluded vs not against the baseline.  `biased` when that p is below REPORT_ALPHA or when
-    every ended run of the arm (or of the baseline) is excluded: the exclusions then depend on the
-    arm, so the view without them compares different populations."""
+    excluded vs not against the baseline, from the arm's tallies of its kept and excluded runs.
+    `biased` when that p is below REPORT_ALPHA or when every ended run of the arm (or of the
+    baseline) is excluded: the exclusions then depend on the arm, so the view without them
+    compares different populations."""
     per_arm: dict[str, dict] = {}
     for arm in arms:
-        ended = [r for r in runs if r["arm"] == arm and _rpt_ended(r)]
-        labels: dict[str, int] = {}
-        for r in ended:
-            if run_excluded(r):
-                _rpt_inc(labels, r.get("validity"))
+        ended = kept[arm].ended + out[arm].ended
+        labels = _tally_counts(out[arm].labels)
         n_out = sum(labels.values())
-        per_arm[arm] = {"ended": len(ended), "excluded": n_out, "by_label": labels,
-                        "all_excluded": len(ended) > 0 and n_out == len(ended)}
+        per_arm[arm] = {"ended": ended, "excluded": n_out, "by_label": labels,
+                        "all_excluded": ended > 0 and n_out == ended}
     b = per_arm[base]
     for arm, st in per_arm.items():
         if arm == base:
@@ -13425,25 +13724,21 @@ def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
     return notes
 
 
-def _runs_without(runs: list[dict], drop: list[dict]) -> list[dict]:
-    gone = {id(r) for r in drop}
-    return [r for r in runs if id(r) not in gone]
-
-
-def snapshot_curve(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Hidden-test score against elapsed time per arm, from graded snapshots (SPEC 7).
+def snapshot_curve(kept: Sequence[RunFacts], arms: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Hidden-test score against elapsed time per arm, from graded snapshots.
 
     For every arm and snapshot time t: how many runs had a snapshot at t, their mean score and
     how many passed -- which arm gets there first, not only who gets there.  Times are strings
     (JSON keys), in seconds since the run started.
     """
+    with_snapshots = [f for f in kept if f.snapshots]
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for arm in arms:
         by_t: dict[int, list[dict]] = {}
-        for r in runs:
-            if r.get("arm") != arm:
+        for f in with_snapshots:
+            if f.arm != arm:
                 continue
-            for s in (r.get("evaluation") or {}).get("snapshots") or []:
+            for s in f.snapshots:
                 by_t.setdefault(int(s["t"]), []).append(s)
         if by_t:
             out[arm] = {str(t): {"runs": len(v), "mean_score": mean(float(s.get("score") or 0) for s in v),
@@ -13554,15 +13849,15 @@ def _rpt_analysis_note(analysis: dict) -> str:
             "plan, fixed in advance by agentbench, but nobody fixed it for this study")
 
 
-def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
+def _rpt_arms(runs: Sequence[RunFacts], arms: list[str], baseline: str | None) -> tuple[list[str], str]:
     """The arms to report on (the study's, else those seen in the runs in first-seen order) and
     the baseline (default the first); AgentbenchError when there are none or the baseline is not
     one of them."""
     arms = [str(a) for a in arms] if arms else []
     if not arms:
-        for r in runs:
-            if r.get("arm") is not None and str(r["arm"]) not in arms:
-                arms.append(str(r["arm"]))
+        for f in runs:
+            if f.arm_given and f.arm not in arms:
+                arms.append(f.arm)
     if not arms:
         raise AgentbenchError("no arms to report on", code="no_arms_report", hint="define arms in study.json")
     base = arms[0] if baseline is None else str(baseline)
@@ -13572,34 +13867,37 @@ def _rpt_arms(runs: list[dict], arms: list[str], baseline: str | None) -> tuple[
     return arms, base
 
 
-def _rpt_views(known: list[dict], kept: list[dict], excluded: list[dict], arms: list[str], base: str,
+def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
                tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
                draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
-    Holm-adjusted p-values."""
-    views = {"exclusions_applied": _rpt_view(kept, excluded, arms, base, tasks, seed, draws)}
+    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs."""
+    views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
     # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
     # only what an exclusion touches is computed again (the arms with excluded runs and the
     # comparisons with such an arm on either side).
-    views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not excluded
-                             else _rpt_view(known, [], arms, base, tasks, seed, draws,
-                                            same_as=views["exclusions_applied"],
-                                            changed=frozenset(r["arm"] for r in excluded)))
-    for name, view_runs in (("exclusions_applied", kept), ("all_included", known)):
-        _rpt_flag_view(views[name], view_runs)
+    changed = frozenset(a for a in arms if out[a].runs)
+    every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
+    none = {a: _ArmTally() for a in arms}
+    views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
+                             else _rpt_view(every, none, arms, base, tasks, seed, draws,
+                                            same_as=views["exclusions_applied"], changed=changed))
+    for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
+        _rpt_flag_view(views[name], tallies)
         _rpt_holm_view(views[name], alpha)
     return views
 
 
-def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list[dict],
-                          include_excluded: bool, rehearsed: list[dict], est: list[dict]) -> list[str]:
+def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts],
+                          unknown: Sequence[RunFacts], include_excluded: bool,
+                          rehearsed: Sequence[RunFacts], est: Sequence[RunFacts]) -> list[str]:
     """Notes on which runs the report stands on: exclusions, missing labels, an incomplete study,
     unknown arms, rehearsals, unsandboxed runs and estimated costs."""
     notes = []
     if excluded:
         by_label: dict[str, int] = {}
-        for r in excluded:
-            _rpt_inc(by_label, r.get("validity"))
+        for f in excluded:
+            _rpt_inc(by_label, f.validity)
         labels = ", ".join(f"{v} {k}" for k, v in by_label.items())
         if include_excluded:
             notes.append(f"{len(excluded)} run(s) carry an exclusion label ({labels}) but are "
@@ -13607,44 +13905,49 @@ def _rpt_population_notes(known: list[dict], excluded: list[dict], unknown: list
         else:
             notes.append(f"{len(excluded)} run(s) excluded by validity label ({labels}); the "
                          f"tables leave them out and views.all_included has results with them")
-    unlabelled = [r for r in known if r.get("validity") is None and not _rpt_pending(r)]
+    n_ns = n_run = unlabelled = 0
+    noted: list[RunFacts] = []
+    for f in known:
+        if f.status == "not_started":
+            n_ns += 1
+        elif f.status == "running":
+            n_run += 1
+        elif f.validity is None:
+            unlabelled += 1
+        if f.sandbox is not None:
+            noted.append(f)
     if unlabelled:
-        notes.append(f"{len(unlabelled)} ended run(s) have no validity label; treated as valid")
-    n_ns = sum(1 for r in known if r.get("status") == "not_started")
-    n_run = sum(1 for r in known if r.get("status") == "running")
+        notes.append(f"{unlabelled} ended run(s) have no validity label; treated as valid")
     if n_ns or n_run:
         notes.append(f"the study is not complete: {n_ns} run(s) not started, {n_run} running; "
                      f"they are counted but have no results yet"
                      + ("; costs include what running runs spent so far" if n_run else ""))
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
-                     f"({', '.join(sorted({str(r.get('arm')) for r in unknown}))}) and are ignored")
+                     f"({', '.join(sorted({f.arm for f in unknown}))}) and are ignored")
     if rehearsed:
         notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
-    unboxed = [r for r in known
-               if r.get("status") == "finished" and not (r.get("sandbox") or {}).get("sandboxed")]
+    unboxed = [f.sandbox for f in noted if not f.sandbox["sandboxed"]]
     if unboxed:
-        why = sorted({w for r in unboxed for w in (r.get("sandbox") or {}).get("reasons") or []})
+        why = sorted({w for sb in unboxed for w in sb["reasons"]})
         notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
-    opened = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
-              and "open" in ((r.get("sandbox") or {}).get("networks") or [])]
+    opened = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["network_opened"] is not None]
     if opened:
-        why = sorted({w for r in opened for w in (r.get("sandbox") or {}).get("network_opened") or []})
+        why = sorted({w for sb in opened for w in sb["network_opened"]})
         notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
                      f"reach every listening port of the host and other sessions that had it too"
                      + (f" ({'; '.join(why)})" if why else ""))
-    bare = [r for r in known if r.get("status") == "finished" and (r.get("sandbox") or {}).get("sandboxed")
-            and (r.get("sandbox") or {}).get("unfiltered")]
+    bare = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["unfiltered"]]
     if bare:
-        why = sorted({w for r in bare for w in (r.get("sandbox") or {}).get("unfiltered") or []})
+        why = sorted({w for sb in bare for w in sb["unfiltered"]})
         notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
                      f"their processes could inspect others as the host allows ({'; '.join(why)})")
     if est:
-        notes.append(f"costs include ${math.fsum(float(r.get('cost_usd') or 0) for r in est):.4f} "
+        notes.append(f"costs include ${math.fsum(f.cost for f in est):.4f} "
                      f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
     return notes
 
@@ -13730,35 +14033,29 @@ def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
     }
 
 
-def report_delivery(runs: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> dict[str, Any]:
+def report_delivery(runs: Sequence[RunFacts], arms: Sequence[str]) -> dict[str, Any]:
     """Per arm, whether its treatment reached the agent (each run's `delivery`, see
     treatment_delivery): runs checked, runs flagged `treatment_not_delivered` and by which
     setting, and what the agent used (MCP, subagent and skill calls, hooks fired, models served);
     `note`: the sentence that heads every format when any run was flagged (else None)."""
     out: dict[str, Any] = {}
-    for r in runs:
-        d = r.get("delivery")
-        if not isinstance(d, dict) or str(r.get("arm")) not in arms:
+    for f in runs:
+        if f.delivery is None or f.arm not in arms:
             continue
-        a = out.setdefault(str(r["arm"]), {"runs_checked": 0, "not_delivered": 0, "by_setting": {},
-                                           "settings": {}, "mcp_calls": 0, "subagent_calls": 0,
-                                           "skill_calls": 0, "hooks_fired": 0, "models_served": []})
+        missed, settings, used, models = f.delivery
+        a = out.setdefault(f.arm, {"runs_checked": 0, "not_delivered": 0, "by_setting": {},
+                                   "settings": {}, "mcp_calls": 0, "subagent_calls": 0,
+                                   "skill_calls": 0, "hooks_fired": 0, "models_served": []})
         a["runs_checked"] += 1
-        missed = [str(k) for k in d.get("not_delivered") or [] if isinstance(k, str)]
         a["not_delivered"] += 1 if missed else 0
         for k in missed:
             a["by_setting"][k] = a["by_setting"].get(k, 0) + 1
-        for k, v in (d.get("settings") or {}).items():
-            if isinstance(v, dict):
-                st = a["settings"].setdefault(str(k), {"delivered": 0, "not_delivered": 0,
-                                                       "not_observable": 0})
-                st[{True: "delivered", False: "not_delivered"}.get(v.get("delivered"), "not_observable")] += 1
-        used = d.get("used") if isinstance(d.get("used"), dict) else {}
-        for k in ("mcp_calls", "subagent_calls", "skill_calls", "hooks_fired"):
-            n = used.get(k)
-            a[k] += int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0
-        a["models_served"] = sorted(set(a["models_served"]) | {str(m) for m in used.get("models_served") or []
-                                                               if isinstance(m, str)})
+        for k, verdict in settings.items():
+            st = a["settings"].setdefault(k, {"delivered": 0, "not_delivered": 0, "not_observable": 0})
+            st[verdict] += 1
+        for k, n in zip(("mcp_calls", "subagent_calls", "skill_calls", "hooks_fired"), used):
+            a[k] += n
+        a["models_served"] = sorted(set(a["models_served"]) | set(models))
     flagged = {a: v for a, v in out.items() if v["not_delivered"]}
     note = None
     if flagged:
@@ -13800,41 +14097,16 @@ def changes_against_baseline(arm_specs: Mapping[str, Any], baseline: str) -> dic
     return changes
 
 
-#: The keys of a run record that the report reads (and `list`, and the cost plan of `assign`): the
-#: runs summary that `report` reads instead of every record holds only these (see "Reading at
-#: scale").  A report that starts reading another key of a run must add it here;
-#: tests/test_runs_summary.py checks the report sections' reads against this list and compares
-#: the report built from the summary with the one built from the records.
-REPORT_RUN_KEYS = frozenset({
-    "run_id", "task", "arm", "repeat", "block", "split", "status", "outcome", "validity",
-    "validity_reason", "failure_reason", "error", "evaluation", "cost_usd", "cost_estimated",
-    "tokens", "wall_s", "gate_cycles", "review_verdicts", "provenance", "sandbox", "audit", "delivery",
-    "arm_hash"})
-#: What the report never reads of a run's evaluation: the per-check details.
-REPORT_UNREAD_EVALUATION_KEYS = frozenset({"checks"})
-
-
-def report_view_of_run(rec: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a run record the report reads (REPORT_RUN_KEYS, the evaluation without its
-    per-check details): pure."""
-    out = {k: v for k, v in rec.items() if k in REPORT_RUN_KEYS}
-    ev = out.get("evaluation")
-    if isinstance(ev, dict):
-        out["evaluation"] = {k: v for k, v in ev.items() if k not in REPORT_UNREAD_EVALUATION_KEYS}
-    return out
-
-
-def report_prices(runs: Sequence[Mapping[str, Any]], view: Mapping[str, Any],
+def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
                   base: str) -> dict[str, Any] | None:
     """Comparisons across prices (None unless the arms ran with different models or efforts, as
     their runs' provenance says): per arm its model and effort, cost per run and per success, and,
     paired against the baseline over tasks, the difference in cost per run beside the difference
     in success rate, so that a gain is read at its price."""
     launches: dict[str, set[tuple[str, str]]] = {}
-    for r in runs:
-        lc = (r.get("provenance") or {}).get("launch")
-        if isinstance(lc, dict):
-            launches.setdefault(str(r.get("arm")), set()).add((str(lc.get("model")), str(lc.get("effort"))))
+    for f in runs:
+        if f.launch is not None:
+            launches.setdefault(f.arm, set()).add((f.launch[0], f.launch[1]))
     if len({x for v in launches.values() for x in v}) < 2:
         return None
     out: dict[str, Any] = {}
@@ -13855,46 +14127,44 @@ def report_prices(runs: Sequence[Mapping[str, Any]], view: Mapping[str, Any],
     return {"baseline": base, "per_arm": out}
 
 
-def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
-                 include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
-    """The study report as a JSON-ready dict (SPEC 10).
+def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
+                    include_excluded: bool = False, plan: Any = None,
+                    plan_source: str | None = None) -> dict:
+    """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
-    `runs` are the experiment layer's run records; `arms` the study's arms in order (empty:
-    the arms seen in the runs, in first-seen order). `baseline` defaults to the first arm and
-    must be one of `arms` (else AgentbenchError, exit 2). Two views are computed:
-    `exclusions_applied` (runs labelled infrastructure_failure or degenerate left out) and
-    `all_included`; the primary view (exclusions applied unless `include_excluded`) is also
-    copied to the top-level `per_arm`, `comparisons`, `per_task`. Success rates count evaluated
-    runs of the view; every other run is counted under an explicit key (not_started, running,
-    not_evaluated by cause, errors, interrupted, budget_exhausted, timeouts) and `notes` say in
-    words what was left out and why. Comparisons are paired over tasks (see _rpt_compare);
-    bootstrap intervals use streams seeded from `seed`, so the report is reproducible.
-    `plan` is the analysis plan `assign` wrote (read from `plan_source`); `analysis` says whether
-    this report follows it or is exploratory (see report_analysis).
+    `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
+    `baseline` defaults to the first arm and must be one of `arms` (else AgentbenchError, exit 2).
+    Two views are computed: `exclusions_applied` (runs labelled infrastructure_failure, degenerate
+    or tainted left out) and `all_included`; the primary view (exclusions applied unless
+    `include_excluded`) is also copied to the top-level `per_arm`, `comparisons`, `per_task`.
+    Success rates count evaluated runs of the view; every other run is counted under an explicit
+    key (not_started, running, not_evaluated by cause, errors, interrupted, budget_exhausted,
+    timeouts) and `notes` say in words what was left out and why. Comparisons are paired over
+    tasks (see _rpt_compare); bootstrap intervals use streams seeded from `seed`, so the report is
+    reproducible.  `plan` is the analysis plan `assign` wrote (read from `plan_source`);
+    `analysis` says whether this report follows it or is exploratory (see report_analysis).
     """
     arms, _ = _rpt_arms(runs, arms, None)
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
     arms, base = _rpt_arms(runs, arms, analysis["baseline"])
-    known, unknown = [], []
-    for r in runs:
-        (known if str(r.get("arm")) in arms else unknown).append(r)
-    # Work on shallow copies carrying a normalised task key; the caller's records stay untouched.
-    known = [{**r, "arm": str(r.get("arm")),
-              "_task": "(none)" if r.get("task") is None else str(r.get("task"))} for r in known]
-    tasks = sorted({r["_task"] for r in known})
-    excluded = [r for r in known if run_excluded(r)]
-    kept = [r for r in known if not run_excluded(r)]
-    views = _rpt_views(known, kept, excluded, arms, base, tasks, seed, analysis["alpha"],
-                       analysis["draws"])
+    in_study = set(arms)
+    known = [f for f in runs if f.arm in in_study]
+    unknown = [f for f in runs if f.arm not in in_study]
+    tasks = sorted({f.task_key for f in known})
+    excluded = [f for f in known if f.validity in REPORT_EXCLUDED_VALIDITY]
+    tallies = _rpt_tally(known)
+    kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
+    out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
+    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(known, arms)
-    exclusions = report_exclusions(known, arms, base)
+    exclusions = report_exclusions(kept, out, arms, base)
     warning = _rpt_exclusion_warning(exclusions, base, primary)
     delivery = report_delivery(known, arms)
     warnings = [w for w in (delivery["note"], warning) if w]
-    rehearsed = [r for r in known if (r.get("provenance") or {}).get("rehearsal")]
-    est = [r for r in known if r.get("cost_estimated")]
+    rehearsed = [f for f in known if f.rehearsal]
+    est = [f for f in known if f.cost_estimated]
     notes = list(warnings) + [_rpt_analysis_note(analysis)]
     notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
     notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
@@ -13902,9 +14172,8 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
     if multiplicity:
         notes.append(multiplicity)
-    excluded_list = [{"run_id": r.get("run_id"), "task": r.get("task"), "arm": r["arm"],
-                      "repeat": r.get("repeat"), "validity": r.get("validity"),
-                      "reason": r.get("validity_reason")} for r in excluded]
+    excluded_list = [{"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat,
+                      "validity": f.validity, "reason": f.validity_reason} for f in excluded]
     return {
         "schema": REPORT_SCHEMA,
         "arms": arms,
@@ -13931,14 +14200,21 @@ def build_report(runs: list[dict], arms: list[str], baseline: str | None = None,
             "tasks": len(tasks),
             "excluded": len(excluded),
             "ignored_unknown_arm": len(unknown),
-            "cost_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in known),
-            "cost_estimated_usd": math.fsum(float(r.get("cost_usd") or 0.0) for r in est),
+            "cost_usd": math.fsum(f.cost for f in known),
+            "cost_estimated_usd": math.fsum(f.cost for f in est),
             "rehearsed_runs": len(rehearsed),
         },
         "notes": notes,
         "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
-        "snapshots": snapshot_curve(_runs_without(known, excluded), arms),
+        "snapshots": snapshot_curve([f for f in known if f.validity not in REPORT_EXCLUDED_VALIDITY], arms),
     }
+
+
+def build_report(runs: list[dict], arms: list[str], baseline: str | None = None, seed: int = 0,
+                 include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
+    """The study report of run records (see report_of_facts, which it calls with their facts)."""
+    return report_of_facts([run_facts(r) for r in runs], arms, baseline, seed, include_excluded, plan,
+                           plan_source)
 
 
 # ==================================================================================================
@@ -14687,14 +14963,16 @@ def render_report_html(report: dict, extra: str = "") -> str:
 # ==================================================================================================
 # Run pages: the report as a directory
 # ==================================================================================================
-# `report --format html --out DIR/` writes index.html (the report page plus the task x arm matrix of
-# runs, discordant pairs first) and runs/<run>.html, one page per run: the conversation as a
-# timeline from the raw streams, gate receipts and the feedback sent, the review, the workspace diff
-# against the task's starter, the audit, cost and tokens per session, provenance.  Everything in a
-# page comes from files the agent could influence (streams, its workspace): all of it is escaped,
+# `report --format html --out DIR/` writes index.html (the report page plus, per arm against the
+# baseline, the tasks where their success rates differ with links to the runs behind each, and the
+# task x arm matrix of runs) and runs/<run>.html, one page per run: the conversation as a timeline
+# from the raw streams, gate receipts and the feedback sent, the review, the workspace diff against
+# the task's starter, the audit, cost and tokens per session, provenance.  Everything in a page
+# comes from files the agent could influence (streams, its workspace): all of it is escaped,
 # trimmed and folded here, symlinks in the workspace are named and never followed.  Owns reading
-# those files for the pages and rendering them; it computes no statistics (the report builder does)
-# and writes only inside the directory it is given.
+# those files for the pages and rendering them; it computes no statistics beyond the per-task
+# success counts it lists (the report builder does the tests) and writes only inside the directory
+# it is given.
 
 PAGE_TEXT_CHARS = 6000          # one assistant text or prompt, beyond which it is cut
 PAGE_INPUT_CHARS = 3000         # one tool call's input (JSON)
@@ -14705,6 +14983,7 @@ PAGE_STREAM_BYTES = 32 * 1024 * 1024   # bytes of one raw stream read for a page
 PAGE_DIFF_FILE_BYTES = 256 * 1024      # a file larger than this is listed, not diffed
 PAGE_DIFF_CHARS = 200_000       # the whole diff of one run
 PAGE_RUNS_DIR = "runs"
+PAGE_ONE_SIDED_NAMED = 50       # tasks named as having evaluated runs on one side only; the rest counted
 
 
 def _page_trim(text: Any, limit: int) -> tuple[str, int]:
@@ -14806,15 +15085,14 @@ def _page_read_stream(path: Path) -> list[bytes]:
     without following a link or opening a FIFO, and never more than that many bytes (a link to
     /dev/zero in its place would be one endless line)."""
     try:
-        opened = open_regular(path)
-        if opened is None:
-            return []
-        with os.fdopen(opened[0], "rb") as fh:
-            data = fh.read(PAGE_STREAM_BYTES + 1)
+        got = read_head(path, PAGE_STREAM_BYTES)
     except OSError:
         return []
+    if got is None:
+        return []
+    data, more = got
     lines = data.splitlines(keepends=True)
-    if len(data) > PAGE_STREAM_BYTES and lines:
+    if more and lines and not lines[-1].endswith(b"\n"):
         lines.pop()          # the cut one
     return lines
 
@@ -14894,22 +15172,59 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
     return {"available": True, "files": files, "cut": cut}
 
 
-def discordant_pairs(runs: list[dict], arms: list[str], base: str) -> list[dict[str, Any]]:
-    """Same task and repeat, baseline and arm both evaluated, one succeeded and the other did not
-    (pure; excluded runs are left out, as in the primary view)."""
-    by_key: dict[tuple[str, str, Any], dict] = {}
+def _page_task(run: dict) -> str:
+    """A run's task as the report names it (a missing one is "(none)")."""
+    return "(none)" if run.get("task") is None else str(run.get("task"))
+
+
+def _page_run_order(run: dict) -> tuple:
+    """Display order of a cell's runs: by repeat number, then run id (an order, not a pairing)."""
+    rep = run.get("repeat")
+    num = isinstance(rep, int) and not isinstance(rep, bool)
+    return (not num, rep if num else 0, str(rep), str(run.get("run_id")))
+
+
+def differing_tasks(runs: list[dict], arms: list[str], base: str,
+                    include_excluded: bool = False) -> list[dict[str, Any]]:
+    """Per comparison (each arm against `base`, in the order of `arms`), the tasks where the two
+    arms' success rates differ (pure).
+
+    As the report compares them: per task, each arm's successes over its evaluated runs (excluded
+    runs left out unless `include_excluded`, as in the all-included view), the arm's rate minus the
+    baseline's.  Rows are sorted by the size of that difference, largest first, then by task; each
+    lists the evaluated runs of both sides (id and success) so a reader can open them.  A task with
+    evaluated runs on one side only has no difference and is named in `one_sided`."""
+    cells: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        if run_evaluated(r) and not run_excluded(r) and r.get("repeat") is not None:
-            by_key.setdefault((str(r.get("task")), str(r.get("arm")), r.get("repeat")), r)
+        if run_evaluated(r) and (include_excluded or not run_excluded(r)):
+            cells.setdefault((_page_task(r), str(r.get("arm"))), []).append(r)
+    tasks = sorted({t for t, _ in cells})
     out = []
-    for (task, arm, rep), r in sorted(by_key.items(),
-                                      key=lambda kv: (str(kv[0][0]), str(kv[0][1]), str(kv[0][2]))):
-        if arm == base or arm not in arms:
+    for arm in arms:
+        if arm == base:
             continue
-        b = by_key.get((task, base, rep))
-        if b is not None and run_succeeded(r) != run_succeeded(b):
-            out.append({"task": task, "repeat": rep, "arm": arm, "arm_run": r.get("run_id"),
-                        "baseline_run": b.get("run_id"), "arm_success": run_succeeded(r)})
+        rows, one_sided, compared = [], [], 0
+        for task in tasks:
+            ra, rb = cells.get((task, arm), []), cells.get((task, base), [])
+            if not ra or not rb:
+                if ra or rb:
+                    one_sided.append(task)
+                continue
+            compared += 1
+            sa, sb = sum(map(run_succeeded, ra)), sum(map(run_succeeded, rb))
+            d = fractions.Fraction(sa, len(ra)) - fractions.Fraction(sb, len(rb))
+            if d == 0:
+                continue
+            rows.append((-abs(d), task, {
+                "task": task, "arm_successes": sa, "arm_evaluated": len(ra),
+                "baseline_successes": sb, "baseline_evaluated": len(rb), "diff": float(d),
+                "arm_runs": [{"run_id": r.get("run_id"), "success": run_succeeded(r)}
+                             for r in sorted(ra, key=_page_run_order)],
+                "baseline_runs": [{"run_id": r.get("run_id"), "success": run_succeeded(r)}
+                                  for r in sorted(rb, key=_page_run_order)]}))
+        rows.sort(key=lambda x: (x[0], x[1]))
+        out.append({"arm": arm, "baseline": base, "tasks_compared": compared,
+                    "tasks": [x[2] for x in rows], "one_sided": one_sided})
     return out
 
 
@@ -15156,36 +15471,60 @@ def render_run_page(page: dict) -> str:
 
 
 def render_run_index(report: dict, runs: list[dict], names: dict[str, str]) -> str:
-    """The index page's extra section (pure): discordant pairs first, then the task x arm matrix
-    with a cell per run linking to its page."""
+    """The index page's extra section (pure): per arm against the baseline the tasks where their
+    success rates differ, largest difference first, each with links to the runs of both sides;
+    then the task x arm matrix with a cell per run linking to its page."""
     esc = html.escape
     arms, base = report["arms"], report["baseline"]
+    all_included = report.get("primary_view") == "all_included"
 
     def link(rid: Any) -> str:
         name = names.get(str(rid))
         return f'<a href="{PAGE_RUNS_DIR}/{esc(name)}">{esc(str(rid))}</a>' if name else esc(str(rid))
 
-    pairs = discordant_pairs(runs, arms, base)
-    p = [f"<h2>Discordant pairs: same task and repeat, {esc(base)} and the arm disagree ({len(pairs)})</h2>"]
-    rows = [f"<tr><td>{esc(x['task'])}</td><td>{esc(str(x['repeat']))}</td><td>{esc(x['arm'])}</td>"
-            f"<td>{link(x['arm_run'])} {'succeeded' if x['arm_success'] else 'failed'}</td>"
-            f"<td>{link(x['baseline_run'])} {'failed' if x['arm_success'] else 'succeeded'}</td></tr>"
-            for x in pairs]
-    p.append("<table><thead><tr><th>Task</th><th>Repeat</th><th>Arm</th><th>Arm run</th>"
-             f"<th>{esc(base)} run</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
-             if rows else "<p>(none)</p>")
+    def listed(side: list[dict]) -> str:
+        return "<br/>".join(f"{link(x['run_id'])} {'S' if x['success'] else 'F'}" for x in side)
+
+    comps = differing_tasks(runs, arms, base, include_excluded=all_included)
+    p = ["<p>Per task, each arm's success rate over its evaluated runs ("
+         + ("excluded runs included" if all_included else "excluded runs left out")
+         + ", as in the primary view); below, per arm against the baseline, the tasks where the two "
+           "rates differ, largest difference first. The comparison is of the two rates; each "
+           "side's runs are listed (S success, F failure) so the runs behind a difference can be "
+           "opened.</p>"] if comps else []
+    for comp in comps:
+        arm, rows = comp["arm"], comp["tasks"]
+        p.append(f"<h2>Tasks where {esc(arm)} and {esc(base)} differ ({len(rows)} of "
+                 f"{comp['tasks_compared']} compared)</h2>")
+        body = "".join(
+            f"<tr><td>{esc(x['task'])}</td>"
+            f"<td>{x['arm_successes']}/{x['arm_evaluated']}</td>"
+            f"<td>{x['baseline_successes']}/{x['baseline_evaluated']}</td>"
+            f"<td>{x['diff']:+.2f}</td><td>{listed(x['arm_runs'])}</td>"
+            f"<td>{listed(x['baseline_runs'])}</td></tr>" for x in rows)
+        p.append(f"<table><thead><tr><th>Task</th><th>{esc(arm)} successes</th>"
+                 f"<th>{esc(base)} successes</th>"
+                 f"<th>Rate difference ({esc(arm)} minus {esc(base)})</th><th>{esc(arm)} runs</th>"
+                 f"<th>{esc(base)} runs</th></tr></thead><tbody>{body}</tbody></table>"
+                 if rows else "<p>(none)</p>")
+        one = comp["one_sided"]
+        if one:
+            more = len(one) - PAGE_ONE_SIDED_NAMED
+            p.append(f"<p>Not compared, evaluated runs on one side only ({len(one)}): "
+                     + esc(", ".join(one[:PAGE_ONE_SIDED_NAMED]))
+                     + (f" and {more} more" if more > 0 else "") + ".</p>")
     p.append("<h2>Every run: task x arm</h2><p>Cell: run (S success, F failure, - not evaluated; "
              "X excluded; ! flagged by the audit).</p>")
     cells: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        cells.setdefault((str(r.get("task")), str(r.get("arm"))), []).append(r)
+        cells.setdefault((_page_task(r), str(r.get("arm"))), []).append(r)
     head = "".join(f"<th>{esc(a)}</th>" for a in arms)
     body = []
-    for task in sorted({str(r.get("task")) for r in runs}):
+    for task in sorted({_page_task(r) for r in runs}):
         tds = []
         for a in arms:
             marks = []
-            for r in sorted(cells.get((task, a), []), key=lambda r: str(r.get("repeat"))):
+            for r in sorted(cells.get((task, a), []), key=_page_run_order):
                 mark = ("S" if run_succeeded(r) else "F") if run_evaluated(r) else "-"
                 mark += ("X" if run_excluded(r) else "") + ("!" if run_audit(r)["flagged"] else "")
                 marks.append(f"{link(r.get('run_id'))} {esc(mark)}")
@@ -16377,21 +16716,29 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
 # Reading at scale: the streamed ledger, paged listings, the paused collector
 # ==================================================================================================
 # How the read-only commands read what grows with a study (the ledger, run records, the job and run
-# listings) in time and memory that stay close to the data's size.  It owns no format and decides
-# nothing: the aggregates and summaries are the earlier sections' own functions, fed differently.
+# listings) in time and memory that stay close to the data's size.  It decides nothing: the
+# aggregates and summaries are the earlier sections' own functions, fed differently.  It owns the
+# caches, each checked against what it stands for and never believed over it: the runs summary
+# (every run's report view, stamped by its record file), the report cache (the last report's
+# figures, keyed by every record's stamp, the code and the arguments) and the ledger tallies (the
+# report's metering pass and `usage`'s, up to a byte offset of the append-only ledger, so that
+# each reads only the lines after it).
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off for the block (restored after, whatever happens): loading
     many small JSON records allocates only acyclic objects, and the collector's repeated passes
-    over them cost more than the parse.  Reference counting still frees everything."""
+    over them cost more than the parse.  Reference counting still frees everything.  What the block
+    made and kept is then frozen (gc.freeze: the collector never walks it again), or re-enabling
+    would start with one pass over all of it: a command's data lives until the command ends."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was:
+            gc.freeze()
             gc.enable()
 
 
@@ -16412,18 +16759,20 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 
 
 # -- The runs summary: what `report` reads instead of every run record -----------------------------
-# state/runs_summary.jsonl holds one line per run: its id, the stamp of its record file (inode,
-# mtime in ns, size: a record is replaced by rename, so any rewrite changes the inode) and the
-# record's report view (report_view_of_run).  It is a cache, never the truth: `report` checks
-# every line against the record's current stamp (one stat per run, no read), reads again only the
-# records whose stamp moved or that have no line, and appends lines for them.  A torn or garbled
-# line, a missing file or a line older than its record therefore gives the same report as a fresh
-# summary.  The file is compacted (rewritten atomically) when it holds more than twice as many
-# lines as there are runs.  Nothing in it is ever believed over the record itself.
+# state/runs_summary.jsonl holds one line per run, a JSON array: the summary's version, the run's
+# id, the stamp of its record file (inode, mtime in ns, size: a record is replaced by rename, so
+# any rewrite changes the inode) and the record's facts (run_facts).  It is a cache, never the
+# truth: `report` checks every line against the record's current stamp (one stat per run, no
+# read), reads again only the records whose stamp moved or that have no line, and appends lines
+# for them.  A torn or garbled line, a line of another version, a missing file or a line older
+# than its record therefore gives the same report as a fresh summary.  The file is compacted
+# (rewritten atomically) when it holds more than twice as many lines as there are runs.  Nothing
+# in it is ever believed over the record itself.
 
 RUNS_SUMMARY_FILE = "runs_summary.jsonl"
 #: The summary's format: a line of another version is stale.
-RUNS_SUMMARY_VERSION = 1
+RUNS_SUMMARY_VERSION = 2
+_SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
 def runs_summary_path(paths: StudyPaths) -> Path:
@@ -16452,29 +16801,35 @@ def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
     return out
 
 
-def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], dict[str, Any]]], int]:
-    """The summary's lines: run id -> (stamp, report view), the last line of an id winning, and
-    how many lines the file has.  A line that is not a well-formed entry is skipped (its run is
-    then read from its record)."""
-    out: dict[str, tuple[list[int], dict[str, Any]]] = {}
+def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], list[Any]]], int]:
+    """The summary's lines: run id -> (stamp, the line itself), the last line of an id winning,
+    and how many lines the file has.  A line that is not a well-formed entry of this version is
+    skipped (its run is then read from its record)."""
+    out: dict[str, tuple[list[int], list[Any]]] = {}
     lines = 0
     try:
         data = path.read_bytes()
     except OSError:
         return out, 0
-    loads = json.loads
-    for raw in data.split(b"\n"):
-        if not raw:
-            continue
+    try:
+        # Whole lines joined into one array: one parse instead of one per line.  A torn or
+        # garbled line fails it, and the lines are then parsed one by one.
+        rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]") if data.strip() else []
+    except ValueError:
+        rows = None
+    if rows is None:
+        rows = []
+        for raw in data.split(b"\n"):
+            if raw:
+                try:
+                    rows.append(json.loads(raw))
+                except ValueError:
+                    rows.append(None)
+    for row in rows:
         lines += 1
-        try:
-            obj = loads(raw)
-            rid, stamp, view = obj["id"], obj["stamp"], obj["run"]
-        except (ValueError, TypeError, KeyError):
-            continue
-        if (obj.get("v") == RUNS_SUMMARY_VERSION and isinstance(rid, str) and isinstance(view, dict)
-                and isinstance(stamp, list)):
-            out[rid] = (stamp, view)
+        if (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == RUNS_SUMMARY_VERSION
+                and type(row[1]) is str and type(row[2]) is list):
+            out[row[1]] = (row[2], row)
     return out, lines
 
 
@@ -16484,41 +16839,45 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-def _summary_line(run_id: str, stamp: list[int], view: Mapping[str, Any]) -> str:
-    return json.dumps({"v": RUNS_SUMMARY_VERSION, "id": run_id, "stamp": stamp, "run": view},
-                      separators=(",", ":"), default=str) + "\n"
+def _summary_line(run_id: str, stamp: list[int], facts: RunFacts) -> str:
+    return json.dumps([RUNS_SUMMARY_VERSION, run_id, stamp, *facts], separators=(",", ":"),
+                      default=str) + "\n"
 
 
-def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]]:
-    """Every run's report view, in run id order, as `report` needs them: from the runs summary
-    where its line matches the record's stamp, else from the record (and the summary brought up
-    to date, unless `write` is false or the study cannot be written: the summary is only a
-    cache).  The same list, item for item, as report_view_of_run over every record."""
+def report_runs(paths: StudyPaths, *, write: bool = True,
+                stamps: Mapping[str, list[int]] | None = None) -> list[RunFacts]:
+    """Every run's facts, in run id order, as `report` needs them: from the runs summary where its
+    line matches the record's stamp, else from the record (and the summary brought up to date,
+    unless `write` is false or the study cannot be written: the summary is only a cache).  The
+    same list, item for item, as run_facts over every record.  `stamps`: run_record_stamps, when
+    the caller has them already."""
     summary_file = runs_summary_path(paths)
+    make = RunFacts._make
     with gc_paused():
-        stamps = run_record_stamps(paths)
+        stamps = run_record_stamps(paths) if stamps is None else stamps
         cached, lines = read_runs_summary(summary_file)
-        out: list[dict[str, Any]] = []
+        out: list[RunFacts] = []
         fresh: list[str] = []
         for rid in sorted(stamps):
             hit = cached.get(rid)
             stamp = stamps[rid]
             if hit is not None and hit[0] == stamp:
-                out.append(hit[1])
+                out.append(make(hit[1][3:]))
                 continue
             rec = read_json(run_file(paths, rid), default=None)
             if not isinstance(rec, dict):
                 raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
                                       run=rid, path=str(run_file(paths, rid)))
-            view = report_view_of_run(rec)
-            out.append(view)
-            fresh.append(_summary_line(rid, stamp, view))
-    if write and (fresh or lines > 2 * max(len(stamps), 1)):
+            # Through JSON, as a summary line would be: the facts are the same either way.
+            line = _summary_line(rid, stamp, run_facts(rec))
+            out.append(make(json.loads(line)[3:]))
+            fresh.append(line)
+    if write and (fresh or lines >= 2 * max(len(stamps), 1)):
         with contextlib.suppress(OSError):
-            if lines + len(fresh) > 2 * max(len(stamps), 1):
+            if lines + len(fresh) >= 2 * max(len(stamps), 1):
                 # Compact: one line per run, written whole and renamed into place.
                 write_text_atomic(summary_file, "".join(
-                    _summary_line(rid, stamps[rid], view) for rid, view in zip(sorted(stamps), out)))
+                    _summary_line(rid, stamps[rid], facts) for rid, facts in zip(sorted(stamps), out)))
             else:
                 with open(summary_file, "ab") as fh:
                     # After a torn last line (a crash mid-append), start on a line of our own.
@@ -16527,22 +16886,394 @@ def report_runs(paths: StudyPaths, *, write: bool = True) -> list[dict[str, Any]
     return out
 
 
-def report_metering(paths: StudyPaths) -> dict[str, Any]:
+# -- The report cache: the last report's figures, kept with what they were computed from -------------
+# state/report_cache.json holds one report (report_of_facts' answer) and its key: a digest of every
+# run record's stamp, of this program's own code and the interpreter's version, and of the report's
+# arguments (arms, baseline, seed, analysis plan).  `report` asked again with nothing changed
+# answers from it after one stat per run; any change to a record, to the code or to an argument is
+# a new key, and the report is computed from the facts again.  Like the summary, it is a cache: a
+# file that is missing, torn, of another key or not an object is ignored, and one that cannot be
+# written is not needed.
+
+REPORT_CACHE_FILE = "report_cache.json"
+REPORT_CACHE_VERSION = 1
+
+
+def report_cache_path(paths: StudyPaths) -> Path:
+    return paths.state / REPORT_CACHE_FILE
+
+
+def _own_code_digest() -> str | None:
+    """sha256 of this program's source (None when it cannot be read): a report computed by other
+    code is not reused."""
+    try:
+        return sha256_file(__file__)
+    except (OSError, NameError, TypeError):
+        return None
+
+
+def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None:
+    """The cache key of a report over runs with these record stamps and these other inputs (any
+    JSON value: the arms, baseline, seed and plan); None when this program's code cannot be read."""
+    code = _own_code_digest()
+    if code is None:
+        return None
+    h = hashlib.sha256()
+    # The interpreter too: its float arithmetic may differ (sum() of floats did in 3.12).
+    h.update(json.dumps([REPORT_CACHE_VERSION, RUNS_SUMMARY_VERSION, code, sys.version, inputs],
+                        sort_keys=True, default=str).encode("utf-8"))
+    ids = sorted(stamps)
+    h.update("\n".join(ids).encode("utf-8", "surrogateescape"))
+    try:
+        # The numbers as 64-bit words in one piece (converting 300,000 of them to text is slower).
+        h.update(b"\0" + array.array("q", [x for rid in ids for x in stamps[rid]]).tobytes())
+    except OverflowError:
+        h.update(b"\1" + " ".join(str(x) for rid in ids for x in stamps[rid]).encode("ascii"))
+    return h.hexdigest()
+
+
+def read_report_cache(paths: StudyPaths, key: str | None) -> dict[str, Any] | None:
+    """The cached entry for `key` ({"report": ..., "any_started": ...}), or None."""
+    if key is None:
+        return None
+    try:
+        with gc_paused():
+            got = json.loads(report_cache_path(paths).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(got, dict) or got.get("v") != REPORT_CACHE_VERSION or got.get("key") != key
+            or not isinstance(got.get("report"), dict) or not isinstance(got.get("any_started"), bool)):
+        return None
+    return got
+
+
+def write_report_cache(paths: StudyPaths, key: str | None, report: Mapping[str, Any],
+                       any_started: bool) -> None:
+    """Keep `report` under `key`; a study that cannot be written goes without (only a cache)."""
+    if key is None:
+        return
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        write_text_atomic(report_cache_path(paths), json.dumps(
+            {"v": REPORT_CACHE_VERSION, "key": key, "any_started": any_started, "report": report},
+            separators=(",", ":"), default=str))   # in the report's own order: Markdown follows it
+
+
+# -- Ledger tallies: where a pass over the ledger resumes ------------------------------------------
+# A tally (state/ledger_tallies/<pass>.json) holds a pass over the ledger as it stood after the
+# ledger's first `offset` bytes: the pass's state (for the report's metering, the usage accumulator
+# before usage_finish and the job ids flagged cost_mismatch; for `usage --by X`, the groups' and
+# the totals' accumulators, the job ids seen and the line counts) and what identifies the bytes it
+# was read from: the ledger's device and inode and the digests of its first and of its last
+# LEDGER_TALLY_WINDOW bytes before `offset`.  usage_add adds floats one by one and JSON writes a
+# float so that it reads back bit for bit (keys in their order), so resuming from a tally and
+# adding the later lines gives exactly what one pass over the whole ledger gives.  The ledger is
+# append-only, so a pass reads only the lines after `offset`; a tally that is missing, garbled, of
+# another version or pass, or that does not fit the ledger (another file, a ledger truncated or
+# rewritten) is ignored and the pass starts over from the first byte.  `offset` always ends a
+# complete line: a last line without its newline (being written, or cut by a crash) is counted in
+# the answer but not in the tally, so the next pass reads it again once whole.  A tally is only a
+# cache: written whole and renamed into place, never by a supervised session, and a study that
+# cannot be written (read-only, disk full) still gets its answer.  A rewrite that keeps the
+# ledger's inode, its first and its last window before `offset` is not detected: nothing of
+# agentbench rewrites the ledger, and deleting the tallies always gives a full pass.
+
+LEDGER_TALLY_DIR = "ledger_tallies"
+#: The tallies' format: a tally of another version is ignored.
+LEDGER_TALLY_VERSION = 1
+#: How many bytes at the ledger's start and before `offset` a tally's digests cover.
+LEDGER_TALLY_WINDOW = 4096
+#: A tally file larger than this is not read (the pass starts over) and not written.
+LEDGER_TALLY_MAX_BYTES = 64 * 2**20
+_TALLY_INT_FIELDS = ("jobs", "estimated_jobs", "metered_jobs", "requests")
+_TALLY_FLOAT_FIELDS = ("cost_usd", "cost_estimated_usd", "cost_metered_usd", "duration_s")
+_TALLY_MAX_ID = 2**64
+
+
+@dataclass(frozen=True)
+class LedgerMark:
+    """Where a tally stands: after the first `offset` bytes of the ledger file (device, inode)
+    whose first and last LEDGER_TALLY_WINDOW bytes before `offset` have these digests."""
+    offset: int
+    device: int
+    inode: int
+    head_sha256: str
+    tail_sha256: str
+
+
+@dataclass(frozen=True)
+class LedgerPass:
+    """A pass over the ledger that a tally can resume.  `name` names its tally file; `fresh()`
+    is its state before the first line; `take(raw, state)` adds one raw line (as iter_jsonl reads
+    a line: blank, not JSON, not an object); `dump(state)` is the state as JSON; `load(obj,
+    offset)` a dumped state checked against what `offset` bytes can hold, or None."""
+    name: str
+    fresh: Callable[[], Any]
+    take: Callable[[bytes, Any], None]
+    dump: Callable[[Any], Any]
+    load: Callable[[Any, int], Any]
+
+
+def ledger_tally_path(paths: StudyPaths, name: str) -> Path:
+    return paths.state / LEDGER_TALLY_DIR / f"{name}.json"
+
+
+def _count_ok(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _counts_ok(value: Any) -> bool:
+    return isinstance(value, dict) and all(_count_ok(v) for v in value.values())
+
+
+def _sum_ok(value: Any) -> bool:
+    return type(value) is float and math.isfinite(value)
+
+
+def usage_accumulator_ok(acc: Any) -> bool:
+    """Whether `acc` has the shape usage_add keeps (pure): the keys of usage_empty, counts as
+    whole numbers >= 0, sums as finite floats, the per-model rows as usage_add makes them, and
+    the counts that every line adds to (statuses, cache verdicts) summing to the jobs."""
+    empty = usage_empty()
+    if not isinstance(acc, dict) or set(acc) != set(empty):
+        return False
+    if not all(_count_ok(acc[k]) for k in _TALLY_INT_FIELDS) or not all(
+            _sum_ok(acc[k]) for k in _TALLY_FLOAT_FIELDS):
+        return False
+    if not all(_counts_ok(acc[k]) for k in ("statuses", "cache_verdicts", "tokens")):
+        return False
+    if not set(empty["tokens"]) <= set(acc["tokens"]):
+        return False
+    models = acc["models_metered"]
+    if not isinstance(models, dict) or not all(
+            isinstance(row, dict) and set(row) == {"requests", "cost_usd"} and _count_ok(row["requests"])
+            and _sum_ok(row["cost_usd"]) for row in models.values()):
+        return False
+    jobs = acc["jobs"]
+    return (acc["estimated_jobs"] <= jobs and acc["metered_jobs"] <= jobs
+            and sum(acc["statuses"].values()) == jobs and sum(acc["cache_verdicts"].values()) == jobs)
+
+
+def _sha256_hex_ok(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def ledger_tally_of(obj: Any, name: str) -> tuple[LedgerMark, Any] | None:
+    """The mark and the (unchecked) dumped state a parsed tally file of pass `name` holds, or
+    None when its frame is off (pure): not an object, another version or pass, a field missing
+    or of the wrong type, a number out of range."""
+    if (not isinstance(obj, dict) or type(obj.get("v")) is not int or obj["v"] != LEDGER_TALLY_VERSION
+            or obj.get("pass") != name or "state" not in obj):
+        return None
+    offset, device, inode = obj.get("offset"), obj.get("device"), obj.get("inode")
+    if not all(_count_ok(v) and v < _TALLY_MAX_ID for v in (offset, device, inode)):
+        return None
+    head, tail = obj.get("head_sha256"), obj.get("tail_sha256")
+    if not (_sha256_hex_ok(head) and _sha256_hex_ok(tail)):
+        return None
+    return LedgerMark(offset, device, inode, head, tail), obj["state"]
+
+
+def ledger_tally_windows(offset: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, length) of the two spans of the ledger a tally at `offset` digests (pure): its
+    first LEDGER_TALLY_WINDOW bytes and its last LEDGER_TALLY_WINDOW bytes before `offset` (fewer
+    when `offset` is smaller)."""
+    n = min(offset, LEDGER_TALLY_WINDOW)
+    return (0, n), (offset - n, n)
+
+
+def ledger_mark_fits(mark: LedgerMark, device: int, inode: int, size: int, head: bytes,
+                     tail: bytes) -> bool:
+    """Whether a tally at `mark` was read from this ledger (pure): the same file (device, inode),
+    at least `offset` bytes long, the same bytes in both windows (`head`, `tail`: what the file
+    holds there now), and `offset` just after a newline (a tally never ends inside a line)."""
+    if (mark.device, mark.inode) != (device, inode) or mark.offset > size:
+        return False
+    if mark.offset and not tail.endswith(b"\n"):
+        return False
+    return sha256_bytes(head) == mark.head_sha256 and sha256_bytes(tail) == mark.tail_sha256
+
+
+def read_ledger_tally(path: Path, name: str) -> tuple[LedgerMark, Any] | None:
+    """A tally file's mark and dumped state; None when it is missing, not a regular file (never
+    read through a link), larger than LEDGER_TALLY_MAX_BYTES, not JSON or not a tally of `name`."""
+    try:
+        opened = open_regular(path)
+        if opened is None:
+            return None
+        fd, st = opened
+        with os.fdopen(fd, "rb") as fh:
+            if st.st_size > LEDGER_TALLY_MAX_BYTES:
+                return None
+            data = fh.read(LEDGER_TALLY_MAX_BYTES + 1)
+        return ledger_tally_of(json.loads(data), name)
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _read_span(fh: Any, span: tuple[int, int]) -> bytes:
+    fh.seek(span[0])
+    return fh.read(span[1])
+
+
+def resume_ledger_pass(paths: StudyPaths, lp: LedgerPass, *, write: bool) -> Any:
+    """The state of pass `lp` after every line of the ledger, streamed (never held in memory):
+    from its tally where the tally fits this ledger, else from the first byte; the tally brought
+    up to date unless `write` is false.  The same state as one pass over the whole ledger."""
+    try:
+        fh = open(paths.ledger, "rb")
+    except FileNotFoundError:
+        return lp.fresh()
+    tally_file = ledger_tally_path(paths, lp.name)
+    with fh, gc_paused():
+        st = os.fstat(fh.fileno())
+        start, state = 0, None
+        saved = read_ledger_tally(tally_file, lp.name)
+        if saved is not None and saved[0].offset <= st.st_size:
+            mark = saved[0]
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(mark.offset))
+            if ledger_mark_fits(mark, st.st_dev, st.st_ino, st.st_size, head, tail):
+                state = lp.load(saved[1], mark.offset)
+                start = mark.offset if state is not None else 0
+        if state is None:
+            state = lp.fresh()
+        fh.seek(start)
+        pos, unfinished, take = start, b"", lp.take
+        for raw in fh:
+            if raw[-1:] != b"\n":
+                unfinished = raw       # the last line, without its newline: counted, not tallied
+                break
+            pos += len(raw)
+            take(raw, state)
+        text = None
+        if write and pos > start:
+            head, tail = (_read_span(fh, span) for span in ledger_tally_windows(pos))
+            with contextlib.suppress(ValueError, RecursionError):   # e.g. a NaN: no tally
+                # Keys in their order (not sorted): a group's or model's place is where it came.
+                text = json.dumps({"v": LEDGER_TALLY_VERSION, "pass": lp.name, "offset": pos,
+                                   "device": st.st_dev, "inode": st.st_ino,
+                                   "head_sha256": sha256_bytes(head), "tail_sha256": sha256_bytes(tail),
+                                   "state": lp.dump(state)}, separators=(",", ":"), allow_nan=False) + "\n"
+        take(unfinished, state)
+    if text is not None and len(text) <= LEDGER_TALLY_MAX_BYTES:
+        with contextlib.suppress(OSError):
+            write_text_atomic(tally_file, text)
+    return state
+
+
+# -- The report's metering, resumed ------------------------------------------------------------------
+
+def meter_ledger_line(raw: bytes, state: dict[str, Any]) -> None:
+    """One raw ledger line into the metering pass, read as iter_jsonl reads a line (a blank line,
+    one that is not JSON and one that is not an object add nothing): its figures added to the
+    accumulator `totals`, its job id appended to `cost_mismatch_jobs` when its `flags` list holds
+    cost_mismatch."""
+    raw = raw.strip()
+    if not raw:
+        return
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return
+    if isinstance(line, dict):
+        usage_add(state["totals"], usage_figures(line))
+        flags = line.get("flags")
+        if isinstance(flags, list) and "cost_mismatch" in flags:
+            state["cost_mismatch_jobs"].append(line.get("job_id"))
+
+
+def metering_state_of(obj: Any, offset: int) -> dict[str, Any] | None:
+    """A dumped metering state, checked (pure): an accumulator usage_add could have made, a list
+    of job ids no longer than its jobs, and no more jobs than `offset` bytes hold (an object line
+    takes at least 3)."""
+    if not isinstance(obj, dict) or set(obj) != {"totals", "cost_mismatch_jobs"}:
+        return None
+    totals, mismatched = obj["totals"], obj["cost_mismatch_jobs"]
+    if not usage_accumulator_ok(totals) or not isinstance(mismatched, list):
+        return None
+    if 3 * totals["jobs"] > offset or len(mismatched) > totals["jobs"]:
+        return None
+    return obj
+
+
+METERING_PASS = LedgerPass(
+    name="metering", fresh=lambda: {"totals": usage_empty(), "cost_mismatch_jobs": []},
+    take=meter_ledger_line, dump=lambda state: state, load=metering_state_of)
+
+
+def report_metering(paths: StudyPaths, *, write: bool = True) -> dict[str, Any]:
     """The report's `metering`: the gateways' figures beside the binaries' own, per model (side
-    models included), over every ledger line, and the jobs whose two figures disagree; one
-    streamed pass (the ledger is never held in memory)."""
-    counts: dict[str, int] = {}
-    totals = usage_empty()
-    mismatched: list[Any] = []
-    with gc_paused():
-        for line in iter_jsonl(paths.ledger, counts):
-            usage_add(totals, usage_figures(line))
-            if "cost_mismatch" in (line.get("flags") or []):
-                mismatched.append(line.get("job_id"))
-    totals = usage_finish(totals)
+    models included), over every ledger line, and the jobs whose two figures disagree (a line
+    whose `flags` list holds cost_mismatch).  One streamed pass, resumed from its ledger tally
+    (see resume_ledger_pass): the same answer as a pass over the whole ledger."""
+    state = resume_ledger_pass(paths, METERING_PASS, write=write)
+    totals = usage_finish(state["totals"])
     return {"cost_metered_usd": totals["cost_metered_usd"], "cost_reported_usd": totals["cost_usd"],
             "metered_jobs": totals["metered_jobs"], "requests": totals["requests"],
-            "models_metered": totals["models_metered"], "cost_mismatch_jobs": mismatched}
+            "models_metered": totals["models_metered"], "cost_mismatch_jobs": state["cost_mismatch_jobs"]}
+
+
+# -- `usage`, resumed ---------------------------------------------------------------------------------
+# `usage --by X` keeps a tally per grouping.  Its state holds every job id seen (the first line of a
+# job id wins, as in iter_ledger_once_per_job), so a tally grows with the jobs (about 12 bytes a job).
+
+def usage_ledger_line(raw: bytes, state: dict[str, Any], by: str) -> None:
+    """One raw ledger line into the usage pass by `by`, as iter_ledger_once_per_job and
+    aggregate_usage take it: a line that is not JSON or not an object adds one to `torn`, a line
+    of a job id seen before (compared as text) is skipped, any other adds one to `lines` and its
+    figures to its group and the totals."""
+    raw = raw.strip()
+    if not raw:
+        return
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        state["torn"] += 1
+        return
+    if not isinstance(line, dict):
+        state["torn"] += 1
+        return
+    job_id = str(line.get("job_id"))
+    if job_id in state["seen"]:
+        return
+    state["seen"].add(job_id)
+    state["lines"] += 1
+    usage_group_add(state["groups"], state["totals"], line, by)
+
+
+def usage_state_of(obj: Any, offset: int) -> dict[str, Any] | None:
+    """A dumped usage state, checked (pure): accumulators usage_add could have made, as many
+    distinct job ids as lines, as many jobs in the totals and in the groups together, and no more
+    lines than `offset` bytes hold (an object line takes at least 3 bytes, a torn one 2)."""
+    keys = {"groups", "totals", "seen", "lines", "torn"}
+    if not isinstance(obj, dict) or set(obj) != keys:
+        return None
+    groups, totals, seen, lines, torn = (obj[k] for k in ("groups", "totals", "seen", "lines", "torn"))
+    if not (isinstance(groups, dict) and all(usage_accumulator_ok(g) for g in groups.values())
+            and usage_accumulator_ok(totals) and isinstance(seen, list)
+            and all(isinstance(j, str) for j in seen) and _count_ok(lines) and _count_ok(torn)):
+        return None
+    unique = set(seen)
+    if not (len(unique) == len(seen) == lines == totals["jobs"] == sum(g["jobs"] for g in groups.values())
+            and 3 * lines + 2 * torn <= offset):
+        return None
+    return {**obj, "seen": unique}
+
+
+def usage_pass(by: str) -> LedgerPass:
+    check_usage_grouping(by)
+    return LedgerPass(
+        name=f"usage_by_{by}",
+        fresh=lambda: {"groups": {}, "totals": usage_empty(), "seen": set(), "lines": 0, "torn": 0},
+        take=lambda raw, state: usage_ledger_line(raw, state, by),
+        dump=lambda state: {**state, "seen": list(state["seen"])}, load=usage_state_of)
+
+
+def usage_of_ledger(paths: StudyPaths, by: str, *, write: bool = True) -> tuple[dict[str, Any], int, int]:
+    """`usage`: the ledger aggregated by `by` (aggregate_usage over one line per job id), how many
+    lines were counted and how many were torn; one streamed pass, resumed from its ledger tally
+    (see resume_ledger_pass): the same answer as a pass over the whole ledger."""
+    state = resume_ledger_pass(paths, usage_pass(by), write=write)
+    return usage_aggregate(state["groups"], state["totals"], by), state["lines"], state["torn"]
 
 
 def page_bounds(total: int, offset: int, limit: int) -> tuple[int, int, int | None]:
@@ -16644,11 +17375,11 @@ def pilot_clustering(study: Study, split: str) -> dict[str, Any]:
     differ says nothing about the real agent."""
     arms = list(study.arms)
     counts: dict[tuple[str, str], list[int]] = {}
-    for r in report_runs(study.paths, write=False):
-        if (r.get("split") != split and r.get("status") == "finished" and run_evaluated(r)
-                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
-            cell = counts.setdefault((str(r.get("task")), str(r["arm"])), [0, 0])
-            cell[0] += run_succeeded(r)
+    for f in report_runs(study.paths, write=False):
+        if (f.split != split and f.status == "finished" and f.evaluated and not f.rehearsal
+                and f.arm in arms):
+            cell = counts.setdefault((str(f.task), f.arm), [0, 0])
+            cell[0] += f.success
             cell[1] += 1
     base = arms[0]
     tasks = sorted({t for t, _ in counts})
@@ -16709,10 +17440,10 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
     pilot: dict[str, list[float]] = {}
-    for r in report_runs(paths):
-        if (r.get("split") != split and r.get("status") == "finished" and not r.get("cost_estimated")
-                and not (r.get("provenance") or {}).get("rehearsal") and str(r.get("arm")) in arms):
-            pilot.setdefault(str(r["arm"]), []).append(r.get("cost_usd"))
+    for f in report_runs(paths):
+        if (f.split != split and f.status == "finished" and not f.cost_estimated and not f.rehearsal
+                and f.arm in arms):
+            pilot.setdefault(f.arm, []).append(f.cost_raw)
     reh = read_json(paths.state / "rehearsal.json", default=None)
     reh = reh if isinstance(reh, dict) else {}
     shape = {a: {"gate_cycles": arm.gate_cycles, "review": arm.review, "model": arm.launch.model}
@@ -17111,14 +17842,14 @@ def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
 
 def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_BYTES
                       ) -> tuple[bytes | None, str | None]:
-    """(up to `cap` bytes of a regular file, a problem or None), opened as open_regular opens
-    (never through a link, never blocking on a FIFO): (None, why) for a file that is missing, a
-    link or special.  Unlike read_capped, a longer file gives its first `cap` bytes, said."""
+    """(up to `cap` bytes of a regular file, a problem or None) as read_head reads them: (None,
+    why) for a file that is missing, a link or special, or not readable; a longer file gives its
+    first `cap` bytes, said."""
     try:
-        opened = open_regular(path)
+        got = read_head(path, cap)
     except OSError as exc:
         return None, f"not read ({exc.strerror})"
-    if opened is None:
+    if got is None:
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
@@ -17126,21 +17857,8 @@ def read_file_bounded(path: str | os.PathLike[str], cap: int = INTEROP_FILE_MAX_
         except OSError as exc:
             return None, f"not read ({exc.strerror})"
         return None, "not read (a link)" if stat.S_ISLNK(mode) else "not a regular file"
-    fd, _ = opened
-    try:
-        chunks, total = [], 0
-        while total <= cap:
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > cap:
-        return data[:cap], f"cut at {cap} bytes"
-    return data, None
+    data, more = got
+    return data, f"cut at {cap} bytes" if more else None
 
 
 def read_text_bounded(path: str | os.PathLike[str], limit: int = INTEROP_TEXT_MAX_CHARS) -> str | None:
@@ -19073,11 +19791,10 @@ def _usage_args(p: argparse.ArgumentParser) -> None:
 @args_of(_usage_args)
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
-    counts: dict[str, int] = {}
-    with gc_paused():   # aggregated while the ledger streams: memory does not grow with it
-        agg = aggregate_usage(iter_ledger_once_per_job(paths.ledger, counts), by=args.by)
-    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": counts["lines"],
-                           "torn_lines": counts["torn"]}
+    # Aggregated while the ledger streams (memory does not grow with it), from where its tally
+    # left off; a supervised session writes no tally.
+    agg, lines, torn = usage_of_ledger(paths, args.by, write=not ctx.is_child)
+    out: dict[str, Any] = {"by": args.by, "usage": agg, "ledger_lines": lines, "torn_lines": torn}
     if args.format == "md":
         out["markdown"] = render_usage_md(agg)
     return out
@@ -19107,9 +19824,6 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline and args.baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=args.baseline, arms=arms)
-    # The report views come from the runs summary (a cache checked against every record's stamp);
-    # the run pages below read the records themselves.
-    runs = report_runs(paths, write=not ctx.is_child)
     plan, plan_source = analysis_plan_of_study(paths)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
@@ -19119,14 +19833,27 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         seed = plan_seed
     else:
         seed = int(cfg.get("seed") or 0)
-    with gc_paused():
-        report = build_report(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                              plan_source=plan_source)
+    # The figures come from the report cache when no record, argument or line of code changed
+    # since it was written; else from the runs' facts (the runs summary, a cache checked against
+    # every record's stamp).  The run pages below read the records themselves.
+    stamps = run_record_stamps(paths)
+    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
+    cached = read_report_cache(paths, key)
+    if cached is not None:
+        report, any_started = cached["report"], cached["any_started"]
+    else:
+        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+        with gc_paused():
+            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
+                                     plan_source=plan_source)
+        any_started = any(f.status not in (None, "not_started") for f in runs)
+        if not ctx.is_child:
+            write_report_cache(paths, key, report, any_started)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
     if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
-            and not any(r.get("status") not in (None, "not_started") for r in runs)):
+            and not any_started):
         # Nothing of this study has run yet: its rehearsal's results are in the scratch study.
         only_rehearsed = f"python3 agentbench.py report --study {shlex.quote(reh['scratch'])} --format md"
         report.setdefault("warnings", []).insert(
@@ -19134,9 +19861,10 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                f"(simulated, nothing billed), in {reh['scratch']}: report them with `{only_rehearsed}`")
     if report["totals"].get("rehearsed_runs"):
         report["costs_simulated"] = True
-    report["metering"] = report_metering(paths)
+    report["metering"] = report_metering(paths, write=not ctx.is_child)
     if args.format == "json":
-        text, result = json.dumps(report, indent=1, sort_keys=True, default=str) + "\n", dict(report)
+        # The report is the answer; its text is made only for a file (--out).
+        text, result = "", dict(report)
     else:
         text = render_report_md(report) if args.format == "md" else render_report_html(report)
         result = {"format": args.format}
@@ -19158,7 +19886,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if ctx.is_child:
             raise AgentbenchError("refused inside a supervised session: writing a report file",
                                   code="refused_inside_session_writes")
-        write_text_atomic(out, text)
+        write_text_atomic(out, text or json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
         result["path"] = str(out)
     if only_rehearsed:
         result["next"] = only_rehearsed
@@ -19299,16 +20027,15 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         prog.close()
     rpaths = StudyPaths(study / "rehearsal")
     runs = report_runs(rpaths)
-    report = build_report(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
+    report = report_of_facts(runs, list(cfg["arms"]), seed=int(cfg.get("seed") or 0))
     report["arm_changes"] = changes_against_baseline(cfg["arms"], report["baseline"])
     write_text_atomic(rpaths.root / "report.html", render_report_html(report))
     write_text_atomic(rpaths.root / "report.md", render_report_md(report))
-    incomplete = [r["run_id"] for r in runs
-                  if not (r.get("status") and r.get("provenance") and r.get("evaluation"))]
+    incomplete = [f.run_id for f in runs if not f.complete]
     return {"ok": out["ok"] and not incomplete, "demo_dir": str(base), "study": str(study),
             "rehearsal_study": str(rpaths.root), "calibration": {k: v["ok"] for k, v in cal.items()},
             "runs": len(runs), "runs_missing_provenance_or_evaluation": incomplete,
-            "sandboxed_runs": sum(1 for r in runs if (r.get("sandbox") or {}).get("sandboxed")),
+            "sandboxed_runs": sum(1 for f in runs if f.sandboxed),
             "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
                      for a, v in out["arms"].items()},
             "costs_simulated": True,

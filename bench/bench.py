@@ -19,10 +19,12 @@ divided by:
 - supervisor_cpu: CPU seconds of the supervisor's reader and poll loop (Supervisor._reader and
   _check, in process) over N stream events, paced and as fast as possible, divided by the same
   pipe read by a `json.loads` loop.
-- report / usage / list: `report --format json|html` over R run records, first (which builds the
-  runs summary) and again (which reads it), each over a fresh interpreter's bare json.loads pass
-  over the summary file; `usage` over R ledger lines, over the same bare pass over the ledger
-  (wall seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
+- report / usage / list: `report --format json|html` over R run records: first (which builds the
+  runs summary, the report cache and the metering's ledger tally), again (the caches), after 1% of
+  the records changed (the figures computed again from the summary) and with no report cache, each
+  over a fresh interpreter's bare json.loads pass over the summary file; `usage` over R ledger
+  lines, first (which builds its tally) and again, over the same bare pass over the ledger (wall
+  seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
 - file_size: bytes and lines of each agentbench.py measured (its compile cost by path).
 - exact_tail: one McNemar p-value by the recurrence against the per-term binomial coefficients it
   replaced (the old code, reproduced here as the baseline).
@@ -331,6 +333,22 @@ def populate_runs(ab, study: Path, n_runs: int, tasks: int, arms: list[str]) -> 
     paths.ledger.write_text("\n".join(ledger) + "\n")
 
 
+def change_records(study: Path, n: int) -> int:
+    """Rewrite `n` run records spread over the study (by rename, as agentbench writes them), each
+    with another wall time: what a finished batch does to the report's inputs."""
+    runs = sorted((study / "state" / "runs").glob("*.json"))
+    step = max(1, len(runs) // max(1, n))
+    done = 0
+    for p in runs[::step][:n]:
+        rec = json.loads(p.read_text())
+        rec["wall_s"] = float(rec.get("wall_s") or 0) + 1.0
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, p)
+        done += 1
+    return done
+
+
 def fresh_process(ab_path: Path, args: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one command in a fresh interpreter."""
     code = ("import sys,io,contextlib,resource,importlib.util as u;"
@@ -371,28 +389,45 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
     summary = big / "state" / "runs_summary.jsonl"
     ledger_parse = bare_parse(big / "state" / "ledger.jsonl", env)
     out["bare_parse_of_the_ledger_s"] = round(ledger_parse, 3)
+    cache = big / "state" / "report_cache.json"
     for name, path in paths_by_name.items():
         row: dict = {}
-        with contextlib.suppress(FileNotFoundError):
-            summary.unlink()   # each version starts from the records alone
+        for f in (summary, cache):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()   # each version starts from the records and the ledger alone
+        shutil.rmtree(big / "state" / "ledger_tallies", ignore_errors=True)
+
+        def report(label: str, fmt: str) -> None:
+            log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
+            dt, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
+                                           "--out", str(tmp / f"rep-{name}.{fmt}")], env)
+            row[f"report_{fmt}_{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss)}
+
+        # The first report reads every record (and builds the runs summary and the report cache,
+        # where the version has them); asked again with nothing changed, it is what every later
+        # look costs; after 1% of the records changed (a batch finished), the figures are
+        # computed again from the summary; and without the report cache, every time.
+        report("first", "json")
+        report("again", "json")
+        report("again", "html")
+        changed = change_records(big, n_runs // 100)
+        report("after_1pct_changed", "json")
         for fmt in ("json", "html"):
-            # The first report of a version builds the runs summary (if it has one); the second
-            # is what every later look costs.
-            for label in ("first", "again"):
-                log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
-                dt, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
-                                               "--out", str(tmp / f"rep-{name}.{fmt}")], env)
-                row[f"report_{fmt}_{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss)}
+            with contextlib.suppress(FileNotFoundError):
+                cache.unlink()
+            report("uncached", fmt)
+        row["records_changed"] = changed
         if summary.exists():
             parse = bare_parse(summary, env)
             row["bare_parse_of_the_runs_summary_s"] = round(parse, 3)
-            for fmt in ("json", "html"):
-                row[f"report_{fmt}_again"]["over_bare_parse_x"] = ratio(row[f"report_{fmt}_again"]["wall_s"],
-                                                                        parse)
-        log(f"{name}: usage over {n_runs} ledger lines")
-        dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
-        row["usage"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
-                        "over_bare_parse_x": ratio(dt, ledger_parse)}
+            for key in ("report_json_again", "report_html_again", "report_json_after_1pct_changed",
+                        "report_json_uncached", "report_html_uncached"):
+                row[key]["over_bare_parse_x"] = ratio(row[key]["wall_s"], parse)
+        for label in ("", "_again"):   # from the ledger (building a tally), then from the tally
+            log(f"{name}: usage over {n_runs} ledger lines{label.replace('_', ' ')}")
+            dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
+            row[f"usage{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
+                                    "over_bare_parse_x": ratio(dt, ledger_parse)}
         ls = {}
         for label, st in (("small", small), ("big", big)):
             ls[label] = statistics.median(fresh_process(path, ["list", "--study", str(st), "--all"], env)[0]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-command cost against study size: a study of 10 jobs/runs vs one of 10,000 (SPEC section 12).
+"""Per-command cost against study size: a study of 10 jobs/runs vs one of 10,000.
 
 Builds two studies in a temp dir with N finished jobs (job.json, result.json, ledger line) and N run
 records, then times, in-process and repeated, the calls an orchestrator makes while a study runs:

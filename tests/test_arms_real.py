@@ -256,15 +256,17 @@ def test_the_configurations_example_rehearses(tmp_path, real_claude, monkeypatch
     from conftest import ROOT
     monkeypatch.setenv("AGENTBENCH_CLAUDE_BIN", real_claude)
     monkeypatch.delenv("AGENTBENCH_STUDY", raising=False)
-    root = tmp_path / "configurations"
-    shutil.copytree(ROOT / "examples" / "configurations", root,
+    # The example's tasks are the example study's (its study.json points at ../study/tasks).
+    shutil.copytree(ROOT / "examples", tmp_path / "examples",
                     ignore=shutil.ignore_patterns("__pycache__", "state", "runs"))
+    root = tmp_path / "examples" / "configurations"
     code, cal = run_main(["calibrate", "--study", str(root)])
     assert code == 0, cal
     code, out = run_main(["rehearse", "--study", str(root), "--dir", str(tmp_path / "reh")])
     assert code == 0 and out["ok"] is True, out
     assert sorted(out["arms"]) == ["claude_md", "plain", "sonnet"]
     recs = [json.loads(p.read_text()) for p in (tmp_path / "reh" / "state" / "runs").glob("*.json")]
+    assert sorted({r["task"] for r in recs}) == ["bugfix", "cli", "roman"] and len(recs) == 9
     study = ab.load_study(ab.StudyPaths(root)).load_all()
     for rec in recs:
         assert rec["arm_hash"] == study.arms[rec["arm"]].launch.hash

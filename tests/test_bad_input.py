@@ -28,7 +28,7 @@ from test_experiment import make_task, manifest_of, tiny_study, write_json
 
 def snapshot(root: Path) -> dict[str, str]:
     """The tree, less state/last_call: the empty marker of orchestrator activity that every call
-    touches by contract (SPEC: the orphan watchdog), refused or not."""
+    touches by contract (the orphan watchdog), refused or not."""
     return {k: v for k, v in tree_snapshot(root).items() if k != "state/last_call"}
 
 

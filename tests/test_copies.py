@@ -195,6 +195,12 @@ def test_reads_never_follow_links_nor_open_fifos(hostile):
     assert ab.read_capped(ws / "roman.py", 1024).startswith(b"def to_roman")
     with pytest.raises(ab.UnusableTree):
         ab.read_capped(ws / "roman.py", 10)
+    assert in_thread(lambda: ab.read_head(ws / "zero", 1024)) is None
+    assert in_thread(lambda: ab.read_head(ws / "pipe", 1024)) is None
+    assert in_thread(lambda: ab.read_head(ws / "abs_ref_file.py", 1024)) is None
+    whole = ab.read_capped(ws / "roman.py", 10 * MB)
+    assert ab.read_head(ws / "roman.py", 10) == (whole[:10], True)          # its head, said cut
+    assert ab.read_head(ws / "roman.py", len(whole)) == (whole, False)
     assert ab.sha256_regular(ws / "zero") is None and ab.sha256_regular(ws / "pipe") is None
 
 
@@ -383,6 +389,8 @@ def test_a_run_pages_stream_read_never_follows_a_link_to_an_endless_device(tmp_p
     monkeypatch.setattr(ab, "PAGE_STREAM_BYTES", 10)
     (tmp_path / "s.jsonl").write_bytes(b"1234\n5678\n90ab\n")
     assert ab._page_read_stream(tmp_path / "s.jsonl") == [b"1234\n", b"5678\n"]
+    (tmp_path / "s.jsonl").write_bytes(b"1234\n567890ab\n")
+    assert ab._page_read_stream(tmp_path / "s.jsonl") == [b"1234\n"]       # the cut line is dropped
 
 
 def test_a_workspace_replaced_by_a_link_is_never_entered(hostile, tmp_path):

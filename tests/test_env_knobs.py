@@ -30,7 +30,7 @@ def test_env_float_refuses_a_value_that_is_not_a_number(monkeypatch, raw):
 
 
 @pytest.mark.parametrize("fn, name, default", [
-    (ab.lost_after_s, "AGENTBENCH_LOST_AFTER_S", 120.0),     # SPEC: a job is lost after 120 s
+    (ab.lost_after_s, "AGENTBENCH_LOST_AFTER_S", 120.0),     # a job is lost after 120 s by default
     (ab.heartbeat_s, "AGENTBENCH_HEARTBEAT_S", 2.0),
     (ab.slurm_poll_s, "AGENTBENCH_SLURM_POLL_S", 10.0),
 ])

@@ -46,7 +46,7 @@ def load_task(task_id: str) -> dict:
 
 
 def fill(cmd: list[str], **places: str) -> list[str]:
-    """Substitute {python}/{gate}/{oracle}/{workspace} inside every argument (SPEC section 5)."""
+    """Substitute {python}/{gate}/{oracle}/{workspace} inside every argument (as study.json commands do)."""
     places.setdefault("python", sys.executable)
     out = []
     for arg in cmd:
@@ -87,7 +87,7 @@ def run_gate(task_id: str, workspace: Path, tmp_path: Path) -> subprocess.Comple
 
 
 def check_receipt(receipt: dict) -> None:
-    """The receipt shape of SPEC section 5, internally consistent."""
+    """The receipt shape a check prints, internally consistent."""
     assert isinstance(receipt["passed"], bool)
     assert isinstance(receipt["score"], (int, float)) and 0.0 <= receipt["score"] <= 1.0
     assert isinstance(receipt["tests_passed"], int) and isinstance(receipt["tests_total"], int)

@@ -118,15 +118,68 @@ def test_workspace_diff_never_follows_a_link(tmp_path):
     assert ab.workspace_diff(starter, tmp_path / "missing")["available"] is False
 
 
-def test_discordant_pairs_by_hand():
-    runs = [run("a1", "t1", "A", 1, success=True), run("a2", "t1", "A", 2, success=False),
-            run("b1", "t1", "B", 1, success=False), run("b2", "t1", "B", 2, success=False),
-            run("c1", "t1", "C", 1, success=True), run("c2", "t1", "C", 2, success=True,
-                                                       validity="degenerate"),
-            run("b3", "t2", "B", 1, success=True)]        # no baseline run of t2: no pair
-    pairs = ab.discordant_pairs(runs, ["A", "B", "C"], "A")
-    assert pairs == [{"task": "t1", "repeat": 1, "arm": "B", "arm_run": "b1", "baseline_run": "a1",
-                      "arm_success": False}]
+def brief(side):
+    return [(x["run_id"], x["success"]) for x in side]
+
+
+def test_differing_tasks_by_hand():
+    """Per comparison, the tasks whose success rates differ, by a table of cases: rates over each
+    arm's own evaluated, non-excluded runs (no run is matched with another), sorted by the size of
+    the difference then task, ties (equal rates) left out, one-sided tasks named apart."""
+    runs = [
+        # t1: A 1/2, B 0/3 (b3 excluded, left out), C 2/2 -> B -0.5, C +0.5
+        run("a1", "t1", "A", 2, success=True), run("a2", "t1", "A", 1, success=False),
+        run("b1", "t1", "B", 1, success=False), run("b2", "t1", "B", 2, success=False),
+        run("b4", "t1", "B", 3, success=False),
+        run("b3", "t1", "B", 4, success=True, validity="degenerate"),
+        run("c1", "t1", "C", 1, success=True), run("c2", "t1", "C", 2, success=True),
+        # t2: A 1/1, B 1/1 (a tie: left out), C 0/1 (-1.0); a4 not evaluated: left out
+        run("a3", "t2", "A", 1, success=True), run("a4", "t2", "A", 2, status="error"),
+        run("b5", "t2", "B", 1, success=True), run("c3", "t2", "C", 1, success=False),
+        # t0: A 0/1, B 1/2 (+0.5, the same size as t1's -0.5: task name breaks the tie)
+        run("a5", "t0", "A", 1, success=False),
+        run("b6", "t0", "B", 2, success=True), run("b7", "t0", "B", 1, success=False),
+        # t3: only B has an evaluated run; t4: only A; t5: B's only run is excluded
+        run("b8", "t3", "B", 1, success=True), run("a6", "t4", "A", 1, success=True),
+        run("a7", "t5", "A", 1, success=True), run("b9", "t5", "B", 1, success=False, validity="degenerate"),
+        # an unevaluated task on both sides is neither compared nor one-sided
+        run("a8", "t6", "A", 1, status="error"), run("b10", "t6", "B", 1, status="error"),
+    ]
+    out = ab.differing_tasks(runs, ["A", "B", "C"], "A")
+    assert [(c["arm"], c["baseline"]) for c in out] == [("B", "A"), ("C", "A")]
+    b, c = out
+    assert [(t["task"], t["diff"]) for t in b["tasks"]] == [("t0", 0.5), ("t1", -0.5)]
+    assert b["tasks_compared"] == 3 and b["one_sided"] == ["t3", "t4", "t5"]
+    t0, t1 = b["tasks"]
+    assert (t1["arm_successes"], t1["arm_evaluated"], t1["baseline_successes"], t1["baseline_evaluated"]) \
+        == (0, 3, 1, 2)
+    assert brief(t1["arm_runs"]) == [("b1", False), ("b2", False), ("b4", False)]   # b3 excluded
+    assert brief(t1["baseline_runs"]) == [("a2", False), ("a1", True)]              # shown by repeat
+    assert brief(t0["arm_runs"]) == [("b7", False), ("b6", True)]
+    assert [(t["task"], t["diff"]) for t in c["tasks"]] == [("t2", -1.0), ("t1", 0.5)]
+    assert brief(c["tasks"][0]["baseline_runs"]) == [("a3", True)]                  # a4 never graded
+    assert c["tasks_compared"] == 2 and c["one_sided"] == ["t0", "t4", "t5"]
+    # As the all-included view: b3 and b9 count, so t1 is B 1/4 vs A 1/2 and t5 is compared.
+    b_all = ab.differing_tasks(runs, ["A", "B", "C"], "A", include_excluded=True)[0]
+    assert [(t["task"], t["diff"]) for t in b_all["tasks"]] == [("t5", -1.0), ("t0", 0.5), ("t1", -0.25)]
+    assert b_all["one_sided"] == ["t3", "t4"]
+    # Only the baseline: nothing to compare.
+    assert ab.differing_tasks(runs, ["A"], "A") == []
+
+
+def test_differing_tasks_agree_with_the_report():
+    """The counts the pages list are the report's own per-task figures of its primary view."""
+    from test_report import study_runs
+    runs = study_runs()
+    rep = ab.build_report(runs, ["A", "C", "D", "E"])
+    for comp in ab.differing_tasks(runs, rep["arms"], rep["baseline"]):
+        listed = {t["task"]: t for t in comp["tasks"]}
+        per = {t["task"]: t for t in rep["comparisons"][comp["arm"]]["per_task"]}
+        assert comp["tasks_compared"] == len(per)
+        assert set(listed) == {k for k, t in per.items() if t["diff"] != 0}
+        for k, t in listed.items():
+            assert t["diff"] == pytest.approx(per[k]["diff"])
+            assert (t["arm_evaluated"], t["baseline_evaluated"]) == (per[k]["arm_n"], per[k]["baseline_n"])
 
 
 def test_page_file_names_are_safe_and_unique():
@@ -168,21 +221,39 @@ def test_a_run_page_escapes_everything_the_agent_wrote():
     assert any(t == "details" for t, _ in p.tags)  # the long result is folded
 
 
-def test_the_index_section_links_every_run_and_lists_discordant_pairs_first():
+def test_the_index_section_links_every_run_and_lists_the_tasks_where_arms_differ():
     runs = [run("a1", "t1", "A", 1, success=True), run("b1", "t1", "B", 1, success=False),
+            run("b9", "t1", "B", 2, success=True),
             run("a2", "t2", "A", 1, success=True), run("b2", "t2", "B", 1, success=True)]
     runs[1]["audit"] = {"findings": [{"kind": "edited_public_tests", "files": ["t"]}], "flagged": True}
     rep = ab.build_report(runs, ["A", "B"])
     names = ab.page_file_names(r["run_id"] for r in runs)
     section = ab.render_run_index(rep, runs, names)
     page = ab.render_report_html(rep, extra=section)
-    assert page.index("</svg>") < page.index("Discordant pairs") < page.index("Every run: task x arm") \
+    head = "Tasks where B and A differ (1 of 2 compared)"
+    assert page.index("</svg>") < page.index(head) < page.index("Every run: task x arm") \
         < page.index("<h2>Results per arm")   # right after the charts, before the long tables
+    assert "repeat" not in section.split("Every run")[0].lower()       # no run is matched by repeat
     hrefs = [a["href"] for t, a in parse(page).tags if t == "a"]
     assert sorted(set(hrefs)) == sorted(f"runs/{n}" for n in names.values())
     assert "b1</a> F!" in section and "a1</a> S" in section
-    disc = section.split("Every run")[0]
-    assert 'href="runs/b1.html"' in disc and 'href="runs/a1.html"' in disc and "b2" not in disc
+    diff = section.split("Every run")[0]
+    for rid in ("a1", "b1", "b9"):                  # every run of both sides of t1
+        assert f'href="runs/{rid}.html"' in diff
+    assert "b2" not in diff and "a2" not in diff    # t2: equal rates, not listed
+    assert "<td>1/2</td><td>1/1</td><td>-0.50</td>" in diff
+
+
+def test_the_index_section_escapes_task_and_arm_names():
+    runs = [run("a1", HOSTILE, "A", 1, success=True), run("b1", HOSTILE, HOSTILE, 1, success=False),
+            run("a2", "t-only-a", "A", 1, success=True)]
+    rep = ab.build_report(runs, ["A", HOSTILE])
+    section = ab.render_run_index(rep, runs, ab.page_file_names(r["run_id"] for r in runs))
+    p = parse(section)
+    assert not any(t == "script" for t, _ in p.tags)
+    assert all(a["href"].startswith("runs/") for t, a in p.tags if t == "a")
+    text = "".join(p.text)
+    assert f"Tasks where {HOSTILE} and A differ" in text and "one side only (1): t-only-a." in text
 
 
 def test_report_out_directory_only_for_html(tmp_path):

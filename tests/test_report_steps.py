@@ -85,7 +85,12 @@ def test_power_notes_say_why_a_plan_falls_short():
         "2000 repeats needed, above the cap of 1000"]
 
 
-# -- _rpt_arm_stats's steps -------------------------------------------------------------------------
+# -- _rpt_arm_stats's steps: the tally of one arm's runs -------------------------------------------
+
+def tally(runs):
+    """The tally of `runs` (records without an arm or a validity label: one population)."""
+    return ab._rpt_tally([ab.run_facts(r) for r in runs]).get(("None", False)) or ab._ArmTally()
+
 
 @pytest.mark.parametrize("run, cause", [
     ({"status": "finished", "outcome": "timeout"}, "timeout"),
@@ -97,34 +102,35 @@ def test_power_notes_say_why_a_plan_falls_short():
     ({}, "unknown"),
 ])
 def test_not_evaluated_causes(run, cause):
-    assert ab._rpt_not_evaluated_causes([run]) == {cause: 1}
+    assert ab._tally_counts(tally([run]).causes) == {cause: 1}
 
 
 def test_not_evaluated_causes_count_in_first_seen_order():
     runs = [{"outcome": "timeout"}, {"outcome": "error"}, {"outcome": "timeout"}]
-    assert list(ab._rpt_not_evaluated_causes(runs).items()) == [("timeout", 2), ("error", 1)]
+    assert list(ab._tally_counts(tally(runs).causes).items()) == [("timeout", 2), ("error", 1)]
 
 
 def test_token_totals_skip_what_is_not_a_number_and_total_four_kinds():
     runs = [{"tokens": {"input": 10, "output": 5, "cache_creation_1h": 7, "cache_read": 100}},
             {"tokens": {"input": 1, "cache_creation": 7, "output": "lots"}}, {"tokens": None}, {}]
     # total = input 11 + output 5 + cache_creation 7 + cache_read 100; the 1h split is not added.
-    assert ab._rpt_token_totals(runs) == {"input": 11, "output": 5, "cache_creation_1h": 7,
+    assert ab._rpt_token_totals(tally(runs)) == {"input": 11, "output": 5, "cache_creation_1h": 7,
                                           "cache_read": 100, "cache_creation": 7, "total": 123}
-    assert ab._rpt_token_totals([]) == {"total": 0}
+    assert ab._rpt_token_totals(tally([])) == {"total": 0}
 
 
 def test_gate_cycles_summary():
-    assert ab._rpt_gate_cycles([]) == {"total": 0, "mean": None, "max": None, "distribution": {}}
-    got = ab._rpt_gate_cycles([{"gate_cycles": 2}, {"gate_cycles": None}, {}, {"gate_cycles": 3}])
+    assert ab._rpt_gate_cycles(tally([])) == {"total": 0, "mean": None, "max": None, "distribution": {}}
+    got = ab._rpt_gate_cycles(tally([{"gate_cycles": 2}, {"gate_cycles": None}, {}, {"gate_cycles": 3}]))
     assert got == {"total": 5, "mean": 1.25, "max": 3, "distribution": {"0": 2, "2": 1, "3": 1}}
     assert list(got["distribution"]) == ["0", "2", "3"]
 
 
 def test_review_verdicts_every_one_and_each_runs_last():
     runs = [{"review_verdicts": ["reject", "approve"]}, {"review_verdicts": ["reject"]}, {}]
-    assert ab._rpt_review_verdicts(runs) == {"all": {"reject": 2, "approve": 1},
-                                             "final": {"approve": 1, "reject": 1}}
+    t = tally(runs)
+    assert ab._tally_counts(t.verdicts_all) == {"reject": 2, "approve": 1}
+    assert ab._tally_counts(t.verdicts_final) == {"approve": 1, "reject": 1}
 
 
 def test_failure_reasons_skip_successes_and_runs_not_ended():
@@ -132,19 +138,20 @@ def test_failure_reasons_skip_successes_and_runs_not_ended():
             {"status": "running", "failure_reason": "y"},
             {"status": "finished", "evaluation": {"success": False}, "failure_reason": "tests failed"},
             {"status": "error"}]
-    assert ab._rpt_failure_reasons(runs) == {"tests failed": 1, "(none given)": 1}
+    assert ab._tally_counts(tally(runs).reasons) == {"tests failed": 1, "(none given)": 1}
 
 
 def test_task_rates_are_per_task_in_key_order():
-    runs = [{"_task": "b", "evaluation": {"success": True}}, {"_task": "a", "evaluation": {"success": False}},
-            {"_task": "b", "evaluation": {"success": False}}, {"task": "c", "evaluation": {"success": True}}]
-    assert ab._rpt_task_rates(runs) == [0.0, 0.5, 1.0]
+    runs = [{"task": "b", "evaluation": {"success": True}}, {"task": "a", "evaluation": {"success": False}},
+            {"task": "b", "evaluation": {"success": False}}, {"task": "c", "evaluation": {"success": True}},
+            {"task": "d", "status": "running"}]   # a task without an evaluated run has no rate
+    assert ab._rpt_task_rates(tally(runs)) == [0.0, 0.5, 1.0]
 
 
 # -- build_report's steps ---------------------------------------------------------------------------
 
 def test_report_arms_default_to_those_seen_and_the_first_is_the_baseline():
-    runs = [{"arm": None}, {"arm": "b"}, {"arm": 2}, {"arm": "b"}]
+    runs = [ab.run_facts(r) for r in ({"arm": None}, {"arm": "b"}, {"arm": 2}, {"arm": "b"})]
     assert ab._rpt_arms(runs, [], None) == (["b", "2"], "b")
     assert ab._rpt_arms(runs, ["x", "y"], "y") == (["x", "y"], "y")
 
@@ -156,7 +163,7 @@ def test_report_arms_default_to_those_seen_and_the_first_is_the_baseline():
 ])
 def test_report_arms_refusals(runs, arms, baseline, code):
     with pytest.raises(ab.AgentbenchError) as err:
-        ab._rpt_arms(runs, arms, baseline)
+        ab._rpt_arms([ab.run_facts(r) for r in runs], arms, baseline)
     assert err.value.code == code
 
 
@@ -173,7 +180,9 @@ def test_population_notes_in_order():
     known = [{"status": "finished", "validity": "degenerate", "cost_estimated": True, "cost_usd": 0.5,
               "provenance": {"rehearsal": True}, "sandbox": {"sandboxed": False, "reasons": ["no bwrap"]}},
              {"status": "not_started"}, {"status": "running", "validity": None}]
-    notes = ab._rpt_population_notes(known, known[:1], [{"arm": "zz"}], False, known[:1], known[:1])
+    known = [ab.run_facts(r) for r in known]
+    notes = ab._rpt_population_notes(known, known[:1], [ab.run_facts({"arm": "zz"})], False, known[:1],
+                                     known[:1])
     assert [n.split(" ")[0:2] for n in notes] == [["1", "run(s)"], ["the", "study"], ["1", "run(s)"],
                                                   ["1", "run(s)"], ["1", "run(s)"], ["costs", "include"]]
     assert "excluded by validity label (1 degenerate)" in notes[0]

@@ -1,4 +1,4 @@
-"""How a finished run is classified: outcome, validity label, reasons (a pure table, SPEC 7)."""
+"""How a finished run is classified: outcome, validity label, reasons (a pure table)."""
 from __future__ import annotations
 
 import pytest

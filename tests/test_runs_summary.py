@@ -2,8 +2,8 @@
 
 It is a cache checked against each record's stamp, so the report built from it must equal, byte for
 byte, the report built from the records themselves: on a fresh summary, a missing one, one with a
-torn or garbled line, and one older than a record.  The report sections' reads of a run's keys are
-checked against REPORT_RUN_KEYS, the keys the summary keeps."""
+torn or garbled line, and one older than a record.  The summary keeps each run's facts (run_facts);
+no other function of the report sections reads a run record."""
 from __future__ import annotations
 
 import ast
@@ -101,8 +101,12 @@ def records(paths: ab.StudyPaths) -> list[dict]:
     return [ab.load_run(paths, r) for r in ab.all_run_ids(paths)]
 
 
-def rendered(runs: list[dict]) -> tuple[str, str, str]:
-    rep = ab.build_report(runs, ARMS, seed=3)
+def rendered(runs: list) -> tuple[str, str, str]:
+    """The report in every format, of run records or of their facts (as report_runs gives)."""
+    if runs and isinstance(runs[0], ab.RunFacts):
+        rep = ab.report_of_facts(runs, ARMS, seed=3)
+    else:
+        rep = ab.build_report(runs, ARMS, seed=3)
     return (json.dumps(rep, indent=1, sort_keys=True, default=str), ab.render_report_md(rep),
             ab.render_report_html(rep))
 
@@ -127,21 +131,27 @@ def test_the_report_from_the_summary_equals_the_report_from_the_records(study, t
     assert rendered(first) == truth
     assert rendered(second) == truth
     # Every format through the command, twice (without and then with the summary): the same bytes.
+    # (The report cache is removed too, or the second would not read the summary.)
     for fmt in ("json", "md", "html"):
-        ab.runs_summary_path(study).unlink()
+        ab.runs_summary_path(study).unlink(missing_ok=True)
+        ab.report_cache_path(study).unlink(missing_ok=True)
         a = report_cli(study, fmt, tmp_path / f"a.{fmt}")
+        ab.report_cache_path(study).unlink()
         b = report_cli(study, fmt, tmp_path / f"b.{fmt}")
         assert a == b
 
 
-def test_the_summary_holds_only_what_the_report_reads(study):
+def test_the_summary_holds_each_runs_facts_and_nothing_else(study):
     ab.report_runs(study)
     lines = ab.runs_summary_path(study).read_text().splitlines()
-    assert len(lines) == len(ab.all_run_ids(study))
-    for line in lines:
-        run = json.loads(line)["run"]
-        assert set(run) <= ab.REPORT_RUN_KEYS
-        assert "checks" not in (run.get("evaluation") or {})
+    ids = ab.all_run_ids(study)
+    assert len(lines) == len(ids)
+    for rid, line in zip(ids, lines):
+        row = json.loads(line)
+        assert row[0] == ab.RUNS_SUMMARY_VERSION and row[1] == rid and len(row[2]) == 3
+        facts = json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid))))
+        assert row[3:] == facts
+        assert "zzzz" not in line and "xxxx" not in line   # no per-check details, no gate output
 
 
 def test_a_torn_or_garbled_line_gives_the_same_report(study):
@@ -152,7 +162,9 @@ def test_a_torn_or_garbled_line_gives_the_same_report(study):
     lines = data.split(b"\n")
     lines[3] = b'{"v": 1, "id": "r00004", "stamp": [1, 2, 3], "run": {"arm": "Z"'   # torn
     lines[5] = b"\xff\xfe not json"
-    lines[7] = b'{"v": 1, "id": "r00008", "stamp": "bad", "run": []}'
+    lines[7] = b'{"v": 1, "id": "r00008", "stamp": "bad", "run": []}'   # an older version's line
+    lines[9] = b'[2, "r00010", "bad"]'
+    lines[11] = json.dumps([1, *json.loads(lines[11])[1:]]).encode()      # another version
     f.write_bytes(b"\n".join(lines)[:-40])    # and a torn last line
     assert rendered(ab.report_runs(study)) == truth
     assert rendered(ab.report_runs(study)) == truth   # after the repair appended fresh lines
@@ -178,14 +190,14 @@ def test_a_summary_older_than_a_record_gives_the_same_report(study):
     truth = rendered(records(study))
     got = ab.report_runs(study)
     assert rendered(got) == truth
-    assert [r["run_id"] for r in got] == ab.all_run_ids(study)
+    assert [f.run_id for f in got] == ab.all_run_ids(study)
 
 
 def test_a_removed_record_leaves_the_report(study):
     ab.report_runs(study)
     rid = ab.all_run_ids(study)[4]
     ab.run_file(study, rid).unlink()
-    assert rid not in [r["run_id"] for r in ab.report_runs(study)]
+    assert rid not in [f.run_id for f in ab.report_runs(study)]
 
 
 def test_the_summary_is_compacted_when_it_holds_twice_the_runs(study):
@@ -222,19 +234,23 @@ def test_a_link_or_a_directory_in_the_run_index_is_not_a_run(study, tmp_path):
     os.symlink(outside, study.run_index / "evil.json")
     (study.run_index / "dir.json").mkdir()
     got = ab.report_runs(study)
-    assert "evil" not in [r.get("run_id") for r in got]
+    assert "evil" not in [f.run_id for f in got]
 
 
-# -- The report's reads of a run, checked against the keys the summary keeps ------------------------
+# -- Only the facts read a run record ----------------------------------------------------------------
 
 REPORT_SECTIONS = ("Statistics", "The report: what each arm did", "Rendering: Markdown and HTML")
 #: Names the report sections give a run record.
 RUN_NAMES = {"r", "run", "rec"}
+#: The functions of the report sections that read a run record: run_facts and its parts, and the
+#: per-record checks the run pages use.
+RECORD_READERS = {"run_facts", "_sandbox_fact", "run_audit", "run_score", "run_cost", "run_excluded",
+                  "run_evaluated", "run_succeeded"}
 
 
-def run_key_reads(text: str) -> set[str]:
-    """Every constant key read from a name in RUN_NAMES (x.get("k"), x["k"]) in the report
-    sections of `text`."""
+def record_reads(text: str) -> dict[str, set[str]]:
+    """Function name -> every constant key it reads from a name in RUN_NAMES (x.get("k"), x["k"]),
+    over the top-level functions of the report sections of `text`."""
     lines = text.split("\n")
     banner = "# " + "=" * 98
     keep: list[str] = []
@@ -244,28 +260,34 @@ def run_key_reads(text: str) -> set[str]:
             on = lines[i + 1][2:].strip() in REPORT_SECTIONS
         if on:
             keep.append(line)
-    keys: set[str] = set()
-    for node in ast.walk(ast.parse("\n".join(keep))):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in RUN_NAMES
-                and node.args and isinstance(node.args[0], ast.Constant)):
-            keys.add(node.args[0].value)
-        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-              and node.value.id in RUN_NAMES and isinstance(node.slice, ast.Constant)):
-            keys.add(node.slice.value)
-    return keys
+    out: dict[str, set[str]] = {}
+    for fn in ast.parse("\n".join(keep)).body:
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        keys: set[str] = set()
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in RUN_NAMES
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                keys.add(node.args[0].value)
+            elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                  and node.value.id in RUN_NAMES and isinstance(node.slice, ast.Constant)):
+                keys.add(node.slice.value)
+        if keys:
+            out[fn.name] = keys
+    return out
 
 
-def test_every_run_key_the_report_reads_is_kept_by_the_summary():
-    text = Path(ab.__file__).read_text(encoding="utf-8")
-    reads = run_key_reads(text)
-    assert reads, "the checker found no reads: the section titles moved"
-    derived = {k for k in reads if k.startswith("_")}   # set by the report itself (e.g. _task)
-    assert reads - derived - ab.REPORT_RUN_KEYS == set(), (
-        "the report reads run keys the runs summary does not keep: add them to REPORT_RUN_KEYS")
+def test_only_the_facts_read_a_run_record():
+    reads = record_reads(Path(ab.__file__).read_text(encoding="utf-8"))
+    assert "run_facts" in reads, "the checker found no reads: the section titles moved"
+    assert set(reads) - RECORD_READERS == set(), (
+        "a report function reads a run record: derive what it needs in run_facts (the runs summary "
+        "keeps only the facts)")
 
 
-def test_the_key_checker_finds_reads():
+def test_the_read_checker_finds_reads():
     src = "\n".join(["# " + "=" * 98, "# Statistics", "# " + "=" * 98,
-                     "def f(r, run):", "    return r.get('a'), run['b'], x.get('c')"])
-    assert run_key_reads(src) == {"a", "b"}
+                     "def f(r, run):", "    return r.get('a'), run['b'], x.get('c')", "",
+                     "def g(x):", "    return x.get('d')"])
+    assert record_reads(src) == {"f": {"a", "b"}}
