@@ -4480,15 +4480,34 @@ def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None
     return DEFAULT_PRICE
 
 
-def cost_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
-    """Cost of `tokens` at one price row (input, output, cache write 5m, 1h, read per million)."""
+def micro_usd_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
+    """Cost of `tokens` at one price row (input, output, cache write 5m, 1h, read per million
+    tokens) in micro-USD, not rounded."""
     p_in, p_out, p_5m, p_1h, p_read = row
     cc_5m = tokens.get("cache_creation_5m", 0)
     cc_1h = tokens.get("cache_creation_1h", 0)
     if not (cc_5m or cc_1h):
         cc_5m = tokens.get("cache_creation", 0)
-    return round((tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
-                  + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read) / 1e6, 6)
+    return (tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
+            + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read)
+
+
+def cost_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
+    """Cost of `tokens` at one price row in USD, rounded to 1e-6."""
+    return round(micro_usd_at_prices(tokens, row) / 1e6, 6)
+
+
+def whole_micro_usd(micro: float) -> int | None:
+    """round(round(micro / 1e6, 6) * 1e6): a cost_at_prices figure in whole micro-USD; None when it
+    is not finite.  Below 2**50 it is round(micro) unless micro lies within its own rounding error
+    of a half: the division is one rounding (relative error at most 2**-53), and the decimal
+    rounding then lands on the integer nearest micro; only a near-tie takes the two roundings."""
+    if 0 <= micro < 2 ** 50:
+        whole = round(micro)
+        if 0.5 - abs(micro - whole) > micro * 1e-15:
+            return whole
+    cost = round(micro / 1e6, 6) * 1e6
+    return round(cost) if math.isfinite(cost) else None
 
 
 def estimate_cost_usd(tokens: Mapping[str, int], model: str | None,
@@ -4706,8 +4725,7 @@ class StreamState:
             row = rows.get(model)
             if row is None:
                 row = rows[model] = price_for(model, self.prices)
-            cost = cost_at_prices(m["tokens"], row) * 1e6
-            micro[mid] = round(cost) if math.isfinite(cost) else None
+            micro[mid] = whole_micro_usd(micro_usd_at_prices(m["tokens"], row))
 
     def estimated_cost(self, fallback_model: str | None) -> float:
         """List-price cost of the messages seen (study `prices` overrides included).

@@ -616,3 +616,21 @@ def test_without_a_budget_a_poll_prices_nothing_and_with_one_the_backstop_still_
     capped.state.feed(line)
     capped._check(None, None)
     assert capped.end == ("failed", "budget")
+
+
+def test_whole_micro_usd_is_the_two_roundings_it_replaces() -> None:
+    """Ties and near-ties (where the division's rounding decides), large and absurd figures, and
+    random ones: the one-rounding answer is the two-rounding answer every time."""
+    def two_roundings(micro: float) -> int | None:
+        cost = round(micro / 1e6, 6) * 1e6
+        return round(cost) if math.isfinite(cost) else None
+    rng = random.Random(5)
+    values = [0.0, 0.5, 1.5, 2.5, 1e6 + 0.5, 2.0 ** 49 + 0.5, 2.0 ** 50, 2.0 ** 50 - 0.5, 2.0 ** 60, 1e300,
+              float("inf"), float("nan"), -0.0, -1.0, -2.5, 1e-300, 5e-324]
+    for _ in range(20000):
+        k = rng.choice([rng.randrange(10), rng.randrange(10 ** 6), rng.randrange(2 ** 50)])
+        half = k + 0.5
+        values += [half, math.nextafter(half, 0), math.nextafter(half, math.inf), k + rng.random(),
+                   rng.random() * 10 ** rng.randrange(16)]
+    for x in values:
+        assert ab.whole_micro_usd(x) == two_roundings(x), x
