@@ -634,3 +634,57 @@ def test_whole_micro_usd_is_the_two_roundings_it_replaces() -> None:
                    rng.random() * 10 ** rng.randrange(16)]
     for x in values:
         assert ab.whole_micro_usd(x) == two_roundings(x), x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bounded_budget_check_answers_as_the_estimate_does(seed: int) -> None:
+    """estimate_exceeds against the reference's estimate, at limits far below, just below, at, just
+    above and far above it, between blocks of random messages (revised, of several models or none,
+    with and without a cache-write split) and the hostile corpus."""
+    rng = random.Random(seed)
+    lines = corpus()
+    for i in range(400):
+        usage = {"input_tokens": rng.randrange(10 ** rng.randrange(1, 8)), "output_tokens": rng.randrange(5000),
+                 "cache_read_input_tokens": rng.randrange(10 ** 6), "cache_creation_input_tokens": rng.randrange(9999)}
+        if rng.random() < 0.5:
+            usage["cache_creation"] = {"ephemeral_1h_input_tokens": rng.randrange(99),
+                                       "ephemeral_5m_input_tokens": rng.randrange(99)}
+        lines.append(_line({"type": "assistant", "message": {
+            "id": f"r{rng.randrange(150)}", "usage": usage,
+            "model": rng.choice([MODEL, "claude-haiku-4-5", "claude-sonnet-4-5", None, "unknown-model"])}}))
+    rng.shuffle(lines)
+    fast, ref = ab.StreamState(), ReferenceStreamState()
+    if seed % 2:
+        fast.prices = ref.prices = {"claude-haiku": [0.5, 2.5, 0.625, 1.0, 0.05]}
+    checks = 0
+    for i in range(0, len(lines), 23):
+        fast.feed_lines(lines[i:i + 23])
+        for ln in lines[i:i + 23]:
+            ref.feed(ln)
+        fallback = rng.choice([MODEL, "claude-haiku-4-5"])
+        est = ref.estimated_cost(fallback)
+        for limit in (0.0, est / 3, math.nextafter(est, 0), est, math.nextafter(est, math.inf), est + 1e-6,
+                      est * 1.01 + 0.01, est * 3 + 1, 1e9):
+            assert fast.estimate_exceeds(fallback, limit) is (est > limit), (est, limit)
+            checks += 1
+        assert fast.estimated_cost(fallback) == est
+    assert checks > 100
+
+
+def test_the_bound_covers_every_message_rounded_up() -> None:
+    """Each message's cost rounds up (3 cache-write tokens at 6.25 a million: 18.75 micro-USD,
+    rounded to 19): the estimate exceeds the plain token sum by 500 micro-USD over 2,000 messages,
+    and the bound still answers as the estimate does on either side of it."""
+    fast, ref = ab.StreamState(), ReferenceStreamState()
+    for i in range(2000):
+        ln = _asst(f"m{i}", {"cache_creation_input_tokens": 3})
+        fast.feed(ln)
+        ref.feed(ln)
+    est = ref.estimated_cost(MODEL)
+    plain = 2000 * 3 * ab.price_for(MODEL)[2] / 1e6
+    assert est - plain > 0.0004
+    for limit in (plain, (plain + est) / 2, math.nextafter(est, 0), est, est + 0.001):
+        assert fast.estimate_exceeds(MODEL, limit) is (est > limit)
+    quiet = ab.StreamState()
+    quiet.feed(_asst("m", {"input_tokens": 10}))
+    assert quiet.estimate_exceeds(MODEL, 1.0) is False and quiet._cost_key is None   # answered by the bound
