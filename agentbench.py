@@ -13041,7 +13041,7 @@ class RunFacts(NamedTuple):
     score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
     tests_passed: int
     tests_total: int
-    cost_raw: Any                 # cost_usd as recorded (the power plan prices from it)
+    cost_raw: float | None        # cost_usd when a finite number (the power plan prices from it)
     cost: float                   # float(cost_usd or 0): what the cost sums add
     cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
     cost_estimated: bool
@@ -13062,11 +13062,36 @@ class RunFacts(NamedTuple):
 
 
 def _int_or_zero(value: Any) -> int:
-    """int(value or 0), and 0 for what int() refuses: a count read from a record."""
+    """int(value or 0), and 0 for what int() refuses or for a count no float holds exactly (past
+    2**53): a count read from a record."""
     try:
-        return int(value or 0)
+        got = int(value or 0)
     except (TypeError, ValueError, OverflowError):
         return 0
+    return got if -(1 << 53) <= got <= 1 << 53 else 0
+
+
+#: Past this magnitude a run's cost or score is not believed: the report's exact sums of 100,000
+#: such figures must stay within a float.
+_FACT_NUMBER_MAX = 1e15
+
+
+def _float_or(value: Any, default: float | None) -> float | None:
+    """float(value) when that is a finite number within _FACT_NUMBER_MAX, else `default` (a text
+    such as "1.5" converts, as float() converts it)."""
+    try:
+        got = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+    return got if math.isfinite(got) and abs(got) <= _FACT_NUMBER_MAX else default
+
+
+def _as_list(value: Any) -> list:
+    """A list field of a record as a list: a list as it is, nothing as [], any other value as the
+    one item it is."""
+    if isinstance(value, list):
+        return value
+    return [] if value is None or value == "" else [value]
 
 
 def _sandbox_fact(rec: Mapping[str, Any]) -> dict | None:
@@ -13075,24 +13100,23 @@ def _sandbox_fact(rec: Mapping[str, Any]) -> dict | None:
         return None
     sb = rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}
     if not sb.get("sandboxed"):
-        return {"sandboxed": False, "reasons": [str(w) for w in sb.get("reasons") or []]}
-    opened = "open" in (sb.get("networks") or [])
-    unfiltered = sb.get("unfiltered")
+        return {"sandboxed": False, "reasons": [str(w) for w in _as_list(sb.get("reasons"))]}
+    opened = "open" in _as_list(sb.get("networks"))
+    unfiltered = [str(w) for w in _as_list(sb.get("unfiltered") or None)]
     if not opened and not unfiltered:
         return None
     return {"sandboxed": True,
-            "network_opened": [str(w) for w in sb.get("network_opened") or []] if opened else None,
-            "unfiltered": [str(w) for w in unfiltered] if isinstance(unfiltered, list) and unfiltered
-            else None}
+            "network_opened": [str(w) for w in _as_list(sb.get("network_opened"))] if opened else None,
+            "unfiltered": unfiltered or None}
 
 
 def _delivery_fact(d: Any) -> list | None:
     """A run's delivery check as the report counts it (see report_delivery)."""
     if not isinstance(d, dict):
         return None
-    missed = [str(k) for k in d.get("not_delivered") or [] if isinstance(k, str)]
+    missed = [str(k) for k in _as_list(d.get("not_delivered")) if isinstance(k, str)]
     settings = {}
-    for k, v in (d.get("settings") or {}).items():
+    for k, v in (d.get("settings") if isinstance(d.get("settings"), dict) else {}).items():
         if isinstance(v, dict):
             settings[str(k)] = {True: "delivered", False: "not_delivered"}.get(v.get("delivered"),
                                                                                 "not_observable")
@@ -13101,7 +13125,7 @@ def _delivery_fact(d: Any) -> list | None:
     for k in ("mcp_calls", "subagent_calls", "skill_calls", "hooks_fired"):
         n = used.get(k)
         counts.append(int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else 0)
-    models = [str(m) for m in used.get("models_served") or [] if isinstance(m, str)]
+    models = [str(m) for m in _as_list(used.get("models_served")) if isinstance(m, str)]
     return [missed, settings, counts, models]
 
 
@@ -13111,12 +13135,15 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
     evaluated = isinstance(ev, dict)
     score = ev.get("score") if evaluated else None
     tokens = rec.get("tokens")
-    tokens = ({k: v for k, v in tokens.items() if isinstance(v, (int, float))}
+    tokens = ({k: v for k, v in tokens.items()
+               if isinstance(v, (int, float)) and _float_or(v, None) is not None}
               if isinstance(tokens, dict) else {})
     wall = rec.get("wall_s")
     verdicts = rec.get("review_verdicts")
     audit = run_audit(rec)
-    snapshots = ev.get("snapshots") if evaluated else None
+    snapshots = [s for s in _as_list(ev.get("snapshots")) if isinstance(s, dict)
+                 and isinstance(s.get("t"), (int, float)) and _float_or(s.get("t"), None) is not None
+                 and _float_or(s.get("score") or 0, None) is not None] if evaluated else None
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
     launch = prov.get("launch")
     task = rec.get("task")
@@ -13129,20 +13156,19 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
         validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
         else None,
         evaluated=evaluated, success=evaluated and bool(ev.get("success")),
-        score=float(score) if isinstance(score, (int, float)) else None,
+        score=_float_or(score, None) if isinstance(score, (int, float)) else None,
         score_checked=run_score(dict(rec)) if evaluated else None,
         tests_passed=_int_or_zero(ev.get("tests_passed")) if evaluated else 0,
         tests_total=_int_or_zero(ev.get("tests_total")) if evaluated else 0,
-        cost_raw=cost, cost=float(cost or 0.0) if isinstance(cost or 0.0, (int, float)) else 0.0,
-        cost_checked=usd_from(cost, hi=math.inf), cost_estimated=bool(rec.get("cost_estimated")),
+        cost_raw=finite_number(cost), cost=_float_or(cost or 0.0, 0.0),
+        cost_checked=usd_from(cost, hi=_FACT_NUMBER_MAX), cost_estimated=bool(rec.get("cost_estimated")),
         tokens=tokens or None,
-        wall_s=float(wall) if isinstance(wall, (int, float)) else None,
+        wall_s=_float_or(wall, None) if isinstance(wall, (int, float)) else None,
         gate_cycles=_int_or_zero(rec.get("gate_cycles")),
         review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
         failure_reason=rec.get("failure_reason"),
         audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
-        snapshots=[s for s in snapshots if isinstance(s, dict)] if isinstance(snapshots, list) and snapshots
-        else None,
+        snapshots=snapshots or None,
         rehearsal=bool(prov.get("rehearsal")),
         launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
         complete=bool(rec.get("status") and rec.get("provenance") and ev),
@@ -13332,7 +13358,7 @@ def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
             for j, (k, v) in enumerate(f.tokens.items()):
                 have = tokens.get(k)
                 if have is None:
-                    tokens[k] = [v, (pos, j)]
+                    tokens[k] = [0 + v, (pos, j)]
                 else:
                     have[0] += v
         if flagged:
@@ -16798,8 +16824,9 @@ def gc_paused() -> Iterator[None]:
     """The cyclic garbage collector off for the block (restored after, whatever happens): loading
     many small JSON records allocates only acyclic objects, and the collector's repeated passes
     over them cost more than the parse.  Reference counting still frees everything.  What the block
-    made and kept is then frozen (gc.freeze: the collector never walks it again), or re-enabling
-    would start with one pass over all of it: a command's data lives until the command ends."""
+    made and kept is then moved to the oldest generation (gc.freeze, then gc.unfreeze): re-enabling
+    would otherwise start with a pass over all of it, and the oldest generation is walked only when
+    it has grown by a quarter (so nothing is kept from the collector for good)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -16807,6 +16834,7 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
@@ -16827,9 +16855,11 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 
 
 # -- The runs summary: what `report` reads instead of every run record -----------------------------
-# state/runs_summary.jsonl holds one line per run, a JSON array: the summary's version, the run's
-# id, the stamp of its record file (inode, mtime in ns, size: a record is replaced by rename, so
-# any rewrite changes the inode) and the record's facts (run_facts).  It is a cache, never the
+# state/runs_summary.jsonl holds one line per run, a JSON array: a tag (the summary's version and a
+# digest of the code that wrote it: facts derived by other code are not believed), the run's id,
+# the stamp of its record file (device, inode, size, mtime and ctime in ns: a record is replaced by
+# rename, and ctime moves on every change, whoever sets the mtime back) and the record's facts
+# (run_facts).  It is a cache, never the
 # truth: `report` checks every line against the record's current stamp (one stat per run, no
 # read), reads again only the records whose stamp moved or that have no line, and appends lines
 # for them.  A torn or garbled line, a line of another version, a missing file or a line older
@@ -16837,9 +16867,36 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 # (rewritten atomically) when it holds more than twice as many lines as there are runs.  Nothing
 # in it is ever believed over the record itself.
 
+def _own_code_digest() -> str | None:
+    """sha256 of this program's source (None when it cannot be read): a report computed by other
+    code is not reused."""
+    try:
+        return sha256_file(__file__)
+    except (OSError, NameError, TypeError):
+        return None
+
+
 RUNS_SUMMARY_FILE = "runs_summary.jsonl"
 #: The summary's format: a line of another version is stale.
-RUNS_SUMMARY_VERSION = 2
+RUNS_SUMMARY_VERSION = 3
+#: A summary or report cache larger than this is not read (the runs are read from their records).
+CACHE_FILE_MAX_BYTES = 1 << 30
+
+
+def summary_tag() -> str | None:
+    """The first item of every summary line this code writes and believes: the format's version
+    and this code's digest (None: the code cannot be read, so no summary is read or written)."""
+    code = _own_code_digest()
+    return None if code is None else f"{RUNS_SUMMARY_VERSION}:{code[:20]}"
+
+
+def read_cache_file(path: Path) -> bytes | None:
+    """A cache file's bytes: a regular file, not through a link, not a FIFO, not past
+    CACHE_FILE_MAX_BYTES; None otherwise (the cache is then missing, which is never wrong)."""
+    try:
+        return read_capped(path, CACHE_FILE_MAX_BYTES)
+    except (OSError, UnusableTree):
+        return None
 _SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
@@ -16848,8 +16905,8 @@ def runs_summary_path(paths: StudyPaths) -> Path:
 
 
 def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
-    """Run id -> [inode, mtime_ns, size] of every record file in the run index (lstat: a link is
-    never followed, and a name that is not a run id is skipped)."""
+    """Run id -> [device, inode, size, mtime_ns, ctime_ns] of every record file in the run index
+    (lstat: a link is never followed, and a name that is not a run id is skipped)."""
     out: dict[str, list[int]] = {}
     try:
         it = os.scandir(paths.run_index)
@@ -16865,25 +16922,25 @@ def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                out[name[:-5]] = [st.st_ino, st.st_mtime_ns, st.st_size]
+                out[name[:-5]] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     return out
 
 
-def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], list[Any]]], int]:
+def read_runs_summary(path: Path,
+                      tag: str | None) -> tuple[dict[str, tuple[list[int], list[Any]]], int]:
     """The summary's lines: run id -> (stamp, the line itself), the last line of an id winning,
-    and how many lines the file has.  A line that is not a well-formed entry of this version is
-    skipped (its run is then read from its record)."""
+    and how many lines the file has.  A line that is not a well-formed entry with this `tag`
+    (summary_tag) is skipped (its run is then read from its record)."""
     out: dict[str, tuple[list[int], list[Any]]] = {}
     lines = 0
-    try:
-        data = path.read_bytes()
-    except OSError:
+    data = read_cache_file(path) if tag is not None else None
+    if data is None:
         return out, 0
     try:
         # Whole lines joined into one array: one parse instead of one per line.  A torn or
         # garbled line fails it, and the lines are then parsed one by one.
         rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]") if data.strip() else []
-    except ValueError:
+    except (ValueError, RecursionError):
         rows = None
     if rows is None:
         rows = []
@@ -16891,11 +16948,11 @@ def read_runs_summary(path: Path) -> tuple[dict[str, tuple[list[int], list[Any]]
             if raw:
                 try:
                     rows.append(json.loads(raw))
-                except ValueError:
+                except (ValueError, RecursionError):
                     rows.append(None)
     for row in rows:
         lines += 1
-        if (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == RUNS_SUMMARY_VERSION
+        if (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == tag
                 and type(row[1]) is str and type(row[2]) is list):
             out[row[1]] = (row[2], row)
     return out, lines
@@ -16907,9 +16964,8 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-def _summary_line(run_id: str, stamp: list[int], facts: RunFacts) -> str:
-    return json.dumps([RUNS_SUMMARY_VERSION, run_id, stamp, *facts], separators=(",", ":"),
-                      default=str) + "\n"
+def _summary_line(tag: str | None, run_id: str, stamp: list[int], facts: RunFacts) -> str:
+    return json.dumps([tag, run_id, stamp, *facts], separators=(",", ":"), default=str) + "\n"
 
 
 def report_runs(paths: StudyPaths, *, write: bool = True,
@@ -16921,9 +16977,11 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
     the caller has them already."""
     summary_file = runs_summary_path(paths)
     make = RunFacts._make
+    tag = summary_tag()
+    write = write and tag is not None
     with gc_paused():
         stamps = run_record_stamps(paths) if stamps is None else stamps
-        cached, lines = read_runs_summary(summary_file)
+        cached, lines = read_runs_summary(summary_file, tag)
         out: list[RunFacts] = []
         fresh: list[str] = []
         for rid in sorted(stamps):
@@ -16937,7 +16995,7 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
                 raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
                                       run=rid, path=str(run_file(paths, rid)))
             # Through JSON, as a summary line would be: the facts are the same either way.
-            line = _summary_line(rid, stamp, run_facts(rec))
+            line = _summary_line(tag, rid, stamp, run_facts(rec))
             out.append(make(json.loads(line)[3:]))
             fresh.append(line)
     if write and (fresh or lines >= 2 * max(len(stamps), 1)):
@@ -16945,7 +17003,7 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
             if lines + len(fresh) >= 2 * max(len(stamps), 1):
                 # Compact: one line per run, written whole and renamed into place.
                 write_text_atomic(summary_file, "".join(
-                    _summary_line(rid, stamps[rid], facts) for rid, facts in zip(sorted(stamps), out)))
+                    _summary_line(tag, rid, stamps[rid], facts) for rid, facts in zip(sorted(stamps), out)))
             else:
                 with open(summary_file, "ab") as fh:
                     # After a torn last line (a crash mid-append), start on a line of our own.
@@ -16969,15 +17027,6 @@ REPORT_CACHE_VERSION = 1
 
 def report_cache_path(paths: StudyPaths) -> Path:
     return paths.state / REPORT_CACHE_FILE
-
-
-def _own_code_digest() -> str | None:
-    """sha256 of this program's source (None when it cannot be read): a report computed by other
-    code is not reused."""
-    try:
-        return sha256_file(__file__)
-    except (OSError, NameError, TypeError):
-        return None
 
 
 def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None:
@@ -17004,10 +17053,11 @@ def read_report_cache(paths: StudyPaths, key: str | None) -> dict[str, Any] | No
     """The cached entry for `key` ({"report": ..., "any_started": ...}), or None."""
     if key is None:
         return None
+    data = read_cache_file(report_cache_path(paths))
     try:
         with gc_paused():
-            got = json.loads(report_cache_path(paths).read_bytes())
-    except (OSError, ValueError):
+            got = json.loads(data) if data is not None else None
+    except (ValueError, RecursionError):
         return None
     if (not isinstance(got, dict) or got.get("v") != REPORT_CACHE_VERSION or got.get("key") != key
             or not isinstance(got.get("report"), dict) or not isinstance(got.get("any_started"), bool)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 
 import pytest
 
@@ -111,3 +112,24 @@ def test_a_cache_that_cannot_be_written_is_not_needed(study, tmp_path):
         assert report(study, "json", tmp_path) == truth
     finally:
         ab.report_cache_path(study).rmdir()
+
+
+@pytest.mark.parametrize("what", ["deep", "fifo"])
+def test_a_cache_that_is_not_a_plain_file_is_ignored(study, tmp_path, what):
+    truth = fresh(study, "json", tmp_path)
+    cache = ab.report_cache_path(study)
+    if what == "deep":
+        cache.write_bytes(b"[" * 100000 + b"]" * 100000)
+    else:
+        os.mkfifo(cache)
+    try:
+        assert report(study, "json", tmp_path) == truth
+    finally:
+        cache.unlink()
+
+
+def test_the_paused_collector_keeps_nothing_from_it():
+    import gc
+    with ab.gc_paused():
+        kept = [[i] for i in range(1000)]
+    assert gc.get_freeze_count() == 0 and gc.isenabled() and kept

@@ -148,7 +148,7 @@ def test_the_summary_holds_each_runs_facts_and_nothing_else(study):
     assert len(lines) == len(ids)
     for rid, line in zip(ids, lines):
         row = json.loads(line)
-        assert row[0] == ab.RUNS_SUMMARY_VERSION and row[1] == rid and len(row[2]) == 3
+        assert row[0] == ab.summary_tag() and row[1] == rid and len(row[2]) == 5
         facts = json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid))))
         assert row[3:] == facts
         assert "zzzz" not in line and "xxxx" not in line   # no per-check details, no gate output
@@ -291,3 +291,89 @@ def test_the_read_checker_finds_reads():
                      "def f(r, run):", "    return r.get('a'), run['b'], x.get('c')", "",
                      "def g(x):", "    return x.get('d')"])
     assert record_reads(src) == {"f": {"a", "b"}}
+
+
+# -- What a summary line is believed for --------------------------------------------------------------
+
+def test_lines_written_by_other_code_are_not_believed(study, monkeypatch):
+    truth = rendered(records(study))
+    ab.report_runs(study)
+    tag = ab.summary_tag()
+    cached, _ = ab.read_runs_summary(ab.runs_summary_path(study), tag)
+    assert len(cached) == len(ab.all_run_ids(study))
+    # Another agentbench (whose run_facts may count differently) wrote the same file.
+    monkeypatch.setattr(ab, "_own_code_digest", lambda: "f" * 64)
+    assert ab.summary_tag() != tag
+    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag())[0] == {}
+    assert rendered(ab.report_runs(study)) == truth
+    # Code that cannot be read keeps no summary at all.
+    monkeypatch.setattr(ab, "_own_code_digest", lambda: None)
+    ab.runs_summary_path(study).unlink()
+    assert rendered(ab.report_runs(study)) == truth
+    assert not ab.runs_summary_path(study).exists()
+
+
+def test_a_rewrite_with_its_old_size_and_mtime_is_seen(study):
+    """A record rewritten in place, same size, its mtime set back: the ctime still moves."""
+    ab.report_runs(study)
+    rid = next(r for r in ab.all_run_ids(study) if (ab.load_run(study, r).get("evaluation") or {}).get("success"))
+    path = ab.run_file(study, rid)
+    st = path.stat()
+    text = path.read_text()
+    flipped = text.replace('"success": true', '"success":false', 1)   # the same size
+    assert len(flipped) == len(text) and flipped != text
+    with open(path, "r+") as fh:                                   # in place: the same inode
+        fh.write(flipped)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_ino == st.st_ino
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+
+
+@pytest.mark.parametrize("what", ["deep", "fifo", "link"])
+def test_a_summary_that_is_not_a_plain_file_of_lines_is_ignored(study, tmp_path, what):
+    truth = rendered(records(study))
+    f = ab.runs_summary_path(study)
+    if what == "deep":
+        f.write_bytes(b"[" * 100000 + b"]" * 100000 + b"\n")
+    elif what == "fifo":
+        os.mkfifo(f)
+    else:
+        target = tmp_path / "elsewhere.jsonl"
+        ab.report_runs(study)
+        os.replace(f, target)
+        os.symlink(target, f)
+    assert rendered(ab.report_runs(study, write=False)) == truth
+
+
+HOSTILE = [
+    {"status": "not_started", "wall_s": 10 ** 400},
+    {"arm": "Z", "delivery": {"settings": [1], "not_delivered": 5, "used": {"models_served": "m"}}},
+    {"arm": "Z", "sandbox": {"sandboxed": True, "networks": 5}, "status": "finished"},
+    {"sandbox": {"sandboxed": True, "unfiltered": "no seccomp here"}, "status": "finished"},
+    {"sandbox": {"sandboxed": False, "reasons": "no bwrap"}, "status": "finished"},
+    {"cost_usd": 10 ** 400}, {"cost_usd": 8.9e307}, {"cost_usd": -8.9e307}, {"cost_usd": "1.5"},
+    {"cost_usd": float("nan")}, {"wall_s": float("nan"), "status": "finished"},
+    {"evaluation": {"success": True, "score": 10 ** 400, "snapshots": [{"t": "x"}, {"t": 5, "score": "abc"}, 7]}},
+    {"evaluation": {"success": False, "score": 8.9e307}}, {"evaluation": {"success": False, "score": -8.9e307}},
+    {"evaluation": {"tests_passed": "lots", "tests_total": float("inf")}},
+    {"tokens": {"input": True, "output": -0.0, "cache_read": 10 ** 400}},
+    {"gate_cycles": 2 ** 53 + 1}, {"gate_cycles": "x"}, {"review_verdicts": "abc"},
+    {"audit": 5}, {"audit": {"findings": 5, "flagged": True}}, {"provenance": 5}, {"provenance": {"launch": 5}},
+    {"validity": ["tainted"]}, {"failure_reason": {"a": 1}}, {"outcome": ["x"]}, {"task": 7}, {"arm": None},
+]
+
+
+def test_hostile_records_give_a_report_not_a_crash():
+    runs = []
+    for i, extra in enumerate(HOSTILE * 2):
+        rec = {"run_id": f"h{i:03d}", "task": f"t{i % 3}", "arm": "AB"[i % 2], "status": "finished",
+               "outcome": "failure", "validity": "valid", "cost_usd": 1.0,
+               "evaluation": {"success": i % 3 == 0, "score": 0.5, "tests_passed": 1, "tests_total": 2}}
+        rec.update(extra)
+        runs.append(json.loads(json.dumps(rec)))        # as a record file holds it
+    rep = ab.build_report(runs, ["A", "B"], seed=1)
+    assert rep["totals"]["runs"] == sum(1 for r in runs if r.get("arm") in ("A", "B"))
+    json.dumps(rep, allow_nan=False)                       # every figure finite or null
+    assert ab.render_report_md(rep) and ab.render_report_html(rep)
+    facts = [ab.run_facts(r) for r in runs]
+    assert all(json.loads(json.dumps(list(f), allow_nan=False)) for f in facts)
