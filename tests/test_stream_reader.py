@@ -688,3 +688,22 @@ def test_the_bound_covers_every_message_rounded_up() -> None:
     quiet = ab.StreamState()
     quiet.feed(_asst("m", {"input_tokens": 10}))
     assert quiet.estimate_exceeds(MODEL, 1.0) is False and quiet._cost_key is None   # answered by the bound
+
+
+def test_a_usage_nested_as_deep_as_the_parse_allows_twice_is_read_as_before() -> None:
+    """The same usage, nested as deep as the full path still parses, in three events of one
+    message: the fast path (which compares each with the last to skip a repeated snapshot) keeps
+    what the full path kept at every depth up to that limit."""
+    def line(depth: int) -> bytes:
+        return (b'{"type":"assistant","message":{"id":"deep","usage":{"input_tokens":3,"x":'
+                + b"[" * depth + b"]" * depth + b"}}}")
+    lo, hi = 1, 100000      # the deepest usage this stack parses through json.loads (the scanner
+    while lo < hi:          # called directly parses a few levels more: one frame less per level)
+        mid = (lo + hi + 1) // 2
+        ok = reference_of([line(mid)]).bad_lines == 0   # (at the depth of the comparison below)
+        lo, hi = (mid, hi) if ok else (lo, mid - 1)
+    for depth in range(max(1, lo - 12), lo + 1):
+        lines = [line(depth), line(depth), line(depth)]
+        fast = ab.StreamState()
+        fast.feed_lines(lines)
+        assert differing(snapshot(fast), snapshot(reference_of(lines))) == [], depth
