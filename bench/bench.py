@@ -340,13 +340,18 @@ def populate_runs(ab, study: Path, n_runs: int, tasks: int, arms: list[str]) -> 
 
 def change_records(study: Path, n: int) -> int:
     """Rewrite `n` run records spread over the study (by rename, as agentbench writes them), each
-    with another wall time: what a finished batch does to the report's inputs."""
+    with another wall time and the other result (success for failure): what a finished batch
+    does to the report's inputs, its task rates included."""
     runs = sorted((study / "state" / "runs").glob("*.json"))
     step = max(1, len(runs) // max(1, n))
     done = 0
     for p in runs[::step][:n]:
         rec = json.loads(p.read_text())
         rec["wall_s"] = float(rec.get("wall_s") or 0) + 1.0
+        ev = rec.get("evaluation")
+        if isinstance(ev, dict):
+            ev["success"] = not ev.get("success")
+            rec["outcome"] = "success" if ev["success"] else "failure"
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(rec))
         os.replace(tmp, p)
