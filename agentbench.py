@@ -66,6 +66,7 @@ import datetime
 import fnmatch
 import gc
 import importlib
+import io
 import itertools
 import json
 import math
@@ -4409,19 +4410,15 @@ def read_receipt_pipe(rfd: int) -> bytes:
 TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
 
 
-def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any]] | None = None,
-                      where: str = "usage") -> dict[str, int]:
-    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
-
-    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
-    described in `anomalies`."""
-    if type(u) is not dict:   # (a plain dict is a Mapping: the ABC check only for the rest)
-        if u is not None and not isinstance(u, Mapping):
+def _tokens_from_usage_checked(u: Any, anomalies: list[dict[str, Any]] | None, where: str) -> dict[str, int]:
+    """tokens_from_usage for any value: each count through count_from(), each refusal described."""
+    if not isinstance(u, Mapping):
+        if u is not None:
             note_anomaly(anomalies, where, u, "not an object")
-        u = u if isinstance(u, Mapping) else {}
+        u = {}
     cc = u.get("cache_creation")
-    if type(cc) is not dict:
-        cc = cc if isinstance(cc, Mapping) else {}
+    if not isinstance(cc, Mapping):
+        cc = {}
 
     def num(x: Any, key: str) -> int:
         if x is None or (type(x) is int and 0 <= x <= MAX_TOKEN_COUNT):   # the common cases, at once
@@ -4436,6 +4433,33 @@ def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any
             "output": num(u.get("output_tokens"), "output_tokens"),
             "cache_creation": total_cc, "cache_creation_1h": h1, "cache_creation_5m": m5,
             "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
+
+
+def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any]] | None = None,
+                      where: str = "usage") -> dict[str, int]:
+    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
+
+    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
+    described in `anomalies`.  The common shape (a plain dict whose counts are absent or plain ints
+    in range, nothing to describe) is answered at once; anything else takes the checked path."""
+    if type(u) is dict:
+        get = u.get
+        cc = get("cache_creation")
+        if cc is None:
+            h1 = m5 = 0
+        elif type(cc) is dict:
+            h1, m5 = cc.get("ephemeral_1h_input_tokens", 0), cc.get("ephemeral_5m_input_tokens", 0)
+        else:
+            h1 = m5 = None   # not a plain dict: the checked path
+        i, o = get("input_tokens", 0), get("output_tokens", 0)
+        c, r = get("cache_creation_input_tokens", 0), get("cache_read_input_tokens", 0)
+        # Plain ints (not bools) whose bitwise or is in range are each in range (x <= x | y for
+        # x, y >= 0, and a negative one makes the or negative).
+        if (type(i) is int and type(o) is int and type(c) is int and type(r) is int and type(h1) is int
+                and type(m5) is int and 0 <= (i | o | c | r | h1 | m5) <= MAX_TOKEN_COUNT):
+            return {"input": i, "output": o, "cache_creation": c, "cache_creation_1h": h1,
+                    "cache_creation_5m": m5 if (m5 or h1 or not c) else c, "cache_read": r}
+    return _tokens_from_usage_checked(u, anomalies, where)
 
 
 def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None
@@ -4456,31 +4480,113 @@ def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None
     return DEFAULT_PRICE
 
 
-def estimate_cost_usd(tokens: Mapping[str, int], model: str | None,
-                      prices: Mapping[str, Sequence[float]] | None = None) -> float:
-    """Cost of `tokens` at list prices (used only when a session never reported its own cost)."""
-    p_in, p_out, p_5m, p_1h, p_read = price_for(model, prices)
+def billed_tokens(tokens: Mapping[str, int]) -> tuple[int, int, int, int, int]:
+    """The counts a price row applies to, in its order: input, output, cache writes at the 5m and
+    the 1h price (a cache write without the split is priced as 5m), cache reads."""
     cc_5m = tokens.get("cache_creation_5m", 0)
     cc_1h = tokens.get("cache_creation_1h", 0)
     if not (cc_5m or cc_1h):
         cc_5m = tokens.get("cache_creation", 0)
-    return round((tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
-                  + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read) / 1e6, 6)
+    return (tokens.get("input", 0), tokens.get("output", 0), cc_5m, cc_1h, tokens.get("cache_read", 0))
+
+
+def micro_usd_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
+    """Cost of `tokens` at one price row (input, output, cache write 5m, 1h, read per million
+    tokens) in micro-USD, not rounded."""
+    p_in, p_out, p_5m, p_1h, p_read = row
+    cc_5m = tokens.get("cache_creation_5m", 0)
+    cc_1h = tokens.get("cache_creation_1h", 0)
+    if not (cc_5m or cc_1h):
+        cc_5m = tokens.get("cache_creation", 0)
+    return (tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
+            + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read)
+
+
+def cost_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
+    """Cost of `tokens` at one price row in USD, rounded to 1e-6."""
+    return round(micro_usd_at_prices(tokens, row) / 1e6, 6)
+
+
+def whole_micro_usd(micro: float) -> int | None:
+    """round(round(micro / 1e6, 6) * 1e6): a cost_at_prices figure in whole micro-USD; None when it
+    is not finite.  Below 2**50 it is round(micro) unless micro lies within its own rounding error
+    of a half: the division is one rounding (relative error at most 2**-53), and the decimal
+    rounding then lands on the integer nearest micro; only a near-tie takes the two roundings."""
+    if 0 <= micro < 2 ** 50:
+        whole = round(micro)
+        if 0.5 - abs(micro - whole) > micro * 1e-15:
+            return whole
+    cost = round(micro / 1e6, 6) * 1e6
+    return round(cost) if math.isfinite(cost) else None
+
+
+def estimate_cost_usd(tokens: Mapping[str, int], model: str | None,
+                      prices: Mapping[str, Sequence[float]] | None = None) -> float:
+    """Cost of `tokens` at list prices (used only when a session never reported its own cost)."""
+    return cost_at_prices(tokens, price_for(model, prices))
 
 
 def add_tokens(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in TOKEN_KEYS}
 
 
+#: The scanner json.loads ends in, called directly by json_object_line (the same parse of the same
+#: text, without json.loads's per-call detour through type checks, encoding detection and a regex
+#: on either end).  It raises StopIteration or ValueError on what is not JSON.
+_JSON_SCAN = json.JSONDecoder().scan_once
+
+
+def _json_object_loads(raw: str | bytes) -> dict[str, Any] | None:
+    """json_object_line by json.loads (any encoding json.loads detects)."""
+    try:
+        ev = json.loads(raw)
+    except UnicodeDecodeError:
+        try:
+            ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+        except ValueError:
+            return None
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
+def json_object_line(raw: str | bytes) -> dict[str, Any] | None:
+    """The JSON object one stripped, non-empty line holds, else None: exactly what json.loads
+    gives, with bytes that are not UTF-8 read with replacement characters as a line of text would
+    be.  A line that starts with `{` (and, as bytes, not `{` then NUL, which json.loads would read
+    as UTF-16 or UTF-32) is scanned directly; any other line goes through json.loads itself.  What
+    json.loads raises besides ValueError (a RecursionError on absurd nesting) is raised here too;
+    the nesting that raises it is the interpreter's recursion limit less the caller's depth, a few
+    levels deeper here than through json.loads (three frames fewer)."""
+    try:
+        if type(raw) is bytes:
+            if raw[0] != 123 or raw[1:2] == b"\0":
+                return _json_object_loads(raw)
+            try:
+                text = raw.decode("utf-8", "surrogatepass")   # what json.loads decodes UTF-8 with
+            except UnicodeDecodeError:
+                text = raw.decode("utf-8", "replace")
+        else:
+            text = raw
+            if text[0] != "{":
+                return _json_object_loads(raw)
+        ev, end = _JSON_SCAN(text, 0)
+    except (StopIteration, ValueError):
+        return None
+    return ev if end == len(text) else None
+
+
 class StreamState:
     """Incremental parse of one `claude -p --output-format stream-json` process's stdout.
 
-    feed() takes one raw line; it never raises (an event it cannot digest counts as a bad line).
-    What it keeps: the init event, per-message usage (deduplicated by message id, each field the
-    maximum seen, since later events of one message carry later snapshots), tool-use count, models
-    reported, every result event (the last wins), counters of unparseable lines and unknown event
-    types, and the hostile numbers it refused (`anomalies`).  Token counts come from the usage
-    numbers only, never from text length: a huge text block is not a huge cost.
+    feed() takes one raw line, feed_lines() a block of them (what one read of the pipe brought);
+    neither raises (an event it cannot digest counts as a bad line).  What it keeps: the init
+    event, per-message usage (deduplicated by message id, each field the maximum seen, since later
+    events of one message carry later snapshots), tool-use count, models reported, every result
+    event (the last wins), counters of unparseable lines and unknown event types, and the hostile
+    numbers it refused (`anomalies`).  Token counts come from the usage numbers only, never from
+    text length: a huge text block is not a huge cost.  A message's model is priced only when it is
+    a string (another value is an anomaly, and the message is priced at the fallback model).
     """
 
     KNOWN_TYPES = frozenset({"system", "assistant", "user", "result", "stream_event", "rate_limit_event"})
@@ -4503,92 +4609,128 @@ class StreamState:
         self.first_assistant_usage: dict[str, int] | None = None
         self.last_text = ""
         # The running cost estimate (see estimated_cost): micro-USD per message and their sum, at
-        # the (fallback model, prices) they were priced with.
+        # the (fallback model, prices) they were priced with; the messages added or revised since
+        # (priced at the next estimate); and the price row of each model at those prices.
         self._cost_key: tuple[Any, ...] | None = None
         self._cost_micro: dict[str, int | None] = {}
         self._cost_total_micro: int | None = 0
+        self._unpriced: set[str] = set()
+        # What bounds the estimate from above without pricing each message (estimate_exceeds): the
+        # billed token counts summed over messages, the tokens each message was counted with, the
+        # messages added or revised since, and the models the counted messages named.
+        self._token_sums = [0, 0, 0, 0, 0]
+        self._tallied: dict[str, Mapping[str, int]] = {}
+        self._untallied: set[str] = set()
+        self._tallied_models: set[str | None] = set()
+        self._price_rows: dict[str | None, Sequence[float]] = {}
+        #: The last message id whose usage was read, and that usage as the stream gave it.
+        self._last_usage: tuple[str | None, Any] = (None, None)
         self.anomalies: list[dict[str, Any]] = []
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
         try:
             return self._feed(raw)
         except Exception as exc:  # the contract: feeding never raises, whatever the line holds
-            self.bad_lines += 1
-            note_anomaly(self.anomalies, "stream", type(exc).__name__, "event could not be digested")
+            self._indigestible(exc)
             return None
+
+    def feed_lines(self, lines: Iterable[str | bytes]) -> None:
+        """feed() each line in turn (one call for a block: the per-line cost is the parse alone)."""
+        feed = self._feed
+        for raw in lines:
+            try:
+                feed(raw)
+            except Exception as exc:  # as feed(): never raises
+                self._indigestible(exc)
+
+    def _indigestible(self, exc: Exception) -> None:
+        self.bad_lines += 1
+        note_anomaly(self.anomalies, "stream", type(exc).__name__, "event could not be digested")
 
     def _feed(self, raw: str | bytes) -> dict[str, Any] | None:
         raw = raw.strip()
         if not raw:
             return None
         self.lines += 1
-        try:
-            ev = json.loads(raw)
-        except UnicodeDecodeError:
-            # Not UTF-8: read with replacement characters, as a line of text would be.
-            try:
-                ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
-            except ValueError:
-                self.bad_lines += 1
-                return None
-        except ValueError:
-            self.bad_lines += 1
-            return None
-        if not isinstance(ev, dict):
+        ev = json_object_line(raw)
+        if ev is None:
             self.bad_lines += 1
             return None
         kind = ev.get("type")
         if kind not in self.KNOWN_TYPES:
             self.unknown_types += 1
             return ev
-        if ev.get("session_id"):
-            sid = str(ev["session_id"])[:200]
+        sid = ev.get("session_id")
+        if sid:
+            sid = str(sid)[:200]
             self.session_id = self.session_id or sid
             if sid not in self.session_ids and len(self.session_ids) < 20:
                 self.session_ids.append(sid)
-        if kind == "system" and ev.get("subtype") == "init":
-            self.init = ev
-        elif kind == "assistant":
+        if kind == "assistant":
             self._assistant(ev)
-        elif kind == "result":
-            self.results.append(ev)
         elif kind == "user":
             message = ev.get("message")
-            content = (message or {}).get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
+            content = message.get("content") if type(message) is dict else None
+            if type(content) is list:
                 self.tool_results += sum(1 for b in content
-                                         if isinstance(b, dict) and b.get("type") == "tool_result")
+                                         if type(b) is dict and b.get("type") == "tool_result")
+        elif kind == "result":
+            self.results.append(ev)
+        elif kind == "system" and ev.get("subtype") == "init":
+            self.init = ev
         return ev
 
-    def _assistant(self, ev: Mapping[str, Any]) -> None:
+    def _assistant(self, ev: dict[str, Any]) -> None:
         msg = ev.get("message") or {}
-        if not isinstance(msg, dict):
+        if type(msg) is not dict:
             return
         mid = str(msg.get("id") or f"anon-{len(self.message_order)}")
-        usage = tokens_from_usage(msg.get("usage"), self.anomalies, "assistant.usage")
-        if mid not in self.messages:
+        model = msg.get("model")
+        known = self.messages.get(mid)
+        raw_usage = msg.get("usage")
+        same = False
+        if known is not None and mid == self._last_usage[0]:
+            try:
+                same = raw_usage == self._last_usage[1]
+            except RecursionError:   # (not deeper than the parse went; should it be, read it again)
+                same = False
+        if same:
+            usage = known["tokens"]   # the same snapshot as this message's last event: nothing new
+        else:
+            noted = len(self.anomalies)
+            usage = tokens_from_usage(raw_usage, self.anomalies, "assistant.usage")
+            # (A usage that drew an anomaly is read again next time: the anomaly is noted each time.)
+            self._last_usage = (mid, raw_usage) if len(self.anomalies) == noted else (None, None)
+        if known is None:
+            if model is not None and type(model) is not str:
+                note_anomaly(self.anomalies, "assistant.message.model", model, "not a string")
             self.message_order.append(mid)
-            self.messages[mid] = {"model": msg.get("model"), "tokens": usage}
+            self.messages[mid] = {"model": model if type(model) is str else None, "tokens": usage}
+            self._unpriced.add(mid)
+            self._untallied.add(mid)
             if self.first_assistant_usage is None and ev.get("parent_tool_use_id") is None:
                 self.first_assistant_usage = usage
-        else:
-            old = self.messages[mid]["tokens"]
-            self.messages[mid]["tokens"] = {k: max(old.get(k, 0), usage.get(k, 0)) for k in TOKEN_KEYS}
-        model = msg.get("model")
+        elif usage != known["tokens"]:   # (a repeated snapshot changes nothing)
+            old = known["tokens"]
+            known["tokens"] = {k: max(old.get(k, 0), usage.get(k, 0)) for k in TOKEN_KEYS}
+            self._unpriced.add(mid)
+            self._untallied.add(mid)
         if model and model != "<synthetic>" and model not in self.models:
             self.models.append(str(model))
         # Per-event output counts are an early snapshot (the final count only reaches the result
         # event).  No floor is guessed from the content's length: a 10 MB text line would be
         # estimated at tens of dollars and stop a session that reported cents.
         content = msg.get("content")
-        for block in content if isinstance(content, list) else []:
-            if isinstance(block, dict) and block.get("type") == "tool_use":
-                self.tool_uses += 1
-                if len(self.tool_calls) < 2000:
-                    self.tool_calls.append({"name": block.get("name"), "input": block.get("input")})
-            elif isinstance(block, dict) and block.get("type") == "text":
-                self.last_text = str(block.get("text") or "")[-2000:]
-        self._reprice(mid)
+        if type(content) is list:
+            for block in content:
+                if type(block) is dict:
+                    what = block.get("type")
+                    if what == "tool_use":
+                        self.tool_uses += 1
+                        if len(self.tool_calls) < 2000:
+                            self.tool_calls.append({"name": block.get("name"), "input": block.get("input")})
+                    elif what == "text":
+                        self.last_text = str(block.get("text") or "")[-2000:]
 
     @property
     def result(self) -> dict[str, Any] | None:
@@ -4600,43 +4742,78 @@ class StreamState:
             total = add_tokens(total, self.messages[mid]["tokens"])
         return total
 
-    def _message_cost_micro(self, mid: str, fallback_model: str | None) -> int | None:
-        """One message's list-price cost in whole micro-USD (estimate_cost_usd rounds to 1e-6);
-        None when it is not finite (token counts beyond any float)."""
-        m = self.messages[mid]
-        cost = estimate_cost_usd(m["tokens"], m.get("model") or fallback_model, self.prices)
-        return round(cost * 1e6) if math.isfinite(cost * 1e6) else None
-
-    def _reprice(self, mid: str) -> None:
-        """Keep the running total current after message `mid` was added or revised."""
-        if self._cost_key is None:
-            return
-        old = self._cost_micro.get(mid, 0)
-        new = self._message_cost_micro(mid, self._cost_key[0])
-        self._cost_micro[mid] = new
-        self._cost_total_micro = (None if old is None or new is None or self._cost_total_micro is None
-                                  else self._cost_total_micro + new - old)
+    def _price(self, mids: Iterable[str], fallback_model: str | None) -> None:
+        """Each message's list-price cost in whole micro-USD into _cost_micro (estimate_cost_usd
+        rounds to 1e-6); None when it is not finite (token counts beyond any float)."""
+        rows, messages, micro = self._price_rows, self.messages, self._cost_micro
+        for mid in mids:
+            m = messages[mid]
+            model = m["model"] or fallback_model
+            row = rows.get(model)
+            if row is None:
+                row = rows[model] = price_for(model, self.prices)
+            micro[mid] = whole_micro_usd(micro_usd_at_prices(m["tokens"], row))
 
     def estimated_cost(self, fallback_model: str | None) -> float:
         """List-price cost of the messages seen (study `prices` overrides included).
 
         The sum of each message's cost rounded to 1e-6, kept as a running total: the first call
         (and a call with another fallback model or other prices) prices every message; from then
-        on a message is re-priced only when it arrives or its tokens are revised, so a supervisor
+        on a call prices only the messages added or revised since the last one, so a supervisor
         polling this stays linear in the session's length.  Whole micro-USD are summed, so the
         total does not drift whatever the order of revisions."""
         key = (fallback_model, json.dumps(self.prices, sort_keys=True, default=str))
         if self._cost_key != key or self._cost_total_micro is None:
             self._cost_key = key
-            self._cost_micro = {mid: self._message_cost_micro(mid, fallback_model)
-                                for mid in self.message_order}
+            self._price_rows = {}
+            self._unpriced.clear()
+            self._cost_micro = {}
+            self._price(self.message_order, fallback_model)
             parts = list(self._cost_micro.values())
             self._cost_total_micro = None if None in parts else sum(parts)  # type: ignore[arg-type]
+        elif self._unpriced:
+            before = {mid: self._cost_micro.get(mid, 0) for mid in self._unpriced}
+            self._price(before, fallback_model)
+            total: int | None = self._cost_total_micro
+            for mid, old in before.items():
+                new = self._cost_micro[mid]
+                total = None if old is None or new is None or total is None else total + new - old
+            self._unpriced.clear()
+            self._cost_total_micro = total
         if self._cost_total_micro is None:   # a non-finite part: the float sum, as it always was
             return round(sum(estimate_cost_usd(self.messages[mid]["tokens"],
                                                self.messages[mid].get("model") or fallback_model, self.prices)
                              for mid in self.message_order), 6)
         return self._cost_total_micro / 1e6
+
+    def estimate_exceeds(self, fallback_model: str | None, limit_usd: float) -> bool:
+        """Whether estimated_cost(fallback_model) > limit_usd, without pricing each message while
+        an upper bound of the estimate is within the limit.  The bound: the billed token counts
+        summed over all messages, at the highest price of each kind among the models they named
+        (the fallback for those that named none), plus half a micro-USD per message (each
+        message's cost is rounded to a whole micro-USD) and a margin far above the float error.
+        Above the bound's reach the messages are priced, and the answer is the estimate's."""
+        sums, tallied, messages = self._token_sums, self._tallied, self.messages
+        for mid in self._untallied:
+            m = messages[mid]
+            new, old = m["tokens"], tallied.get(mid)
+            if new is not old:
+                for k, v in enumerate(billed_tokens(new)):
+                    sums[k] += v
+                if old is not None:
+                    for k, v in enumerate(billed_tokens(old)):
+                        sums[k] -= v
+                tallied[mid] = new
+            self._tallied_models.add(m["model"])
+        self._untallied.clear()
+        rows = [price_for(model or fallback_model, self.prices) for model in self._tallied_models or [None]]
+        top = [max(row[k] for row in rows) for k in range(5)]
+        if min(top) >= 0:
+            bound = (math.fsum(n * p for n, p in zip(sums, top)) * (1 + 1e-9)
+                     + 0.5 * len(self.message_order) + 1) / 1e6
+            if bound <= limit_usd:
+                return False
+        return self.estimated_cost(fallback_model) > limit_usd
 
 
 def model_matches(requested: str, reported: str) -> bool:
@@ -7687,6 +7864,8 @@ class Supervisor:
     """Runs one job's `claude` process to its end and finalises the job.  One instance per process."""
 
     POLL_S = 0.1
+    #: The most the reader takes from claude's stdout at once (the size of a Linux pipe's buffer).
+    READ_BYTES = 65536
     #: The live workspace cap (limits' workspace_max_bytes) is measured this often (seconds): one
     #: lstat per entry, so not on every poll.
     WORKSPACE_MEASURE_S = 3.0
@@ -7737,38 +7916,70 @@ class Supervisor:
     def _reader(self, stream: Any, raw_path: Path) -> None:
         """Copy and parse claude's stdout to its end.  It cannot die on input (feed() never
         raises) nor on a full disk (the copy stops, flagged, while the parsing goes on): a dead
-        reader would leave the pipe full and the session hung until its wall limit.  The raw file
-        is flushed by every poll (_flush_raw) and every RAW_FLUSH_LINES lines of a burst, not once
-        per line: what claude wrote is on disk within a poll interval."""
+        reader would leave the pipe full and the session hung until its wall limit.  It takes what
+        the pipe holds (up to READ_BYTES at once), copies it to the raw file as it came, and feeds
+        the whole lines in it under one hold of the lock; a line not ended yet waits for its end
+        (or the stream's).  The raw file is flushed by every poll (_flush_raw) and every
+        RAW_FLUSH_LINES lines of a burst, not once per line: what claude wrote is on disk within a
+        poll interval."""
         raw: Any = None
         with contextlib.suppress(OSError):
             raw = open(raw_path, "ab")
         if raw is None:
             self.flags.add("raw_copy_failed")
         self._raw_out, pending = raw, 0
+        read = getattr(stream, "read1", None) or stream.read   # read1: what is there, at most one read
+        state = self.state
+        partial: list[bytes] = []                                # the pieces of a line not ended yet
         try:
-            for line in iter(stream.readline, b""):
+            while True:
+                chunk = read(self.READ_BYTES)
+                if not chunk:
+                    break
                 if raw is not None:
                     try:
-                        raw.write(line)
-                        pending += 1
+                        raw.write(chunk)
                         self._raw_dirty = True
-                        if pending >= RAW_FLUSH_LINES:
-                            raw.flush()
-                            pending = 0
                     except (OSError, ValueError):
-                        self.flags.add("raw_copy_failed")
-                        self._raw_out = None
-                        with contextlib.suppress(OSError, ValueError):
-                            raw.close()
-                        raw = None
+                        raw = self._raw_copy_failed(raw)
+                nl = chunk.rfind(b"\n")
+                if nl < 0:
+                    partial.append(chunk)   # (joined once its end comes: no copy per read)
+                    continue
+                whole = chunk[:nl + 1]
+                if partial:
+                    partial.append(whole)
+                    whole = b"".join(partial)
+                    partial = []
+                if nl + 1 < len(chunk):
+                    partial.append(chunk[nl + 1:])
+                with self._lock:
+                    seen = state.lines
+                    self.last_output = time.monotonic()
+                    state.feed_lines(io.BytesIO(whole))   # its lines, each end found by memchr
+                    pending += state.lines - seen
+                if raw is not None and pending >= RAW_FLUSH_LINES:
+                    pending = 0
+                    try:
+                        raw.flush()
+                    except (OSError, ValueError):
+                        raw = self._raw_copy_failed(raw)
+            if partial:   # the last line, without its newline
                 with self._lock:
                     self.last_output = time.monotonic()
-                    self.state.feed(line)
+                    state.feed(b"".join(partial))
         finally:
             if raw is not None:
                 with contextlib.suppress(OSError, ValueError):
                     raw.close()
+
+    def _raw_copy_failed(self, raw: Any) -> None:
+        """The raw copy cannot go on (a full disk): flagged and closed; the parsing goes on."""
+        self.flags.add("raw_copy_failed")
+        self._raw_out = None
+        with contextlib.suppress(OSError, ValueError):
+            raw.close()
+        return None
 
     def _stop(self, proc: subprocess.Popen[bytes], claude: ProcId | None, status: str,
               reason: str | None) -> None:
@@ -7801,11 +8012,15 @@ class Supervisor:
         if wall and elapsed > float(wall):
             self._stop(proc, claude, "timeout", "wall_time")
             return
+        budget = lim.get("max_budget_usd")
         with self._lock:
             silent = time.monotonic() - self.last_output
             models = list(self.state.models)
             tool_results = self.state.tool_results
-            est = self.state.estimated_cost(self.job["model"])
+            # The estimate serves the budget backstop alone: without a budget nothing is priced,
+            # and with one, only once the estimate's upper bound reaches the backstop.
+            over_budget = budget is not None and self.state.estimate_exceeds(
+                self.job["model"], float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD)
         stall = lim.get("stall_after_s")
         if stall and silent > float(stall) and not self.runtime.get("stalled"):
             self.flags.add("stalled")
@@ -7828,8 +8043,7 @@ class Supervisor:
         if gw is not None and gw.cutoff is not None:
             self._stop(proc, claude, "failed", "budget")   # its gateway cut the answers at a cap
             return
-        budget = lim.get("max_budget_usd")
-        if budget is not None and est > float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD:
+        if over_budget:
             self._stop(proc, claude, "failed", "budget")
             return
         # An injected interrupt counts tools that RAN (their results), not tool calls requested:

@@ -17,7 +17,8 @@ divided by:
   the result file existing.  The first part includes the supervisor's own start (the detached
   process starts while `spawn` returns).  Absolute seconds; the target is a number, not a ratio.
 - supervisor_cpu: CPU seconds of the supervisor's reader and poll loop (Supervisor._reader and
-  _check, in process) over N stream events, paced and as fast as possible, divided by the same
+  _check, in process) over N stream events, paced and as fast as possible (and as fast as possible
+  for a job with a budget, whose polls keep the budget backstop's estimate), divided by the same
   pipe read by a `json.loads` loop.
 - report / usage / list: `report --format json|html` over R run records: first (which builds the
   runs summary, the report cache and the metering's ledger tally), again (the caches), after 1% of
@@ -228,23 +229,25 @@ def feed_pipe(lines: list[bytes], rate: float | None) -> tuple[object, threading
     return os.fdopen(r, "rb"), t
 
 
-def register_job(ab, paths, plat, study: Path, launch: dict, cap: int):
+def register_job(ab, paths, plat, study: Path, launch: dict, cap: int, limits: dict | None = None):
     """A bare executor job registered by create_job, whichever form the measured version has (a
     JobRequest and a LaunchSpec now; keyword parameters before)."""
     if hasattr(ab, "JobRequest"):
-        return ab.create_job(paths, plat, ab.JobRequest(kind="executor", prompt="p", cwd=str(study), limits={},
-                                                        system_prompt="s"),
+        return ab.create_job(paths, plat, ab.JobRequest(kind="executor", prompt="p", cwd=str(study),
+                                                        limits=limits or {}, system_prompt="s"),
                              ab.study_launch_spec(paths.root, {}), launch=launch, binary="claude", cap=cap)
     return ab.create_job(paths, plat, kind="executor", prompt="p", cwd=str(study), launch=launch, binary="claude",
-                         system_prompt="s", session_id=None, resume=None, fork=False, prior={}, limits={}, meta={},
-                         cap=cap)
+                         system_prompt="s", session_id=None, resume=None, fork=False, prior={}, limits=limits or {},
+                         meta={}, cap=cap)
 
 
-def cpu_supervisor(ab, study: Path, lines: list[bytes], rate: float | None) -> float:
+def cpu_supervisor(ab, study: Path, lines: list[bytes], rate: float | None, budget: float | None = None) -> float:
+    """`budget`: the job's max_budget_usd (its polls then keep the budget backstop's estimate)."""
     paths = ab.StudyPaths(study)
     plat = ab.current_platform()
     launch = ab.launch_config(ab.load_study_config(paths))
-    job = register_job(ab, paths, plat, study, launch, cap=10 ** 6)
+    job = register_job(ab, paths, plat, study, launch, cap=10 ** 6,
+                       limits={"max_budget_usd": budget} if budget is not None else None)
     sup = ab.Supervisor(paths, job["job_id"], plat)
     raw = Path(job["raw_dir"]) / "bench-stream.jsonl"
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -282,13 +285,15 @@ def cpu_json_loop(lines: list[bytes], rate: float | None, poll_s: float) -> floa
 def bench_supervisor(mods: dict, tmp: Path, events: int, pace: float) -> dict:
     lines = stream_lines(events)
     out: dict = {}
-    for label, rate in (("paced", pace), ("unpaced", None)):
-        base = statistics.median(cpu_json_loop(lines, rate, 0.1) for _ in range(3))
+    # (label, events per second or None: as fast as possible, the job's budget, samples)
+    for label, rate, budget, n in (("paced", pace, None, 3), ("unpaced", None, None, 5),
+                                   ("unpaced_with_budget", None, 1000.0, 5)):
+        base = statistics.median(cpu_json_loop(lines, rate, 0.1) for _ in range(n))
         row = {"json_loads_loop_cpu_s": round(base, 3)}
         for name, ab in mods.items():
             study = tmp / f"sup-{name}-{label}"
             quiet(ab, ["init", "--study", str(study)])
-            cpu = statistics.median(cpu_supervisor(ab, study, lines, rate) for _ in range(3))
+            cpu = statistics.median(cpu_supervisor(ab, study, lines, rate, budget) for _ in range(n))
             row[f"{name}_cpu_s"] = round(cpu, 3)
             row[f"{name}_x"] = ratio(cpu, base)
         out[f"{label}_{events}_events" + (f"_at_{int(pace)}_per_s" if rate else "")] = row
