@@ -4494,12 +4494,8 @@ def micro_usd_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> floa
     """Cost of `tokens` at one price row (input, output, cache write 5m, 1h, read per million
     tokens) in micro-USD, not rounded."""
     p_in, p_out, p_5m, p_1h, p_read = row
-    cc_5m = tokens.get("cache_creation_5m", 0)
-    cc_1h = tokens.get("cache_creation_1h", 0)
-    if not (cc_5m or cc_1h):
-        cc_5m = tokens.get("cache_creation", 0)
-    return (tokens.get("input", 0) * p_in + tokens.get("output", 0) * p_out + cc_5m * p_5m
-            + cc_1h * p_1h + tokens.get("cache_read", 0) * p_read)
+    n_in, n_out, cc_5m, cc_1h, n_read = billed_tokens(tokens)
+    return n_in * p_in + n_out * p_out + cc_5m * p_5m + cc_1h * p_1h + n_read * p_read
 
 
 def cost_at_prices(tokens: Mapping[str, int], row: Sequence[float]) -> float:
