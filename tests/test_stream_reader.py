@@ -62,6 +62,20 @@ def reference_tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dic
             "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
 
 
+def reference_json_object(raw: str | bytes) -> Any:
+    """What the full path made of one stripped line: the object, or None (a bad line)."""
+    try:
+        ev = json.loads(raw)
+    except UnicodeDecodeError:
+        try:
+            ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
+        except ValueError:
+            return None
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
 class ReferenceStreamState:
     """StreamState as it was before the reader's fast path (each line through json.loads, each
     revision re-priced at once): the oracle the fast path is compared with."""
@@ -105,19 +119,8 @@ class ReferenceStreamState:
         if not raw:
             return None
         self.lines += 1
-        try:
-            ev = json.loads(raw)
-        except UnicodeDecodeError:
-            # Not UTF-8: read with replacement characters, as a line of text would be.
-            try:
-                ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
-            except ValueError:
-                self.bad_lines += 1
-                return None
-        except ValueError:
-            self.bad_lines += 1
-            return None
-        if not isinstance(ev, dict):
+        ev = reference_json_object(raw)
+        if ev is None:
             self.bad_lines += 1
             return None
         kind = ev.get("type")
@@ -220,20 +223,6 @@ class ReferenceStreamState:
                                                self.messages[mid].get("model") or fallback_model, self.prices)
                              for mid in self.message_order), 6)
         return self._cost_total_micro / 1e6
-
-
-def reference_json_object(raw: str | bytes) -> Any:
-    """What the full path made of one stripped line: the object, or None (a bad line)."""
-    try:
-        ev = json.loads(raw)
-    except UnicodeDecodeError:
-        try:
-            ev = json.loads(raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw)
-        except ValueError:
-            return None
-    except ValueError:
-        return None
-    return ev if isinstance(ev, dict) else None
 
 
 # ---- the corpus ------------------------------------------------------------------------------------
