@@ -377,3 +377,55 @@ def test_hostile_records_give_a_report_not_a_crash():
     assert ab.render_report_md(rep) and ab.render_report_html(rep)
     facts = [ab.run_facts(r) for r in runs]
     assert all(json.loads(json.dumps(list(f), allow_nan=False)) for f in facts)
+
+
+def test_reports_racing_record_rewrites_end_as_a_fresh_report(study):
+    """Two readers building and appending the summary while records are rewritten: whatever they
+    interleave, the next report equals the one made from the records."""
+    import threading
+    ids = ab.all_run_ids(study)[:40]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer():
+        n = 0
+        while not stop.is_set():
+            rid = ids[n % len(ids)]
+            ab.save_run(study, {**ab.load_run(study, rid), "wall_s": float(n)})
+            n += 1
+
+    def reader():
+        try:
+            for _ in range(4):
+                ab.report_runs(study)
+        except BaseException as exc:   # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert errors == []
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+
+
+def test_a_record_name_that_is_not_utf8_is_refused_by_name(study):
+    """A run record under a name no run id has (not UTF-8, so never one agentbench wrote) is the
+    clear refusal every command gives it (`unsafe_id`, exit 2, one JSON object), not a crash of the
+    summary or of the cache key, and nothing is cached."""
+    ab.report_runs(study)
+    before = ab.runs_summary_path(study).read_bytes()
+    name = os.fsdecode(b"r\xff\xfe.json")
+    ab.write_json_atomic(study.run_index / name, ab.load_run(study, ab.all_run_ids(study)[0]))
+    stamps = ab.run_record_stamps(study)
+    assert os.fsdecode(b"r\xff\xfe") in stamps and ab.report_cache_key(stamps, []) is not None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = ab.main(["report", "--study", str(study.root), "--format", "json"])
+    answer = json.loads(out.getvalue())
+    assert code == 2 and answer["code"] == "unsafe_id" and answer["error"]
+    assert ab.runs_summary_path(study).read_bytes() == before
+    assert not ab.report_cache_path(study).exists()
