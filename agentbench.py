@@ -70,6 +70,7 @@ import io
 import itertools
 import json
 import math
+import operator
 import os
 import posixpath
 import random
@@ -16859,17 +16860,31 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 
 
 # -- The runs summary: what `report` reads instead of every run record -----------------------------
-# state/runs_summary.jsonl holds one line per run, a JSON array: a tag (the summary's version and a
-# digest of the code that wrote it: facts derived by other code are not believed), the run's id,
-# the stamp of its record file (device, inode, size, mtime and ctime in ns: a record is replaced by
-# rename, and ctime moves on every change, whoever sets the mtime back) and the record's facts
-# (run_facts).  It is a cache, never the
-# truth: `report` checks every line against the record's current stamp (one stat per run, no
-# read), reads again only the records whose stamp moved or that have no line, and appends lines
-# for them.  A torn or garbled line, a line of another version, a missing file or a line older
-# than its record therefore gives the same report as a fresh summary.  The file is compacted
-# (rewritten atomically) when it holds more than twice as many lines as there are runs.  Nothing
-# in it is ever believed over the record itself.
+# state/runs_summary.jsonl holds every run's facts (run_facts) with the stamp of its record file
+# (device, inode, size, mtime and ctime in ns: a record is replaced by rename, and ctime moves on
+# every change, whoever sets the mtime back).  Its first line is the base, one JSON object:
+#   {"tag": T, "ids": [run id, ...], "stamps": B, "columns": [column, ...]}
+# with the run ids in order, their stamps packed (_STAMP: STAMP_BYTES each, in the ids' order, in
+# base64) and one column per field of RunFacts, in their order, each one of:
+#   [value, ...]                      every run's value;
+#   {"value": v}                      v for every run;
+#   {"values": [v, ...], "index": B}  a table of distinct values and each run's position in it,
+#                                     unsigned little-endian numbers of 1, 2 or 4 bytes (for at
+#                                     most 256, 65536, or more values), in base64;
+#   {"same": "ids" or k}              the same values as the run ids or as column k before it.
+# Every later line is one run read since the base was written, a JSON array:
+#   [T, run id, stamp in base64, *facts]
+# T, the tag, is the format's version and a digest of the code that wrote it: facts derived by other
+# code are not believed.  It is a cache, never the truth: `report` checks every run against its
+# record's current stamp (one stat per run, no read), takes its facts from its last line, else from
+# the base, where the stamp there is the current one, reads again only the records whose stamp
+# moved or that have neither, and appends lines for them.  A base or line that is torn, garbled,
+# of another tag or shape, or that holds a value of a type run_facts never gives is not believed
+# (its runs are read from their records), so it gives the same report as a fresh summary.  The
+# file is rewritten whole (a new base, renamed into place) when the lines after the base, or the
+# base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  Values repeat
+# across runs (arms, tasks, statuses, token counts): the base holds each once, and the runs that
+# share it share one object, which no reader of RunFacts mutates (a test holds the report to it).
 
 def _own_code_digest() -> str | None:
     """sha256 of this program's source (None when it cannot be read): a report computed by other
@@ -16881,14 +16896,34 @@ def _own_code_digest() -> str | None:
 
 
 RUNS_SUMMARY_FILE = "runs_summary.jsonl"
-#: The summary's format: a line of another version is stale.
-RUNS_SUMMARY_VERSION = 3
+#: The summary's format: a base or line of another version is stale.
+RUNS_SUMMARY_VERSION = 4
 #: A summary or report cache larger than this is not read (the runs are read from their records).
 CACHE_FILE_MAX_BYTES = 1 << 30
+#: A record's stamp packed: device, inode, size, mtime_ns, ctime_ns (little-endian).
+_STAMP = struct.Struct("<QQQqq")
+STAMP_BYTES = _STAMP.size
+#: The base is rewritten when more than this share of the runs is not in it as they are now.
+_SUMMARY_REBASE_SHARE = 16
+#: The array type codes of a base's 2- and 4-byte indexes.
+_INDEX_CODES = {2: "H", 4: next(c for c in "IL" if array.array(c).itemsize == 4)}
+_NONE = type(None)
+#: The types run_facts gives each field (through JSON); a field not named here may be any value.
+_FACT_TYPES = {
+    "arm": (str,), "arm_given": (bool,), "task_key": (str,), "evaluated": (bool,), "success": (bool,),
+    "score": (float, _NONE), "score_checked": (float, _NONE), "tests_passed": (int,), "tests_total": (int,),
+    "cost_raw": (float, _NONE), "cost": (float,), "cost_checked": (float, _NONE), "cost_estimated": (bool,),
+    "tokens": (dict, _NONE), "wall_s": (float, _NONE), "gate_cycles": (int,),
+    "review_verdicts": (list, _NONE),
+    "audit": (list, _NONE), "snapshots": (list, _NONE), "rehearsal": (bool,), "launch": (list, _NONE),
+    "complete": (bool,), "sandboxed": (bool,), "sandbox": (dict, _NONE), "delivery": (list, _NONE),
+}
+_FIELD_TYPES = tuple(frozenset(_FACT_TYPES[f]) if f in _FACT_TYPES else None for f in RUN_FACTS_FIELDS)
+_SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
 def summary_tag() -> str | None:
-    """The first item of every summary line this code writes and believes: the format's version
+    """The tag of every summary base and line this code writes and believes: the format's version
     and this code's digest (None: the code cannot be read, so no summary is read or written)."""
     code = _own_code_digest()
     return None if code is None else f"{RUNS_SUMMARY_VERSION}:{code[:20]}"
@@ -16901,65 +16936,284 @@ def read_cache_file(path: Path) -> bytes | None:
         return read_capped(path, CACHE_FILE_MAX_BYTES)
     except (OSError, UnusableTree):
         return None
-_SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
 def runs_summary_path(paths: StudyPaths) -> Path:
     return paths.state / RUNS_SUMMARY_FILE
 
 
-def run_record_stamps(paths: StudyPaths) -> dict[str, list[int]]:
-    """Run id -> [device, inode, size, mtime_ns, ctime_ns] of every record file in the run index
-    (lstat: a link is never followed, and a name that is not a run id is skipped)."""
-    out: dict[str, list[int]] = {}
+@dataclass(frozen=True)
+class RecordStamps:
+    """Every run record's stamp: the run ids in order and their stamps packed (STAMP_BYTES each,
+    in the same order), as run_record_stamps found them."""
+    ids: list[str]
+    packed: bytes
+
+    def stamp(self, i: int) -> bytes:
+        return self.packed[i * STAMP_BYTES:(i + 1) * STAMP_BYTES]
+
+
+def pack_stamp(st: os.stat_result) -> bytes:
+    """A record's stamp as STAMP_BYTES bytes: its numbers packed, or (a time or number no 64-bit
+    word holds) a digest of them, which no packed stamp equals but by a preimage."""
     try:
-        it = os.scandir(paths.run_index)
+        return _STAMP.pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except struct.error:
+        text = repr((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        return hashlib.blake2b(text.encode(), digest_size=STAMP_BYTES).digest()
+
+
+def run_record_stamps(paths: StudyPaths) -> RecordStamps:
+    """The stamp of every record file in the run index, by run id (lstat: a link is never followed,
+    and a name that is not a run id is skipped).  The directory is opened once and each record is
+    stat'ed relative to it where the platform can."""
+    found: dict[str, bytes] = {}
+    try:
+        fd = os.open(paths.run_index, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except (FileNotFoundError, NotADirectoryError):
-        return out
-    with it:
-        for e in it:
-            name = e.name
-            if not name.endswith(".json") or name.startswith(".") or len(name) <= 5:
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                out[name[:-5]] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return out
-
-
-def read_runs_summary(path: Path,
-                      tag: str | None) -> tuple[dict[str, tuple[list[int], list[Any]]], int]:
-    """The summary's lines: run id -> (stamp, the line itself), the last line of an id winning,
-    and how many lines the file has.  A line that is not a well-formed entry with this `tag`
-    (summary_tag) is skipped (its run is then read from its record)."""
-    out: dict[str, tuple[list[int], list[Any]]] = {}
-    lines = 0
-    data = read_cache_file(path) if tag is not None else None
-    if data is None:
-        return out, 0
+        return RecordStamps([], b"")
     try:
-        # Whole lines joined into one array: one parse instead of one per line.  A torn or
-        # garbled line fails it, and the lines are then parsed one by one.
-        rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]") if data.strip() else []
-    except (ValueError, RecursionError):
-        rows = None
-    if rows is None:
-        rows = []
-        for raw in data.split(b"\n"):
-            if raw:
+        with os.scandir(fd if os.scandir in os.supports_fd else paths.run_index) as it:
+            for e in it:
+                name = e.name
+                if not name.endswith(".json") or name.startswith(".") or len(name) <= 5:
+                    continue
                 try:
-                    rows.append(json.loads(raw))
-                except (ValueError, RecursionError):
-                    rows.append(None)
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found[name[:-5]] = pack_stamp(st)
+    finally:
+        os.close(fd)
+    ids = sorted(found)
+    return RecordStamps(ids, b"".join(map(found.__getitem__, ids)))
+
+
+def _encode_index(index: list[int], size: int) -> str:
+    """Each run's position in a table of `size` values, as the base holds it (see the banner)."""
+    if size <= 256:
+        raw = bytes(index)
+    else:
+        arr = array.array(_INDEX_CODES[2 if size <= 65536 else 4], index)
+        if sys.byteorder == "big":
+            arr.byteswap()
+        raw = arr.tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _decode_index(text: Any, size: int, n: int) -> Sequence[int]:
+    """The `n` positions `text` holds for a table of `size` values; ValueError or TypeError when
+    it holds something else."""
+    raw = base64.b64decode(text, validate=True)
+    if size <= 256:
+        index: Sequence[int] = raw
+    else:
+        arr = array.array(_INDEX_CODES[2 if size <= 65536 else 4])
+        arr.frombytes(raw)
+        if sys.byteorder == "big":
+            arr.byteswap()
+        index = arr
+    if len(index) != n:
+        raise ValueError("an index of another length")
+    return index
+
+
+def _encode_column(values: Sequence[Any]) -> Any:
+    """A column of the base: one value for all runs, a table of its distinct values and each run's
+    position in it, or (most values distinct) the values themselves.  Values are told apart by
+    repr, which differs for any two JSON values that differ (1, 1.0 and True; 0.0 and -0.0; key
+    order), taken once per distinct object (the runs read from a base share their values')."""
+    objects = list(map(id, values))
+    distinct = dict(zip(objects, values))
+    try:
+        texts = list(map(repr, distinct.values()))
+    except (RecursionError, ValueError):
+        return list(values)
+    slots: dict[str, int] = {}
+    table: list[Any] = []
+    slot_of: dict[int, int] = {}
+    for obj, text, value in zip(distinct, texts, distinct.values()):
+        slot = slots.get(text)
+        if slot is None:
+            slot = slots[text] = len(table)
+            table.append(value)
+        slot_of[obj] = slot
+    if len(table) == 1:
+        return {"value": table[0]}
+    if len(table) > len(values) // 2:
+        return list(values)
+    return {"values": table, "index": _encode_index(list(map(slot_of.__getitem__, objects)), len(table))}
+
+
+def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts]) -> str:
+    """The base line of the summary for these runs (facts in the order of stamps.ids).  A column
+    that is, as JSON, the run ids or an earlier column is written as {"same": "ids" or k}."""
+    ids = json.dumps(stamps.ids, separators=(",", ":"))
+    seen = {ids: "ids"}
+    columns = []
+    for k, values in enumerate(zip(*facts) if facts else [() for _ in RUN_FACTS_FIELDS]):
+        text = json.dumps(_encode_column(values), separators=(",", ":"), default=str)
+        columns.append(json.dumps({"same": seen[text]}) if text in seen else text)
+        seen.setdefault(text, k)
+    return (f'{{"tag":{json.dumps(tag)},"ids":{ids},'
+            f'"stamps":"{base64.b64encode(stamps.packed).decode("ascii")}","columns":[{",".join(columns)}]}}')
+
+
+def _decode_column(column: Any, n: int, ids: list[str],
+                   earlier: list[tuple[Sequence[Any], Sequence[Any]]]) -> tuple[Sequence[Any], Sequence[Any]]:
+    """The `n` values of a base's column and its distinct values (or the values themselves),
+    given the run ids and the columns before it; ValueError (or TypeError, IndexError, KeyError)
+    when it is not one."""
+    if type(column) is list:
+        if len(column) != n:
+            raise ValueError("a column of another length")
+        return column, column
+    if type(column) is not dict:
+        raise ValueError("not a column")
+    if "same" in column:
+        same = column["same"]
+        if same == "ids":
+            return ids, ids
+        if type(same) is not int or not 0 <= same < len(earlier):
+            raise ValueError("not an earlier column")
+        return earlier[same]
+    if "value" in column:
+        return [column["value"]] * n, [column["value"]]
+    table = column["values"]
+    if type(table) is not list:
+        raise ValueError("not a column")
+    index = _decode_index(column["index"], len(table), n)
+    if n <= 1:
+        return [table[i] for i in index], table
+    return operator.itemgetter(*index)(table), table   # IndexError past the table
+
+
+def decode_summary_base(data: bytes, tag: str) -> tuple[RecordStamps, list[RunFacts]] | None:
+    """The runs of a base line (their stamps and facts), or None when it is not a whole base of
+    this `tag` (torn, garbled, another version or code, columns that disagree, any wrong type)."""
+    try:
+        doc = json.loads(data)
+        if type(doc) is not dict or doc.get("tag") != tag:
+            return None
+        ids, columns = doc["ids"], doc["columns"]
+        if type(ids) is not list or set(map(type, ids)) - {str} or type(columns) is not list:
+            return None
+        packed = base64.b64decode(doc["stamps"], validate=True)
+        n = len(ids)
+        if len(packed) != n * STAMP_BYTES or len(columns) != len(RUN_FACTS_FIELDS):
+            return None
+        decoded: list[tuple[Sequence[Any], Sequence[Any]]] = []
+        for column, types in zip(columns, _FIELD_TYPES):
+            decoded.append(_decode_column(column, n, ids, decoded))
+            if types is not None and not set(map(type, decoded[-1][1])) <= types:
+                return None
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
+        return None
+    return RecordStamps(ids, packed), list(map(RunFacts._make, zip(*(v for v, _ in decoded))))
+
+
+def _decode_summary_line(row: Any, tag: str) -> tuple[str, bytes, RunFacts] | None:
+    """(run id, stamp, facts) of a summary line after the base, or None when it is not one of
+    this `tag` with values of run_facts' types."""
+    if type(row) is not list or len(row) != _SUMMARY_LINE_LEN or row[0] != tag or type(row[1]) is not str:
+        return None
+    try:
+        stamp = base64.b64decode(row[2], validate=True)
+    except (ValueError, TypeError):
+        return None
+    facts = row[3:]
+    if len(stamp) != STAMP_BYTES:
+        return None
+    if any(t is not None and type(v) not in t for v, t in zip(facts, _FIELD_TYPES)):
+        return None
+    return row[1], stamp, RunFacts._make(facts)
+
+
+def _summary_line(tag: str, run_id: str, stamp: bytes, facts: RunFacts) -> str:
+    return json.dumps([tag, run_id, base64.b64encode(stamp).decode("ascii"), *facts],
+                      separators=(",", ":"), default=str) + "\n"
+
+
+@dataclass(frozen=True)
+class RunsSummary:
+    """What a runs summary holds that this code believes: the base's runs (`base`: their stamps,
+    None when there is no usable base; `base_facts` in the same order), the last line of each run
+    after it (run id -> (stamp, facts)), and how many lines follow the base."""
+    base: RecordStamps | None
+    base_facts: list[RunFacts]
+    lines: dict[str, tuple[bytes, RunFacts]]
+    line_count: int
+
+
+def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
+    """The runs summary at `path` (see the banner) as far as it is believed: a base or line that
+    is not well formed with this `tag` (summary_tag) is skipped, and its runs are read from their
+    records."""
+    data = read_cache_file(path) if tag is not None else None
+    if not data:
+        return RunsSummary(None, [], {}, 0)
+    head, _, rest = data.partition(b"\n")
+    base = decode_summary_base(head, tag)
+    rows: list[Any] = []
+    if rest.strip():
+        try:
+            # Whole lines joined into one array: one parse instead of one per line.  A torn or
+            # garbled line fails it, and the lines are then parsed one by one.
+            rows = json.loads(b"[" + rest.rstrip(b"\n").replace(b"\n", b",") + b"]")
+        except (ValueError, RecursionError):
+            rows = []
+            for raw in rest.split(b"\n"):
+                if raw:
+                    try:
+                        rows.append(json.loads(raw))
+                    except (ValueError, RecursionError):
+                        rows.append(None)
+    lines: dict[str, tuple[bytes, RunFacts]] = {}
     for row in rows:
-        lines += 1
-        if (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == tag
-                and type(row[1]) is str and type(row[2]) is list):
-            out[row[1]] = (row[2], row)
-    return out, lines
+        got = _decode_summary_line(row, tag)
+        if got is not None:
+            lines[got[0]] = got[1:]
+    stamps, facts = base if base is not None else (None, [])
+    return RunsSummary(stamps, facts, lines, len(rows))
+
+
+def _changed(a: bytes, b: bytes) -> list[int]:
+    """The positions of the stamps that differ between two packings of as many stamps."""
+    if a == b:
+        return []
+    chunk = struct.Struct(f"{STAMP_BYTES}s")
+    return list(itertools.compress(itertools.count(), map(operator.ne, chunk.iter_unpack(a),
+                                                         chunk.iter_unpack(b))))
+
+
+def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunFacts | None], int]:
+    """Each run's facts where the summary holds them for its current stamp (None where not, in
+    the order of stamps.ids), and how many of them come from the base."""
+    n = len(stamps.ids)
+    out: list[RunFacts | None] = [None] * n
+    base = summary.base
+    if base is not None and base.ids == stamps.ids:
+        out = list(summary.base_facts)
+        packed = base.packed
+    elif base is not None:
+        # The base's runs in the order of stamps.ids: -1 (not in the base) reads the sentinels.
+        pos = dict(zip(base.ids, range(len(base.ids))))
+        where = list(map(pos.get, stamps.ids, itertools.repeat(-1)))
+        out = list(map([*summary.base_facts, None].__getitem__, where))
+        stamp_of = [s for (s,) in struct.iter_unpack(f"{STAMP_BYTES}s", base.packed)] + [bytes(STAMP_BYTES)]
+        packed = b"".join(map(stamp_of.__getitem__, where))
+    if base is not None:
+        for i in _changed(packed, stamps.packed):
+            out[i] = None
+    from_base = n - out.count(None)
+    if summary.lines:
+        # The lines after the base are newer: they win where they hold the current stamp.
+        for i, got in enumerate(map(summary.lines.get, stamps.ids)):
+            if got is not None and got[0] == stamps.stamp(i):
+                from_base -= out[i] is not None
+                out[i] = got[1]
+    return out, from_base
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -16968,52 +17222,51 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
-def _summary_line(tag: str | None, run_id: str, stamp: list[int], facts: RunFacts) -> str:
-    return json.dumps([tag, run_id, stamp, *facts], separators=(",", ":"), default=str) + "\n"
+def write_runs_summary(path: Path, tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
+                       summary: RunsSummary, from_base: int, fresh: list[str]) -> None:
+    """Bring the summary up to date after a report: a new base when there is none or when the
+    lines after it or its runs no longer current pass 1/_SUMMARY_REBASE_SHARE of the runs, else
+    the `fresh` lines appended.  A summary that cannot be written is not needed."""
+    n = len(stamps.ids)
+    limit = n // _SUMMARY_REBASE_SHARE
+    unused = len(summary.base.ids) - from_base if summary.base is not None else 0
+    with contextlib.suppress(OSError):
+        if summary.base is None or summary.line_count + len(fresh) > limit or unused > limit:
+            write_text_atomic(path, encode_summary_base(tag, stamps, facts) + "\n")
+        elif fresh:
+            with open(path, "ab") as fh:
+                # After a torn last line (a crash mid-append), start on a line of our own.
+                torn = fh.tell() > 0 and not _ends_with_newline(path)
+                fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
 
 
 def report_runs(paths: StudyPaths, *, write: bool = True,
-                stamps: Mapping[str, list[int]] | None = None) -> list[RunFacts]:
-    """Every run's facts, in run id order, as `report` needs them: from the runs summary where its
-    line matches the record's stamp, else from the record (and the summary brought up to date,
+                stamps: RecordStamps | None = None) -> list[RunFacts]:
+    """Every run's facts, in run id order, as `report` needs them: from the runs summary where it
+    holds the record's current stamp, else from the record (and the summary brought up to date,
     unless `write` is false or the study cannot be written: the summary is only a cache).  The
-    same list, item for item, as run_facts over every record.  `stamps`: run_record_stamps, when
-    the caller has them already."""
+    same list, item for item, as run_facts over every record (through JSON).  `stamps`:
+    run_record_stamps, when the caller has them already."""
     summary_file = runs_summary_path(paths)
-    make = RunFacts._make
     tag = summary_tag()
-    write = write and tag is not None
     with gc_paused():
         stamps = run_record_stamps(paths) if stamps is None else stamps
-        cached, lines = read_runs_summary(summary_file, tag)
-        out: list[RunFacts] = []
+        summary = read_runs_summary(summary_file, tag)
+        out, from_base = _summary_hits(stamps, summary)
         fresh: list[str] = []
-        for rid in sorted(stamps):
-            hit = cached.get(rid)
-            stamp = stamps[rid]
-            if hit is not None and hit[0] == stamp:
-                out.append(make(hit[1][3:]))
-                continue
+        for i in [i for i, f in enumerate(out) if f is None]:
+            rid = stamps.ids[i]
             rec = read_json(run_file(paths, rid), default=None)
             if not isinstance(rec, dict):
                 raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
                                       run=rid, path=str(run_file(paths, rid)))
             # Through JSON, as a summary line would be: the facts are the same either way.
-            line = _summary_line(tag, rid, stamp, run_facts(rec))
-            out.append(make(json.loads(line)[3:]))
+            line = _summary_line(tag or "", rid, stamps.stamp(i), run_facts(rec))
+            out[i] = RunFacts._make(json.loads(line)[3:])
             fresh.append(line)
-    if write and (fresh or lines >= 2 * max(len(stamps), 1)):
-        with contextlib.suppress(OSError):
-            if lines + len(fresh) >= 2 * max(len(stamps), 1):
-                # Compact: one line per run, written whole and renamed into place.
-                write_text_atomic(summary_file, "".join(
-                    _summary_line(tag, rid, stamps[rid], facts) for rid, facts in zip(sorted(stamps), out)))
-            else:
-                with open(summary_file, "ab") as fh:
-                    # After a torn last line (a crash mid-append), start on a line of our own.
-                    torn = fh.tell() > 0 and not _ends_with_newline(summary_file)
-                    fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
-    return out
+        if write and tag is not None and stamps.ids:
+            write_runs_summary(summary_file, tag, stamps, out, summary, from_base, fresh)
+    return out   # every None filled
 
 
 # -- The report cache: the last report's figures, kept with what they were computed from -------------
@@ -17033,7 +17286,7 @@ def report_cache_path(paths: StudyPaths) -> Path:
     return paths.state / REPORT_CACHE_FILE
 
 
-def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None:
+def report_cache_key(stamps: RecordStamps, inputs: Any) -> str | None:
     """The cache key of a report over runs with these record stamps and these other inputs (any
     JSON value: the arms, baseline, seed and plan); None when this program's code cannot be read."""
     code = _own_code_digest()
@@ -17043,13 +17296,8 @@ def report_cache_key(stamps: Mapping[str, list[int]], inputs: Any) -> str | None
     # The interpreter too: its float arithmetic may differ (sum() of floats did in 3.12).
     h.update(json.dumps([REPORT_CACHE_VERSION, RUNS_SUMMARY_VERSION, code, sys.version, inputs],
                         sort_keys=True, default=str).encode("utf-8"))
-    ids = sorted(stamps)
-    h.update("\n".join(ids).encode("utf-8", "surrogateescape"))
-    try:
-        # The numbers as 64-bit words in one piece (converting 300,000 of them to text is slower).
-        h.update(b"\0" + array.array("q", [x for rid in ids for x in stamps[rid]]).tobytes())
-    except OverflowError:
-        h.update(b"\1" + " ".join(str(x) for rid in ids for x in stamps[rid]).encode("ascii"))
+    h.update("\n".join(stamps.ids).encode("utf-8", "surrogateescape"))
+    h.update(b"\0" + stamps.packed)
     return h.hexdigest()
 
 

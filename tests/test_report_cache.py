@@ -74,11 +74,12 @@ def test_other_arguments_are_another_report(study, tmp_path, extra):
 def test_other_code_is_another_report(study, tmp_path, monkeypatch):
     stamps = ab.run_record_stamps(study)
     key = ab.report_cache_key(stamps, ["A"])
-    assert key == ab.report_cache_key(dict(stamps), ["A"]) != ab.report_cache_key(stamps, ["B"])
-    moved = dict(stamps)
-    rid = next(iter(moved))
-    moved[rid] = [moved[rid][0], moved[rid][1] + 1, moved[rid][2]]
-    assert ab.report_cache_key(moved, ["A"]) != key
+    assert key == ab.report_cache_key(ab.RecordStamps(list(stamps.ids), bytes(stamps.packed)), ["A"])
+    assert key != ab.report_cache_key(stamps, ["B"])
+    moved = bytearray(stamps.packed)
+    moved[9] ^= 1                              # the first run's inode
+    assert ab.report_cache_key(ab.RecordStamps(stamps.ids, bytes(moved)), ["A"]) != key
+    assert ab.report_cache_key(ab.RecordStamps(stamps.ids[:-1], stamps.packed[:-ab.STAMP_BYTES]), ["A"]) != key
     monkeypatch.setattr(ab, "_own_code_digest", lambda: "0" * 64)
     assert ab.report_cache_key(stamps, ["A"]) != key
     monkeypatch.setattr(ab, "_own_code_digest", lambda: None)

@@ -7,6 +7,7 @@ no other function of the report sections reads a run record."""
 from __future__ import annotations
 
 import ast
+import base64
 import io
 import json
 import contextlib
@@ -143,23 +144,33 @@ def test_the_report_from_the_summary_equals_the_report_from_the_records(study, t
 
 def test_the_summary_holds_each_runs_facts_and_nothing_else(study):
     ab.report_runs(study)
-    lines = ab.runs_summary_path(study).read_text().splitlines()
+    text = ab.runs_summary_path(study).read_text()
+    lines = text.splitlines()
+    assert len(lines) == 1                      # a fresh summary is its base alone
+    base = json.loads(lines[0])
     ids = ab.all_run_ids(study)
-    assert len(lines) == len(ids)
-    for rid, line in zip(ids, lines):
-        row = json.loads(line)
-        assert row[0] == ab.summary_tag() and row[1] == rid and len(row[2]) == 5
-        facts = json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid))))
-        assert row[3:] == facts
-        assert "zzzz" not in line and "xxxx" not in line   # no per-check details, no gate output
+    assert base["tag"] == ab.summary_tag() and base["ids"] == ids
+    assert len(base64.b64decode(base["stamps"])) == ab.STAMP_BYTES * len(ids)
+    stamps, facts = ab.decode_summary_base(lines[0].encode(), ab.summary_tag())
+    assert stamps == ab.run_record_stamps(study)
+    assert [list(f) for f in facts] == [json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid)))) for rid in ids]
+    assert "zzzz" not in text and "xxxx" not in text   # no per-check details, no gate output
+    # Values that repeat are kept once: the arms' column is a table of three.
+    arm = base["columns"][ab.RUN_FACTS_FIELDS.index("arm")]
+    assert arm["values"] == ARMS and len(base64.b64decode(arm["index"])) == len(ids)
 
 
 def test_a_torn_or_garbled_line_gives_the_same_report(study):
     truth = rendered(records(study))
     ab.report_runs(study)
+    ids = ab.all_run_ids(study)
+    for rid in ids[:12]:                     # twelve runs read again: twelve lines after the base
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 3.0})
+    truth = rendered(records(study))
+    ab.report_runs(study)
     f = ab.runs_summary_path(study)
-    data = f.read_bytes()
-    lines = data.split(b"\n")
+    lines = f.read_bytes().split(b"\n")
+    assert len(lines) == 14 and lines[-1] == b""
     lines[3] = b'{"v": 1, "id": "r00004", "stamp": [1, 2, 3], "run": {"arm": "Z"'   # torn
     lines[5] = b"\xff\xfe not json"
     lines[7] = b'{"v": 1, "id": "r00008", "stamp": "bad", "run": []}'   # an older version's line
@@ -299,12 +310,12 @@ def test_lines_written_by_other_code_are_not_believed(study, monkeypatch):
     truth = rendered(records(study))
     ab.report_runs(study)
     tag = ab.summary_tag()
-    cached, _ = ab.read_runs_summary(ab.runs_summary_path(study), tag)
-    assert len(cached) == len(ab.all_run_ids(study))
+    got = ab.read_runs_summary(ab.runs_summary_path(study), tag)
+    assert got.base.ids == ab.all_run_ids(study) and len(got.base_facts) == len(got.base.ids)
     # Another agentbench (whose run_facts may count differently) wrote the same file.
     monkeypatch.setattr(ab, "_own_code_digest", lambda: "f" * 64)
     assert ab.summary_tag() != tag
-    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag())[0] == {}
+    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag()) == ab.RunsSummary(None, [], {}, 0)
     assert rendered(ab.report_runs(study)) == truth
     # Code that cannot be read keeps no summary at all.
     monkeypatch.setattr(ab, "_own_code_digest", lambda: None)
@@ -421,7 +432,7 @@ def test_a_record_name_that_is_not_utf8_is_refused_by_name(study):
     name = os.fsdecode(b"r\xff\xfe.json")
     ab.write_json_atomic(study.run_index / name, ab.load_run(study, ab.all_run_ids(study)[0]))
     stamps = ab.run_record_stamps(study)
-    assert os.fsdecode(b"r\xff\xfe") in stamps and ab.report_cache_key(stamps, []) is not None
+    assert os.fsdecode(b"r\xff\xfe") in stamps.ids and ab.report_cache_key(stamps, []) is not None
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = ab.main(["report", "--study", str(study.root), "--format", "json"])
