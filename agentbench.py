@@ -16866,12 +16866,15 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 #   {"tag": T, "ids": [run id, ...], "stamps": B, "columns": [column, ...]}
 # with the run ids in order, their stamps packed (_STAMP: STAMP_BYTES each, in the ids' order, in
 # base64) and one column per field of RunFacts, in their order, each one of:
-#   [value, ...]                      every run's value;
+#   V                                 every run's value;
 #   {"value": v}                      v for every run;
-#   {"values": [v, ...], "index": B}  a table of distinct values and each run's position in it,
+#   {"values": V, "index": B}         a table of distinct values and each run's position in it,
 #                                     unsigned little-endian numbers of 1, 2 or 4 bytes (for at
 #                                     most 256, 65536, or more values), in base64;
-#   {"same": "ids" or k}              the same values as the run ids or as column k before it.
+#   {"same": "ids" or k}              the same values as the run ids or as column k before it;
+# where V, a list of values, is either the JSON list or, when they are all floats or None,
+# {"floats": B, "nulls": [i, ...]}: the floats as little-endian IEEE doubles in base64 (bit for bit:
+# -0.0 stays), None at the positions `nulls` lists.
 # Every later line is one run read since the base was written, a JSON array:
 #   [T, run id, stamp in base64, *facts]
 # T, the tag, is the format's version and a digest of the code that wrote it: facts derived by other
@@ -17019,31 +17022,78 @@ def _decode_index(text: Any, size: int, n: int) -> Sequence[int]:
     return index
 
 
-def _encode_column(values: Sequence[Any]) -> Any:
-    """A column of the base: one value for all runs, a table of its distinct values and each run's
-    position in it, or (most values distinct) the values themselves.  Values are told apart by
-    repr, which differs for any two JSON values that differ (1, 1.0 and True; 0.0 and -0.0; key
-    order), taken once per distinct object (the runs read from a base share their values')."""
+def _encode_values(values: list[Any]) -> Any:
+    """A list of values as the base holds it: floats (and None) packed, else the JSON list."""
+    kinds = set(map(type, values))
+    if float not in kinds or not kinds <= {float, _NONE}:
+        return values
+    nulls = list(itertools.compress(itertools.count(), map(operator.is_, values, itertools.repeat(None))))
+    arr = array.array("d", [0.0 if v is None else v for v in values] if nulls else values)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return {"floats": base64.b64encode(arr.tobytes()).decode("ascii"), "nulls": nulls}
+
+
+def _decode_values(obj: Any) -> list[Any]:
+    """The list of values _encode_values made `obj` of; ValueError or TypeError when it is none."""
+    if type(obj) is list:
+        return obj
+    if type(obj) is not dict or type(obj.get("nulls")) is not list:
+        raise ValueError("not a list of values")
+    arr = array.array("d")
+    arr.frombytes(base64.b64decode(obj["floats"], validate=True))
+    if sys.byteorder == "big":
+        arr.byteswap()
+    values: list[Any] = arr.tolist()
+    for i in obj["nulls"]:
+        if type(i) is not int or not 0 <= i < len(values):
+            raise ValueError("a null out of range")
+        values[i] = None
+    return values
+
+
+def _column_table(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
+    """The distinct values of a column, in the order first seen, and each run's position among
+    them.  Values are told apart exactly: by the values themselves where the column holds only
+    one of str, int or bool (and None), which no two of compare equal across; else by repr, which
+    differs for any two JSON values that differ (1, 1.0 and True; 0.0 and -0.0; key order), taken
+    once per distinct object (the runs read from a base share their values' objects)."""
+    kinds = set(map(type, values))
+    if len(kinds - {_NONE}) <= 1 and kinds <= {str, int, bool, _NONE}:
+        table = list(dict.fromkeys(values))
+        slot_of_value = dict(zip(table, range(len(table))))
+        return table, list(map(slot_of_value.__getitem__, values))
     objects = list(map(id, values))
     distinct = dict(zip(objects, values))
-    try:
-        texts = list(map(repr, distinct.values()))
-    except (RecursionError, ValueError):
-        return list(values)
     slots: dict[str, int] = {}
-    table: list[Any] = []
+    table = []
     slot_of: dict[int, int] = {}
-    for obj, text, value in zip(distinct, texts, distinct.values()):
+    for obj, text, value in zip(distinct, map(repr, distinct.values()), distinct.values()):
         slot = slots.get(text)
         if slot is None:
             slot = slots[text] = len(table)
             table.append(value)
         slot_of[obj] = slot
+    return table, list(map(slot_of.__getitem__, objects))
+
+
+def _encode_column(values: Sequence[Any]) -> Any:
+    """A column of the base (see the banner): one value, packed floats, a table of distinct values
+    with each run's position in it, or (most values distinct) the values themselves."""
+    if values and all(map(operator.is_, values, itertools.repeat(values[0]))):
+        return {"value": values[0]}
+    kinds = set(map(type, values))
+    if float in kinds and kinds <= {float, _NONE}:
+        return _encode_values(list(values))        # as fast to read as a table, and cheaper to make
+    try:
+        table, index = _column_table(values)
+    except (RecursionError, ValueError):
+        return _encode_values(list(values))
     if len(table) == 1:
         return {"value": table[0]}
     if len(table) > len(values) // 2:
-        return list(values)
-    return {"values": table, "index": _encode_index(list(map(slot_of.__getitem__, objects)), len(table))}
+        return _encode_values(list(values))
+    return {"values": _encode_values(table), "index": _encode_index(index, len(table))}
 
 
 def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts]) -> str:
@@ -17065,12 +17115,11 @@ def _decode_column(column: Any, n: int, ids: list[str],
     """The `n` values of a base's column and its distinct values (or the values themselves),
     given the run ids and the columns before it; ValueError (or TypeError, IndexError, KeyError)
     when it is not one."""
-    if type(column) is list:
-        if len(column) != n:
+    if type(column) is not dict or "floats" in column:
+        values = _decode_values(column)
+        if len(values) != n:
             raise ValueError("a column of another length")
-        return column, column
-    if type(column) is not dict:
-        raise ValueError("not a column")
+        return values, values
     if "same" in column:
         same = column["same"]
         if same == "ids":
@@ -17080,9 +17129,7 @@ def _decode_column(column: Any, n: int, ids: list[str],
         return earlier[same]
     if "value" in column:
         return [column["value"]] * n, [column["value"]]
-    table = column["values"]
-    if type(table) is not list:
-        raise ValueError("not a column")
+    table = _decode_values(column["values"])
     index = _decode_index(column["index"], len(table), n)
     if n <= 1:
         return [table[i] for i in index], table

@@ -440,3 +440,203 @@ def test_a_record_name_that_is_not_utf8_is_refused_by_name(study):
     assert code == 2 and answer["code"] == "unsafe_id" and answer["error"]
     assert ab.runs_summary_path(study).read_bytes() == before
     assert not ab.report_cache_path(study).exists()
+
+
+# -- The base: what a summary of another shape gives ----------------------------------------------------
+
+def fresh_facts(paths: ab.StudyPaths) -> list:
+    """run_facts over every record, through JSON (as report_runs hands them), as their reprs: equal
+    reprs are equal facts, -0.0 and 1.0 against 0.0 and 1 included."""
+    return [repr(json.loads(json.dumps(ab.run_facts(r)))) for r in records(paths)]
+
+
+def reads_of_records(monkeypatch) -> list:
+    """The run records report_runs reads from now on (each call to read_json of a run file)."""
+    seen: list = []
+    real = ab.read_json
+
+    def counting(path, *a, **k):
+        if Path(path).parent.name == "runs":
+            seen.append(Path(path).stem)
+        return real(path, *a, **k)
+    monkeypatch.setattr(ab, "read_json", counting)
+    return seen
+
+
+def test_an_intact_base_is_believed_and_only_changed_records_are_read(study, monkeypatch):
+    ab.report_runs(study)
+    truth = fresh_facts(study)
+    seen = reads_of_records(monkeypatch)
+    assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == []
+    changed = ab.all_run_ids(study)[5:8]
+    for rid in changed:
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 7.5})
+    truth = fresh_facts(study)
+    seen.clear()
+    assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == changed
+    lines = ab.runs_summary_path(study).read_text().splitlines()
+    assert len(lines) == 1 + len(changed)        # the base and one line per run read since
+    seen.clear()
+    assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == []
+
+
+def test_the_base_is_rewritten_when_the_lines_after_it_pass_a_share_of_the_runs(study):
+    ab.report_runs(study)
+    f = ab.runs_summary_path(study)
+    ids = ab.all_run_ids(study)
+    share = len(ids) // ab._SUMMARY_REBASE_SHARE
+    for rid in ids[:share]:
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 1.5})
+    ab.report_runs(study)
+    assert len(f.read_text().splitlines()) == 1 + share
+    ab.save_run(study, {**ab.load_run(study, ids[-1]), "wall_s": 1.5})
+    ab.report_runs(study)
+    assert len(f.read_text().splitlines()) == 1  # one more: a new base, alone
+    # Runs removed: the base's runs that are gone count too.
+    for rid in ids[: share + 1]:
+        ab.run_file(study, rid).unlink()
+    assert [repr(list(x)) for x in ab.report_runs(study)] == fresh_facts(study)
+    assert json.loads(f.read_text().splitlines()[0])["ids"] == ab.all_run_ids(study)
+
+
+def base_doc(paths: ab.StudyPaths) -> dict:
+    return json.loads(ab.runs_summary_path(paths).read_text().splitlines()[0])
+
+
+def col(name: str) -> int:
+    return ab.RUN_FACTS_FIELDS.index(name)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+#: Changes to a good base, each making it one this code must not believe.
+BAD_BASES = {
+    "stale_tag": lambda d: d.update(tag="3:" + d["tag"].split(":")[1]),
+    "other_code": lambda d: d.update(tag=f"{ab.RUNS_SUMMARY_VERSION}:{'0' * 20}"),
+    "not_an_object": lambda d: (d.clear(), d.update({"0": [1, 2]})),
+    "ids_shorter": lambda d: d["ids"].pop(),
+    "ids_not_strings": lambda d: d["ids"].__setitem__(0, 7),
+    "stamps_not_base64": lambda d: d.update(stamps="%%" + d["stamps"][2:]),
+    "stamps_shorter": lambda d: d.update(stamps=b64(base64.b64decode(d["stamps"])[:-ab.STAMP_BYTES])),
+    "a_column_missing": lambda d: d["columns"].pop(),
+    "plain_column_shorter": lambda d: d["columns"].__setitem__(col("run_id"), d["ids"][:-1]),
+    "index_shorter": lambda d: d["columns"][col("arm")].update(
+        index=b64(base64.b64decode(d["columns"][col("arm")]["index"])[:-1])),
+    "index_out_of_range": lambda d: d["columns"][col("arm")].update(values=["A"]),
+    "huge_index": lambda d: d["columns"][col("arm")].update(
+        values=["A"] * 70000, index=b64(b"\xff\xff\xff\x7f" * len(d["ids"]))),
+    "index_not_a_string": lambda d: d["columns"][col("arm")].update(index=[0, 1, 2]),
+    "values_not_a_list": lambda d: d["columns"][col("arm")].update(values="ABC"),
+    "column_a_number": lambda d: d["columns"].__setitem__(col("arm"), 5),
+    "arm_of_another_type": lambda d: d["columns"][col("arm")].update(values=[1, 2, 3]),
+    "bool_as_int": lambda d: d["columns"].__setitem__(col("success"), {"value": 1}),
+    "int_as_float": lambda d: d["columns"].__setitem__(col("tests_total"), {"value": 4.0}),
+    "tokens_a_list": lambda d: d["columns"].__setitem__(col("tokens"), {"value": [1]}),
+    "floats_in_a_str_column": lambda d: d["columns"].__setitem__(
+        col("task_key"), {"floats": b64(b"\0" * 8 * len(d["ids"])), "nulls": []}),
+    "floats_of_another_length": lambda d: d["columns"].__setitem__(
+        col("wall_s"), {"floats": b64(b"\0" * 8 * (len(d["ids"]) - 1)), "nulls": []}),
+    "floats_torn": lambda d: d["columns"].__setitem__(
+        col("wall_s"), {"floats": b64(b"\0" * (8 * len(d["ids"]) - 3)), "nulls": []}),
+    "null_out_of_range": lambda d: d["columns"].__setitem__(
+        col("wall_s"), {"floats": b64(b"\0" * 8 * len(d["ids"])), "nulls": [-1]}),
+    "huge_null": lambda d: d["columns"].__setitem__(
+        col("wall_s"), {"floats": b64(b"\0" * 8 * len(d["ids"])), "nulls": [10 ** 40]}),
+    "same_ahead": lambda d: d["columns"].__setitem__(col("arm"), {"same": col("arm") + 1}),
+    "same_huge": lambda d: d["columns"].__setitem__(col("arm"), {"same": 10 ** 40}),
+    "same_true": lambda d: d["columns"].__setitem__(col("arm"), {"same": True}),
+    "same_of_another_type": lambda d: d["columns"].__setitem__(col("arm"), {"same": col("arm_given")}),
+    "deep": lambda d: d["columns"].__setitem__(col("task"), {"value": []}),   # nested 100,000 deep below
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_BASES))
+def test_a_base_of_another_shape_is_not_believed(study, bad):
+    ab.report_runs(study)
+    doc = base_doc(study)
+    BAD_BASES[bad](doc)
+    text = json.dumps(doc, separators=(",", ":")) if bad != "deep" else (
+        json.dumps(doc).replace('{"value": []}', '{"value":' + "[" * 100000 + "]" * 100000 + "}"))
+    ab.runs_summary_path(study).write_text(text + "\n")
+    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag()).base is None
+    assert [repr(list(f)) for f in ab.report_runs(study)] == fresh_facts(study)
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag()).base is not None   # rewritten
+
+
+def test_a_torn_base_leaves_the_lines_after_it(study, monkeypatch):
+    ab.report_runs(study)
+    ids = ab.all_run_ids(study)
+    for rid in ids[:3]:
+        ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 9.0})
+    ab.report_runs(study)
+    f = ab.runs_summary_path(study)
+    lines = f.read_bytes().split(b"\n")
+    f.write_bytes(lines[0][: len(lines[0]) // 2] + b"\n" + b"\n".join(lines[1:]))
+    got = ab.read_runs_summary(f, ab.summary_tag())
+    assert got.base is None and sorted(got.lines) == ids[:3]
+    truth = fresh_facts(study)
+    seen = reads_of_records(monkeypatch)
+    assert [repr(list(x)) for x in ab.report_runs(study)] == truth
+    assert sorted(seen) == ids[3:]               # the three from their lines
+    assert len(f.read_text().splitlines()) == 1
+
+
+def test_a_line_of_another_shape_after_the_base_is_not_believed(study):
+    ab.report_runs(study)
+    rid = ab.all_run_ids(study)[2]
+    ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 4.0})
+    ab.report_runs(study)
+    f = ab.runs_summary_path(study)
+    base, line = f.read_text().splitlines()
+    row = json.loads(line)
+    bad = [[*row[:3], *row[3:][:-1]],                                      # a field short
+           [row[0], row[1], "not base64!", *row[3:]],
+           [row[0], row[1], b64(b"\0" * 8), *row[3:]],                     # a stamp of another size
+           [row[0], row[1], row[2], *row[3:4], 5, *row[5:]],              # arm not a string
+           ["3:" + row[0].split(":")[1], *row[1:]],                        # an older version
+           row[:-1] + [{"a": 1}] if row[-1] is None else row[:-1] + [7]]  # delivery of another type
+    f.write_text(base + "\n" + "\n".join(json.dumps(b) for b in bad) + "\n" + line[: len(line) // 2])
+    got = ab.read_runs_summary(f, ab.summary_tag())
+    assert got.base is not None and got.lines == {} and got.line_count == len(bad) + 1
+    assert [repr(list(x)) for x in ab.report_runs(study)] == fresh_facts(study)
+
+
+def test_hostile_records_read_back_from_the_base_as_they_were_read(tmp_path, monkeypatch):
+    """Every hostile shape of HOSTILE as a run record: the facts from the base and its lines are
+    the facts from the records, repr for repr (-0.0, NaN, huge numbers, any type where run_facts
+    keeps the record's value), and the base is believed (no record is read again)."""
+    paths = make_study(tmp_path / "h", runs=36)
+    extra = [*HOSTILE, {"cost_usd": -0.0}, {"task": -0.0}, {"task": 0.0}, {"task": True}, {"task": 1},
+             {"task": 1.0}, {"repeat": float("nan")}, {"task": {"b": 1, "a": 2}}, {"task": {"a": 2, "b": 1}},
+             {"wall_s": -0.0}, {"tokens": {"input": -0.0}}, {"tokens": {"input": 0.0}}]
+    for i, x in enumerate(extra * 3):
+        rec = {"run_id": f"h{i:03d}", "task": f"t{i % 3:02d}", "arm": ARMS[i % 3], "status": "finished",
+               "outcome": "failure", "validity": "valid", "cost_usd": 1.0,
+               "evaluation": {"success": i % 3 == 0, "score": 0.5, "tests_passed": 1, "tests_total": 2}}
+        rec.update(x)
+        ab.run_file(paths, rec["run_id"]).write_text(json.dumps(rec))     # NaN and key order kept
+    truth = fresh_facts(paths)
+    assert [repr(list(f)) for f in ab.report_runs(paths)] == truth
+    seen = reads_of_records(monkeypatch)
+    assert [repr(list(f)) for f in ab.report_runs(paths)] == truth and seen == []
+    for rid in ab.all_run_ids(paths)[::40]:                 # some read again, then from lines
+        f = ab.run_file(paths, rid)
+        f.write_text(f.read_text() + " ")
+    assert [repr(list(f)) for f in ab.report_runs(paths)] == truth
+    assert len(ab.runs_summary_path(paths).read_text().splitlines()) > 1
+    seen.clear()
+    assert [repr(list(f)) for f in ab.report_runs(paths)] == truth and seen == []
+
+
+def test_the_report_never_changes_the_facts_it_is_handed(study):
+    """Runs read from a base share their values' objects (one dict for many runs): the report and
+    its renderers only read them."""
+    ab.report_runs(study)
+    facts = ab.report_runs(study)
+    before = [repr(list(f)) for f in facts]
+    rendered(facts)
+    ab.report_of_facts(facts, ARMS, baseline="B", seed=5)
+    assert [repr(list(f)) for f in facts] == before
