@@ -17096,14 +17096,47 @@ def _encode_column(values: Sequence[Any]) -> Any:
     return {"values": _encode_values(table), "index": _encode_index(index, len(table))}
 
 
-def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts]) -> str:
+@dataclass(frozen=True)
+class SummaryBase:
+    """A base as read: its runs' stamps and facts (in the order of stamps.ids), each field's
+    values (`columns`) and each column as it was written (`raw`, parsed)."""
+    stamps: RecordStamps
+    facts: list[RunFacts]
+    columns: list[Sequence[Any]]
+    raw: list[Any]
+
+
+def _column_texts(base: SummaryBase, ids_text: str) -> list[str]:
+    """The JSON text of each column of `base` as encode_summary_base writes it (a column written
+    as the same as another: that one's text)."""
+    texts: list[str] = []
+    for raw in base.raw:
+        same = raw.get("same") if type(raw) is dict else None
+        texts.append(ids_text if same == "ids" else texts[same] if same is not None
+                     else json.dumps(raw, separators=(",", ":"), default=str))
+    return texts
+
+
+def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
+                        previous: SummaryBase | None = None) -> str:
     """The base line of the summary for these runs (facts in the order of stamps.ids).  A column
-    that is, as JSON, the run ids or an earlier column is written as {"same": "ids" or k}."""
+    that is, as JSON, the run ids or an earlier column is written as {"same": "ids" or k}.  With
+    the `previous` base of the same runs, a column whose values are all as they were there is
+    written as it was (the same text a fresh encoding gives, without making it again)."""
     ids = json.dumps(stamps.ids, separators=(",", ":"))
+    reuse = previous is not None and previous.stamps.ids == stamps.ids
+    before = _column_texts(previous, ids) if reuse else []
+    changed = list(itertools.compress(itertools.count(), map(operator.is_not, facts, previous.facts))
+                   ) if reuse else []
     seen = {ids: "ids"}
     columns = []
-    for k, values in enumerate(zip(*facts) if facts else [() for _ in RUN_FACTS_FIELDS]):
-        text = json.dumps(_encode_column(values), separators=(",", ":"), default=str)
+    for k in range(len(RUN_FACTS_FIELDS)):
+        old = previous.columns[k] if reuse else ()
+        if reuse and all(facts[i][k] is old[i] or repr(facts[i][k]) == repr(old[i]) for i in changed):
+            text = before[k]
+        else:
+            text = json.dumps(_encode_column(list(map(operator.itemgetter(k), facts))),
+                              separators=(",", ":"), default=str)
         columns.append(json.dumps({"same": seen[text]}) if text in seen else text)
         seen.setdefault(text, k)
     return (f'{{"tag":{json.dumps(tag)},"ids":{ids},'
@@ -17136,9 +17169,9 @@ def _decode_column(column: Any, n: int, ids: list[str],
     return operator.itemgetter(*index)(table), table   # IndexError past the table
 
 
-def decode_summary_base(data: bytes, tag: str) -> tuple[RecordStamps, list[RunFacts]] | None:
-    """The runs of a base line (their stamps and facts), or None when it is not a whole base of
-    this `tag` (torn, garbled, another version or code, columns that disagree, any wrong type)."""
+def decode_summary_base(data: bytes, tag: str) -> SummaryBase | None:
+    """The base of a summary from its line, or None when it is not a whole base of this `tag`
+    (torn, garbled, another version or code, columns that disagree, any wrong type)."""
     try:
         doc = json.loads(data)
         if type(doc) is not dict or doc.get("tag") != tag:
@@ -17157,7 +17190,8 @@ def decode_summary_base(data: bytes, tag: str) -> tuple[RecordStamps, list[RunFa
                 return None
     except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
         return None
-    return RecordStamps(ids, packed), list(map(RunFacts._make, zip(*(v for v, _ in decoded))))
+    values = [v for v, _ in decoded]
+    return SummaryBase(RecordStamps(ids, packed), list(map(RunFacts._make, zip(*values))), values, columns)
 
 
 def _decode_summary_line(row: Any, tag: str) -> tuple[str, bytes, RunFacts] | None:
@@ -17184,11 +17218,10 @@ def _summary_line(tag: str, run_id: str, stamp: bytes, facts: RunFacts) -> str:
 
 @dataclass(frozen=True)
 class RunsSummary:
-    """What a runs summary holds that this code believes: the base's runs (`base`: their stamps,
-    None when there is no usable base; `base_facts` in the same order), the last line of each run
-    after it (run id -> (stamp, facts)), and how many lines follow the base."""
-    base: RecordStamps | None
-    base_facts: list[RunFacts]
+    """What a runs summary holds that this code believes: its base (None when there is no usable
+    one), the last line of each run after it (run id -> (stamp, facts)), and how many lines follow
+    the base."""
+    base: SummaryBase | None
     lines: dict[str, tuple[bytes, RunFacts]]
     line_count: int
 
@@ -17199,7 +17232,7 @@ def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
     records."""
     data = read_cache_file(path) if tag is not None else None
     if not data:
-        return RunsSummary(None, [], {}, 0)
+        return RunsSummary(None, {}, 0)
     head, _, rest = data.partition(b"\n")
     base = decode_summary_base(head, tag)
     rows: list[Any] = []
@@ -17221,8 +17254,7 @@ def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
         got = _decode_summary_line(row, tag)
         if got is not None:
             lines[got[0]] = got[1:]
-    stamps, facts = base if base is not None else (None, [])
-    return RunsSummary(stamps, facts, lines, len(rows))
+    return RunsSummary(base, lines, len(rows))
 
 
 def _changed(a: bytes, b: bytes) -> list[int]:
@@ -17239,15 +17271,15 @@ def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunF
     the order of stamps.ids), and how many of them come from the base."""
     n = len(stamps.ids)
     out: list[RunFacts | None] = [None] * n
-    base = summary.base
+    base = summary.base.stamps if summary.base is not None else None
     if base is not None and base.ids == stamps.ids:
-        out = list(summary.base_facts)
+        out = list(summary.base.facts)
         packed = base.packed
     elif base is not None:
         # The base's runs in the order of stamps.ids: -1 (not in the base) reads the sentinels.
         pos = dict(zip(base.ids, range(len(base.ids))))
         where = list(map(pos.get, stamps.ids, itertools.repeat(-1)))
-        out = list(map([*summary.base_facts, None].__getitem__, where))
+        out = list(map([*summary.base.facts, None].__getitem__, where))
         stamp_of = [s for (s,) in struct.iter_unpack(f"{STAMP_BYTES}s", base.packed)] + [bytes(STAMP_BYTES)]
         packed = b"".join(map(stamp_of.__getitem__, where))
     if base is not None:
@@ -17276,10 +17308,10 @@ def write_runs_summary(path: Path, tag: str, stamps: RecordStamps, facts: Sequen
     the `fresh` lines appended.  A summary that cannot be written is not needed."""
     n = len(stamps.ids)
     limit = n // _SUMMARY_REBASE_SHARE
-    unused = len(summary.base.ids) - from_base if summary.base is not None else 0
+    unused = len(summary.base.stamps.ids) - from_base if summary.base is not None else 0
     with contextlib.suppress(OSError):
         if summary.base is None or summary.line_count + len(fresh) > limit or unused > limit:
-            write_text_atomic(path, encode_summary_base(tag, stamps, facts) + "\n")
+            write_text_atomic(path, encode_summary_base(tag, stamps, facts, summary.base) + "\n")
         elif fresh:
             with open(path, "ab") as fh:
                 # After a torn last line (a crash mid-append), start on a line of our own.

@@ -151,9 +151,9 @@ def test_the_summary_holds_each_runs_facts_and_nothing_else(study):
     ids = ab.all_run_ids(study)
     assert base["tag"] == ab.summary_tag() and base["ids"] == ids
     assert len(base64.b64decode(base["stamps"])) == ab.STAMP_BYTES * len(ids)
-    stamps, facts = ab.decode_summary_base(lines[0].encode(), ab.summary_tag())
-    assert stamps == ab.run_record_stamps(study)
-    assert [list(f) for f in facts] == [json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid)))) for rid in ids]
+    got = ab.decode_summary_base(lines[0].encode(), ab.summary_tag())
+    assert got.stamps == ab.run_record_stamps(study)
+    assert [list(f) for f in got.facts] == [json.loads(json.dumps(ab.run_facts(ab.load_run(study, rid)))) for rid in ids]
     assert "zzzz" not in text and "xxxx" not in text   # no per-check details, no gate output
     # Values that repeat are kept once: the arms' column is a table of three.
     arm = base["columns"][ab.RUN_FACTS_FIELDS.index("arm")]
@@ -311,11 +311,11 @@ def test_lines_written_by_other_code_are_not_believed(study, monkeypatch):
     ab.report_runs(study)
     tag = ab.summary_tag()
     got = ab.read_runs_summary(ab.runs_summary_path(study), tag)
-    assert got.base.ids == ab.all_run_ids(study) and len(got.base_facts) == len(got.base.ids)
+    assert got.base.stamps.ids == ab.all_run_ids(study) and len(got.base.facts) == len(got.base.stamps.ids)
     # Another agentbench (whose run_facts may count differently) wrote the same file.
     monkeypatch.setattr(ab, "_own_code_digest", lambda: "f" * 64)
     assert ab.summary_tag() != tag
-    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag()) == ab.RunsSummary(None, [], {}, 0)
+    assert ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag()) == ab.RunsSummary(None, {}, 0)
     assert rendered(ab.report_runs(study)) == truth
     # Code that cannot be read keeps no summary at all.
     monkeypatch.setattr(ab, "_own_code_digest", lambda: None)
@@ -489,9 +489,11 @@ def test_the_base_is_rewritten_when_the_lines_after_it_pass_a_share_of_the_runs(
         ab.save_run(study, {**ab.load_run(study, rid), "wall_s": 1.5})
     ab.report_runs(study)
     assert len(f.read_text().splitlines()) == 1 + share
-    ab.save_run(study, {**ab.load_run(study, ids[-1]), "wall_s": 1.5})
-    ab.report_runs(study)
+    ab.save_run(study, {**ab.load_run(study, ids[-1]), "wall_s": 1.5, "evaluation": None})
+    facts = ab.report_runs(study)
     assert len(f.read_text().splitlines()) == 1  # one more: a new base, alone
+    # Made from the base before it (its unchanged columns as they were): as a fresh one is made.
+    assert f.read_text() == ab.encode_summary_base(ab.summary_tag(), ab.run_record_stamps(study), facts) + "\n"
     # Runs removed: the base's runs that are gone count too.
     for rid in ids[: share + 1]:
         ab.run_file(study, rid).unlink()
