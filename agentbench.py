@@ -17258,12 +17258,18 @@ def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
 
 
 def _changed(a: bytes, b: bytes) -> list[int]:
-    """The positions of the stamps that differ between two packings of as many stamps."""
+    """The positions of the stamps that differ between two packings of as many stamps (compared
+    8 at a time, then one by one within the blocks that differ)."""
     if a == b:
         return []
-    chunk = struct.Struct(f"{STAMP_BYTES}s")
-    return list(itertools.compress(itertools.count(), map(operator.ne, chunk.iter_unpack(a),
-                                                         chunk.iter_unpack(b))))
+    w = STAMP_BYTES
+    block = 8 * w
+    out: list[int] = []
+    for start in range(0, len(b), block):
+        if a[start:start + block] != b[start:start + block]:
+            starts = range(start, min(start + block, len(b)), w)
+            out.extend(i // w for i in starts if a[i:i + w] != b[i:i + w])
+    return out
 
 
 def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunFacts | None], int]:
@@ -17288,10 +17294,11 @@ def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunF
     from_base = n - out.count(None)
     if summary.lines:
         # The lines after the base are newer: they win where they hold the current stamp.
-        for i, got in enumerate(map(summary.lines.get, stamps.ids)):
-            if got is not None and got[0] == stamps.stamp(i):
+        lines = list(map(summary.lines.get, stamps.ids))
+        for i in itertools.compress(range(n), lines):
+            if lines[i][0] == stamps.stamp(i):
                 from_base -= out[i] is not None
-                out[i] = got[1]
+                out[i] = lines[i][1]
     return out, from_base
 
 

@@ -642,3 +642,15 @@ def test_the_report_never_changes_the_facts_it_is_handed(study):
     rendered(facts)
     ab.report_of_facts(facts, ARMS, baseline="B", seed=5)
     assert [repr(list(f)) for f in facts] == before
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100, 1000])
+def test_the_changed_stamps_are_found_wherever_they_are(n):
+    rng = random.Random(n)
+    a = bytes(rng.randrange(256) for _ in range(n * ab.STAMP_BYTES))
+    for count in {0, 1, n // 10, n}:
+        where = sorted(rng.sample(range(n), min(count, n)))
+        b = bytearray(a)
+        for i in where:
+            b[i * ab.STAMP_BYTES + rng.randrange(ab.STAMP_BYTES)] ^= 1 + rng.randrange(255)
+        assert ab._changed(a, bytes(b)) == where
