@@ -17038,7 +17038,7 @@ def _decode_values(obj: Any) -> list[Any]:
     """The list of values _encode_values made `obj` of; ValueError or TypeError when it is none."""
     if type(obj) is list:
         return obj
-    if type(obj) is not dict or type(obj.get("nulls")) is not list:
+    if type(obj) is not dict or obj.keys() != {"floats", "nulls"} or type(obj["nulls"]) is not list:
         raise ValueError("not a list of values")
     arr = array.array("d")
     arr.frombytes(base64.b64decode(obj["floats"], validate=True))
@@ -17111,7 +17111,7 @@ def _column_texts(base: SummaryBase, ids_text: str) -> list[str]:
     as the same as another: that one's text)."""
     texts: list[str] = []
     for raw in base.raw:
-        same = raw.get("same") if type(raw) is dict else None
+        same = raw["same"] if type(raw) is dict and raw.keys() == {"same"} else None
         texts.append(ids_text if same == "ids" else texts[same] if same is not None
                      else json.dumps(raw, separators=(",", ":"), default=str))
     return texts
@@ -17148,20 +17148,23 @@ def _decode_column(column: Any, n: int, ids: list[str],
     """The `n` values of a base's column and its distinct values (or the values themselves),
     given the run ids and the columns before it; ValueError (or TypeError, IndexError, KeyError)
     when it is not one."""
-    if type(column) is not dict or "floats" in column:
+    keys = column.keys() if type(column) is dict else None
+    if keys is None or keys == {"floats", "nulls"}:
         values = _decode_values(column)
         if len(values) != n:
             raise ValueError("a column of another length")
         return values, values
-    if "same" in column:
+    if keys == {"same"}:
         same = column["same"]
         if same == "ids":
             return ids, ids
         if type(same) is not int or not 0 <= same < len(earlier):
             raise ValueError("not an earlier column")
         return earlier[same]
-    if "value" in column:
+    if keys == {"value"}:
         return [column["value"]] * n, [column["value"]]
+    if keys != {"values", "index"}:
+        raise ValueError("not a column")
     table = _decode_values(column["values"])
     index = _decode_index(column["index"], len(table), n)
     if n <= 1:

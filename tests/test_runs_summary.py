@@ -550,6 +550,9 @@ BAD_BASES = {
     "same_huge": lambda d: d["columns"].__setitem__(col("arm"), {"same": 10 ** 40}),
     "same_true": lambda d: d["columns"].__setitem__(col("arm"), {"same": True}),
     "same_of_another_type": lambda d: d["columns"].__setitem__(col("arm"), {"same": col("arm_given")}),
+    "floats_and_same": lambda d: d["columns"].__setitem__(
+        col("wall_s"), {"floats": b64(b"\0" * 8 * len(d["ids"])), "nulls": [], "same": col("score")}),
+    "value_and_index": lambda d: d["columns"][col("arm")].update(value="A"),
     "deep": lambda d: d["columns"].__setitem__(col("task"), {"value": []}),   # nested 100,000 deep below
 }
 
