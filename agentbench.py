@@ -16971,6 +16971,7 @@ def run_record_stamps(paths: StudyPaths) -> RecordStamps:
     and a name that is not a run id is skipped).  The directory is opened once and each record is
     stat'ed relative to it where the platform can."""
     found: dict[str, bytes] = {}
+    pack, regular = _STAMP.pack, stat.S_ISREG     # (pack_stamp, inlined: 100,000 calls)
     try:
         fd = os.open(paths.run_index, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except (FileNotFoundError, NotADirectoryError):
@@ -16985,8 +16986,12 @@ def run_record_stamps(paths: StudyPaths) -> RecordStamps:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode):
-                    found[name[:-5]] = pack_stamp(st)
+                if regular(st.st_mode):
+                    rid = name[:-5]
+                    try:
+                        found[rid] = pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                    except struct.error:
+                        found[rid] = pack_stamp(st)
     finally:
         os.close(fd)
     ids = sorted(found)

@@ -657,3 +657,26 @@ def test_the_changed_stamps_are_found_wherever_they_are(n):
         for i in where:
             b[i * ab.STAMP_BYTES + rng.randrange(ab.STAMP_BYTES)] ^= 1 + rng.randrange(255)
         assert ab._changed(a, bytes(b)) == where
+
+
+def test_a_record_time_past_64_bits_of_ns_still_has_a_stamp(study, monkeypatch):
+    """A record dated after 2262 (its mtime in ns past a signed 64-bit word): its stamp is a digest
+    of its numbers, which is believed while they stay and not once they move."""
+    rid = ab.all_run_ids(study)[1]
+    path = ab.run_file(study, rid)
+    far = 2 ** 63 + 10 ** 15
+    try:
+        os.utime(path, ns=(far, far))
+    except (OSError, OverflowError):
+        pytest.skip("this file system keeps no such time")
+    if os.lstat(path).st_mtime_ns < 2 ** 63:
+        pytest.skip("this file system keeps no such time")
+    stamps = ab.run_record_stamps(study)
+    i = stamps.ids.index(rid)
+    assert stamps.stamp(i) == ab.pack_stamp(os.lstat(path)) and len(stamps.packed) == ab.STAMP_BYTES * len(stamps.ids)
+    ab.report_runs(study)
+    truth = fresh_facts(study)
+    seen = reads_of_records(monkeypatch)
+    assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == []
+    os.utime(path, ns=(far + 1, far + 1))
+    assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == [rid]
