@@ -11922,6 +11922,20 @@ def median(xs: Iterable[float]) -> float | None:
     return (vals[mid - 1] + vals[mid]) / 2.0
 
 
+def _type7_ranks(count: int, q: float) -> tuple[float, int, int]:
+    """(h, floor(h), floor(h) + 1 capped at count - 1) for quantile `q` of `count` sorted values."""
+    h = (count - 1) * q
+    lo = math.floor(h)
+    return h, lo, min(lo + 1, count - 1)
+
+
+def _quantile_by_rank(order_stat: Callable[[int], float], count: int, q: float) -> float:
+    """quantile_sorted's interpolation, reading only the two order statistics it needs (by rank,
+    0-based) through `order_stat`: the one formula for a full sorted list and for a selection."""
+    h, lo, hi = _type7_ranks(count, q)
+    return order_stat(lo) + (h - lo) * (order_stat(hi) - order_stat(lo))
+
+
 def quantile_sorted(sorted_xs: list[float], q: float) -> float:
     """Quantile `q` (0..1) of an already sorted, non-empty list by linear interpolation.
 
@@ -11934,10 +11948,7 @@ def quantile_sorted(sorted_xs: list[float], q: float) -> float:
         raise ValueError("quantile of an empty list")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile level {q} outside [0, 1]")
-    h = (len(sorted_xs) - 1) * q
-    lo = math.floor(h)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (h - lo) * (sorted_xs[hi] - sorted_xs[lo])
+    return _quantile_by_rank(sorted_xs.__getitem__, len(sorted_xs), q)
 
 
 def wilson_interval(successes: int, n: int, z: float = STAT_Z95) -> tuple[float, float] | None:
@@ -12247,34 +12258,144 @@ _BOOTSTRAP_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
 BOOTSTRAP_CACHE_MAX = 4096
 
 
-def _bootstrap_means_bytes(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
-    """Resample means for up to 256 values, with every index drawn in C: random bytes, those at or
-    above the largest multiple of n below 256 deleted (bytes.translate, so every index is equally
-    likely), each kept byte b picking value b mod n from the values repeated 256 // n times."""
-    n = len(xs)
+def _bootstrap_index_bytes(n: int, rng: random.Random, n_resamples: int) -> bytes:
+    """The resample indices for up to 256 values, drawn in C: random bytes, those at or above the
+    largest multiple of n below 256 deleted (bytes.translate, so every index is equally likely);
+    byte b of resample j, at j n + i, picks value b mod n.  At least n * n_resamples bytes."""
     reps = 256 // n
-    ext = xs * reps
     drop = bytes(range(reps * n, 256))
     need = n * n_resamples
     buf = b""
     while len(buf) < need:
         chunk = max(4096, (need - len(buf)) * 256 // (reps * n) + 64)
         buf += rng.getrandbits(8 * chunk).to_bytes(chunk, "little").translate(None, drop)
-    pick = ext.__getitem__
-    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, need, n)]
+    return buf
+
+
+def _bootstrap_means_bytes(xs: list[float], buf: bytes, n_resamples: int) -> list[float]:
+    """Every resample mean, in draw order, from the index bytes (_bootstrap_index_bytes): the
+    values repeated 256 // n times, so byte b picks value b mod n."""
+    n = len(xs)
+    pick = (xs * (256 // n)).__getitem__
+    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, n * n_resamples, n)]
+
+
+def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[list[int], int] | None:
+    """(sorted keys P_j * 2^s + j, s), one key per resample j < 2^s (at most 65,536 resamples),
+    where P_j is the integer sum of q over the resample's indices (q: a byte per value).  Every
+    P_j at once: the index bytes mapped to q (bytes.translate); position i of every resample (the
+    strided slice i::n) spread into 16-bit lanes of one integer, so adding the n integers sums
+    each resample in its own lane (at most 256 * 255 < 2^16: no carry); then the lanes widened to
+    32 bits, shifted by s and j added (keys under 2^30 sort fastest).  None past 65,536 resamples
+    or on a platform whose unsigned int is not 32 bits."""
+    n = len(q)
+    if n_resamples > 65536 or struct.calcsize("I") != 4:
+        return None
+    reps = 256 // n
+    need = n * n_resamples
+    qbuf = buf.translate(bytes(q[b % n] if b < reps * n else 0 for b in range(256)))
+    lanes = bytearray(2 * n_resamples)
+    total = 0
+    for i in range(n):
+        lanes[0::2] = qbuf[i:need:n]
+        total += int.from_bytes(lanes, "little")
+    sums = total.to_bytes(2 * n_resamples, "little")
+    wide = bytearray(4 * n_resamples)
+    wide[0::4] = sums[0::2]
+    wide[1::4] = sums[1::2]
+    index = bytearray(4 * n_resamples)
+    index[0::4] = (bytes(range(256)) * (n_resamples // 256 + 1))[:n_resamples]
+    index[1::4] = b"".join(bytes((h,)) * 256 for h in range(256))[:n_resamples]
+    shift = max(1, (n_resamples - 1).bit_length())
+    keys = (int.from_bytes(wide, "little") << shift) + int.from_bytes(index, "little")
+    out = memoryview(keys.to_bytes(4 * n_resamples, sys.byteorder)).cast("I").tolist()
+    out.sort()
+    return out, shift
+
+
+def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
+                           ranks: Iterable[int]) -> dict[int, float] | None:
+    """The resample means at `ranks` (0-based, in sorted order) without computing every mean:
+    exactly the values sorted(_bootstrap_means_bytes(...))[r] would give; None when the
+    preconditions below fail (the caller then computes every mean).
+
+    Each resample j has its float sum s_j = sum(...) as _bootstrap_means_bytes computes it, and an
+    integer proxy P_j = sum of q over its indices (_bootstrap_proxy_keys), where q_i is
+    (x_i - lo) * 255 / (hi - lo) rounded, computed exactly in integers (every x_i is an integer
+    A_i over 2^k).  In proxy units (u_j = (s_j - n lo) * 255 / (hi - lo), an increasing map of
+    s_j) |u_j - P_j| <= D, the sum of two bounds:
+      - quantization: n * max_i |(A_i - A_lo) 255 - q_i (A_hi - A_lo)| / (A_hi - A_lo);
+      - rounding: any float sum of n terms with |terms| <= M errs by at most gamma_{n-1} n M
+        (recursive summation, Python < 3.12; Neumaier's compensated sum of 3.12+ errs far less,
+        about 2 u n M), with gamma_{n-1} ~ (n - 1) 2^-53; the bound used is 2^-50 n^2 M, eight
+        times more, in proxy units.
+    Let p = the proxy at rank r.  At least r + 1 resamples have P <= p, so u(r-th) <= p + D;
+    likewise u(r-th) >= p - D.  Hence a resample with P < p - 2D has u < p - D <= u(r-th), one
+    with P > p + 2D has u > u(r-th): with L resamples below the window [p - 2D, p + 2D], the r-th
+    smallest sum is the (r - L)-th smallest in the window, whose exact sums and means are computed
+    as today.  Dividing by n is monotone, so ranks of sums are ranks of means, and equal nonzero
+    means are the same double.  Zero: every partial sum is a multiple of 2^-k (k <= 1000), so a
+    nonzero sum has |s| >= 2^-1000 and its mean is nonzero, hence every zero mean is in the window
+    of a zero r-th sum; the window is ordered by (mean, draw index), as sorted() (stable) orders
+    equal means, so even the sign of a zero is as today.
+    Preconditions: finite values, each a multiple of 2^-1000, n max |x| < 2^1000 (no overflow),
+    n <= 256, windows holding at most half of the resamples."""
+    n = len(xs)
+    if n > 256 or not all(map(math.isfinite, xs)) or max(map(abs, xs)) * n >= 2.0 ** 1000:
+        return None
+    ratios = [x.as_integer_ratio() for x in xs]
+    k = max(den.bit_length() - 1 for _, den in ratios)
+    if k > 1000:
+        return None
+    big = [num << (k - den.bit_length() + 1) for num, den in ratios]
+    a_lo = min(big)
+    span = max(big) - a_lo
+    q = [((a - a_lo) * 510 + span) // (2 * span) for a in big]
+    err = max(abs((a - a_lo) * 255 - qi * span) for a, qi in zip(big, q))
+    amax = max(map(abs, big))
+    half = (2 * n * err * 2 ** 50 + n * n * amax * 255) // (span * 2 ** 50)
+    made = _bootstrap_proxy_keys(q, buf, n_resamples)
+    if made is None:
+        return None
+    keys, shift = made
+    # Each rank's window is a run of the sorted keys, [a, b); overlapping runs are merged.
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        p = keys[r] >> shift
+        low, high = (p - half) << shift, (p + half + 1) << shift
+        a, b = r, r + 1
+        while a and keys[a - 1] >= low:
+            a -= 1
+        while b < n_resamples and keys[b] < high:
+            b += 1
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(b, runs[-1][1])
+            runs[-1].append(r)
+        else:
+            runs.append([a, b, r])
+    if 2 * sum(b - a for a, b, *_ in runs) > n_resamples:
+        return None
+    pick = (xs * (256 // n)).__getitem__
+    out: dict[int, float] = {}
+    for a, b, *at in runs:
+        members = [key & ((1 << shift) - 1) for key in keys[a:b]]
+        means = sorted((sum(map(pick, buf[j * n:j * n + n])) / n, j) for j in members)
+        for r in at:
+            out[r] = means[r - a][0]
+    return out
 
 
 def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
     """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
 
-    Up to 256 tasks, indices come from random bytes (_bootstrap_means_bytes).  Beyond, when the
+    Up to 256 tasks, indices come from random bytes (_bootstrap_index_bytes).  Beyond, when the
     tasks take few distinct values (success rates over a few repeats), a resample is described by
     how many times it takes each distinct value: a multinomial draw of n over the distinct values
     weighted by their counts, made as conditional binomials (binomial_draw), a few steps per
     distinct value instead of n index draws.  Otherwise the indices are drawn one by one."""
     n = len(xs)
     if n <= 256:
-        return _bootstrap_means_bytes(xs, rng, n_resamples)
+        return _bootstrap_means_bytes(xs, _bootstrap_index_bytes(n, rng, n_resamples), n_resamples)
     counts: dict[float, int] = {}
     for x in xs:
         counts[x] = counts.get(x, 0) + 1
@@ -12328,10 +12449,22 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     key = (tuple(xs), seed, n_resamples, level)
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
-    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
     tail = (1.0 - level) / 2.0
-    lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
-    hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
+    stats = None
+    if len(xs) <= 256:
+        # The same draws as _bootstrap_means; only the four order statistics the two quantiles
+        # read are computed, exactly (_bootstrap_order_stats), unless its preconditions fail.
+        rng = random.Random(seed)
+        buf = _bootstrap_index_bytes(len(xs), rng, n_resamples)
+        ranks = [r for t in (tail, 1.0 - tail) for r in _type7_ranks(n_resamples, t)[1:]]
+        stats = _bootstrap_order_stats(xs, buf, n_resamples, ranks)
+        if stats is None:
+            means = sorted(_bootstrap_means_bytes(xs, buf, n_resamples))
+    else:
+        means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
+    order_stat = means.__getitem__ if stats is None else stats.__getitem__
+    lo = min(max(_quantile_by_rank(order_stat, n_resamples, tail), lo_x), hi_x)
+    hi = min(max(_quantile_by_rank(order_stat, n_resamples, 1.0 - tail), lo_x), hi_x)
     if len(_BOOTSTRAP_CACHE) >= BOOTSTRAP_CACHE_MAX:
         _BOOTSTRAP_CACHE.clear()
     _BOOTSTRAP_CACHE[key] = (lo, hi)

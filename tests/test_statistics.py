@@ -353,3 +353,158 @@ def test_stream_seeds_are_named_and_stable():
               ab.stream_seed(8, "bootstrap", "exclusions_applied", "success", "B", "A"),
               ab.stream_seed(7, "bootstrap", "exclusions_applied", "success", "A", "B")}
     assert a not in others and len(others) == 4 and 0 <= a < 2 ** 63
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast paths are the plain computation, bit for bit
+# ------------------------------------------------------------------------------------------------
+# The bootstrap selects its four order statistics through integer proxies and the Monte Carlo
+# sign-flip test draws its random bits in blocks; both must give exactly what the plain
+# computations below give (kept here as the reference: one resample mean at a time, one
+# getrandbits per draw), and leave the generator in the same state.  Compared with float.hex,
+# which tells -0.0 from 0.0.
+
+def _ref_index_bytes(n, rng, n_resamples):
+    reps = 256 // n
+    drop = bytes(range(reps * n, 256))
+    need = n * n_resamples
+    buf = b""
+    while len(buf) < need:
+        chunk = max(4096, (need - len(buf)) * 256 // (reps * n) + 64)
+        buf += rng.getrandbits(8 * chunk).to_bytes(chunk, "little").translate(None, drop)
+    return buf
+
+
+def _ref_bootstrap_means(xs, rng, n_resamples):
+    n = len(xs)
+    pick = (xs * (256 // n)).__getitem__
+    buf = _ref_index_bytes(n, rng, n_resamples)
+    return [sum(map(pick, buf[i:i + n])) / n for i in range(0, n * n_resamples, n)]
+
+
+def _ref_quantile(sorted_xs, q):
+    h = (len(sorted_xs) - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (h - lo) * (sorted_xs[hi] - sorted_xs[lo])
+
+
+def _ref_bootstrap_ci(diffs, seed, n_resamples=10000, level=0.95):
+    xs = [float(d) for d in diffs]
+    lo_x, hi_x = min(xs), max(xs)
+    if lo_x == hi_x:
+        return (lo_x, hi_x)
+    means = sorted(_ref_bootstrap_means(xs, __import__("random").Random(seed), n_resamples))
+    tail = (1.0 - level) / 2.0
+    return (min(max(_ref_quantile(means, tail), lo_x), hi_x),
+            min(max(_ref_quantile(means, 1.0 - tail), lo_x), hi_x))
+
+
+def _hex(pair):
+    return tuple(map(float.hex, pair))
+
+
+def _fresh_ci(diffs, seed, n_resamples=10000, level=0.95):
+    ab._BOOTSTRAP_CACHE.clear()
+    return ab.bootstrap_mean_diff_ci(diffs, seed, n_resamples, level)
+
+
+def _rates(rng, n, most=10):
+    """Per-task success rates k/m with a different number of runs m per task."""
+    out = []
+    for _ in range(n):
+        m = rng.randint(1, most)
+        out.append(rng.randint(0, m) / m)
+    return out
+
+
+def _bootstrap_shapes(rng, n):
+    """Adversarial and report-shaped per-task values, n of them, by name."""
+    up = math.nextafter(1.0, 2.0)
+    return {
+        "rates": _rates(rng, n),
+        "rate_diffs": [a - b for a, b in zip(_rates(rng, n), _rates(rng, n))],
+        "costs": [round(rng.uniform(0.002, 6.0), 6) for _ in range(n)],
+        "uniform": [rng.random() for _ in range(n)],
+        "negatives": [-rng.random() * 10 for _ in range(n)],
+        "many_equal": [0.5] * (n - 1) + [0.75],
+        "last_ulp": [rng.choice((1.0, up)) for _ in range(n)],
+        "huge_range": [rng.choice((1e15, 1e-15, -1e15, 3.0, -1e-15)) for _ in range(n)],
+        "mostly_zero": [0.0] * (n - max(1, n // 20)) + [1.0] * max(1, n // 20),
+        "signed_zeros": [rng.choice((0.0, -0.0, 0.5, -0.5)) for _ in range(n)],
+        "cancelling": [rng.choice((0.1, 0.2, -0.3)) for _ in range(n)],
+        "integers": [float(rng.randint(-3, 3)) for _ in range(n)],
+        "tiny": [rng.choice((5e-324, 1e-310, 0.0)) for _ in range(n)],        # precondition fails
+        "fine_grain": [rng.choice((2.0 ** -1010, 1.0)) for _ in range(n)],     # precondition fails
+        "wide": [rng.choice((1e300, -1e300, 1.0)) for _ in range(n)],          # precondition fails
+        "two_values": [rng.choice((0.0, 1.0)) for _ in range(n)],
+    }
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 100, 255, 256])
+def test_bootstrap_interval_is_the_plain_computation_bit_for_bit(n):
+    rng = __import__("random").Random(n)
+    for name, xs in _bootstrap_shapes(rng, n).items():
+        for n_resamples, level in ((10000 if n <= 100 else 3000, 0.95), (999, 0.9), (1, 0.95), (2, 0.5),
+                                   (40, 0.99)):
+            seed = rng.getrandbits(63)
+            got = _fresh_ci(xs, seed, n_resamples, level)
+            assert _hex(got) == _hex(_ref_bootstrap_ci(xs, seed, n_resamples, level)), (name, n)
+
+
+def test_bootstrap_interval_on_the_report_shapes_at_full_size():
+    # 100 tasks, 10,000 resamples, as the report draws them.
+    rng = __import__("random").Random(2024)
+    for name, xs in _bootstrap_shapes(rng, 100).items():
+        seed = ab.stream_seed(rng.getrandbits(32), "bootstrap", name)
+        assert _hex(_fresh_ci(xs, seed)) == _hex(_ref_bootstrap_ci(xs, seed)), name
+
+
+def test_bootstrap_order_statistics_are_the_sorted_means_and_the_fast_path_runs():
+    # Every rank asked for is exactly sorted(means)[r]; and the selection really is taken (not
+    # the fallback) on the report's shapes.
+    rng = __import__("random").Random(77)
+    taken = 0
+    cases = 0
+    for _ in range(60):
+        n = rng.choice((2, 3, 10, 50, 100, 200, 256))
+        n_resamples = rng.choice((5, 100, 2000))
+        xs = rng.choice([_rates(rng, n), [rng.random() for _ in range(n)],
+                         [rng.choice((0.0, -0.0, 0.25, -0.25)) for _ in range(n)]])
+        seed = rng.getrandbits(40)
+        r1, r2 = __import__("random").Random(seed), __import__("random").Random(seed)
+        buf = ab._bootstrap_index_bytes(n, r1, n_resamples)
+        assert buf == _ref_index_bytes(n, r2, n_resamples)
+        assert r1.getstate() == r2.getstate() and r1.random() == r2.random()
+        want = sorted(_ref_bootstrap_means(xs, __import__("random").Random(seed), n_resamples))
+        ranks = sorted({rng.randrange(n_resamples) for _ in range(4)})
+        if min(xs) == max(xs):
+            continue
+        got = ab._bootstrap_order_stats(xs, buf, n_resamples, ranks)
+        cases += 1
+        if got is not None:
+            taken += 1
+            assert {r: got[r].hex() for r in ranks} == {r: want[r].hex() for r in ranks}
+    assert taken >= cases * 0.7
+
+
+def test_bootstrap_seeded_sweep_is_the_plain_computation():
+    rng = __import__("random").Random(12345)
+    for case in range(2000):
+        n = rng.randint(2, 256)
+        shapes = _bootstrap_shapes(rng, n)
+        name = rng.choice(sorted(shapes))
+        n_resamples = rng.choice((1, 3, 50, 200, 400))
+        level = rng.choice((0.95, 0.95, 0.9, 0.8, 0.999))
+        seed = rng.getrandbits(63)
+        got = _fresh_ci(shapes[name], seed, n_resamples, level)
+        assert _hex(got) == _hex(_ref_bootstrap_ci(shapes[name], seed, n_resamples, level)), \
+            (case, name, n, n_resamples, level, seed)
+
+
+def test_bootstrap_past_65536_resamples_and_non_finite_values_take_the_plain_path():
+    xs = [0.0, 1.0, 0.5]
+    assert _hex(_fresh_ci(xs, 5, 70000)) == _hex(_ref_bootstrap_ci(xs, 5, 70000))
+    for bad in ([0.0, float("inf"), 1.0], [1.0, float("nan"), 0.0, 2.0]):
+        buf = ab._bootstrap_index_bytes(len(bad), __import__("random").Random(1), 50)
+        assert ab._bootstrap_order_stats(bad, buf, 50, [0, 1]) is None
