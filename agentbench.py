@@ -12106,16 +12106,55 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
     return sum(c for s, c in dist.items() if abs(s) >= observed)
 
 
-def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
-    """How many of `draws` random sign assignments of `values` give |sum| >= observed.
+def _flip_draw_bytes(n: int, rng: random.Random, draws: int) -> Iterator[tuple[bytes, int]]:
+    """The bits of `draws` successive rng.getrandbits(n) calls, a block at a time: (raw, d) with
+    draw j of the block in raw[j * 4w : (j + 1) * 4w], little-endian, w = ceil(n / 32).
 
-    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
-    2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
-    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups."""
-    n = len(values)
-    total = sum(values)
+    getrandbits(k) takes ceil(k / 32) 32-bit outputs of the generator, fills the integer from its
+    least significant word upward (on any byte order) and shifts the last word right by 32w - k.
+    So one getrandbits(32 w d) takes exactly the outputs of d such calls, in order; masking each
+    draw's last word and shifting it right by 32w - n gives each draw's value, and the generator
+    ends in the same state."""
+    words = (n + 31) // 32
+    shift = 32 * words - n
+    stride = 4 * words
+    block = max(1, min(65536, (1 << 22) // stride))
+    while draws > 0:
+        d = min(block, draws)
+        big = rng.getrandbits(32 * words * d)
+        if shift:
+            head = ((1 << (32 * (words - 1))) - 1).to_bytes(stride, "little")
+            tail = (((1 << 32) - (1 << shift)) << (32 * (words - 1))).to_bytes(stride, "little")
+            big = ((big & int.from_bytes(head * d, "little"))
+                   | ((big & int.from_bytes(tail * d, "little")) >> shift))
+        yield big.to_bytes(stride * d, "little"), d
+        draws -= d
+
+
+def _flip_proxy_sums(qtables: list[bytes], raw: bytes, stride: int, d: int) -> list[int] | None:
+    """For each of the d draws in `raw` (see _flip_draw_bytes), the sum over its bytes k of
+    qtables[k][byte]: each byte column (the strided slice k::stride) mapped by bytes.translate
+    and spread into lanes of one integer, so adding the columns sums every draw in its own lane.
+    None on a platform whose unsigned short and int are not 16 and 32 bits."""
+    width = 2 if 255 * len(qtables) < 1 << 16 else 4
+    if struct.calcsize("H") != 2 or struct.calcsize("I") != 4 or 255 * len(qtables) >= 1 << 32:
+        return None
+    lanes = bytearray(width * d)
+    total = 0
+    for k, table in enumerate(qtables):
+        lanes[0::width] = raw[k::stride].translate(table)
+        total += int.from_bytes(lanes, "little")
+    sums = memoryview(total.to_bytes(width * d, sys.byteorder)).cast("H" if width == 2 else "I").tolist()
+    if sys.byteorder == "big":
+        sums.reverse()          # the most significant lane, the last draw, came first
+    return sums
+
+
+def _flip_subset_tables(values: list[int]) -> list[list[int]]:
+    """Per group of 8 values (the last one may be shorter), the sums of its 256 subsets: entry b
+    sums the values whose bit is set in b."""
     tables = []
-    for start in range(0, n, 8):
+    for start in range(0, len(values), 8):
         chunk = values[start:start + 8]
         table = [0] * 256
         for byte in range(1, 256):
@@ -12123,11 +12162,51 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
             table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1] if low.bit_length() <= len(chunk)
                                                 else 0)
         tables.append(table)
+    return tables
+
+
+def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
+    """How many of `draws` random sign assignments of `values` give |sum| >= observed.
+
+    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
+    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups.
+
+    Drawn in blocks (_flip_draw_bytes: the same bits, the generator left in the same state).
+    With non-negative values most draws are decided without their exact kept sum: with
+    g = max // 31 + 1 each value is g q_i + r_i (0 <= q_i <= 30, 0 <= r_i < g), so a draw's kept
+    sum lies in [g Q, g Q + R], Q the sum of its kept q_i (every draw at once, _flip_proxy_sums: a
+    byte's 8 values sum to at most 240) and R the sum of every r_i.  A draw whose interval lies
+    wholly on one side of a threshold (2 kept - total >= observed, or <= -observed) is counted
+    from Q alone; only the others get their exact kept sum.  Values under 31: g = 1, R = 0."""
+    n = len(values)
+    total = sum(values)
+    if n == 0:
+        return draws if observed <= 0 else 0        # getrandbits(0) draws nothing
+    tables = _flip_subset_tables(values)
     nbytes = len(tables)
+    stride = 4 * ((n + 31) // 32)
+    signed = any(v < 0 for v in values)
+    g = 1 if signed else max(values) // 31 + 1
+    qtables = [bytes(t) for t in _flip_subset_tables([v // g for v in values])] if not signed else []
+    spare = sum(v % g for v in values)
+    up, down = total + observed, total - observed       # a hit: 2 kept >= up or 2 kept <= down
+    sure_up, maybe_up = -(-up // (2 * g)), -(-(up - 2 * spare) // (2 * g))
+    sure_down, maybe_down = (down - 2 * spare) // (2 * g), down // (2 * g)
     hits = 0
-    for _ in range(draws):
-        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
-        hits += abs(2 * kept - total) >= observed
+    for raw, d in _flip_draw_bytes(n, rng, draws):
+        if observed <= 0:
+            hits += d           # |anything| >= observed
+            continue
+        sums = None if signed else _flip_proxy_sums(qtables, raw, stride, d)
+        todo: Iterable[int] = range(d)
+        if sums is not None:
+            # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
+            hits += len(list(filter(sure_up.__le__, sums))) + len(list(filter(sure_down.__ge__, sums)))
+            todo = [j for j, q in enumerate(sums) if maybe_up <= q < sure_up or sure_down < q <= maybe_down]
+        for j in todo:
+            kept = sum(map(list.__getitem__, tables, raw[j * stride:j * stride + nbytes]))
+            hits += abs(2 * kept - total) >= observed
     return hits
 
 

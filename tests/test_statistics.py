@@ -508,3 +508,65 @@ def test_bootstrap_past_65536_resamples_and_non_finite_values_take_the_plain_pat
     for bad in ([0.0, float("inf"), 1.0], [1.0, float("nan"), 0.0, 2.0]):
         buf = ab._bootstrap_index_bytes(len(bad), __import__("random").Random(1), 50)
         assert ab._bootstrap_order_stats(bad, buf, 50, [0, 1]) is None
+
+
+def _ref_flip_monte_carlo(values, observed, rng, draws):
+    n = len(values)
+    total = sum(values)
+    tables = []
+    for start in range(0, n, 8):
+        chunk = values[start:start + 8]
+        table = [0] * 256
+        for byte in range(1, 256):
+            low = byte & -byte
+            table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1]
+                                                if low.bit_length() <= len(chunk) else 0)
+        tables.append(table)
+    nbytes = len(tables)
+    hits = 0
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
+    return hits
+
+
+def _same_flips(values, observed, seed, draws):
+    r1, r2 = __import__("random").Random(seed), __import__("random").Random(seed)
+    got = ab._flip_monte_carlo(list(values), observed, r1, draws)
+    assert got == _ref_flip_monte_carlo(list(values), observed, r2, draws), (values, observed, draws)
+    assert r1.getstate() == r2.getstate() and r1.random() == r2.random()
+    return got
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 100, 257])
+def test_flip_monte_carlo_is_the_one_draw_at_a_time_computation(n):
+    rng = __import__("random").Random(n)
+    kinds = {
+        "small": [rng.randint(1, 10) for _ in range(n)],
+        "zeros": [0] * n,
+        "negatives": [rng.randint(-50, 50) for _ in range(n)],
+        "huge": [rng.getrandbits(200) for _ in range(n)],
+        "mixed": [rng.choice((0, 1, 3, 10 ** 30)) for _ in range(n)],
+        "report": sorted(rng.randint(1, 10 ** 6) * rng.choice((1, 7, 10 ** 20)) for _ in range(n)),
+    }
+    for name, values in kinds.items():
+        total = abs(sum(values))
+        for observed in sorted({0, 1, total, total + 1, total // 2, total // 3, -3}):
+            for draws in (1, 3, 250):
+                _same_flips(values, observed, rng.getrandbits(64), draws)
+
+
+def test_flip_monte_carlo_seeded_sweep_and_a_block_boundary():
+    rng = __import__("random").Random(4321)
+    for _ in range(400):
+        n = rng.randint(1, 300)
+        top = rng.choice((5, 30, 31, 1000, 10 ** 9))
+        values = [rng.randint(0, top) for _ in range(n)]
+        if rng.random() < 0.1:
+            values[0] = -values[0] - 1
+        s = sum(values)
+        observed = rng.choice((0, rng.randint(0, max(1, s)), abs(s - 2 * rng.randint(0, max(1, s)))))
+        _same_flips(values, observed, rng.getrandbits(32), rng.randint(1, 300))
+    # More draws than one block holds (65,536), with a partial last word, and no values.
+    _same_flips([rng.randint(0, 99) for _ in range(40)], 700, 3, 70000)
+    assert _same_flips([], 0, 1, 5) == 5 and _same_flips([], 1, 1, 5) == 0
