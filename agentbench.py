@@ -12095,6 +12095,24 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
             return None
         span += m * v
         states = min(states * (m + 1), span // g + 1)
+    k = sum(groups.values())
+    if groups and min(groups) >= 0 and (span // g + 1) * (k + 2) <= 1 << 26:
+        # The distribution as one integer: the count of sum 2 g e - span in lane e of k + 2 bits
+        # (no count exceeds 2^k, so lanes never carry); a group multiplies it by
+        # sum_j C(m, j) x^(j v / g), x = 2^(k + 2), each term a shift.  The counts of lanes from e
+        # on, or up to e, add up to that part modulo 2^(k + 2) - 1, as 2^(k + 2) = 1 there.
+        lane = k + 2
+        poly = 1
+        for v, m in sorted(groups.items()):
+            step = lane * (v // g)
+            poly = sum(math.comb(m, j) * (poly << (step * j)) for j in range(m + 1))
+        ones = (1 << lane) - 1
+        if observed <= 0:
+            return poly % ones
+        first = -(-(span + observed) // (2 * g))        # lanes e >= first: sum >= observed
+        last = (span - observed) // (2 * g)             # lanes e <= last: sum <= -observed
+        hits = (poly >> (lane * first)) % ones if first <= span // g else 0
+        return hits + ((poly & ((1 << (lane * (last + 1))) - 1)) % ones if last >= 0 else 0)
     dist = {0: 1}
     for v, m in sorted(groups.items()):
         weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
@@ -12865,12 +12883,15 @@ def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
     r1, r2, c1 = a + b, c + d, a + c
     n = r1 + r2
     lo, hi = max(0, c1 - r2), min(r1, c1)
-
-    def weight(x: int) -> int:
-        return math.comb(r1, x) * math.comb(r2, c1 - x)
-
-    observed = weight(a)
-    tail = sum(w for w in (weight(x) for x in range(lo, hi + 1)) if w <= observed)
+    observed = math.comb(r1, a) * math.comb(r2, c1 - a)
+    # The weights by the exact recurrence w(x + 1) = w(x) (r1 - x)(c1 - x) / ((x + 1)(r2 - c1 + x
+    # + 1)): the same integers as the two binomials, one product and one division a step.
+    w = math.comb(r1, lo) * math.comb(r2, c1 - lo)
+    tail = 0
+    for x in range(lo, hi + 1):
+        if w <= observed:
+            tail += w
+        w = w * (r1 - x) * (c1 - x) // ((x + 1) * (r2 - c1 + x + 1))
     return min(1.0, tail / math.comb(n, c1))
 
 

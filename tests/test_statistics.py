@@ -570,3 +570,63 @@ def test_flip_monte_carlo_seeded_sweep_and_a_block_boundary():
     # More draws than one block holds (65,536), with a partial last word, and no values.
     _same_flips([rng.randint(0, 99) for _ in range(40)], 700, 3, 70000)
     assert _same_flips([], 0, 1, 5) == 5 and _same_flips([], 1, 1, 5) == 0
+
+
+def _ref_fisher(a, b, c, d):
+    r1, r2, c1 = a + b, c + d, a + c
+    lo, hi = max(0, c1 - r2), min(r1, c1)
+    weights = [math.comb(r1, x) * math.comb(r2, c1 - x) for x in range(lo, hi + 1)]
+    observed = math.comb(r1, a) * math.comb(r2, c1 - a)
+    return min(1.0, sum(w for w in weights if w <= observed) / math.comb(r1 + r2, c1))
+
+
+def test_fisher_by_the_weight_recurrence_is_the_binomial_products_bit_for_bit():
+    rng = __import__("random").Random(31)
+    tables = [(0, 0, 0, 0), (2, 3, 0, 0), (0, 5, 5, 0), (1, 9, 11, 3), (258, 24742, 257, 24743),
+              (257, 24743, 257, 24743), (0, 1, 0, 0), (5, 0, 0, 5), (1000, 0, 0, 1000)]
+    tables += [tuple(rng.choice((0, 1, 2, rng.randint(0, 30), rng.randint(0, 400))) for _ in range(4))
+               for _ in range(800)]
+    for cells in tables:
+        assert ab.fisher_exact_two_sided(*cells).hex() == _ref_fisher(*cells).hex(), cells
+
+
+def _ref_flip_exact(groups, observed, max_work):
+    g = 0
+    for v in groups:
+        g = math.gcd(g, v)
+    states, span, work = 1, 0, 0
+    for v, m in sorted(groups.items()):
+        work += states * (m + 1)
+        if work > max_work:
+            return None
+        span += m * v
+        states = min(states * (m + 1), span // g + 1)
+    dist = {0: 1}
+    for v, m in sorted(groups.items()):
+        weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
+        nxt = {}
+        for s, c in dist.items():
+            for step, w in weights:
+                nxt[s + step] = nxt.get(s + step, 0) + c * w
+        dist = nxt
+    return sum(c for s, c in dist.items() if abs(s) >= observed)
+
+
+def test_flip_exact_by_one_integer_is_the_distribution_by_dictionary():
+    rng = __import__("random").Random(8)
+    cases = [({}, 0), ({}, 1), ({3: 1}, 3), ({3: 1}, 4), ({1: 20}, 0), ({1: 20}, 10), ({2: 5, 7: 3}, 11),
+             ({5: 1, 10 ** 12: 2}, 10 ** 12), ({0: 3, 4: 2}, 4), ({10 ** 30: 3, 3 * 10 ** 30: 1}, 10 ** 30)]
+    for _ in range(400):
+        groups = {}
+        for _ in range(rng.randint(1, 40)):
+            v = rng.choice((rng.randint(1, 12), rng.randint(1, 400), rng.randint(1, 10 ** 7)))
+            groups[v] = groups.get(v, 0) + rng.randint(1, 6)
+        span = sum(v * m for v, m in groups.items())
+        cases.append((groups, rng.choice((0, 1, -2, span, span + 1, rng.randint(0, span)))))
+    computed = 0
+    for groups, observed in cases:
+        for max_work in (400_000, 2_000):
+            got = ab._flip_exact(dict(groups), observed, max_work)
+            assert got == _ref_flip_exact(dict(groups), observed, max_work), (groups, observed)
+            computed += got is not None
+    assert computed >= 100
