@@ -11901,7 +11901,7 @@ def mean(xs: Iterable[float]) -> float | None:
     Uses math.fsum (exactly rounded summation) so the result does not depend on the order of
     the values. Reference: any textbook, e.g. Freedman, Pisani & Purves, Statistics, ch. 4.
     """
-    vals = [float(x) for x in xs]
+    vals = list(map(float, xs))
     if not vals:
         return None
     return math.fsum(vals) / len(vals)
@@ -11912,7 +11912,7 @@ def median(xs: Iterable[float]) -> float | None:
 
     None for an empty sequence. Reference: Freedman, Pisani & Purves, Statistics, ch. 4.
     """
-    vals = sorted(float(x) for x in xs)
+    vals = sorted(map(float, xs))
     n = len(vals)
     if n == 0:
         return None
@@ -12174,11 +12174,9 @@ def _flip_subset_tables(values: list[int]) -> list[list[int]]:
     tables = []
     for start in range(0, len(values), 8):
         chunk = values[start:start + 8]
-        table = [0] * 256
-        for byte in range(1, 256):
-            low = byte & -byte
-            table[byte] = table[byte ^ low] + (chunk[low.bit_length() - 1] if low.bit_length() <= len(chunk)
-                                                else 0)
+        table = [0]
+        for v in chunk + [0] * (8 - len(chunk)):
+            table += [t + v for t in table]         # the subsets with this value's bit set
         tables.append(table)
     return tables
 
@@ -12221,7 +12219,12 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
         if sums is not None:
             # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
             hits += len(list(filter(sure_up.__le__, sums))) + len(list(filter(sure_down.__ge__, sums)))
-            todo = [j for j, q in enumerate(sums) if maybe_up <= q < sure_up or sure_down < q <= maybe_down]
+            # Undecided draws by a table of their Q (at most 240 a byte): found in C.
+            undecided = bytearray(240 * nbytes + 1)
+            for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
+                low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
+                undecided[low:high] = b"\x01" * max(0, high - low)
+            todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
         for j in todo:
             kept = sum(map(list.__getitem__, tables, raw[j * stride:j * stride + nbytes]))
             hits += abs(2 * kept - total) >= observed
