@@ -12528,8 +12528,10 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     Draws `n_resamples` resamples of the differences with replacement (same size as the data),
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
-    the paired design replicates; it is drawn as counts per distinct value (_bootstrap_means),
-    which is what makes it cheap at many tasks.  The generator is random.Random(seed), so the
+    the paired design replicates; past 256 tasks it is drawn as counts per distinct value
+    (_bootstrap_means), which is what makes it cheap at many tasks; up to 256 only the four
+    order statistics the quantiles read are computed, exactly (_bootstrap_order_stats), from the
+    same draws as every mean would be.  The generator is random.Random(seed), so the
     interval is reproducible across runs and Python versions; the report gives every interval
     its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
