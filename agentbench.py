@@ -12413,33 +12413,19 @@ def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[l
     return out, shift
 
 
-def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
-                           ranks: Iterable[int]) -> dict[int, float] | None:
-    """The resample means at `ranks` (0-based, in sorted order) without computing every mean:
-    exactly the values sorted(_bootstrap_means_bytes(...))[r] would give; None when the
-    preconditions below fail (the caller then computes every mean).
-
-    Each resample j has its float sum s_j = sum(...) as _bootstrap_means_bytes computes it, and an
-    integer proxy P_j = sum of q over its indices (_bootstrap_proxy_keys), where q_i is
-    (x_i - lo) * 255 / (hi - lo) rounded, computed exactly in integers (every x_i is an integer
-    A_i over 2^k).  In proxy units (u_j = (s_j - n lo) * 255 / (hi - lo), an increasing map of
-    s_j) |u_j - P_j| <= D, the sum of two bounds:
+def _bootstrap_quantized(xs: list[float]) -> tuple[list[int], int] | None:
+    """(q, h): each value as a byte, q_i = (x_i - lo) * 255 / (hi - lo) rounded, and h = floor(2 D)
+    where D bounds |u_j - P_j| for every resample j of n values: P_j the sum of its q, u_j = (s_j -
+    n lo) * 255 / (hi - lo) with s_j its float sum as sum() gives it (in any order of additions,
+    recursive or compensated).  Exact, in integers: every x_i is an integer A_i over 2^k.  D is:
       - quantization: n * max_i |(A_i - A_lo) 255 - q_i (A_hi - A_lo)| / (A_hi - A_lo);
       - rounding: any float sum of n terms with |terms| <= M errs by at most gamma_{n-1} n M
         (recursive summation, Python < 3.12; Neumaier's compensated sum of 3.12+ errs far less,
-        about 2 u n M), with gamma_{n-1} ~ (n - 1) 2^-53; the bound used is 2^-50 n^2 M, eight
-        times more, in proxy units.
-    Let p = the proxy at rank r.  At least r + 1 resamples have P <= p, so u(r-th) <= p + D;
-    likewise u(r-th) >= p - D.  Hence a resample with P < p - 2D has u < p - D <= u(r-th), one
-    with P > p + 2D has u > u(r-th): with L resamples below the window [p - 2D, p + 2D], the r-th
-    smallest sum is the (r - L)-th smallest in the window, whose exact sums and means are computed
-    as today.  Dividing by n is monotone, so ranks of sums are ranks of means, and equal nonzero
-    means are the same double.  Zero: every partial sum is a multiple of 2^-k (k <= 1000), so a
-    nonzero sum has |s| >= 2^-1000 and its mean is nonzero, hence every zero mean is in the window
-    of a zero r-th sum; the window is ordered by (mean, draw index), as sorted() (stable) orders
-    equal means, so even the sign of a zero is as today.
-    Preconditions: finite values, each a multiple of 2^-1000, n max |x| < 2^1000 (no overflow),
-    n <= 256, windows holding at most half of the resamples."""
+        about 2 u n M), with gamma_{n-1} ~ (n - 1) 2^-53 (an addition rounds by at most 2^-53
+        relatively, and not at all below the normal range); the bound used is 2^-50 n^2 M,
+        eight times more, in proxy units.
+    None unless: at most 256 values, not all equal, finite, each a multiple of 2^-1000 (so a
+    nonzero sum is at least 2^-1000), n max |x| < 2^1000 (no sum overflows)."""
     n = len(xs)
     if n > 256 or not all(map(math.isfinite, xs)) or max(map(abs, xs)) * n >= 2.0 ** 1000:
         return None
@@ -12450,10 +12436,39 @@ def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
     big = [num << (k - den.bit_length() + 1) for num, den in ratios]
     a_lo = min(big)
     span = max(big) - a_lo
+    if span == 0:
+        return None
     q = [((a - a_lo) * 510 + span) // (2 * span) for a in big]
     err = max(abs((a - a_lo) * 255 - qi * span) for a, qi in zip(big, q))
     amax = max(map(abs, big))
-    half = (2 * n * err * 2 ** 50 + n * n * amax * 255) // (span * 2 ** 50)
+    return q, (n * err * 2 ** 50 + n * n * amax * 255) // (span * 2 ** 49)
+
+
+def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
+                           ranks: Iterable[int]) -> dict[int, float] | None:
+    """The resample means at `ranks` (0-based, in sorted order) without computing every mean:
+    exactly the values sorted(_bootstrap_means_bytes(...))[r] would give; None when the
+    preconditions below fail (the caller then computes every mean).
+
+    Each resample j has its float sum s_j = sum(...) as _bootstrap_means_bytes computes it, and an
+    integer proxy P_j = sum of q over its indices (_bootstrap_proxy_keys) with, in proxy units
+    u_j (an increasing map of s_j), |u_j - P_j| <= D (_bootstrap_quantized).  Let p = the proxy
+    at rank r.  At least r + 1 resamples have P <= p, so u(r-th) <= p + D; likewise u(r-th) >=
+    p - D.  Hence a resample with P < p - 2D has u < p - D <= u(r-th), one with P > p + 2D has
+    u > u(r-th): with L resamples below the window [p - 2D, p + 2D], the r-th smallest sum is the
+    (r - L)-th smallest in the window, whose sums and means are computed as _bootstrap_means_bytes
+    computes them.  Dividing by n is monotone, so ranks of sums are ranks of means, and equal
+    nonzero means are the same double.  Zero: every partial sum is a multiple of 2^-k (k <= 1000),
+    so a nonzero sum has |s| >= 2^-1000 and its mean is nonzero, hence every zero mean is in the
+    window of a zero r-th sum; the window is ordered by (mean, draw index), as sorted() (stable)
+    orders equal means, so even the sign of a zero is the one sorted() gives.
+    Preconditions: those of _bootstrap_quantized, windows holding at most half of the resamples.
+    """
+    n = len(xs)
+    quantized = _bootstrap_quantized(xs)
+    if quantized is None:
+        return None
+    q, half = quantized
     made = _bootstrap_proxy_keys(q, buf, n_resamples)
     if made is None:
         return None

@@ -630,3 +630,26 @@ def test_flip_exact_by_one_integer_is_the_distribution_by_dictionary():
             assert got == _ref_flip_exact(dict(groups), observed, max_work), (groups, observed)
             computed += got is not None
     assert computed >= 100
+
+
+def test_bootstrap_proxy_bound_holds_for_every_resample():
+    # The bound D of _bootstrap_quantized, checked exactly (fractions) against every resample's
+    # float sum as sum() gives it on this interpreter: 2 |u_j - P_j| <= 2 D < h + 1.
+    from fractions import Fraction
+    rng = __import__("random").Random(99)
+    checked = 0
+    for n in (2, 3, 17, 100, 256):
+        for name, xs in _bootstrap_shapes(rng, n).items():
+            quantized = ab._bootstrap_quantized(xs)
+            if quantized is None:
+                continue
+            q, half = quantized
+            buf = ab._bootstrap_index_bytes(n, __import__("random").Random(n), 1500)
+            pick = (xs * (256 // n)).__getitem__
+            lo, hi = Fraction(min(xs)), Fraction(max(xs))
+            for j in range(1500):
+                picks = buf[j * n:j * n + n]
+                u = (Fraction(sum(map(pick, picks))) - n * lo) * 255 / (hi - lo)
+                assert 2 * abs(u - sum(q[b % n] for b in picks)) < half + 1, (name, n, j)
+            checked += 1
+    assert checked >= 50
