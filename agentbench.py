@@ -12149,23 +12149,46 @@ def _flip_draw_bytes(n: int, rng: random.Random, draws: int) -> Iterator[tuple[b
         draws -= d
 
 
-def _flip_proxy_sums(qtables: list[bytes], raw: bytes, stride: int, d: int) -> list[int] | None:
-    """For each of the d draws in `raw` (see _flip_draw_bytes), the sum over its bytes k of
-    qtables[k][byte]: each byte column (the strided slice k::stride) mapped by bytes.translate
-    and spread into lanes of one integer, so adding the columns sums every draw in its own lane.
-    None on a platform whose unsigned short and int are not 16 and 32 bits."""
-    width = 2 if 255 * len(qtables) < 1 << 16 else 4
-    if struct.calcsize("H") != 2 or struct.calcsize("I") != 4 or 255 * len(qtables) >= 1 << 32:
-        return None
+def _flip_proxy_lanes(qtables: list[bytes], raw: bytes, stride: int, d: int) -> tuple[int, int]:
+    """(lanes, width): for each of the d draws in `raw` (see _flip_draw_bytes), the sum over its
+    bytes k of qtables[k][byte] (each at most 240), in lane j (`width` bytes, least significant
+    first) of one integer: each byte column (the strided slice k::stride) mapped by
+    bytes.translate and spread into lanes, so adding the columns sums every draw in its own lane.
+    The lanes are wide enough that every sum stays below half of a lane (_flip_lanes_at_least)."""
+    width = 2
+    while 240 * len(qtables) >= 1 << (8 * width - 1):
+        width *= 2
     lanes = bytearray(width * d)
     total = 0
     for k, table in enumerate(qtables):
         lanes[0::width] = raw[k::stride].translate(table)
         total += int.from_bytes(lanes, "little")
-    sums = memoryview(total.to_bytes(width * d, sys.byteorder)).cast("H" if width == 2 else "I").tolist()
+    return total, width
+
+
+def _flip_lanes_at_least(lanes: int, width: int, d: int, a: int) -> int:
+    """How many of the d lanes of `width` bytes (each holding less than half a lane) hold at least
+    a: adding half a lane less a to every lane sets a lane's top bit exactly when it holds at
+    least a, and carries into no other lane; the top bits are then counted."""
+    half = 1 << (8 * width - 1)
+    if a <= 0:
+        return d
+    if a >= half:
+        return 0
+    ones = int.from_bytes((b"\x01" + bytes(width - 1)) * d, "little")
+    return ((lanes + (half - a) * ones) & (ones * half)).bit_count()
+
+
+def _flip_lanes_list(lanes: int, width: int, d: int) -> list[int] | None:
+    """The d lanes as a list, draw order; None on a platform whose unsigned short, int and long
+    long are not 16, 32 and 64 bits."""
+    codes = {2: "H", 4: "I", 8: "Q"}
+    if width not in codes or struct.calcsize(codes[width]) != width:
+        return None
+    out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(codes[width]).tolist()
     if sys.byteorder == "big":
-        sums.reverse()          # the most significant lane, the last draw, came first
-    return sums
+        out.reverse()           # the most significant lane, the last draw, came first
+    return out
 
 
 def _flip_subset_tables(values: list[int]) -> list[list[int]]:
@@ -12191,7 +12214,7 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
     Drawn in blocks (_flip_draw_bytes: the same bits, the generator left in the same state).
     With non-negative values most draws are decided without their exact kept sum: with
     g = max // 31 + 1 each value is g q_i + r_i (0 <= q_i <= 30, 0 <= r_i < g), so a draw's kept
-    sum lies in [g Q, g Q + R], Q the sum of its kept q_i (every draw at once, _flip_proxy_sums: a
+    sum lies in [g Q, g Q + R], Q the sum of its kept q_i (every draw at once, _flip_proxy_lanes: a
     byte's 8 values sum to at most 240) and R the sum of every r_i.  A draw whose interval lies
     wholly on one side of a threshold (2 kept - total >= observed, or <= -observed) is counted
     from Q alone; only the others get their exact kept sum.  Values under 31: g = 1, R = 0."""
@@ -12199,33 +12222,44 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
     total = sum(values)
     if n == 0:
         return draws if observed <= 0 else 0        # getrandbits(0) draws nothing
-    tables = _flip_subset_tables(values)
-    nbytes = len(tables)
+    nbytes = (n + 7) // 8
     stride = 4 * ((n + 31) // 32)
     signed = any(v < 0 for v in values)
     g = 1 if signed else max(values) // 31 + 1
     qtables = [bytes(t) for t in _flip_subset_tables([v // g for v in values])] if not signed else []
     spare = sum(v % g for v in values)
     up, down = total + observed, total - observed       # a hit: 2 kept >= up or 2 kept <= down
+    # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
     sure_up, maybe_up = -(-up // (2 * g)), -(-(up - 2 * spare) // (2 * g))
     sure_down, maybe_down = (down - 2 * spare) // (2 * g), down // (2 * g)
+    tables: list[list[int]] = []
     hits = 0
     for raw, d in _flip_draw_bytes(n, rng, draws):
         if observed <= 0:
             hits += d           # |anything| >= observed
             continue
-        sums = None if signed else _flip_proxy_sums(qtables, raw, stride, d)
         todo: Iterable[int] = range(d)
-        if sums is not None:
-            # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
-            hits += len(list(filter(sure_up.__le__, sums))) + len(list(filter(sure_down.__ge__, sums)))
-            # Undecided draws by a table of their Q (at most 240 a byte): found in C.
-            undecided = bytearray(240 * nbytes + 1)
-            for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
-                low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
-                undecided[low:high] = b"\x01" * max(0, high - low)
-            todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
+        if not signed:
+            lanes, width = _flip_proxy_lanes(qtables, raw, stride, d)
+            at_least = [_flip_lanes_at_least(lanes, width, d, a)
+                        for a in (sure_up, maybe_up, sure_down + 1, maybe_down + 1)]
+            hits += at_least[0] + d - at_least[2]
+            todo = []
+            if at_least[1] > at_least[0] or at_least[2] > at_least[3]:
+                sums = _flip_lanes_list(lanes, width, d)
+                if sums is None:
+                    hits -= at_least[0] + d - at_least[2]
+                    todo = range(d)
+                else:
+                    # Undecided draws by a table of their Q (at most 240 a byte): found in C.
+                    undecided = bytearray(240 * nbytes + 1)
+                    for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
+                        low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
+                        undecided[low:high] = b"\x01" * max(0, high - low)
+                    todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
         for j in todo:
+            if not tables:
+                tables = _flip_subset_tables(values)
             kept = sum(map(list.__getitem__, tables, raw[j * stride:j * stride + nbytes]))
             hits += abs(2 * kept - total) >= observed
     return hits

@@ -567,6 +567,10 @@ def test_flip_monte_carlo_seeded_sweep_and_a_block_boundary():
         s = sum(values)
         observed = rng.choice((0, rng.randint(0, max(1, s)), abs(s - 2 * rng.randint(0, max(1, s)))))
         _same_flips(values, observed, rng.getrandbits(32), rng.randint(1, 300))
+    # Values enough for 32-bit lanes (over 1088), thresholds near the middle and in the tail.
+    wide = [rng.randint(0, 10 ** 6) for _ in range(1100)]
+    for observed in (1, 10 ** 6, 3 * 10 ** 7):
+        _same_flips(wide, observed, rng.getrandbits(32), 60)
     # More draws than one block holds (65,536), with a partial last word, and no values.
     _same_flips([rng.randint(0, 99) for _ in range(40)], 700, 3, 70000)
     assert _same_flips([], 0, 1, 5) == 5 and _same_flips([], 1, 1, 5) == 0
