@@ -12179,16 +12179,16 @@ def _flip_lanes_at_least(lanes: int, width: int, d: int, a: int) -> int:
     return ((lanes + (half - a) * ones) & (ones * half)).bit_count()
 
 
-def _flip_lanes_list(lanes: int, width: int, d: int) -> list[int] | None:
-    """The d lanes as a list, draw order; None on a platform whose unsigned short, int and long
-    long are not 16, 32 and 64 bits."""
-    codes = {2: "H", 4: "I", 8: "Q"}
-    if width not in codes or struct.calcsize(codes[width]) != width:
-        return None
-    out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(codes[width]).tolist()
-    if sys.byteorder == "big":
-        out.reverse()           # the most significant lane, the last draw, came first
-    return out
+def _flip_lanes_list(lanes: int, width: int, d: int) -> list[int]:
+    """The d lanes of `width` bytes as a list, in draw order."""
+    code = {2: "H", 4: "I", 8: "Q"}.get(width)
+    if code is not None and struct.calcsize(code) == width:
+        out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(code).tolist()
+        if sys.byteorder == "big":
+            out.reverse()       # the most significant lane, the last draw, came first
+        return out
+    raw = lanes.to_bytes(width * d, "little")
+    return [int.from_bytes(raw[i:i + width], "little") for i in range(0, width * d, width)]
 
 
 def _flip_subset_tables(values: list[int]) -> list[list[int]]:
@@ -12243,20 +12243,16 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
             lanes, width = _flip_proxy_lanes(qtables, raw, stride, d)
             at_least = [_flip_lanes_at_least(lanes, width, d, a)
                         for a in (sure_up, maybe_up, sure_down + 1, maybe_down + 1)]
-            hits += at_least[0] + d - at_least[2]
-            todo = []
+            hits += at_least[0] + d - at_least[2]         # surely above, surely below
+            todo = ()
             if at_least[1] > at_least[0] or at_least[2] > at_least[3]:
+                # Undecided draws by a table of their Q (at most 240 a byte): found in C.
+                undecided = bytearray(240 * nbytes + 1)
+                for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
+                    low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
+                    undecided[low:high] = b"\x01" * max(0, high - low)
                 sums = _flip_lanes_list(lanes, width, d)
-                if sums is None:
-                    hits -= at_least[0] + d - at_least[2]
-                    todo = range(d)
-                else:
-                    # Undecided draws by a table of their Q (at most 240 a byte): found in C.
-                    undecided = bytearray(240 * nbytes + 1)
-                    for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
-                        low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
-                        undecided[low:high] = b"\x01" * max(0, high - low)
-                    todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
+                todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
         for j in todo:
             if not tables:
                 tables = _flip_subset_tables(values)
