@@ -17191,8 +17191,9 @@ _STAMP = struct.Struct("<QQQqq")
 STAMP_BYTES = _STAMP.size
 #: The base is rewritten when more than this share of the runs is not in it as they are now.
 _SUMMARY_REBASE_SHARE = 16
-#: The array type codes of a base's 2- and 4-byte indexes (where no code is 4 bytes wide, a base's
-#: 4-byte index never has the length it should, so the base is not believed: the runs are read).
+#: The array type codes of a base's 2- and 4-byte indexes (a platform with no 4-byte code writes
+#: and reads its wide indexes with "I": a base of another platform then has indexes of another
+#: length, and is not believed).
 _INDEX_CODES = {2: "H", 4: next((c for c in "IL" if array.array(c).itemsize == 4), "I")}
 _NONE = type(None)
 #: The types run_facts gives each field (through JSON); a field not named here may be any value.
