@@ -108,7 +108,8 @@ SHAPES = [{"tokens": {"output": 1.5, "input": 2}}, {"tokens": {"cache_read": 3, 
           {"cost_usd": 1e15}, {"cost_usd": 5e-324}, {"cost_usd": 1e-300}, {"cost_usd": 3},
           {"evaluation": {"success": True, "score": 5e-324}}, {"evaluation": {"success": True, "score": 1}},
           {"evaluation": {"success": False, "score": 0.1 + 0.2}}, {"cost_estimated": True, "cost_usd": 0.3},
-          {"sandbox": {"sandboxed": True, "networks": ["open"], "network_opened": ["x"]}, "status": "finished"},
+          {"sandbox": {"sandboxed": True, "networks": ["open"], "network_opened": ["x"]},
+           "status": "finished"},
           {"sandbox": {"sandboxed": True, "unfiltered": ["y", "x"]}, "status": "finished"},
           {"audit": {"findings": [{"kind": "edited_tests"}], "flagged": True}}]
 
