@@ -13224,7 +13224,7 @@ def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
 class _TaskCell:
     """One arm's runs of one task in one population."""
     __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
-                 "paired_costs", "flagged_evaluated", "exact")
+                 "paired_costs", "flagged_evaluated", "exact", "parts")
 
     def __init__(self) -> None:
         self.runs = self.evaluated = self.successes = self.flagged_evaluated = 0
@@ -13232,10 +13232,12 @@ class _TaskCell:
         self.costs: list[float] = []           # every run's cost
         self.paired_scores: list[float] = []   # evaluated runs' checked scores
         self.paired_costs: list[float] = []    # ended runs' checked costs
-        self.exact: dict[str, Any] = {}        # exact means of the paired lists, once each
+        self.exact: dict[str, Any] = {}        # exact sums of the paired lists, once each
+        self.parts: tuple[_TaskCell, _TaskCell] | None = None   # the two cells merged into this one
 
     def merged(self, other: _TaskCell) -> _TaskCell:
         out = _TaskCell()
+        out.parts = (self, other)
         out.runs, out.evaluated = self.runs + other.runs, self.evaluated + other.evaluated
         out.successes = self.successes + other.successes
         out.flagged_evaluated = self.flagged_evaluated + other.flagged_evaluated
@@ -13506,16 +13508,42 @@ def _rpt_task_cells(view: Mapping[str, _ArmTally], arms: list[str], tasks: list[
     return out
 
 
-def _rpt_exact_mean(values: Sequence[Any]) -> fractions.Fraction:
-    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order.
-    Numerators are added as integers per denominator (a float's is a power of two, so a list of
-    floats has few), then over the least common multiple of the denominators."""
+# Whether this machine's float additions round once, as IEEE 754 doubles do (an x87 unit can round
+# twice): math.fsum is then correctly rounded, which _rpt_exact_sum relies on.  The classic probe:
+# 1e16 + 2.9999 is 1e16 + 2 rounded once and 1e16 + 4 rounded twice.
+_FLOAT_ADD_ROUNDS_ONCE = float("1e16") + float("2.9999") == 1e16 + 2
+
+
+def _rpt_exact_sum(values: Sequence[Any]) -> fractions.Fraction:
+    """The exact sum of ints, floats or fractions, as a fraction: the same whatever their order.
+
+    Of finite floats (the paired lists), from a few math.fsum calls: fsum rounds the exact sum once,
+    so s1 = fsum(values) is that sum rounded, s2 = fsum(values + [-s1]) is what s1 left out,
+    rounded, and so on until the rest is 0, which fsum returns for an exact 0 only (a sum of
+    floats that is not 0 is at least the smallest float).  The sum is then s1 + s2 + ... exactly:
+    two terms for 250 scores.  Otherwise (another type, a value or a sum that is not finite, a
+    machine that rounds twice, more terms than a sum of doubles can need), numerators are added as
+    integers per denominator (a float's is a power of two, so a list of floats has few), then over
+    the least common multiple of the denominators."""
+    if _FLOAT_ADD_ROUNDS_ONCE and {float}.issuperset(map(type, values)):
+        terms: list[float] = []
+        try:
+            rest = math.fsum(values)
+            while rest and math.isfinite(rest) and len(terms) < 48:
+                terms.append(rest)
+                rest = math.fsum(itertools.chain(values, [-x for x in terms]))
+        except OverflowError:
+            rest = math.inf
+        if not rest:
+            ratios = [x.as_integer_ratio() for x in terms]
+            common = max((d for _, d in ratios), default=1)     # powers of two: the largest
+            return fractions.Fraction(sum(n * (common // d) for n, d in ratios), common)
     by_den: dict[int, int] = {}
     for v in values:
         num, den = v.as_integer_ratio()
         by_den[den] = by_den.get(den, 0) + num
     common = math.lcm(*by_den)
-    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
+    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common)
 
 
 def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -13525,13 +13553,23 @@ def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[st
     return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
 
 
+def _rpt_cell_sum(cell: _TaskCell, field: str) -> fractions.Fraction:
+    """The exact sum of one of a cell's paired lists, computed once per cell: a baseline's cells
+    serve every comparison, and a merged cell adds up its two parts' sums."""
+    got = cell.exact.get(field)
+    if got is None:
+        if cell.parts is not None:
+            got = _rpt_cell_sum(cell.parts[0], field) + _rpt_cell_sum(cell.parts[1], field)
+        else:
+            got = _rpt_exact_sum(getattr(cell, field))
+        cell.exact[field] = got
+    return got
+
+
 def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
-    """The exact mean of one of a cell's paired lists (None when it is empty), computed once per
-    cell: a baseline's cells serve every comparison."""
-    if field not in cell.exact:
-        values = getattr(cell, field)
-        cell.exact[field] = _rpt_exact_mean(values) if values else None
-    return cell.exact[field]
+    """The exact mean of one of a cell's paired lists (None when it is empty)."""
+    n = len(getattr(cell, field))
+    return _rpt_cell_sum(cell, field) / n if n else None
 
 
 def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,

@@ -5,8 +5,11 @@ on hostile records."""
 from __future__ import annotations
 
 import copy
+import fractions
 import json
+import math
 import random
+import sys
 
 import pytest
 
@@ -97,6 +100,15 @@ def reference_tally(known):
     return tallies
 
 
+def reference_exact_mean(values):
+    by_den = {}
+    for v in values:
+        num, den = v.as_integer_ratio()
+        by_den[den] = by_den.get(den, 0) + num
+    common = math.lcm(*by_den)
+    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
+
+
 # -- Runs of every shape -----------------------------------------------------------------------------
 
 # Beyond HOSTILE: the shapes whose branches the tally orders by frequency.
@@ -183,3 +195,71 @@ def test_tally_table():
     assert ab._tally_counts(b.causes) == {"error": 1, "timeout": 1}
     assert ab._tally_counts(b.tokens) == {"output": 2, "input": 4, "cache_read": 4}
     assert b.tokens["cache_read"][1] == (5, 1)        # first seen: run 5, its second key
+
+
+# -- Exact sums and means ---------------------------------------------------------------------------
+
+def float_lists():
+    """Lists of floats the fsum route must add exactly: scores and costs as runs give them, values of
+    every exponent (subnormals too), cancelling ones, sums past 2**53, and the largest floats (whose
+    sum overflows fsum: the integer route adds them)."""
+    rng = random.Random(5)
+    tiny = sys.float_info.min * sys.float_info.epsilon        # the smallest float, 5e-324
+    yield [1.0, 0.5, 0.25]
+    yield [0.1] * 10
+    yield [0.1, 0.2, -0.3]
+    yield [1e16, 1.0, -1e16]
+    yield [tiny, 1e15, tiny, -1e15]
+    yield [sys.float_info.max, sys.float_info.max, -sys.float_info.max]
+    yield [-0.0, 0.0, -0.0]
+    yield [2.0 ** 52 + 1, 0.5, 0.25]
+    for _ in range(40):
+        n = rng.choice([1, 2, 7, 250, 1000])
+        kind = rng.random()
+        if kind < 0.3:
+            yield [round(rng.random(), rng.randrange(2, 6)) for _ in range(n)]      # costs
+        elif kind < 0.6:
+            yield [rng.random() ** rng.randrange(1, 30) for _ in range(n)]        # scores
+        else:
+            yield [math.ldexp(rng.random() - 0.5, rng.randrange(-1074, 50)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("values", list(float_lists()))
+def test_exact_sum_of_floats_equals_the_reference(values):
+    got = ab._rpt_exact_sum(values)
+    assert got / len(values) == reference_exact_mean(values)
+    assert (got.numerator, got.denominator) == ((reference_exact_mean(values) * len(values)).numerator,
+                                                (reference_exact_mean(values) * len(values)).denominator)
+
+
+@pytest.mark.parametrize("values", [[1, 2, 4], [fractions.Fraction(1, 3), 0.5], [True, 2.5], [3, 0.25],
+                                    [2 ** 80 + 1, 1.0]])
+def test_exact_sum_of_other_numbers_equals_the_reference(values):
+    # Not every value a float: the integer route (fsum would round an int past 2**53).
+    assert ab._rpt_exact_sum(values) / len(values) == reference_exact_mean(values)
+
+
+def test_exact_sum_table():
+    assert ab._rpt_exact_sum([]) == 0
+    assert ab._rpt_exact_sum([0.1, 0.2]) == fractions.Fraction(0.1) + fractions.Fraction(0.2)
+    assert ab._rpt_exact_sum([0.1, 0.2]) != fractions.Fraction(0.1 + 0.2)      # the float sum rounds
+    assert ab._rpt_exact_sum([1e16, 1.0, 1.0]) == 10 ** 16 + 2                  # fsum alone: 1e16 + 2
+    for bad, error in (([math.inf], OverflowError), ([math.nan, 1.0], ValueError)):
+        with pytest.raises(error):
+            ab._rpt_exact_sum(bad)
+        with pytest.raises(error):
+            reference_exact_mean(bad)
+
+
+def test_cell_means_equal_the_reference_and_merged_cells_add_their_parts():
+    rng = random.Random(9)
+    for _ in range(30):
+        a, b = ab._TaskCell(), ab._TaskCell()
+        a.paired_scores = [rng.random() ** 7 for _ in range(rng.randrange(0, 40))]
+        b.paired_scores = [rng.random() for _ in range(rng.randrange(0, 5))]
+        merged = a.merged(b)
+        for cell in (a, b, merged, a.merged(b).merged(merged)):
+            values = cell.paired_scores
+            want = reference_exact_mean(values) if values else None
+            assert ab._rpt_cell_mean(cell, "paired_scores") == want
+            assert ab._rpt_cell_mean(cell, "paired_scores") == want      # cached, the same
