@@ -13290,24 +13290,50 @@ class _ArmTally:
         return out
 
 
-#: The facts _rpt_tally reads of a run, in the order it unpacks them: one C call per run.
-_TALLY_FACTS = operator.itemgetter(*(RunFacts._fields.index(name) for name in (
+#: The facts _rpt_census reads of a run, in the order it unpacks them: one C call per run.
+_CENSUS_FACTS = operator.itemgetter(*(RUN_FACTS_FIELDS.index(name) for name in (
     "arm", "task_key", "status", "outcome", "validity", "evaluated", "success", "score", "score_checked",
     "tests_passed", "tests_total", "cost", "cost_checked", "cost_estimated", "tokens", "wall_s",
-    "gate_cycles", "review_verdicts", "failure_reason", "audit")))
+    "gate_cycles", "review_verdicts", "failure_reason", "audit", "sandbox", "rehearsal", "snapshots",
+    "delivery", "launch")))
 
 
-def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
-    """(arm, excluded) -> that population's tally, over `known` in run order.
+class _RunCensus:
+    """The runs added up in one pass (_rpt_census): each arm's tallies, and what the report's lists
+    and notes need beyond them, so that nothing walks 100,000 runs again.  Lists are in run order."""
+    __slots__ = ("tallies", "excluded", "audited", "delivered", "launched", "snapshotted", "unboxed",
+                 "unboxed_reasons", "boxed", "costs", "est_costs", "rehearsed", "unlabelled",
+                 "not_started", "running")
+
+    def __init__(self) -> None:
+        self.tallies: dict[tuple[str, bool], _ArmTally] = {}   # (arm, excluded) -> its tally
+        self.excluded: list[RunFacts] = []     # the runs with an excluding validity label
+        self.audited: list[RunFacts] = []      # runs with an audit
+        self.delivered: list[RunFacts] = []    # runs with a delivery check
+        self.launched: list[RunFacts] = []     # runs whose launch (model, effort) is known
+        self.snapshotted: list[RunFacts] = []  # runs kept (not excluded) with graded snapshots
+        self.unboxed_reasons: set[str] = set()  # why the runs not sandboxed (unboxed) were not
+        self.boxed: list[dict] = []            # the sandbox facts of sandboxed runs that have one
+        self.costs: list[float] = []           # every run's cost
+        self.est_costs: list[float] = []       # the costs estimated from list prices
+        self.rehearsed = self.unlabelled = self.not_started = self.running = self.unboxed = 0
+
+
+def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
+    """The census of `known` (see _RunCensus): each (arm, excluded) population's tally, in run
+    order, and the rest on the way.
 
     One pass, written for 100,000 runs: a run's facts are unpacked at once, the branches of a
     finished run come first, and the counts that follow from others (runs, started, ended, a
     cell's runs) are set after the pass."""
-    tallies: dict[tuple[str, bool], _ArmTally] = {}
+    census = _RunCensus()
+    tallies = census.tallies
     excluded_labels = REPORT_EXCLUDED_VALIDITY
-    for pos, (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked,
-              tests_passed, tests_total, cost, cost_checked, cost_estimated, tokens, wall_s,
-              gate_cycles, verdicts, failure_reason, audit) in enumerate(map(_TALLY_FACTS, known)):
+    add_cost, add_reasons = census.costs.append, census.unboxed_reasons.update
+    for pos, f in enumerate(known):
+        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, tests_passed,
+         tests_total, cost, cost_checked, cost_estimated, tokens, wall_s, gate_cycles, verdicts,
+         failure_reason, audit, sandbox, rehearsal, snapshots, delivery, launch) = _CENSUS_FACTS(f)
         excluded = validity in excluded_labels
         t = tallies.get((arm, excluded))
         if t is None:
@@ -13396,6 +13422,29 @@ def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
         if flagged:
             t.flagged += 1
             t.flagged_successes += success
+        add_cost(cost)
+        if sandbox is not None:
+            if sandbox["sandboxed"]:
+                census.boxed.append(sandbox)
+            else:
+                census.unboxed += 1
+                add_reasons(sandbox["reasons"])
+        if audit is not None:
+            census.audited.append(f)
+        if excluded:
+            census.excluded.append(f)
+        elif snapshots:
+            census.snapshotted.append(f)
+        if not pending and validity is None:
+            census.unlabelled += 1
+        if rehearsal:
+            census.rehearsed += 1
+        if cost_estimated:
+            census.est_costs.append(cost)
+        if delivery is not None:
+            census.delivered.append(f)
+        if launch is not None:
+            census.launched.append(f)
     for t in tallies.values():
         runs = 0
         for cell in t.tasks.values():
@@ -13404,7 +13453,14 @@ def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
         t.runs = runs
         t.started = runs - t.not_started
         t.ended = t.started - t.running
-    return tallies
+        census.not_started += t.not_started
+        census.running += t.running
+    return census
+
+
+def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
+    """(arm, excluded) -> that population's tally, over `known` in run order."""
+    return _rpt_census(known).tallies
 
 
 def _rpt_task_rates(t: _ArmTally) -> list[float]:
@@ -13757,18 +13813,16 @@ def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> l
 REPORT_ALPHA = 0.05
 
 
-def report_behaviour(known: Sequence[RunFacts], arms: list[str]) -> dict:
-    """Per arm, over every run of the study (excluded ones too, each marked): audited and flagged
-    runs, findings and runs by group, the flagged runs themselves and the successes among them."""
+def report_behaviour(audited: Sequence[RunFacts], arms: list[str], runs: Mapping[str, int]) -> dict:
+    """Per arm, over every run of the study (excluded ones too, each marked): its `runs` (as given),
+    audited and flagged runs, findings and runs by group, the flagged runs themselves and the
+    successes among them, from the `audited` runs (those with an audit) in run order."""
     out: dict[str, dict] = {}
     for arm in arms:
-        out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
+        out[arm] = {"runs": runs[arm], "audited": 0, "flagged": 0, "flagged_successes": 0,
                     "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
-    for f in known:
+    for f in audited:
         st = out[f.arm]
-        st["runs"] += 1
-        if f.audit is None:
-            continue
         st["audited"] += 1
         flagged, groups = f.audit
         if not flagged:
@@ -14058,12 +14112,13 @@ def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms
     return views
 
 
-def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts],
-                          unknown: Sequence[RunFacts], include_excluded: bool,
-                          rehearsed: Sequence[RunFacts], est: Sequence[RunFacts]) -> list[str]:
-    """Notes on which runs the report stands on: exclusions, missing labels, an incomplete study,
-    unknown arms, rehearsals, unsandboxed runs and estimated costs."""
+def _rpt_population_notes(census: _RunCensus, unknown: Sequence[RunFacts],
+                          include_excluded: bool) -> list[str]:
+    """Notes on which runs the report stands on (the study's, counted in `census`): exclusions,
+    missing labels, an incomplete study, `unknown` arms, rehearsals, unsandboxed runs and estimated
+    costs."""
     notes = []
+    excluded = census.excluded
     if excluded:
         by_label: dict[str, int] = {}
         for f in excluded:
@@ -14075,17 +14130,7 @@ def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts
         else:
             notes.append(f"{len(excluded)} run(s) excluded by validity label ({labels}); the "
                          f"tables leave them out and views.all_included has results with them")
-    n_ns = n_run = unlabelled = 0
-    noted: list[RunFacts] = []
-    for f in known:
-        if f.status == "not_started":
-            n_ns += 1
-        elif f.status == "running":
-            n_run += 1
-        elif f.validity is None:
-            unlabelled += 1
-        if f.sandbox is not None:
-            noted.append(f)
+    n_ns, n_run, unlabelled = census.not_started, census.running, census.unlabelled
     if unlabelled:
         notes.append(f"{unlabelled} ended run(s) have no validity label; treated as valid")
     if n_ns or n_run:
@@ -14095,30 +14140,30 @@ def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
                      f"({', '.join(sorted({f.arm for f in unknown}))}) and are ignored")
-    if rehearsed:
-        notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
+    if census.rehearsed:
+        notes.append(f"{census.rehearsed} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
-    unboxed = [f.sandbox for f in noted if not f.sandbox["sandboxed"]]
-    if unboxed:
-        why = sorted({w for sb in unboxed for w in sb["reasons"]})
-        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
+    boxed = census.boxed
+    if census.unboxed:
+        why = sorted(census.unboxed_reasons)
+        notes.append(f"{census.unboxed} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
-    opened = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["network_opened"] is not None]
+    opened = [sb for sb in boxed if sb["network_opened"] is not None]
     if opened:
         why = sorted({w for sb in opened for w in sb["network_opened"]})
         notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
                      f"reach every listening port of the host and other sessions that had it too"
                      + (f" ({'; '.join(why)})" if why else ""))
-    bare = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["unfiltered"]]
+    bare = [sb for sb in boxed if sb["unfiltered"]]
     if bare:
         why = sorted({w for sb in bare for w in sb["unfiltered"]})
         notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
                      f"their processes could inspect others as the host allows ({'; '.join(why)})")
-    if est:
-        notes.append(f"costs include ${math.fsum(f.cost for f in est):.4f} "
-                     f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
+    if census.est_costs:
+        notes.append(f"costs include ${math.fsum(census.est_costs):.4f} "
+                     f"estimated from list prices over {len(census.est_costs)} run(s) (marked ~ in tables)")
     return notes
 
 
@@ -14318,25 +14363,30 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
     arms, base = _rpt_arms(runs, arms, analysis["baseline"])
     in_study = set(arms)
-    known = [f for f in runs if f.arm in in_study]
-    unknown = [f for f in runs if f.arm not in in_study]
-    tasks = sorted({f.task_key for f in known})
-    excluded = [f for f in known if f.validity in REPORT_EXCLUDED_VALIDITY]
-    tallies = _rpt_tally(known)
+    # One pass over the runs (_rpt_census); a second, over the study's, only when some run belongs
+    # to an arm outside it.  Nothing below walks the runs again.
+    census = _rpt_census(runs)
+    if all(arm in in_study for arm, _ in census.tallies):
+        known, unknown = runs, []
+    else:
+        known = [f for f in runs if f.arm in in_study]
+        unknown = [f for f in runs if f.arm not in in_study]
+        census = _rpt_census(known)
+    tallies = census.tallies
+    tasks = sorted({task for t in tallies.values() for task in t.tasks})   # every run is in a cell
+    excluded = census.excluded
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
     views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
-    behaviour = report_behaviour(known, arms)
+    behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
     exclusions = report_exclusions(kept, out, arms, base)
     warning = _rpt_exclusion_warning(exclusions, base, primary)
-    delivery = report_delivery(known, arms)
+    delivery = report_delivery(census.delivered, arms)
     warnings = [w for w in (delivery["note"], warning) if w]
-    rehearsed = [f for f in known if f.rehearsal]
-    est = [f for f in known if f.cost_estimated]
     notes = list(warnings) + [_rpt_analysis_note(analysis)]
-    notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
+    notes.extend(_rpt_population_notes(census, unknown, include_excluded))
     notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
@@ -14362,7 +14412,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
         "warnings": warnings,
         "behaviour": behaviour,
         "delivery": delivery,
-        "prices": report_prices(known, views[primary], base),
+        "prices": report_prices(census.launched, views[primary], base),
         "exclusions": exclusions,
         "multiplicity": views[primary]["multiplicity"],
         "totals": {
@@ -14370,13 +14420,13 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
             "tasks": len(tasks),
             "excluded": len(excluded),
             "ignored_unknown_arm": len(unknown),
-            "cost_usd": math.fsum(f.cost for f in known),
-            "cost_estimated_usd": math.fsum(f.cost for f in est),
-            "rehearsed_runs": len(rehearsed),
+            "cost_usd": math.fsum(census.costs),
+            "cost_estimated_usd": math.fsum(census.est_costs),
+            "rehearsed_runs": census.rehearsed,
         },
         "notes": notes,
         "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
-        "snapshots": snapshot_curve([f for f in known if f.validity not in REPORT_EXCLUDED_VALIDITY], arms),
+        "snapshots": snapshot_curve(census.snapshotted, arms),
     }
 
 

@@ -109,6 +109,93 @@ def reference_exact_mean(values):
     return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
 
 
+def reference_population_notes(known, excluded, unknown, include_excluded, rehearsed, est):
+    notes = []
+    if excluded:
+        by_label = {}
+        for f in excluded:
+            ab._rpt_inc(by_label, f.validity)
+        labels = ", ".join(f"{v} {k}" for k, v in by_label.items())
+        if include_excluded:
+            notes.append(f"{len(excluded)} run(s) carry an exclusion label ({labels}) but are "
+                         f"included as requested; views.exclusions_applied leaves them out")
+        else:
+            notes.append(f"{len(excluded)} run(s) excluded by validity label ({labels}); the "
+                         f"tables leave them out and views.all_included has results with them")
+    n_ns = n_run = unlabelled = 0
+    noted = []
+    for f in known:
+        if f.status == "not_started":
+            n_ns += 1
+        elif f.status == "running":
+            n_run += 1
+        elif f.validity is None:
+            unlabelled += 1
+        if f.sandbox is not None:
+            noted.append(f)
+    if unlabelled:
+        notes.append(f"{unlabelled} ended run(s) have no validity label; treated as valid")
+    if n_ns or n_run:
+        notes.append(f"the study is not complete: {n_ns} run(s) not started, {n_run} running; "
+                     f"they are counted but have no results yet"
+                     + ("; costs include what running runs spent so far" if n_run else ""))
+    if unknown:
+        notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
+                     f"({', '.join(sorted({f.arm for f in unknown}))}) and are ignored")
+    if rehearsed:
+        notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
+                     f"costs are list prices of the scripted usage, as the binary computed them; "
+                     f"nothing was billed")
+    unboxed = [f.sandbox for f in noted if not f.sandbox["sandboxed"]]
+    if unboxed:
+        why = sorted({w for sb in unboxed for w in sb["reasons"]})
+        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
+                     f"read the study, the hidden tests and other runs"
+                     + (f" ({'; '.join(why)})" if why else ""))
+    opened = [f.sandbox for f in noted
+              if f.sandbox["sandboxed"] and f.sandbox["network_opened"] is not None]
+    if opened:
+        why = sorted({w for sb in opened for w in sb["network_opened"]})
+        notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they "
+                     f"could reach every listening port of the host and other sessions that had it too"
+                     + (f" ({'; '.join(why)})" if why else ""))
+    bare = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["unfiltered"]]
+    if bare:
+        why = sorted({w for sb in bare for w in sb["unfiltered"]})
+        notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
+                     f"their processes could inspect others as the host allows ({'; '.join(why)})")
+    if est:
+        notes.append(f"costs include ${math.fsum(f.cost for f in est):.4f} "
+                     f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
+    return notes
+
+
+def reference_behaviour(known, arms):
+    out = {}
+    for arm in arms:
+        out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
+                    "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
+    for f in known:
+        st = out[f.arm]
+        st["runs"] += 1
+        if f.audit is None:
+            continue
+        st["audited"] += 1
+        flagged, groups = f.audit
+        if not flagged:
+            continue
+        st["flagged"] += 1
+        st["flagged_successes"] += f.success
+        for g, n in groups.items():
+            ab._rpt_inc(st["findings_by_group"], g, n)
+            ab._rpt_inc(st["runs_by_group"], g)
+        st["flagged_runs"].append({"run_id": f.run_id, "task": f.task_key, "repeat": f.repeat,
+                                   "success": f.success, "outcome": f.outcome,
+                                   "excluded": f.validity in ab.REPORT_EXCLUDED_VALIDITY,
+                                   "groups": dict(sorted(groups.items()))})
+    return out
+
+
 # -- Runs of every shape -----------------------------------------------------------------------------
 
 # Beyond HOSTILE: the shapes whose branches the tally orders by frequency.
@@ -263,3 +350,31 @@ def test_cell_means_equal_the_reference_and_merged_cells_add_their_parts():
             want = reference_exact_mean(values) if values else None
             assert ab._rpt_cell_mean(cell, "paired_scores") == want
             assert ab._rpt_cell_mean(cell, "paired_scores") == want      # cached, the same
+
+
+# -- The census: the rest of what the report reads of the runs, in the same pass ------------------
+
+@pytest.mark.parametrize("seed, n, p_odd", STUDIES)
+def test_census_gives_what_the_passes_it_replaces_gave(seed, n, p_odd):
+    runs, arms = generated_runs(seed, n, p_odd)
+    known = [f for f in (ab.run_facts(r) for r in runs) if f.arm in arms]
+    census = ab._rpt_census(known)
+    excluded = [f for f in known if f.validity in ab.REPORT_EXCLUDED_VALIDITY]
+    rehearsed = [f for f in known if f.rehearsal]
+    est = [f for f in known if f.cost_estimated]
+    unknown = [ab.run_facts({"arm": "zz"})] if seed % 2 else []
+    assert census.excluded == excluded
+    assert census.audited == [f for f in known if f.audit is not None]
+    assert census.delivered == [f for f in known if f.delivery is not None]
+    assert census.launched == [f for f in known if f.launch is not None]
+    assert census.snapshotted == [f for f in known if f.snapshots and f not in excluded]
+    assert repr(census.costs) == repr([f.cost for f in known])
+    assert repr(census.est_costs) == repr([f.cost for f in est])
+    for include in (False, True):
+        assert ab._rpt_population_notes(census, unknown, include) == reference_population_notes(
+            known, excluded, unknown, include, rehearsed, est)
+    runs_by_arm = {a: sum(t.runs for (arm, _), t in census.tallies.items() if arm == a) for a in arms}
+    assert ab.report_behaviour(census.audited, arms, runs_by_arm) == reference_behaviour(known, arms)
+    assert ab.report_delivery(census.delivered, arms) == ab.report_delivery(known, arms)
+    assert ab.snapshot_curve(census.snapshotted, arms) == ab.snapshot_curve(
+        [f for f in known if f.validity not in ab.REPORT_EXCLUDED_VALIDITY], arms)
