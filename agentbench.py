@@ -18573,7 +18573,9 @@ def _sample_scores(run: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def inspect_sample(run: Mapping[str, Any], sources: Sequence[SessionSource], sample_id: str, epoch: int,
                    model: str) -> dict[str, Any]:
     """One run as an Inspect sample (pure): its chat, scores, the audit findings and the
-    pair/block ids in metadata, its tokens and metered cost as model_usage."""
+    slot/block ids in metadata, its tokens and metered cost as model_usage.  The slot
+    (split/task/repeat) names where the run sits in the design; it is not a pairing, since repeat
+    numbers carry none across arms."""
     msgs = inspect_messages(sources, str(run.get("run_id")))
     audit = run.get("audit") if isinstance(run.get("audit"), dict) else {}
     findings = audit.get("findings") if isinstance(audit.get("findings"), list) else []
@@ -18581,7 +18583,7 @@ def inspect_sample(run: Mapping[str, Any], sources: Sequence[SessionSource], sam
     cost = round(math.fsum(u["total_cost"] for u in usage.values()), 6)
     meta = {"run_id": run.get("run_id"), "arm": run.get("arm"), "task": run.get("task"),
             "repeat": run.get("repeat"), "split": run.get("split"), "block": run.get("block"),
-            "pair": f"{run.get('split')}/{run.get('task')}/repeat-{run.get('repeat')}",
+            "slot": f"{run.get('split')}/{run.get('task')}/repeat-{run.get('repeat')}",
             "order_in_block": run.get("order_in_block"), "status": run.get("status"),
             "outcome": run.get("outcome"), "validity": run.get("validity"),
             "validity_reason": run.get("validity_reason"), "failure_reason": run.get("failure_reason"),

@@ -77,7 +77,8 @@ def test_inspect_export_opens_in_inspect_ai(demo_study, tmp_path):
             assert (s["id"], s["epoch"]) == (run["task"], run["repeat"])
             assert s["scores"]["hidden_tests"] == run["evaluation"]["score"]
             assert s["scores"]["success"] == 1.0 and s["scores"]["validity"] == "valid"
-            assert s["metadata"]["block"] == run["block"] and s["metadata"]["pair"]
+            assert s["metadata"]["block"] == run["block"] and s["metadata"]["slot"] == (
+                f"{run['split']}/{run['task']}/repeat-{run['repeat']}") and "pair" not in s["metadata"]
             assert isinstance(s["metadata"]["audit_findings"], list)
             metered = sum(ledger[j["job_id"]]["cost_metered_usd"] for j in run["jobs"])
             assert s["cost"] == pytest.approx(metered, abs=1e-6) and s["cost"] > 0
