@@ -1037,8 +1037,20 @@ class Platform:
         process of its session wherever it moved); [] where environments cannot be read."""
         return []
 
+    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
+        """Start `compute` (pure) in a copy of this process, to run on another core beside the
+        caller's own work.  Returns the function that waits for its answer, at most `timeout_s`
+        seconds, and gives it, or None when anything went wrong (the copy is then killed and
+        reaped); the caller computes it itself then, so a failure costs time, never a different
+        answer.  None at once where no copy can be made (the default)."""
+        return None
+
 
 # -- POSIX -----------------------------------------------------------------------------------------
+
+#: What a child of compute_beside writes before its answer: a pipe that ends without it was cut.
+_COMPUTED_MARK = b"computed\n"
+
 
 
 class _ProcStat(NamedTuple):
@@ -1208,6 +1220,66 @@ class PosixPlatform(Platform):
                 if st is not None and st.state not in ("Z", "X", "x"):
                     out.append(ProcId(pid, self._ctime_of(st)))
         return out
+
+    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
+        """A forked child computes, writes its answer into a pipe and exits (os._exit: nothing of
+        the caller's runs in it after `compute`, no buffered output is flushed twice).  Its answer
+        counts only when it is complete (after a marker, up to the end of the pipe) and the child
+        exited 0.  No fork while other threads run: only the calling thread is copied, and a lock
+        one of them held would stay held in the child."""
+        if not hasattr(os, "fork") or threading.active_count() > 1:
+            return None
+        try:
+            read_fd, write_fd = os.pipe()
+        except OSError:
+            return None
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        if pid == 0:                                       # the child
+            status = 1
+            try:
+                os.close(read_fd)
+                gc.disable()                 # a collection would touch (and copy) every page
+                rest = memoryview(_COMPUTED_MARK + compute())
+                while rest:
+                    rest = rest[os.write(write_fd, rest):]
+                status = 0
+            except BaseException:            # whatever it was: the parent computes it itself
+                pass
+            finally:
+                os._exit(status)
+        os.close(write_fd)
+
+        def wait(timeout_s: float) -> bytes | None:
+            deadline, chunks, ended = time.monotonic() + timeout_s, [], False
+            try:
+                while not ended:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                        break
+                    chunk = os.read(read_fd, 1 << 20)
+                    chunks.append(chunk)
+                    ended = not chunk
+            except OSError:
+                ended = False
+            finally:
+                os.close(read_fd)
+                if not ended:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                try:
+                    exited = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+                except (OSError, ValueError):
+                    exited = False
+            data = b"".join(chunks)
+            if not (ended and exited and data.startswith(_COMPUTED_MARK)):
+                return None
+            return data[len(_COMPUTED_MARK):]
+        return wait
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)
@@ -13729,23 +13801,36 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
     }
 
 
+def _rpt_view_part(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
+                   base: str, tasks: list[str], seed: int, draws: int = 10000,
+                   only: frozenset[str] | None = None) -> dict:
+    """What one view computes, from each arm's tally of the view's runs (`view`) and of its runs
+    outside the view (`left_out`): the per-arm figures of the arms in `only` (None: every arm), the
+    comparisons with such an arm on either side, and the per-task cells.  A JSON value."""
+    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
+                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
+                        for a in arms if only is None or a in only},
+            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) for a in arms
+                            if a != base and (only is None or a in only or base in only)},
+            "per_task": _rpt_task_cells(view, arms, tasks)}
+
+
 def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
               base: str, tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
-              changed: frozenset[str] = frozenset()) -> dict:
+              changed: frozenset[str] = frozenset(), part: dict | None = None) -> dict:
     """One view's per-arm figures, comparisons and per-task cells, from each arm's tally of the
     view's runs (`view`) and of its runs outside the view (`left_out`).  With `same_as` (another
     view of the same study) the figures of every arm not in `changed`, and the comparisons where
-    neither side is, are that view's (copied): their runs are the same, so is every figure."""
-    per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
-                   _rpt_arm_stats(view[a], left_out[a],
-                                  stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
-               for a in arms}
-    comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
-                       if same_as and a not in changed and base not in changed
-                       else _rpt_compare(view, a, base, tasks, seed, draws))
-                   for a in arms if a != base}
-    return {"per_arm": per_arm, "comparisons": comparisons,
-            "per_task": _rpt_task_cells(view, arms, tasks)}
+    neither side is, are that view's (copied): their runs are the same, so is every figure.  With
+    `part`, the rest is that (_rpt_view_part of the same arguments, computed elsewhere)."""
+    if part is None:
+        part = _rpt_view_part(view, left_out, arms, base, tasks, seed, draws,
+                              None if same_as is None else changed)
+    mine, theirs = part["per_arm"], part["comparisons"]
+    return {"per_arm": {a: mine[a] if a in mine else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
+            "comparisons": {a: theirs[a] if a in theirs else copy.deepcopy(same_as["comparisons"][a])
+                            for a in arms if a != base},
+            "per_task": part["per_task"]}
 
 
 def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
@@ -14091,21 +14176,70 @@ def _rpt_arms(runs: Sequence[RunFacts], arms: list[str], baseline: str | None) -
     return arms, base
 
 
+def _rpt_json_exact(value: Any) -> bytes:
+    """`value` as JSON text, ValueError when reading it back would not give the same value (a tuple,
+    a key that is not a string, NaN, which equals nothing)."""
+    text = json.dumps(value)
+    if json.loads(text) != value:
+        raise ValueError("the value does not survive a round trip through JSON")
+    return text.encode()
+
+
+def _rpt_json_part(data: bytes | None) -> dict | None:
+    """A view's part (_rpt_view_part) read back from _rpt_json_exact's text; None when there is
+    none or it is not one."""
+    try:
+        part = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict) for k in
+                                             ("per_arm", "comparisons", "per_task")):
+        return None
+    return part
+
+
+#: How long the report waits for the view computed beside it: this, plus REPORT_BESIDE_WAIT_FACTOR
+#: times what its own view took (the two are about the same work); then it computes it itself.
+REPORT_BESIDE_WAIT_S = 10.0
+REPORT_BESIDE_WAIT_FACTOR = 3.0
+
+
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
-               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
-               draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
+               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS,
+               beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None] | None = None,
+               ) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
-    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs."""
-    views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
+    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs.
+
+    With `beside` (Platform.compute_beside) what the view with every run computes is computed in
+    another process while this one computes the other view, and read back as JSON: the same
+    function of the same tallies, so the same figures.  When that fails in any way (no answer in
+    time, a child that died, an answer that is not one), it is computed here."""
     # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
     # only what an exclusion touches is computed again (the arms with excluded runs and the
     # comparisons with such an arm on either side).
     changed = frozenset(a for a in arms if out[a].runs)
     every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
     none = {a: _ArmTally() for a in arms}
+    waiting = None
+    if beside is not None and changed:
+        waiting = beside(lambda: _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws,
+                                                                changed)))
+    started = time.monotonic()
+    try:
+        views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
+    except BaseException:
+        if waiting is not None:
+            waiting(0.0)                        # the child killed and reaped
+        raise
+    part = None
+    if waiting is not None:
+        took = time.monotonic() - started
+        part = _rpt_json_part(waiting(REPORT_BESIDE_WAIT_S + REPORT_BESIDE_WAIT_FACTOR * took))
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
                              else _rpt_view(every, none, arms, base, tasks, seed, draws,
-                                            same_as=views["exclusions_applied"], changed=changed))
+                                            same_as=views["exclusions_applied"], changed=changed,
+                                            part=part))
     for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
         _rpt_flag_view(views[name], tallies)
         _rpt_holm_view(views[name], alpha)
@@ -14343,8 +14477,9 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
 
 
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
-                    include_excluded: bool = False, plan: Any = None,
-                    plan_source: str | None = None) -> dict:
+                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None,
+                    beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None]
+                    | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
     `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
@@ -14358,6 +14493,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     tasks (see _rpt_compare); bootstrap intervals use streams seeded from `seed`, so the report is
     reproducible.  `plan` is the analysis plan `assign` wrote (read from `plan_source`);
     `analysis` says whether this report follows it or is exploratory (see report_analysis).
+    `beside` (Platform.compute_beside) lets one view be computed in another process (_rpt_views).
     """
     arms, _ = _rpt_arms(runs, arms, None)
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
@@ -14377,7 +14513,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     excluded = census.excluded
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
-    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
+    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"], beside)
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
@@ -20090,8 +20226,11 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     else:
         runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
         with gc_paused():
+            # The view with every run is computed on another core beside the other one (a fork;
+            # not inside an agent's session, where the copy would count against its limits).
             report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source)
+                                     plan_source=plan_source,
+                                     beside=None if ctx.is_child else ctx.platform.compute_beside)
         any_started = any(f.status not in (None, "not_started") for f in runs)
         if not ctx.is_child:
             write_report_cache(paths, key, report, any_started)

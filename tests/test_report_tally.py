@@ -378,3 +378,85 @@ def test_census_gives_what_the_passes_it_replaces_gave(seed, n, p_odd):
     assert ab.report_delivery(census.delivered, arms) == ab.report_delivery(known, arms)
     assert ab.snapshot_curve(census.snapshotted, arms) == ab.snapshot_curve(
         [f for f in known if f.validity not in ab.REPORT_EXCLUDED_VALIDITY], arms)
+
+
+# -- The view with every run, computed beside the other one (a forked child) -----------------------
+
+def test_compute_beside_gives_the_childs_answer_whole():
+    plat = ab.current_platform()
+    answer = bytes(range(256)) * 20000                     # 5 MB: many times a pipe's buffer
+    wait = plat.compute_beside(lambda: answer)
+    if wait is None:
+        pytest.skip("no fork here")
+    assert wait(120.0) == answer
+
+
+def test_compute_beside_gives_none_when_the_child_fails_or_is_late():
+    plat = ab.current_platform()
+
+    def fails() -> bytes:
+        raise RuntimeError("boom")
+
+    def late() -> bytes:
+        import time
+        time.sleep(600)
+        return b"never"
+
+    for compute, timeout in ((fails, 120.0), (late, 0.2)):
+        wait = plat.compute_beside(compute)
+        if wait is None:
+            pytest.skip("no fork here")
+        assert wait(timeout) is None                     # a late child is killed and reaped
+
+
+def test_compute_beside_does_not_fork_while_other_threads_run():
+    import threading
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert ab.current_platform().compute_beside(lambda: b"x") is None
+    finally:
+        stop.set()
+        thread.join()
+    assert ab.Platform().compute_beside(lambda: b"x") is None     # the default: nowhere to compute
+
+
+def test_json_exact_refuses_what_would_come_back_different():
+    assert ab._rpt_json_exact({"a": [1, 2.5, None, True, "x"]}) == b'{"a": [1, 2.5, null, true, "x"]}'
+    for value in ({"a": (1, 2)}, {1: "a"}, {"a": float("nan")}):
+        with pytest.raises(ValueError):
+            ab._rpt_json_exact(value)
+    assert ab._rpt_json_part(None) is None and ab._rpt_json_part(b"{") is None
+    assert ab._rpt_json_part(b'{"per_arm": {}}') is None
+    assert ab._rpt_json_part(b'{"per_arm": {}, "comparisons": {}, "per_task": {}}') == {
+        "per_arm": {}, "comparisons": {}, "per_task": {}}
+
+
+def besides():
+    """Every way a view computed elsewhere can go: the real fork, nowhere to compute, a child that
+    fails or answers garbage, one that answers a part of the wrong shape, and one computed in this
+    process (the answer a working child gives)."""
+    yield "fork", ab.current_platform().compute_beside
+    yield "nowhere", lambda compute: None
+    yield "failed", lambda compute: (lambda timeout: None)
+    yield "garbage", lambda compute: (lambda timeout: b"\xff{not json")
+    yield "wrong", lambda compute: (lambda timeout: b'{"per_arm": 1}')
+    yield "here", lambda compute: (lambda timeout, answer=compute(): answer)
+
+
+@pytest.mark.parametrize("seed, n, p_odd", [(3, 120, 0.5), (7, 400, 0.1), (5, 60, 1.0)])
+def test_reports_are_the_same_wherever_the_view_is_computed(seed, n, p_odd):
+    runs, arms = generated_runs(seed, n, p_odd)
+    facts = [ab.run_facts(r) for r in runs]
+    asked = []
+
+    def counted(beside):
+        return lambda compute: asked.append(1) or beside(compute)
+    for include in (False, True):
+        want = json.dumps(ab.report_of_facts(facts, arms, seed=seed, include_excluded=include))
+        for name, beside in besides():
+            got = ab.report_of_facts(facts, arms, seed=seed, include_excluded=include,
+                                     beside=counted(beside))
+            assert json.dumps(got) == want, name
+    assert len(asked) == 12                             # some run is excluded: the view was asked for
