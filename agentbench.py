@@ -13304,7 +13304,7 @@ class _TaskCell:
         self.costs: list[float] = []           # every run's cost
         self.paired_scores: list[float] = []   # evaluated runs' checked scores
         self.paired_costs: list[float] = []    # ended runs' checked costs
-        self.exact: dict[str, Any] = {}        # exact sums of the paired lists, once each
+        self.exact: dict[tuple[str, str], Any] = {}   # ("sum" or "mean", list): exact, once each
         self.parts: tuple[_TaskCell, _TaskCell] | None = None   # the two cells merged into this one
 
     def merged(self, other: _TaskCell) -> _TaskCell:
@@ -13684,20 +13684,23 @@ def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[st
 def _rpt_cell_sum(cell: _TaskCell, field: str) -> fractions.Fraction:
     """The exact sum of one of a cell's paired lists, computed once per cell: a baseline's cells
     serve every comparison, and a merged cell adds up its two parts' sums."""
-    got = cell.exact.get(field)
+    got = cell.exact.get(("sum", field))
     if got is None:
         if cell.parts is not None:
             got = _rpt_cell_sum(cell.parts[0], field) + _rpt_cell_sum(cell.parts[1], field)
         else:
             got = _rpt_exact_sum(getattr(cell, field))
-        cell.exact[field] = got
+        cell.exact[("sum", field)] = got
     return got
 
 
 def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
-    """The exact mean of one of a cell's paired lists (None when it is empty)."""
-    n = len(getattr(cell, field))
-    return _rpt_cell_sum(cell, field) / n if n else None
+    """The exact mean of one of a cell's paired lists (None when it is empty), computed once."""
+    key = ("mean", field)
+    if key not in cell.exact:
+        n = len(getattr(cell, field))
+        cell.exact[key] = _rpt_cell_sum(cell, field) / n if n else None
+    return cell.exact[key]
 
 
 def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
