@@ -1225,9 +1225,10 @@ class PosixPlatform(Platform):
         """A forked child computes, writes its answer into a pipe and exits (os._exit: nothing of
         the caller's runs in it after `compute`, no buffered output is flushed twice).  Its answer
         counts only when it is complete (after a marker, up to the end of the pipe) and the child
-        exited 0.  No fork while other threads run: only the calling thread is copied, and a lock
-        one of them held would stay held in the child."""
-        if not hasattr(os, "fork") or threading.active_count() > 1:
+        exited 0.  No fork while other threads run (only the calling thread is copied, and a lock
+        one of them held would stay held in the child), nor without a core to spare (the child
+        would only take turns with its parent)."""
+        if not hasattr(os, "fork") or threading.active_count() > 1 or not self._core_to_spare():
             return None
         try:
             read_fd, write_fd = os.pipe()
@@ -1280,6 +1281,20 @@ class PosixPlatform(Platform):
                 return None
             return data[len(_COMPUTED_MARK):]
         return wait
+
+    def _core_to_spare(self) -> bool:
+        """Whether a core is idle now: fewer threads runnable on the machine (this one included,
+        the fourth field of /proc/loadavg) than cores this process may run on."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        try:
+            with open(os.path.join(self._proc, "loadavg"), encoding="ascii") as fh:
+                runnable = int(fh.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        return runnable < cores
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)

@@ -8,6 +8,7 @@ import copy
 import fractions
 import json
 import math
+import os
 import random
 import sys
 
@@ -382,8 +383,18 @@ def test_census_gives_what_the_passes_it_replaces_gave(seed, n, p_odd):
 
 # -- The view with every run, computed beside the other one (a forked child) -----------------------
 
-def test_compute_beside_gives_the_childs_answer_whole():
-    plat = ab.current_platform()
+def idle_platform(tmp_path, runnable: int = 1) -> ab.Platform:
+    """This machine's platform, told by its /proc/loadavg that `runnable` threads run (1: this one)."""
+    proc = tmp_path / "proc"
+    proc.mkdir(exist_ok=True)
+    (proc / "loadavg").write_text(f"0.50 0.40 0.30 {runnable}/120 4242\n")
+    if not isinstance(ab.current_platform(), ab.PosixPlatform):
+        pytest.skip("no fork here")
+    return ab.PosixPlatform(proc_root=str(proc))
+
+
+def test_compute_beside_gives_the_childs_answer_whole(tmp_path):
+    plat = idle_platform(tmp_path)
     answer = bytes(range(256)) * 20000                     # 5 MB: many times a pipe's buffer
     wait = plat.compute_beside(lambda: answer)
     if wait is None:
@@ -391,8 +402,8 @@ def test_compute_beside_gives_the_childs_answer_whole():
     assert wait(120.0) == answer
 
 
-def test_compute_beside_gives_none_when_the_child_fails_or_is_late():
-    plat = ab.current_platform()
+def test_compute_beside_gives_none_when_the_child_fails_or_is_late(tmp_path):
+    plat = idle_platform(tmp_path)
 
     def fails() -> bytes:
         raise RuntimeError("boom")
@@ -409,17 +420,24 @@ def test_compute_beside_gives_none_when_the_child_fails_or_is_late():
         assert wait(timeout) is None                     # a late child is killed and reaped
 
 
-def test_compute_beside_does_not_fork_while_other_threads_run():
+def test_compute_beside_does_not_fork_while_other_threads_run_or_without_a_core_to_spare(tmp_path):
     import threading
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        assert ab.current_platform().compute_beside(lambda: b"x") is None
+        assert idle_platform(tmp_path).compute_beside(lambda: b"x") is None
     finally:
         stop.set()
         thread.join()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert idle_platform(tmp_path, runnable=cores).compute_beside(lambda: b"x") is None   # all busy
+    (tmp_path / "proc" / "loadavg").write_text("garbled")
+    assert ab.PosixPlatform(proc_root=str(tmp_path / "proc")).compute_beside(lambda: b"x") is None
     assert ab.Platform().compute_beside(lambda: b"x") is None     # the default: nowhere to compute
+    if cores > 1:
+        wait = idle_platform(tmp_path, runnable=cores - 1).compute_beside(lambda: b"x")
+        assert wait is not None and wait(120.0) == b"x"
 
 
 def test_json_exact_refuses_what_would_come_back_different():
@@ -433,11 +451,11 @@ def test_json_exact_refuses_what_would_come_back_different():
         "per_arm": {}, "comparisons": {}, "per_task": {}}
 
 
-def besides():
-    """Every way a view computed elsewhere can go: the real fork, nowhere to compute, a child that
+def besides(platform):
+    """Every way a view computed elsewhere can go: a real fork, nowhere to compute, a child that
     fails or answers garbage, one that answers a part of the wrong shape, and one computed in this
     process (the answer a working child gives)."""
-    yield "fork", ab.current_platform().compute_beside
+    yield "fork", platform.compute_beside
     yield "nowhere", lambda compute: None
     yield "failed", lambda compute: (lambda timeout: None)
     yield "garbage", lambda compute: (lambda timeout: b"\xff{not json")
@@ -446,7 +464,7 @@ def besides():
 
 
 @pytest.mark.parametrize("seed, n, p_odd", [(3, 120, 0.5), (7, 400, 0.1), (5, 60, 1.0)])
-def test_reports_are_the_same_wherever_the_view_is_computed(seed, n, p_odd):
+def test_reports_are_the_same_wherever_the_view_is_computed(seed, n, p_odd, tmp_path):
     runs, arms = generated_runs(seed, n, p_odd)
     facts = [ab.run_facts(r) for r in runs]
     asked = []
@@ -455,7 +473,7 @@ def test_reports_are_the_same_wherever_the_view_is_computed(seed, n, p_odd):
         return lambda compute: asked.append(1) or beside(compute)
     for include in (False, True):
         want = json.dumps(ab.report_of_facts(facts, arms, seed=seed, include_excluded=include))
-        for name, beside in besides():
+        for name, beside in besides(idle_platform(tmp_path)):
             got = ab.report_of_facts(facts, arms, seed=seed, include_excluded=include,
                                      beside=counted(beside))
             assert json.dumps(got) == want, name
