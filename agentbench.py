@@ -1258,14 +1258,16 @@ class PosixPlatform(Platform):
         def wait(timeout_s: float) -> bytes | None:
             deadline, chunks, ended = time.monotonic() + timeout_s, [], False
             try:
+                ready = select.poll()                  # (select() refuses a descriptor past 1023)
+                ready.register(read_fd, select.POLLIN)
                 while not ended:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+                    if left <= 0 or not ready.poll(math.ceil(left * 1000)):
                         break
                     chunk = os.read(read_fd, 1 << 20)
                     chunks.append(chunk)
                     ended = not chunk
-            except OSError:
+            except (OSError, ValueError):
                 ended = False
             finally:
                 os.close(read_fd)
