@@ -1037,8 +1037,20 @@ class Platform:
         process of its session wherever it moved); [] where environments cannot be read."""
         return []
 
+    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
+        """Start `compute` (pure) in a copy of this process, to run on another core beside the
+        caller's own work.  Returns the function that waits for its answer, at most `timeout_s`
+        seconds, and gives it, or None when anything went wrong (the copy is then killed and
+        reaped); the caller computes it itself then, so a failure costs time, never a different
+        answer.  None at once where no copy can be made (the default)."""
+        return None
+
 
 # -- POSIX -----------------------------------------------------------------------------------------
+
+#: What a child of compute_beside writes before its answer: a pipe that ends without it was cut.
+_COMPUTED_MARK = b"computed\n"
+
 
 
 class _ProcStat(NamedTuple):
@@ -1208,6 +1220,83 @@ class PosixPlatform(Platform):
                 if st is not None and st.state not in ("Z", "X", "x"):
                     out.append(ProcId(pid, self._ctime_of(st)))
         return out
+
+    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
+        """A forked child computes, writes its answer into a pipe and exits (os._exit: nothing of
+        the caller's runs in it after `compute`, no buffered output is flushed twice).  Its answer
+        counts only when it is complete (after a marker, up to the end of the pipe) and the child
+        exited 0.  No fork while other threads run (only the calling thread is copied, and a lock
+        one of them held would stay held in the child), nor without a core to spare (the child
+        would only take turns with its parent)."""
+        if not hasattr(os, "fork") or threading.active_count() > 1 or not self._core_to_spare():
+            return None
+        try:
+            read_fd, write_fd = os.pipe()
+        except OSError:
+            return None
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_fd)
+            os.close(write_fd)
+            return None
+        if pid == 0:                                       # the child
+            status = 1
+            try:
+                os.close(read_fd)
+                gc.disable()                 # a collection would touch (and copy) every page
+                rest = memoryview(_COMPUTED_MARK + compute())
+                while rest:
+                    rest = rest[os.write(write_fd, rest):]
+                status = 0
+            except BaseException:            # whatever it was: the parent computes it itself
+                pass
+            finally:
+                os._exit(status)
+        os.close(write_fd)
+
+        def wait(timeout_s: float) -> bytes | None:
+            deadline, chunks, ended = time.monotonic() + timeout_s, [], False
+            try:
+                ready = select.poll()                  # (select() refuses a descriptor past 1023)
+                ready.register(read_fd, select.POLLIN)
+                while not ended:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not ready.poll(math.ceil(left * 1000)):
+                        break
+                    chunk = os.read(read_fd, 1 << 20)
+                    chunks.append(chunk)
+                    ended = not chunk
+            except (OSError, ValueError):
+                ended = False
+            finally:
+                os.close(read_fd)
+                if not ended:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                try:
+                    exited = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+                except (OSError, ValueError):
+                    exited = False
+            data = b"".join(chunks)
+            if not (ended and exited and data.startswith(_COMPUTED_MARK)):
+                return None
+            return data[len(_COMPUTED_MARK):]
+        return wait
+
+    def _core_to_spare(self) -> bool:
+        """Whether a core is idle now: fewer threads runnable on the machine (this one included,
+        the fourth field of /proc/loadavg) than cores this process may run on."""
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        try:
+            with open(os.path.join(self._proc, "loadavg"), encoding="ascii") as fh:
+                runnable = int(fh.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        return runnable < cores
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)
@@ -13507,7 +13596,7 @@ def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
 class _TaskCell:
     """One arm's runs of one task in one population."""
     __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
-                 "paired_costs", "flagged_evaluated", "exact")
+                 "paired_costs", "flagged_evaluated", "exact", "parts")
 
     def __init__(self) -> None:
         self.runs = self.evaluated = self.successes = self.flagged_evaluated = 0
@@ -13515,10 +13604,12 @@ class _TaskCell:
         self.costs: list[float] = []           # every run's cost
         self.paired_scores: list[float] = []   # evaluated runs' checked scores
         self.paired_costs: list[float] = []    # ended runs' checked costs
-        self.exact: dict[str, Any] = {}        # exact means of the paired lists, once each
+        self.exact: dict[tuple[str, str], Any] = {}   # ("sum" or "mean", list): exact, once each
+        self.parts: tuple[_TaskCell, _TaskCell] | None = None   # the two cells merged into this one
 
     def merged(self, other: _TaskCell) -> _TaskCell:
         out = _TaskCell()
+        out.parts = (self, other)
         out.runs, out.evaluated = self.runs + other.runs, self.evaluated + other.evaluated
         out.successes = self.successes + other.successes
         out.flagged_evaluated = self.flagged_evaluated + other.flagged_evaluated
@@ -13571,59 +13662,108 @@ class _ArmTally:
         return out
 
 
-def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
-    """(arm, excluded) -> that population's tally, over `known` in run order."""
-    tallies: dict[tuple[str, bool], _ArmTally] = {}
+#: The facts _rpt_census reads of a run, in the order it unpacks them: one C call per run.
+_CENSUS_FACTS = operator.itemgetter(*(RUN_FACTS_FIELDS.index(name) for name in (
+    "arm", "task_key", "status", "outcome", "validity", "evaluated", "success", "score", "score_checked",
+    "tests_passed", "tests_total", "cost", "cost_checked", "cost_estimated", "tokens", "wall_s",
+    "gate_cycles", "review_verdicts", "failure_reason", "audit", "sandbox", "rehearsal", "snapshots",
+    "delivery", "launch")))
+
+
+class _RunCensus:
+    """The runs added up in one pass (_rpt_census): each arm's tallies, and what the report's lists
+    and notes need beyond them, so that nothing walks 100,000 runs again.  Lists are in run order."""
+    __slots__ = ("tallies", "excluded", "audited", "delivered", "launched", "snapshotted", "unboxed",
+                 "unboxed_reasons", "boxed", "costs", "est_costs", "rehearsed", "unlabelled",
+                 "not_started", "running")
+
+    def __init__(self) -> None:
+        self.tallies: dict[tuple[str, bool], _ArmTally] = {}   # (arm, excluded) -> its tally
+        self.excluded: list[RunFacts] = []     # the runs with an excluding validity label
+        self.audited: list[RunFacts] = []      # runs with an audit
+        self.delivered: list[RunFacts] = []    # runs with a delivery check
+        self.launched: list[RunFacts] = []     # runs whose launch (model, effort) is known
+        self.snapshotted: list[RunFacts] = []  # runs kept (not excluded) with graded snapshots
+        self.unboxed_reasons: set[str] = set()  # why the runs not sandboxed (unboxed) were not
+        self.boxed: list[dict] = []            # the sandbox facts of sandboxed runs that have one
+        self.costs: list[float] = []           # every run's cost
+        self.est_costs: list[float] = []       # the costs estimated from list prices
+        self.rehearsed = self.unlabelled = self.not_started = self.running = self.unboxed = 0
+
+
+def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
+    """The census of `known` (see _RunCensus): each (arm, excluded) population's tally, in run
+    order, and the rest on the way.
+
+    One pass, written for 100,000 runs: a run's facts are unpacked at once, the branches of a
+    finished run come first, and the counts that follow from others (runs, started, ended, a
+    cell's runs) are set after the pass."""
+    census = _RunCensus()
+    tallies = census.tallies
     excluded_labels = REPORT_EXCLUDED_VALIDITY
+    add_cost, add_reasons = census.costs.append, census.unboxed_reasons.update
     for pos, f in enumerate(known):
-        excluded = f.validity in excluded_labels
-        t = tallies.get((f.arm, excluded))
+        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, tests_passed,
+         tests_total, cost, cost_checked, cost_estimated, tokens, wall_s, gate_cycles, verdicts,
+         failure_reason, audit, sandbox, rehearsal, snapshots, delivery, launch) = _CENSUS_FACTS(f)
+        excluded = validity in excluded_labels
+        t = tallies.get((arm, excluded))
         if t is None:
-            t = tallies[(f.arm, excluded)] = _ArmTally()
-        cell = t.tasks.get(f.task_key)
+            t = tallies[(arm, excluded)] = _ArmTally()
+        cell = t.tasks.get(task_key)
         if cell is None:
-            cell = t.tasks[f.task_key] = _TaskCell()
-        t.runs += 1
-        cell.runs += 1
-        cell.costs.append(f.cost)
-        status, outcome = f.status, f.outcome
-        pending = status == "not_started" or status == "running"
-        flagged = f.audit is not None and f.audit[0]
+            cell = t.tasks[task_key] = _TaskCell()
+        cell.costs.append(cost)                       # one per run: len() is the cell's runs
         if status == "not_started":
             t.not_started += 1
+            pending = True
         else:
-            t.started += 1
-            if status == "running":
+            pending = status == "running"
+            if pending:
                 t.running += 1
-            _tally_inc(t.outcomes, outcome, pos)
-            if f.wall_s is not None:
-                t.walls.append(f.wall_s)
-            t.cycles[f.gate_cycles] = t.cycles.get(f.gate_cycles, 0) + 1
-            if f.review_verdicts:
-                for j, v in enumerate(f.review_verdicts):
+            # The ordered counters inline _tally_inc: the key is the value's str(), "(none)" for None.
+            key = outcome if type(outcome) is str else "(none)" if outcome is None else str(outcome)
+            have = t.outcomes.get(key)
+            if have is None:
+                t.outcomes[key] = [1, pos]
+            else:
+                have[0] += 1
+            if wall_s is not None:
+                t.walls.append(wall_s)
+            cycles = t.cycles
+            cycles[gate_cycles] = cycles.get(gate_cycles, 0) + 1
+            if verdicts:
+                for j, v in enumerate(verdicts):
                     _tally_inc(t.verdicts_all, v, (pos, j))   # several in one run: in their order
-                _tally_inc(t.verdicts_final, f.review_verdicts[-1], pos)
-            if not pending and not f.success:
-                _tally_inc(t.reasons, f.failure_reason or "(none given)", pos)
-        if f.evaluated:
+                _tally_inc(t.verdicts_final, verdicts[-1], pos)
+            if not pending and not success:
+                key = failure_reason or "(none given)"
+                if type(key) is not str:
+                    key = str(key)
+                have = t.reasons.get(key)
+                if have is None:
+                    t.reasons[key] = [1, pos]
+                else:
+                    have[0] += 1
+        flagged = audit is not None and audit[0]
+        if evaluated:
             cell.evaluated += 1
-            if f.success:
+            if success:
                 cell.successes += 1
-            if f.score is not None:
-                cell.scores.append(f.score)
-            if f.score_checked is not None:
-                cell.paired_scores.append(f.score_checked)
-            t.tests_passed += f.tests_passed
-            t.tests_total += f.tests_total
+            if score is not None:
+                cell.scores.append(score)
+            if score_checked is not None:
+                cell.paired_scores.append(score_checked)
+            t.tests_passed += tests_passed
+            t.tests_total += tests_total
             if flagged:
                 cell.flagged_evaluated += 1
         if not pending:
-            t.ended += 1
-            if f.cost_checked is not None:
-                cell.paired_costs.append(f.cost_checked)
+            if cost_checked is not None:
+                cell.paired_costs.append(cost_checked)
             if excluded:
-                _tally_inc(t.labels, f.validity, pos)
-            if not f.evaluated:
+                _tally_inc(t.labels, validity, pos)
+            if not evaluated:
                 # Name the cause by outcome when there is one; an error or interruption status
                 # wins over a plain "failure" outcome, which would hide why it was never graded.
                 t.not_evaluated += 1
@@ -13631,28 +13771,68 @@ def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
                 if status in ("error", "interrupted") and cause == "failure":
                     cause = status
                 _tally_inc(t.causes, cause, pos)
-        if status == "error" or outcome == "error":
-            t.errors += 1
-        if status == "interrupted" or outcome == "interrupted":
-            t.interrupted += 1
-        if outcome == "budget_exhausted":
-            t.budget_exhausted += 1
-        elif outcome == "timeout":
-            t.timeouts += 1
-        if f.cost_estimated:
-            t.est_costs.append(f.cost)
-        if f.tokens:
-            tokens = t.tokens
-            for j, (k, v) in enumerate(f.tokens.items()):
-                have = tokens.get(k)
+        if status != "finished" or (outcome != "success" and outcome != "failure"):
+            # (A finished run that succeeded or failed is none of these: the checks are skipped.)
+            if status == "error" or outcome == "error":
+                t.errors += 1
+            if status == "interrupted" or outcome == "interrupted":
+                t.interrupted += 1
+            if outcome == "budget_exhausted":
+                t.budget_exhausted += 1
+            elif outcome == "timeout":
+                t.timeouts += 1
+        if cost_estimated:
+            t.est_costs.append(cost)
+        if tokens:
+            counts = t.tokens
+            for k, v in tokens.items():
+                have = counts.get(k)
                 if have is None:
-                    tokens[k] = [0 + v, (pos, j)]
+                    counts[k] = [0 + v, (pos, list(tokens).index(k))]
                 else:
                     have[0] += v
         if flagged:
             t.flagged += 1
-            t.flagged_successes += f.success
-    return tallies
+            t.flagged_successes += success
+        add_cost(cost)
+        if sandbox is not None:
+            if sandbox["sandboxed"]:
+                census.boxed.append(sandbox)
+            else:
+                census.unboxed += 1
+                add_reasons(sandbox["reasons"])
+        if audit is not None:
+            census.audited.append(f)
+        if excluded:
+            census.excluded.append(f)
+        elif snapshots:
+            census.snapshotted.append(f)
+        if not pending and validity is None:
+            census.unlabelled += 1
+        if rehearsal:
+            census.rehearsed += 1
+        if cost_estimated:
+            census.est_costs.append(cost)
+        if delivery is not None:
+            census.delivered.append(f)
+        if launch is not None:
+            census.launched.append(f)
+    for t in tallies.values():
+        runs = 0
+        for cell in t.tasks.values():
+            cell.runs = len(cell.costs)
+            runs += cell.runs
+        t.runs = runs
+        t.started = runs - t.not_started
+        t.ended = t.started - t.running
+        census.not_started += t.not_started
+        census.running += t.running
+    return census
+
+
+def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
+    """(arm, excluded) -> that population's tally, over `known` in run order."""
+    return _rpt_census(known).tallies
 
 
 def _rpt_task_rates(t: _ArmTally) -> list[float]:
@@ -13756,16 +13936,42 @@ def _rpt_task_cells(view: Mapping[str, _ArmTally], arms: list[str], tasks: list[
     return out
 
 
-def _rpt_exact_mean(values: Sequence[Any]) -> fractions.Fraction:
-    """The exact mean of ints, floats or fractions, as a fraction: the same whatever their order.
-    Numerators are added as integers per denominator (a float's is a power of two, so a list of
-    floats has few), then over the least common multiple of the denominators."""
+# Whether this machine's float additions round once, as IEEE 754 doubles do (an x87 unit can round
+# twice): math.fsum is then correctly rounded, which _rpt_exact_sum relies on.  The classic probe:
+# 1e16 + 2.9999 is 1e16 + 2 rounded once and 1e16 + 4 rounded twice.
+_FLOAT_ADD_ROUNDS_ONCE = float("1e16") + float("2.9999") == 1e16 + 2
+
+
+def _rpt_exact_sum(values: Sequence[Any]) -> fractions.Fraction:
+    """The exact sum of ints, floats or fractions, as a fraction: the same whatever their order.
+
+    Of finite floats (the paired lists), from a few math.fsum calls: fsum rounds the exact sum once,
+    so s1 = fsum(values) is that sum rounded, s2 = fsum(values + [-s1]) is what s1 left out,
+    rounded, and so on until the rest is 0, which fsum returns for an exact 0 only (a sum of
+    floats that is not 0 is at least the smallest float).  The sum is then s1 + s2 + ... exactly:
+    two terms for 250 scores.  Otherwise (another type, a value or a sum that is not finite, a
+    machine that rounds twice, more terms than a sum of doubles can need), numerators are added as
+    integers per denominator (a float's is a power of two, so a list of floats has few), then over
+    the least common multiple of the denominators."""
+    if _FLOAT_ADD_ROUNDS_ONCE and {float}.issuperset(map(type, values)):
+        terms: list[float] = []
+        try:
+            rest = math.fsum(values)
+            while rest and math.isfinite(rest) and len(terms) < 48:
+                terms.append(rest)
+                rest = math.fsum(itertools.chain(values, [-x for x in terms]))
+        except OverflowError:
+            rest = math.inf
+        if not rest:
+            ratios = [x.as_integer_ratio() for x in terms]
+            common = max((d for _, d in ratios), default=1)     # powers of two: the largest
+            return fractions.Fraction(sum(n * (common // d) for n, d in ratios), common)
     by_den: dict[int, int] = {}
     for v in values:
         num, den = v.as_integer_ratio()
         by_den[den] = by_den.get(den, 0) + num
     common = math.lcm(*by_den)
-    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common * len(values))
+    return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common)
 
 
 def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -13775,13 +13981,26 @@ def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[st
     return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
 
 
+def _rpt_cell_sum(cell: _TaskCell, field: str) -> fractions.Fraction:
+    """The exact sum of one of a cell's paired lists, computed once per cell: a baseline's cells
+    serve every comparison, and a merged cell adds up its two parts' sums."""
+    got = cell.exact.get(("sum", field))
+    if got is None:
+        if cell.parts is not None:
+            got = _rpt_cell_sum(cell.parts[0], field) + _rpt_cell_sum(cell.parts[1], field)
+        else:
+            got = _rpt_exact_sum(getattr(cell, field))
+        cell.exact[("sum", field)] = got
+    return got
+
+
 def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
-    """The exact mean of one of a cell's paired lists (None when it is empty), computed once per
-    cell: a baseline's cells serve every comparison."""
-    if field not in cell.exact:
-        values = getattr(cell, field)
-        cell.exact[field] = _rpt_exact_mean(values) if values else None
-    return cell.exact[field]
+    """The exact mean of one of a cell's paired lists (None when it is empty), computed once."""
+    key = ("mean", field)
+    if key not in cell.exact:
+        n = len(getattr(cell, field))
+        cell.exact[key] = _rpt_cell_sum(cell, field) / n if n else None
+    return cell.exact[key]
 
 
 def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
@@ -13885,23 +14104,36 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
     }
 
 
+def _rpt_view_part(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
+                   base: str, tasks: list[str], seed: int, draws: int = 10000,
+                   only: frozenset[str] | None = None) -> dict:
+    """What one view computes, from each arm's tally of the view's runs (`view`) and of its runs
+    outside the view (`left_out`): the per-arm figures of the arms in `only` (None: every arm), the
+    comparisons with such an arm on either side, and the per-task cells.  A JSON value."""
+    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
+                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
+                        for a in arms if only is None or a in only},
+            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) for a in arms
+                            if a != base and (only is None or a in only or base in only)},
+            "per_task": _rpt_task_cells(view, arms, tasks)}
+
+
 def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
               base: str, tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
-              changed: frozenset[str] = frozenset()) -> dict:
+              changed: frozenset[str] = frozenset(), part: dict | None = None) -> dict:
     """One view's per-arm figures, comparisons and per-task cells, from each arm's tally of the
     view's runs (`view`) and of its runs outside the view (`left_out`).  With `same_as` (another
     view of the same study) the figures of every arm not in `changed`, and the comparisons where
-    neither side is, are that view's (copied): their runs are the same, so is every figure."""
-    per_arm = {a: (copy.deepcopy(same_as["per_arm"][a]) if same_as and a not in changed else
-                   _rpt_arm_stats(view[a], left_out[a],
-                                  stream_seed(seed, "bootstrap", "task_success_rate", a), draws))
-               for a in arms}
-    comparisons = {a: (copy.deepcopy(same_as["comparisons"][a])
-                       if same_as and a not in changed and base not in changed
-                       else _rpt_compare(view, a, base, tasks, seed, draws))
-                   for a in arms if a != base}
-    return {"per_arm": per_arm, "comparisons": comparisons,
-            "per_task": _rpt_task_cells(view, arms, tasks)}
+    neither side is, are that view's (copied): their runs are the same, so is every figure.  With
+    `part`, the rest is that (_rpt_view_part of the same arguments, computed elsewhere)."""
+    if part is None:
+        part = _rpt_view_part(view, left_out, arms, base, tasks, seed, draws,
+                              None if same_as is None else changed)
+    mine, theirs = part["per_arm"], part["comparisons"]
+    return {"per_arm": {a: mine[a] if a in mine else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
+            "comparisons": {a: theirs[a] if a in theirs else copy.deepcopy(same_as["comparisons"][a])
+                            for a in arms if a != base},
+            "per_task": part["per_task"]}
 
 
 def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
@@ -13969,18 +14201,16 @@ def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> l
 REPORT_ALPHA = 0.05
 
 
-def report_behaviour(known: Sequence[RunFacts], arms: list[str]) -> dict:
-    """Per arm, over every run of the study (excluded ones too, each marked): audited and flagged
-    runs, findings and runs by group, the flagged runs themselves and the successes among them."""
+def report_behaviour(audited: Sequence[RunFacts], arms: list[str], runs: Mapping[str, int]) -> dict:
+    """Per arm, over every run of the study (excluded ones too, each marked): its `runs` (as given),
+    audited and flagged runs, findings and runs by group, the flagged runs themselves and the
+    successes among them, from the `audited` runs (those with an audit) in run order."""
     out: dict[str, dict] = {}
     for arm in arms:
-        out[arm] = {"runs": 0, "audited": 0, "flagged": 0, "flagged_successes": 0,
+        out[arm] = {"runs": runs[arm], "audited": 0, "flagged": 0, "flagged_successes": 0,
                     "findings_by_group": {}, "runs_by_group": {}, "flagged_runs": []}
-    for f in known:
+    for f in audited:
         st = out[f.arm]
-        st["runs"] += 1
-        if f.audit is None:
-            continue
         st["audited"] += 1
         flagged, groups = f.audit
         if not flagged:
@@ -14249,33 +14479,83 @@ def _rpt_arms(runs: Sequence[RunFacts], arms: list[str], baseline: str | None) -
     return arms, base
 
 
+def _rpt_json_exact(value: Any) -> bytes:
+    """`value` as JSON text, ValueError when reading it back would not give the same value (a tuple,
+    a key that is not a string, NaN, which equals nothing)."""
+    text = json.dumps(value)
+    if json.loads(text) != value:
+        raise ValueError("the value does not survive a round trip through JSON")
+    return text.encode()
+
+
+def _rpt_json_part(data: bytes | None) -> dict | None:
+    """A view's part (_rpt_view_part) read back from _rpt_json_exact's text; None when there is
+    none or it is not one."""
+    try:
+        part = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict) for k in
+                                             ("per_arm", "comparisons", "per_task")):
+        return None
+    return part
+
+
+#: How long the report waits for the view computed beside it: this, plus REPORT_BESIDE_WAIT_FACTOR
+#: times what its own view took (the two are about the same work); then it computes it itself.
+REPORT_BESIDE_WAIT_S = 10.0
+REPORT_BESIDE_WAIT_FACTOR = 3.0
+
+
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
-               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA,
-               draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, dict]:
+               tasks: list[str], seed: int, alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS,
+               beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None] | None = None,
+               ) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
-    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs."""
-    views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
+    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs.
+
+    With `beside` (Platform.compute_beside) what the view with every run computes is computed in
+    another process while this one computes the other view, and read back as JSON: the same
+    function of the same tallies, so the same figures.  When that fails in any way (no answer in
+    time, a child that died, an answer that is not one), it is computed here."""
     # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
     # only what an exclusion touches is computed again (the arms with excluded runs and the
     # comparisons with such an arm on either side).
     changed = frozenset(a for a in arms if out[a].runs)
     every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
     none = {a: _ArmTally() for a in arms}
+    waiting = None
+    if beside is not None and changed:
+        waiting = beside(lambda: _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws,
+                                                                changed)))
+    started = time.monotonic()
+    try:
+        views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
+    except BaseException:
+        if waiting is not None:
+            waiting(0.0)                        # the child killed and reaped
+        raise
+    part = None
+    if waiting is not None:
+        took = time.monotonic() - started
+        part = _rpt_json_part(waiting(REPORT_BESIDE_WAIT_S + REPORT_BESIDE_WAIT_FACTOR * took))
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
                              else _rpt_view(every, none, arms, base, tasks, seed, draws,
-                                            same_as=views["exclusions_applied"], changed=changed))
+                                            same_as=views["exclusions_applied"], changed=changed,
+                                            part=part))
     for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
         _rpt_flag_view(views[name], tallies)
         _rpt_holm_view(views[name], alpha)
     return views
 
 
-def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts],
-                          unknown: Sequence[RunFacts], include_excluded: bool,
-                          rehearsed: Sequence[RunFacts], est: Sequence[RunFacts]) -> list[str]:
-    """Notes on which runs the report stands on: exclusions, missing labels, an incomplete study,
-    unknown arms, rehearsals, unsandboxed runs and estimated costs."""
+def _rpt_population_notes(census: _RunCensus, unknown: Sequence[RunFacts],
+                          include_excluded: bool) -> list[str]:
+    """Notes on which runs the report stands on (the study's, counted in `census`): exclusions,
+    missing labels, an incomplete study, `unknown` arms, rehearsals, unsandboxed runs and estimated
+    costs."""
     notes = []
+    excluded = census.excluded
     if excluded:
         by_label: dict[str, int] = {}
         for f in excluded:
@@ -14287,17 +14567,7 @@ def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts
         else:
             notes.append(f"{len(excluded)} run(s) excluded by validity label ({labels}); the "
                          f"tables leave them out and views.all_included has results with them")
-    n_ns = n_run = unlabelled = 0
-    noted: list[RunFacts] = []
-    for f in known:
-        if f.status == "not_started":
-            n_ns += 1
-        elif f.status == "running":
-            n_run += 1
-        elif f.validity is None:
-            unlabelled += 1
-        if f.sandbox is not None:
-            noted.append(f)
+    n_ns, n_run, unlabelled = census.not_started, census.running, census.unlabelled
     if unlabelled:
         notes.append(f"{unlabelled} ended run(s) have no validity label; treated as valid")
     if n_ns or n_run:
@@ -14307,30 +14577,30 @@ def _rpt_population_notes(known: Sequence[RunFacts], excluded: Sequence[RunFacts
     if unknown:
         notes.append(f"{len(unknown)} run(s) belong to arms not in the study "
                      f"({', '.join(sorted({f.arm for f in unknown}))}) and are ignored")
-    if rehearsed:
-        notes.append(f"{len(rehearsed)} run(s) were rehearsed against the scripted model: their "
+    if census.rehearsed:
+        notes.append(f"{census.rehearsed} run(s) were rehearsed against the scripted model: their "
                      f"costs are list prices of the scripted usage, as the binary computed them; "
                      f"nothing was billed")
-    unboxed = [f.sandbox for f in noted if not f.sandbox["sandboxed"]]
-    if unboxed:
-        why = sorted({w for sb in unboxed for w in sb["reasons"]})
-        notes.append(f"{len(unboxed)} run(s) were not sandboxed: their sessions and checks could "
+    boxed = census.boxed
+    if census.unboxed:
+        why = sorted(census.unboxed_reasons)
+        notes.append(f"{census.unboxed} run(s) were not sandboxed: their sessions and checks could "
                      f"read the study, the hidden tests and other runs"
                      + (f" ({'; '.join(why)})" if why else ""))
-    opened = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["network_opened"] is not None]
+    opened = [sb for sb in boxed if sb["network_opened"] is not None]
     if opened:
         why = sorted({w for sb in opened for w in sb["network_opened"]})
         notes.append(f"{len(opened)} sandboxed run(s) had the host's network in their sessions: they could "
                      f"reach every listening port of the host and other sessions that had it too"
                      + (f" ({'; '.join(why)})" if why else ""))
-    bare = [f.sandbox for f in noted if f.sandbox["sandboxed"] and f.sandbox["unfiltered"]]
+    bare = [sb for sb in boxed if sb["unfiltered"]]
     if bare:
         why = sorted({w for sb in bare for w in sb["unfiltered"]})
         notes.append(f"{len(bare)} sandboxed run(s) had sessions or checks without the seccomp filter: "
                      f"their processes could inspect others as the host allows ({'; '.join(why)})")
-    if est:
-        notes.append(f"costs include ${math.fsum(f.cost for f in est):.4f} "
-                     f"estimated from list prices over {len(est)} run(s) (marked ~ in tables)")
+    if census.est_costs:
+        notes.append(f"costs include ${math.fsum(census.est_costs):.4f} "
+                     f"estimated from list prices over {len(census.est_costs)} run(s) (marked ~ in tables)")
     return notes
 
 
@@ -14510,8 +14780,9 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
 
 
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
-                    include_excluded: bool = False, plan: Any = None,
-                    plan_source: str | None = None) -> dict:
+                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None,
+                    beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None]
+                    | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
     `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
@@ -14525,30 +14796,36 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     tasks (see _rpt_compare); bootstrap intervals use streams seeded from `seed`, so the report is
     reproducible.  `plan` is the analysis plan `assign` wrote (read from `plan_source`);
     `analysis` says whether this report follows it or is exploratory (see report_analysis).
+    `beside` (Platform.compute_beside) lets one view be computed in another process (_rpt_views).
     """
     arms, _ = _rpt_arms(runs, arms, None)
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
     arms, base = _rpt_arms(runs, arms, analysis["baseline"])
     in_study = set(arms)
-    known = [f for f in runs if f.arm in in_study]
-    unknown = [f for f in runs if f.arm not in in_study]
-    tasks = sorted({f.task_key for f in known})
-    excluded = [f for f in known if f.validity in REPORT_EXCLUDED_VALIDITY]
-    tallies = _rpt_tally(known)
+    # One pass over the runs (_rpt_census); a second, over the study's, only when some run belongs
+    # to an arm outside it.  Nothing below walks the runs again.
+    census = _rpt_census(runs)
+    if all(arm in in_study for arm, _ in census.tallies):
+        known, unknown = runs, []
+    else:
+        known = [f for f in runs if f.arm in in_study]
+        unknown = [f for f in runs if f.arm not in in_study]
+        census = _rpt_census(known)
+    tallies = census.tallies
+    tasks = sorted({task for t in tallies.values() for task in t.tasks})   # every run is in a cell
+    excluded = census.excluded
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
-    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
+    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"], beside)
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
-    behaviour = report_behaviour(known, arms)
+    behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
     exclusions = report_exclusions(kept, out, arms, base)
     warning = _rpt_exclusion_warning(exclusions, base, primary)
-    delivery = report_delivery(known, arms)
+    delivery = report_delivery(census.delivered, arms)
     warnings = [w for w in (delivery["note"], warning) if w]
-    rehearsed = [f for f in known if f.rehearsal]
-    est = [f for f in known if f.cost_estimated]
     notes = list(warnings) + [_rpt_analysis_note(analysis)]
-    notes.extend(_rpt_population_notes(known, excluded, unknown, include_excluded, rehearsed, est))
+    notes.extend(_rpt_population_notes(census, unknown, include_excluded))
     notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
     multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
@@ -14574,7 +14851,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
         "warnings": warnings,
         "behaviour": behaviour,
         "delivery": delivery,
-        "prices": report_prices(known, views[primary], base),
+        "prices": report_prices(census.launched, views[primary], base),
         "exclusions": exclusions,
         "multiplicity": views[primary]["multiplicity"],
         "totals": {
@@ -14582,13 +14859,13 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
             "tasks": len(tasks),
             "excluded": len(excluded),
             "ignored_unknown_arm": len(unknown),
-            "cost_usd": math.fsum(f.cost for f in known),
-            "cost_estimated_usd": math.fsum(f.cost for f in est),
-            "rehearsed_runs": len(rehearsed),
+            "cost_usd": math.fsum(census.costs),
+            "cost_estimated_usd": math.fsum(census.est_costs),
+            "rehearsed_runs": census.rehearsed,
         },
         "notes": notes,
         "methods": _rpt_methods(seed, analysis["draws"], analysis["alpha"]),
-        "snapshots": snapshot_curve([f for f in known if f.validity not in REPORT_EXCLUDED_VALIDITY], arms),
+        "snapshots": snapshot_curve(census.snapshotted, arms),
     }
 
 
@@ -20595,8 +20872,11 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     else:
         runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
         with gc_paused():
+            # The view with every run is computed on another core beside the other one (a fork;
+            # not inside an agent's session, where the copy would count against its limits).
             report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source)
+                                     plan_source=plan_source,
+                                     beside=None if ctx.is_child else ctx.platform.compute_beside)
         any_started = any(f.status not in (None, "not_started") for f in runs)
         if not ctx.is_child:
             write_report_cache(paths, key, report, any_started)

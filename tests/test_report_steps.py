@@ -181,15 +181,14 @@ def test_population_notes_in_order():
               "provenance": {"rehearsal": True}, "sandbox": {"sandboxed": False, "reasons": ["no bwrap"]}},
              {"status": "not_started"}, {"status": "running", "validity": None}]
     known = [ab.run_facts(r) for r in known]
-    notes = ab._rpt_population_notes(known, known[:1], [ab.run_facts({"arm": "zz"})], False, known[:1],
-                                     known[:1])
+    notes = ab._rpt_population_notes(ab._rpt_census(known), [ab.run_facts({"arm": "zz"})], False)
     assert [n.split(" ")[0:2] for n in notes] == [["1", "run(s)"], ["the", "study"], ["1", "run(s)"],
                                                   ["1", "run(s)"], ["1", "run(s)"], ["costs", "include"]]
     assert "excluded by validity label (1 degenerate)" in notes[0]
     assert "1 run(s) not started, 1 running" in notes[1]
     assert "(zz) and are ignored" in notes[2]
     assert "rehearsed" in notes[3] and "(no bwrap)" in notes[4] and "$0.5000" in notes[5]
-    assert ab._rpt_population_notes([], [], [], False, [], []) == []
+    assert ab._rpt_population_notes(ab._rpt_census([]), [], False) == []
 
 
 def test_methods_name_the_seed():

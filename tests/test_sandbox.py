@@ -276,8 +276,8 @@ def test_where_says_what_a_sandbox_sees_and_an_unknown_machine_has_no_filter(stu
     assert rec["seccomp"] is None and "armv7l" in rec["seccomp_reason"]   # recorded in every job and check
     summary = ab.sandbox_summary([rec, rec])
     assert summary["sandboxed"] and summary["unfiltered"] == [rec["seccomp_reason"]]
-    notes = ab._rpt_population_notes([ab.run_facts({"run_id": "r1", "status": "finished", "sandbox": summary})],
-                                     [], [], False, [], [])
+    census = ab._rpt_census([ab.run_facts({"run_id": "r1", "status": "finished", "sandbox": summary})])
+    notes = ab._rpt_population_notes(census, [], False)
     assert any("without the seccomp filter" in n and "armv7l" in n for n in notes), notes
 
 
