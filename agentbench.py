@@ -661,6 +661,11 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
     return dict(env)
 
 
+#: Platform.compute_beside as a value: given a pure computation, the function that waits for its
+#: answer (or None when no copy of the process could be made).
+ComputeBeside = Callable[[Callable[[], bytes]], "Callable[[float], bytes | None] | None"]
+
+
 class Platform:
     """Base of the seam. Generic algorithms (trees, snapshots, the tree-kill loop) live here,
     built on a few primitives each subclass provides (``_scan``, ``is_alive``,
@@ -14509,7 +14514,7 @@ REPORT_BESIDE_WAIT_FACTOR = 3.0
 
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
                tasks: list[str], seed: int, alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS,
-               beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None] | None = None,
+               beside: ComputeBeside | None = None,
                ) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
     Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs.
@@ -14781,8 +14786,7 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
 
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
                     include_excluded: bool = False, plan: Any = None, plan_source: str | None = None,
-                    beside: Callable[[Callable[[], bytes]], Callable[[float], bytes | None] | None]
-                    | None = None) -> dict:
+                    beside: ComputeBeside | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
     `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
@@ -17445,7 +17449,9 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 # of another tag or shape, or that holds a value of a type run_facts never gives is not believed
 # (its runs are read from their records), so it gives the same report as a fresh summary.  The
 # file is rewritten whole (a new base, renamed into place) when the lines after the base, or the
-# base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  Values repeat
+# base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  A record
+# that has not settled (changed less than RECORD_SETTLE_NS ago) is kept in neither the base nor a
+# line: it is read from its record until it has.  Values repeat
 # across runs (arms, tasks, statuses, token counts): the base holds each once, and the runs that
 # share it share one object, which no reader of RunFacts mutates (a test holds the report to it).
 
@@ -17466,8 +17472,18 @@ CACHE_FILE_MAX_BYTES = 1 << 30
 #: A record's stamp packed: device, inode, size, mtime_ns, ctime_ns (little-endian).
 _STAMP = struct.Struct("<QQQqq")
 STAMP_BYTES = _STAMP.size
+#: The ctime of a packed stamp: its last 8 bytes.
+_STAMP_CTIME = struct.Struct(f"<{STAMP_BYTES - 8}xq")
 #: The base is rewritten when more than this share of the runs is not in it as they are now.
 _SUMMARY_REBASE_SHARE = 16
+#: A record changed less than this long ago (its ctime against this host's clock) has not settled:
+#: rewritten again within the same tick of the file system's clock, in place and to the same size,
+#: it would keep its stamp.  Its facts are not kept in the summary, and no report over it is kept in
+#: the report cache, until it has settled (the rule Git applies to index entries written in the
+#: same second as the index).  Two seconds covers the coarsest timestamps in use (FAT's).
+RECORD_SETTLE_NS = 2_000_000_000
+#: The stamp kept for a run whose record has not settled: no record has it (inode 0, size 0).
+_UNSETTLED_STAMP = bytes(STAMP_BYTES)
 #: The array type codes of a base's 2- and 4-byte indexes (a platform with no 4-byte code writes
 #: and reads its wide indexes with "I": a base of another platform then has indexes of another
 #: length, and is not believed).
@@ -17520,44 +17536,101 @@ class RecordStamps:
 
 def pack_stamp(st: os.stat_result) -> bytes:
     """A record's stamp as STAMP_BYTES bytes: its numbers packed, or (a time or number no 64-bit
-    word holds) a digest of them, which no packed stamp equals but by a preimage."""
+    word holds) a digest of them, which no packed stamp equals but by a preimage, followed by the
+    ctime as a packed stamp holds it."""
     try:
         return _STAMP.pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except struct.error:
         text = repr((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        return hashlib.blake2b(text.encode(), digest_size=STAMP_BYTES).digest()
+        # The ctime stays readable in its place (unsettled_records reads it), past 64 bits as the
+        # latest time there is.
+        ctime = min(max(st.st_ctime_ns, -(1 << 63)), (1 << 63) - 1)
+        return hashlib.blake2b(text.encode(), digest_size=STAMP_BYTES - 8).digest() + struct.pack("<q", ctime)
 
 
-def run_record_stamps(paths: StudyPaths) -> RecordStamps:
-    """The stamp of every record file in the run index, by run id (lstat: a link is never followed,
-    and a name that is not a run id is skipped).  The directory is opened once and each record is
-    stat'ed relative to it where the platform can."""
-    found: dict[str, bytes] = {}
+def _stamp_records(fd: int | None, directory: str, rids: Sequence[str]) -> bytes:
+    """The record files of these run ids stat'ed: a flag per run (1: a regular file, 0: anything
+    else: gone, a link, a directory), then the stamp (pack_stamp) of each flagged one, in order.
+    lstat, relative to the directory's descriptor `fd` where there is one."""
     pack, regular = _STAMP.pack, stat.S_ISREG     # (pack_stamp, inlined: 100,000 calls)
+    flags = bytearray(len(rids))
+    stamps = []
+    for i, rid in enumerate(rids):
+        try:
+            st = (os.stat(rid + ".json", dir_fd=fd, follow_symlinks=False) if fd is not None
+                  else os.lstat(os.path.join(directory, rid + ".json")))
+        except OSError:
+            continue
+        if regular(st.st_mode):
+            flags[i] = 1
+            try:
+                stamps.append(pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            except struct.error:
+                stamps.append(pack_stamp(st))
+    return bytes(flags) + b"".join(stamps)
+
+
+def _stamps_fit(data: bytes, n: int) -> bool:
+    """Whether `data` is what _stamp_records answers for `n` run ids: n flags of 0 or 1, then a
+    stamp per 1."""
+    ones = data.count(1, 0, n)
+    return len(data) == n + STAMP_BYTES * ones and ones + data.count(0, 0, n) == n
+
+
+#: With at least this many records, and a core to spare, a copy of the process stats half of them.
+RECORD_SCAN_SPLIT_MIN = 20000
+
+
+def run_record_stamps(paths: StudyPaths, beside: ComputeBeside | None = None) -> RecordStamps:
+    """The stamp of every record file in the run index, by run id (lstat: a link is never followed,
+    and a name that is not a run id is skipped).  The directory is listed once, and each record
+    stat'ed relative to it where the platform can, in run id order.  With `beside`
+    (Platform.compute_beside) and at least RECORD_SCAN_SPLIT_MIN records, a copy of the process
+    stats the second half of them while this one stats the first; when the copy fails in any way,
+    this one stats them too."""
+    directory = os.fspath(paths.run_index)
     try:
-        fd = os.open(paths.run_index, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd: int | None = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except (FileNotFoundError, NotADirectoryError):
         return RecordStamps([], b"")
     try:
-        with os.scandir(fd if os.scandir in os.supports_fd else paths.run_index) as it:
-            for e in it:
-                name = e.name
-                if not name.endswith(".json") or name.startswith(".") or len(name) <= 5:
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if regular(st.st_mode):
-                    rid = name[:-5]
-                    try:
-                        found[rid] = pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                    except struct.error:
-                        found[rid] = pack_stamp(st)
+        with os.scandir(fd if os.scandir in os.supports_fd else directory) as it:
+            rids = sorted(n[:-5] for n in (e.name for e in it)
+                          if n.endswith(".json") and not n.startswith(".") and len(n) > 5)
+        if os.stat not in os.supports_dir_fd:
+            os.close(fd)
+            fd = None
+        half = len(rids)
+        waiting = None
+        if beside is not None and len(rids) >= RECORD_SCAN_SPLIT_MIN:
+            half = len(rids) // 2
+            rest = rids[half:]
+            waiting = beside(lambda: _stamp_records(fd, directory, rest))
+        started = time.monotonic()
+        parts = [(half, _stamp_records(fd, directory, rids[:half]))]
+        if half < len(rids):
+            n = len(rids) - half
+            theirs = None
+            if waiting is not None:
+                took = time.monotonic() - started
+                theirs = waiting(REPORT_BESIDE_WAIT_S + REPORT_BESIDE_WAIT_FACTOR * took)
+            if theirs is None or not _stamps_fit(theirs, n):
+                theirs = _stamp_records(fd, directory, rids[half:])
+            parts.append((n, theirs))
     finally:
-        os.close(fd)
-    ids = sorted(found)
-    return RecordStamps(ids, b"".join(map(found.__getitem__, ids)))
+        if fd is not None:
+            os.close(fd)
+    flags = b"".join(data[:n] for n, data in parts)
+    packed = b"".join(data[n:] for n, data in parts)
+    return RecordStamps(rids if flags.count(1) == len(rids) else list(itertools.compress(rids, flags)),
+                        packed)
+
+
+def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
+    """The positions (in stamps.ids) of the records changed less than RECORD_SETTLE_NS before
+    `now_ns`, or after it (pure): each stamp's ctime, its last 8 bytes (pack_stamp)."""
+    cutoff = now_ns - RECORD_SETTLE_NS
+    return [i for i, (ctime,) in enumerate(_STAMP_CTIME.iter_unpack(stamps.packed)) if ctime >= cutoff]
 
 
 def _encode_index(index: list[int], size: int) -> str:
@@ -17896,6 +17969,23 @@ def write_runs_summary(path: Path, tag: str, stamps: RecordStamps, facts: Sequen
                 fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
 
 
+def settled_only(stamps: RecordStamps, fresh: list[tuple[int, str]],
+                 now_ns: int) -> tuple[RecordStamps | None, list[str]]:
+    """What the summary may keep of these runs at `now_ns` (pure): their stamps, with each record
+    that has not settled (unsettled_records) given _UNSETTLED_STAMP, which no record has, so that
+    its run is read from its record next time; and the `fresh` lines, (position in stamps.ids,
+    line), of the settled ones.  (None, []) when no record has settled: nothing to keep."""
+    late = unsettled_records(stamps, now_ns)
+    if len(late) == len(stamps.ids):
+        return None, []
+    packed = bytearray(stamps.packed)
+    for i in late:
+        packed[i * STAMP_BYTES:(i + 1) * STAMP_BYTES] = _UNSETTLED_STAMP
+    late_set = set(late)
+    return (RecordStamps(stamps.ids, bytes(packed)) if late else stamps,
+            [line for i, line in fresh if i not in late_set])
+
+
 def report_runs(paths: StudyPaths, *, write: bool = True,
                 stamps: RecordStamps | None = None) -> list[RunFacts]:
     """Every run's facts, in run id order, as `report` needs them: from the runs summary where it
@@ -17909,7 +17999,7 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
         stamps = run_record_stamps(paths) if stamps is None else stamps
         summary = read_runs_summary(summary_file, tag)
         out, from_base = _summary_hits(stamps, summary)
-        fresh: list[str] = []
+        fresh: list[tuple[int, str]] = []
         for i in [i for i, f in enumerate(out) if f is None]:
             rid = stamps.ids[i]
             rec = read_json(run_file(paths, rid), default=None)
@@ -17919,9 +18009,11 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
             # Through JSON, as a summary line would be: the facts are the same either way.
             line = _summary_line(tag or "", rid, stamps.stamp(i), run_facts(rec))
             out[i] = RunFacts._make(json.loads(line)[3:])
-            fresh.append(line)
+            fresh.append((i, line))
         if write and tag is not None and stamps.ids:
-            write_runs_summary(summary_file, tag, stamps, out, summary, from_base, fresh)
+            kept, lines = settled_only(stamps, fresh, time.time_ns())
+            if kept is not None:
+                write_runs_summary(summary_file, tag, kept, out, summary, from_base, lines)
     return out   # every None filled
 
 
@@ -17932,7 +18024,7 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
 # answers from it after one stat per run; any change to a record, to the code or to an argument is
 # a new key, and the report is computed from the facts again.  Like the summary, it is a cache: a
 # file that is missing, torn, of another key or not an object is ignored, and one that cannot be
-# written is not needed.
+# written is not needed.  No report is kept while a record has not settled (RECORD_SETTLE_NS).
 
 REPORT_CACHE_FILE = "report_cache.json"
 REPORT_CACHE_VERSION = 1
@@ -20864,7 +20956,9 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
     # every record's stamp).  The run pages below read the records themselves.
-    stamps = run_record_stamps(paths)
+    # Half the records are stat'ed on another core beside the other half (a fork; not inside an
+    # agent's session).
+    stamps = run_record_stamps(paths, beside=None if ctx.is_child else ctx.platform.compute_beside)
     key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
     cached = read_report_cache(paths, key)
     if cached is not None:
@@ -20878,7 +20972,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                      plan_source=plan_source,
                                      beside=None if ctx.is_child else ctx.platform.compute_beside)
         any_started = any(f.status not in (None, "not_started") for f in runs)
-        if not ctx.is_child:
+        if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
             write_report_cache(paths, key, report, any_started)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)

@@ -14,6 +14,12 @@ from conftest import ab
 from test_runs_summary import make_study
 
 
+@pytest.fixture(autouse=True)
+def records_settle_at_once(monkeypatch):
+    """The records these tests write count as settled at once (a report over them is kept)."""
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 0)
+
+
 def report(paths: ab.StudyPaths, fmt: str, tmp_path, *extra: str) -> str:
     out = tmp_path / f"out.{fmt}"
     with contextlib.redirect_stdout(io.StringIO()):
@@ -134,3 +140,16 @@ def test_the_paused_collector_keeps_nothing_from_it():
     with ab.gc_paused():
         kept = [[i] for i in range(1000)]
     assert gc.get_freeze_count() == 0 and gc.isenabled() and kept
+
+
+def test_no_report_is_kept_over_a_record_that_has_not_settled(study, tmp_path, monkeypatch):
+    """A record changed less than the settling window ago could change again and keep its stamp:
+    the report over it is answered but not kept, until the record has settled."""
+    truth = fresh(study, "json", tmp_path)
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 3600 * 10 ** 9)
+    ab.report_cache_path(study).unlink(missing_ok=True)
+    assert report(study, "json", tmp_path) == truth
+    assert not ab.report_cache_path(study).exists()
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 0)
+    assert report(study, "json", tmp_path) == truth
+    assert ab.report_cache_path(study).exists()

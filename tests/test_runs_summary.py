@@ -21,6 +21,15 @@ import pytest
 from conftest import ab
 
 ARMS = ["A", "B", "C"]
+#: The settling window as shipped (the fixture below sets it to 0 for most tests).
+REAL_SETTLE_NS = ab.RECORD_SETTLE_NS
+
+
+@pytest.fixture(autouse=True)
+def records_settle_at_once(monkeypatch):
+    """The records these tests write count as settled at once (the summary keeps them); the
+    settling rule itself is tested below with its real window."""
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 0)
 
 
 def record(rng: random.Random, n: int, task: str, arm: str, repeat: int) -> dict:
@@ -246,6 +255,59 @@ def test_a_link_or_a_directory_in_the_run_index_is_not_a_run(study, tmp_path):
     (study.run_index / "dir.json").mkdir()
     got = ab.report_runs(study)
     assert "evil" not in [f.run_id for f in got]
+
+
+class _Beside:
+    """A stand-in for Platform.compute_beside: runs the computation here (as the copy would) and
+    answers what `answer` makes of its result (None: the copy failed)."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+
+    def __call__(self, compute):
+        self.calls += 1
+        got = self.answer(compute())
+        return lambda timeout_s: got
+
+
+@pytest.mark.parametrize("answer", [
+    lambda data: data,                              # the copy answered
+    lambda data: None,                              # it failed (died, late, no fork)
+    lambda data: data[:-1],                         # cut short
+    lambda data: data + b"\0" * 40,                # too long
+    lambda data: b"\2" + data[1:],                 # a flag that is neither 0 nor 1
+    lambda data: b"",
+])
+def test_stamps_stat_ed_half_beside_are_the_stamps_stat_ed_here(study, monkeypatch, answer):
+    """The records' stamps are the same whether a copy of the process stats half of them, fails to,
+    or answers garbage; links, directories and names that are not run ids are never runs."""
+    runs = ab.all_run_ids(study)
+    outside = study.root.parent / "outside.json"
+    outside.write_text("{}")
+    os.symlink(outside, study.run_index / "evil.json")
+    (study.run_index / "dir.json").mkdir()
+    (study.run_index / ".hidden.json").write_text("{}")
+    (study.run_index / "notes.txt").write_text("x")
+    here = ab.run_record_stamps(study)
+    assert here.ids == sorted(runs)
+    monkeypatch.setattr(ab, "RECORD_SCAN_SPLIT_MIN", 2)
+    beside = _Beside(answer)
+    assert ab.run_record_stamps(study, beside=beside) == here and beside.calls == 1
+    platform = ab.PosixPlatform()
+    monkeypatch.setattr(platform, "_core_to_spare", lambda: True)
+    assert ab.run_record_stamps(study, beside=platform.compute_beside) == here
+
+
+def test_the_stamps_are_in_run_id_order_whatever_the_names_sort_as(tmp_path):
+    """"a-.json" sorts before "a.json", but the run "a" comes before "a-"."""
+    paths = ab.StudyPaths(tmp_path / "s")
+    paths.run_index.mkdir(parents=True)
+    for rid in ("a-", "a", "a0", "b"):
+        (paths.run_index / f"{rid}.json").write_text("{}")
+    stamps = ab.run_record_stamps(paths)
+    assert stamps.ids == ["a", "a-", "a0", "b"]
+    assert [stamps.stamp(i) for i in range(4)] == [
+        ab.pack_stamp(os.lstat(paths.run_index / f"{rid}.json")) for rid in stamps.ids]
 
 
 # -- Only the facts read a run record ----------------------------------------------------------------
@@ -680,3 +742,88 @@ def test_a_record_time_past_64_bits_of_ns_still_has_a_stamp(study, monkeypatch):
     assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == []
     os.utime(path, ns=(far + 1, far + 1))
     assert [repr(list(f)) for f in ab.report_runs(study)] == truth and seen == [rid]
+
+
+# -- A record that has not settled ----------------------------------------------------------------
+
+def _stamp(ctime_ns: int, ino: int = 5) -> bytes:
+    return ab.pack_stamp(os.stat_result((0o100644, ino, 7, 1, 0, 0, 10, 1, 2, 3),
+                                        {"st_mtime_ns": 1, "st_ctime_ns": ctime_ns, "st_atime_ns": 1}))
+
+
+@pytest.mark.parametrize("age_ns,unsettled", [
+    (10 ** 12, False),                        # long ago
+    (2_000_000_001, False),                   # just past the window
+    (2_000_000_000, True),                    # the window's edge: not yet
+    (1, True),
+    (0, True),                                # this very moment
+    (-5 * 10 ** 9, True),                     # in the future (another clock): never believed settled
+])
+def test_a_record_settles_once_its_ctime_is_older_than_the_window(age_ns, unsettled, monkeypatch):
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", REAL_SETTLE_NS)
+    assert REAL_SETTLE_NS == 2_000_000_000
+    now = 1_800_000_000 * 10 ** 9
+    stamps = ab.RecordStamps(["a", "b"], _stamp(now - 10 ** 12) + _stamp(now - age_ns))
+    assert ab.unsettled_records(stamps, now) == ([1] if unsettled else [])
+
+
+def test_a_stamp_kept_as_a_digest_still_has_its_ctime(monkeypatch):
+    """A time past 64 bits makes the stamp a digest; its ctime stays readable, so the rule holds."""
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", REAL_SETTLE_NS)
+    now = 1_800_000_000 * 10 ** 9
+    far = os.stat_result((0o100644, 5, 7, 1, 0, 0, 10, 1, 2, 3),
+                         {"st_mtime_ns": 2 ** 70, "st_ctime_ns": now, "st_atime_ns": 1})
+    digest = ab.pack_stamp(far)
+    assert len(digest) == ab.STAMP_BYTES and digest != _stamp(now)
+    assert ab.unsettled_records(ab.RecordStamps(["a"], digest), now) == [0]
+    assert ab.unsettled_records(ab.RecordStamps(["a"], digest), now + 3 * 10 ** 9) == []
+
+
+def test_what_the_summary_keeps_leaves_out_the_unsettled(monkeypatch):
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", REAL_SETTLE_NS)
+    now = 1_800_000_000 * 10 ** 9
+    old, new = _stamp(now - 10 ** 12, 1), _stamp(now, 2)
+    stamps = ab.RecordStamps(["a", "b", "c"], old + new + old)
+    fresh = [(1, "line b"), (2, "line c")]
+    kept, lines = ab.settled_only(stamps, fresh, now)
+    assert kept.ids == stamps.ids and lines == ["line c"]
+    assert kept.stamp(0) == old and kept.stamp(2) == old
+    assert kept.stamp(1) == bytes(ab.STAMP_BYTES) != new      # no record has this stamp
+    assert ab.settled_only(stamps, fresh, now + 10 ** 12) == (stamps, ["line b", "line c"])
+    assert ab.settled_only(ab.RecordStamps(["b"], new), [(0, "line b")], now) == (None, [])
+
+
+def test_a_record_changed_just_now_is_read_again_until_it_settles(study, monkeypatch):
+    """The race the rule closes: a record rewritten in place, to the same size, within one tick of
+    the file system's clock after the summary took its stamp would keep that stamp.  So a record
+    changed less than the window ago is never kept: not in the summary, not under a cached report."""
+    ab.report_runs(study)                                           # every record kept (settled)
+    rid = next(r for r in ab.all_run_ids(study) if (ab.load_run(study, r).get("evaluation") or {}).get("success"))
+    path = ab.run_file(study, rid)
+    text = path.read_text()
+    flipped = text.replace('"success": true', '"success":false', 1)   # the same size
+    with open(path, "r+") as fh:                                   # in place: the same inode
+        fh.write(flipped)
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 3600 * 10 ** 9)   # an hour: it has not settled
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+    summary = ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag())
+    stamps = ab.run_record_stamps(study)
+    i = stamps.ids.index(rid)
+    assert rid not in summary.lines                                 # nothing kept of it
+    assert summary.base.stamps.stamp(i) != stamps.stamp(i)          # so it is read again next time
+    calls = []
+    real = ab.read_json
+    monkeypatch.setattr(ab, "read_json", lambda p, *a, **k: calls.append(Path(p).name) or real(p, *a, **k))
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+    assert f"{rid}.json" in calls
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 0)                 # settled: kept from now on
+    ab.report_runs(study)
+    summary = ab.read_runs_summary(ab.runs_summary_path(study), ab.summary_tag())
+    assert summary.lines[rid][0] == ab.run_record_stamps(study).stamp(i)
+
+
+def test_records_all_just_written_leave_no_summary(study, monkeypatch):
+    monkeypatch.setattr(ab, "RECORD_SETTLE_NS", 3600 * 10 ** 9)
+    assert not ab.runs_summary_path(study).exists()
+    assert rendered(ab.report_runs(study)) == rendered(records(study))
+    assert not ab.runs_summary_path(study).exists()
