@@ -17446,8 +17446,9 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 # record's current stamp (one stat per run, no read), takes its facts from its last line, else from
 # the base, where the stamp there is the current one, reads again only the records whose stamp
 # moved or that have neither, and appends lines for them.  A base or line that is torn, garbled,
-# of another tag or shape, or that holds a value of a type run_facts never gives is not believed
-# (its runs are read from their records), so it gives the same report as a fresh summary.  The
+# of another tag or shape, or that holds a field whose type (the outer one: what is inside a list
+# or an object is not checked again) run_facts never gives is not believed (its runs are read from
+# their records), so it gives the same report as a fresh summary.  The
 # file is rewritten whole (a new base, renamed into place) when the lines after the base, or the
 # base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  A record
 # that has not settled (changed less than RECORD_SETTLE_NS ago) is kept in neither the base nor a
@@ -17607,7 +17608,12 @@ def run_record_stamps(paths: StudyPaths, beside: ComputeBeside | None = None) ->
             rest = rids[half:]
             waiting = beside(lambda: _stamp_records(fd, directory, rest))
         started = time.monotonic()
-        parts = [(half, _stamp_records(fd, directory, rids[:half]))]
+        try:
+            parts = [(half, _stamp_records(fd, directory, rids[:half]))]
+        except BaseException:
+            if waiting is not None:
+                waiting(0.0)                        # the copy killed and reaped
+            raise
         if half < len(rids):
             n = len(rids) - half
             theirs = None

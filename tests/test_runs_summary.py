@@ -298,6 +298,20 @@ def test_stamps_stat_ed_half_beside_are_the_stamps_stat_ed_here(study, monkeypat
     assert ab.run_record_stamps(study, beside=platform.compute_beside) == here
 
 
+def test_a_scan_stopped_in_its_own_half_stops_the_copy(study, monkeypatch):
+    """Whatever stops this process's half (an interrupt), the copy is killed and reaped at once."""
+    monkeypatch.setattr(ab, "RECORD_SCAN_SPLIT_MIN", 2)
+    waits = []
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ab, "_stamp_records", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        ab.run_record_stamps(study, beside=lambda compute: waits.append)
+    assert waits == [0.0]
+
+
 def test_the_stamps_are_in_run_id_order_whatever_the_names_sort_as(tmp_path):
     """"a-.json" sorts before "a.json", but the run "a" comes before "a-"."""
     paths = ab.StudyPaths(tmp_path / "s")
