@@ -665,6 +665,30 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
 #: answer (or None when no copy of the process could be made).
 ComputeBeside = Callable[[Callable[[], bytes]], "Callable[[float], bytes | None] | None"]
 
+#: How long a caller waits for what a copy computes beside it: this, plus BESIDE_WAIT_FACTOR times
+#: what its own share took (the two are about the same work); then it computes that itself.
+BESIDE_WAIT_S = 10.0
+BESIDE_WAIT_FACTOR = 3.0
+
+
+def alongside(beside: ComputeBeside | None, theirs: Callable[[], bytes] | None,
+              mine: Callable[[], Any]) -> tuple[Any, bytes | None]:
+    """mine(), with theirs() (pure) computed meanwhile by a copy of the process (`beside`:
+    Platform.compute_beside): (mine's answer, theirs' bytes, or None when there is no copy or it
+    failed, was late or was never asked: the caller computes it itself then).  Whatever stops
+    mine() kills and reaps the copy."""
+    waiting = beside(theirs) if beside is not None and theirs is not None else None
+    started = time.monotonic()
+    try:
+        got = mine()
+    except BaseException:
+        if waiting is not None:
+            waiting(0.0)
+        raise
+    if waiting is None:
+        return got, None
+    return got, waiting(BESIDE_WAIT_S + BESIDE_WAIT_FACTOR * (time.monotonic() - started))
+
 
 class Platform:
     """Base of the seam. Generic algorithms (trees, snapshots, the tree-kill loop) live here,
@@ -14506,10 +14530,6 @@ def _rpt_json_part(data: bytes | None) -> dict | None:
     return part
 
 
-#: How long the report waits for the view computed beside it: this, plus REPORT_BESIDE_WAIT_FACTOR
-#: times what its own view took (the two are about the same work); then it computes it itself.
-REPORT_BESIDE_WAIT_S = 10.0
-REPORT_BESIDE_WAIT_FACTOR = 3.0
 
 
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
@@ -14529,21 +14549,14 @@ def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms
     changed = frozenset(a for a in arms if out[a].runs)
     every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
     none = {a: _ArmTally() for a in arms}
-    waiting = None
-    if beside is not None and changed:
-        waiting = beside(lambda: _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws,
-                                                                changed)))
-    started = time.monotonic()
-    try:
-        views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
-    except BaseException:
-        if waiting is not None:
-            waiting(0.0)                        # the child killed and reaped
-        raise
-    part = None
-    if waiting is not None:
-        took = time.monotonic() - started
-        part = _rpt_json_part(waiting(REPORT_BESIDE_WAIT_S + REPORT_BESIDE_WAIT_FACTOR * took))
+    def every_part() -> bytes:
+        return _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws, changed))
+
+    def kept_view() -> dict:
+        return {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
+
+    views, theirs = alongside(beside, every_part if changed else None, kept_view)
+    part = _rpt_json_part(theirs)
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
                              else _rpt_view(every, none, arms, base, tasks, seed, draws,
                                             same_as=views["exclusions_applied"], changed=changed,
@@ -17601,28 +17614,15 @@ def run_record_stamps(paths: StudyPaths, beside: ComputeBeside | None = None) ->
         if os.stat not in os.supports_dir_fd:
             os.close(fd)
             fd = None
-        half = len(rids)
-        waiting = None
-        if beside is not None and len(rids) >= RECORD_SCAN_SPLIT_MIN:
-            half = len(rids) // 2
-            rest = rids[half:]
-            waiting = beside(lambda: _stamp_records(fd, directory, rest))
-        started = time.monotonic()
-        try:
-            parts = [(half, _stamp_records(fd, directory, rids[:half]))]
-        except BaseException:
-            if waiting is not None:
-                waiting(0.0)                        # the copy killed and reaped
-            raise
-        if half < len(rids):
-            n = len(rids) - half
-            theirs = None
-            if waiting is not None:
-                took = time.monotonic() - started
-                theirs = waiting(REPORT_BESIDE_WAIT_S + REPORT_BESIDE_WAIT_FACTOR * took)
-            if theirs is None or not _stamps_fit(theirs, n):
-                theirs = _stamp_records(fd, directory, rids[half:])
-            parts.append((n, theirs))
+        half = len(rids) // 2 if beside is not None and len(rids) >= RECORD_SCAN_SPLIT_MIN else len(rids)
+        rest = rids[half:]
+        mine, theirs = alongside(beside, (lambda: _stamp_records(fd, directory, rest)) if rest else None,
+                                 lambda: _stamp_records(fd, directory, rids[:half]))
+        parts = [(half, mine)]
+        if rest:
+            if theirs is None or not _stamps_fit(theirs, len(rest)):
+                theirs = _stamp_records(fd, directory, rest)
+            parts.append((len(rest), theirs))
     finally:
         if fd is not None:
             os.close(fd)
