@@ -12298,8 +12298,9 @@ def _flip_lanes_at_least(lanes: int, width: int, d: int, a: int) -> int:
     return ((lanes + (half - a) * ones) & (ones * half)).bit_count()
 
 
-def _flip_lanes_list(lanes: int, width: int, d: int) -> list[int]:
-    """The d lanes of `width` bytes as a list, in draw order."""
+def _lanes_list(lanes: int, width: int, d: int) -> list[int]:
+    """The d lanes of `width` bytes of one integer (the first lane least significant) as a list, in
+    order: read as native numbers where a format of that width exists, else one by one."""
     code = {2: "H", 4: "I", 8: "Q"}.get(width)
     if code is not None and struct.calcsize(code) == width:
         out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(code).tolist()
@@ -12370,7 +12371,7 @@ def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draw
                 for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
                     low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
                     undecided[low:high] = b"\x01" * max(0, high - low)
-                sums = _flip_lanes_list(lanes, width, d)
+                sums = _lanes_list(lanes, width, d)
                 todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
         for j in todo:
             if not tables:
@@ -12535,10 +12536,9 @@ def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[l
     P_j at once: the index bytes mapped to q (bytes.translate); position i of every resample (the
     strided slice i::n) spread into 16-bit lanes of one integer, so adding the n integers sums
     each resample in its own lane (at most 256 * 255 < 2^16: no carry); then the lanes widened to
-    32 bits, shifted by s and j added (keys under 2^30 sort fastest).  None past 65,536 resamples
-    or on a platform whose unsigned int is not 32 bits."""
+    32 bits, shifted by s and j added (keys under 2^30 sort fastest).  None past 65,536 resamples."""
     n = len(q)
-    if n_resamples > 65536 or struct.calcsize("I") != 4:
+    if n_resamples > 65536:
         return None
     reps = 256 // n
     need = n * n_resamples
@@ -12557,7 +12557,7 @@ def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[l
     index[1::4] = b"".join(bytes((h,)) * 256 for h in range(256))[:n_resamples]
     shift = max(1, (n_resamples - 1).bit_length())
     keys = (int.from_bytes(wide, "little") << shift) + int.from_bytes(index, "little")
-    out = memoryview(keys.to_bytes(4 * n_resamples, sys.byteorder)).cast("I").tolist()
+    out = _lanes_list(keys, 4, n_resamples)
     out.sort()
     return out, shift
 

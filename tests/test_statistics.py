@@ -664,6 +664,6 @@ def test_flip_lanes_read_back_in_draw_order_at_every_width():
     for width in (2, 4, 8, 16):
         values = [rng.randrange(1 << (8 * width - 1)) for _ in range(37)]
         lanes = sum(v << (8 * width * j) for j, v in enumerate(values))
-        assert ab._flip_lanes_list(lanes, width, len(values)) == values
+        assert ab._lanes_list(lanes, width, len(values)) == values
         for a in (0, 1, values[3], values[3] + 1, 1 << (8 * width - 1)):
             assert ab._flip_lanes_at_least(lanes, width, len(values), a) == sum(v >= a for v in values)
