@@ -17639,30 +17639,36 @@ def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
     return [i for i, (ctime,) in enumerate(_STAMP_CTIME.iter_unpack(stamps.packed)) if ctime >= cutoff]
 
 
+def _b64_numbers(arr: array.array) -> str:
+    """An array's numbers as the base holds them: little-endian, in base64 (`arr` is the caller's
+    own: it is swapped in place on a big-endian host)."""
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return base64.b64encode(arr.tobytes()).decode("ascii")
+
+
+def _numbers_of_b64(code: str, text: Any) -> array.array:
+    """The numbers (of array type `code`) _b64_numbers wrote as `text`; ValueError or TypeError
+    when it holds none (not base64, or a length that is not a whole number of them)."""
+    arr = array.array(code)
+    arr.frombytes(base64.b64decode(text, validate=True))
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr
+
+
 def _encode_index(index: list[int], size: int) -> str:
     """Each run's position in a table of `size` values, as the base holds it (see the banner)."""
     if size <= 256:
-        raw = bytes(index)
-    else:
-        arr = array.array(_INDEX_CODES[2 if size <= 65536 else 4], index)
-        if sys.byteorder == "big":
-            arr.byteswap()
-        raw = arr.tobytes()
-    return base64.b64encode(raw).decode("ascii")
+        return base64.b64encode(bytes(index)).decode("ascii")
+    return _b64_numbers(array.array(_INDEX_CODES[2 if size <= 65536 else 4], index))
 
 
 def _decode_index(text: Any, size: int, n: int) -> Sequence[int]:
     """The `n` positions `text` holds for a table of `size` values; ValueError or TypeError when
     it holds something else."""
-    raw = base64.b64decode(text, validate=True)
-    if size <= 256:
-        index: Sequence[int] = raw
-    else:
-        arr = array.array(_INDEX_CODES[2 if size <= 65536 else 4])
-        arr.frombytes(raw)
-        if sys.byteorder == "big":
-            arr.byteswap()
-        index = arr
+    index: Sequence[int] = (base64.b64decode(text, validate=True) if size <= 256
+                            else _numbers_of_b64(_INDEX_CODES[2 if size <= 65536 else 4], text))
     if len(index) != n:
         raise ValueError("an index of another length")
     return index
@@ -17675,9 +17681,7 @@ def _encode_values(values: list[Any]) -> Any:
         return values
     nulls = list(itertools.compress(itertools.count(), map(operator.is_, values, itertools.repeat(None))))
     arr = array.array("d", [0.0 if v is None else v for v in values] if nulls else values)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return {"floats": base64.b64encode(arr.tobytes()).decode("ascii"), "nulls": nulls}
+    return {"floats": _b64_numbers(arr), "nulls": nulls}
 
 
 def _decode_values(obj: Any) -> list[Any]:
@@ -17686,11 +17690,7 @@ def _decode_values(obj: Any) -> list[Any]:
         return obj
     if type(obj) is not dict or obj.keys() != {"floats", "nulls"} or type(obj["nulls"]) is not list:
         raise ValueError("not a list of values")
-    arr = array.array("d")
-    arr.frombytes(base64.b64decode(obj["floats"], validate=True))
-    if sys.byteorder == "big":
-        arr.byteswap()
-    values: list[Any] = arr.tolist()
+    values: list[Any] = _numbers_of_b64("d", obj["floats"]).tolist()
     for i in obj["nulls"]:
         if type(i) is not int or not 0 <= i < len(values):
             raise ValueError("a null out of range")
