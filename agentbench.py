@@ -12319,30 +12319,50 @@ def _stratum_states(arm: list[int], base: list[int], flip: bool,
     """One task's relabellings as {(u, v): how many}, in integer units: u = (mean of the values
     labelled arm - mean of those labelled baseline) n_a n_b, v = (k / n_a - (n_a - k) / n_b) n_a n_b
     with k the arm's own runs that keep the label (flip: u = +-(sum arm n_b - sum base n_a), v =
-    +-n_a n_b).  By dynamic programming over the runs (state: labelled so far, their sum, k); None
-    past `cap` states."""
+    +-n_a n_b).  For each k, the sums of k of the arm's runs and of n_a - k of the baseline's
+    (_choose_sums), combined; None past `cap` states."""
     na, nb = len(arm), len(base)
     tot = sum(arm) + sum(base)
     if flip:
         u = sum(arm) * nb - sum(base) * na
         return {(u, na * nb): 1, (-u, -na * nb): 1}
-    states: dict[tuple[int, int, int], int] = {(0, 0, 0): 1}
-    for y, own in [(y, 1) for y in arm] + [(y, 0) for y in base]:
-        nxt: dict[tuple[int, int, int], int] = {}
-        for (c, s, k), w in states.items():
-            nxt[(c, s, k)] = nxt.get((c, s, k), 0) + w
-            if c < na:
-                key = (c + 1, s + y, k + own)
-                nxt[key] = nxt.get(key, 0) + w
-        states = nxt
-        if len(states) > cap:
-            return None
+    if len(set(arm) | set(base)) > 16 and math.comb(na + nb, na) > cap:
+        return None         # many distinct values and many relabellings: too many states
+    arm_by, base_by = _choose_sums(arm, cap), _choose_sums(base, cap)
+    if arm_by is None or base_by is None:
+        return None
     out: dict[tuple[int, int], int] = {}
-    for (c, s, k), w in states.items():
-        if c == na:
-            key = (s * nb - (tot - s) * na, k * nb - (na - k) * na)
-            out[key] = out.get(key, 0) + w
+    work = 0
+    for k in range(max(0, na - nb), na + 1):
+        left, right = arm_by[k], base_by[na - k]
+        work += len(left) * len(right)
+        if work > 20 * cap:
+            return None
+        v = k * nb - (na - k) * na
+        for sa, wa in left.items():
+            for sb, wb in right.items():
+                sub = sa + sb
+                key = (sub * nb - (tot - sub) * na, v)
+                out[key] = out.get(key, 0) + wa * wb
+        if len(out) > cap:
+            return None
     return out
+
+
+def _choose_sums(values: list[int], cap: int) -> list[dict[int, int]] | None:
+    """by[j] = {sum of j of `values`: in how many ways}, for j = 0..len(values); None past `cap`
+    entries in all."""
+    by: list[dict[int, int]] = [{0: 1}]
+    for y in values:
+        nxt = [dict(d) for d in by] + [{}]
+        for j, d in enumerate(by):
+            into = nxt[j + 1]
+            for sub, w in d.items():
+                into[sub + y] = into.get(sub + y, 0) + w
+        by = nxt
+        if sum(map(len, by)) > cap:
+            return None
+    return by
 
 
 def primary_design(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> str:
@@ -12389,7 +12409,10 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
     if k == 0:
         return {**out, "estimate": None, "p": None, "method": None, "mc_se": None, "ci": None}
     den = _exact_ratio_scale(v for a, b in rows for v in a + b)
-    ints = [([int(v * den) for v in a], [int(v * den) for v in b]) for a, b in rows]
+    def scaled(v: Any) -> int:
+        num, d = v.as_integer_ratio()
+        return num * (den // d)
+    ints = [([scaled(v) for v in a], [scaled(v) for v in b]) for a, b in rows]
     uscale = vscale = 1
     for a, b in ints:
         nn = len(a) * len(b)
@@ -14232,6 +14255,9 @@ def _rpt_flag_view(view: dict, tallies: Mapping[str, _ArmTally]) -> None:
 ITT_CLASSES = ("pending", "valid", "lost", "excluded")
 #: The statuses of a run that has its final outcome.
 ITT_FINAL_STATUSES = ("finished", "error")
+#: Random relabellings of the sensitivity bounds and the secondary outcome, when they cannot be
+#: counted exactly (their Monte Carlo error is reported with them).
+REPORT_SECONDARY_DRAWS = 2000
 #: Outcomes a plan may name as primary.
 PRIMARY_OUTCOMES = ("success", "score")
 
@@ -14360,10 +14386,11 @@ def report_primary(known: Sequence[RunFacts], arms: list[str], base: str, outcom
         bounds = {}
         for name, lost in (("worst", (0.0, 1.0)), ("best", (1.0, 0.0))):
             s2, _ = _itt_strata(cells, a, base, outcome, lost)
-            r2 = primary_test(s2, seed=stream, alpha=alpha, interval=False)
-            bounds[name] = {"estimate": r2["estimate"], "p": r2["p"]}
+            r2 = primary_test(s2, seed=stream, alpha=alpha, interval=False, draws=REPORT_SECONDARY_DRAWS)
+            bounds[name] = {"estimate": r2["estimate"], "p": r2["p"], "mc_se": r2["mc_se"]}
         s3, _ = _itt_strata(cells, a, base, other)
-        sec = primary_test(s3, seed=stream_seed(seed, "secondary", str(pos[a]), str(pos[base])), alpha=alpha)
+        sec = primary_test(s3, seed=stream_seed(seed, "secondary", str(pos[a]), str(pos[base])), alpha=alpha,
+                           draws=REPORT_SECONDARY_DRAWS)
         comparisons[a] = {
             "arm": a, "baseline": base, "outcome": outcome, "population": "intention_to_treat",
             "estimand": f"mean over tasks of the difference in mean {outcome} (arm - baseline)",
@@ -14377,7 +14404,8 @@ def report_primary(known: Sequence[RunFacts], arms: list[str], base: str, outcom
             "excluded": {"arm": per_arm[a]["excluded"], "baseline": per_arm[base]["excluded"]},
             "sensitivity": bounds,
             "secondary": {"outcome": other, "estimate": sec["estimate"], "ci": sec["ci"], "p": sec["p"],
-                          "test": sec["test"], "method": sec["method"], "mc_se": sec["mc_se"]},
+                          "test": sec["test"], "method": sec["method"], "mc_se": sec["mc_se"],
+                          "draws": sec.get("draws")},
         }
     family = list(comparisons)
     adj = holm_adjust([1.0 if comparisons[a]["p"] is None else comparisons[a]["p"] for a in family])
