@@ -2069,25 +2069,84 @@ def create_json_exclusive(path: str | os.PathLike[str], obj: Any,
     return created
 
 
-def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
-    """Append one JSON line.  A torn last line (a writer killed mid-append) is fenced off first.
+def _hold_append_lock(fd: int) -> None:
+    """An exclusive advisory lock on an open log file, released when it is closed (or its holder
+    dies), so that cutting a torn tail and appending are one step for every appender of the file
+    (POSIX; elsewhere appends are not serialised and a torn tail is only fenced off)."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
-    If the file does not end in a newline, a newline is written before the record, so the torn
-    fragment stays on a line of its own that readers skip, and this record stays parseable.
+
+def torn_tail_start(fd: int, size: int) -> int:
+    """Where the torn tail of a log file of `size` bytes starts: just past its last newline (0
+    when it has none); `size` when the file ends in a newline (no torn tail)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        if hasattr(os, "pread"):
+            chunk = os.pread(fd, end - start, start)
+        else:
+            os.lseek(fd, start, os.SEEK_SET)
+            chunk = os.read(fd, end - start)
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        if not chunk:
+            return 0
+        end = start
+    return 0
+
+
+def _short_writes() -> bool:
+    """Whether the fault point `append_write` is set (any action): every write of an append then
+    stores half of what is left (a file system that takes a line in pieces), and the point is
+    passed after each piece, so a kill there leaves a torn tail and `raise` a failed append."""
+    return os.environ.get(FAULT_AT_ENV, "").startswith("append_write:")
+
+
+def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
+    """Append one JSON line, whole or not at all (the ledger, the event log, gateway records).
+
+    Under the file's append lock (see _hold_append_lock): a torn last line (a writer killed
+    mid-append, or one whose disk filled) is cut first, so whatever it recorded counts as never
+    written; the line is then written in as many writes as the file system needs (a write may
+    store only part of it), and fsynced.  When a write fails (a full disk) the file is cut back to
+    where the line began and the error is raised: the caller knows the line is not there, and a
+    job is never marked ledgered without its whole line on disk.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(obj, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
     try:
+        _hold_append_lock(fd)
         size = os.fstat(fd).st_size
-        if size:
-            with open(path, "rb") as rh:
-                rh.seek(size - 1)
-                if rh.read(1) != b"\n":
-                    line = b"\n" + line
-        os.write(fd, line)
-        os.fsync(fd)
+        start = torn_tail_start(fd, size) if size else 0
+        if start < size:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                line = b"\n" + line      # cannot cut it: fence it off on a line of its own
+                start = size
+        try:
+            view = memoryview(line)
+            short = _short_writes()
+            while view:
+                n = os.write(fd, view[:max(1, len(view) // 2)] if short else view)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no space left on device", str(path))
+                view = view[n:]
+                if short and view:
+                    fault_point("append_write")
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
     finally:
         os.close(fd)
 
@@ -2401,17 +2460,43 @@ def registry_spent_usd(reg: Mapping[str, Any]) -> float:
     return usd_from(reg.get("spent_usd"), hi=math.inf) or 0.0
 
 
+def rebuilt_registry(paths: StudyPaths) -> dict[str, Any]:
+    """The registry as the study's own records make it, for when the file is missing or
+    unreadable: the spend and the counts by status summed from the ledger (never zero while the
+    ledger holds spend, so a deleted registry cannot lift the study's USD cap), the job counter
+    past every job directory (the creator also skips directories a crash left).  O(ledger):
+    only ever when the registry is gone."""
+    records, _ = read_jsonl(paths.ledger)
+    counts: dict[str, int] = {}
+    for r in records:
+        if isinstance(r.get("status"), str):
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+    try:
+        made = [int(n[1:]) for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n)]
+    except OSError:
+        made = []
+    counts["created"] = len(made)
+    return {"version": REGISTRY_VERSION, "next_job": max(made, default=0) + 1, "counts": counts,
+            "spent_usd": ledger_spent_usd(paths), "breaker": None}
+
+
 def read_registry(paths: StudyPaths) -> dict[str, Any]:
     """The registry, checked: a JSON object of the one version this agentbench writes (another
     version is refused, never rewritten), whose spend is a finite amount -- one that is not (NaN
     or Infinity left by an older version, a hand edit) is rebuilt from the ledger, so the study's
-    USD cap is never judged against a poisoned sum."""
-    reg = read_json(paths.registry, default=None)
-    if reg is None:
-        reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    USD cap is never judged against a poisoned sum.  A registry that is missing, not JSON or not
+    an object is rebuilt from the ledger and the job directories (rebuilt_registry); it is
+    written back by the next change, under the lock."""
+    try:
+        reg = read_json(paths.registry, default=None)
+    except AgentbenchError:
+        reg = None
     if not isinstance(reg, dict):
-        raise AgentbenchError("the study registry is not a JSON object",
-                              code="study_registry_not_json_object", path=str(paths.registry))
+        # A study not yet written to has neither registry nor ledger: nothing to read then.
+        if not paths.ledger.exists() and not paths.jobs.exists():
+            return {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0,
+                    "breaker": None}
+        return rebuilt_registry(paths)
     version = reg.get("version", REGISTRY_VERSION)
     if type(version) is not int or version != REGISTRY_VERSION:
         raise AgentbenchError("the study registry has a version this agentbench does not know",
@@ -7728,8 +7813,11 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 if (paths.active / job_id).exists():
                     reg = read_registry(paths)
                     if (job_id not in (reg.get("finalizing") or [])
-                            and not (paths.job_dir(job_id) / "ledgered").exists()):
-                        _count_job(reg, job_id, res)     # the crash came before the counters
+                            and not (paths.job_dir(job_id) / "ledgered").exists()
+                            and not _ledger_has(paths, job_id)):
+                        # The crash came before the counters.  (A whole ledger line means they were
+                        # applied, or the registry was rebuilt from the ledger since: never twice.)
+                        _count_job(reg, job_id, res)
                         write_json_atomic(paths.registry, reg)
                     _complete_finalize(paths, job, res, check_ledger=True)
             reaped.append(job_id)
