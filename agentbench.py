@@ -258,6 +258,10 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
                                "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
+#: The most runs per task and arm, and the most turns of a session, that any setting (flag or
+#: study.json) may ask for; more is refused by the setting's name.
+REPEATS_MAX = 1_000
+MAX_TURNS_MAX = 10_000
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
                                   "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
@@ -2033,6 +2037,10 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
         if default is _MISSING:
             raise AgentbenchError("file not found", code="file_not_found", path=str(path)) from None
         return default
+    except IsADirectoryError:
+        raise AgentbenchError("a directory where a JSON file should be", code="json_file_is_directory",
+                              path=str(path), file=os.path.basename(path),
+                              hint="replace the directory by the JSON file") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -5295,6 +5303,18 @@ ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def env_value_ok(value: Any) -> bool:
+    """A variable's value agentbench passes on: a string with no NUL, newline or carriage return
+    (one would be cut at the NUL, or split a line of an environment list, silently) (pure)."""
+    return isinstance(value, str) and not any(c in value for c in "\0\n\r")
+
+
+def env_object_ok(env: Any) -> bool:
+    """An `env` object of study.json or an arm: variable names to values env_value_ok (pure)."""
+    return isinstance(env, dict) and all(isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and env_value_ok(v)
+                                         for k, v in env.items())
+
+
 @dataclass(frozen=True)
 class Setting:
     """One top-level key of study.json.  `ok` says whether a given value has the right shape (None:
@@ -5376,7 +5396,15 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
-                                  code="budget_values_finite_non_negative", key=key, value=str(val))
+                                  code="budget_values_finite_non_negative", file=STUDY_FILE,
+                                  key=key, value=str(val))
+    turns = budget.get("max_turns")
+    if turns is not None and not (float(turns).is_integer() and 1 <= turns <= MAX_TURNS_MAX):
+        # 0 would reach claude as no --max-turns at all: the limit silently gone.
+        raise AgentbenchError(f"budget.max_turns must be a whole number in 1..{MAX_TURNS_MAX}",
+                              code="bad_max_turns", file=STUDY_FILE, key="max_turns",
+                              value=str(turns), hint="a session's turn limit; leave it out for the "
+                              f"default {DEFAULT_BUDGET['max_turns']}")
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
@@ -5430,10 +5458,9 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
         raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
                            spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
     env = spec.get("env")
-    if "env" in spec and not (isinstance(env, dict) and all(
-            isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and isinstance(v, str) for k, v in env.items())):
-        raise _arm_refusal(name, "env", "an arm's env must map variable names to strings",
-                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"}')
+    if "env" in spec and not env_object_ok(env):
+        raise _arm_refusal(name, "env", "an arm's env must map variable names to one-line strings",
+                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
     for key in ARM_FILE_KEYS:
         if key not in spec:
             continue
@@ -5448,8 +5475,28 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
                                    + ("; plugins is a list of them" if key == "plugins" else ""))
 
 
+#: Arm names refused although they are safe ids: the device names Windows reserves in every
+#: directory (an arm's files are named after it), and words that read as "no arm" or "every arm"
+#: in a flag, a JSON value or a table.
+RESERVED_ARM_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
+                                *(f"lpt{i}" for i in range(10)), "null", "none", "all", "true", "false"})
+
+
+def arm_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name an arm, or None (pure)."""
+    if not is_safe_id(name):
+        return "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    if name.lower() in RESERVED_ARM_NAMES or name.split(".")[0].lower() in RESERVED_ARM_NAMES:
+        return "a reserved word or device name: pick another (e.g. add a letter)"
+    return None
+
+
 def _check_arms(arms: Mapping[str, Any]) -> None:
     for name, spec in arms.items():
+        problem = arm_name_problem(name)
+        if problem:
+            raise AgentbenchError("invalid arm name", code="invalid_arm_name", file=STUDY_FILE,
+                                  key=f"arms.{name}", arm=name, hint=problem)
         if not isinstance(spec, dict):
             raise AgentbenchError("an arm must be an object", code="arm_object", arm=name)
         limits = sorted(set(spec) & set(ARM_STUDY_WIDE_KEYS))
@@ -5515,7 +5562,8 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("network_open_arms", None, check=_check_network_open_arms,
             help="arms whose sandboxed sessions share the host's network (MCP servers, package "
                  "installs); every other session reaches only its own gateway"),
-    Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
+    Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX, f"an integer in 1..{REPEATS_MAX}",
+            flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
     Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
@@ -5531,9 +5579,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
     Setting("prices", None, check=_check_prices),
     Setting("slurm", None, check=_check_slurm_settings),
-    Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                         for k, x in v.items()),
-            "an object of string values"),
+    Setting("env", env_object_ok, "an object of variable names to one-line string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
     Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
@@ -5609,13 +5655,17 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
     done where the study is read (load_study_config) and by `init` before it writes."""
     if cfg.get("model") is not None:
-        check_model_id(str(cfg["model"]))
+        try:
+            check_model_id(str(cfg["model"]))
+        except AgentbenchError as exc:
+            exc.payload.update(file=STUDY_FILE, key="model")
+            raise
     if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
-        raise AgentbenchError("unknown effort", code="unknown_effort",
+        raise AgentbenchError("unknown effort", code="unknown_effort", file=STUDY_FILE, key="effort",
                               effort=cfg["effort"], allowed=list(EFFORTS))
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
-        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode",
-                              permission_mode=cfg["permission_mode"],
+        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode", file=STUDY_FILE,
+                              key="permission_mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
 
 
@@ -5731,9 +5781,10 @@ def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
     out = dict(env)
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise AgentbenchError("bad --env", code="bad_env",
-                                  value=item, hint="KEY=VALUE with a valid variable name")
+        if not sep or not ENV_NAME_RE.fullmatch(key) or not env_value_ok(value):
+            raise AgentbenchError("bad --env", code="bad_env", flag="--env", file=STUDY_FILE, key="env",
+                                  value=item[:200], hint="KEY=VALUE with a valid variable name and a "
+                                  "value on one line (no newline, carriage return or NUL)")
         if value:
             out[key] = value
         else:
@@ -9117,6 +9168,10 @@ def expire_base(host: Host, paths: StudyPaths, name: str) -> dict[str, Any]:
 # a task is and how its checks run and are judged.  Must not know runs, jobs or the pipeline.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
+#: The keys task.json may hold besides those: a misspelt one would be ignored, so any other is
+#: refused (keys starting with _ are free, e.g. for a comment).  `not_carried_over` and `harbor`
+#: are written by the Harbor import.
+TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
@@ -9359,7 +9414,15 @@ def load_task(root: Path) -> Task:
     missing = [k for k in TASK_JSON_KEYS if k not in spec]
     if missing:
         raise AgentbenchError("task.json lacks required keys", code="task_json_lacks_required_keys",
-                              path=str(root / "task.json"), missing=missing)
+                              path=str(root / "task.json"), file="task.json", key=missing[0], missing=missing)
+    known = TASK_JSON_KEYS + TASK_JSON_OPTIONAL_KEYS
+    unknown = sorted(str(k) for k in spec if k not in known and not str(k).startswith("_"))
+    if unknown:
+        raise AgentbenchError("task.json has unknown keys", code="task_json_unknown_keys",
+                              path=str(root / "task.json"), file="task.json", key=unknown[0], keys=unknown,
+                              known=list(known), did_you_mean=did_you_mean(unknown, known),
+                              hint=_misspelt_hint(unknown, known, "key")
+                              + " (keys starting with _ are free, e.g. for a comment)")
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
         raise AgentbenchError("task.json: check_hint must be a sentence (a string)",
                               code="task_json_check_hint_sentence", path=str(root / "task.json"))
@@ -9419,9 +9482,17 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
                                    "tasks directory")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
-        if sub.is_dir() and (sub / "task.json").exists():
-            t = load_task(sub)
-            tasks[t.id] = t
+        if not sub.is_dir() or sub.name in IGNORED_BUNDLE_NAMES or sub.name.startswith((".", "_")):
+            continue
+        if not (sub / "task.json").exists():
+            # Dropped silently, the study would run fewer tasks than its author thinks.
+            raise AgentbenchError("a task directory has no task.json", code="task_json_missing",
+                                  path=str(sub / "task.json"), file="task.json", task=sub.name,
+                                  hint="add its task.json (`new-task` writes a complete bundle), move "
+                                       "the directory out of the tasks directory, or start its name "
+                                       "with _ to keep it there unused")
+        t = load_task(sub)
+        tasks[t.id] = t
     tasks = pick_tasks(tasks, only)
     if not tasks:
         raise AgentbenchError(f"no tasks found in {tdir}", code="no_tasks_found", tasks=str(tdir),
@@ -17286,8 +17357,15 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
                    private_home: bool = False,
-                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   calibration: Mapping[str, Any] | None = None,
+                   only_tasks: Sequence[str] = (), only_arms: Sequence[str] = (),
+                   limit: int | None = None) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `only_tasks`, `only_arms` and `limit` rehearse a part (those tasks, those arms, the first
+    `limit` runs of the manifest): a quicker look that is not recorded as the study's rehearsal.
+    `behaviours` and `faults` must name runs of the rehearsal's manifest; nothing is written
+    before they are checked.
 
     `calibration`: results the caller has just measured for these tasks (the demo's); each one
     still true of its task (see calibration_to_reuse) is reused instead of calibrating again.
@@ -17301,17 +17379,39 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     (a one-node cluster); on a multi-node cluster rehearse with the local executor.
     """
     cfg = load_study_config(paths)
-    tasks = load_tasks(paths, cfg)
+    tasks = pick_tasks(load_tasks(paths, cfg), only_tasks)
     arms = load_arms(paths, cfg)
+    unknown_arms = [a for a in only_arms if a not in arms]
+    if unknown_arms:
+        raise AgentbenchError("unknown arm", code="unknown_arm", arms=unknown_arms, known=list(arms))
+    if only_arms:
+        arms = {k: v for k, v in arms.items() if k in only_arms}
+    partial = bool(only_tasks or only_arms or limit)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
     validate_launch_values(cfg)
+    seed = int(cfg.get("seed") or 0)
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(repeats or cfg.get("repeats") or 1), seed)
+    if limit:
+        manifest = manifest[:limit]
+    ids = {r["run_id"] for r in manifest}
+    for flag, named in (("--behaviour", behaviours or {}), ("--fault", faults or {})):
+        unknown_runs = sorted(set(named) - ids)
+        if unknown_runs:
+            raise AgentbenchError(f"{flag} names a run the rehearsal does not have", code="unknown_run",
+                                  flag=flag, runs=unknown_runs[:20], known_first=sorted(ids)[:5],
+                                  hint=f"RUN_ID=VALUE with a run id of the rehearsal ({min(ids)}.."
+                                       f"{max(ids)}, see `list` after `assign`)" if ids else None)
     require_executor_ready(executor or cfg.get("executor"), ctx.env)
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
         raise AgentbenchError("the rehearsal directory is not empty", code="rehearsal_directory_not_empty",
                               dir=str(scratch),
                               hint="pass --dir with a new directory, or remove the old rehearsal")
     scfg = scratch_study_config(paths, cfg, arms)
+    if only_arms:
+        scfg["arms"] = {k: v for k, v in scfg["arms"].items() if k in arms}
+        if scfg.get("network_open_arms"):
+            scfg["network_open_arms"] = [a for a in scfg["network_open_arms"] if a in arms]
     scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
     if executor:
         scfg["executor"] = executor
@@ -17326,10 +17426,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json",
                       {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
-    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1),
-                               int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
-    register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
+    register_runs(sp, manifest, seed, "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
     server.start()
     try:
@@ -17383,6 +17481,12 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
               "breaker": breaker, "gateway": proof}
+    if partial:
+        # A part says nothing of the runs left out: it is not the study's rehearsal.
+        return {**record, "paused": driven["paused"], "partial": True,
+                "selection": {"tasks": sorted(tasks), "arms": list(arms), "limit": limit},
+                "note": "a partial rehearsal: not recorded as the study's rehearsal (rehearse without "
+                        "--task/--arm/--limit before `run`)"}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
@@ -18437,6 +18541,7 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
     study's config hash; which tasks of the study are still uncalibrated."""
     paths = study.paths
     tasks = study.load_all().tasks
+    validate_launch_values(study.cfg)   # a bad model or effort is named now, not at the first launch
     chosen = pick_tasks(tasks, only)
     for t in chosen.values():
         refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
@@ -18600,6 +18705,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     paths = study.paths
     study.load_all()
     cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    validate_launch_values(cfg)   # a bad model or effort is named now, not at the first launch
     check_name("split", split)
     repeats = repeats if repeats is not None else int(cfg.get("repeats") or 1)
     seed = seed if seed is not None else int(cfg.get("seed") or 0)
@@ -20120,7 +20226,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
-FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
+FLAG_INT_BOUNDS = {"max_turns": (1, MAX_TURNS_MAX), "parallel": (1, 256), "repeats": (1, REPEATS_MAX),
                    "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
@@ -21045,6 +21151,12 @@ def _rehearse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
+    p.add_argument("--task", action="append", default=[],
+                   help="rehearse only this task (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--arm", action="append", default=[],
+                   help="rehearse only this arm (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--limit", type=bounded_int("limit"),
+                   help="rehearse only the first N runs of the manifest (a partial rehearsal)")
     p.add_argument("--executor", choices=("local", "slurm"),
                    help="override the study's executor for the rehearsal (the scripted model listens on "
                         "this machine's loopback: with slurm, jobs must run on this machine)")
@@ -21095,10 +21207,13 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
         raise AgentbenchError("tasks are not calibrated: " + ", ".join(bad), code="tasks_not_calibrated",
                               tasks=bad, hint=f"run `python3 agentbench.py calibrate --study {where}` "
                                               "and fix what it reports (--force rehearses anyway)")
-    prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
+    n_runs = (len(pick_tasks(tasks, args.task)) * len(set(args.arm) & set(arms) or arms)
+              * int(args.repeats or cfg.get("repeats") or 1))
+    prog = Progress(min(n_runs, args.limit or n_runs))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
-                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
+                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor,
+                             only_tasks=args.task, only_arms=args.arm, limit=args.limit or None)
     finally:
         prog.close()
     report = f"python3 agentbench.py report --study {shlex.quote(str(scratch))} --format md"
@@ -21106,7 +21221,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
            "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
                     for a, v in (out.get("arms") or {}).items()},
            "cost_note": "every cost here is simulated (scripted model, list prices): nothing was billed",
-           "next": (f"python3 agentbench.py run --study {where}" if out["ok"] else report)}
+           "next": (report if not out["ok"] else f"python3 agentbench.py rehearse --study {where}"
+                    if out.get("partial") else f"python3 agentbench.py run --study {where}")}
     if not out["ok"]:
         return 2, {**out, "error": f"the rehearsal did not pass: {len(out['problems'])} problem(s)",
                    "code": "rehearsal_failed",
