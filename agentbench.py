@@ -12112,20 +12112,6 @@ def median(xs: Iterable[float]) -> float | None:
     return (vals[mid - 1] + vals[mid]) / 2.0
 
 
-def _type7_ranks(count: int, q: float) -> tuple[float, int, int]:
-    """(h, floor(h), floor(h) + 1 capped at count - 1) for quantile `q` of `count` sorted values."""
-    h = (count - 1) * q
-    lo = math.floor(h)
-    return h, lo, min(lo + 1, count - 1)
-
-
-def _quantile_by_rank(order_stat: Callable[[int], float], count: int, q: float) -> float:
-    """quantile_sorted's interpolation, reading only the two order statistics it needs (by rank,
-    0-based) through `order_stat`: the one formula for a full sorted list and for a selection."""
-    h, lo, hi = _type7_ranks(count, q)
-    return order_stat(lo) + (h - lo) * (order_stat(hi) - order_stat(lo))
-
-
 def quantile_sorted(sorted_xs: list[float], q: float) -> float:
     """Quantile `q` (0..1) of an already sorted, non-empty list by linear interpolation.
 
@@ -12138,7 +12124,10 @@ def quantile_sorted(sorted_xs: list[float], q: float) -> float:
         raise ValueError("quantile of an empty list")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile level {q} outside [0, 1]")
-    return _quantile_by_rank(sorted_xs.__getitem__, len(sorted_xs), q)
+    h = (len(sorted_xs) - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (h - lo) * (sorted_xs[hi] - sorted_xs[lo])
 
 
 def wilson_interval(successes: int, n: int, z: float = STAT_Z95) -> tuple[float, float] | None:
@@ -12285,24 +12274,6 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
             return None
         span += m * v
         states = min(states * (m + 1), span // g + 1)
-    k = sum(groups.values())
-    if groups and min(groups) >= 0 and (span // g + 1) * (k + 2) <= 1 << 26:
-        # The distribution as one integer: the count of sum 2 g e - span in lane e of k + 2 bits
-        # (no count exceeds 2^k, so lanes never carry); a group multiplies it by
-        # sum_j C(m, j) x^(j v / g), x = 2^(k + 2), each term a shift.  The counts of lanes from e
-        # on, or up to e, add up to that part modulo 2^(k + 2) - 1, as 2^(k + 2) = 1 there.
-        lane = k + 2
-        poly = 1
-        for v, m in sorted(groups.items()):
-            step = lane * (v // g)
-            poly = sum(math.comb(m, j) * (poly << (step * j)) for j in range(m + 1))
-        ones = (1 << lane) - 1
-        if observed <= 0:
-            return poly % ones
-        first = -(-(span + observed) // (2 * g))        # lanes e >= first: sum >= observed
-        last = (span - observed) // (2 * g)             # lanes e <= last: sum <= -observed
-        hits = (poly >> (lane * first)) % ones if first <= span // g else 0
-        return hits + ((poly & ((1 << (lane * (last + 1))) - 1)) % ones if last >= 0 else 0)
     dist = {0: 1}
     for v, m in sorted(groups.items()):
         weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
@@ -12312,74 +12283,6 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
                 nxt[s + step] = nxt.get(s + step, 0) + c * w
         dist = nxt
     return sum(c for s, c in dist.items() if abs(s) >= observed)
-
-
-def _flip_draw_bytes(n: int, rng: random.Random, draws: int) -> Iterator[tuple[bytes, int]]:
-    """The bits of `draws` successive rng.getrandbits(n) calls, a block at a time: (raw, d) with
-    draw j of the block in raw[j * 4w : (j + 1) * 4w], little-endian, w = ceil(n / 32).
-
-    getrandbits(k) takes ceil(k / 32) 32-bit outputs of the generator, fills the integer from its
-    least significant word upward (on any byte order) and shifts the last word right by 32w - k.
-    So one getrandbits(32 w d) takes exactly the outputs of d such calls, in order; masking each
-    draw's last word and shifting it right by 32w - n gives each draw's value, and the generator
-    ends in the same state."""
-    words = (n + 31) // 32
-    shift = 32 * words - n
-    stride = 4 * words
-    block = max(1, min(65536, (1 << 22) // stride))
-    while draws > 0:
-        d = min(block, draws)
-        big = rng.getrandbits(32 * words * d)
-        if shift:
-            head = ((1 << (32 * (words - 1))) - 1).to_bytes(stride, "little")
-            tail = (((1 << 32) - (1 << shift)) << (32 * (words - 1))).to_bytes(stride, "little")
-            big = ((big & int.from_bytes(head * d, "little"))
-                   | ((big & int.from_bytes(tail * d, "little")) >> shift))
-        yield big.to_bytes(stride * d, "little"), d
-        draws -= d
-
-
-def _flip_proxy_lanes(qtables: list[bytes], raw: bytes, stride: int, d: int) -> tuple[int, int]:
-    """(lanes, width): for each of the d draws in `raw` (see _flip_draw_bytes), the sum over its
-    bytes k of qtables[k][byte] (each at most 240), in lane j (`width` bytes, least significant
-    first) of one integer: each byte column (the strided slice k::stride) mapped by
-    bytes.translate and spread into lanes, so adding the columns sums every draw in its own lane.
-    The lanes are wide enough that every sum stays below half of a lane (_flip_lanes_at_least)."""
-    width = 2
-    while 240 * len(qtables) >= 1 << (8 * width - 1):
-        width *= 2
-    lanes = bytearray(width * d)
-    total = 0
-    for k, table in enumerate(qtables):
-        lanes[0::width] = raw[k::stride].translate(table)
-        total += int.from_bytes(lanes, "little")
-    return total, width
-
-
-def _flip_lanes_at_least(lanes: int, width: int, d: int, a: int) -> int:
-    """How many of the d lanes of `width` bytes (each holding less than half a lane) hold at least
-    a: adding half a lane less a to every lane sets a lane's top bit exactly when it holds at
-    least a, and carries into no other lane; the top bits are then counted."""
-    half = 1 << (8 * width - 1)
-    if a <= 0:
-        return d
-    if a >= half:
-        return 0
-    ones = int.from_bytes((b"\x01" + bytes(width - 1)) * d, "little")
-    return ((lanes + (half - a) * ones) & (ones * half)).bit_count()
-
-
-def _lanes_list(lanes: int, width: int, d: int) -> list[int]:
-    """The d lanes of `width` bytes of one integer (the first lane least significant) as a list, in
-    order: read as native numbers where a format of that width exists, else one by one."""
-    code = {2: "H", 4: "I", 8: "Q"}.get(width)
-    if code is not None and struct.calcsize(code) == width:
-        out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(code).tolist()
-        if sys.byteorder == "big":
-            out.reverse()       # the most significant lane, the last draw, came first
-        return out
-    raw = lanes.to_bytes(width * d, "little")
-    return [int.from_bytes(raw[i:i + width], "little") for i in range(0, width * d, width)]
 
 
 def _flip_subset_tables(values: list[int]) -> list[list[int]]:
@@ -12398,57 +12301,17 @@ def _flip_subset_tables(values: list[int]) -> list[list[int]]:
 def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
     """How many of `draws` random sign assignments of `values` give |sum| >= observed.
 
-    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    One draw is one rng.getrandbits(n): bit i set keeps value i positive.  The signed sum is
     2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
-    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups.
-
-    Drawn in blocks (_flip_draw_bytes: the same bits, the generator left in the same state).
-    With non-negative values most draws are decided without their exact kept sum: with
-    g = max // 31 + 1 each value is g q_i + r_i (0 <= q_i <= 30, 0 <= r_i < g), so a draw's kept
-    sum lies in [g Q, g Q + R], Q the sum of its kept q_i (every draw at once, _flip_proxy_lanes: a
-    byte's 8 values sum to at most 240) and R the sum of every r_i.  A draw whose interval lies
-    wholly on one side of a threshold (2 kept - total >= observed, or <= -observed) is counted
-    from Q alone; only the others get their exact kept sum.  Values under 31: g = 1, R = 0."""
+    table of the 256 subset sums of each group of 8 values (little-endian bytes of the draw)."""
     n = len(values)
     total = sum(values)
-    if n == 0:
-        return draws if observed <= 0 else 0        # getrandbits(0) draws nothing
-    nbytes = (n + 7) // 8
-    stride = 4 * ((n + 31) // 32)
-    signed = any(v < 0 for v in values)
-    g = 1 if signed else max(values) // 31 + 1
-    qtables = [bytes(t) for t in _flip_subset_tables([v // g for v in values])] if not signed else []
-    spare = sum(v % g for v in values)
-    up, down = total + observed, total - observed       # a hit: 2 kept >= up or 2 kept <= down
-    # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
-    sure_up, maybe_up = -(-up // (2 * g)), -(-(up - 2 * spare) // (2 * g))
-    sure_down, maybe_down = (down - 2 * spare) // (2 * g), down // (2 * g)
-    tables: list[list[int]] = []
+    tables = _flip_subset_tables(values)
+    nbytes = len(tables)
     hits = 0
-    for raw, d in _flip_draw_bytes(n, rng, draws):
-        if observed <= 0:
-            hits += d           # |anything| >= observed
-            continue
-        todo: Iterable[int] = range(d)
-        if not signed:
-            lanes, width = _flip_proxy_lanes(qtables, raw, stride, d)
-            at_least = [_flip_lanes_at_least(lanes, width, d, a)
-                        for a in (sure_up, maybe_up, sure_down + 1, maybe_down + 1)]
-            hits += at_least[0] + d - at_least[2]         # surely above, surely below
-            todo = ()
-            if at_least[1] > at_least[0] or at_least[2] > at_least[3]:
-                # Undecided draws by a table of their Q (at most 240 a byte): found in C.
-                undecided = bytearray(240 * nbytes + 1)
-                for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
-                    low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
-                    undecided[low:high] = b"\x01" * max(0, high - low)
-                sums = _lanes_list(lanes, width, d)
-                todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
-        for j in todo:
-            if not tables:
-                tables = _flip_subset_tables(values)
-            kept = sum(map(list.__getitem__, tables, raw[j * stride:j * stride + nbytes]))
-            hits += abs(2 * kept - total) >= observed
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
     return hits
 
 
@@ -12601,125 +12464,6 @@ def _bootstrap_means_bytes(xs: list[float], buf: bytes, n_resamples: int) -> lis
     return [sum(map(pick, buf[i:i + n])) / n for i in range(0, n * n_resamples, n)]
 
 
-def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[list[int], int] | None:
-    """(sorted keys P_j * 2^s + j, s), one key per resample j < 2^s (at most 65,536 resamples),
-    where P_j is the integer sum of q over the resample's indices (q: a byte per value).  Every
-    P_j at once: the index bytes mapped to q (bytes.translate); position i of every resample (the
-    strided slice i::n) spread into 16-bit lanes of one integer, so adding the n integers sums
-    each resample in its own lane (at most 256 * 255 < 2^16: no carry); then the lanes widened to
-    32 bits, shifted by s and j added (keys under 2^30 sort fastest).  None past 65,536 resamples."""
-    n = len(q)
-    if n_resamples > 65536:
-        return None
-    reps = 256 // n
-    need = n * n_resamples
-    qbuf = buf.translate(bytes(q[b % n] if b < reps * n else 0 for b in range(256)))
-    lanes = bytearray(2 * n_resamples)
-    total = 0
-    for i in range(n):
-        lanes[0::2] = qbuf[i:need:n]
-        total += int.from_bytes(lanes, "little")
-    sums = total.to_bytes(2 * n_resamples, "little")
-    wide = bytearray(4 * n_resamples)
-    wide[0::4] = sums[0::2]
-    wide[1::4] = sums[1::2]
-    index = bytearray(4 * n_resamples)
-    index[0::4] = (bytes(range(256)) * (n_resamples // 256 + 1))[:n_resamples]
-    index[1::4] = b"".join(bytes((h,)) * 256 for h in range(256))[:n_resamples]
-    shift = max(1, (n_resamples - 1).bit_length())
-    keys = (int.from_bytes(wide, "little") << shift) + int.from_bytes(index, "little")
-    out = _lanes_list(keys, 4, n_resamples)
-    out.sort()
-    return out, shift
-
-
-def _bootstrap_quantized(xs: list[float]) -> tuple[list[int], int] | None:
-    """(q, h): each value as a byte, q_i = (x_i - lo) * 255 / (hi - lo) rounded, and h = floor(2 D)
-    where D bounds |u_j - P_j| for every resample j of n values: P_j the sum of its q, u_j = (s_j -
-    n lo) * 255 / (hi - lo) with s_j its float sum as sum() gives it (in any order of additions,
-    recursive or compensated).  Exact, in integers: every x_i is an integer A_i over 2^k.  D is:
-      - quantization: n * max_i |(A_i - A_lo) 255 - q_i (A_hi - A_lo)| / (A_hi - A_lo);
-      - rounding: any float sum of n terms with |terms| <= M errs by at most gamma_{n-1} n M
-        (recursive summation, Python < 3.12; Neumaier's compensated sum of 3.12+ errs far less,
-        about 2 u n M), with gamma_{n-1} ~ (n - 1) 2^-53 (an addition rounds by at most 2^-53
-        relatively, and not at all below the normal range); the bound used is 2^-50 n^2 M,
-        eight times more, in proxy units.
-    None unless: at most 256 values, not all equal, finite, each a multiple of 2^-1000 (so a
-    nonzero sum is at least 2^-1000), n max |x| < 2^1000 (no sum overflows)."""
-    n = len(xs)
-    if n > 256 or not all(map(math.isfinite, xs)) or max(map(abs, xs)) * n >= 2.0 ** 1000:
-        return None
-    ratios = [x.as_integer_ratio() for x in xs]
-    k = max(den.bit_length() - 1 for _, den in ratios)
-    if k > 1000:
-        return None
-    big = [num << (k - den.bit_length() + 1) for num, den in ratios]
-    a_lo = min(big)
-    span = max(big) - a_lo
-    if span == 0:
-        return None
-    q = [((a - a_lo) * 510 + span) // (2 * span) for a in big]
-    err = max(abs((a - a_lo) * 255 - qi * span) for a, qi in zip(big, q))
-    amax = max(map(abs, big))
-    return q, (n * err * 2 ** 50 + n * n * amax * 255) // (span * 2 ** 49)
-
-
-def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
-                           ranks: Iterable[int]) -> dict[int, float] | None:
-    """The resample means at `ranks` (0-based, in sorted order) without computing every mean:
-    exactly the values sorted(_bootstrap_means_bytes(...))[r] would give; None when the
-    preconditions below fail (the caller then computes every mean).
-
-    Each resample j has its float sum s_j = sum(...) as _bootstrap_means_bytes computes it, and an
-    integer proxy P_j = sum of q over its indices (_bootstrap_proxy_keys) with, in proxy units
-    u_j (an increasing map of s_j), |u_j - P_j| <= D (_bootstrap_quantized).  Let p = the proxy
-    at rank r.  At least r + 1 resamples have P <= p, so u(r-th) <= p + D; likewise u(r-th) >=
-    p - D.  Hence a resample with P < p - 2D has u < p - D <= u(r-th), one with P > p + 2D has
-    u > u(r-th): with L resamples below the window [p - 2D, p + 2D], the r-th smallest sum is the
-    (r - L)-th smallest in the window, whose sums and means are computed as _bootstrap_means_bytes
-    computes them.  Dividing by n is monotone, so ranks of sums are ranks of means, and equal
-    nonzero means are the same double.  Zero: every partial sum is a multiple of 2^-k (k <= 1000),
-    so a nonzero sum has |s| >= 2^-1000 and its mean is nonzero, hence every zero mean is in the
-    window of a zero r-th sum; the window is ordered by (mean, draw index), as sorted() (stable)
-    orders equal means, so even the sign of a zero is the one sorted() gives.
-    Preconditions: those of _bootstrap_quantized, windows holding at most half of the resamples.
-    """
-    n = len(xs)
-    quantized = _bootstrap_quantized(xs)
-    if quantized is None:
-        return None
-    q, half = quantized
-    made = _bootstrap_proxy_keys(q, buf, n_resamples)
-    if made is None:
-        return None
-    keys, shift = made
-    # Each rank's window is a run of the sorted keys, [a, b); overlapping runs are merged.
-    runs: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        p = keys[r] >> shift
-        low, high = (p - half) << shift, (p + half + 1) << shift
-        a, b = r, r + 1
-        while a and keys[a - 1] >= low:
-            a -= 1
-        while b < n_resamples and keys[b] < high:
-            b += 1
-        if runs and a <= runs[-1][1]:
-            runs[-1][1] = max(b, runs[-1][1])
-            runs[-1].append(r)
-        else:
-            runs.append([a, b, r])
-    if 2 * sum(b - a for a, b, *_ in runs) > n_resamples:
-        return None
-    pick = (xs * (256 // n)).__getitem__
-    out: dict[int, float] = {}
-    for a, b, *at in runs:
-        members = [key & ((1 << shift) - 1) for key in keys[a:b]]
-        means = sorted((sum(map(pick, buf[j * n:j * n + n])) / n, j) for j in members)
-        for r in at:
-            out[r] = means[r - a][0]
-    return out
-
-
 def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
     """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
 
@@ -12764,9 +12508,8 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
     the paired design replicates; past 256 tasks it is drawn as counts per distinct value
-    (_bootstrap_means), which is what makes it cheap at many tasks; up to 256 only the four
-    order statistics the quantiles read are computed, exactly (_bootstrap_order_stats), from the
-    same draws as every mean would be.  The generator is random.Random(seed), so the
+    (_bootstrap_means), which is what makes it cheap at many tasks.  The generator is
+    random.Random(seed), so the
     interval is reproducible across runs and Python versions; the report gives every interval
     its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
@@ -12787,21 +12530,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
     tail = (1.0 - level) / 2.0
-    stats = None
-    if len(xs) <= 256:
-        # The same draws as _bootstrap_means; only the four order statistics the two quantiles
-        # read are computed, exactly (_bootstrap_order_stats), unless its preconditions fail.
-        rng = random.Random(seed)
-        buf = _bootstrap_index_bytes(len(xs), rng, n_resamples)
-        ranks = [r for t in (tail, 1.0 - tail) for r in _type7_ranks(n_resamples, t)[1:]]
-        stats = _bootstrap_order_stats(xs, buf, n_resamples, ranks)
-        if stats is None:
-            means = sorted(_bootstrap_means_bytes(xs, buf, n_resamples))
-    else:
-        means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
-    order_stat = means.__getitem__ if stats is None else stats.__getitem__
-    lo = min(max(_quantile_by_rank(order_stat, n_resamples, tail), lo_x), hi_x)
-    hi = min(max(_quantile_by_rank(order_stat, n_resamples, 1.0 - tail), lo_x), hi_x)
+    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
+    lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
+    hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
     if len(_BOOTSTRAP_CACHE) >= BOOTSTRAP_CACHE_MAX:
         _BOOTSTRAP_CACHE.clear()
     _BOOTSTRAP_CACHE[key] = (lo, hi)
