@@ -5371,7 +5371,7 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> dict[str, str]
     return out
 
 
-def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
+def misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
     guesses = did_you_mean(unknown, known)
     if guesses:
         return "did you mean " + ", ".join(f"`{v}` for `{k}`" for k, v in guesses.items()) + "?"
@@ -5392,7 +5392,7 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
         raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
                               keys=unknown, known=sorted(DEFAULT_BUDGET),
                               did_you_mean=did_you_mean(unknown, sorted(DEFAULT_BUDGET)),
-                              hint=_misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
+                              hint=misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
@@ -5510,7 +5510,7 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
                                   arm=name, key=extra[0], keys=extra, known=list(ARM_KEYS),
                                   did_you_mean=did_you_mean(extra, ARM_KEYS),
-                                  hint=_misspelt_hint(extra, ARM_KEYS, "arm setting"))
+                                  hint=misspelt_hint(extra, ARM_KEYS, "arm setting"))
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
                                   arm=name)
@@ -5562,7 +5562,8 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("network_open_arms", None, check=_check_network_open_arms,
             help="arms whose sandboxed sessions share the host's network (MCP servers, package "
                  "installs); every other session reaches only its own gateway"),
-    Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX, f"an integer in 1..{REPEATS_MAX}",
+    Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX,
+            f"an integer in 1..{REPEATS_MAX}",
             flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
@@ -5618,7 +5619,7 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
         raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
                               keys=unknown, known=sorted(STUDY_KEYS),
                               did_you_mean=guesses,
-                              hint=(_misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
+                              hint=(misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
                                     + " (keys starting with _ are free, e.g. for a comment)"))
     for setting in STUDY_SETTINGS:
         val = cfg.get(setting.key)
@@ -9421,7 +9422,7 @@ def load_task(root: Path) -> Task:
         raise AgentbenchError("task.json has unknown keys", code="task_json_unknown_keys",
                               path=str(root / "task.json"), file="task.json", key=unknown[0], keys=unknown,
                               known=list(known), did_you_mean=did_you_mean(unknown, known),
-                              hint=_misspelt_hint(unknown, known, "key")
+                              hint=misspelt_hint(unknown, known, "key")
                               + " (keys starting with _ are free, e.g. for a comment)")
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
         raise AgentbenchError("task.json: check_hint must be a sentence (a string)",
