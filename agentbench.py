@@ -10133,10 +10133,36 @@ def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+#: The most failed checks named in one answer or page, and the longest detail of one.
+FAILED_CHECKS_SHOWN = 30
+FAILED_CHECK_DETAIL_CHARS = 400
+
+
+def failed_checks(checks: Any) -> list[dict[str, str]]:
+    """The failed checks of a receipt's `checks` list, each {"id", "detail"} as text cut to a
+    readable length, in the receipt's order; entries that are not objects are skipped (pure)."""
+    out = []
+    for c in checks if isinstance(checks, list) else []:
+        if isinstance(c, dict) and c.get("passed") is not True:
+            out.append({"id": str(c.get("id"))[:200],
+                        "detail": str(c.get("detail") if c.get("detail") is not None else "")
+                        [:FAILED_CHECK_DETAIL_CHARS]})
+    return out[:FAILED_CHECKS_SHOWN]
+
+
+def failed_checks_line(checks: Any) -> str:
+    """The failed checks in one line: `id: detail; id: detail` (empty when none) (pure)."""
+    return "; ".join(f"{c['id']}: {c['detail']}" if c["detail"] else c["id"] for c in failed_checks(checks))
+
+
 def check_failure_text(rec: Mapping[str, Any]) -> str:
-    """Why a check did not pass, in one line a task author can act on (pure): the receipt's
-    problem or the grader error, the exit status, and the end of its stderr."""
+    """Why a check did not pass, in one line a task author can act on (pure): the failed checks
+    its receipt names (id and detail), the receipt's problem or the grader error, the exit status,
+    and the end of its stderr."""
     parts = []
+    named = failed_checks_line(rec.get("checks"))
+    if named:
+        parts.append("failed checks: " + named)
     if rec.get("receipt_problem"):
         parts.append(str(rec["receipt_problem"]))
     if rec.get("grader_error"):
@@ -10158,6 +10184,7 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
     if rec.get("grader_error"):
         out["grader_error"] = rec["grader_error"]
     if not out["passed"] or rec.get("grader_error"):
+        out["failed_checks"] = failed_checks(rec.get("checks"))
         out["stderr_tail"] = str(rec.get("stderr_tail") or "")[-500:]
     return out
 
@@ -11047,9 +11074,9 @@ class RunPipeline:
         return rec
 
     def failed_checks_text(self, rec: Mapping[str, Any]) -> str:
-        failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
+        failed = failed_checks(rec.get("checks"))
         if failed:
-            return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
+            return "\n".join(f"- {c['id']}: {c['detail']}" for c in failed)
         tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
         names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
         return ("\n".join(f"- {n}" for n in names[:30])
@@ -15840,9 +15867,13 @@ def _page_receipt_html(g: dict) -> str:
     esc = html.escape
     checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
                        for c in g["checks"] if isinstance(c, dict))
+    failed = failed_checks(g["checks"])
     return (f'<h3>Receipt {esc(g["file"])}: {"passed" if g["passed"] is True else "not passed"}, score '
             f'{esc(str(g["score"]))}, exit {esc(str(g["exit_code"]))}</h3><div class="tl">'
-            + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]) + "</div>")
+            + (f"<p>{esc(checks)}</p>" if checks else "")
+            + (html_table(["Failed check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed])
+               if failed else "")
+            + _page_block(*g["output"]) + "</div>")
 
 
 def _page_review_html(r: dict) -> str:
@@ -15876,6 +15907,12 @@ def render_run_page(page: dict) -> str:
                            fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
                            fmt_secs(_finite_or_none(rec.get("wall_s"))),
                            "yes" if audit["flagged"] else "no"]]))
+    failed = failed_checks(ev.get("checks")) if ev else []
+    if failed:
+        p.append('<h2>Hidden tests that failed</h2>'
+                 + html_table(["Check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed]))
+    elif ev and ev.get("grader_error"):
+        p.append(f'<h2>Hidden tests</h2><p class="flag">No verdict: {esc(str(ev["grader_error"]))}</p>')
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
