@@ -58,7 +58,6 @@ calibrate and assign are "Calibration and assignment"; the CLI only converts fla
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import copy
 import dataclasses
@@ -665,35 +664,6 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
     return dict(env)
 
 
-#: Platform.compute_beside as a value: given a pure computation, the function that waits for its
-#: answer (or None when no copy of the process could be made).
-ComputeBeside = Callable[[Callable[[], bytes]], "Callable[[float], bytes | None] | None"]
-
-#: How long a caller waits for what a copy computes beside it: this, plus BESIDE_WAIT_FACTOR times
-#: what its own share took (the two are about the same work); then it computes that itself.
-BESIDE_WAIT_S = 10.0
-BESIDE_WAIT_FACTOR = 3.0
-
-
-def alongside(beside: ComputeBeside | None, theirs: Callable[[], bytes] | None,
-              mine: Callable[[], Any]) -> tuple[Any, bytes | None]:
-    """mine(), with theirs() (pure) computed meanwhile by a copy of the process (`beside`:
-    Platform.compute_beside): (mine's answer, theirs' bytes, or None when there is no copy or it
-    failed, was late or was never asked: the caller computes it itself then).  Whatever stops
-    mine() kills and reaps the copy."""
-    waiting = beside(theirs) if beside is not None and theirs is not None else None
-    started = time.monotonic()
-    try:
-        got = mine()
-    except BaseException:
-        if waiting is not None:
-            waiting(0.0)
-        raise
-    if waiting is None:
-        return got, None
-    return got, waiting(BESIDE_WAIT_S + BESIDE_WAIT_FACTOR * (time.monotonic() - started))
-
-
 class Platform:
     """Base of the seam. Generic algorithms (trees, snapshots, the tree-kill loop) live here,
     built on a few primitives each subclass provides (``_scan``, ``is_alive``,
@@ -1070,21 +1040,8 @@ class Platform:
         process of its session wherever it moved); [] where environments cannot be read."""
         return []
 
-    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
-        """Start `compute` (pure) in a copy of this process, to run on another core beside the
-        caller's own work.  Returns the function that waits for its answer, at most `timeout_s`
-        seconds, and gives it, or None when anything went wrong (the copy is then killed and
-        reaped); the caller computes it itself then, so a failure costs time, never a different
-        answer.  None at once where no copy can be made (the default)."""
-        return None
-
 
 # -- POSIX -----------------------------------------------------------------------------------------
-
-#: What a child of compute_beside writes before its answer: a pipe that ends without it was cut.
-_COMPUTED_MARK = b"computed\n"
-
-
 
 class _ProcStat(NamedTuple):
     ppid: int
@@ -1253,83 +1210,6 @@ class PosixPlatform(Platform):
                 if st is not None and st.state not in ("Z", "X", "x"):
                     out.append(ProcId(pid, self._ctime_of(st)))
         return out
-
-    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
-        """A forked child computes, writes its answer into a pipe and exits (os._exit: nothing of
-        the caller's runs in it after `compute`, no buffered output is flushed twice).  Its answer
-        counts only when it is complete (after a marker, up to the end of the pipe) and the child
-        exited 0.  No fork while other threads run (only the calling thread is copied, and a lock
-        one of them held would stay held in the child), nor without a core to spare (the child
-        would only take turns with its parent)."""
-        if not hasattr(os, "fork") or threading.active_count() > 1 or not self._core_to_spare():
-            return None
-        try:
-            read_fd, write_fd = os.pipe()
-        except OSError:
-            return None
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(read_fd)
-            os.close(write_fd)
-            return None
-        if pid == 0:                                       # the child
-            status = 1
-            try:
-                os.close(read_fd)
-                gc.disable()                 # a collection would touch (and copy) every page
-                rest = memoryview(_COMPUTED_MARK + compute())
-                while rest:
-                    rest = rest[os.write(write_fd, rest):]
-                status = 0
-            except BaseException:            # whatever it was: the parent computes it itself
-                pass
-            finally:
-                os._exit(status)
-        os.close(write_fd)
-
-        def wait(timeout_s: float) -> bytes | None:
-            deadline, chunks, ended = time.monotonic() + timeout_s, [], False
-            try:
-                ready = select.poll()                  # (select() refuses a descriptor past 1023)
-                ready.register(read_fd, select.POLLIN)
-                while not ended:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not ready.poll(math.ceil(left * 1000)):
-                        break
-                    chunk = os.read(read_fd, 1 << 20)
-                    chunks.append(chunk)
-                    ended = not chunk
-            except (OSError, ValueError):
-                ended = False
-            finally:
-                os.close(read_fd)
-                if not ended:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                try:
-                    exited = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-                except (OSError, ValueError):
-                    exited = False
-            data = b"".join(chunks)
-            if not (ended and exited and data.startswith(_COMPUTED_MARK)):
-                return None
-            return data[len(_COMPUTED_MARK):]
-        return wait
-
-    def _core_to_spare(self) -> bool:
-        """Whether a core is idle now: fewer threads runnable on the machine (this one included,
-        the fourth field of /proc/loadavg) than cores this process may run on."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        try:
-            with open(os.path.join(self._proc, "loadavg"), encoding="ascii") as fh:
-                runnable = int(fh.read().split()[3].split("/")[0])
-        except (OSError, ValueError, IndexError):
-            return False
-        return runnable < cores
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)
@@ -2077,25 +1957,84 @@ def create_json_exclusive(path: str | os.PathLike[str], obj: Any,
     return created
 
 
-def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
-    """Append one JSON line.  A torn last line (a writer killed mid-append) is fenced off first.
+def _hold_append_lock(fd: int) -> None:
+    """An exclusive advisory lock on an open log file, released when it is closed (or its holder
+    dies), so that cutting a torn tail and appending are one step for every appender of the file
+    (POSIX; elsewhere appends are not serialised and a torn tail is only fenced off)."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
-    If the file does not end in a newline, a newline is written before the record, so the torn
-    fragment stays on a line of its own that readers skip, and this record stays parseable.
+
+def torn_tail_start(fd: int, size: int) -> int:
+    """Where the torn tail of a log file of `size` bytes starts: just past its last newline (0
+    when it has none); `size` when the file ends in a newline (no torn tail)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        if hasattr(os, "pread"):
+            chunk = os.pread(fd, end - start, start)
+        else:
+            os.lseek(fd, start, os.SEEK_SET)
+            chunk = os.read(fd, end - start)
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        if not chunk:
+            return 0
+        end = start
+    return 0
+
+
+def _short_writes() -> bool:
+    """Whether the fault point `append_write` is set (any action): every write of an append then
+    stores half of what is left (a file system that takes a line in pieces), and the point is
+    passed after each piece, so a kill there leaves a torn tail and `raise` a failed append."""
+    return os.environ.get(FAULT_AT_ENV, "").startswith("append_write:")
+
+
+def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
+    """Append one JSON line, whole or not at all (the ledger, the event log, gateway records).
+
+    Under the file's append lock (see _hold_append_lock): a torn last line (a writer killed
+    mid-append, or one whose disk filled) is cut first, so whatever it recorded counts as never
+    written; the line is then written in as many writes as the file system needs (a write may
+    store only part of it), and fsynced.  When a write fails (a full disk) the file is cut back to
+    where the line began and the error is raised: the caller knows the line is not there, and a
+    job is never marked ledgered without its whole line on disk.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(obj, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
     try:
+        _hold_append_lock(fd)
         size = os.fstat(fd).st_size
-        if size:
-            with open(path, "rb") as rh:
-                rh.seek(size - 1)
-                if rh.read(1) != b"\n":
-                    line = b"\n" + line
-        os.write(fd, line)
-        os.fsync(fd)
+        start = torn_tail_start(fd, size) if size else 0
+        if start < size:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                line = b"\n" + line      # cannot cut it: fence it off on a line of its own
+                start = size
+        try:
+            view = memoryview(line)
+            short = _short_writes()
+            while view:
+                n = os.write(fd, view[:max(1, len(view) // 2)] if short else view)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no space left on device", str(path))
+                view = view[n:]
+                if short and view:
+                    fault_point("append_write")
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
     finally:
         os.close(fd)
 
@@ -2409,17 +2348,43 @@ def registry_spent_usd(reg: Mapping[str, Any]) -> float:
     return usd_from(reg.get("spent_usd"), hi=math.inf) or 0.0
 
 
+def rebuilt_registry(paths: StudyPaths) -> dict[str, Any]:
+    """The registry as the study's own records make it, for when the file is missing or
+    unreadable: the spend and the counts by status summed from the ledger (never zero while the
+    ledger holds spend, so a deleted registry cannot lift the study's USD cap), the job counter
+    past every job directory (the creator also skips directories a crash left).  O(ledger):
+    only ever when the registry is gone."""
+    records, _ = read_jsonl(paths.ledger)
+    counts: dict[str, int] = {}
+    for r in records:
+        if isinstance(r.get("status"), str):
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+    try:
+        made = [int(n[1:]) for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n)]
+    except OSError:
+        made = []
+    counts["created"] = len(made)
+    return {"version": REGISTRY_VERSION, "next_job": max(made, default=0) + 1, "counts": counts,
+            "spent_usd": ledger_spent_usd(paths), "breaker": None}
+
+
 def read_registry(paths: StudyPaths) -> dict[str, Any]:
     """The registry, checked: a JSON object of the one version this agentbench writes (another
     version is refused, never rewritten), whose spend is a finite amount -- one that is not (NaN
     or Infinity left by an older version, a hand edit) is rebuilt from the ledger, so the study's
-    USD cap is never judged against a poisoned sum."""
-    reg = read_json(paths.registry, default=None)
-    if reg is None:
-        reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    USD cap is never judged against a poisoned sum.  A registry that is missing, not JSON or not
+    an object is rebuilt from the ledger and the job directories (rebuilt_registry); it is
+    written back by the next change, under the lock."""
+    try:
+        reg = read_json(paths.registry, default=None)
+    except AgentbenchError:
+        reg = None
     if not isinstance(reg, dict):
-        raise AgentbenchError("the study registry is not a JSON object",
-                              code="study_registry_not_json_object", path=str(paths.registry))
+        # A study not yet written to has neither registry nor ledger: nothing to read then.
+        if not paths.ledger.exists() and not paths.jobs.exists():
+            return {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0,
+                    "breaker": None}
+        return rebuilt_registry(paths)
     version = reg.get("version", REGISTRY_VERSION)
     if type(version) is not int or version != REGISTRY_VERSION:
         raise AgentbenchError("the study registry has a version this agentbench does not know",
@@ -7780,8 +7745,11 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 if (paths.active / job_id).exists():
                     reg = read_registry(paths)
                     if (job_id not in (reg.get("finalizing") or [])
-                            and not (paths.job_dir(job_id) / "ledgered").exists()):
-                        _count_job(reg, job_id, res)     # the crash came before the counters
+                            and not (paths.job_dir(job_id) / "ledgered").exists()
+                            and not _ledger_has(paths, job_id)):
+                        # The crash came before the counters.  (A whole ledger line means they were
+                        # applied, or the registry was rebuilt from the ledger since: never twice.)
+                        _count_job(reg, job_id, res)
                         write_json_atomic(paths.registry, reg)
                     _complete_finalize(paths, job, res, check_ledger=True)
             reaped.append(job_id)
@@ -13963,36 +13931,22 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
     }
 
 
-def _rpt_view_part(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
-                   base: str, tasks: list[str], seed: int, draws: int = 10000,
-                   only: frozenset[str] | None = None) -> dict:
-    """What one view computes, from each arm's tally of the view's runs (`view`) and of its runs
-    outside the view (`left_out`): the per-arm figures of the arms in `only` (None: every arm), the
-    comparisons with such an arm on either side, and the per-task cells.  A JSON value."""
-    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
-                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
-                        for a in arms if only is None or a in only},
-            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) for a in arms
-                            if a != base and (only is None or a in only or base in only)},
-            "per_task": _rpt_task_cells(view, arms, tasks)}
-
-
 def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
               base: str, tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
-              changed: frozenset[str] = frozenset(), part: dict | None = None) -> dict:
+              changed: frozenset[str] = frozenset()) -> dict:
     """One view's per-arm figures, comparisons and per-task cells, from each arm's tally of the
     view's runs (`view`) and of its runs outside the view (`left_out`).  With `same_as` (another
     view of the same study) the figures of every arm not in `changed`, and the comparisons where
-    neither side is, are that view's (copied): their runs are the same, so is every figure.  With
-    `part`, the rest is that (_rpt_view_part of the same arguments, computed elsewhere)."""
-    if part is None:
-        part = _rpt_view_part(view, left_out, arms, base, tasks, seed, draws,
-                              None if same_as is None else changed)
-    mine, theirs = part["per_arm"], part["comparisons"]
-    return {"per_arm": {a: mine[a] if a in mine else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
-            "comparisons": {a: theirs[a] if a in theirs else copy.deepcopy(same_as["comparisons"][a])
-                            for a in arms if a != base},
-            "per_task": part["per_task"]}
+    neither side is, are that view's (copied): their runs are the same, so is every figure."""
+    def fresh(a: str) -> bool:
+        return same_as is None or a in changed
+
+    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
+                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
+                        if fresh(a) else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
+            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) if fresh(a) or fresh(base)
+                            else copy.deepcopy(same_as["comparisons"][a]) for a in arms if a != base},
+            "per_task": _rpt_task_cells(view, arms, tasks)}
 
 
 def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
@@ -14338,59 +14292,21 @@ def _rpt_arms(runs: Sequence[RunFacts], arms: list[str], baseline: str | None) -
     return arms, base
 
 
-def _rpt_json_exact(value: Any) -> bytes:
-    """`value` as JSON text, ValueError when reading it back would not give the same value (a tuple,
-    a key that is not a string, NaN, which equals nothing)."""
-    text = json.dumps(value)
-    if json.loads(text) != value:
-        raise ValueError("the value does not survive a round trip through JSON")
-    return text.encode()
-
-
-def _rpt_json_part(data: bytes | None) -> dict | None:
-    """A view's part (_rpt_view_part) read back from _rpt_json_exact's text; None when there is
-    none or it is not one."""
-    try:
-        part = json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict) for k in
-                                             ("per_arm", "comparisons", "per_task")):
-        return None
-    return part
-
-
-
-
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
                tasks: list[str], seed: int, alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS,
-               beside: ComputeBeside | None = None,
                ) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
-    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs.
-
-    With `beside` (Platform.compute_beside) what the view with every run computes is computed in
-    another process while this one computes the other view, and read back as JSON: the same
-    function of the same tallies, so the same figures.  When that fails in any way (no answer in
-    time, a child that died, an answer that is not one), it is computed here."""
+    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs."""
     # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
     # only what an exclusion touches is computed again (the arms with excluded runs and the
     # comparisons with such an arm on either side).
     changed = frozenset(a for a in arms if out[a].runs)
     every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
     none = {a: _ArmTally() for a in arms}
-    def every_part() -> bytes:
-        return _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws, changed))
-
-    def kept_view() -> dict:
-        return {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
-
-    views, theirs = alongside(beside, every_part if changed else None, kept_view)
-    part = _rpt_json_part(theirs)
+    views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
                              else _rpt_view(every, none, arms, base, tasks, seed, draws,
-                                            same_as=views["exclusions_applied"], changed=changed,
-                                            part=part))
+                                            same_as=views["exclusions_applied"], changed=changed))
     for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
         _rpt_flag_view(views[name], tallies)
         _rpt_holm_view(views[name], alpha)
@@ -14628,8 +14544,7 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
 
 
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
-                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None,
-                    beside: ComputeBeside | None = None) -> dict:
+                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
     `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
@@ -14643,7 +14558,6 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     tasks (see _rpt_compare); bootstrap intervals use streams seeded from `seed`, so the report is
     reproducible.  `plan` is the analysis plan `assign` wrote (read from `plan_source`);
     `analysis` says whether this report follows it or is exploratory (see report_analysis).
-    `beside` (Platform.compute_beside) lets one view be computed in another process (_rpt_views).
     """
     arms, _ = _rpt_arms(runs, arms, None)
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
@@ -14663,7 +14577,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     excluded = census.excluded
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
-    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"], beside)
+    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
@@ -17310,37 +17224,21 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 
 
 # -- The runs summary: what `report` reads instead of every run record -----------------------------
-# state/runs_summary.jsonl holds every run's facts (run_facts) with the stamp of its record file
-# (device, inode, size, mtime and ctime in ns: a record is replaced by rename, and ctime moves on
-# every change, whoever sets the mtime back).  Its first line is the base, one JSON object:
-#   {"tag": T, "ids": [run id, ...], "stamps": B, "columns": [column, ...]}
-# with the run ids in order, their stamps packed (_STAMP: STAMP_BYTES each, in the ids' order, in
-# base64) and one column per field of RunFacts, in their order, each one of:
-#   V                                 every run's value;
-#   {"value": v}                      v for every run;
-#   {"values": V, "index": B}         a table of distinct values and each run's position in it,
-#                                     unsigned little-endian numbers of 1, 2 or 4 bytes (for at
-#                                     most 256, 65536, or more values), in base64;
-#   {"same": "ids" or k}              the same values as the run ids or as column k before it;
-# where V, a list of values, is either the JSON list or, when they are all floats or None,
-# {"floats": B, "nulls": [i, ...]}: the floats as little-endian IEEE doubles in base64 (bit for bit:
-# -0.0 stays), None at the positions `nulls` lists.
-# Every later line is one run read since the base was written, a JSON array:
-#   [T, run id, stamp in base64, *facts]
+# state/runs_summary.jsonl holds one line per run, a JSON array:
+#   [T, run id, stamp, *facts]
 # T, the tag, is the format's version and a digest of the code that wrote it: facts derived by other
-# code are not believed.  It is a cache, never the truth: `report` checks every run against its
-# record's current stamp (one stat per run, no read), takes its facts from its last line, else from
-# the base, where the stamp there is the current one, reads again only the records whose stamp
-# moved or that have neither, and appends lines for them.  A base or line that is torn, garbled,
-# of another tag or shape, or that holds a field whose type (the outer one: what is inside a list
-# or an object is not checked again) run_facts never gives is not believed (its runs are read from
-# their records), so it gives the same report as a fresh summary.  The
-# file is rewritten whole (a new base, renamed into place) when the lines after the base, or the
-# base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  A record
-# that has not settled (changed less than RECORD_SETTLE_NS ago) is kept in neither the base nor a
-# line: it is read from its record until it has.  Values repeat
-# across runs (arms, tasks, statuses, token counts): the base holds each once, and the runs that
-# share it share one object, which no reader of RunFacts mutates (a test holds the report to it).
+# code are not believed.  The stamp is that of the run's record file (device, inode, size, mtime and
+# ctime in ns, packed, in hex: a record is replaced by rename, and ctime moves on every change,
+# whoever sets the mtime back); the facts are run_facts' fields in order.  It is a cache, never the
+# truth: `report` checks every run against its record's current stamp (one stat per run, no read),
+# takes its facts from its last line where that line holds the current stamp, reads again only the
+# records whose stamp moved or that have no line, and appends lines for them.  A line that is
+# torn, garbled, of another tag or shape, or that holds a field whose type (the outer one: what is
+# inside a list or an object is not checked again) run_facts never gives is not believed (its run
+# is read from its record), so it gives the same report as a fresh summary.  The file is rewritten
+# whole (one line per run, renamed into place) when it would hold twice as many lines as there are
+# runs.  A record that has not settled (changed less than RECORD_SETTLE_NS ago) gets no line: it is
+# read from its record until it has.
 
 def _own_code_digest() -> str | None:
     """sha256 of this program's source (None when it cannot be read): a report computed by other
@@ -17352,8 +17250,8 @@ def _own_code_digest() -> str | None:
 
 
 RUNS_SUMMARY_FILE = "runs_summary.jsonl"
-#: The summary's format: a base or line of another version is stale.
-RUNS_SUMMARY_VERSION = 4
+#: The summary's format: a line of another version is stale.
+RUNS_SUMMARY_VERSION = 5
 #: A summary or report cache larger than this is not read (the runs are read from their records).
 CACHE_FILE_MAX_BYTES = 1 << 30
 #: A record's stamp packed: device, inode, size, mtime_ns, ctime_ns (little-endian).
@@ -17361,20 +17259,12 @@ _STAMP = struct.Struct("<QQQqq")
 STAMP_BYTES = _STAMP.size
 #: The ctime of a packed stamp: its last 8 bytes.
 _STAMP_CTIME = struct.Struct(f"<{STAMP_BYTES - 8}xq")
-#: The base is rewritten when more than this share of the runs is not in it as they are now.
-_SUMMARY_REBASE_SHARE = 16
 #: A record changed less than this long ago (its ctime against this host's clock) has not settled:
 #: rewritten again within the same tick of the file system's clock, in place and to the same size,
 #: it would keep its stamp.  Its facts are not kept in the summary, and no report over it is kept in
 #: the report cache, until it has settled (the rule Git applies to index entries written in the
 #: same second as the index).  Two seconds covers the coarsest timestamps in use (FAT's).
 RECORD_SETTLE_NS = 2_000_000_000
-#: The stamp kept for a run whose record has not settled: no record has it (inode 0, size 0).
-_UNSETTLED_STAMP = bytes(STAMP_BYTES)
-#: The array type codes of a base's 2- and 4-byte indexes (a platform with no 4-byte code writes
-#: and reads its wide indexes with "I": a base of another platform then has indexes of another
-#: length, and is not believed).
-_INDEX_CODES = {2: "H", 4: next((c for c in "IL" if array.array(c).itemsize == 4), "I")}
 _NONE = type(None)
 #: The types run_facts gives each field (through JSON); a field not named here may be any value.
 _FACT_TYPES = {
@@ -17386,12 +17276,14 @@ _FACT_TYPES = {
     "audit": (list, _NONE), "snapshots": (list, _NONE), "rehearsal": (bool,), "launch": (list, _NONE),
     "complete": (bool,), "sandboxed": (bool,), "sandbox": (dict, _NONE), "delivery": (list, _NONE),
 }
-_FIELD_TYPES = tuple(frozenset(_FACT_TYPES[f]) if f in _FACT_TYPES else None for f in RUN_FACTS_FIELDS)
+#: Each field's types, by position in a summary line: (position, frozenset of types).
+_LINE_TYPES = tuple((3 + k, frozenset(_FACT_TYPES[f])) for k, f in enumerate(RUN_FACTS_FIELDS)
+                    if f in _FACT_TYPES)
 _SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
 def summary_tag() -> str | None:
-    """The tag of every summary base and line this code writes and believes: the format's version
+    """The first item of every summary line this code writes and believes: the format's version
     and this code's digest (None: the code cannot be read, so no summary is read or written)."""
     code = _own_code_digest()
     return None if code is None else f"{RUNS_SUMMARY_VERSION}:{code[:20]}"
@@ -17435,74 +17327,34 @@ def pack_stamp(st: os.stat_result) -> bytes:
         return hashlib.blake2b(text.encode(), digest_size=STAMP_BYTES - 8).digest() + struct.pack("<q", ctime)
 
 
-def _stamp_records(fd: int | None, directory: str, rids: Sequence[str]) -> bytes:
-    """The record files of these run ids stat'ed: a flag per run (1: a regular file, 0: anything
-    else: gone, a link, a directory), then the stamp (pack_stamp) of each flagged one, in order.
-    lstat, relative to the directory's descriptor `fd` where there is one."""
-    pack, regular = _STAMP.pack, stat.S_ISREG     # (pack_stamp, inlined: 100,000 calls)
-    flags = bytearray(len(rids))
-    stamps = []
-    for i, rid in enumerate(rids):
-        try:
-            st = (os.stat(rid + ".json", dir_fd=fd, follow_symlinks=False) if fd is not None
-                  else os.lstat(os.path.join(directory, rid + ".json")))
-        except OSError:
-            continue
-        if regular(st.st_mode):
-            flags[i] = 1
-            try:
-                stamps.append(pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-            except struct.error:
-                stamps.append(pack_stamp(st))
-    return bytes(flags) + b"".join(stamps)
-
-
-def _stamps_fit(data: bytes, n: int) -> bool:
-    """Whether `data` is what _stamp_records answers for `n` run ids: n flags of 0 or 1, then a
-    stamp per 1."""
-    ones = data.count(1, 0, n)
-    return len(data) == n + STAMP_BYTES * ones and ones + data.count(0, 0, n) == n
-
-
-#: With at least this many records, and a core to spare, a copy of the process stats half of them.
-RECORD_SCAN_SPLIT_MIN = 20000
-
-
-def run_record_stamps(paths: StudyPaths, beside: ComputeBeside | None = None) -> RecordStamps:
+def run_record_stamps(paths: StudyPaths) -> RecordStamps:
     """The stamp of every record file in the run index, by run id (lstat: a link is never followed,
     and a name that is not a run id is skipped).  The directory is listed once, and each record
-    stat'ed relative to it where the platform can, in run id order.  With `beside`
-    (Platform.compute_beside) and at least RECORD_SCAN_SPLIT_MIN records, a copy of the process
-    stats the second half of them while this one stats the first; when the copy fails in any way,
-    this one stats them too."""
+    stat'ed relative to it where the platform can, in run id order."""
     directory = os.fspath(paths.run_index)
     try:
-        fd: int | None = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except (FileNotFoundError, NotADirectoryError):
         return RecordStamps([], b"")
+    ids: list[str] = []
+    stamps: list[bytes] = []
     try:
         with os.scandir(fd if os.scandir in os.supports_fd else directory) as it:
             rids = sorted(n[:-5] for n in (e.name for e in it)
                           if n.endswith(".json") and not n.startswith(".") and len(n) > 5)
-        if os.stat not in os.supports_dir_fd:
-            os.close(fd)
-            fd = None
-        half = len(rids) // 2 if beside is not None and len(rids) >= RECORD_SCAN_SPLIT_MIN else len(rids)
-        rest = rids[half:]
-        mine, theirs = alongside(beside, (lambda: _stamp_records(fd, directory, rest)) if rest else None,
-                                 lambda: _stamp_records(fd, directory, rids[:half]))
-        parts = [(half, mine)]
-        if rest:
-            if theirs is None or not _stamps_fit(theirs, len(rest)):
-                theirs = _stamp_records(fd, directory, rest)
-            parts.append((len(rest), theirs))
+        at = fd if os.stat in os.supports_dir_fd else None
+        for rid in rids:
+            try:
+                st = (os.stat(rid + ".json", dir_fd=at, follow_symlinks=False) if at is not None
+                      else os.lstat(os.path.join(directory, rid + ".json")))
+            except OSError:
+                continue            # gone since the listing
+            if stat.S_ISREG(st.st_mode):
+                ids.append(rid)
+                stamps.append(pack_stamp(st))
     finally:
-        if fd is not None:
-            os.close(fd)
-    flags = b"".join(data[:n] for n, data in parts)
-    packed = b"".join(data[n:] for n, data in parts)
-    return RecordStamps(rids if flags.count(1) == len(rids) else list(itertools.compress(rids, flags)),
-                        packed)
+        os.close(fd)
+    return RecordStamps(ids, b"".join(stamps))
 
 
 def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
@@ -17512,316 +17364,47 @@ def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
     return [i for i, (ctime,) in enumerate(_STAMP_CTIME.iter_unpack(stamps.packed)) if ctime >= cutoff]
 
 
-def _b64_numbers(arr: array.array) -> str:
-    """An array's numbers as the base holds them: little-endian, in base64 (`arr` is the caller's
-    own: it is swapped in place on a big-endian host)."""
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return base64.b64encode(arr.tobytes()).decode("ascii")
-
-
-def _numbers_of_b64(code: str, text: Any) -> array.array:
-    """The numbers (of array type `code`) _b64_numbers wrote as `text`; ValueError or TypeError
-    when it holds none (not base64, or a length that is not a whole number of them)."""
-    arr = array.array(code)
-    arr.frombytes(base64.b64decode(text, validate=True))
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr
-
-
-def _encode_index(index: list[int], size: int) -> str:
-    """Each run's position in a table of `size` values, as the base holds it (see the banner)."""
-    if size <= 256:
-        return base64.b64encode(bytes(index)).decode("ascii")
-    return _b64_numbers(array.array(_INDEX_CODES[2 if size <= 65536 else 4], index))
-
-
-def _decode_index(text: Any, size: int, n: int) -> Sequence[int]:
-    """The `n` positions `text` holds for a table of `size` values; ValueError or TypeError when
-    it holds something else."""
-    index: Sequence[int] = (base64.b64decode(text, validate=True) if size <= 256
-                            else _numbers_of_b64(_INDEX_CODES[2 if size <= 65536 else 4], text))
-    if len(index) != n:
-        raise ValueError("an index of another length")
-    return index
-
-
-def _encode_values(values: list[Any]) -> Any:
-    """A list of values as the base holds it: floats (and None) packed, else the JSON list."""
-    kinds = set(map(type, values))
-    if float not in kinds or not kinds <= {float, _NONE}:
-        return values
-    nulls = list(itertools.compress(itertools.count(), map(operator.is_, values, itertools.repeat(None))))
-    arr = array.array("d", [0.0 if v is None else v for v in values] if nulls else values)
-    return {"floats": _b64_numbers(arr), "nulls": nulls}
-
-
-def _decode_values(obj: Any) -> list[Any]:
-    """The list of values _encode_values made `obj` of; ValueError or TypeError when it is none."""
-    if type(obj) is list:
-        return obj
-    if type(obj) is not dict or obj.keys() != {"floats", "nulls"} or type(obj["nulls"]) is not list:
-        raise ValueError("not a list of values")
-    values: list[Any] = _numbers_of_b64("d", obj["floats"]).tolist()
-    for i in obj["nulls"]:
-        if type(i) is not int or not 0 <= i < len(values):
-            raise ValueError("a null out of range")
-        values[i] = None
-    return values
-
-
-def _column_table(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """The distinct values of a column, in the order first seen, and each run's position among
-    them.  Values are told apart exactly: by the values themselves where the column holds only
-    one of str, int or bool (and None), which no two of compare equal across; else by repr, which
-    differs for any two JSON values that differ (1, 1.0 and True; 0.0 and -0.0; key order), taken
-    once per distinct object (the runs read from a base share their values' objects)."""
-    kinds = set(map(type, values))
-    if len(kinds - {_NONE}) <= 1 and kinds <= {str, int, bool, _NONE}:
-        table = list(dict.fromkeys(values))
-        slot_of_value = dict(zip(table, range(len(table))))
-        return table, list(map(slot_of_value.__getitem__, values))
-    objects = list(map(id, values))
-    distinct = dict(zip(objects, values))
-    slots: dict[str, int] = {}
-    table = []
-    slot_of: dict[int, int] = {}
-    for obj, text, value in zip(distinct, map(repr, distinct.values()), distinct.values()):
-        slot = slots.get(text)
-        if slot is None:
-            slot = slots[text] = len(table)
-            table.append(value)
-        slot_of[obj] = slot
-    return table, list(map(slot_of.__getitem__, objects))
-
-
-def _encode_column(values: Sequence[Any]) -> Any:
-    """A column of the base (see the banner): one value, packed floats, a table of distinct values
-    with each run's position in it, or (most values distinct) the values themselves."""
-    if values and all(map(operator.is_, values, itertools.repeat(values[0]))):
-        return {"value": values[0]}
-    kinds = set(map(type, values))
-    if float in kinds and kinds <= {float, _NONE}:
-        return _encode_values(list(values))        # as fast to read as a table, and cheaper to make
-    try:
-        table, index = _column_table(values)
-    except (RecursionError, ValueError):
-        return _encode_values(list(values))
-    if len(table) == 1:
-        return {"value": table[0]}
-    if len(table) > len(values) // 2:
-        return _encode_values(list(values))
-    return {"values": _encode_values(table), "index": _encode_index(index, len(table))}
-
-
-@dataclass(frozen=True)
-class SummaryBase:
-    """A base as read: its runs' stamps and facts (in the order of stamps.ids), each field's
-    values (`columns`) and each column as it was written (`raw`, parsed)."""
-    stamps: RecordStamps
-    facts: list[RunFacts]
-    columns: list[Sequence[Any]]
-    raw: list[Any]
-
-
-def _column_texts(base: SummaryBase, ids_text: str) -> list[str]:
-    """The JSON text of each column of `base` as encode_summary_base writes it (a column written
-    as the same as another: that one's text)."""
-    texts: list[str] = []
-    for raw in base.raw:
-        same = raw["same"] if type(raw) is dict and raw.keys() == {"same"} else None
-        texts.append(ids_text if same == "ids" else texts[same] if same is not None
-                     else json.dumps(raw, separators=(",", ":"), default=str))
-    return texts
-
-
-def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
-                        previous: SummaryBase | None = None) -> str:
-    """The base line of the summary for these runs (facts in the order of stamps.ids).  A column
-    that is, as JSON, the run ids or an earlier column is written as {"same": "ids" or k}.  With
-    the `previous` base of the same runs, a column whose values are all as they were there is
-    written as it was (the same text a fresh encoding gives, without making it again)."""
-    ids = json.dumps(stamps.ids, separators=(",", ":"))
-    reuse = previous is not None and previous.stamps.ids == stamps.ids
-    before = _column_texts(previous, ids) if reuse else []
-    changed = list(itertools.compress(itertools.count(), map(operator.is_not, facts, previous.facts))
-                   ) if reuse else []
-    seen = {ids: "ids"}
-    columns = []
-    for k in range(len(RUN_FACTS_FIELDS)):
-        old = previous.columns[k] if reuse else ()
-        if reuse and all(facts[i][k] is old[i] or repr(facts[i][k]) == repr(old[i]) for i in changed):
-            text = before[k]
-        else:
-            text = json.dumps(_encode_column(list(map(operator.itemgetter(k), facts))),
-                              separators=(",", ":"), default=str)
-        columns.append(json.dumps({"same": seen[text]}) if text in seen else text)
-        seen.setdefault(text, k)
-    return (f'{{"tag":{json.dumps(tag)},"ids":{ids},'
-            f'"stamps":"{base64.b64encode(stamps.packed).decode("ascii")}","columns":[{",".join(columns)}]}}')
-
-
-def _decode_column(column: Any, n: int, ids: list[str],
-                   earlier: list[tuple[Sequence[Any], Sequence[Any]]]) -> tuple[Sequence[Any], Sequence[Any]]:
-    """The `n` values of a base's column and its distinct values (or the values themselves),
-    given the run ids and the columns before it; ValueError (or TypeError, IndexError, KeyError)
-    when it is not one."""
-    keys = column.keys() if type(column) is dict else None
-    if keys is None or keys == {"floats", "nulls"}:
-        values = _decode_values(column)
-        if len(values) != n:
-            raise ValueError("a column of another length")
-        return values, values
-    if keys == {"same"}:
-        same = column["same"]
-        if same == "ids":
-            return ids, ids
-        if type(same) is not int or not 0 <= same < len(earlier):
-            raise ValueError("not an earlier column")
-        return earlier[same]
-    if keys == {"value"}:
-        return [column["value"]] * n, [column["value"]]
-    if keys != {"values", "index"}:
-        raise ValueError("not a column")
-    table = _decode_values(column["values"])
-    index = _decode_index(column["index"], len(table), n)
-    if n <= 1:
-        return [table[i] for i in index], table
-    return operator.itemgetter(*index)(table), table   # IndexError past the table
-
-
-def decode_summary_base(data: bytes, tag: str) -> SummaryBase | None:
-    """The base of a summary from its line, or None when it is not a whole base of this `tag`
-    (torn, garbled, another version or code, columns that disagree, any wrong type)."""
-    try:
-        doc = json.loads(data)
-        if type(doc) is not dict or doc.get("tag") != tag:
-            return None
-        ids, columns = doc["ids"], doc["columns"]
-        if type(ids) is not list or set(map(type, ids)) - {str} or type(columns) is not list:
-            return None
-        packed = base64.b64decode(doc["stamps"], validate=True)
-        n = len(ids)
-        if len(packed) != n * STAMP_BYTES or len(columns) != len(RUN_FACTS_FIELDS):
-            return None
-        decoded: list[tuple[Sequence[Any], Sequence[Any]]] = []
-        for column, types in zip(columns, _FIELD_TYPES):
-            decoded.append(_decode_column(column, n, ids, decoded))
-            if types is not None and not set(map(type, decoded[-1][1])) <= types:
-                return None
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
-        return None
-    values = [v for v, _ in decoded]
-    return SummaryBase(RecordStamps(ids, packed), list(map(RunFacts._make, zip(*values))), values, columns)
-
-
-def _decode_summary_line(row: Any, tag: str) -> tuple[str, bytes, RunFacts] | None:
-    """(run id, stamp, facts) of a summary line after the base, or None when it is not one of
-    this `tag` with values of run_facts' types."""
-    if type(row) is not list or len(row) != _SUMMARY_LINE_LEN or row[0] != tag or type(row[1]) is not str:
-        return None
-    try:
-        stamp = base64.b64decode(row[2], validate=True)
-    except (ValueError, TypeError):
-        return None
-    facts = row[3:]
-    if len(stamp) != STAMP_BYTES:
-        return None
-    if any(t is not None and type(v) not in t for v, t in zip(facts, _FIELD_TYPES)):
-        return None
-    return row[1], stamp, RunFacts._make(facts)
-
-
 def _summary_line(tag: str, run_id: str, stamp: bytes, facts: RunFacts) -> str:
-    return json.dumps([tag, run_id, base64.b64encode(stamp).decode("ascii"), *facts],
-                      separators=(",", ":"), default=str) + "\n"
+    return json.dumps([tag, run_id, stamp.hex(), *facts], separators=(",", ":"), default=str) + "\n"
+
+
+def _believed_line(row: Any, tag: str) -> bool:
+    """Whether a parsed summary line is one of this `tag`, of the right shape, with values of
+    run_facts' types."""
+    return (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == tag
+            and type(row[1]) is str and type(row[2]) is str and len(row[2]) == 2 * STAMP_BYTES
+            and all(type(row[k]) in types for k, types in _LINE_TYPES))
 
 
 @dataclass(frozen=True)
 class RunsSummary:
-    """What a runs summary holds that this code believes: its base (None when there is no usable
-    one), the last line of each run after it (run id -> (stamp, facts)), and how many lines follow
-    the base."""
-    base: SummaryBase | None
-    lines: dict[str, tuple[bytes, RunFacts]]
+    """What a runs summary holds that this code believes: the last line of each run (run id ->
+    (stamp in hex, facts)), and how many lines the file has."""
+    lines: dict[str, tuple[str, RunFacts]]
     line_count: int
 
 
 def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
-    """The runs summary at `path` (see the banner) as far as it is believed: a base or line that
-    is not well formed with this `tag` (summary_tag) is skipped, and its runs are read from their
-    records."""
+    """The runs summary at `path` (see the banner) as far as it is believed: a line that is not
+    well formed with this `tag` (summary_tag) is skipped, and its run is read from its record."""
     data = read_cache_file(path) if tag is not None else None
-    if not data:
-        return RunsSummary(None, {}, 0)
-    head, _, rest = data.partition(b"\n")
-    base = decode_summary_base(head, tag)
-    rows: list[Any] = []
-    if rest.strip():
-        try:
-            # Whole lines joined into one array: one parse instead of one per line.  A torn or
-            # garbled line fails it, and the lines are then parsed one by one.
-            rows = json.loads(b"[" + rest.rstrip(b"\n").replace(b"\n", b",") + b"]")
-        except (ValueError, RecursionError):
-            rows = []
-            for raw in rest.split(b"\n"):
-                if raw:
-                    try:
-                        rows.append(json.loads(raw))
-                    except (ValueError, RecursionError):
-                        rows.append(None)
-    lines: dict[str, tuple[bytes, RunFacts]] = {}
-    for row in rows:
-        got = _decode_summary_line(row, tag)
-        if got is not None:
-            lines[got[0]] = got[1:]
-    return RunsSummary(base, lines, len(rows))
-
-
-def _changed(a: bytes, b: bytes) -> list[int]:
-    """The positions of the stamps that differ between two packings of as many stamps (compared
-    8 at a time, then one by one within the blocks that differ)."""
-    if a == b:
-        return []
-    w = STAMP_BYTES
-    block = 8 * w
-    out: list[int] = []
-    for start in range(0, len(b), block):
-        if a[start:start + block] != b[start:start + block]:
-            starts = range(start, min(start + block, len(b)), w)
-            out.extend(i // w for i in starts if a[i:i + w] != b[i:i + w])
-    return out
-
-
-def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunFacts | None], int]:
-    """Each run's facts where the summary holds them for its current stamp (None where not, in
-    the order of stamps.ids), and how many of them come from the base."""
-    n = len(stamps.ids)
-    out: list[RunFacts | None] = [None] * n
-    base = summary.base.stamps if summary.base is not None else None
-    if base is not None and base.ids == stamps.ids:
-        out = list(summary.base.facts)
-        packed = base.packed
-    elif base is not None:
-        # The base's runs in the order of stamps.ids: -1 (not in the base) reads the sentinels.
-        pos = dict(zip(base.ids, range(len(base.ids))))
-        where = list(map(pos.get, stamps.ids, itertools.repeat(-1)))
-        out = list(map([*summary.base.facts, None].__getitem__, where))
-        stamp_of = [s for (s,) in struct.iter_unpack(f"{STAMP_BYTES}s", base.packed)] + [bytes(STAMP_BYTES)]
-        packed = b"".join(map(stamp_of.__getitem__, where))
-    if base is not None:
-        for i in _changed(packed, stamps.packed):
-            out[i] = None
-    from_base = n - out.count(None)
-    if summary.lines:
-        # The lines after the base are newer: they win where they hold the current stamp.
-        lines = list(map(summary.lines.get, stamps.ids))
-        for i in itertools.compress(range(n), lines):
-            if lines[i][0] == stamps.stamp(i):
-                from_base -= out[i] is not None
-                out[i] = lines[i][1]
-    return out, from_base
+    if not data or not data.strip():
+        return RunsSummary({}, 0)
+    try:
+        # Whole lines joined into one array: one parse instead of one per line.  A torn or
+        # garbled line fails it, and the lines are then parsed one by one.
+        rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]")
+    except (ValueError, RecursionError):
+        rows = []
+        for raw in data.split(b"\n"):
+            if raw:
+                try:
+                    rows.append(json.loads(raw))
+                except (ValueError, RecursionError):
+                    rows.append(None)
+    make = RunFacts._make
+    lines = {row[1]: (row[2], make(row[3:])) for row in rows if _believed_line(row, tag)}
+    return RunsSummary(lines, len(rows))
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -17831,38 +17414,26 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def write_runs_summary(path: Path, tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
-                       summary: RunsSummary, from_base: int, fresh: list[str]) -> None:
-    """Bring the summary up to date after a report: a new base when there is none or when the
-    lines after it or its runs no longer current pass 1/_SUMMARY_REBASE_SHARE of the runs, else
-    the `fresh` lines appended.  A summary that cannot be written is not needed."""
+                       line_count: int, fresh: list[tuple[int, str]], now_ns: int) -> None:
+    """Bring the summary up to date after a report: the `fresh` lines ((position in stamps.ids,
+    line), the runs read from their records) appended, or, when the file would then hold twice as
+    many lines as there are runs, the whole summary written again, one line per run.  A record
+    that has not settled at `now_ns` (unsettled_records) gets no line.  A summary that cannot be
+    written is not needed."""
     n = len(stamps.ids)
-    limit = n // _SUMMARY_REBASE_SHARE
-    unused = len(summary.base.stamps.ids) - from_base if summary.base is not None else 0
+    late = set(unsettled_records(stamps, now_ns))
+    if len(late) == n:
+        return
+    lines = [line for i, line in fresh if i not in late]
     with contextlib.suppress(OSError):
-        if summary.base is None or summary.line_count + len(fresh) > limit or unused > limit:
-            write_text_atomic(path, encode_summary_base(tag, stamps, facts, summary.base) + "\n")
-        elif fresh:
+        if line_count + len(lines) >= 2 * n:
+            write_text_atomic(path, "".join(_summary_line(tag, stamps.ids[i], stamps.stamp(i), facts[i])
+                                            for i in range(n) if i not in late))
+        elif lines:
             with open(path, "ab") as fh:
                 # After a torn last line (a crash mid-append), start on a line of our own.
                 torn = fh.tell() > 0 and not _ends_with_newline(path)
-                fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
-
-
-def settled_only(stamps: RecordStamps, fresh: list[tuple[int, str]],
-                 now_ns: int) -> tuple[RecordStamps | None, list[str]]:
-    """What the summary may keep of these runs at `now_ns` (pure): their stamps, with each record
-    that has not settled (unsettled_records) given _UNSETTLED_STAMP, which no record has, so that
-    its run is read from its record next time; and the `fresh` lines, (position in stamps.ids,
-    line), of the settled ones.  (None, []) when no record has settled: nothing to keep."""
-    late = unsettled_records(stamps, now_ns)
-    if len(late) == len(stamps.ids):
-        return None, []
-    packed = bytearray(stamps.packed)
-    for i in late:
-        packed[i * STAMP_BYTES:(i + 1) * STAMP_BYTES] = _UNSETTLED_STAMP
-    late_set = set(late)
-    return (RecordStamps(stamps.ids, bytes(packed)) if late else stamps,
-            [line for i, line in fresh if i not in late_set])
+                fh.write((b"\n" if torn else b"") + "".join(lines).encode("utf-8"))
 
 
 def report_runs(paths: StudyPaths, *, write: bool = True,
@@ -17877,23 +17448,26 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
     with gc_paused():
         stamps = run_record_stamps(paths) if stamps is None else stamps
         summary = read_runs_summary(summary_file, tag)
-        out, from_base = _summary_hits(stamps, summary)
+        got = summary.lines.get
+        out: list[RunFacts] = []
         fresh: list[tuple[int, str]] = []
-        for i in [i for i, f in enumerate(out) if f is None]:
-            rid = stamps.ids[i]
+        for i, rid in enumerate(stamps.ids):
+            hit = got(rid)
+            stamp = stamps.stamp(i)
+            if hit is not None and hit[0] == stamp.hex():
+                out.append(hit[1])
+                continue
             rec = read_json(run_file(paths, rid), default=None)
             if not isinstance(rec, dict):
                 raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
                                       run=rid, path=str(run_file(paths, rid)))
             # Through JSON, as a summary line would be: the facts are the same either way.
-            line = _summary_line(tag or "", rid, stamps.stamp(i), run_facts(rec))
-            out[i] = RunFacts._make(json.loads(line)[3:])
+            line = _summary_line(tag or "", rid, stamp, run_facts(rec))
+            out.append(RunFacts._make(json.loads(line)[3:]))
             fresh.append((i, line))
         if write and tag is not None and stamps.ids:
-            kept, lines = settled_only(stamps, fresh, time.time_ns())
-            if kept is not None:
-                write_runs_summary(summary_file, tag, kept, out, summary, from_base, lines)
-    return out   # every None filled
+            write_runs_summary(summary_file, tag, stamps, out, summary.line_count, fresh, time.time_ns())
+    return out
 
 
 # -- The report cache: the last report's figures, kept with what they were computed from -------------
@@ -20837,9 +20411,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
     # every record's stamp).  The run pages below read the records themselves.
-    # Half the records are stat'ed on another core beside the other half (a fork; not inside an
-    # agent's session).
-    stamps = run_record_stamps(paths, beside=None if ctx.is_child else ctx.platform.compute_beside)
+    stamps = run_record_stamps(paths)
     key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
     cached = read_report_cache(paths, key)
     if cached is not None:
@@ -20847,11 +20419,8 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     else:
         runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
         with gc_paused():
-            # The view with every run is computed on another core beside the other one (a fork;
-            # not inside an agent's session, where the copy would count against its limits).
             report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source,
-                                     beside=None if ctx.is_child else ctx.platform.compute_beside)
+                                     plan_source=plan_source)
         any_started = any(f.status not in (None, "not_started") for f in runs)
         if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
             write_report_cache(paths, key, report, any_started)
