@@ -17918,6 +17918,53 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
+    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
+    p <= alpha at all, however many repeats (pure); None beyond `most`."""
+    for n in range(1, most + 1):
+        if sign_test_min_p(n) <= alpha:
+            return n
+    return None
+
+
+def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
+                    power: Mapping[str, Any] | None) -> list[str]:
+    """What `assign` warns of a design before any run (pure): when no comparison can ever reach
+    significance (too few tasks for a test over tasks at Holm's first step, alpha / m), and, with
+    a power estimate (`assign_power`'s, at the planned difference), when the chosen repeats give
+    the primary test a simulated power under the target, with the repeats or tasks that would."""
+    out: list[str] = []
+    family = len(arms) - 1
+    if family < 1:
+        return out
+    alpha = REPORT_ALPHA / family
+    need = min_tasks_for_significance(alpha)
+    if need is not None and n_tasks < need:
+        out.append(f"this design can never reach significance: with {n_tasks} task(s) the smallest p-value "
+                   f"a test over tasks can give is {sign_test_min_p(n_tasks):.3g}, above {alpha:.3g} "
+                   f"(alpha {REPORT_ALPHA} over {family} comparison(s), Holm's first step), whatever the "
+                   f"repeats: use at least {need} tasks" + (", or fewer arms" if family > 1 else ""))
+        return out
+    if not power:
+        return out
+    target = power.get("power", 0.8)
+    delta = power.get("delta")
+    need_r = power.get("repeats")
+    curve = {c.get("repeats"): c.get("power") for c in (power.get("simulation") or {}).get("power_by_repeats")
+             or [] if isinstance(c, dict)}
+    at = curve.get(repeats)
+    if need_r is None:
+        tasks_hint = power.get("min_tasks")
+        out.append(f"no number of repeats up to {power.get('max_repeats')} gives the primary test power "
+                   f"{target} at a difference of {delta} with {n_tasks} tasks: add tasks"
+                   + (f" (the normal approximation says at least {tasks_hint})" if tasks_hint else ""))
+    elif repeats < need_r:
+        out.append(f"at {repeats} repeat(s) the primary test's simulated power at a difference of {delta} is "
+                   + (f"{at:.2f}, " if is_number(at) else "") + f"under {target}: "
+                   f"{need_r} repeats reach it (`assign --repeats {need_r}`), or add tasks")
+    return out
+
+
 def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
     """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
     manifest of split main, else the only manifest.  (None, None) when there is no such manifest
@@ -18119,7 +18166,15 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     where = shlex.quote(str(paths.root))
     reh = read_json(paths.state / "rehearsal.json", default=None)
     rehearsed = isinstance(reh, dict) and reh.get("ok") is True and reh.get("config_hash") == study.hash
-    warnings = list(((power or {}).get("plan") or {}).get("warnings") or [])
+    if power is not None and power.get("repeats") and repeats < power["repeats"]:
+        # The simulated power at the repeats chosen, to name it beside the repeats that reach it.
+        at = primary_power_by_simulation(power_base, power_delta, len(tasks), power["alpha"], power["power"],
+                                         tau=power["clustering"]["tau"], sd_base=power["clustering"]["sd_base"],
+                                         start=repeats, max_repeats=repeats, seed=seed)
+        power["simulation"]["power_by_repeats"] = sorted(
+            power["simulation"]["power_by_repeats"] + at["power_by_repeats"], key=lambda c: c["repeats"])
+    warnings = design_warnings(len(tasks), list(arms), repeats, power)
+    warnings += list(((power or {}).get("plan") or {}).get("warnings") or [])
     return {"next": f"python3 agentbench.py {'run' if rehearsed else 'rehearse'} --study {where}",
             "warnings": warnings, "split": split, "runs": len(manifest), "tasks": len(tasks),
             "arms": sorted(arms),
