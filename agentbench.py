@@ -18169,7 +18169,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     if power is not None and power.get("repeats") and repeats < power["repeats"]:
         # The simulated power at the repeats chosen, to name it beside the repeats that reach it.
         at = primary_power_by_simulation(power_base, power_delta, len(tasks), power["alpha"], power["power"],
-                                         tau=power["clustering"]["tau"], sd_base=power["clustering"]["sd_base"],
+                                         tau=power["clustering"]["tau"],
+                                         sd_base=power["clustering"]["sd_base"],
                                          start=repeats, max_repeats=repeats, seed=seed)
         power["simulation"]["power_by_repeats"] = sorted(
             power["simulation"]["power_by_repeats"] + at["power_by_repeats"], key=lambda c: c["repeats"])
