@@ -257,6 +257,10 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
                                "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
+#: The most runs per task and arm, and the most turns of a session, that any setting (flag or
+#: study.json) may ask for; more is refused by the setting's name.
+REPEATS_MAX = 1_000
+MAX_TURNS_MAX = 10_000
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
                                   "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
@@ -1913,6 +1917,10 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
         if default is _MISSING:
             raise AgentbenchError("file not found", code="file_not_found", path=str(path)) from None
         return default
+    except IsADirectoryError:
+        raise AgentbenchError("a directory where a JSON file should be", code="json_file_is_directory",
+                              path=str(path), file=os.path.basename(path),
+                              hint="replace the directory by the JSON file") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -5260,6 +5268,18 @@ ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def env_value_ok(value: Any) -> bool:
+    """A variable's value agentbench passes on: a string with no NUL, newline or carriage return
+    (one would be cut at the NUL, or split a line of an environment list, silently) (pure)."""
+    return isinstance(value, str) and not any(c in value for c in "\0\n\r")
+
+
+def env_object_ok(env: Any) -> bool:
+    """An `env` object of study.json or an arm: variable names to values env_value_ok (pure)."""
+    return isinstance(env, dict) and all(isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and env_value_ok(v)
+                                         for k, v in env.items())
+
+
 @dataclass(frozen=True)
 class Setting:
     """One top-level key of study.json.  `ok` says whether a given value has the right shape (None:
@@ -5316,7 +5336,7 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> dict[str, str]
     return out
 
 
-def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
+def misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
     guesses = did_you_mean(unknown, known)
     if guesses:
         return "did you mean " + ", ".join(f"`{v}` for `{k}`" for k, v in guesses.items()) + "?"
@@ -5337,11 +5357,19 @@ def _check_budget(budget: Mapping[str, Any]) -> None:
         raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
                               keys=unknown, known=sorted(DEFAULT_BUDGET),
                               did_you_mean=did_you_mean(unknown, sorted(DEFAULT_BUDGET)),
-                              hint=_misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
+                              hint=misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
-                                  code="budget_values_finite_non_negative", key=key, value=str(val))
+                                  code="budget_values_finite_non_negative", file=STUDY_FILE,
+                                  key=key, value=str(val))
+    turns = budget.get("max_turns")
+    if turns is not None and not (float(turns).is_integer() and 1 <= turns <= MAX_TURNS_MAX):
+        # 0 would reach claude as no --max-turns at all: the limit silently gone.
+        raise AgentbenchError(f"budget.max_turns must be a whole number in 1..{MAX_TURNS_MAX}",
+                              code="bad_max_turns", file=STUDY_FILE, key="max_turns",
+                              value=str(turns), hint="a session's turn limit; leave it out for the "
+                              f"default {DEFAULT_BUDGET['max_turns']}")
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
@@ -5395,10 +5423,9 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
         raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
                            spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
     env = spec.get("env")
-    if "env" in spec and not (isinstance(env, dict) and all(
-            isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and isinstance(v, str) for k, v in env.items())):
-        raise _arm_refusal(name, "env", "an arm's env must map variable names to strings",
-                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"}')
+    if "env" in spec and not env_object_ok(env):
+        raise _arm_refusal(name, "env", "an arm's env must map variable names to one-line strings",
+                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
     for key in ARM_FILE_KEYS:
         if key not in spec:
             continue
@@ -5413,8 +5440,28 @@ def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
                                    + ("; plugins is a list of them" if key == "plugins" else ""))
 
 
+#: Arm names refused although they are safe ids: the device names Windows reserves in every
+#: directory (an arm's files are named after it), and words that read as "no arm" or "every arm"
+#: in a flag, a JSON value or a table.
+RESERVED_ARM_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
+                                *(f"lpt{i}" for i in range(10)), "null", "none", "all", "true", "false"})
+
+
+def arm_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name an arm, or None (pure)."""
+    if not is_safe_id(name):
+        return "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    if name.lower() in RESERVED_ARM_NAMES or name.split(".")[0].lower() in RESERVED_ARM_NAMES:
+        return "a reserved word or device name: pick another (e.g. add a letter)"
+    return None
+
+
 def _check_arms(arms: Mapping[str, Any]) -> None:
     for name, spec in arms.items():
+        problem = arm_name_problem(name)
+        if problem:
+            raise AgentbenchError("invalid arm name", code="invalid_arm_name", file=STUDY_FILE,
+                                  key=f"arms.{name}", arm=name, hint=problem)
         if not isinstance(spec, dict):
             raise AgentbenchError("an arm must be an object", code="arm_object", arm=name)
         limits = sorted(set(spec) & set(ARM_STUDY_WIDE_KEYS))
@@ -5428,7 +5475,7 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
                                   arm=name, key=extra[0], keys=extra, known=list(ARM_KEYS),
                                   did_you_mean=did_you_mean(extra, ARM_KEYS),
-                                  hint=_misspelt_hint(extra, ARM_KEYS, "arm setting"))
+                                  hint=misspelt_hint(extra, ARM_KEYS, "arm setting"))
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
                                   arm=name)
@@ -5480,7 +5527,9 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("network_open_arms", None, check=_check_network_open_arms,
             help="arms whose sandboxed sessions share the host's network (MCP servers, package "
                  "installs); every other session reaches only its own gateway"),
-    Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
+    Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX,
+            f"an integer in 1..{REPEATS_MAX}",
+            flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
     Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
@@ -5496,9 +5545,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
     Setting("prices", None, check=_check_prices),
     Setting("slurm", None, check=_check_slurm_settings),
-    Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                         for k, x in v.items()),
-            "an object of string values"),
+    Setting("env", env_object_ok, "an object of variable names to one-line string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
     Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
@@ -5537,7 +5584,7 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
         raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
                               keys=unknown, known=sorted(STUDY_KEYS),
                               did_you_mean=guesses,
-                              hint=(_misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
+                              hint=(misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
                                     + " (keys starting with _ are free, e.g. for a comment)"))
     for setting in STUDY_SETTINGS:
         val = cfg.get(setting.key)
@@ -5574,13 +5621,17 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
     done where the study is read (load_study_config) and by `init` before it writes."""
     if cfg.get("model") is not None:
-        check_model_id(str(cfg["model"]))
+        try:
+            check_model_id(str(cfg["model"]))
+        except AgentbenchError as exc:
+            exc.payload.update(file=STUDY_FILE, key="model")
+            raise
     if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
-        raise AgentbenchError("unknown effort", code="unknown_effort",
+        raise AgentbenchError("unknown effort", code="unknown_effort", file=STUDY_FILE, key="effort",
                               effort=cfg["effort"], allowed=list(EFFORTS))
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
-        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode",
-                              permission_mode=cfg["permission_mode"],
+        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode", file=STUDY_FILE,
+                              key="permission_mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
 
 
@@ -5696,9 +5747,10 @@ def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
     out = dict(env)
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise AgentbenchError("bad --env", code="bad_env",
-                                  value=item, hint="KEY=VALUE with a valid variable name")
+        if not sep or not ENV_NAME_RE.fullmatch(key) or not env_value_ok(value):
+            raise AgentbenchError("bad --env", code="bad_env", flag="--env", file=STUDY_FILE, key="env",
+                                  value=item[:200], hint="KEY=VALUE with a valid variable name and a "
+                                  "value on one line (no newline, carriage return or NUL)")
         if value:
             out[key] = value
         else:
@@ -9085,6 +9137,10 @@ def expire_base(host: Host, paths: StudyPaths, name: str) -> dict[str, Any]:
 # a task is and how its checks run and are judged.  Must not know runs, jobs or the pipeline.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
+#: The keys task.json may hold besides those: a misspelt one would be ignored, so any other is
+#: refused (keys starting with _ are free, e.g. for a comment).  `not_carried_over` and `harbor`
+#: are written by the Harbor import.
+TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
@@ -9327,7 +9383,15 @@ def load_task(root: Path) -> Task:
     missing = [k for k in TASK_JSON_KEYS if k not in spec]
     if missing:
         raise AgentbenchError("task.json lacks required keys", code="task_json_lacks_required_keys",
-                              path=str(root / "task.json"), missing=missing)
+                              path=str(root / "task.json"), file="task.json", key=missing[0], missing=missing)
+    known = TASK_JSON_KEYS + TASK_JSON_OPTIONAL_KEYS
+    unknown = sorted(str(k) for k in spec if k not in known and not str(k).startswith("_"))
+    if unknown:
+        raise AgentbenchError("task.json has unknown keys", code="task_json_unknown_keys",
+                              path=str(root / "task.json"), file="task.json", key=unknown[0], keys=unknown,
+                              known=list(known), did_you_mean=did_you_mean(unknown, known),
+                              hint=misspelt_hint(unknown, known, "key")
+                              + " (keys starting with _ are free, e.g. for a comment)")
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
         raise AgentbenchError("task.json: check_hint must be a sentence (a string)",
                               code="task_json_check_hint_sentence", path=str(root / "task.json"))
@@ -9387,9 +9451,17 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
                                    "tasks directory")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
-        if sub.is_dir() and (sub / "task.json").exists():
-            t = load_task(sub)
-            tasks[t.id] = t
+        if not sub.is_dir() or sub.name in IGNORED_BUNDLE_NAMES or sub.name.startswith((".", "_")):
+            continue
+        if not (sub / "task.json").exists():
+            # Dropped silently, the study would run fewer tasks than its author thinks.
+            raise AgentbenchError("a task directory has no task.json", code="task_json_missing",
+                                  path=str(sub / "task.json"), file="task.json", task=sub.name,
+                                  hint="add its task.json (`new-task` writes a complete bundle), move "
+                                       "the directory out of the tasks directory, or start its name "
+                                       "with _ to keep it there unused")
+        t = load_task(sub)
+        tasks[t.id] = t
     tasks = pick_tasks(tasks, only)
     if not tasks:
         raise AgentbenchError(f"no tasks found in {tdir}", code="no_tasks_found", tasks=str(tdir),
@@ -10029,10 +10101,36 @@ def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+#: The most failed checks named in one answer or page, and the longest detail of one.
+FAILED_CHECKS_SHOWN = 30
+FAILED_CHECK_DETAIL_CHARS = 400
+
+
+def failed_checks(checks: Any) -> list[dict[str, str]]:
+    """The failed checks of a receipt's `checks` list, each {"id", "detail"} as text cut to a
+    readable length, in the receipt's order; entries that are not objects are skipped (pure)."""
+    out = []
+    for c in checks if isinstance(checks, list) else []:
+        if isinstance(c, dict) and c.get("passed") is not True:
+            out.append({"id": str(c.get("id"))[:200],
+                        "detail": str(c.get("detail") if c.get("detail") is not None else "")
+                        [:FAILED_CHECK_DETAIL_CHARS]})
+    return out[:FAILED_CHECKS_SHOWN]
+
+
+def failed_checks_line(checks: Any) -> str:
+    """The failed checks in one line: `id: detail; id: detail` (empty when none) (pure)."""
+    return "; ".join(f"{c['id']}: {c['detail']}" if c["detail"] else c["id"] for c in failed_checks(checks))
+
+
 def check_failure_text(rec: Mapping[str, Any]) -> str:
-    """Why a check did not pass, in one line a task author can act on (pure): the receipt's
-    problem or the grader error, the exit status, and the end of its stderr."""
+    """Why a check did not pass, in one line a task author can act on (pure): the failed checks
+    its receipt names (id and detail), the receipt's problem or the grader error, the exit status,
+    and the end of its stderr."""
     parts = []
+    named = failed_checks_line(rec.get("checks"))
+    if named:
+        parts.append("failed checks: " + named)
     if rec.get("receipt_problem"):
         parts.append(str(rec["receipt_problem"]))
     if rec.get("grader_error"):
@@ -10054,6 +10152,7 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
     if rec.get("grader_error"):
         out["grader_error"] = rec["grader_error"]
     if not out["passed"] or rec.get("grader_error"):
+        out["failed_checks"] = failed_checks(rec.get("checks"))
         out["stderr_tail"] = str(rec.get("stderr_tail") or "")[-500:]
     return out
 
@@ -10943,9 +11042,9 @@ class RunPipeline:
         return rec
 
     def failed_checks_text(self, rec: Mapping[str, Any]) -> str:
-        failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
+        failed = failed_checks(rec.get("checks"))
         if failed:
-            return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
+            return "\n".join(f"- {c['id']}: {c['detail']}" for c in failed)
         tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
         names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
         return ("\n".join(f"- {n}" for n in names[:30])
@@ -15785,9 +15884,13 @@ def _page_receipt_html(g: dict) -> str:
     esc = html.escape
     checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
                        for c in g["checks"] if isinstance(c, dict))
+    failed = failed_checks(g["checks"])
     return (f'<h3>Receipt {esc(g["file"])}: {"passed" if g["passed"] is True else "not passed"}, score '
             f'{esc(str(g["score"]))}, exit {esc(str(g["exit_code"]))}</h3><div class="tl">'
-            + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]) + "</div>")
+            + (f"<p>{esc(checks)}</p>" if checks else "")
+            + (html_table(["Failed check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed])
+               if failed else "")
+            + _page_block(*g["output"]) + "</div>")
 
 
 def _page_review_html(r: dict) -> str:
@@ -15821,6 +15924,12 @@ def render_run_page(page: dict) -> str:
                            fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
                            fmt_secs(_finite_or_none(rec.get("wall_s"))),
                            "yes" if audit["flagged"] else "no"]]))
+    failed = failed_checks(ev.get("checks")) if ev else []
+    if failed:
+        p.append('<h2>Hidden tests that failed</h2>'
+                 + html_table(["Check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed]))
+    elif ev and ev.get("grader_error"):
+        p.append(f'<h2>Hidden tests</h2><p class="flag">No verdict: {esc(str(ev["grader_error"]))}</p>')
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
@@ -17034,8 +17143,15 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
                    private_home: bool = False,
-                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   calibration: Mapping[str, Any] | None = None,
+                   only_tasks: Sequence[str] = (), only_arms: Sequence[str] = (),
+                   limit: int | None = None) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `only_tasks`, `only_arms` and `limit` rehearse a part (those tasks, those arms, the first
+    `limit` runs of the manifest): a quicker look that is not recorded as the study's rehearsal.
+    `behaviours` and `faults` must name runs of the rehearsal's manifest; nothing is written
+    before they are checked.
 
     `calibration`: results the caller has just measured for these tasks (the demo's); each one
     still true of its task (see calibration_to_reuse) is reused instead of calibrating again.
@@ -17049,17 +17165,39 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     (a one-node cluster); on a multi-node cluster rehearse with the local executor.
     """
     cfg = load_study_config(paths)
-    tasks = load_tasks(paths, cfg)
+    tasks = pick_tasks(load_tasks(paths, cfg), only_tasks)
     arms = load_arms(paths, cfg)
+    unknown_arms = [a for a in only_arms if a not in arms]
+    if unknown_arms:
+        raise AgentbenchError("unknown arm", code="unknown_arm", arms=unknown_arms, known=list(arms))
+    if only_arms:
+        arms = {k: v for k, v in arms.items() if k in only_arms}
+    partial = bool(only_tasks or only_arms or limit)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
     validate_launch_values(cfg)
+    seed = int(cfg.get("seed") or 0)
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(repeats or cfg.get("repeats") or 1), seed)
+    if limit:
+        manifest = manifest[:limit]
+    ids = {r["run_id"] for r in manifest}
+    for flag, named in (("--behaviour", behaviours or {}), ("--fault", faults or {})):
+        unknown_runs = sorted(set(named) - ids)
+        if unknown_runs:
+            raise AgentbenchError(f"{flag} names a run the rehearsal does not have", code="unknown_run",
+                                  flag=flag, runs=unknown_runs[:20], known_first=sorted(ids)[:5],
+                                  hint=f"RUN_ID=VALUE with a run id of the rehearsal ({min(ids)}.."
+                                       f"{max(ids)}, see `list` after `assign`)" if ids else None)
     require_executor_ready(executor or cfg.get("executor"), ctx.env)
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
         raise AgentbenchError("the rehearsal directory is not empty", code="rehearsal_directory_not_empty",
                               dir=str(scratch),
                               hint="pass --dir with a new directory, or remove the old rehearsal")
     scfg = scratch_study_config(paths, cfg, arms)
+    if only_arms:
+        scfg["arms"] = {k: v for k, v in scfg["arms"].items() if k in arms}
+        if scfg.get("network_open_arms"):
+            scfg["network_open_arms"] = [a for a in scfg["network_open_arms"] if a in arms]
     scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
     if executor:
         scfg["executor"] = executor
@@ -17074,10 +17212,8 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json",
                       {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
-    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1),
-                               int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
-    register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
+    register_runs(sp, manifest, seed, "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
     server.start()
     try:
@@ -17131,6 +17267,12 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
               "breaker": breaker, "gateway": proof}
+    if partial:
+        # A part says nothing of the runs left out: it is not the study's rehearsal.
+        return {**record, "paused": driven["paused"], "partial": True,
+                "selection": {"tasks": sorted(tasks), "arms": list(arms), "limit": limit},
+                "note": "a partial rehearsal: not recorded as the study's rehearsal (rehearse without "
+                        "--task/--arm/--limit before `run`)"}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
@@ -17845,6 +17987,7 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
     study's config hash; which tasks of the study are still uncalibrated."""
     paths = study.paths
     tasks = study.load_all().tasks
+    validate_launch_values(study.cfg)   # a bad model or effort is named now, not at the first launch
     chosen = pick_tasks(tasks, only)
     for t in chosen.values():
         refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
@@ -17875,6 +18018,53 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
                        f"budget.study_usd = ${cap:.2f}: raise the cap (`init --study-usd`), aim at "
                        "a larger difference (`assign --power-delta`), or use fewer repeats "
                        "(`assign --repeats`)")
+    return out
+
+
+def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
+    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
+    p <= alpha at all, however many repeats (pure); None beyond `most`."""
+    for n in range(1, most + 1):
+        if sign_test_min_p(n) <= alpha:
+            return n
+    return None
+
+
+def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
+                    power: Mapping[str, Any] | None) -> list[str]:
+    """What `assign` warns of a design before any run (pure): when no comparison can ever reach
+    significance (too few tasks for a test over tasks at Holm's first step, alpha / m), and, with
+    a power estimate (`assign_power`'s, at the planned difference), when the chosen repeats give
+    the primary test a simulated power under the target, with the repeats or tasks that would."""
+    out: list[str] = []
+    family = len(arms) - 1
+    if family < 1:
+        return out
+    alpha = REPORT_ALPHA / family
+    need = min_tasks_for_significance(alpha)
+    if need is not None and n_tasks < need:
+        out.append(f"this design can never reach significance: with {n_tasks} task(s) the smallest p-value "
+                   f"a test over tasks can give is {sign_test_min_p(n_tasks):.3g}, above {alpha:.3g} "
+                   f"(alpha {REPORT_ALPHA} over {family} comparison(s), Holm's first step), whatever the "
+                   f"repeats: use at least {need} tasks" + (", or fewer arms" if family > 1 else ""))
+        return out
+    if not power:
+        return out
+    target = power.get("power", 0.8)
+    delta = power.get("delta")
+    need_r = power.get("repeats")
+    curve = {c.get("repeats"): c.get("power") for c in (power.get("simulation") or {}).get("power_by_repeats")
+             or [] if isinstance(c, dict)}
+    at = curve.get(repeats)
+    if need_r is None:
+        tasks_hint = power.get("min_tasks")
+        out.append(f"no number of repeats up to {power.get('max_repeats')} gives the primary test power "
+                   f"{target} at a difference of {delta} with {n_tasks} tasks: add tasks"
+                   + (f" (the normal approximation says at least {tasks_hint})" if tasks_hint else ""))
+    elif repeats < need_r:
+        out.append(f"at {repeats} repeat(s) the primary test's simulated power at a difference of {delta} is "
+                   + (f"{at:.2f}, " if is_number(at) else "") + f"under {target}: "
+                   f"{need_r} repeats reach it (`assign --repeats {need_r}`), or add tasks")
     return out
 
 
@@ -18008,6 +18198,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     paths = study.paths
     study.load_all()
     cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    validate_launch_values(cfg)   # a bad model or effort is named now, not at the first launch
     check_name("split", split)
     repeats = repeats if repeats is not None else int(cfg.get("repeats") or 1)
     seed = seed if seed is not None else int(cfg.get("seed") or 0)
@@ -18078,7 +18269,16 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     where = shlex.quote(str(paths.root))
     reh = read_json(paths.state / "rehearsal.json", default=None)
     rehearsed = isinstance(reh, dict) and reh.get("ok") is True and reh.get("config_hash") == study.hash
-    warnings = list(((power or {}).get("plan") or {}).get("warnings") or [])
+    if power is not None and power.get("repeats") and repeats < power["repeats"]:
+        # The simulated power at the repeats chosen, to name it beside the repeats that reach it.
+        at = primary_power_by_simulation(power_base, power_delta, len(tasks), power["alpha"], power["power"],
+                                         tau=power["clustering"]["tau"],
+                                         sd_base=power["clustering"]["sd_base"],
+                                         start=repeats, max_repeats=repeats, seed=seed)
+        power["simulation"]["power_by_repeats"] = sorted(
+            power["simulation"]["power_by_repeats"] + at["power_by_repeats"], key=lambda c: c["repeats"])
+    warnings = design_warnings(len(tasks), list(arms), repeats, power)
+    warnings += list(((power or {}).get("plan") or {}).get("warnings") or [])
     return {"next": f"python3 agentbench.py {'run' if rehearsed else 'rehearse'} --study {where}",
             "warnings": warnings, "split": split, "runs": len(manifest), "tasks": len(tasks),
             "arms": sorted(arms),
@@ -19528,7 +19728,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
-FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
+FLAG_INT_BOUNDS = {"max_turns": (1, MAX_TURNS_MAX), "parallel": (1, 256), "repeats": (1, REPEATS_MAX),
                    "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
@@ -20448,6 +20648,12 @@ def _rehearse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
+    p.add_argument("--task", action="append", default=[],
+                   help="rehearse only this task (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--arm", action="append", default=[],
+                   help="rehearse only this arm (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--limit", type=bounded_int("limit"),
+                   help="rehearse only the first N runs of the manifest (a partial rehearsal)")
     p.add_argument("--executor", choices=("local", "slurm"),
                    help="override the study's executor for the rehearsal (the scripted model listens on "
                         "this machine's loopback: with slurm, jobs must run on this machine)")
@@ -20498,10 +20704,13 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
         raise AgentbenchError("tasks are not calibrated: " + ", ".join(bad), code="tasks_not_calibrated",
                               tasks=bad, hint=f"run `python3 agentbench.py calibrate --study {where}` "
                                               "and fix what it reports (--force rehearses anyway)")
-    prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
+    n_runs = (len(pick_tasks(tasks, args.task)) * len(set(args.arm) & set(arms) or arms)
+              * int(args.repeats or cfg.get("repeats") or 1))
+    prog = Progress(min(n_runs, args.limit or n_runs))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
-                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
+                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor,
+                             only_tasks=args.task, only_arms=args.arm, limit=args.limit or None)
     finally:
         prog.close()
     report = f"python3 agentbench.py report --study {shlex.quote(str(scratch))} --format md"
@@ -20509,7 +20718,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
            "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
                     for a, v in (out.get("arms") or {}).items()},
            "cost_note": "every cost here is simulated (scripted model, list prices): nothing was billed",
-           "next": (f"python3 agentbench.py run --study {where}" if out["ok"] else report)}
+           "next": (report if not out["ok"] else f"python3 agentbench.py rehearse --study {where}"
+                    if out.get("partial") else f"python3 agentbench.py run --study {where}")}
     if not out["ok"]:
         return 2, {**out, "error": f"the rehearsal did not pass: {len(out['problems'])} problem(s)",
                    "code": "rehearsal_failed",
