@@ -13225,47 +13225,6 @@ def run_audit(run: dict) -> dict:
 # summary keeps these tuples in place of the records (cheap to store and to parse), and every
 # figure below adds them up.  No other function of the report reads a run record.
 
-class RunFacts(NamedTuple):
-    """What the report (and the power plan, and `demo`) need of one run record, each value
-    derived the way the report counts it.  Built by run_facts only; a JSON array in the runs
-    summary, so every field is a JSON value (lists, never tuples)."""
-    run_id: Any
-    arm: str                      # str() of the record's arm ("None" when it names none)
-    arm_given: bool               # the record names an arm
-    task: Any                     # as recorded (the excluded-runs list shows it so)
-    task_key: str                 # "(none)" or str(task): what the report groups by
-    repeat: Any
-    split: Any
-    status: Any
-    outcome: Any
-    validity: Any
-    validity_reason: Any
-    evaluated: bool               # the record has an evaluation object
-    success: bool
-    score: float | None           # float(score) when it is a number: the mean score
-    score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
-    tests_passed: int
-    tests_total: int
-    cost_raw: float | None        # cost_usd when a finite number (the power plan prices from it)
-    cost: float                   # float(cost_usd or 0): what the cost sums add
-    cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
-    cost_estimated: bool
-    tokens: dict[str, Any] | None  # the numeric token counts, by type, in the record's order
-    wall_s: float | None
-    gate_cycles: int
-    review_verdicts: list | None
-    failure_reason: Any
-    audit: list | None            # [flagged, {group: findings}] (run_audit); None: not audited
-    snapshots: list | None        # the evaluation's graded snapshots
-    rehearsal: bool
-    launch: list | None           # [model, effort] of the provenance's launch
-    complete: bool                # status, provenance and evaluation all present
-    sandboxed: bool
-    sandbox: dict | None          # a finished run's sandbox when the report notes it, else None
-    delivery: list | None         # [not delivered, {setting: verdict}, [mcp, subagent, skill,
-                                  #  hooks], models served] of the delivery check
-
-
 def _int_or_zero(value: Any) -> int:
     """int(value or 0), and 0 for what int() refuses or for a count no float holds exactly (past
     2**53): a count read from a record."""
@@ -13334,63 +13293,41 @@ def _delivery_fact(d: Any) -> list | None:
     return [missed, settings, counts, models]
 
 
-def run_facts(rec: Mapping[str, Any]) -> RunFacts:
-    """The report's facts of one run record (pure)."""
-    ev = rec.get("evaluation")
-    evaluated = isinstance(ev, dict)
-    score = ev.get("score") if evaluated else None
-    tokens = rec.get("tokens")
-    tokens = ({k: v for k, v in tokens.items()
-               if isinstance(v, (int, float)) and _float_or(v, None) is not None}
-              if isinstance(tokens, dict) else {})
-    wall = rec.get("wall_s")
-    verdicts = rec.get("review_verdicts")
-    audit = run_audit(rec)
-    snapshots = [s for s in _as_list(ev.get("snapshots")) if isinstance(s, dict)
-                 and isinstance(s.get("t"), (int, float)) and _float_or(s.get("t"), None) is not None
-                 and _float_or(s.get("score") or 0, None) is not None] if evaluated else None
-    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
-    launch = prov.get("launch")
-    task = rec.get("task")
-    cost = rec.get("cost_usd")
-    return RunFacts(
-        run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
-        task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
-        split=rec.get("split"), status=rec.get("status"), outcome=rec.get("outcome"),
-        validity=rec.get("validity"),
-        validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
-        else None,
-        evaluated=evaluated, success=evaluated and bool(ev.get("success")),
-        score=_float_or(score, None) if isinstance(score, (int, float)) else None,
-        score_checked=run_score(dict(rec)) if evaluated else None,
-        tests_passed=_int_or_zero(ev.get("tests_passed")) if evaluated else 0,
-        tests_total=_int_or_zero(ev.get("tests_total")) if evaluated else 0,
-        cost_raw=finite_number(cost), cost=_float_or(cost or 0.0, 0.0),
-        cost_checked=usd_from(cost, hi=_FACT_NUMBER_MAX), cost_estimated=bool(rec.get("cost_estimated")),
-        tokens=tokens or None,
-        wall_s=_float_or(wall, None) if isinstance(wall, (int, float)) else None,
-        gate_cycles=_int_or_zero(rec.get("gate_cycles")),
-        review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
-        failure_reason=rec.get("failure_reason"),
-        audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
-        snapshots=snapshots or None,
-        rehearsal=bool(prov.get("rehearsal")),
-        launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
-        complete=bool(rec.get("status") and rec.get("provenance") and ev),
-        sandboxed=bool((rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}).get("sandboxed")),
-        sandbox=_sandbox_fact(rec), delivery=_delivery_fact(rec.get("delivery")))
+class _CoreFacts(NamedTuple):
+    """The facts of a run that the census reads itself (its population, its task, its outcome...);
+    RunFacts adds the declared figures (RUN_FIGURES) after them."""
+    run_id: Any
+    arm: str                      # str() of the record's arm ("None" when it names none)
+    arm_given: bool               # the record names an arm
+    task: Any                     # as recorded (the excluded-runs list shows it so)
+    task_key: str                 # "(none)" or str(task): what the report groups by
+    repeat: Any
+    split: Any
+    status: Any
+    outcome: Any
+    validity: Any
+    validity_reason: Any
+    evaluated: bool               # the record has an evaluation object
+    success: bool
+    score: float | None           # float(score) when it is a number: the mean score
+    score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
+    cost_raw: float | None        # cost_usd when a finite number (the power plan prices from it)
+    cost: float                   # float(cost_usd or 0): what the cost sums add
+    cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
+    cost_estimated: bool
+    review_verdicts: list | None
+    failure_reason: Any
+    audit: list | None            # [flagged, {group: findings}] (run_audit); None: not audited
+    snapshots: list | None        # the evaluation's graded snapshots
+    rehearsal: bool
+    launch: list | None           # [model, effort] of the provenance's launch
+    complete: bool                # status, provenance and evaluation all present
+    sandboxed: bool
+    sandbox: dict | None          # a finished run's sandbox when the report notes it, else None
+    delivery: list | None         # [not delivered, {setting: verdict}, [mcp, subagent, skill,
+                                  #  hooks], models served] of the delivery check
 
 
-#: Fields of a RunFacts, in order (a runs summary line of another length is stale).
-RUN_FACTS_FIELDS = RunFacts._fields
-
-
-# -- Report: the runs added up, once ---------------------------------------------------------------
-# One pass over the facts, in run order, adds every run to its arm's tally in its population (kept,
-# or excluded by its validity label) and to that tally's cell for its task.  The figures of a view
-# come from these tallies: the view with exclusions applied reads the kept ones, the view with
-# every run merges both.  Counts whose order the notes show keep where each key was first seen, so
-# a merged tally lists them as one pass over all the runs would.
 
 def _tally_inc(counter: dict[str, list[Any]], key: Any, pos: Any, by: int = 1) -> None:
     """Count `key` (as _rpt_inc names it) in an ordered counter: key -> [count, first position]."""
@@ -13421,6 +13358,185 @@ def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
     return {k: v[0] for k, v in sorted(counter.items(), key=lambda kv: kv[1][1])}
 
 
+# -- Report: the per-run figures, declared once ----------------------------------------------------
+# A figure the report adds up per arm is one entry of RUN_FIGURES: its name (a field of RunFacts, so
+# a column of the runs summary), how it is read from a run record, the types that reading gives
+# (the summary believes nothing else), which runs of an arm add it and how (_FIGURE_ADDS), and
+# where and how it shows in the per-arm figures.  A new figure is one entry plus its rendering (a
+# column of the Markdown and HTML tables, where it should show there).
+
+def _add_sum(acc: Any, value: Any, pos: int) -> Any:
+    return acc + value
+
+
+def _add_value(acc: list, value: Any, pos: int) -> list:
+    if value is not None:
+        acc.append(value)
+    return acc
+
+
+def _add_count(acc: dict, value: Any, pos: int) -> dict:
+    acc[value] = acc.get(value, 0) + 1
+    return acc
+
+
+def _add_keyed(acc: dict[str, list[Any]], value: Any, pos: int) -> dict[str, list[Any]]:
+    """A run's {key: number} added key by key, each key at its first position (run, place in it)."""
+    if value:
+        for j, (key, x) in enumerate(value.items()):
+            have = acc.get(key)
+            if have is None:
+                acc[key] = [0 + x, (pos, j)]
+            else:
+                have[0] += x
+    return acc
+
+
+def _merge_counts(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for value, n in b.items():
+        out[value] = out.get(value, 0) + n
+    return out
+
+
+#: How an arm adds a figure up: a fresh total, one run's value added (at its position in run order),
+#: and two totals merged (the view with every run merges its kept and excluded runs).
+_FIGURE_ADDS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any, int], Any],
+                              Callable[[Any, Any], Any]]] = {
+    "sum": (int, _add_sum, operator.add),                 # numbers added (ints: exact)
+    "values": (list, _add_value, operator.add),           # the values, None left out, in run order
+    "count": (dict, _add_count, _merge_counts),           # how many runs had each value
+    "keyed": (dict, _add_keyed, _tally_merge),            # dicts added key by key, first-seen order
+}
+
+
+class RunFigure(NamedTuple):
+    """One per-run figure of the report (see RUN_FIGURES)."""
+    name: str                                     # its RunFacts field
+    read: Callable[[Mapping[str, Any]], Any]      # its value of a run record (pure, never raises)
+    types: tuple[type, ...]                       # the types `read` gives, through JSON
+    runs: str                                     # which runs add it: "all", or "started" ones
+    add: str                                      # how they add up: a key of _FIGURE_ADDS
+    key: str                                      # its key in the per-arm figures
+    after: str                                    # the per-arm key it follows there
+    show: Callable[[Any], Any]                    # its per-arm value, of the arm's total
+
+
+def _evaluation_count(name: str) -> Callable[[Mapping[str, Any]], int]:
+    def read(rec: Mapping[str, Any]) -> int:
+        ev = rec.get("evaluation")
+        return _int_or_zero(ev.get(name)) if isinstance(ev, dict) else 0
+    return read
+
+
+def _tokens_fact(rec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The numeric token counts, by type, in the record's order (None: none)."""
+    tokens = rec.get("tokens")
+    tokens = ({k: v for k, v in tokens.items()
+               if isinstance(v, (int, float)) and _float_or(v, None) is not None}
+              if isinstance(tokens, dict) else {})
+    return tokens or None
+
+
+def _wall_fact(rec: Mapping[str, Any]) -> float | None:
+    wall = rec.get("wall_s")
+    return _float_or(wall, None) if isinstance(wall, (int, float)) else None
+
+
+def _token_totals(counts: dict[str, list[Any]]) -> dict[str, Any]:
+    """Tokens summed by type, and their `total` (input, output, cache write and read)."""
+    tokens = _tally_counts(counts)
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    return tokens
+
+
+def _gate_cycles(cycles: dict[int, int]) -> dict:
+    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
+    n = sum(cycles.values())
+    total = sum(c * k for c, k in cycles.items())
+    return {"total": total, "mean": float(total) / n if n else None,
+            "max": max(cycles) if cycles else None,
+            "distribution": {str(c): cycles[c] for c in sorted(cycles)}}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_NONE_TYPE = type(None)
+#: The report's per-run figures that an arm adds up (see the block's comment).
+RUN_FIGURES: tuple[RunFigure, ...] = (
+    RunFigure("tests_passed", _evaluation_count("tests_passed"), (int,), "all", "sum",
+              "tests_passed", "mean_score", _same),
+    RunFigure("tests_total", _evaluation_count("tests_total"), (int,), "all", "sum",
+              "tests_total", "tests_passed", _same),
+    RunFigure("tokens", _tokens_fact, (dict, _NONE_TYPE), "all", "keyed",
+              "tokens", "cost_excluded_usd", _token_totals),
+    RunFigure("wall_s", _wall_fact, (float, _NONE_TYPE), "started", "values",
+              "median_wall_s", "tokens", median),
+    RunFigure("gate_cycles", lambda rec: _int_or_zero(rec.get("gate_cycles")), (int,), "started", "count",
+              "gate_cycles", "median_wall_s", _gate_cycles),
+)
+assert all(f.add in _FIGURE_ADDS and f.runs in ("all", "started") for f in RUN_FIGURES)
+
+RunFacts = NamedTuple("RunFacts", [*_CoreFacts.__annotations__.items(),
+                                   *((f.name, Any) for f in RUN_FIGURES)])
+RunFacts.__doc__ = """What the report (and the power plan, and `demo`) need of one run record, each value
+derived the way the report counts it: the census's own facts (_CoreFacts), then the declared
+figures (RUN_FIGURES).  Built by run_facts only; a JSON array in the runs summary, so every field
+is a JSON value (lists, never tuples)."""
+
+
+def run_facts(rec: Mapping[str, Any]) -> RunFacts:
+    """The report's facts of one run record (pure)."""
+    ev = rec.get("evaluation")
+    evaluated = isinstance(ev, dict)
+    score = ev.get("score") if evaluated else None
+    verdicts = rec.get("review_verdicts")
+    audit = run_audit(rec)
+    snapshots = [s for s in _as_list(ev.get("snapshots")) if isinstance(s, dict)
+                 and isinstance(s.get("t"), (int, float)) and _float_or(s.get("t"), None) is not None
+                 and _float_or(s.get("score") or 0, None) is not None] if evaluated else None
+    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
+    launch = prov.get("launch")
+    task = rec.get("task")
+    cost = rec.get("cost_usd")
+    return RunFacts(
+        run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
+        task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
+        split=rec.get("split"), status=rec.get("status"), outcome=rec.get("outcome"),
+        validity=rec.get("validity"),
+        validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
+        else None,
+        evaluated=evaluated, success=evaluated and bool(ev.get("success")),
+        score=_float_or(score, None) if isinstance(score, (int, float)) else None,
+        score_checked=run_score(dict(rec)) if evaluated else None,
+        cost_raw=finite_number(cost), cost=_float_or(cost or 0.0, 0.0),
+        cost_checked=usd_from(cost, hi=_FACT_NUMBER_MAX), cost_estimated=bool(rec.get("cost_estimated")),
+        review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
+        failure_reason=rec.get("failure_reason"),
+        audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
+        snapshots=snapshots or None,
+        rehearsal=bool(prov.get("rehearsal")),
+        launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
+        complete=bool(rec.get("status") and rec.get("provenance") and ev),
+        sandboxed=bool((rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}).get("sandboxed")),
+        sandbox=_sandbox_fact(rec), delivery=_delivery_fact(rec.get("delivery")),
+        **{f.name: f.read(rec) for f in RUN_FIGURES})
+
+
+#: Fields of a RunFacts, in order (a runs summary line of another length is stale).
+RUN_FACTS_FIELDS = RunFacts._fields
+
+
+# -- Report: the runs added up, once ---------------------------------------------------------------
+# One pass over the facts, in run order, adds every run to its arm's tally in its population (kept,
+# or excluded by its validity label) and to that tally's cell for its task.  The figures of a view
+# come from these tallies: the view with exclusions applied reads the kept ones, the view with
+# every run merges both.  Counts whose order the notes show keep where each key was first seen, so
+# a merged tally lists them as one pass over all the runs would.
+
 class _TaskCell:
     """One arm's runs of one task in one population."""
     __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
@@ -13450,13 +13566,13 @@ class _TaskCell:
 class _ArmTally:
     """One arm's runs in one population, added up in run order (see _rpt_tally)."""
     __slots__ = ("runs", "not_started", "running", "started", "not_evaluated", "causes", "outcomes",
-                 "est_costs", "walls", "tests_passed", "tests_total", "errors", "interrupted",
-                 "budget_exhausted", "timeouts", "tokens", "cycles", "verdicts_all", "verdicts_final",
-                 "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks")
+                 "est_costs", "errors", "interrupted", "budget_exhausted", "timeouts", "verdicts_all",
+                 "verdicts_final", "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks",
+                 "figures")
 
     def __init__(self) -> None:
         self.runs = self.not_started = self.running = self.started = self.not_evaluated = 0
-        self.tests_passed = self.tests_total = self.errors = self.interrupted = 0
+        self.errors = self.interrupted = 0
         self.budget_exhausted = self.timeouts = self.flagged = self.flagged_successes = self.ended = 0
         self.causes: dict[str, list[int]] = {}
         self.outcomes: dict[str, list[int]] = {}
@@ -13464,25 +13580,21 @@ class _ArmTally:
         self.verdicts_final: dict[str, list[int]] = {}
         self.reasons: dict[str, list[int]] = {}
         self.labels: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[Any]] = {}
-        self.cycles: dict[int, int] = {}
         self.est_costs: list[float] = []
-        self.walls: list[float] = []
         self.tasks: dict[str, _TaskCell] = {}
+        # Each declared figure's total (RUN_FIGURES), by name.
+        self.figures: dict[str, Any] = {f.name: _FIGURE_ADDS[f.add][0]() for f in RUN_FIGURES}
 
     def merged(self, other: _ArmTally) -> _ArmTally:
         out = _ArmTally()
-        for name in ("runs", "not_started", "running", "started", "not_evaluated", "tests_passed",
-                     "tests_total", "errors", "interrupted", "budget_exhausted", "timeouts", "flagged",
-                     "flagged_successes", "ended"):
+        for name in ("runs", "not_started", "running", "started", "not_evaluated", "errors",
+                     "interrupted", "budget_exhausted", "timeouts", "flagged", "flagged_successes", "ended"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        for name in ("causes", "outcomes", "verdicts_all", "verdicts_final", "reasons", "labels",
-                     "tokens"):
+        for name in ("causes", "outcomes", "verdicts_all", "verdicts_final", "reasons", "labels"):
             setattr(out, name, _tally_merge(getattr(self, name), getattr(other, name)))
-        out.cycles = dict(self.cycles)
-        for c, n in other.cycles.items():
-            out.cycles[c] = out.cycles.get(c, 0) + n
-        out.est_costs, out.walls = self.est_costs + other.est_costs, self.walls + other.walls
+        out.figures = {f.name: _FIGURE_ADDS[f.add][2](self.figures[f.name], other.figures[f.name])
+                       for f in RUN_FIGURES}
+        out.est_costs = self.est_costs + other.est_costs
         out.tasks = dict(self.tasks)
         for task, cell in other.tasks.items():
             mine = out.tasks.get(task)
@@ -13493,9 +13605,12 @@ class _ArmTally:
 #: The facts _rpt_census reads of a run, in the order it unpacks them: one C call per run.
 _CENSUS_FACTS = operator.itemgetter(*(RUN_FACTS_FIELDS.index(name) for name in (
     "arm", "task_key", "status", "outcome", "validity", "evaluated", "success", "score", "score_checked",
-    "tests_passed", "tests_total", "cost", "cost_checked", "cost_estimated", "tokens", "wall_s",
-    "gate_cycles", "review_verdicts", "failure_reason", "audit", "sandbox", "rehearsal", "snapshots",
-    "delivery", "launch")))
+    "cost", "cost_checked", "cost_estimated", "review_verdicts", "failure_reason", "audit", "sandbox",
+    "rehearsal", "snapshots", "delivery", "launch")))
+#: Each declared figure as the census adds it: (its position in RunFacts, its name, whether only
+#: started runs add it, how a run's value is added).
+_FIGURE_STEPS = tuple((RUN_FACTS_FIELDS.index(f.name), f.name, f.runs == "started", _FIGURE_ADDS[f.add][1])
+                      for f in RUN_FIGURES)
 
 
 class _RunCensus:
@@ -13531,9 +13646,9 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
     excluded_labels = REPORT_EXCLUDED_VALIDITY
     add_cost, add_reasons = census.costs.append, census.unboxed_reasons.update
     for pos, f in enumerate(known):
-        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, tests_passed,
-         tests_total, cost, cost_checked, cost_estimated, tokens, wall_s, gate_cycles, verdicts,
-         failure_reason, audit, sandbox, rehearsal, snapshots, delivery, launch) = _CENSUS_FACTS(f)
+        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, cost,
+         cost_checked, cost_estimated, verdicts, failure_reason, audit, sandbox, rehearsal, snapshots,
+         delivery, launch) = _CENSUS_FACTS(f)
         excluded = validity in excluded_labels
         t = tallies.get((arm, excluded))
         if t is None:
@@ -13556,10 +13671,6 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 t.outcomes[key] = [1, pos]
             else:
                 have[0] += 1
-            if wall_s is not None:
-                t.walls.append(wall_s)
-            cycles = t.cycles
-            cycles[gate_cycles] = cycles.get(gate_cycles, 0) + 1
             if verdicts:
                 for j, v in enumerate(verdicts):
                     _tally_inc(t.verdicts_all, v, (pos, j))   # several in one run: in their order
@@ -13582,8 +13693,6 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 cell.scores.append(score)
             if score_checked is not None:
                 cell.paired_scores.append(score_checked)
-            t.tests_passed += tests_passed
-            t.tests_total += tests_total
             if flagged:
                 cell.flagged_evaluated += 1
         if not pending:
@@ -13611,14 +13720,10 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 t.timeouts += 1
         if cost_estimated:
             t.est_costs.append(cost)
-        if tokens:
-            counts = t.tokens
-            for k, v in tokens.items():
-                have = counts.get(k)
-                if have is None:
-                    counts[k] = [0 + v, (pos, list(tokens).index(k))]
-                else:
-                    have[0] += v
+        figures = t.figures
+        for k, name, started_only, add in _FIGURE_STEPS:
+            if not started_only or status != "not_started":
+                figures[name] = add(figures[name], f[k], pos)
         if flagged:
             t.flagged += 1
             t.flagged_successes += success
@@ -13668,21 +13773,24 @@ def _rpt_task_rates(t: _ArmTally) -> list[float]:
     return [c.successes / c.evaluated for _, c in sorted(t.tasks.items()) if c.evaluated]
 
 
-def _rpt_token_totals(t: _ArmTally) -> dict[str, Any]:
-    """Tokens summed by type, and their `total` (input, output, cache write and read)."""
-    tokens = _tally_counts(t.tokens)
-    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
-                                                                "cache_creation", "cache_read"))
-    return tokens
+def _rpt_placed(stats: dict[str, Any], t: _ArmTally) -> dict[str, Any]:
+    """The per-arm figures `stats` with each declared figure (RUN_FIGURES) of the tally `t` shown
+    after the key it names (at the end when that key is not there)."""
+    after: dict[str, list[RunFigure]] = {}
+    for fig in RUN_FIGURES:
+        after.setdefault(fig.after, []).append(fig)
+    out: dict[str, Any] = {}
 
-
-def _rpt_gate_cycles(t: _ArmTally) -> dict:
-    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
-    n = sum(t.cycles.values())
-    total = sum(c * k for c, k in t.cycles.items())
-    return {"total": total, "mean": float(total) / n if n else None,
-            "max": max(t.cycles) if t.cycles else None,
-            "distribution": {str(c): t.cycles[c] for c in sorted(t.cycles)}}
+    def put(key: str, value: Any) -> None:
+        out[key] = value
+        for fig in after.pop(key, ()):
+            put(fig.key, fig.show(t.figures[fig.name]))
+    for key, value in stats.items():
+        put(key, value)
+    for figs in list(after.values()):
+        for fig in figs:
+            put(fig.key, fig.show(t.figures[fig.name]))
+    return out
 
 
 def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int = 10000) -> dict:
@@ -13705,7 +13813,7 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
     cost = math.fsum(itertools.chain.from_iterable(c.costs for c in cells))
     # Conservative view: every ended run counts; one without an evaluation counts as a failure.
     n_ended = n_eval + t.not_evaluated
-    return {
+    return _rpt_placed({
         "runs": t.runs + left_out.runs,
         "in_view": t.runs,
         "excluded": left_out.runs,
@@ -13730,8 +13838,6 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
         "timeouts": t.timeouts,
         "outcomes": _tally_counts(t.outcomes),
         "mean_score": mean(itertools.chain.from_iterable(c.scores for c in cells)),
-        "tests_passed": t.tests_passed,
-        "tests_total": t.tests_total,
         "cost_usd": cost,
         "cost_estimated_usd": math.fsum(t.est_costs),
         "cost_estimated_runs": len(t.est_costs),
@@ -13739,12 +13845,9 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
         "cost_per_success_usd": cost / successes if successes else None,
         "cost_excluded_usd": math.fsum(itertools.chain.from_iterable(
             c.costs for c in left_out.tasks.values())),
-        "tokens": _rpt_token_totals(t),
-        "median_wall_s": median(t.walls),
-        "gate_cycles": _rpt_gate_cycles(t),
         "review_verdicts": {"all": _tally_counts(t.verdicts_all), "final": _tally_counts(t.verdicts_final)},
         "failure_reasons": _tally_counts(t.reasons),
-    }
+    }, t)
 
 
 _NO_CELL = _TaskCell()
@@ -17270,12 +17373,12 @@ _NONE = type(None)
 #: The types run_facts gives each field (through JSON); a field not named here may be any value.
 _FACT_TYPES = {
     "arm": (str,), "arm_given": (bool,), "task_key": (str,), "evaluated": (bool,), "success": (bool,),
-    "score": (float, _NONE), "score_checked": (float, _NONE), "tests_passed": (int,), "tests_total": (int,),
+    "score": (float, _NONE), "score_checked": (float, _NONE),
     "cost_raw": (float, _NONE), "cost": (float,), "cost_checked": (float, _NONE), "cost_estimated": (bool,),
-    "tokens": (dict, _NONE), "wall_s": (float, _NONE), "gate_cycles": (int,),
     "review_verdicts": (list, _NONE),
     "audit": (list, _NONE), "snapshots": (list, _NONE), "rehearsal": (bool,), "launch": (list, _NONE),
     "complete": (bool,), "sandboxed": (bool,), "sandbox": (dict, _NONE), "delivery": (list, _NONE),
+    **{f.name: f.types for f in RUN_FIGURES},
 }
 #: Each field's types, by position in a summary line: (position, frozenset of types).
 _LINE_TYPES = tuple((3 + k, frozenset(_FACT_TYPES[f])) for k, f in enumerate(RUN_FACTS_FIELDS)

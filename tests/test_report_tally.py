@@ -44,8 +44,9 @@ def reference_tally(known):
                 t.running += 1
             ab._tally_inc(t.outcomes, outcome, pos)
             if f.wall_s is not None:
-                t.walls.append(f.wall_s)
-            t.cycles[f.gate_cycles] = t.cycles.get(f.gate_cycles, 0) + 1
+                t.figures["wall_s"].append(f.wall_s)
+            cycles = t.figures["gate_cycles"]
+            cycles[f.gate_cycles] = cycles.get(f.gate_cycles, 0) + 1
             if f.review_verdicts:
                 for j, v in enumerate(f.review_verdicts):
                     ab._tally_inc(t.verdicts_all, v, (pos, j))
@@ -60,8 +61,8 @@ def reference_tally(known):
                 cell.scores.append(f.score)
             if f.score_checked is not None:
                 cell.paired_scores.append(f.score_checked)
-            t.tests_passed += f.tests_passed
-            t.tests_total += f.tests_total
+            t.figures["tests_passed"] += f.tests_passed
+            t.figures["tests_total"] += f.tests_total
             if flagged:
                 cell.flagged_evaluated += 1
         if not pending:
@@ -87,7 +88,7 @@ def reference_tally(known):
         if f.cost_estimated:
             t.est_costs.append(f.cost)
         if f.tokens:
-            tokens = t.tokens
+            tokens = t.figures["tokens"]
             for j, (k, v) in enumerate(f.tokens.items()):
                 have = tokens.get(k)
                 if have is None:
@@ -280,8 +281,8 @@ def test_tally_table():
     b = tallies[("B", False)]
     assert (b.errors, b.timeouts, b.not_evaluated) == (1, 1, 2)
     assert ab._tally_counts(b.causes) == {"error": 1, "timeout": 1}
-    assert ab._tally_counts(b.tokens) == {"output": 2, "input": 4, "cache_read": 4}
-    assert b.tokens["cache_read"][1] == (5, 1)        # first seen: run 5, its second key
+    assert ab._tally_counts(b.figures["tokens"]) == {"output": 2, "input": 4, "cache_read": 4}
+    assert b.figures["tokens"]["cache_read"][1] == (5, 1)        # first seen: run 5, its second key
 
 
 # -- Exact sums and means ---------------------------------------------------------------------------
@@ -378,3 +379,18 @@ def test_census_gives_what_the_passes_it_replaces_gave(seed, n, p_odd):
     assert ab.report_delivery(census.delivered, arms) == ab.report_delivery(known, arms)
     assert ab.snapshot_curve(census.snapshotted, arms) == ab.snapshot_curve(
         [f for f in known if f.validity not in ab.REPORT_EXCLUDED_VALIDITY], arms)
+
+
+def test_each_declared_figure_is_a_fact_a_summary_type_and_a_per_arm_figure_in_its_place():
+    """RUN_FIGURES is the one place a per-run figure is declared: it is a field of RunFacts (so a
+    column of the runs summary, type-checked there), added up per arm and shown after its anchor."""
+    runs, arms = generated_runs(3, 120, 0.5)
+    rep = ab.report_of_facts([ab.run_facts(r) for r in runs], arms, seed=3)
+    for fig in ab.RUN_FIGURES:
+        assert fig.name in ab.RUN_FACTS_FIELDS and ab._FACT_TYPES[fig.name] == fig.types
+        for stats in rep["per_arm"].values():
+            keys = list(stats)
+            assert keys[keys.index(fig.key) - 1] == fig.after
+    a = rep["per_arm"][arms[0]]
+    assert a["tests_total"] == sum(ab.run_facts(r).tests_total for r in runs
+                                   if r.get("arm") == arms[0] and r.get("validity") not in ab.REPORT_EXCLUDED_VALIDITY)

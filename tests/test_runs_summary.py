@@ -281,10 +281,10 @@ def test_the_stamps_are_in_run_id_order_whatever_the_names_sort_as(tmp_path):
 REPORT_SECTIONS = ("Statistics", "The report: what each arm did", "Rendering: Markdown and HTML")
 #: Names the report sections give a run record.
 RUN_NAMES = {"r", "run", "rec"}
-#: The functions of the report sections that read a run record: run_facts and its parts, and the
-#: per-record checks the run pages use.
+#: The functions of the report sections that read a run record: run_facts and its parts (the
+#: declared figures' readers among them), and the per-record checks the run pages use.
 RECORD_READERS = {"run_facts", "_sandbox_fact", "run_audit", "run_score", "run_cost", "run_excluded",
-                  "run_evaluated", "run_succeeded"}
+                  "run_evaluated", "run_succeeded", "_evaluation_count", "_tokens_fact", "_wall_fact"}
 
 
 def record_reads(text: str) -> dict[str, set[str]]:
