@@ -18544,7 +18544,8 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 # eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
 # trajectory (the Agent Trajectory Interchange Format of Harbor), its runs as CSV (one row a run),
 # and Harbor task directories imported as task bundles; and the plain views peers' users reach
-# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).  What a session produced is hostile input here: streams and prompts are
+# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).
+# What a session produced is hostile input here: streams and prompts are
 # read size-capped, never through a link, garbage lines counted and skipped, every number checked.
 # Must not start sessions or checks or change a study: an export only reads the study, and an import
 # writes only new task bundles (calibrate then proves them).
@@ -20764,7 +20765,8 @@ def _show_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="the run id (see `list --all`)")
 
 
-@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions", mutating=False)
+@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
+         mutating=False)
 @args_of(_show_args)
 def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
