@@ -18625,7 +18625,8 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     sessions = [{k: j.get(k) for k in ("job_id", "role", "status", "reason", "cost_usd", "duration_s",
                                        "tool_uses") if j.get(k) is not None}
-                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else []) if isinstance(j, dict)]
+                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else [])
+                if isinstance(j, dict)]
     out = {"run_id": rec.get("run_id"), "task": rec.get("task"), "arm": rec.get("arm"),
            "repeat": rec.get("repeat"), "split": rec.get("split"), "status": rec.get("status"),
            "outcome": rec.get("outcome"), "validity": rec.get("validity"),
