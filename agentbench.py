@@ -136,6 +136,7 @@ class LazyModule:
 
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
+csv: Any = LazyModule("csv")
 difflib: Any = LazyModule("difflib")
 hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
@@ -19176,8 +19177,10 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 # ==================================================================================================
 # Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
 # eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
-# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
-# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# trajectory (the Agent Trajectory Interchange Format of Harbor), its runs as CSV (one row a run),
+# and Harbor task directories imported as task bundles; and the plain views peers' users reach
+# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).
+# What a session produced is hostile input here: streams and prompts are
 # read size-capped, never through a link, garbage lines counted and skipped, every number checked.
 # Must not start sessions or checks or change a study: an export only reads the study, and an import
 # writes only new task bundles (calibrate then proves them).
@@ -19196,7 +19199,122 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
-EXPORT_FORMATS = ("inspect", "atif")
+EXPORT_FORMATS = ("inspect", "atif", "csv")
+
+#: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
+RUNS_CSV_COLUMNS = ("run_id", "task", "arm", "repeat", "split", "status", "outcome", "validity",
+                    "validity_reason", "evaluated", "success", "score", "tests_passed", "tests_total",
+                    "cost_usd", "cost_estimated", "wall_s", "gate_cycles", "failure_reason", "flagged",
+                    "rehearsal", "model", "effort")
+
+
+def csv_cell(value: Any) -> str:
+    """One CSV cell: booleans as true/false, nothing as empty, and a text a spreadsheet would run
+    as a formula (starting with = + - @, a tab or a carriage return) quoted with a leading ' (pure)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    text = str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def runs_csv_rows(facts: Iterable["RunFacts"]) -> list[list[str]]:
+    """The rows of `export --format csv` (pure): a header of RUNS_CSV_COLUMNS, then one row a run."""
+    rows = [list(RUNS_CSV_COLUMNS)]
+    for f in facts:
+        launch = f.launch if isinstance(f.launch, list) else [None, None]
+        row = {"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat, "split": f.split,
+               "status": f.status, "outcome": f.outcome, "validity": f.validity,
+               "validity_reason": f.validity_reason, "evaluated": f.evaluated,
+               "success": f.success if f.evaluated else None, "score": f.score if f.evaluated else None,
+               "tests_passed": f.tests_passed if f.evaluated else None,
+               "tests_total": f.tests_total if f.evaluated else None, "cost_usd": f.cost_raw,
+               "cost_estimated": f.cost_estimated, "wall_s": f.wall_s, "gate_cycles": f.gate_cycles,
+               "failure_reason": f.failure_reason,
+               "flagged": bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
+               "rehearsal": f.rehearsal, "model": launch[0] if launch else None,
+               "effort": launch[1] if len(launch) > 1 else None}
+        rows.append([csv_cell(row[c]) for c in RUNS_CSV_COLUMNS])
+    return rows
+
+
+def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
+    facts = report_runs(paths, write=False)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    path = out / "runs.csv"
+    write_text_atomic(path, buf.getvalue())
+    return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
+            "columns": list(RUNS_CSV_COLUMNS)}
+
+
+def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """`show --run`: one run's summary from its record (pure): what it was, how it ended, its
+    score and the checks that failed, its cost, its sessions and what the audit flagged."""
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else None
+    audit = run_audit(dict(rec))
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    sessions = [{k: j.get(k) for k in ("job_id", "role", "status", "reason", "cost_usd", "duration_s",
+                                       "tool_uses") if j.get(k) is not None}
+                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else [])
+                if isinstance(j, dict)]
+    out = {"run_id": rec.get("run_id"), "task": rec.get("task"), "arm": rec.get("arm"),
+           "repeat": rec.get("repeat"), "split": rec.get("split"), "status": rec.get("status"),
+           "outcome": rec.get("outcome"), "validity": rec.get("validity"),
+           "validity_reason": rec.get("validity_reason"), "success": run_succeeded(dict(rec)) if ev else None,
+           "score": run_score(dict(rec)) if ev else None,
+           "tests": f"{ev.get('tests_passed')}/{ev.get('tests_total')}"
+           if ev and ev.get("tests_total") is not None else None,
+           "failed_checks": failed_checks(ev.get("checks")) if ev else [],
+           "grader_error": ev.get("grader_error") if ev else None,
+           "cost_usd": run_cost(dict(rec)), "cost_estimated": bool(rec.get("cost_estimated")),
+           "wall_s": rec.get("wall_s"), "gate_cycles": rec.get("gate_cycles"),
+           "failure_reason": rec.get("failure_reason"), "error": rec.get("error"),
+           "flagged": audit["flagged"] if audit["audited"] else None,
+           "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
+           if isinstance(findings, list) else [],
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+#: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
+COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
+COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+
+
+def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """`compare`: two (or more) studies' reports side by side (pure).  They must have the same
+    tasks and arms, and the same baseline, or the figures would not be of the same thing; each
+    arm's primary figures and each comparison's estimate, interval, p and Holm p, by study."""
+    first_name, first = named[0]
+    for name, rep in named[1:]:
+        for key in ("arms", "baseline", "tasks"):
+            a, b = first.get(key), rep.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise AgentbenchError(f"the studies differ in their {key}: nothing to set side by side",
+                                      code="compare_studies_differ", key=key,
+                                      studies={first_name: a, name: b},
+                                      hint="compare studies of the same tasks and arms (e.g. a study and "
+                                           "its copy run with another claude version)")
+    arms = list(first.get("arms") or [])
+    per_arm = {a: {name: {k: ((rep.get("per_arm") or {}).get(a) or {}).get(k) for k in COMPARE_ARM_KEYS}
+                   for name, rep in named} for a in arms}
+    comparisons: dict[str, Any] = {}
+    for a in arms:
+        if a == first.get("baseline"):
+            continue
+        comparisons[a] = {}
+        for name, rep in named:
+            c = (rep.get("comparisons") or {}).get(a) or {}
+            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
+                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+    return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
+            "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 
 
 def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
@@ -19912,6 +20030,8 @@ def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
                               hint="export to a directory outside <study>/state and <study>/runs")
     study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "csv":
+        return export_runs_csv(study.paths, out)
     return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
 
 
@@ -21218,40 +21338,46 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                         "makes the analysis exploratory)")
 
 
-@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
-@args_of(_report_args)
-def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
+def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`)."""
     arms = list((cfg.get("arms") or {}).keys())
-    if args.baseline and args.baseline not in arms:
+    if baseline and baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=args.baseline, arms=arms)
+                              baseline=baseline, arms=arms)
     plan, plan_source = analysis_plan_of_study(paths)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if args.seed is not None:
-        seed = args.seed
+    if seed_arg is not None:
+        seed = seed_arg
     elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
         seed = plan_seed
     else:
         seed = int(cfg.get("seed") or 0)
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages below read the records themselves.
+    # every record's stamp).  The run pages read the records themselves.
     stamps = run_record_stamps(paths)
-    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source])
     cached = read_report_cache(paths, key)
     if cached is not None:
-        report, any_started = cached["report"], cached["any_started"]
-    else:
-        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-        with gc_paused():
-            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source)
-        any_started = any(f.status not in (None, "not_started") for f in runs)
-        if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-            write_report_cache(paths, key, report, any_started)
+        return cached["report"], cached["any_started"]
+    runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
+@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
+@args_of(_report_args)
+def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -21302,6 +21428,46 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
+
+
+def _show_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", required=True, help="the run id (see `list --all`)")
+
+
+@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
+         mutating=False)
+@args_of(_show_args)
+def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    out = run_overview(load_run(paths, checked_id("run", args.run)))
+    where = shlex.quote(str(paths.root))
+    out["pages"] = f"python3 agentbench.py report --study {where} --format html --out {where}/report/"
+    return out
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", action="append", required=True,
+                   help="a study directory (give two, or more: the first is the reference)")
+    p.add_argument("--baseline", help="compare every arm with this one (default: each study's plan's)")
+
+
+@command("compare", "two studies of the same tasks and arms: their primary figures side by side",
+         mutating=False)
+@args_of(_compare_args)
+def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if len(args.study) < 2:
+        raise AgentbenchError("compare needs two studies", code="compare_needs_two_studies",
+                              flag="--study", hint="compare --study A --study B")
+    named = []
+    for raw in args.study:
+        paths = ctx.study(argparse.Namespace(study=raw))
+        report, _ = study_report(ctx, paths, load_study_config(paths), args.baseline, None)
+        named.append((str(paths.root), report))
+    if len({n for n, _ in named}) < len(named):
+        raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
+                              studies=[n for n, _ in named])
+    return compare_reports(named)
 
 
 # -- rehearse and demo -----------------------------------------------------------------------------
@@ -21464,7 +21630,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _export_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
-                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
+                        "csv: runs.csv, one row a run")
     p.add_argument("--out", required=True, help="directory to write into (made if missing)")
 
 
