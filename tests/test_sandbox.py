@@ -47,11 +47,14 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
                           ro=("/srv/study/state/pristine/t/gate",), rw=("/srv/study/runs/r1/workspace", "/home/u/.claude"),
                           cwd="/srv/study/runs/r1/workspace")
     assert ab.sandbox_mounts(plan) == [
-        ("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp"), ("--symlink", "usr/bin", "/bin"),
+        # every tmpfs sized: /tmp at the default, a hiding one at a token size
+        ("--dev", "/dev"), ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
+        ("--symlink", "usr/bin", "/bin"),
         # the base, outer directories only ("/" never: the root is bubblewrap's own, empty)
         ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
         # a hide only where a base directory holds it, outer first; "/" never
-        ("--tmpfs", "/etc/ssh"), ("--tmpfs", "/srv/study"),
+        ("--size", str(ab.SANDBOX_HIDE_BYTES), "--tmpfs", "/etc/ssh"),
+        ("--size", str(ab.SANDBOX_HIDE_BYTES), "--tmpfs", "/srv/study"),
         ("--ro-bind", "/dev/null", "/etc/shadow"),   # /opt/elsewhere/secret: in no base, no mask
         # a base directory a hide covered comes back
         ("--ro-bind", "/srv/study/.venv", "/srv/study/.venv"),
@@ -61,11 +64,12 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--remount-ro", "/"),   # the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
-    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
+    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",), tmp_mb=16,
                                    inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
                                    sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
     assert ab.sandbox_mounts(inner)[-5:-1] == [
-        ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
+        ("--bind", "/home/u/.claude", "/home/u/.claude"),
+        ("--size", str(16 * 2 ** 20), "--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
          "/home/u/.claude/projects/-srv-study-runs-r1-workspace"),
         ("--bind", "/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET)]
