@@ -10626,8 +10626,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
-        res = run_command(argv, cwd=cwd, env=(box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap"
-                                              else cenv),
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=cwd, env=outer,
                           timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
         if uses_fd:
             os.close(wfd)
@@ -10701,8 +10701,8 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
                                  seccomp=sfd, container=container, container_base=ref_dir)
         timeout = check_timeout_s(spec, "reference")
-        res = run_command(argv, cwd=ws, env=(box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap"
-                                             else cenv),
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=ws, env=outer,
                           timeout_s=timeout, platform=platform,
                           pass_fds=() if sfd is None else (sfd,))
     finally:

@@ -515,3 +515,23 @@ def test_the_gateway_also_answers_on_its_unix_socket_and_removes_it(tmp_path, lo
     assert not os.path.exists(path) and (near.is_dir() and (long_dir or list(near.iterdir()) == []))
     if long_dir:
         assert not os.path.exists(os.path.dirname(path))
+
+
+@pytest.mark.parametrize("path, why", [
+    ("/s/arm/system.md", None),
+    ("/s/tasks/t/public/notes.md", None),                 # a task's public part may be shown
+    ("/s/tasks/t/public", None),
+    ("/s/tasks/t/oracle/run.py", "hidden"),
+    ("/s/tasks/t/reference", "hidden"),
+    ("/s/tasks/t", "hidden"),
+    ("/s/tasks", "tasks directory"),
+    ("/s/state/registry.json", "state/"),
+    ("/s/runs/r1/workspace", "runs/"),
+    ("/s", "state/"),                                     # the study itself holds all of it
+    ("/elsewhere/x", "outside the study"),
+    ("/root/.ssh", "outside the study"),
+    ("/s/stateful/x", None),                              # a prefix is not a parent
+])
+def test_the_view_rule(path, why):
+    got = ab.view_refusal(path, study="/s", tasks="/s/tasks")
+    assert (got is None) if why is None else (got is not None and why in got), got
