@@ -11448,7 +11448,13 @@ class RunPipeline:
     def _event(self, event: str, **fields: Any) -> None:
         append_event(self.paths, event, run_id=self.run_id, **fields)
         if self.opts.progress:
-            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            # Which run this is, in words a person follows: its task, arm and attempt, then the
+            # event's own fields (those without a value left out).
+            about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
+                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+            shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
+            self.opts.progress(f"{self.run_id} {event} "
+                               + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
         """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
@@ -21100,12 +21106,27 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
 
-class Progress:
-    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
+    """The end of a progress line (pure): spend so far, runs left and, once a run has finished in
+    this process, an estimate of the time left at the pace so far."""
+    left = max(0, total - done)
+    out = f" | spent ${spent_usd:.2f} | {left} run{'s' if left != 1 else ''} left"
+    if finished_here and left:
+        eta = elapsed_s / finished_here * left
+        out += f" | about {fmt_secs(eta)} left" if eta >= 1 else ""
+    return out
 
-    def __init__(self, total: int, stream: Any = None):
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise.
+    `done` and `spent_usd` start from what earlier calls finished (a resumed run counts on)."""
+
+    def __init__(self, total: int, stream: Any = None, *, done: int = 0, spent_usd: float = 0.0):
         self.total = total
-        self.done = 0
+        self.done = done
+        self.spent = spent_usd
+        self.finished_here = 0
+        self.started = time.monotonic()
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = 0.0
@@ -21113,11 +21134,18 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
-                    or msg.split(" ")[1:2] == ["error"]):
+            words = msg.split(" ")
+            if (" run_finished " in f" {msg} " or words[1:2] == ["run_finished"]
+                    or words[1:2] == ["error"]):
                 self.done += 1
+                self.finished_here += 1
+            for w in words[2:]:
+                if w.startswith("cost_usd=") and words[1:2] == ["run_finished"]:
+                    with contextlib.suppress(ValueError):
+                        self.spent += finite_number(float(w[len("cost_usd="):]), lo=0.0, hi=1e9) or 0.0
             now = time.monotonic()
-            line = f"[{self.done}/{self.total}] {msg}"
+            line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
+                self.done, self.total, self.spent, self.finished_here, now - self.started)
             try:
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
@@ -21135,8 +21163,21 @@ class Progress:
                 self.stream.write("\n")
 
 
+def progress_start(paths: StudyPaths, ids: Sequence[str]) -> tuple[int, int, float]:
+    """(total, done, spent) a foreground `run` of `ids` starts its progress from: the other runs
+    of the same splits that already ended count as done, and their cost as spent, so that a
+    resumed study counts on instead of starting again at 0."""
+    chosen = set(ids)
+    facts = report_runs(paths, write=False)
+    splits = {f.split for f in facts if f.run_id in chosen}
+    ended = [f for f in facts if f.split in splits and f.status in RUN_FINAL]
+    total = len(chosen | {f.run_id for f in ended})
+    return total, len(ended), math.fsum(f.cost for f in ended)
+
+
 def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
+    total, done, spent = progress_start(study.paths, ids)
+    prog = Progress(total, done=done, spent_usd=spent)
     try:
         return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:
