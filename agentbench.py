@@ -136,6 +136,7 @@ class LazyModule:
 
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
+csv: Any = LazyModule("csv")
 difflib: Any = LazyModule("difflib")
 hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
@@ -4899,6 +4900,35 @@ def container_remove(binary: str, name: str, env: Mapping[str, str]) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return res.returncode != 0
+
+
+#: Run in a task's image by the image check: its python3 (the relay and PID 1 of a session) runs
+#: the bound `claude --version` and prints the answer.
+CONTAINER_IMAGE_CHECK = ("import subprocess, sys; print(subprocess.run([sys.argv[1], '--version'], "
+                         "capture_output=True, text=True).stdout)")
+
+
+def container_image_check(binary: str, kind: str, image: str, claude: str, env: Mapping[str, str],
+                          flags: Sequence[str] = ()) -> tuple[str | None, str | None]:
+    """Does a session's container start from `image`: its python3 runs, and so does `claude` (a
+    resolved native executable) bound in read-only, with no network?  (claude's version inside,
+    None) or (None, the problem)."""
+    name = container_name("check-image", uuid.uuid4().hex[:12])
+    plan = ContainerPlan(runtime=binary, kind=kind, image=image, name=name, workdir="/",
+                         binds=((claude, CONTAINER_CLAUDE, True),), flags=tuple(flags))
+    argv = container_argv(plan, ["python3", "-I", "-S", "-c", CONTAINER_IMAGE_CHECK, CONTAINER_CLAUDE])
+    try:
+        res = subprocess.run(argv, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=CONTAINER_PROBE_TIMEOUT_S * 4)
+    except (OSError, subprocess.SubprocessError) as exc:
+        container_remove(binary, name, env)
+        return None, f"{kind} run cannot start: {exc}"
+    out = res.stdout.decode("utf-8", "replace").strip()
+    if res.returncode != 0 or not out:
+        return None, (f"{kind} run of {image} exited {res.returncode} (the image needs python3, and the "
+                      f"claude binary must run in it): "
+                      + (res.stderr or res.stdout).decode("utf-8", "replace").strip()[-400:])
+    return out.split()[0], None
 
 
 def write_seccomp_profile(directory: str | os.PathLike[str]) -> str | None:
@@ -9994,6 +10024,30 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
             "flags": list(cfg.get("container_flags") or []), "built": built}
 
 
+def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Mapping[str, str],
+                      claude: str) -> dict[str, dict[str, Any]]:
+    """Build (when missing) and check the image of every task that names an environment, before
+    anything is spent: {task: {image, sha256, workdir, runtime, version, claude_inside, built}}.
+    Refused (exit 2, naming the task) when a runtime, an image or the check fails."""
+    out: dict[str, dict[str, Any]] = {}
+    real = os.path.realpath(claude)
+    for t in tasks.values():
+        if t.environment is None:
+            continue
+        ctr = ensure_task_image(t, cfg, env)
+        inside, problem = container_image_check(ctr["binary"], ctr["runtime"], ctr["image"], real, env,
+                                                ctr["flags"])
+        if problem:
+            raise AgentbenchError(f"task {t.id}'s image cannot run a session",
+                                  code="container_image_unusable", task=t.id, image=ctr["image"],
+                                  reason=problem, refusal="environment",
+                                  hint="base the image on a glibc distribution with python3 (the pinned "
+                                       "claude is bound in as a native executable)")
+        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id]["claude_inside"] = inside
+    return out
+
+
 def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
@@ -10919,9 +10973,12 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     if problems and isinstance(lost, list) and lost:
         problems.append("the task was imported and this host lacks what its environment gave it: "
                         + "; ".join(str(x)[:200] for x in lost[:20]))
-    return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
-            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
-            "at": utc_now()}
+    out = {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
+           "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
+           "at": utc_now()}
+    if task.environment is not None:   # the image its checks ran in, by its build context's hash
+        out["environment"] = {k: task.environment.get(k) for k in ("image", "sha256", "workdir")}
+    return out
 
 
 def calibration_to_reuse(given: Mapping[str, Any] | None,
@@ -11008,14 +11065,18 @@ def arm_changes(registered: Mapping[str, Any], spec: LaunchSpec) -> dict[str, An
 
 def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
                    plan: Mapping[str, Any] | None = None,
-                   arms: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+                   arms: Mapping[str, Mapping[str, Any]] | None = None,
+                   environments: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
     """The manifest file: the runs, and what `assign` fixed before any run -- the analysis plan
-    (see analysis_plan) and each arm's launch (manifest_arm)."""
+    (see analysis_plan), each arm's launch (manifest_arm) and each task environment's image and
+    hash (only when a task names one)."""
     doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
     if plan is not None:
         doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
     if arms is not None:
         doc["arms"] = dict(arms)
+    if environments:
+        doc["environments"] = dict(environments)
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
@@ -11598,7 +11659,13 @@ class RunPipeline:
     def _event(self, event: str, **fields: Any) -> None:
         append_event(self.paths, event, run_id=self.run_id, **fields)
         if self.opts.progress:
-            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            # Which run this is, in words a person follows: its task, arm and attempt, then the
+            # event's own fields (those without a value left out).
+            about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
+                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+            shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
+            self.opts.progress(f"{self.run_id} {event} "
+                               + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
         """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
@@ -17893,6 +17960,9 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
         raise AgentbenchError("unknown arm", code="unknown_arm", arms=unknown_arms, known=list(arms))
     if only_arms:
         arms = {k: v for k, v in arms.items() if k in only_arms}
+    # Every task's image is built and started once before anything else runs.
+    images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
+        if any(t.environment is not None for t in tasks.values()) else {}
     partial = bool(only_tasks or only_arms or limit)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
@@ -17987,7 +18057,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
-              "breaker": breaker, "gateway": proof}
+              "breaker": breaker, "gateway": proof, "environments": images}
     if partial:
         # A part says nothing of the runs left out: it is not the study's rehearsal.
         return {**record, "paused": driven["paused"], "partial": True,
@@ -18935,7 +19005,9 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     # baseline, every other arm is compared with it (see analysis_plan).
     plan = analysis_plan(list(arms), list(arms)[0], seed)
     registered = {a: manifest_arm(arm.launch) for a, arm in arms.items()}
-    data = manifest_bytes(manifest, seed, split, plan, registered)
+    environments = {t.id: {k: t.environment.get(k) for k in ("image", "sha256", "workdir")}
+                    for t in tasks.values() if t.environment is not None}
+    data = manifest_bytes(manifest, seed, split, plan, registered, environments)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -19262,8 +19334,10 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 # ==================================================================================================
 # Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
 # eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
-# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
-# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# trajectory (the Agent Trajectory Interchange Format of Harbor), its runs as CSV (one row a run),
+# and Harbor task directories imported as task bundles; and the plain views peers' users reach
+# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).
+# What a session produced is hostile input here: streams and prompts are
 # read size-capped, never through a link, garbage lines counted and skipped, every number checked.
 # Must not start sessions or checks or change a study: an export only reads the study, and an import
 # writes only new task bundles (calibrate then proves them).
@@ -19282,7 +19356,122 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
-EXPORT_FORMATS = ("inspect", "atif")
+EXPORT_FORMATS = ("inspect", "atif", "csv")
+
+#: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
+RUNS_CSV_COLUMNS = ("run_id", "task", "arm", "repeat", "split", "status", "outcome", "validity",
+                    "validity_reason", "evaluated", "success", "score", "tests_passed", "tests_total",
+                    "cost_usd", "cost_estimated", "wall_s", "gate_cycles", "failure_reason", "flagged",
+                    "rehearsal", "model", "effort")
+
+
+def csv_cell(value: Any) -> str:
+    """One CSV cell: booleans as true/false, nothing as empty, and a text a spreadsheet would run
+    as a formula (starting with = + - @, a tab or a carriage return) quoted with a leading ' (pure)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    text = str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def runs_csv_rows(facts: Iterable["RunFacts"]) -> list[list[str]]:
+    """The rows of `export --format csv` (pure): a header of RUNS_CSV_COLUMNS, then one row a run."""
+    rows = [list(RUNS_CSV_COLUMNS)]
+    for f in facts:
+        launch = f.launch if isinstance(f.launch, list) else [None, None]
+        row = {"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat, "split": f.split,
+               "status": f.status, "outcome": f.outcome, "validity": f.validity,
+               "validity_reason": f.validity_reason, "evaluated": f.evaluated,
+               "success": f.success if f.evaluated else None, "score": f.score if f.evaluated else None,
+               "tests_passed": f.tests_passed if f.evaluated else None,
+               "tests_total": f.tests_total if f.evaluated else None, "cost_usd": f.cost_raw,
+               "cost_estimated": f.cost_estimated, "wall_s": f.wall_s, "gate_cycles": f.gate_cycles,
+               "failure_reason": f.failure_reason,
+               "flagged": bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
+               "rehearsal": f.rehearsal, "model": launch[0] if launch else None,
+               "effort": launch[1] if len(launch) > 1 else None}
+        rows.append([csv_cell(row[c]) for c in RUNS_CSV_COLUMNS])
+    return rows
+
+
+def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
+    facts = report_runs(paths, write=False)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    path = out / "runs.csv"
+    write_text_atomic(path, buf.getvalue())
+    return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
+            "columns": list(RUNS_CSV_COLUMNS)}
+
+
+def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """`show --run`: one run's summary from its record (pure): what it was, how it ended, its
+    score and the checks that failed, its cost, its sessions and what the audit flagged."""
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else None
+    audit = run_audit(dict(rec))
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    sessions = [{k: j.get(k) for k in ("job_id", "role", "status", "reason", "cost_usd", "duration_s",
+                                       "tool_uses") if j.get(k) is not None}
+                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else [])
+                if isinstance(j, dict)]
+    out = {"run_id": rec.get("run_id"), "task": rec.get("task"), "arm": rec.get("arm"),
+           "repeat": rec.get("repeat"), "split": rec.get("split"), "status": rec.get("status"),
+           "outcome": rec.get("outcome"), "validity": rec.get("validity"),
+           "validity_reason": rec.get("validity_reason"), "success": run_succeeded(dict(rec)) if ev else None,
+           "score": run_score(dict(rec)) if ev else None,
+           "tests": f"{ev.get('tests_passed')}/{ev.get('tests_total')}"
+           if ev and ev.get("tests_total") is not None else None,
+           "failed_checks": failed_checks(ev.get("checks")) if ev else [],
+           "grader_error": ev.get("grader_error") if ev else None,
+           "cost_usd": run_cost(dict(rec)), "cost_estimated": bool(rec.get("cost_estimated")),
+           "wall_s": rec.get("wall_s"), "gate_cycles": rec.get("gate_cycles"),
+           "failure_reason": rec.get("failure_reason"), "error": rec.get("error"),
+           "flagged": audit["flagged"] if audit["audited"] else None,
+           "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
+           if isinstance(findings, list) else [],
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+#: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
+COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
+COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+
+
+def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """`compare`: two (or more) studies' reports side by side (pure).  They must have the same
+    tasks and arms, and the same baseline, or the figures would not be of the same thing; each
+    arm's primary figures and each comparison's estimate, interval, p and Holm p, by study."""
+    first_name, first = named[0]
+    for name, rep in named[1:]:
+        for key in ("arms", "baseline", "tasks"):
+            a, b = first.get(key), rep.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise AgentbenchError(f"the studies differ in their {key}: nothing to set side by side",
+                                      code="compare_studies_differ", key=key,
+                                      studies={first_name: a, name: b},
+                                      hint="compare studies of the same tasks and arms (e.g. a study and "
+                                           "its copy run with another claude version)")
+    arms = list(first.get("arms") or [])
+    per_arm = {a: {name: {k: ((rep.get("per_arm") or {}).get(a) or {}).get(k) for k in COMPARE_ARM_KEYS}
+                   for name, rep in named} for a in arms}
+    comparisons: dict[str, Any] = {}
+    for a in arms:
+        if a == first.get("baseline"):
+            continue
+        comparisons[a] = {}
+        for name, rep in named:
+            c = (rep.get("comparisons") or {}).get(a) or {}
+            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
+                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+    return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
+            "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 
 
 def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
@@ -19998,6 +20187,8 @@ def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
                               hint="export to a directory outside <study>/state and <study>/runs")
     study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "csv":
+        return export_runs_csv(study.paths, out)
     return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
 
 
@@ -20568,6 +20759,39 @@ def _where_args(p: argparse.ArgumentParser) -> None:
                         "gateway would carry: is it reachable, is the key accepted")
 
 
+def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
+                     warnings: list[str]) -> dict[str, Any] | None:
+    """`where`'s part on task environments (None: no task names one): the runtime, its version,
+    and each task's image, its hash and whether it is on this host.  Nothing is built or started
+    here: `rehearse` builds every image and checks it runs a session before anything is spent."""
+    try:
+        tasks = load_tasks(paths, cfg)
+    except AgentbenchError:
+        return None   # the study's own problem is said elsewhere
+    named = {k: t for k, t in tasks.items() if t.environment is not None}
+    if not named:
+        return None
+    kind = str(cfg.get("container_runtime") or CONTAINER_RUNTIME_DEFAULT)
+    probe = container_probe(kind, ctx.env)
+    if not probe["available"]:
+        warnings.append(f"tasks {', '.join(sorted(named))} name an environment but {kind} cannot run "
+                        f"here: {probe['reason']}")
+    rows = {}
+    for tid, t in named.items():
+        env = dict(t.environment or {})
+        present = (container_image_exists(str(probe["binary"]), env["image"], ctx.env)
+                   if probe["available"] else None)
+        if present is False and env["source"] == "image":
+            warnings.append(f"task {tid}'s image {env['image']} is not on this host (agentbench never pulls)")
+        rows[tid] = {"source": env["source"], "image": env["image"], "sha256": env.get("sha256"),
+                     "workdir": env["workdir"], "present": present}
+        if env.get("dockerfile"):
+            rows[tid]["dockerfile"] = os.path.relpath(env["dockerfile"], t.root)
+    return {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+            "available": probe["available"], "reason": probe["reason"],
+            "flags": list(cfg.get("container_flags") or []), "tasks": rows}
+
+
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
 @args_of(_where_args)
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -20652,6 +20876,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
                "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
                "view": view, "network_open_arms": open_arms}
+    containers = where_containers(ctx, paths, study_cfg, warnings) if study is not None else None
     git = shutil.which("git")
     git_version = None
     if git:
@@ -20685,7 +20910,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT),
                           "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
-            "claude_env": claude_report, "sandbox": sandbox,
+            "claude_env": claude_report, "sandbox": sandbox, "containers": containers,
             "study": study, "warnings": warnings}
     if study_error is not None:
         out.update(error=study_error.payload["error"], code=study_error.payload["code"],
@@ -21131,12 +21356,27 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
 
-class Progress:
-    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
+    """The end of a progress line (pure): spend so far, runs left and, once a run has finished in
+    this process, an estimate of the time left at the pace so far."""
+    left = max(0, total - done)
+    out = f" | spent ${spent_usd:.2f} | {left} run{'s' if left != 1 else ''} left"
+    if finished_here and left:
+        eta = elapsed_s / finished_here * left
+        out += f" | about {fmt_secs(eta)} left" if eta >= 1 else ""
+    return out
 
-    def __init__(self, total: int, stream: Any = None):
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise.
+    `done` and `spent_usd` start from what earlier calls finished (a resumed run counts on)."""
+
+    def __init__(self, total: int, stream: Any = None, *, done: int = 0, spent_usd: float = 0.0):
         self.total = total
-        self.done = 0
+        self.done = done
+        self.spent = spent_usd
+        self.finished_here = 0
+        self.started = time.monotonic()
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = 0.0
@@ -21144,11 +21384,18 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
-                    or msg.split(" ")[1:2] == ["error"]):
+            words = msg.split(" ")
+            if (" run_finished " in f" {msg} " or words[1:2] == ["run_finished"]
+                    or words[1:2] == ["error"]):
                 self.done += 1
+                self.finished_here += 1
+            for w in words[2:]:
+                if w.startswith("cost_usd=") and words[1:2] == ["run_finished"]:
+                    with contextlib.suppress(ValueError):
+                        self.spent += finite_number(float(w[len("cost_usd="):]), lo=0.0, hi=1e9) or 0.0
             now = time.monotonic()
-            line = f"[{self.done}/{self.total}] {msg}"
+            line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
+                self.done, self.total, self.spent, self.finished_here, now - self.started)
             try:
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
@@ -21166,8 +21413,21 @@ class Progress:
                 self.stream.write("\n")
 
 
+def progress_start(paths: StudyPaths, ids: Sequence[str]) -> tuple[int, int, float]:
+    """(total, done, spent) a foreground `run` of `ids` starts its progress from: the other runs
+    of the same splits that already ended count as done, and their cost as spent, so that a
+    resumed study counts on instead of starting again at 0."""
+    chosen = set(ids)
+    facts = report_runs(paths, write=False)
+    splits = {f.split for f in facts if f.run_id in chosen}
+    ended = [f for f in facts if f.split in splits and f.status in RUN_FINAL]
+    total = len(chosen | {f.run_id for f in ended})
+    return total, len(ended), math.fsum(f.cost for f in ended)
+
+
 def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
+    total, done, spent = progress_start(study.paths, ids)
+    prog = Progress(total, done=done, spent_usd=spent)
     try:
         return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:
@@ -21270,40 +21530,46 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                         "makes the analysis exploratory)")
 
 
-@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
-@args_of(_report_args)
-def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
+def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`)."""
     arms = list((cfg.get("arms") or {}).keys())
-    if args.baseline and args.baseline not in arms:
+    if baseline and baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=args.baseline, arms=arms)
+                              baseline=baseline, arms=arms)
     plan, plan_source = analysis_plan_of_study(paths)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if args.seed is not None:
-        seed = args.seed
+    if seed_arg is not None:
+        seed = seed_arg
     elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
         seed = plan_seed
     else:
         seed = int(cfg.get("seed") or 0)
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages below read the records themselves.
+    # every record's stamp).  The run pages read the records themselves.
     stamps = run_record_stamps(paths)
-    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source])
     cached = read_report_cache(paths, key)
     if cached is not None:
-        report, any_started = cached["report"], cached["any_started"]
-    else:
-        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-        with gc_paused():
-            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source)
-        any_started = any(f.status not in (None, "not_started") for f in runs)
-        if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-            write_report_cache(paths, key, report, any_started)
+        return cached["report"], cached["any_started"]
+    runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
+@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
+@args_of(_report_args)
+def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -21354,6 +21620,46 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
+
+
+def _show_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", required=True, help="the run id (see `list --all`)")
+
+
+@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
+         mutating=False)
+@args_of(_show_args)
+def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    out = run_overview(load_run(paths, checked_id("run", args.run)))
+    where = shlex.quote(str(paths.root))
+    out["pages"] = f"python3 agentbench.py report --study {where} --format html --out {where}/report/"
+    return out
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", action="append", required=True,
+                   help="a study directory (give two, or more: the first is the reference)")
+    p.add_argument("--baseline", help="compare every arm with this one (default: each study's plan's)")
+
+
+@command("compare", "two studies of the same tasks and arms: their primary figures side by side",
+         mutating=False)
+@args_of(_compare_args)
+def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if len(args.study) < 2:
+        raise AgentbenchError("compare needs two studies", code="compare_needs_two_studies",
+                              flag="--study", hint="compare --study A --study B")
+    named = []
+    for raw in args.study:
+        paths = ctx.study(argparse.Namespace(study=raw))
+        report, _ = study_report(ctx, paths, load_study_config(paths), args.baseline, None)
+        named.append((str(paths.root), report))
+    if len({n for n, _ in named}) < len(named):
+        raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
+                              studies=[n for n, _ in named])
+    return compare_reports(named)
 
 
 # -- rehearse and demo -----------------------------------------------------------------------------
@@ -21516,7 +21822,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _export_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
-                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
+                        "csv: runs.csv, one row a run")
     p.add_argument("--out", required=True, help="directory to write into (made if missing)")
 
 
