@@ -25,6 +25,7 @@ Sections, strictly bottom-up:
     Executors: where a job's supervisor runs (local, Slurm)
     Env scrub
     The sandbox
+    Task environments: containers
     Stream and usage
     Study configuration
     The metering gateway
@@ -135,6 +136,7 @@ class LazyModule:
 
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
+csv: Any = LazyModule("csv")
 difflib: Any = LazyModule("difflib")
 hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
@@ -4280,19 +4282,26 @@ def sandbox_record(decision: Mapping[str, Any], network: str | None = None,
             "seccomp": sc["arch"], "seccomp_reason": sc["reason"]}
 
 
+#: The record kinds of a sandboxed launch: bubblewrap, or a task's container (see "Task
+#: environments: containers", which gives the same guarantees).
+SANDBOX_BOXED_KINDS = ("bwrap", "container")
+
+
 def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
     """A run's sandbox from its sessions' and checks' records (pure): sandboxed only when every
-    one of them ran under bubblewrap (a record missing counts as not sandboxed); the networks they
+    one of them ran under bubblewrap or in a task's container (a record missing counts as not
+    sandboxed); the networks they
     had, and why any sandboxed one had the host's."""
     recs = [r or {} for r in records]
     kinds = sorted({str(r.get("kind") or "unknown") for r in recs})
-    reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") != "bwrap" and r.get("reason")})
+    boxed = SANDBOX_BOXED_KINDS
+    reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") not in boxed and r.get("reason")})
     networks = sorted({str(r.get("network") or "unknown") for r in recs})
     opened = sorted({str(r["network_reason"]) for r in recs
-                     if r.get("kind") == "bwrap" and r.get("network") == "open" and r.get("network_reason")})
+                     if r.get("kind") in boxed and r.get("network") == "open" and r.get("network_reason")})
     unfiltered = sorted({str(r.get("seccomp_reason") or "no filter recorded") for r in recs
-                         if r.get("kind") == "bwrap" and not r.get("seccomp")})
-    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons,
+                         if r.get("kind") in boxed and not r.get("seccomp")})
+    return {"sandboxed": bool(recs) and set(kinds) <= set(boxed), "kinds": kinds, "reasons": reasons,
             "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
@@ -4485,6 +4494,326 @@ def read_receipt_pipe(rfd: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
+
+
+# ==================================================================================================
+# Task environments: containers
+# ==================================================================================================
+# Owns: a task's `environment` (an image by name, or a Dockerfile built once per content hash and
+# tagged by that hash), the study settings' values `container_runtime` ("podman" | "docker", found
+# on PATH) and `container_flags`, the runtime's probe (its version), the image's existence and
+# build (never a pull of an image that exists locally), and the pure builder of every container
+# launch: a ContainerPlan (binds, sized tmpfs, network, seccomp profile, user namespace, the env
+# names passed) becomes the runtime's `run` argv (container_argv); a session's and a check's plan
+# (container_session_plan, container_check_plan); the seccomp profile as JSON, from the same
+# denial list as bubblewrap's filter; the PID-1 shim (relay to the gateway socket, signals
+# forwarded, every process of the container gone when `claude` exits); a container's removal.
+# Must not: start sessions or checks itself (the supervisor and the check runner do), read a
+# study's registry, or put a value of the environment into an argv (variables pass by name; only
+# the fixed in-container paths are written out).
+
+CONTAINER_RUNTIMES = ("podman", "docker")
+CONTAINER_RUNTIME_DEFAULT = "podman"
+#: A task's `environment`: exactly one of image / dockerfile, and optionally its workdir.
+ENVIRONMENT_KEYS = ("image", "dockerfile", "workdir")
+ENVIRONMENT_WORKDIR_DEFAULT = "/app"
+#: Images built from a task's Dockerfile: this name, tagged by the build context's hash.
+CONTAINER_BUILT_REPO = "localhost/agentbench-env"
+CONTAINER_PROBE_TIMEOUT_S = 30.0
+CONTAINER_BUILD_TIMEOUT_S = 1800.0
+CONTAINER_REMOVE_TIMEOUT_S = 60.0
+#: Where agentbench's own paths appear inside a container (a tmpfs /run holds them).
+CONTAINER_AB_DIR = "/run/agentbench"
+CONTAINER_CLAUDE = CONTAINER_AB_DIR + "/claude"
+CONTAINER_HOME = CONTAINER_AB_DIR + "/home"
+CONTAINER_CONFIG = CONTAINER_AB_DIR + "/config"
+CONTAINER_SECCOMP_FILE = "seccomp.json"
+#: The only writable places of a container besides its binds: sized tmpfs mounts (MB).  The image's
+#: own root is read-only.
+CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
+#: Options of every container: removed when it exits, no capabilities, no privilege gain, a
+#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
+                            "--read-only")
+#: Variables of `claude`'s environment whose host value means nothing inside: set to the
+#: container's own paths, or left to the image (PATH).
+CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
+                        "AGENTBENCH_CLAUDE_BIN", "TMP", "TEMP", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def environment_problem(env_spec: Any) -> str | None:
+    """Why a task's `environment` cannot be used, or None (pure): {"image": NAME} or
+    {"dockerfile": PATH} (relative, inside the task), optionally "workdir" (absolute)."""
+    if not isinstance(env_spec, dict) or set(env_spec) - set(ENVIRONMENT_KEYS):
+        return ("environment must be an object with image or dockerfile, and optionally workdir "
+                f"({env_spec!r:.100})")
+    if ("image" in env_spec) == ("dockerfile" in env_spec):
+        return "environment names exactly one of image and dockerfile"
+    if "image" in env_spec:
+        img = env_spec["image"]
+        if not isinstance(img, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}", img):
+            return f"environment.image {img!r:.100} is not an image name"
+    else:
+        df = env_spec["dockerfile"]
+        if (not isinstance(df, str) or not df or df.startswith("/") or ".." in df.split("/")
+                or posixpath.normpath(df) != df):
+            return f"environment.dockerfile {df!r:.100} is not a relative path inside the task"
+    wd = env_spec.get("workdir", ENVIRONMENT_WORKDIR_DEFAULT)
+    if (not isinstance(wd, str) or not wd.startswith("/") or wd == "/" or posixpath.normpath(wd) != wd
+            or not re.fullmatch(r"[A-Za-z0-9_./-]{1,200}", wd)
+            or (wd + "/").startswith(CONTAINER_AB_DIR + "/")
+            or any(wd == r for r in CONTAINER_RESERVED)):
+        return f"environment.workdir {wd!r:.100} is not an absolute path of its own (not a system directory)"
+    return None
+
+
+def built_image_tag(context_sha256: str) -> str:
+    """The tag of an image built from a Dockerfile whose build context hashes to this (pure)."""
+    return f"{CONTAINER_BUILT_REPO}:{context_sha256[:32]}"
+
+
+def container_flags_problem(flags: Any) -> str | None:
+    """Why a study's container_flags cannot be used, or None (pure): a list of option strings."""
+    if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("-") for f in flags):
+        return "container_flags must be a list of option strings, each starting with '-'"
+    return None
+
+
+def container_seccomp_profile(arch: str) -> dict[str, Any]:
+    """The runtime's seccomp profile (OCI/libseccomp JSON) for `arch` (pure): the calls bubblewrap's
+    filter denies (SECCOMP_DENIED) fail with EPERM, everything else of this architecture is
+    allowed; no other architecture is listed, so its calls get libseccomp's bad-architecture action."""
+    names = {"x86_64": "SCMP_ARCH_X86_64", "aarch64": "SCMP_ARCH_AARCH64"}
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": [names[arch]],
+            "syscalls": [{"names": list(SECCOMP_DENIED), "action": "SCMP_ACT_ERRNO",
+                          "errnoRet": errno.EPERM}]}
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """One container launch: what it runs from, what it sees and what it may reach.
+
+    image: the local image (never pulled).  name: the container's name (removed by it).
+    binds: (host path, path inside, read_only) rows; tmpfs: (path inside, MB) rows.
+    env_set: variables written into the argv (only the fixed in-container paths: never a secret);
+    env_pass: names whose values the runtime takes from its own environment.
+    network: "none" (own namespace, loopback only) or "open" (the host's).
+    seccomp: the host path of the profile (None: the runtime's default, recorded).
+    own_userns: a user namespace mapping only the caller's uid and gid (podman; docker's is the
+    daemon's).  preserve_fds: descriptors 3..N+2 passed in (podman's receipt channel).
+    interactive: stdin attached.  flags: the study's container_flags, given before the image."""
+    runtime: str
+    kind: str
+    image: str
+    name: str
+    workdir: str
+    binds: tuple[tuple[str, str, bool], ...] = ()
+    tmpfs: tuple[tuple[str, int], ...] = CONTAINER_TMPFS_MB
+    env_set: tuple[tuple[str, str], ...] = ()
+    env_pass: tuple[str, ...] = ()
+    network: str = "none"
+    seccomp: str | None = None
+    own_userns: bool = True
+    preserve_fds: int = 0
+    interactive: bool = False
+    flags: tuple[str, ...] = ()
+
+
+def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
+    """The runtime's `run` command for `plan` (pure)."""
+    if plan.kind not in CONTAINER_RUNTIMES:
+        raise ValueError(f"unknown container runtime {plan.kind!r}")
+    if plan.network not in SANDBOX_NETWORKS:
+        raise ValueError(f"unknown container network {plan.network!r}")
+    out = [plan.runtime, "run", *CONTAINER_COMMON_OPTIONS, "--name", plan.name]
+    if plan.kind == "podman":
+        out.append("--read-only-tmpfs=false")   # podman's own unsized /tmp, /run...: only ours
+    if plan.interactive:
+        out.append("-i")
+    out.append("--network=none" if plan.network == "none" else "--network=host")
+    if plan.seccomp:
+        out.append(f"--security-opt=seccomp={plan.seccomp}")
+    if plan.own_userns and plan.kind == "podman":
+        uid, gid = (os.getuid(), os.getgid()) if hasattr(os, "getuid") else (0, 0)
+        # Rootful: the caller's own ids; rootless podman's ids are already its user namespace's.
+        uid, gid = (uid, gid) if uid == 0 else (0, 0)
+        out += [f"--uidmap=0:{uid}:1", f"--gidmap=0:{gid}:1"]
+    if plan.preserve_fds and plan.kind == "podman":
+        out.append(f"--preserve-fds={int(plan.preserve_fds)}")
+    for dest, mb in plan.tmpfs:
+        out += ["--tmpfs", f"{dest}:rw,nosuid,nodev,size={int(mb)}m"]
+    for src, dest, ro in plan.binds:
+        out += ["--mount", f"type=bind,src={src},dst={dest}" + (",ro" if ro else "")]
+    for key, value in plan.env_set:
+        out += ["--env", f"{key}={value}"]
+    for key in plan.env_pass:
+        out += ["--env", key]
+    out += ["--workdir", plan.workdir, *plan.flags, plan.image]
+    return out + list(argv)
+
+
+#: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
+#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
+#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
+#: exits so does it, which ends the container's pid namespace and every process in it.
+CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
+    "pid = os.fork()",
+    "if pid == 0:",
+    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
+    "    signal.signal(s, lambda n, f: os.kill(pid, n))",
+    "while True:",
+    "    try: w, st = os.wait()",
+    "    except ChildProcessError: os._exit(1)",
+    "    if w == pid: break",
+    "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+
+
+def container_session_plan(base: ContainerPlan, *, workspace: str, private_home: str, project_dir: str,
+                           project_name: str, claude: str, ro: Sequence[str], gateway_socket: str | None,
+                           env: Mapping[str, str]) -> ContainerPlan:
+    """A session's plan (pure): `claude` (resolved) read-only at CONTAINER_CLAUDE, the workspace at
+    the workdir, the private HOME, this session's transcript directory inside the (tmpfs) config
+    dir as `project_name` (the name `claude` gives the workdir's transcripts), the job's prompt and
+    MCP files read-only at their own paths, the gateway's socket; `env`'s variables passed by name
+    except CONTAINER_ENV_INSIDE."""
+    inner_project = posixpath.join(CONTAINER_CONFIG, "projects", project_name)
+    binds = [(claude, CONTAINER_CLAUDE, True), (workspace, base.workdir, False),
+             (private_home, CONTAINER_HOME, False), (project_dir, inner_project, False)]
+    binds += [(p, p, True) for p in ro]
+    if gateway_socket:
+        binds.append((gateway_socket, SANDBOX_GATEWAY_SOCKET, False))
+    env_set = (("HOME", CONTAINER_HOME), ("CLAUDE_CONFIG_DIR", CONTAINER_CONFIG), ("TMPDIR", "/tmp"),
+               ("PYTHONDONTWRITEBYTECODE", "1"))
+    passed = tuple(sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
+                          and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)))
+    return dataclasses.replace(base, binds=tuple(binds), env_set=env_set, env_pass=passed, interactive=True,
+                               network="none" if gateway_socket else base.network)
+
+
+#: The receipt channel's descriptor inside a check's container (the runtime passes 3 onwards).
+CONTAINER_RECEIPT_FD = 3
+#: Runs the runtime with the receipt channel (argv[1], a descriptor of this process) as
+#: descriptor CONTAINER_RECEIPT_FD, which podman passes into the container (--preserve-fds=1).
+CONTAINER_FD_SHIM = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.execvp(sys.argv[2], sys.argv[2:])"
+
+
+def container_check_plan(base: ContainerPlan, *, workspace: str, ro: Sequence[str],
+                         rows: Sequence[tuple[str, str, str]] = (), receipt: bool = False) -> ContainerPlan:
+    """A check's (or reference script's) plan (pure): the workspace (or the oracle's copy) at the
+    workdir read-write, its pristine check directories read-only at their own paths, a check's
+    container rows (container_rows: "bind"/"ro-bind"/"tmpfs"), no network; with a receipt
+    channel, descriptor CONTAINER_RECEIPT_FD passed in."""
+    binds = [(workspace, base.workdir, False)] + [(p, p, True) for p in ro]
+    tmpfs = list(base.tmpfs)
+    for op, src, dest in rows:
+        if dest == base.workdir:
+            continue
+        if op == "tmpfs":
+            tmpfs.append((dest, 256))
+        else:
+            binds.append((src, dest, op == "ro-bind"))
+    return dataclasses.replace(base, binds=tuple(binds), tmpfs=tuple(tmpfs), network="none",
+                               env_set=(("TMPDIR", "/tmp"), ("PYTHONDONTWRITEBYTECODE", "1")),
+                               preserve_fds=1 if receipt else 0)
+
+
+def container_name(purpose: str, ident: str) -> str:
+    """A container's name: agentbench, what it is for, and whose (a job id, a check's own id) (pure)."""
+    return "agentbench-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{purpose}-{ident}")[:100]
+
+
+_CONTAINER_PROBES: dict[str, dict[str, Any]] = {}
+
+
+def container_probe(kind: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Is this runtime here, and which version?  {"kind", "binary", "version", "available",
+    "reason"}; run once per process per binary (a PATH without it answers at once)."""
+    binary = shutil.which(kind, path=env.get("PATH"))
+    if not binary:
+        package = "podman" if kind == "podman" else "docker.io"
+        return {"kind": kind, "binary": None, "version": None, "available": False,
+                "reason": f"{kind} is not on PATH (Debian/Ubuntu package: {package})"}
+    key = f"{binary}\0{env.get('CONTAINERS_CONF', '')}\0{env.get('DOCKER_HOST', '')}"
+    if key not in _CONTAINER_PROBES:
+        try:
+            res = subprocess.run([binary, "version", "--format", "{{.Client.Version}}"], env=dict(env),
+                                 stdin=subprocess.DEVNULL, capture_output=True,
+                                 timeout=CONTAINER_PROBE_TIMEOUT_S)
+            out = res.stdout.decode("utf-8", "replace").strip()
+            ok = res.returncode == 0 and bool(out)
+            reason = None if ok else f"{binary} version exited {res.returncode}: " + \
+                res.stderr.decode("utf-8", "replace").strip()[-300:]
+        except (OSError, subprocess.SubprocessError) as exc:
+            out, ok, reason = "", False, f"{binary} cannot run: {exc}"
+        _CONTAINER_PROBES[key] = {"kind": kind, "binary": binary, "available": ok, "reason": reason,
+                                  "version": out.splitlines()[-1] if ok else None}
+    return dict(_CONTAINER_PROBES[key])
+
+
+def container_runtime_of(cfg: Mapping[str, Any]) -> str:
+    kind = cfg.get("container_runtime") or CONTAINER_RUNTIME_DEFAULT
+    if kind not in CONTAINER_RUNTIMES:
+        raise AgentbenchError("container_runtime must be one of " + ", ".join(CONTAINER_RUNTIMES),
+                              code="bad_container_runtime", file="study.json", key="container_runtime",
+                              value=str(kind)[:100])
+    return str(kind)
+
+
+def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
+    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
+                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    return res.returncode == 0
+
+
+def container_build(binary: str, tag: str, dockerfile: str, context: str,
+                    env: Mapping[str, str]) -> str | None:
+    """Build `dockerfile` in `context` as `tag` (the caller checked it is missing); the problem, or
+    None.  A base image that exists locally is used as it is (the runtime's default pull policy)."""
+    try:
+        res = subprocess.run([binary, "build", "-t", tag, "-f", dockerfile, context], env=dict(env),
+                             stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{binary} build cannot run: {exc}"
+    if res.returncode != 0:
+        return (f"{binary} build exited {res.returncode}: "
+                + (res.stderr or res.stdout).decode("utf-8", "replace").strip()[-600:])
+    return None
+
+
+def container_remove(binary: str, name: str, env: Mapping[str, str]) -> bool:
+    """Remove a container by name, killing what still runs in it; True when none is left."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([binary, "rm", "-f", name], env=dict(env), stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=CONTAINER_REMOVE_TIMEOUT_S)
+    try:
+        res = subprocess.run([binary, "container", "inspect", name], env=dict(env), stdin=subprocess.DEVNULL,
+                             capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return res.returncode != 0
+
+
+def write_seccomp_profile(directory: str | os.PathLike[str]) -> str | None:
+    """This host's profile written into `directory` (its path), or None on a machine without a table."""
+    arch = seccomp_here()["arch"]
+    if arch is None:
+        return None
+    path = os.path.join(os.fspath(directory), CONTAINER_SECCOMP_FILE)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(container_seccomp_profile(arch), fh)
+    return path
+
+
+def container_record(info: Mapping[str, Any], network: str,
+                     network_reason: str | None = None) -> dict[str, Any]:
+    """What a job, check or run records of a container launch (the shape of sandbox_record)."""
+    sc = seccomp_here()
+    return {"mode": "container", "kind": "container", "reason": None, "network": network,
+            "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
+            "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "workdir": info.get("workdir"),
+            "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
 
 # ==================================================================================================
@@ -5343,6 +5672,24 @@ def _check_network_open_arms(v: Any) -> None:
                                    "session's network to its gateway")
 
 
+def _check_container_runtime(v: Any) -> None:
+    if v not in CONTAINER_RUNTIMES:
+        raise AgentbenchError("container_runtime must be one of " + ", ".join(CONTAINER_RUNTIMES),
+                              code="bad_container_runtime", file=STUDY_FILE, key="container_runtime",
+                              value=str(v)[:200], hint='"podman" (default) or "docker", found on PATH')
+
+
+def _check_container_flags(v: Any) -> None:
+    problem = container_flags_problem(v)
+    if problem:
+        raise AgentbenchError(problem, code="bad_container_flags", file=STUDY_FILE, key="container_flags",
+                              value=str(v)[:200],
+                              hint='options of `run`, e.g. "container_flags": '
+                                   '["--security-opt=label=disable"]; '
+                                   "the runtime's own configuration comes from its environment "
+                                   "(CONTAINERS_CONF, DOCKER_HOST)")
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
@@ -5651,6 +5998,11 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("network_open_arms", None, check=_check_network_open_arms,
             help="arms whose sandboxed sessions share the host's network (MCP servers, package "
                  "installs); every other session reaches only its own gateway"),
+    Setting("container_runtime", None, check=_check_container_runtime, flag=str,
+            help="podman (default) or docker: runs the sessions and checks of tasks that name an "
+                 "environment"),
+    Setting("container_flags", None, check=_check_container_flags,
+            help="extra options of every container run (a list), for hosts that need them"),
     Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX,
             f"an integer in 1..{REPEATS_MAX}",
             flag=int, help="runs per task and arm"),
@@ -7321,6 +7673,8 @@ class JobRequest:
     driver: Mapping[str, Any] | None = None
     system_extra: str = ""
     system_prompt: str | None = None
+    #: The task's container (ensure_task_image), or None: bubblewrap as the study says.
+    container: Mapping[str, Any] | None = None
 
 
 def _create_job_files(paths: StudyPaths, job_id: str, req: JobRequest, spec: LaunchSpec,
@@ -8103,6 +8457,8 @@ class Supervisor:
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
+        #: (runtime binary, container name, its environment) of a session in a task's container.
+        self._container: tuple[str, str, dict[str, str]] | None = None
         self._lock = threading.Lock()
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
@@ -8374,6 +8730,9 @@ class Supervisor:
         claude, proc = self._claude, self._proc
         survivors: list[ProcId] = []
         with contextlib.suppress(Exception):
+            if self._container is not None:
+                container_remove(*self._container)
+        with contextlib.suppress(Exception):
             if claude is not None:
                 survivors = self.platform.kill_tree([claude], session_ids=[proc.pid] if proc else [])
         usage = None
@@ -8473,6 +8832,9 @@ class Supervisor:
         env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
         prompt = (jdir / "prompt.txt").read_bytes()
         argv = list(job["argv"])
+        ctr = (job.get("sandbox") or {}).get("container")
+        if ctr:
+            return self._prepare_container(dict(ctr), argv, env, prompt, host)
         try:
             # Decided again where this supervisor runs (a Slurm compute node decides here only).
             sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
@@ -8510,6 +8872,60 @@ class Supervisor:
                                             *((job.get("launch_spec") or {}).get("bind_ro") or [])],
                                         network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
         return argv, env, prompt
+
+    def _prepare_container(self, ctr: dict[str, Any], argv: list[str], env: dict[str, str], prompt: bytes,
+                           host: Mapping[str, str]) -> tuple[list[str], dict[str, str], bytes] | None:
+        """_prepare()'s second half for a task with an environment: `claude` in a container of its
+        image (container_session_plan); the runtime runs with the host's credential-free
+        environment plus the values of the variables passed in by name."""
+        job = self.job
+        jdir = self.paths.job_dir(self.job_id)
+        asked = job.get("sandbox") or {}
+        if self.gateway is None:
+            network, why = session_network([], None, "off")
+        elif asked.get("network") in SESSION_NETWORKS:
+            network, why = str(asked["network"]), asked.get("network_reason")
+        else:
+            network, why = "gateway", None
+        probe = container_probe(str(ctr.get("runtime")), host)
+        found = os.path.realpath(shutil.which(argv[0], path=env.get("PATH")) or argv[0])
+        problem = None if probe["available"] else probe["reason"]
+        if problem is None and (not os.path.isfile(found) or script_interpreter(found, env)):
+            problem = (f"the claude binary {found} is not a native executable: a container binds only the "
+                       "executable itself (the native build of the pinned version)")
+        if problem is None:
+            try:
+                sock = self.gateway.listen_unix(jdir) if network == "gateway" and self.gateway else None
+                seccomp = write_seccomp_profile(jdir)
+                private_home = jdir / "home"
+                project_dir = claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))
+                for d in (private_home, project_dir):
+                    d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = f"cannot prepare the container: {exc}"
+        if problem is not None:
+            if self.gateway is not None:
+                self.gateway.stop(wait_s=0)
+            finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
+                         usage=None, extra={"detail": problem})
+            return None
+        base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
+                             name=container_name("session", self.job_id), workdir=str(ctr["workdir"]),
+                             seccomp=seccomp, flags=tuple(ctr.get("flags") or ()),
+                             network="none" if network == "gateway" else "open")
+        ro = [os.path.realpath(p) for p in [str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                                 *((job.get("launch_spec") or {}).get("bind_ro") or [])] if os.path.exists(p)]
+        plan = container_session_plan(base, workspace=os.path.realpath(job["cwd"]),
+                                      private_home=os.path.realpath(private_home),
+                                      project_dir=os.path.realpath(project_dir),
+                                      project_name=transcript_dir_name(str(ctr["workdir"])),
+                                      claude=found, ro=ro,
+                                      gateway_socket=sock, env=env)
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        self.sandbox = container_record(ctr, network, why)
+        self._container = (str(probe["binary"]), plan.name, dict(host))
+        return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
+                {**host, **{k: env[k] for k in plan.env_pass}}, prompt)
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
         """Start `claude` (inside its sandbox when there is one) with stdout piped to the reader.
@@ -8582,6 +8998,11 @@ class Supervisor:
         stdout pipe open), drain the reader, stop the gateway, and decide whether a session
         that died without a result was killed.  Answers the processes that survived the kill."""
         survivors: list[ProcId] = []
+        if self._container is not None:
+            # A runtime killed before its container ended leaves it running: removed by name.
+            binary, name, cenv = self._container
+            if not container_remove(binary, name, cenv):
+                self.flags.add("container_not_removed")
         roots = [self._claude] if self._claude else []
         if self.subreaper and self.me is not None:
             # Adopted orphans are children of this process now, whatever session they made.
@@ -8895,6 +9316,8 @@ def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | 
     network, why = session_network(list(cfg.get("network_open_arms") or []), req.meta.get("arm"),
                                    launch["gateway"])
     launch["sandbox"] = {**launch["sandbox"], "network": network, "network_reason": why}
+    if req.container:
+        launch["sandbox"]["container"] = dict(req.container)
     env_extra = {**dict(spec.env), **dict(req.env_extra or {})}
     env_all = {**ctx.env, **env_extra}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
@@ -9079,7 +9502,8 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
     spec = job_launch_spec(prev, paths, cfg)
     req = JobRequest(kind=kind, prompt=prompt, cwd=prev["cwd"], limits=limits, session_id=sid, resume=sid,
                      prior=prior, meta=meta, env_extra=dict(prev.get("env_extra") or {}), raw_dir=raw_dir,
-                     driver=driver, system_prompt=system_prompt)
+                     driver=driver, system_prompt=system_prompt,
+                     container=(prev.get("sandbox") or {}).get("container"))
     try:
         return start_job(ctx, paths, req, spec, cfg=cfg)
     except DuplicateRequest as dup:
@@ -9219,7 +9643,7 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 #: The keys task.json may hold besides those: a misspelt one would be ignored, so any other is
 #: refused (keys starting with _ are free, e.g. for a comment).  `not_carried_over` and `harbor`
 #: are written by the Harbor import.
-TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor")
+TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor", "environment")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
@@ -9367,6 +9791,9 @@ class Task:
     reference_spec: dict[str, Any] | None = None
     #: A script reference's effect as an overlay (files it wrote), made for a rehearsal.
     overlay: Path | None = None
+    #: task.json `environment`, resolved (task_environment_info): its image (a Dockerfile's tag by
+    #: its build context's hash), the hash, the workdir.  None: the host's tools under bubblewrap.
+    environment: dict[str, Any] | None = None
 
     @property
     def public(self) -> Path: return self.root / "public"
@@ -9453,6 +9880,73 @@ def task_check_hint(task: "Task", ws: str | os.PathLike[str]) -> str:
     return ""
 
 
+def task_environment_info(tid: str, root: Path, env_spec: Any) -> dict[str, Any]:
+    """A task's `environment`, checked and resolved: {"source": "image" | "dockerfile", "image"
+    (the tag sessions and checks run from), "sha256" (a Dockerfile's build context: the directory
+    holding it, every file), "dockerfile", "context" (absolute), "workdir"}.  Refused (exit 2)
+    when it cannot be used."""
+    problem = environment_problem(env_spec)
+    if problem:
+        raise AgentbenchError(f"task.json environment cannot be used: {problem}",
+                              code="task_environment_invalid", task=tid, path=str(root / "task.json"),
+                              key="environment",
+                              hint='e.g. "environment": {"dockerfile": "environment/Dockerfile", '
+                                   '"workdir": "/app"} or {"image": "localhost/my-image:tag"}')
+    wd = str(env_spec.get("workdir", ENVIRONMENT_WORKDIR_DEFAULT))
+    if "image" in env_spec:
+        return {"source": "image", "image": str(env_spec["image"]), "sha256": None, "workdir": wd}
+    df = root / str(env_spec["dockerfile"])
+    real_root, real_df = os.path.realpath(root), os.path.realpath(df)
+    if not os.path.isfile(real_df) or os.path.commonpath([real_root, real_df]) != real_root:
+        raise AgentbenchError("task.json environment.dockerfile is not a file inside the task",
+                              code="task_environment_invalid", task=tid, path=str(root / "task.json"),
+                              key="environment.dockerfile", dockerfile=str(env_spec["dockerfile"]))
+    context = os.path.dirname(real_df)
+    digest = manifest_sha256({**tree_manifest(context, UNCAPPED), "\0dockerfile": os.path.basename(real_df)})
+    return {"source": "dockerfile", "image": built_image_tag(digest), "sha256": digest,
+            "dockerfile": real_df, "context": context, "workdir": wd}
+
+
+_ENSURED_IMAGES: dict[str, dict[str, Any]] = {}
+
+
+def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """The container a launch of `task` runs in: {"runtime", "binary", "version", "image",
+    "sha256", "workdir", "flags", "built"}; a Dockerfile is built when its tag is missing (once per
+    process and tag), an image by name must exist locally (agentbench never pulls).  Raises
+    (exit 2, refusal "environment") with the reason when the runtime or the image is not there."""
+    info = dict(task.environment or {})
+    kind = container_runtime_of(cfg)
+    probe = container_probe(kind, env)
+    if not probe["available"]:
+        raise AgentbenchError(f"task {task.id} names an environment but the container runtime cannot "
+                              "run here", code="container_runtime_unavailable", task=task.id, runtime=kind,
+                              reason=probe["reason"], refusal="environment",
+                              hint=f"install {kind} (or set container_runtime in study.json), or remove the "
+                                   "task's environment")
+    key = f"{probe['binary']}\0{info['image']}"
+    built = False
+    if key not in _ENSURED_IMAGES:
+        if not container_image_exists(probe["binary"], info["image"], env):
+            if info["source"] != "dockerfile":
+                raise AgentbenchError(f"task {task.id}'s image is not on this host",
+                                      code="container_image_missing", task=task.id, image=info["image"],
+                                      refusal="environment",
+                                      hint=f"pull or build it first ({kind} pull {info['image']}): "
+                                           "agentbench never pulls an image itself")
+            problem = container_build(probe["binary"], info["image"], info["dockerfile"], info["context"],
+                                      env)
+            if problem:
+                raise AgentbenchError(f"task {task.id}'s Dockerfile does not build",
+                                      code="container_build_failed", task=task.id, image=info["image"],
+                                      reason=problem, refusal="environment")
+            built = True
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+    return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
+            "source": info["source"], "workdir": info["workdir"],
+            "flags": list(cfg.get("container_flags") or []), "built": built}
+
+
 def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
@@ -9491,8 +9985,11 @@ def load_task(root: Path) -> Task:
             raise AgentbenchError("task.json names a reference script but the bundle lacks reference/",
                                   code="task_bundle_lacks", task=tid, path=str(root / "reference"))
     bundle = tree_manifest(root, UNCAPPED)
+    environment = None
+    if spec.get("environment") is not None:
+        environment = task_environment_info(tid, root, spec["environment"])
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public", UNCAPPED), ref_spec)
+                tree_manifest(root / "public", UNCAPPED), ref_spec, environment=environment)
 
 
 def task_text(task: Task) -> str:
@@ -9870,9 +10367,10 @@ def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
 
 
 def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str,
-               receipt_fd: str = "<receipt-fd-not-available>") -> list[str]:
-    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} in a check command (pure)."""
-    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable,
+               receipt_fd: str = "<receipt-fd-not-available>", python: str | None = None) -> list[str]:
+    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} in a check command (pure);
+    {python} is this interpreter, or `python` (a container's: the image's python3)."""
+    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": python or sys.executable,
               RECEIPT_FD_PLACEHOLDER: receipt_fd}
     out = []
     for a in cmd:
@@ -9958,6 +10456,37 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
 
 
+def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The container runtime's environment: the caller's, without credentials (a user's
+    CONTAINERS_CONF or DOCKER_HOST reaches it; nothing of it reaches the container)."""
+    return {k: v for k, v in env.items() if not is_credential_var(k)}
+
+
+def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: str, cwd: str,
+                         ro: Sequence[str], container: Mapping[str, Any] | None, container_base: str,
+                         receipt_fd: int, scratch: str,
+                         env: dict[str, str]) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
+    """A check's (or reference script's) command in a fresh container of its task's image, and
+    (runtime, container name, the runtime's environment, the seccomp profile's directory) to remove
+    after it.  A check's container spec (Harbor's /tests, scratch dirs) is made inside it too."""
+    rows = (container_rows(container, workspace=os.path.realpath(cwd), base=os.path.realpath(container_base))
+            if container else [])
+    prof_dir = tempfile.mkdtemp(prefix="ab-seccomp-", dir=scratch)
+    prof = write_seccomp_profile(prof_dir)
+    name = container_name(which, uuid.uuid4().hex[:16])
+    base = ContainerPlan(runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
+                         name=name,
+                         workdir=str(container["workdir"]) if container else str(ctr["workdir"]),
+                         seccomp=prof, flags=tuple(ctr.get("flags") or ()))
+    plan = container_check_plan(base, workspace=os.path.realpath(cwd),
+                                ro=[os.path.realpath(p) for p in ro if os.path.exists(p)],
+                                rows=rows, receipt=receipt_fd >= 0)
+    out = container_argv(plan, argv)
+    if receipt_fd >= 0:
+        out = [sys.executable, "-I", "-S", "-c", CONTAINER_FD_SHIM, str(receipt_fd), *out]
+    return out, (str(ctr["binary"]), name, env, prof_dir)
+
+
 def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, Any]) -> str:
     """Why a command with a container spec cannot run here (pure)."""
     paths = [container["workdir"], *(container.get("ro") or {}), *(container.get("scratch") or [])]
@@ -9990,8 +10519,15 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             raise
     container = spec.get("container")
     cenv, _ = check_env(env)
-    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
-    if container and sandbox["kind"] != "bwrap":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    try:
+        ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sandbox = resolve_sandbox(sandbox_mode_of(study_cfg), cenv) if ctr is None else {"kind": "container"}
+    if container and sandbox["kind"] not in ("bwrap", "container"):
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         rec = receipt_verdict(None, CHECK_CANNOT_RUN_CODES[1], False, which=which)
@@ -10011,10 +10547,21 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
+    box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
     try:
-        argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
-                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
-        if sandbox["kind"] == "bwrap":
+        inner = container["workdir"] if container else (ctr["workdir"] if ctr else cwd)
+        fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
+        argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
+                          oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}))
+        if ctr is not None:
+            if uses_fd and ctr["runtime"] != "podman":
+                raise AgentbenchError("a check's receipt channel ({receipt_fd}) in a container needs podman "
+                                      "(--preserve-fds)", code="receipt_channel_needs_podman", task=task.id)
+            argv, box = container_check_argv(ctr, argv, which=which, cwd=cwd, ro=[gate_dir] + (
+                [oracle_dir] if which == "oracle" else []), container=container,
+                container_base=gate_dir if which == "gate" else oracle_dir, receipt_fd=wfd if uses_fd else -1,
+                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env))
+        elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
@@ -10022,13 +10569,16 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
-        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
-                          pass_fds=fds)
+        res = run_command(argv, cwd=cwd, env=box[2] if box else cenv, timeout_s=check_timeout_s(spec, which),
+                          platform=platform, pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
             channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
+        if box is not None:
+            container_remove(*box[:3])
+            shutil.rmtree(box[3], ignore_errors=True)
         for fd in (rfd, wfd, sfd):
             if fd >= 0:
                 os.close(fd)
@@ -10047,7 +10597,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                             required=spec.get("receipt") == "json")
         rec.update({"receipt_channel": "stdout" if rec.get("receipt") == "json" else "exit_code",
                     "receipt_protected": False})
-    rec["sandbox"] = sandbox_record(sandbox)
+    rec["sandbox"] = container_record(ctr, "none") if ctr is not None else sandbox_record(sandbox)
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
@@ -10072,24 +10622,35 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
     ref_dir = str(pristine_copy(paths, task, "reference"))
     container = spec.get("container")
     cenv, _ = check_env(env)
-    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
-    if container and sandbox["kind"] != "bwrap":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
+    sandbox = resolve_sandbox(sandbox_mode_of(study_cfg), cenv) if ctr is None else {"kind": "container"}
+    if container and sandbox["kind"] not in ("bwrap", "container"):
         return f"the reference script cannot run: {container_unavailable(container, sandbox)}"
+    inner = container["workdir"] if container else (ctr["workdir"] if ctr else ws)
     argv = [a.replace("{reference}", ref_dir) for a in
-            expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
-                       gate="<gate-not-available>", oracle="<oracle-not-available>")]
+            expand_cmd(spec["cmd"], workspace=inner, gate="<gate-not-available>",
+                       oracle="<oracle-not-available>", python="python3" if ctr else None)]
     sfd = seccomp_fd() if sandbox["kind"] == "bwrap" else None
+    box: tuple[str, str, dict[str, str], str] | None = None
     try:
-        if sandbox["kind"] == "bwrap":
+        if ctr is not None:
+            argv, box = container_check_argv(ctr, argv, which="reference", cwd=ws, ro=[ref_dir],
+                                             container=container, container_base=ref_dir, receipt_fd=-1,
+                                             scratch=tempfile.gettempdir(), env=runtime_env(env))
+        elif sandbox["kind"] == "bwrap":
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
                                  seccomp=sfd, container=container, container_base=ref_dir)
         timeout = check_timeout_s(spec, "reference")
-        res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform,
+        res = run_command(argv, cwd=ws, env=box[2] if box else cenv, timeout_s=timeout, platform=platform,
                           pass_fds=() if sfd is None else (sfd,))
     finally:
         if sfd is not None:
             os.close(sfd)
+        if box is not None:
+            container_remove(*box[:3])
+            shutil.rmtree(box[3], ignore_errors=True)
     if res.timed_out:
         return f"the reference script timed out after {timeout:g} s"
     if res.returncode != 0:
@@ -11073,9 +11634,17 @@ class RunPipeline:
                            env_extra=self.opts.env_extra, spec=self.arms[self.rec["arm"]].launch)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
+        task = self.tasks[self.rec["task"]]
+        container = None
+        # The agent's sessions run in the task's container; the reviewer (the instrument, equal
+        # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
+        if task.environment is not None and kind != "reviewer":
+            container = ensure_task_image(task, self.cfg, self.ctx.env)
+            self.rec["environment"] = {k: container[k]
+                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
-                         raw_dir=raw_dir, driver=self.opts.driver)
+                         raw_dir=raw_dir, driver=self.opts.driver, container=container)
         # The reviewer is the instrument, equal across arms: it starts with the study's launch.
         spec = None if kind == "reviewer" else self.arms[self.rec["arm"]].launch
         return start_job(self.ctx, self.paths, req, spec, cfg=self.cfg)
@@ -17127,7 +17696,9 @@ class RehearsalScripts:
         run_id = rec["run_id"]
         task = self.tasks[rec["task"]]
         arm = self.arms[rec["arm"]]
-        ws = str(self.paths.run_dir(run_id) / "workspace")
+        # Where the session sees its workspace: a task's container has it at its workdir.
+        ws = (str(task.environment["workdir"]) if task.environment is not None
+              else str(self.paths.run_dir(run_id) / "workspace"))
         with self.lock:
             if role in self.EXECUTOR_ROLES:
                 sid = f"{run_id}-executor"
@@ -18630,8 +19201,10 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 # ==================================================================================================
 # Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
 # eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
-# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
-# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# trajectory (the Agent Trajectory Interchange Format of Harbor), its runs as CSV (one row a run),
+# and Harbor task directories imported as task bundles; and the plain views peers' users reach
+# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).
+# What a session produced is hostile input here: streams and prompts are
 # read size-capped, never through a link, garbage lines counted and skipped, every number checked.
 # Must not start sessions or checks or change a study: an export only reads the study, and an import
 # writes only new task bundles (calibrate then proves them).
@@ -18650,7 +19223,122 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
-EXPORT_FORMATS = ("inspect", "atif")
+EXPORT_FORMATS = ("inspect", "atif", "csv")
+
+#: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
+RUNS_CSV_COLUMNS = ("run_id", "task", "arm", "repeat", "split", "status", "outcome", "validity",
+                    "validity_reason", "evaluated", "success", "score", "tests_passed", "tests_total",
+                    "cost_usd", "cost_estimated", "wall_s", "gate_cycles", "failure_reason", "flagged",
+                    "rehearsal", "model", "effort")
+
+
+def csv_cell(value: Any) -> str:
+    """One CSV cell: booleans as true/false, nothing as empty, and a text a spreadsheet would run
+    as a formula (starting with = + - @, a tab or a carriage return) quoted with a leading ' (pure)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    text = str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def runs_csv_rows(facts: Iterable["RunFacts"]) -> list[list[str]]:
+    """The rows of `export --format csv` (pure): a header of RUNS_CSV_COLUMNS, then one row a run."""
+    rows = [list(RUNS_CSV_COLUMNS)]
+    for f in facts:
+        launch = f.launch if isinstance(f.launch, list) else [None, None]
+        row = {"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat, "split": f.split,
+               "status": f.status, "outcome": f.outcome, "validity": f.validity,
+               "validity_reason": f.validity_reason, "evaluated": f.evaluated,
+               "success": f.success if f.evaluated else None, "score": f.score if f.evaluated else None,
+               "tests_passed": f.tests_passed if f.evaluated else None,
+               "tests_total": f.tests_total if f.evaluated else None, "cost_usd": f.cost_raw,
+               "cost_estimated": f.cost_estimated, "wall_s": f.wall_s, "gate_cycles": f.gate_cycles,
+               "failure_reason": f.failure_reason,
+               "flagged": bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
+               "rehearsal": f.rehearsal, "model": launch[0] if launch else None,
+               "effort": launch[1] if len(launch) > 1 else None}
+        rows.append([csv_cell(row[c]) for c in RUNS_CSV_COLUMNS])
+    return rows
+
+
+def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
+    facts = report_runs(paths, write=False)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    path = out / "runs.csv"
+    write_text_atomic(path, buf.getvalue())
+    return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
+            "columns": list(RUNS_CSV_COLUMNS)}
+
+
+def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """`show --run`: one run's summary from its record (pure): what it was, how it ended, its
+    score and the checks that failed, its cost, its sessions and what the audit flagged."""
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else None
+    audit = run_audit(dict(rec))
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    sessions = [{k: j.get(k) for k in ("job_id", "role", "status", "reason", "cost_usd", "duration_s",
+                                       "tool_uses") if j.get(k) is not None}
+                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else [])
+                if isinstance(j, dict)]
+    out = {"run_id": rec.get("run_id"), "task": rec.get("task"), "arm": rec.get("arm"),
+           "repeat": rec.get("repeat"), "split": rec.get("split"), "status": rec.get("status"),
+           "outcome": rec.get("outcome"), "validity": rec.get("validity"),
+           "validity_reason": rec.get("validity_reason"), "success": run_succeeded(dict(rec)) if ev else None,
+           "score": run_score(dict(rec)) if ev else None,
+           "tests": f"{ev.get('tests_passed')}/{ev.get('tests_total')}"
+           if ev and ev.get("tests_total") is not None else None,
+           "failed_checks": failed_checks(ev.get("checks")) if ev else [],
+           "grader_error": ev.get("grader_error") if ev else None,
+           "cost_usd": run_cost(dict(rec)), "cost_estimated": bool(rec.get("cost_estimated")),
+           "wall_s": rec.get("wall_s"), "gate_cycles": rec.get("gate_cycles"),
+           "failure_reason": rec.get("failure_reason"), "error": rec.get("error"),
+           "flagged": audit["flagged"] if audit["audited"] else None,
+           "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
+           if isinstance(findings, list) else [],
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+#: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
+COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
+COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+
+
+def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """`compare`: two (or more) studies' reports side by side (pure).  They must have the same
+    tasks and arms, and the same baseline, or the figures would not be of the same thing; each
+    arm's primary figures and each comparison's estimate, interval, p and Holm p, by study."""
+    first_name, first = named[0]
+    for name, rep in named[1:]:
+        for key in ("arms", "baseline", "tasks"):
+            a, b = first.get(key), rep.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise AgentbenchError(f"the studies differ in their {key}: nothing to set side by side",
+                                      code="compare_studies_differ", key=key,
+                                      studies={first_name: a, name: b},
+                                      hint="compare studies of the same tasks and arms (e.g. a study and "
+                                           "its copy run with another claude version)")
+    arms = list(first.get("arms") or [])
+    per_arm = {a: {name: {k: ((rep.get("per_arm") or {}).get(a) or {}).get(k) for k in COMPARE_ARM_KEYS}
+                   for name, rep in named} for a in arms}
+    comparisons: dict[str, Any] = {}
+    for a in arms:
+        if a == first.get("baseline"):
+            continue
+        comparisons[a] = {}
+        for name, rep in named:
+            c = (rep.get("comparisons") or {}).get(a) or {}
+            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
+                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+    return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
+            "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 
 
 def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
@@ -19366,6 +20054,8 @@ def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
                               hint="export to a directory outside <study>/state and <study>/runs")
     study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "csv":
+        return export_runs_csv(study.paths, out)
     return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
 
 
@@ -20638,40 +21328,46 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                         "makes the analysis exploratory)")
 
 
-@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
-@args_of(_report_args)
-def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
-    paths = ctx.study(args)
-    cfg = load_study_config(paths)
+def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`)."""
     arms = list((cfg.get("arms") or {}).keys())
-    if args.baseline and args.baseline not in arms:
+    if baseline and baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=args.baseline, arms=arms)
+                              baseline=baseline, arms=arms)
     plan, plan_source = analysis_plan_of_study(paths)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if args.seed is not None:
-        seed = args.seed
+    if seed_arg is not None:
+        seed = seed_arg
     elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
         seed = plan_seed
     else:
         seed = int(cfg.get("seed") or 0)
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages below read the records themselves.
+    # every record's stamp).  The run pages read the records themselves.
     stamps = run_record_stamps(paths)
-    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source])
     cached = read_report_cache(paths, key)
     if cached is not None:
-        report, any_started = cached["report"], cached["any_started"]
-    else:
-        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-        with gc_paused():
-            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source)
-        any_started = any(f.status not in (None, "not_started") for f in runs)
-        if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-            write_report_cache(paths, key, report, any_started)
+        return cached["report"], cached["any_started"]
+    runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
+@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
+@args_of(_report_args)
+def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    cfg = load_study_config(paths)
+    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -20722,6 +21418,46 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
     return result
+
+
+def _show_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", required=True, help="the run id (see `list --all`)")
+
+
+@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
+         mutating=False)
+@args_of(_show_args)
+def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    out = run_overview(load_run(paths, checked_id("run", args.run)))
+    where = shlex.quote(str(paths.root))
+    out["pages"] = f"python3 agentbench.py report --study {where} --format html --out {where}/report/"
+    return out
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", action="append", required=True,
+                   help="a study directory (give two, or more: the first is the reference)")
+    p.add_argument("--baseline", help="compare every arm with this one (default: each study's plan's)")
+
+
+@command("compare", "two studies of the same tasks and arms: their primary figures side by side",
+         mutating=False)
+@args_of(_compare_args)
+def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if len(args.study) < 2:
+        raise AgentbenchError("compare needs two studies", code="compare_needs_two_studies",
+                              flag="--study", hint="compare --study A --study B")
+    named = []
+    for raw in args.study:
+        paths = ctx.study(argparse.Namespace(study=raw))
+        report, _ = study_report(ctx, paths, load_study_config(paths), args.baseline, None)
+        named.append((str(paths.root), report))
+    if len({n for n, _ in named}) < len(named):
+        raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
+                              studies=[n for n, _ in named])
+    return compare_reports(named)
 
 
 # -- rehearse and demo -----------------------------------------------------------------------------
@@ -20884,7 +21620,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _export_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
-                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
+                        "csv: runs.csv, one row a run")
     p.add_argument("--out", required=True, help="directory to write into (made if missing)")
 
 

@@ -2,6 +2,7 @@
 significance (or lacks power at the planned difference), naming the tasks or repeats that would."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,85 @@ def test_assign_warns_of_low_simulated_power_at_the_planned_difference(tmp_path:
 def test_design_warnings_table(n_tasks, arms, power, expect) -> None:
     got = ab.design_warnings(n_tasks, arms, 2, power)
     assert len(got) == len(expect) and all(e in g for e, g in zip(expect, got)), got
+
+
+# ---- show, compare, export --format csv: through main() on a study whose runs are recorded ------------
+
+def finished_study(root: Path, fake_env, *, win: float = 1.0, split: str = "main",
+                   tasks: tuple[str, ...] = ("t1", "t2", "t3", "t4", "t5", "t6")) -> Path:
+    """A study of two arms A (baseline) and B over `tasks`, two repeats, every run recorded as
+    finished: A succeeds on even repeats, B on every repeat of the first `win` share of tasks."""
+    study = root if (root / "study.json").exists() else tiny_study(root, tasks=tasks, arms={"A": {}, "B": {}},
+                                                                    repeats=2)
+    code, out = run_main(["assign", "--study", str(study), "--force", "--split", split])
+    assert code == 0, out
+    cut = round(win * len(tasks))
+    for m in json.loads((study / "state" / "manifests" / f"{split}.json").read_text())["runs"]:
+        rec = json.loads((study / "state" / "runs" / f"{m['run_id']}.json").read_text())
+        ok = (m["repeat"] % 2 == 0) if m["arm"] == "A" else sorted(tasks).index(m["task"]) < cut
+        checks = [{"id": "value", "passed": ok, "detail": "ok" if ok else "expected 42, got 0"}]
+        rec.update(status="finished", outcome="success" if ok else "failure", validity="valid",
+                   cost_usd=0.25, wall_s=12.0, gate_cycles=0,
+                   jobs=[{"job_id": f"j{m['run_id']}", "role": "executor", "status": "ok", "cost_usd": 0.25}],
+                   evaluation={"success": ok, "score": 1.0 if ok else 0.0, "passed": ok,
+                               "tests_passed": int(ok), "tests_total": 1, "checks": checks})
+        (study / "state" / "runs" / f"{m['run_id']}.json").write_text(json.dumps(rec))
+    return study
+
+
+def test_show_gives_one_run_s_summary_with_its_failed_checks(tmp_path: Path, fake_env) -> None:
+    study = finished_study(tmp_path / "s", fake_env)
+    manifest = json.loads((study / "state" / "manifests" / "main.json").read_text())["runs"]
+    failing = next(m for m in manifest if m["arm"] == "A" and m["repeat"] == 1)
+    code, out = run_main(["show", "--study", str(study), "--run", failing["run_id"]])
+    assert code == 0, out
+    assert (out["run_id"], out["task"], out["arm"], out["outcome"]) == (failing["run_id"], failing["task"], "A",
+                                                                        "failure")
+    assert out["success"] is False and out["tests"] == "0/1" and out["cost_usd"] == 0.25
+    assert out["failed_checks"] == [{"id": "value", "detail": "expected 42, got 0"}]
+    assert out["sessions"][0]["role"] == "executor"
+    code, out = run_main(["show", "--study", str(study), "--run", "r9999"])
+    assert code == 2 and out["code"] == "no_such_run", out
+    code, out = run_main(["show", "--study", str(study), "--run", "../x"])
+    assert code == 2, out
+
+
+def test_export_csv_has_one_row_a_run_agreeing_with_the_records(tmp_path: Path, fake_env) -> None:
+    import csv
+    study = finished_study(tmp_path / "s", fake_env)
+    code, out = run_main(["export", "--study", str(study), "--format", "csv", "--out", str(tmp_path / "x")])
+    assert code == 0, out
+    rows = list(csv.DictReader((tmp_path / "x" / "runs.csv").open()))
+    records = {p.stem: json.loads(p.read_text()) for p in (study / "state" / "runs").glob("r*.json")}
+    assert out["runs"] == len(rows) == len(records) == 24
+    for row in rows:
+        rec = records[row["run_id"]]
+        assert (row["task"], row["arm"], int(row["repeat"])) == (rec["task"], rec["arm"], rec["repeat"])
+        assert row["success"] == ("true" if rec["evaluation"]["success"] else "false")
+        assert float(row["cost_usd"]) == rec["cost_usd"]
+
+
+def test_csv_cells_never_start_a_formula() -> None:
+    assert [ab.csv_cell(v) for v in ("=cmd()", "+1", "-x", "@A", "plain", None, True, 3, 0.5)] == \
+        ["'=cmd()", "'+1", "'-x", "'@A", "plain", "", "true", "3", "0.5"]
+
+
+def test_compare_sets_two_studies_side_by_side(tmp_path: Path, fake_env) -> None:
+    one = finished_study(tmp_path / "one", fake_env, win=1.0)
+    two = finished_study(tmp_path / "two", fake_env, win=0.5)
+    code, out = run_main(["compare", "--study", str(one), "--study", str(two)])
+    assert code == 0, out
+    assert out["baseline"] == "A" and out["arms"] == ["A", "B"] and out["studies"] == [str(one), str(two)]
+    for study in (one, two):
+        code, rep = run_main(["report", "--study", str(study)])
+        assert out["per_arm"]["B"][str(study)]["success_rate"] == rep["per_arm"]["B"]["success_rate"]
+        assert out["comparisons"]["B"][str(study)]["p_holm"] == rep["comparisons"]["B"]["primary"]["p_holm"]
+        assert out["comparisons"]["B"][str(study)]["ci"] == rep["comparisons"]["B"]["ci"]
+    assert out["per_arm"]["B"][str(one)]["success_rate"] == 1.0
+    assert out["per_arm"]["B"][str(two)]["success_rate"] == 0.5
+    # Studies of other arms are refused by name; one study alone too.
+    other = tiny_study(tmp_path / "other", tasks=("t1", "t2", "t3", "t4", "t5", "t6"), arms={"A": {}, "C": {}})
+    code, out = run_main(["compare", "--study", str(one), "--study", str(other)])
+    assert code == 2 and out["code"] == "compare_studies_differ" and out["key"] == "arms", out
+    code, out = run_main(["compare", "--study", str(one)])
+    assert code == 2 and out["code"] == "compare_needs_two_studies", out
