@@ -5865,7 +5865,7 @@ def _plugins_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
     return argv
 
 
-#: Every arm launch setting, in the order of the settings view (and of an arm's keys in errors).
+#: Every arm launch setting, in the order of the settings view (the job records' and manifests').
 ARM_SETTINGS: tuple[ArmSetting, ...] = (
     ArmSetting("model", _arm_model_check, DEFAULT_LAUNCH["model"], "value",
                lambda spec, value, job: ["--model", str(value)], True,
@@ -5873,6 +5873,9 @@ ARM_SETTINGS: tuple[ArmSetting, ...] = (
     ArmSetting("effort", _arm_one_of(EFFORTS, "arm_unknown_effort"), DEFAULT_LAUNCH["effort"], "value",
                _flag("--effort"), False, study=True),
     ArmSetting("fallback_model", _arm_model_check, None, "value", _flag("--fallback-model"), False),
+    ArmSetting("permission_mode", _arm_one_of(PERMISSION_MODES, "arm_unknown_permission_mode"),
+               DEFAULT_LAUNCH["permission_mode"], "value",
+               lambda spec, value, job: ["--permission-mode", str(value)], True, study=True, required=True),
     ArmSetting("tools", _arm_tools_check, DEFAULT_TOOLS, "value", _tools_argv, True, study=True,
                required=True),
     ArmSetting("allowed_tools", _arm_tools_check, DEFAULT_TOOLS, "value",
@@ -5880,9 +5883,6 @@ ARM_SETTINGS: tuple[ArmSetting, ...] = (
                required=True, follows="tools"),
     ArmSetting("disallowed_tools", _arm_tools_check, "", "value", _flag("--disallowedTools"), False,
                study=True, from_view=lambda v: v or ""),
-    ArmSetting("permission_mode", _arm_one_of(PERMISSION_MODES, "arm_unknown_permission_mode"),
-               DEFAULT_LAUNCH["permission_mode"], "value",
-               lambda spec, value, job: ["--permission-mode", str(value)], True, study=True, required=True),
     ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=_env_view, from_view=_env_of_view),
     ArmSetting("system_prompt", _arm_path_check, None, "file", _system_prompt_argv, False),
     ArmSetting("mcp", _arm_path_check, None, "mcp", _mcp_argv, True),
