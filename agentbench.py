@@ -4794,6 +4794,35 @@ def container_remove(binary: str, name: str, env: Mapping[str, str]) -> bool:
     return res.returncode != 0
 
 
+#: Run in a task's image by the image check: its python3 (the relay and PID 1 of a session) runs
+#: the bound `claude --version` and prints the answer.
+CONTAINER_IMAGE_CHECK = ("import subprocess, sys; print(subprocess.run([sys.argv[1], '--version'], "
+                         "capture_output=True, text=True).stdout)")
+
+
+def container_image_check(binary: str, kind: str, image: str, claude: str, env: Mapping[str, str],
+                          flags: Sequence[str] = ()) -> tuple[str | None, str | None]:
+    """Does a session's container start from `image`: its python3 runs, and so does `claude` (a
+    resolved native executable) bound in read-only, with no network?  (claude's version inside,
+    None) or (None, the problem)."""
+    name = container_name("check-image", uuid.uuid4().hex[:12])
+    plan = ContainerPlan(runtime=binary, kind=kind, image=image, name=name, workdir="/",
+                         binds=((claude, CONTAINER_CLAUDE, True),), flags=tuple(flags))
+    argv = container_argv(plan, ["python3", "-I", "-S", "-c", CONTAINER_IMAGE_CHECK, CONTAINER_CLAUDE])
+    try:
+        res = subprocess.run(argv, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=CONTAINER_PROBE_TIMEOUT_S * 4)
+    except (OSError, subprocess.SubprocessError) as exc:
+        container_remove(binary, name, env)
+        return None, f"{kind} run cannot start: {exc}"
+    out = res.stdout.decode("utf-8", "replace").strip()
+    if res.returncode != 0 or not out:
+        return None, (f"{kind} run of {image} exited {res.returncode} (the image needs python3, and the "
+                      f"claude binary must run in it): "
+                      + (res.stderr or res.stdout).decode("utf-8", "replace").strip()[-400:])
+    return out.split()[0], None
+
+
 def write_seccomp_profile(directory: str | os.PathLike[str]) -> str | None:
     """This host's profile written into `directory` (its path), or None on a machine without a table."""
     arch = seccomp_here()["arch"]
@@ -9947,6 +9976,30 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
             "flags": list(cfg.get("container_flags") or []), "built": built}
 
 
+def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Mapping[str, str],
+                      claude: str) -> dict[str, dict[str, Any]]:
+    """Build (when missing) and check the image of every task that names an environment, before
+    anything is spent: {task: {image, sha256, workdir, runtime, version, claude_inside, built}}.
+    Refused (exit 2, naming the task) when a runtime, an image or the check fails."""
+    out: dict[str, dict[str, Any]] = {}
+    real = os.path.realpath(claude)
+    for t in tasks.values():
+        if t.environment is None:
+            continue
+        ctr = ensure_task_image(t, cfg, env)
+        inside, problem = container_image_check(ctr["binary"], ctr["runtime"], ctr["image"], real, env,
+                                                ctr["flags"])
+        if problem:
+            raise AgentbenchError(f"task {t.id}'s image cannot run a session",
+                                  code="container_image_unusable", task=t.id, image=ctr["image"],
+                                  reason=problem, refusal="environment",
+                                  hint="base the image on a glibc distribution with python3 (the pinned "
+                                       "claude is bound in as a native executable)")
+        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id]["claude_inside"] = inside
+    return out
+
+
 def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
@@ -10859,9 +10912,12 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     if problems and isinstance(lost, list) and lost:
         problems.append("the task was imported and this host lacks what its environment gave it: "
                         + "; ".join(str(x)[:200] for x in lost[:20]))
-    return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
-            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
-            "at": utc_now()}
+    out = {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
+           "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
+           "at": utc_now()}
+    if task.environment is not None:   # the image its checks ran in, by its build context's hash
+        out["environment"] = {k: task.environment.get(k) for k in ("image", "sha256", "workdir")}
+    return out
 
 
 def calibration_to_reuse(given: Mapping[str, Any] | None,
@@ -10948,14 +11004,18 @@ def arm_changes(registered: Mapping[str, Any], spec: LaunchSpec) -> dict[str, An
 
 def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
                    plan: Mapping[str, Any] | None = None,
-                   arms: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+                   arms: Mapping[str, Mapping[str, Any]] | None = None,
+                   environments: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
     """The manifest file: the runs, and what `assign` fixed before any run -- the analysis plan
-    (see analysis_plan) and each arm's launch (manifest_arm)."""
+    (see analysis_plan), each arm's launch (manifest_arm) and each task environment's image and
+    hash (only when a task names one)."""
     doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
     if plan is not None:
         doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
     if arms is not None:
         doc["arms"] = dict(arms)
+    if environments:
+        doc["environments"] = dict(environments)
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
@@ -11537,7 +11597,13 @@ class RunPipeline:
     def _event(self, event: str, **fields: Any) -> None:
         append_event(self.paths, event, run_id=self.run_id, **fields)
         if self.opts.progress:
-            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            # Which run this is, in words a person follows: its task, arm and attempt, then the
+            # event's own fields (those without a value left out).
+            about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
+                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+            shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
+            self.opts.progress(f"{self.run_id} {event} "
+                               + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
         """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
@@ -17832,6 +17898,9 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
         raise AgentbenchError("unknown arm", code="unknown_arm", arms=unknown_arms, known=list(arms))
     if only_arms:
         arms = {k: v for k, v in arms.items() if k in only_arms}
+    # Every task's image is built and started once before anything else runs.
+    images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
+        if any(t.environment is not None for t in tasks.values()) else {}
     partial = bool(only_tasks or only_arms or limit)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
@@ -17926,7 +17995,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
-              "breaker": breaker, "gateway": proof}
+              "breaker": breaker, "gateway": proof, "environments": images}
     if partial:
         # A part says nothing of the runs left out: it is not the study's rehearsal.
         return {**record, "paused": driven["paused"], "partial": True,
@@ -18874,7 +18943,9 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     # baseline, every other arm is compared with it (see analysis_plan).
     plan = analysis_plan(list(arms), list(arms)[0], seed)
     registered = {a: manifest_arm(arm.launch) for a, arm in arms.items()}
-    data = manifest_bytes(manifest, seed, split, plan, registered)
+    environments = {t.id: {k: t.environment.get(k) for k in ("image", "sha256", "workdir")}
+                    for t in tasks.values() if t.environment is not None}
+    data = manifest_bytes(manifest, seed, split, plan, registered, environments)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -20626,6 +20697,39 @@ def _where_args(p: argparse.ArgumentParser) -> None:
                         "gateway would carry: is it reachable, is the key accepted")
 
 
+def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
+                     warnings: list[str]) -> dict[str, Any] | None:
+    """`where`'s part on task environments (None: no task names one): the runtime, its version,
+    and each task's image, its hash and whether it is on this host.  Nothing is built or started
+    here: `rehearse` builds every image and checks it runs a session before anything is spent."""
+    try:
+        tasks = load_tasks(paths, cfg)
+    except AgentbenchError:
+        return None   # the study's own problem is said elsewhere
+    named = {k: t for k, t in tasks.items() if t.environment is not None}
+    if not named:
+        return None
+    kind = str(cfg.get("container_runtime") or CONTAINER_RUNTIME_DEFAULT)
+    probe = container_probe(kind, ctx.env)
+    if not probe["available"]:
+        warnings.append(f"tasks {', '.join(sorted(named))} name an environment but {kind} cannot run "
+                        f"here: {probe['reason']}")
+    rows = {}
+    for tid, t in named.items():
+        env = dict(t.environment or {})
+        present = (container_image_exists(str(probe["binary"]), env["image"], ctx.env)
+                   if probe["available"] else None)
+        if present is False and env["source"] == "image":
+            warnings.append(f"task {tid}'s image {env['image']} is not on this host (agentbench never pulls)")
+        rows[tid] = {"source": env["source"], "image": env["image"], "sha256": env.get("sha256"),
+                     "workdir": env["workdir"], "present": present}
+        if env.get("dockerfile"):
+            rows[tid]["dockerfile"] = os.path.relpath(env["dockerfile"], t.root)
+    return {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+            "available": probe["available"], "reason": probe["reason"],
+            "flags": list(cfg.get("container_flags") or []), "tasks": rows}
+
+
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
 @args_of(_where_args)
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -20710,6 +20814,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
                "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
                "view": view, "network_open_arms": open_arms}
+    containers = where_containers(ctx, paths, study_cfg, warnings) if study is not None else None
     git = shutil.which("git")
     git_version = None
     if git:
@@ -20743,7 +20848,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT),
                           "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
-            "claude_env": claude_report, "sandbox": sandbox,
+            "claude_env": claude_report, "sandbox": sandbox, "containers": containers,
             "study": study, "warnings": warnings}
     if study_error is not None:
         out.update(error=study_error.payload["error"], code=study_error.payload["code"],
@@ -21189,12 +21294,27 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
 
-class Progress:
-    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
+    """The end of a progress line (pure): spend so far, runs left and, once a run has finished in
+    this process, an estimate of the time left at the pace so far."""
+    left = max(0, total - done)
+    out = f" | spent ${spent_usd:.2f} | {left} run{'s' if left != 1 else ''} left"
+    if finished_here and left:
+        eta = elapsed_s / finished_here * left
+        out += f" | about {fmt_secs(eta)} left" if eta >= 1 else ""
+    return out
 
-    def __init__(self, total: int, stream: Any = None):
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise.
+    `done` and `spent_usd` start from what earlier calls finished (a resumed run counts on)."""
+
+    def __init__(self, total: int, stream: Any = None, *, done: int = 0, spent_usd: float = 0.0):
         self.total = total
-        self.done = 0
+        self.done = done
+        self.spent = spent_usd
+        self.finished_here = 0
+        self.started = time.monotonic()
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = 0.0
@@ -21202,11 +21322,18 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
-                    or msg.split(" ")[1:2] == ["error"]):
+            words = msg.split(" ")
+            if (" run_finished " in f" {msg} " or words[1:2] == ["run_finished"]
+                    or words[1:2] == ["error"]):
                 self.done += 1
+                self.finished_here += 1
+            for w in words[2:]:
+                if w.startswith("cost_usd=") and words[1:2] == ["run_finished"]:
+                    with contextlib.suppress(ValueError):
+                        self.spent += finite_number(float(w[len("cost_usd="):]), lo=0.0, hi=1e9) or 0.0
             now = time.monotonic()
-            line = f"[{self.done}/{self.total}] {msg}"
+            line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
+                self.done, self.total, self.spent, self.finished_here, now - self.started)
             try:
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
@@ -21224,8 +21351,21 @@ class Progress:
                 self.stream.write("\n")
 
 
+def progress_start(paths: StudyPaths, ids: Sequence[str]) -> tuple[int, int, float]:
+    """(total, done, spent) a foreground `run` of `ids` starts its progress from: the other runs
+    of the same splits that already ended count as done, and their cost as spent, so that a
+    resumed study counts on instead of starting again at 0."""
+    chosen = set(ids)
+    facts = report_runs(paths, write=False)
+    splits = {f.split for f in facts if f.run_id in chosen}
+    ended = [f for f in facts if f.split in splits and f.status in RUN_FINAL]
+    total = len(chosen | {f.run_id for f in ended})
+    return total, len(ended), math.fsum(f.cost for f in ended)
+
+
 def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
+    total, done, spent = progress_start(study.paths, ids)
+    prog = Progress(total, done=done, spent_usd=spent)
     try:
         return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:

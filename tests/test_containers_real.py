@@ -88,6 +88,9 @@ def test_a_study_mixing_a_container_task_and_a_bwrap_task_rehearses_as_one(tmp_p
     code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
                               "--parallel", "2"], cli_env(), timeout=600)
     assert code == 0, (out, err[-3000:])
+    # every image was built and started (the pinned claude ran in it) before any session
+    assert out["environments"][ENV_TASK]["claude_inside"] == ab.CLAUDE_CODE_PINNED, out["environments"]
+    assert set(out["environments"]) == {ENV_TASK}
     runs = records(scratch)
     by_task = {r["task"]: r for r in runs.values()}
     assert set(by_task) == {TASK, ENV_TASK} and all(r["outcome"] == "success" for r in runs.values()), runs
@@ -102,6 +105,29 @@ def test_a_study_mixing_a_container_task_and_a_bwrap_task_rehearses_as_one(tmp_p
     code, rep, err = run_cli(["report", "--study", str(scratch), "--format", "json"], cli_env(), timeout=120)
     assert code == 0, (rep, err[-2000:])
     assert not any("not sandboxed" in n for n in rep.get("notes") or [])
+    # `where` names the runtime, its version and the task's image and hash; `assign` fixes them
+    code, out, err = run_cli(["where", "--study", str(study)], cli_env(), timeout=120)
+    ctr = out["containers"]
+    assert ctr["runtime"] == "podman" and ctr["version"] and set(ctr["tasks"]) == {ENV_TASK}, ctr
+    assert ctr["tasks"][ENV_TASK]["sha256"] == env_run["environment"]["sha256"] and ctr["tasks"][ENV_TASK]["present"]
+    assign_by_position(study, 1)
+    manifest = json.loads((study / "state" / "manifests" / "main.json").read_text())
+    assert manifest["environments"] == {ENV_TASK: {"image": env_run["environment"]["image"],
+                                                   "sha256": env_run["environment"]["sha256"], "workdir": "/app"}}
+
+
+def test_rehearse_refuses_an_image_that_cannot_run_a_session_before_anything_runs(tmp_path, real_claude, podman):
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False)
+    root = add_env_task(study / "tasks")
+    df = root / "environment" / "Dockerfile"
+    # python3 gone from the image: the session's relay (its PID 1) cannot start there
+    df.write_text(df.read_text() + "RUN rm -f /usr/bin/python3*\n")
+    scratch = tmp_path / "scratch"
+    code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
+                              "--force"], cli_env(), timeout=600)
+    assert code == 2 and out["code"] == "container_image_unusable" and out["task"] == ENV_TASK, (out, err[-2000:])
+    assert "python3" in out["reason"] or "exited" in out["reason"]
+    assert not (scratch / "state" / "runs").exists()
 
 
 def _sleepers() -> list[int]:
