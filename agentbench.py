@@ -169,7 +169,7 @@ def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequenc
     """The argv that runs `agentbench <args>` from `source` with `python`, from cached bytecode
     kept under `cache_dir` (a directory agentbench owns; None: Python's default beside the source,
     if it may write there).  Pure: Python makes the directory when it first writes there."""
-    return [python, "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
+    return [python, "-I", "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
 
 # ==================================================================================================
 # Constants
@@ -3790,6 +3790,12 @@ SANDBOX_PROBE_TIMEOUT_S = 20.0
 #: (SANDBOX_NETWORKS).
 SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
                              "--cap-drop", "ALL")
+#: The size of a sandbox's private /tmp (and of a session's private config dir) when the launch
+#: gives none: a tmpfs is memory, and an unsized one may take half the host's.
+SANDBOX_TMP_MB = 256
+#: The size of a tmpfs that only hides a directory (the mount points of what is bound back are
+#: made in it; nothing else belongs there).
+SANDBOX_HIDE_BYTES = 1 << 20
 #: What a sandboxed process can reach: "none", an own network namespace with only its own loopback
 #: (every check; a session, whose gateway then comes in as a Unix socket); "open", the host's
 #: network (a session of an arm the study opens it for, or one without a gateway).
@@ -3818,13 +3824,23 @@ SANDBOX_ETC_SECRETS = (
 SANDBOX_GATEWAY_SOCKET = "/run/agentbench/gateway.sock"
 
 
-#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", then
-#: claude's argv).  It gives back the default SIGTERM that the bwrap processes around it ignore
-#: (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its result and
-#: cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a socket,
-#: it first listens on a free loopback port of the sandbox's own network namespace, forks a relay
-#: that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there: the
-#: port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
+#: The whole environment of bubblewrap itself (the one host-side program around a sandbox): built
+#: here, never from an arm, a task or a session, so that nothing they set (LD_PRELOAD,
+#: LD_LIBRARY_PATH, PYTHON*, PATH...) changes how a program starts on the host.  A session's own
+#: environment reaches it only inside the sandbox (sandbox_env_fd).
+SANDBOX_OUTER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
+
+
+#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", the
+#: descriptor its environment is read from or -1, then claude's argv).  It starts isolated (`python
+#: -I -S`: no variable, no working directory and no site directory steers it), replaces its own
+#: environment by the one read from that descriptor (NUL-separated NAME=VALUE, what sandbox_env_fd
+#: writes) and closes it.  It gives back the default SIGTERM that the bwrap processes around it
+#: ignore (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its
+#: result and cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a
+#: socket, it first listens on a free loopback port of the sandbox's own network namespace, forks a
+#: relay that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there:
+#: the port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
 #: this session's API access, since the gateway still checks the job's token.
 SANDBOX_EXEC_SHIM = "\n".join((
     "import os, signal, socket, sys, threading",
@@ -3845,6 +3861,18 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "    except OSError: c.close(); u.close(); return",
     "    t = threading.Thread(target=pipe, args=(u, c), daemon=True); t.start()",
     "    pipe(c, u); t.join(); c.close(); u.close()",
+    "fd = int(sys.argv[2])",
+    "if fd >= 0:",
+    "    data = b''",
+    "    while True:",
+    "        d = os.read(fd, 1 << 20)",
+    "        if not d: break",
+    "        data += d",
+    "    os.close(fd)",
+    "    os.environ.clear()",
+    "    for kv in data.split(b'\\0'):",
+    "        k, _, v = kv.partition(b'=')",
+    "        if k: os.environb[k] = v",
     "if path != '-':",
     "    lis = socket.socket(); lis.bind(('127.0.0.1', 0)); lis.listen(64)",
     "    os.environ['ANTHROPIC_BASE_URL'] = 'http://127.0.0.1:%d' % lis.getsockname()[1]",
@@ -3855,7 +3883,7 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "                threading.Thread(target=serve, args=(c,), daemon=True).start()",
     "        finally: os._exit(0)",
     "    lis.close()",
-    "os.execvp(sys.argv[2], sys.argv[2:])"))
+    "os.execvp(sys.argv[3], sys.argv[3:])"))
 
 
 def sandbox_preexec() -> None:
@@ -3901,14 +3929,19 @@ def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> 
 # 64-bit kernel, whose numbers differ) kills the process; each denied call fails with EPERM;
 # everything else is allowed.
 
-#: Calls by which a process inspects or drives another one (memory, descriptors, counters).
-SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open")
+#: Calls by which a process inspects or drives another one (memory, descriptors, counters), and
+#: the kernel keyring's (keys are kernel state shared by every process of the user, across
+#: sandboxes and with the host: a key one sandbox adds, another, or the host, could read).
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+                  "perf_event_open", "add_key", "request_key", "keyctl")
 #: Per machine name: the AUDIT_ARCH value seccomp reports, and the denied calls' numbers.
 SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298}),
+                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298,
+                            "add_key": 248, "request_key": 249, "keyctl": 250}),
     "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241}),
+                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241,
+                             "add_key": 217, "request_key": 218, "keyctl": 219}),
 }
 SECCOMP_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 #: x86_64's x32 calls carry this bit in their number: none is allowed to pass the table unmatched.
@@ -3971,6 +4004,31 @@ def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+#: A study's parts that nothing an arm names is ever shown from: its state (the registry, the
+#: jobs, the ledger, the bases' sessions) and its runs (other runs' workspaces and records).
+SANDBOX_NEVER_SHOWN = ("state", "runs")
+
+
+def view_refusal(path: str, *, study: str, tasks: str) -> str | None:
+    """Why `path` (resolved) may never be bound into a session, or None (pure).  What a session
+    sees beyond the default view is only what an arm names (its files), and each must lie inside
+    the study, outside its state and runs, and outside the tasks except a task's `public/`; a
+    directory holding any of those is refused as well."""
+    if not _under(path, study):
+        return "it lies outside the study"
+    for part in SANDBOX_NEVER_SHOWN:
+        d = posixpath.join(study, part)
+        if _under(path, d) or _under(d, path):
+            return f"it is or holds the study's {part}/"
+    if _under(tasks, path):
+        return "it is or holds the tasks directory"
+    if _under(path, tasks):
+        rel = path[len(tasks.rstrip("/")) + 1:].split("/")
+        if len(rel) < 2 or rel[1] != "public":
+            return "it lies in a task's hidden files (only a task's public/ may be shown)"
+    return None
+
+
 @dataclass(frozen=True)
 class SandboxPlan:
     """What one sandboxed process sees (absolute, resolved paths); the root is bubblewrap's own
@@ -3986,7 +4044,8 @@ class SandboxPlan:
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
     sockets: (host path, path inside) bound in (a session's gateway socket).
-    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.
+    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.  tmp_mb: the private
+    /tmp's size, and the inner_hide tmpfs's (SANDBOX_TMP_MB when None): no tmpfs is unsized.
     container: paths a container image would have, given last: ("bind" | "ro-bind", source,
     destination) or ("tmpfs", "", destination) rows (see container_rows); they can be made at any
     top-level path, since the root is bubblewrap's own."""
@@ -4002,6 +4061,7 @@ class SandboxPlan:
     sockets: tuple[tuple[str, str], ...] = ()
     network: str = "none"
     container: tuple[tuple[str, str, str], ...] = ()
+    tmp_mb: int | None = None
 
 
 def outermost(dirs: Iterable[str]) -> list[str]:
@@ -4022,7 +4082,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
     the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
+    size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4031,7 +4092,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
         if (d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered)
                 or not any(_under(d, b) and d != b for b in base)):
             continue
-        rows.append(("--tmpfs", d))
+        rows.append(("--size", str(SANDBOX_HIDE_BYTES), "--tmpfs", d))
         covered.append(d)
     for f in plan.mask:
         if any(_under(f, b) for b in base) and not any(_under(f, c) for c in covered):
@@ -4041,7 +4102,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
             rows.append(("--ro-bind", d, d))
     rows += [("--ro-bind", d, d) for d in plan.ro]
     rows += [("--bind", d, d) for d in plan.rw]
-    rows += [("--tmpfs", d) for d in plan.inner_hide]
+    rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
     rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
@@ -4305,19 +4366,44 @@ def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, An
             "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
-def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                    hidden: Sequence[str], private_home: str, project_dir: str,
-                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
-                    seccomp: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """The sandboxed argv and environment of one `claude` session.
+def sandbox_env_fd(env: Mapping[str, str]) -> int:
+    """A descriptor holding `env` as NUL-separated NAME=VALUE (what the shim reads), at offset 0:
+    an anonymous memory file, so nothing of it is on a disk nor on any command line (the caller
+    passes it to bwrap and closes it)."""
+    data = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items()
+                    if k and "=" not in k and "\0" not in k and "\0" not in v)
+    fd = os.memfd_create("agentbench-env", 0)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
+
+def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
+                    hidden: Sequence[str], private_home: str, project_dir: str, tools_env: Mapping[str, str],
+                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
+                    seccomp: int | None = None, outer_extra: Mapping[str, str] | None = None,
+                    tmp_mb: int | None = None) -> tuple[list[str], dict[str, str], int]:
+    """The sandboxed argv of one `claude` session, bubblewrap's own environment, and the
+    descriptor the session's environment is read from inside (the caller passes it and closes it).
+
+    bubblewrap runs with SANDBOX_OUTER_ENV and `outer_extra` only (agentbench's own marks):
+    `env`, the session's environment (an arm's `env` included), is read by the shim inside the
+    sandbox, never by a program on the host.  The tool directories come from `tools_env`'s PATH
+    (the supervisor's own, never `env`'s: an arm's PATH is the session's, not a list of binds).
     The file view is the host's system and tool directories (base_plan) and: HOME becomes
     `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude, where
     agentbench collects transcripts from) is an empty private tmpfs, gone with the session, with
     only `project_dir`, this session's own transcripts, bound into it read-write; the workspace
     read-write; `ro` (the job's system prompt and MCP files) read-only; TMPDIR is the private
-    /tmp.  Network "gateway": an own network namespace into which `gateway_socket` (the gateway's
-    Unix socket on the host) is bound, relayed on loopback by the shim; "open": the host's."""
+    /tmp, of at most `tmp_mb` MiB.  Network "gateway": an own network namespace into which
+    `gateway_socket` (the gateway's Unix socket on the host) is bound, relayed on loopback by the
+    shim; "open": the host's."""
     if network not in SESSION_NETWORKS:
         raise ValueError(f"unknown session network {network!r}")
     if network == "gateway" and not gateway_socket:
@@ -4327,17 +4413,21 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    base = base_plan(argv[0], env, hidden, keep_out=[cwd], network="none" if network == "gateway" else "open")
+    base = base_plan(argv[0], tools_env, hidden, keep_out=[cwd],
+                     network="none" if network == "gateway" else "open")
     if network == "open" and os.path.isdir("/run/systemd/resolve"):   # resolv.conf may point there
         base = dataclasses.replace(base, base=base.base + ("/run/systemd/resolve",))
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)),
                                rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
                                inner_hide=(_real(config),), inner_rw=(_real(project_dir),),
                                sockets=(((gateway_socket, SANDBOX_GATEWAY_SOCKET),)
-                                        if network == "gateway" and gateway_socket else ()))
+                                        if network == "gateway" and gateway_socket else ()),
+                               tmp_mb=tmp_mb)
+    fd = sandbox_env_fd(new_env)
     shim = [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM,
-            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-"]
-    return sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp), new_env
+            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-", str(fd)]
+    return (sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp),
+            {**SANDBOX_OUTER_ENV, **dict(outer_extra or {})}, fd)
 
 
 #: Where a container spec may not put anything: the host's own system directories (a task's
@@ -4390,8 +4480,9 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
                   container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
-    directories read-only, no network at all.  The environment is the caller's (credential-free)
-    one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
+    directories read-only, no network at all.  The command's environment is `env` (the caller's
+    credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
+    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
     spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
     under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
@@ -4402,7 +4493,13 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows)
-    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    sets = ["--clearenv"]
+    for k, v in sorted(env.items()):
+        if k and "=" not in k and "\0" not in k + v:
+            sets += ["--setenv", k, v]
+    cut = out.index("--chdir")
+    return out[:cut] + sets + out[cut:]
 
 
 def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -4670,6 +4767,12 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
 
 
+def container_passed_by_name(name: str) -> bool:
+    """Whether a session's variable reaches its container by name, through the runtime's own
+    environment (pure): credentials (kept off the command line) and claude's own variables only."""
+    return is_credential_var(name) or name.startswith(("ANTHROPIC_", "CLAUDE_"))
+
+
 def container_session_plan(base: ContainerPlan, *, workspace: str, private_home: str, project_dir: str,
                            project_name: str, claude: str, ro: Sequence[str], gateway_socket: str | None,
                            env: Mapping[str, str]) -> ContainerPlan:
@@ -4686,8 +4789,13 @@ def container_session_plan(base: ContainerPlan, *, workspace: str, private_home:
         binds.append((gateway_socket, SANDBOX_GATEWAY_SOCKET, False))
     env_set = (("HOME", CONTAINER_HOME), ("CLAUDE_CONFIG_DIR", CONTAINER_CONFIG), ("TMPDIR", "/tmp"),
                ("PYTHONDONTWRITEBYTECODE", "1"))
-    passed = tuple(sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
-                          and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)))
+    names = sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
+                   and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+    # By name (the value taken from the runtime's own environment, off the command line) only what
+    # no runtime reads: credentials and claude's own variables.  Everything else (an arm's
+    # LD_PRELOAD, PATH, PYTHON*, DOCKER_HOST...) is set by value, so it never reaches the runtime.
+    passed = tuple(k for k in names if container_passed_by_name(k))
+    env_set += tuple((k, env[k]) for k in names if not container_passed_by_name(k))
     return dataclasses.replace(base, binds=tuple(binds), env_set=env_set, env_pass=passed, interactive=True,
                                network="none" if gateway_socket else base.network)
 
@@ -5610,16 +5718,8 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
 
-#: An arm's settings that change how its sessions start `claude` (each optional: the study's
-#: value where the arm sets none).  ARM_FILE_KEYS name files or directories inside the study.
-ARM_LAUNCH_KEYS = ("model", "effort", "fallback_model", "tools", "allowed_tools", "disallowed_tools",
-                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "agent", "plugins",
-                   "workspace_overlay")
-ARM_FILE_KEYS = ("system_prompt", "mcp", "settings", "agents", "plugins", "workspace_overlay")
-#: Of those, the files that must hold a JSON object (and, for mcp, an "mcpServers" object).
+#: The files of an arm's settings that must hold a JSON object (and, for mcp, an "mcpServers" object).
 ARM_JSON_KEYS = ("mcp", "settings", "agents")
-#: Keys of one arm's object in study.json.
-ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
 #: Study-wide limits an arm may not set: budgets, turn and wall limits stay equal across arms.
 ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "min_remaining_usd",
                        "wall_s", "max_minutes", "max_turns", "stall_after_s", "orphan_after_s", "parallel",
@@ -5774,47 +5874,179 @@ def _arm_refusal(arm: str, key: str, message: str, code: str, value: Any, hint: 
                            hint=hint)
 
 
+def _arm_model_check(name: str, key: str, val: Any) -> None:
+    """A full model id, not an alias (fallback_model: several, comma-separated); None: not set."""
+    if val is None:
+        return
+    ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
+    if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
+               for m in ids):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
+                           "arm_model_not_full_id", val,
+                           "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
+                           "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
+
+
+def _arm_one_of(allowed: Sequence[str], code: str) -> Callable[[str, str, Any], None]:
+    def check(name: str, key: str, val: Any) -> None:
+        if val not in allowed:
+            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed), code,
+                               val, "write one of: " + ", ".join(allowed))
+    return check
+
+
+def _arm_tools_check(name: str, key: str, val: Any) -> None:
+    if not isinstance(val, str):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
+                           val, 'comma-separated tool names, e.g. "Bash,Read,Edit"')
+
+
+def _arm_agent_check(name: str, key: str, val: Any) -> None:
+    if not (isinstance(val, str) and NAME_RE.fullmatch(val)):
+        raise _arm_refusal(name, key, "an arm's agent must be an agent's name", "arm_agent_not_name",
+                           val, "the name of a subagent (one of the arm's agents, or built in)")
+
+
+def _arm_env_check(name: str, key: str, val: Any) -> None:
+    if not env_object_ok(val):
+        raise _arm_refusal(name, key, "an arm's env must map variable names to one-line strings",
+                           "arm_env_not_strings", val, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
+
+
+def _arm_path_check(name: str, key: str, val: Any) -> None:
+    """A path inside the study (plugins: a list of them); the file itself is checked where it is read."""
+    vals = (val if isinstance(val, list) else [None]) if key == "plugins" else [val]
+    for v in vals:
+        if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
+            raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
+                               "arm_file_outside_study", val,
+                               "a relative path under the study directory (no leading /, no ..)"
+                               + ("; plugins is a list of them" if key == "plugins" else ""))
+
+
+def _flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is one flag's value."""
+    return lambda spec, value, job: [flag, str(value)] if value else []
+
+
+def _path_flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is a study path given to one flag as an absolute path."""
+    return lambda spec, value, job: [flag, spec.abs(value)] if value else []
+
+
+def _no_flags(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return []
+
+
+def _same_value(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class ArmSetting:
+    """One setting of an arm that changes how its sessions start `claude` (each optional: the
+    study's value where the arm sets none, else `default`).  Declared once in ARM_SETTINGS."""
+    key: str
+    #: (arm, key, value) -> None, or the refusal (exit 2) naming the arm and the key.
+    check: Callable[[str, str, Any], None]
+    #: LaunchSpec's value when neither the arm nor the study sets it.
+    default: Any
+    #: How arm_launch_spec takes the arm's value (a key of ARM_RESOLVERS): "value" as written, "env"
+    #: merged over the study's, "file" a study file (hashed, bound read-only), "mcp" an MCP config,
+    #: "dirs" study directories (bound), "overlay" a directory laid over the workspace.
+    resolve: str
+    #: (LaunchSpec, value, job's own paths) -> the flags it adds to claude's argv.
+    argv: Callable[[Any, Any, Mapping[str, str]], list[str]]
+    #: Whether a session's events show it took effect (treatment_delivery checks it by its key);
+    #: False: "no event shows it".
+    observable: bool
+    #: The study-wide launch has it too (study.json's top-level key of the same name).
+    study: bool = False
+    #: LaunchSpec's value -> the settings view's (what the fingerprint, the manifest and the job
+    #: record hold), and back.
+    to_view: Callable[[Any], Any] = _same_value
+    from_view: Callable[[Any], Any] = _same_value
+    #: A job record without it is refused (KeyError); else it reads as `from_view(None)`.
+    required: bool = False
+    #: When the arm sets not this but `follows`, it takes that value (allowed_tools follows tools).
+    follows: str | None = None
+
+
+def _env_view(env: Any) -> dict[str, str]:
+    return dict(env)
+
+
+def _env_of_view(env: Any) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items()))
+
+
+def _tools_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return ["--tools", str(value)]
+
+
+def _mcp_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The job's own copy of the arm's MCP config (an empty one when the arm has none:
+    # --strict-mcp-config keeps every other out).
+    return ["--strict-mcp-config", "--mcp-config", job["mcp_config"]]
+
+
+def _system_prompt_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The arm's system prompt replaces claude's; the job's preamble file is appended to it.
+    return ([*(["--system-prompt-file", spec.abs(value)] if value else []),
+             "--append-system-prompt-file", job["system_prompt_file"]])
+
+
+def _plugins_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    argv = [x for p in value for x in ("--plugin-dir", spec.abs(p))]
+    if spec.settings or value:
+        argv.append("--include-hook-events")   # the delivery check counts the hooks that fired
+    return argv
+
+
+#: Every arm launch setting, in the order of the settings view (the job records' and manifests').
+ARM_SETTINGS: tuple[ArmSetting, ...] = (
+    ArmSetting("model", _arm_model_check, DEFAULT_LAUNCH["model"], "value",
+               lambda spec, value, job: ["--model", str(value)], True,
+               study=True, required=True),
+    ArmSetting("effort", _arm_one_of(EFFORTS, "arm_unknown_effort"), DEFAULT_LAUNCH["effort"], "value",
+               _flag("--effort"), False, study=True),
+    ArmSetting("fallback_model", _arm_model_check, None, "value", _flag("--fallback-model"), False),
+    ArmSetting("permission_mode", _arm_one_of(PERMISSION_MODES, "arm_unknown_permission_mode"),
+               DEFAULT_LAUNCH["permission_mode"], "value",
+               lambda spec, value, job: ["--permission-mode", str(value)], True, study=True, required=True),
+    ArmSetting("tools", _arm_tools_check, DEFAULT_TOOLS, "value", _tools_argv, True, study=True,
+               required=True),
+    ArmSetting("allowed_tools", _arm_tools_check, DEFAULT_TOOLS, "value",
+               lambda spec, value, job: ["--allowedTools", str(value or spec.tools)], False, study=True,
+               required=True, follows="tools"),
+    ArmSetting("disallowed_tools", _arm_tools_check, "", "value", _flag("--disallowedTools"), False,
+               study=True, from_view=lambda v: v or ""),
+    ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=_env_view, from_view=_env_of_view),
+    ArmSetting("system_prompt", _arm_path_check, None, "file", _system_prompt_argv, False),
+    ArmSetting("mcp", _arm_path_check, None, "mcp", _mcp_argv, True),
+    ArmSetting("settings", _arm_path_check, None, "file", _path_flag("--settings"), True),
+    ArmSetting("agents", _arm_path_check, None, "file", _path_flag("--agents"), True),
+    ArmSetting("agent", _arm_agent_check, None, "value", _flag("--agent"), False),
+    ArmSetting("plugins", _arm_path_check, (), "dirs", _plugins_argv, True, to_view=list,
+               from_view=lambda v: tuple(v or ())),
+    ArmSetting("workspace_overlay", _arm_path_check, None, "overlay", _no_flags, True),
+)
+ARM_SETTING = {s.key: s for s in ARM_SETTINGS}
+#: The keys of those settings.
+ARM_LAUNCH_KEYS = tuple(ARM_SETTING)
+#: Keys of one arm's object in study.json.
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
+#: claude's flags in the order every recorded argv has them (a setting not named here adds its flags
+#: after these): reordering them would change every argv fingerprint.
+ARGV_ORDER = ("model", "fallback_model", "effort", "permission_mode", "tools", "allowed_tools",
+              "disallowed_tools", "mcp", "system_prompt", "settings", "agents", "agent", "plugins")
+
+
 def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
     """The shape of an arm's launch settings (pure); its files are checked where they are read."""
-    for key in ("model", "fallback_model"):
-        val = spec.get(key)
-        if val is None:
-            continue
-        ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
-        if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
-                   for m in ids):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
-                               "arm_model_not_full_id", val,
-                               "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
-                               "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
-    for key, allowed in (("effort", EFFORTS), ("permission_mode", PERMISSION_MODES)):
-        if key in spec and spec[key] not in allowed:
-            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed),
-                               "arm_unknown_effort" if key == "effort" else "arm_unknown_permission_mode",
-                               spec[key], "write one of: " + ", ".join(allowed))
-    for key in ("tools", "allowed_tools", "disallowed_tools"):
-        if key in spec and not isinstance(spec[key], str):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
-                               spec[key], 'comma-separated tool names, e.g. "Bash,Read,Edit"')
-    if "agent" in spec and not (isinstance(spec["agent"], str) and NAME_RE.fullmatch(spec["agent"])):
-        raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
-                           spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
-    env = spec.get("env")
-    if "env" in spec and not env_object_ok(env):
-        raise _arm_refusal(name, "env", "an arm's env must map variable names to one-line strings",
-                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
-    for key in ARM_FILE_KEYS:
-        if key not in spec:
-            continue
-        vals = spec[key] if key == "plugins" else [spec[key]]
-        if key == "plugins" and not isinstance(spec[key], list):
-            vals = [None]
-        for v in vals:
-            if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
-                raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
-                                   "arm_file_outside_study", spec[key],
-                                   "a relative path under the study directory (no leading /, no ..)"
-                                   + ("; plugins is a list of them" if key == "plugins" else ""))
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            setting.check(name, setting.key, spec[setting.key])
 
 
 #: Arm names refused although they are safe ids: the device names Windows reserves in every
@@ -6037,51 +6269,12 @@ def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
                     total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
-#: What the study-wide launch has of an arm's launch settings (each arm may override them).
-LAUNCH_SPEC_STUDY_KEYS = ("model", "effort", "permission_mode", "tools", "allowed_tools",
-                          "disallowed_tools")
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How one arm's sessions start `claude`: every setting that changes the agent, resolved once
-    from the study and the arm (the study's value where the arm sets none), and passed whole from
-    the pipeline to the job record.  build_claude_argv alone turns it into argv.
-
-    File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`)
-    are study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring
-    (a directory file by file, the files an MCP config names included).  `mcp_json` is the MCP
-    config a job hands `claude` (study paths made absolute) and `bind_ro` the study paths its
-    sandbox shows read-only: both derived from the files, so neither is in the fingerprint."""
-    root: str
-    arm: str | None = None
-    model: str = DEFAULT_LAUNCH["model"]
-    effort: str | None = DEFAULT_LAUNCH["effort"]
-    fallback_model: str | None = None
-    permission_mode: str = DEFAULT_LAUNCH["permission_mode"]
-    tools: str = DEFAULT_TOOLS
-    allowed_tools: str = DEFAULT_TOOLS
-    disallowed_tools: str = ""
-    env: tuple[tuple[str, str], ...] = ()
-    system_prompt: str | None = None
-    mcp: str | None = None
-    settings: str | None = None
-    agents: str | None = None
-    agent: str | None = None
-    plugins: tuple[str, ...] = ()
-    workspace_overlay: str | None = None
-    files: tuple[tuple[str, str], ...] = ()
-    mcp_json: str = '{"mcpServers": {}}\n'
-    bind_ro: tuple[str, ...] = ()
+class _LaunchSpecMethods:
+    """What every LaunchSpec does (its fields: root, arm, one per ARM_SETTINGS, then the files)."""
 
     def settings_view(self) -> dict[str, Any]:
         """The resolved settings (paths study-relative): what the fingerprint and the manifest hold."""
-        return {"model": self.model, "effort": self.effort, "fallback_model": self.fallback_model,
-                "permission_mode": self.permission_mode, "tools": self.tools,
-                "allowed_tools": self.allowed_tools, "disallowed_tools": self.disallowed_tools,
-                "env": dict(self.env), "system_prompt": self.system_prompt, "mcp": self.mcp,
-                "settings": self.settings, "agents": self.agents, "agent": self.agent,
-                "plugins": list(self.plugins), "workspace_overlay": self.workspace_overlay}
+        return {s.key: s.to_view(getattr(self, s.key)) for s in ARM_SETTINGS}
 
     @property
     def fingerprint(self) -> str:
@@ -6102,26 +6295,40 @@ class LaunchSpec:
                 "mcp_json": self.mcp_json, "bind_ro": list(self.bind_ro)}
 
     @classmethod
-    def from_record(cls, rec: Mapping[str, Any]) -> "LaunchSpec":
+    def from_record(cls, rec: Mapping[str, Any]) -> Any:
         s = dict(rec["settings"])
-        return cls(root=str(rec["root"]), arm=rec.get("arm"), model=s["model"], effort=s.get("effort"),
-                   fallback_model=s.get("fallback_model"), permission_mode=s["permission_mode"],
-                   tools=s["tools"], allowed_tools=s["allowed_tools"],
-                   disallowed_tools=s.get("disallowed_tools") or "",
-                   env=tuple(sorted((str(k), str(v)) for k, v in (s.get("env") or {}).items())),
-                   system_prompt=s.get("system_prompt"), mcp=s.get("mcp"), settings=s.get("settings"),
-                   agents=s.get("agents"), agent=s.get("agent"), plugins=tuple(s.get("plugins") or ()),
-                   workspace_overlay=s.get("workspace_overlay"),
+        return cls(root=str(rec["root"]), arm=rec.get("arm"),
+                   **{a.key: a.from_view(s[a.key] if a.required else s.get(a.key)) for a in ARM_SETTINGS},
                    files=tuple(sorted((str(k), str(v)) for k, v in (rec.get("files") or {}).items())),
                    mcp_json=str(rec.get("mcp_json") or '{"mcpServers": {}}\n'),
                    bind_ro=tuple(str(p) for p in rec.get("bind_ro") or ()))
 
 
+#: How one arm's sessions start `claude`: every setting that changes the agent (ARM_SETTINGS),
+#: resolved once from the study and the arm (the study's value where the arm sets none), and passed
+#: whole from the pipeline to the job record.  build_claude_argv alone turns it into argv.
+#:
+#: File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`) are
+#: study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring (a
+#: directory file by file, the files an MCP config names included).  `mcp_json` is the MCP config a
+#: job hands `claude` (study paths made absolute) and `bind_ro` the study paths its sandbox shows
+#: read-only: both derived from the files, so neither is in the fingerprint.
+LaunchSpec = dataclasses.make_dataclass(
+    "LaunchSpec",
+    [("root", str), ("arm", "str | None", field(default=None)),
+     *((s.key, Any, field(default=s.default)) for s in ARM_SETTINGS),
+     ("files", "tuple[tuple[str, str], ...]", field(default=())),
+     ("mcp_json", str, field(default='{"mcpServers": {}}\n')),
+     ("bind_ro", "tuple[str, ...]", field(default=()))],
+    bases=(_LaunchSpecMethods,), frozen=True)
+
+
 def study_launch_spec(root: str | os.PathLike[str], cfg: Mapping[str, Any]) -> LaunchSpec:
     """The study-wide launch (no arm): what a session outside an arm (spawn, train) starts with."""
     launch = launch_config(cfg)
-    return LaunchSpec(root=os.path.abspath(root), **{k: launch[k] or (None if k == "effort" else "")
-                                                     for k in LAUNCH_SPEC_STUDY_KEYS},
+    return LaunchSpec(root=os.path.abspath(root),
+                      **{s.key: launch[s.key] or (None if s.key == "effort" else "")
+                         for s in ARM_SETTINGS if s.study},
                       env=tuple(sorted((cfg.get("env") or {}).items())))
 
 
@@ -7443,32 +7650,12 @@ def build_claude_argv(binary: str, spec: LaunchSpec, *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
                       max_budget_usd: float | None, max_turns: int | None) -> list[str]:
     """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume): the
-    one place a LaunchSpec becomes flags.  `mcp_config` is the job's own copy of the arm's MCP
-    config (an empty one when the arm has none: --strict-mcp-config keeps every other out)."""
-    argv = [binary, "-p", "--output-format", "stream-json", "--verbose", "--model", str(spec.model)]
-    if spec.fallback_model:
-        argv += ["--fallback-model", str(spec.fallback_model)]
-    if spec.effort:
-        argv += ["--effort", str(spec.effort)]
-    argv += ["--permission-mode", str(spec.permission_mode),
-             "--tools", str(spec.tools),
-             "--allowedTools", str(spec.allowed_tools or spec.tools)]
-    if spec.disallowed_tools:
-        argv += ["--disallowedTools", str(spec.disallowed_tools)]
-    argv += ["--strict-mcp-config", "--mcp-config", mcp_config]
-    if spec.system_prompt:
-        argv += ["--system-prompt-file", spec.abs(spec.system_prompt)]
-    argv += ["--append-system-prompt-file", system_prompt_file]
-    if spec.settings:
-        argv += ["--settings", spec.abs(spec.settings)]
-    if spec.agents:
-        argv += ["--agents", spec.abs(spec.agents)]
-    if spec.agent:
-        argv += ["--agent", spec.agent]
-    for plugin in spec.plugins:
-        argv += ["--plugin-dir", spec.abs(plugin)]
-    if spec.settings or spec.plugins:
-        argv += ["--include-hook-events"]   # the delivery check counts the hooks that fired
+    one place a LaunchSpec becomes flags (each setting's, ARM_SETTINGS, in ARGV_ORDER).
+    `mcp_config` is the job's own copy of the arm's MCP config."""
+    argv = [binary, "-p", "--output-format", "stream-json", "--verbose"]
+    job = {"mcp_config": mcp_config, "system_prompt_file": system_prompt_file}
+    for key in (*ARGV_ORDER, *(k for k in ARM_LAUNCH_KEYS if k not in ARGV_ORDER)):
+        argv += ARM_SETTING[key].argv(spec, getattr(spec, key), job)
     if resume:
         argv += ["--resume", resume]
         if fork:
@@ -8408,6 +8595,8 @@ class Supervisor:
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
+        self._env_fd: int | None = None       # the session's environment, until bwrap has it
+        self._measured: list[str] = []        # counted by the live workspace cap beside the cwd
         #: (runtime binary, container name, its environment) of a session in a task's container.
         self._container: tuple[str, str, dict[str, str]] | None = None
         self._lock = threading.Lock()
@@ -8598,7 +8787,11 @@ class Supervisor:
         now = time.monotonic()
         if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        used = tree_usage(self.job["cwd"], int(cap))
+        used = 0
+        for where in [self.job["cwd"], *self._measured]:
+            used += tree_usage(where, int(cap)) if os.path.isdir(where) else 0
+            if used > int(cap):
+                break
         # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
         # takes a noticeable time (never more than a twentieth of the poll thread's time).
         took = time.monotonic() - now
@@ -8814,14 +9007,26 @@ class Supervisor:
                 finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                              usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
                 return None
-            argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
-                                        hidden=study_hidden_dirs(self.paths.root),
-                                        private_home=str(jdir / "home"),
-                                        project_dir=str(claude_projects_dir(env)
-                                                        / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
-                                            *((job.get("launch_spec") or {}).get("bind_ro") or [])],
-                                        network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
+            project_dir = str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"])))
+            # What the live workspace cap counts beside the workspace: the private HOME and the
+            # session's transcript folder, both writable by the session.
+            self._measured = [str(jdir / "home"), project_dir]
+            cap = self.limits.get("workspace_max_bytes")
+            try:
+                argv, env, self._env_fd = session_sandbox(
+                    sandbox["binary"], argv, env, cwd=job["cwd"], hidden=study_hidden_dirs(self.paths.root),
+                    private_home=str(jdir / "home"), project_dir=project_dir, tools_env=host,
+                    ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                        *((job.get("launch_spec") or {}).get("bind_ro") or [])],
+                    network=network, gateway_socket=sock, seccomp=self._seccomp_fd,
+                    outer_extra={JOB_MARK_ENV: env[JOB_MARK_ENV]},
+                    tmp_mb=max(1, int(cap) >> 20) if isinstance(cap, int) and cap > 0 else None)
+            except OSError as exc:
+                if self.gateway is not None:
+                    self.gateway.stop(wait_s=0)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
+                return None
         return argv, env, prompt
 
     def _prepare_container(self, ctr: dict[str, Any], argv: list[str], env: dict[str, str], prompt: bytes,
@@ -8886,16 +9091,17 @@ class Supervisor:
         kwargs = self.platform.tree_popen_kwargs()
         if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
-        if self._seccomp_fd is not None:
-            kwargs["pass_fds"] = (self._seccomp_fd,)
+        fds = tuple(fd for fd in (self._seccomp_fd, self._env_fd) if fd is not None)
+        if fds:
+            kwargs["pass_fds"] = fds
         try:
             try:
                 proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
             finally:
-                if self._seccomp_fd is not None:   # bwrap holds its own copy now
-                    os.close(self._seccomp_fd)
-                    self._seccomp_fd = None
+                for fd in fds:   # bwrap holds its own copies now
+                    os.close(fd)
+                self._seccomp_fd = self._env_fd = None
         except OSError as exc:
             self._stderr_fh.close()
             if self.gateway is not None:
@@ -10022,9 +10228,28 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
     return tasks
 
 
-def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -> Path:
+def arm_view_refusal(paths: StudyPaths, arm: str, key: str, rel: str, real: str,
+                     cfg: Mapping[str, Any] | None = None) -> None:
+    """Refuse (exit 2, naming study.json, the arm, the key and the path) a file an arm brings that
+    its sessions may never be shown (view_refusal: the study's state and runs, a task's hidden
+    files).  `cfg`: the study's configuration (read when None)."""
+    if cfg is None:
+        cfg = read_json(paths.study_file, default=None) or {}
+    why = view_refusal(real, study=os.path.realpath(paths.root),
+                       tasks=os.path.realpath(tasks_dir(paths, cfg)))
+    if why is not None:
+        raise AgentbenchError("an arm names a file its sessions may never see", code="arm_file_not_showable",
+                              file=STUDY_FILE, arm=arm, key=key, path=rel, why=why,
+                              hint="an arm's files (system prompt, settings, agents, MCP config and the "
+                                   "files it names, plugins, overlay) must lie in the study outside "
+                                   "state/, runs/ and the tasks (a task's public/ excepted)")
+
+
+def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool,
+              cfg: Mapping[str, Any] | None = None) -> Path:
     """An arm's file setting as a path, refused unless it exists inside the study (links followed)
-    and is a directory when `want_dir`, else a regular file."""
+    outside what a session may never see (arm_view_refusal), and is a directory when `want_dir`,
+    else a regular file."""
     p = paths.root / rel
     root = os.path.realpath(paths.root)
     real = os.path.realpath(p)
@@ -10032,6 +10257,7 @@ def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -
         raise AgentbenchError("an arm's file is outside the study", code="arm_file_outside_study", arm=arm,
                               key=key, path=rel, hint="keep every file an arm brings inside the study "
                                                       "directory (a link out of it counts as outside)")
+    arm_view_refusal(paths, arm, key, rel, real, cfg)
     if not os.path.exists(real):
         raise AgentbenchError("an arm's file is missing", code="arm_file_missing", arm=arm, key=key, path=rel,
                               hint="create it, or fix the path (relative to the study directory)")
@@ -10090,6 +10316,7 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
             hit = _study_file_named(paths, val) if isinstance(val, str) else None
             if hit is None:
                 continue
+            arm_view_refusal(paths, arm, "mcp", hit, os.path.realpath(paths.root / hit))
             named.append(hit)
             absolute = str(Path(os.path.realpath(paths.root)) / hit)
             if i is None:
@@ -10101,17 +10328,11 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
 
 def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
                     spec: Mapping[str, Any]) -> LaunchSpec:
-    """One arm's LaunchSpec: the study's launch with the arm's settings over it, every file it
-    brings checked (inside the study, of the right kind, JSON where it must be) and hashed."""
+    """One arm's LaunchSpec: the study's launch with the arm's settings over it (each as its
+    ArmSetting's `resolve` says), every file it brings checked (inside the study, of the right
+    kind, JSON where it must be) and hashed."""
     base = study_launch_spec(paths.root, cfg)
-    over: dict[str, Any] = {k: spec[k] for k in ("model", "effort", "fallback_model", "tools",
-                                                   "allowed_tools", "disallowed_tools", "permission_mode",
-                                                   "agent")
-                            if k in spec}
-    if "tools" in spec and "allowed_tools" not in spec:
-        over["allowed_tools"] = spec["tools"]
-    if spec.get("env"):
-        over["env"] = tuple(sorted({**dict(base.env), **spec["env"]}.items()))
+    over: dict[str, Any] = {}
     files: dict[str, str] = {}
     bind: list[str] = []
     root = os.path.realpath(paths.root)
@@ -10123,32 +10344,49 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
         else:
             files[rel] = sha256_file(p)
 
-    for key in ("system_prompt", "settings", "agents"):
-        if spec.get(key):
+    def value(key: str, val: Any) -> None:
+        over[key] = val
+
+    def env(key: str, val: Any) -> None:
+        if val:
+            over[key] = tuple(sorted({**dict(base.env), **val}.items()))
+
+    def file(key: str, rel: Any) -> None:
+        if rel:
             if key in ARM_JSON_KEYS:
-                _arm_json(paths, name, key, spec[key])   # a file claude would ignore or refuse
-            p = _arm_file(paths, name, key, spec[key], want_dir=False)
-            add(spec[key], p)
+                _arm_json(paths, name, key, rel)   # a file claude would ignore or refuse
+            p = _arm_file(paths, name, key, rel, want_dir=False)
+            add(rel, p)
             bind.append(os.path.realpath(p))
-            over[key] = spec[key]
-    if spec.get("mcp"):
-        over["mcp_json"], named = resolve_mcp_config(paths, name, spec["mcp"])
-        add(spec["mcp"], paths.root / spec["mcp"])
-        for rel in named:
+            over[key] = rel
+
+    def mcp(key: str, rel: Any) -> None:
+        if rel:
+            over["mcp_json"], named = resolve_mcp_config(paths, name, rel)
             add(rel, paths.root / rel)
-            bind.append(os.path.join(root, rel))
-        over["mcp"] = spec["mcp"]
-    plugins = []
-    for rel in spec.get("plugins") or []:
-        add(rel, _arm_file(paths, name, "plugins", rel, want_dir=True))
-        bind.append(os.path.realpath(paths.root / rel))
-        plugins.append(rel)
-    if plugins:
-        over["plugins"] = tuple(plugins)
-    if spec.get("workspace_overlay"):
-        add(spec["workspace_overlay"], _arm_file(paths, name, "workspace_overlay", spec["workspace_overlay"],
-                                                 want_dir=True))
-        over["workspace_overlay"] = spec["workspace_overlay"]
+            for other in named:
+                add(other, paths.root / other)
+                bind.append(os.path.join(root, other))
+            over[key] = rel
+
+    def dirs(key: str, rels: Any) -> None:
+        for rel in rels or []:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            bind.append(os.path.realpath(paths.root / rel))
+        if rels:
+            over[key] = tuple(rels)
+
+    def overlay(key: str, rel: Any) -> None:
+        if rel:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            over[key] = rel
+
+    resolvers = {"value": value, "env": env, "file": file, "mcp": mcp, "dirs": dirs, "overlay": overlay}
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            resolvers[setting.resolve](setting.key, spec[setting.key])
+        elif setting.follows in spec:
+            over[setting.key] = spec[setting.follows]
     return dataclasses.replace(base, arm=name, files=tuple(sorted(files.items())),
                                bind_ro=tuple(sorted(set(bind))), **over)
 
@@ -10533,8 +10771,9 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
-        res = run_command(argv, cwd=cwd, env=box[2] if box else cenv, timeout_s=check_timeout_s(spec, which),
-                          platform=platform, pass_fds=fds)
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=cwd, env=outer,
+                          timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
@@ -10607,7 +10846,9 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
                                  seccomp=sfd, container=container, container_base=ref_dir)
         timeout = check_timeout_s(spec, "reference")
-        res = run_command(argv, cwd=ws, env=box[2] if box else cenv, timeout_s=timeout, platform=platform,
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=ws, env=outer,
+                          timeout_s=timeout, platform=platform,
                           pass_fds=() if sfd is None else (sfd,))
     finally:
         if sfd is not None:
@@ -11338,8 +11579,7 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
 
 #: Settings no event of a session shows (the request's effort, the environment, the system prompt
 #: text, the fallback and permission lists): reported as not observable, never flagged.
-DELIVERY_UNOBSERVABLE = ("effort", "fallback_model", "allowed_tools", "disallowed_tools", "env",
-                         "system_prompt", "agent")
+DELIVERY_UNOBSERVABLE = tuple(s.key for s in ARM_SETTINGS if not s.observable)
 DELIVERY_TEXT_MAX = 200
 
 
@@ -11509,7 +11749,13 @@ class RunPipeline:
     def _event(self, event: str, **fields: Any) -> None:
         append_event(self.paths, event, run_id=self.run_id, **fields)
         if self.opts.progress:
-            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            # Which run this is, in words a person follows: its task, arm and attempt, then the
+            # event's own fields (those without a value left out).
+            about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
+                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+            shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
+            self.opts.progress(f"{self.run_id} {event} "
+                               + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
         """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
@@ -21282,12 +21528,27 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
 
-class Progress:
-    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
+    """The end of a progress line (pure): spend so far, runs left and, once a run has finished in
+    this process, an estimate of the time left at the pace so far."""
+    left = max(0, total - done)
+    out = f" | spent ${spent_usd:.2f} | {left} run{'s' if left != 1 else ''} left"
+    if finished_here and left:
+        eta = elapsed_s / finished_here * left
+        out += f" | about {fmt_secs(eta)} left" if eta >= 1 else ""
+    return out
 
-    def __init__(self, total: int, stream: Any = None):
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise.
+    `done` and `spent_usd` start from what earlier calls finished (a resumed run counts on)."""
+
+    def __init__(self, total: int, stream: Any = None, *, done: int = 0, spent_usd: float = 0.0):
         self.total = total
-        self.done = 0
+        self.done = done
+        self.spent = spent_usd
+        self.finished_here = 0
+        self.started = time.monotonic()
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = 0.0
@@ -21295,11 +21556,18 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
-                    or msg.split(" ")[1:2] == ["error"]):
+            words = msg.split(" ")
+            if (" run_finished " in f" {msg} " or words[1:2] == ["run_finished"]
+                    or words[1:2] == ["error"]):
                 self.done += 1
+                self.finished_here += 1
+            for w in words[2:]:
+                if w.startswith("cost_usd=") and words[1:2] == ["run_finished"]:
+                    with contextlib.suppress(ValueError):
+                        self.spent += finite_number(float(w[len("cost_usd="):]), lo=0.0, hi=1e9) or 0.0
             now = time.monotonic()
-            line = f"[{self.done}/{self.total}] {msg}"
+            line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
+                self.done, self.total, self.spent, self.finished_here, now - self.started)
             try:
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
@@ -21317,8 +21585,21 @@ class Progress:
                 self.stream.write("\n")
 
 
+def progress_start(paths: StudyPaths, ids: Sequence[str]) -> tuple[int, int, float]:
+    """(total, done, spent) a foreground `run` of `ids` starts its progress from: the other runs
+    of the same splits that already ended count as done, and their cost as spent, so that a
+    resumed study counts on instead of starting again at 0."""
+    chosen = set(ids)
+    facts = report_runs(paths, write=False)
+    splits = {f.split for f in facts if f.run_id in chosen}
+    ended = [f for f in facts if f.split in splits and f.status in RUN_FINAL]
+    total = len(chosen | {f.run_id for f in ended})
+    return total, len(ended), math.fsum(f.cost for f in ended)
+
+
 def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
+    total, done, spent = progress_start(study.paths, ids)
+    prog = Progress(total, done=done, spent_usd=spent)
     try:
         return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:

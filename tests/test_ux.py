@@ -142,3 +142,40 @@ def test_compare_sets_two_studies_side_by_side(tmp_path: Path, fake_env) -> None
     assert code == 2 and out["code"] == "compare_studies_differ" and out["key"] == "arms", out
     code, out = run_main(["compare", "--study", str(one)])
     assert code == 2 and out["code"] == "compare_needs_two_studies", out
+
+
+# ---- progress on stderr ------------------------------------------------------------------------------
+
+def test_progress_names_task_arm_spend_and_runs_left_and_counts_on_after_a_resume(
+        tmp_path: Path, fake_env, capsys) -> None:
+    study = tiny_study(tmp_path / "s", arms={"A": {}, "B": {}}, repeats=2)
+    assert run_main(["calibrate", "--study", str(study)])[0] == 0
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0 and out["runs"] == 4, out
+    code, out = run_main(["run", "--study", str(study), "--force", "--run", "r0001"])
+    assert code == 0, out
+    first = json.loads((study / "state" / "runs" / "r0001.json").read_text())
+    assert first["status"] in ab.RUN_FINAL, first["status"]
+    capsys.readouterr()
+    code, out = run_main(["run", "--study", str(study), "--force"])   # the rest: a resumed study
+    assert code == 0, out
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("agentbench: [")]
+    assert lines, "no progress line"
+    assert lines[0].startswith("agentbench: [1/4] "), lines[0]     # counts on from the run already ended
+    assert lines[-1].startswith("agentbench: [4/4] ") and "0 runs left" in lines[-1], lines[-1]
+    started = [ln for ln in lines if " run_started " in ln]
+    assert started and all("task=tiny" in ln and " arm=" in ln for ln in started), started
+    assert not any("=None" in ln for ln in lines), lines
+    assert all(" | spent $" in ln for ln in lines)
+    # The spend so far includes the first call's run.
+    assert f"spent ${first['cost_usd']:.2f}" in lines[0], (first["cost_usd"], lines[0])
+
+
+@pytest.mark.parametrize("done, total, spent, here, elapsed, expect", [
+    (0, 4, 0.0, 0, 0.0, " | spent $0.00 | 4 runs left"),
+    (3, 4, 1.5, 2, 60.0, " | spent $1.50 | 1 run left | about 30 s left"),
+    (4, 4, 2.0, 4, 60.0, " | spent $2.00 | 0 runs left"),
+    (10, 40, 0.25, 5, 300.0, " | spent $0.25 | 30 runs left | about 30.0 min left"),
+])
+def test_progress_tail_table(done, total, spent, here, elapsed, expect) -> None:
+    assert ab.progress_tail(done, total, spent, here, elapsed) == expect
