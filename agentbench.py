@@ -4751,13 +4751,15 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
 
 
 #: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
-#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
-#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
-#: exits so does it, which ends the container's pid namespace and every process in it.
+#: "-1" (no environment descriptor: the runtime sets the container's environment), then claude's
+#: argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child, started by the shim's own
+#: last line: signals it receives (the runtime forwards a stop) go to `claude`, orphans are reaped,
+#: and when `claude` exits so does it, which ends the container's pid namespace and every process
+#: in it.
 CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "pid = os.fork()",
     "if pid == 0:",
-    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "    " + SANDBOX_EXEC_SHIM.rsplit("\n", 1)[1],
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
     "    signal.signal(s, lambda n, f: os.kill(pid, n))",
     "while True:",
@@ -4765,6 +4767,8 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "    except ChildProcessError: os._exit(1)",
     "    if w == pid: break",
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+#: The shim's arguments before claude's argv, after the socket: no environment descriptor.
+CONTAINER_SHIM_NO_ENV_FD = "-1"
 
 
 def container_passed_by_name(name: str) -> bool:
@@ -9077,7 +9081,8 @@ class Supervisor:
                                       project_name=transcript_dir_name(str(ctr["workdir"])),
                                       claude=found, ro=ro,
                                       gateway_socket=sock, env=env)
-        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
+                CONTAINER_SHIM_NO_ENV_FD]
         self.sandbox = container_record(ctr, network, why)
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),

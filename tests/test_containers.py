@@ -140,6 +140,16 @@ def test_the_shim_ends_with_claude_as_its_child():
     assert "os.fork()" in ab.CONTAINER_EXEC_SHIM.split("lis.close()")[1]
 
 
+def test_the_shim_runs_its_command_as_a_child_and_exits_with_its_status():
+    """Run here as a session's container runs it (no socket, no environment descriptor)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", ab.CONTAINER_EXEC_SHIM, "-", ab.CONTAINER_SHIM_NO_ENV_FD,
+                          sys.executable, "-c", "import os; print(os.getppid() != 1); raise SystemExit(3)"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3 and res.stdout.strip() == "True", (res.stdout, res.stderr)
+
+
 @pytest.mark.parametrize("key, value, ok", [
     ("container_runtime", "podman", True), ("container_runtime", "docker", True),
     ("container_runtime", "lxc", False), ("container_runtime", 3, False),
