@@ -21457,7 +21457,8 @@ def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: 
             f"this report analyses split {chosen} only; the runs of "
             + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
             + " are reported on their own and never pooled into it: "
-            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`" for k in sorted(left_out)))
+            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
+                        for k in sorted(left_out)))
     elif chosen is None:
         report.setdefault("notes", []).append(
             "the runs of several splits are pooled here (none is main): name one with `report --split`")
