@@ -5609,16 +5609,8 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
 
-#: An arm's settings that change how its sessions start `claude` (each optional: the study's
-#: value where the arm sets none).  ARM_FILE_KEYS name files or directories inside the study.
-ARM_LAUNCH_KEYS = ("model", "effort", "fallback_model", "tools", "allowed_tools", "disallowed_tools",
-                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "agent", "plugins",
-                   "workspace_overlay")
-ARM_FILE_KEYS = ("system_prompt", "mcp", "settings", "agents", "plugins", "workspace_overlay")
-#: Of those, the files that must hold a JSON object (and, for mcp, an "mcpServers" object).
+#: The files of an arm's settings that must hold a JSON object (and, for mcp, an "mcpServers" object).
 ARM_JSON_KEYS = ("mcp", "settings", "agents")
-#: Keys of one arm's object in study.json.
-ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
 #: Study-wide limits an arm may not set: budgets, turn and wall limits stay equal across arms.
 ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "min_remaining_usd",
                        "wall_s", "max_minutes", "max_turns", "stall_after_s", "orphan_after_s", "parallel",
@@ -5773,47 +5765,179 @@ def _arm_refusal(arm: str, key: str, message: str, code: str, value: Any, hint: 
                            hint=hint)
 
 
+def _arm_model_check(name: str, key: str, val: Any) -> None:
+    """A full model id, not an alias (fallback_model: several, comma-separated); None: not set."""
+    if val is None:
+        return
+    ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
+    if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
+               for m in ids):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
+                           "arm_model_not_full_id", val,
+                           "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
+                           "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
+
+
+def _arm_one_of(allowed: Sequence[str], code: str) -> Callable[[str, str, Any], None]:
+    def check(name: str, key: str, val: Any) -> None:
+        if val not in allowed:
+            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed), code,
+                               val, "write one of: " + ", ".join(allowed))
+    return check
+
+
+def _arm_tools_check(name: str, key: str, val: Any) -> None:
+    if not isinstance(val, str):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
+                           val, 'comma-separated tool names, e.g. "Bash,Read,Edit"')
+
+
+def _arm_agent_check(name: str, key: str, val: Any) -> None:
+    if not (isinstance(val, str) and NAME_RE.fullmatch(val)):
+        raise _arm_refusal(name, key, "an arm's agent must be an agent's name", "arm_agent_not_name",
+                           val, "the name of a subagent (one of the arm's agents, or built in)")
+
+
+def _arm_env_check(name: str, key: str, val: Any) -> None:
+    if not env_object_ok(val):
+        raise _arm_refusal(name, key, "an arm's env must map variable names to one-line strings",
+                           "arm_env_not_strings", val, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
+
+
+def _arm_path_check(name: str, key: str, val: Any) -> None:
+    """A path inside the study (plugins: a list of them); the file itself is checked where it is read."""
+    vals = (val if isinstance(val, list) else [None]) if key == "plugins" else [val]
+    for v in vals:
+        if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
+            raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
+                               "arm_file_outside_study", val,
+                               "a relative path under the study directory (no leading /, no ..)"
+                               + ("; plugins is a list of them" if key == "plugins" else ""))
+
+
+def _flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is one flag's value."""
+    return lambda spec, value, job: [flag, str(value)] if value else []
+
+
+def _path_flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is a study path given to one flag as an absolute path."""
+    return lambda spec, value, job: [flag, spec.abs(value)] if value else []
+
+
+def _no_flags(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return []
+
+
+def _same_value(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class ArmSetting:
+    """One setting of an arm that changes how its sessions start `claude` (each optional: the
+    study's value where the arm sets none, else `default`).  Declared once in ARM_SETTINGS."""
+    key: str
+    #: (arm, key, value) -> None, or the refusal (exit 2) naming the arm and the key.
+    check: Callable[[str, str, Any], None]
+    #: LaunchSpec's value when neither the arm nor the study sets it.
+    default: Any
+    #: How arm_launch_spec takes the arm's value (a key of ARM_RESOLVERS): "value" as written, "env"
+    #: merged over the study's, "file" a study file (hashed, bound read-only), "mcp" an MCP config,
+    #: "dirs" study directories (bound), "overlay" a directory laid over the workspace.
+    resolve: str
+    #: (LaunchSpec, value, job's own paths) -> the flags it adds to claude's argv.
+    argv: Callable[[Any, Any, Mapping[str, str]], list[str]]
+    #: Whether a session's events show it took effect (treatment_delivery checks it by its key);
+    #: False: "no event shows it".
+    observable: bool
+    #: The study-wide launch has it too (study.json's top-level key of the same name).
+    study: bool = False
+    #: LaunchSpec's value -> the settings view's (what the fingerprint, the manifest and the job
+    #: record hold), and back.
+    to_view: Callable[[Any], Any] = _same_value
+    from_view: Callable[[Any], Any] = _same_value
+    #: A job record without it is refused (KeyError); else it reads as `from_view(None)`.
+    required: bool = False
+    #: When the arm sets not this but `follows`, it takes that value (allowed_tools follows tools).
+    follows: str | None = None
+
+
+def _env_view(env: Any) -> dict[str, str]:
+    return dict(env)
+
+
+def _env_of_view(env: Any) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items()))
+
+
+def _tools_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return ["--tools", str(value)]
+
+
+def _mcp_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The job's own copy of the arm's MCP config (an empty one when the arm has none:
+    # --strict-mcp-config keeps every other out).
+    return ["--strict-mcp-config", "--mcp-config", job["mcp_config"]]
+
+
+def _system_prompt_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The arm's system prompt replaces claude's; the job's preamble file is appended to it.
+    return ([*(["--system-prompt-file", spec.abs(value)] if value else []),
+             "--append-system-prompt-file", job["system_prompt_file"]])
+
+
+def _plugins_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    argv = [x for p in value for x in ("--plugin-dir", spec.abs(p))]
+    if spec.settings or value:
+        argv.append("--include-hook-events")   # the delivery check counts the hooks that fired
+    return argv
+
+
+#: Every arm launch setting, in the order of the settings view (the job records' and manifests').
+ARM_SETTINGS: tuple[ArmSetting, ...] = (
+    ArmSetting("model", _arm_model_check, DEFAULT_LAUNCH["model"], "value",
+               lambda spec, value, job: ["--model", str(value)], True,
+               study=True, required=True),
+    ArmSetting("effort", _arm_one_of(EFFORTS, "arm_unknown_effort"), DEFAULT_LAUNCH["effort"], "value",
+               _flag("--effort"), False, study=True),
+    ArmSetting("fallback_model", _arm_model_check, None, "value", _flag("--fallback-model"), False),
+    ArmSetting("permission_mode", _arm_one_of(PERMISSION_MODES, "arm_unknown_permission_mode"),
+               DEFAULT_LAUNCH["permission_mode"], "value",
+               lambda spec, value, job: ["--permission-mode", str(value)], True, study=True, required=True),
+    ArmSetting("tools", _arm_tools_check, DEFAULT_TOOLS, "value", _tools_argv, True, study=True,
+               required=True),
+    ArmSetting("allowed_tools", _arm_tools_check, DEFAULT_TOOLS, "value",
+               lambda spec, value, job: ["--allowedTools", str(value or spec.tools)], False, study=True,
+               required=True, follows="tools"),
+    ArmSetting("disallowed_tools", _arm_tools_check, "", "value", _flag("--disallowedTools"), False,
+               study=True, from_view=lambda v: v or ""),
+    ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=_env_view, from_view=_env_of_view),
+    ArmSetting("system_prompt", _arm_path_check, None, "file", _system_prompt_argv, False),
+    ArmSetting("mcp", _arm_path_check, None, "mcp", _mcp_argv, True),
+    ArmSetting("settings", _arm_path_check, None, "file", _path_flag("--settings"), True),
+    ArmSetting("agents", _arm_path_check, None, "file", _path_flag("--agents"), True),
+    ArmSetting("agent", _arm_agent_check, None, "value", _flag("--agent"), False),
+    ArmSetting("plugins", _arm_path_check, (), "dirs", _plugins_argv, True, to_view=list,
+               from_view=lambda v: tuple(v or ())),
+    ArmSetting("workspace_overlay", _arm_path_check, None, "overlay", _no_flags, True),
+)
+ARM_SETTING = {s.key: s for s in ARM_SETTINGS}
+#: The keys of those settings.
+ARM_LAUNCH_KEYS = tuple(ARM_SETTING)
+#: Keys of one arm's object in study.json.
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
+#: claude's flags in the order every recorded argv has them (a setting not named here adds its flags
+#: after these): reordering them would change every argv fingerprint.
+ARGV_ORDER = ("model", "fallback_model", "effort", "permission_mode", "tools", "allowed_tools",
+              "disallowed_tools", "mcp", "system_prompt", "settings", "agents", "agent", "plugins")
+
+
 def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
     """The shape of an arm's launch settings (pure); its files are checked where they are read."""
-    for key in ("model", "fallback_model"):
-        val = spec.get(key)
-        if val is None:
-            continue
-        ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
-        if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
-                   for m in ids):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
-                               "arm_model_not_full_id", val,
-                               "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
-                               "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
-    for key, allowed in (("effort", EFFORTS), ("permission_mode", PERMISSION_MODES)):
-        if key in spec and spec[key] not in allowed:
-            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed),
-                               "arm_unknown_effort" if key == "effort" else "arm_unknown_permission_mode",
-                               spec[key], "write one of: " + ", ".join(allowed))
-    for key in ("tools", "allowed_tools", "disallowed_tools"):
-        if key in spec and not isinstance(spec[key], str):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
-                               spec[key], 'comma-separated tool names, e.g. "Bash,Read,Edit"')
-    if "agent" in spec and not (isinstance(spec["agent"], str) and NAME_RE.fullmatch(spec["agent"])):
-        raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
-                           spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
-    env = spec.get("env")
-    if "env" in spec and not env_object_ok(env):
-        raise _arm_refusal(name, "env", "an arm's env must map variable names to one-line strings",
-                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
-    for key in ARM_FILE_KEYS:
-        if key not in spec:
-            continue
-        vals = spec[key] if key == "plugins" else [spec[key]]
-        if key == "plugins" and not isinstance(spec[key], list):
-            vals = [None]
-        for v in vals:
-            if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
-                raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
-                                   "arm_file_outside_study", spec[key],
-                                   "a relative path under the study directory (no leading /, no ..)"
-                                   + ("; plugins is a list of them" if key == "plugins" else ""))
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            setting.check(name, setting.key, spec[setting.key])
 
 
 #: Arm names refused although they are safe ids: the device names Windows reserves in every
@@ -6036,51 +6160,12 @@ def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
                     total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
-#: What the study-wide launch has of an arm's launch settings (each arm may override them).
-LAUNCH_SPEC_STUDY_KEYS = ("model", "effort", "permission_mode", "tools", "allowed_tools",
-                          "disallowed_tools")
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How one arm's sessions start `claude`: every setting that changes the agent, resolved once
-    from the study and the arm (the study's value where the arm sets none), and passed whole from
-    the pipeline to the job record.  build_claude_argv alone turns it into argv.
-
-    File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`)
-    are study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring
-    (a directory file by file, the files an MCP config names included).  `mcp_json` is the MCP
-    config a job hands `claude` (study paths made absolute) and `bind_ro` the study paths its
-    sandbox shows read-only: both derived from the files, so neither is in the fingerprint."""
-    root: str
-    arm: str | None = None
-    model: str = DEFAULT_LAUNCH["model"]
-    effort: str | None = DEFAULT_LAUNCH["effort"]
-    fallback_model: str | None = None
-    permission_mode: str = DEFAULT_LAUNCH["permission_mode"]
-    tools: str = DEFAULT_TOOLS
-    allowed_tools: str = DEFAULT_TOOLS
-    disallowed_tools: str = ""
-    env: tuple[tuple[str, str], ...] = ()
-    system_prompt: str | None = None
-    mcp: str | None = None
-    settings: str | None = None
-    agents: str | None = None
-    agent: str | None = None
-    plugins: tuple[str, ...] = ()
-    workspace_overlay: str | None = None
-    files: tuple[tuple[str, str], ...] = ()
-    mcp_json: str = '{"mcpServers": {}}\n'
-    bind_ro: tuple[str, ...] = ()
+class _LaunchSpecMethods:
+    """What every LaunchSpec does (its fields: root, arm, one per ARM_SETTINGS, then the files)."""
 
     def settings_view(self) -> dict[str, Any]:
         """The resolved settings (paths study-relative): what the fingerprint and the manifest hold."""
-        return {"model": self.model, "effort": self.effort, "fallback_model": self.fallback_model,
-                "permission_mode": self.permission_mode, "tools": self.tools,
-                "allowed_tools": self.allowed_tools, "disallowed_tools": self.disallowed_tools,
-                "env": dict(self.env), "system_prompt": self.system_prompt, "mcp": self.mcp,
-                "settings": self.settings, "agents": self.agents, "agent": self.agent,
-                "plugins": list(self.plugins), "workspace_overlay": self.workspace_overlay}
+        return {s.key: s.to_view(getattr(self, s.key)) for s in ARM_SETTINGS}
 
     @property
     def fingerprint(self) -> str:
@@ -6101,26 +6186,40 @@ class LaunchSpec:
                 "mcp_json": self.mcp_json, "bind_ro": list(self.bind_ro)}
 
     @classmethod
-    def from_record(cls, rec: Mapping[str, Any]) -> "LaunchSpec":
+    def from_record(cls, rec: Mapping[str, Any]) -> Any:
         s = dict(rec["settings"])
-        return cls(root=str(rec["root"]), arm=rec.get("arm"), model=s["model"], effort=s.get("effort"),
-                   fallback_model=s.get("fallback_model"), permission_mode=s["permission_mode"],
-                   tools=s["tools"], allowed_tools=s["allowed_tools"],
-                   disallowed_tools=s.get("disallowed_tools") or "",
-                   env=tuple(sorted((str(k), str(v)) for k, v in (s.get("env") or {}).items())),
-                   system_prompt=s.get("system_prompt"), mcp=s.get("mcp"), settings=s.get("settings"),
-                   agents=s.get("agents"), agent=s.get("agent"), plugins=tuple(s.get("plugins") or ()),
-                   workspace_overlay=s.get("workspace_overlay"),
+        return cls(root=str(rec["root"]), arm=rec.get("arm"),
+                   **{a.key: a.from_view(s[a.key] if a.required else s.get(a.key)) for a in ARM_SETTINGS},
                    files=tuple(sorted((str(k), str(v)) for k, v in (rec.get("files") or {}).items())),
                    mcp_json=str(rec.get("mcp_json") or '{"mcpServers": {}}\n'),
                    bind_ro=tuple(str(p) for p in rec.get("bind_ro") or ()))
 
 
+#: How one arm's sessions start `claude`: every setting that changes the agent (ARM_SETTINGS),
+#: resolved once from the study and the arm (the study's value where the arm sets none), and passed
+#: whole from the pipeline to the job record.  build_claude_argv alone turns it into argv.
+#:
+#: File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`) are
+#: study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring (a
+#: directory file by file, the files an MCP config names included).  `mcp_json` is the MCP config a
+#: job hands `claude` (study paths made absolute) and `bind_ro` the study paths its sandbox shows
+#: read-only: both derived from the files, so neither is in the fingerprint.
+LaunchSpec = dataclasses.make_dataclass(
+    "LaunchSpec",
+    [("root", str), ("arm", "str | None", field(default=None)),
+     *((s.key, Any, field(default=s.default)) for s in ARM_SETTINGS),
+     ("files", "tuple[tuple[str, str], ...]", field(default=())),
+     ("mcp_json", str, field(default='{"mcpServers": {}}\n')),
+     ("bind_ro", "tuple[str, ...]", field(default=()))],
+    bases=(_LaunchSpecMethods,), frozen=True)
+
+
 def study_launch_spec(root: str | os.PathLike[str], cfg: Mapping[str, Any]) -> LaunchSpec:
     """The study-wide launch (no arm): what a session outside an arm (spawn, train) starts with."""
     launch = launch_config(cfg)
-    return LaunchSpec(root=os.path.abspath(root), **{k: launch[k] or (None if k == "effort" else "")
-                                                     for k in LAUNCH_SPEC_STUDY_KEYS},
+    return LaunchSpec(root=os.path.abspath(root),
+                      **{s.key: launch[s.key] or (None if s.key == "effort" else "")
+                         for s in ARM_SETTINGS if s.study},
                       env=tuple(sorted((cfg.get("env") or {}).items())))
 
 
@@ -7442,32 +7541,12 @@ def build_claude_argv(binary: str, spec: LaunchSpec, *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
                       max_budget_usd: float | None, max_turns: int | None) -> list[str]:
     """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume): the
-    one place a LaunchSpec becomes flags.  `mcp_config` is the job's own copy of the arm's MCP
-    config (an empty one when the arm has none: --strict-mcp-config keeps every other out)."""
-    argv = [binary, "-p", "--output-format", "stream-json", "--verbose", "--model", str(spec.model)]
-    if spec.fallback_model:
-        argv += ["--fallback-model", str(spec.fallback_model)]
-    if spec.effort:
-        argv += ["--effort", str(spec.effort)]
-    argv += ["--permission-mode", str(spec.permission_mode),
-             "--tools", str(spec.tools),
-             "--allowedTools", str(spec.allowed_tools or spec.tools)]
-    if spec.disallowed_tools:
-        argv += ["--disallowedTools", str(spec.disallowed_tools)]
-    argv += ["--strict-mcp-config", "--mcp-config", mcp_config]
-    if spec.system_prompt:
-        argv += ["--system-prompt-file", spec.abs(spec.system_prompt)]
-    argv += ["--append-system-prompt-file", system_prompt_file]
-    if spec.settings:
-        argv += ["--settings", spec.abs(spec.settings)]
-    if spec.agents:
-        argv += ["--agents", spec.abs(spec.agents)]
-    if spec.agent:
-        argv += ["--agent", spec.agent]
-    for plugin in spec.plugins:
-        argv += ["--plugin-dir", spec.abs(plugin)]
-    if spec.settings or spec.plugins:
-        argv += ["--include-hook-events"]   # the delivery check counts the hooks that fired
+    one place a LaunchSpec becomes flags (each setting's, ARM_SETTINGS, in ARGV_ORDER).
+    `mcp_config` is the job's own copy of the arm's MCP config."""
+    argv = [binary, "-p", "--output-format", "stream-json", "--verbose"]
+    job = {"mcp_config": mcp_config, "system_prompt_file": system_prompt_file}
+    for key in (*ARGV_ORDER, *(k for k in ARM_LAUNCH_KEYS if k not in ARGV_ORDER)):
+        argv += ARM_SETTING[key].argv(spec, getattr(spec, key), job)
     if resume:
         argv += ["--resume", resume]
         if fork:
@@ -10100,17 +10179,11 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
 
 def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
                     spec: Mapping[str, Any]) -> LaunchSpec:
-    """One arm's LaunchSpec: the study's launch with the arm's settings over it, every file it
-    brings checked (inside the study, of the right kind, JSON where it must be) and hashed."""
+    """One arm's LaunchSpec: the study's launch with the arm's settings over it (each as its
+    ArmSetting's `resolve` says), every file it brings checked (inside the study, of the right
+    kind, JSON where it must be) and hashed."""
     base = study_launch_spec(paths.root, cfg)
-    over: dict[str, Any] = {k: spec[k] for k in ("model", "effort", "fallback_model", "tools",
-                                                   "allowed_tools", "disallowed_tools", "permission_mode",
-                                                   "agent")
-                            if k in spec}
-    if "tools" in spec and "allowed_tools" not in spec:
-        over["allowed_tools"] = spec["tools"]
-    if spec.get("env"):
-        over["env"] = tuple(sorted({**dict(base.env), **spec["env"]}.items()))
+    over: dict[str, Any] = {}
     files: dict[str, str] = {}
     bind: list[str] = []
     root = os.path.realpath(paths.root)
@@ -10122,32 +10195,49 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
         else:
             files[rel] = sha256_file(p)
 
-    for key in ("system_prompt", "settings", "agents"):
-        if spec.get(key):
+    def value(key: str, val: Any) -> None:
+        over[key] = val
+
+    def env(key: str, val: Any) -> None:
+        if val:
+            over[key] = tuple(sorted({**dict(base.env), **val}.items()))
+
+    def file(key: str, rel: Any) -> None:
+        if rel:
             if key in ARM_JSON_KEYS:
-                _arm_json(paths, name, key, spec[key])   # a file claude would ignore or refuse
-            p = _arm_file(paths, name, key, spec[key], want_dir=False)
-            add(spec[key], p)
+                _arm_json(paths, name, key, rel)   # a file claude would ignore or refuse
+            p = _arm_file(paths, name, key, rel, want_dir=False)
+            add(rel, p)
             bind.append(os.path.realpath(p))
-            over[key] = spec[key]
-    if spec.get("mcp"):
-        over["mcp_json"], named = resolve_mcp_config(paths, name, spec["mcp"])
-        add(spec["mcp"], paths.root / spec["mcp"])
-        for rel in named:
+            over[key] = rel
+
+    def mcp(key: str, rel: Any) -> None:
+        if rel:
+            over["mcp_json"], named = resolve_mcp_config(paths, name, rel)
             add(rel, paths.root / rel)
-            bind.append(os.path.join(root, rel))
-        over["mcp"] = spec["mcp"]
-    plugins = []
-    for rel in spec.get("plugins") or []:
-        add(rel, _arm_file(paths, name, "plugins", rel, want_dir=True))
-        bind.append(os.path.realpath(paths.root / rel))
-        plugins.append(rel)
-    if plugins:
-        over["plugins"] = tuple(plugins)
-    if spec.get("workspace_overlay"):
-        add(spec["workspace_overlay"], _arm_file(paths, name, "workspace_overlay", spec["workspace_overlay"],
-                                                 want_dir=True))
-        over["workspace_overlay"] = spec["workspace_overlay"]
+            for other in named:
+                add(other, paths.root / other)
+                bind.append(os.path.join(root, other))
+            over[key] = rel
+
+    def dirs(key: str, rels: Any) -> None:
+        for rel in rels or []:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            bind.append(os.path.realpath(paths.root / rel))
+        if rels:
+            over[key] = tuple(rels)
+
+    def overlay(key: str, rel: Any) -> None:
+        if rel:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            over[key] = rel
+
+    resolvers = {"value": value, "env": env, "file": file, "mcp": mcp, "dirs": dirs, "overlay": overlay}
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            resolvers[setting.resolve](setting.key, spec[setting.key])
+        elif setting.follows in spec:
+            over[setting.key] = spec[setting.follows]
     return dataclasses.replace(base, arm=name, files=tuple(sorted(files.items())),
                                bind_ro=tuple(sorted(set(bind))), **over)
 
@@ -11337,8 +11427,7 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
 
 #: Settings no event of a session shows (the request's effort, the environment, the system prompt
 #: text, the fallback and permission lists): reported as not observable, never flagged.
-DELIVERY_UNOBSERVABLE = ("effort", "fallback_model", "allowed_tools", "disallowed_tools", "env",
-                         "system_prompt", "agent")
+DELIVERY_UNOBSERVABLE = tuple(s.key for s in ARM_SETTINGS if not s.observable)
 DELIVERY_TEXT_MAX = 200
 
 
