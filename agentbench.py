@@ -169,7 +169,7 @@ def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequenc
     """The argv that runs `agentbench <args>` from `source` with `python`, from cached bytecode
     kept under `cache_dir` (a directory agentbench owns; None: Python's default beside the source,
     if it may write there).  Pure: Python makes the directory when it first writes there."""
-    return [python, "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
+    return [python, "-I", "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
 
 # ==================================================================================================
 # Constants
@@ -3790,6 +3790,12 @@ SANDBOX_PROBE_TIMEOUT_S = 20.0
 #: (SANDBOX_NETWORKS).
 SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
                              "--cap-drop", "ALL")
+#: The size of a sandbox's private /tmp (and of a session's private config dir) when the launch
+#: gives none: a tmpfs is memory, and an unsized one may take half the host's.
+SANDBOX_TMP_MB = 256
+#: The size of a tmpfs that only hides a directory (the mount points of what is bound back are
+#: made in it; nothing else belongs there).
+SANDBOX_HIDE_BYTES = 1 << 20
 #: What a sandboxed process can reach: "none", an own network namespace with only its own loopback
 #: (every check; a session, whose gateway then comes in as a Unix socket); "open", the host's
 #: network (a session of an arm the study opens it for, or one without a gateway).
@@ -3818,13 +3824,23 @@ SANDBOX_ETC_SECRETS = (
 SANDBOX_GATEWAY_SOCKET = "/run/agentbench/gateway.sock"
 
 
-#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", then
-#: claude's argv).  It gives back the default SIGTERM that the bwrap processes around it ignore
-#: (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its result and
-#: cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a socket,
-#: it first listens on a free loopback port of the sandbox's own network namespace, forks a relay
-#: that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there: the
-#: port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
+#: The whole environment of bubblewrap itself (the one host-side program around a sandbox): built
+#: here, never from an arm, a task or a session, so that nothing they set (LD_PRELOAD,
+#: LD_LIBRARY_PATH, PYTHON*, PATH...) changes how a program starts on the host.  A session's own
+#: environment reaches it only inside the sandbox (sandbox_env_fd).
+SANDBOX_OUTER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
+
+
+#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", the
+#: descriptor its environment is read from or -1, then claude's argv).  It starts isolated (`python
+#: -I -S`: no variable, no working directory and no site directory steers it), replaces its own
+#: environment by the one read from that descriptor (NUL-separated NAME=VALUE, what sandbox_env_fd
+#: writes) and closes it.  It gives back the default SIGTERM that the bwrap processes around it
+#: ignore (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its
+#: result and cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a
+#: socket, it first listens on a free loopback port of the sandbox's own network namespace, forks a
+#: relay that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there:
+#: the port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
 #: this session's API access, since the gateway still checks the job's token.
 SANDBOX_EXEC_SHIM = "\n".join((
     "import os, signal, socket, sys, threading",
@@ -3845,6 +3861,18 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "    except OSError: c.close(); u.close(); return",
     "    t = threading.Thread(target=pipe, args=(u, c), daemon=True); t.start()",
     "    pipe(c, u); t.join(); c.close(); u.close()",
+    "fd = int(sys.argv[2])",
+    "if fd >= 0:",
+    "    data = b''",
+    "    while True:",
+    "        d = os.read(fd, 1 << 20)",
+    "        if not d: break",
+    "        data += d",
+    "    os.close(fd)",
+    "    os.environ.clear()",
+    "    for kv in data.split(b'\\0'):",
+    "        k, _, v = kv.partition(b'=')",
+    "        if k: os.environb[k] = v",
     "if path != '-':",
     "    lis = socket.socket(); lis.bind(('127.0.0.1', 0)); lis.listen(64)",
     "    os.environ['ANTHROPIC_BASE_URL'] = 'http://127.0.0.1:%d' % lis.getsockname()[1]",
@@ -3855,7 +3883,7 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "                threading.Thread(target=serve, args=(c,), daemon=True).start()",
     "        finally: os._exit(0)",
     "    lis.close()",
-    "os.execvp(sys.argv[2], sys.argv[2:])"))
+    "os.execvp(sys.argv[3], sys.argv[3:])"))
 
 
 def sandbox_preexec() -> None:
@@ -3901,14 +3929,19 @@ def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> 
 # 64-bit kernel, whose numbers differ) kills the process; each denied call fails with EPERM;
 # everything else is allowed.
 
-#: Calls by which a process inspects or drives another one (memory, descriptors, counters).
-SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open")
+#: Calls by which a process inspects or drives another one (memory, descriptors, counters), and
+#: the kernel keyring's (keys are kernel state shared by every process of the user, across
+#: sandboxes and with the host: a key one sandbox adds, another, or the host, could read).
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+                  "perf_event_open", "add_key", "request_key", "keyctl")
 #: Per machine name: the AUDIT_ARCH value seccomp reports, and the denied calls' numbers.
 SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298}),
+                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298,
+                            "add_key": 248, "request_key": 249, "keyctl": 250}),
     "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241}),
+                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241,
+                             "add_key": 217, "request_key": 218, "keyctl": 219}),
 }
 SECCOMP_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 #: x86_64's x32 calls carry this bit in their number: none is allowed to pass the table unmatched.
@@ -3971,6 +4004,31 @@ def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+#: A study's parts that nothing an arm names is ever shown from: its state (the registry, the
+#: jobs, the ledger, the bases' sessions) and its runs (other runs' workspaces and records).
+SANDBOX_NEVER_SHOWN = ("state", "runs")
+
+
+def view_refusal(path: str, *, study: str, tasks: str) -> str | None:
+    """Why `path` (resolved) may never be bound into a session, or None (pure).  What a session
+    sees beyond the default view is only what an arm names (its files), and each must lie inside
+    the study, outside its state and runs, and outside the tasks except a task's `public/`; a
+    directory holding any of those is refused as well."""
+    if not _under(path, study):
+        return "it lies outside the study"
+    for part in SANDBOX_NEVER_SHOWN:
+        d = posixpath.join(study, part)
+        if _under(path, d) or _under(d, path):
+            return f"it is or holds the study's {part}/"
+    if _under(tasks, path):
+        return "it is or holds the tasks directory"
+    if _under(path, tasks):
+        rel = path[len(tasks.rstrip("/")) + 1:].split("/")
+        if len(rel) < 2 or rel[1] != "public":
+            return "it lies in a task's hidden files (only a task's public/ may be shown)"
+    return None
+
+
 @dataclass(frozen=True)
 class SandboxPlan:
     """What one sandboxed process sees (absolute, resolved paths); the root is bubblewrap's own
@@ -3986,7 +4044,8 @@ class SandboxPlan:
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
     sockets: (host path, path inside) bound in (a session's gateway socket).
-    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.
+    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.  tmp_mb: the private
+    /tmp's size, and the inner_hide tmpfs's (SANDBOX_TMP_MB when None): no tmpfs is unsized.
     container: paths a container image would have, given last: ("bind" | "ro-bind", source,
     destination) or ("tmpfs", "", destination) rows (see container_rows); they can be made at any
     top-level path, since the root is bubblewrap's own."""
@@ -4002,6 +4061,7 @@ class SandboxPlan:
     sockets: tuple[tuple[str, str], ...] = ()
     network: str = "none"
     container: tuple[tuple[str, str, str], ...] = ()
+    tmp_mb: int | None = None
 
 
 def outermost(dirs: Iterable[str]) -> list[str]:
@@ -4022,7 +4082,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
     the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
+    size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4031,7 +4092,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
         if (d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered)
                 or not any(_under(d, b) and d != b for b in base)):
             continue
-        rows.append(("--tmpfs", d))
+        rows.append(("--size", str(SANDBOX_HIDE_BYTES), "--tmpfs", d))
         covered.append(d)
     for f in plan.mask:
         if any(_under(f, b) for b in base) and not any(_under(f, c) for c in covered):
@@ -4041,7 +4102,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
             rows.append(("--ro-bind", d, d))
     rows += [("--ro-bind", d, d) for d in plan.ro]
     rows += [("--bind", d, d) for d in plan.rw]
-    rows += [("--tmpfs", d) for d in plan.inner_hide]
+    rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
     rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
@@ -4305,19 +4366,44 @@ def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, An
             "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
-def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                    hidden: Sequence[str], private_home: str, project_dir: str,
-                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
-                    seccomp: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """The sandboxed argv and environment of one `claude` session.
+def sandbox_env_fd(env: Mapping[str, str]) -> int:
+    """A descriptor holding `env` as NUL-separated NAME=VALUE (what the shim reads), at offset 0:
+    an anonymous memory file, so nothing of it is on a disk nor on any command line (the caller
+    passes it to bwrap and closes it)."""
+    data = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items()
+                    if k and "=" not in k and "\0" not in k and "\0" not in v)
+    fd = os.memfd_create("agentbench-env", 0)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
+
+def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
+                    hidden: Sequence[str], private_home: str, project_dir: str, tools_env: Mapping[str, str],
+                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
+                    seccomp: int | None = None, outer_extra: Mapping[str, str] | None = None,
+                    tmp_mb: int | None = None) -> tuple[list[str], dict[str, str], int]:
+    """The sandboxed argv of one `claude` session, bubblewrap's own environment, and the
+    descriptor the session's environment is read from inside (the caller passes it and closes it).
+
+    bubblewrap runs with SANDBOX_OUTER_ENV and `outer_extra` only (agentbench's own marks):
+    `env`, the session's environment (an arm's `env` included), is read by the shim inside the
+    sandbox, never by a program on the host.  The tool directories come from `tools_env`'s PATH
+    (the supervisor's own, never `env`'s: an arm's PATH is the session's, not a list of binds).
     The file view is the host's system and tool directories (base_plan) and: HOME becomes
     `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude, where
     agentbench collects transcripts from) is an empty private tmpfs, gone with the session, with
     only `project_dir`, this session's own transcripts, bound into it read-write; the workspace
     read-write; `ro` (the job's system prompt and MCP files) read-only; TMPDIR is the private
-    /tmp.  Network "gateway": an own network namespace into which `gateway_socket` (the gateway's
-    Unix socket on the host) is bound, relayed on loopback by the shim; "open": the host's."""
+    /tmp, of at most `tmp_mb` MiB.  Network "gateway": an own network namespace into which
+    `gateway_socket` (the gateway's Unix socket on the host) is bound, relayed on loopback by the
+    shim; "open": the host's."""
     if network not in SESSION_NETWORKS:
         raise ValueError(f"unknown session network {network!r}")
     if network == "gateway" and not gateway_socket:
@@ -4327,17 +4413,21 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    base = base_plan(argv[0], env, hidden, keep_out=[cwd], network="none" if network == "gateway" else "open")
+    base = base_plan(argv[0], tools_env, hidden, keep_out=[cwd],
+                     network="none" if network == "gateway" else "open")
     if network == "open" and os.path.isdir("/run/systemd/resolve"):   # resolv.conf may point there
         base = dataclasses.replace(base, base=base.base + ("/run/systemd/resolve",))
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)),
                                rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
                                inner_hide=(_real(config),), inner_rw=(_real(project_dir),),
                                sockets=(((gateway_socket, SANDBOX_GATEWAY_SOCKET),)
-                                        if network == "gateway" and gateway_socket else ()))
+                                        if network == "gateway" and gateway_socket else ()),
+                               tmp_mb=tmp_mb)
+    fd = sandbox_env_fd(new_env)
     shim = [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM,
-            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-"]
-    return sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp), new_env
+            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-", str(fd)]
+    return (sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp),
+            {**SANDBOX_OUTER_ENV, **dict(outer_extra or {})}, fd)
 
 
 #: Where a container spec may not put anything: the host's own system directories (a task's
@@ -4390,8 +4480,9 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
                   container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
-    directories read-only, no network at all.  The environment is the caller's (credential-free)
-    one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
+    directories read-only, no network at all.  The command's environment is `env` (the caller's
+    credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
+    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
     spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
     under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
@@ -4402,7 +4493,13 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows)
-    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    sets = ["--clearenv"]
+    for k, v in sorted(env.items()):
+        if k and "=" not in k and "\0" not in k + v:
+            sets += ["--setenv", k, v]
+    cut = out.index("--chdir")
+    return out[:cut] + sets + out[cut:]
 
 
 def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -4669,6 +4766,12 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
 
 
+def container_passed_by_name(name: str) -> bool:
+    """Whether a session's variable reaches its container by name, through the runtime's own
+    environment (pure): credentials (kept off the command line) and claude's own variables only."""
+    return is_credential_var(name) or name.startswith(("ANTHROPIC_", "CLAUDE_"))
+
+
 def container_session_plan(base: ContainerPlan, *, workspace: str, private_home: str, project_dir: str,
                            project_name: str, claude: str, ro: Sequence[str], gateway_socket: str | None,
                            env: Mapping[str, str]) -> ContainerPlan:
@@ -4685,8 +4788,13 @@ def container_session_plan(base: ContainerPlan, *, workspace: str, private_home:
         binds.append((gateway_socket, SANDBOX_GATEWAY_SOCKET, False))
     env_set = (("HOME", CONTAINER_HOME), ("CLAUDE_CONFIG_DIR", CONTAINER_CONFIG), ("TMPDIR", "/tmp"),
                ("PYTHONDONTWRITEBYTECODE", "1"))
-    passed = tuple(sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
-                          and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)))
+    names = sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
+                   and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+    # By name (the value taken from the runtime's own environment, off the command line) only what
+    # no runtime reads: credentials and claude's own variables.  Everything else (an arm's
+    # LD_PRELOAD, PATH, PYTHON*, DOCKER_HOST...) is set by value, so it never reaches the runtime.
+    passed = tuple(k for k in names if container_passed_by_name(k))
+    env_set += tuple((k, env[k]) for k in names if not container_passed_by_name(k))
     return dataclasses.replace(base, binds=tuple(binds), env_set=env_set, env_pass=passed, interactive=True,
                                network="none" if gateway_socket else base.network)
 
@@ -8486,6 +8594,8 @@ class Supervisor:
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
+        self._env_fd: int | None = None       # the session's environment, until bwrap has it
+        self._measured: list[str] = []        # counted by the live workspace cap beside the cwd
         #: (runtime binary, container name, its environment) of a session in a task's container.
         self._container: tuple[str, str, dict[str, str]] | None = None
         self._lock = threading.Lock()
@@ -8676,7 +8786,11 @@ class Supervisor:
         now = time.monotonic()
         if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        used = tree_usage(self.job["cwd"], int(cap))
+        used = 0
+        for where in [self.job["cwd"], *self._measured]:
+            used += tree_usage(where, int(cap)) if os.path.isdir(where) else 0
+            if used > int(cap):
+                break
         # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
         # takes a noticeable time (never more than a twentieth of the poll thread's time).
         took = time.monotonic() - now
@@ -8892,14 +9006,26 @@ class Supervisor:
                 finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                              usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
                 return None
-            argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
-                                        hidden=study_hidden_dirs(self.paths.root),
-                                        private_home=str(jdir / "home"),
-                                        project_dir=str(claude_projects_dir(env)
-                                                        / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
-                                            *((job.get("launch_spec") or {}).get("bind_ro") or [])],
-                                        network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
+            project_dir = str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"])))
+            # What the live workspace cap counts beside the workspace: the private HOME and the
+            # session's transcript folder, both writable by the session.
+            self._measured = [str(jdir / "home"), project_dir]
+            cap = self.limits.get("workspace_max_bytes")
+            try:
+                argv, env, self._env_fd = session_sandbox(
+                    sandbox["binary"], argv, env, cwd=job["cwd"], hidden=study_hidden_dirs(self.paths.root),
+                    private_home=str(jdir / "home"), project_dir=project_dir, tools_env=host,
+                    ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                        *((job.get("launch_spec") or {}).get("bind_ro") or [])],
+                    network=network, gateway_socket=sock, seccomp=self._seccomp_fd,
+                    outer_extra={JOB_MARK_ENV: env[JOB_MARK_ENV]},
+                    tmp_mb=max(1, int(cap) >> 20) if isinstance(cap, int) and cap > 0 else None)
+            except OSError as exc:
+                if self.gateway is not None:
+                    self.gateway.stop(wait_s=0)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
+                return None
         return argv, env, prompt
 
     def _prepare_container(self, ctr: dict[str, Any], argv: list[str], env: dict[str, str], prompt: bytes,
@@ -8964,16 +9090,17 @@ class Supervisor:
         kwargs = self.platform.tree_popen_kwargs()
         if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
-        if self._seccomp_fd is not None:
-            kwargs["pass_fds"] = (self._seccomp_fd,)
+        fds = tuple(fd for fd in (self._seccomp_fd, self._env_fd) if fd is not None)
+        if fds:
+            kwargs["pass_fds"] = fds
         try:
             try:
                 proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
             finally:
-                if self._seccomp_fd is not None:   # bwrap holds its own copy now
-                    os.close(self._seccomp_fd)
-                    self._seccomp_fd = None
+                for fd in fds:   # bwrap holds its own copies now
+                    os.close(fd)
+                self._seccomp_fd = self._env_fd = None
         except OSError as exc:
             self._stderr_fh.close()
             if self.gateway is not None:
@@ -10100,9 +10227,28 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
     return tasks
 
 
-def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -> Path:
+def arm_view_refusal(paths: StudyPaths, arm: str, key: str, rel: str, real: str,
+                     cfg: Mapping[str, Any] | None = None) -> None:
+    """Refuse (exit 2, naming study.json, the arm, the key and the path) a file an arm brings that
+    its sessions may never be shown (view_refusal: the study's state and runs, a task's hidden
+    files).  `cfg`: the study's configuration (read when None)."""
+    if cfg is None:
+        cfg = read_json(paths.study_file, default=None) or {}
+    why = view_refusal(real, study=os.path.realpath(paths.root),
+                       tasks=os.path.realpath(tasks_dir(paths, cfg)))
+    if why is not None:
+        raise AgentbenchError("an arm names a file its sessions may never see", code="arm_file_not_showable",
+                              file=STUDY_FILE, arm=arm, key=key, path=rel, why=why,
+                              hint="an arm's files (system prompt, settings, agents, MCP config and the "
+                                   "files it names, plugins, overlay) must lie in the study outside "
+                                   "state/, runs/ and the tasks (a task's public/ excepted)")
+
+
+def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool,
+              cfg: Mapping[str, Any] | None = None) -> Path:
     """An arm's file setting as a path, refused unless it exists inside the study (links followed)
-    and is a directory when `want_dir`, else a regular file."""
+    outside what a session may never see (arm_view_refusal), and is a directory when `want_dir`,
+    else a regular file."""
     p = paths.root / rel
     root = os.path.realpath(paths.root)
     real = os.path.realpath(p)
@@ -10110,6 +10256,7 @@ def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -
         raise AgentbenchError("an arm's file is outside the study", code="arm_file_outside_study", arm=arm,
                               key=key, path=rel, hint="keep every file an arm brings inside the study "
                                                       "directory (a link out of it counts as outside)")
+    arm_view_refusal(paths, arm, key, rel, real, cfg)
     if not os.path.exists(real):
         raise AgentbenchError("an arm's file is missing", code="arm_file_missing", arm=arm, key=key, path=rel,
                               hint="create it, or fix the path (relative to the study directory)")
@@ -10168,6 +10315,7 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
             hit = _study_file_named(paths, val) if isinstance(val, str) else None
             if hit is None:
                 continue
+            arm_view_refusal(paths, arm, "mcp", hit, os.path.realpath(paths.root / hit))
             named.append(hit)
             absolute = str(Path(os.path.realpath(paths.root)) / hit)
             if i is None:
@@ -10622,8 +10770,9 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
-        res = run_command(argv, cwd=cwd, env=box[2] if box else cenv, timeout_s=check_timeout_s(spec, which),
-                          platform=platform, pass_fds=fds)
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=cwd, env=outer,
+                          timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
@@ -10696,7 +10845,9 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
                                  seccomp=sfd, container=container, container_base=ref_dir)
         timeout = check_timeout_s(spec, "reference")
-        res = run_command(argv, cwd=ws, env=box[2] if box else cenv, timeout_s=timeout, platform=platform,
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=ws, env=outer,
+                          timeout_s=timeout, platform=platform,
                           pass_fds=() if sfd is None else (sfd,))
     finally:
         if sfd is not None:

@@ -82,6 +82,12 @@ BAD = [
     ({"mcp": "arm/bad.json"}, "arm_file_not_json", "mcp"),
     ({"mcp": "arm/settings.json"}, "arm_mcp_config_invalid", "mcp"),
     ({"settings": "arm/escape.json"}, "arm_file_outside_study", "settings"),
+    # never shown to a session: a task's hidden files, the study's state and runs, whatever names them
+    ({"system_prompt": "tasks/tiny/oracle/leak.md"}, "arm_file_not_showable", "system_prompt"),
+    ({"mcp": "arm/leak_mcp.json"}, "arm_file_not_showable", "mcp"),
+    ({"settings": "state/leak.json"}, "arm_file_not_showable", "settings"),
+    ({"workspace_overlay": "runs/r9"}, "arm_file_not_showable", "workspace_overlay"),
+    ({"plugins": ["tasks"]}, "arm_file_not_showable", "plugins"),
 ]
 
 
@@ -94,6 +100,12 @@ def test_every_bad_arm_setting_is_refused_by_arm_and_key_and_writes_nothing(
     outside = tmp_path / "outside.json"
     outside.write_text("{}")
     (armed / "arm" / "escape.json").symlink_to(outside)
+    for leak in ("tasks/tiny/oracle/leak.md", "state/leak.json", "runs/r9/leak.md"):
+        (armed / leak).parent.mkdir(parents=True, exist_ok=True)
+        (armed / leak).write_text("{}")
+    # an MCP server's argument naming a hidden test: it was bound into the sandbox as a study file
+    write_json(armed / "arm" / "leak_mcp.json",
+               {"mcpServers": {"s": {"command": "python3", "args": ["tasks/tiny/oracle/leak.md"]}}})
     set_arm(armed, "B", **setting)
     argv = {"assign": ["assign", "--study", str(armed), "--force"],
             "rehearse": ["rehearse", "--study", str(armed), "--dir", str(tmp_path / "reh")]}[command]

@@ -95,7 +95,9 @@ def test_session_plan_binds_claude_read_only_and_passes_only_names():
     assert binds["/h/job/system_prompt.md"] == ("/h/job/system_prompt.md", True)
     assert binds[ab.SANDBOX_GATEWAY_SOCKET] == ("/h/job/gateway.sock", False)
     # host paths never become the container's PATH, HOME or config dir
-    assert set(plan.env_pass) == {"ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN", "LANG"}
+    assert set(plan.env_pass) == {"ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN"}
+    # anything else by value: the runtime itself never starts with a session's variable
+    assert dict(plan.env_set)["LANG"] == env["LANG"]
     assert dict(plan.env_set)["HOME"] == ab.CONTAINER_HOME and dict(plan.env_set)["CLAUDE_CONFIG_DIR"] == ab.CONTAINER_CONFIG
     argv = ab.container_argv(plan, ["python3"])
     assert "job-token-VALUE" not in " ".join(argv)
