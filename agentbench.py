@@ -6,7 +6,7 @@
 
 One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
-README.md for the study layout and the rules the supervisor enforces.
+README.md for a first study, docs/GUIDE.md for the study layout and the rules the supervisor enforces.
 
 The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
