@@ -1894,6 +1894,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool
                               + "\n").encode())
 
 
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def strict_unicode(obj: Any) -> Any:
+    """`obj` (JSON-shaped) with every string valid Unicode text (pure): a surrogate that pairs with
+    the next one becomes the character they encode, a lone one U+FFFD.  What strict readers
+    (orjson, pydantic-core) refuse, and what cannot be encoded as UTF-8, is then nowhere in it."""
+    if isinstance(obj, str):
+        if _SURROGATE_RE.search(obj) is None:
+            return obj
+        return obj.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(obj, dict):
+        return {strict_unicode(k): strict_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_unicode(v) for v in obj]
+    return obj
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
@@ -19491,7 +19509,7 @@ def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
     """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
     facts = report_runs(paths, write=False)
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    csv.writer(buf, lineterminator="\n").writerows(strict_unicode([list(r) for r in runs_csv_rows(facts)]))
     path = out / "runs.csv"
     write_text_atomic(path, buf.getvalue())
     return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
@@ -19984,7 +20002,7 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, traj)
+        write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
             "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
@@ -20217,10 +20235,13 @@ def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapp
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("header.json", json.dumps(header, allow_nan=False))
-            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            # strict_unicode: a lone surrogate in a model's text would make a strict reader refuse it
+            zf.writestr("header.json", json.dumps(strict_unicode(header), allow_nan=False))
+            zf.writestr("summaries.json", json.dumps(strict_unicode([inspect_summary(s) for s in samples]),
+                                                     allow_nan=False))
             for s in samples:
-                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json",
+                            json.dumps(strict_unicode(s), allow_nan=False))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
