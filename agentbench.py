@@ -20675,8 +20675,16 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+#: What an import copies of a Harbor task: no link followed (none kept either: the plan refused
+#: any), no special file, within the task's own size caps; version control and bytecode left out.
+HARBOR_COPY_CAPS = CopyCaps(HARBOR_TASK_MAX_BYTES, HARBOR_TASK_MAX_BYTES, entries=HARBOR_TASK_MAX_FILES * 2)
+HARBOR_COPY_SKIP = (".git", "__pycache__")
+
+
 def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
-    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    """The bundle of one checked plan, written under `dst` (a new directory), every file copied
+    as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
+    device that appeared after the check copies nothing from the host and fills nothing."""
     root: Path = plan["root"]
     (dst / "public").mkdir(parents=True)
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
@@ -20685,13 +20693,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
         if rel == "TASK.md":
             continue
         (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+        safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
     (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    (dst / "oracle").mkdir()
+    safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    shutil.copytree(root / "solution", dst / "reference" / "solution")
-    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    (dst / "reference").mkdir()
+    safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
+    safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
