@@ -1894,6 +1894,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool
                               + "\n").encode())
 
 
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def strict_unicode(obj: Any) -> Any:
+    """`obj` (JSON-shaped) with every string valid Unicode text (pure): a surrogate that pairs with
+    the next one becomes the character they encode, a lone one U+FFFD.  What strict readers
+    (orjson, pydantic-core) refuse, and what cannot be encoded as UTF-8, is then nowhere in it."""
+    if isinstance(obj, str):
+        if _SURROGATE_RE.search(obj) is None:
+            return obj
+        return obj.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(obj, dict):
+        return {strict_unicode(k): strict_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_unicode(v) for v in obj]
+    return obj
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
@@ -15806,7 +15824,7 @@ def _rpt_analysis_line(report: dict) -> str:
                 + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
                 "error control.")
     if an.get("pre_registered"):
-        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+        return (f"Pre-registered analysis: the plan fixed before the runs ({an.get('source')}), every arm "
                 f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
                 f"{an.get('alpha')}.")
     return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
@@ -18093,6 +18111,10 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     write_json_atomic(sp.state / "calibration.json",
                       {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
+    # The rehearsal's own manifest, its analysis plan fixed before any of its runs (as `assign`
+    # fixes the study's): its report is then truly pre-registered, and says so.
+    write_bytes_atomic(sp.state / "manifests" / "main.json",
+                       manifest_bytes(manifest, seed, "main", analysis_plan(list(arms), list(arms)[0], seed)))
     register_runs(sp, manifest, seed, "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
     server.start()
@@ -18948,14 +18970,17 @@ def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
     return out
 
 
-def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+def analysis_plan_of_study(paths: StudyPaths, split: str | None = None) -> tuple[Any, str | None]:
     """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
-    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
-    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
-    gives an unusable plan, which the report labels as such."""
+    manifest of `split` when one is named, else of split main, else the only manifest.  (None,
+    None) when there is no such manifest or it holds no plan (assigned before plans were written);
+    a manifest that is not valid JSON gives an unusable plan, which the report labels as such."""
     mdir = paths.state / "manifests"
     names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
-    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if split is not None:
+        name = f"{split}.json" if f"{split}.json" in names else None
+    else:
+        name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
     if name is None:
         return None, None
     source = f"manifest of split {name[:-len('.json')]}"
@@ -19491,7 +19516,7 @@ def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
     """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
     facts = report_runs(paths, write=False)
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    csv.writer(buf, lineterminator="\n").writerows(strict_unicode([list(r) for r in runs_csv_rows(facts)]))
     path = out / "runs.csv"
     write_text_atomic(path, buf.getvalue())
     return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
@@ -19984,7 +20009,7 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, traj)
+        write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
             "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
@@ -20217,10 +20242,13 @@ def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapp
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("header.json", json.dumps(header, allow_nan=False))
-            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            # strict_unicode: a lone surrogate in a model's text would make a strict reader refuse it
+            zf.writestr("header.json", json.dumps(strict_unicode(header), allow_nan=False))
+            zf.writestr("summaries.json", json.dumps(strict_unicode([inspect_summary(s) for s in samples]),
+                                                     allow_nan=False))
             for s in samples:
-                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json",
+                            json.dumps(strict_unicode(s), allow_nan=False))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -20654,8 +20682,16 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+#: What an import copies of a Harbor task: no link followed (none kept either: the plan refused
+#: any), no special file, within the task's own size caps; version control and bytecode left out.
+HARBOR_COPY_CAPS = CopyCaps(HARBOR_TASK_MAX_BYTES, HARBOR_TASK_MAX_BYTES, entries=HARBOR_TASK_MAX_FILES * 2)
+HARBOR_COPY_SKIP = (".git", "__pycache__")
+
+
 def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
-    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    """The bundle of one checked plan, written under `dst` (a new directory), every file copied
+    as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
+    device that appeared after the check copies nothing from the host and fills nothing."""
     root: Path = plan["root"]
     (dst / "public").mkdir(parents=True)
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
@@ -20664,13 +20700,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
         if rel == "TASK.md":
             continue
         (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+        safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
     (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    (dst / "oracle").mkdir()
+    safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    shutil.copytree(root / "solution", dst / "reference" / "solution")
-    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    (dst / "reference").mkdir()
+    safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
+    safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
@@ -21617,16 +21657,46 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="bootstrap seed (default: the analysis plan's, else the study seed; another "
                         "makes the analysis exploratory)")
+    p.add_argument("--split", default=None,
+                   help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
+                        "(default: main; other splits are never pooled into it)")
+
+
+def split_of_report(splits: Iterable[Any], manifests: Iterable[str], asked: str | None) -> str | None:
+    """Which split a report analyses (pure): the one asked for (refused unless the study has it),
+    else main when the study has a main split, else the only split; None: every run, pooled (a
+    study whose runs name several splits and none of them main)."""
+    have = {str(s) for s in splits if s is not None} | set(manifests)
+    if asked is not None:
+        if asked not in have:
+            raise AgentbenchError("the study has no such split", code="unknown_split", flag="--split",
+                                  split=asked, splits=sorted(have),
+                                  hint="the splits are the names given to `assign --split` (default main)")
+        return asked
+    if "main" in have or not have:
+        return "main"
+    return next(iter(have)) if len(have) == 1 else None
 
 
 def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
-                 seed_arg: int | None) -> tuple[dict[str, Any], bool]:
-    """The report's figures of one study and whether any of its runs started (`report`, `compare`)."""
+                 seed_arg: int | None, split: str | None = None) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`).
+
+    One split is analysed (split_of_report: by default main): a batch added with `assign --split`,
+    a pilot above all, is reported on its own (`report --split`) and never pooled into the
+    pre-registered analysis of another; the runs left out are counted in `split` and a note."""
     arms = list((cfg.get("arms") or {}).keys())
     if baseline and baseline not in arms:
         raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
                               baseline=baseline, arms=arms)
-    plan, plan_source = analysis_plan_of_study(paths)
+    mdir = paths.state / "manifests"
+    manifests = [p.name[:-len(".json")] for p in mdir.glob("*.json")] if mdir.is_dir() else []
+    stamps = run_record_stamps(paths)
+    # The manifests name the splits; only a study without one needs its runs read to say (a
+    # report served from its cache reads no run).
+    all_runs = None if manifests else report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    chosen = split_of_report((f.split for f in all_runs or ()), manifests, split)
+    plan, plan_source = analysis_plan_of_study(paths, chosen if chosen in manifests else None)
     boot = plan.get("bootstrap") if isinstance(plan, dict) else None
     plan_seed = boot.get("seed") if isinstance(boot, dict) else None
     if seed_arg is not None:
@@ -21638,15 +21708,33 @@ def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: 
     # The figures come from the report cache when no record, argument or line of code changed
     # since it was written; else from the runs' facts (the runs summary, a cache checked against
     # every record's stamp).  The run pages read the records themselves.
-    stamps = run_record_stamps(paths)
-    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source])
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source, chosen])
     cached = read_report_cache(paths, key)
     if cached is not None:
         return cached["report"], cached["any_started"]
-    runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    if all_runs is None:
+        all_runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
+    runs = [f for f in all_runs if chosen is None or f.split == chosen
+            or (chosen == "main" and f.split is None)]
+    left_out: dict[str, int] = {}
+    for f in all_runs:
+        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
+            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
     with gc_paused():
         report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
                                  plan_source=plan_source)
+    report["split"] = {"reported": chosen, "left_out": dict(sorted(left_out.items()))}
+    if left_out:
+        where = shlex.quote(str(paths.root))
+        report.setdefault("notes", []).append(
+            f"this report analyses split {chosen} only; the runs of "
+            + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
+            + " are reported on their own and never pooled into it: "
+            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
+                        for k in sorted(left_out)))
+    elif chosen is None:
+        report.setdefault("notes", []).append(
+            "the runs of several splits are pooled here (none is main): name one with `report --split`")
     any_started = any(f.status not in (None, "not_started") for f in runs)
     if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
         write_report_cache(paths, key, report, any_started)
@@ -21658,7 +21746,7 @@ def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: 
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg = load_study_config(paths)
-    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed)
+    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed, args.split)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None

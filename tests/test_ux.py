@@ -179,3 +179,41 @@ def test_progress_names_task_arm_spend_and_runs_left_and_counts_on_after_a_resum
 ])
 def test_progress_tail_table(done, total, spent, here, elapsed, expect) -> None:
     assert ab.progress_tail(done, total, spent, here, elapsed) == expect
+
+
+# ---- batches apart ---------------------------------------------------------------------------------
+
+def test_a_pilot_split_is_reported_on_its_own_and_never_pooled(tmp_path: Path, fake_env) -> None:
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)              # main: B always succeeds
+    finished_study(study, fake_env, win=0.0, split="pilot")                # pilot: B always fails
+    code, main = run_main(["report", "--study", str(study)])
+    assert code == 0, main
+    assert main["split"] == {"reported": "main", "left_out": {"pilot": 24}}, main["split"]
+    assert main["per_arm"]["B"]["runs"] == 12 and main["per_arm"]["B"]["success_rate"] == 1.0
+    assert main["analysis"]["pre_registered"] is True and main["analysis"]["source"] == "manifest of split main"
+    assert any("split pilot (24)" in n and "--split pilot" in n for n in main["notes"]), main["notes"]
+    code, pilot = run_main(["report", "--study", str(study), "--split", "pilot"])
+    assert code == 0, pilot
+    assert pilot["split"] == {"reported": "pilot", "left_out": {"main": 24}}
+    assert pilot["per_arm"]["B"]["runs"] == 12 and pilot["per_arm"]["B"]["success_rate"] == 0.0
+    assert pilot["analysis"]["source"] == "manifest of split pilot"
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert "Pre-registered analysis" in md["markdown"] and "Not pre-registered" not in md["markdown"]
+    code, out = run_main(["report", "--study", str(study), "--split", "nope"])
+    assert code == 2 and out["code"] == "unknown_split" and out["splits"] == ["main", "pilot"], out
+
+
+@pytest.mark.parametrize("splits, manifests, asked, expect", [
+    ([], [], None, "main"), (["main", None], ["main"], None, "main"), (["pilot"], ["pilot"], None, "pilot"),
+    (["a", "b"], [], None, None), (["main"], ["main", "pilot"], "pilot", "pilot"),
+])
+def test_split_of_report_table(splits, manifests, asked, expect) -> None:
+    assert ab.split_of_report(splits, manifests, asked) == expect
+
+
+def test_right_after_assign_the_report_is_pre_registered(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"), arms={"A": {}, "B": {}})
+    assert run_main(["assign", "--study", str(study), "--force"])[0] == 0
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert code == 0 and "Pre-registered analysis" in md["markdown"], md
+    assert "not pre-registered" not in md["markdown"].lower()
