@@ -6,7 +6,7 @@
 
 One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
-README.md for the study layout and the rules the supervisor enforces.
+README.md for a first study, docs/GUIDE.md for the study layout and the rules the supervisor enforces.
 
 The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
@@ -1892,6 +1892,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool
     order means something (study.json: the first arm is the default baseline)."""
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str, allow_nan=False)
                               + "\n").encode())
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def strict_unicode(obj: Any) -> Any:
+    """`obj` (JSON-shaped) with every string valid Unicode text (pure): a surrogate that pairs with
+    the next one becomes the character they encode, a lone one U+FFFD.  What strict readers
+    (orjson, pydantic-core) refuse, and what cannot be encoded as UTF-8, is then nowhere in it."""
+    if isinstance(obj, str):
+        if _SURROGATE_RE.search(obj) is None:
+            return obj
+        return obj.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(obj, dict):
+        return {strict_unicode(k): strict_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_unicode(v) for v in obj]
+    return obj
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -19581,7 +19599,7 @@ def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
     """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
     facts = report_runs(paths, write=False)
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    csv.writer(buf, lineterminator="\n").writerows(strict_unicode([list(r) for r in runs_csv_rows(facts)]))
     path = out / "runs.csv"
     write_text_atomic(path, buf.getvalue())
     return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
@@ -20074,7 +20092,7 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, traj)
+        write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
             "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
@@ -20327,10 +20345,13 @@ def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapp
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("header.json", json.dumps(header, allow_nan=False))
-            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            # strict_unicode: a lone surrogate in a model's text would make a strict reader refuse it
+            zf.writestr("header.json", json.dumps(strict_unicode(header), allow_nan=False))
+            zf.writestr("summaries.json", json.dumps(strict_unicode([inspect_summary(s) for s in samples]),
+                                                     allow_nan=False))
             for s in samples:
-                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json",
+                            json.dumps(strict_unicode(s), allow_nan=False))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -20771,8 +20792,16 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+#: What an import copies of a Harbor task: no link followed (none kept either: the plan refused
+#: any), no special file, within the task's own size caps; version control and bytecode left out.
+HARBOR_COPY_CAPS = CopyCaps(HARBOR_TASK_MAX_BYTES, HARBOR_TASK_MAX_BYTES, entries=HARBOR_TASK_MAX_FILES * 2)
+HARBOR_COPY_SKIP = (".git", "__pycache__")
+
+
 def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
-    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    """The bundle of one checked plan, written under `dst` (a new directory), every file copied
+    as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
+    device that appeared after the check copies nothing from the host and fills nothing."""
     root: Path = plan["root"]
     (dst / "public").mkdir(parents=True)
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
@@ -20781,13 +20810,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
         if rel == "TASK.md":
             continue
         (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+        safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
     (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    (dst / "oracle").mkdir()
+    safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    shutil.copytree(root / "solution", dst / "reference" / "solution")
-    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    (dst / "reference").mkdir()
+    safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
+    safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
