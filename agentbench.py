@@ -20142,7 +20142,8 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 #: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
 COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
-COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+#: Per comparison, from the report's primary analysis (every assigned run counted).
+COMPARE_VS_KEYS = ("estimate", "ci", "tasks_compared", "p", "p_holm", "reject", "test")
 
 
 def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -20168,10 +20169,10 @@ def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str,
             continue
         comparisons[a] = {}
         for name, rep in named:
-            c = (rep.get("comparisons") or {}).get(a) or {}
-            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
-            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
-                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+            prim = rep.get("primary") if isinstance(rep.get("primary"), dict) else {}
+            c = (prim.get("comparisons") or {}).get(a) or {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS},
+                                    "significant": c.get("reject")}
     return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
             "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 

@@ -133,8 +133,10 @@ def test_compare_sets_two_studies_side_by_side(tmp_path: Path, fake_env) -> None
     for study in (one, two):
         code, rep = run_main(["report", "--study", str(study)])
         assert out["per_arm"]["B"][str(study)]["success_rate"] == rep["per_arm"]["B"]["success_rate"]
-        assert out["comparisons"]["B"][str(study)]["p_holm"] == rep["comparisons"]["B"]["primary"]["p_holm"]
-        assert out["comparisons"]["B"][str(study)]["ci"] == rep["comparisons"]["B"]["ci"]
+        prim = rep["primary"]["comparisons"]["B"]
+        assert out["comparisons"]["B"][str(study)]["p_holm"] == prim["p_holm"]
+        assert out["comparisons"]["B"][str(study)]["ci"] == prim["ci"]
+        assert out["comparisons"]["B"][str(study)]["estimate"] == prim["estimate"]
     assert out["per_arm"]["B"][str(one)]["success_rate"] == 1.0
     assert out["per_arm"]["B"][str(two)]["success_rate"] == 0.5
     # Studies of other arms are refused by name; one study alone too.
