@@ -6,7 +6,7 @@
 
 One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
-README.md for the study layout and the rules the supervisor enforces.
+README.md for a first study, docs/GUIDE.md for the study layout and the rules the supervisor enforces.
 
 The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
@@ -19567,6 +19567,89 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
+# -- a study's report figures, one split at a time -------------------------------------------------
+
+def split_of_report(splits: Iterable[Any], manifests: Iterable[str], asked: str | None) -> str | None:
+    """Which split a report analyses (pure): the one asked for (refused unless the study has it),
+    else main when the study has a main split, else the only split; None: every run, pooled (a
+    study whose runs name several splits and none of them main)."""
+    have = {str(s) for s in splits if s is not None} | set(manifests)
+    if asked is not None:
+        if asked not in have:
+            raise AgentbenchError("the study has no such split", code="unknown_split", flag="--split",
+                                  split=asked, splits=sorted(have),
+                                  hint="the splits are the names given to `assign --split` (default main)")
+        return asked
+    if "main" in have or not have:
+        return "main"
+    return next(iter(have)) if len(have) == 1 else None
+
+
+def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None, split: str | None = None, *,
+                 write: bool = True) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`,
+    the Inspect export's headline).  `write`: the runs summary and the report cache may be written.
+
+    One split is analysed (split_of_report: by default main): a batch added with `assign --split`,
+    a pilot above all, is reported on its own (`report --split`) and never pooled into the
+    pre-registered analysis of another; the runs left out are counted in `split` and a note."""
+    arms = list((cfg.get("arms") or {}).keys())
+    if baseline and baseline not in arms:
+        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
+                              baseline=baseline, arms=arms)
+    mdir = paths.state / "manifests"
+    manifests = [p.name[:-len(".json")] for p in mdir.glob("*.json")] if mdir.is_dir() else []
+    stamps = run_record_stamps(paths)
+    # The manifests name the splits; only a study without one needs its runs read to say (a
+    # report served from its cache reads no run).
+    all_runs = None if manifests else report_runs(paths, write=write, stamps=stamps)
+    chosen = split_of_report((f.split for f in all_runs or ()), manifests, split)
+    plan, plan_source = analysis_plan_of_study(paths, chosen if chosen in manifests else None)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if seed_arg is not None:
+        seed = seed_arg
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
+    # The figures come from the report cache when no record, argument or line of code changed
+    # since it was written; else from the runs' facts (the runs summary, a cache checked against
+    # every record's stamp).  The run pages read the records themselves.
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source, chosen])
+    cached = read_report_cache(paths, key)
+    if cached is not None:
+        return cached["report"], cached["any_started"]
+    if all_runs is None:
+        all_runs = report_runs(paths, write=write, stamps=stamps)
+    runs = [f for f in all_runs if chosen is None or f.split == chosen
+            or (chosen == "main" and f.split is None)]
+    left_out: dict[str, int] = {}
+    for f in all_runs:
+        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
+            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    report["split"] = {"reported": chosen, "left_out": dict(sorted(left_out.items()))}
+    if left_out:
+        where = shlex.quote(str(paths.root))
+        report.setdefault("notes", []).append(
+            f"this report analyses split {chosen} only; the runs of "
+            + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
+            + " are reported on their own and never pooled into it: "
+            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
+                        for k in sorted(left_out)))
+    elif chosen is None:
+        report.setdefault("notes", []).append(
+            "the runs of several splits are pooled here (none is main): name one with `report --split`")
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if write and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
 EXPORT_FORMATS = ("inspect", "atif", "csv")
 
 #: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
@@ -20242,14 +20325,28 @@ def _metric(name: str, value: float) -> dict[str, Any]:
     return {"name": name, "value": round(value, 6), "params": {}}
 
 
-def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int) -> dict[str, Any]:
-    """The log's results (pure): per scorer the mean (and for validity the valid share)."""
+#: The report's per-arm figure each Inspect scorer's headline mean states (see inspect_results).
+INSPECT_HEADLINE = {"hidden_tests": "mean_score", "success": "success_rate"}
+
+
+def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int,
+                    headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The log's results (pure): per scorer the mean (and for validity the valid share).  With
+    `headline` (the report's primary-view figures of the arm) the success and hidden-test means
+    are the report's, over the runs its primary view counts (infrastructure failures, degenerate
+    and unevaluated runs left out), so that the log and the report state one figure."""
     scores = []
     for name in ("hidden_tests", "success"):
         vals = [s["scores"][name]["value"] for s in samples if name in s["scores"]]
-        scores.append({"name": name, "scorer": name, "scored_samples": len(vals),
-                       "unscored_samples": len(samples) - len(vals), "params": {},
-                       "metrics": {"mean": _metric("mean", math.fsum(vals) / len(vals) if vals else 0.0)}})
+        mean = math.fsum(vals) / len(vals) if vals else 0.0
+        scored = len(vals)
+        if headline is not None:
+            got = finite_number(headline.get(INSPECT_HEADLINE[name]))
+            mean = got if got is not None else 0.0
+            scored = int(count_from(headline.get("evaluated"), hi=10**9))
+        scores.append({"name": name, "scorer": name, "scored_samples": scored,
+                       "unscored_samples": max(0, len(samples) - scored), "params": {},
+                       "metrics": {"mean": _metric("mean", mean)}})
     labels = [s["scores"]["validity"]["value"] for s in samples]
     scores.append({"name": "validity", "scorer": "validity", "scored_samples": len(labels),
                    "unscored_samples": 0, "params": {},
@@ -20288,10 +20385,15 @@ def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str
 
 def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
                 runs: Sequence[Mapping[str, Any]], samples: Sequence[dict[str, Any]],
-                status: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+                status: Mapping[str, Any], run_id: str, *, model: str | None = None,
+                settings: Mapping[str, Any] | None = None,
+                headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An arm's eval log header (the log without its samples) (pure).  The key order is the one
-    inspect-ai writes."""
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    inspect-ai writes.  `model`: the model the arm served (`anthropic/...`; default the study's);
+    `settings`: the arm's resolved launch settings (model, effort, overlay, env, MCP...), carried
+    in its metadata; `headline`: the report's primary-view figures of the arm, which the results
+    then state (see inspect_results)."""
+    model = model or "anthropic/" + str(cfg.get("model") or "unknown")
     starts = sorted(s for s in (iso_or_none(r.get("started_at")) for r in runs) if s)
     ends = sorted(s for s in (iso_or_none(r.get("finished_at")) for r in runs) if s)
     created = starts[0] if starts else utc_now()
@@ -20305,7 +20407,8 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
     completed = sum(1 for r in runs if r.get("status") in RUN_FINAL)
     arm_meta = {"name": arm, "gate_cycles": arm_cfg.get("gate_cycles", 0),
                 "review": bool(arm_cfg.get("review")), "preamble": arm_cfg.get("preamble"),
-                "fork_base": bool(arm_cfg.get("fork_base"))}
+                "fork_base": bool(arm_cfg.get("fork_base")), "model": model.split("/", 1)[-1],
+                "settings": dict(settings or {})}
     plan_steps = (["executor"] + (["gate_feedback"] if arm_meta["gate_cycles"] else [])
                   + (["reviewer", "repair"] if arm_meta["review"] else []))
     return {
@@ -20323,7 +20426,7 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
                                                        "study_status": status, "seed": cfg.get("seed"),
                                                        "effort": cfg.get("effort")}})},
         "plan": {"name": "plan", "steps": [{"solver": s, "params": {}} for s in plan_steps], "config": {}},
-        "results": inspect_results(samples, completed),
+        "results": inspect_results(samples, completed, headline),
         "stats": {"started_at": created, "completed_at": ends[-1] if ends and status["complete"] else "",
                   "model_usage": usage},
         "tags": [], "metadata": {}}
@@ -20361,9 +20464,14 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
     ledger = ledger_by_job(paths)
     status = study_status(runs)
     run_id = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:22]
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    arms = study.arms
+    # The headline figures are the report's primary view (its default split, its exclusions).
+    report, _ = study_report(paths, cfg, None, None, write=False)
     logs = []
     for arm, arm_cfg in arms_cfg.items():
+        launch = arms[arm].launch if arm in arms else None
+        # The model the arm served: its own where it sets one, else the study's.
+        model = "anthropic/" + str((launch.model if launch else None) or cfg.get("model") or "unknown")
         arm_runs = [r for r in runs if r.get("arm") == arm]
         samples = []
         for r in arm_runs:
@@ -20373,7 +20481,9 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
             sid, epoch = ids[str(r["run_id"])]
             samples.append(inspect_sample(r, sources, sid, epoch, model))
         header = inspect_log(paths.root.name, arm, arm_cfg if isinstance(arm_cfg, dict) else {}, cfg,
-                             arm_runs, samples, status, run_id)
+                             arm_runs, samples, status, run_id, model=model,
+                             settings=launch.settings_view() if launch else None,
+                             headline=(report.get("per_arm") or {}).get(arm))
         name = f"{_inspect_stamp(header['eval']['created'])}_{arm}_{header['eval']['eval_id']}.eval"
         logs.append((out / name, header, samples))
     for path, header, samples in logs:
@@ -21759,91 +21869,13 @@ def _report_args(p: argparse.ArgumentParser) -> None:
                         "(default: main; other splits are never pooled into it)")
 
 
-def split_of_report(splits: Iterable[Any], manifests: Iterable[str], asked: str | None) -> str | None:
-    """Which split a report analyses (pure): the one asked for (refused unless the study has it),
-    else main when the study has a main split, else the only split; None: every run, pooled (a
-    study whose runs name several splits and none of them main)."""
-    have = {str(s) for s in splits if s is not None} | set(manifests)
-    if asked is not None:
-        if asked not in have:
-            raise AgentbenchError("the study has no such split", code="unknown_split", flag="--split",
-                                  split=asked, splits=sorted(have),
-                                  hint="the splits are the names given to `assign --split` (default main)")
-        return asked
-    if "main" in have or not have:
-        return "main"
-    return next(iter(have)) if len(have) == 1 else None
-
-
-def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
-                 seed_arg: int | None, split: str | None = None) -> tuple[dict[str, Any], bool]:
-    """The report's figures of one study and whether any of its runs started (`report`, `compare`).
-
-    One split is analysed (split_of_report: by default main): a batch added with `assign --split`,
-    a pilot above all, is reported on its own (`report --split`) and never pooled into the
-    pre-registered analysis of another; the runs left out are counted in `split` and a note."""
-    arms = list((cfg.get("arms") or {}).keys())
-    if baseline and baseline not in arms:
-        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=baseline, arms=arms)
-    mdir = paths.state / "manifests"
-    manifests = [p.name[:-len(".json")] for p in mdir.glob("*.json")] if mdir.is_dir() else []
-    stamps = run_record_stamps(paths)
-    # The manifests name the splits; only a study without one needs its runs read to say (a
-    # report served from its cache reads no run).
-    all_runs = None if manifests else report_runs(paths, write=not ctx.is_child, stamps=stamps)
-    chosen = split_of_report((f.split for f in all_runs or ()), manifests, split)
-    plan, plan_source = analysis_plan_of_study(paths, chosen if chosen in manifests else None)
-    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
-    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if seed_arg is not None:
-        seed = seed_arg
-    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
-        seed = plan_seed
-    else:
-        seed = int(cfg.get("seed") or 0)
-    # The figures come from the report cache when no record, argument or line of code changed
-    # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages read the records themselves.
-    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source, chosen])
-    cached = read_report_cache(paths, key)
-    if cached is not None:
-        return cached["report"], cached["any_started"]
-    if all_runs is None:
-        all_runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-    runs = [f for f in all_runs if chosen is None or f.split == chosen
-            or (chosen == "main" and f.split is None)]
-    left_out: dict[str, int] = {}
-    for f in all_runs:
-        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
-            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
-    with gc_paused():
-        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
-                                 plan_source=plan_source)
-    report["split"] = {"reported": chosen, "left_out": dict(sorted(left_out.items()))}
-    if left_out:
-        where = shlex.quote(str(paths.root))
-        report.setdefault("notes", []).append(
-            f"this report analyses split {chosen} only; the runs of "
-            + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
-            + " are reported on their own and never pooled into it: "
-            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
-                        for k in sorted(left_out)))
-    elif chosen is None:
-        report.setdefault("notes", []).append(
-            "the runs of several splits are pooled here (none is main): name one with `report --split`")
-    any_started = any(f.status not in (None, "not_started") for f in runs)
-    if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-        write_report_cache(paths, key, report, any_started)
-    return report, any_started
-
-
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
 @args_of(_report_args)
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg = load_study_config(paths)
-    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed, args.split)
+    report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
+                                       write=not ctx.is_child)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -21928,7 +21960,8 @@ def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     named = []
     for raw in args.study:
         paths = ctx.study(argparse.Namespace(study=raw))
-        report, _ = study_report(ctx, paths, load_study_config(paths), args.baseline, None)
+        report, _ = study_report(paths, load_study_config(paths), args.baseline, None,
+                                 write=not ctx.is_child)
         named.append((str(paths.root), report))
     if len({n for n, _ in named}) < len(named):
         raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
