@@ -4729,9 +4729,10 @@ CONTAINER_SECCOMP_FILE = "seccomp.json"
 #: own root is read-only.
 CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
 #: Options of every container: removed when it exits, no capabilities, no privilege gain, a
-#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+#: read-only root with only the sized tmpfs mounts above, no implicit pull, and the container's
+#: root user whatever the image's USER says (the one id its user namespace maps: the caller's).
 CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
-                            "--read-only")
+                            "--read-only", "--user=0:0")
 #: Variables of `claude`'s environment whose host value means nothing inside: set to the
 #: container's own paths, or left to the image (PATH).
 CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
@@ -4850,13 +4851,15 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
 
 
 #: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
-#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
-#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
-#: exits so does it, which ends the container's pid namespace and every process in it.
+#: "-1" (no environment descriptor: the runtime sets the container's environment), then claude's
+#: argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child, started by the shim's own
+#: last line: signals it receives (the runtime forwards a stop) go to `claude`, orphans are reaped,
+#: and when `claude` exits so does it, which ends the container's pid namespace and every process
+#: in it.
 CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "pid = os.fork()",
     "if pid == 0:",
-    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "    " + SANDBOX_EXEC_SHIM.rsplit("\n", 1)[1],
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
     "    signal.signal(s, lambda n, f: os.kill(pid, n))",
     "while True:",
@@ -4864,6 +4867,8 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "    except ChildProcessError: os._exit(1)",
     "    if w == pid: break",
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+#: The shim's arguments before claude's argv, after the socket: no environment descriptor.
+CONTAINER_SHIM_NO_ENV_FD = "-1"
 
 
 def container_passed_by_name(name: str) -> bool:
@@ -9176,7 +9181,8 @@ class Supervisor:
                                       project_name=transcript_dir_name(str(ctr["workdir"])),
                                       claude=found, ro=ro,
                                       gateway_socket=sock, env=env)
-        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
+                CONTAINER_SHIM_NO_ENV_FD]
         self.sandbox = container_record(ctr, network, why)
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
@@ -20696,12 +20702,16 @@ def _copy_args(args: str) -> tuple[list[str], bool] | None:
     return (words, from_other) if len(words) >= 2 else None
 
 
-def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
-                            ) -> dict[str, Any]:
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None,
+                            in_image: bool = False) -> dict[str, Any]:
     """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
     Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
     the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
-    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere.
+    `in_image`: the Dockerfile becomes the task's environment (built and run as it is), so only
+    what a run of its image does not honour is lost (USER: sessions and checks run as the
+    container's root; EXPOSE and VOLUME)."""
+    kept_by_image = ("FROM", "RUN", "ENV", "ARG", "SHELL", "COPY", "ADD") if in_image else ()
     lost: list[str] = []
     steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
     workdir = workdir_cfg
@@ -20709,23 +20719,26 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
     copies: list[tuple[list[str], str]] = []
     for word, args in steps:
         if word == "FROM":
-            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
-                        "this host's are used)")
+            if word not in kept_by_image:
+                lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                            "this host's are used)")
         elif word == "WORKDIR":
             current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
             workdir = workdir_cfg or current
         elif word in ("COPY", "ADD"):
             parsed = _copy_args(args)
             if parsed is None or parsed[1]:
-                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
                 continue
             paths, _ = parsed
             if any("://" in p for p in paths[:-1]):
-                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (a download)")
                 continue
             dest = posixpath.normpath(posixpath.join(current, paths[-1]))
             copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
-        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL") and word not in kept_by_image:
             lost.append(f"Dockerfile {word} {args[:200]}")
     workdir = workdir or HARBOR_DEFAULT_WORKDIR
     files: dict[str, str] = {}
@@ -20755,17 +20768,23 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
             for rel, target in placed:
                 target = posixpath.normpath(target)
                 if not target.startswith(workdir.rstrip("/") + "/"):
-                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    if not in_image:   # in the image, it is where the Dockerfile put it
+                        lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
                     continue
                 files[rel] = target[len(workdir.rstrip("/")) + 1:]
     return {"workdir": workdir, "files": files, "not_carried_over": lost}
 
 
-def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
-    """What of task.toml agentbench cannot honour (pure)."""
+#: task.toml's [verifier] environment_mode values agentbench gives: every check runs in a fresh
+#: sandbox or container of its own, apart from the agent's (Harbor's "separate").
+HARBOR_VERIFIER_MODES = ("separate", None)
+
+
+def harbor_config_losses(cfg: Mapping[str, Any], in_image: bool = False) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure); `in_image`: the task runs in its image."""
     lost: list[str] = []
     env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
-    if env.get("docker_image"):
+    if env.get("docker_image") and not in_image:
         lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
     if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
         lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
@@ -20784,7 +20803,45 @@ def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
         for key in ("env", "user", "allowed_hosts", "network_mode"):
             if sec.get(key):
                 lost.append(f"[{part}] {key}")
+    if cfg.get("artifacts"):
+        lost.append("artifacts (files Harbor collects after a trial: agentbench keeps the whole workspace)")
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    if verifier.get("environment_mode") not in HARBOR_VERIFIER_MODES:
+        lost.append(f"[verifier] environment_mode = {str(verifier.get('environment_mode'))[:40]!r} (the "
+                    "verifier always gets a fresh environment of its own here: separate)")
     return lost
+
+
+def harbor_schema_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """What of a task.toml (schema 1.4) makes it a task agentbench refuses, by name (pure): several
+    steps (`[[steps]]`), an operating system other than Linux."""
+    out: list[str] = []
+    steps = cfg.get("steps")
+    if steps:
+        n = len(steps) if isinstance(steps, list) else 1
+        out.append(f"it is a multi-step task ([[steps]], {n} step(s)): agentbench imports single-step "
+                   "tasks only")
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    osname = cfg.get("os", env.get("os"))
+    if osname not in (None, "linux", "Linux"):
+        out.append(f"its os is {str(osname)[:40]!r}: agentbench runs Linux tasks only")
+    return out
+
+
+def map_base_images(dockerfile: str, mapping: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The Dockerfile with each FROM image named in `mapping` replaced (pure): (text, the
+    replacements made as "OLD=NEW")."""
+    out, done = [], []
+    for line in dockerfile.splitlines(keepends=True):
+        words = line.split()
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            i = next((k for k in range(1, len(words)) if not words[k].startswith("--")), None)
+            if i is not None and words[i] in mapping:
+                done.append(f"{words[i]}={mapping[words[i]]}")
+                words[i] = mapping[words[i]]
+                line = " ".join(words) + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return "".join(out), done
 
 
 def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
@@ -20817,9 +20874,12 @@ def _seconds(value: Any, default: float) -> float | None:
     return got
 
 
-def plan_harbor_task(root: Path) -> dict[str, Any]:
+def plan_harbor_task(root: Path, environment: str = "host",
+                     base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
-    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    caller refuses a task with any).  Reads only; the files are small and checked for links.
+    `environment` "container": its environment/Dockerfile becomes the task's environment (FROM
+    images renamed by `base_images`), or its prebuilt docker_image; "host": the host's tools."""
     problems: list[str] = []
     if not NAME_RE.match(root.name):
         problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
@@ -20832,6 +20892,8 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
         return {"id": root.name, "problems": problems}
     toml_path = root / "task.toml"
     cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    problems += harbor_schema_problems(cfg)
+    in_image = environment == "container"
     verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
     agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
     env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
@@ -20848,7 +20910,20 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
     dockerfile = None
     if (root / "environment" / "Dockerfile").is_file():
         dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
-    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg, in_image=in_image)
+    task_env: dict[str, Any] | None = None
+    mapped: list[str] = []
+    if in_image:
+        if dockerfile is not None:
+            dockerfile, mapped = map_base_images(dockerfile, base_images or {})
+            task_env = {"dockerfile": "environment/Dockerfile", "workdir": env_plan["workdir"]}
+        elif env_cfg.get("docker_image"):
+            image = str(env_cfg["docker_image"])
+            task_env = {"image": (base_images or {}).get(image, image), "workdir": env_plan["workdir"]}
+        else:
+            problems.append("no environment/Dockerfile nor [environment] docker_image to run it in")
+        if task_env is not None and environment_problem(task_env):
+            problems.append(f"its environment cannot be used: {environment_problem(task_env)}")
     container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
     bad = container_spec_problem(container)
     if bad:
@@ -20857,7 +20932,7 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
            for f in env_files if "/" not in f):
         problems.append("its environment is a multi-container compose file (one workspace is all "
                         "agentbench has)")
-    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    lost = harbor_config_losses(cfg, in_image) + env_plan["not_carried_over"]
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
     instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
     title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
@@ -20866,7 +20941,9 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
             "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
             "metadata": json_safe({k: v for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool, list))}),
-            "container": container}
+            "container": container, "environment": task_env, "dockerfile": dockerfile,
+            "base_images_mapped": mapped, "schema_version": json_safe(cfg.get("schema_version")),
+            "verifier_environment_mode": json_safe(verifier.get("environment_mode") or "separate")}
 
 
 def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -20885,7 +20962,11 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
         "not_carried_over": plan["not_carried_over"],
         "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
                    "agent_timeout_s": plan["agent_timeout_s"],
-                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+                   "verifier_timeout_s": plan["verifier_timeout_s"],
+                   "schema_version": plan.get("schema_version"),
+                   "verifier_environment_mode": plan.get("verifier_environment_mode"),
+                   "base_images_mapped": plan.get("base_images_mapped") or []},
+        **({"environment": plan["environment"]} if plan.get("environment") else {}),
     }
 
 
@@ -20918,10 +20999,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
     safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
                    skip_names=HARBOR_COPY_SKIP)
     safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
+    if (plan.get("environment") or {}).get("dockerfile"):
+        # The build context as it is (copied as agent output is), its Dockerfile with the base
+        # images mapped.
+        safe_copy_tree(root / "environment", dst / "environment", HARBOR_COPY_CAPS, links="drop",
+                       skip_names=HARBOR_COPY_SKIP)
+        write_text_atomic(dst / "environment" / "Dockerfile", str(plan["dockerfile"]))
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
-def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "host",
+                        base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
     whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
     written), then each written as a new bundle under `out` (staged beside, renamed in)."""
@@ -20932,7 +21020,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
         if not d.is_dir():
             refused[str(d)] = ["not a directory"]
             continue
-        plan = plan_harbor_task(d)
+        plan = plan_harbor_task(d, environment, base_images)
         if plan["id"] in [p["id"] for p in plans]:
             plan["problems"].append("another directory of this call has the same name")
         if (out / plan["id"]).exists():
@@ -20961,6 +21049,8 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
                           "starter_files": sorted(p["starter"].values()),
                           "oracle_timeout_s": p["verifier_timeout_s"],
                           "reference_timeout_s": p["agent_timeout_s"],
+                          "environment": p.get("environment"),
+                          "base_images_mapped": p.get("base_images_mapped") or [],
                           "not_carried_over": p["not_carried_over"]} for p in plans],
             "tasks": str(out),
             "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
@@ -22146,6 +22236,12 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
     p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
     p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+    p.add_argument("--environment", choices=["host", "container"], default="host",
+                   help="container: each task's environment/Dockerfile becomes its environment (sessions "
+                        "and checks run in its image); host (default): the host's tools, what the image "
+                        "gave listed as not carried over")
+    p.add_argument("--base-image", action="append", default=[], metavar="OLD=NEW",
+                   help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")
 
 
 @command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
@@ -22153,7 +22249,20 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
 @args_of(_import_tasks_args)
 def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
-    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
+    mapping = {}
+    for pair in args.base_image:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new or environment_problem({"image": new}) or environment_problem(
+                {"image": old}):
+            raise AgentbenchError("--base-image must be OLD=NEW, two image names", code="bad_base_image",
+                                  value=pair[:200],
+                                  hint="e.g. --base-image python:3.12-slim=localhost/base:1")
+        mapping[old] = new
+    if mapping and args.environment != "container":
+        raise AgentbenchError("--base-image needs --environment container", code="base_image_needs_container",
+                              hint="add --environment container (the Dockerfile is built only then)")
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute(),
+                               args.environment, mapping)
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------
