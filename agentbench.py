@@ -4123,8 +4123,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
-             for op, source, dest in plan.container]
+    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+             if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
     rows.append(("--remount-ro", "/"))
     return rows
 
@@ -4493,16 +4493,89 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
     return rows
 
 
+#: Where an oracle's copy of a workspace is made inside its own sandbox: the workspace bound
+#: read-only at the source, the copy on a private tmpfs of its own size (nothing it allocates shows
+#: on a file system any session sees).
+SANDBOX_COPY_SOURCE = "/run/agentbench/source"
+SANDBOX_COPY_DIR = "/run/agentbench/workspace"
+
+#: The first program of an oracle's sandbox (argv: source, copy, file cap, total cap, entry cap,
+#: the descriptor its verdict goes to, "--", then the check's argv; a cap of -1: none).  It copies
+#: by the rules of safe_copy_tree (links copied as links, FIFOs, sockets and devices left out,
+#: .git left out, nothing past a cap, depth or path limit), writes `copied` or `unusable WHY` on
+#: the descriptor and closes it, then runs the check; the code under test never holds it.
+SANDBOX_COPY_SHIM = "\n".join((
+    "import os, stat, sys",
+    "src, dst = sys.argv[1], sys.argv[2]",
+    "fcap, tcap, ents, rfd = (int(a) for a in sys.argv[3:7])",
+    f"MAXD, MAXP = {COPY_MAX_DEPTH}, {COPY_MAX_PATH_BYTES}",
+    "n = [0, 0]",
+    "class Stop(Exception): pass",
+    "def copy_file(sp, dp, st):",
+    "    if 0 <= fcap < st.st_size: raise Stop('file_over_cap')",
+    "    n[1] += st.st_size",
+    "    if 0 <= tcap < n[1]: raise Stop('copy_over_cap')",
+    "    fi = os.open(sp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+    "    try:",
+    "        if not stat.S_ISREG(os.fstat(fi).st_mode): return",
+    "        fl = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
+    "        fo = os.open(dp, fl, (st.st_mode & 0o777) | 0o600)",
+    "        try:",
+    "            left = st.st_size",
+    "            while left > 0:",
+    "                b = os.read(fi, min(1 << 20, left))",
+    "                if not b: break",
+    "                os.write(fo, b); left -= len(b)",
+    "        finally: os.close(fo)",
+    "        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)",
+    "    finally: os.close(fi)",
+    "def walk(s, d, depth):",
+    "    if depth > MAXD: raise Stop('nested_too_deep')",
+    "    with os.scandir(s) as it: names = sorted(e.name for e in it)",
+    "    for name in names:",
+    "        if name == '.git': continue",
+    "        n[0] += 1",
+    "        if n[0] > ents: raise Stop('too_many_entries')",
+    "        sp, dp = os.path.join(s, name), os.path.join(d, name)",
+    "        if len(os.fsencode(dp)) - len(os.fsencode(dst)) > MAXP: raise Stop('path_too_long')",
+    "        st = os.lstat(sp)",
+    "        if stat.S_ISDIR(st.st_mode):",
+    "            os.mkdir(dp, 0o700); walk(sp, dp, depth + 1); os.chmod(dp, (st.st_mode & 0o777) | 0o700)",
+    "        elif stat.S_ISLNK(st.st_mode): os.symlink(os.readlink(sp), dp)",
+    "        elif stat.S_ISREG(st.st_mode): copy_file(sp, dp, st)",
+    "try:",
+    "    walk(src, dst, 0); msg = 'copied'",
+    "except Stop as e: msg = 'unusable ' + str(e)",
+    "except OSError as e: msg = 'unusable ' + ('copy_over_cap' if e.errno == 28 else 'unreadable')",
+    "os.write(rfd, msg.encode()); os.close(rfd)",
+    "if msg != 'copied': os._exit(3)",
+    "os.execvp(sys.argv[8], sys.argv[8:])"))
+
+
+def sandbox_copy_verdict(data: bytes) -> str | None:
+    """What the copy shim said (pure): None when it copied, else why the copy is unusable (the
+    agent's doing, like safe_copy_tree's UnusableTree); a shim that said nothing could not run."""
+    text = data.decode("utf-8", "replace").strip()
+    if text == "copied":
+        return None
+    if text.startswith("unusable "):
+        return text[len("unusable "):][:60] or "unreadable"
+    return "unreadable"
+
+
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                   hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
-                  container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
+                  container: Mapping[str, Any] | None = None, container_base: str = "",
+                  copy: tuple[CopyCaps, int] | None = None) -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
     directories read-only, no network at all.  The command's environment is `env` (the caller's
     credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
-    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
-    spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
-    under `container_base`)."""
+    started with SANDBOX_OUTER_ENV.  With `copy` (the copy's caps, the descriptor its verdict goes
+    to), `cwd` is not bound: it is copied by SANDBOX_COPY_SHIM to SANDBOX_COPY_DIR, a private
+    tmpfs of the copy's cap plus SANDBOX_TMP_MB, where the command then runs.  With a `container`
+    spec (see container_rows) the cwd is also bound at the spec's workdir, where the command starts,
+    and the spec's paths are made (read-only ones from under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
     rows: tuple[tuple[str, str, str], ...] = ()
     inner = _real(cwd)
@@ -4511,6 +4584,15 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows)
+    if copy is not None and not container:
+        caps, report_fd = copy
+        size = (caps.total_bytes if caps.total_bytes is not None else 4 * SANDBOX_TMP_MB * 2 ** 20)
+        size += SANDBOX_TMP_MB * 2 ** 20
+        plan = dataclasses.replace(plan, rw=(), cwd=SANDBOX_COPY_DIR, container=(
+            ("ro-bind", _real(cwd), SANDBOX_COPY_SOURCE), ("sized-tmpfs", str(size), SANDBOX_COPY_DIR)))
+        cap = [caps.file_bytes, caps.total_bytes]
+        argv = [sys.executable, "-I", "-S", "-c", SANDBOX_COPY_SHIM, SANDBOX_COPY_SOURCE, SANDBOX_COPY_DIR,
+                *(str(-1 if c is None else c) for c in cap), str(caps.entries), str(report_fd), "--", *argv]
     out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
     sets = ["--clearenv"]
     for k, v in sorted(env.items()):
@@ -4647,9 +4729,10 @@ CONTAINER_SECCOMP_FILE = "seccomp.json"
 #: own root is read-only.
 CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
 #: Options of every container: removed when it exits, no capabilities, no privilege gain, a
-#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+#: read-only root with only the sized tmpfs mounts above, no implicit pull, and the container's
+#: root user whatever the image's USER says (the one id its user namespace maps: the caller's).
 CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
-                            "--read-only")
+                            "--read-only", "--user=0:0")
 #: Variables of `claude`'s environment whose host value means nothing inside: set to the
 #: container's own paths, or left to the image (PATH).
 CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
@@ -4768,13 +4851,15 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
 
 
 #: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
-#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
-#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
-#: exits so does it, which ends the container's pid namespace and every process in it.
+#: "-1" (no environment descriptor: the runtime sets the container's environment), then claude's
+#: argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child, started by the shim's own
+#: last line: signals it receives (the runtime forwards a stop) go to `claude`, orphans are reaped,
+#: and when `claude` exits so does it, which ends the container's pid namespace and every process
+#: in it.
 CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "pid = os.fork()",
     "if pid == 0:",
-    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "    " + SANDBOX_EXEC_SHIM.rsplit("\n", 1)[1],
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
     "    signal.signal(s, lambda n, f: os.kill(pid, n))",
     "while True:",
@@ -4782,6 +4867,8 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "    except ChildProcessError: os._exit(1)",
     "    if w == pid: break",
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+#: The shim's arguments before claude's argv, after the socket: no environment descriptor.
+CONTAINER_SHIM_NO_ENV_FD = "-1"
 
 
 def container_passed_by_name(name: str) -> bool:
@@ -9094,7 +9181,8 @@ class Supervisor:
                                       project_name=transcript_dir_name(str(ctr["workdir"])),
                                       claude=found, ro=ro,
                                       gateway_socket=sock, env=env)
-        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
+                CONTAINER_SHIM_NO_ENV_FD]
         self.sandbox = container_record(ctr, network, why)
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
@@ -10724,21 +10812,25 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
     tmp = None
     cwd = workspace
-    if which == "oracle":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    caps = copy_caps(launch_config(study_cfg))
+    # Under bubblewrap the oracle's copy is made inside its own sandbox, on a private tmpfs
+    # (check_sandbox's `copy`): nothing it allocates shows on a file system a session sees.
+    copy_inside = (which == "oracle" and task.environment is None and not spec.get("container")
+                   and resolve_sandbox(sandbox_mode_of(study_cfg), check_env(env)[0])["kind"] == "bwrap")
+    if which == "oracle" and not copy_inside:
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
             # could block forever): the hidden tests grade files.  Past the study's copy caps,
             # UnusableTree: the agent's failure, not the grader's.
-            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
             safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     container = spec.get("container")
     cenv, _ = check_env(env)
-    study_cfg = read_json(paths.study_file, default=None) or {}
     try:
         ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
     except BaseException:
@@ -10767,8 +10859,10 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
     box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
+    crfd, cwfd = os.pipe() if copy_inside else (-1, -1)       # the copy's verdict
     try:
-        inner = container["workdir"] if container else (ctr["workdir"] if ctr else cwd)
+        inner = container["workdir"] if container else (ctr["workdir"] if ctr else
+                                                         SANDBOX_COPY_DIR if copy_inside else cwd)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}))
@@ -10786,11 +10880,20 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
-                                 container_base=gate_dir if which == "gate" else oracle_dir)
+                                 container_base=gate_dir if which == "gate" else oracle_dir,
+                                 copy=(caps, cwfd) if copy_inside else None)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
+        fds += (cwfd,) if copy_inside else ()
         outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
-        res = run_command(argv, cwd=cwd, env=outer,
+        res = run_command(argv, cwd="/" if copy_inside else cwd, env=outer,
                           timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
+        if copy_inside:
+            os.close(cwfd)
+            cwfd = -1
+            unusable = sandbox_copy_verdict(read_receipt_pipe(crfd))
+            if unusable is not None:
+                # Past the study's copy caps (or unreadable): the agent's failure, not the grader's.
+                raise UnusableTree(unusable, workspace)
         if uses_fd:
             os.close(wfd)
             wfd = -1
@@ -10799,7 +10902,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         if box is not None:
             container_remove(*box[:3])
             shutil.rmtree(box[3], ignore_errors=True)
-        for fd in (rfd, wfd, sfd):
+        for fd in (rfd, wfd, sfd, crfd, cwfd):
             if fd >= 0:
                 os.close(fd)
         if tmp:
@@ -20685,12 +20788,16 @@ def _copy_args(args: str) -> tuple[list[str], bool] | None:
     return (words, from_other) if len(words) >= 2 else None
 
 
-def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
-                            ) -> dict[str, Any]:
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None,
+                            in_image: bool = False) -> dict[str, Any]:
     """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
     Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
     the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
-    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere.
+    `in_image`: the Dockerfile becomes the task's environment (built and run as it is), so only
+    what a run of its image does not honour is lost (USER: sessions and checks run as the
+    container's root; EXPOSE and VOLUME)."""
+    kept_by_image = ("FROM", "RUN", "ENV", "ARG", "SHELL", "COPY", "ADD") if in_image else ()
     lost: list[str] = []
     steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
     workdir = workdir_cfg
@@ -20698,23 +20805,26 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
     copies: list[tuple[list[str], str]] = []
     for word, args in steps:
         if word == "FROM":
-            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
-                        "this host's are used)")
+            if word not in kept_by_image:
+                lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                            "this host's are used)")
         elif word == "WORKDIR":
             current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
             workdir = workdir_cfg or current
         elif word in ("COPY", "ADD"):
             parsed = _copy_args(args)
             if parsed is None or parsed[1]:
-                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
                 continue
             paths, _ = parsed
             if any("://" in p for p in paths[:-1]):
-                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (a download)")
                 continue
             dest = posixpath.normpath(posixpath.join(current, paths[-1]))
             copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
-        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL") and word not in kept_by_image:
             lost.append(f"Dockerfile {word} {args[:200]}")
     workdir = workdir or HARBOR_DEFAULT_WORKDIR
     files: dict[str, str] = {}
@@ -20744,17 +20854,23 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
             for rel, target in placed:
                 target = posixpath.normpath(target)
                 if not target.startswith(workdir.rstrip("/") + "/"):
-                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    if not in_image:   # in the image, it is where the Dockerfile put it
+                        lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
                     continue
                 files[rel] = target[len(workdir.rstrip("/")) + 1:]
     return {"workdir": workdir, "files": files, "not_carried_over": lost}
 
 
-def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
-    """What of task.toml agentbench cannot honour (pure)."""
+#: task.toml's [verifier] environment_mode values agentbench gives: every check runs in a fresh
+#: sandbox or container of its own, apart from the agent's (Harbor's "separate").
+HARBOR_VERIFIER_MODES = ("separate", None)
+
+
+def harbor_config_losses(cfg: Mapping[str, Any], in_image: bool = False) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure); `in_image`: the task runs in its image."""
     lost: list[str] = []
     env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
-    if env.get("docker_image"):
+    if env.get("docker_image") and not in_image:
         lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
     if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
         lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
@@ -20773,7 +20889,45 @@ def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
         for key in ("env", "user", "allowed_hosts", "network_mode"):
             if sec.get(key):
                 lost.append(f"[{part}] {key}")
+    if cfg.get("artifacts"):
+        lost.append("artifacts (files Harbor collects after a trial: agentbench keeps the whole workspace)")
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    if verifier.get("environment_mode") not in HARBOR_VERIFIER_MODES:
+        lost.append(f"[verifier] environment_mode = {str(verifier.get('environment_mode'))[:40]!r} (the "
+                    "verifier always gets a fresh environment of its own here: separate)")
     return lost
+
+
+def harbor_schema_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """What of a task.toml (schema 1.4) makes it a task agentbench refuses, by name (pure): several
+    steps (`[[steps]]`), an operating system other than Linux."""
+    out: list[str] = []
+    steps = cfg.get("steps")
+    if steps:
+        n = len(steps) if isinstance(steps, list) else 1
+        out.append(f"it is a multi-step task ([[steps]], {n} step(s)): agentbench imports single-step "
+                   "tasks only")
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    osname = cfg.get("os", env.get("os"))
+    if osname not in (None, "linux", "Linux"):
+        out.append(f"its os is {str(osname)[:40]!r}: agentbench runs Linux tasks only")
+    return out
+
+
+def map_base_images(dockerfile: str, mapping: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The Dockerfile with each FROM image named in `mapping` replaced (pure): (text, the
+    replacements made as "OLD=NEW")."""
+    out, done = [], []
+    for line in dockerfile.splitlines(keepends=True):
+        words = line.split()
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            i = next((k for k in range(1, len(words)) if not words[k].startswith("--")), None)
+            if i is not None and words[i] in mapping:
+                done.append(f"{words[i]}={mapping[words[i]]}")
+                words[i] = mapping[words[i]]
+                line = " ".join(words) + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return "".join(out), done
 
 
 def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
@@ -20806,9 +20960,12 @@ def _seconds(value: Any, default: float) -> float | None:
     return got
 
 
-def plan_harbor_task(root: Path) -> dict[str, Any]:
+def plan_harbor_task(root: Path, environment: str = "host",
+                     base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
-    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    caller refuses a task with any).  Reads only; the files are small and checked for links.
+    `environment` "container": its environment/Dockerfile becomes the task's environment (FROM
+    images renamed by `base_images`), or its prebuilt docker_image; "host": the host's tools."""
     problems: list[str] = []
     if not NAME_RE.match(root.name):
         problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
@@ -20821,6 +20978,8 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
         return {"id": root.name, "problems": problems}
     toml_path = root / "task.toml"
     cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    problems += harbor_schema_problems(cfg)
+    in_image = environment == "container"
     verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
     agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
     env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
@@ -20837,7 +20996,20 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
     dockerfile = None
     if (root / "environment" / "Dockerfile").is_file():
         dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
-    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg, in_image=in_image)
+    task_env: dict[str, Any] | None = None
+    mapped: list[str] = []
+    if in_image:
+        if dockerfile is not None:
+            dockerfile, mapped = map_base_images(dockerfile, base_images or {})
+            task_env = {"dockerfile": "environment/Dockerfile", "workdir": env_plan["workdir"]}
+        elif env_cfg.get("docker_image"):
+            image = str(env_cfg["docker_image"])
+            task_env = {"image": (base_images or {}).get(image, image), "workdir": env_plan["workdir"]}
+        else:
+            problems.append("no environment/Dockerfile nor [environment] docker_image to run it in")
+        if task_env is not None and environment_problem(task_env):
+            problems.append(f"its environment cannot be used: {environment_problem(task_env)}")
     container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
     bad = container_spec_problem(container)
     if bad:
@@ -20846,7 +21018,7 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
            for f in env_files if "/" not in f):
         problems.append("its environment is a multi-container compose file (one workspace is all "
                         "agentbench has)")
-    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    lost = harbor_config_losses(cfg, in_image) + env_plan["not_carried_over"]
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
     instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
     title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
@@ -20855,7 +21027,9 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
             "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
             "metadata": json_safe({k: v for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool, list))}),
-            "container": container}
+            "container": container, "environment": task_env, "dockerfile": dockerfile,
+            "base_images_mapped": mapped, "schema_version": json_safe(cfg.get("schema_version")),
+            "verifier_environment_mode": json_safe(verifier.get("environment_mode") or "separate")}
 
 
 def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -20874,7 +21048,11 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
         "not_carried_over": plan["not_carried_over"],
         "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
                    "agent_timeout_s": plan["agent_timeout_s"],
-                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+                   "verifier_timeout_s": plan["verifier_timeout_s"],
+                   "schema_version": plan.get("schema_version"),
+                   "verifier_environment_mode": plan.get("verifier_environment_mode"),
+                   "base_images_mapped": plan.get("base_images_mapped") or []},
+        **({"environment": plan["environment"]} if plan.get("environment") else {}),
     }
 
 
@@ -20907,10 +21085,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
     safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
                    skip_names=HARBOR_COPY_SKIP)
     safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
+    if (plan.get("environment") or {}).get("dockerfile"):
+        # The build context as it is (copied as agent output is), its Dockerfile with the base
+        # images mapped.
+        safe_copy_tree(root / "environment", dst / "environment", HARBOR_COPY_CAPS, links="drop",
+                       skip_names=HARBOR_COPY_SKIP)
+        write_text_atomic(dst / "environment" / "Dockerfile", str(plan["dockerfile"]))
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
-def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "host",
+                        base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
     whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
     written), then each written as a new bundle under `out` (staged beside, renamed in)."""
@@ -20921,7 +21106,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
         if not d.is_dir():
             refused[str(d)] = ["not a directory"]
             continue
-        plan = plan_harbor_task(d)
+        plan = plan_harbor_task(d, environment, base_images)
         if plan["id"] in [p["id"] for p in plans]:
             plan["problems"].append("another directory of this call has the same name")
         if (out / plan["id"]).exists():
@@ -20950,6 +21135,8 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
                           "starter_files": sorted(p["starter"].values()),
                           "oracle_timeout_s": p["verifier_timeout_s"],
                           "reference_timeout_s": p["agent_timeout_s"],
+                          "environment": p.get("environment"),
+                          "base_images_mapped": p.get("base_images_mapped") or [],
                           "not_carried_over": p["not_carried_over"]} for p in plans],
             "tasks": str(out),
             "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
@@ -22142,6 +22329,12 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
     p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
     p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+    p.add_argument("--environment", choices=["host", "container"], default="host",
+                   help="container: each task's environment/Dockerfile becomes its environment (sessions "
+                        "and checks run in its image); host (default): the host's tools, what the image "
+                        "gave listed as not carried over")
+    p.add_argument("--base-image", action="append", default=[], metavar="OLD=NEW",
+                   help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")
 
 
 @command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
@@ -22149,7 +22342,20 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
 @args_of(_import_tasks_args)
 def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
-    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
+    mapping = {}
+    for pair in args.base_image:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new or environment_problem({"image": new}) or environment_problem(
+                {"image": old}):
+            raise AgentbenchError("--base-image must be OLD=NEW, two image names", code="bad_base_image",
+                                  value=pair[:200],
+                                  hint="e.g. --base-image python:3.12-slim=localhost/base:1")
+        mapping[old] = new
+    if mapping and args.environment != "container":
+        raise AgentbenchError("--base-image needs --environment container", code="base_image_needs_container",
+                              hint="add --environment container (the Dockerfile is built only then)")
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute(),
+                               args.environment, mapping)
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------
