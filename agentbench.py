@@ -16148,6 +16148,11 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     alpha = finite_number(analysis.get("alpha")) or REPORT_ALPHA
     family = len(comps)
     base_rate = (per_arm.get(base) or {}).get("success_rate") if base else None
+    if not comps and base is not None:
+        view = per_arm.get(base) or {}
+        return [f"{base} alone: success {fmt_pct(view.get('success_rate'))} over "
+                f"{int(count_from(view.get('evaluated'), hi=10**9))} evaluated run(s); nothing compared "
+                "(add an arm to study.json to compare it with this baseline)"]
     out = []
     for arm, c in comps.items():
         if not isinstance(c, dict):
@@ -16179,7 +16184,7 @@ def render_report_summary_md(report: dict, full_command: str = "") -> str:
     """One screen: the verdict lines, then each arm's success rate and cost per run (pure)."""
     tot = report.get("totals") or {}
     parts = [f"# {report.get('title') or 'Study report'}: the verdict", ""]
-    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)] or ["- (one arm: nothing compared)"]
+    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)]
     rows = [[a, fmt_int(s.get("runs") or 0), fmt_pct(s.get("success_rate")),
              fmt_usd(s.get("cost_per_run_usd"))]
             for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)]
@@ -16547,9 +16552,8 @@ def render_report_html(report: dict, extra: str = "") -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
              f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
-             *(['<section class="verdict"><h2>Verdict</h2><ul>']
-               + [f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)] + ["</ul></section>"]
-               if report.get("comparisons") else []),
+             '<section class="verdict"><h2>Verdict</h2><ul>',
+             *[f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)], "</ul></section>",
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
