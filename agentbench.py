@@ -10509,6 +10509,17 @@ class Arm:
     launch: LaunchSpec
 
 
+def refuse_forks_in_containers(tasks: Mapping[str, Task], arms: Mapping[str, Arm]) -> None:
+    """A forking arm (a base session per task) with a task that names an environment is refused
+    (exit 2): a base is trained on the host's tools, not in the task's container."""
+    boxed = sorted(t.id for t in tasks.values() if t.environment is not None)
+    forking = sorted(a.name for a in arms.values() if a.fork_base)
+    if boxed and forking:
+        raise AgentbenchError("forking arms are not available for tasks that name an environment",
+                              code="fork_base_with_environment", tasks=boxed, arms=forking,
+                              hint="drop fork_base from these arms, or the environment from these tasks")
+
+
 def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
     """The study's arms, in their order (the first is the default baseline); `cfg` as
     load_study_config returns it, its arms' shape already checked; every file an arm brings is
@@ -12858,6 +12869,7 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
                               hint="check --run/--task/--arm/--split against `list --all`")
     refuse_unproven(study, force)
     refuse_changed_arms(study, run_ids)
+    refuse_forks_in_containers(study.tasks, study.arms)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
     arms = study.arms
@@ -18171,6 +18183,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     if only_arms:
         arms = {k: v for k, v in arms.items() if k in only_arms}
     # Every task's image is built and started once before anything else runs.
+    refuse_forks_in_containers(tasks, arms)
     images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
         if any(t.environment is not None for t in tasks.values()) else {}
     partial = bool(only_tasks or only_arms or limit)
