@@ -10489,8 +10489,10 @@ def attempt_verdict(attempt: int, max_attempts: int, infrastructure: bool) -> st
 
 
 def max_attempts_of(cfg: Mapping[str, Any]) -> int:
+    """The study's max_attempts (its default when unset; study.json's shape check refuses a bad one)."""
     value = cfg.get("max_attempts")
-    return value if _is_int_at_least(1)(value) and value <= MAX_ATTEMPTS_CAP else DEFAULT_LAUNCH["max_attempts"]
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ATTEMPTS_CAP
+    return value if ok else DEFAULT_LAUNCH["max_attempts"]
 
 
 def retire_attempt(paths: StudyPaths, rec: dict[str, Any], reason: str) -> None:
