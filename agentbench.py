@@ -10462,7 +10462,8 @@ def run_attempts_cost_usd(rec: Mapping[str, Any]) -> float:
     paused by the breaker (each amount checked; a bad one adds 0)."""
     earlier = list(rec.get("attempts") or []) + list(rec.get("paused_attempts") or [])
     return round(math.fsum([usd_from(rec.get("cost_usd")) or 0.0]
-                           + [usd_from(a.get("cost_usd")) or 0.0 for a in earlier if isinstance(a, Mapping)]), 6)
+                           + [usd_from(a.get("cost_usd")) or 0.0
+                              for a in earlier if isinstance(a, Mapping)]), 6)
 
 
 def attempt_jobs_cost(paths: StudyPaths, jobs: Sequence[Mapping[str, Any]]) -> tuple[float, bool]:
@@ -10513,7 +10514,8 @@ def retire_attempt(paths: StudyPaths, rec: dict[str, Any], reason: str) -> None:
                 os.replace(run_dir / sub, aside / sub)
                 moved = True
     cost, complete = attempt_jobs_cost(paths, kept.get("jobs") or [])
-    kept.update({"attempt": n, "reason": reason, "ended_at": utc_now(), "files": str(aside) if moved else None,
+    kept.update({"attempt": n, "reason": reason, "ended_at": utc_now(),
+                 "files": str(aside) if moved else None,
                  "cost_usd": max(cost, usd_from(kept.get("cost_usd")) or 0.0),
                  "sessions": [j.get("session_id") for j in kept.get("jobs") or [] if j.get("session_id")]})
     if not complete:
@@ -10536,7 +10538,8 @@ def run_active_jobs(paths: StudyPaths, rec: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def take_back_run(paths: StudyPaths, rec: dict[str, Any], in_flight: Sequence[str], max_attempts: int) -> None:
+def take_back_run(paths: StudyPaths, rec: dict[str, Any], in_flight: Sequence[str],
+                  max_attempts: int) -> None:
     """A running run whose driver died, made pending again (see sweep_interrupted_runs)."""
     jobs = rec.get("jobs") or []
     results = [read_json(paths.result_file(j["job_id"]), default=None) for j in jobs]
@@ -20640,7 +20643,8 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     runs = [run_summary(paths, r) for r in run_targets if run_file(paths, r).exists()]
     out = {"met": met, "jobs": jobs, "runs": runs, "pending": [j for j in targets if j not in done_jobs]
            + [r for r in run_targets if r not in runs_done],
-           "run_states": {k: sum(1 for v in phases.values() if v == k) for k in ("final", "running", "pending")}}
+           "run_states": {k: sum(1 for v in phases.values() if v == k)
+                          for k in ("final", "running", "pending")}}
     if not met:
         return 3, {**out, "timeout": args.timeout}
     bad = [j["job_id"] for j in jobs if j["job_id"] in done_jobs and j.get("status") != "ok"]
