@@ -175,7 +175,7 @@ def test_export_refuses_an_out_that_is_a_file_or_inside_the_study(study, tmp_pat
                           "--out", str(study / "state" / "x")])
     assert code == 2 and out["code"] == "export_out_inside_study"
     assert not (study / "state" / "x").exists()
-    code, out = run_main(["export", "--study", str(study), "--format", "csv", "--out", str(tmp_path / "o")])
+    code, out = run_main(["export", "--study", str(study), "--format", "xlsx", "--out", str(tmp_path / "o")])
     assert code == 2 and out["code"] == "bad_arguments" and not (tmp_path / "o").exists()
 
 
