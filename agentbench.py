@@ -2342,10 +2342,23 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
+    """The cost budgets count for a finished job: the metered one where requests went through the
+    gateway, else the binary's own figure (no gateway, or a session that made no request).  A
+    result's `usage` and its ledger line hold the same keys, so this reads either."""
+    usage = usage or {}
+    metered = usage.get("cost_metered_usd")
+    requests = usage.get("requests")
+    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
+        return float(metered)
+    return float(finite_number(usage.get("cost_delta_usd")) or 0.0)
+
+
 def ledger_spent_usd(paths: StudyPaths) -> float:
-    """The study's spend summed from its ledger (each line's amount checked; a bad one adds 0)."""
+    """The study's spend summed from its ledger as the registry counts it (billed_cost_usd of each
+    line, its amount checked; a bad one adds 0)."""
     records, _ = read_jsonl(paths.ledger)
-    return round(math.fsum(usd_from(r.get("cost_delta_usd")) or 0.0 for r in records), 6)
+    return round(math.fsum(usd_from(billed_cost_usd(r)) or 0.0 for r in records), 6)
 
 
 def registry_spent_usd(reg: Mapping[str, Any]) -> float:
@@ -6920,17 +6933,6 @@ def cost_mismatch(metered: float | None, reported: float | None) -> bool:
     return abs(metered - reported) > tolerance
 
 
-def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
-    """The cost budgets count for a finished job: the metered one where requests went through the
-    gateway, else the binary's own figure (no gateway, or a session that made no request)."""
-    usage = usage or {}
-    metered = usage.get("cost_metered_usd")
-    requests = usage.get("requests")
-    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
-        return float(metered)
-    return float(usage.get("cost_delta_usd") or 0.0)
-
-
 def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """cost_metered_usd, requests and per-model figures from gateway.jsonl records (pure)."""
     total = 0.0
@@ -11237,7 +11239,8 @@ def run_is_final(paths: StudyPaths, run_id: str) -> bool:
 
 def queued_runs_dir(paths: StudyPaths) -> Path:
     """Markers of the runs a detached driver was started for (written before `run --detach`
-    answers), until each is final: what `wait --all` waits for besides the driven running runs."""
+    answers): what `wait --all` waits for besides the driven running runs.  A marker goes once a
+    `wait --all` has seen its run final (each final run is answered once, like a job's result)."""
     return paths.state / "queued_runs"
 
 
@@ -12552,9 +12555,6 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
     sweep_interrupted_runs(paths, ctx.platform)
     todo = [r for r in run_ids if load_run(paths, r).get("status") == "not_started"]
     skipped = [r for r in run_ids if r not in todo]
-    for r in skipped:
-        if run_is_final(paths, r):
-            remove_marker(queued_runs_dir(paths) / r)
     results: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()
     queue = list(todo)
@@ -12590,8 +12590,6 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                     unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
                                       "detail": str(exc)[:500]}
                 continue
-            if rec.get("status") in RUN_FINAL:
-                remove_marker(queued_runs_dir(paths) / rid)
             with lock:
                 if rec.get("status") == "not_started" and rec.get("paused_by_breaker"):
                     paused.append(rid)   # the breaker stopped it in flight: it waits, like the queue
@@ -13013,7 +13011,7 @@ def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
                               hint="see each run's error (a busy lock, a read-only or full disk); "
                                    "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes,
-            "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
+            "retried": [r for r in run_ids if load_run(paths, r).get("attempts")]}
 
 
 # -- sessions by hand: spawn, train ----------------------------------------------------------------

@@ -798,6 +798,39 @@ def test_a_run_whose_session_ended_ok_before_its_driver_died_is_graded_not_run_a
     assert sorted(p.name for p in (roman / "state" / "jobs").iterdir()) == jobs_before   # no new session
 
 
+def test_wait_all_after_run_detach_returns_only_when_every_run_is_final(tmp_path, fake_env):
+    from conftest import run_cli
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"), arms={"A": {}, "B": {}}, parallel=2)
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    ids = sorted(r["run_id"] for r in manifest_of(study)["runs"])
+    code, out, err = run_cli(["run", "--study", str(study), "--detach", "--force"], fake_env)
+    assert code == 0 and out["detached"] and out["queued"] == len(ids), (out, err[-2000:])
+    # Recorded before the answer: every run is queued for `wait --all`, or already final.
+    queued = set(ab.list_markers(study / "state" / "queued_runs"))
+    assert all(r in queued or run_record(study, r)["status"] in ab.RUN_FINAL for r in ids)
+    for _ in range(4):     # `wait` answers within its timeout; called again until met, as a user would
+        code, out, err = run_cli(["wait", "--study", str(study), "--all", "--timeout", "300"], fake_env, timeout=400)
+        if code != 3:
+            break
+    assert code in (0, 4), (out, err[-2000:])
+    assert out["met"] is True and out["run_states"] == {"final": len(ids), "running": 0, "pending": 0}, out
+    assert all(run_record(study, r)["status"] in ab.RUN_FINAL for r in ids)
+    assert sorted(r["run_id"] for r in out["runs"]) == ids
+    assert ab.list_markers(study / "state" / "queued_runs") == []
+
+
+def test_wait_all_says_how_many_runs_are_pending_when_it_times_out(tmp_path, fake_env):
+    study = tiny_study(tmp_path / "s", parallel=1)
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    ab.touch_marker(study / "state" / "queued_runs" / rid)   # a driver was started for it, not yet running
+    code, out = run_main(["wait", "--study", str(study), "--all", "--timeout", "0"], env=fake_env)
+    assert code == 3 and out["met"] is False, out
+    assert out["run_states"] == {"final": 0, "running": 0, "pending": 1} and rid in out["pending"]
+
+
 def test_rehearse_refuses_bad_behaviours_faults_and_a_used_directory(roman, fake_env, tmp_path):
     base = ["rehearse", "--study", str(roman), "--dir", str(tmp_path / "scratch")]
     for extra in (["--behaviour", "r0001=dance"], ["--behaviour", "r0001"], ["--fault", "r0001=explode"],
