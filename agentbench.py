@@ -6,7 +6,7 @@
 
 One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
-README.md for the study layout and the rules the supervisor enforces.
+README.md for a first study, docs/GUIDE.md for the study layout and the rules the supervisor enforces.
 
 The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
@@ -1895,6 +1895,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool
     order means something (study.json: the first arm is the default baseline)."""
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=sort_keys, default=str, allow_nan=False)
                               + "\n").encode())
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def strict_unicode(obj: Any) -> Any:
+    """`obj` (JSON-shaped) with every string valid Unicode text (pure): a surrogate that pairs with
+    the next one becomes the character they encode, a lone one U+FFFD.  What strict readers
+    (orjson, pydantic-core) refuse, and what cannot be encoded as UTF-8, is then nowhere in it."""
+    if isinstance(obj, str):
+        if _SURROGATE_RE.search(obj) is None:
+            return obj
+        return obj.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(obj, dict):
+        return {strict_unicode(k): strict_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_unicode(v) for v in obj]
+    return obj
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
@@ -4645,9 +4663,10 @@ CONTAINER_SECCOMP_FILE = "seccomp.json"
 #: own root is read-only.
 CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
 #: Options of every container: removed when it exits, no capabilities, no privilege gain, a
-#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+#: read-only root with only the sized tmpfs mounts above, no implicit pull, and the container's
+#: root user whatever the image's USER says (the one id its user namespace maps: the caller's).
 CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
-                            "--read-only")
+                            "--read-only", "--user=0:0")
 #: Variables of `claude`'s environment whose host value means nothing inside: set to the
 #: container's own paths, or left to the image (PATH).
 CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
@@ -4766,13 +4785,15 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
 
 
 #: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
-#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
-#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
-#: exits so does it, which ends the container's pid namespace and every process in it.
+#: "-1" (no environment descriptor: the runtime sets the container's environment), then claude's
+#: argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child, started by the shim's own
+#: last line: signals it receives (the runtime forwards a stop) go to `claude`, orphans are reaped,
+#: and when `claude` exits so does it, which ends the container's pid namespace and every process
+#: in it.
 CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "pid = os.fork()",
     "if pid == 0:",
-    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "    " + SANDBOX_EXEC_SHIM.rsplit("\n", 1)[1],
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
     "    signal.signal(s, lambda n, f: os.kill(pid, n))",
     "while True:",
@@ -4780,6 +4801,8 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "    except ChildProcessError: os._exit(1)",
     "    if w == pid: break",
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+#: The shim's arguments before claude's argv, after the socket: no environment descriptor.
+CONTAINER_SHIM_NO_ENV_FD = "-1"
 
 
 def container_passed_by_name(name: str) -> bool:
@@ -9103,7 +9126,8 @@ class Supervisor:
                                       project_name=transcript_dir_name(str(ctr["workdir"])),
                                       claude=found, ro=ro,
                                       gateway_socket=sock, env=env)
-        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
+                CONTAINER_SHIM_NO_ENV_FD]
         self.sandbox = container_record(ctr, network, why)
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
@@ -16028,7 +16052,7 @@ def _rpt_analysis_line(report: dict) -> str:
                 + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
                 "error control.")
     if an.get("pre_registered"):
-        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+        return (f"Pre-registered analysis: the plan fixed before the runs ({an.get('source')}), every arm "
                 f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
                 f"{an.get('alpha')}.")
     return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
@@ -18315,6 +18339,10 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     write_json_atomic(sp.state / "calibration.json",
                       {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
+    # The rehearsal's own manifest, its analysis plan fixed before any of its runs (as `assign`
+    # fixes the study's): its report is then truly pre-registered, and says so.
+    write_bytes_atomic(sp.state / "manifests" / "main.json",
+                       manifest_bytes(manifest, seed, "main", analysis_plan(list(arms), list(arms)[0], seed)))
     register_runs(sp, manifest, seed, "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
     server.start()
@@ -19170,14 +19198,17 @@ def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
     return out
 
 
-def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+def analysis_plan_of_study(paths: StudyPaths, split: str | None = None) -> tuple[Any, str | None]:
     """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
-    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
-    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
-    gives an unusable plan, which the report labels as such."""
+    manifest of `split` when one is named, else of split main, else the only manifest.  (None,
+    None) when there is no such manifest or it holds no plan (assigned before plans were written);
+    a manifest that is not valid JSON gives an unusable plan, which the report labels as such."""
     mdir = paths.state / "manifests"
     names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
-    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if split is not None:
+        name = f"{split}.json" if f"{split}.json" in names else None
+    else:
+        name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
     if name is None:
         return None, None
     source = f"manifest of split {name[:-len('.json')]}"
@@ -19667,6 +19698,89 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
+# -- a study's report figures, one split at a time -------------------------------------------------
+
+def split_of_report(splits: Iterable[Any], manifests: Iterable[str], asked: str | None) -> str | None:
+    """Which split a report analyses (pure): the one asked for (refused unless the study has it),
+    else main when the study has a main split, else the only split; None: every run, pooled (a
+    study whose runs name several splits and none of them main)."""
+    have = {str(s) for s in splits if s is not None} | set(manifests)
+    if asked is not None:
+        if asked not in have:
+            raise AgentbenchError("the study has no such split", code="unknown_split", flag="--split",
+                                  split=asked, splits=sorted(have),
+                                  hint="the splits are the names given to `assign --split` (default main)")
+        return asked
+    if "main" in have or not have:
+        return "main"
+    return next(iter(have)) if len(have) == 1 else None
+
+
+def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None, split: str | None = None, *,
+                 write: bool = True) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`,
+    the Inspect export's headline).  `write`: the runs summary and the report cache may be written.
+
+    One split is analysed (split_of_report: by default main): a batch added with `assign --split`,
+    a pilot above all, is reported on its own (`report --split`) and never pooled into the
+    pre-registered analysis of another; the runs left out are counted in `split` and a note."""
+    arms = list((cfg.get("arms") or {}).keys())
+    if baseline and baseline not in arms:
+        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
+                              baseline=baseline, arms=arms)
+    mdir = paths.state / "manifests"
+    manifests = [p.name[:-len(".json")] for p in mdir.glob("*.json")] if mdir.is_dir() else []
+    stamps = run_record_stamps(paths)
+    # The manifests name the splits; only a study without one needs its runs read to say (a
+    # report served from its cache reads no run).
+    all_runs = None if manifests else report_runs(paths, write=write, stamps=stamps)
+    chosen = split_of_report((f.split for f in all_runs or ()), manifests, split)
+    plan, plan_source = analysis_plan_of_study(paths, chosen if chosen in manifests else None)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if seed_arg is not None:
+        seed = seed_arg
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
+    # The figures come from the report cache when no record, argument or line of code changed
+    # since it was written; else from the runs' facts (the runs summary, a cache checked against
+    # every record's stamp).  The run pages read the records themselves.
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source, chosen])
+    cached = read_report_cache(paths, key)
+    if cached is not None:
+        return cached["report"], cached["any_started"]
+    if all_runs is None:
+        all_runs = report_runs(paths, write=write, stamps=stamps)
+    runs = [f for f in all_runs if chosen is None or f.split == chosen
+            or (chosen == "main" and f.split is None)]
+    left_out: dict[str, int] = {}
+    for f in all_runs:
+        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
+            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    report["split"] = {"reported": chosen, "left_out": dict(sorted(left_out.items()))}
+    if left_out:
+        where = shlex.quote(str(paths.root))
+        report.setdefault("notes", []).append(
+            f"this report analyses split {chosen} only; the runs of "
+            + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
+            + " are reported on their own and never pooled into it: "
+            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
+                        for k in sorted(left_out)))
+    elif chosen is None:
+        report.setdefault("notes", []).append(
+            "the runs of several splits are pooled here (none is main): name one with `report --split`")
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if write and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
 EXPORT_FORMATS = ("inspect", "atif", "csv")
 
 #: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
@@ -19713,7 +19827,7 @@ def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
     """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
     facts = report_runs(paths, write=False)
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(runs_csv_rows(facts))
+    csv.writer(buf, lineterminator="\n").writerows(strict_unicode([list(r) for r in runs_csv_rows(facts)]))
     path = out / "runs.csv"
     write_text_atomic(path, buf.getvalue())
     return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
@@ -20206,7 +20320,7 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, traj)
+        write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
             "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
@@ -20342,14 +20456,28 @@ def _metric(name: str, value: float) -> dict[str, Any]:
     return {"name": name, "value": round(value, 6), "params": {}}
 
 
-def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int) -> dict[str, Any]:
-    """The log's results (pure): per scorer the mean (and for validity the valid share)."""
+#: The report's per-arm figure each Inspect scorer's headline mean states (see inspect_results).
+INSPECT_HEADLINE = {"hidden_tests": "mean_score", "success": "success_rate"}
+
+
+def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int,
+                    headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The log's results (pure): per scorer the mean (and for validity the valid share).  With
+    `headline` (the report's primary-view figures of the arm) the success and hidden-test means
+    are the report's, over the runs its primary view counts (infrastructure failures, degenerate
+    and unevaluated runs left out), so that the log and the report state one figure."""
     scores = []
     for name in ("hidden_tests", "success"):
         vals = [s["scores"][name]["value"] for s in samples if name in s["scores"]]
-        scores.append({"name": name, "scorer": name, "scored_samples": len(vals),
-                       "unscored_samples": len(samples) - len(vals), "params": {},
-                       "metrics": {"mean": _metric("mean", math.fsum(vals) / len(vals) if vals else 0.0)}})
+        mean = math.fsum(vals) / len(vals) if vals else 0.0
+        scored = len(vals)
+        if headline is not None:
+            got = finite_number(headline.get(INSPECT_HEADLINE[name]))
+            mean = got if got is not None else 0.0
+            scored = int(count_from(headline.get("evaluated"), hi=10**9))
+        scores.append({"name": name, "scorer": name, "scored_samples": scored,
+                       "unscored_samples": max(0, len(samples) - scored), "params": {},
+                       "metrics": {"mean": _metric("mean", mean)}})
     labels = [s["scores"]["validity"]["value"] for s in samples]
     scores.append({"name": "validity", "scorer": "validity", "scored_samples": len(labels),
                    "unscored_samples": 0, "params": {},
@@ -20388,10 +20516,15 @@ def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str
 
 def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
                 runs: Sequence[Mapping[str, Any]], samples: Sequence[dict[str, Any]],
-                status: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+                status: Mapping[str, Any], run_id: str, *, model: str | None = None,
+                settings: Mapping[str, Any] | None = None,
+                headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An arm's eval log header (the log without its samples) (pure).  The key order is the one
-    inspect-ai writes."""
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    inspect-ai writes.  `model`: the model the arm served (`anthropic/...`; default the study's);
+    `settings`: the arm's resolved launch settings (model, effort, overlay, env, MCP...), carried
+    in its metadata; `headline`: the report's primary-view figures of the arm, which the results
+    then state (see inspect_results)."""
+    model = model or "anthropic/" + str(cfg.get("model") or "unknown")
     starts = sorted(s for s in (iso_or_none(r.get("started_at")) for r in runs) if s)
     ends = sorted(s for s in (iso_or_none(r.get("finished_at")) for r in runs) if s)
     created = starts[0] if starts else utc_now()
@@ -20405,7 +20538,8 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
     completed = sum(1 for r in runs if r.get("status") in RUN_FINAL)
     arm_meta = {"name": arm, "gate_cycles": arm_cfg.get("gate_cycles", 0),
                 "review": bool(arm_cfg.get("review")), "preamble": arm_cfg.get("preamble"),
-                "fork_base": bool(arm_cfg.get("fork_base"))}
+                "fork_base": bool(arm_cfg.get("fork_base")), "model": model.split("/", 1)[-1],
+                "settings": dict(settings or {})}
     plan_steps = (["executor"] + (["gate_feedback"] if arm_meta["gate_cycles"] else [])
                   + (["reviewer", "repair"] if arm_meta["review"] else []))
     return {
@@ -20423,7 +20557,7 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
                                                        "study_status": status, "seed": cfg.get("seed"),
                                                        "effort": cfg.get("effort")}})},
         "plan": {"name": "plan", "steps": [{"solver": s, "params": {}} for s in plan_steps], "config": {}},
-        "results": inspect_results(samples, completed),
+        "results": inspect_results(samples, completed, headline),
         "stats": {"started_at": created, "completed_at": ends[-1] if ends and status["complete"] else "",
                   "model_usage": usage},
         "tags": [], "metadata": {}}
@@ -20439,10 +20573,13 @@ def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapp
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("header.json", json.dumps(header, allow_nan=False))
-            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            # strict_unicode: a lone surrogate in a model's text would make a strict reader refuse it
+            zf.writestr("header.json", json.dumps(strict_unicode(header), allow_nan=False))
+            zf.writestr("summaries.json", json.dumps(strict_unicode([inspect_summary(s) for s in samples]),
+                                                     allow_nan=False))
             for s in samples:
-                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json",
+                            json.dumps(strict_unicode(s), allow_nan=False))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -20458,9 +20595,14 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
     ledger = ledger_by_job(paths)
     status = study_status(runs)
     run_id = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:22]
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    arms = study.arms
+    # The headline figures are the report's primary view (its default split, its exclusions).
+    report, _ = study_report(paths, cfg, None, None, write=False)
     logs = []
     for arm, arm_cfg in arms_cfg.items():
+        launch = arms[arm].launch if arm in arms else None
+        # The model the arm served: its own where it sets one, else the study's.
+        model = "anthropic/" + str((launch.model if launch else None) or cfg.get("model") or "unknown")
         arm_runs = [r for r in runs if r.get("arm") == arm]
         samples = []
         for r in arm_runs:
@@ -20470,7 +20612,9 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
             sid, epoch = ids[str(r["run_id"])]
             samples.append(inspect_sample(r, sources, sid, epoch, model))
         header = inspect_log(paths.root.name, arm, arm_cfg if isinstance(arm_cfg, dict) else {}, cfg,
-                             arm_runs, samples, status, run_id)
+                             arm_runs, samples, status, run_id, model=model,
+                             settings=launch.settings_view() if launch else None,
+                             headline=(report.get("per_arm") or {}).get(arm))
         name = f"{_inspect_stamp(header['eval']['created'])}_{arm}_{header['eval']['eval_id']}.eval"
         logs.append((out / name, header, samples))
     for path, header, samples in logs:
@@ -20683,12 +20827,16 @@ def _copy_args(args: str) -> tuple[list[str], bool] | None:
     return (words, from_other) if len(words) >= 2 else None
 
 
-def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
-                            ) -> dict[str, Any]:
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None,
+                            in_image: bool = False) -> dict[str, Any]:
     """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
     Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
     the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
-    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere.
+    `in_image`: the Dockerfile becomes the task's environment (built and run as it is), so only
+    what a run of its image does not honour is lost (USER: sessions and checks run as the
+    container's root; EXPOSE and VOLUME)."""
+    kept_by_image = ("FROM", "RUN", "ENV", "ARG", "SHELL", "COPY", "ADD") if in_image else ()
     lost: list[str] = []
     steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
     workdir = workdir_cfg
@@ -20696,23 +20844,26 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
     copies: list[tuple[list[str], str]] = []
     for word, args in steps:
         if word == "FROM":
-            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
-                        "this host's are used)")
+            if word not in kept_by_image:
+                lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                            "this host's are used)")
         elif word == "WORKDIR":
             current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
             workdir = workdir_cfg or current
         elif word in ("COPY", "ADD"):
             parsed = _copy_args(args)
             if parsed is None or parsed[1]:
-                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
                 continue
             paths, _ = parsed
             if any("://" in p for p in paths[:-1]):
-                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (a download)")
                 continue
             dest = posixpath.normpath(posixpath.join(current, paths[-1]))
             copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
-        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL") and word not in kept_by_image:
             lost.append(f"Dockerfile {word} {args[:200]}")
     workdir = workdir or HARBOR_DEFAULT_WORKDIR
     files: dict[str, str] = {}
@@ -20742,17 +20893,23 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
             for rel, target in placed:
                 target = posixpath.normpath(target)
                 if not target.startswith(workdir.rstrip("/") + "/"):
-                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    if not in_image:   # in the image, it is where the Dockerfile put it
+                        lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
                     continue
                 files[rel] = target[len(workdir.rstrip("/")) + 1:]
     return {"workdir": workdir, "files": files, "not_carried_over": lost}
 
 
-def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
-    """What of task.toml agentbench cannot honour (pure)."""
+#: task.toml's [verifier] environment_mode values agentbench gives: every check runs in a fresh
+#: sandbox or container of its own, apart from the agent's (Harbor's "separate").
+HARBOR_VERIFIER_MODES = ("separate", None)
+
+
+def harbor_config_losses(cfg: Mapping[str, Any], in_image: bool = False) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure); `in_image`: the task runs in its image."""
     lost: list[str] = []
     env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
-    if env.get("docker_image"):
+    if env.get("docker_image") and not in_image:
         lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
     if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
         lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
@@ -20771,7 +20928,45 @@ def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
         for key in ("env", "user", "allowed_hosts", "network_mode"):
             if sec.get(key):
                 lost.append(f"[{part}] {key}")
+    if cfg.get("artifacts"):
+        lost.append("artifacts (files Harbor collects after a trial: agentbench keeps the whole workspace)")
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    if verifier.get("environment_mode") not in HARBOR_VERIFIER_MODES:
+        lost.append(f"[verifier] environment_mode = {str(verifier.get('environment_mode'))[:40]!r} (the "
+                    "verifier always gets a fresh environment of its own here: separate)")
     return lost
+
+
+def harbor_schema_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """What of a task.toml (schema 1.4) makes it a task agentbench refuses, by name (pure): several
+    steps (`[[steps]]`), an operating system other than Linux."""
+    out: list[str] = []
+    steps = cfg.get("steps")
+    if steps:
+        n = len(steps) if isinstance(steps, list) else 1
+        out.append(f"it is a multi-step task ([[steps]], {n} step(s)): agentbench imports single-step "
+                   "tasks only")
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    osname = cfg.get("os", env.get("os"))
+    if osname not in (None, "linux", "Linux"):
+        out.append(f"its os is {str(osname)[:40]!r}: agentbench runs Linux tasks only")
+    return out
+
+
+def map_base_images(dockerfile: str, mapping: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The Dockerfile with each FROM image named in `mapping` replaced (pure): (text, the
+    replacements made as "OLD=NEW")."""
+    out, done = [], []
+    for line in dockerfile.splitlines(keepends=True):
+        words = line.split()
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            i = next((k for k in range(1, len(words)) if not words[k].startswith("--")), None)
+            if i is not None and words[i] in mapping:
+                done.append(f"{words[i]}={mapping[words[i]]}")
+                words[i] = mapping[words[i]]
+                line = " ".join(words) + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return "".join(out), done
 
 
 def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
@@ -20804,9 +20999,12 @@ def _seconds(value: Any, default: float) -> float | None:
     return got
 
 
-def plan_harbor_task(root: Path) -> dict[str, Any]:
+def plan_harbor_task(root: Path, environment: str = "host",
+                     base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
-    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    caller refuses a task with any).  Reads only; the files are small and checked for links.
+    `environment` "container": its environment/Dockerfile becomes the task's environment (FROM
+    images renamed by `base_images`), or its prebuilt docker_image; "host": the host's tools."""
     problems: list[str] = []
     if not NAME_RE.match(root.name):
         problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
@@ -20819,6 +21017,8 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
         return {"id": root.name, "problems": problems}
     toml_path = root / "task.toml"
     cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    problems += harbor_schema_problems(cfg)
+    in_image = environment == "container"
     verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
     agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
     env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
@@ -20835,7 +21035,20 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
     dockerfile = None
     if (root / "environment" / "Dockerfile").is_file():
         dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
-    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg, in_image=in_image)
+    task_env: dict[str, Any] | None = None
+    mapped: list[str] = []
+    if in_image:
+        if dockerfile is not None:
+            dockerfile, mapped = map_base_images(dockerfile, base_images or {})
+            task_env = {"dockerfile": "environment/Dockerfile", "workdir": env_plan["workdir"]}
+        elif env_cfg.get("docker_image"):
+            image = str(env_cfg["docker_image"])
+            task_env = {"image": (base_images or {}).get(image, image), "workdir": env_plan["workdir"]}
+        else:
+            problems.append("no environment/Dockerfile nor [environment] docker_image to run it in")
+        if task_env is not None and environment_problem(task_env):
+            problems.append(f"its environment cannot be used: {environment_problem(task_env)}")
     container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
     bad = container_spec_problem(container)
     if bad:
@@ -20844,7 +21057,7 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
            for f in env_files if "/" not in f):
         problems.append("its environment is a multi-container compose file (one workspace is all "
                         "agentbench has)")
-    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    lost = harbor_config_losses(cfg, in_image) + env_plan["not_carried_over"]
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
     instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
     title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
@@ -20853,7 +21066,9 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
             "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
             "metadata": json_safe({k: v for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool, list))}),
-            "container": container}
+            "container": container, "environment": task_env, "dockerfile": dockerfile,
+            "base_images_mapped": mapped, "schema_version": json_safe(cfg.get("schema_version")),
+            "verifier_environment_mode": json_safe(verifier.get("environment_mode") or "separate")}
 
 
 def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -20872,12 +21087,24 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
         "not_carried_over": plan["not_carried_over"],
         "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
                    "agent_timeout_s": plan["agent_timeout_s"],
-                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+                   "verifier_timeout_s": plan["verifier_timeout_s"],
+                   "schema_version": plan.get("schema_version"),
+                   "verifier_environment_mode": plan.get("verifier_environment_mode"),
+                   "base_images_mapped": plan.get("base_images_mapped") or []},
+        **({"environment": plan["environment"]} if plan.get("environment") else {}),
     }
 
 
+#: What an import copies of a Harbor task: no link followed (none kept either: the plan refused
+#: any), no special file, within the task's own size caps; version control and bytecode left out.
+HARBOR_COPY_CAPS = CopyCaps(HARBOR_TASK_MAX_BYTES, HARBOR_TASK_MAX_BYTES, entries=HARBOR_TASK_MAX_FILES * 2)
+HARBOR_COPY_SKIP = (".git", "__pycache__")
+
+
 def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
-    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    """The bundle of one checked plan, written under `dst` (a new directory), every file copied
+    as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
+    device that appeared after the check copies nothing from the host and fills nothing."""
     root: Path = plan["root"]
     (dst / "public").mkdir(parents=True)
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
@@ -20886,17 +21113,28 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
         if rel == "TASK.md":
             continue
         (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+        safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
     (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    (dst / "oracle").mkdir()
+    safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    shutil.copytree(root / "solution", dst / "reference" / "solution")
-    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    (dst / "reference").mkdir()
+    safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
+    safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
+    if (plan.get("environment") or {}).get("dockerfile"):
+        # The build context as it is (copied as agent output is), its Dockerfile with the base
+        # images mapped.
+        safe_copy_tree(root / "environment", dst / "environment", HARBOR_COPY_CAPS, links="drop",
+                       skip_names=HARBOR_COPY_SKIP)
+        write_text_atomic(dst / "environment" / "Dockerfile", str(plan["dockerfile"]))
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
-def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "host",
+                        base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
     whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
     written), then each written as a new bundle under `out` (staged beside, renamed in)."""
@@ -20907,7 +21145,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
         if not d.is_dir():
             refused[str(d)] = ["not a directory"]
             continue
-        plan = plan_harbor_task(d)
+        plan = plan_harbor_task(d, environment, base_images)
         if plan["id"] in [p["id"] for p in plans]:
             plan["problems"].append("another directory of this call has the same name")
         if (out / plan["id"]).exists():
@@ -20936,6 +21174,8 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
                           "starter_files": sorted(p["starter"].values()),
                           "oracle_timeout_s": p["verifier_timeout_s"],
                           "reference_timeout_s": p["agent_timeout_s"],
+                          "environment": p.get("environment"),
+                          "base_images_mapped": p.get("base_images_mapped") or [],
                           "not_carried_over": p["not_carried_over"]} for p in plans],
             "tasks": str(out),
             "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
@@ -21853,40 +22093,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="bootstrap seed (default: the analysis plan's, else the study seed; another "
                         "makes the analysis exploratory)")
-
-
-def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
-                 seed_arg: int | None) -> tuple[dict[str, Any], bool]:
-    """The report's figures of one study and whether any of its runs started (`report`, `compare`)."""
-    arms = list((cfg.get("arms") or {}).keys())
-    if baseline and baseline not in arms:
-        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=baseline, arms=arms)
-    plan, plan_source = analysis_plan_of_study(paths)
-    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
-    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if seed_arg is not None:
-        seed = seed_arg
-    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
-        seed = plan_seed
-    else:
-        seed = int(cfg.get("seed") or 0)
-    # The figures come from the report cache when no record, argument or line of code changed
-    # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages read the records themselves.
-    stamps = run_record_stamps(paths)
-    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source])
-    cached = read_report_cache(paths, key)
-    if cached is not None:
-        return cached["report"], cached["any_started"]
-    runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-    with gc_paused():
-        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
-                                 plan_source=plan_source)
-    any_started = any(f.status not in (None, "not_started") for f in runs)
-    if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-        write_report_cache(paths, key, report, any_started)
-    return report, any_started
+    p.add_argument("--split", default=None,
+                   help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
+                        "(default: main; other splits are never pooled into it)")
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
@@ -21894,7 +22103,8 @@ def study_report(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any], baseline: 
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg = load_study_config(paths)
-    report, any_started = study_report(ctx, paths, cfg, args.baseline, args.seed)
+    report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
+                                       write=not ctx.is_child)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -21979,7 +22189,8 @@ def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     named = []
     for raw in args.study:
         paths = ctx.study(argparse.Namespace(study=raw))
-        report, _ = study_report(ctx, paths, load_study_config(paths), args.baseline, None)
+        report, _ = study_report(paths, load_study_config(paths), args.baseline, None,
+                                 write=not ctx.is_child)
         named.append((str(paths.root), report))
     if len({n for n, _ in named}) < len(named):
         raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
@@ -22164,6 +22375,12 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
     p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
     p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+    p.add_argument("--environment", choices=["host", "container"], default="host",
+                   help="container: each task's environment/Dockerfile becomes its environment (sessions "
+                        "and checks run in its image); host (default): the host's tools, what the image "
+                        "gave listed as not carried over")
+    p.add_argument("--base-image", action="append", default=[], metavar="OLD=NEW",
+                   help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")
 
 
 @command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
@@ -22171,7 +22388,20 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
 @args_of(_import_tasks_args)
 def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
-    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
+    mapping = {}
+    for pair in args.base_image:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new or environment_problem({"image": new}) or environment_problem(
+                {"image": old}):
+            raise AgentbenchError("--base-image must be OLD=NEW, two image names", code="bad_base_image",
+                                  value=pair[:200],
+                                  hint="e.g. --base-image python:3.12-slim=localhost/base:1")
+        mapping[old] = new
+    if mapping and args.environment != "container":
+        raise AgentbenchError("--base-image needs --environment container", code="base_image_needs_container",
+                              hint="add --environment container (the Dockerfile is built only then)")
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute(),
+                               args.environment, mapping)
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------

@@ -207,3 +207,26 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
     name = ab.container_name("session", job)
     gone = subprocess.run([podman, "container", "inspect", name], capture_output=True)
     assert gone.returncode != 0, gone.stdout[:500]
+
+
+def test_a_harbor_task_runs_in_its_own_image_imported_calibrated_and_rehearsed(tmp_path, real_claude, podman):
+    """Schema 1.4: its Dockerfile (FROM an image this host has not, mapped to the base) makes a
+    tool the tests and the solution need; the host has no such tool."""
+    from test_containers import harbor_task
+    assert shutil.which("stamp") is None
+    src = harbor_task(tmp_path / "harbor" / "stamp")
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False)
+    shutil.rmtree(study / "tasks" / TASK)
+    code, out, err = run_cli(["import-tasks", "--from", "harbor", str(src), "--tasks", str(study / "tasks"),
+                              "--environment", "container", "--base-image", f"python:3.12-slim={BASE_IMAGE}"],
+                             cli_env(), timeout=120)
+    assert code == 0, (out, err[-2000:])
+    code, out, err = run_cli(["calibrate", "--study", str(study)], cli_env(), timeout=600)
+    assert code == 0 and out["tasks"]["stamp"]["ok"], (out, err[-3000:])
+    assert out["tasks"]["stamp"]["environment"]["sha256"]
+    scratch = tmp_path / "scratch"
+    code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1"],
+                             cli_env(), timeout=600)
+    assert code == 0, (out, err[-3000:])
+    runs = list(records(scratch).values())
+    assert [r["outcome"] for r in runs] == ["success"] and runs[0]["sandbox"]["kinds"] == ["container"], runs

@@ -65,11 +65,12 @@ def test_design_warnings_table(n_tasks, arms, power, expect) -> None:
 # ---- show, compare, export --format csv: through main() on a study whose runs are recorded ------------
 
 def finished_study(root: Path, fake_env, *, win: float = 1.0, split: str = "main",
-                   tasks: tuple[str, ...] = ("t1", "t2", "t3", "t4", "t5", "t6")) -> Path:
+                   tasks: tuple[str, ...] = ("t1", "t2", "t3", "t4", "t5", "t6"),
+                   arms: dict | None = None) -> Path:
     """A study of two arms A (baseline) and B over `tasks`, two repeats, every run recorded as
     finished: A succeeds on even repeats, B on every repeat of the first `win` share of tasks."""
-    study = root if (root / "study.json").exists() else tiny_study(root, tasks=tasks, arms={"A": {}, "B": {}},
-                                                                    repeats=2)
+    study = root if (root / "study.json").exists() else tiny_study(
+        root, tasks=tasks, arms=arms or {"A": {}, "B": {}}, repeats=2)
     code, out = run_main(["assign", "--study", str(study), "--force", "--split", split])
     assert code == 0, out
     cut = round(win * len(tasks))
@@ -179,3 +180,80 @@ def test_progress_names_task_arm_spend_and_runs_left_and_counts_on_after_a_resum
 ])
 def test_progress_tail_table(done, total, spent, here, elapsed, expect) -> None:
     assert ab.progress_tail(done, total, spent, here, elapsed) == expect
+
+
+# ---- batches apart ---------------------------------------------------------------------------------
+
+def test_a_pilot_split_is_reported_on_its_own_and_never_pooled(tmp_path: Path, fake_env) -> None:
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)              # main: B always succeeds
+    finished_study(study, fake_env, win=0.0, split="pilot")                # pilot: B always fails
+    code, main = run_main(["report", "--study", str(study)])
+    assert code == 0, main
+    assert main["split"] == {"reported": "main", "left_out": {"pilot": 24}}, main["split"]
+    assert main["per_arm"]["B"]["runs"] == 12 and main["per_arm"]["B"]["success_rate"] == 1.0
+    assert main["analysis"]["pre_registered"] is True and main["analysis"]["source"] == "manifest of split main"
+    assert any("split pilot (24)" in n and "--split pilot" in n for n in main["notes"]), main["notes"]
+    code, pilot = run_main(["report", "--study", str(study), "--split", "pilot"])
+    assert code == 0, pilot
+    assert pilot["split"] == {"reported": "pilot", "left_out": {"main": 24}}
+    assert pilot["per_arm"]["B"]["runs"] == 12 and pilot["per_arm"]["B"]["success_rate"] == 0.0
+    assert pilot["analysis"]["source"] == "manifest of split pilot"
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert "Pre-registered analysis" in md["markdown"] and "Not pre-registered" not in md["markdown"]
+    code, out = run_main(["report", "--study", str(study), "--split", "nope"])
+    assert code == 2 and out["code"] == "unknown_split" and out["splits"] == ["main", "pilot"], out
+
+
+@pytest.mark.parametrize("splits, manifests, asked, expect", [
+    ([], [], None, "main"), (["main", None], ["main"], None, "main"), (["pilot"], ["pilot"], None, "pilot"),
+    (["a", "b"], [], None, None), (["main"], ["main", "pilot"], "pilot", "pilot"),
+])
+def test_split_of_report_table(splits, manifests, asked, expect) -> None:
+    assert ab.split_of_report(splits, manifests, asked) == expect
+
+
+def test_right_after_assign_the_report_is_pre_registered(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"), arms={"A": {}, "B": {}})
+    assert run_main(["assign", "--study", str(study), "--force"])[0] == 0
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert code == 0 and "Pre-registered analysis" in md["markdown"], md
+    assert "not pre-registered" not in md["markdown"].lower()
+
+
+# ---- the Inspect export: each arm's own model and settings, the report's headline ---------------------
+
+def test_inspect_export_names_each_arm_s_model_and_settings_and_states_the_report_s_figures(
+        tmp_path: Path, fake_env) -> None:
+    import zipfile
+    sonnet = "claude-sonnet-4-5-20250929"
+    study = finished_study(tmp_path / "s", fake_env,
+                           arms={"A": {}, "B": {"model": sonnet, "effort": "low", "env": {"FLAG": "1"}}})
+    # One of A's runs failed for the infrastructure: the primary view leaves it out; a plain mean
+    # over every sample would not.
+    rid = next(p.stem for p in sorted((study / "state" / "runs").glob("r*.json"))
+               if json.loads(p.read_text())["arm"] == "A" and json.loads(p.read_text())["evaluation"]["success"])
+    rec = json.loads((study / "state" / "runs" / f"{rid}.json").read_text())
+    rec.update(status="error", outcome="error", validity="infrastructure_failure", evaluation=None)
+    (study / "state" / "runs" / f"{rid}.json").write_text(json.dumps(rec))
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0, rep
+    code, out = run_main(["export", "--study", str(study), "--format", "inspect", "--out", str(tmp_path / "i")])
+    assert code == 0, out
+    headers = {}
+    for f in (tmp_path / "i").glob("*.eval"):
+        h = json.loads(zipfile.ZipFile(f).read("header.json"))
+        headers[h["eval"]["task"]] = h
+    assert headers["A"]["eval"]["model"] == "anthropic/claude-opus-4-5"
+    assert headers["B"]["eval"]["model"] == f"anthropic/{sonnet}"
+    meta = headers["B"]["eval"]["metadata"]["agentbench"]["arm"]
+    assert meta["model"] == sonnet and meta["settings"]["model"] == sonnet
+    assert meta["settings"]["effort"] == "low" and meta["settings"]["env"] == {"FLAG": "1"}
+    assert {"workspace_overlay", "mcp"} <= set(meta["settings"]), sorted(meta["settings"])
+    for arm in ("A", "B"):
+        scores = {sc["name"]: sc for sc in headers[arm]["results"]["scores"]}
+        # The log states figures to 6 decimals (as inspect-ai does).
+        assert scores["success"]["metrics"]["mean"]["value"] == round(rep["per_arm"][arm]["success_rate"], 6)
+        assert scores["hidden_tests"]["metrics"]["mean"]["value"] == round(rep["per_arm"][arm]["mean_score"], 6)
+        assert scores["success"]["scored_samples"] == rep["per_arm"][arm]["evaluated"]
+    # A's headline is 5 of 11, not 5 of 12 (the infrastructure failure is not a failure of the agent).
+    assert rep["per_arm"]["A"]["success_rate"] == pytest.approx(5 / 11)
