@@ -4139,8 +4139,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
-             for op, source, dest in plan.container]
+    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+             if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
     rows.append(("--remount-ro", "/"))
     return rows
 
@@ -4509,16 +4509,89 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
     return rows
 
 
+#: Where an oracle's copy of a workspace is made inside its own sandbox: the workspace bound
+#: read-only at the source, the copy on a private tmpfs of its own size (nothing it allocates shows
+#: on a file system any session sees).
+SANDBOX_COPY_SOURCE = "/run/agentbench/source"
+SANDBOX_COPY_DIR = "/run/agentbench/workspace"
+
+#: The first program of an oracle's sandbox (argv: source, copy, file cap, total cap, entry cap,
+#: the descriptor its verdict goes to, "--", then the check's argv; a cap of -1: none).  It copies
+#: by the rules of safe_copy_tree (links copied as links, FIFOs, sockets and devices left out,
+#: .git left out, nothing past a cap, depth or path limit), writes `copied` or `unusable WHY` on
+#: the descriptor and closes it, then runs the check; the code under test never holds it.
+SANDBOX_COPY_SHIM = "\n".join((
+    "import os, stat, sys",
+    "src, dst = sys.argv[1], sys.argv[2]",
+    "fcap, tcap, ents, rfd = (int(a) for a in sys.argv[3:7])",
+    f"MAXD, MAXP = {COPY_MAX_DEPTH}, {COPY_MAX_PATH_BYTES}",
+    "n = [0, 0]",
+    "class Stop(Exception): pass",
+    "def copy_file(sp, dp, st):",
+    "    if 0 <= fcap < st.st_size: raise Stop('file_over_cap')",
+    "    n[1] += st.st_size",
+    "    if 0 <= tcap < n[1]: raise Stop('copy_over_cap')",
+    "    fi = os.open(sp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+    "    try:",
+    "        if not stat.S_ISREG(os.fstat(fi).st_mode): return",
+    "        fl = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
+    "        fo = os.open(dp, fl, (st.st_mode & 0o777) | 0o600)",
+    "        try:",
+    "            left = st.st_size",
+    "            while left > 0:",
+    "                b = os.read(fi, min(1 << 20, left))",
+    "                if not b: break",
+    "                os.write(fo, b); left -= len(b)",
+    "        finally: os.close(fo)",
+    "        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)",
+    "    finally: os.close(fi)",
+    "def walk(s, d, depth):",
+    "    if depth > MAXD: raise Stop('nested_too_deep')",
+    "    with os.scandir(s) as it: names = sorted(e.name for e in it)",
+    "    for name in names:",
+    "        if name == '.git': continue",
+    "        n[0] += 1",
+    "        if n[0] > ents: raise Stop('too_many_entries')",
+    "        sp, dp = os.path.join(s, name), os.path.join(d, name)",
+    "        if len(os.fsencode(dp)) - len(os.fsencode(dst)) > MAXP: raise Stop('path_too_long')",
+    "        st = os.lstat(sp)",
+    "        if stat.S_ISDIR(st.st_mode):",
+    "            os.mkdir(dp, 0o700); walk(sp, dp, depth + 1); os.chmod(dp, (st.st_mode & 0o777) | 0o700)",
+    "        elif stat.S_ISLNK(st.st_mode): os.symlink(os.readlink(sp), dp)",
+    "        elif stat.S_ISREG(st.st_mode): copy_file(sp, dp, st)",
+    "try:",
+    "    walk(src, dst, 0); msg = 'copied'",
+    "except Stop as e: msg = 'unusable ' + str(e)",
+    "except OSError as e: msg = 'unusable ' + ('copy_over_cap' if e.errno == 28 else 'unreadable')",
+    "os.write(rfd, msg.encode()); os.close(rfd)",
+    "if msg != 'copied': os._exit(3)",
+    "os.execvp(sys.argv[8], sys.argv[8:])"))
+
+
+def sandbox_copy_verdict(data: bytes) -> str | None:
+    """What the copy shim said (pure): None when it copied, else why the copy is unusable (the
+    agent's doing, like safe_copy_tree's UnusableTree); a shim that said nothing could not run."""
+    text = data.decode("utf-8", "replace").strip()
+    if text == "copied":
+        return None
+    if text.startswith("unusable "):
+        return text[len("unusable "):][:60] or "unreadable"
+    return "unreadable"
+
+
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                   hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
-                  container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
+                  container: Mapping[str, Any] | None = None, container_base: str = "",
+                  copy: tuple[CopyCaps, int] | None = None) -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
     directories read-only, no network at all.  The command's environment is `env` (the caller's
     credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
-    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
-    spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
-    under `container_base`)."""
+    started with SANDBOX_OUTER_ENV.  With `copy` (the copy's caps, the descriptor its verdict goes
+    to), `cwd` is not bound: it is copied by SANDBOX_COPY_SHIM to SANDBOX_COPY_DIR, a private
+    tmpfs of the copy's cap plus SANDBOX_TMP_MB, where the command then runs.  With a `container`
+    spec (see container_rows) the cwd is also bound at the spec's workdir, where the command starts,
+    and the spec's paths are made (read-only ones from under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
     rows: tuple[tuple[str, str, str], ...] = ()
     inner = _real(cwd)
@@ -4527,6 +4600,15 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows)
+    if copy is not None and not container:
+        caps, report_fd = copy
+        size = (caps.total_bytes if caps.total_bytes is not None else 4 * SANDBOX_TMP_MB * 2 ** 20)
+        size += SANDBOX_TMP_MB * 2 ** 20
+        plan = dataclasses.replace(plan, rw=(), cwd=SANDBOX_COPY_DIR, container=(
+            ("ro-bind", _real(cwd), SANDBOX_COPY_SOURCE), ("sized-tmpfs", str(size), SANDBOX_COPY_DIR)))
+        cap = [caps.file_bytes, caps.total_bytes]
+        argv = [sys.executable, "-I", "-S", "-c", SANDBOX_COPY_SHIM, SANDBOX_COPY_SOURCE, SANDBOX_COPY_DIR,
+                *(str(-1 if c is None else c) for c in cap), str(caps.entries), str(report_fd), "--", *argv]
     out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
     sets = ["--clearenv"]
     for k, v in sorted(env.items()):
@@ -10454,6 +10536,17 @@ class Arm:
     launch: LaunchSpec
 
 
+def refuse_forks_in_containers(tasks: Mapping[str, Task], arms: Mapping[str, Arm]) -> None:
+    """A forking arm (a base session per task) with a task that names an environment is refused
+    (exit 2): a base is trained on the host's tools, not in the task's container."""
+    boxed = sorted(t.id for t in tasks.values() if t.environment is not None)
+    forking = sorted(a.name for a in arms.values() if a.fork_base)
+    if boxed and forking:
+        raise AgentbenchError("forking arms are not available for tasks that name an environment",
+                              code="fork_base_with_environment", tasks=boxed, arms=forking,
+                              hint="drop fork_base from these arms, or the environment from these tasks")
+
+
 def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
     """The study's arms, in their order (the first is the default baseline); `cfg` as
     load_study_config returns it, its arms' shape already checked; every file an arm brings is
@@ -10757,21 +10850,25 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
     tmp = None
     cwd = workspace
-    if which == "oracle":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    caps = copy_caps(launch_config(study_cfg))
+    # Under bubblewrap the oracle's copy is made inside its own sandbox, on a private tmpfs
+    # (check_sandbox's `copy`): nothing it allocates shows on a file system a session sees.
+    copy_inside = (which == "oracle" and task.environment is None and not spec.get("container")
+                   and resolve_sandbox(sandbox_mode_of(study_cfg), check_env(env)[0])["kind"] == "bwrap")
+    if which == "oracle" and not copy_inside:
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
             # could block forever): the hidden tests grade files.  Past the study's copy caps,
             # UnusableTree: the agent's failure, not the grader's.
-            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
             safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     container = spec.get("container")
     cenv, _ = check_env(env)
-    study_cfg = read_json(paths.study_file, default=None) or {}
     try:
         ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
     except BaseException:
@@ -10800,8 +10897,10 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
     box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
+    crfd, cwfd = os.pipe() if copy_inside else (-1, -1)       # the copy's verdict
     try:
-        inner = container["workdir"] if container else (ctr["workdir"] if ctr else cwd)
+        inner = container["workdir"] if container else (ctr["workdir"] if ctr else
+                                                         SANDBOX_COPY_DIR if copy_inside else cwd)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}))
@@ -10819,11 +10918,20 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]),
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
-                                 container_base=gate_dir if which == "gate" else oracle_dir)
+                                 container_base=gate_dir if which == "gate" else oracle_dir,
+                                 copy=(caps, cwfd) if copy_inside else None)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
+        fds += (cwfd,) if copy_inside else ()
         outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
-        res = run_command(argv, cwd=cwd, env=outer,
+        res = run_command(argv, cwd="/" if copy_inside else cwd, env=outer,
                           timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
+        if copy_inside:
+            os.close(cwfd)
+            cwfd = -1
+            unusable = sandbox_copy_verdict(read_receipt_pipe(crfd))
+            if unusable is not None:
+                # Past the study's copy caps (or unreadable): the agent's failure, not the grader's.
+                raise UnusableTree(unusable, workspace)
         if uses_fd:
             os.close(wfd)
             wfd = -1
@@ -10832,7 +10940,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         if box is not None:
             container_remove(*box[:3])
             shutil.rmtree(box[3], ignore_errors=True)
-        for fd in (rfd, wfd, sfd):
+        for fd in (rfd, wfd, sfd, crfd, cwfd):
             if fd >= 0:
                 os.close(fd)
         if tmp:
@@ -12983,6 +13091,7 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
                               hint="check --run/--task/--arm/--split against `list --all`")
     refuse_unproven(study, force)
     refuse_changed_arms(study, run_ids)
+    refuse_forks_in_containers(study.tasks, study.arms)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
     arms = study.arms
@@ -18296,6 +18405,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     if only_arms:
         arms = {k: v for k, v in arms.items() if k in only_arms}
     # Every task's image is built and started once before anything else runs.
+    refuse_forks_in_containers(tasks, arms)
     images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
         if any(t.environment is not None for t in tasks.values()) else {}
     partial = bool(only_tasks or only_arms or limit)
