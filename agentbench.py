@@ -13770,6 +13770,15 @@ def sign_test_min_p(n: int) -> float:
     return sign_test_two_sided(n, 0)
 
 
+def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
+    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
+    p <= alpha at all, however many repeats (pure); None beyond `most`."""
+    for n in range(1, most + 1):
+        if sign_test_min_p(n) <= alpha:
+            return n
+    return None
+
+
 #: Sign-flip enumeration steps a simulated study may take; past them the simulation refers the
 #: flip statistic to its normal approximation (mean 0, variance the sum of squared differences).
 POWER_SIM_EXACT_WORK = 100_000
@@ -16324,6 +16333,86 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def verdict_more_data(comp: Mapping[str, Any], alpha: float, family: int, p_base: Any,
+                      repeats: float | None) -> str:
+    """What more data the planner says a comparison that is not significant would take, in words
+    (pure): the tasks without which no test over tasks can reach alpha / family (Holm's first
+    step), else the repeats per task that give 80% power at the difference seen (normal
+    approximation, the planner's default between-task spread), else that more tasks are needed."""
+    n = int(count_from(comp.get("tasks_compared"), hi=10**6))
+    level = alpha / max(1, family)
+    need = min_tasks_for_significance(level)
+    if need is not None and n < need:
+        return f"with {n} task(s) no test can reach p <= {level:.3g}: use at least {need} tasks"
+    diff = finite_number(comp.get("mean_diff"))
+    base = finite_number(p_base, lo=0.0, hi=1.0)
+    if not diff or base is None or not 0.0 <= base + diff <= 1.0:
+        return "no difference seen: a larger study would only narrow the interval around zero"
+    plan = paired_power_repeats(base, diff, n, level, tau=POWER_DEFAULT_TAU)
+    if plan["repeats"] is None or not plan["feasible"]:
+        more = f" (at least {plan['min_tasks']})" if plan.get("min_tasks") else ""
+        return (f"no number of repeats gives 80% power at a difference of {diff * 100:+.1f} points: "
+                f"add tasks{more}")
+    now = f" (now about {repeats:.0f})" if repeats else ""
+    return (f"the planner: about {plan['repeats']} repeats per task{now} for 80% power at the difference "
+            f"seen ({diff * 100:+.1f} points; normal approximation, assumed between-task spread "
+            f"{POWER_DEFAULT_TAU})")
+
+
+def verdict_lines(report: Mapping[str, Any]) -> list[str]:
+    """The verdict, one line per comparison (arm vs baseline), from the report's figures (pure):
+    the primary estimate with its interval, p and Holm p, significant or not, and when not what
+    more data the planner says it would take.  Nothing is recomputed but the planner's answer."""
+    comps = report.get("comparisons") if isinstance(report.get("comparisons"), dict) else {}
+    per_arm = report.get("per_arm") if isinstance(report.get("per_arm"), dict) else {}
+    base = report.get("baseline")
+    analysis = report.get("analysis") if isinstance(report.get("analysis"), dict) else {}
+    alpha = finite_number(analysis.get("alpha")) or REPORT_ALPHA
+    family = len(comps)
+    base_rate = (per_arm.get(base) or {}).get("success_rate") if base else None
+    out = []
+    for arm, c in comps.items():
+        if not isinstance(c, dict):
+            continue
+        prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+        diff, ci = finite_number(c.get("mean_diff")), c.get("ci")
+        if diff is None or int(count_from(c.get("tasks_compared"), hi=10**6)) == 0:
+            out.append(f"{arm} vs {base}: no task with runs of both arms yet")
+            continue
+        interval = (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+                    if isinstance(ci, list) and len(ci) == 2 and all(is_number(x) for x in ci) else "")
+        p, holm = finite_number(prim.get("p")), finite_number(prim.get("p_holm"))
+        sig = prim.get("reject") is True
+        line = (f"{arm} vs {base}: success {diff * 100:+.1f} points{interval}, "
+                f"p {fmt_num(p, 3) if p is not None else '-'}, "
+                f"Holm p {fmt_num(holm, 3) if holm is not None else '-'}: "
+                + (f"significant at alpha {alpha:g}" if sig else "not significant"))
+        if not sig:
+            arm_view = per_arm.get(arm) or {}
+            n = int(count_from(c.get("tasks_compared"), hi=10**6)) or 1
+            evaluated = finite_number(arm_view.get("evaluated"))
+            line += "; " + verdict_more_data(c, alpha, family, base_rate,
+                                             evaluated / n if evaluated else None)
+        out.append(line)
+    return out
+
+
+def render_report_summary_md(report: dict, full_command: str = "") -> str:
+    """One screen: the verdict lines, then each arm's success rate and cost per run (pure)."""
+    tot = report.get("totals") or {}
+    parts = [f"# {report.get('title') or 'Study report'}: the verdict", ""]
+    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)] or ["- (one arm: nothing compared)"]
+    rows = [[a, fmt_int(s.get("runs") or 0), fmt_pct(s.get("success_rate")),
+             fmt_usd(s.get("cost_per_run_usd"))]
+            for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)]
+    parts += ["", _md_table(["Arm", "Runs", "Success", "Cost per run"], rows), "",
+              f"{tot.get('runs', 0)} runs over {tot.get('tasks', 0)} tasks; "
+              + _md_cell(_rpt_analysis_line(report))]
+    parts += [f"> **Warning:** {_md_cell(w)}" for w in (report.get("warnings") or [])[:3]]
+    parts += ["", f"The full report: `{full_command or 'report --format md --full'}`"]
+    return "\n".join(parts) + "\n"
+
+
 def render_report_md(report: dict) -> str:
     """The report as Markdown: one table per section, then notes and methods."""
     tot = report["totals"]
@@ -16333,6 +16422,9 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    verdict = verdict_lines(report)
+    if verdict:   # the verdict first, before any table
+        parts += ["", "## Verdict", ""] + [f"- {_md_cell(v)}" for v in verdict]
     parts += ["", (f"> **{_md_cell(_rpt_analysis_line(report))}**"
                    if report.get("exploratory") else _md_cell(_rpt_analysis_line(report)))]
     for w in report.get("warnings") or []:
@@ -16677,6 +16769,9 @@ def render_report_html(report: dict, extra: str = "") -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
              f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
+             *(['<section class="verdict"><h2>Verdict</h2><ul>']
+               + [f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)] + ["</ul></section>"]
+               if report.get("comparisons") else []),
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
@@ -19259,15 +19354,6 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
                        "a larger difference (`assign --power-delta`), or use fewer repeats "
                        "(`assign --repeats`)")
     return out
-
-
-def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
-    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
-    p <= alpha at all, however many repeats (pure); None beyond `most`."""
-    for n in range(1, most + 1):
-        if sign_test_min_p(n) <= alpha:
-            return n
-    return None
 
 
 def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
@@ -22203,6 +22289,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="bootstrap seed (default: the analysis plan's, else the study seed; another "
                         "makes the analysis exploratory)")
+    p.add_argument("--full", action="store_true",
+                   help="with --format md at a terminal: the whole report (default: one screen, the "
+                        "verdict first)")
     p.add_argument("--split", default=None,
                    help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
                         "(default: main; other splits are never pooled into it)")
@@ -22215,6 +22304,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
+    report["verdict"] = verdict_lines(report)   # one line per comparison: what the study found
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
@@ -22260,7 +22350,10 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
-        result["markdown_for_terminal"] = text   # at a terminal, main prints only this text
+        # At a terminal main prints only this text: one screen (the verdict first), or with
+        # --full the whole report.
+        full = f"python3 agentbench.py report --study {shlex.quote(str(paths.root))} --format md --full"
+        result["markdown_for_terminal"] = text if args.full else render_report_summary_md(report, full)
     result["summary"] = {a: {k: v for k, v in s.items()
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
