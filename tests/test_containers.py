@@ -288,3 +288,23 @@ def test_a_shared_verifier_is_listed_and_a_multi_step_task_is_refused_by_name(tm
         ab.import_harbor_tasks([steps], tmp_path / "tasks2", "container")
     assert "multi-step" in " ".join(err.value.payload["refused"][str(steps)])
     assert not (tmp_path / "tasks2" / "steps").exists()
+
+
+def test_a_forking_arm_with_a_task_in_a_container_is_refused_by_name(tmp_path):
+    root = tmp_path / "tasks" / "roman"
+    shutil.copytree(AGENTBENCH.parent / "examples" / "study" / "tasks" / "roman", root)
+    plain = ab.load_task(root)
+    spec = json.loads((root / "task.json").read_text())
+    spec["environment"] = {"image": "localhost/x:1"}
+    (root / "task.json").write_text(json.dumps(spec))
+    boxed = ab.load_task(root)
+
+    class A:   # the two fields the refusal reads
+        def __init__(self, name, fork):
+            self.name, self.fork_base = name, fork
+    arms = {"A": A("A", False), "F": A("F", True)}
+    ab.refuse_forks_in_containers({"roman": plain}, arms)
+    ab.refuse_forks_in_containers({"roman": boxed}, {"A": arms["A"]})
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.refuse_forks_in_containers({"roman": boxed}, arms)
+    assert err.value.payload["code"] == "fork_base_with_environment" and err.value.payload["arms"] == ["F"]
