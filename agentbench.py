@@ -16862,7 +16862,9 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     """The verdict, one line per comparison (arm vs baseline), from the report's figures (pure):
     the primary estimate with its interval, p and Holm p, significant or not, and when not what
     more data the planner says it would take.  Nothing is recomputed but the planner's answer."""
-    comps = report.get("comparisons") if isinstance(report.get("comparisons"), dict) else {}
+    primary = report.get("primary") if isinstance(report.get("primary"), dict) else {}
+    comps = primary.get("comparisons") if isinstance(primary.get("comparisons"), dict) else {}
+    outcome = str(primary.get("outcome") or "success")
     per_arm = report.get("per_arm") if isinstance(report.get("per_arm"), dict) else {}
     base = report.get("baseline")
     analysis = report.get("analysis") if isinstance(report.get("analysis"), dict) else {}
@@ -16878,8 +16880,8 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     for arm, c in comps.items():
         if not isinstance(c, dict):
             continue
-        prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
-        diff, ci = finite_number(c.get("mean_diff")), c.get("ci")
+        prim = c
+        diff, ci = finite_number(c.get("estimate")), c.get("ci")
         if diff is None or int(count_from(c.get("tasks_compared"), hi=10**6)) == 0:
             out.append(f"{arm} vs {base}: no task with runs of both arms yet")
             continue
@@ -16887,7 +16889,7 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
                     if isinstance(ci, list) and len(ci) == 2 and all(is_number(x) for x in ci) else "")
         p, holm = finite_number(prim.get("p")), finite_number(prim.get("p_holm"))
         sig = prim.get("reject") is True
-        line = (f"{arm} vs {base}: success {diff * 100:+.1f} points{interval}, "
+        line = (f"{arm} vs {base}: {outcome} {diff * 100:+.1f} points{interval}, "
                 f"p {fmt_num(p, 3) if p is not None else '-'}, "
                 f"Holm p {fmt_num(holm, 3) if holm is not None else '-'}: "
                 + (f"significant at alpha {alpha:g}" if sig else "not significant"))
@@ -16895,7 +16897,8 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
             arm_view = per_arm.get(arm) or {}
             n = int(count_from(c.get("tasks_compared"), hi=10**6)) or 1
             evaluated = finite_number(arm_view.get("evaluated"))
-            line += "; " + verdict_more_data(c, alpha, family, base_rate,
+            line += "; " + verdict_more_data({"tasks_compared": c.get("tasks_compared"), "mean_diff": diff},
+                                             alpha, family, base_rate,
                                              evaluated / n if evaluated else None)
         out.append(line)
     return out

@@ -142,7 +142,7 @@ def test_all_excluded_arm_warns_in_every_format(rep):
     assert rep["notes"][0] == w
     assert json.loads(json.dumps(rep, allow_nan=False))["warnings"] == [w]
     md = ab.render_report_md(rep)
-    head = md.split("## ", 1)[0]   # before the first table: prominent
+    head = md.split("## Primary analysis", 1)[0]   # before the first table: prominent
     assert "> **Warning:** DIFFERENTIAL EXCLUSIONS" in head and "idle" in head
     page = ab.render_report_html(rep)
     m = re.search(r'<div class="warning" role="alert">(.*?)</div>', page)

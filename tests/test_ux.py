@@ -268,12 +268,12 @@ def test_the_verdict_is_one_line_per_comparison_from_the_report_s_figures(tmp_pa
     study = finished_study(tmp_path / "s", fake_env, win=1.0)   # B always, A half the time: +50 points
     code, rep = run_main(["report", "--study", str(study)])
     assert code == 0, rep
-    c = rep["comparisons"]["B"]
+    c = rep["primary"]["comparisons"]["B"]
     [line] = rep["verdict"]
-    assert line.startswith(f"B vs A: success {c['mean_diff'] * 100:+.1f} points "
+    assert line.startswith(f"B vs A: success {c['estimate'] * 100:+.1f} points "
                            f"[{c['ci'][0] * 100:+.1f}, {c['ci'][1] * 100:+.1f}], ")
-    assert f"p {ab.fmt_num(c['primary']['p'], 3)}, Holm p {ab.fmt_num(c['primary']['p_holm'], 3)}" in line
-    assert c["primary"]["reject"] is True and line.endswith("significant at alpha 0.05"), line
+    assert f"p {ab.fmt_num(c['p'], 3)}, Holm p {ab.fmt_num(c['p_holm'], 3)}" in line
+    assert c["reject"] is True and line.endswith("significant at alpha 0.05"), line
     code, md = run_main(["report", "--study", str(study), "--format", "md"])
     text = md["markdown"]
     first_table = min(i for i, ln in enumerate(text.splitlines()) if ln.startswith("|"))
