@@ -251,6 +251,9 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "copy_file_mb": 256,
     "copy_total_mb": 1024,
     "workspace_mb": 1024,
+    # A run's attempts at most: an attempt that ends for a reason outside the agent (its driver or
+    # supervisor died, the executor cancelled it, the upstream failed) is tried again.
+    "max_attempts": 3,
 }
 #: Slurm job states in which a submitted supervisor is still queued, starting, running or being
 #: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
@@ -2357,10 +2360,23 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
+    """The cost budgets count for a finished job: the metered one where requests went through the
+    gateway, else the binary's own figure (no gateway, or a session that made no request).  A
+    result's `usage` and its ledger line hold the same keys, so this reads either."""
+    usage = usage or {}
+    metered = usage.get("cost_metered_usd")
+    requests = usage.get("requests")
+    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
+        return float(metered)
+    return float(finite_number(usage.get("cost_delta_usd")) or 0.0)
+
+
 def ledger_spent_usd(paths: StudyPaths) -> float:
-    """The study's spend summed from its ledger (each line's amount checked; a bad one adds 0)."""
+    """The study's spend summed from its ledger as the registry counts it (billed_cost_usd of each
+    line, its amount checked; a bad one adds 0)."""
     records, _ = read_jsonl(paths.ledger)
-    return round(math.fsum(usd_from(r.get("cost_delta_usd")) or 0.0 for r in records), 6)
+    return round(math.fsum(usd_from(billed_cost_usd(r)) or 0.0 for r in records), 6)
 
 
 def registry_spent_usd(reg: Mapping[str, Any]) -> float:
@@ -5545,11 +5561,10 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
 #: Session failures that exclude a run as not the agent's doing.  Each is claimed by a line of
 #: claude's stdout, which any process of the session can write (/proc/1/fd/1): a claim counts only
 #: when the session's gateway saw the condition on the wire (claim_corroboration).
-CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "prompt_too_long", "auth", "model_refused")
+CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "auth", "model_refused")
 #: The upstream HTTP statuses that show each condition (usage_limit and auth pause the whole study:
 #: the circuit breaker), and the type of an `error` event inside a streamed answer that shows it.
-WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,),
-                    "prompt_too_long": (400, 413)}
+WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,)}
 WIRE_ERROR_TYPES_OF = {"usage_limit": ("rate_limit_error",), "overloaded": ("overloaded_error",),
                        "api_error": ("api_error", "overloaded_error")}
 
@@ -5572,7 +5587,12 @@ def _wire_shows(reason: str, rec: Mapping[str, Any], requested_model: str) -> bo
     if str(rec.get("stream_error") or "") in WIRE_ERROR_TYPES_OF.get(reason, ()):
         return True
     if reason == "api_error":
-        return (status is not None and status >= 500) or bool(rec.get("error"))
+        # Only the upstream's failure: a request the session abandoned (a broken pipe of its own
+        # making) or the gateway's cut shows nothing about the upstream.  (A record without the
+        # field, from an older gateway: its status alone.)
+        if "upstream_failed" in rec:
+            return rec.get("upstream_failed") is True
+        return status is not None and status >= 500
     return status in WIRE_STATUSES_OF.get(reason, ())
 
 
@@ -6218,6 +6238,8 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
         _check_arm_launch(name, spec)
 
 
+#: max_attempts at most (each attempt may pay for its sessions).
+MAX_ATTEMPTS_CAP = 20
 #: The copy caps' settings (copy_file_mb, copy_total_mb, workspace_mb): megabytes, at most this many.
 MEGABYTES_MAX = 10_000_000
 MEGABYTES_WANT = f"a positive number of megabytes (at most {MEGABYTES_MAX})"
@@ -6287,6 +6309,11 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             help="the most one copy of a workspace may hold (MB)"),
     Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="a session whose workspace holds more (MB, real blocks) is ended"),
+    Setting("max_attempts", lambda v: _is_int_at_least(1)(v) and v <= MAX_ATTEMPTS_CAP,
+            f"an integer from 1 to {MAX_ATTEMPTS_CAP}", flag=int,
+            help="attempts of a run at most: one that ends for a reason outside the agent (its driver or "
+                 "supervisor died, the executor cancelled it, the upstream failed) is retried from a "
+                 "fresh workspace"),
 )
 #: The keys study.json may hold (tasks, arms, limits and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
@@ -7025,17 +7052,6 @@ def cost_mismatch(metered: float | None, reported: float | None) -> bool:
     return abs(metered - reported) > tolerance
 
 
-def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
-    """The cost budgets count for a finished job: the metered one where requests went through the
-    gateway, else the binary's own figure (no gateway, or a session that made no request)."""
-    usage = usage or {}
-    metered = usage.get("cost_metered_usd")
-    requests = usage.get("requests")
-    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
-        return float(metered)
-    return float(usage.get("cost_delta_usd") or 0.0)
-
-
 def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """cost_metered_usd, requests and per-model figures from gateway.jsonl records (pure)."""
     total = 0.0
@@ -7268,6 +7284,9 @@ class GatewayAnswer:
     stream_error: str | None
     cut: bool = False
     complete: bool = True   # its final usage was read (a cut answer's may not have been)
+    #: the failure came from the upstream: a 5xx or 529 it answered, or no connection to it or a
+    #: relay it broke off -- never a request the client abandoned or the gateway's own cut
+    upstream_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -7538,6 +7557,7 @@ class MeteringGateway:
             rec["cut"] = True
         if answer.error:
             rec["error"] = answer.error
+        rec["upstream_failed"] = answer.upstream_failed
         rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
                     "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
         self._record(rec)
@@ -7557,6 +7577,7 @@ class MeteringGateway:
         error = None
         is_sse = False
         conn = None
+        client_side = False    # set while the answer's head is written to the client
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -7590,6 +7611,7 @@ class MeteringGateway:
             is_sse = "text/event-stream" in ctype
             length = resp.getheader("content-length")
             chunked = length is None and h.command != "HEAD" and status not in (204, 304)
+            client_side = True
             h.send_response(status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length":
@@ -7599,6 +7621,7 @@ class MeteringGateway:
             h.end_headers()
             h.wfile.flush()
             replied = True
+            client_side = False
             while True:
                 data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
                 if live is not None and self.cutoff is not None and not data:
@@ -7638,6 +7661,7 @@ class MeteringGateway:
             aborted = True
             cut = cut or (live is not None and self.cutoff is not None)   # the cut shut its upstream
             error = f"{type(exc).__name__}: {exc}"[:300]
+            upstream_failed = not cut and not client_side
             if conn is not None:
                 conn.close()
             h.close_connection = True
@@ -7670,9 +7694,12 @@ class MeteringGateway:
             usage, model, bad = message_meter(b"".join(kept))
         else:
             usage, model, bad = meter.usage, meter.model, meter.bad
+        if error is None:
+            upstream_failed = status >= 500 and not cut
         return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
                              chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
-                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut)
+                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut,
+                             upstream_failed=upstream_failed)
 
     def _cut(self, why: Mapping[str, Any]) -> None:
         """Set the cutoff (the first reason stays): new requests are refused, and every live answer
@@ -11328,11 +11355,22 @@ def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
 
 # -- runs ------------------------------------------------------------------------------------------
 
-RUN_FINAL = ("finished", "error", "interrupted")
+# A run's life: `not_started` (pending) -> `running` -> `finished` or `error` (final).  A run whose
+# attempt ended for a reason outside the agent goes back to pending for its next attempt; nothing
+# else leaves a final state.  (`interrupted`, written by older versions, is pending: see
+# retire_attempt.)
+RUN_FINAL = ("finished", "error")
 # What one attempt of a run writes on its record (moved aside when the breaker pauses the run).
 RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "gate_cycles", "reviews",
                     "review_verdicts", "interruption", "workspace", "provenance", "driver", "started_at",
                     "started_ts", "queued_s")
+# What grading an attempt writes on the record (moved aside with it when it is retried).
+RUN_OUTCOME_KEYS = ("outcome", "validity", "validity_reason", "failure_reason", "finished_at", "error",
+                    "error_detail", "evaluation", "artifacts", "final_contract", "audit", "sandbox",
+                    "delivery", "wall_s", "claude_version", "transcripts_refused", "interrupted_at",
+                    "attempts_exhausted", "resume")
+# The directories of an attempt under runs/<id>/ (the next attempt starts with empty ones).
+RUN_ATTEMPT_DIRS = ("raw", "snapshots", "receipts", "review", "transcripts", "ctl")
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
@@ -11353,6 +11391,34 @@ def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
 
 def run_is_final(paths: StudyPaths, run_id: str) -> bool:
     return load_run(paths, run_id).get("status") in RUN_FINAL
+
+
+def queued_runs_dir(paths: StudyPaths) -> Path:
+    """Markers of the runs a detached driver was started for (written before `run --detach`
+    answers): what `wait --all` waits for besides the driven running runs.  A marker goes once a
+    `wait --all` has seen its run final (each final run is answered once, like a job's result)."""
+    return paths.state / "queued_runs"
+
+
+def run_phase(rec: Mapping[str, Any] | None) -> str:
+    """Where a run record stands (pure): `final`, `running` or `pending` (not started yet, or put
+    back to be run again)."""
+    status = (rec or {}).get("status")
+    if status in RUN_FINAL:
+        return "final"
+    return "running" if status == "running" else "pending"
+
+
+def driven_runs_in_wait(paths: StudyPaths) -> list[str]:
+    """The runs `wait --all` waits for: those queued for a detached driver and those running under
+    a driver (runs driven by hand are the orchestrator's and end with its `evaluate`).
+    O(queued + running)."""
+    out = list_markers(queued_runs_dir(paths))
+    for rid in list_markers(paths.state / "running_runs"):
+        rec = read_json(run_file(paths, rid), default=None) if is_safe_id(rid) else None
+        if rec is not None and (rec.get("driver") or {}).get("pid") is not None:
+            out.append(rid)
+    return sorted(set(out))
 
 
 def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
@@ -11391,8 +11457,112 @@ def latest_run_job(paths: StudyPaths, run_id: str) -> str | None:
     return execs[-1]["job_id"] if execs else None
 
 
+def run_attempts_cost_usd(rec: Mapping[str, Any]) -> float:
+    """What every attempt of a run cost (pure): the current attempt's, the retried ones' and those
+    paused by the breaker (each amount checked; a bad one adds 0)."""
+    earlier = list(rec.get("attempts") or []) + list(rec.get("paused_attempts") or [])
+    return round(math.fsum([usd_from(rec.get("cost_usd")) or 0.0]
+                           + [usd_from(a.get("cost_usd")) or 0.0
+                              for a in earlier if isinstance(a, Mapping)]), 6)
+
+
+def attempt_jobs_cost(paths: StudyPaths, jobs: Sequence[Mapping[str, Any]]) -> tuple[float, bool]:
+    """The metered cost of an attempt's jobs read from their results (what the ledger holds: a job
+    its driver never got to account is counted too), and whether every one had a result."""
+    total, complete = [], True
+    for j in jobs:
+        res = read_json(paths.result_file(j["job_id"]), default=None) if is_safe_id(j.get("job_id")) else None
+        if res is None:
+            complete = False
+            continue
+        total.append(billed_cost_usd(res.get("usage")))
+    return round(math.fsum(total), 6), complete
+
+
+def attempt_verdict(attempt: int, max_attempts: int, infrastructure: bool) -> str:
+    """What happens after an attempt (pure): `done` (the run's outcome is this attempt's), `retry`
+    (it ended for a reason outside the agent and attempts are left) or `exhausted` (it did, and
+    none are left: the run is final, still an infrastructure failure, listed and counted as a
+    failure in the primary view)."""
+    if not infrastructure:
+        return "done"
+    return "retry" if attempt < max_attempts else "exhausted"
+
+
+def max_attempts_of(cfg: Mapping[str, Any]) -> int:
+    """The study's max_attempts (its default when unset; study.json's shape check refuses a bad one)."""
+    value = cfg.get("max_attempts")
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ATTEMPTS_CAP
+    return value if ok else DEFAULT_LAUNCH["max_attempts"]
+
+
+def retire_attempt(paths: StudyPaths, rec: dict[str, Any], reason: str) -> None:
+    """Move a run's current attempt aside on its record (`attempts`: its jobs, cost, reason and
+    what grading wrote) and its directories to runs/<id>/attempt-NN/, and make the run pending for
+    its next attempt, which starts from a fresh workspace with the same assignment.  The attempt's
+    cost is read from its jobs' results, so an attempt whose driver died before accounting a
+    session still shows what it paid."""
+    n = int(rec.get("attempt") or 1)
+    kept = {k: rec.pop(k) for k in RUN_ATTEMPT_KEYS + RUN_OUTCOME_KEYS if k in rec}
+    run_dir = paths.run_dir(rec["run_id"])
+    aside = run_dir / f"attempt-{n:02d}"
+    moved = False
+    for sub in RUN_ATTEMPT_DIRS:
+        if (run_dir / sub).exists():
+            aside.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(run_dir / sub, aside / sub)
+                moved = True
+    cost, complete = attempt_jobs_cost(paths, kept.get("jobs") or [])
+    kept.update({"attempt": n, "reason": reason, "ended_at": utc_now(),
+                 "files": str(aside) if moved else None,
+                 "cost_usd": max(cost, usd_from(kept.get("cost_usd")) or 0.0),
+                 "sessions": [j.get("session_id") for j in kept.get("jobs") or [] if j.get("session_id")]})
+    if not complete:
+        kept["cost_incomplete"] = True
+    rec.setdefault("attempts", []).append(kept)
+    rec.update({"status": "not_started", "attempt": n + 1, "jobs": [], "cost_usd": 0.0, "outcome": None})
+    rec["cost_all_attempts_usd"] = run_attempts_cost_usd(rec)
+
+
+def run_active_jobs(paths: StudyPaths, rec: Mapping[str, Any]) -> list[str]:
+    """The run's jobs still active: those on its record, and any active job launched for it that
+    its driver died before recording (found by the job's own record).  O(active jobs)."""
+    out = [j["job_id"] for j in rec.get("jobs") or [] if (paths.active / j["job_id"]).exists()]
+    for jid in list_markers(paths.active):
+        if jid in out or not JOB_ID_RE.fullmatch(jid):
+            continue
+        job = read_json(paths.job_file(jid), default=None)
+        if isinstance(job, dict) and (job.get("meta") or {}).get("run_id") == rec.get("run_id"):
+            out.append(jid)
+    return out
+
+
+def take_back_run(paths: StudyPaths, rec: dict[str, Any], in_flight: Sequence[str],
+                  max_attempts: int) -> None:
+    """A running run whose driver died, made pending again (see sweep_interrupted_runs)."""
+    jobs = rec.get("jobs") or []
+    results = [read_json(paths.result_file(j["job_id"]), default=None) for j in jobs]
+    last = results[-1] if results else None
+    workspace = (rec.get("workspace") or {}).get("path")
+    if (not in_flight and jobs and all(r is not None for r in results) and last is not None
+            and last.get("status") == "ok" and workspace and Path(workspace).is_dir()):
+        rec.update({"status": "not_started", "resume": "grade"})
+        return
+    n = int(rec.get("attempt") or 1)
+    retire_attempt(paths, rec, "driver_lost")
+    if attempt_verdict(n, max_attempts, True) == "exhausted":
+        rec.update({"status": "error", "outcome": "error", "validity": "infrastructure_failure",
+                    "validity_reason": "driver_lost", "attempts_exhausted": True, "attempt": n,
+                    "error": "the run's driver died in every one of its attempts", "finished_at": utc_now()})
+
+
 def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]:
-    """A run found `running` without a live driver becomes `interrupted` (never silently retried)."""
+    """A run found `running` without a live driver is taken back: its sessions still in flight are
+    killed, and it becomes pending again.  When its last session had already ended `ok` and
+    nothing was in flight, it keeps its sessions and is graded by the next `run` (resume
+    `grade`), not run again; otherwise the attempt is retired (retire_attempt, reason
+    `driver_lost`) and the next `run` starts a fresh one, up to max_attempts."""
     out = []
     for rid in list_markers(paths.state / "running_runs"):
         rec = read_json(run_file(paths, rid), default=None)
@@ -11408,15 +11578,19 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
         if driver_alive(platform, drv) is not False:
             continue   # alive, or on another host without a beat file to tell
         # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
-        for j in rec.get("jobs") or []:
-            if (paths.active / j["job_id"]).exists():
-                with contextlib.suppress(AgentbenchError):
-                    kill_job(paths, platform, j["job_id"], reason="driver_lost", wait_s=5)
-        rec.update({"status": "interrupted", "outcome": "interrupted", "interrupted_at": utc_now(),
-                    "error": "the driver of this run died while it was in flight"})
-        save_run(paths, rec)
-        remove_marker(paths.state / "running_runs" / rid)
-        append_event(paths, "run_finished", run_id=rid, status="interrupted")
+        in_flight = run_active_jobs(paths, rec)
+        for jid in in_flight:
+            with contextlib.suppress(AgentbenchError):
+                kill_job(paths, platform, jid, reason="driver_lost", wait_s=5)
+        with RegistryLock(paths.lock, platform):
+            rec = read_json(run_file(paths, rid), default=None)
+            if rec is None or rec.get("status") != "running" or rec.get("driver") != drv:
+                continue
+            take_back_run(paths, rec, in_flight, max_attempts_of(load_study_config(paths)))
+            save_run(paths, rec)
+            remove_marker(paths.state / "running_runs" / rid)
+        append_event(paths, "run_taken_back", run_id=rid, status=rec.get("status"),
+                     resume=rec.get("resume"), attempt=rec.get("attempt"))
         out.append(rid)
     return out
 
@@ -11670,8 +11844,14 @@ REVIEW_MAX_BYTES = 1 << 20
 #: A run ends with this outcome when its workspace could not be copied or read within the copy
 #: rules (caps, depth, names) or outgrew the live cap: the agent's failure, valid, in the primary view.
 WORKSPACE_UNUSABLE = "workspace_unusable"
-#: A session that "succeeded" faster than this with no tool call and no solution did nothing.
-DEGENERATE_SESSION_S = 10.0
+#: The session ends that make an attempt infrastructure (not the agent's doing), each one only as
+#: the supervisor recorded it, which for a claimed condition means the gateway saw it on the wire
+#: (claim_corroboration): the upstream failed or was overloaded (5xx, 529, no connection), the
+#: study's credentials hit their usage limit or were refused (the breaker pauses the study), the
+#: upstream answered with another model, or the binary could not be launched.  A client error (any
+#: other 4xx, "prompt is too long" included), a request the session abandoned, and a short answer
+#: without a tool call are the agent's outcome.
+INFRASTRUCTURE_REASONS = ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "model_refused")
 #: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
 #: success with one of them is not a valid success (validity `tainted`, out of the primary view).
 HIDDEN_ACCESS_KINDS = frozenset({"reads_oracle", "bash_touches_oracle", "reads_reference",
@@ -11680,7 +11860,7 @@ HIDDEN_ACCESS_KINDS = frozenset({"reads_oracle", "bash_touches_oracle", "reads_r
 
 class RunVerdict(NamedTuple):
     outcome: str            # success | failure | budget_exhausted | timeout | grader_error
-    validity: str           # valid | infrastructure_failure | degenerate
+    validity: str           # valid | infrastructure_failure | tainted
     validity_reason: str | None
     failure_reason: str | None
 
@@ -11705,9 +11885,6 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
         validity, why = "valid", None
     elif grader_error:
         validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
-    elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
-            and float(first_session.get("duration_s") or 0) < DEGENERATE_SESSION_S and not success:
-        validity, why = "degenerate", "the session ended in seconds without a single tool call"
     else:
         validity, why = "valid", None
     seen = sorted(set(hidden_access))
@@ -11873,6 +12050,11 @@ def arm_delivery_expectations(spec: LaunchSpec) -> dict[str, Any]:
             "plugins": [spec.abs(p) for p in spec.plugins], "hooks": bool(load(spec.settings).get("hooks"))}
 
 
+class RetryAttempt(Exception):
+    """Raised by RunPipeline.finish() once it has retired an attempt that ended for a reason outside
+    the agent: execute() starts the next one."""
+
+
 class RunPipeline:
     """The per-run pipeline for one run (workspace, sessions, gates, review, grading, record);
     `execute()` never raises."""
@@ -11899,6 +12081,7 @@ class RunPipeline:
     # -- bookkeeping -------------------------------------------------------------------------------
     def _save(self) -> None:
         self.rec["updated_at"] = utc_now()
+        self.rec["cost_all_attempts_usd"] = run_attempts_cost_usd(self.rec)
         save_run(self.paths, self.rec)
 
     def _event(self, event: str, **fields: Any) -> None:
@@ -11913,13 +12096,22 @@ class RunPipeline:
                                + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
-        """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
+        """Take the run (pending -> running) under the lock; False if it is not ours to run.  A run
+        put back to be graded (its last session ended `ok` before its driver died) keeps its
+        sessions; any other starts its attempt afresh."""
         with RegistryLock(self.paths.lock, self.ctx.platform):
             rec = load_run(self.paths, self.run_id)
+            if rec.get("status") == "interrupted":
+                # Left by an older version: its attempt is retired, and the run is pending again.
+                retire_attempt(self.paths, rec, "driver_lost")
             if rec.get("status") != "not_started":
                 return False
-            rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
-                        "jobs": [], "cost_usd": 0.0})
+            if rec.get("resume") == "grade":
+                rec.update({"status": "running", "driver": self.opts.driver})
+            else:
+                rec.pop("resume", None)
+                rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
+                            "jobs": [], "cost_usd": 0.0, "attempt": int(rec.get("attempt") or 1)})
             rec.pop("paused_by_breaker", None)
             # The marker first: a crash between the two leaves a marker the sweep cleans up,
             # never a `running` run that nothing would look at.
@@ -12128,21 +12320,24 @@ class RunPipeline:
         return self.collect_review(n, res.get("status"))
 
     def execute(self) -> dict[str, Any]:
-        try:
-            self._execute()
-        except UnusableTree as exc:
-            # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
-            # failure, graded as such, not an error.
-            if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+        while True:
+            try:
+                self._execute()
+            except RetryAttempt:
+                continue     # the attempt was retired (finish): the next one, from a fresh workspace
+            except UnusableTree as exc:
+                # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
+                # failure, graded as such, not an error.
+                if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+                    self.end_error(exc.payload.get("error", "error"), exc.payload)
+                else:
+                    task, ws = self._prepared
+                    self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
+            except AgentbenchError as exc:
                 self.end_error(exc.payload.get("error", "error"), exc.payload)
-            else:
-                task, ws = self._prepared
-                self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
-        except AgentbenchError as exc:
-            self.end_error(exc.payload.get("error", "error"), exc.payload)
-        except Exception as exc:  # the pipeline never raises: record and move on
-            self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
-        return self.rec
+            except Exception as exc:  # the pipeline never raises: record and move on
+                self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
+            return self.rec
 
     def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
@@ -12225,6 +12420,19 @@ class RunPipeline:
 
     def _execute(self) -> None:
         rec = self.rec
+        if rec.get("resume") == "grade":
+            # Its last session ended `ok` before its driver died: graded as it stands, not run again.
+            rec.pop("resume", None)
+            task = self.tasks[rec["task"]]
+            ws = str(rec["workspace"]["path"])
+            self._prepared = (task, ws)
+            self._event("run_resumed", resume="grade")
+            last = read_json(self.paths.result_file(rec["jobs"][-1]["job_id"]))
+            for j in rec["jobs"]:
+                if "status" not in j:
+                    self.account_job(j["job_id"])
+            self.finish(task, ws, self.stop_reason(last))
+            return
         task, arm, ws, prompt = self.prepare()
         system_extra = arm.preamble_text
         fault = rec.get("fault") or {}
@@ -12286,8 +12494,7 @@ class RunPipeline:
             return f"{WORKSPACE_UNUSABLE}:workspace_over_cap"
         if st == "timeout":
             return "timeout"
-        if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
-                      "model_refused"):
+        if reason in INFRASTRUCTURE_REASONS:
             return f"infrastructure:{reason}"
         if st == "lost" or (st == "killed" and reason in ("driver_lost", "supervisor_terminated")):
             # Not the agent's doing (a dead supervisor or driver): excluded from the results.
@@ -12322,6 +12529,19 @@ class RunPipeline:
 
     def finish(self, task: Task, ws: str, stop: str | None) -> None:
         rec = self.rec
+        infrastructure = bool(stop and stop.startswith("infrastructure:"))
+        attempt = int(rec.get("attempt") or 1)
+        verdict_of_attempt = attempt_verdict(attempt, max_attempts_of(self.cfg), infrastructure)
+        if verdict_of_attempt == "retry":
+            # Not the agent's doing: this attempt is kept aside and the run starts again, the same
+            # assignment from a fresh workspace (execute() loops).
+            reason = str(stop).split(":", 1)[1]
+            retire_attempt(self.paths, rec, reason)
+            rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now()})
+            self.spent = 0.0
+            self._save()
+            self._event("attempt_retried", attempt=attempt, reason=reason)
+            raise RetryAttempt(reason)
         run_dir = self.paths.run_dir(self.run_id)
         caps = copy_caps(self.launch)
         unusable = stop if stop and stop.startswith(WORKSPACE_UNUSABLE + ":") else None
@@ -12397,6 +12617,8 @@ class RunPipeline:
                                hidden_access=[f["kind"] for f in findings
                                               if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
+        if verdict_of_attempt == "exhausted":
+            rec["attempts_exhausted"] = True
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
@@ -12946,7 +13168,7 @@ def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
                               hint="see each run's error (a busy lock, a read-only or full disk); "
                                    "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes,
-            "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
+            "retried": [r for r in run_ids if load_run(paths, r).get("attempts")]}
 
 
 # -- sessions by hand: spawn, train ----------------------------------------------------------------
@@ -16172,6 +16394,11 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     alpha = finite_number(analysis.get("alpha")) or REPORT_ALPHA
     family = len(comps)
     base_rate = (per_arm.get(base) or {}).get("success_rate") if base else None
+    if not comps and base is not None:
+        view = per_arm.get(base) or {}
+        return [f"{base} alone: success {fmt_pct(view.get('success_rate'))} over "
+                f"{int(count_from(view.get('evaluated'), hi=10**9))} evaluated run(s); nothing compared "
+                "(add an arm to study.json to compare it with this baseline)"]
     out = []
     for arm, c in comps.items():
         if not isinstance(c, dict):
@@ -16203,7 +16430,7 @@ def render_report_summary_md(report: dict, full_command: str = "") -> str:
     """One screen: the verdict lines, then each arm's success rate and cost per run (pure)."""
     tot = report.get("totals") or {}
     parts = [f"# {report.get('title') or 'Study report'}: the verdict", ""]
-    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)] or ["- (one arm: nothing compared)"]
+    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)]
     rows = [[a, fmt_int(s.get("runs") or 0), fmt_pct(s.get("success_rate")),
              fmt_usd(s.get("cost_per_run_usd"))]
             for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)]
@@ -16571,9 +16798,8 @@ def render_report_html(report: dict, extra: str = "") -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
              f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
-             *(['<section class="verdict"><h2>Verdict</h2><ul>']
-               + [f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)] + ["</ul></section>"]
-               if report.get("comparisons") else []),
+             '<section class="verdict"><h2>Verdict</h2><ul>',
+             *[f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)], "</ul></section>",
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
@@ -21611,7 +21837,8 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--job", action="append", default=[], help="job id (repeatable)")
     p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
-    p.add_argument("--all", action="store_true", help="every active or undelivered job")
+    p.add_argument("--all", action="store_true", help="every active or undelivered job, and every run a "
+                   "driver was started for, until each is final")
     p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
     p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
                    help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
@@ -21658,7 +21885,7 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     while True:
         if not ctx.is_child:
             reap_jobs(paths, ctx.platform, env=ctx.env)
-            if args.run:
+            if args.run or args.all:
                 sweep_interrupted_runs(paths, ctx.platform)
             if time.monotonic() - last_touch > 5:
                 touch_last_call(paths)
@@ -21677,11 +21904,13 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         # between those writes would return it undelivered and a later wait deliver it again.
         done_jobs = [j for j in targets if job_is_final(paths, j)
                      and (ctx.is_child or not (paths.active / j).exists())]
-        runs_done = [r for r in args.run if run_is_final(paths, r)]
+        run_targets = list(dict.fromkeys(args.run + (driven_runs_in_wait(paths) if args.all else [])))
+        phases = {r: run_phase(read_json(run_file(paths, r), default=None)) for r in run_targets}
+        runs_done = [r for r in run_targets if phases[r] == "final"]
         if args.any:
-            met = bool(done_jobs or runs_done) or (not targets and not args.run)
+            met = bool(done_jobs or runs_done) or (not targets and not run_targets)
         else:
-            met = len(done_jobs) == len(targets) and len(runs_done) == len(args.run)
+            met = len(done_jobs) == len(targets) and len(runs_done) == len(run_targets)
         if met or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -21694,9 +21923,14 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
                 delivered.append(j)
     for js in jobs:
         js["delivered_now"] = js["job_id"] in delivered
-    runs = [run_summary(paths, r) for r in args.run]
+    if not ctx.is_child:
+        for r in runs_done:
+            remove_marker(queued_runs_dir(paths) / r)
+    runs = [run_summary(paths, r) for r in run_targets if run_file(paths, r).exists()]
     out = {"met": met, "jobs": jobs, "runs": runs, "pending": [j for j in targets if j not in done_jobs]
-           + [r for r in args.run if r not in runs_done]}
+           + [r for r in run_targets if r not in runs_done],
+           "run_states": {k: sum(1 for v in phases.values() if v == k)
+                          for k in ("final", "running", "pending")}}
     if not met:
         return 3, {**out, "timeout": args.timeout}
     bad = [j["job_id"] for j in jobs if j["job_id"] in done_jobs and j.get("status") != "ok"]
@@ -21997,6 +22231,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # What the driver will run is recorded before this answers: a `wait --all` called the
+        # moment after sees every one of these runs (each marker goes when its run is final).
+        queued = [r for r in ids if not run_is_final(paths, r)]
+        for r in queued:
+            touch_marker(queued_runs_dir(paths) / r)
         # Like a supervisor, the driver's environment holds no credential (any process of the
         # user can read it): they reach it on its stdin, and it hands them on to its supervisors.
         pid = detach_agentbench(ctx.platform,
@@ -22006,7 +22245,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
-        return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
+        return {"detached": True, "driver_pid": pid, "runs": len(ids), "queued": len(queued),
+                "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`",
                 "next": f"python3 agentbench.py wait --study {shlex.quote(str(paths.root))} --all"}
     out = drive_foreground(ctx, study, ids, parallel)

@@ -333,3 +333,14 @@ def test_report_md_at_a_terminal_is_one_screen_and_full_gives_the_rest(tmp_path:
     assert "--full" in short
     full = at_terminal("--full")
     assert "## Verdict" in full and len(full.splitlines()) > len(short.splitlines()) + 10
+
+
+def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) -> None:
+    """The scaffolded first study has one arm: its report still opens with what it found."""
+    study = finished_study(tmp_path / "s", fake_env, arms={"A": {}})
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0 and rep["comparisons"] == {}, rep
+    assert rep["verdict"] == [f"A alone: success {ab.fmt_pct(0.5)} over 12 evaluated run(s); nothing compared "
+                              "(add an arm to study.json to compare it with this baseline)"]
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
