@@ -4464,6 +4464,20 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
             {**SANDBOX_OUTER_ENV, **dict(outer_extra or {})}, fd)
 
 
+def config_dir_refusal(path: str, *, study: str, tasks: str) -> str | None:
+    """Why a `CLAUDE_CONFIG_DIR` from a study's or an arm's env cannot be used, or None (pure;
+    `path` resolved).  agentbench makes the session's transcript folder under it on the host and
+    binds that folder read-write into the session: never in a system directory, nor in the study's
+    state, runs or tasks (view_refusal's rule inside the study)."""
+    if not path.startswith("/") or path == "/":
+        return "it is not an absolute directory below /"
+    if any(_under(path, d) for d in (*SANDBOX_SYSTEM_DIRS, "/proc", "/dev", "/sys", "/boot")):
+        return "it lies in a system directory"
+    if _under(path, study):
+        return view_refusal(path, study=study, tasks=tasks)
+    return None
+
+
 #: Where a container spec may not put anything: the host's own system directories (a task's
 #: paths are made in a private root beside them, never over them).
 CONTAINER_RESERVED = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
@@ -10482,6 +10496,16 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
     def env(key: str, val: Any) -> None:
         if val:
             over[key] = tuple(sorted({**dict(base.env), **val}.items()))
+            cdir = val.get("CLAUDE_CONFIG_DIR") if isinstance(val, Mapping) else None
+            if isinstance(cdir, str):
+                why = config_dir_refusal(os.path.realpath(cdir) if os.path.isabs(cdir) else cdir, study=root,
+                                         tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                if why is not None:
+                    raise AgentbenchError("an arm's CLAUDE_CONFIG_DIR cannot hold its sessions' transcripts",
+                                          code="arm_config_dir_refused", file=STUDY_FILE, arm=name,
+                                          key="env.CLAUDE_CONFIG_DIR", path=cdir[:300], why=why,
+                                          hint="name an absolute directory outside the system directories "
+                                               "and outside the study's state/, runs/ and tasks")
 
     def file(key: str, rel: Any) -> None:
         if rel:
