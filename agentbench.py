@@ -16362,6 +16362,41 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
     return {"baseline": base, "per_arm": out}
 
 
+# -- Report: looks at the data ----------------------------------------------------------------------
+# A report of a study with runs still to come is a look at its results; each new look is logged in
+# the study (`record_look`, in the CLI's section), and with more than one every format warns: a
+# p-value read at several looks, stopping at the first small one, rejects more often than alpha.
+
+def look_of_report(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What one report shows of the primary analysis, as a look (pure): the runs counted and still
+    to come per arm and each comparison's p; None when nothing is counted yet (nothing seen)."""
+    prim = report.get("primary") if isinstance(report.get("primary"), dict) else {}
+    per_arm = prim.get("per_arm") if isinstance(prim.get("per_arm"), dict) else {}
+    counted = {a: s.get("runs_counted", 0) for a, s in per_arm.items() if isinstance(s, dict)}
+    if not any(counted.values()):
+        return None
+    return {"split": (report.get("split") or {}).get("reported"),
+            "counted": counted, "pending": prim.get("pending_runs", 0),
+            "p": {a: c.get("p") for a, c in (prim.get("comparisons") or {}).items()}}
+
+
+def looks_of_record(logged: Sequence[Mapping[str, Any]], now: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The looks at a study's data, from the looks logged in the study (interim ones) and this
+    report's (`now`), of the same split (pure): `interim` logged, whether this one is new (its
+    counted runs differ from the last one logged), `total` and the warning when there is more than
+    one."""
+    mine = [x for x in logged if now is not None and x.get("split") == now.get("split")]
+    new = now is not None and (not mine or mine[-1].get("counted") != now.get("counted"))
+    total = len(mine) + (1 if new else 0)
+    warning = None
+    if total > 1:
+        warning = (f"LOOKS: the results of this study have been looked at {total} times while runs "
+                   f"were still to come (logged in state/looks.jsonl); the p-values and intervals "
+                   f"assume one look at the end: stopping or deciding at the first small p rejects "
+                   f"more often than alpha")
+    return {"interim": len(mine), "new": new, "total": total, "warning": warning}
+
+
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
                     include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
@@ -20507,6 +20542,24 @@ def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None
     return report, any_started
 
 
+def record_look(paths: StudyPaths, report: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
+    """Log this report in the study as a look when runs are still to come and its data are new
+    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`) with their
+    warning, when there is more than one, in its warnings and notes (see looks_of_record)."""
+    path = paths.state / "looks.jsonl"
+    logged = read_jsonl(path)[0] if path.exists() else []
+    now = look_of_report(report)
+    looks = looks_of_record(logged, now)
+    if write and looks["new"] and now is not None and now["pending"] and paths.state.is_dir():
+        append_jsonl(path, {"at": utc_now(), **now})
+        looks["logged"] = True
+    report["looks"] = looks
+    if looks["warning"]:
+        report.setdefault("warnings", []).append(looks["warning"])
+        report.setdefault("notes", []).insert(0, looks["warning"])
+    return looks
+
+
 EXPORT_FORMATS = ("inspect", "atif", "csv")
 
 #: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
@@ -22835,6 +22888,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
+    record_look(paths, report, write=not ctx.is_child)
     report["verdict"] = verdict_lines(report)   # one line per comparison: what the study found
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     reh = read_json(paths.state / "rehearsal.json", default=None)
