@@ -123,7 +123,8 @@ def test_assign_writes_the_plan_and_report_follows_it(tmp_path):
     assert out["analysis_plan"] == plan
     assert plan == ab.analysis_plan(["A", "B"], "A", 7)
     assert (plan["baseline"], plan["family"], plan["alpha"], plan["primary_test"]) == (
-        "A", ["B"], 0.05, "paired_sign_flip_over_tasks")
+        "A", ["B"], 0.05, "permutation_within_tasks_by_design")
+    assert (plan["primary_outcome"], plan["population"]) == ("success", "intention_to_treat")
     assert plan["bootstrap"] == {"seed": 7, "draws": 10000, "level": 0.95}
     _finish_runs(study, lambda arm, task, rep: arm == "B" or rep == 1)
 

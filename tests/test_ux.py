@@ -134,8 +134,10 @@ def test_compare_sets_two_studies_side_by_side(tmp_path: Path, fake_env) -> None
     for study in (one, two):
         code, rep = run_main(["report", "--study", str(study)])
         assert out["per_arm"]["B"][str(study)]["success_rate"] == rep["per_arm"]["B"]["success_rate"]
-        assert out["comparisons"]["B"][str(study)]["p_holm"] == rep["comparisons"]["B"]["primary"]["p_holm"]
-        assert out["comparisons"]["B"][str(study)]["ci"] == rep["comparisons"]["B"]["ci"]
+        prim = rep["primary"]["comparisons"]["B"]
+        assert out["comparisons"]["B"][str(study)]["p_holm"] == prim["p_holm"]
+        assert out["comparisons"]["B"][str(study)]["ci"] == prim["ci"]
+        assert out["comparisons"]["B"][str(study)]["estimate"] == prim["estimate"]
     assert out["per_arm"]["B"][str(one)]["success_rate"] == 1.0
     assert out["per_arm"]["B"][str(two)]["success_rate"] == 0.5
     # Studies of other arms are refused by name; one study alone too.
@@ -266,12 +268,12 @@ def test_the_verdict_is_one_line_per_comparison_from_the_report_s_figures(tmp_pa
     study = finished_study(tmp_path / "s", fake_env, win=1.0)   # B always, A half the time: +50 points
     code, rep = run_main(["report", "--study", str(study)])
     assert code == 0, rep
-    c = rep["comparisons"]["B"]
+    c = rep["primary"]["comparisons"]["B"]
     [line] = rep["verdict"]
-    assert line.startswith(f"B vs A: success {c['mean_diff'] * 100:+.1f} points "
+    assert line.startswith(f"B vs A: success {c['estimate'] * 100:+.1f} points "
                            f"[{c['ci'][0] * 100:+.1f}, {c['ci'][1] * 100:+.1f}], ")
-    assert f"p {ab.fmt_num(c['primary']['p'], 3)}, Holm p {ab.fmt_num(c['primary']['p_holm'], 3)}" in line
-    assert c["primary"]["reject"] is True and line.endswith("significant at alpha 0.05"), line
+    assert f"p {ab.fmt_num(c['p'], 3)}, Holm p {ab.fmt_num(c['p_holm'], 3)}" in line
+    assert c["reject"] is True and line.endswith("significant at alpha 0.05"), line
     code, md = run_main(["report", "--study", str(study), "--format", "md"])
     text = md["markdown"]
     first_table = min(i for i, ln in enumerate(text.splitlines()) if ln.startswith("|"))
@@ -333,3 +335,14 @@ def test_report_md_at_a_terminal_is_one_screen_and_full_gives_the_rest(tmp_path:
     assert "--full" in short
     full = at_terminal("--full")
     assert "## Verdict" in full and len(full.splitlines()) > len(short.splitlines()) + 10
+
+
+def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) -> None:
+    """The scaffolded first study has one arm: its report still opens with what it found."""
+    study = finished_study(tmp_path / "s", fake_env, arms={"A": {}})
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0 and rep["comparisons"] == {}, rep
+    assert rep["verdict"] == [f"A alone: success {ab.fmt_pct(0.5)} over 12 evaluated run(s); nothing compared "
+                              "(add an arm to study.json to compare it with this baseline)"]
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
