@@ -11635,7 +11635,8 @@ def jobs_by_run(paths: StudyPaths, run_ids: Iterable[str]) -> dict[str, list[dic
         job = read_json(paths.job_file(jid), default=None)
         meta = (job.get("meta") or {}) if isinstance(job, dict) else {}
         if meta.get("run_id") in wanted and meta.get("role"):
-            out[meta["run_id"]].append({"job_id": jid, "role": meta["role"], "session_id": job.get("session_id")})
+            out[meta["run_id"]].append({"job_id": jid, "role": meta["role"],
+                                        "session_id": job.get("session_id")})
     return out
 
 
@@ -11665,7 +11666,8 @@ def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed
     paths.run_index.mkdir(parents=True, exist_ok=True)
     missing = [m for m in manifest if not run_file(paths, m["run_id"]).exists()]
     ran = [m for m in missing if paths.run_dir(m["run_id"]).exists()]
-    jobs = jobs_by_run(paths, [m["run_id"] for m in missing]) if missing and (ran or paths.jobs.exists()) else {}
+    jobs = (jobs_by_run(paths, [m["run_id"] for m in missing])
+            if missing and (ran or paths.jobs.exists()) else {})
     rebuilt = []
     for m in missing:
         f = run_file(paths, m["run_id"])
@@ -12884,7 +12886,8 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         # Once: whatever each worker was doing, the study is gone and nothing more is written.
         raise AgentbenchError("the study was removed while its runs were driven", code="study_removed",
                               study=str(paths.root), runs_in_flight=sorted(removed),
-                              hint="nothing was written after it was removed; its sessions end with their driver")
+                              hint="nothing was written after it was removed; its sessions end with "
+                                   "their driver")
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
 
