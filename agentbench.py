@@ -8350,7 +8350,8 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
                        include_supervisor: bool, alive_until: float | None = None,
                        mark: str | None = None) -> list[ProcId]:
     """Kill a job's `claude` tree (and its supervisor if asked), and every process carrying the
-    job's `mark` in its environment; return survivors (empty = clean)."""
+    job's `mark` in its environment, and remove its container (a session in a task's container,
+    named in the runtime record); return survivors (empty = clean)."""
     roots: list[ProcId] = []
     sids: list[int] = []
     if mark:
@@ -8363,6 +8364,13 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
         sup = proc_from_record(runtime.get("supervisor"))
         if include_supervisor and sup:
             roots.insert(0, sup)
+    box = (runtime or {}).get("sandbox") or {}
+    if box.get("kind") == "container" and box.get("container") and box.get("runtime") in CONTAINER_RUNTIMES:
+        # A session in a task's container: removed by name (its processes may belong to the
+        # runtime's monitor, not to the supervisor's tree, once the supervisor is gone).
+        probe = container_probe(str(box["runtime"]), os.environ)
+        if probe["binary"]:
+            container_remove(str(probe["binary"]), str(box["container"]), os.environ)
     if not roots:
         return []
     survivors = platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
@@ -9226,7 +9234,9 @@ class Supervisor:
                          usage=None, extra={"detail": problem})
             return None
         base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
-                             name=container_name("session", self.job_id), workdir=str(ctr["workdir"]),
+                             # the job's mark: unique across studies (job ids are per study)
+                             name=container_name("session", job_mark(self.paths, self.job_id)),
+                             workdir=str(ctr["workdir"]),
                              seccomp=seccomp, flags=tuple(ctr.get("flags") or ()),
                              network="none" if network == "gateway" else "open")
         ro = [os.path.realpath(p) for p in [str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
@@ -9239,7 +9249,7 @@ class Supervisor:
                                       gateway_socket=sock, env=env)
         shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
                 CONTAINER_SHIM_NO_ENV_FD]
-        self.sandbox = container_record(ctr, network, why)
+        self.sandbox = {**container_record(ctr, network, why), "container": plan.name}
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
                 {**host, **{k: env[k] for k in plan.env_pass}}, prompt)
