@@ -152,11 +152,13 @@ urllib: Any = LazyModule("urllib")
 zipfile: Any = LazyModule("zipfile")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
-#: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
-#: own caches), run it as module `agentbench` and exit with main(argv[3:]).
+#: cached under argv[2] when that is not empty and its parent exists (only this file's: the
+#: standard library keeps its own caches; a study removed meanwhile is not re-created by the cache),
+#: run it as module `agentbench` and exit with main(argv[3:]).
 #: No double quotes and no newlines, so that it survives any platform's command-line quoting.
 #: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
-LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+LAUNCHER_CODE = ("import sys,os,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+                 "c=c if c and os.path.isdir(os.path.dirname(c)) else '';"
                  "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];"
                  "sys.dont_write_bytecode=o[1] and not c;"
                  "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
@@ -2453,8 +2455,17 @@ def remove_marker(path: Path) -> None:
         os.unlink(path)
 
 
+def require_study(paths: StudyPaths) -> None:
+    """Refuse (`study_removed`) to write into a study whose study.json is gone: a process still
+    running for a removed study (a run driver, a supervisor) must stop, never re-create its tree."""
+    if not paths.study_file.exists():
+        raise AgentbenchError("the study was removed", code="study_removed", study=str(paths.root),
+                              hint="its directory or study.json is gone; nothing more is written to it")
+
+
 def append_event(paths: StudyPaths, event: str, **fields: Any) -> None:
     """One line of the study's event log (events.jsonl): what happened, when, to what."""
+    require_study(paths)
     append_jsonl(paths.events, {"ts": utc_now(), "event": event, **fields})
 
 
@@ -8142,6 +8153,7 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     its active marker still set; reap_jobs() completes it later without doubling the ledger line.
     """
     assert status in JOB_FINAL_STATUSES, status
+    require_study(paths)     # a removed study is not re-created by the end of one of its jobs
     job_id = job["job_id"]
     # A Slurm job's credentials file is deleted by its supervisor once read; one that never
     # started (cancelled in the queue, failed to start) leaves it, so the end of the job removes it.
@@ -8282,7 +8294,8 @@ class DriverBeat:
     def _touch(self) -> None:
         assert self.path is not None
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Only the drivers/ directory itself is made: a study removed meanwhile is not re-created.
+            self.path.parent.mkdir(exist_ok=True)
             self.path.touch()
 
     def __enter__(self) -> "DriverBeat":
@@ -8337,7 +8350,8 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
                        include_supervisor: bool, alive_until: float | None = None,
                        mark: str | None = None) -> list[ProcId]:
     """Kill a job's `claude` tree (and its supervisor if asked), and every process carrying the
-    job's `mark` in its environment; return survivors (empty = clean)."""
+    job's `mark` in its environment, and remove its container (a session in a task's container,
+    named in the runtime record); return survivors (empty = clean)."""
     roots: list[ProcId] = []
     sids: list[int] = []
     if mark:
@@ -8350,6 +8364,13 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
         sup = proc_from_record(runtime.get("supervisor"))
         if include_supervisor and sup:
             roots.insert(0, sup)
+    box = (runtime or {}).get("sandbox") or {}
+    if box.get("kind") == "container" and box.get("container") and box.get("runtime") in CONTAINER_RUNTIMES:
+        # A session in a task's container: removed by name (its processes may belong to the
+        # runtime's monitor, not to the supervisor's tree, once the supervisor is gone).
+        probe = container_probe(str(box["runtime"]), os.environ)
+        if probe["binary"]:
+            container_remove(str(probe["binary"]), str(box["container"]), os.environ)
     if not roots:
         return []
     survivors = platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
@@ -8765,6 +8786,8 @@ class Supervisor:
         self.runtime.update(changes)
         self.runtime["heartbeat_at"] = time.time()
         self.runtime["elapsed_s"] = round(time.monotonic() - self.started, 3)
+        if not self.paths.study_file.exists():
+            return      # the study was removed: its tree is not re-created (finalize_job refuses too)
         with contextlib.suppress(OSError):
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
@@ -9211,7 +9234,9 @@ class Supervisor:
                          usage=None, extra={"detail": problem})
             return None
         base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
-                             name=container_name("session", self.job_id), workdir=str(ctr["workdir"]),
+                             # the job's mark: unique across studies (job ids are per study)
+                             name=container_name("session", job_mark(self.paths, self.job_id)),
+                             workdir=str(ctr["workdir"]),
                              seccomp=seccomp, flags=tuple(ctr.get("flags") or ()),
                              network="none" if network == "gateway" else "open")
         ro = [os.path.realpath(p) for p in [str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
@@ -9224,7 +9249,7 @@ class Supervisor:
                                       gateway_socket=sock, env=env)
         shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
                 CONTAINER_SHIM_NO_ENV_FD]
-        self.sandbox = container_record(ctr, network, why)
+        self.sandbox = {**container_record(ctr, network, why), "container": plan.name}
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
                 {**host, **{k: env[k] for k in plan.env_pass}}, prompt)
@@ -11386,6 +11411,7 @@ def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
 
 
 def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
+    require_study(paths)
     write_json_atomic(run_file(paths, rec["run_id"]), rec)
 
 
@@ -11606,17 +11632,87 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
             "survivors": sorted({p for r in results for p in r["survivors"]})}
 
 
+def jobs_by_run(paths: StudyPaths, run_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """The jobs launched for each of `run_ids`, from the jobs' own records (job.json's meta), in
+    creation order.  O(jobs): only for runs whose record was lost."""
+    wanted = set(run_ids)
+    out: dict[str, list[dict[str, Any]]] = {r: [] for r in wanted}
+    try:
+        names = sorted(n for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n))
+    except OSError:
+        return out
+    for jid in names:
+        job = read_json(paths.job_file(jid), default=None)
+        meta = (job.get("meta") or {}) if isinstance(job, dict) else {}
+        if meta.get("run_id") in wanted and meta.get("role"):
+            out[meta["run_id"]].append({"job_id": jid, "role": meta["role"],
+                                        "session_id": job.get("session_id")})
+    return out
+
+
+def rebuilt_run_record(paths: StudyPaths, entry: Mapping[str, Any], seed: int,
+                       jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record of a run whose record file was lost, from its manifest entry and its jobs, never
+    a fresh registration of a run that ran: one with sessions, all ended, is put back to be graded
+    as it stands (resume `grade`: no session runs again); one without is pending."""
+    rec: dict[str, Any] = {**entry, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                           "fault": None, "rebuilt_at": utc_now()}
+    workspace = paths.run_dir(entry["run_id"]) / "workspace"
+    if jobs:
+        rec.update({"jobs": [dict(j) for j in jobs], "resume": "grade", "provenance": {"rebuilt": True},
+                    "workspace": {"path": str(workspace)}, "started_ts": time.time()})
+        if not workspace.is_dir():
+            # Nothing left to grade: the attempt is kept aside and the next `run` starts afresh.
+            retire_attempt(paths, rec, "record_lost")
+            rec.pop("resume", None)
+    return rec
+
+
 def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
-                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """Write the run records (not_started) of a manifest; existing records are left alone."""
+                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """Write the run records (not_started) of a manifest; existing records are left alone.  A run
+    whose record is missing but which left a directory or jobs is rebuilt from them
+    (rebuilt_run_record), never registered afresh; the ids rebuilt are returned."""
     paths.run_index.mkdir(parents=True, exist_ok=True)
-    for m in manifest:
+    missing = [m for m in manifest if not run_file(paths, m["run_id"]).exists()]
+    ran = [m for m in missing if paths.run_dir(m["run_id"]).exists()]
+    jobs = (jobs_by_run(paths, [m["run_id"] for m in missing])
+            if missing and (ran or paths.jobs.exists()) else {})
+    rebuilt = []
+    for m in missing:
         f = run_file(paths, m["run_id"])
-        if f.exists():
-            continue
-        rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
-               "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
+        if any((paths.active / j["job_id"]).exists() for j in jobs.get(m["run_id"]) or []):
+            continue     # a session of it is still going: whoever drives it writes its record back
+        if jobs.get(m["run_id"]) or paths.run_dir(m["run_id"]).exists():
+            rec = rebuilt_run_record(paths, m, seed, jobs.get(m["run_id"]) or [])
+            rebuilt.append(m["run_id"])
+        else:
+            rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                   "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
         write_json_atomic(f, rec)
+    return rebuilt
+
+
+def restore_lost_runs(paths: StudyPaths) -> list[str]:
+    """Rebuild every run record the manifests name and the run index lacks (register_runs); the
+    ids rebuilt.  O(runs) to compare; the rebuild itself reads the jobs once."""
+    out: list[str] = []
+    try:
+        splits = sorted(n[:-5] for n in os.listdir(paths.state / "manifests") if n.endswith(".json"))
+    except OSError:
+        return out
+    have = set(all_run_ids(paths))
+    for split in splits:
+        doc = read_json(paths.state / "manifests" / f"{split}.json", default=None)
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(runs, list):
+            continue
+        entries = [m for m in runs if isinstance(m, dict) and is_safe_id(m.get("run_id"))
+                   and m["run_id"] not in have]
+        if entries:
+            seed = doc.get("seed") if isinstance(doc.get("seed"), int) else 0
+            out += register_runs(paths, entries, seed, split)
+    return out
 
 
 # -- workspace, audit, artifacts -------------------------------------------------------------------
@@ -12216,6 +12312,7 @@ class RunPipeline:
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
+            require_study(self.paths)    # removed meanwhile: stop waiting (the session ends with us)
             self._note_started(jid)
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid], env=self.ctx.env)
@@ -12334,12 +12431,15 @@ class RunPipeline:
                     task, ws = self._prepared
                     self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
             except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    raise
                 self.end_error(exc.payload.get("error", "error"), exc.payload)
-            except Exception as exc:  # the pipeline never raises: record and move on
+            except Exception as exc:  # the pipeline never raises (but for a removed study): record, move on
                 self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
             return self.rec
 
     def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+        require_study(self.paths)     # a removed study: the driver stops (study_removed), writing nothing
         if not self.rec:
             return
         if detail.get("refusal") in ("breaker", "study_cap", "base"):
@@ -12372,6 +12472,7 @@ class RunPipeline:
 
     def prepare(self) -> tuple[Task, Arm, str, str]:
         """Workspace, prompt, effective context and provenance of a claimed run: (task, arm, ws, prompt)."""
+        require_study(self.paths)
         rec = self.rec
         task = self.tasks[rec["task"]]
         arm = self.arms[rec["arm"]]
@@ -12528,6 +12629,7 @@ class RunPipeline:
         return n, findings
 
     def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        require_study(self.paths)
         rec = self.rec
         infrastructure = bool(stop and stop.startswith("infrastructure:"))
         attempt = int(rec.get("attempt") or 1)
@@ -12715,6 +12817,7 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
     lock = threading.Lock()
     queue = list(todo)
     paused: list[str] = []
+    removed: list[str] = []
     unclaimed: dict[str, dict[str, Any]] = {}
 
     def worker() -> None:
@@ -12731,9 +12834,19 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 rid = queue.pop(0)
             pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
             try:
+                require_study(paths)
                 if not pipe.claim():
                     continue
-            except (AgentbenchError, OSError) as exc:
+            except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    with lock:
+                        removed.append(rid)
+                        queue.clear()
+                    return
+                with lock:
+                    unclaimed[rid] = exc.payload
+                continue
+            except OSError as exc:
                 # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
                 with lock:
                     unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
@@ -12741,6 +12854,13 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 continue
             try:
                 rec = pipe.execute()
+            except AgentbenchError as exc:
+                if exc.code != "study_removed":
+                    raise
+                with lock:
+                    removed.append(rid)
+                    queue.clear()
+                return
             except Exception as exc:  # a worker must not die silently: the run is reported
                 with lock:
                     unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
@@ -12772,6 +12892,12 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.join()
     stop.set()
     warm.join()
+    if removed:
+        # Once: whatever each worker was doing, the study is gone and nothing more is written.
+        raise AgentbenchError("the study was removed while its runs were driven", code="study_removed",
+                              study=str(paths.root), runs_in_flight=sorted(removed),
+                              hint="nothing was written after it was removed; its sessions end with "
+                                   "their driver")
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
 
@@ -22778,6 +22904,7 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    restore_lost_runs(paths)     # a run whose record was lost is rebuilt, never registered afresh
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
@@ -22885,6 +23012,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 @args_of(_report_args)
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    if not ctx.is_child:
+        restore_lost_runs(paths)   # a lost run record is rebuilt: the report never silently has a run fewer
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
