@@ -14183,7 +14183,7 @@ def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tupl
     return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
 
 
-def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+def power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
                       tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
     """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
     direction of delta, with the study's clustering: per simulated study and task, a baseline
@@ -14247,7 +14247,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
                                 seed: int = 0) -> dict[str, Any]:
     """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
 
-    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    Each candidate number of repeats is simulated with `n_sim` studies (power_simulation, the
     same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
     (the normal approximation's answer), doubles while the simulated power falls short and
     bisects back down to the smallest number of repeats that reaches it; None when even
@@ -14257,7 +14257,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
 
     def sim(r: int) -> dict:
         if r not in cache:
-            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+            cache[r] = power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
         return cache[r]
 
     if sign_test_min_p(n_tasks) > alpha:
@@ -14289,6 +14289,43 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
             "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
                                   "sign_test_power": c["power"]["sign_test"]}
                                  for r, c in sorted(cache.items())]}
+
+
+def detectable_difference_by_simulation(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                                        power: float = 0.8, *, tau: float, sd_base: float,
+                                        n_sim: int = 400, seed: int = 0, steps: int = 10) -> dict[str, Any]:
+    """The smallest success-rate difference, up and down from `p_base`, that the primary test
+    detects with `power` at `n_tasks` tasks x `repeats` repeats, by simulation of whole studies
+    under clustering (power_simulation, the same seed at every difference: common random
+    numbers).  Bisection over the difference (`steps` halvings of the range p_base..1 or 0..p_base);
+    per direction the difference, the simulated power there and its Monte Carlo standard error;
+    None when even the largest difference in that direction falls short."""
+    out: dict[str, Any] = {"method": "simulation of the primary test under clustering",
+                           "studies_per_point": n_sim, "seed": seed, "tau": tau, "sd_base": sd_base,
+                           "repeats": repeats, "alpha": alpha, "power": power}
+    for name, sign, room in (("increase", 1.0, 1.0 - p_base), ("decrease", -1.0, p_base)):
+        if room <= 0 or sign_test_min_p(n_tasks) > alpha:
+            out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = None, None, None
+            continue
+
+        def sim(d: float) -> dict:
+            return power_simulation(p_base, sign * d, n_tasks, repeats, alpha, tau, n_sim, seed, sd_base)
+
+        top = sim(room)
+        if top["power"]["primary"] < power:
+            out[name] = None
+            out[f"{name}_power"], out[f"{name}_mc_se"] = top["power"]["primary"], top["mc_se"]
+            continue
+        lo, hi, at = 0.0, room, top
+        for _ in range(steps):
+            mid = (lo + hi) / 2.0
+            got = sim(mid)
+            if got["power"]["primary"] >= power:
+                hi, at = mid, got
+            else:
+                lo = mid
+        out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = hi, at["power"]["primary"], at["mc_se"]
+    return out
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -14385,7 +14422,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
     recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
-    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    the sign test, in the direction of delta (see power_simulation; `assign` searches the
     repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
@@ -14444,7 +14481,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
         "notes": notes,
     }
     if simulate and repeats is not None:
-        out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
+        out["simulation"] = power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
                                               alpha, tau, simulate, seed)
     return out
 
@@ -20174,10 +20211,24 @@ def assign_power(study: Study, split: str, delta: float, p_base: float, seed: in
             "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
 
 
+def _power_at_repeats(p_base: float, power: Mapping[str, Any], n_tasks: int, repeats: int,
+                      seed: int) -> dict[str, Any] | None:
+    """The primary test's simulated power at the repeats chosen, at the planned difference, with
+    its Monte Carlo standard error (None when no test over the tasks can reach alpha)."""
+    if sign_test_min_p(n_tasks) > power["alpha"]:
+        return None
+    sim = power_simulation(p_base, power["delta"], n_tasks, repeats, power["alpha"],
+                            power["clustering"]["tau"], 400, seed, power["clustering"]["sd_base"])
+    return {"repeats": repeats, "delta": power["delta"], "power": sim["power"]["primary"],
+            "mc_se": sim["mc_se"], "studies": sim["studies"]}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
-                split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+                split: str, seed: int = 0) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats (by
+    simulation of the primary test, with its Monte Carlo error; the normal approximation beside it,
+    optimistic) and the study's expected cost there and at the recommended repeats, priced from
+    the study's pilot runs
     (finished real runs of other splits with a reported cost), else its rehearsal, else a token
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
@@ -20196,9 +20247,12 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
         return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
 
     out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"],
-                                                                      power["tau"]),
+           "minimum_detectable_difference": detectable_difference_by_simulation(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], tau=power["clustering"]["tau"],
+               sd_base=power["clustering"]["sd_base"], seed=seed),
+           "minimum_detectable_difference_normal_approximation": min_detectable_difference(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], power["tau"]),
+           "power_at_repeats": _power_at_repeats(p_base, power, len(tasks), repeats, seed),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -20228,7 +20282,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
         power = assign_power(study, split, power_delta, power_base, seed)
-        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+        power["plan"] = assign_plan(study, repeats, power, power_base, split, seed)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     # The analysis is fixed with the assignment, before any run: the study's first arm is the
     # baseline, every other arm is compared with it (see analysis_plan).
