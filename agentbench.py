@@ -152,11 +152,13 @@ urllib: Any = LazyModule("urllib")
 zipfile: Any = LazyModule("zipfile")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
-#: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
-#: own caches), run it as module `agentbench` and exit with main(argv[3:]).
+#: cached under argv[2] when that is not empty and its parent exists (only this file's: the
+#: standard library keeps its own caches; a study removed meanwhile is not re-created by the cache),
+#: run it as module `agentbench` and exit with main(argv[3:]).
 #: No double quotes and no newlines, so that it survives any platform's command-line quoting.
 #: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
-LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+LAUNCHER_CODE = ("import sys,os,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+                 "c=c if c and os.path.isdir(os.path.dirname(c)) else '';"
                  "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];"
                  "sys.dont_write_bytecode=o[1] and not c;"
                  "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
@@ -2453,8 +2455,17 @@ def remove_marker(path: Path) -> None:
         os.unlink(path)
 
 
+def require_study(paths: StudyPaths) -> None:
+    """Refuse (`study_removed`) to write into a study whose study.json is gone: a process still
+    running for a removed study (a run driver, a supervisor) must stop, never re-create its tree."""
+    if not paths.study_file.exists():
+        raise AgentbenchError("the study was removed", code="study_removed", study=str(paths.root),
+                              hint="its directory or study.json is gone; nothing more is written to it")
+
+
 def append_event(paths: StudyPaths, event: str, **fields: Any) -> None:
     """One line of the study's event log (events.jsonl): what happened, when, to what."""
+    require_study(paths)
     append_jsonl(paths.events, {"ts": utc_now(), "event": event, **fields})
 
 
@@ -8150,6 +8161,7 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     its active marker still set; reap_jobs() completes it later without doubling the ledger line.
     """
     assert status in JOB_FINAL_STATUSES, status
+    require_study(paths)     # a removed study is not re-created by the end of one of its jobs
     job_id = job["job_id"]
     # A Slurm job's credentials file is deleted by its supervisor once read; one that never
     # started (cancelled in the queue, failed to start) leaves it, so the end of the job removes it.
@@ -8290,7 +8302,8 @@ class DriverBeat:
     def _touch(self) -> None:
         assert self.path is not None
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Only the drivers/ directory itself is made: a study removed meanwhile is not re-created.
+            self.path.parent.mkdir(exist_ok=True)
             self.path.touch()
 
     def __enter__(self) -> "DriverBeat":
@@ -8781,6 +8794,8 @@ class Supervisor:
         self.runtime.update(changes)
         self.runtime["heartbeat_at"] = time.time()
         self.runtime["elapsed_s"] = round(time.monotonic() - self.started, 3)
+        if not self.paths.study_file.exists():
+            return      # the study was removed: its tree is not re-created (finalize_job refuses too)
         with contextlib.suppress(OSError):
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
@@ -11406,6 +11421,7 @@ def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
 
 
 def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
+    require_study(paths)
     write_json_atomic(run_file(paths, rec["run_id"]), rec)
 
 
@@ -11626,17 +11642,87 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
             "survivors": sorted({p for r in results for p in r["survivors"]})}
 
 
+def jobs_by_run(paths: StudyPaths, run_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """The jobs launched for each of `run_ids`, from the jobs' own records (job.json's meta), in
+    creation order.  O(jobs): only for runs whose record was lost."""
+    wanted = set(run_ids)
+    out: dict[str, list[dict[str, Any]]] = {r: [] for r in wanted}
+    try:
+        names = sorted(n for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n))
+    except OSError:
+        return out
+    for jid in names:
+        job = read_json(paths.job_file(jid), default=None)
+        meta = (job.get("meta") or {}) if isinstance(job, dict) else {}
+        if meta.get("run_id") in wanted and meta.get("role"):
+            out[meta["run_id"]].append({"job_id": jid, "role": meta["role"],
+                                        "session_id": job.get("session_id")})
+    return out
+
+
+def rebuilt_run_record(paths: StudyPaths, entry: Mapping[str, Any], seed: int,
+                       jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record of a run whose record file was lost, from its manifest entry and its jobs, never
+    a fresh registration of a run that ran: one with sessions, all ended, is put back to be graded
+    as it stands (resume `grade`: no session runs again); one without is pending."""
+    rec: dict[str, Any] = {**entry, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                           "fault": None, "rebuilt_at": utc_now()}
+    workspace = paths.run_dir(entry["run_id"]) / "workspace"
+    if jobs:
+        rec.update({"jobs": [dict(j) for j in jobs], "resume": "grade", "provenance": {"rebuilt": True},
+                    "workspace": {"path": str(workspace)}, "started_ts": time.time()})
+        if not workspace.is_dir():
+            # Nothing left to grade: the attempt is kept aside and the next `run` starts afresh.
+            retire_attempt(paths, rec, "record_lost")
+            rec.pop("resume", None)
+    return rec
+
+
 def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
-                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """Write the run records (not_started) of a manifest; existing records are left alone."""
+                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """Write the run records (not_started) of a manifest; existing records are left alone.  A run
+    whose record is missing but which left a directory or jobs is rebuilt from them
+    (rebuilt_run_record), never registered afresh; the ids rebuilt are returned."""
     paths.run_index.mkdir(parents=True, exist_ok=True)
-    for m in manifest:
+    missing = [m for m in manifest if not run_file(paths, m["run_id"]).exists()]
+    ran = [m for m in missing if paths.run_dir(m["run_id"]).exists()]
+    jobs = (jobs_by_run(paths, [m["run_id"] for m in missing])
+            if missing and (ran or paths.jobs.exists()) else {})
+    rebuilt = []
+    for m in missing:
         f = run_file(paths, m["run_id"])
-        if f.exists():
-            continue
-        rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
-               "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
+        if any((paths.active / j["job_id"]).exists() for j in jobs.get(m["run_id"]) or []):
+            continue     # a session of it is still going: whoever drives it writes its record back
+        if jobs.get(m["run_id"]) or paths.run_dir(m["run_id"]).exists():
+            rec = rebuilt_run_record(paths, m, seed, jobs.get(m["run_id"]) or [])
+            rebuilt.append(m["run_id"])
+        else:
+            rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                   "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
         write_json_atomic(f, rec)
+    return rebuilt
+
+
+def restore_lost_runs(paths: StudyPaths) -> list[str]:
+    """Rebuild every run record the manifests name and the run index lacks (register_runs); the
+    ids rebuilt.  O(runs) to compare; the rebuild itself reads the jobs once."""
+    out: list[str] = []
+    try:
+        splits = sorted(n[:-5] for n in os.listdir(paths.state / "manifests") if n.endswith(".json"))
+    except OSError:
+        return out
+    have = set(all_run_ids(paths))
+    for split in splits:
+        doc = read_json(paths.state / "manifests" / f"{split}.json", default=None)
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(runs, list):
+            continue
+        entries = [m for m in runs if isinstance(m, dict) and is_safe_id(m.get("run_id"))
+                   and m["run_id"] not in have]
+        if entries:
+            seed = doc.get("seed") if isinstance(doc.get("seed"), int) else 0
+            out += register_runs(paths, entries, seed, split)
+    return out
 
 
 # -- workspace, audit, artifacts -------------------------------------------------------------------
@@ -12236,6 +12322,7 @@ class RunPipeline:
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
+            require_study(self.paths)    # removed meanwhile: stop waiting (the session ends with us)
             self._note_started(jid)
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid], env=self.ctx.env)
@@ -12354,12 +12441,15 @@ class RunPipeline:
                     task, ws = self._prepared
                     self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
             except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    raise
                 self.end_error(exc.payload.get("error", "error"), exc.payload)
-            except Exception as exc:  # the pipeline never raises: record and move on
+            except Exception as exc:  # the pipeline never raises (but for a removed study): record, move on
                 self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
             return self.rec
 
     def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+        require_study(self.paths)     # a removed study: the driver stops (study_removed), writing nothing
         if not self.rec:
             return
         if detail.get("refusal") in ("breaker", "study_cap", "base"):
@@ -12392,6 +12482,7 @@ class RunPipeline:
 
     def prepare(self) -> tuple[Task, Arm, str, str]:
         """Workspace, prompt, effective context and provenance of a claimed run: (task, arm, ws, prompt)."""
+        require_study(self.paths)
         rec = self.rec
         task = self.tasks[rec["task"]]
         arm = self.arms[rec["arm"]]
@@ -12548,6 +12639,7 @@ class RunPipeline:
         return n, findings
 
     def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        require_study(self.paths)
         rec = self.rec
         infrastructure = bool(stop and stop.startswith("infrastructure:"))
         attempt = int(rec.get("attempt") or 1)
@@ -12735,6 +12827,7 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
     lock = threading.Lock()
     queue = list(todo)
     paused: list[str] = []
+    removed: list[str] = []
     unclaimed: dict[str, dict[str, Any]] = {}
 
     def worker() -> None:
@@ -12751,9 +12844,19 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 rid = queue.pop(0)
             pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
             try:
+                require_study(paths)
                 if not pipe.claim():
                     continue
-            except (AgentbenchError, OSError) as exc:
+            except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    with lock:
+                        removed.append(rid)
+                        queue.clear()
+                    return
+                with lock:
+                    unclaimed[rid] = exc.payload
+                continue
+            except OSError as exc:
                 # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
                 with lock:
                     unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
@@ -12761,6 +12864,13 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 continue
             try:
                 rec = pipe.execute()
+            except AgentbenchError as exc:
+                if exc.code != "study_removed":
+                    raise
+                with lock:
+                    removed.append(rid)
+                    queue.clear()
+                return
             except Exception as exc:  # a worker must not die silently: the run is reported
                 with lock:
                     unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
@@ -12792,6 +12902,12 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.join()
     stop.set()
     warm.join()
+    if removed:
+        # Once: whatever each worker was doing, the study is gone and nothing more is written.
+        raise AgentbenchError("the study was removed while its runs were driven", code="study_removed",
+                              study=str(paths.root), runs_in_flight=sorted(removed),
+                              hint="nothing was written after it was removed; its sessions end with "
+                                   "their driver")
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
 
@@ -14077,7 +14193,7 @@ def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tupl
     return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
 
 
-def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+def power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
                       tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
     """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
     direction of delta, with the study's clustering: per simulated study and task, a baseline
@@ -14141,7 +14257,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
                                 seed: int = 0) -> dict[str, Any]:
     """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
 
-    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    Each candidate number of repeats is simulated with `n_sim` studies (power_simulation, the
     same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
     (the normal approximation's answer), doubles while the simulated power falls short and
     bisects back down to the smallest number of repeats that reaches it; None when even
@@ -14151,7 +14267,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
 
     def sim(r: int) -> dict:
         if r not in cache:
-            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+            cache[r] = power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
         return cache[r]
 
     if sign_test_min_p(n_tasks) > alpha:
@@ -14183,6 +14299,43 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
             "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
                                   "sign_test_power": c["power"]["sign_test"]}
                                  for r, c in sorted(cache.items())]}
+
+
+def detectable_difference_by_simulation(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                                        power: float = 0.8, *, tau: float, sd_base: float,
+                                        n_sim: int = 400, seed: int = 0, steps: int = 10) -> dict[str, Any]:
+    """The smallest success-rate difference, up and down from `p_base`, that the primary test
+    detects with `power` at `n_tasks` tasks x `repeats` repeats, by simulation of whole studies
+    under clustering (power_simulation, the same seed at every difference: common random
+    numbers).  Bisection over the difference (`steps` halvings of the range p_base..1 or 0..p_base);
+    per direction the difference, the simulated power there and its Monte Carlo standard error;
+    None when even the largest difference in that direction falls short."""
+    out: dict[str, Any] = {"method": "simulation of the primary test under clustering",
+                           "studies_per_point": n_sim, "seed": seed, "tau": tau, "sd_base": sd_base,
+                           "repeats": repeats, "alpha": alpha, "power": power}
+    for name, sign, room in (("increase", 1.0, 1.0 - p_base), ("decrease", -1.0, p_base)):
+        if room <= 0 or sign_test_min_p(n_tasks) > alpha:
+            out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = None, None, None
+            continue
+
+        def sim(d: float) -> dict:
+            return power_simulation(p_base, sign * d, n_tasks, repeats, alpha, tau, n_sim, seed, sd_base)
+
+        top = sim(room)
+        if top["power"]["primary"] < power:
+            out[name] = None
+            out[f"{name}_power"], out[f"{name}_mc_se"] = top["power"]["primary"], top["mc_se"]
+            continue
+        lo, hi, at = 0.0, room, top
+        for _ in range(steps):
+            mid = (lo + hi) / 2.0
+            got = sim(mid)
+            if got["power"]["primary"] >= power:
+                hi, at = mid, got
+            else:
+                lo = mid
+        out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = hi, at["power"]["primary"], at["mc_se"]
+    return out
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -14279,7 +14432,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
     recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
-    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    the sign test, in the direction of delta (see power_simulation; `assign` searches the
     repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
@@ -14338,7 +14491,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
         "notes": notes,
     }
     if simulate and repeats is not None:
-        out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
+        out["simulation"] = power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
                                               alpha, tau, simulate, seed)
     return out
 
@@ -20068,10 +20221,24 @@ def assign_power(study: Study, split: str, delta: float, p_base: float, seed: in
             "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
 
 
+def _power_at_repeats(p_base: float, power: Mapping[str, Any], n_tasks: int, repeats: int,
+                      seed: int) -> dict[str, Any] | None:
+    """The primary test's simulated power at the repeats chosen, at the planned difference, with
+    its Monte Carlo standard error (None when no test over the tasks can reach alpha)."""
+    if sign_test_min_p(n_tasks) > power["alpha"]:
+        return None
+    sim = power_simulation(p_base, power["delta"], n_tasks, repeats, power["alpha"],
+                            power["clustering"]["tau"], 400, seed, power["clustering"]["sd_base"])
+    return {"repeats": repeats, "delta": power["delta"], "power": sim["power"]["primary"],
+            "mc_se": sim["mc_se"], "studies": sim["studies"]}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
-                split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+                split: str, seed: int = 0) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats (by
+    simulation of the primary test, with its Monte Carlo error; the normal approximation beside it,
+    optimistic) and the study's expected cost there and at the recommended repeats, priced from
+    the study's pilot runs
     (finished real runs of other splits with a reported cost), else its rehearsal, else a token
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
@@ -20090,9 +20257,12 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
         return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
 
     out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"],
-                                                                      power["tau"]),
+           "minimum_detectable_difference": detectable_difference_by_simulation(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], tau=power["clustering"]["tau"],
+               sd_base=power["clustering"]["sd_base"], seed=seed),
+           "minimum_detectable_difference_normal_approximation": min_detectable_difference(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], power["tau"]),
+           "power_at_repeats": _power_at_repeats(p_base, power, len(tasks), repeats, seed),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -20122,7 +20292,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
         power = assign_power(study, split, power_delta, power_base, seed)
-        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+        power["plan"] = assign_plan(study, repeats, power, power_base, split, seed)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     # The analysis is fixed with the assignment, before any run: the study's first arm is the
     # baseline, every other arm is compared with it (see analysis_plan).
@@ -22798,6 +22968,7 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    restore_lost_runs(paths)     # a run whose record was lost is rebuilt, never registered afresh
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
@@ -22905,6 +23076,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 @args_of(_report_args)
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    if not ctx.is_child:
+        restore_lost_runs(paths)   # a lost run record is rebuilt: the report never silently has a run fewer
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
