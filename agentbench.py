@@ -5014,10 +5014,17 @@ def container_runtime_of(cfg: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+def container_image_id(binary: str, tag: str, env: Mapping[str, str]) -> str | None:
+    """The local image's id (what a run really started from: a tag may be moved), None when the
+    image is not on this host."""
+    res = subprocess.run([binary, "image", "inspect", "--format", "{{.Id}}", tag], env=dict(env),
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    out = res.stdout.decode("utf-8", "replace").strip()
+    return out.splitlines()[0] if res.returncode == 0 and out else None
+
+
 def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
-    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
-    return res.returncode == 0
+    return container_image_id(binary, tag, env) is not None
 
 
 def container_build(binary: str, tag: str, dockerfile: str, context: str,
@@ -5095,6 +5102,7 @@ def container_record(info: Mapping[str, Any], network: str,
     return {"mode": "container", "kind": "container", "reason": None, "network": network,
             "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
             "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "image_id": info.get("image_id"),
             "workdir": info.get("workdir"),
             "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
@@ -10269,7 +10277,8 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
                                       code="container_build_failed", task=task.id, image=info["image"],
                                       reason=problem, refusal="environment")
             built = True
-        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+                                "image_id": container_image_id(probe["binary"], info["image"], env)}
     return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
             "source": info["source"], "workdir": info["workdir"],
             "flags": list(cfg.get("container_flags") or []), "built": built}
@@ -10294,7 +10303,8 @@ def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Ma
                                   reason=problem, refusal="environment",
                                   hint="base the image on a glibc distribution with python3 (the pinned "
                                        "claude is bound in as a native executable)")
-        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id] = {k: ctr.get(k) for k in ("runtime", "version", "image", "image_id", "sha256", "workdir",
+                                             "built")}
         out[t.id]["claude_inside"] = inside
     return out
 
@@ -12301,8 +12311,8 @@ class RunPipeline:
         # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
         if task.environment is not None and kind != "reviewer":
             container = ensure_task_image(task, self.cfg, self.ctx.env)
-            self.rec["environment"] = {k: container[k]
-                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
+            self.rec["environment"] = {k: container.get(k) for k in
+                                       ("runtime", "version", "image", "image_id", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
                          raw_dir=raw_dir, driver=self.opts.driver, container=container)
