@@ -5014,10 +5014,17 @@ def container_runtime_of(cfg: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+def container_image_id(binary: str, tag: str, env: Mapping[str, str]) -> str | None:
+    """The local image's id (what a run really started from: a tag may be moved), None when the
+    image is not on this host."""
+    res = subprocess.run([binary, "image", "inspect", "--format", "{{.Id}}", tag], env=dict(env),
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    out = res.stdout.decode("utf-8", "replace").strip()
+    return out.splitlines()[0] if res.returncode == 0 and out else None
+
+
 def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
-    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
-    return res.returncode == 0
+    return container_image_id(binary, tag, env) is not None
 
 
 def container_build(binary: str, tag: str, dockerfile: str, context: str,
@@ -5095,6 +5102,7 @@ def container_record(info: Mapping[str, Any], network: str,
     return {"mode": "container", "kind": "container", "reason": None, "network": network,
             "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
             "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "image_id": info.get("image_id"),
             "workdir": info.get("workdir"),
             "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
@@ -10269,7 +10277,8 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
                                       code="container_build_failed", task=task.id, image=info["image"],
                                       reason=problem, refusal="environment")
             built = True
-        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+                                "image_id": container_image_id(probe["binary"], info["image"], env)}
     return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
             "source": info["source"], "workdir": info["workdir"],
             "flags": list(cfg.get("container_flags") or []), "built": built}
@@ -10294,7 +10303,8 @@ def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Ma
                                   reason=problem, refusal="environment",
                                   hint="base the image on a glibc distribution with python3 (the pinned "
                                        "claude is bound in as a native executable)")
-        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id] = {k: ctr.get(k) for k in ("runtime", "version", "image", "image_id", "sha256", "workdir",
+                                             "built")}
         out[t.id]["claude_inside"] = inside
     return out
 
@@ -12186,7 +12196,7 @@ class RunPipeline:
             # Which run this is, in words a person follows: its task, arm and attempt, then the
             # event's own fields (those without a value left out).
             about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
-                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+                     "attempt": self.rec.get("attempt")} if isinstance(self.rec, dict) else {}
             shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
             self.opts.progress(f"{self.run_id} {event} "
                                + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
@@ -12301,8 +12311,8 @@ class RunPipeline:
         # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
         if task.environment is not None and kind != "reviewer":
             container = ensure_task_image(task, self.cfg, self.ctx.env)
-            self.rec["environment"] = {k: container[k]
-                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
+            self.rec["environment"] = {k: container.get(k) for k in
+                                       ("runtime", "version", "image", "image_id", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
                          raw_dir=raw_dir, driver=self.opts.driver, container=container)
@@ -14183,7 +14193,7 @@ def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tupl
     return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
 
 
-def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+def power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
                       tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
     """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
     direction of delta, with the study's clustering: per simulated study and task, a baseline
@@ -14247,7 +14257,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
                                 seed: int = 0) -> dict[str, Any]:
     """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
 
-    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    Each candidate number of repeats is simulated with `n_sim` studies (power_simulation, the
     same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
     (the normal approximation's answer), doubles while the simulated power falls short and
     bisects back down to the smallest number of repeats that reaches it; None when even
@@ -14257,7 +14267,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
 
     def sim(r: int) -> dict:
         if r not in cache:
-            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+            cache[r] = power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
         return cache[r]
 
     if sign_test_min_p(n_tasks) > alpha:
@@ -14289,6 +14299,43 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
             "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
                                   "sign_test_power": c["power"]["sign_test"]}
                                  for r, c in sorted(cache.items())]}
+
+
+def detectable_difference_by_simulation(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                                        power: float = 0.8, *, tau: float, sd_base: float,
+                                        n_sim: int = 400, seed: int = 0, steps: int = 10) -> dict[str, Any]:
+    """The smallest success-rate difference, up and down from `p_base`, that the primary test
+    detects with `power` at `n_tasks` tasks x `repeats` repeats, by simulation of whole studies
+    under clustering (power_simulation, the same seed at every difference: common random
+    numbers).  Bisection over the difference (`steps` halvings of the range p_base..1 or 0..p_base);
+    per direction the difference, the simulated power there and its Monte Carlo standard error;
+    None when even the largest difference in that direction falls short."""
+    out: dict[str, Any] = {"method": "simulation of the primary test under clustering",
+                           "studies_per_point": n_sim, "seed": seed, "tau": tau, "sd_base": sd_base,
+                           "repeats": repeats, "alpha": alpha, "power": power}
+    for name, sign, room in (("increase", 1.0, 1.0 - p_base), ("decrease", -1.0, p_base)):
+        if room <= 0 or sign_test_min_p(n_tasks) > alpha:
+            out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = None, None, None
+            continue
+
+        def sim(d: float) -> dict:
+            return power_simulation(p_base, sign * d, n_tasks, repeats, alpha, tau, n_sim, seed, sd_base)
+
+        top = sim(room)
+        if top["power"]["primary"] < power:
+            out[name] = None
+            out[f"{name}_power"], out[f"{name}_mc_se"] = top["power"]["primary"], top["mc_se"]
+            continue
+        lo, hi, at = 0.0, room, top
+        for _ in range(steps):
+            mid = (lo + hi) / 2.0
+            got = sim(mid)
+            if got["power"]["primary"] >= power:
+                hi, at = mid, got
+            else:
+                lo = mid
+        out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = hi, at["power"]["primary"], at["mc_se"]
+    return out
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -14385,7 +14432,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
     recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
-    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    the sign test, in the direction of delta (see power_simulation; `assign` searches the
     repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
@@ -14444,7 +14491,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
         "notes": notes,
     }
     if simulate and repeats is not None:
-        out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
+        out["simulation"] = power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
                                               alpha, tau, simulate, seed)
     return out
 
@@ -20174,10 +20221,24 @@ def assign_power(study: Study, split: str, delta: float, p_base: float, seed: in
             "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
 
 
+def _power_at_repeats(p_base: float, power: Mapping[str, Any], n_tasks: int, repeats: int,
+                      seed: int) -> dict[str, Any] | None:
+    """The primary test's simulated power at the repeats chosen, at the planned difference, with
+    its Monte Carlo standard error (None when no test over the tasks can reach alpha)."""
+    if sign_test_min_p(n_tasks) > power["alpha"]:
+        return None
+    sim = power_simulation(p_base, power["delta"], n_tasks, repeats, power["alpha"],
+                            power["clustering"]["tau"], 400, seed, power["clustering"]["sd_base"])
+    return {"repeats": repeats, "delta": power["delta"], "power": sim["power"]["primary"],
+            "mc_se": sim["mc_se"], "studies": sim["studies"]}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
-                split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+                split: str, seed: int = 0) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats (by
+    simulation of the primary test, with its Monte Carlo error; the normal approximation beside it,
+    optimistic) and the study's expected cost there and at the recommended repeats, priced from
+    the study's pilot runs
     (finished real runs of other splits with a reported cost), else its rehearsal, else a token
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
@@ -20196,9 +20257,12 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
         return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
 
     out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"],
-                                                                      power["tau"]),
+           "minimum_detectable_difference": detectable_difference_by_simulation(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], tau=power["clustering"]["tau"],
+               sd_base=power["clustering"]["sd_base"], seed=seed),
+           "minimum_detectable_difference_normal_approximation": min_detectable_difference(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], power["tau"]),
+           "power_at_repeats": _power_at_repeats(p_base, power, len(tasks), repeats, seed),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -20228,7 +20292,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
         power = assign_power(study, split, power_delta, power_base, seed)
-        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+        power["plan"] = assign_plan(study, repeats, power, power_base, split, seed)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     # The analysis is fixed with the assignment, before any run: the study's first arm is the
     # baseline, every other arm is compared with it (see analysis_plan).
@@ -20764,7 +20828,12 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
            "flagged": audit["flagged"] if audit["audited"] else None,
            "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
            if isinstance(findings, list) else [],
-           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+           "attempt": rec.get("attempt"),
+           "earlier_attempts": [{k: a.get(k) for k in ("attempt", "reason", "cost_usd")
+                                 if a.get(k) is not None}
+                                for a in rec.get("attempts") or [] if isinstance(a, Mapping)] or None,
+           "cost_all_attempts_usd": run_attempts_cost_usd(rec) if rec.get("attempts") else None}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -110,6 +110,9 @@ def test_a_study_mixing_a_harbor_task_in_its_image_and_a_bwrap_task_rehearses_as
     env_run, host_run = by_task[ENV_TASK], by_task[TASK]
     assert env_run["environment"]["runtime"] == "podman" and env_run["environment"]["sha256"]
     assert env_run["environment"]["image"] == ab.built_image_tag(env_run["environment"]["sha256"])
+    # the image id pins what ran (the tag names the build context; its FROM image may move)
+    assert env_run["environment"]["image_id"] == out["environments"][ENV_TASK]["image_id"]
+    assert ab.container_image_id(podman, env_run["environment"]["image"], os.environ) == env_run["environment"]["image_id"]
     assert "environment" not in host_run
     assert env_run["sandbox"]["kinds"] == ["container"] and env_run["sandbox"]["sandboxed"]
     assert host_run["sandbox"]["kinds"] == ["bwrap"] and host_run["sandbox"]["sandboxed"]
