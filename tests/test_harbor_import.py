@@ -73,8 +73,10 @@ def test_container_mounts_go_into_the_sandboxs_own_root():
     rows = ab.sandbox_mounts(plan)
     assert ("--symlink", "usr/bin", "/bin") in rows and ("--ro-bind", "/usr", "/usr") in rows
     assert ("--ro-bind", "/", "/") not in rows and ("--tmpfs", "/") not in rows
-    assert rows[-4:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
-                         ("--tmpfs", "/logs/verifier"), ("--remount-ro", "/")]
+    # a scratch path is a tmpfs sized like /tmp (no tmpfs is unsized); /dev and the root read-only last
+    assert rows[-5:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
+                         ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/logs/verifier"),
+                         ("--remount-ro", "/dev"), ("--remount-ro", "/")]
 
 
 def _copy_tasks(tmp_path: Path, names) -> list[str]:
