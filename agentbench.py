@@ -4405,10 +4405,12 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
 
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                   hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
-                  container: Mapping[str, Any] | None = None, container_base: str = "") -> list[str]:
+                  container: Mapping[str, Any] | None = None, container_base: str = "",
+                  sockets: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
-    directories read-only, no network at all.  The environment is the caller's (credential-free)
+    directories read-only, the inner sandbox's socket (`sockets`) when it names {sandbox_run},
+    no network at all.  The environment is the caller's (credential-free)
     one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
     spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
     under `container_base`)."""
@@ -4419,7 +4421,7 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
-                               cwd=inner, container=rows)
+                               cwd=inner, container=rows, sockets=tuple(sockets))
     return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
 
 
@@ -4512,6 +4514,144 @@ def read_receipt_pipe(rfd: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
+
+
+# -- the inner sandbox of hidden tests -------------------------------------------------------------
+# A check command that names {sandbox_run} gets the path of a small helper command.  The harness
+# runs code from the workspace copy through it:
+#     [python, HELPER, "--dir", DIR, "--timeout", "20", "--", "python3", "-c", CODE]
+# and gets back the inner command's exit status (124: timed out; 125: could not run), stdout and
+# stderr, to compare with what it expects in its own process.  DIR must lie under the check's
+# working directory; the inner command sees it, read-write, at INNER_WORKDIR, and nothing else of
+# the check: not the oracle, gate or reference folders, not the receipt channel, not the harness's
+# paths or arguments (its own pid namespace; bubblewrap's own arguments come from a descriptor, so
+# even its pid 1 shows none), no network, a private size-capped /tmp, and time and output caps.
+# The helper talks to agentbench over a Unix socket bound into the check's sandbox only.
+
+INNER_PLACEHOLDER = "sandbox_run"
+INNER_WORKDIR = "/workspace"
+#: The private /tmp of an inner run, and what one run may print (each stream; the tail is kept).
+INNER_TMPFS_BYTES = 64 * 1024 * 1024
+INNER_OUTPUT_MAX_BYTES = 1024 * 1024
+INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
+#: A run's time cap when the harness names none, and the most it may ask for.
+INNER_DEFAULT_TIMEOUT_S = 60.0
+INNER_MAX_TIMEOUT_S = 600.0
+#: Inner runs of one check at once (more wait for a slot).
+INNER_MAX_PARALLEL = 4
+#: Exit statuses the helper gives for a run that timed out, or could not be run at all.
+INNER_TIMED_OUT_EXIT = 124
+INNER_CANNOT_RUN_EXIT = 125
+#: The environment of an inner run, beside PATH and what the harness passes (never PYTHON*
+#: settings of agentbench's own, nor anything naming the check).
+INNER_BASE_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
+                  "PYTHONDONTWRITEBYTECODE": "1"}
+
+INNER_HELPER_SOURCE = '''\
+"""Run a command from the workspace copy in agentbench's inner sandbox (see README: hidden tests).
+
+usage: python HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND [ARG...]
+Stdin is passed on; the inner command's stdout, stderr and exit status come back as this
+command's own (124: timed out, 125: could not run)."""
+import base64, json, os, socket, sys
+SOCKET = %(socket)r
+def main(argv):
+    req = {"env": {}}
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        if argv[i] in ("--dir", "--timeout", "--env") and i + 1 < len(argv):
+            if argv[i] == "--env":
+                k, _, v = argv[i + 1].partition("=")
+                req["env"][k] = v
+            else:
+                req[argv[i][2:]] = argv[i + 1]
+            i += 2
+        else:
+            sys.stderr.write("usage: HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND...\\n")
+            return %(cannot)d
+    req["argv"] = argv[i + 1:]
+    try:
+        req["timeout"] = float(req["timeout"]) if "timeout" in req else None
+    except ValueError:
+        pass
+    req["dir"] = os.path.abspath(req.get("dir") or ".")
+    data = b""
+    if not os.isatty(0):
+        try:
+            data = sys.stdin.buffer.read(%(stdin_max)d + 1)
+        except (OSError, ValueError):
+            data = b""
+    req["stdin"] = base64.b64encode(data).decode("ascii")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(SOCKET)
+        s.sendall(json.dumps(req).encode("utf-8") + b"\\n")
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        ans = json.loads(b"".join(chunks).decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        sys.stderr.write("sandbox_run: no answer from agentbench: %%s\\n" %% exc)
+        return %(cannot)d
+    sys.stdout.buffer.write(base64.b64decode(ans.get("stdout") or ""))
+    sys.stderr.buffer.write(base64.b64decode(ans.get("stderr") or ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return int(ans.get("exit", %(cannot)d))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def inner_helper_source(socket_path: str) -> str:
+    """The helper command's source, talking to `socket_path` (pure)."""
+    return INNER_HELPER_SOURCE % {"socket": socket_path, "cannot": INNER_CANNOT_RUN_EXIT,
+                                  "stdin_max": INNER_STDIN_MAX_BYTES}
+
+
+def inner_request_problem(req: Any, root: str) -> str | None:
+    """Why a helper's request cannot run (pure apart from resolving DIR): not an object, an
+    argv that is not a non-empty list of strings, an env that is not strings, a timeout that is
+    not a positive number, or a DIR that is not a directory under the check's working `root`."""
+    if not isinstance(req, dict):
+        return "the request is not a JSON object"
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+        return "no command after --"
+    env = req.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+                                            and "\0" not in k + v for k, v in env.items()):
+        return "--env must be K=V"
+    t = req.get("timeout")
+    if t is not None and finite_number(t, lo=0.001, hi=INNER_MAX_TIMEOUT_S) is None:
+        return f"--timeout must be a number of seconds in (0, {INNER_MAX_TIMEOUT_S:g}]"
+    d = req.get("dir")
+    if not isinstance(d, str) or not d:
+        return "--dir is missing"
+    real, top = os.path.realpath(d), os.path.realpath(root)
+    if not os.path.isdir(real) or not (real == top or real.startswith(top.rstrip("/") + "/")):
+        return f"--dir must be a directory under the check's working directory ({d})"
+    return None
+
+
+def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: str,
+                       hidden: Sequence[str], seccomp: int | None = None) -> list[str]:
+    """bubblewrap's arguments (without the binary) for one inner run: the host's system and tool
+    directories (base_plan), `workdir` read-write at INNER_WORKDIR and nothing else of the host,
+    a size-capped private /tmp, no network, the check sandbox's namespaces and filter."""
+    base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[workdir])
+    plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR,
+                               container=(("bind", _real(workdir), INNER_WORKDIR),))
+    out = sandbox_argv("bwrap", plan, argv, seccomp=seccomp)[1:]
+    for i in range(len(out) - 1):
+        if out[i] == "--tmpfs" and out[i + 1] == "/tmp":
+            out[i:i] = ["--size", str(INNER_TMPFS_BYTES)]
+            break
+    return out
 
 
 # ==================================================================================================
@@ -9117,7 +9257,7 @@ def expire_base(host: Host, paths: StudyPaths, name: str) -> dict[str, Any]:
 # a task is and how its checks run and are judged.  Must not know runs, jobs or the pipeline.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
-CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
+CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER, INNER_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
 #: The hidden tests' pass mark when task.json gives none (calibration's default too).
@@ -9740,10 +9880,12 @@ def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
 
 
 def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str,
-               receipt_fd: str = "<receipt-fd-not-available>") -> list[str]:
-    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} in a check command (pure)."""
+               receipt_fd: str = "<receipt-fd-not-available>",
+               sandbox_run: str = "<sandbox-run-not-available>") -> list[str]:
+    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} {sandbox_run} in a check
+    command (pure)."""
     values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable,
-              RECEIPT_FD_PLACEHOLDER: receipt_fd}
+              RECEIPT_FD_PLACEHOLDER: receipt_fd, INNER_PLACEHOLDER: sandbox_run}
     out = []
     for a in cmd:
         for k, v in values.items():
@@ -9835,6 +9977,124 @@ def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, An
             f"and this one runs unsandboxed ({sandbox.get('reason') or sandbox.get('kind')})")
 
 
+class InnerSandbox:
+    """The server behind {sandbox_run} for one check run (see "the inner sandbox of hidden tests"
+    in The sandbox): a Unix socket in a private directory beside the helper command; each request
+    runs one command, bubblewrapped when `sandbox` is (else in DIR, unsandboxed: the record says
+    so), and answers its exit status and output.  `root`: the check's working directory (DIR must
+    lie under it); `deadline`: the check's own (monotonic), past which no run goes on."""
+
+    def __init__(self, platform: "Platform", sandbox: Mapping[str, Any], env: Mapping[str, str], *,
+                 root: str, hidden: Sequence[str], deadline: float) -> None:
+        self.platform, self.sandbox, self.root, self.hidden, self.deadline = platform, sandbox, root, hidden, deadline
+        self.env = {"PATH": env.get("PATH", os.defpath), **INNER_BASE_ENV}
+        self.dir = tempfile.mkdtemp(prefix="ab-inner-")
+        self.socket_path = os.path.join(self.dir, "s")
+        self.helper = os.path.join(self.dir, "sandbox_run.py")
+        Path(self.helper).write_text(inner_helper_source(self.socket_path), encoding="utf-8")
+        self.slots = threading.Semaphore(INNER_MAX_PARALLEL)
+        self.threads: list[threading.Thread] = []
+        self.runs = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.socket_path)
+        self.sock.listen(32)
+        self.server = threading.Thread(target=self._serve, daemon=True, name="inner-sandbox")
+        self.server.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._answer, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            try:
+                conn.settimeout(max(1.0, self.deadline - time.monotonic()))
+                chunks, total = [], 0
+                while total <= 2 * INNER_STDIN_MAX_BYTES:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+                try:
+                    req = json.loads(b"".join(chunks).decode("utf-8"))
+                except ValueError:
+                    req = None
+                ans = self.run(req)
+                conn.sendall(json.dumps(ans).encode("utf-8") + b"\n")
+            except OSError:
+                pass
+
+    def run(self, req: Any) -> dict[str, Any]:
+        """One request's answer: {"exit", "stdout", "stderr" (base64), "timed_out"}."""
+        def answer(code: int, out: str = "", err: str = "", timed_out: bool = False) -> dict[str, Any]:
+            return {"exit": code, "timed_out": timed_out,
+                    "stdout": base64.b64encode(out.encode("utf-8", "replace")).decode("ascii"),
+                    "stderr": base64.b64encode(err.encode("utf-8", "replace")).decode("ascii")}
+        problem = inner_request_problem(req, self.root)
+        stdin = b""
+        if problem is None:
+            try:
+                stdin = base64.b64decode(req.get("stdin") or "", validate=True)
+            except ValueError:
+                problem = "the request's stdin is not base64"
+            if len(stdin) > INNER_STDIN_MAX_BYTES:
+                problem = f"more than {INNER_STDIN_MAX_BYTES} bytes on stdin"
+        if problem is not None:
+            return answer(INNER_CANNOT_RUN_EXIT, err=f"sandbox_run: {problem}\n")
+        with self.slots:
+            left = self.deadline - time.monotonic()
+            timeout = min(float(req.get("timeout") or INNER_DEFAULT_TIMEOUT_S), left)
+            if timeout <= 0:
+                return answer(INNER_TIMED_OUT_EXIT, err="sandbox_run: the check's time is up\n", timed_out=True)
+            self.runs += 1
+            workdir = os.path.realpath(req["dir"])
+            env = {**self.env, **req.get("env", {})}
+            argv, fds, cwd = list(req["argv"]), [], workdir
+            args_file, sfd = None, None
+            try:
+                if self.sandbox.get("kind") == "bwrap":
+                    sfd = seccomp_fd()
+                    args = inner_sandbox_args(argv, env, workdir=workdir, hidden=self.hidden, seccomp=sfd)
+                    # bubblewrap reads its options from a descriptor, so that no process inside
+                    # (its pid 1 included) can read the mounts (host paths) out of /proc; only the
+                    # command itself stays on its command line.
+                    sep = args.index("--")
+                    args_file = tempfile.TemporaryFile()
+                    args_file.write(b"".join(a.encode("utf-8") + b"\0" for a in args[:sep]))
+                    args_file.flush()
+                    args_file.seek(0)
+                    fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
+                    argv, cwd = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]], "/"
+                res = run_command(argv, cwd=cwd, env=env, timeout_s=timeout, platform=self.platform,
+                                  stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
+            finally:
+                if args_file is not None:
+                    args_file.close()
+                if sfd is not None:
+                    os.close(sfd)
+        if res.timed_out:
+            return answer(INNER_TIMED_OUT_EXIT, res.stdout, res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",
+                          timed_out=True)
+        code = res.returncode if res.returncode is not None else INNER_CANNOT_RUN_EXIT
+        return answer(128 - code if code < 0 else code, res.stdout, res.stderr)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        for t in list(self.threads):
+            t.join(timeout=max(0.0, min(5.0, self.deadline + 2.0 - time.monotonic())))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
               env: Mapping[str, str]) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
@@ -9881,16 +10141,23 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
+    hidden = study_hidden_dirs(paths.root, [task.root.parent])
+    inner = None
     try:
+        if any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"]):
+            inner = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
+                                 deadline=time.monotonic() + check_timeout_s(spec, which))
         argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
-                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}))
+                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}),
+                          **({"sandbox_run": inner.helper} if inner else {}))
         if sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
-            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
-                                 hidden=study_hidden_dirs(paths.root, [task.root.parent]),
-                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
+            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd, hidden=hidden,
+                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else [])
+                                 + ([inner.helper] if inner else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
-                                 container_base=gate_dir if which == "gate" else oracle_dir)
+                                 container_base=gate_dir if which == "gate" else oracle_dir,
+                                 sockets=[(inner.socket_path, inner.socket_path)] if inner else [])
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
         res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
                           pass_fds=fds)
@@ -9902,6 +10169,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         for fd in (rfd, wfd, sfd):
             if fd >= 0:
                 os.close(fd)
+        if inner:
+            inner.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if uses_fd:
@@ -9918,6 +10187,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         rec.update({"receipt_channel": "stdout" if rec.get("receipt") == "json" else "exit_code",
                     "receipt_protected": False})
     rec["sandbox"] = sandbox_record(sandbox)
+    if inner:
+        rec["inner_sandbox"] = {"kind": "bwrap" if sandbox["kind"] == "bwrap" else "none", "runs": inner.runs}
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
