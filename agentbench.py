@@ -9986,7 +9986,8 @@ class InnerSandbox:
 
     def __init__(self, platform: "Platform", sandbox: Mapping[str, Any], env: Mapping[str, str], *,
                  root: str, hidden: Sequence[str], deadline: float) -> None:
-        self.platform, self.sandbox, self.root, self.hidden, self.deadline = platform, sandbox, root, hidden, deadline
+        self.platform, self.sandbox, self.root = platform, sandbox, root
+        self.hidden, self.deadline = hidden, deadline
         self.env = {"PATH": env.get("PATH", os.defpath), **INNER_BASE_ENV}
         self.dir = tempfile.mkdtemp(prefix="ab-inner-")
         self.socket_path = os.path.join(self.dir, "s")
@@ -10052,7 +10053,8 @@ class InnerSandbox:
             left = self.deadline - time.monotonic()
             timeout = min(float(req.get("timeout") or INNER_DEFAULT_TIMEOUT_S), left)
             if timeout <= 0:
-                return answer(INNER_TIMED_OUT_EXIT, err="sandbox_run: the check's time is up\n", timed_out=True)
+                return answer(INNER_TIMED_OUT_EXIT, err="sandbox_run: the check's time is up\n",
+                              timed_out=True)
             self.runs += 1
             workdir = os.path.realpath(req["dir"])
             env = {**self.env, **req.get("env", {})}
@@ -10071,7 +10073,8 @@ class InnerSandbox:
                     args_file.flush()
                     args_file.seek(0)
                     fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
-                    argv, cwd = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]], "/"
+                    argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
+                    cwd = "/"
                 res = run_command(argv, cwd=cwd, env=env, timeout_s=timeout, platform=self.platform,
                                   stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
             finally:
@@ -10080,7 +10083,8 @@ class InnerSandbox:
                 if sfd is not None:
                     os.close(sfd)
         if res.timed_out:
-            return answer(INNER_TIMED_OUT_EXIT, res.stdout, res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",
+            return answer(INNER_TIMED_OUT_EXIT, res.stdout,
+                          res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",
                           timed_out=True)
         code = res.returncode if res.returncode is not None else INNER_CANNOT_RUN_EXIT
         return answer(128 - code if code < 0 else code, res.stdout, res.stderr)
