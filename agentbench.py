@@ -18961,22 +18961,27 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
 SCAFFOLD_KINDS = {"python-fix": "fix a bug in a small Python module",
                   "cli": "add an option to a small command-line tool"}
 
-#: The hidden oracle every scaffolded task starts with.  The receipt channel the safe way: the
-#: descriptor is made non-inheritable at once and the process non-dumpable, the code under test
-#: runs only in child processes (which never get the descriptor), and this parent alone writes
-#: the one receipt line after they finished.  %(checks)s is the task kind's list of checks.
+#: The hidden oracle every scaffolded task starts with, following the rules of a harness: the
+#: code under test runs only through the {sandbox_run} helper (agentbench's inner sandbox, which
+#: sees a fresh copy of the workspace and nothing of the judge), the expected values stay in this
+#: process, which compares, and this process alone writes the one receipt line to a channel that
+#: no child is handed.  %(checks)s is the task kind's list of checks.
 SCAFFOLD_ORACLE = '''#!/usr/bin/env python3
 """Hidden tests of the task: agentbench never copies this directory into a workspace.
 
 EDIT HERE: the CHECKS list. A check is (id, the arguments after `python`, the stdout it must
-print). Each runs in a child process with the workspace copy as its directory, so the code under
-test never runs in this process and never sees the receipt channel.
-Usage (agentbench passes both, see task.json): run.py WORKSPACE --receipt-fd FD
+print). Each runs through HELPER (agentbench's inner sandbox) in a fresh copy of the workspace,
+which is all it sees: never this file, its expected values or the receipt channel. Only the
+output comes back, and it is compared here. Never pass an expected value to the command.
+Usage (agentbench passes all three, see task.json):
+    run.py WORKSPACE --sandbox-run HELPER --receipt-fd FD
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 CHECKS = [
 %(checks)s
@@ -18984,20 +18989,29 @@ CHECKS = [
 TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
 
 
-def not_dumpable():
-    """Linux: no other process of this user may take this process's descriptors."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
-    except (OSError, AttributeError):
-        pass
+def fresh_copy(workspace, names):
+    """A copy of the workspace in a new directory under it (the helper runs only there)."""
+    dst = tempfile.mkdtemp(prefix=".check-", dir=workspace)
+    for name in names:
+        src = os.path.join(workspace, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, os.path.join(dst, name), symlinks=True)
+        else:
+            shutil.copy2(src, os.path.join(dst, name), follow_symlinks=False)
+    return dst
 
 
-def run_check(workspace, args, expected):
+def run_check(helper, workspace, names, args, expected):
+    copy = fresh_copy(workspace, names)
     try:
-        proc = subprocess.run([sys.executable, "-E", "-s", *args], cwd=workspace, text=True,
-                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+        proc = subprocess.run([sys.executable, helper, "--dir", copy, "--timeout", str(TIMEOUT_S),
+                               "--", sys.executable, "-E", "-s", *args], text=True,
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
+        return False, "timed out after %%d s" %% TIMEOUT_S
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if proc.returncode == 124:
         return False, "timed out after %%d s" %% TIMEOUT_S
     got = proc.stdout.strip()
     if got == expected:
@@ -19007,15 +19021,15 @@ def run_check(workspace, args, expected):
 
 
 def main(argv):
-    if len(argv) != 4 or argv[2] != "--receipt-fd":
-        print("usage: run.py WORKSPACE --receipt-fd FD", file=sys.stderr)
+    if len(argv) != 6 or argv[2] != "--sandbox-run" or argv[4] != "--receipt-fd":
+        print("usage: run.py WORKSPACE --sandbox-run HELPER --receipt-fd FD", file=sys.stderr)
         return 2
-    fd = int(argv[3])
-    os.set_inheritable(fd, False)   # no child process (no code under test) is handed the channel
-    not_dumpable()
+    workspace, helper, fd = argv[1], argv[3], int(argv[5])
+    os.set_inheritable(fd, False)   # no child process is handed the channel
+    names = sorted(os.listdir(workspace))
     checks = []
     for check_id, args, expected in CHECKS:
-        passed, detail = run_check(argv[1], args, expected)
+        passed, detail = run_check(helper, workspace, names, args, expected)
         checks.append({"id": check_id, "passed": passed, "detail": detail})
     n = sum(1 for c in checks if c["passed"])
     receipt = {"passed": n == len(checks), "score": n / len(checks), "checks": checks,
@@ -19150,8 +19164,9 @@ def scaffold_files(task_id: str, kind: str) -> dict[str, str]:
     spec = {"id": task_id, "title": task_md.splitlines()[0].lstrip("# ").strip(),
             "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"],
                      "timeout_s": 120},
-            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd",
-                               "{receipt_fd}"], "timeout_s": 300, "threshold": 1.0},
+            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--sandbox-run",
+                               "{sandbox_run}", "--receipt-fd", "{receipt_fd}"],
+                       "timeout_s": 300, "threshold": 1.0},
             "check_hint": "Run the public tests from the workspace root with: "
                           "python3 -m unittest discover -s tests -t tests"}
     edit = (f"# Task {task_id} ({kind}): where to edit\n\n"
