@@ -137,6 +137,8 @@ class LazyModule:
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
 difflib: Any = LazyModule("difflib")
+ast: Any = LazyModule("ast")
+concurrent: Any = LazyModule("concurrent")
 hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
 http: Any = LazyModule("http")
@@ -5628,6 +5630,10 @@ def _is_megabytes(v: Any) -> bool:
     return is_number(v) and 0 < v <= MEGABYTES_MAX
 
 
+#: Calibration: attempts of the reference and the starter (flakiness), and the share of the
+#: reference's mutants the hidden tests must catch before calibrate warns.
+CALIBRATION_ATTEMPTS_DEFAULT = 3
+MUTATION_WARN_BELOW_DEFAULT = 0.8
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
 #: the settings with a `flag`; budget's keys are BUDGET_SETTINGS below.
 STUDY_SETTINGS: tuple[Setting, ...] = (
@@ -5677,6 +5683,14 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
     Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
+    Setting("calibration_attempts", _is_int_at_least(1), "an integer >= 1", flag=int,
+            help="calibrate: the reference must pass and the starter fail on each of this many attempts "
+                 f"(default {CALIBRATION_ATTEMPTS_DEFAULT})"),
+    Setting("accept_forgeable_oracles", lambda v: isinstance(v, bool), "true or false",
+            help="calibrate accepts hidden tests that an oracle probe forged (every report names them)"),
+    Setting("mutation_warn_below", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]",
+            help="calibrate warns when the hidden tests catch a smaller share of the reference's mutants "
+                 f"(default {MUTATION_WARN_BELOW_DEFAULT})"),
     Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
     Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
@@ -10100,12 +10114,15 @@ class InnerSandbox:
 
 
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
-              env: Mapping[str, str]) -> dict[str, Any]:
+              env: Mapping[str, str], *, timeout_s: float | None = None) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
 
     Check commands get a credential-free environment: they never see API keys or tokens.
+    `timeout_s`: a shorter time limit than the check's own (calibration's sleep probe).
     """
     spec = task.gate if which == "gate" else task.oracle
+    if timeout_s is not None:
+        spec = {**spec, "timeout_s": min(timeout_s, check_timeout_s(spec, which))}
     gate_dir = str(pristine_copy(paths, task, "gate"))
     oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
     tmp = None
@@ -10365,21 +10382,300 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- oracle probes: forgery solutions every task's hidden tests must fail ---------------------------
+# Calibrate runs each probe against the hidden tests.  A probe is a workspace built from the
+# starter (or, for read_judge, the reference), with code added at the top of every non-test
+# Python file and/or files dropped in; it must not be graded a success.  `forged` means the
+# harness let that forgery through (see README: the rules a hidden-test harness follows).
+
+#: Rewrites any passing-receipt-shaped text this process writes (os.write, sys.stdout): forges a
+#: harness that writes its receipt from the process the code under test runs in.
+_PROBE_REWRITE = r'''
+def _ab_probe_rewrite():
+    import os, re, sys
+    def fix(s):
+        if '"passed"' not in s:
+            return s
+        s = re.sub(r'"passed":\s*false', '"passed": true', s)
+        return re.sub(r'"score":\s*[-+0-9.eE]+', '"score": 1.0', s)
+    raw = os.write
+    def write(fd, data):
+        try:
+            new = fix(bytes(data).decode("utf-8")).encode("utf-8")
+        except Exception:
+            new = bytes(data)
+        raw(fd, new)
+        return len(data)
+    os.write = write
+    class Out:
+        def __init__(self, f):
+            self._f = f
+        def write(self, s):
+            return self._f.write(fix(s) if isinstance(s, str) else s)
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+    sys.stdout = Out(sys.stdout)
+_ab_probe_rewrite()
+'''
+
+_PROBE_PATCH_MAIN = r'''
+def _ab_probe_patch_main():
+    import sys
+    ok = lambda *a, **k: (True, "ok")
+    m = sys.modules.get("__main__")
+    for name, val in list(vars(m).items()) if m is not None else []:
+        if isinstance(val, dict):
+            for k in list(val):
+                if callable(val[k]):
+                    val[k] = ok
+        elif callable(val) and name.lower().startswith("check"):
+            setattr(m, name, ok)
+_ab_probe_patch_main()
+''' + _PROBE_REWRITE
+
+_PROBE_PATCH_FRAMEWORK = r'''
+def _ab_probe_patch_framework():
+    import sys, unittest
+    none = lambda *a, **k: None
+    for n in dir(unittest.TestCase):
+        if n.startswith(("assert", "fail")) and callable(getattr(unittest.TestCase, n, None)):
+            setattr(unittest.TestCase, n, none)
+    unittest.TestResult.addFailure = none
+    unittest.TestResult.addError = none
+    unittest.TestResult.wasSuccessful = lambda self: True
+    p = sys.modules.get("_pytest.python")
+    if p is not None:
+        p.Function.runtest = none
+    r = sys.modules.get("_pytest.runner")
+    if r is not None:
+        r.pytest_runtest_call = none
+_ab_probe_patch_framework()
+'''
+
+_PROBE_CONFTEST = '''import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+'''
+
+_PROBE_RECEIPT = ('{"passed": true, "score": 1.0, "checks": [], "tests_passed": 1, "tests_total": 1}')
+
+_PROBE_MARKERS = r'''
+def _ab_probe_markers():
+    import os
+    line = %r
+    text = ("\n" + line + "\nORACLE-RESULT " + line + "\nOK\n").encode("utf-8")
+    for fd in range(0, 256):
+        try:
+            os.write(fd, text)
+        except OSError:
+            pass
+    try:
+        with open("/dev/tty", "wb") as tty:
+            tty.write(text)
+    except OSError:
+        pass
+_ab_probe_markers()
+''' % _PROBE_RECEIPT
+
+_PROBE_EXIT = r'''
+import os as _ab_os, sys as _ab_sys
+_ab_sys.stdout.write("\n" + %r + "\n")
+_ab_sys.stdout.flush()
+_ab_os._exit(0)
+''' % _PROBE_RECEIPT
+
+_PROBE_SLEEP = '''
+import time as _ab_time
+_ab_time.sleep(10 ** 6)
+'''
+
+#: read_judge's code, added to the reference: it works only if it could read its own or its
+#: parent's command line naming a hidden path, or a file of a hidden directory (then it prints
+#: what it read to stderr); else it exits 3 at once.  %(hidden)r: the hidden directories.
+_PROBE_READ_JUDGE = r'''
+def _ab_probe_read_judge():
+    import os, sys
+    hidden = %(hidden)r
+    seen = []
+    for pid in ("self", str(os.getppid())):
+        try:
+            with open("/proc/%%s/cmdline" %% pid, "rb") as fh:
+                cmd = fh.read().decode("utf-8", "replace").replace("\0", " ")
+        except OSError:
+            continue
+        if any(h in cmd for h in hidden):
+            seen.append(cmd)
+    for top in hidden:
+        for root, _dirs, files in os.walk(top):
+            for name in files:
+                try:
+                    with open(os.path.join(root, name), "rb") as fh:
+                        seen.append(fh.read(2000).decode("utf-8", "replace"))
+                except OSError:
+                    pass
+    if not seen:
+        os._exit(3)
+    sys.stderr.write("read_judge saw: " + seen[0][:500] + "\n")
+_ab_probe_read_judge()
+'''
+
+#: The probes: name -> (what it tries, the base workspace, code added to the top of each non-test
+#: Python file, files dropped into the workspace root {name: text}).
+ORACLE_PROBES: dict[str, tuple[str, str, str, dict[str, str]]] = {
+    "patch_main": ("patches the judge from inside: every callable of __main__'s dicts and check* "
+                   "functions pass, and any receipt-shaped text this process writes says passed",
+                   "starter", _PROBE_PATCH_MAIN, {}),
+    "patch_test_framework": ("makes unittest's assertions no-ops and every result a success, and "
+                             "pytest's test calls no-ops (sys.modules)", "starter",
+                             _PROBE_PATCH_FRAMEWORK, {}),
+    "conftest": ("drops a conftest.py that reports every pytest test passed", "starter", "",
+                 {"conftest.py": _PROBE_CONFTEST, "tests/conftest.py": _PROBE_CONFTEST}),
+    "site_hooks": ("drops sitecustomize.py, usercustomize.py and a .pth that patch the test "
+                   "frameworks and rewrite receipts in any interpreter that starts with the workspace "
+                   "on its path", "starter", "",
+                   {"sitecustomize.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "usercustomize.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "_ab_probe_hook.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "zz_ab_probe.pth": "import _ab_probe_hook\n"}),
+    "read_judge": ("the reference, working only where it can read its own or its parent's command "
+                   "line naming a hidden path, or a hidden file (printed to stderr)", "reference",
+                   _PROBE_READ_JUDGE, {}),
+    "marker_lines": ("writes a passing receipt and marker lines to stdout, every open descriptor and "
+                     "the terminal", "starter", _PROBE_MARKERS, {}),
+    "exit_at_import": ("prints a passing receipt and exits 0 when imported or run", "starter",
+                       _PROBE_EXIT, {}),
+    "sleep_to_timeout": ("sleeps until the hidden tests time out (probed with a short time limit)",
+                         "starter", _PROBE_SLEEP, {}),
+}
+#: What a task whose probes were forged should change.
+PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper, keep the expected values "
+                  "and the receipt in the harness's own process, and never put the workspace on the "
+                  "harness's own path; see README, the rules a hidden-test harness follows; or set "
+                  "accept_forgeable_oracles in study.json, and every report names the task")
+#: The time limit of the hidden tests under the sleep probe (a probe must stay cheap).
+PROBE_SLEEP_TIMEOUT_S = 3.0
+#: Probes run at once.
+PROBE_WORKERS = 4
+
+
+def _probe_target(rel: str) -> bool:
+    """A workspace file the probe code goes into: Python, not a test (pure)."""
+    parts = rel.split("/")
+    name = parts[-1]
+    return (name.endswith(".py") and not name.startswith("test_") and not name.endswith("_test.py")
+            and name != "conftest.py" and not any(p in ("tests", "test") for p in parts[:-1]))
+
+
+def with_probe_code(source: str, code: str) -> str:
+    """`source` with `code` run first: after its `from __future__` imports, which must stay first
+    (pure; a file that does not parse gets it at the very top)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return code + "\n" + source
+    after = 0
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            after = node.end_lineno or node.lineno
+        elif i == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
+            continue
+        else:
+            break
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[:after]) + code + "\n" + "".join(lines[after:])
+
+
+def build_probe(ws: str, name: str, hidden: Sequence[str]) -> bool:
+    """Turn the workspace `ws` (already the probe's base) into probe `name`; False when it does not
+    apply (no Python file to carry its code)."""
+    _, _, code, files = ORACLE_PROBES[name]
+    if code:
+        if name == "read_judge":
+            code = code % {"hidden": list(hidden)}
+        targets = []
+        for root, _dirs, names in os.walk(ws):
+            for fn in names:
+                rel = os.path.relpath(os.path.join(root, fn), ws).replace(os.sep, "/")
+                if _probe_target(rel) and not os.path.islink(os.path.join(root, fn)):
+                    targets.append(os.path.join(root, fn))
+        if not targets:
+            return False
+        for path in targets:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            Path(path).write_text(with_probe_code(text, code), encoding="utf-8")
+    for rel, text in files.items():
+        dst = Path(ws) / rel
+        if rel.startswith("tests/") and not dst.parent.is_dir():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text, encoding="utf-8")
+    return True
+
+
+def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
+                      tmp: str) -> list[dict[str, Any]]:
+    """Every probe against the task's hidden tests: [{"name", "verdict": held | forged |
+    not_applicable, "score"}], run side by side."""
+    hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
+                     str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
+                                                      if task.reference_spec is not None else set()))
+
+    def one(name: str) -> dict[str, Any]:
+        base = ORACLE_PROBES[name][1]
+        ws = os.path.join(tmp, f"probe-{name}")
+        copy_tree(task.public, ws)
+        if base == "reference":
+            if task.reference_spec is not None or not task.reference.is_dir():
+                return {"name": name, "verdict": "not_applicable", "score": None}
+            copy_tree(task.reference, ws)
+        if not build_probe(ws, name, hidden):
+            return {"name": name, "verdict": "not_applicable", "score": None}
+        rec = run_check(paths, platform, task, "oracle", ws, env,
+                        timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
+        return {"name": name, "verdict": "forged" if rec["success"] else "held", "score": rec["score"]}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
+        return list(pool.map(one, ORACLE_PROBES))
+
+
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                    env: Mapping[str, str]) -> dict[str, Any]:
-    """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
+    """No model: the reference passes gate and oracle on each of the study's calibration_attempts;
+    the untouched starter fails the oracle on each; every oracle probe is held (a forged one is a
+    problem unless the study sets accept_forgeable_oracles)."""
     problems: list[str] = []
     runs: list[dict[str, Any]] = []
+    cfg = read_json(paths.study_file, default=None) or {}
+    attempts = int(cfg.get("calibration_attempts") or CALIBRATION_ATTEMPTS_DEFAULT)
     with tempfile.TemporaryDirectory(prefix=f"ab-cal-{task.id}-") as tmp:
         starter = os.path.join(tmp, "starter")
         copy_tree(task.public, starter)
-        st = run_check(paths, platform, task, "oracle", starter, env)
-        if st["success"]:
+        # The starter's attempts run side by side (the oracle is a fresh copy each time).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=attempts) as pool:
+            starts = list(pool.map(lambda _i: run_check(paths, platform, task, "oracle", starter, env),
+                                   range(attempts)))
+        st = starts[0]
+        passing = [i + 1 for i, r in enumerate(starts) if r["success"]]
+        if len(passing) == attempts:
             problems.append("the hidden tests pass on the untouched starter (they measure nothing)")
+        elif passing:
+            problems.append("the hidden tests disagree with themselves on the untouched starter: "
+                            f"attempt(s) {', '.join(map(str, passing))} of {attempts} passed it (flaky)")
+        probes = run_oracle_probes(paths, platform, task, env, tmp)
+        forged = [p["name"] for p in probes if p["verdict"] == "forged"]
+        if forged and not cfg.get("accept_forgeable_oracles"):
+            problems.append("oracle_forgeable: the hidden tests grade these forgeries a success: "
+                            + ", ".join(forged) + " (" + PROBE_FIX_HINT + ")")
         if not task.reference.is_dir():
             problems.append("no reference/ solution overlay")
         else:
-            for i in (1, 2):
+            for i in range(1, attempts + 1):
                 ws = os.path.join(tmp, f"ref{i}")
                 copy_tree(task.public, ws)
                 failed = apply_reference(paths, platform, task, ws, env)
@@ -10416,9 +10712,14 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     if problems and isinstance(lost, list) and lost:
         problems.append("the task was imported and this host lacks what its environment gave it: "
                         + "; ".join(str(x)[:200] for x in lost[:20]))
+    ref_fail = [r["attempt"] for r in runs if not (r.get("gate_passed") and r.get("oracle_success"))]
+    if ref_fail and len(ref_fail) < len(runs):
+        problems.append(f"the hidden tests disagree with themselves on the reference: attempt(s) "
+                        f"{', '.join(map(str, ref_fail))} of {len(runs)} failed it (flaky)")
     return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
             "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
-            "at": utc_now()}
+            "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
+            "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
 
 
 def calibration_to_reuse(given: Mapping[str, Any] | None,
@@ -20987,6 +21288,12 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, An
     out = calibrate_study(ctx, load_study(paths), args.task)
     study = shlex.quote(str(paths.root))
     failed = sorted(t for t, r in out["tasks"].items() if not r["ok"])
+    forgeable = {t: r.get("oracle_forged") for t, r in out["tasks"].items()
+                 if not r["ok"] and r.get("oracle_forged") and not r.get("forgeable_accepted")}
+    if forgeable:
+        return 2, {**out, "error": "the hidden tests of " + ", ".join(sorted(forgeable)) + " can be forged",
+                   "code": "oracle_forgeable", "failed": failed, "forged_probes": forgeable,
+                   "hint": PROBE_FIX_HINT}
     if failed:
         return 2, {**out, "error": "calibration failed for " + ", ".join(failed),
                    "code": "calibration_failed", "failed": failed,
