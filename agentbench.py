@@ -10621,7 +10621,8 @@ def build_probe(ws: str, name: str, hidden: Sequence[str]) -> bool:
 def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
                       tmp: str) -> list[dict[str, Any]]:
     """Every probe against the task's hidden tests: [{"name", "verdict": held | forged |
-    not_applicable, "score"}], run side by side."""
+    not_applicable | unsandboxed, "score"}], run side by side; `unsandboxed`: read_judge saw the
+    judge because the check ran without bubblewrap (the host's lack, said in every record)."""
     hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
                      str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
                                                       if task.reference_spec is not None else set()))
@@ -10638,10 +10639,139 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
             return {"name": name, "verdict": "not_applicable", "score": None}
         rec = run_check(paths, platform, task, "oracle", ws, env,
                         timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
-        return {"name": name, "verdict": "forged" if rec["success"] else "held", "score": rec["score"]}
+        verdict = "forged" if rec["success"] else "held"
+        if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") != "bwrap":
+            # Unsandboxed, every file of the user is readable: the host's doing, not the harness's.
+            verdict = "unsandboxed"
+        return {"name": name, "verdict": verdict, "score": rec["score"]}
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
         return list(pool.map(one, ORACLE_PROBES))
+
+
+# -- oracle strength: mutants of a Python reference ------------------------------------------------
+# A small stdlib `ast` mutation set; a mutant is the reference with one change, graded by the hidden
+# tests; `caught` when it is not a success.  The share caught is the hidden tests' strength.
+
+#: Comparison flips, boolean flips.
+_MUTANT_COMPARE = {"Lt": "GtE", "GtE": "Lt", "Gt": "LtE", "LtE": "Gt", "Eq": "NotEq", "NotEq": "Eq",
+                   "In": "NotIn", "NotIn": "In", "Is": "IsNot", "IsNot": "Is"}
+#: Mutants graded per task (a seeded sample of every site), and how many at once.
+MUTANTS_MAX = 8
+MUTANT_WORKERS = 4
+
+
+def mutation_sites(source: str) -> list[tuple[str, int]]:
+    """Every (kind, index) mutation of `source` (pure): compare, boolop, constant (off by one),
+    return_none, drop (a statement of a body of two or more); index counts nodes of that kind in
+    ast.walk order.  A source that does not parse has none."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    counts = {"compare": 0, "boolop": 0, "constant": 0, "return_none": 0, "drop": 0}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and type(node.ops[0]).__name__ in _MUTANT_COMPARE:
+            counts["compare"] += 1
+        elif isinstance(node, ast.BoolOp):
+            counts["boolop"] += 1
+        elif (isinstance(node, ast.Constant) and type(node.value) is int):
+            counts["constant"] += 1
+        elif isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            counts["return_none"] += 1
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
+            counts["drop"] += len(body)
+    return [(kind, i) for kind, n in counts.items() for i in range(n)]
+
+
+def mutate(source: str, kind: str, index: int) -> str | None:
+    """`source` with mutation (kind, index) of mutation_sites applied, as source; None when it
+    cannot be (pure)."""
+    tree = ast.parse(source)
+    seen = 0
+    done = False
+    for node in ast.walk(tree):
+        if done:
+            break
+        if (kind == "compare" and isinstance(node, ast.Compare)
+                and type(node.ops[0]).__name__ in _MUTANT_COMPARE):
+            if seen == index:
+                node.ops[0] = getattr(ast, _MUTANT_COMPARE[type(node.ops[0]).__name__])()
+                done = True
+            seen += 1
+        elif kind == "boolop" and isinstance(node, ast.BoolOp):
+            if seen == index:
+                node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+                done = True
+            seen += 1
+        elif kind == "constant" and isinstance(node, ast.Constant) and type(node.value) is int:
+            if seen == index:
+                node.value = node.value + 1
+                done = True
+            seen += 1
+        elif kind == "return_none" and isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            if seen == index:
+                node.value = None
+                done = True
+            seen += 1
+        elif kind == "drop":
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
+                if seen <= index < seen + len(body):
+                    body[index - seen] = ast.Pass()
+                    done = True
+                seen += len(body)
+    if not done:
+        return None
+    try:
+        out = ast.unparse(ast.fix_missing_locations(tree))
+        compile(out, "<mutant>", "exec")
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    return out
+
+
+def oracle_strength(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
+                    tmp: str, seed: str) -> dict[str, Any]:
+    """Mutants of a Python overlay reference graded by the hidden tests: {"measured", "mutants",
+    "caught", "share", "survivors"} (survivors: file, kind, index); "measured": false with the
+    reason for another reference."""
+    if task.reference_spec is not None or not task.reference.is_dir():
+        return {"measured": False, "reason": "the reference is not a Python overlay"}
+    files = sorted(str(p.relative_to(task.reference)).replace(os.sep, "/")
+                   for p in task.reference.rglob("*.py") if p.is_file() and _probe_target(
+                       str(p.relative_to(task.reference)).replace(os.sep, "/")))
+    sites = [(rel, kind, i) for rel in files
+             for kind, i in mutation_sites((task.reference / rel).read_text(encoding="utf-8",
+                                                                            errors="replace"))]
+    if not sites:
+        return {"measured": False, "reason": "the reference has no Python code to mutate"}
+    rng = random.Random(f"agentbench-mutants:{seed}:{task.id}")
+    chosen = sorted(rng.sample(sites, min(MUTANTS_MAX, len(sites))))
+
+    def one(n_site: tuple[int, tuple[str, str, int]]) -> dict[str, Any] | None:
+        n, (rel, kind, i) = n_site
+        text = mutate((task.reference / rel).read_text(encoding="utf-8", errors="replace"), kind, i)
+        if text is None:
+            return None
+        ws = os.path.join(tmp, f"mutant-{n}")
+        copy_tree(task.public, ws)
+        copy_tree(task.reference, ws)
+        Path(ws, rel).write_text(text, encoding="utf-8")
+        rec = run_check(paths, platform, task, "oracle", ws, env)
+        return {"file": rel, "kind": kind, "index": i, "caught": not rec["success"]}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=MUTANT_WORKERS) as pool:
+        graded = [m for m in pool.map(one, enumerate(chosen)) if m is not None]
+    if not graded:
+        return {"measured": False, "reason": "no mutant of the reference compiled"}
+    caught = sum(1 for m in graded if m["caught"])
+    return {"measured": True, "mutants": len(graded), "caught": caught,
+            "share": round(caught / len(graded), 4),
+            "survivors": [{k: m[k] for k in ("file", "kind", "index")} for m in graded if not m["caught"]]}
 
 
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
@@ -10667,7 +10797,17 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
         elif passing:
             problems.append("the hidden tests disagree with themselves on the untouched starter: "
                             f"attempt(s) {', '.join(map(str, passing))} of {attempts} passed it (flaky)")
-        probes = run_oracle_probes(paths, platform, task, env, tmp)
+        # Against hidden tests that pass the starter, a forgery proves nothing more.
+        probes = run_oracle_probes(paths, platform, task, env, tmp) if not passing else []
+        strength = oracle_strength(paths, platform, task, env, tmp, str(cfg.get("seed", 0)))
+        warn_below = float(cfg.get("mutation_warn_below", MUTATION_WARN_BELOW_DEFAULT))
+        warnings = []
+        if strength.get("measured") and strength["share"] < warn_below:
+            warnings.append(f"the hidden tests caught {strength['caught']} of {strength['mutants']} "
+                            "mutants of "
+                            f"the reference ({strength['share']:.0%} < {warn_below:.0%}): they may pass "
+                            "wrong solutions; survivors: " + ", ".join(
+                                f"{m['file']} {m['kind']} #{m['index']}" for m in strength["survivors"][:8]))
         forged = [p["name"] for p in probes if p["verdict"] == "forged"]
         if forged and not cfg.get("accept_forgeable_oracles"):
             problems.append("oracle_forgeable: the hidden tests grade these forgeries a success: "
@@ -10719,7 +10859,30 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
             "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
             "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
+            "oracle_strength": strength, "warnings": warnings,
             "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
+
+
+def grading_facts(cal: Mapping[str, Any]) -> dict[str, Any]:
+    """What calibration found of the hidden tests, for the report (pure): the tasks whose forged
+    probes the study accepted (task -> probes), and each task's mutant share in words."""
+    forge: dict[str, list[str]] = {}
+    parts = []
+    for tid, rec in sorted(cal.items()):
+        if not isinstance(rec, Mapping):
+            continue
+        if rec.get("forgeable_accepted"):
+            forge[tid] = [str(p) for p in rec.get("oracle_forged") or []]
+        st = rec.get("oracle_strength")
+        if isinstance(st, Mapping) and st.get("measured"):
+            parts.append(f"{tid} {st.get('caught')}/{st.get('mutants')}")
+        elif isinstance(st, Mapping):
+            parts.append(f"{tid} not measured ({st.get('reason')})")
+    text = ("at calibration, mutants of each Python reference (comparison and boolean flips, off-by-one "
+            "constants, return None, a dropped statement; a seeded sample of at most "
+            f"{MUTANTS_MAX}) were graded by the hidden tests; caught per task: " + "; ".join(parts)
+            if parts else "oracle strength was not measured (no calibration on record)")
+    return {"forgeable_accepted": forge, "strength_text": text}
 
 
 def calibration_to_reuse(given: Mapping[str, Any] | None,
@@ -21578,6 +21741,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
             write_report_cache(paths, key, report, any_started)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
+    report["grading"] = grading_facts(calibration_state(paths).get("tasks") or {})
+    if report["grading"]["forgeable_accepted"]:
+        report.setdefault("warnings", []).insert(0, "the hidden tests of " + ", ".join(
+            f"{t} ({', '.join(p)})" for t, p in sorted(report["grading"]["forgeable_accepted"].items()))
+            + " were forged by oracle probes at calibration and the study accepts it "
+              "(accept_forgeable_oracles): a success there may be forged")
+    report.setdefault("methods", {})["oracle_strength"] = report["grading"]["strength_text"]
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
     if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)
