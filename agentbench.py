@@ -6,7 +6,7 @@
 
 One file, standard library only.  Every command prints exactly one JSON object on stdout; progress
 and diagnostics go to stderr.  Run ``python3 agentbench.py --help`` for the command list, and read
-README.md for the study layout and the rules the supervisor enforces.
+README.md for a first study, docs/GUIDE.md for the study layout and the rules the supervisor enforces.
 
 The file is organised in bannered sections, strictly bottom-up: a definition uses only what is
 defined above it (tests/test_architecture.py checks this, and rewrites the map below).  Each
@@ -25,6 +25,7 @@ Sections, strictly bottom-up:
     Executors: where a job's supervisor runs (local, Slurm)
     Env scrub
     The sandbox
+    Task environments: containers
     Stream and usage
     Study configuration
     The metering gateway
@@ -58,7 +59,6 @@ calibrate and assign are "Calibration and assignment"; the CLI only converts fla
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import copy
 import dataclasses
@@ -136,6 +136,7 @@ class LazyModule:
 
 
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
+csv: Any = LazyModule("csv")
 difflib: Any = LazyModule("difflib")
 ast: Any = LazyModule("ast")
 concurrent: Any = LazyModule("concurrent")
@@ -170,7 +171,7 @@ def launcher_argv(python: str, source: str, cache_dir: str | None, args: Sequenc
     """The argv that runs `agentbench <args>` from `source` with `python`, from cached bytecode
     kept under `cache_dir` (a directory agentbench owns; None: Python's default beside the source,
     if it may write there).  Pure: Python makes the directory when it first writes there."""
-    return [python, "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
+    return [python, "-I", "-c", LAUNCHER_CODE, source, cache_dir or "", *args]
 
 # ==================================================================================================
 # Constants
@@ -260,6 +261,10 @@ SLURM_LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED",
                                "STOPPED", "RESV_DEL_HOLD", "POWER_UP_NODE"})
 #: Keys of a study's `slurm` object.
 SLURM_KEYS = ("partition", "sbatch_args", "python", "time_margin_s")
+#: The most runs per task and arm, and the most turns of a session, that any setting (flag or
+#: study.json) may ask for; more is refused by the setting's name.
+REPEATS_MAX = 1_000
+MAX_TURNS_MAX = 10_000
 DEFAULT_BUDGET: dict[str, Any] = {"usd_per_run": 5.0, "wall_s": 3600, "max_turns": 200,
                                   "study_usd": 200.0, "min_remaining_usd": 0.05, "unbounded_request_usd": 0.0}
 #: The supervisor's own budget backstop.  `claude` enforces --max-budget-usd itself, after the
@@ -663,35 +668,6 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
     return dict(env)
 
 
-#: Platform.compute_beside as a value: given a pure computation, the function that waits for its
-#: answer (or None when no copy of the process could be made).
-ComputeBeside = Callable[[Callable[[], bytes]], "Callable[[float], bytes | None] | None"]
-
-#: How long a caller waits for what a copy computes beside it: this, plus BESIDE_WAIT_FACTOR times
-#: what its own share took (the two are about the same work); then it computes that itself.
-BESIDE_WAIT_S = 10.0
-BESIDE_WAIT_FACTOR = 3.0
-
-
-def alongside(beside: ComputeBeside | None, theirs: Callable[[], bytes] | None,
-              mine: Callable[[], Any]) -> tuple[Any, bytes | None]:
-    """mine(), with theirs() (pure) computed meanwhile by a copy of the process (`beside`:
-    Platform.compute_beside): (mine's answer, theirs' bytes, or None when there is no copy or it
-    failed, was late or was never asked: the caller computes it itself then).  Whatever stops
-    mine() kills and reaps the copy."""
-    waiting = beside(theirs) if beside is not None and theirs is not None else None
-    started = time.monotonic()
-    try:
-        got = mine()
-    except BaseException:
-        if waiting is not None:
-            waiting(0.0)
-        raise
-    if waiting is None:
-        return got, None
-    return got, waiting(BESIDE_WAIT_S + BESIDE_WAIT_FACTOR * (time.monotonic() - started))
-
-
 class Platform:
     """Base of the seam. Generic algorithms (trees, snapshots, the tree-kill loop) live here,
     built on a few primitives each subclass provides (``_scan``, ``is_alive``,
@@ -1068,21 +1044,8 @@ class Platform:
         process of its session wherever it moved); [] where environments cannot be read."""
         return []
 
-    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
-        """Start `compute` (pure) in a copy of this process, to run on another core beside the
-        caller's own work.  Returns the function that waits for its answer, at most `timeout_s`
-        seconds, and gives it, or None when anything went wrong (the copy is then killed and
-        reaped); the caller computes it itself then, so a failure costs time, never a different
-        answer.  None at once where no copy can be made (the default)."""
-        return None
-
 
 # -- POSIX -----------------------------------------------------------------------------------------
-
-#: What a child of compute_beside writes before its answer: a pipe that ends without it was cut.
-_COMPUTED_MARK = b"computed\n"
-
-
 
 class _ProcStat(NamedTuple):
     ppid: int
@@ -1251,83 +1214,6 @@ class PosixPlatform(Platform):
                 if st is not None and st.state not in ("Z", "X", "x"):
                     out.append(ProcId(pid, self._ctime_of(st)))
         return out
-
-    def compute_beside(self, compute: Callable[[], bytes]) -> Callable[[float], bytes | None] | None:
-        """A forked child computes, writes its answer into a pipe and exits (os._exit: nothing of
-        the caller's runs in it after `compute`, no buffered output is flushed twice).  Its answer
-        counts only when it is complete (after a marker, up to the end of the pipe) and the child
-        exited 0.  No fork while other threads run (only the calling thread is copied, and a lock
-        one of them held would stay held in the child), nor without a core to spare (the child
-        would only take turns with its parent)."""
-        if not hasattr(os, "fork") or threading.active_count() > 1 or not self._core_to_spare():
-            return None
-        try:
-            read_fd, write_fd = os.pipe()
-        except OSError:
-            return None
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(read_fd)
-            os.close(write_fd)
-            return None
-        if pid == 0:                                       # the child
-            status = 1
-            try:
-                os.close(read_fd)
-                gc.disable()                 # a collection would touch (and copy) every page
-                rest = memoryview(_COMPUTED_MARK + compute())
-                while rest:
-                    rest = rest[os.write(write_fd, rest):]
-                status = 0
-            except BaseException:            # whatever it was: the parent computes it itself
-                pass
-            finally:
-                os._exit(status)
-        os.close(write_fd)
-
-        def wait(timeout_s: float) -> bytes | None:
-            deadline, chunks, ended = time.monotonic() + timeout_s, [], False
-            try:
-                ready = select.poll()                  # (select() refuses a descriptor past 1023)
-                ready.register(read_fd, select.POLLIN)
-                while not ended:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not ready.poll(math.ceil(left * 1000)):
-                        break
-                    chunk = os.read(read_fd, 1 << 20)
-                    chunks.append(chunk)
-                    ended = not chunk
-            except (OSError, ValueError):
-                ended = False
-            finally:
-                os.close(read_fd)
-                if not ended:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                try:
-                    exited = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-                except (OSError, ValueError):
-                    exited = False
-            data = b"".join(chunks)
-            if not (ended and exited and data.startswith(_COMPUTED_MARK)):
-                return None
-            return data[len(_COMPUTED_MARK):]
-        return wait
-
-    def _core_to_spare(self) -> bool:
-        """Whether a core is idle now: fewer threads runnable on the machine (this one included,
-        the fourth field of /proc/loadavg) than cores this process may run on."""
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
-        try:
-            with open(os.path.join(self._proc, "loadavg"), encoding="ascii") as fh:
-                runnable = int(fh.read().split()[3].split("/")[0])
-        except (OSError, ValueError, IndexError):
-            return False
-        return runnable < cores
 
     def reap_zombies(self, keep: Iterable[int] = ()) -> None:
         keep_set = set(keep)
@@ -2010,6 +1896,24 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, sort_keys: bool
                               + "\n").encode())
 
 
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def strict_unicode(obj: Any) -> Any:
+    """`obj` (JSON-shaped) with every string valid Unicode text (pure): a surrogate that pairs with
+    the next one becomes the character they encode, a lone one U+FFFD.  What strict readers
+    (orjson, pydantic-core) refuse, and what cannot be encoded as UTF-8, is then nowhere in it."""
+    if isinstance(obj, str):
+        if _SURROGATE_RE.search(obj) is None:
+            return obj
+        return obj.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    if isinstance(obj, dict):
+        return {strict_unicode(k): strict_unicode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_unicode(v) for v in obj]
+    return obj
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
@@ -2035,6 +1939,10 @@ def read_json(path: str | os.PathLike[str], default: Any = _MISSING) -> Any:
         if default is _MISSING:
             raise AgentbenchError("file not found", code="file_not_found", path=str(path)) from None
         return default
+    except IsADirectoryError:
+        raise AgentbenchError("a directory where a JSON file should be", code="json_file_is_directory",
+                              path=str(path), file=os.path.basename(path),
+                              hint="replace the directory by the JSON file") from None
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -2071,25 +1979,84 @@ def create_json_exclusive(path: str | os.PathLike[str], obj: Any,
     return created
 
 
-def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
-    """Append one JSON line.  A torn last line (a writer killed mid-append) is fenced off first.
+def _hold_append_lock(fd: int) -> None:
+    """An exclusive advisory lock on an open log file, released when it is closed (or its holder
+    dies), so that cutting a torn tail and appending are one step for every appender of the file
+    (POSIX; elsewhere appends are not serialised and a torn tail is only fenced off)."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
-    If the file does not end in a newline, a newline is written before the record, so the torn
-    fragment stays on a line of its own that readers skip, and this record stays parseable.
+
+def torn_tail_start(fd: int, size: int) -> int:
+    """Where the torn tail of a log file of `size` bytes starts: just past its last newline (0
+    when it has none); `size` when the file ends in a newline (no torn tail)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        if hasattr(os, "pread"):
+            chunk = os.pread(fd, end - start, start)
+        else:
+            os.lseek(fd, start, os.SEEK_SET)
+            chunk = os.read(fd, end - start)
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        if not chunk:
+            return 0
+        end = start
+    return 0
+
+
+def _short_writes() -> bool:
+    """Whether the fault point `append_write` is set (any action): every write of an append then
+    stores half of what is left (a file system that takes a line in pieces), and the point is
+    passed after each piece, so a kill there leaves a torn tail and `raise` a failed append."""
+    return os.environ.get(FAULT_AT_ENV, "").startswith("append_write:")
+
+
+def append_jsonl(path: str | os.PathLike[str], obj: Any) -> None:
+    """Append one JSON line, whole or not at all (the ledger, the event log, gateway records).
+
+    Under the file's append lock (see _hold_append_lock): a torn last line (a writer killed
+    mid-append, or one whose disk filled) is cut first, so whatever it recorded counts as never
+    written; the line is then written in as many writes as the file system needs (a write may
+    store only part of it), and fsynced.  When a write fails (a full disk) the file is cut back to
+    where the line began and the error is raised: the caller knows the line is not there, and a
+    job is never marked ledgered without its whole line on disk.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(obj, sort_keys=True, default=str, allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
     try:
+        _hold_append_lock(fd)
         size = os.fstat(fd).st_size
-        if size:
-            with open(path, "rb") as rh:
-                rh.seek(size - 1)
-                if rh.read(1) != b"\n":
-                    line = b"\n" + line
-        os.write(fd, line)
-        os.fsync(fd)
+        start = torn_tail_start(fd, size) if size else 0
+        if start < size:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                line = b"\n" + line      # cannot cut it: fence it off on a line of its own
+                start = size
+        try:
+            view = memoryview(line)
+            short = _short_writes()
+            while view:
+                n = os.write(fd, view[:max(1, len(view) // 2)] if short else view)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "no space left on device", str(path))
+                view = view[n:]
+                if short and view:
+                    fault_point("append_write")
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
     finally:
         os.close(fd)
 
@@ -2403,17 +2370,43 @@ def registry_spent_usd(reg: Mapping[str, Any]) -> float:
     return usd_from(reg.get("spent_usd"), hi=math.inf) or 0.0
 
 
+def rebuilt_registry(paths: StudyPaths) -> dict[str, Any]:
+    """The registry as the study's own records make it, for when the file is missing or
+    unreadable: the spend and the counts by status summed from the ledger (never zero while the
+    ledger holds spend, so a deleted registry cannot lift the study's USD cap), the job counter
+    past every job directory (the creator also skips directories a crash left).  O(ledger):
+    only ever when the registry is gone."""
+    records, _ = read_jsonl(paths.ledger)
+    counts: dict[str, int] = {}
+    for r in records:
+        if isinstance(r.get("status"), str):
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+    try:
+        made = [int(n[1:]) for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n)]
+    except OSError:
+        made = []
+    counts["created"] = len(made)
+    return {"version": REGISTRY_VERSION, "next_job": max(made, default=0) + 1, "counts": counts,
+            "spent_usd": ledger_spent_usd(paths), "breaker": None}
+
+
 def read_registry(paths: StudyPaths) -> dict[str, Any]:
     """The registry, checked: a JSON object of the one version this agentbench writes (another
     version is refused, never rewritten), whose spend is a finite amount -- one that is not (NaN
     or Infinity left by an older version, a hand edit) is rebuilt from the ledger, so the study's
-    USD cap is never judged against a poisoned sum."""
-    reg = read_json(paths.registry, default=None)
-    if reg is None:
-        reg = {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0, "breaker": None}
+    USD cap is never judged against a poisoned sum.  A registry that is missing, not JSON or not
+    an object is rebuilt from the ledger and the job directories (rebuilt_registry); it is
+    written back by the next change, under the lock."""
+    try:
+        reg = read_json(paths.registry, default=None)
+    except AgentbenchError:
+        reg = None
     if not isinstance(reg, dict):
-        raise AgentbenchError("the study registry is not a JSON object",
-                              code="study_registry_not_json_object", path=str(paths.registry))
+        # A study not yet written to has neither registry nor ledger: nothing to read then.
+        if not paths.ledger.exists() and not paths.jobs.exists():
+            return {"version": REGISTRY_VERSION, "next_job": 1, "counts": {}, "spent_usd": 0.0,
+                    "breaker": None}
+        return rebuilt_registry(paths)
     version = reg.get("version", REGISTRY_VERSION)
     if type(version) is not int or version != REGISTRY_VERSION:
         raise AgentbenchError("the study registry has a version this agentbench does not know",
@@ -3817,6 +3810,12 @@ SANDBOX_PROBE_TIMEOUT_S = 20.0
 #: (SANDBOX_NETWORKS).
 SANDBOX_NAMESPACE_OPTIONS = ("--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session",
                              "--cap-drop", "ALL")
+#: The size of a sandbox's private /tmp (and of a session's private config dir) when the launch
+#: gives none: a tmpfs is memory, and an unsized one may take half the host's.
+SANDBOX_TMP_MB = 256
+#: The size of a tmpfs that only hides a directory (the mount points of what is bound back are
+#: made in it; nothing else belongs there).
+SANDBOX_HIDE_BYTES = 1 << 20
 #: What a sandboxed process can reach: "none", an own network namespace with only its own loopback
 #: (every check; a session, whose gateway then comes in as a Unix socket); "open", the host's
 #: network (a session of an arm the study opens it for, or one without a gateway).
@@ -3845,13 +3844,23 @@ SANDBOX_ETC_SECRETS = (
 SANDBOX_GATEWAY_SOCKET = "/run/agentbench/gateway.sock"
 
 
-#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", then
-#: claude's argv).  It gives back the default SIGTERM that the bwrap processes around it ignore
-#: (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its result and
-#: cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a socket,
-#: it first listens on a free loopback port of the sandbox's own network namespace, forks a relay
-#: that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there: the
-#: port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
+#: The whole environment of bubblewrap itself (the one host-side program around a sandbox): built
+#: here, never from an arm, a task or a session, so that nothing they set (LD_PRELOAD,
+#: LD_LIBRARY_PATH, PYTHON*, PATH...) changes how a program starts on the host.  A session's own
+#: environment reaches it only inside the sandbox (sandbox_env_fd).
+SANDBOX_OUTER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
+
+
+#: The first program inside a session's sandbox (argv: the gateway socket inside or "-", the
+#: descriptor its environment is read from or -1, then claude's argv).  It starts isolated (`python
+#: -I -S`: no variable, no working directory and no site directory steers it), replaces its own
+#: environment by the one read from that descriptor (NUL-separated NAME=VALUE, what sandbox_env_fd
+#: writes) and closes it.  It gives back the default SIGTERM that the bwrap processes around it
+#: ignore (sandbox_preexec), so a graceful stop reaches `claude` (which then still reports its
+#: result and cost) instead of bwrap, whose death would take the whole sandbox down at once.  With a
+#: socket, it first listens on a free loopback port of the sandbox's own network namespace, forks a
+#: relay that pipes each connection to the gateway's socket, and points ANTHROPIC_BASE_URL there:
+#: the port listens before `claude` starts.  The relay is the sandbox's own: killing it costs only
 #: this session's API access, since the gateway still checks the job's token.
 SANDBOX_EXEC_SHIM = "\n".join((
     "import os, signal, socket, sys, threading",
@@ -3872,6 +3881,18 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "    except OSError: c.close(); u.close(); return",
     "    t = threading.Thread(target=pipe, args=(u, c), daemon=True); t.start()",
     "    pipe(c, u); t.join(); c.close(); u.close()",
+    "fd = int(sys.argv[2])",
+    "if fd >= 0:",
+    "    data = b''",
+    "    while True:",
+    "        d = os.read(fd, 1 << 20)",
+    "        if not d: break",
+    "        data += d",
+    "    os.close(fd)",
+    "    os.environ.clear()",
+    "    for kv in data.split(b'\\0'):",
+    "        k, _, v = kv.partition(b'=')",
+    "        if k: os.environb[k] = v",
     "if path != '-':",
     "    lis = socket.socket(); lis.bind(('127.0.0.1', 0)); lis.listen(64)",
     "    os.environ['ANTHROPIC_BASE_URL'] = 'http://127.0.0.1:%d' % lis.getsockname()[1]",
@@ -3882,7 +3903,7 @@ SANDBOX_EXEC_SHIM = "\n".join((
     "                threading.Thread(target=serve, args=(c,), daemon=True).start()",
     "        finally: os._exit(0)",
     "    lis.close()",
-    "os.execvp(sys.argv[2], sys.argv[2:])"))
+    "os.execvp(sys.argv[3], sys.argv[3:])"))
 
 
 def sandbox_preexec() -> None:
@@ -3928,14 +3949,19 @@ def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> 
 # 64-bit kernel, whose numbers differ) kills the process; each denied call fails with EPERM;
 # everything else is allowed.
 
-#: Calls by which a process inspects or drives another one (memory, descriptors, counters).
-SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp", "perf_event_open")
+#: Calls by which a process inspects or drives another one (memory, descriptors, counters), and
+#: the kernel keyring's (keys are kernel state shared by every process of the user, across
+#: sandboxes and with the host: a key one sandbox adds, another, or the host, could read).
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+                  "perf_event_open", "add_key", "request_key", "keyctl")
 #: Per machine name: the AUDIT_ARCH value seccomp reports, and the denied calls' numbers.
 SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
     "x86_64": (0xC000003E, {"ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298}),
+                            "pidfd_getfd": 438, "kcmp": 312, "perf_event_open": 298,
+                            "add_key": 248, "request_key": 249, "keyctl": 250}),
     "aarch64": (0xC00000B7, {"ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241}),
+                             "pidfd_getfd": 438, "kcmp": 272, "perf_event_open": 241,
+                             "add_key": 217, "request_key": 218, "keyctl": 219}),
 }
 SECCOMP_ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 #: x86_64's x32 calls carry this bit in their number: none is allowed to pass the table unmatched.
@@ -3998,6 +4024,31 @@ def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+#: A study's parts that nothing an arm names is ever shown from: its state (the registry, the
+#: jobs, the ledger, the bases' sessions) and its runs (other runs' workspaces and records).
+SANDBOX_NEVER_SHOWN = ("state", "runs")
+
+
+def view_refusal(path: str, *, study: str, tasks: str) -> str | None:
+    """Why `path` (resolved) may never be bound into a session, or None (pure).  What a session
+    sees beyond the default view is only what an arm names (its files), and each must lie inside
+    the study, outside its state and runs, and outside the tasks except a task's `public/`; a
+    directory holding any of those is refused as well."""
+    if not _under(path, study):
+        return "it lies outside the study"
+    for part in SANDBOX_NEVER_SHOWN:
+        d = posixpath.join(study, part)
+        if _under(path, d) or _under(d, path):
+            return f"it is or holds the study's {part}/"
+    if _under(tasks, path):
+        return "it is or holds the tasks directory"
+    if _under(path, tasks):
+        rel = path[len(tasks.rstrip("/")) + 1:].split("/")
+        if len(rel) < 2 or rel[1] != "public":
+            return "it lies in a task's hidden files (only a task's public/ may be shown)"
+    return None
+
+
 @dataclass(frozen=True)
 class SandboxPlan:
     """What one sandboxed process sees (absolute, resolved paths); the root is bubblewrap's own
@@ -4013,7 +4064,8 @@ class SandboxPlan:
     inner_hide, inner_rw: then hidden (an empty private tmpfs), and bound back inside (the config
     dir replaced by a private one, with this session's own project directory kept).
     sockets: (host path, path inside) bound in (a session's gateway socket).
-    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.
+    network: one of SANDBOX_NETWORKS.  cwd: the working directory inside.  tmp_mb: the private
+    /tmp's size, and the inner_hide tmpfs's (SANDBOX_TMP_MB when None): no tmpfs is unsized.
     container: paths a container image would have, given last: ("bind" | "ro-bind", source,
     destination) or ("tmpfs", "", destination) rows (see container_rows); they can be made at any
     top-level path, since the root is bubblewrap's own."""
@@ -4029,6 +4081,7 @@ class SandboxPlan:
     sockets: tuple[tuple[str, str], ...] = ()
     network: str = "none"
     container: tuple[tuple[str, str, str], ...] = ()
+    tmp_mb: int | None = None
 
 
 def outermost(dirs: Iterable[str]) -> list[str]:
@@ -4049,7 +4102,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
     the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp")]
+    size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4058,7 +4112,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
         if (d in SANDBOX_NEVER_HIDE or not d.startswith("/") or any(_under(d, c) for c in covered)
                 or not any(_under(d, b) and d != b for b in base)):
             continue
-        rows.append(("--tmpfs", d))
+        rows.append(("--size", str(SANDBOX_HIDE_BYTES), "--tmpfs", d))
         covered.append(d)
     for f in plan.mask:
         if any(_under(f, b) for b in base) and not any(_under(f, c) for c in covered):
@@ -4068,7 +4122,7 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
             rows.append(("--ro-bind", d, d))
     rows += [("--ro-bind", d, d) for d in plan.ro]
     rows += [("--bind", d, d) for d in plan.rw]
-    rows += [("--tmpfs", d) for d in plan.inner_hide]
+    rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
     rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
@@ -4309,35 +4363,67 @@ def sandbox_record(decision: Mapping[str, Any], network: str | None = None,
             "seccomp": sc["arch"], "seccomp_reason": sc["reason"]}
 
 
+#: The record kinds of a sandboxed launch: bubblewrap, or a task's container (see "Task
+#: environments: containers", which gives the same guarantees).
+SANDBOX_BOXED_KINDS = ("bwrap", "container")
+
+
 def sandbox_summary(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
     """A run's sandbox from its sessions' and checks' records (pure): sandboxed only when every
-    one of them ran under bubblewrap (a record missing counts as not sandboxed); the networks they
+    one of them ran under bubblewrap or in a task's container (a record missing counts as not
+    sandboxed); the networks they
     had, and why any sandboxed one had the host's."""
     recs = [r or {} for r in records]
     kinds = sorted({str(r.get("kind") or "unknown") for r in recs})
-    reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") != "bwrap" and r.get("reason")})
+    boxed = SANDBOX_BOXED_KINDS
+    reasons = sorted({str(r["reason"]) for r in recs if r.get("kind") not in boxed and r.get("reason")})
     networks = sorted({str(r.get("network") or "unknown") for r in recs})
     opened = sorted({str(r["network_reason"]) for r in recs
-                     if r.get("kind") == "bwrap" and r.get("network") == "open" and r.get("network_reason")})
+                     if r.get("kind") in boxed and r.get("network") == "open" and r.get("network_reason")})
     unfiltered = sorted({str(r.get("seccomp_reason") or "no filter recorded") for r in recs
-                         if r.get("kind") == "bwrap" and not r.get("seccomp")})
-    return {"sandboxed": bool(recs) and kinds == ["bwrap"], "kinds": kinds, "reasons": reasons,
+                         if r.get("kind") in boxed and not r.get("seccomp")})
+    return {"sandboxed": bool(recs) and set(kinds) <= set(boxed), "kinds": kinds, "reasons": reasons,
             "networks": networks, "network_opened": opened, "unfiltered": unfiltered}
 
 
-def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                    hidden: Sequence[str], private_home: str, project_dir: str,
-                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
-                    seccomp: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """The sandboxed argv and environment of one `claude` session.
+def sandbox_env_fd(env: Mapping[str, str]) -> int:
+    """A descriptor holding `env` as NUL-separated NAME=VALUE (what the shim reads), at offset 0:
+    an anonymous memory file, so nothing of it is on a disk nor on any command line (the caller
+    passes it to bwrap and closes it)."""
+    data = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in env.items()
+                    if k and "=" not in k and "\0" not in k and "\0" not in v)
+    fd = os.memfd_create("agentbench-env", 0)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
+
+def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
+                    hidden: Sequence[str], private_home: str, project_dir: str, tools_env: Mapping[str, str],
+                    ro: Sequence[str] = (), network: str = "gateway", gateway_socket: str | None = None,
+                    seccomp: int | None = None, outer_extra: Mapping[str, str] | None = None,
+                    tmp_mb: int | None = None) -> tuple[list[str], dict[str, str], int]:
+    """The sandboxed argv of one `claude` session, bubblewrap's own environment, and the
+    descriptor the session's environment is read from inside (the caller passes it and closes it).
+
+    bubblewrap runs with SANDBOX_OUTER_ENV and `outer_extra` only (agentbench's own marks):
+    `env`, the session's environment (an arm's `env` included), is read by the shim inside the
+    sandbox, never by a program on the host.  The tool directories come from `tools_env`'s PATH
+    (the supervisor's own, never `env`'s: an arm's PATH is the session's, not a list of binds).
     The file view is the host's system and tool directories (base_plan) and: HOME becomes
     `private_home` (read-write); the config dir (CLAUDE_CONFIG_DIR, else ~/.claude, where
     agentbench collects transcripts from) is an empty private tmpfs, gone with the session, with
     only `project_dir`, this session's own transcripts, bound into it read-write; the workspace
     read-write; `ro` (the job's system prompt and MCP files) read-only; TMPDIR is the private
-    /tmp.  Network "gateway": an own network namespace into which `gateway_socket` (the gateway's
-    Unix socket on the host) is bound, relayed on loopback by the shim; "open": the host's."""
+    /tmp, of at most `tmp_mb` MiB.  Network "gateway": an own network namespace into which
+    `gateway_socket` (the gateway's Unix socket on the host) is bound, relayed on loopback by the
+    shim; "open": the host's."""
     if network not in SESSION_NETWORKS:
         raise ValueError(f"unknown session network {network!r}")
     if network == "gateway" and not gateway_socket:
@@ -4347,17 +4433,21 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
         os.makedirs(d, exist_ok=True)
     new_env = dict(env)
     new_env.update({"HOME": _real(private_home), "CLAUDE_CONFIG_DIR": _real(config), "TMPDIR": "/tmp"})
-    base = base_plan(argv[0], env, hidden, keep_out=[cwd], network="none" if network == "gateway" else "open")
+    base = base_plan(argv[0], tools_env, hidden, keep_out=[cwd],
+                     network="none" if network == "gateway" else "open")
     if network == "open" and os.path.isdir("/run/systemd/resolve"):   # resolv.conf may point there
         base = dataclasses.replace(base, base=base.base + ("/run/systemd/resolve",))
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)),
                                rw=(_real(cwd), _real(private_home)), cwd=_real(cwd),
                                inner_hide=(_real(config),), inner_rw=(_real(project_dir),),
                                sockets=(((gateway_socket, SANDBOX_GATEWAY_SOCKET),)
-                                        if network == "gateway" and gateway_socket else ()))
+                                        if network == "gateway" and gateway_socket else ()),
+                               tmp_mb=tmp_mb)
+    fd = sandbox_env_fd(new_env)
     shim = [sys.executable, "-I", "-S", "-c", SANDBOX_EXEC_SHIM,
-            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-"]
-    return sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp), new_env
+            SANDBOX_GATEWAY_SOCKET if network == "gateway" else "-", str(fd)]
+    return (sandbox_argv(bwrap, plan, [*shim, *argv], seccomp=seccomp),
+            {**SANDBOX_OUTER_ENV, **dict(outer_extra or {})}, fd)
 
 
 #: Where a container spec may not put anything: the host's own system directories (a task's
@@ -4412,8 +4502,9 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
     directories read-only, the inner sandbox's socket (`sockets`) when it names {sandbox_run},
-    no network at all.  The environment is the caller's (credential-free)
-    one, unchanged.  With a `container` spec (see container_rows) the cwd is also bound at the
+    no network at all.  The command's environment is `env` (the caller's
+    credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
+    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
     spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
     under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
@@ -4424,7 +4515,13 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows, sockets=tuple(sockets))
-    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
+    sets = ["--clearenv"]
+    for k, v in sorted(env.items()):
+        if k and "=" not in k and "\0" not in k + v:
+            sets += ["--setenv", k, v]
+    cut = out.index("--chdir")
+    return out[:cut] + sets + out[cut:]
 
 
 def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -4533,7 +4630,7 @@ def read_receipt_pipe(rfd: int) -> bytes:
 INNER_PLACEHOLDER = "sandbox_run"
 INNER_WORKDIR = "/workspace"
 #: The private /tmp of an inner run, and what one run may print (each stream; the tail is kept).
-INNER_TMPFS_BYTES = 64 * 1024 * 1024
+INNER_TMP_MB = 64
 INNER_OUTPUT_MAX_BYTES = 1024 * 1024
 INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
 #: A run's time cap when the harness names none, and the most it may ask for.
@@ -4646,14 +4743,376 @@ def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: 
     directories (base_plan), `workdir` read-write at INNER_WORKDIR and nothing else of the host,
     a size-capped private /tmp, no network, the check sandbox's namespaces and filter."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[workdir])
-    plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR,
+    plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR, tmp_mb=INNER_TMP_MB,
                                container=(("bind", _real(workdir), INNER_WORKDIR),))
     out = sandbox_argv("bwrap", plan, argv, seccomp=seccomp)[1:]
-    for i in range(len(out) - 1):
-        if out[i] == "--tmpfs" and out[i + 1] == "/tmp":
-            out[i:i] = ["--size", str(INNER_TMPFS_BYTES)]
-            break
-    return out
+    # The environment is set inside (bubblewrap itself starts with SANDBOX_OUTER_ENV).
+    sets = ["--clearenv"]
+    for k, v in sorted(env.items()):
+        if k and "=" not in k and "\0" not in k + v:
+            sets += ["--setenv", k, v]
+    cut = out.index("--chdir")
+    return out[:cut] + sets + out[cut:]
+
+
+# ==================================================================================================
+# Task environments: containers
+# ==================================================================================================
+# Owns: a task's `environment` (an image by name, or a Dockerfile built once per content hash and
+# tagged by that hash), the study settings' values `container_runtime` ("podman" | "docker", found
+# on PATH) and `container_flags`, the runtime's probe (its version), the image's existence and
+# build (never a pull of an image that exists locally), and the pure builder of every container
+# launch: a ContainerPlan (binds, sized tmpfs, network, seccomp profile, user namespace, the env
+# names passed) becomes the runtime's `run` argv (container_argv); a session's and a check's plan
+# (container_session_plan, container_check_plan); the seccomp profile as JSON, from the same
+# denial list as bubblewrap's filter; the PID-1 shim (relay to the gateway socket, signals
+# forwarded, every process of the container gone when `claude` exits); a container's removal.
+# Must not: start sessions or checks itself (the supervisor and the check runner do), read a
+# study's registry, or put a value of the environment into an argv (variables pass by name; only
+# the fixed in-container paths are written out).
+
+CONTAINER_RUNTIMES = ("podman", "docker")
+CONTAINER_RUNTIME_DEFAULT = "podman"
+#: A task's `environment`: exactly one of image / dockerfile, and optionally its workdir.
+ENVIRONMENT_KEYS = ("image", "dockerfile", "workdir")
+ENVIRONMENT_WORKDIR_DEFAULT = "/app"
+#: Images built from a task's Dockerfile: this name, tagged by the build context's hash.
+CONTAINER_BUILT_REPO = "localhost/agentbench-env"
+CONTAINER_PROBE_TIMEOUT_S = 30.0
+CONTAINER_BUILD_TIMEOUT_S = 1800.0
+CONTAINER_REMOVE_TIMEOUT_S = 60.0
+#: Where agentbench's own paths appear inside a container (a tmpfs /run holds them).
+CONTAINER_AB_DIR = "/run/agentbench"
+CONTAINER_CLAUDE = CONTAINER_AB_DIR + "/claude"
+CONTAINER_HOME = CONTAINER_AB_DIR + "/home"
+CONTAINER_CONFIG = CONTAINER_AB_DIR + "/config"
+CONTAINER_SECCOMP_FILE = "seccomp.json"
+#: The only writable places of a container besides its binds: sized tmpfs mounts (MB).  The image's
+#: own root is read-only.
+CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
+#: Options of every container: removed when it exits, no capabilities, no privilege gain, a
+#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
+                            "--read-only")
+#: Variables of `claude`'s environment whose host value means nothing inside: set to the
+#: container's own paths, or left to the image (PATH).
+CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
+                        "AGENTBENCH_CLAUDE_BIN", "TMP", "TEMP", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def environment_problem(env_spec: Any) -> str | None:
+    """Why a task's `environment` cannot be used, or None (pure): {"image": NAME} or
+    {"dockerfile": PATH} (relative, inside the task), optionally "workdir" (absolute)."""
+    if not isinstance(env_spec, dict) or set(env_spec) - set(ENVIRONMENT_KEYS):
+        return ("environment must be an object with image or dockerfile, and optionally workdir "
+                f"({env_spec!r:.100})")
+    if ("image" in env_spec) == ("dockerfile" in env_spec):
+        return "environment names exactly one of image and dockerfile"
+    if "image" in env_spec:
+        img = env_spec["image"]
+        if not isinstance(img, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}", img):
+            return f"environment.image {img!r:.100} is not an image name"
+    else:
+        df = env_spec["dockerfile"]
+        if (not isinstance(df, str) or not df or df.startswith("/") or ".." in df.split("/")
+                or posixpath.normpath(df) != df):
+            return f"environment.dockerfile {df!r:.100} is not a relative path inside the task"
+    wd = env_spec.get("workdir", ENVIRONMENT_WORKDIR_DEFAULT)
+    if (not isinstance(wd, str) or not wd.startswith("/") or wd == "/" or posixpath.normpath(wd) != wd
+            or not re.fullmatch(r"[A-Za-z0-9_./-]{1,200}", wd)
+            or (wd + "/").startswith(CONTAINER_AB_DIR + "/")
+            or any(wd == r for r in CONTAINER_RESERVED)):
+        return f"environment.workdir {wd!r:.100} is not an absolute path of its own (not a system directory)"
+    return None
+
+
+def built_image_tag(context_sha256: str) -> str:
+    """The tag of an image built from a Dockerfile whose build context hashes to this (pure)."""
+    return f"{CONTAINER_BUILT_REPO}:{context_sha256[:32]}"
+
+
+def container_flags_problem(flags: Any) -> str | None:
+    """Why a study's container_flags cannot be used, or None (pure): a list of option strings."""
+    if not isinstance(flags, list) or not all(isinstance(f, str) and f.startswith("-") for f in flags):
+        return "container_flags must be a list of option strings, each starting with '-'"
+    return None
+
+
+def container_seccomp_profile(arch: str) -> dict[str, Any]:
+    """The runtime's seccomp profile (OCI/libseccomp JSON) for `arch` (pure): the calls bubblewrap's
+    filter denies (SECCOMP_DENIED) fail with EPERM, everything else of this architecture is
+    allowed; no other architecture is listed, so its calls get libseccomp's bad-architecture action."""
+    names = {"x86_64": "SCMP_ARCH_X86_64", "aarch64": "SCMP_ARCH_AARCH64"}
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": [names[arch]],
+            "syscalls": [{"names": list(SECCOMP_DENIED), "action": "SCMP_ACT_ERRNO",
+                          "errnoRet": errno.EPERM}]}
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """One container launch: what it runs from, what it sees and what it may reach.
+
+    image: the local image (never pulled).  name: the container's name (removed by it).
+    binds: (host path, path inside, read_only) rows; tmpfs: (path inside, MB) rows.
+    env_set: variables written into the argv (only the fixed in-container paths: never a secret);
+    env_pass: names whose values the runtime takes from its own environment.
+    network: "none" (own namespace, loopback only) or "open" (the host's).
+    seccomp: the host path of the profile (None: the runtime's default, recorded).
+    own_userns: a user namespace mapping only the caller's uid and gid (podman; docker's is the
+    daemon's).  preserve_fds: descriptors 3..N+2 passed in (podman's receipt channel).
+    interactive: stdin attached.  flags: the study's container_flags, given before the image."""
+    runtime: str
+    kind: str
+    image: str
+    name: str
+    workdir: str
+    binds: tuple[tuple[str, str, bool], ...] = ()
+    tmpfs: tuple[tuple[str, int], ...] = CONTAINER_TMPFS_MB
+    env_set: tuple[tuple[str, str], ...] = ()
+    env_pass: tuple[str, ...] = ()
+    network: str = "none"
+    seccomp: str | None = None
+    own_userns: bool = True
+    preserve_fds: int = 0
+    interactive: bool = False
+    flags: tuple[str, ...] = ()
+
+
+def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
+    """The runtime's `run` command for `plan` (pure)."""
+    if plan.kind not in CONTAINER_RUNTIMES:
+        raise ValueError(f"unknown container runtime {plan.kind!r}")
+    if plan.network not in SANDBOX_NETWORKS:
+        raise ValueError(f"unknown container network {plan.network!r}")
+    out = [plan.runtime, "run", *CONTAINER_COMMON_OPTIONS, "--name", plan.name]
+    if plan.kind == "podman":
+        out.append("--read-only-tmpfs=false")   # podman's own unsized /tmp, /run...: only ours
+    if plan.interactive:
+        out.append("-i")
+    out.append("--network=none" if plan.network == "none" else "--network=host")
+    if plan.seccomp:
+        out.append(f"--security-opt=seccomp={plan.seccomp}")
+    if plan.own_userns and plan.kind == "podman":
+        uid, gid = (os.getuid(), os.getgid()) if hasattr(os, "getuid") else (0, 0)
+        # Rootful: the caller's own ids; rootless podman's ids are already its user namespace's.
+        uid, gid = (uid, gid) if uid == 0 else (0, 0)
+        out += [f"--uidmap=0:{uid}:1", f"--gidmap=0:{gid}:1"]
+    if plan.preserve_fds and plan.kind == "podman":
+        out.append(f"--preserve-fds={int(plan.preserve_fds)}")
+    for dest, mb in plan.tmpfs:
+        out += ["--tmpfs", f"{dest}:rw,nosuid,nodev,size={int(mb)}m"]
+    for src, dest, ro in plan.binds:
+        out += ["--mount", f"type=bind,src={src},dst={dest}" + (",ro" if ro else "")]
+    for key, value in plan.env_set:
+        out += ["--env", f"{key}={value}"]
+    for key in plan.env_pass:
+        out += ["--env", key]
+    out += ["--workdir", plan.workdir, *plan.flags, plan.image]
+    return out + list(argv)
+
+
+#: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
+#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
+#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
+#: exits so does it, which ends the container's pid namespace and every process in it.
+CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
+    "pid = os.fork()",
+    "if pid == 0:",
+    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
+    "    signal.signal(s, lambda n, f: os.kill(pid, n))",
+    "while True:",
+    "    try: w, st = os.wait()",
+    "    except ChildProcessError: os._exit(1)",
+    "    if w == pid: break",
+    "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+
+
+def container_passed_by_name(name: str) -> bool:
+    """Whether a session's variable reaches its container by name, through the runtime's own
+    environment (pure): credentials (kept off the command line) and claude's own variables only."""
+    return is_credential_var(name) or name.startswith(("ANTHROPIC_", "CLAUDE_"))
+
+
+def container_session_plan(base: ContainerPlan, *, workspace: str, private_home: str, project_dir: str,
+                           project_name: str, claude: str, ro: Sequence[str], gateway_socket: str | None,
+                           env: Mapping[str, str]) -> ContainerPlan:
+    """A session's plan (pure): `claude` (resolved) read-only at CONTAINER_CLAUDE, the workspace at
+    the workdir, the private HOME, this session's transcript directory inside the (tmpfs) config
+    dir as `project_name` (the name `claude` gives the workdir's transcripts), the job's prompt and
+    MCP files read-only at their own paths, the gateway's socket; `env`'s variables passed by name
+    except CONTAINER_ENV_INSIDE."""
+    inner_project = posixpath.join(CONTAINER_CONFIG, "projects", project_name)
+    binds = [(claude, CONTAINER_CLAUDE, True), (workspace, base.workdir, False),
+             (private_home, CONTAINER_HOME, False), (project_dir, inner_project, False)]
+    binds += [(p, p, True) for p in ro]
+    if gateway_socket:
+        binds.append((gateway_socket, SANDBOX_GATEWAY_SOCKET, False))
+    env_set = (("HOME", CONTAINER_HOME), ("CLAUDE_CONFIG_DIR", CONTAINER_CONFIG), ("TMPDIR", "/tmp"),
+               ("PYTHONDONTWRITEBYTECODE", "1"))
+    names = sorted(k for k in env if k not in CONTAINER_ENV_INSIDE and k != "PYTHONDONTWRITEBYTECODE"
+                   and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k))
+    # By name (the value taken from the runtime's own environment, off the command line) only what
+    # no runtime reads: credentials and claude's own variables.  Everything else (an arm's
+    # LD_PRELOAD, PATH, PYTHON*, DOCKER_HOST...) is set by value, so it never reaches the runtime.
+    passed = tuple(k for k in names if container_passed_by_name(k))
+    env_set += tuple((k, env[k]) for k in names if not container_passed_by_name(k))
+    return dataclasses.replace(base, binds=tuple(binds), env_set=env_set, env_pass=passed, interactive=True,
+                               network="none" if gateway_socket else base.network)
+
+
+#: The receipt channel's descriptor inside a check's container (the runtime passes 3 onwards).
+CONTAINER_RECEIPT_FD = 3
+#: Runs the runtime with the receipt channel (argv[1], a descriptor of this process) as
+#: descriptor CONTAINER_RECEIPT_FD, which podman passes into the container (--preserve-fds=1).
+CONTAINER_FD_SHIM = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.execvp(sys.argv[2], sys.argv[2:])"
+
+
+def container_check_plan(base: ContainerPlan, *, workspace: str, ro: Sequence[str],
+                         rows: Sequence[tuple[str, str, str]] = (), receipt: bool = False) -> ContainerPlan:
+    """A check's (or reference script's) plan (pure): the workspace (or the oracle's copy) at the
+    workdir read-write, its pristine check directories read-only at their own paths, a check's
+    container rows (container_rows: "bind"/"ro-bind"/"tmpfs"), no network; with a receipt
+    channel, descriptor CONTAINER_RECEIPT_FD passed in."""
+    binds = [(workspace, base.workdir, False)] + [(p, p, True) for p in ro]
+    tmpfs = list(base.tmpfs)
+    for op, src, dest in rows:
+        if dest == base.workdir:
+            continue
+        if op == "tmpfs":
+            tmpfs.append((dest, 256))
+        else:
+            binds.append((src, dest, op == "ro-bind"))
+    return dataclasses.replace(base, binds=tuple(binds), tmpfs=tuple(tmpfs), network="none",
+                               env_set=(("TMPDIR", "/tmp"), ("PYTHONDONTWRITEBYTECODE", "1")),
+                               preserve_fds=1 if receipt else 0)
+
+
+def container_name(purpose: str, ident: str) -> str:
+    """A container's name: agentbench, what it is for, and whose (a job id, a check's own id) (pure)."""
+    return "agentbench-" + re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{purpose}-{ident}")[:100]
+
+
+_CONTAINER_PROBES: dict[str, dict[str, Any]] = {}
+
+
+def container_probe(kind: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Is this runtime here, and which version?  {"kind", "binary", "version", "available",
+    "reason"}; run once per process per binary (a PATH without it answers at once)."""
+    binary = shutil.which(kind, path=env.get("PATH"))
+    if not binary:
+        package = "podman" if kind == "podman" else "docker.io"
+        return {"kind": kind, "binary": None, "version": None, "available": False,
+                "reason": f"{kind} is not on PATH (Debian/Ubuntu package: {package})"}
+    key = f"{binary}\0{env.get('CONTAINERS_CONF', '')}\0{env.get('DOCKER_HOST', '')}"
+    if key not in _CONTAINER_PROBES:
+        try:
+            res = subprocess.run([binary, "version", "--format", "{{.Client.Version}}"], env=dict(env),
+                                 stdin=subprocess.DEVNULL, capture_output=True,
+                                 timeout=CONTAINER_PROBE_TIMEOUT_S)
+            out = res.stdout.decode("utf-8", "replace").strip()
+            ok = res.returncode == 0 and bool(out)
+            reason = None if ok else f"{binary} version exited {res.returncode}: " + \
+                res.stderr.decode("utf-8", "replace").strip()[-300:]
+        except (OSError, subprocess.SubprocessError) as exc:
+            out, ok, reason = "", False, f"{binary} cannot run: {exc}"
+        _CONTAINER_PROBES[key] = {"kind": kind, "binary": binary, "available": ok, "reason": reason,
+                                  "version": out.splitlines()[-1] if ok else None}
+    return dict(_CONTAINER_PROBES[key])
+
+
+def container_runtime_of(cfg: Mapping[str, Any]) -> str:
+    kind = cfg.get("container_runtime") or CONTAINER_RUNTIME_DEFAULT
+    if kind not in CONTAINER_RUNTIMES:
+        raise AgentbenchError("container_runtime must be one of " + ", ".join(CONTAINER_RUNTIMES),
+                              code="bad_container_runtime", file="study.json", key="container_runtime",
+                              value=str(kind)[:100])
+    return str(kind)
+
+
+def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
+    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
+                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    return res.returncode == 0
+
+
+def container_build(binary: str, tag: str, dockerfile: str, context: str,
+                    env: Mapping[str, str]) -> str | None:
+    """Build `dockerfile` in `context` as `tag` (the caller checked it is missing); the problem, or
+    None.  A base image that exists locally is used as it is (the runtime's default pull policy)."""
+    try:
+        res = subprocess.run([binary, "build", "-t", tag, "-f", dockerfile, context], env=dict(env),
+                             stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{binary} build cannot run: {exc}"
+    if res.returncode != 0:
+        return (f"{binary} build exited {res.returncode}: "
+                + (res.stderr or res.stdout).decode("utf-8", "replace").strip()[-600:])
+    return None
+
+
+def container_remove(binary: str, name: str, env: Mapping[str, str]) -> bool:
+    """Remove a container by name, killing what still runs in it; True when none is left."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run([binary, "rm", "-f", name], env=dict(env), stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=CONTAINER_REMOVE_TIMEOUT_S)
+    try:
+        res = subprocess.run([binary, "container", "inspect", name], env=dict(env), stdin=subprocess.DEVNULL,
+                             capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return res.returncode != 0
+
+
+#: Run in a task's image by the image check: its python3 (the relay and PID 1 of a session) runs
+#: the bound `claude --version` and prints the answer.
+CONTAINER_IMAGE_CHECK = ("import subprocess, sys; print(subprocess.run([sys.argv[1], '--version'], "
+                         "capture_output=True, text=True).stdout)")
+
+
+def container_image_check(binary: str, kind: str, image: str, claude: str, env: Mapping[str, str],
+                          flags: Sequence[str] = ()) -> tuple[str | None, str | None]:
+    """Does a session's container start from `image`: its python3 runs, and so does `claude` (a
+    resolved native executable) bound in read-only, with no network?  (claude's version inside,
+    None) or (None, the problem)."""
+    name = container_name("check-image", uuid.uuid4().hex[:12])
+    plan = ContainerPlan(runtime=binary, kind=kind, image=image, name=name, workdir="/",
+                         binds=((claude, CONTAINER_CLAUDE, True),), flags=tuple(flags))
+    argv = container_argv(plan, ["python3", "-I", "-S", "-c", CONTAINER_IMAGE_CHECK, CONTAINER_CLAUDE])
+    try:
+        res = subprocess.run(argv, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=CONTAINER_PROBE_TIMEOUT_S * 4)
+    except (OSError, subprocess.SubprocessError) as exc:
+        container_remove(binary, name, env)
+        return None, f"{kind} run cannot start: {exc}"
+    out = res.stdout.decode("utf-8", "replace").strip()
+    if res.returncode != 0 or not out:
+        return None, (f"{kind} run of {image} exited {res.returncode} (the image needs python3, and the "
+                      f"claude binary must run in it): "
+                      + (res.stderr or res.stdout).decode("utf-8", "replace").strip()[-400:])
+    return out.split()[0], None
+
+
+def write_seccomp_profile(directory: str | os.PathLike[str]) -> str | None:
+    """This host's profile written into `directory` (its path), or None on a machine without a table."""
+    arch = seccomp_here()["arch"]
+    if arch is None:
+        return None
+    path = os.path.join(os.fspath(directory), CONTAINER_SECCOMP_FILE)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(container_seccomp_profile(arch), fh)
+    return path
+
+
+def container_record(info: Mapping[str, Any], network: str,
+                     network_reason: str | None = None) -> dict[str, Any]:
+    """What a job, check or run records of a container launch (the shape of sandbox_record)."""
+    sc = seccomp_here()
+    return {"mode": "container", "kind": "container", "reason": None, "network": network,
+            "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
+            "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "workdir": info.get("workdir"),
+            "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
 
 # ==================================================================================================
@@ -5420,21 +5879,25 @@ EFFORTS = ("low", "medium", "high", "xhigh", "max")
 PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk", "bypassPermissions")
 
 
-#: An arm's settings that change how its sessions start `claude` (each optional: the study's
-#: value where the arm sets none).  ARM_FILE_KEYS name files or directories inside the study.
-ARM_LAUNCH_KEYS = ("model", "effort", "fallback_model", "tools", "allowed_tools", "disallowed_tools",
-                   "permission_mode", "env", "system_prompt", "mcp", "settings", "agents", "agent", "plugins",
-                   "workspace_overlay")
-ARM_FILE_KEYS = ("system_prompt", "mcp", "settings", "agents", "plugins", "workspace_overlay")
-#: Of those, the files that must hold a JSON object (and, for mcp, an "mcpServers" object).
+#: The files of an arm's settings that must hold a JSON object (and, for mcp, an "mcpServers" object).
 ARM_JSON_KEYS = ("mcp", "settings", "agents")
-#: Keys of one arm's object in study.json.
-ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
 #: Study-wide limits an arm may not set: budgets, turn and wall limits stay equal across arms.
 ARM_STUDY_WIDE_KEYS = ("budget", "usd_per_run", "max_budget_usd", "study_usd", "min_remaining_usd",
                        "wall_s", "max_minutes", "max_turns", "stall_after_s", "orphan_after_s", "parallel",
                        "repeats", "seed", "executor", "gateway", "sandbox", "prices", "binary", "slurm")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def env_value_ok(value: Any) -> bool:
+    """A variable's value agentbench passes on: a string with no NUL, newline or carriage return
+    (one would be cut at the NUL, or split a line of an environment list, silently) (pure)."""
+    return isinstance(value, str) and not any(c in value for c in "\0\n\r")
+
+
+def env_object_ok(env: Any) -> bool:
+    """An `env` object of study.json or an arm: variable names to values env_value_ok (pure)."""
+    return isinstance(env, dict) and all(isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and env_value_ok(v)
+                                         for k, v in env.items())
 
 
 @dataclass(frozen=True)
@@ -5493,7 +5956,7 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> dict[str, str]
     return out
 
 
-def _misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
+def misspelt_hint(unknown: Sequence[str], known: Sequence[str], what: str) -> str:
     guesses = did_you_mean(unknown, known)
     if guesses:
         return "did you mean " + ", ".join(f"`{v}` for `{k}`" for k, v in guesses.items()) + "?"
@@ -5508,17 +5971,43 @@ def _check_network_open_arms(v: Any) -> None:
                                    "session's network to its gateway")
 
 
+def _check_container_runtime(v: Any) -> None:
+    if v not in CONTAINER_RUNTIMES:
+        raise AgentbenchError("container_runtime must be one of " + ", ".join(CONTAINER_RUNTIMES),
+                              code="bad_container_runtime", file=STUDY_FILE, key="container_runtime",
+                              value=str(v)[:200], hint='"podman" (default) or "docker", found on PATH')
+
+
+def _check_container_flags(v: Any) -> None:
+    problem = container_flags_problem(v)
+    if problem:
+        raise AgentbenchError(problem, code="bad_container_flags", file=STUDY_FILE, key="container_flags",
+                              value=str(v)[:200],
+                              hint='options of `run`, e.g. "container_flags": '
+                                   '["--security-opt=label=disable"]; '
+                                   "the runtime's own configuration comes from its environment "
+                                   "(CONTAINERS_CONF, DOCKER_HOST)")
+
+
 def _check_budget(budget: Mapping[str, Any]) -> None:
     unknown = sorted(set(budget) - set(DEFAULT_BUDGET))
     if unknown:
         raise AgentbenchError("study.json: budget has unknown keys", code="study_json_budget_unknown_keys",
                               keys=unknown, known=sorted(DEFAULT_BUDGET),
                               did_you_mean=did_you_mean(unknown, sorted(DEFAULT_BUDGET)),
-                              hint=_misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
+                              hint=misspelt_hint(unknown, sorted(DEFAULT_BUDGET), "budget key"))
     for key, val in budget.items():
         if not is_number(val) or val < 0:
             raise AgentbenchError("budget values must be finite non-negative numbers",
-                                  code="budget_values_finite_non_negative", key=key, value=str(val))
+                                  code="budget_values_finite_non_negative", file=STUDY_FILE,
+                                  key=key, value=str(val))
+    turns = budget.get("max_turns")
+    if turns is not None and not (float(turns).is_integer() and 1 <= turns <= MAX_TURNS_MAX):
+        # 0 would reach claude as no --max-turns at all: the limit silently gone.
+        raise AgentbenchError(f"budget.max_turns must be a whole number in 1..{MAX_TURNS_MAX}",
+                              code="bad_max_turns", file=STUDY_FILE, key="max_turns",
+                              value=str(turns), hint="a session's turn limit; leave it out for the "
+                              f"default {DEFAULT_BUDGET['max_turns']}")
     if budget.get("usd_per_run") == 0:
         raise AgentbenchError("budget.usd_per_run must be greater than 0", code="zero_usd_per_run",
                               hint="no session could ever start")
@@ -5546,52 +6035,203 @@ def _arm_refusal(arm: str, key: str, message: str, code: str, value: Any, hint: 
                            hint=hint)
 
 
+def _arm_model_check(name: str, key: str, val: Any) -> None:
+    """A full model id, not an alias (fallback_model: several, comma-separated); None: not set."""
+    if val is None:
+        return
+    ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
+    if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
+               for m in ids):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
+                           "arm_model_not_full_id", val,
+                           "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
+                           "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
+
+
+def _arm_one_of(allowed: Sequence[str], code: str) -> Callable[[str, str, Any], None]:
+    def check(name: str, key: str, val: Any) -> None:
+        if val not in allowed:
+            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed), code,
+                               val, "write one of: " + ", ".join(allowed))
+    return check
+
+
+def _arm_tools_check(name: str, key: str, val: Any) -> None:
+    if not isinstance(val, str):
+        raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
+                           val, 'comma-separated tool names, e.g. "Bash,Read,Edit"')
+
+
+def _arm_agent_check(name: str, key: str, val: Any) -> None:
+    if not (isinstance(val, str) and NAME_RE.fullmatch(val)):
+        raise _arm_refusal(name, key, "an arm's agent must be an agent's name", "arm_agent_not_name",
+                           val, "the name of a subagent (one of the arm's agents, or built in)")
+
+
+def _arm_env_check(name: str, key: str, val: Any) -> None:
+    if not env_object_ok(val):
+        raise _arm_refusal(name, key, "an arm's env must map variable names to one-line strings",
+                           "arm_env_not_strings", val, 'e.g. "env": {"MY_FLAG": "1"} (no newline in a value)')
+
+
+def _arm_path_check(name: str, key: str, val: Any) -> None:
+    """A path inside the study (plugins: a list of them); the file itself is checked where it is read."""
+    vals = (val if isinstance(val, list) else [None]) if key == "plugins" else [val]
+    for v in vals:
+        if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
+            raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
+                               "arm_file_outside_study", val,
+                               "a relative path under the study directory (no leading /, no ..)"
+                               + ("; plugins is a list of them" if key == "plugins" else ""))
+
+
+def _flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is one flag's value."""
+    return lambda spec, value, job: [flag, str(value)] if value else []
+
+
+def _path_flag(flag: str) -> Callable[[Any, Any, Mapping[str, str]], list[str]]:
+    """Settings whose value, when set, is a study path given to one flag as an absolute path."""
+    return lambda spec, value, job: [flag, spec.abs(value)] if value else []
+
+
+def _no_flags(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return []
+
+
+def _same_value(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class ArmSetting:
+    """One setting of an arm that changes how its sessions start `claude` (each optional: the
+    study's value where the arm sets none, else `default`).  Declared once in ARM_SETTINGS."""
+    key: str
+    #: (arm, key, value) -> None, or the refusal (exit 2) naming the arm and the key.
+    check: Callable[[str, str, Any], None]
+    #: LaunchSpec's value when neither the arm nor the study sets it.
+    default: Any
+    #: How arm_launch_spec takes the arm's value (a key of ARM_RESOLVERS): "value" as written, "env"
+    #: merged over the study's, "file" a study file (hashed, bound read-only), "mcp" an MCP config,
+    #: "dirs" study directories (bound), "overlay" a directory laid over the workspace.
+    resolve: str
+    #: (LaunchSpec, value, job's own paths) -> the flags it adds to claude's argv.
+    argv: Callable[[Any, Any, Mapping[str, str]], list[str]]
+    #: Whether a session's events show it took effect (treatment_delivery checks it by its key);
+    #: False: "no event shows it".
+    observable: bool
+    #: The study-wide launch has it too (study.json's top-level key of the same name).
+    study: bool = False
+    #: LaunchSpec's value -> the settings view's (what the fingerprint, the manifest and the job
+    #: record hold), and back.
+    to_view: Callable[[Any], Any] = _same_value
+    from_view: Callable[[Any], Any] = _same_value
+    #: A job record without it is refused (KeyError); else it reads as `from_view(None)`.
+    required: bool = False
+    #: When the arm sets not this but `follows`, it takes that value (allowed_tools follows tools).
+    follows: str | None = None
+
+
+def _env_view(env: Any) -> dict[str, str]:
+    return dict(env)
+
+
+def _env_of_view(env: Any) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items()))
+
+
+def _tools_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    return ["--tools", str(value)]
+
+
+def _mcp_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The job's own copy of the arm's MCP config (an empty one when the arm has none:
+    # --strict-mcp-config keeps every other out).
+    return ["--strict-mcp-config", "--mcp-config", job["mcp_config"]]
+
+
+def _system_prompt_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    # The arm's system prompt replaces claude's; the job's preamble file is appended to it.
+    return ([*(["--system-prompt-file", spec.abs(value)] if value else []),
+             "--append-system-prompt-file", job["system_prompt_file"]])
+
+
+def _plugins_argv(spec: Any, value: Any, job: Mapping[str, str]) -> list[str]:
+    argv = [x for p in value for x in ("--plugin-dir", spec.abs(p))]
+    if spec.settings or value:
+        argv.append("--include-hook-events")   # the delivery check counts the hooks that fired
+    return argv
+
+
+#: Every arm launch setting, in the order of the settings view (the job records' and manifests').
+ARM_SETTINGS: tuple[ArmSetting, ...] = (
+    ArmSetting("model", _arm_model_check, DEFAULT_LAUNCH["model"], "value",
+               lambda spec, value, job: ["--model", str(value)], True,
+               study=True, required=True),
+    ArmSetting("effort", _arm_one_of(EFFORTS, "arm_unknown_effort"), DEFAULT_LAUNCH["effort"], "value",
+               _flag("--effort"), False, study=True),
+    ArmSetting("fallback_model", _arm_model_check, None, "value", _flag("--fallback-model"), False),
+    ArmSetting("permission_mode", _arm_one_of(PERMISSION_MODES, "arm_unknown_permission_mode"),
+               DEFAULT_LAUNCH["permission_mode"], "value",
+               lambda spec, value, job: ["--permission-mode", str(value)], True, study=True, required=True),
+    ArmSetting("tools", _arm_tools_check, DEFAULT_TOOLS, "value", _tools_argv, True, study=True,
+               required=True),
+    ArmSetting("allowed_tools", _arm_tools_check, DEFAULT_TOOLS, "value",
+               lambda spec, value, job: ["--allowedTools", str(value or spec.tools)], False, study=True,
+               required=True, follows="tools"),
+    ArmSetting("disallowed_tools", _arm_tools_check, "", "value", _flag("--disallowedTools"), False,
+               study=True, from_view=lambda v: v or ""),
+    ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=_env_view, from_view=_env_of_view),
+    ArmSetting("system_prompt", _arm_path_check, None, "file", _system_prompt_argv, False),
+    ArmSetting("mcp", _arm_path_check, None, "mcp", _mcp_argv, True),
+    ArmSetting("settings", _arm_path_check, None, "file", _path_flag("--settings"), True),
+    ArmSetting("agents", _arm_path_check, None, "file", _path_flag("--agents"), True),
+    ArmSetting("agent", _arm_agent_check, None, "value", _flag("--agent"), False),
+    ArmSetting("plugins", _arm_path_check, (), "dirs", _plugins_argv, True, to_view=list,
+               from_view=lambda v: tuple(v or ())),
+    ArmSetting("workspace_overlay", _arm_path_check, None, "overlay", _no_flags, True),
+)
+ARM_SETTING = {s.key: s for s in ARM_SETTINGS}
+#: The keys of those settings.
+ARM_LAUNCH_KEYS = tuple(ARM_SETTING)
+#: Keys of one arm's object in study.json.
+ARM_KEYS = ("preamble", "gate_cycles", "review", "fork_base") + ARM_LAUNCH_KEYS
+#: claude's flags in the order every recorded argv has them (a setting not named here adds its flags
+#: after these): reordering them would change every argv fingerprint.
+ARGV_ORDER = ("model", "fallback_model", "effort", "permission_mode", "tools", "allowed_tools",
+              "disallowed_tools", "mcp", "system_prompt", "settings", "agents", "agent", "plugins")
+
+
 def _check_arm_launch(name: str, spec: Mapping[str, Any]) -> None:
     """The shape of an arm's launch settings (pure); its files are checked where they are read."""
-    for key in ("model", "fallback_model"):
-        val = spec.get(key)
-        if val is None:
-            continue
-        ids = str(val).split(",") if isinstance(val, str) and key == "fallback_model" else [val]
-        if not all(isinstance(m, str) and m and m.lower() not in MODEL_ALIASES and MODEL_ID_RE.match(m)
-                   for m in ids):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a full model id, not an alias",
-                               "arm_model_not_full_id", val,
-                               "e.g. claude-sonnet-4-5-20250929 (an alias follows whatever it points to "
-                               "today)" + (" ; several: comma-separated" if key == "fallback_model" else ""))
-    for key, allowed in (("effort", EFFORTS), ("permission_mode", PERMISSION_MODES)):
-        if key in spec and spec[key] not in allowed:
-            raise _arm_refusal(name, key, f"an arm's {key} must be one of " + ", ".join(allowed),
-                               "arm_unknown_effort" if key == "effort" else "arm_unknown_permission_mode",
-                               spec[key], "write one of: " + ", ".join(allowed))
-    for key in ("tools", "allowed_tools", "disallowed_tools"):
-        if key in spec and not isinstance(spec[key], str):
-            raise _arm_refusal(name, key, f"an arm's {key} must be a string", "arm_tools_not_string",
-                               spec[key], 'comma-separated tool names, e.g. "Bash,Read,Edit"')
-    if "agent" in spec and not (isinstance(spec["agent"], str) and NAME_RE.fullmatch(spec["agent"])):
-        raise _arm_refusal(name, "agent", "an arm's agent must be an agent's name", "arm_agent_not_name",
-                           spec["agent"], "the name of a subagent (one of the arm's agents, or built in)")
-    env = spec.get("env")
-    if "env" in spec and not (isinstance(env, dict) and all(
-            isinstance(k, str) and ENV_NAME_RE.fullmatch(k) and isinstance(v, str) for k, v in env.items())):
-        raise _arm_refusal(name, "env", "an arm's env must map variable names to strings",
-                           "arm_env_not_strings", env, 'e.g. "env": {"MY_FLAG": "1"}')
-    for key in ARM_FILE_KEYS:
-        if key not in spec:
-            continue
-        vals = spec[key] if key == "plugins" else [spec[key]]
-        if key == "plugins" and not isinstance(spec[key], list):
-            vals = [None]
-        for v in vals:
-            if not isinstance(v, str) or not v or v.startswith("/") or ".." in v.split("/"):
-                raise _arm_refusal(name, key, f"an arm's {key} must be a path inside the study",
-                                   "arm_file_outside_study", spec[key],
-                                   "a relative path under the study directory (no leading /, no ..)"
-                                   + ("; plugins is a list of them" if key == "plugins" else ""))
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            setting.check(name, setting.key, spec[setting.key])
+
+
+#: Arm names refused although they are safe ids: the device names Windows reserves in every
+#: directory (an arm's files are named after it), and words that read as "no arm" or "every arm"
+#: in a flag, a JSON value or a table.
+RESERVED_ARM_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)),
+                                *(f"lpt{i}" for i in range(10)), "null", "none", "all", "true", "false"})
+
+
+def arm_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name an arm, or None (pure)."""
+    if not is_safe_id(name):
+        return "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    if name.lower() in RESERVED_ARM_NAMES or name.split(".")[0].lower() in RESERVED_ARM_NAMES:
+        return "a reserved word or device name: pick another (e.g. add a letter)"
+    return None
 
 
 def _check_arms(arms: Mapping[str, Any]) -> None:
     for name, spec in arms.items():
+        problem = arm_name_problem(name)
+        if problem:
+            raise AgentbenchError("invalid arm name", code="invalid_arm_name", file=STUDY_FILE,
+                                  key=f"arms.{name}", arm=name, hint=problem)
         if not isinstance(spec, dict):
             raise AgentbenchError("an arm must be an object", code="arm_object", arm=name)
         limits = sorted(set(spec) & set(ARM_STUDY_WIDE_KEYS))
@@ -5605,7 +6245,7 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
             raise AgentbenchError("an arm has unknown keys", code="arm_unknown_keys",
                                   arm=name, key=extra[0], keys=extra, known=list(ARM_KEYS),
                                   did_you_mean=did_you_mean(extra, ARM_KEYS),
-                                  hint=_misspelt_hint(extra, ARM_KEYS, "arm setting"))
+                                  hint=misspelt_hint(extra, ARM_KEYS, "arm setting"))
         if spec.get("preamble") is not None and not isinstance(spec["preamble"], str):
             raise AgentbenchError("an arm's preamble must be a file path", code="arm_preamble_not_path",
                                   arm=name)
@@ -5661,7 +6301,14 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("network_open_arms", None, check=_check_network_open_arms,
             help="arms whose sandboxed sessions share the host's network (MCP servers, package "
                  "installs); every other session reaches only its own gateway"),
-    Setting("repeats", _is_int_at_least(1), "an integer >= 1", flag=int, help="runs per task and arm"),
+    Setting("container_runtime", None, check=_check_container_runtime, flag=str,
+            help="podman (default) or docker: runs the sessions and checks of tasks that name an "
+                 "environment"),
+    Setting("container_flags", None, check=_check_container_flags,
+            help="extra options of every container run (a list), for hosts that need them"),
+    Setting("repeats", lambda v: _is_int_at_least(1)(v) and v <= REPEATS_MAX,
+            f"an integer in 1..{REPEATS_MAX}",
+            flag=int, help="runs per task and arm"),
     Setting("seed", _is_int_at_least(None), "an integer", flag=int,
             help="seed of the assignment and the report's bootstrap"),
     Setting("parallel", _is_int_at_least(1), "an integer >= 1", flag=int, help="sessions at once, study-wide",
@@ -5677,9 +6324,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("arms", lambda v: isinstance(v, dict), "an object", check=_check_arms),
     Setting("prices", None, check=_check_prices),
     Setting("slurm", None, check=_check_slurm_settings),
-    Setting("env", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
-                                                         for k, x in v.items()),
-            "an object of string values"),
+    Setting("env", env_object_ok, "an object of variable names to one-line string values"),
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
     Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
@@ -5689,6 +6334,7 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("accept_forgeable_oracles", lambda v: isinstance(v, bool), "true or false",
             help="calibrate accepts hidden tests that an oracle probe forged (every report names them)"),
     Setting("mutation_warn_below", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]",
+            flag=finite_float,
             help="calibrate warns when the hidden tests catch a smaller share of the reference's mutants "
                  f"(default {MUTATION_WARN_BELOW_DEFAULT})"),
     Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
@@ -5726,7 +6372,7 @@ def check_study_shape(cfg: Mapping[str, Any]) -> None:
         raise AgentbenchError("study.json has unknown keys", code="study_json_unknown_keys",
                               keys=unknown, known=sorted(STUDY_KEYS),
                               did_you_mean=guesses,
-                              hint=(_misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
+                              hint=(misspelt_hint(unknown, sorted(STUDY_KEYS), "key")
                                     + " (keys starting with _ are free, e.g. for a comment)"))
     for setting in STUDY_SETTINGS:
         val = cfg.get(setting.key)
@@ -5763,13 +6409,17 @@ def validate_launch_values(cfg: Mapping[str, Any]) -> None:
     model, effort and permission mode.  Every other key's shape and range is check_study_shape's,
     done where the study is read (load_study_config) and by `init` before it writes."""
     if cfg.get("model") is not None:
-        check_model_id(str(cfg["model"]))
+        try:
+            check_model_id(str(cfg["model"]))
+        except AgentbenchError as exc:
+            exc.payload.update(file=STUDY_FILE, key="model")
+            raise
     if cfg.get("effort") is not None and cfg["effort"] not in EFFORTS:
-        raise AgentbenchError("unknown effort", code="unknown_effort",
+        raise AgentbenchError("unknown effort", code="unknown_effort", file=STUDY_FILE, key="effort",
                               effort=cfg["effort"], allowed=list(EFFORTS))
     if cfg.get("permission_mode") is not None and cfg["permission_mode"] not in PERMISSION_MODES:
-        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode",
-                              permission_mode=cfg["permission_mode"],
+        raise AgentbenchError("unknown permission mode", code="unknown_permission_mode", file=STUDY_FILE,
+                              key="permission_mode", permission_mode=cfg["permission_mode"],
                               allowed=list(PERMISSION_MODES))
 
 
@@ -5793,51 +6443,12 @@ def copy_caps(launch: Mapping[str, Any]) -> CopyCaps:
                     total_bytes=int(float(launch["copy_total_mb"]) * 2 ** 20))
 
 
-#: What the study-wide launch has of an arm's launch settings (each arm may override them).
-LAUNCH_SPEC_STUDY_KEYS = ("model", "effort", "permission_mode", "tools", "allowed_tools",
-                          "disallowed_tools")
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How one arm's sessions start `claude`: every setting that changes the agent, resolved once
-    from the study and the arm (the study's value where the arm sets none), and passed whole from
-    the pipeline to the job record.  build_claude_argv alone turns it into argv.
-
-    File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`)
-    are study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring
-    (a directory file by file, the files an MCP config names included).  `mcp_json` is the MCP
-    config a job hands `claude` (study paths made absolute) and `bind_ro` the study paths its
-    sandbox shows read-only: both derived from the files, so neither is in the fingerprint."""
-    root: str
-    arm: str | None = None
-    model: str = DEFAULT_LAUNCH["model"]
-    effort: str | None = DEFAULT_LAUNCH["effort"]
-    fallback_model: str | None = None
-    permission_mode: str = DEFAULT_LAUNCH["permission_mode"]
-    tools: str = DEFAULT_TOOLS
-    allowed_tools: str = DEFAULT_TOOLS
-    disallowed_tools: str = ""
-    env: tuple[tuple[str, str], ...] = ()
-    system_prompt: str | None = None
-    mcp: str | None = None
-    settings: str | None = None
-    agents: str | None = None
-    agent: str | None = None
-    plugins: tuple[str, ...] = ()
-    workspace_overlay: str | None = None
-    files: tuple[tuple[str, str], ...] = ()
-    mcp_json: str = '{"mcpServers": {}}\n'
-    bind_ro: tuple[str, ...] = ()
+class _LaunchSpecMethods:
+    """What every LaunchSpec does (its fields: root, arm, one per ARM_SETTINGS, then the files)."""
 
     def settings_view(self) -> dict[str, Any]:
         """The resolved settings (paths study-relative): what the fingerprint and the manifest hold."""
-        return {"model": self.model, "effort": self.effort, "fallback_model": self.fallback_model,
-                "permission_mode": self.permission_mode, "tools": self.tools,
-                "allowed_tools": self.allowed_tools, "disallowed_tools": self.disallowed_tools,
-                "env": dict(self.env), "system_prompt": self.system_prompt, "mcp": self.mcp,
-                "settings": self.settings, "agents": self.agents, "agent": self.agent,
-                "plugins": list(self.plugins), "workspace_overlay": self.workspace_overlay}
+        return {s.key: s.to_view(getattr(self, s.key)) for s in ARM_SETTINGS}
 
     @property
     def fingerprint(self) -> str:
@@ -5858,26 +6469,40 @@ class LaunchSpec:
                 "mcp_json": self.mcp_json, "bind_ro": list(self.bind_ro)}
 
     @classmethod
-    def from_record(cls, rec: Mapping[str, Any]) -> "LaunchSpec":
+    def from_record(cls, rec: Mapping[str, Any]) -> Any:
         s = dict(rec["settings"])
-        return cls(root=str(rec["root"]), arm=rec.get("arm"), model=s["model"], effort=s.get("effort"),
-                   fallback_model=s.get("fallback_model"), permission_mode=s["permission_mode"],
-                   tools=s["tools"], allowed_tools=s["allowed_tools"],
-                   disallowed_tools=s.get("disallowed_tools") or "",
-                   env=tuple(sorted((str(k), str(v)) for k, v in (s.get("env") or {}).items())),
-                   system_prompt=s.get("system_prompt"), mcp=s.get("mcp"), settings=s.get("settings"),
-                   agents=s.get("agents"), agent=s.get("agent"), plugins=tuple(s.get("plugins") or ()),
-                   workspace_overlay=s.get("workspace_overlay"),
+        return cls(root=str(rec["root"]), arm=rec.get("arm"),
+                   **{a.key: a.from_view(s[a.key] if a.required else s.get(a.key)) for a in ARM_SETTINGS},
                    files=tuple(sorted((str(k), str(v)) for k, v in (rec.get("files") or {}).items())),
                    mcp_json=str(rec.get("mcp_json") or '{"mcpServers": {}}\n'),
                    bind_ro=tuple(str(p) for p in rec.get("bind_ro") or ()))
 
 
+#: How one arm's sessions start `claude`: every setting that changes the agent (ARM_SETTINGS),
+#: resolved once from the study and the arm (the study's value where the arm sets none), and passed
+#: whole from the pipeline to the job record.  build_claude_argv alone turns it into argv.
+#:
+#: File settings (`system_prompt`, `mcp`, `settings`, `agents`, `plugins`, `workspace_overlay`) are
+#: study-relative POSIX paths under `root`; `files` holds the sha256 of every file they bring (a
+#: directory file by file, the files an MCP config names included).  `mcp_json` is the MCP config a
+#: job hands `claude` (study paths made absolute) and `bind_ro` the study paths its sandbox shows
+#: read-only: both derived from the files, so neither is in the fingerprint.
+LaunchSpec = dataclasses.make_dataclass(
+    "LaunchSpec",
+    [("root", str), ("arm", "str | None", field(default=None)),
+     *((s.key, Any, field(default=s.default)) for s in ARM_SETTINGS),
+     ("files", "tuple[tuple[str, str], ...]", field(default=())),
+     ("mcp_json", str, field(default='{"mcpServers": {}}\n')),
+     ("bind_ro", "tuple[str, ...]", field(default=()))],
+    bases=(_LaunchSpecMethods,), frozen=True)
+
+
 def study_launch_spec(root: str | os.PathLike[str], cfg: Mapping[str, Any]) -> LaunchSpec:
     """The study-wide launch (no arm): what a session outside an arm (spawn, train) starts with."""
     launch = launch_config(cfg)
-    return LaunchSpec(root=os.path.abspath(root), **{k: launch[k] or (None if k == "effort" else "")
-                                                     for k in LAUNCH_SPEC_STUDY_KEYS},
+    return LaunchSpec(root=os.path.abspath(root),
+                      **{s.key: launch[s.key] or (None if s.key == "effort" else "")
+                         for s in ARM_SETTINGS if s.study},
                       env=tuple(sorted((cfg.get("env") or {}).items())))
 
 
@@ -5885,9 +6510,10 @@ def _merge_env(env: Mapping[str, str], items: Sequence[str]) -> dict[str, str]:
     out = dict(env)
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise AgentbenchError("bad --env", code="bad_env",
-                                  value=item, hint="KEY=VALUE with a valid variable name")
+        if not sep or not ENV_NAME_RE.fullmatch(key) or not env_value_ok(value):
+            raise AgentbenchError("bad --env", code="bad_env", flag="--env", file=STUDY_FILE, key="env",
+                                  value=item[:200], hint="KEY=VALUE with a valid variable name and a "
+                                  "value on one line (no newline, carriage return or NUL)")
         if value:
             out[key] = value
         else:
@@ -7198,32 +7824,12 @@ def build_claude_argv(binary: str, spec: LaunchSpec, *, session_id: str | None,
                       resume: str | None, fork: bool, mcp_config: str, system_prompt_file: str,
                       max_budget_usd: float | None, max_turns: int | None) -> list[str]:
     """The full, fingerprinted argv of one `claude` call (flags are not inherited by a resume): the
-    one place a LaunchSpec becomes flags.  `mcp_config` is the job's own copy of the arm's MCP
-    config (an empty one when the arm has none: --strict-mcp-config keeps every other out)."""
-    argv = [binary, "-p", "--output-format", "stream-json", "--verbose", "--model", str(spec.model)]
-    if spec.fallback_model:
-        argv += ["--fallback-model", str(spec.fallback_model)]
-    if spec.effort:
-        argv += ["--effort", str(spec.effort)]
-    argv += ["--permission-mode", str(spec.permission_mode),
-             "--tools", str(spec.tools),
-             "--allowedTools", str(spec.allowed_tools or spec.tools)]
-    if spec.disallowed_tools:
-        argv += ["--disallowedTools", str(spec.disallowed_tools)]
-    argv += ["--strict-mcp-config", "--mcp-config", mcp_config]
-    if spec.system_prompt:
-        argv += ["--system-prompt-file", spec.abs(spec.system_prompt)]
-    argv += ["--append-system-prompt-file", system_prompt_file]
-    if spec.settings:
-        argv += ["--settings", spec.abs(spec.settings)]
-    if spec.agents:
-        argv += ["--agents", spec.abs(spec.agents)]
-    if spec.agent:
-        argv += ["--agent", spec.agent]
-    for plugin in spec.plugins:
-        argv += ["--plugin-dir", spec.abs(plugin)]
-    if spec.settings or spec.plugins:
-        argv += ["--include-hook-events"]   # the delivery check counts the hooks that fired
+    one place a LaunchSpec becomes flags (each setting's, ARM_SETTINGS, in ARGV_ORDER).
+    `mcp_config` is the job's own copy of the arm's MCP config."""
+    argv = [binary, "-p", "--output-format", "stream-json", "--verbose"]
+    job = {"mcp_config": mcp_config, "system_prompt_file": system_prompt_file}
+    for key in (*ARGV_ORDER, *(k for k in ARM_LAUNCH_KEYS if k not in ARGV_ORDER)):
+        argv += ARM_SETTING[key].argv(spec, getattr(spec, key), job)
     if resume:
         argv += ["--resume", resume]
         if fork:
@@ -7379,6 +7985,8 @@ class JobRequest:
     driver: Mapping[str, Any] | None = None
     system_extra: str = ""
     system_prompt: str | None = None
+    #: The task's container (ensure_task_image), or None: bubblewrap as the study says.
+    container: Mapping[str, Any] | None = None
 
 
 def _create_job_files(paths: StudyPaths, job_id: str, req: JobRequest, spec: LaunchSpec,
@@ -7882,8 +8490,11 @@ def reap_jobs(paths: StudyPaths, platform: "Platform", only: Iterable[str] | Non
                 if (paths.active / job_id).exists():
                     reg = read_registry(paths)
                     if (job_id not in (reg.get("finalizing") or [])
-                            and not (paths.job_dir(job_id) / "ledgered").exists()):
-                        _count_job(reg, job_id, res)     # the crash came before the counters
+                            and not (paths.job_dir(job_id) / "ledgered").exists()
+                            and not _ledger_has(paths, job_id)):
+                        # The crash came before the counters.  (A whole ledger line means they were
+                        # applied, or the registry was rebuilt from the ledger since: never twice.)
+                        _count_job(reg, job_id, res)
                         write_json_atomic(paths.registry, reg)
                     _complete_finalize(paths, job, res, check_ledger=True)
             reaped.append(job_id)
@@ -8158,6 +8769,10 @@ class Supervisor:
         self.terminate_requested = False
         self.sandbox: dict[str, Any] | None = None   # what resolve_sandbox gave this session
         self._seccomp_fd: int | None = None   # the filter's pipe, until bwrap has read it
+        self._env_fd: int | None = None       # the session's environment, until bwrap has it
+        self._measured: list[str] = []        # counted by the live workspace cap beside the cwd
+        #: (runtime binary, container name, its environment) of a session in a task's container.
+        self._container: tuple[str, str, dict[str, str]] | None = None
         self._lock = threading.Lock()
         #: Credentials handed over by the launcher (stdin pipe or Slurm file); never in os.environ.
         self.secret: dict[str, str] = {}
@@ -8346,7 +8961,11 @@ class Supervisor:
         now = time.monotonic()
         if not cap or (self.workspace_next_measure is not None and now < self.workspace_next_measure):
             return False
-        used = tree_usage(self.job["cwd"], int(cap))
+        used = 0
+        for where in [self.job["cwd"], *self._measured]:
+            used += tree_usage(where, int(cap)) if os.path.isdir(where) else 0
+            if used > int(cap):
+                break
         # The next measure: in WORKSPACE_MEASURE_S, or later for a tree so large that one walk
         # takes a noticeable time (never more than a twentieth of the poll thread's time).
         took = time.monotonic() - now
@@ -8428,6 +9047,9 @@ class Supervisor:
         log(f"{self.job_id}: supervisor error: {type(exc).__name__}: {exc}")
         claude, proc = self._claude, self._proc
         survivors: list[ProcId] = []
+        with contextlib.suppress(Exception):
+            if self._container is not None:
+                container_remove(*self._container)
         with contextlib.suppress(Exception):
             if claude is not None:
                 survivors = self.platform.kill_tree([claude], session_ids=[proc.pid] if proc else [])
@@ -8528,6 +9150,9 @@ class Supervisor:
         env[JOB_MARK_ENV] = job_mark(self.paths, self.job_id)
         prompt = (jdir / "prompt.txt").read_bytes()
         argv = list(job["argv"])
+        ctr = (job.get("sandbox") or {}).get("container")
+        if ctr:
+            return self._prepare_container(dict(ctr), argv, env, prompt, host)
         try:
             # Decided again where this supervisor runs (a Slurm compute node decides here only).
             sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
@@ -8556,15 +9181,81 @@ class Supervisor:
                 finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
                              usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
                 return None
-            argv, env = session_sandbox(sandbox["binary"], argv, env, cwd=job["cwd"],
-                                        hidden=study_hidden_dirs(self.paths.root),
-                                        private_home=str(jdir / "home"),
-                                        project_dir=str(claude_projects_dir(env)
-                                                        / transcript_dir_name(os.path.realpath(job["cwd"]))),
-                                        ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
-                                            *((job.get("launch_spec") or {}).get("bind_ro") or [])],
-                                        network=network, gateway_socket=sock, seccomp=self._seccomp_fd)
+            project_dir = str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"])))
+            # What the live workspace cap counts beside the workspace: the private HOME and the
+            # session's transcript folder, both writable by the session.
+            self._measured = [str(jdir / "home"), project_dir]
+            cap = self.limits.get("workspace_max_bytes")
+            try:
+                argv, env, self._env_fd = session_sandbox(
+                    sandbox["binary"], argv, env, cwd=job["cwd"], hidden=study_hidden_dirs(self.paths.root),
+                    private_home=str(jdir / "home"), project_dir=project_dir, tools_env=host,
+                    ro=[str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                        *((job.get("launch_spec") or {}).get("bind_ro") or [])],
+                    network=network, gateway_socket=sock, seccomp=self._seccomp_fd,
+                    outer_extra={JOB_MARK_ENV: env[JOB_MARK_ENV]},
+                    tmp_mb=max(1, int(cap) >> 20) if isinstance(cap, int) and cap > 0 else None)
+            except OSError as exc:
+                if self.gateway is not None:
+                    self.gateway.stop(wait_s=0)
+                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
+                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
+                return None
         return argv, env, prompt
+
+    def _prepare_container(self, ctr: dict[str, Any], argv: list[str], env: dict[str, str], prompt: bytes,
+                           host: Mapping[str, str]) -> tuple[list[str], dict[str, str], bytes] | None:
+        """_prepare()'s second half for a task with an environment: `claude` in a container of its
+        image (container_session_plan); the runtime runs with the host's credential-free
+        environment plus the values of the variables passed in by name."""
+        job = self.job
+        jdir = self.paths.job_dir(self.job_id)
+        asked = job.get("sandbox") or {}
+        if self.gateway is None:
+            network, why = session_network([], None, "off")
+        elif asked.get("network") in SESSION_NETWORKS:
+            network, why = str(asked["network"]), asked.get("network_reason")
+        else:
+            network, why = "gateway", None
+        probe = container_probe(str(ctr.get("runtime")), host)
+        found = os.path.realpath(shutil.which(argv[0], path=env.get("PATH")) or argv[0])
+        problem = None if probe["available"] else probe["reason"]
+        if problem is None and (not os.path.isfile(found) or script_interpreter(found, env)):
+            problem = (f"the claude binary {found} is not a native executable: a container binds only the "
+                       "executable itself (the native build of the pinned version)")
+        if problem is None:
+            try:
+                sock = self.gateway.listen_unix(jdir) if network == "gateway" and self.gateway else None
+                seccomp = write_seccomp_profile(jdir)
+                private_home = jdir / "home"
+                project_dir = claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"]))
+                for d in (private_home, project_dir):
+                    d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = f"cannot prepare the container: {exc}"
+        if problem is not None:
+            if self.gateway is not None:
+                self.gateway.stop(wait_s=0)
+            finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
+                         usage=None, extra={"detail": problem})
+            return None
+        base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
+                             name=container_name("session", self.job_id), workdir=str(ctr["workdir"]),
+                             seccomp=seccomp, flags=tuple(ctr.get("flags") or ()),
+                             network="none" if network == "gateway" else "open")
+        ro = [os.path.realpath(p) for p in [str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
+                                 *((job.get("launch_spec") or {}).get("bind_ro") or [])] if os.path.exists(p)]
+        plan = container_session_plan(base, workspace=os.path.realpath(job["cwd"]),
+                                      private_home=os.path.realpath(private_home),
+                                      project_dir=os.path.realpath(project_dir),
+                                      project_name=transcript_dir_name(str(ctr["workdir"])),
+                                      claude=found, ro=ro,
+                                      gateway_socket=sock, env=env)
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        self.sandbox = container_record(ctr, network, why)
+        self._container = (str(probe["binary"]), plan.name, dict(host))
+        return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
+                {**host, **{k: env[k] for k in plan.env_pass}}, prompt)
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
         """Start `claude` (inside its sandbox when there is one) with stdout piped to the reader.
@@ -8574,16 +9265,17 @@ class Supervisor:
         kwargs = self.platform.tree_popen_kwargs()
         if (self.sandbox or {}).get("kind") == "bwrap":
             kwargs["preexec_fn"] = sandbox_preexec
-        if self._seccomp_fd is not None:
-            kwargs["pass_fds"] = (self._seccomp_fd,)
+        fds = tuple(fd for fd in (self._seccomp_fd, self._env_fd) if fd is not None)
+        if fds:
+            kwargs["pass_fds"] = fds
         try:
             try:
                 proc = subprocess.Popen(argv, cwd=job["cwd"], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._stderr_fh, **kwargs)
             finally:
-                if self._seccomp_fd is not None:   # bwrap holds its own copy now
-                    os.close(self._seccomp_fd)
-                    self._seccomp_fd = None
+                for fd in fds:   # bwrap holds its own copies now
+                    os.close(fd)
+                self._seccomp_fd = self._env_fd = None
         except OSError as exc:
             self._stderr_fh.close()
             if self.gateway is not None:
@@ -8637,6 +9329,11 @@ class Supervisor:
         stdout pipe open), drain the reader, stop the gateway, and decide whether a session
         that died without a result was killed.  Answers the processes that survived the kill."""
         survivors: list[ProcId] = []
+        if self._container is not None:
+            # A runtime killed before its container ended leaves it running: removed by name.
+            binary, name, cenv = self._container
+            if not container_remove(binary, name, cenv):
+                self.flags.add("container_not_removed")
         roots = [self._claude] if self._claude else []
         if self.subreaper and self.me is not None:
             # Adopted orphans are children of this process now, whatever session they made.
@@ -8950,6 +9647,8 @@ def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | 
     network, why = session_network(list(cfg.get("network_open_arms") or []), req.meta.get("arm"),
                                    launch["gateway"])
     launch["sandbox"] = {**launch["sandbox"], "network": network, "network_reason": why}
+    if req.container:
+        launch["sandbox"]["container"] = dict(req.container)
     env_extra = {**dict(spec.env), **dict(req.env_extra or {})}
     env_all = {**ctx.env, **env_extra}
     if env_all.get("AGENTBENCH_OFFLINE") != "1":
@@ -9134,7 +9833,8 @@ def continue_job(ctx: Host, paths: StudyPaths, prev_id: str, prompt: str, limits
     spec = job_launch_spec(prev, paths, cfg)
     req = JobRequest(kind=kind, prompt=prompt, cwd=prev["cwd"], limits=limits, session_id=sid, resume=sid,
                      prior=prior, meta=meta, env_extra=dict(prev.get("env_extra") or {}), raw_dir=raw_dir,
-                     driver=driver, system_prompt=system_prompt)
+                     driver=driver, system_prompt=system_prompt,
+                     container=(prev.get("sandbox") or {}).get("container"))
     try:
         return start_job(ctx, paths, req, spec, cfg=cfg)
     except DuplicateRequest as dup:
@@ -9271,6 +9971,10 @@ def expire_base(host: Host, paths: StudyPaths, name: str) -> dict[str, Any]:
 # a task is and how its checks run and are judged.  Must not know runs, jobs or the pipeline.
 
 TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
+#: The keys task.json may hold besides those: a misspelt one would be ignored, so any other is
+#: refused (keys starting with _ are free, e.g. for a comment).  `not_carried_over` and `harbor`
+#: are written by the Harbor import.
+TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor", "environment")
 CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER, INNER_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
@@ -9418,6 +10122,9 @@ class Task:
     reference_spec: dict[str, Any] | None = None
     #: A script reference's effect as an overlay (files it wrote), made for a rehearsal.
     overlay: Path | None = None
+    #: task.json `environment`, resolved (task_environment_info): its image (a Dockerfile's tag by
+    #: its build context's hash), the hash, the workdir.  None: the host's tools under bubblewrap.
+    environment: dict[str, Any] | None = None
 
     @property
     def public(self) -> Path: return self.root / "public"
@@ -9504,6 +10211,97 @@ def task_check_hint(task: "Task", ws: str | os.PathLike[str]) -> str:
     return ""
 
 
+def task_environment_info(tid: str, root: Path, env_spec: Any) -> dict[str, Any]:
+    """A task's `environment`, checked and resolved: {"source": "image" | "dockerfile", "image"
+    (the tag sessions and checks run from), "sha256" (a Dockerfile's build context: the directory
+    holding it, every file), "dockerfile", "context" (absolute), "workdir"}.  Refused (exit 2)
+    when it cannot be used."""
+    problem = environment_problem(env_spec)
+    if problem:
+        raise AgentbenchError(f"task.json environment cannot be used: {problem}",
+                              code="task_environment_invalid", task=tid, path=str(root / "task.json"),
+                              key="environment",
+                              hint='e.g. "environment": {"dockerfile": "environment/Dockerfile", '
+                                   '"workdir": "/app"} or {"image": "localhost/my-image:tag"}')
+    wd = str(env_spec.get("workdir", ENVIRONMENT_WORKDIR_DEFAULT))
+    if "image" in env_spec:
+        return {"source": "image", "image": str(env_spec["image"]), "sha256": None, "workdir": wd}
+    df = root / str(env_spec["dockerfile"])
+    real_root, real_df = os.path.realpath(root), os.path.realpath(df)
+    if not os.path.isfile(real_df) or os.path.commonpath([real_root, real_df]) != real_root:
+        raise AgentbenchError("task.json environment.dockerfile is not a file inside the task",
+                              code="task_environment_invalid", task=tid, path=str(root / "task.json"),
+                              key="environment.dockerfile", dockerfile=str(env_spec["dockerfile"]))
+    context = os.path.dirname(real_df)
+    digest = manifest_sha256({**tree_manifest(context, UNCAPPED), "\0dockerfile": os.path.basename(real_df)})
+    return {"source": "dockerfile", "image": built_image_tag(digest), "sha256": digest,
+            "dockerfile": real_df, "context": context, "workdir": wd}
+
+
+_ENSURED_IMAGES: dict[str, dict[str, Any]] = {}
+
+
+def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """The container a launch of `task` runs in: {"runtime", "binary", "version", "image",
+    "sha256", "workdir", "flags", "built"}; a Dockerfile is built when its tag is missing (once per
+    process and tag), an image by name must exist locally (agentbench never pulls).  Raises
+    (exit 2, refusal "environment") with the reason when the runtime or the image is not there."""
+    info = dict(task.environment or {})
+    kind = container_runtime_of(cfg)
+    probe = container_probe(kind, env)
+    if not probe["available"]:
+        raise AgentbenchError(f"task {task.id} names an environment but the container runtime cannot "
+                              "run here", code="container_runtime_unavailable", task=task.id, runtime=kind,
+                              reason=probe["reason"], refusal="environment",
+                              hint=f"install {kind} (or set container_runtime in study.json), or remove the "
+                                   "task's environment")
+    key = f"{probe['binary']}\0{info['image']}"
+    built = False
+    if key not in _ENSURED_IMAGES:
+        if not container_image_exists(probe["binary"], info["image"], env):
+            if info["source"] != "dockerfile":
+                raise AgentbenchError(f"task {task.id}'s image is not on this host",
+                                      code="container_image_missing", task=task.id, image=info["image"],
+                                      refusal="environment",
+                                      hint=f"pull or build it first ({kind} pull {info['image']}): "
+                                           "agentbench never pulls an image itself")
+            problem = container_build(probe["binary"], info["image"], info["dockerfile"], info["context"],
+                                      env)
+            if problem:
+                raise AgentbenchError(f"task {task.id}'s Dockerfile does not build",
+                                      code="container_build_failed", task=task.id, image=info["image"],
+                                      reason=problem, refusal="environment")
+            built = True
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+    return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
+            "source": info["source"], "workdir": info["workdir"],
+            "flags": list(cfg.get("container_flags") or []), "built": built}
+
+
+def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Mapping[str, str],
+                      claude: str) -> dict[str, dict[str, Any]]:
+    """Build (when missing) and check the image of every task that names an environment, before
+    anything is spent: {task: {image, sha256, workdir, runtime, version, claude_inside, built}}.
+    Refused (exit 2, naming the task) when a runtime, an image or the check fails."""
+    out: dict[str, dict[str, Any]] = {}
+    real = os.path.realpath(claude)
+    for t in tasks.values():
+        if t.environment is None:
+            continue
+        ctr = ensure_task_image(t, cfg, env)
+        inside, problem = container_image_check(ctr["binary"], ctr["runtime"], ctr["image"], real, env,
+                                                ctr["flags"])
+        if problem:
+            raise AgentbenchError(f"task {t.id}'s image cannot run a session",
+                                  code="container_image_unusable", task=t.id, image=ctr["image"],
+                                  reason=problem, refusal="environment",
+                                  hint="base the image on a glibc distribution with python3 (the pinned "
+                                       "claude is bound in as a native executable)")
+        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id]["claude_inside"] = inside
+    return out
+
+
 def load_task(root: Path) -> Task:
     """Read and validate one task bundle; refuses what a run could not use."""
     spec = read_json(root / "task.json")
@@ -9513,7 +10311,15 @@ def load_task(root: Path) -> Task:
     missing = [k for k in TASK_JSON_KEYS if k not in spec]
     if missing:
         raise AgentbenchError("task.json lacks required keys", code="task_json_lacks_required_keys",
-                              path=str(root / "task.json"), missing=missing)
+                              path=str(root / "task.json"), file="task.json", key=missing[0], missing=missing)
+    known = TASK_JSON_KEYS + TASK_JSON_OPTIONAL_KEYS
+    unknown = sorted(str(k) for k in spec if k not in known and not str(k).startswith("_"))
+    if unknown:
+        raise AgentbenchError("task.json has unknown keys", code="task_json_unknown_keys",
+                              path=str(root / "task.json"), file="task.json", key=unknown[0], keys=unknown,
+                              known=list(known), did_you_mean=did_you_mean(unknown, known),
+                              hint=misspelt_hint(unknown, known, "key")
+                              + " (keys starting with _ are free, e.g. for a comment)")
     if spec.get("check_hint") is not None and not isinstance(spec["check_hint"], str):
         raise AgentbenchError("task.json: check_hint must be a sentence (a string)",
                               code="task_json_check_hint_sentence", path=str(root / "task.json"))
@@ -9534,8 +10340,11 @@ def load_task(root: Path) -> Task:
             raise AgentbenchError("task.json names a reference script but the bundle lacks reference/",
                                   code="task_bundle_lacks", task=tid, path=str(root / "reference"))
     bundle = tree_manifest(root, UNCAPPED)
+    environment = None
+    if spec.get("environment") is not None:
+        environment = task_environment_info(tid, root, spec["environment"])
     return Task(tid, str(spec["title"]), root, gate, oracle, spec, manifest_sha256(bundle),
-                tree_manifest(root / "public", UNCAPPED), ref_spec)
+                tree_manifest(root / "public", UNCAPPED), ref_spec, environment=environment)
 
 
 def task_text(task: Task) -> str:
@@ -9573,9 +10382,17 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
                                    "tasks directory")
     tasks = {}
     for sub in sorted(tdir.iterdir()):
-        if sub.is_dir() and (sub / "task.json").exists():
-            t = load_task(sub)
-            tasks[t.id] = t
+        if not sub.is_dir() or sub.name in IGNORED_BUNDLE_NAMES or sub.name.startswith((".", "_")):
+            continue
+        if not (sub / "task.json").exists():
+            # Dropped silently, the study would run fewer tasks than its author thinks.
+            raise AgentbenchError("a task directory has no task.json", code="task_json_missing",
+                                  path=str(sub / "task.json"), file="task.json", task=sub.name,
+                                  hint="add its task.json (`new-task` writes a complete bundle), move "
+                                       "the directory out of the tasks directory, or start its name "
+                                       "with _ to keep it there unused")
+        t = load_task(sub)
+        tasks[t.id] = t
     tasks = pick_tasks(tasks, only)
     if not tasks:
         raise AgentbenchError(f"no tasks found in {tdir}", code="no_tasks_found", tasks=str(tdir),
@@ -9585,9 +10402,28 @@ def load_tasks(paths: StudyPaths, cfg: Mapping[str, Any],
     return tasks
 
 
-def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -> Path:
+def arm_view_refusal(paths: StudyPaths, arm: str, key: str, rel: str, real: str,
+                     cfg: Mapping[str, Any] | None = None) -> None:
+    """Refuse (exit 2, naming study.json, the arm, the key and the path) a file an arm brings that
+    its sessions may never be shown (view_refusal: the study's state and runs, a task's hidden
+    files).  `cfg`: the study's configuration (read when None)."""
+    if cfg is None:
+        cfg = read_json(paths.study_file, default=None) or {}
+    why = view_refusal(real, study=os.path.realpath(paths.root),
+                       tasks=os.path.realpath(tasks_dir(paths, cfg)))
+    if why is not None:
+        raise AgentbenchError("an arm names a file its sessions may never see", code="arm_file_not_showable",
+                              file=STUDY_FILE, arm=arm, key=key, path=rel, why=why,
+                              hint="an arm's files (system prompt, settings, agents, MCP config and the "
+                                   "files it names, plugins, overlay) must lie in the study outside "
+                                   "state/, runs/ and the tasks (a task's public/ excepted)")
+
+
+def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool,
+              cfg: Mapping[str, Any] | None = None) -> Path:
     """An arm's file setting as a path, refused unless it exists inside the study (links followed)
-    and is a directory when `want_dir`, else a regular file."""
+    outside what a session may never see (arm_view_refusal), and is a directory when `want_dir`,
+    else a regular file."""
     p = paths.root / rel
     root = os.path.realpath(paths.root)
     real = os.path.realpath(p)
@@ -9595,6 +10431,7 @@ def _arm_file(paths: StudyPaths, arm: str, key: str, rel: str, want_dir: bool) -
         raise AgentbenchError("an arm's file is outside the study", code="arm_file_outside_study", arm=arm,
                               key=key, path=rel, hint="keep every file an arm brings inside the study "
                                                       "directory (a link out of it counts as outside)")
+    arm_view_refusal(paths, arm, key, rel, real, cfg)
     if not os.path.exists(real):
         raise AgentbenchError("an arm's file is missing", code="arm_file_missing", arm=arm, key=key, path=rel,
                               hint="create it, or fix the path (relative to the study directory)")
@@ -9653,6 +10490,7 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
             hit = _study_file_named(paths, val) if isinstance(val, str) else None
             if hit is None:
                 continue
+            arm_view_refusal(paths, arm, "mcp", hit, os.path.realpath(paths.root / hit))
             named.append(hit)
             absolute = str(Path(os.path.realpath(paths.root)) / hit)
             if i is None:
@@ -9664,17 +10502,11 @@ def resolve_mcp_config(paths: StudyPaths, arm: str, rel: str) -> tuple[str, list
 
 def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
                     spec: Mapping[str, Any]) -> LaunchSpec:
-    """One arm's LaunchSpec: the study's launch with the arm's settings over it, every file it
-    brings checked (inside the study, of the right kind, JSON where it must be) and hashed."""
+    """One arm's LaunchSpec: the study's launch with the arm's settings over it (each as its
+    ArmSetting's `resolve` says), every file it brings checked (inside the study, of the right
+    kind, JSON where it must be) and hashed."""
     base = study_launch_spec(paths.root, cfg)
-    over: dict[str, Any] = {k: spec[k] for k in ("model", "effort", "fallback_model", "tools",
-                                                   "allowed_tools", "disallowed_tools", "permission_mode",
-                                                   "agent")
-                            if k in spec}
-    if "tools" in spec and "allowed_tools" not in spec:
-        over["allowed_tools"] = spec["tools"]
-    if spec.get("env"):
-        over["env"] = tuple(sorted({**dict(base.env), **spec["env"]}.items()))
+    over: dict[str, Any] = {}
     files: dict[str, str] = {}
     bind: list[str] = []
     root = os.path.realpath(paths.root)
@@ -9686,32 +10518,49 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
         else:
             files[rel] = sha256_file(p)
 
-    for key in ("system_prompt", "settings", "agents"):
-        if spec.get(key):
+    def value(key: str, val: Any) -> None:
+        over[key] = val
+
+    def env(key: str, val: Any) -> None:
+        if val:
+            over[key] = tuple(sorted({**dict(base.env), **val}.items()))
+
+    def file(key: str, rel: Any) -> None:
+        if rel:
             if key in ARM_JSON_KEYS:
-                _arm_json(paths, name, key, spec[key])   # a file claude would ignore or refuse
-            p = _arm_file(paths, name, key, spec[key], want_dir=False)
-            add(spec[key], p)
+                _arm_json(paths, name, key, rel)   # a file claude would ignore or refuse
+            p = _arm_file(paths, name, key, rel, want_dir=False)
+            add(rel, p)
             bind.append(os.path.realpath(p))
-            over[key] = spec[key]
-    if spec.get("mcp"):
-        over["mcp_json"], named = resolve_mcp_config(paths, name, spec["mcp"])
-        add(spec["mcp"], paths.root / spec["mcp"])
-        for rel in named:
+            over[key] = rel
+
+    def mcp(key: str, rel: Any) -> None:
+        if rel:
+            over["mcp_json"], named = resolve_mcp_config(paths, name, rel)
             add(rel, paths.root / rel)
-            bind.append(os.path.join(root, rel))
-        over["mcp"] = spec["mcp"]
-    plugins = []
-    for rel in spec.get("plugins") or []:
-        add(rel, _arm_file(paths, name, "plugins", rel, want_dir=True))
-        bind.append(os.path.realpath(paths.root / rel))
-        plugins.append(rel)
-    if plugins:
-        over["plugins"] = tuple(plugins)
-    if spec.get("workspace_overlay"):
-        add(spec["workspace_overlay"], _arm_file(paths, name, "workspace_overlay", spec["workspace_overlay"],
-                                                 want_dir=True))
-        over["workspace_overlay"] = spec["workspace_overlay"]
+            for other in named:
+                add(other, paths.root / other)
+                bind.append(os.path.join(root, other))
+            over[key] = rel
+
+    def dirs(key: str, rels: Any) -> None:
+        for rel in rels or []:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            bind.append(os.path.realpath(paths.root / rel))
+        if rels:
+            over[key] = tuple(rels)
+
+    def overlay(key: str, rel: Any) -> None:
+        if rel:
+            add(rel, _arm_file(paths, name, key, rel, want_dir=True))
+            over[key] = rel
+
+    resolvers = {"value": value, "env": env, "file": file, "mcp": mcp, "dirs": dirs, "overlay": overlay}
+    for setting in ARM_SETTINGS:
+        if setting.key in spec:
+            resolvers[setting.resolve](setting.key, spec[setting.key])
+        elif setting.follows in spec:
+            over[setting.key] = spec[setting.follows]
     return dataclasses.replace(base, arm=name, files=tuple(sorted(files.items())),
                                bind_ro=tuple(sorted(set(bind))), **over)
 
@@ -9894,11 +10743,11 @@ def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
 
 
 def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str,
-               receipt_fd: str = "<receipt-fd-not-available>",
+               receipt_fd: str = "<receipt-fd-not-available>", python: str | None = None,
                sandbox_run: str = "<sandbox-run-not-available>") -> list[str]:
     """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} {sandbox_run} in a check
-    command (pure)."""
-    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": sys.executable,
+    command (pure); {python} is this interpreter, or `python` (a container's: the image's python3)."""
+    values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": python or sys.executable,
               RECEIPT_FD_PLACEHOLDER: receipt_fd, INNER_PLACEHOLDER: sandbox_run}
     out = []
     for a in cmd:
@@ -9982,6 +10831,37 @@ def parse_receipt(stdout: str, returncode: int | None, timed_out: bool, *, which
     if not (isinstance(obj, dict) and "passed" in obj):
         obj = None
     return receipt_verdict(obj, returncode, timed_out, which=which, required=required)
+
+
+def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The container runtime's environment: the caller's, without credentials (a user's
+    CONTAINERS_CONF or DOCKER_HOST reaches it; nothing of it reaches the container)."""
+    return {k: v for k, v in env.items() if not is_credential_var(k)}
+
+
+def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: str, cwd: str,
+                         ro: Sequence[str], container: Mapping[str, Any] | None, container_base: str,
+                         receipt_fd: int, scratch: str,
+                         env: dict[str, str]) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
+    """A check's (or reference script's) command in a fresh container of its task's image, and
+    (runtime, container name, the runtime's environment, the seccomp profile's directory) to remove
+    after it.  A check's container spec (Harbor's /tests, scratch dirs) is made inside it too."""
+    rows = (container_rows(container, workspace=os.path.realpath(cwd), base=os.path.realpath(container_base))
+            if container else [])
+    prof_dir = tempfile.mkdtemp(prefix="ab-seccomp-", dir=scratch)
+    prof = write_seccomp_profile(prof_dir)
+    name = container_name(which, uuid.uuid4().hex[:16])
+    base = ContainerPlan(runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
+                         name=name,
+                         workdir=str(container["workdir"]) if container else str(ctr["workdir"]),
+                         seccomp=prof, flags=tuple(ctr.get("flags") or ()))
+    plan = container_check_plan(base, workspace=os.path.realpath(cwd),
+                                ro=[os.path.realpath(p) for p in ro if os.path.exists(p)],
+                                rows=rows, receipt=receipt_fd >= 0)
+    out = container_argv(plan, argv)
+    if receipt_fd >= 0:
+        out = [sys.executable, "-I", "-S", "-c", CONTAINER_FD_SHIM, str(receipt_fd), *out]
+    return out, (str(ctr["binary"]), name, env, prof_dir)
 
 
 def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, Any]) -> str:
@@ -10088,7 +10968,7 @@ class InnerSandbox:
                     args_file.seek(0)
                     fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
                     argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
-                    cwd = "/"
+                    cwd, env = "/", dict(SANDBOX_OUTER_ENV)
                 res = run_command(argv, cwd=cwd, env=env, timeout_s=timeout, platform=self.platform,
                                   stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
             finally:
@@ -10141,8 +11021,15 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             raise
     container = spec.get("container")
     cenv, _ = check_env(env)
-    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
-    if container and sandbox["kind"] != "bwrap":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    try:
+        ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sandbox = resolve_sandbox(sandbox_mode_of(study_cfg), cenv) if ctr is None else {"kind": "container"}
+    if container and sandbox["kind"] not in ("bwrap", "container"):
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         rec = receipt_verdict(None, CHECK_CANNOT_RUN_CODES[1], False, which=which)
@@ -10162,36 +11049,51 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     rfd, wfd = (pair[0].detach(), pair[1].detach()) if pair else (-1, -1)
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
+    box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
     hidden = study_hidden_dirs(paths.root, [task.root.parent])
-    inner = None
+    jail = None   # the inner sandbox's server, when the command names {sandbox_run} (not in a container)
     try:
-        if any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"]):
-            inner = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
-                                 deadline=time.monotonic() + check_timeout_s(spec, which))
-        argv = expand_cmd(spec["cmd"], workspace=container["workdir"] if container else cwd, gate=gate_dir,
-                          oracle=oracle_dir, **({"receipt_fd": str(wfd)} if uses_fd else {}),
-                          **({"sandbox_run": inner.helper} if inner else {}))
-        if sandbox["kind"] == "bwrap":
+        if ctr is None and any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"]):
+            jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
+                                deadline=time.monotonic() + check_timeout_s(spec, which))
+        inner = container["workdir"] if container else (ctr["workdir"] if ctr else cwd)
+        fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
+        argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
+                          oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),
+                          **({"sandbox_run": jail.helper} if jail else {}))
+        if ctr is not None:
+            if uses_fd and ctr["runtime"] != "podman":
+                raise AgentbenchError("a check's receipt channel ({receipt_fd}) in a container needs podman "
+                                      "(--preserve-fds)", code="receipt_channel_needs_podman", task=task.id)
+            argv, box = container_check_argv(ctr, argv, which=which, cwd=cwd, ro=[gate_dir] + (
+                [oracle_dir] if which == "oracle" else []), container=container,
+                container_base=gate_dir if which == "gate" else oracle_dir, receipt_fd=wfd if uses_fd else -1,
+                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env))
+        elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd, hidden=hidden,
                                  ro=[gate_dir] + ([oracle_dir] if which == "oracle" else [])
-                                 + ([inner.helper] if inner else []),
+                                 + ([jail.helper] if jail else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir,
-                                 sockets=[(inner.socket_path, inner.socket_path)] if inner else [])
+                                 sockets=[(jail.socket_path, jail.socket_path)] if jail else [])
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
-        res = run_command(argv, cwd=cwd, env=cenv, timeout_s=check_timeout_s(spec, which), platform=platform,
-                          pass_fds=fds)
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=cwd, env=outer,
+                          timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
         if uses_fd:
             os.close(wfd)
             wfd = -1
             channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
+        if box is not None:
+            container_remove(*box[:3])
+            shutil.rmtree(box[3], ignore_errors=True)
         for fd in (rfd, wfd, sfd):
             if fd >= 0:
                 os.close(fd)
-        if inner:
-            inner.close()
+        if jail:
+            jail.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if uses_fd:
@@ -10207,9 +11109,9 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                             required=spec.get("receipt") == "json")
         rec.update({"receipt_channel": "stdout" if rec.get("receipt") == "json" else "exit_code",
                     "receipt_protected": False})
-    rec["sandbox"] = sandbox_record(sandbox)
-    if inner:
-        rec["inner_sandbox"] = {"kind": "bwrap" if sandbox["kind"] == "bwrap" else "none", "runs": inner.runs}
+    rec["sandbox"] = container_record(ctr, "none") if ctr is not None else sandbox_record(sandbox)
+    if jail:
+        rec["inner_sandbox"] = {"kind": "bwrap" if sandbox["kind"] == "bwrap" else "none", "runs": jail.runs}
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
@@ -10234,24 +11136,37 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
     ref_dir = str(pristine_copy(paths, task, "reference"))
     container = spec.get("container")
     cenv, _ = check_env(env)
-    sandbox = resolve_sandbox(sandbox_mode_of(read_json(paths.study_file, default=None) or {}), cenv)
-    if container and sandbox["kind"] != "bwrap":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
+    sandbox = resolve_sandbox(sandbox_mode_of(study_cfg), cenv) if ctr is None else {"kind": "container"}
+    if container and sandbox["kind"] not in ("bwrap", "container"):
         return f"the reference script cannot run: {container_unavailable(container, sandbox)}"
+    inner = container["workdir"] if container else (ctr["workdir"] if ctr else ws)
     argv = [a.replace("{reference}", ref_dir) for a in
-            expand_cmd(spec["cmd"], workspace=container["workdir"] if container else ws,
-                       gate="<gate-not-available>", oracle="<oracle-not-available>")]
+            expand_cmd(spec["cmd"], workspace=inner, gate="<gate-not-available>",
+                       oracle="<oracle-not-available>", python="python3" if ctr else None)]
     sfd = seccomp_fd() if sandbox["kind"] == "bwrap" else None
+    box: tuple[str, str, dict[str, str], str] | None = None
     try:
-        if sandbox["kind"] == "bwrap":
+        if ctr is not None:
+            argv, box = container_check_argv(ctr, argv, which="reference", cwd=ws, ro=[ref_dir],
+                                             container=container, container_base=ref_dir, receipt_fd=-1,
+                                             scratch=tempfile.gettempdir(), env=runtime_env(env))
+        elif sandbox["kind"] == "bwrap":
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],
                                  seccomp=sfd, container=container, container_base=ref_dir)
         timeout = check_timeout_s(spec, "reference")
-        res = run_command(argv, cwd=ws, env=cenv, timeout_s=timeout, platform=platform,
+        outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
+        res = run_command(argv, cwd=ws, env=outer,
+                          timeout_s=timeout, platform=platform,
                           pass_fds=() if sfd is None else (sfd,))
     finally:
         if sfd is not None:
             os.close(sfd)
+        if box is not None:
+            container_remove(*box[:3])
+            shutil.rmtree(box[3], ignore_errors=True)
     if res.timed_out:
         return f"the reference script timed out after {timeout:g} s"
     if res.returncode != 0:
@@ -10353,10 +11268,36 @@ def run_check_proven(paths: StudyPaths, platform: "Platform", task: Task, which:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+#: The most failed checks named in one answer or page, and the longest detail of one.
+FAILED_CHECKS_SHOWN = 30
+FAILED_CHECK_DETAIL_CHARS = 400
+
+
+def failed_checks(checks: Any) -> list[dict[str, str]]:
+    """The failed checks of a receipt's `checks` list, each {"id", "detail"} as text cut to a
+    readable length, in the receipt's order; entries that are not objects are skipped (pure)."""
+    out = []
+    for c in checks if isinstance(checks, list) else []:
+        if isinstance(c, dict) and c.get("passed") is not True:
+            out.append({"id": str(c.get("id"))[:200],
+                        "detail": str(c.get("detail") if c.get("detail") is not None else "")
+                        [:FAILED_CHECK_DETAIL_CHARS]})
+    return out[:FAILED_CHECKS_SHOWN]
+
+
+def failed_checks_line(checks: Any) -> str:
+    """The failed checks in one line: `id: detail; id: detail` (empty when none) (pure)."""
+    return "; ".join(f"{c['id']}: {c['detail']}" if c["detail"] else c["id"] for c in failed_checks(checks))
+
+
 def check_failure_text(rec: Mapping[str, Any]) -> str:
-    """Why a check did not pass, in one line a task author can act on (pure): the receipt's
-    problem or the grader error, the exit status, and the end of its stderr."""
+    """Why a check did not pass, in one line a task author can act on (pure): the failed checks
+    its receipt names (id and detail), the receipt's problem or the grader error, the exit status,
+    and the end of its stderr."""
     parts = []
+    named = failed_checks_line(rec.get("checks"))
+    if named:
+        parts.append("failed checks: " + named)
     if rec.get("receipt_problem"):
         parts.append(str(rec["receipt_problem"]))
     if rec.get("grader_error"):
@@ -10378,6 +11319,7 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
     if rec.get("grader_error"):
         out["grader_error"] = rec["grader_error"]
     if not out["passed"] or rec.get("grader_error"):
+        out["failed_checks"] = failed_checks(rec.get("checks"))
         out["stderr_tail"] = str(rec.get("stderr_tail") or "")[-500:]
     return out
 
@@ -10856,11 +11798,14 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     if ref_fail and len(ref_fail) < len(runs):
         problems.append(f"the hidden tests disagree with themselves on the reference: attempt(s) "
                         f"{', '.join(map(str, ref_fail))} of {len(runs)} failed it (flaky)")
-    return {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
-            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
-            "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
-            "oracle_strength": strength, "warnings": warnings,
-            "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
+    out = {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
+           "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
+           "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
+           "oracle_strength": strength, "warnings": warnings,
+           "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
+    if task.environment is not None:   # the image its checks ran in, by its build context's hash
+        out["environment"] = {k: task.environment.get(k) for k in ("image", "sha256", "workdir")}
+    return out
 
 
 def grading_facts(cal: Mapping[str, Any]) -> dict[str, Any]:
@@ -10969,14 +11914,18 @@ def arm_changes(registered: Mapping[str, Any], spec: LaunchSpec) -> dict[str, An
 
 def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
                    plan: Mapping[str, Any] | None = None,
-                   arms: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
+                   arms: Mapping[str, Mapping[str, Any]] | None = None,
+                   environments: Mapping[str, Mapping[str, Any]] | None = None) -> bytes:
     """The manifest file: the runs, and what `assign` fixed before any run -- the analysis plan
-    (see analysis_plan) and each arm's launch (manifest_arm)."""
+    (see analysis_plan), each arm's launch (manifest_arm) and each task environment's image and
+    hash (only when a task names one)."""
     doc: dict[str, Any] = {"split": split, "seed": seed, "runs": list(manifest)}
     if plan is not None:
         doc["analysis_plan"] = dict(plan)   # fixed before any run (see analysis_plan)
     if arms is not None:
         doc["arms"] = dict(arms)
+    if environments:
+        doc["environments"] = dict(environments)
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
@@ -11388,8 +12337,7 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
 
 #: Settings no event of a session shows (the request's effort, the environment, the system prompt
 #: text, the fallback and permission lists): reported as not observable, never flagged.
-DELIVERY_UNOBSERVABLE = ("effort", "fallback_model", "allowed_tools", "disallowed_tools", "env",
-                         "system_prompt", "agent")
+DELIVERY_UNOBSERVABLE = tuple(s.key for s in ARM_SETTINGS if not s.observable)
 DELIVERY_TEXT_MAX = 200
 
 
@@ -11559,7 +12507,13 @@ class RunPipeline:
     def _event(self, event: str, **fields: Any) -> None:
         append_event(self.paths, event, run_id=self.run_id, **fields)
         if self.opts.progress:
-            self.opts.progress(f"{self.run_id} {event} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            # Which run this is, in words a person follows: its task, arm and attempt, then the
+            # event's own fields (those without a value left out).
+            about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
+                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+            shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
+            self.opts.progress(f"{self.run_id} {event} "
+                               + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
         """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
@@ -11656,9 +12610,17 @@ class RunPipeline:
                            env_extra=self.opts.env_extra, spec=self.arms[self.rec["arm"]].launch)
             resume, prior = fk["resume"], fk["prior"]
             meta = {**meta, "base": base}
+        task = self.tasks[self.rec["task"]]
+        container = None
+        # The agent's sessions run in the task's container; the reviewer (the instrument, equal
+        # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
+        if task.environment is not None and kind != "reviewer":
+            container = ensure_task_image(task, self.cfg, self.ctx.env)
+            self.rec["environment"] = {k: container[k]
+                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
-                         raw_dir=raw_dir, driver=self.opts.driver)
+                         raw_dir=raw_dir, driver=self.opts.driver, container=container)
         # The reviewer is the instrument, equal across arms: it starts with the study's launch.
         spec = None if kind == "reviewer" else self.arms[self.rec["arm"]].launch
         return start_job(self.ctx, self.paths, req, spec, cfg=self.cfg)
@@ -11714,9 +12676,9 @@ class RunPipeline:
         return rec
 
     def failed_checks_text(self, rec: Mapping[str, Any]) -> str:
-        failed = [c for c in rec.get("checks") or [] if not c.get("passed")]
+        failed = failed_checks(rec.get("checks"))
         if failed:
-            return "\n".join(f"- {c.get('id')}: {str(c.get('detail') or '')[:400]}" for c in failed[:30])
+            return "\n".join(f"- {c['id']}: {c['detail']}" for c in failed)
         tail = (rec.get("stderr_tail") or "") + (rec.get("stdout_tail") or "")
         names = re.findall(r"^(?:FAIL|ERROR): (\S+ \([^)]*\))", tail, flags=re.M)
         return ("\n".join(f"- {n}" for n in names[:30])
@@ -12780,20 +13742,6 @@ def median(xs: Iterable[float]) -> float | None:
     return (vals[mid - 1] + vals[mid]) / 2.0
 
 
-def _type7_ranks(count: int, q: float) -> tuple[float, int, int]:
-    """(h, floor(h), floor(h) + 1 capped at count - 1) for quantile `q` of `count` sorted values."""
-    h = (count - 1) * q
-    lo = math.floor(h)
-    return h, lo, min(lo + 1, count - 1)
-
-
-def _quantile_by_rank(order_stat: Callable[[int], float], count: int, q: float) -> float:
-    """quantile_sorted's interpolation, reading only the two order statistics it needs (by rank,
-    0-based) through `order_stat`: the one formula for a full sorted list and for a selection."""
-    h, lo, hi = _type7_ranks(count, q)
-    return order_stat(lo) + (h - lo) * (order_stat(hi) - order_stat(lo))
-
-
 def quantile_sorted(sorted_xs: list[float], q: float) -> float:
     """Quantile `q` (0..1) of an already sorted, non-empty list by linear interpolation.
 
@@ -12806,7 +13754,10 @@ def quantile_sorted(sorted_xs: list[float], q: float) -> float:
         raise ValueError("quantile of an empty list")
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile level {q} outside [0, 1]")
-    return _quantile_by_rank(sorted_xs.__getitem__, len(sorted_xs), q)
+    h = (len(sorted_xs) - 1) * q
+    lo = math.floor(h)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (h - lo) * (sorted_xs[hi] - sorted_xs[lo])
 
 
 def wilson_interval(successes: int, n: int, z: float = STAT_Z95) -> tuple[float, float] | None:
@@ -12953,24 +13904,6 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
             return None
         span += m * v
         states = min(states * (m + 1), span // g + 1)
-    k = sum(groups.values())
-    if groups and min(groups) >= 0 and (span // g + 1) * (k + 2) <= 1 << 26:
-        # The distribution as one integer: the count of sum 2 g e - span in lane e of k + 2 bits
-        # (no count exceeds 2^k, so lanes never carry); a group multiplies it by
-        # sum_j C(m, j) x^(j v / g), x = 2^(k + 2), each term a shift.  The counts of lanes from e
-        # on, or up to e, add up to that part modulo 2^(k + 2) - 1, as 2^(k + 2) = 1 there.
-        lane = k + 2
-        poly = 1
-        for v, m in sorted(groups.items()):
-            step = lane * (v // g)
-            poly = sum(math.comb(m, j) * (poly << (step * j)) for j in range(m + 1))
-        ones = (1 << lane) - 1
-        if observed <= 0:
-            return poly % ones
-        first = -(-(span + observed) // (2 * g))        # lanes e >= first: sum >= observed
-        last = (span - observed) // (2 * g)             # lanes e <= last: sum <= -observed
-        hits = (poly >> (lane * first)) % ones if first <= span // g else 0
-        return hits + ((poly & ((1 << (lane * (last + 1))) - 1)) % ones if last >= 0 else 0)
     dist = {0: 1}
     for v, m in sorted(groups.items()):
         weights = [(v * (2 * j - m), math.comb(m, j)) for j in range(m + 1)]
@@ -12980,74 +13913,6 @@ def _flip_exact(groups: dict[int, int], observed: int, max_work: int) -> int | N
                 nxt[s + step] = nxt.get(s + step, 0) + c * w
         dist = nxt
     return sum(c for s, c in dist.items() if abs(s) >= observed)
-
-
-def _flip_draw_bytes(n: int, rng: random.Random, draws: int) -> Iterator[tuple[bytes, int]]:
-    """The bits of `draws` successive rng.getrandbits(n) calls, a block at a time: (raw, d) with
-    draw j of the block in raw[j * 4w : (j + 1) * 4w], little-endian, w = ceil(n / 32).
-
-    getrandbits(k) takes ceil(k / 32) 32-bit outputs of the generator, fills the integer from its
-    least significant word upward (on any byte order) and shifts the last word right by 32w - k.
-    So one getrandbits(32 w d) takes exactly the outputs of d such calls, in order; masking each
-    draw's last word and shifting it right by 32w - n gives each draw's value, and the generator
-    ends in the same state."""
-    words = (n + 31) // 32
-    shift = 32 * words - n
-    stride = 4 * words
-    block = max(1, min(65536, (1 << 22) // stride))
-    while draws > 0:
-        d = min(block, draws)
-        big = rng.getrandbits(32 * words * d)
-        if shift:
-            head = ((1 << (32 * (words - 1))) - 1).to_bytes(stride, "little")
-            tail = (((1 << 32) - (1 << shift)) << (32 * (words - 1))).to_bytes(stride, "little")
-            big = ((big & int.from_bytes(head * d, "little"))
-                   | ((big & int.from_bytes(tail * d, "little")) >> shift))
-        yield big.to_bytes(stride * d, "little"), d
-        draws -= d
-
-
-def _flip_proxy_lanes(qtables: list[bytes], raw: bytes, stride: int, d: int) -> tuple[int, int]:
-    """(lanes, width): for each of the d draws in `raw` (see _flip_draw_bytes), the sum over its
-    bytes k of qtables[k][byte] (each at most 240), in lane j (`width` bytes, least significant
-    first) of one integer: each byte column (the strided slice k::stride) mapped by
-    bytes.translate and spread into lanes, so adding the columns sums every draw in its own lane.
-    The lanes are wide enough that every sum stays below half of a lane (_flip_lanes_at_least)."""
-    width = 2
-    while 240 * len(qtables) >= 1 << (8 * width - 1):
-        width *= 2
-    lanes = bytearray(width * d)
-    total = 0
-    for k, table in enumerate(qtables):
-        lanes[0::width] = raw[k::stride].translate(table)
-        total += int.from_bytes(lanes, "little")
-    return total, width
-
-
-def _flip_lanes_at_least(lanes: int, width: int, d: int, a: int) -> int:
-    """How many of the d lanes of `width` bytes (each holding less than half a lane) hold at least
-    a: adding half a lane less a to every lane sets a lane's top bit exactly when it holds at
-    least a, and carries into no other lane; the top bits are then counted."""
-    half = 1 << (8 * width - 1)
-    if a <= 0:
-        return d
-    if a >= half:
-        return 0
-    ones = int.from_bytes((b"\x01" + bytes(width - 1)) * d, "little")
-    return ((lanes + (half - a) * ones) & (ones * half)).bit_count()
-
-
-def _lanes_list(lanes: int, width: int, d: int) -> list[int]:
-    """The d lanes of `width` bytes of one integer (the first lane least significant) as a list, in
-    order: read as native numbers where a format of that width exists, else one by one."""
-    code = {2: "H", 4: "I", 8: "Q"}.get(width)
-    if code is not None and struct.calcsize(code) == width:
-        out = memoryview(lanes.to_bytes(width * d, sys.byteorder)).cast(code).tolist()
-        if sys.byteorder == "big":
-            out.reverse()       # the most significant lane, the last draw, came first
-        return out
-    raw = lanes.to_bytes(width * d, "little")
-    return [int.from_bytes(raw[i:i + width], "little") for i in range(0, width * d, width)]
 
 
 def _flip_subset_tables(values: list[int]) -> list[list[int]]:
@@ -13066,57 +13931,17 @@ def _flip_subset_tables(values: list[int]) -> list[list[int]]:
 def _flip_monte_carlo(values: list[int], observed: int, rng: random.Random, draws: int) -> int:
     """How many of `draws` random sign assignments of `values` give |sum| >= observed.
 
-    One draw is one getrandbits(n): bit i set keeps value i positive.  The signed sum is
+    One draw is one rng.getrandbits(n): bit i set keeps value i positive.  The signed sum is
     2 (sum of the kept values) - total, and the kept sum is read a byte of bits at a time from a
-    table of the 256 subset sums of each group of 8 values, so a draw costs n / 8 lookups.
-
-    Drawn in blocks (_flip_draw_bytes: the same bits, the generator left in the same state).
-    With non-negative values most draws are decided without their exact kept sum: with
-    g = max // 31 + 1 each value is g q_i + r_i (0 <= q_i <= 30, 0 <= r_i < g), so a draw's kept
-    sum lies in [g Q, g Q + R], Q the sum of its kept q_i (every draw at once, _flip_proxy_lanes: a
-    byte's 8 values sum to at most 240) and R the sum of every r_i.  A draw whose interval lies
-    wholly on one side of a threshold (2 kept - total >= observed, or <= -observed) is counted
-    from Q alone; only the others get their exact kept sum.  Values under 31: g = 1, R = 0."""
+    table of the 256 subset sums of each group of 8 values (little-endian bytes of the draw)."""
     n = len(values)
     total = sum(values)
-    if n == 0:
-        return draws if observed <= 0 else 0        # getrandbits(0) draws nothing
-    nbytes = (n + 7) // 8
-    stride = 4 * ((n + 31) // 32)
-    signed = any(v < 0 for v in values)
-    g = 1 if signed else max(values) // 31 + 1
-    qtables = [bytes(t) for t in _flip_subset_tables([v // g for v in values])] if not signed else []
-    spare = sum(v % g for v in values)
-    up, down = total + observed, total - observed       # a hit: 2 kept >= up or 2 kept <= down
-    # 2 g Q >= up: a hit; 2 (g Q + R) < up: not, on that side; likewise below.
-    sure_up, maybe_up = -(-up // (2 * g)), -(-(up - 2 * spare) // (2 * g))
-    sure_down, maybe_down = (down - 2 * spare) // (2 * g), down // (2 * g)
-    tables: list[list[int]] = []
+    tables = _flip_subset_tables(values)
+    nbytes = len(tables)
     hits = 0
-    for raw, d in _flip_draw_bytes(n, rng, draws):
-        if observed <= 0:
-            hits += d           # |anything| >= observed
-            continue
-        todo: Iterable[int] = range(d)
-        if not signed:
-            lanes, width = _flip_proxy_lanes(qtables, raw, stride, d)
-            at_least = [_flip_lanes_at_least(lanes, width, d, a)
-                        for a in (sure_up, maybe_up, sure_down + 1, maybe_down + 1)]
-            hits += at_least[0] + d - at_least[2]         # surely above, surely below
-            todo = ()
-            if at_least[1] > at_least[0] or at_least[2] > at_least[3]:
-                # Undecided draws by a table of their Q (at most 240 a byte): found in C.
-                undecided = bytearray(240 * nbytes + 1)
-                for low, high in ((maybe_up, sure_up), (sure_down + 1, maybe_down + 1)):
-                    low, high = max(0, min(low, len(undecided))), max(0, min(high, len(undecided)))
-                    undecided[low:high] = b"\x01" * max(0, high - low)
-                sums = _lanes_list(lanes, width, d)
-                todo = itertools.compress(range(d), map(undecided.__getitem__, sums))
-        for j in todo:
-            if not tables:
-                tables = _flip_subset_tables(values)
-            kept = sum(map(list.__getitem__, tables, raw[j * stride:j * stride + nbytes]))
-            hits += abs(2 * kept - total) >= observed
+    for _ in range(draws):
+        kept = sum(map(list.__getitem__, tables, rng.getrandbits(n).to_bytes(nbytes, "little")))
+        hits += abs(2 * kept - total) >= observed
     return hits
 
 
@@ -13269,125 +14094,6 @@ def _bootstrap_means_bytes(xs: list[float], buf: bytes, n_resamples: int) -> lis
     return [sum(map(pick, buf[i:i + n])) / n for i in range(0, n * n_resamples, n)]
 
 
-def _bootstrap_proxy_keys(q: list[int], buf: bytes, n_resamples: int) -> tuple[list[int], int] | None:
-    """(sorted keys P_j * 2^s + j, s), one key per resample j < 2^s (at most 65,536 resamples),
-    where P_j is the integer sum of q over the resample's indices (q: a byte per value).  Every
-    P_j at once: the index bytes mapped to q (bytes.translate); position i of every resample (the
-    strided slice i::n) spread into 16-bit lanes of one integer, so adding the n integers sums
-    each resample in its own lane (at most 256 * 255 < 2^16: no carry); then the lanes widened to
-    32 bits, shifted by s and j added (keys under 2^30 sort fastest).  None past 65,536 resamples."""
-    n = len(q)
-    if n_resamples > 65536:
-        return None
-    reps = 256 // n
-    need = n * n_resamples
-    qbuf = buf.translate(bytes(q[b % n] if b < reps * n else 0 for b in range(256)))
-    lanes = bytearray(2 * n_resamples)
-    total = 0
-    for i in range(n):
-        lanes[0::2] = qbuf[i:need:n]
-        total += int.from_bytes(lanes, "little")
-    sums = total.to_bytes(2 * n_resamples, "little")
-    wide = bytearray(4 * n_resamples)
-    wide[0::4] = sums[0::2]
-    wide[1::4] = sums[1::2]
-    index = bytearray(4 * n_resamples)
-    index[0::4] = (bytes(range(256)) * (n_resamples // 256 + 1))[:n_resamples]
-    index[1::4] = b"".join(bytes((h,)) * 256 for h in range(256))[:n_resamples]
-    shift = max(1, (n_resamples - 1).bit_length())
-    keys = (int.from_bytes(wide, "little") << shift) + int.from_bytes(index, "little")
-    out = _lanes_list(keys, 4, n_resamples)
-    out.sort()
-    return out, shift
-
-
-def _bootstrap_quantized(xs: list[float]) -> tuple[list[int], int] | None:
-    """(q, h): each value as a byte, q_i = (x_i - lo) * 255 / (hi - lo) rounded, and h = floor(2 D)
-    where D bounds |u_j - P_j| for every resample j of n values: P_j the sum of its q, u_j = (s_j -
-    n lo) * 255 / (hi - lo) with s_j its float sum as sum() gives it (in any order of additions,
-    recursive or compensated).  Exact, in integers: every x_i is an integer A_i over 2^k.  D is:
-      - quantization: n * max_i |(A_i - A_lo) 255 - q_i (A_hi - A_lo)| / (A_hi - A_lo);
-      - rounding: any float sum of n terms with |terms| <= M errs by at most gamma_{n-1} n M
-        (recursive summation, Python < 3.12; Neumaier's compensated sum of 3.12+ errs far less,
-        about 2 u n M), with gamma_{n-1} ~ (n - 1) 2^-53 (an addition rounds by at most 2^-53
-        relatively, and not at all below the normal range); the bound used is 2^-50 n^2 M,
-        eight times more, in proxy units.
-    None unless: at most 256 values, not all equal, finite, each a multiple of 2^-1000 (so a
-    nonzero sum is at least 2^-1000), n max |x| < 2^1000 (no sum overflows)."""
-    n = len(xs)
-    if n > 256 or not all(map(math.isfinite, xs)) or max(map(abs, xs)) * n >= 2.0 ** 1000:
-        return None
-    ratios = [x.as_integer_ratio() for x in xs]
-    k = max(den.bit_length() - 1 for _, den in ratios)
-    if k > 1000:
-        return None
-    big = [num << (k - den.bit_length() + 1) for num, den in ratios]
-    a_lo = min(big)
-    span = max(big) - a_lo
-    if span == 0:
-        return None
-    q = [((a - a_lo) * 510 + span) // (2 * span) for a in big]
-    err = max(abs((a - a_lo) * 255 - qi * span) for a, qi in zip(big, q))
-    amax = max(map(abs, big))
-    return q, (n * err * 2 ** 50 + n * n * amax * 255) // (span * 2 ** 49)
-
-
-def _bootstrap_order_stats(xs: list[float], buf: bytes, n_resamples: int,
-                           ranks: Iterable[int]) -> dict[int, float] | None:
-    """The resample means at `ranks` (0-based, in sorted order) without computing every mean:
-    exactly the values sorted(_bootstrap_means_bytes(...))[r] would give; None when the
-    preconditions below fail (the caller then computes every mean).
-
-    Each resample j has its float sum s_j = sum(...) as _bootstrap_means_bytes computes it, and an
-    integer proxy P_j = sum of q over its indices (_bootstrap_proxy_keys) with, in proxy units
-    u_j (an increasing map of s_j), |u_j - P_j| <= D (_bootstrap_quantized).  Let p = the proxy
-    at rank r.  At least r + 1 resamples have P <= p, so u(r-th) <= p + D; likewise u(r-th) >=
-    p - D.  Hence a resample with P < p - 2D has u < p - D <= u(r-th), one with P > p + 2D has
-    u > u(r-th): with L resamples below the window [p - 2D, p + 2D], the r-th smallest sum is the
-    (r - L)-th smallest in the window, whose sums and means are computed as _bootstrap_means_bytes
-    computes them.  Dividing by n is monotone, so ranks of sums are ranks of means, and equal
-    nonzero means are the same double.  Zero: every partial sum is a multiple of 2^-k (k <= 1000),
-    so a nonzero sum has |s| >= 2^-1000 and its mean is nonzero, hence every zero mean is in the
-    window of a zero r-th sum; the window is ordered by (mean, draw index), as sorted() (stable)
-    orders equal means, so even the sign of a zero is the one sorted() gives.
-    Preconditions: those of _bootstrap_quantized, windows holding at most half of the resamples.
-    """
-    n = len(xs)
-    quantized = _bootstrap_quantized(xs)
-    if quantized is None:
-        return None
-    q, half = quantized
-    made = _bootstrap_proxy_keys(q, buf, n_resamples)
-    if made is None:
-        return None
-    keys, shift = made
-    # Each rank's window is a run of the sorted keys, [a, b); overlapping runs are merged.
-    runs: list[list[int]] = []
-    for r in sorted(set(ranks)):
-        p = keys[r] >> shift
-        low, high = (p - half) << shift, (p + half + 1) << shift
-        a, b = r, r + 1
-        while a and keys[a - 1] >= low:
-            a -= 1
-        while b < n_resamples and keys[b] < high:
-            b += 1
-        if runs and a <= runs[-1][1]:
-            runs[-1][1] = max(b, runs[-1][1])
-            runs[-1].append(r)
-        else:
-            runs.append([a, b, r])
-    if 2 * sum(b - a for a, b, *_ in runs) > n_resamples:
-        return None
-    pick = (xs * (256 // n)).__getitem__
-    out: dict[int, float] = {}
-    for a, b, *at in runs:
-        members = [key & ((1 << shift) - 1) for key in keys[a:b]]
-        means = sorted((sum(map(pick, buf[j * n:j * n + n])) / n, j) for j in members)
-        for r in at:
-            out[r] = means[r - a][0]
-    return out
-
-
 def _bootstrap_means(xs: list[float], rng: random.Random, n_resamples: int) -> list[float]:
     """The means of `n_resamples` resamples of `xs` with replacement (see bootstrap_mean_diff_ci).
 
@@ -13432,9 +14138,8 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     takes each resample's mean, and returns the (1 - level)/2 and (1 + level)/2 quantiles of
     those means (Hyndman-Fan type 7, see quantile_sorted). Resampling is over tasks, the unit
     the paired design replicates; past 256 tasks it is drawn as counts per distinct value
-    (_bootstrap_means), which is what makes it cheap at many tasks; up to 256 only the four
-    order statistics the quantiles read are computed, exactly (_bootstrap_order_stats), from the
-    same draws as every mean would be.  The generator is random.Random(seed), so the
+    (_bootstrap_means), which is what makes it cheap at many tasks.  The generator is
+    random.Random(seed), so the
     interval is reproducible across runs and Python versions; the report gives every interval
     its own stream (stream_seed), so no two intervals share draws.
     None for no differences; (d, d) when every difference equals d (nothing to resample).
@@ -13455,21 +14160,9 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
     if key in _BOOTSTRAP_CACHE:
         return _BOOTSTRAP_CACHE[key]
     tail = (1.0 - level) / 2.0
-    stats = None
-    if len(xs) <= 256:
-        # The same draws as _bootstrap_means; only the four order statistics the two quantiles
-        # read are computed, exactly (_bootstrap_order_stats), unless its preconditions fail.
-        rng = random.Random(seed)
-        buf = _bootstrap_index_bytes(len(xs), rng, n_resamples)
-        ranks = [r for t in (tail, 1.0 - tail) for r in _type7_ranks(n_resamples, t)[1:]]
-        stats = _bootstrap_order_stats(xs, buf, n_resamples, ranks)
-        if stats is None:
-            means = sorted(_bootstrap_means_bytes(xs, buf, n_resamples))
-    else:
-        means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
-    order_stat = means.__getitem__ if stats is None else stats.__getitem__
-    lo = min(max(_quantile_by_rank(order_stat, n_resamples, tail), lo_x), hi_x)
-    hi = min(max(_quantile_by_rank(order_stat, n_resamples, 1.0 - tail), lo_x), hi_x)
+    means = sorted(_bootstrap_means(xs, random.Random(seed), n_resamples))
+    lo = min(max(quantile_sorted(means, tail), lo_x), hi_x)
+    hi = min(max(quantile_sorted(means, 1.0 - tail), lo_x), hi_x)
     if len(_BOOTSTRAP_CACHE) >= BOOTSTRAP_CACHE_MAX:
         _BOOTSTRAP_CACHE.clear()
     _BOOTSTRAP_CACHE[key] = (lo, hi)
@@ -14165,47 +14858,6 @@ def run_audit(run: dict) -> dict:
 # summary keeps these tuples in place of the records (cheap to store and to parse), and every
 # figure below adds them up.  No other function of the report reads a run record.
 
-class RunFacts(NamedTuple):
-    """What the report (and the power plan, and `demo`) need of one run record, each value
-    derived the way the report counts it.  Built by run_facts only; a JSON array in the runs
-    summary, so every field is a JSON value (lists, never tuples)."""
-    run_id: Any
-    arm: str                      # str() of the record's arm ("None" when it names none)
-    arm_given: bool               # the record names an arm
-    task: Any                     # as recorded (the excluded-runs list shows it so)
-    task_key: str                 # "(none)" or str(task): what the report groups by
-    repeat: Any
-    split: Any
-    status: Any
-    outcome: Any
-    validity: Any
-    validity_reason: Any
-    evaluated: bool               # the record has an evaluation object
-    success: bool
-    score: float | None           # float(score) when it is a number: the mean score
-    score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
-    tests_passed: int
-    tests_total: int
-    cost_raw: float | None        # cost_usd when a finite number (the power plan prices from it)
-    cost: float                   # float(cost_usd or 0): what the cost sums add
-    cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
-    cost_estimated: bool
-    tokens: dict[str, Any] | None  # the numeric token counts, by type, in the record's order
-    wall_s: float | None
-    gate_cycles: int
-    review_verdicts: list | None
-    failure_reason: Any
-    audit: list | None            # [flagged, {group: findings}] (run_audit); None: not audited
-    snapshots: list | None        # the evaluation's graded snapshots
-    rehearsal: bool
-    launch: list | None           # [model, effort] of the provenance's launch
-    complete: bool                # status, provenance and evaluation all present
-    sandboxed: bool
-    sandbox: dict | None          # a finished run's sandbox when the report notes it, else None
-    delivery: list | None         # [not delivered, {setting: verdict}, [mcp, subagent, skill,
-                                  #  hooks], models served] of the delivery check
-
-
 def _int_or_zero(value: Any) -> int:
     """int(value or 0), and 0 for what int() refuses or for a count no float holds exactly (past
     2**53): a count read from a record."""
@@ -14274,63 +14926,41 @@ def _delivery_fact(d: Any) -> list | None:
     return [missed, settings, counts, models]
 
 
-def run_facts(rec: Mapping[str, Any]) -> RunFacts:
-    """The report's facts of one run record (pure)."""
-    ev = rec.get("evaluation")
-    evaluated = isinstance(ev, dict)
-    score = ev.get("score") if evaluated else None
-    tokens = rec.get("tokens")
-    tokens = ({k: v for k, v in tokens.items()
-               if isinstance(v, (int, float)) and _float_or(v, None) is not None}
-              if isinstance(tokens, dict) else {})
-    wall = rec.get("wall_s")
-    verdicts = rec.get("review_verdicts")
-    audit = run_audit(rec)
-    snapshots = [s for s in _as_list(ev.get("snapshots")) if isinstance(s, dict)
-                 and isinstance(s.get("t"), (int, float)) and _float_or(s.get("t"), None) is not None
-                 and _float_or(s.get("score") or 0, None) is not None] if evaluated else None
-    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
-    launch = prov.get("launch")
-    task = rec.get("task")
-    cost = rec.get("cost_usd")
-    return RunFacts(
-        run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
-        task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
-        split=rec.get("split"), status=rec.get("status"), outcome=rec.get("outcome"),
-        validity=rec.get("validity"),
-        validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
-        else None,
-        evaluated=evaluated, success=evaluated and bool(ev.get("success")),
-        score=_float_or(score, None) if isinstance(score, (int, float)) else None,
-        score_checked=run_score(dict(rec)) if evaluated else None,
-        tests_passed=_int_or_zero(ev.get("tests_passed")) if evaluated else 0,
-        tests_total=_int_or_zero(ev.get("tests_total")) if evaluated else 0,
-        cost_raw=finite_number(cost), cost=_float_or(cost or 0.0, 0.0),
-        cost_checked=usd_from(cost, hi=_FACT_NUMBER_MAX), cost_estimated=bool(rec.get("cost_estimated")),
-        tokens=tokens or None,
-        wall_s=_float_or(wall, None) if isinstance(wall, (int, float)) else None,
-        gate_cycles=_int_or_zero(rec.get("gate_cycles")),
-        review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
-        failure_reason=rec.get("failure_reason"),
-        audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
-        snapshots=snapshots or None,
-        rehearsal=bool(prov.get("rehearsal")),
-        launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
-        complete=bool(rec.get("status") and rec.get("provenance") and ev),
-        sandboxed=bool((rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}).get("sandboxed")),
-        sandbox=_sandbox_fact(rec), delivery=_delivery_fact(rec.get("delivery")))
+class _CoreFacts(NamedTuple):
+    """The facts of a run that the census reads itself (its population, its task, its outcome...);
+    RunFacts adds the declared figures (RUN_FIGURES) after them."""
+    run_id: Any
+    arm: str                      # str() of the record's arm ("None" when it names none)
+    arm_given: bool               # the record names an arm
+    task: Any                     # as recorded (the excluded-runs list shows it so)
+    task_key: str                 # "(none)" or str(task): what the report groups by
+    repeat: Any
+    split: Any
+    status: Any
+    outcome: Any
+    validity: Any
+    validity_reason: Any
+    evaluated: bool               # the record has an evaluation object
+    success: bool
+    score: float | None           # float(score) when it is a number: the mean score
+    score_checked: float | None   # run_score: finite, in [0, 1]: the paired score
+    cost_raw: float | None        # cost_usd when a finite number (the power plan prices from it)
+    cost: float                   # float(cost_usd or 0): what the cost sums add
+    cost_checked: float | None    # run_cost: finite, >= 0: the paired cost
+    cost_estimated: bool
+    review_verdicts: list | None
+    failure_reason: Any
+    audit: list | None            # [flagged, {group: findings}] (run_audit); None: not audited
+    snapshots: list | None        # the evaluation's graded snapshots
+    rehearsal: bool
+    launch: list | None           # [model, effort] of the provenance's launch
+    complete: bool                # status, provenance and evaluation all present
+    sandboxed: bool
+    sandbox: dict | None          # a finished run's sandbox when the report notes it, else None
+    delivery: list | None         # [not delivered, {setting: verdict}, [mcp, subagent, skill,
+                                  #  hooks], models served] of the delivery check
 
 
-#: Fields of a RunFacts, in order (a runs summary line of another length is stale).
-RUN_FACTS_FIELDS = RunFacts._fields
-
-
-# -- Report: the runs added up, once ---------------------------------------------------------------
-# One pass over the facts, in run order, adds every run to its arm's tally in its population (kept,
-# or excluded by its validity label) and to that tally's cell for its task.  The figures of a view
-# come from these tallies: the view with exclusions applied reads the kept ones, the view with
-# every run merges both.  Counts whose order the notes show keep where each key was first seen, so
-# a merged tally lists them as one pass over all the runs would.
 
 def _tally_inc(counter: dict[str, list[Any]], key: Any, pos: Any, by: int = 1) -> None:
     """Count `key` (as _rpt_inc names it) in an ordered counter: key -> [count, first position]."""
@@ -14361,6 +14991,185 @@ def _tally_counts(counter: dict[str, list[Any]]) -> dict[str, Any]:
     return {k: v[0] for k, v in sorted(counter.items(), key=lambda kv: kv[1][1])}
 
 
+# -- Report: the per-run figures, declared once ----------------------------------------------------
+# A figure the report adds up per arm is one entry of RUN_FIGURES: its name (a field of RunFacts, so
+# a column of the runs summary), how it is read from a run record, the types that reading gives
+# (the summary believes nothing else), which runs of an arm add it and how (_FIGURE_ADDS), and
+# where and how it shows in the per-arm figures.  A new figure is one entry plus its rendering (a
+# column of the Markdown and HTML tables, where it should show there).
+
+def _add_sum(acc: Any, value: Any, pos: int) -> Any:
+    return acc + value
+
+
+def _add_value(acc: list, value: Any, pos: int) -> list:
+    if value is not None:
+        acc.append(value)
+    return acc
+
+
+def _add_count(acc: dict, value: Any, pos: int) -> dict:
+    acc[value] = acc.get(value, 0) + 1
+    return acc
+
+
+def _add_keyed(acc: dict[str, list[Any]], value: Any, pos: int) -> dict[str, list[Any]]:
+    """A run's {key: number} added key by key, each key at its first position (run, place in it)."""
+    if value:
+        for j, (key, x) in enumerate(value.items()):
+            have = acc.get(key)
+            if have is None:
+                acc[key] = [0 + x, (pos, j)]
+            else:
+                have[0] += x
+    return acc
+
+
+def _merge_counts(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for value, n in b.items():
+        out[value] = out.get(value, 0) + n
+    return out
+
+
+#: How an arm adds a figure up: a fresh total, one run's value added (at its position in run order),
+#: and two totals merged (the view with every run merges its kept and excluded runs).
+_FIGURE_ADDS: dict[str, tuple[Callable[[], Any], Callable[[Any, Any, int], Any],
+                              Callable[[Any, Any], Any]]] = {
+    "sum": (int, _add_sum, operator.add),                 # numbers added (ints: exact)
+    "values": (list, _add_value, operator.add),           # the values, None left out, in run order
+    "count": (dict, _add_count, _merge_counts),           # how many runs had each value
+    "keyed": (dict, _add_keyed, _tally_merge),            # dicts added key by key, first-seen order
+}
+
+
+class RunFigure(NamedTuple):
+    """One per-run figure of the report (see RUN_FIGURES)."""
+    name: str                                     # its RunFacts field
+    read: Callable[[Mapping[str, Any]], Any]      # its value of a run record (pure, never raises)
+    types: tuple[type, ...]                       # the types `read` gives, through JSON
+    runs: str                                     # which runs add it: "all", or "started" ones
+    add: str                                      # how they add up: a key of _FIGURE_ADDS
+    key: str                                      # its key in the per-arm figures
+    after: str                                    # the per-arm key it follows there
+    show: Callable[[Any], Any]                    # its per-arm value, of the arm's total
+
+
+def _evaluation_count(name: str) -> Callable[[Mapping[str, Any]], int]:
+    def read(rec: Mapping[str, Any]) -> int:
+        ev = rec.get("evaluation")
+        return _int_or_zero(ev.get(name)) if isinstance(ev, dict) else 0
+    return read
+
+
+def _tokens_fact(rec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The numeric token counts, by type, in the record's order (None: none)."""
+    tokens = rec.get("tokens")
+    tokens = ({k: v for k, v in tokens.items()
+               if isinstance(v, (int, float)) and _float_or(v, None) is not None}
+              if isinstance(tokens, dict) else {})
+    return tokens or None
+
+
+def _wall_fact(rec: Mapping[str, Any]) -> float | None:
+    wall = rec.get("wall_s")
+    return _float_or(wall, None) if isinstance(wall, (int, float)) else None
+
+
+def _token_totals(counts: dict[str, list[Any]]) -> dict[str, Any]:
+    """Tokens summed by type, and their `total` (input, output, cache write and read)."""
+    tokens = _tally_counts(counts)
+    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
+                                                                "cache_creation", "cache_read"))
+    return tokens
+
+
+def _gate_cycles(cycles: dict[int, int]) -> dict:
+    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
+    n = sum(cycles.values())
+    total = sum(c * k for c, k in cycles.items())
+    return {"total": total, "mean": float(total) / n if n else None,
+            "max": max(cycles) if cycles else None,
+            "distribution": {str(c): cycles[c] for c in sorted(cycles)}}
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_NONE_TYPE = type(None)
+#: The report's per-run figures that an arm adds up (see the block's comment).
+RUN_FIGURES: tuple[RunFigure, ...] = (
+    RunFigure("tests_passed", _evaluation_count("tests_passed"), (int,), "all", "sum",
+              "tests_passed", "mean_score", _same),
+    RunFigure("tests_total", _evaluation_count("tests_total"), (int,), "all", "sum",
+              "tests_total", "tests_passed", _same),
+    RunFigure("tokens", _tokens_fact, (dict, _NONE_TYPE), "all", "keyed",
+              "tokens", "cost_excluded_usd", _token_totals),
+    RunFigure("wall_s", _wall_fact, (float, _NONE_TYPE), "started", "values",
+              "median_wall_s", "tokens", median),
+    RunFigure("gate_cycles", lambda rec: _int_or_zero(rec.get("gate_cycles")), (int,), "started", "count",
+              "gate_cycles", "median_wall_s", _gate_cycles),
+)
+assert all(f.add in _FIGURE_ADDS and f.runs in ("all", "started") for f in RUN_FIGURES)
+
+RunFacts = NamedTuple("RunFacts", [*_CoreFacts.__annotations__.items(),
+                                   *((f.name, Any) for f in RUN_FIGURES)])
+RunFacts.__doc__ = """What the report (and the power plan, and `demo`) need of one run record, each value
+derived the way the report counts it: the census's own facts (_CoreFacts), then the declared
+figures (RUN_FIGURES).  Built by run_facts only; a JSON array in the runs summary, so every field
+is a JSON value (lists, never tuples)."""
+
+
+def run_facts(rec: Mapping[str, Any]) -> RunFacts:
+    """The report's facts of one run record (pure)."""
+    ev = rec.get("evaluation")
+    evaluated = isinstance(ev, dict)
+    score = ev.get("score") if evaluated else None
+    verdicts = rec.get("review_verdicts")
+    audit = run_audit(rec)
+    snapshots = [s for s in _as_list(ev.get("snapshots")) if isinstance(s, dict)
+                 and isinstance(s.get("t"), (int, float)) and _float_or(s.get("t"), None) is not None
+                 and _float_or(s.get("score") or 0, None) is not None] if evaluated else None
+    prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
+    launch = prov.get("launch")
+    task = rec.get("task")
+    cost = rec.get("cost_usd")
+    return RunFacts(
+        run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
+        task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
+        split=rec.get("split"), status=rec.get("status"), outcome=rec.get("outcome"),
+        validity=rec.get("validity"),
+        validity_reason=rec.get("validity_reason") if rec.get("validity") in REPORT_EXCLUDED_VALIDITY
+        else None,
+        evaluated=evaluated, success=evaluated and bool(ev.get("success")),
+        score=_float_or(score, None) if isinstance(score, (int, float)) else None,
+        score_checked=run_score(dict(rec)) if evaluated else None,
+        cost_raw=finite_number(cost), cost=_float_or(cost or 0.0, 0.0),
+        cost_checked=usd_from(cost, hi=_FACT_NUMBER_MAX), cost_estimated=bool(rec.get("cost_estimated")),
+        review_verdicts=list(verdicts) if isinstance(verdicts, list) and verdicts else None,
+        failure_reason=rec.get("failure_reason"),
+        audit=[audit["flagged"], audit["groups"]] if audit["audited"] else None,
+        snapshots=snapshots or None,
+        rehearsal=bool(prov.get("rehearsal")),
+        launch=[str(launch.get("model")), str(launch.get("effort"))] if isinstance(launch, dict) else None,
+        complete=bool(rec.get("status") and rec.get("provenance") and ev),
+        sandboxed=bool((rec.get("sandbox") if isinstance(rec.get("sandbox"), dict) else {}).get("sandboxed")),
+        sandbox=_sandbox_fact(rec), delivery=_delivery_fact(rec.get("delivery")),
+        **{f.name: f.read(rec) for f in RUN_FIGURES})
+
+
+#: Fields of a RunFacts, in order (a runs summary line of another length is stale).
+RUN_FACTS_FIELDS = RunFacts._fields
+
+
+# -- Report: the runs added up, once ---------------------------------------------------------------
+# One pass over the facts, in run order, adds every run to its arm's tally in its population (kept,
+# or excluded by its validity label) and to that tally's cell for its task.  The figures of a view
+# come from these tallies: the view with exclusions applied reads the kept ones, the view with
+# every run merges both.  Counts whose order the notes show keep where each key was first seen, so
+# a merged tally lists them as one pass over all the runs would.
+
 class _TaskCell:
     """One arm's runs of one task in one population."""
     __slots__ = ("runs", "evaluated", "successes", "scores", "costs", "paired_scores",
@@ -14390,13 +15199,13 @@ class _TaskCell:
 class _ArmTally:
     """One arm's runs in one population, added up in run order (see _rpt_tally)."""
     __slots__ = ("runs", "not_started", "running", "started", "not_evaluated", "causes", "outcomes",
-                 "est_costs", "walls", "tests_passed", "tests_total", "errors", "interrupted",
-                 "budget_exhausted", "timeouts", "tokens", "cycles", "verdicts_all", "verdicts_final",
-                 "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks")
+                 "est_costs", "errors", "interrupted", "budget_exhausted", "timeouts", "verdicts_all",
+                 "verdicts_final", "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks",
+                 "figures")
 
     def __init__(self) -> None:
         self.runs = self.not_started = self.running = self.started = self.not_evaluated = 0
-        self.tests_passed = self.tests_total = self.errors = self.interrupted = 0
+        self.errors = self.interrupted = 0
         self.budget_exhausted = self.timeouts = self.flagged = self.flagged_successes = self.ended = 0
         self.causes: dict[str, list[int]] = {}
         self.outcomes: dict[str, list[int]] = {}
@@ -14404,25 +15213,21 @@ class _ArmTally:
         self.verdicts_final: dict[str, list[int]] = {}
         self.reasons: dict[str, list[int]] = {}
         self.labels: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[Any]] = {}
-        self.cycles: dict[int, int] = {}
         self.est_costs: list[float] = []
-        self.walls: list[float] = []
         self.tasks: dict[str, _TaskCell] = {}
+        # Each declared figure's total (RUN_FIGURES), by name.
+        self.figures: dict[str, Any] = {f.name: _FIGURE_ADDS[f.add][0]() for f in RUN_FIGURES}
 
     def merged(self, other: _ArmTally) -> _ArmTally:
         out = _ArmTally()
-        for name in ("runs", "not_started", "running", "started", "not_evaluated", "tests_passed",
-                     "tests_total", "errors", "interrupted", "budget_exhausted", "timeouts", "flagged",
-                     "flagged_successes", "ended"):
+        for name in ("runs", "not_started", "running", "started", "not_evaluated", "errors",
+                     "interrupted", "budget_exhausted", "timeouts", "flagged", "flagged_successes", "ended"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        for name in ("causes", "outcomes", "verdicts_all", "verdicts_final", "reasons", "labels",
-                     "tokens"):
+        for name in ("causes", "outcomes", "verdicts_all", "verdicts_final", "reasons", "labels"):
             setattr(out, name, _tally_merge(getattr(self, name), getattr(other, name)))
-        out.cycles = dict(self.cycles)
-        for c, n in other.cycles.items():
-            out.cycles[c] = out.cycles.get(c, 0) + n
-        out.est_costs, out.walls = self.est_costs + other.est_costs, self.walls + other.walls
+        out.figures = {f.name: _FIGURE_ADDS[f.add][2](self.figures[f.name], other.figures[f.name])
+                       for f in RUN_FIGURES}
+        out.est_costs = self.est_costs + other.est_costs
         out.tasks = dict(self.tasks)
         for task, cell in other.tasks.items():
             mine = out.tasks.get(task)
@@ -14433,9 +15238,12 @@ class _ArmTally:
 #: The facts _rpt_census reads of a run, in the order it unpacks them: one C call per run.
 _CENSUS_FACTS = operator.itemgetter(*(RUN_FACTS_FIELDS.index(name) for name in (
     "arm", "task_key", "status", "outcome", "validity", "evaluated", "success", "score", "score_checked",
-    "tests_passed", "tests_total", "cost", "cost_checked", "cost_estimated", "tokens", "wall_s",
-    "gate_cycles", "review_verdicts", "failure_reason", "audit", "sandbox", "rehearsal", "snapshots",
-    "delivery", "launch")))
+    "cost", "cost_checked", "cost_estimated", "review_verdicts", "failure_reason", "audit", "sandbox",
+    "rehearsal", "snapshots", "delivery", "launch")))
+#: Each declared figure as the census adds it: (its position in RunFacts, its name, whether only
+#: started runs add it, how a run's value is added).
+_FIGURE_STEPS = tuple((RUN_FACTS_FIELDS.index(f.name), f.name, f.runs == "started", _FIGURE_ADDS[f.add][1])
+                      for f in RUN_FIGURES)
 
 
 class _RunCensus:
@@ -14471,9 +15279,9 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
     excluded_labels = REPORT_EXCLUDED_VALIDITY
     add_cost, add_reasons = census.costs.append, census.unboxed_reasons.update
     for pos, f in enumerate(known):
-        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, tests_passed,
-         tests_total, cost, cost_checked, cost_estimated, tokens, wall_s, gate_cycles, verdicts,
-         failure_reason, audit, sandbox, rehearsal, snapshots, delivery, launch) = _CENSUS_FACTS(f)
+        (arm, task_key, status, outcome, validity, evaluated, success, score, score_checked, cost,
+         cost_checked, cost_estimated, verdicts, failure_reason, audit, sandbox, rehearsal, snapshots,
+         delivery, launch) = _CENSUS_FACTS(f)
         excluded = validity in excluded_labels
         t = tallies.get((arm, excluded))
         if t is None:
@@ -14496,10 +15304,6 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 t.outcomes[key] = [1, pos]
             else:
                 have[0] += 1
-            if wall_s is not None:
-                t.walls.append(wall_s)
-            cycles = t.cycles
-            cycles[gate_cycles] = cycles.get(gate_cycles, 0) + 1
             if verdicts:
                 for j, v in enumerate(verdicts):
                     _tally_inc(t.verdicts_all, v, (pos, j))   # several in one run: in their order
@@ -14522,8 +15326,6 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 cell.scores.append(score)
             if score_checked is not None:
                 cell.paired_scores.append(score_checked)
-            t.tests_passed += tests_passed
-            t.tests_total += tests_total
             if flagged:
                 cell.flagged_evaluated += 1
         if not pending:
@@ -14551,14 +15353,10 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
                 t.timeouts += 1
         if cost_estimated:
             t.est_costs.append(cost)
-        if tokens:
-            counts = t.tokens
-            for k, v in tokens.items():
-                have = counts.get(k)
-                if have is None:
-                    counts[k] = [0 + v, (pos, list(tokens).index(k))]
-                else:
-                    have[0] += v
+        figures = t.figures
+        for k, name, started_only, add in _FIGURE_STEPS:
+            if not started_only or status != "not_started":
+                figures[name] = add(figures[name], f[k], pos)
         if flagged:
             t.flagged += 1
             t.flagged_successes += success
@@ -14608,21 +15406,24 @@ def _rpt_task_rates(t: _ArmTally) -> list[float]:
     return [c.successes / c.evaluated for _, c in sorted(t.tasks.items()) if c.evaluated]
 
 
-def _rpt_token_totals(t: _ArmTally) -> dict[str, Any]:
-    """Tokens summed by type, and their `total` (input, output, cache write and read)."""
-    tokens = _tally_counts(t.tokens)
-    tokens["total"] = sum(v for k, v in tokens.items() if k in ("input", "output",
-                                                                "cache_creation", "cache_read"))
-    return tokens
+def _rpt_placed(stats: dict[str, Any], t: _ArmTally) -> dict[str, Any]:
+    """The per-arm figures `stats` with each declared figure (RUN_FIGURES) of the tally `t` shown
+    after the key it names (at the end when that key is not there)."""
+    after: dict[str, list[RunFigure]] = {}
+    for fig in RUN_FIGURES:
+        after.setdefault(fig.after, []).append(fig)
+    out: dict[str, Any] = {}
 
-
-def _rpt_gate_cycles(t: _ArmTally) -> dict:
-    """Gate cycles of the started runs: total, mean, max and how many runs had each count."""
-    n = sum(t.cycles.values())
-    total = sum(c * k for c, k in t.cycles.items())
-    return {"total": total, "mean": float(total) / n if n else None,
-            "max": max(t.cycles) if t.cycles else None,
-            "distribution": {str(c): t.cycles[c] for c in sorted(t.cycles)}}
+    def put(key: str, value: Any) -> None:
+        out[key] = value
+        for fig in after.pop(key, ()):
+            put(fig.key, fig.show(t.figures[fig.name]))
+    for key, value in stats.items():
+        put(key, value)
+    for figs in list(after.values()):
+        for fig in figs:
+            put(fig.key, fig.show(t.figures[fig.name]))
+    return out
 
 
 def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int = 10000) -> dict:
@@ -14645,7 +15446,7 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
     cost = math.fsum(itertools.chain.from_iterable(c.costs for c in cells))
     # Conservative view: every ended run counts; one without an evaluation counts as a failure.
     n_ended = n_eval + t.not_evaluated
-    return {
+    return _rpt_placed({
         "runs": t.runs + left_out.runs,
         "in_view": t.runs,
         "excluded": left_out.runs,
@@ -14670,8 +15471,6 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
         "timeouts": t.timeouts,
         "outcomes": _tally_counts(t.outcomes),
         "mean_score": mean(itertools.chain.from_iterable(c.scores for c in cells)),
-        "tests_passed": t.tests_passed,
-        "tests_total": t.tests_total,
         "cost_usd": cost,
         "cost_estimated_usd": math.fsum(t.est_costs),
         "cost_estimated_runs": len(t.est_costs),
@@ -14679,12 +15478,9 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
         "cost_per_success_usd": cost / successes if successes else None,
         "cost_excluded_usd": math.fsum(itertools.chain.from_iterable(
             c.costs for c in left_out.tasks.values())),
-        "tokens": _rpt_token_totals(t),
-        "median_wall_s": median(t.walls),
-        "gate_cycles": _rpt_gate_cycles(t),
         "review_verdicts": {"all": _tally_counts(t.verdicts_all), "final": _tally_counts(t.verdicts_final)},
         "failure_reasons": _tally_counts(t.reasons),
-    }
+    }, t)
 
 
 _NO_CELL = _TaskCell()
@@ -14872,36 +15668,22 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
     }
 
 
-def _rpt_view_part(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
-                   base: str, tasks: list[str], seed: int, draws: int = 10000,
-                   only: frozenset[str] | None = None) -> dict:
-    """What one view computes, from each arm's tally of the view's runs (`view`) and of its runs
-    outside the view (`left_out`): the per-arm figures of the arms in `only` (None: every arm), the
-    comparisons with such an arm on either side, and the per-task cells.  A JSON value."""
-    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
-                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
-                        for a in arms if only is None or a in only},
-            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) for a in arms
-                            if a != base and (only is None or a in only or base in only)},
-            "per_task": _rpt_task_cells(view, arms, tasks)}
-
-
 def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], arms: list[str],
               base: str, tasks: list[str], seed: int, draws: int = 10000, same_as: dict | None = None,
-              changed: frozenset[str] = frozenset(), part: dict | None = None) -> dict:
+              changed: frozenset[str] = frozenset()) -> dict:
     """One view's per-arm figures, comparisons and per-task cells, from each arm's tally of the
     view's runs (`view`) and of its runs outside the view (`left_out`).  With `same_as` (another
     view of the same study) the figures of every arm not in `changed`, and the comparisons where
-    neither side is, are that view's (copied): their runs are the same, so is every figure.  With
-    `part`, the rest is that (_rpt_view_part of the same arguments, computed elsewhere)."""
-    if part is None:
-        part = _rpt_view_part(view, left_out, arms, base, tasks, seed, draws,
-                              None if same_as is None else changed)
-    mine, theirs = part["per_arm"], part["comparisons"]
-    return {"per_arm": {a: mine[a] if a in mine else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
-            "comparisons": {a: theirs[a] if a in theirs else copy.deepcopy(same_as["comparisons"][a])
-                            for a in arms if a != base},
-            "per_task": part["per_task"]}
+    neither side is, are that view's (copied): their runs are the same, so is every figure."""
+    def fresh(a: str) -> bool:
+        return same_as is None or a in changed
+
+    return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
+                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
+                        if fresh(a) else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
+            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) if fresh(a) or fresh(base)
+                            else copy.deepcopy(same_as["comparisons"][a]) for a in arms if a != base},
+            "per_task": _rpt_task_cells(view, arms, tasks)}
 
 
 def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> list[str]:
@@ -15247,59 +16029,21 @@ def _rpt_arms(runs: Sequence[RunFacts], arms: list[str], baseline: str | None) -
     return arms, base
 
 
-def _rpt_json_exact(value: Any) -> bytes:
-    """`value` as JSON text, ValueError when reading it back would not give the same value (a tuple,
-    a key that is not a string, NaN, which equals nothing)."""
-    text = json.dumps(value)
-    if json.loads(text) != value:
-        raise ValueError("the value does not survive a round trip through JSON")
-    return text.encode()
-
-
-def _rpt_json_part(data: bytes | None) -> dict | None:
-    """A view's part (_rpt_view_part) read back from _rpt_json_exact's text; None when there is
-    none or it is not one."""
-    try:
-        part = json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-    if not isinstance(part, dict) or not all(isinstance(part.get(k), dict) for k in
-                                             ("per_arm", "comparisons", "per_task")):
-        return None
-    return part
-
-
-
-
 def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str], base: str,
                tasks: list[str], seed: int, alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS,
-               beside: ComputeBeside | None = None,
                ) -> dict[str, dict]:
     """The two views (exclusions applied, all included), each with its flagged-run counts and its
-    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs.
-
-    With `beside` (Platform.compute_beside) what the view with every run computes is computed in
-    another process while this one computes the other view, and read back as JSON: the same
-    function of the same tallies, so the same figures.  When that fails in any way (no answer in
-    time, a child that died, an answer that is not one), it is computed here."""
+    Holm-adjusted p-values, from each arm's tallies of its kept and its excluded runs."""
     # With nothing excluded the two views have the same input: computed once, copied.  Otherwise
     # only what an exclusion touches is computed again (the arms with excluded runs and the
     # comparisons with such an arm on either side).
     changed = frozenset(a for a in arms if out[a].runs)
     every = {a: kept[a].merged(out[a]) if a in changed else kept[a] for a in arms}
     none = {a: _ArmTally() for a in arms}
-    def every_part() -> bytes:
-        return _rpt_json_exact(_rpt_view_part(every, none, arms, base, tasks, seed, draws, changed))
-
-    def kept_view() -> dict:
-        return {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
-
-    views, theirs = alongside(beside, every_part if changed else None, kept_view)
-    part = _rpt_json_part(theirs)
+    views = {"exclusions_applied": _rpt_view(kept, out, arms, base, tasks, seed, draws)}
     views["all_included"] = (copy.deepcopy(views["exclusions_applied"]) if not changed
                              else _rpt_view(every, none, arms, base, tasks, seed, draws,
-                                            same_as=views["exclusions_applied"], changed=changed,
-                                            part=part))
+                                            same_as=views["exclusions_applied"], changed=changed))
     for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
         _rpt_flag_view(views[name], tallies)
         _rpt_holm_view(views[name], alpha)
@@ -15537,8 +16281,7 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
 
 
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
-                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None,
-                    beside: ComputeBeside | None = None) -> dict:
+                    include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
 
     `arms` are the study's arms in order (empty: the arms seen in the runs, in first-seen order).
@@ -15552,7 +16295,6 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     tasks (see _rpt_compare); bootstrap intervals use streams seeded from `seed`, so the report is
     reproducible.  `plan` is the analysis plan `assign` wrote (read from `plan_source`);
     `analysis` says whether this report follows it or is exploratory (see report_analysis).
-    `beside` (Platform.compute_beside) lets one view be computed in another process (_rpt_views).
     """
     arms, _ = _rpt_arms(runs, arms, None)
     analysis = report_analysis(plan, plan_source, arms, baseline, seed)
@@ -15572,7 +16314,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     excluded = census.excluded
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
-    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"], beside)
+    views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
@@ -15823,7 +16565,7 @@ def _rpt_analysis_line(report: dict) -> str:
                 + "; ".join(an.get("deviations") or []) + "). Its p-values do not carry the plan's "
                 "error control.")
     if an.get("pre_registered"):
-        return (f"Pre-registered analysis: the plan written by assign ({an.get('source')}), every arm "
+        return (f"Pre-registered analysis: the plan fixed before the runs ({an.get('source')}), every arm "
                 f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
                 f"{an.get('alpha')}.")
     return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
@@ -16776,9 +17518,13 @@ def _page_receipt_html(g: dict) -> str:
     esc = html.escape
     checks = ", ".join(f"{c.get('id')}: {'pass' if c.get('passed') else 'fail'}"
                        for c in g["checks"] if isinstance(c, dict))
+    failed = failed_checks(g["checks"])
     return (f'<h3>Receipt {esc(g["file"])}: {"passed" if g["passed"] is True else "not passed"}, score '
             f'{esc(str(g["score"]))}, exit {esc(str(g["exit_code"]))}</h3><div class="tl">'
-            + (f"<p>{esc(checks)}</p>" if checks else "") + _page_block(*g["output"]) + "</div>")
+            + (f"<p>{esc(checks)}</p>" if checks else "")
+            + (html_table(["Failed check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed])
+               if failed else "")
+            + _page_block(*g["output"]) + "</div>")
 
 
 def _page_review_html(r: dict) -> str:
@@ -16812,6 +17558,12 @@ def render_run_page(page: dict) -> str:
                            fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
                            fmt_secs(_finite_or_none(rec.get("wall_s"))),
                            "yes" if audit["flagged"] else "no"]]))
+    failed = failed_checks(ev.get("checks")) if ev else []
+    if failed:
+        p.append('<h2>Hidden tests that failed</h2>'
+                 + html_table(["Check", "Detail"], [[c["id"], c["detail"] or "-"] for c in failed]))
+    elif ev and ev.get("grader_error"):
+        p.append(f'<h2>Hidden tests</h2><p class="flag">No verdict: {esc(str(ev["grader_error"]))}</p>')
     p.append("<h2>Behaviour audit</h2>")
     findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
     if not audit["audited"]:
@@ -17920,7 +18672,9 @@ class RehearsalScripts:
         run_id = rec["run_id"]
         task = self.tasks[rec["task"]]
         arm = self.arms[rec["arm"]]
-        ws = str(self.paths.run_dir(run_id) / "workspace")
+        # Where the session sees its workspace: a task's container has it at its workdir.
+        ws = (str(task.environment["workdir"]) if task.environment is not None
+              else str(self.paths.run_dir(run_id) / "workspace"))
         with self.lock:
             if role in self.EXECUTOR_ROLES:
                 sid = f"{run_id}-executor"
@@ -18025,8 +18779,15 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
                    behaviours: Mapping[str, str] | None = None, faults: Mapping[str, str] | None = None,
                    progress: Callable[[str], None] | None = None, executor: str | None = None,
                    private_home: bool = False,
-                   calibration: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   calibration: Mapping[str, Any] | None = None,
+                   only_tasks: Sequence[str] = (), only_arms: Sequence[str] = (),
+                   limit: int | None = None) -> dict[str, Any]:
     """Run the whole study, offline, against the scripted model, in the scratch study `scratch`.
+
+    `only_tasks`, `only_arms` and `limit` rehearse a part (those tasks, those arms, the first
+    `limit` runs of the manifest): a quicker look that is not recorded as the study's rehearsal.
+    `behaviours` and `faults` must name runs of the rehearsal's manifest; nothing is written
+    before they are checked.
 
     `calibration`: results the caller has just measured for these tasks (the demo's); each one
     still true of its task (see calibration_to_reuse) is reused instead of calibrating again.
@@ -18040,17 +18801,42 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     (a one-node cluster); on a multi-node cluster rehearse with the local executor.
     """
     cfg = load_study_config(paths)
-    tasks = load_tasks(paths, cfg)
+    tasks = pick_tasks(load_tasks(paths, cfg), only_tasks)
     arms = load_arms(paths, cfg)
+    unknown_arms = [a for a in only_arms if a not in arms]
+    if unknown_arms:
+        raise AgentbenchError("unknown arm", code="unknown_arm", arms=unknown_arms, known=list(arms))
+    if only_arms:
+        arms = {k: v for k, v in arms.items() if k in only_arms}
+    # Every task's image is built and started once before anything else runs.
+    images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
+        if any(t.environment is not None for t in tasks.values()) else {}
+    partial = bool(only_tasks or only_arms or limit)
     load_templates(paths, cfg)
     chash = config_hash(paths, cfg)
     validate_launch_values(cfg)
+    seed = int(cfg.get("seed") or 0)
+    manifest = make_assignment(sorted(tasks), sorted(arms), int(repeats or cfg.get("repeats") or 1), seed)
+    if limit:
+        manifest = manifest[:limit]
+    ids = {r["run_id"] for r in manifest}
+    for flag, named in (("--behaviour", behaviours or {}), ("--fault", faults or {})):
+        unknown_runs = sorted(set(named) - ids)
+        if unknown_runs:
+            raise AgentbenchError(f"{flag} names a run the rehearsal does not have", code="unknown_run",
+                                  flag=flag, runs=unknown_runs[:20], known_first=sorted(ids)[:5],
+                                  hint=f"RUN_ID=VALUE with a run id of the rehearsal ({min(ids)}.."
+                                       f"{max(ids)}, see `list` after `assign`)" if ids else None)
     require_executor_ready(executor or cfg.get("executor"), ctx.env)
     if (scratch / STUDY_FILE).exists() or (scratch.exists() and any(scratch.iterdir())):
         raise AgentbenchError("the rehearsal directory is not empty", code="rehearsal_directory_not_empty",
                               dir=str(scratch),
                               hint="pass --dir with a new directory, or remove the old rehearsal")
     scfg = scratch_study_config(paths, cfg, arms)
+    if only_arms:
+        scfg["arms"] = {k: v for k, v in scfg["arms"].items() if k in arms}
+        if scfg.get("network_open_arms"):
+            scfg["network_open_arms"] = [a for a in scfg["network_open_arms"] if a in arms]
     scfg["parallel"] = max(int(scfg.get("parallel") or 1), parallel)
     if executor:
         scfg["executor"] = executor
@@ -18065,10 +18851,12 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     cal = {t.id: reuse.get(t.id) or calibrate_task(sp, ctx.platform, t, ctx.env) for t in tasks.values()}
     write_json_atomic(sp.state / "calibration.json",
                       {"tasks": cal, "config_hash": config_hash(sp, scfg), "at": utc_now()})
-    manifest = make_assignment(sorted(tasks), sorted(arms), int(scfg.get("repeats") or 1),
-                               int(scfg.get("seed") or 0))
     fault_specs = {rid: parse_fault(f) for rid, f in (faults or {}).items()}
-    register_runs(sp, manifest, int(scfg.get("seed") or 0), "main", fault_specs)
+    # The rehearsal's own manifest, its analysis plan fixed before any of its runs (as `assign`
+    # fixes the study's): its report is then truly pre-registered, and says so.
+    write_bytes_atomic(sp.state / "manifests" / "main.json",
+                       manifest_bytes(manifest, seed, "main", analysis_plan(list(arms), list(arms)[0], seed)))
+    register_runs(sp, manifest, seed, "main", fault_specs)
     server = ScriptedModelServer(str(sp.scripts))
     server.start()
     try:
@@ -18121,7 +18909,13 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     # Runs the breaker left unrehearsed make it no pass; the record names the breaker's reason.
     record = {"ok": not problems and not driven["paused"], "config_hash": chash, "at": utc_now(),
               "scratch": str(scratch), "runs": len(runs), "problems": problems, "arms": summary,
-              "breaker": breaker, "gateway": proof}
+              "breaker": breaker, "gateway": proof, "environments": images}
+    if partial:
+        # A part says nothing of the runs left out: it is not the study's rehearsal.
+        return {**record, "paused": driven["paused"], "partial": True,
+                "selection": {"tasks": sorted(tasks), "arms": list(arms), "limit": limit},
+                "note": "a partial rehearsal: not recorded as the study's rehearsal (rehearse without "
+                        "--task/--arm/--limit before `run`)"}
     if paths.state.is_dir() or paths.root.is_dir():
         write_json_atomic(paths.state / "rehearsal.json", record)
     return {**record, "paused": driven["paused"]}
@@ -18176,37 +18970,21 @@ def iter_ledger_once_per_job(path: str | os.PathLike[str],
 
 
 # -- The runs summary: what `report` reads instead of every run record -----------------------------
-# state/runs_summary.jsonl holds every run's facts (run_facts) with the stamp of its record file
-# (device, inode, size, mtime and ctime in ns: a record is replaced by rename, and ctime moves on
-# every change, whoever sets the mtime back).  Its first line is the base, one JSON object:
-#   {"tag": T, "ids": [run id, ...], "stamps": B, "columns": [column, ...]}
-# with the run ids in order, their stamps packed (_STAMP: STAMP_BYTES each, in the ids' order, in
-# base64) and one column per field of RunFacts, in their order, each one of:
-#   V                                 every run's value;
-#   {"value": v}                      v for every run;
-#   {"values": V, "index": B}         a table of distinct values and each run's position in it,
-#                                     unsigned little-endian numbers of 1, 2 or 4 bytes (for at
-#                                     most 256, 65536, or more values), in base64;
-#   {"same": "ids" or k}              the same values as the run ids or as column k before it;
-# where V, a list of values, is either the JSON list or, when they are all floats or None,
-# {"floats": B, "nulls": [i, ...]}: the floats as little-endian IEEE doubles in base64 (bit for bit:
-# -0.0 stays), None at the positions `nulls` lists.
-# Every later line is one run read since the base was written, a JSON array:
-#   [T, run id, stamp in base64, *facts]
+# state/runs_summary.jsonl holds one line per run, a JSON array:
+#   [T, run id, stamp, *facts]
 # T, the tag, is the format's version and a digest of the code that wrote it: facts derived by other
-# code are not believed.  It is a cache, never the truth: `report` checks every run against its
-# record's current stamp (one stat per run, no read), takes its facts from its last line, else from
-# the base, where the stamp there is the current one, reads again only the records whose stamp
-# moved or that have neither, and appends lines for them.  A base or line that is torn, garbled,
-# of another tag or shape, or that holds a field whose type (the outer one: what is inside a list
-# or an object is not checked again) run_facts never gives is not believed (its runs are read from
-# their records), so it gives the same report as a fresh summary.  The
-# file is rewritten whole (a new base, renamed into place) when the lines after the base, or the
-# base's runs that are no longer current, pass 1/_SUMMARY_REBASE_SHARE of the runs.  A record
-# that has not settled (changed less than RECORD_SETTLE_NS ago) is kept in neither the base nor a
-# line: it is read from its record until it has.  Values repeat
-# across runs (arms, tasks, statuses, token counts): the base holds each once, and the runs that
-# share it share one object, which no reader of RunFacts mutates (a test holds the report to it).
+# code are not believed.  The stamp is that of the run's record file (device, inode, size, mtime and
+# ctime in ns, packed, in hex: a record is replaced by rename, and ctime moves on every change,
+# whoever sets the mtime back); the facts are run_facts' fields in order.  It is a cache, never the
+# truth: `report` checks every run against its record's current stamp (one stat per run, no read),
+# takes its facts from its last line where that line holds the current stamp, reads again only the
+# records whose stamp moved or that have no line, and appends lines for them.  A line that is
+# torn, garbled, of another tag or shape, or that holds a field whose type (the outer one: what is
+# inside a list or an object is not checked again) run_facts never gives is not believed (its run
+# is read from its record), so it gives the same report as a fresh summary.  The file is rewritten
+# whole (one line per run, renamed into place) when it would hold twice as many lines as there are
+# runs.  A record that has not settled (changed less than RECORD_SETTLE_NS ago) gets no line: it is
+# read from its record until it has.
 
 def _own_code_digest() -> str | None:
     """sha256 of this program's source (None when it cannot be read): a report computed by other
@@ -18218,8 +18996,8 @@ def _own_code_digest() -> str | None:
 
 
 RUNS_SUMMARY_FILE = "runs_summary.jsonl"
-#: The summary's format: a base or line of another version is stale.
-RUNS_SUMMARY_VERSION = 4
+#: The summary's format: a line of another version is stale.
+RUNS_SUMMARY_VERSION = 5
 #: A summary or report cache larger than this is not read (the runs are read from their records).
 CACHE_FILE_MAX_BYTES = 1 << 30
 #: A record's stamp packed: device, inode, size, mtime_ns, ctime_ns (little-endian).
@@ -18227,37 +19005,31 @@ _STAMP = struct.Struct("<QQQqq")
 STAMP_BYTES = _STAMP.size
 #: The ctime of a packed stamp: its last 8 bytes.
 _STAMP_CTIME = struct.Struct(f"<{STAMP_BYTES - 8}xq")
-#: The base is rewritten when more than this share of the runs is not in it as they are now.
-_SUMMARY_REBASE_SHARE = 16
 #: A record changed less than this long ago (its ctime against this host's clock) has not settled:
 #: rewritten again within the same tick of the file system's clock, in place and to the same size,
 #: it would keep its stamp.  Its facts are not kept in the summary, and no report over it is kept in
 #: the report cache, until it has settled (the rule Git applies to index entries written in the
 #: same second as the index).  Two seconds covers the coarsest timestamps in use (FAT's).
 RECORD_SETTLE_NS = 2_000_000_000
-#: The stamp kept for a run whose record has not settled: no record has it (inode 0, size 0).
-_UNSETTLED_STAMP = bytes(STAMP_BYTES)
-#: The array type codes of a base's 2- and 4-byte indexes (a platform with no 4-byte code writes
-#: and reads its wide indexes with "I": a base of another platform then has indexes of another
-#: length, and is not believed).
-_INDEX_CODES = {2: "H", 4: next((c for c in "IL" if array.array(c).itemsize == 4), "I")}
 _NONE = type(None)
 #: The types run_facts gives each field (through JSON); a field not named here may be any value.
 _FACT_TYPES = {
     "arm": (str,), "arm_given": (bool,), "task_key": (str,), "evaluated": (bool,), "success": (bool,),
-    "score": (float, _NONE), "score_checked": (float, _NONE), "tests_passed": (int,), "tests_total": (int,),
+    "score": (float, _NONE), "score_checked": (float, _NONE),
     "cost_raw": (float, _NONE), "cost": (float,), "cost_checked": (float, _NONE), "cost_estimated": (bool,),
-    "tokens": (dict, _NONE), "wall_s": (float, _NONE), "gate_cycles": (int,),
     "review_verdicts": (list, _NONE),
     "audit": (list, _NONE), "snapshots": (list, _NONE), "rehearsal": (bool,), "launch": (list, _NONE),
     "complete": (bool,), "sandboxed": (bool,), "sandbox": (dict, _NONE), "delivery": (list, _NONE),
+    **{f.name: f.types for f in RUN_FIGURES},
 }
-_FIELD_TYPES = tuple(frozenset(_FACT_TYPES[f]) if f in _FACT_TYPES else None for f in RUN_FACTS_FIELDS)
+#: Each field's types, by position in a summary line: (position, frozenset of types).
+_LINE_TYPES = tuple((3 + k, frozenset(_FACT_TYPES[f])) for k, f in enumerate(RUN_FACTS_FIELDS)
+                    if f in _FACT_TYPES)
 _SUMMARY_LINE_LEN = 3 + len(RUN_FACTS_FIELDS)
 
 
 def summary_tag() -> str | None:
-    """The tag of every summary base and line this code writes and believes: the format's version
+    """The first item of every summary line this code writes and believes: the format's version
     and this code's digest (None: the code cannot be read, so no summary is read or written)."""
     code = _own_code_digest()
     return None if code is None else f"{RUNS_SUMMARY_VERSION}:{code[:20]}"
@@ -18301,74 +19073,34 @@ def pack_stamp(st: os.stat_result) -> bytes:
         return hashlib.blake2b(text.encode(), digest_size=STAMP_BYTES - 8).digest() + struct.pack("<q", ctime)
 
 
-def _stamp_records(fd: int | None, directory: str, rids: Sequence[str]) -> bytes:
-    """The record files of these run ids stat'ed: a flag per run (1: a regular file, 0: anything
-    else: gone, a link, a directory), then the stamp (pack_stamp) of each flagged one, in order.
-    lstat, relative to the directory's descriptor `fd` where there is one."""
-    pack, regular = _STAMP.pack, stat.S_ISREG     # (pack_stamp, inlined: 100,000 calls)
-    flags = bytearray(len(rids))
-    stamps = []
-    for i, rid in enumerate(rids):
-        try:
-            st = (os.stat(rid + ".json", dir_fd=fd, follow_symlinks=False) if fd is not None
-                  else os.lstat(os.path.join(directory, rid + ".json")))
-        except OSError:
-            continue
-        if regular(st.st_mode):
-            flags[i] = 1
-            try:
-                stamps.append(pack(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-            except struct.error:
-                stamps.append(pack_stamp(st))
-    return bytes(flags) + b"".join(stamps)
-
-
-def _stamps_fit(data: bytes, n: int) -> bool:
-    """Whether `data` is what _stamp_records answers for `n` run ids: n flags of 0 or 1, then a
-    stamp per 1."""
-    ones = data.count(1, 0, n)
-    return len(data) == n + STAMP_BYTES * ones and ones + data.count(0, 0, n) == n
-
-
-#: With at least this many records, and a core to spare, a copy of the process stats half of them.
-RECORD_SCAN_SPLIT_MIN = 20000
-
-
-def run_record_stamps(paths: StudyPaths, beside: ComputeBeside | None = None) -> RecordStamps:
+def run_record_stamps(paths: StudyPaths) -> RecordStamps:
     """The stamp of every record file in the run index, by run id (lstat: a link is never followed,
     and a name that is not a run id is skipped).  The directory is listed once, and each record
-    stat'ed relative to it where the platform can, in run id order.  With `beside`
-    (Platform.compute_beside) and at least RECORD_SCAN_SPLIT_MIN records, a copy of the process
-    stats the second half of them while this one stats the first; when the copy fails in any way,
-    this one stats them too."""
+    stat'ed relative to it where the platform can, in run id order."""
     directory = os.fspath(paths.run_index)
     try:
-        fd: int | None = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except (FileNotFoundError, NotADirectoryError):
         return RecordStamps([], b"")
+    ids: list[str] = []
+    stamps: list[bytes] = []
     try:
         with os.scandir(fd if os.scandir in os.supports_fd else directory) as it:
             rids = sorted(n[:-5] for n in (e.name for e in it)
                           if n.endswith(".json") and not n.startswith(".") and len(n) > 5)
-        if os.stat not in os.supports_dir_fd:
-            os.close(fd)
-            fd = None
-        half = len(rids) // 2 if beside is not None and len(rids) >= RECORD_SCAN_SPLIT_MIN else len(rids)
-        rest = rids[half:]
-        mine, theirs = alongside(beside, (lambda: _stamp_records(fd, directory, rest)) if rest else None,
-                                 lambda: _stamp_records(fd, directory, rids[:half]))
-        parts = [(half, mine)]
-        if rest:
-            if theirs is None or not _stamps_fit(theirs, len(rest)):
-                theirs = _stamp_records(fd, directory, rest)
-            parts.append((len(rest), theirs))
+        at = fd if os.stat in os.supports_dir_fd else None
+        for rid in rids:
+            try:
+                st = (os.stat(rid + ".json", dir_fd=at, follow_symlinks=False) if at is not None
+                      else os.lstat(os.path.join(directory, rid + ".json")))
+            except OSError:
+                continue            # gone since the listing
+            if stat.S_ISREG(st.st_mode):
+                ids.append(rid)
+                stamps.append(pack_stamp(st))
     finally:
-        if fd is not None:
-            os.close(fd)
-    flags = b"".join(data[:n] for n, data in parts)
-    packed = b"".join(data[n:] for n, data in parts)
-    return RecordStamps(rids if flags.count(1) == len(rids) else list(itertools.compress(rids, flags)),
-                        packed)
+        os.close(fd)
+    return RecordStamps(ids, b"".join(stamps))
 
 
 def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
@@ -18378,316 +19110,47 @@ def unsettled_records(stamps: RecordStamps, now_ns: int) -> list[int]:
     return [i for i, (ctime,) in enumerate(_STAMP_CTIME.iter_unpack(stamps.packed)) if ctime >= cutoff]
 
 
-def _b64_numbers(arr: array.array) -> str:
-    """An array's numbers as the base holds them: little-endian, in base64 (`arr` is the caller's
-    own: it is swapped in place on a big-endian host)."""
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return base64.b64encode(arr.tobytes()).decode("ascii")
-
-
-def _numbers_of_b64(code: str, text: Any) -> array.array:
-    """The numbers (of array type `code`) _b64_numbers wrote as `text`; ValueError or TypeError
-    when it holds none (not base64, or a length that is not a whole number of them)."""
-    arr = array.array(code)
-    arr.frombytes(base64.b64decode(text, validate=True))
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr
-
-
-def _encode_index(index: list[int], size: int) -> str:
-    """Each run's position in a table of `size` values, as the base holds it (see the banner)."""
-    if size <= 256:
-        return base64.b64encode(bytes(index)).decode("ascii")
-    return _b64_numbers(array.array(_INDEX_CODES[2 if size <= 65536 else 4], index))
-
-
-def _decode_index(text: Any, size: int, n: int) -> Sequence[int]:
-    """The `n` positions `text` holds for a table of `size` values; ValueError or TypeError when
-    it holds something else."""
-    index: Sequence[int] = (base64.b64decode(text, validate=True) if size <= 256
-                            else _numbers_of_b64(_INDEX_CODES[2 if size <= 65536 else 4], text))
-    if len(index) != n:
-        raise ValueError("an index of another length")
-    return index
-
-
-def _encode_values(values: list[Any]) -> Any:
-    """A list of values as the base holds it: floats (and None) packed, else the JSON list."""
-    kinds = set(map(type, values))
-    if float not in kinds or not kinds <= {float, _NONE}:
-        return values
-    nulls = list(itertools.compress(itertools.count(), map(operator.is_, values, itertools.repeat(None))))
-    arr = array.array("d", [0.0 if v is None else v for v in values] if nulls else values)
-    return {"floats": _b64_numbers(arr), "nulls": nulls}
-
-
-def _decode_values(obj: Any) -> list[Any]:
-    """The list of values _encode_values made `obj` of; ValueError or TypeError when it is none."""
-    if type(obj) is list:
-        return obj
-    if type(obj) is not dict or obj.keys() != {"floats", "nulls"} or type(obj["nulls"]) is not list:
-        raise ValueError("not a list of values")
-    values: list[Any] = _numbers_of_b64("d", obj["floats"]).tolist()
-    for i in obj["nulls"]:
-        if type(i) is not int or not 0 <= i < len(values):
-            raise ValueError("a null out of range")
-        values[i] = None
-    return values
-
-
-def _column_table(values: Sequence[Any]) -> tuple[list[Any], list[int]]:
-    """The distinct values of a column, in the order first seen, and each run's position among
-    them.  Values are told apart exactly: by the values themselves where the column holds only
-    one of str, int or bool (and None), which no two of compare equal across; else by repr, which
-    differs for any two JSON values that differ (1, 1.0 and True; 0.0 and -0.0; key order), taken
-    once per distinct object (the runs read from a base share their values' objects)."""
-    kinds = set(map(type, values))
-    if len(kinds - {_NONE}) <= 1 and kinds <= {str, int, bool, _NONE}:
-        table = list(dict.fromkeys(values))
-        slot_of_value = dict(zip(table, range(len(table))))
-        return table, list(map(slot_of_value.__getitem__, values))
-    objects = list(map(id, values))
-    distinct = dict(zip(objects, values))
-    slots: dict[str, int] = {}
-    table = []
-    slot_of: dict[int, int] = {}
-    for obj, text, value in zip(distinct, map(repr, distinct.values()), distinct.values()):
-        slot = slots.get(text)
-        if slot is None:
-            slot = slots[text] = len(table)
-            table.append(value)
-        slot_of[obj] = slot
-    return table, list(map(slot_of.__getitem__, objects))
-
-
-def _encode_column(values: Sequence[Any]) -> Any:
-    """A column of the base (see the banner): one value, packed floats, a table of distinct values
-    with each run's position in it, or (most values distinct) the values themselves."""
-    if values and all(map(operator.is_, values, itertools.repeat(values[0]))):
-        return {"value": values[0]}
-    kinds = set(map(type, values))
-    if float in kinds and kinds <= {float, _NONE}:
-        return _encode_values(list(values))        # as fast to read as a table, and cheaper to make
-    try:
-        table, index = _column_table(values)
-    except (RecursionError, ValueError):
-        return _encode_values(list(values))
-    if len(table) == 1:
-        return {"value": table[0]}
-    if len(table) > len(values) // 2:
-        return _encode_values(list(values))
-    return {"values": _encode_values(table), "index": _encode_index(index, len(table))}
-
-
-@dataclass(frozen=True)
-class SummaryBase:
-    """A base as read: its runs' stamps and facts (in the order of stamps.ids), each field's
-    values (`columns`) and each column as it was written (`raw`, parsed)."""
-    stamps: RecordStamps
-    facts: list[RunFacts]
-    columns: list[Sequence[Any]]
-    raw: list[Any]
-
-
-def _column_texts(base: SummaryBase, ids_text: str) -> list[str]:
-    """The JSON text of each column of `base` as encode_summary_base writes it (a column written
-    as the same as another: that one's text)."""
-    texts: list[str] = []
-    for raw in base.raw:
-        same = raw["same"] if type(raw) is dict and raw.keys() == {"same"} else None
-        texts.append(ids_text if same == "ids" else texts[same] if same is not None
-                     else json.dumps(raw, separators=(",", ":"), default=str))
-    return texts
-
-
-def encode_summary_base(tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
-                        previous: SummaryBase | None = None) -> str:
-    """The base line of the summary for these runs (facts in the order of stamps.ids).  A column
-    that is, as JSON, the run ids or an earlier column is written as {"same": "ids" or k}.  With
-    the `previous` base of the same runs, a column whose values are all as they were there is
-    written as it was (the same text a fresh encoding gives, without making it again)."""
-    ids = json.dumps(stamps.ids, separators=(",", ":"))
-    reuse = previous is not None and previous.stamps.ids == stamps.ids
-    before = _column_texts(previous, ids) if reuse else []
-    changed = list(itertools.compress(itertools.count(), map(operator.is_not, facts, previous.facts))
-                   ) if reuse else []
-    seen = {ids: "ids"}
-    columns = []
-    for k in range(len(RUN_FACTS_FIELDS)):
-        old = previous.columns[k] if reuse else ()
-        if reuse and all(facts[i][k] is old[i] or repr(facts[i][k]) == repr(old[i]) for i in changed):
-            text = before[k]
-        else:
-            text = json.dumps(_encode_column(list(map(operator.itemgetter(k), facts))),
-                              separators=(",", ":"), default=str)
-        columns.append(json.dumps({"same": seen[text]}) if text in seen else text)
-        seen.setdefault(text, k)
-    return (f'{{"tag":{json.dumps(tag)},"ids":{ids},'
-            f'"stamps":"{base64.b64encode(stamps.packed).decode("ascii")}","columns":[{",".join(columns)}]}}')
-
-
-def _decode_column(column: Any, n: int, ids: list[str],
-                   earlier: list[tuple[Sequence[Any], Sequence[Any]]]) -> tuple[Sequence[Any], Sequence[Any]]:
-    """The `n` values of a base's column and its distinct values (or the values themselves),
-    given the run ids and the columns before it; ValueError (or TypeError, IndexError, KeyError)
-    when it is not one."""
-    keys = column.keys() if type(column) is dict else None
-    if keys is None or keys == {"floats", "nulls"}:
-        values = _decode_values(column)
-        if len(values) != n:
-            raise ValueError("a column of another length")
-        return values, values
-    if keys == {"same"}:
-        same = column["same"]
-        if same == "ids":
-            return ids, ids
-        if type(same) is not int or not 0 <= same < len(earlier):
-            raise ValueError("not an earlier column")
-        return earlier[same]
-    if keys == {"value"}:
-        return [column["value"]] * n, [column["value"]]
-    if keys != {"values", "index"}:
-        raise ValueError("not a column")
-    table = _decode_values(column["values"])
-    index = _decode_index(column["index"], len(table), n)
-    if n <= 1:
-        return [table[i] for i in index], table
-    return operator.itemgetter(*index)(table), table   # IndexError past the table
-
-
-def decode_summary_base(data: bytes, tag: str) -> SummaryBase | None:
-    """The base of a summary from its line, or None when it is not a whole base of this `tag`
-    (torn, garbled, another version or code, columns that disagree, any wrong type)."""
-    try:
-        doc = json.loads(data)
-        if type(doc) is not dict or doc.get("tag") != tag:
-            return None
-        ids, columns = doc["ids"], doc["columns"]
-        if type(ids) is not list or set(map(type, ids)) - {str} or type(columns) is not list:
-            return None
-        packed = base64.b64decode(doc["stamps"], validate=True)
-        n = len(ids)
-        if len(packed) != n * STAMP_BYTES or len(columns) != len(RUN_FACTS_FIELDS):
-            return None
-        decoded: list[tuple[Sequence[Any], Sequence[Any]]] = []
-        for column, types in zip(columns, _FIELD_TYPES):
-            decoded.append(_decode_column(column, n, ids, decoded))
-            if types is not None and not set(map(type, decoded[-1][1])) <= types:
-                return None
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError):
-        return None
-    values = [v for v, _ in decoded]
-    return SummaryBase(RecordStamps(ids, packed), list(map(RunFacts._make, zip(*values))), values, columns)
-
-
-def _decode_summary_line(row: Any, tag: str) -> tuple[str, bytes, RunFacts] | None:
-    """(run id, stamp, facts) of a summary line after the base, or None when it is not one of
-    this `tag` with values of run_facts' types."""
-    if type(row) is not list or len(row) != _SUMMARY_LINE_LEN or row[0] != tag or type(row[1]) is not str:
-        return None
-    try:
-        stamp = base64.b64decode(row[2], validate=True)
-    except (ValueError, TypeError):
-        return None
-    facts = row[3:]
-    if len(stamp) != STAMP_BYTES:
-        return None
-    if any(t is not None and type(v) not in t for v, t in zip(facts, _FIELD_TYPES)):
-        return None
-    return row[1], stamp, RunFacts._make(facts)
-
-
 def _summary_line(tag: str, run_id: str, stamp: bytes, facts: RunFacts) -> str:
-    return json.dumps([tag, run_id, base64.b64encode(stamp).decode("ascii"), *facts],
-                      separators=(",", ":"), default=str) + "\n"
+    return json.dumps([tag, run_id, stamp.hex(), *facts], separators=(",", ":"), default=str) + "\n"
+
+
+def _believed_line(row: Any, tag: str) -> bool:
+    """Whether a parsed summary line is one of this `tag`, of the right shape, with values of
+    run_facts' types."""
+    return (type(row) is list and len(row) == _SUMMARY_LINE_LEN and row[0] == tag
+            and type(row[1]) is str and type(row[2]) is str and len(row[2]) == 2 * STAMP_BYTES
+            and all(type(row[k]) in types for k, types in _LINE_TYPES))
 
 
 @dataclass(frozen=True)
 class RunsSummary:
-    """What a runs summary holds that this code believes: its base (None when there is no usable
-    one), the last line of each run after it (run id -> (stamp, facts)), and how many lines follow
-    the base."""
-    base: SummaryBase | None
-    lines: dict[str, tuple[bytes, RunFacts]]
+    """What a runs summary holds that this code believes: the last line of each run (run id ->
+    (stamp in hex, facts)), and how many lines the file has."""
+    lines: dict[str, tuple[str, RunFacts]]
     line_count: int
 
 
 def read_runs_summary(path: Path, tag: str | None) -> RunsSummary:
-    """The runs summary at `path` (see the banner) as far as it is believed: a base or line that
-    is not well formed with this `tag` (summary_tag) is skipped, and its runs are read from their
-    records."""
+    """The runs summary at `path` (see the banner) as far as it is believed: a line that is not
+    well formed with this `tag` (summary_tag) is skipped, and its run is read from its record."""
     data = read_cache_file(path) if tag is not None else None
-    if not data:
-        return RunsSummary(None, {}, 0)
-    head, _, rest = data.partition(b"\n")
-    base = decode_summary_base(head, tag)
-    rows: list[Any] = []
-    if rest.strip():
-        try:
-            # Whole lines joined into one array: one parse instead of one per line.  A torn or
-            # garbled line fails it, and the lines are then parsed one by one.
-            rows = json.loads(b"[" + rest.rstrip(b"\n").replace(b"\n", b",") + b"]")
-        except (ValueError, RecursionError):
-            rows = []
-            for raw in rest.split(b"\n"):
-                if raw:
-                    try:
-                        rows.append(json.loads(raw))
-                    except (ValueError, RecursionError):
-                        rows.append(None)
-    lines: dict[str, tuple[bytes, RunFacts]] = {}
-    for row in rows:
-        got = _decode_summary_line(row, tag)
-        if got is not None:
-            lines[got[0]] = got[1:]
-    return RunsSummary(base, lines, len(rows))
-
-
-def _changed(a: bytes, b: bytes) -> list[int]:
-    """The positions of the stamps that differ between two packings of as many stamps (compared
-    8 at a time, then one by one within the blocks that differ)."""
-    if a == b:
-        return []
-    w = STAMP_BYTES
-    block = 8 * w
-    out: list[int] = []
-    for start in range(0, len(b), block):
-        if a[start:start + block] != b[start:start + block]:
-            starts = range(start, min(start + block, len(b)), w)
-            out.extend(i // w for i in starts if a[i:i + w] != b[i:i + w])
-    return out
-
-
-def _summary_hits(stamps: RecordStamps, summary: RunsSummary) -> tuple[list[RunFacts | None], int]:
-    """Each run's facts where the summary holds them for its current stamp (None where not, in
-    the order of stamps.ids), and how many of them come from the base."""
-    n = len(stamps.ids)
-    out: list[RunFacts | None] = [None] * n
-    base = summary.base.stamps if summary.base is not None else None
-    if base is not None and base.ids == stamps.ids:
-        out = list(summary.base.facts)
-        packed = base.packed
-    elif base is not None:
-        # The base's runs in the order of stamps.ids: -1 (not in the base) reads the sentinels.
-        pos = dict(zip(base.ids, range(len(base.ids))))
-        where = list(map(pos.get, stamps.ids, itertools.repeat(-1)))
-        out = list(map([*summary.base.facts, None].__getitem__, where))
-        stamp_of = [s for (s,) in struct.iter_unpack(f"{STAMP_BYTES}s", base.packed)] + [bytes(STAMP_BYTES)]
-        packed = b"".join(map(stamp_of.__getitem__, where))
-    if base is not None:
-        for i in _changed(packed, stamps.packed):
-            out[i] = None
-    from_base = n - out.count(None)
-    if summary.lines:
-        # The lines after the base are newer: they win where they hold the current stamp.
-        lines = list(map(summary.lines.get, stamps.ids))
-        for i in itertools.compress(range(n), lines):
-            if lines[i][0] == stamps.stamp(i):
-                from_base -= out[i] is not None
-                out[i] = lines[i][1]
-    return out, from_base
+    if not data or not data.strip():
+        return RunsSummary({}, 0)
+    try:
+        # Whole lines joined into one array: one parse instead of one per line.  A torn or
+        # garbled line fails it, and the lines are then parsed one by one.
+        rows = json.loads(b"[" + data.rstrip(b"\n").replace(b"\n", b",") + b"]")
+    except (ValueError, RecursionError):
+        rows = []
+        for raw in data.split(b"\n"):
+            if raw:
+                try:
+                    rows.append(json.loads(raw))
+                except (ValueError, RecursionError):
+                    rows.append(None)
+    make = RunFacts._make
+    lines = {row[1]: (row[2], make(row[3:])) for row in rows if _believed_line(row, tag)}
+    return RunsSummary(lines, len(rows))
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -18697,38 +19160,26 @@ def _ends_with_newline(path: Path) -> bool:
 
 
 def write_runs_summary(path: Path, tag: str, stamps: RecordStamps, facts: Sequence[RunFacts],
-                       summary: RunsSummary, from_base: int, fresh: list[str]) -> None:
-    """Bring the summary up to date after a report: a new base when there is none or when the
-    lines after it or its runs no longer current pass 1/_SUMMARY_REBASE_SHARE of the runs, else
-    the `fresh` lines appended.  A summary that cannot be written is not needed."""
+                       line_count: int, fresh: list[tuple[int, str]], now_ns: int) -> None:
+    """Bring the summary up to date after a report: the `fresh` lines ((position in stamps.ids,
+    line), the runs read from their records) appended, or, when the file would then hold twice as
+    many lines as there are runs, the whole summary written again, one line per run.  A record
+    that has not settled at `now_ns` (unsettled_records) gets no line.  A summary that cannot be
+    written is not needed."""
     n = len(stamps.ids)
-    limit = n // _SUMMARY_REBASE_SHARE
-    unused = len(summary.base.stamps.ids) - from_base if summary.base is not None else 0
+    late = set(unsettled_records(stamps, now_ns))
+    if len(late) == n:
+        return
+    lines = [line for i, line in fresh if i not in late]
     with contextlib.suppress(OSError):
-        if summary.base is None or summary.line_count + len(fresh) > limit or unused > limit:
-            write_text_atomic(path, encode_summary_base(tag, stamps, facts, summary.base) + "\n")
-        elif fresh:
+        if line_count + len(lines) >= 2 * n:
+            write_text_atomic(path, "".join(_summary_line(tag, stamps.ids[i], stamps.stamp(i), facts[i])
+                                            for i in range(n) if i not in late))
+        elif lines:
             with open(path, "ab") as fh:
                 # After a torn last line (a crash mid-append), start on a line of our own.
                 torn = fh.tell() > 0 and not _ends_with_newline(path)
-                fh.write((b"\n" if torn else b"") + "".join(fresh).encode("utf-8"))
-
-
-def settled_only(stamps: RecordStamps, fresh: list[tuple[int, str]],
-                 now_ns: int) -> tuple[RecordStamps | None, list[str]]:
-    """What the summary may keep of these runs at `now_ns` (pure): their stamps, with each record
-    that has not settled (unsettled_records) given _UNSETTLED_STAMP, which no record has, so that
-    its run is read from its record next time; and the `fresh` lines, (position in stamps.ids,
-    line), of the settled ones.  (None, []) when no record has settled: nothing to keep."""
-    late = unsettled_records(stamps, now_ns)
-    if len(late) == len(stamps.ids):
-        return None, []
-    packed = bytearray(stamps.packed)
-    for i in late:
-        packed[i * STAMP_BYTES:(i + 1) * STAMP_BYTES] = _UNSETTLED_STAMP
-    late_set = set(late)
-    return (RecordStamps(stamps.ids, bytes(packed)) if late else stamps,
-            [line for i, line in fresh if i not in late_set])
+                fh.write((b"\n" if torn else b"") + "".join(lines).encode("utf-8"))
 
 
 def report_runs(paths: StudyPaths, *, write: bool = True,
@@ -18743,23 +19194,26 @@ def report_runs(paths: StudyPaths, *, write: bool = True,
     with gc_paused():
         stamps = run_record_stamps(paths) if stamps is None else stamps
         summary = read_runs_summary(summary_file, tag)
-        out, from_base = _summary_hits(stamps, summary)
+        got = summary.lines.get
+        out: list[RunFacts] = []
         fresh: list[tuple[int, str]] = []
-        for i in [i for i, f in enumerate(out) if f is None]:
-            rid = stamps.ids[i]
+        for i, rid in enumerate(stamps.ids):
+            hit = got(rid)
+            stamp = stamps.stamp(i)
+            if hit is not None and hit[0] == stamp.hex():
+                out.append(hit[1])
+                continue
             rec = read_json(run_file(paths, rid), default=None)
             if not isinstance(rec, dict):
                 raise AgentbenchError("a run record cannot be read", code="run_record_unreadable",
                                       run=rid, path=str(run_file(paths, rid)))
             # Through JSON, as a summary line would be: the facts are the same either way.
-            line = _summary_line(tag or "", rid, stamps.stamp(i), run_facts(rec))
-            out[i] = RunFacts._make(json.loads(line)[3:])
+            line = _summary_line(tag or "", rid, stamp, run_facts(rec))
+            out.append(RunFacts._make(json.loads(line)[3:]))
             fresh.append((i, line))
         if write and tag is not None and stamps.ids:
-            kept, lines = settled_only(stamps, fresh, time.time_ns())
-            if kept is not None:
-                write_runs_summary(summary_file, tag, kept, out, summary, from_base, lines)
-    return out   # every None filled
+            write_runs_summary(summary_file, tag, stamps, out, summary.line_count, fresh, time.time_ns())
+    return out
 
 
 # -- The report cache: the last report's figures, kept with what they were computed from -------------
@@ -19176,6 +19630,7 @@ def calibrate_study(host: Host, study: Study, only: Sequence[str] = ()) -> dict[
     study's config hash; which tasks of the study are still uncalibrated."""
     paths = study.paths
     tasks = study.load_all().tasks
+    validate_launch_values(study.cfg)   # a bad model or effort is named now, not at the first launch
     chosen = pick_tasks(tasks, only)
     for t in chosen.values():
         refuse_bundle_symlinks(t.id, t.root)   # before anything runs or is written
@@ -19209,14 +19664,64 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def analysis_plan_of_study(paths: StudyPaths) -> tuple[Any, str | None]:
+def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
+    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
+    p <= alpha at all, however many repeats (pure); None beyond `most`."""
+    for n in range(1, most + 1):
+        if sign_test_min_p(n) <= alpha:
+            return n
+    return None
+
+
+def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
+                    power: Mapping[str, Any] | None) -> list[str]:
+    """What `assign` warns of a design before any run (pure): when no comparison can ever reach
+    significance (too few tasks for a test over tasks at Holm's first step, alpha / m), and, with
+    a power estimate (`assign_power`'s, at the planned difference), when the chosen repeats give
+    the primary test a simulated power under the target, with the repeats or tasks that would."""
+    out: list[str] = []
+    family = len(arms) - 1
+    if family < 1:
+        return out
+    alpha = REPORT_ALPHA / family
+    need = min_tasks_for_significance(alpha)
+    if need is not None and n_tasks < need:
+        out.append(f"this design can never reach significance: with {n_tasks} task(s) the smallest p-value "
+                   f"a test over tasks can give is {sign_test_min_p(n_tasks):.3g}, above {alpha:.3g} "
+                   f"(alpha {REPORT_ALPHA} over {family} comparison(s), Holm's first step), whatever the "
+                   f"repeats: use at least {need} tasks" + (", or fewer arms" if family > 1 else ""))
+        return out
+    if not power:
+        return out
+    target = power.get("power", 0.8)
+    delta = power.get("delta")
+    need_r = power.get("repeats")
+    curve = {c.get("repeats"): c.get("power") for c in (power.get("simulation") or {}).get("power_by_repeats")
+             or [] if isinstance(c, dict)}
+    at = curve.get(repeats)
+    if need_r is None:
+        tasks_hint = power.get("min_tasks")
+        out.append(f"no number of repeats up to {power.get('max_repeats')} gives the primary test power "
+                   f"{target} at a difference of {delta} with {n_tasks} tasks: add tasks"
+                   + (f" (the normal approximation says at least {tasks_hint})" if tasks_hint else ""))
+    elif repeats < need_r:
+        out.append(f"at {repeats} repeat(s) the primary test's simulated power at a difference of {delta} is "
+                   + (f"{at:.2f}, " if is_number(at) else "") + f"under {target}: "
+                   f"{need_r} repeats reach it (`assign --repeats {need_r}`), or add tasks")
+    return out
+
+
+def analysis_plan_of_study(paths: StudyPaths, split: str | None = None) -> tuple[Any, str | None]:
     """The analysis plan `assign` wrote into the study's manifest, and where it was read: the
-    manifest of split main, else the only manifest.  (None, None) when there is no such manifest
-    or it holds no plan (assigned before plans were written); a manifest that is not valid JSON
-    gives an unusable plan, which the report labels as such."""
+    manifest of `split` when one is named, else of split main, else the only manifest.  (None,
+    None) when there is no such manifest or it holds no plan (assigned before plans were written);
+    a manifest that is not valid JSON gives an unusable plan, which the report labels as such."""
     mdir = paths.state / "manifests"
     names = sorted(p.name for p in mdir.glob("*.json")) if mdir.is_dir() else []
-    name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
+    if split is not None:
+        name = f"{split}.json" if f"{split}.json" in names else None
+    else:
+        name = "main.json" if "main.json" in names else (names[0] if len(names) == 1 else None)
     if name is None:
         return None, None
     source = f"manifest of split {name[:-len('.json')]}"
@@ -19339,6 +19844,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     paths = study.paths
     study.load_all()
     cfg, tasks, arms = study.cfg, study.tasks, study.arms
+    validate_launch_values(cfg)   # a bad model or effort is named now, not at the first launch
     check_name("split", split)
     repeats = repeats if repeats is not None else int(cfg.get("repeats") or 1)
     seed = seed if seed is not None else int(cfg.get("seed") or 0)
@@ -19354,7 +19860,9 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     # baseline, every other arm is compared with it (see analysis_plan).
     plan = analysis_plan(list(arms), list(arms)[0], seed)
     registered = {a: manifest_arm(arm.launch) for a, arm in arms.items()}
-    data = manifest_bytes(manifest, seed, split, plan, registered)
+    environments = {t.id: {k: t.environment.get(k) for k in ("image", "sha256", "workdir")}
+                    for t in tasks.values() if t.environment is not None}
+    data = manifest_bytes(manifest, seed, split, plan, registered, environments)
     named: dict[str, dict[str, Any]] = {}
     ids = {m["run_id"] for m in manifest}
     for spec in faults:
@@ -19409,7 +19917,16 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     where = shlex.quote(str(paths.root))
     reh = read_json(paths.state / "rehearsal.json", default=None)
     rehearsed = isinstance(reh, dict) and reh.get("ok") is True and reh.get("config_hash") == study.hash
-    warnings = list(((power or {}).get("plan") or {}).get("warnings") or [])
+    if power is not None and power.get("repeats") and repeats < power["repeats"]:
+        # The simulated power at the repeats chosen, to name it beside the repeats that reach it.
+        at = primary_power_by_simulation(power_base, power_delta, len(tasks), power["alpha"], power["power"],
+                                         tau=power["clustering"]["tau"],
+                                         sd_base=power["clustering"]["sd_base"],
+                                         start=repeats, max_repeats=repeats, seed=seed)
+        power["simulation"]["power_by_repeats"] = sorted(
+            power["simulation"]["power_by_repeats"] + at["power_by_repeats"], key=lambda c: c["repeats"])
+    warnings = design_warnings(len(tasks), list(arms), repeats, power)
+    warnings += list(((power or {}).get("plan") or {}).get("warnings") or [])
     return {"next": f"python3 agentbench.py {'run' if rehearsed else 'rehearse'} --study {where}",
             "warnings": warnings, "split": split, "runs": len(manifest), "tasks": len(tasks),
             "arms": sorted(arms),
@@ -19687,8 +20204,10 @@ def scaffold_task(paths: StudyPaths, task_id: str, kind: str) -> dict[str, Any]:
 # ==================================================================================================
 # Owns the formats that other agent-evaluation tools read and write: a study exported as Inspect AI
 # eval logs (one `.eval` zip per arm, log-format version 2), every session exported as an ATIF
-# trajectory (the Agent Trajectory Interchange Format of Harbor), and Harbor task directories
-# imported as task bundles.  What a session produced is hostile input here: streams and prompts are
+# trajectory (the Agent Trajectory Interchange Format of Harbor), its runs as CSV (one row a run),
+# and Harbor task directories imported as task bundles; and the plain views peers' users reach
+# for: one run's summary (`show`) and two studies' primary figures side by side (`compare`).
+# What a session produced is hostile input here: streams and prompts are
 # read size-capped, never through a link, garbage lines counted and skipped, every number checked.
 # Must not start sessions or checks or change a study: an export only reads the study, and an import
 # writes only new task bundles (calibrate then proves them).
@@ -19707,7 +20226,205 @@ INTEROP_ID_MAX_CHARS = 200
 MAX_WALL_S_RECORD = 366 * 86400.0
 INSPECT_LOG_VERSION = 2
 ATIF_VERSION = "ATIF-v1.8"
-EXPORT_FORMATS = ("inspect", "atif")
+# -- a study's report figures, one split at a time -------------------------------------------------
+
+def split_of_report(splits: Iterable[Any], manifests: Iterable[str], asked: str | None) -> str | None:
+    """Which split a report analyses (pure): the one asked for (refused unless the study has it),
+    else main when the study has a main split, else the only split; None: every run, pooled (a
+    study whose runs name several splits and none of them main)."""
+    have = {str(s) for s in splits if s is not None} | set(manifests)
+    if asked is not None:
+        if asked not in have:
+            raise AgentbenchError("the study has no such split", code="unknown_split", flag="--split",
+                                  split=asked, splits=sorted(have),
+                                  hint="the splits are the names given to `assign --split` (default main)")
+        return asked
+    if "main" in have or not have:
+        return "main"
+    return next(iter(have)) if len(have) == 1 else None
+
+
+def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None,
+                 seed_arg: int | None, split: str | None = None, *,
+                 write: bool = True) -> tuple[dict[str, Any], bool]:
+    """The report's figures of one study and whether any of its runs started (`report`, `compare`,
+    the Inspect export's headline).  `write`: the runs summary and the report cache may be written.
+
+    One split is analysed (split_of_report: by default main): a batch added with `assign --split`,
+    a pilot above all, is reported on its own (`report --split`) and never pooled into the
+    pre-registered analysis of another; the runs left out are counted in `split` and a note."""
+    arms = list((cfg.get("arms") or {}).keys())
+    if baseline and baseline not in arms:
+        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
+                              baseline=baseline, arms=arms)
+    mdir = paths.state / "manifests"
+    manifests = [p.name[:-len(".json")] for p in mdir.glob("*.json")] if mdir.is_dir() else []
+    stamps = run_record_stamps(paths)
+    # The manifests name the splits; only a study without one needs its runs read to say (a
+    # report served from its cache reads no run).
+    all_runs = None if manifests else report_runs(paths, write=write, stamps=stamps)
+    chosen = split_of_report((f.split for f in all_runs or ()), manifests, split)
+    plan, plan_source = analysis_plan_of_study(paths, chosen if chosen in manifests else None)
+    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
+    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
+    if seed_arg is not None:
+        seed = seed_arg
+    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
+        seed = plan_seed
+    else:
+        seed = int(cfg.get("seed") or 0)
+    # The figures come from the report cache when no record, argument or line of code changed
+    # since it was written; else from the runs' facts (the runs summary, a cache checked against
+    # every record's stamp).  The run pages read the records themselves.
+    key = report_cache_key(stamps, [arms, baseline, seed, plan, plan_source, chosen])
+    cached = read_report_cache(paths, key)
+    if cached is not None:
+        return cached["report"], cached["any_started"]
+    if all_runs is None:
+        all_runs = report_runs(paths, write=write, stamps=stamps)
+    runs = [f for f in all_runs if chosen is None or f.split == chosen
+            or (chosen == "main" and f.split is None)]
+    left_out: dict[str, int] = {}
+    for f in all_runs:
+        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
+            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
+    with gc_paused():
+        report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
+                                 plan_source=plan_source)
+    report["split"] = {"reported": chosen, "left_out": dict(sorted(left_out.items()))}
+    if left_out:
+        where = shlex.quote(str(paths.root))
+        report.setdefault("notes", []).append(
+            f"this report analyses split {chosen} only; the runs of "
+            + ", ".join(f"split {k} ({n})" for k, n in sorted(left_out.items()))
+            + " are reported on their own and never pooled into it: "
+            + "; ".join(f"`python3 agentbench.py report --study {where} --split {k}`"
+                        for k in sorted(left_out)))
+    elif chosen is None:
+        report.setdefault("notes", []).append(
+            "the runs of several splits are pooled here (none is main): name one with `report --split`")
+    any_started = any(f.status not in (None, "not_started") for f in runs)
+    if write and not unsettled_records(stamps, time.time_ns()):
+        write_report_cache(paths, key, report, any_started)
+    return report, any_started
+
+
+EXPORT_FORMATS = ("inspect", "atif", "csv")
+
+#: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
+RUNS_CSV_COLUMNS = ("run_id", "task", "arm", "repeat", "split", "status", "outcome", "validity",
+                    "validity_reason", "evaluated", "success", "score", "tests_passed", "tests_total",
+                    "cost_usd", "cost_estimated", "wall_s", "gate_cycles", "failure_reason", "flagged",
+                    "rehearsal", "model", "effort")
+
+
+def csv_cell(value: Any) -> str:
+    """One CSV cell: booleans as true/false, nothing as empty, and a text a spreadsheet would run
+    as a formula (starting with = + - @, a tab or a carriage return) quoted with a leading ' (pure)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if isinstance(value, float) else str(value)
+    text = str(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
+def runs_csv_rows(facts: Iterable["RunFacts"]) -> list[list[str]]:
+    """The rows of `export --format csv` (pure): a header of RUNS_CSV_COLUMNS, then one row a run."""
+    rows = [list(RUNS_CSV_COLUMNS)]
+    for f in facts:
+        launch = f.launch if isinstance(f.launch, list) else [None, None]
+        row = {"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat, "split": f.split,
+               "status": f.status, "outcome": f.outcome, "validity": f.validity,
+               "validity_reason": f.validity_reason, "evaluated": f.evaluated,
+               "success": f.success if f.evaluated else None, "score": f.score if f.evaluated else None,
+               "tests_passed": f.tests_passed if f.evaluated else None,
+               "tests_total": f.tests_total if f.evaluated else None, "cost_usd": f.cost_raw,
+               "cost_estimated": f.cost_estimated, "wall_s": f.wall_s, "gate_cycles": f.gate_cycles,
+               "failure_reason": f.failure_reason,
+               "flagged": bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
+               "rehearsal": f.rehearsal, "model": launch[0] if launch else None,
+               "effort": launch[1] if len(launch) > 1 else None}
+        rows.append([csv_cell(row[c]) for c in RUNS_CSV_COLUMNS])
+    return rows
+
+
+def export_runs_csv(paths: StudyPaths, out: Path) -> dict[str, Any]:
+    """`export --format csv`: runs.csv under `out`, one row a run (see RUNS_CSV_COLUMNS)."""
+    facts = report_runs(paths, write=False)
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(strict_unicode([list(r) for r in runs_csv_rows(facts)]))
+    path = out / "runs.csv"
+    write_text_atomic(path, buf.getvalue())
+    return {"format": "csv", "out": str(out), "files": [str(path)], "runs": len(facts),
+            "columns": list(RUNS_CSV_COLUMNS)}
+
+
+def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """`show --run`: one run's summary from its record (pure): what it was, how it ended, its
+    score and the checks that failed, its cost, its sessions and what the audit flagged."""
+    ev = rec.get("evaluation") if isinstance(rec.get("evaluation"), dict) else None
+    audit = run_audit(dict(rec))
+    findings = (rec.get("audit") or {}).get("findings") if isinstance(rec.get("audit"), dict) else None
+    sessions = [{k: j.get(k) for k in ("job_id", "role", "status", "reason", "cost_usd", "duration_s",
+                                       "tool_uses") if j.get(k) is not None}
+                for j in (rec.get("jobs") if isinstance(rec.get("jobs"), list) else [])
+                if isinstance(j, dict)]
+    out = {"run_id": rec.get("run_id"), "task": rec.get("task"), "arm": rec.get("arm"),
+           "repeat": rec.get("repeat"), "split": rec.get("split"), "status": rec.get("status"),
+           "outcome": rec.get("outcome"), "validity": rec.get("validity"),
+           "validity_reason": rec.get("validity_reason"), "success": run_succeeded(dict(rec)) if ev else None,
+           "score": run_score(dict(rec)) if ev else None,
+           "tests": f"{ev.get('tests_passed')}/{ev.get('tests_total')}"
+           if ev and ev.get("tests_total") is not None else None,
+           "failed_checks": failed_checks(ev.get("checks")) if ev else [],
+           "grader_error": ev.get("grader_error") if ev else None,
+           "cost_usd": run_cost(dict(rec)), "cost_estimated": bool(rec.get("cost_estimated")),
+           "wall_s": rec.get("wall_s"), "gate_cycles": rec.get("gate_cycles"),
+           "failure_reason": rec.get("failure_reason"), "error": rec.get("error"),
+           "flagged": audit["flagged"] if audit["audited"] else None,
+           "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
+           if isinstance(findings, list) else [],
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+#: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
+COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
+COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+
+
+def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """`compare`: two (or more) studies' reports side by side (pure).  They must have the same
+    tasks and arms, and the same baseline, or the figures would not be of the same thing; each
+    arm's primary figures and each comparison's estimate, interval, p and Holm p, by study."""
+    first_name, first = named[0]
+    for name, rep in named[1:]:
+        for key in ("arms", "baseline", "tasks"):
+            a, b = first.get(key), rep.get(key)
+            if (sorted(a) if isinstance(a, list) else a) != (sorted(b) if isinstance(b, list) else b):
+                raise AgentbenchError(f"the studies differ in their {key}: nothing to set side by side",
+                                      code="compare_studies_differ", key=key,
+                                      studies={first_name: a, name: b},
+                                      hint="compare studies of the same tasks and arms (e.g. a study and "
+                                           "its copy run with another claude version)")
+    arms = list(first.get("arms") or [])
+    per_arm = {a: {name: {k: ((rep.get("per_arm") or {}).get(a) or {}).get(k) for k in COMPARE_ARM_KEYS}
+                   for name, rep in named} for a in arms}
+    comparisons: dict[str, Any] = {}
+    for a in arms:
+        if a == first.get("baseline"):
+            continue
+        comparisons[a] = {}
+        for name, rep in named:
+            c = (rep.get("comparisons") or {}).get(a) or {}
+            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
+                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+    return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
+            "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 
 
 def clip_text(value: Any, limit: int = INTEROP_TEXT_MAX_CHARS) -> str:
@@ -20131,7 +20848,7 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, traj)
+        write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
             "sub_agent_chains": sum(len(t.get("subagent_trajectories") or []) for _, t in planned),
@@ -20267,14 +20984,28 @@ def _metric(name: str, value: float) -> dict[str, Any]:
     return {"name": name, "value": round(value, 6), "params": {}}
 
 
-def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int) -> dict[str, Any]:
-    """The log's results (pure): per scorer the mean (and for validity the valid share)."""
+#: The report's per-arm figure each Inspect scorer's headline mean states (see inspect_results).
+INSPECT_HEADLINE = {"hidden_tests": "mean_score", "success": "success_rate"}
+
+
+def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int,
+                    headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The log's results (pure): per scorer the mean (and for validity the valid share).  With
+    `headline` (the report's primary-view figures of the arm) the success and hidden-test means
+    are the report's, over the runs its primary view counts (infrastructure failures, degenerate
+    and unevaluated runs left out), so that the log and the report state one figure."""
     scores = []
     for name in ("hidden_tests", "success"):
         vals = [s["scores"][name]["value"] for s in samples if name in s["scores"]]
-        scores.append({"name": name, "scorer": name, "scored_samples": len(vals),
-                       "unscored_samples": len(samples) - len(vals), "params": {},
-                       "metrics": {"mean": _metric("mean", math.fsum(vals) / len(vals) if vals else 0.0)}})
+        mean = math.fsum(vals) / len(vals) if vals else 0.0
+        scored = len(vals)
+        if headline is not None:
+            got = finite_number(headline.get(INSPECT_HEADLINE[name]))
+            mean = got if got is not None else 0.0
+            scored = int(count_from(headline.get("evaluated"), hi=10**9))
+        scores.append({"name": name, "scorer": name, "scored_samples": scored,
+                       "unscored_samples": max(0, len(samples) - scored), "params": {},
+                       "metrics": {"mean": _metric("mean", mean)}})
     labels = [s["scores"]["validity"]["value"] for s in samples]
     scores.append({"name": "validity", "scorer": "validity", "scored_samples": len(labels),
                    "unscored_samples": 0, "params": {},
@@ -20313,10 +21044,15 @@ def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str
 
 def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
                 runs: Sequence[Mapping[str, Any]], samples: Sequence[dict[str, Any]],
-                status: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+                status: Mapping[str, Any], run_id: str, *, model: str | None = None,
+                settings: Mapping[str, Any] | None = None,
+                headline: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An arm's eval log header (the log without its samples) (pure).  The key order is the one
-    inspect-ai writes."""
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    inspect-ai writes.  `model`: the model the arm served (`anthropic/...`; default the study's);
+    `settings`: the arm's resolved launch settings (model, effort, overlay, env, MCP...), carried
+    in its metadata; `headline`: the report's primary-view figures of the arm, which the results
+    then state (see inspect_results)."""
+    model = model or "anthropic/" + str(cfg.get("model") or "unknown")
     starts = sorted(s for s in (iso_or_none(r.get("started_at")) for r in runs) if s)
     ends = sorted(s for s in (iso_or_none(r.get("finished_at")) for r in runs) if s)
     created = starts[0] if starts else utc_now()
@@ -20330,7 +21066,8 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
     completed = sum(1 for r in runs if r.get("status") in RUN_FINAL)
     arm_meta = {"name": arm, "gate_cycles": arm_cfg.get("gate_cycles", 0),
                 "review": bool(arm_cfg.get("review")), "preamble": arm_cfg.get("preamble"),
-                "fork_base": bool(arm_cfg.get("fork_base"))}
+                "fork_base": bool(arm_cfg.get("fork_base")), "model": model.split("/", 1)[-1],
+                "settings": dict(settings or {})}
     plan_steps = (["executor"] + (["gate_feedback"] if arm_meta["gate_cycles"] else [])
                   + (["reviewer", "repair"] if arm_meta["review"] else []))
     return {
@@ -20348,7 +21085,7 @@ def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapp
                                                        "study_status": status, "seed": cfg.get("seed"),
                                                        "effort": cfg.get("effort")}})},
         "plan": {"name": "plan", "steps": [{"solver": s, "params": {}} for s in plan_steps], "config": {}},
-        "results": inspect_results(samples, completed),
+        "results": inspect_results(samples, completed, headline),
         "stats": {"started_at": created, "completed_at": ends[-1] if ends and status["complete"] else "",
                   "model_usage": usage},
         "tags": [], "metadata": {}}
@@ -20364,10 +21101,13 @@ def write_eval_zip(path: Path, header: Mapping[str, Any], samples: Sequence[Mapp
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("header.json", json.dumps(header, allow_nan=False))
-            zf.writestr("summaries.json", json.dumps([inspect_summary(s) for s in samples], allow_nan=False))
+            # strict_unicode: a lone surrogate in a model's text would make a strict reader refuse it
+            zf.writestr("header.json", json.dumps(strict_unicode(header), allow_nan=False))
+            zf.writestr("summaries.json", json.dumps(strict_unicode([inspect_summary(s) for s in samples]),
+                                                     allow_nan=False))
             for s in samples:
-                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json", json.dumps(s, allow_nan=False))
+                zf.writestr(f"samples/{s['id']}_epoch_{s['epoch']}.json",
+                            json.dumps(strict_unicode(s), allow_nan=False))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -20383,9 +21123,14 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
     ledger = ledger_by_job(paths)
     status = study_status(runs)
     run_id = hashlib.sha256(str(paths.root.resolve()).encode()).hexdigest()[:22]
-    model = "anthropic/" + str(cfg.get("model") or "unknown")
+    arms = study.arms
+    # The headline figures are the report's primary view (its default split, its exclusions).
+    report, _ = study_report(paths, cfg, None, None, write=False)
     logs = []
     for arm, arm_cfg in arms_cfg.items():
+        launch = arms[arm].launch if arm in arms else None
+        # The model the arm served: its own where it sets one, else the study's.
+        model = "anthropic/" + str((launch.model if launch else None) or cfg.get("model") or "unknown")
         arm_runs = [r for r in runs if r.get("arm") == arm]
         samples = []
         for r in arm_runs:
@@ -20395,7 +21140,9 @@ def export_inspect(study: Study, out: Path) -> dict[str, Any]:
             sid, epoch = ids[str(r["run_id"])]
             samples.append(inspect_sample(r, sources, sid, epoch, model))
         header = inspect_log(paths.root.name, arm, arm_cfg if isinstance(arm_cfg, dict) else {}, cfg,
-                             arm_runs, samples, status, run_id)
+                             arm_runs, samples, status, run_id, model=model,
+                             settings=launch.settings_view() if launch else None,
+                             headline=(report.get("per_arm") or {}).get(arm))
         name = f"{_inspect_stamp(header['eval']['created'])}_{arm}_{header['eval']['eval_id']}.eval"
         logs.append((out / name, header, samples))
     for path, header, samples in logs:
@@ -20423,6 +21170,8 @@ def export_study(study: Study, fmt: str, out: Path) -> dict[str, Any]:
                               hint="export to a directory outside <study>/state and <study>/runs")
     study.cfg   # noqa: B018 (a study that cannot be read is refused before anything is written)
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "csv":
+        return export_runs_csv(study.paths, out)
     return export_inspect(study, out) if fmt == "inspect" else export_atif(study.paths, out)
 
 
@@ -20799,8 +21548,16 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
     }
 
 
+#: What an import copies of a Harbor task: no link followed (none kept either: the plan refused
+#: any), no special file, within the task's own size caps; version control and bytecode left out.
+HARBOR_COPY_CAPS = CopyCaps(HARBOR_TASK_MAX_BYTES, HARBOR_TASK_MAX_BYTES, entries=HARBOR_TASK_MAX_FILES * 2)
+HARBOR_COPY_SKIP = (".git", "__pycache__")
+
+
 def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
-    """The bundle of one checked plan, written under `dst` (a new directory)."""
+    """The bundle of one checked plan, written under `dst` (a new directory), every file copied
+    as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
+    device that appeared after the check copies nothing from the host and fills nothing."""
     root: Path = plan["root"]
     (dst / "public").mkdir(parents=True)
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
@@ -20809,13 +21566,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
         if rel == "TASK.md":
             continue
         (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "environment" / src, dst / "public" / rel)
+        safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
     (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    shutil.copytree(root / "tests", dst / "oracle" / "tests")
+    (dst / "oracle").mkdir()
+    safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    shutil.copytree(root / "solution", dst / "reference" / "solution")
-    shutil.copyfile(root / "task.toml", dst / "harbor-task.toml")
+    (dst / "reference").mkdir()
+    safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
+                   skip_names=HARBOR_COPY_SKIP)
+    safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
@@ -20874,7 +21635,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
 
 #: Bounds of whole-number flags: a value outside is refused by the flag's name (exit 2), never
 #: replaced by a default or passed on as it is.
-FLAG_INT_BOUNDS = {"max_turns": (1, 10_000), "parallel": (1, 256), "repeats": (1, 1_000),
+FLAG_INT_BOUNDS = {"max_turns": (1, MAX_TURNS_MAX), "parallel": (1, 256), "repeats": (1, REPEATS_MAX),
                    "limit": (0, 1_000_000)}
 #: Longest wall-time a flag may give one session or run (30 days), in seconds.
 MAX_WALL_S = 30 * 86400.0
@@ -20993,6 +21754,39 @@ def _where_args(p: argparse.ArgumentParser) -> None:
                         "gateway would carry: is it reachable, is the key accepted")
 
 
+def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
+                     warnings: list[str]) -> dict[str, Any] | None:
+    """`where`'s part on task environments (None: no task names one): the runtime, its version,
+    and each task's image, its hash and whether it is on this host.  Nothing is built or started
+    here: `rehearse` builds every image and checks it runs a session before anything is spent."""
+    try:
+        tasks = load_tasks(paths, cfg)
+    except AgentbenchError:
+        return None   # the study's own problem is said elsewhere
+    named = {k: t for k, t in tasks.items() if t.environment is not None}
+    if not named:
+        return None
+    kind = str(cfg.get("container_runtime") or CONTAINER_RUNTIME_DEFAULT)
+    probe = container_probe(kind, ctx.env)
+    if not probe["available"]:
+        warnings.append(f"tasks {', '.join(sorted(named))} name an environment but {kind} cannot run "
+                        f"here: {probe['reason']}")
+    rows = {}
+    for tid, t in named.items():
+        env = dict(t.environment or {})
+        present = (container_image_exists(str(probe["binary"]), env["image"], ctx.env)
+                   if probe["available"] else None)
+        if present is False and env["source"] == "image":
+            warnings.append(f"task {tid}'s image {env['image']} is not on this host (agentbench never pulls)")
+        rows[tid] = {"source": env["source"], "image": env["image"], "sha256": env.get("sha256"),
+                     "workdir": env["workdir"], "present": present}
+        if env.get("dockerfile"):
+            rows[tid]["dockerfile"] = os.path.relpath(env["dockerfile"], t.root)
+    return {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+            "available": probe["available"], "reason": probe["reason"],
+            "flags": list(cfg.get("container_flags") or []), "tasks": rows}
+
+
 @command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
 @args_of(_where_args)
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -21077,6 +21871,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     sandbox = {**probe, "study_mode": sandbox_mode, "demanded": sandbox_mode == "bwrap",
                "here": kind, "decided_on": "each compute node" if executor == "slurm" else "this host",
                "view": view, "network_open_arms": open_arms}
+    containers = where_containers(ctx, paths, study_cfg, warnings) if study is not None else None
     git = shutil.which("git")
     git_version = None
     if git:
@@ -21110,7 +21905,7 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "env_scrub": {**report, "drop_exact": sorted(ENV_DROP_EXACT),
                           "drop_prefixes": list(ENV_DROP_PREFIXES),
                           "credential_vars": sorted(CREDENTIAL_VARS), "pinned_values": ENV_PINNED},
-            "claude_env": claude_report, "sandbox": sandbox,
+            "claude_env": claude_report, "sandbox": sandbox, "containers": containers,
             "study": study, "warnings": warnings}
     if study_error is not None:
         out.update(error=study_error.payload["error"], code=study_error.payload["code"],
@@ -21562,12 +22357,27 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
 
 
-class Progress:
-    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise."""
+def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
+    """The end of a progress line (pure): spend so far, runs left and, once a run has finished in
+    this process, an estimate of the time left at the pace so far."""
+    left = max(0, total - done)
+    out = f" | spent ${spent_usd:.2f} | {left} run{'s' if left != 1 else ''} left"
+    if finished_here and left:
+        eta = elapsed_s / finished_here * left
+        out += f" | about {fmt_secs(eta)} left" if eta >= 1 else ""
+    return out
 
-    def __init__(self, total: int, stream: Any = None):
+
+class Progress:
+    """Foreground progress on stderr: a live line on a terminal, periodic plain lines otherwise.
+    `done` and `spent_usd` start from what earlier calls finished (a resumed run counts on)."""
+
+    def __init__(self, total: int, stream: Any = None, *, done: int = 0, spent_usd: float = 0.0):
         self.total = total
-        self.done = 0
+        self.done = done
+        self.spent = spent_usd
+        self.finished_here = 0
+        self.started = time.monotonic()
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.last = 0.0
@@ -21575,11 +22385,18 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         with self.lock:
-            if (" run_finished " in f" {msg} " or msg.split(" ")[1:2] == ["run_finished"]
-                    or msg.split(" ")[1:2] == ["error"]):
+            words = msg.split(" ")
+            if (" run_finished " in f" {msg} " or words[1:2] == ["run_finished"]
+                    or words[1:2] == ["error"]):
                 self.done += 1
+                self.finished_here += 1
+            for w in words[2:]:
+                if w.startswith("cost_usd=") and words[1:2] == ["run_finished"]:
+                    with contextlib.suppress(ValueError):
+                        self.spent += finite_number(float(w[len("cost_usd="):]), lo=0.0, hi=1e9) or 0.0
             now = time.monotonic()
-            line = f"[{self.done}/{self.total}] {msg}"
+            line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
+                self.done, self.total, self.spent, self.finished_here, now - self.started)
             try:
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
@@ -21597,8 +22414,21 @@ class Progress:
                 self.stream.write("\n")
 
 
+def progress_start(paths: StudyPaths, ids: Sequence[str]) -> tuple[int, int, float]:
+    """(total, done, spent) a foreground `run` of `ids` starts its progress from: the other runs
+    of the same splits that already ended count as done, and their cost as spent, so that a
+    resumed study counts on instead of starting again at 0."""
+    chosen = set(ids)
+    facts = report_runs(paths, write=False)
+    splits = {f.split for f in facts if f.run_id in chosen}
+    ended = [f for f in facts if f.split in splits and f.status in RUN_FINAL]
+    total = len(chosen | {f.run_id for f in ended})
+    return total, len(ended), math.fsum(f.cost for f in ended)
+
+
 def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> dict[str, Any]:
-    prog = Progress(len(ids))
+    total, done, spent = progress_start(study.paths, ids)
+    prog = Progress(total, done=done, spent_usd=spent)
     try:
         return drive_selected(ctx, study, ids, parallel, progress=prog)
     finally:
@@ -21699,6 +22529,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="bootstrap seed (default: the analysis plan's, else the study seed; another "
                         "makes the analysis exploratory)")
+    p.add_argument("--split", default=None,
+                   help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
+                        "(default: main; other splits are never pooled into it)")
 
 
 @command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
@@ -21706,40 +22539,8 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     cfg = load_study_config(paths)
-    arms = list((cfg.get("arms") or {}).keys())
-    if args.baseline and args.baseline not in arms:
-        raise AgentbenchError("unknown baseline arm", code="unknown_baseline_arm",
-                              baseline=args.baseline, arms=arms)
-    plan, plan_source = analysis_plan_of_study(paths)
-    boot = plan.get("bootstrap") if isinstance(plan, dict) else None
-    plan_seed = boot.get("seed") if isinstance(boot, dict) else None
-    if args.seed is not None:
-        seed = args.seed
-    elif isinstance(plan_seed, int) and not isinstance(plan_seed, bool):
-        seed = plan_seed
-    else:
-        seed = int(cfg.get("seed") or 0)
-    # The figures come from the report cache when no record, argument or line of code changed
-    # since it was written; else from the runs' facts (the runs summary, a cache checked against
-    # every record's stamp).  The run pages below read the records themselves.
-    # Half the records are stat'ed on another core beside the other half (a fork; not inside an
-    # agent's session).
-    stamps = run_record_stamps(paths, beside=None if ctx.is_child else ctx.platform.compute_beside)
-    key = report_cache_key(stamps, [arms, args.baseline, seed, plan, plan_source])
-    cached = read_report_cache(paths, key)
-    if cached is not None:
-        report, any_started = cached["report"], cached["any_started"]
-    else:
-        runs = report_runs(paths, write=not ctx.is_child, stamps=stamps)
-        with gc_paused():
-            # The view with every run is computed on another core beside the other one (a fork;
-            # not inside an agent's session, where the copy would count against its limits).
-            report = report_of_facts(runs, arms, baseline=args.baseline, seed=seed, plan=plan,
-                                     plan_source=plan_source,
-                                     beside=None if ctx.is_child else ctx.platform.compute_beside)
-        any_started = any(f.status not in (None, "not_started") for f in runs)
-        if not ctx.is_child and not unsettled_records(stamps, time.time_ns()):
-            write_report_cache(paths, key, report, any_started)
+    report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
+                                       write=not ctx.is_child)
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     report["grading"] = grading_facts(calibration_state(paths).get("tasks") or {})
     if report["grading"]["forgeable_accepted"]:
@@ -21799,6 +22600,47 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _show_args(p: argparse.ArgumentParser) -> None:
+    _study_arg(p)
+    p.add_argument("--run", required=True, help="the run id (see `list --all`)")
+
+
+@command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
+         mutating=False)
+@args_of(_show_args)
+def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    paths = ctx.study(args)
+    out = run_overview(load_run(paths, checked_id("run", args.run)))
+    where = shlex.quote(str(paths.root))
+    out["pages"] = f"python3 agentbench.py report --study {where} --format html --out {where}/report/"
+    return out
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--study", action="append", required=True,
+                   help="a study directory (give two, or more: the first is the reference)")
+    p.add_argument("--baseline", help="compare every arm with this one (default: each study's plan's)")
+
+
+@command("compare", "two studies of the same tasks and arms: their primary figures side by side",
+         mutating=False)
+@args_of(_compare_args)
+def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
+    if len(args.study) < 2:
+        raise AgentbenchError("compare needs two studies", code="compare_needs_two_studies",
+                              flag="--study", hint="compare --study A --study B")
+    named = []
+    for raw in args.study:
+        paths = ctx.study(argparse.Namespace(study=raw))
+        report, _ = study_report(paths, load_study_config(paths), args.baseline, None,
+                                 write=not ctx.is_child)
+        named.append((str(paths.root), report))
+    if len({n for n, _ in named}) < len(named):
+        raise AgentbenchError("the same study given twice", code="compare_same_study", flag="--study",
+                              studies=[n for n, _ in named])
+    return compare_reports(named)
+
+
 # -- rehearse and demo -----------------------------------------------------------------------------
 
 def _rehearse_args(p: argparse.ArgumentParser) -> None:
@@ -21812,6 +22654,12 @@ def _rehearse_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--behaviour", action="append", default=[],
                    help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
     p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
+    p.add_argument("--task", action="append", default=[],
+                   help="rehearse only this task (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--arm", action="append", default=[],
+                   help="rehearse only this arm (repeatable; a partial rehearsal is not recorded)")
+    p.add_argument("--limit", type=bounded_int("limit"),
+                   help="rehearse only the first N runs of the manifest (a partial rehearsal)")
     p.add_argument("--executor", choices=("local", "slurm"),
                    help="override the study's executor for the rehearsal (the scripted model listens on "
                         "this machine's loopback: with slurm, jobs must run on this machine)")
@@ -21862,10 +22710,13 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
         raise AgentbenchError("tasks are not calibrated: " + ", ".join(bad), code="tasks_not_calibrated",
                               tasks=bad, hint=f"run `python3 agentbench.py calibrate --study {where}` "
                                               "and fix what it reports (--force rehearses anyway)")
-    prog = Progress(len(tasks) * len(arms) * int(args.repeats or cfg.get("repeats") or 1))
+    n_runs = (len(pick_tasks(tasks, args.task)) * len(set(args.arm) & set(arms) or arms)
+              * int(args.repeats or cfg.get("repeats") or 1))
+    prog = Progress(min(n_runs, args.limit or n_runs))
     try:
         out = rehearse_study(ctx, paths, scratch=scratch, parallel=args.parallel, repeats=args.repeats,
-                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor)
+                             behaviours=behaviours, faults=faults, progress=prog, executor=args.executor,
+                             only_tasks=args.task, only_arms=args.arm, limit=args.limit or None)
     finally:
         prog.close()
     report = f"python3 agentbench.py report --study {shlex.quote(str(scratch))} --format md"
@@ -21873,7 +22724,8 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
            "arms": {a: {**v, "cost_simulated": True} if isinstance(v, dict) else v
                     for a, v in (out.get("arms") or {}).items()},
            "cost_note": "every cost here is simulated (scripted model, list prices): nothing was billed",
-           "next": (f"python3 agentbench.py run --study {where}" if out["ok"] else report)}
+           "next": (report if not out["ok"] else f"python3 agentbench.py rehearse --study {where}"
+                    if out.get("partial") else f"python3 agentbench.py run --study {where}")}
     if not out["ok"]:
         return 2, {**out, "error": f"the rehearsal did not pass: {len(out['problems'])} problem(s)",
                    "code": "rehearsal_failed",
@@ -21949,7 +22801,8 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def _export_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
-                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session")
+                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
+                        "csv: runs.csv, one row a run")
     p.add_argument("--out", required=True, help="directory to write into (made if missing)")
 
 

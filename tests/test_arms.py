@@ -82,6 +82,12 @@ BAD = [
     ({"mcp": "arm/bad.json"}, "arm_file_not_json", "mcp"),
     ({"mcp": "arm/settings.json"}, "arm_mcp_config_invalid", "mcp"),
     ({"settings": "arm/escape.json"}, "arm_file_outside_study", "settings"),
+    # never shown to a session: a task's hidden files, the study's state and runs, whatever names them
+    ({"system_prompt": "tasks/tiny/oracle/leak.md"}, "arm_file_not_showable", "system_prompt"),
+    ({"mcp": "arm/leak_mcp.json"}, "arm_file_not_showable", "mcp"),
+    ({"settings": "state/leak.json"}, "arm_file_not_showable", "settings"),
+    ({"workspace_overlay": "runs/r9"}, "arm_file_not_showable", "workspace_overlay"),
+    ({"plugins": ["tasks"]}, "arm_file_not_showable", "plugins"),
 ]
 
 
@@ -94,6 +100,12 @@ def test_every_bad_arm_setting_is_refused_by_arm_and_key_and_writes_nothing(
     outside = tmp_path / "outside.json"
     outside.write_text("{}")
     (armed / "arm" / "escape.json").symlink_to(outside)
+    for leak in ("tasks/tiny/oracle/leak.md", "state/leak.json", "runs/r9/leak.md"):
+        (armed / leak).parent.mkdir(parents=True, exist_ok=True)
+        (armed / leak).write_text("{}")
+    # an MCP server's argument naming a hidden test: it was bound into the sandbox as a study file
+    write_json(armed / "arm" / "leak_mcp.json",
+               {"mcpServers": {"s": {"command": "python3", "args": ["tasks/tiny/oracle/leak.md"]}}})
     set_arm(armed, "B", **setting)
     argv = {"assign": ["assign", "--study", str(armed), "--force"],
             "rehearse": ["rehearse", "--study", str(armed), "--dir", str(tmp_path / "reh")]}[command]
@@ -295,3 +307,32 @@ def test_the_break_even_count_of_pings() -> None:
     assert ab.ping_break_even([5.0, 25.0, 6.25, 10.0, 0.5]) == 11
     assert ab.ping_break_even([1.0, 1.0, 1.0, 1.0, 0.0]) == 0          # a free read: never worth a ping
     assert ab.ping_break_even([1.0, 1.0, 0.1, 0.1, 0.1]) == 0
+
+
+def test_each_arm_setting_is_declared_once_and_round_trips() -> None:
+    """ARM_SETTINGS is the one place an arm launch setting is declared: its key is an arm key, its
+    default is LaunchSpec's, its value survives the job record, and it reaches claude's argv (or
+    is declared not to show in argv: env and the overlay reach the sandbox and the workspace)."""
+    spec = ab.LaunchSpec(root="/s")
+    job = {"mcp_config": "/j/mcp.json", "system_prompt_file": "/j/p.md"}
+    for s in ab.ARM_SETTINGS:
+        assert s.key in ab.ARM_KEYS and getattr(spec, s.key) == s.default
+        assert s.from_view(s.to_view(s.default)) == s.default
+        assert s.resolve in ("value", "env", "file", "mcp", "dirs", "overlay")
+        assert (s.key in ab.DELIVERY_UNOBSERVABLE) == (not s.observable)
+    values = {"model": "claude-x-1", "fallback_model": "claude-y-2", "effort": "low", "tools": "Bash",
+              "allowed_tools": "Read", "disallowed_tools": "Edit", "permission_mode": "plan",
+              "system_prompt": "sp.md", "mcp": "m.json", "settings": "s.json", "agents": "a.json",
+              "agent": "rev", "plugins": ("p",), "env": (("A", "1"),), "workspace_overlay": "ov"}
+    assert set(values) == set(ab.ARM_LAUNCH_KEYS)
+    full = ab.LaunchSpec(root="/s", arm="A", **values)
+    assert ab.LaunchSpec.from_record(full.record()) == full
+    argv = ab.build_claude_argv("claude", full, session_id="x", resume=None, fork=False,
+                                max_budget_usd=None, max_turns=None, **job)
+    for key, value in values.items():
+        # (mcp: the job's own copy of the arm's config, its paths made absolute)
+        shown = job["mcp_config"] if key == "mcp" else value[0] if isinstance(value, tuple) else value
+        if ab.ARM_SETTING[key].argv(full, value, job):
+            assert any(shown in a for a in argv), key
+        else:
+            assert key in ("env", "workspace_overlay"), key

@@ -223,3 +223,107 @@ def test_the_audit_flags_a_workspace_file_equal_to_an_oracle_file(tmp_path: Path
     assert found == [{"file": "helper.py", "equals": "oracle/run.py"}]
     (ws / "helper.py").unlink()
     assert ab.hidden_file_copies(task, ab.artifact_manifest(ws), "oracle") == []
+
+
+# ---- study.json and task.json values the first reader refuses ----------------------------------------
+
+def _edit_study(study: Path, **changes: object) -> None:
+    cfg = json.loads((study / "study.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    write_json(study / "study.json", cfg)
+
+
+@pytest.mark.parametrize("command", ["calibrate", "assign"])
+@pytest.mark.parametrize("changes, names", [
+    ({"repeats": 10 ** 30}, '"key": "repeats"'),
+    ({"repeats": 1001}, '"key": "repeats"'),
+    ({"budget": {"max_turns": 0}}, '"key": "max_turns"'),
+    ({"budget": {"max_turns": 2.5}}, '"key": "max_turns"'),
+    ({"model": "opus"}, '"key": "model"'),
+    ({"model": "sonnet[1m]"}, '"key": "model"'),
+    ({"effort": "ultra"}, '"key": "effort"'),
+    ({"permission_mode": "yolo"}, '"key": "permission_mode"'),
+    ({"arms": {"CON": {}}}, '"key": "arms.CON"'),
+    ({"arms": {"A": {}, "null": {}}}, '"key": "arms.null"'),
+    ({"arms": {"all": {}}}, '"key": "arms.all"'),
+    ({"arms": {"nul.txt": {}}}, '"key": "arms.nul.txt"'),
+    ({"env": {"X": "a\nb"}}, '"key": "env"'),
+    ({"arms": {"A": {"env": {"X": "a\rb"}}}}, '"key": "env"'),
+])
+def test_a_bad_study_value_is_refused_by_the_first_command_that_reads_it(
+        tmp_path: Path, fake_env, command: str, changes: dict, names: str) -> None:
+    study = tiny_study(tmp_path / "s")
+    _edit_study(study, **changes)
+    argv = [command, "--study", str(study)] + (["--force"] if command == "assign" else [])
+    obj = refused(argv, study, names=names)
+    assert obj["file"] == "study.json", obj
+    assert not (study / "state" / "manifests").exists()
+
+
+def test_the_bounds_of_a_study_value_are_the_flags_bounds(tmp_path: Path, fake_env) -> None:
+    """The largest repeats study.json may hold is the largest --repeats takes: both are accepted."""
+    study = tiny_study(tmp_path / "s", repeats=ab.REPEATS_MAX, budget={"max_turns": ab.MAX_TURNS_MAX})
+    ab.check_study_shape(json.loads((study / "study.json").read_text()))
+    assert ab.FLAG_INT_BOUNDS["repeats"][1] == ab.REPEATS_MAX
+    assert ab.FLAG_INT_BOUNDS["max_turns"][1] == ab.MAX_TURNS_MAX
+
+
+@pytest.mark.parametrize("name, ok", [("A", True), ("baseline", True), ("con2", True), ("CON", False),
+                                      ("Nul", False), ("com1", False), ("lpt9.x", False), ("null", False),
+                                      ("None", False), ("ALL", False), ("true", False), ("../x", False)])
+def test_arm_names_table(name: str, ok: bool) -> None:
+    assert (ab.arm_name_problem(name) is None) is ok
+
+
+def test_init_env_with_a_newline_is_refused_and_nothing_written(tmp_path: Path, fake_env) -> None:
+    root = tmp_path / "fresh"
+    code, obj = run_main(["init", "--study", str(root), "--env", "X=line1\nline2"])
+    assert code == 2 and obj["code"] == "bad_env" and obj["key"] == "env", obj
+    assert not root.exists()
+    study = tiny_study(tmp_path / "s")
+    refused(["init", "--study", str(study), "--env", "X=a\x00b"], study, names="--env")
+
+
+def test_a_task_directory_without_task_json_is_refused_not_dropped(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s", tasks=("one", "two"))
+    (study / "tasks" / "two" / "task.json").unlink()
+    obj = refused(["assign", "--study", str(study), "--force"], study, names="two")
+    assert obj["code"] == "task_json_missing" and obj["file"] == "task.json", obj
+    # A directory whose name starts with _ (or a cache) is kept there unused, on purpose.
+    (study / "tasks" / "two").rename(study / "tasks" / "_two")
+    (study / "tasks" / "__pycache__").mkdir()
+    code, out = run_main(["assign", "--study", str(study), "--force"])
+    assert code == 0 and out["tasks"] == 1, out
+
+
+def test_a_task_json_that_is_a_directory_is_refused_by_name(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s")
+    (study / "tasks" / "tiny" / "task.json").unlink()
+    (study / "tasks" / "tiny" / "task.json").mkdir()
+    obj = refused(["calibrate", "--study", str(study)], study, names="task.json")
+    assert obj["code"] == "json_file_is_directory", obj
+
+
+def test_unknown_task_json_keys_are_refused_like_study_json_s(tmp_path: Path, fake_env) -> None:
+    study = tiny_study(tmp_path / "s")
+    spec = json.loads((study / "tasks" / "tiny" / "task.json").read_text())
+    write_json(study / "tasks" / "tiny" / "task.json", {**spec, "_note": "free", "treshold": 0.5})
+    obj = refused(["calibrate", "--study", str(study)], study, names="treshold")
+    assert obj["code"] == "task_json_unknown_keys" and obj["file"] == "task.json", obj
+    assert obj["key"] == "treshold", obj
+
+
+@pytest.mark.parametrize("flag", ["--behaviour", "--fault"])
+def test_rehearse_refuses_a_run_the_rehearsal_does_not_have_before_writing(tmp_path: Path, fake_env,
+                                                                            flag: str) -> None:
+    study = tiny_study(tmp_path / "s")
+    value = "r9999=solve" if flag == "--behaviour" else "r9999=interrupt:after_tool_uses=1"
+    obj = refused(["rehearse", "--study", str(study), "--force", "--dir", str(study / "reh"), flag, value],
+                  study, names="r9999")
+    assert obj["code"] == "unknown_run", obj
+    obj = refused(["rehearse", "--study", str(study), "--force", "--dir", str(study / "reh"),
+                   "--limit", "1", "--behaviour", "r0002=solve"], study, names="r0002")

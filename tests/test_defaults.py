@@ -159,7 +159,8 @@ def test_a_slurm_job_asks_for_its_wall_time_plus_the_default_margin():
     argv = ab.sbatch_argv("j1", "s.sh", output="o", chdir=".", slurm={}, wall_s=60)
     minutes = int(ab.SLURM_TIME_MARGIN_DEFAULT_S // 60) + 1
     assert f"--time={minutes}" in argv and ab.SLURM_TIME_MARGIN_DEFAULT_S == 600.0
-    assert "`time_margin_s` (default 600)" in README.read_text(encoding="utf-8")
+    guide = README.parent / "docs" / "GUIDE.md"      # the Slurm settings are documented there
+    assert "`time_margin_s` (default 600)" in guide.read_text(encoding="utf-8")
 
 
 def test_training_an_unknown_task_is_refused_by_name_even_when_the_study_has_none(tmp_path, fake_env):

@@ -201,3 +201,33 @@ def test_without_tomllib_the_refusal_says_which_python(tmp_path, monkeypatch):
     code, out = run_main(["import-tasks", "--from", "harbor", *dirs, "--tasks", str(tmp_path / "t")])
     assert code == 2 and out["code"] == "toml_reader_missing" and "3.11" in out["hint"]
     assert not (tmp_path / "t").exists()
+
+
+def test_a_hostile_task_copies_no_host_file_and_fills_nothing(tmp_path):
+    """Links in the parts the check does not walk (.git, __pycache__): to a host file and to
+    /dev/zero.  Followed, the first copies the host file into the study, the second fills the disk."""
+    dirs = _copy_tasks(tmp_path, GOOD[:1])
+    task = Path(dirs[0])
+    host_secret = tmp_path / "host-secret.txt"
+    token = "HOST-SECRET-" + __import__("os").urandom(6).hex()
+    host_secret.write_text(token)
+    (task / "tests" / ".git").mkdir()
+    (task / "tests" / ".git" / "config").symlink_to(host_secret)
+    (task / "solution" / "__pycache__").mkdir()
+    (task / "solution" / "__pycache__" / "solve.cpython-311.pyc").symlink_to("/dev/zero")
+    # the attack is set up: a copy that follows links takes the host's file (and /dev/zero, endless)
+    probe = tmp_path / "probe"
+    shutil.copytree(task / "tests", probe, ignore=shutil.ignore_patterns("__pycache__"))
+    assert (probe / ".git" / "config").read_text() == token and not (probe / ".git" / "config").is_symlink()
+    code, out = run_main(["import-tasks", "--from", "harbor", *dirs, "--tasks", str(tmp_path / "tasks")])
+    assert code == 0, out
+    bundle = tmp_path / "tasks" / GOOD[0]
+    total = 0
+    for p in bundle.rglob("*"):
+        assert not p.is_symlink(), p
+        if p.is_file():
+            total += p.stat().st_size
+            assert token not in p.read_text(errors="replace"), p
+    assert not (bundle / "oracle" / "tests" / ".git").exists()
+    assert not (bundle / "reference" / "solution" / "__pycache__").exists()
+    assert total < 2 ** 20

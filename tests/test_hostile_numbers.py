@@ -202,6 +202,21 @@ def test_nan_in_the_registry_cannot_defeat_the_study_cap(study: Path, tmp_path: 
     assert obj["spent_usd"] == pytest.approx(0.02)
 
 
+def test_a_deleted_registry_keeps_the_study_cap(study: Path, tmp_path: Path) -> None:
+    """The registry is rebuilt from the ledger when it is gone, never from zero: a `spawn` past
+    the study's USD cap is still refused."""
+    code, obj = run_main(["init", "--study", str(study), "--study-usd", "0.015"])
+    assert code == 0, obj
+    job = spawn(study, tmp_path, "cost=0.02")
+    wait_result(study, job)
+    reg_path = study / "state" / "registry.json"
+    assert json.loads(reg_path.read_text())["spent_usd"] == pytest.approx(0.02)
+    reg_path.unlink()
+    code, obj = run_main(["spawn", "--study", str(study), "--brief", brief(tmp_path)])
+    assert code == 2 and obj.get("refusal") == "study_cap", obj
+    assert obj["spent_usd"] == pytest.approx(0.02)
+
+
 def test_a_registry_of_another_version_is_refused_not_rewritten(study: Path, tmp_path: Path) -> None:
     reg_path = study / "state" / "registry.json"
     reg = json.loads(reg_path.read_text()) if reg_path.exists() else {"next_job": 1, "counts": {}}

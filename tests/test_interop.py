@@ -175,7 +175,7 @@ def test_export_refuses_an_out_that_is_a_file_or_inside_the_study(study, tmp_pat
                           "--out", str(study / "state" / "x")])
     assert code == 2 and out["code"] == "export_out_inside_study"
     assert not (study / "state" / "x").exists()
-    code, out = run_main(["export", "--study", str(study), "--format", "csv", "--out", str(tmp_path / "o")])
+    code, out = run_main(["export", "--study", str(study), "--format", "xlsx", "--out", str(tmp_path / "o")])
     assert code == 2 and out["code"] == "bad_arguments" and not (tmp_path / "o").exists()
 
 
@@ -226,3 +226,60 @@ def test_an_empty_study_exports_logs_inspect_ai_reads(study, tmp_path):
     logs = read_inspect_logs(venv, [str(p) for p in sorted((tmp_path / "i").glob("*.eval"))])
     assert [(log["task"], log["status"], log["samples"]) for log in logs] == [("A", "started", []),
                                                                               ("C", "started", [])]
+
+
+def _strictly_read(data: bytes):
+    """A strict reader's view: UTF-8 decoded with errors='strict', then JSON with no surrogate
+    code point in any string (orjson and pydantic-core refuse a lone one, even escaped)."""
+    obj = json.loads(data.decode("utf-8", errors="strict"))
+
+    def walk(x):
+        if isinstance(x, str):
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in x):
+                raise ValueError(f"a surrogate in {x[:200]!r}")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(obj)
+    return obj
+
+
+@pytest.mark.parametrize("text, want", [
+    ("plain", "plain"),
+    ("a\ud800b", "a\ufffdb"),                     # lone high surrogate
+    ("\udc00x", "\ufffdx"),                       # lone low surrogate
+    ("\ud83d\ude00", "\U0001F600"),               # a pair as two code points: the character
+    ("\udcff", "\ufffd"),                         # a non-UTF-8 byte as surrogateescape keeps it
+])
+def test_strict_unicode_table(text, want):
+    assert ab.strict_unicode({text: [text, (text,)]}) == {want: [want, [want]]}
+
+
+def test_every_export_reads_with_a_strict_reader_whatever_the_model_wrote(study, tmp_path):
+    hostile = [ev("assistant", [{"type": "text", "text": "lone \ud800 and \udfff end"},
+                                {"type": "tool_use", "id": "c\udc80", "name": "Bash",
+                                 "input": {"command": "echo \ud800"}}], mid="m1"),
+               {"type": "result", "subtype": "success", "is_error": False, "result": "x\ud800"}]
+    raw = _lines(hostile) + b'{"type": "assistant", "message": {"content": [{"type": "text", "text": "\xff\xfe"}]}}\n'
+    assert b"\\ud800" in raw                     # the attack: a lone surrogate, escaped, in the stream
+    with pytest.raises(ValueError):              # what a strict reader does with it unrepaired
+        _strictly_read(json.dumps({"t": "a\ud800"}).encode())
+    _fake_job(study, "j000001", str(study / "runs" / "x" / "raw" / "01"), raw)
+    code, out = run_main(["export", "--study", str(study), "--format", "atif", "--out", str(tmp_path / "o")])
+    assert code == 0 and out["trajectories"] == 1
+    traj = _strictly_read((tmp_path / "o" / "_sessions" / "j000001" / "trajectory.json").read_bytes())
+    assert "lone \ufffd and \ufffd end" in json.dumps(traj, ensure_ascii=False)
+    # Inspect: the zip's every member, from samples carrying the same text
+    sample = {"id": "t", "epoch": 1, "input": "a\ud800", "messages": [{"role": "assistant", "content": "\udc00"}],
+              "scores": {}, "metadata": {"k\ud800": "v"}, "model_usage": {}}
+    path = tmp_path / "x.eval"
+    ab.write_eval_zip(path, {"eval": {"task": "A\ud800"}, "stats": {"model_usage": {}}}, [sample])
+    with ab.zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        assert len(names) == 3
+        for name in names:
+            _strictly_read(zf.read(name))

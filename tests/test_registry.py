@@ -8,6 +8,7 @@ deleted, release only by its owner), and twenty concurrent `spawn` processes aga
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -227,19 +228,73 @@ def test_create_json_exclusive_one_winner_among_processes(tmp_path):
 
 # ---- append-only JSONL ----------------------------------------------------------------------------
 
-def test_append_jsonl_fences_off_a_torn_last_line(tmp_path):
+def test_append_jsonl_cuts_a_torn_last_line(tmp_path):
     p = tmp_path / "ledger.jsonl"
     ab.append_jsonl(p, {"job_id": "j000001", "n": 1})
     with open(p, "ab") as fh:               # a writer killed in the middle of its append
         fh.write(b'{"job_id": "j000002", "n"')
+    assert ab.read_jsonl(p)[1] == 1         # set up: the torn tail is there
     ab.append_jsonl(p, {"job_id": "j000003", "n": 3})
     records, bad = ab.read_jsonl(p)
     assert [r["job_id"] for r in records] == ["j000001", "j000003"]
-    assert bad == 1
-    # The file stays line-oriented: the fragment is on a line of its own.
-    lines = p.read_bytes().split(b"\n")
-    assert lines[1] == b'{"job_id": "j000002", "n"'
-    assert p.read_bytes().endswith(b"\n")
+    assert bad == 0                         # cut, not kept: what it recorded counts as never written
+    assert b"j000002" not in p.read_bytes() and p.read_bytes().endswith(b"\n")
+
+
+def test_append_jsonl_cuts_a_tail_with_no_newline_at_all(tmp_path):
+    p = tmp_path / "events.jsonl"
+    p.write_bytes(b'{"torn": ' + b"x" * 70000)      # longer than one backward read
+    ab.append_jsonl(p, {"a": 1})
+    assert p.read_bytes() == b'{"a": 1}\n'
+
+
+def test_append_jsonl_writes_a_line_the_file_system_takes_in_pieces(tmp_path, monkeypatch):
+    p = tmp_path / "ledger.jsonl"
+    real_write = os.write
+    sizes: list[int] = []
+
+    def short_write(fd, data):
+        sizes.append(real_write(fd, bytes(data[:7])))
+        return sizes[-1]
+    monkeypatch.setattr(os, "write", short_write)
+    ab.append_jsonl(p, {"job_id": "j000001", "pad": "z" * 100})
+    monkeypatch.undo()
+    assert len(sizes) > 10                  # set up: many short writes happened
+    assert ab.read_jsonl(p) == ([{"job_id": "j000001", "pad": "z" * 100}], 0)
+
+
+def test_append_jsonl_that_fails_mid_line_leaves_nothing(tmp_path, monkeypatch):
+    p = tmp_path / "ledger.jsonl"
+    ab.append_jsonl(p, {"job_id": "j000001"})
+    before = p.read_bytes()
+    real_write = os.write
+
+    def full_disk(fd, data):
+        if len(data) > 20:
+            return real_write(fd, bytes(data[:20]))     # the part that fit
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError):
+        ab.append_jsonl(p, {"job_id": "j000002", "pad": "z" * 100})
+    monkeypatch.undo()
+    assert p.read_bytes() == before
+
+
+def test_append_write_fault_point_pieces_and_kill(tmp_path):
+    """`append_write:kill` SIGKILLs a writer between two pieces of its line: the torn tail it
+    leaves is cut by the next append."""
+    p = tmp_path / "events.jsonl"
+    ab.append_jsonl(p, {"n": 1})
+    env = {**os.environ, "AGENTBENCH_FAULT_AT": "append_write:kill"}
+    proc = py_helper(f"ab.append_jsonl({str(p)!r}, {{'n': 2, 'pad': 'q' * 300}})", env=env)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert ab.read_jsonl(p)[1] == 1 and b"qqq" in p.read_bytes()     # set up: a torn tail
+    env["AGENTBENCH_FAULT_AT"] = "append_write:short"
+    proc = py_helper(f"ab.append_jsonl({str(p)!r}, {{'n': 3, 'pad': 'w' * 300}})", env=env)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert ab.read_jsonl(p) == ([{"n": 1}, {"n": 3, "pad": "w" * 300}], 0)
 
 
 def test_read_jsonl_counts_non_objects_and_skips_blank_lines(tmp_path):
@@ -371,6 +426,85 @@ def test_ledger_line_written_but_not_marked_is_not_doubled(study, tmp_path, monk
     assert [r["job_id"] for r in records] == [jid]
     assert bad == 1
     assert not (paths.active / jid).exists()
+
+
+def test_a_ledger_line_cut_short_by_a_full_disk_is_written_once_when_space_is_back(study, tmp_path, monkeypatch):
+    """The disk fills in the middle of a job's ledger line: the job is not marked ledgered, nothing
+    torn is left, and once there is space the next reap writes its one whole line; the registry's
+    spend equals the ledger's sum throughout."""
+    paths, done = register_job(study, tmp_path)
+    ab.finalize_job(paths, PLAT, done, status="ok", reason=None, usage=_usage(0.03))
+    _, job = register_job(study, tmp_path)
+    jid = job["job_id"]
+    real_write = os.write
+    ledger_fd: list[int] = []
+    real_open = os.open
+
+    def tracking_open(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        if str(path).endswith("ledger.jsonl"):
+            ledger_fd.append(fd)
+        return fd
+
+    def full_disk(fd, data):
+        if fd in ledger_fd:
+            if len(data) > 40:
+                return real_write(fd, bytes(data[:40]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError):
+        ab.finalize_job(paths, PLAT, job, status="ok", reason=None, usage=_usage(0.04))
+    monkeypatch.undo()
+    assert ledger_fd                                    # set up: the ledger append was the one that failed
+    assert not (paths.job_dir(jid) / "ledgered").exists()
+    assert ab.read_jsonl(paths.ledger) == (ab.read_jsonl(paths.ledger)[0], 0)
+    assert [r["job_id"] for r in ledger(study)] == [done["job_id"]]
+    ab.reap_jobs(paths, PLAT)
+    ab.reap_jobs(paths, PLAT, only=[jid])
+    lines, bad = ab.read_jsonl(paths.ledger)
+    assert bad == 0 and sorted(r["job_id"] for r in lines) == sorted([done["job_id"], jid])
+    assert ab.read_registry(paths)["spent_usd"] == pytest.approx(0.07) == ab.ledger_spent_usd(paths)
+    assert (paths.job_dir(jid) / "ledgered").exists() and not (paths.active / jid).exists()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "not_json", "not_an_object"])
+def test_a_lost_registry_is_rebuilt_from_the_ledger_never_from_zero(study, tmp_path, damage):
+    paths, a = register_job(study, tmp_path)
+    ab.finalize_job(paths, PLAT, a, status="ok", reason=None, usage=_usage(0.25))
+    _, b = register_job(study, tmp_path)
+    ab.finalize_job(paths, PLAT, b, status="failed", reason="exit_code", usage=_usage(0.5))
+    {"deleted": lambda: paths.registry.unlink(),
+     "not_json": lambda: paths.registry.write_bytes(b'{"spent_usd": 0.7'),
+     "not_an_object": lambda: paths.registry.write_bytes(b"[]")}[damage]()
+    reg = ab.read_registry(paths)
+    assert reg["spent_usd"] == pytest.approx(0.75)
+    assert reg["counts"]["ok"] == 1 and reg["counts"]["failed"] == 1 and reg["counts"]["created"] == 2
+    assert reg["next_job"] == int(b["job_id"][1:]) + 1
+    _, c = register_job(study, tmp_path)                # the next job neither reuses an id nor resets the sum
+    assert c["job_id"] > b["job_id"]
+    assert ab.read_json(paths.registry)["spent_usd"] == pytest.approx(0.75)
+
+
+def test_a_result_counted_before_the_registry_was_lost_is_not_counted_again(study, tmp_path, monkeypatch):
+    """The registry is rebuilt from the ledger while a job is between its ledger line and its
+    markers: the reaper's repair must not add its cost a second time."""
+    paths, job = register_job(study, tmp_path)
+    real_touch = ab.touch_marker
+
+    def killed_before_marker(path):
+        if Path(path).name == "ledgered":
+            raise RuntimeError("killed before the marker")
+        return real_touch(path)
+    monkeypatch.setattr(ab, "touch_marker", killed_before_marker)
+    with pytest.raises(RuntimeError):
+        ab.finalize_job(paths, PLAT, job, status="ok", reason=None, usage=_usage(0.2))
+    monkeypatch.undo()
+    paths.registry.unlink()
+    ab.reap_jobs(paths, PLAT)
+    assert ab.read_registry(paths)["spent_usd"] == pytest.approx(0.2) == ab.ledger_spent_usd(paths)
+    assert len(ledger(study)) == 1
 
 
 def test_usage_counts_torn_ledger_lines(study, tmp_path):
@@ -750,3 +884,27 @@ def test_twenty_concurrent_spawns_respect_the_parallel_cap(tmp_path, fake_env):
                 time.sleep(0.05)
             assert not PLAT.is_alive(proc), (j, who)
 
+
+
+# ---- a real full disk (a small tmpfs) ---------------------------------------------------------------
+
+def test_a_full_tmpfs_cuts_a_ledger_line_to_nothing_and_space_freed_takes_it_whole(tmp_path):
+    """On a real full file system: a line that only partly fits is not left torn, and after space
+    is freed the same append writes it whole."""
+    from test_bad_input import _can_mount, fill, tmpfs
+    if _can_mount() is not None:
+        pytest.skip(str(_can_mount()))
+    with tmpfs(tmp_path / "disk", "1m") as mnt:
+        p = mnt / "ledger.jsonl"
+        ab.append_jsonl(p, {"job_id": "j000001", "pad": "a" * (4096 - 60)})
+        before = p.read_bytes()
+        assert 0 < 4096 - len(before) % 4096 < 200      # set up: the last page has a little room left
+        fill(mnt)
+        line = {"job_id": "j000002", "pad": "b" * 1000}
+        with pytest.raises(OSError):
+            ab.append_jsonl(p, line)
+        assert p.read_bytes() == before                 # nothing torn: the part that fit is cut back
+        for f in mnt.glob("filler*"):
+            f.unlink()
+        ab.append_jsonl(p, line)
+        assert ab.read_jsonl(p) == ([{"job_id": "j000001", "pad": "a" * (4096 - 60)}, line], 0)

@@ -114,14 +114,14 @@ def test_token_totals_skip_what_is_not_a_number_and_total_four_kinds():
     runs = [{"tokens": {"input": 10, "output": 5, "cache_creation_1h": 7, "cache_read": 100}},
             {"tokens": {"input": 1, "cache_creation": 7, "output": "lots"}}, {"tokens": None}, {}]
     # total = input 11 + output 5 + cache_creation 7 + cache_read 100; the 1h split is not added.
-    assert ab._rpt_token_totals(tally(runs)) == {"input": 11, "output": 5, "cache_creation_1h": 7,
+    assert ab._token_totals(tally(runs).figures["tokens"]) == {"input": 11, "output": 5, "cache_creation_1h": 7,
                                           "cache_read": 100, "cache_creation": 7, "total": 123}
-    assert ab._rpt_token_totals(tally([])) == {"total": 0}
+    assert ab._token_totals(tally([]).figures["tokens"]) == {"total": 0}
 
 
 def test_gate_cycles_summary():
-    assert ab._rpt_gate_cycles(tally([])) == {"total": 0, "mean": None, "max": None, "distribution": {}}
-    got = ab._rpt_gate_cycles(tally([{"gate_cycles": 2}, {"gate_cycles": None}, {}, {"gate_cycles": 3}]))
+    assert ab._gate_cycles(tally([]).figures["gate_cycles"]) == {"total": 0, "mean": None, "max": None, "distribution": {}}
+    got = ab._gate_cycles(tally([{"gate_cycles": 2}, {"gate_cycles": None}, {}, {"gate_cycles": 3}]).figures["gate_cycles"])
     assert got == {"total": 5, "mean": 1.25, "max": 3, "distribution": {"0": 2, "2": 1, "3": 1}}
     assert list(got["distribution"]) == ["0", "2", "3"]
 

@@ -8,7 +8,6 @@ import copy
 import fractions
 import json
 import math
-import os
 import random
 import sys
 
@@ -45,8 +44,9 @@ def reference_tally(known):
                 t.running += 1
             ab._tally_inc(t.outcomes, outcome, pos)
             if f.wall_s is not None:
-                t.walls.append(f.wall_s)
-            t.cycles[f.gate_cycles] = t.cycles.get(f.gate_cycles, 0) + 1
+                t.figures["wall_s"].append(f.wall_s)
+            cycles = t.figures["gate_cycles"]
+            cycles[f.gate_cycles] = cycles.get(f.gate_cycles, 0) + 1
             if f.review_verdicts:
                 for j, v in enumerate(f.review_verdicts):
                     ab._tally_inc(t.verdicts_all, v, (pos, j))
@@ -61,8 +61,8 @@ def reference_tally(known):
                 cell.scores.append(f.score)
             if f.score_checked is not None:
                 cell.paired_scores.append(f.score_checked)
-            t.tests_passed += f.tests_passed
-            t.tests_total += f.tests_total
+            t.figures["tests_passed"] += f.tests_passed
+            t.figures["tests_total"] += f.tests_total
             if flagged:
                 cell.flagged_evaluated += 1
         if not pending:
@@ -88,7 +88,7 @@ def reference_tally(known):
         if f.cost_estimated:
             t.est_costs.append(f.cost)
         if f.tokens:
-            tokens = t.tokens
+            tokens = t.figures["tokens"]
             for j, (k, v) in enumerate(f.tokens.items()):
                 have = tokens.get(k)
                 if have is None:
@@ -281,8 +281,8 @@ def test_tally_table():
     b = tallies[("B", False)]
     assert (b.errors, b.timeouts, b.not_evaluated) == (1, 1, 2)
     assert ab._tally_counts(b.causes) == {"error": 1, "timeout": 1}
-    assert ab._tally_counts(b.tokens) == {"output": 2, "input": 4, "cache_read": 4}
-    assert b.tokens["cache_read"][1] == (5, 1)        # first seen: run 5, its second key
+    assert ab._tally_counts(b.figures["tokens"]) == {"output": 2, "input": 4, "cache_read": 4}
+    assert b.figures["tokens"]["cache_read"][1] == (5, 1)        # first seen: run 5, its second key
 
 
 # -- Exact sums and means ---------------------------------------------------------------------------
@@ -381,104 +381,16 @@ def test_census_gives_what_the_passes_it_replaces_gave(seed, n, p_odd):
         [f for f in known if f.validity not in ab.REPORT_EXCLUDED_VALIDITY], arms)
 
 
-# -- The view with every run, computed beside the other one (a forked child) -----------------------
-
-def idle_platform(tmp_path, runnable: int = 1) -> ab.Platform:
-    """This machine's platform, told by its /proc/loadavg that `runnable` threads run (1: this one)."""
-    proc = tmp_path / "proc"
-    proc.mkdir(exist_ok=True)
-    (proc / "loadavg").write_text(f"0.50 0.40 0.30 {runnable}/120 4242\n")
-    if not isinstance(ab.current_platform(), ab.PosixPlatform):
-        pytest.skip("no fork here")
-    return ab.PosixPlatform(proc_root=str(proc))
-
-
-def test_compute_beside_gives_the_childs_answer_whole(tmp_path):
-    plat = idle_platform(tmp_path)
-    answer = bytes(range(256)) * 20000                     # 5 MB: many times a pipe's buffer
-    wait = plat.compute_beside(lambda: answer)
-    if wait is None:
-        pytest.skip("no fork here")
-    assert wait(120.0) == answer
-
-
-def test_compute_beside_gives_none_when_the_child_fails_or_is_late(tmp_path):
-    plat = idle_platform(tmp_path)
-
-    def fails() -> bytes:
-        raise RuntimeError("boom")
-
-    def late() -> bytes:
-        import time
-        time.sleep(600)
-        return b"never"
-
-    for compute, timeout in ((fails, 120.0), (late, 0.2)):
-        wait = plat.compute_beside(compute)
-        if wait is None:
-            pytest.skip("no fork here")
-        assert wait(timeout) is None                     # a late child is killed and reaped
-
-
-def test_compute_beside_does_not_fork_while_other_threads_run_or_without_a_core_to_spare(
-        tmp_path, monkeypatch):
-    import threading
-    stop = threading.Event()
-    thread = threading.Thread(target=stop.wait)
-    thread.start()
-    try:
-        assert idle_platform(tmp_path).compute_beside(lambda: b"x") is None
-    finally:
-        stop.set()
-        thread.join()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert idle_platform(tmp_path, runnable=cores).compute_beside(lambda: b"x") is None   # all busy
-    (tmp_path / "proc" / "loadavg").write_text("garbled")
-    assert ab.PosixPlatform(proc_root=str(tmp_path / "proc")).compute_beside(lambda: b"x") is None
-    assert ab.Platform().compute_beside(lambda: b"x") is None     # the default: nowhere to compute
-    if cores > 1:
-        # Threads other tests leave running (a session's servers) would refuse the fork: this
-        # part is about the spare core alone.
-        monkeypatch.setattr(ab.threading, "active_count", lambda: 1)
-        wait = idle_platform(tmp_path, runnable=cores - 1).compute_beside(lambda: b"x")
-        assert wait is not None and wait(120.0) == b"x"
-
-
-def test_json_exact_refuses_what_would_come_back_different():
-    assert ab._rpt_json_exact({"a": [1, 2.5, None, True, "x"]}) == b'{"a": [1, 2.5, null, true, "x"]}'
-    for value in ({"a": (1, 2)}, {1: "a"}, {"a": float("nan")}):
-        with pytest.raises(ValueError):
-            ab._rpt_json_exact(value)
-    assert ab._rpt_json_part(None) is None and ab._rpt_json_part(b"{") is None
-    assert ab._rpt_json_part(b'{"per_arm": {}}') is None
-    assert ab._rpt_json_part(b'{"per_arm": {}, "comparisons": {}, "per_task": {}}') == {
-        "per_arm": {}, "comparisons": {}, "per_task": {}}
-
-
-def besides(platform):
-    """Every way a view computed elsewhere can go: a real fork, nowhere to compute, a child that
-    fails or answers garbage, one that answers a part of the wrong shape, and one computed in this
-    process (the answer a working child gives)."""
-    yield "fork", platform.compute_beside
-    yield "nowhere", lambda compute: None
-    yield "failed", lambda compute: (lambda timeout: None)
-    yield "garbage", lambda compute: (lambda timeout: b"\xff{not json")
-    yield "wrong", lambda compute: (lambda timeout: b'{"per_arm": 1}')
-    yield "here", lambda compute: (lambda timeout, answer=compute(): answer)
-
-
-@pytest.mark.parametrize("seed, n, p_odd", [(3, 120, 0.5), (7, 400, 0.1), (5, 60, 1.0)])
-def test_reports_are_the_same_wherever_the_view_is_computed(seed, n, p_odd, tmp_path):
-    runs, arms = generated_runs(seed, n, p_odd)
-    facts = [ab.run_facts(r) for r in runs]
-    asked = []
-
-    def counted(beside):
-        return lambda compute: asked.append(1) or beside(compute)
-    for include in (False, True):
-        want = json.dumps(ab.report_of_facts(facts, arms, seed=seed, include_excluded=include))
-        for name, beside in besides(idle_platform(tmp_path)):
-            got = ab.report_of_facts(facts, arms, seed=seed, include_excluded=include,
-                                     beside=counted(beside))
-            assert json.dumps(got) == want, name
-    assert len(asked) == 12                             # some run is excluded: the view was asked for
+def test_each_declared_figure_is_a_fact_a_summary_type_and_a_per_arm_figure_in_its_place():
+    """RUN_FIGURES is the one place a per-run figure is declared: it is a field of RunFacts (so a
+    column of the runs summary, type-checked there), added up per arm and shown after its anchor."""
+    runs, arms = generated_runs(3, 120, 0.5)
+    rep = ab.report_of_facts([ab.run_facts(r) for r in runs], arms, seed=3)
+    for fig in ab.RUN_FIGURES:
+        assert fig.name in ab.RUN_FACTS_FIELDS and ab._FACT_TYPES[fig.name] == fig.types
+        for stats in rep["per_arm"].values():
+            keys = list(stats)
+            assert keys[keys.index(fig.key) - 1] == fig.after
+    a = rep["per_arm"][arms[0]]
+    assert a["tests_total"] == sum(ab.run_facts(r).tests_total for r in runs
+                                   if r.get("arm") == arms[0] and r.get("validity") not in ab.REPORT_EXCLUDED_VALIDITY)

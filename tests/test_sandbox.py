@@ -47,11 +47,14 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
                           ro=("/srv/study/state/pristine/t/gate",), rw=("/srv/study/runs/r1/workspace", "/home/u/.claude"),
                           cwd="/srv/study/runs/r1/workspace")
     assert ab.sandbox_mounts(plan) == [
-        ("--dev", "/dev"), ("--proc", "/proc"), ("--tmpfs", "/tmp"), ("--symlink", "usr/bin", "/bin"),
+        # every tmpfs sized: /tmp at the default, a hiding one at a token size
+        ("--dev", "/dev"), ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
+        ("--symlink", "usr/bin", "/bin"),
         # the base, outer directories only ("/" never: the root is bubblewrap's own, empty)
         ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
         # a hide only where a base directory holds it, outer first; "/" never
-        ("--tmpfs", "/etc/ssh"), ("--tmpfs", "/srv/study"),
+        ("--size", str(ab.SANDBOX_HIDE_BYTES), "--tmpfs", "/etc/ssh"),
+        ("--size", str(ab.SANDBOX_HIDE_BYTES), "--tmpfs", "/srv/study"),
         ("--ro-bind", "/dev/null", "/etc/shadow"),   # /opt/elsewhere/secret: in no base, no mask
         # a base directory a hide covered comes back
         ("--ro-bind", "/srv/study/.venv", "/srv/study/.venv"),
@@ -61,11 +64,12 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--remount-ro", "/"),   # the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
-    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",),
+    inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",), tmp_mb=16,
                                    inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
                                    sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
     assert ab.sandbox_mounts(inner)[-5:-1] == [
-        ("--bind", "/home/u/.claude", "/home/u/.claude"), ("--tmpfs", "/home/u/.claude/projects"),
+        ("--bind", "/home/u/.claude", "/home/u/.claude"),
+        ("--size", str(16 * 2 ** 20), "--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
          "/home/u/.claude/projects/-srv-study-runs-r1-workspace"),
         ("--bind", "/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET)]
@@ -513,3 +517,23 @@ def test_the_gateway_also_answers_on_its_unix_socket_and_removes_it(tmp_path, lo
     assert not os.path.exists(path) and (near.is_dir() and (long_dir or list(near.iterdir()) == []))
     if long_dir:
         assert not os.path.exists(os.path.dirname(path))
+
+
+@pytest.mark.parametrize("path, why", [
+    ("/s/arm/system.md", None),
+    ("/s/tasks/t/public/notes.md", None),                 # a task's public part may be shown
+    ("/s/tasks/t/public", None),
+    ("/s/tasks/t/oracle/run.py", "hidden"),
+    ("/s/tasks/t/reference", "hidden"),
+    ("/s/tasks/t", "hidden"),
+    ("/s/tasks", "tasks directory"),
+    ("/s/state/registry.json", "state/"),
+    ("/s/runs/r1/workspace", "runs/"),
+    ("/s", "state/"),                                     # the study itself holds all of it
+    ("/elsewhere/x", "outside the study"),
+    ("/root/.ssh", "outside the study"),
+    ("/s/stateful/x", None),                              # a prefix is not a parent
+])
+def test_the_view_rule(path, why):
+    got = ab.view_refusal(path, study="/s", tasks="/s/tasks")
+    assert (got is None) if why is None else (got is not None and why in got), got

@@ -35,10 +35,12 @@ pytestmark = [pytest.mark.skipif(os.name != "posix", reason="bubblewrap is Linux
 
 #: What each denied call gives without the filter, for the harmless arguments the probe uses:
 #: ptrace/kcmp on a pid that does not exist (ESRCH), process_vm_* with flags 1 (EINVAL),
-#: pidfd_getfd on descriptor -1 (EBADF), perf_event_open with a NULL attribute (EFAULT).
+#: pidfd_getfd on descriptor -1 (EBADF), perf_event_open with a NULL attribute (EFAULT), add_key
+#: and request_key with a NULL type (EFAULT), keyctl with an operation that does not exist.
 UNFILTERED = {"ptrace": {"ESRCH", "EPERM"}, "process_vm_readv": {"EINVAL"}, "process_vm_writev": {"EINVAL"},
               "pidfd_getfd": {"EBADF"}, "kcmp": {"ESRCH", "EINVAL", "EPERM"},
-              "perf_event_open": {"EFAULT", "EACCES", "ENOENT", "ENODEV", "EPERM"}}
+              "perf_event_open": {"EFAULT", "EACCES", "ENOENT", "ENODEV", "EPERM"},
+              "add_key": {"EFAULT"}, "request_key": {"EFAULT"}, "keyctl": {"EOPNOTSUPP", "ENOTSUP"}}
 
 #: The probe run inside: reads files, connects to loopback ports (sending a marker), makes each
 #: denied call; its arguments and its answer are files in its working directory.
@@ -70,7 +72,8 @@ libc.syscall.restype = ctypes.c_long
 L = ctypes.c_long
 calls = {"ptrace": (16, 0x3FFFFFF0, 0, 0, 0, 0), "process_vm_readv": (os.getpid(), 0, 0, 0, 0, 1),
          "process_vm_writev": (os.getpid(), 0, 0, 0, 0, 1), "pidfd_getfd": (-1, 0, 0, 0, 0, 0),
-         "kcmp": (0x3FFFFFF0, 0x3FFFFFF0, 0, 0, 0, 0), "perf_event_open": (0, 0, -1, -1, 0, 0)}
+         "kcmp": (0x3FFFFFF0, 0x3FFFFFF0, 0, 0, 0, 0), "perf_event_open": (0, 0, -1, -1, 0, 0),
+         "add_key": (0, 0, 0, 0, 0, 0), "request_key": (0, 0, 0, 0, 0, 0), "keyctl": (0x7FFF, 0, 0, 0, 0, 0)}
 for name, nr in args["syscalls"].items():
     ctypes.set_errno(0)
     rc = libc.syscall(L(nr), *[L(a) for a in calls[name]])

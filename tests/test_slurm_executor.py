@@ -45,10 +45,12 @@ def test_the_batch_script_execs_the_supervisor_with_quoted_arguments() -> None:
     import shlex
     argv = shlex.split(last[len("exec "):])
     assert argv[0] == "/opt/py 3/bin/python3"
-    assert argv[1:3] == ["-c", ab.LAUNCHER_CODE]          # imported as a module: cached bytecode
-    assert argv[3] == str(Path(ab.__file__).resolve())
-    assert argv[4] == os.path.join("/data/my study", ab.STATE_DIR, ab.BYTECODE_CACHE_DIR)
-    assert argv[5:] == ["_supervise", "--study", "/data/my study", "--job", "j000007"]
+    # isolated (no PYTHON* variable, user site or working directory steers it); imported as a
+    # module: cached bytecode
+    assert argv[1:4] == ["-I", "-c", ab.LAUNCHER_CODE]
+    assert argv[4] == str(Path(ab.__file__).resolve())
+    assert argv[5] == os.path.join("/data/my study", ab.STATE_DIR, ab.BYTECODE_CACHE_DIR)
+    assert argv[6:] == ["_supervise", "--study", "/data/my study", "--job", "j000007"]
 
 
 def test_sbatch_asks_for_the_wall_time_plus_a_margin_unless_the_study_sets_one() -> None:

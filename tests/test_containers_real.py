@@ -1,0 +1,209 @@
+"""Task environments end to end: the real `claude` binary, offline against the scripted model, in a
+container of the task's image (podman; skipped, with the reason, where no runtime or base image is
+here, and a failure under CI, whose .ci/run installs podman and builds the base image).
+
+What is proved: a task whose reference and hidden tests need a tool only its image has (made by
+its Dockerfile, FROM the base image) calibrates and rehearses in its container, beside a task
+without an environment (bubblewrap), as one study with one report; a session's Bash sees the
+image's files, not the host's or the study's, reaches nothing but its gateway, and leaves no
+process (a `setsid` child included) and no container behind; the hidden tests are never in it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ab, run_cli
+from test_e2e_real import TASK, assign_by_position, cli_env, make_study, records
+
+BASE_IMAGE = os.environ.get("AGENTBENCH_BASE_IMAGE", "localhost/agentbench-base-py:bookworm")
+SLEEP_S = "427.75"   # a duration no other process uses: the setsid sleep is found by it
+ENV_TASK = "envtool"
+#: What the image's own tool prints: nothing on the host has it.
+TOOL_OUTPUT = "made-by-the-image-7f3a"
+
+
+def _runtime_or_skip() -> str:
+    probe = ab.container_probe("podman", os.environ)
+    why = None
+    if not probe["available"]:
+        why = f"podman cannot run here: {probe['reason']}"
+    elif not ab.container_image_exists(probe["binary"], BASE_IMAGE, os.environ):
+        why = f"the base image {BASE_IMAGE} is missing (.ci/run builds it with mmdebstrap)"
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must install podman and the base image; see .ci/run ({why})")
+        pytest.skip(why)
+    return str(probe["binary"])
+
+
+@pytest.fixture(scope="module")
+def podman() -> str:
+    return _runtime_or_skip()
+
+
+def add_env_task(tasks: Path) -> Path:
+    """A task whose image has a tool the host lacks (`envtool`, made by its Dockerfile): the
+    reference runs it, the gate and the hidden tests compare against it."""
+    root = tasks / ENV_TASK
+    for sub in ("public", "gate", "oracle", "reference", "environment"):
+        (root / sub).mkdir(parents=True)
+    assert shutil.which("envtool") is None
+    (root / "environment" / "Dockerfile").write_text(
+        f"FROM {BASE_IMAGE}\n"
+        f"RUN printf '#!/bin/sh\\necho {TOOL_OUTPUT}\\n' > /usr/local/bin/envtool && chmod 755 /usr/local/bin/envtool\n")
+    (root / "public" / "TASK.md").write_text("Write the output of the command `envtool` into answer.txt.\n")
+    (root / "reference" / "solve.sh").write_text("envtool > answer.txt\n")
+    (root / "gate" / "check.sh").write_text('test -f answer.txt && test "$(cat answer.txt)" = "$(envtool)"\n')
+    (root / "oracle" / "run.py").write_text(
+        "import json, os, subprocess, sys\n"
+        "ws, fd = sys.argv[1], int(sys.argv[2])\n"
+        "want = subprocess.run(['envtool'], capture_output=True, text=True).stdout.strip()\n"
+        "try:\n    got = open(os.path.join(ws, 'answer.txt')).read().strip()\nexcept OSError:\n    got = None\n"
+        "ok = bool(want) and got == want\n"
+        "os.write(fd, (json.dumps({'passed': ok, 'score': 1.0 if ok else 0.0}) + '\\n').encode())\n")
+    (root / "task.json").write_text(json.dumps({
+        "id": ENV_TASK, "title": "A tool of the image",
+        "environment": {"dockerfile": "environment/Dockerfile", "workdir": "/app"},
+        "gate": {"cmd": ["sh", "{gate}/check.sh"], "timeout_s": 60},
+        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "{receipt_fd}"], "timeout_s": 60,
+                   "threshold": 1.0},
+        "reference": {"cmd": ["sh", "{reference}/solve.sh"], "timeout_s": 60}}))
+    return root
+
+
+def test_a_study_mixing_a_container_task_and_a_bwrap_task_rehearses_as_one(tmp_path, real_claude, podman):
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False, sandbox="bwrap")
+    add_env_task(study / "tasks")
+    code, out, err = run_cli(["calibrate", "--study", str(study)], cli_env(), timeout=600)
+    assert code == 0, (out, err[-3000:])
+    assert out["tasks"][ENV_TASK]["ok"] and out["tasks"][TASK]["ok"], out
+    scratch = tmp_path / "scratch"
+    code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
+                              "--parallel", "2"], cli_env(), timeout=600)
+    assert code == 0, (out, err[-3000:])
+    # every image was built and started (the pinned claude ran in it) before any session
+    assert out["environments"][ENV_TASK]["claude_inside"] == ab.CLAUDE_CODE_PINNED, out["environments"]
+    assert set(out["environments"]) == {ENV_TASK}
+    runs = records(scratch)
+    by_task = {r["task"]: r for r in runs.values()}
+    assert set(by_task) == {TASK, ENV_TASK} and all(r["outcome"] == "success" for r in runs.values()), runs
+    env_run, host_run = by_task[ENV_TASK], by_task[TASK]
+    assert env_run["environment"]["runtime"] == "podman" and env_run["environment"]["sha256"]
+    assert env_run["environment"]["image"] == ab.built_image_tag(env_run["environment"]["sha256"])
+    assert "environment" not in host_run
+    assert env_run["sandbox"]["kinds"] == ["container"] and env_run["sandbox"]["sandboxed"]
+    assert host_run["sandbox"]["kinds"] == ["bwrap"] and host_run["sandbox"]["sandboxed"]
+    # the image's tool graded the run: the oracle's protected receipt came from the container
+    assert env_run["evaluation"]["receipt"]["channel"] == "fd" and env_run["evaluation"]["score"] == 1.0
+    code, rep, err = run_cli(["report", "--study", str(scratch), "--format", "json"], cli_env(), timeout=120)
+    assert code == 0, (rep, err[-2000:])
+    assert not any("not sandboxed" in n for n in rep.get("notes") or [])
+    # `where` names the runtime, its version and the task's image and hash; `assign` fixes them
+    code, out, err = run_cli(["where", "--study", str(study)], cli_env(), timeout=120)
+    ctr = out["containers"]
+    assert ctr["runtime"] == "podman" and ctr["version"] and set(ctr["tasks"]) == {ENV_TASK}, ctr
+    assert ctr["tasks"][ENV_TASK]["sha256"] == env_run["environment"]["sha256"] and ctr["tasks"][ENV_TASK]["present"]
+    assign_by_position(study, 1)
+    manifest = json.loads((study / "state" / "manifests" / "main.json").read_text())
+    assert manifest["environments"] == {ENV_TASK: {"image": env_run["environment"]["image"],
+                                                   "sha256": env_run["environment"]["sha256"], "workdir": "/app"}}
+
+
+def test_rehearse_refuses_an_image_that_cannot_run_a_session_before_anything_runs(tmp_path, real_claude, podman):
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False)
+    root = add_env_task(study / "tasks")
+    df = root / "environment" / "Dockerfile"
+    # python3 gone from the image: the session's relay (its PID 1) cannot start there
+    df.write_text(df.read_text() + "RUN rm -f /usr/bin/python3*\n")
+    scratch = tmp_path / "scratch"
+    code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
+                              "--force"], cli_env(), timeout=600)
+    assert code == 2 and out["code"] == "container_image_unusable" and out["task"] == ENV_TASK, (out, err[-2000:])
+    assert "python3" in out["reason"] or "exited" in out["reason"]
+    assert not (scratch / "state" / "runs").exists()
+
+
+def _sleepers() -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[:2] == [b"sleep", SLEEP_S.encode()]:
+                out.append(int(p.name))
+    return out
+
+
+def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_leaves_nothing(
+        tmp_path, real_claude, server, podman):
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False,
+                       env={"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "offline-not-a-secret",
+                            "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
+                            "AGENTBENCH_OFFLINE": "1"})
+    shutil.rmtree(study / "tasks" / TASK)
+    root = add_env_task(study / "tasks")
+    code, out, err = run_cli(["calibrate", "--study", str(study)], cli_env(), timeout=600)
+    assert code == 0, (out, err[-3000:])
+    # Secrets where a session must not reach: the host, the study's state, the hidden tests,
+    # another run's workspace (each readable here, outside).
+    tokens = {}
+    for where in (tmp_path / "host-only", study / "state", root / "oracle", study / "runs" / "r9999" / "workspace"):
+        tok = f"SECRET-{len(tokens)}-{os.urandom(6).hex()}"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "planted-secret.txt").write_text(tok + "\n")
+        tokens[str(where)] = tok
+    assert all(Path(w, "planted-secret.txt").read_text().strip() == t for w, t in tokens.items())
+    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    (root / "public" / "TASK.md").write_text((root / "public" / "TASK.md").read_text()
+                                             + "\n[agentbench-script:probe]\n")
+    grab = " ".join(f"{w}/planted-secret.txt" for w in tokens)
+    probe = (f"envtool; cat {grab} 2>&1; cat /etc/os-release | head -1; pwd; "
+             "echo PIDS $(ls /proc | grep -c '^[0-9]'); "
+             f"python3 -c \"import socket; s=socket.socket(); s.settimeout(3); print('HOSTPORT', s.connect_ex(('127.0.0.1', {port})))\"; "
+             "python3 -c \"import socket; s=socket.socket(); s.settimeout(3); print('OUTSIDE', s.connect_ex(('1.1.1.1', 80)))\"; "
+             f"setsid sleep {SLEEP_S} > /dev/null 2>&1 < /dev/null & echo started")
+    server.add_script("probe", {"steps": [
+        {"text": "Looking around.", "tool_uses": [{"name": "Bash", "input": {"command": probe, "description": "look"}}]},
+        {"text": "Done."}]})
+    rows = assign_by_position(study, 1)
+    before = _sleepers()
+    code, out, err = run_cli(["run", "--study", str(study), "--force", "--parallel", "1"], cli_env(), timeout=300)
+    assert code == 0, (out, err[-3000:])
+    rid = rows[0]["run_id"]
+    rec = json.loads((study / "state" / "runs" / f"{rid}.json").read_text())
+    job = rec["jobs"][0]["job_id"]
+    result = json.loads((study / "state" / "jobs" / job / "result.json").read_text())
+    assert result["status"] == "ok" and result["sandbox"]["kind"] == "container", result
+    assert result["sandbox"]["network"] == "gateway" and result["sandbox"]["user_namespace"] == "own"
+    stream = (study / "runs" / rid / "raw" / "01-executor" / "stream.jsonl").read_text()
+    text = json.dumps([c for ln in stream.splitlines() if ln.strip() for c in
+                       ((json.loads(ln).get("message") or {}).get("content") or [])
+                       if isinstance(c, dict) and c.get("type") == "tool_result"])
+    assert TOOL_OUTPUT in text, text          # the image's tool: the session runs in the image
+    assert "/app" in text and "Debian" in text
+    for where, tok in tokens.items():
+        assert tok not in text, f"the session read the planted secret in {where}"
+    assert "HOSTPORT 0" not in text and "HOSTPORT" in text       # the host's loopback: refused
+    assert "OUTSIDE 0" not in text and "OUTSIDE" in text
+    assert int(text.split("PIDS ")[1].split("\\n")[0]) <= 12, text    # its own pid namespace
+    assert "started" in text
+    # its transcript (written in the container's config dir) was collected
+    collected = list((study / "runs" / rid / "transcripts").glob(f"{job}-*.jsonl"))
+    assert len(collected) == 1 and result["session_id"] in collected[0].read_text()
+    # nothing outlives it: the setsid sleep died with the container, which is gone
+    deadline = time.monotonic() + 30
+    while [p for p in _sleepers() if p not in before] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in _sleepers() if p not in before]
+    name = ab.container_name("session", job)
+    gone = subprocess.run([podman, "container", "inspect", name], capture_output=True)
+    assert gone.returncode != 0, gone.stdout[:500]
