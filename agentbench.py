@@ -253,6 +253,9 @@ DEFAULT_LAUNCH: dict[str, Any] = {
     "copy_file_mb": 256,
     "copy_total_mb": 1024,
     "workspace_mb": 1024,
+    # A run's attempts at most: an attempt that ends for a reason outside the agent (its driver or
+    # supervisor died, the executor cancelled it, the upstream failed) is tried again.
+    "max_attempts": 3,
 }
 #: Slurm job states in which a submitted supervisor is still queued, starting, running or being
 #: cleaned up: the job is not lost while Slurm reports one of these (squeue's %T names).
@@ -2359,10 +2362,23 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
+    """The cost budgets count for a finished job: the metered one where requests went through the
+    gateway, else the binary's own figure (no gateway, or a session that made no request).  A
+    result's `usage` and its ledger line hold the same keys, so this reads either."""
+    usage = usage or {}
+    metered = usage.get("cost_metered_usd")
+    requests = usage.get("requests")
+    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
+        return float(metered)
+    return float(finite_number(usage.get("cost_delta_usd")) or 0.0)
+
+
 def ledger_spent_usd(paths: StudyPaths) -> float:
-    """The study's spend summed from its ledger (each line's amount checked; a bad one adds 0)."""
+    """The study's spend summed from its ledger as the registry counts it (billed_cost_usd of each
+    line, its amount checked; a bad one adds 0)."""
     records, _ = read_jsonl(paths.ledger)
-    return round(math.fsum(usd_from(r.get("cost_delta_usd")) or 0.0 for r in records), 6)
+    return round(math.fsum(usd_from(billed_cost_usd(r)) or 0.0 for r in records), 6)
 
 
 def registry_spent_usd(reg: Mapping[str, Any]) -> float:
@@ -4125,8 +4141,8 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--" + op, source, dest)
-             for op, source, dest in plan.container]
+    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+             if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
     rows.append(("--remount-ro", "/"))
     return rows
 
@@ -4450,6 +4466,20 @@ def session_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, 
             {**SANDBOX_OUTER_ENV, **dict(outer_extra or {})}, fd)
 
 
+def config_dir_refusal(path: str, *, study: str, tasks: str) -> str | None:
+    """Why a `CLAUDE_CONFIG_DIR` from a study's or an arm's env cannot be used, or None (pure;
+    `path` resolved).  agentbench makes the session's transcript folder under it on the host and
+    binds that folder read-write into the session: never in a system directory, nor in the study's
+    state, runs or tasks (view_refusal's rule inside the study)."""
+    if not path.startswith("/") or path == "/":
+        return "it is not an absolute directory below /"
+    if any(_under(path, d) for d in (*SANDBOX_SYSTEM_DIRS, "/proc", "/dev", "/sys", "/boot")):
+        return "it lies in a system directory"
+    if _under(path, study):
+        return view_refusal(path, study=study, tasks=tasks)
+    return None
+
+
 #: Where a container spec may not put anything: the host's own system directories (a task's
 #: paths are made in a private root beside them, never over them).
 CONTAINER_RESERVED = ("/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc",
@@ -4495,18 +4525,91 @@ def container_rows(spec: Mapping[str, Any], *, workspace: str, base: str) -> lis
     return rows
 
 
+#: Where an oracle's copy of a workspace is made inside its own sandbox: the workspace bound
+#: read-only at the source, the copy on a private tmpfs of its own size (nothing it allocates shows
+#: on a file system any session sees).
+SANDBOX_COPY_SOURCE = "/run/agentbench/source"
+SANDBOX_COPY_DIR = "/run/agentbench/workspace"
+
+#: The first program of an oracle's sandbox (argv: source, copy, file cap, total cap, entry cap,
+#: the descriptor its verdict goes to, "--", then the check's argv; a cap of -1: none).  It copies
+#: by the rules of safe_copy_tree (links copied as links, FIFOs, sockets and devices left out,
+#: .git left out, nothing past a cap, depth or path limit), writes `copied` or `unusable WHY` on
+#: the descriptor and closes it, then runs the check; the code under test never holds it.
+SANDBOX_COPY_SHIM = "\n".join((
+    "import os, stat, sys",
+    "src, dst = sys.argv[1], sys.argv[2]",
+    "fcap, tcap, ents, rfd = (int(a) for a in sys.argv[3:7])",
+    f"MAXD, MAXP = {COPY_MAX_DEPTH}, {COPY_MAX_PATH_BYTES}",
+    "n = [0, 0]",
+    "class Stop(Exception): pass",
+    "def copy_file(sp, dp, st):",
+    "    if 0 <= fcap < st.st_size: raise Stop('file_over_cap')",
+    "    n[1] += st.st_size",
+    "    if 0 <= tcap < n[1]: raise Stop('copy_over_cap')",
+    "    fi = os.open(sp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)",
+    "    try:",
+    "        if not stat.S_ISREG(os.fstat(fi).st_mode): return",
+    "        fl = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW",
+    "        fo = os.open(dp, fl, (st.st_mode & 0o777) | 0o600)",
+    "        try:",
+    "            left = st.st_size",
+    "            while left > 0:",
+    "                b = os.read(fi, min(1 << 20, left))",
+    "                if not b: break",
+    "                os.write(fo, b); left -= len(b)",
+    "        finally: os.close(fo)",
+    "        os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)",
+    "    finally: os.close(fi)",
+    "def walk(s, d, depth):",
+    "    if depth > MAXD: raise Stop('nested_too_deep')",
+    "    with os.scandir(s) as it: names = sorted(e.name for e in it)",
+    "    for name in names:",
+    "        if name == '.git': continue",
+    "        n[0] += 1",
+    "        if n[0] > ents: raise Stop('too_many_entries')",
+    "        sp, dp = os.path.join(s, name), os.path.join(d, name)",
+    "        if len(os.fsencode(dp)) - len(os.fsencode(dst)) > MAXP: raise Stop('path_too_long')",
+    "        st = os.lstat(sp)",
+    "        if stat.S_ISDIR(st.st_mode):",
+    "            os.mkdir(dp, 0o700); walk(sp, dp, depth + 1); os.chmod(dp, (st.st_mode & 0o777) | 0o700)",
+    "        elif stat.S_ISLNK(st.st_mode): os.symlink(os.readlink(sp), dp)",
+    "        elif stat.S_ISREG(st.st_mode): copy_file(sp, dp, st)",
+    "try:",
+    "    walk(src, dst, 0); msg = 'copied'",
+    "except Stop as e: msg = 'unusable ' + str(e)",
+    "except OSError as e: msg = 'unusable ' + ('copy_over_cap' if e.errno == 28 else 'unreadable')",
+    "os.write(rfd, msg.encode()); os.close(rfd)",
+    "if msg != 'copied': os._exit(3)",
+    "os.execvp(sys.argv[8], sys.argv[8:])"))
+
+
+def sandbox_copy_verdict(data: bytes) -> str | None:
+    """What the copy shim said (pure): None when it copied, else why the copy is unusable (the
+    agent's doing, like safe_copy_tree's UnusableTree); a shim that said nothing could not run."""
+    text = data.decode("utf-8", "replace").strip()
+    if text == "copied":
+        return None
+    if text.startswith("unusable "):
+        return text[len("unusable "):][:60] or "unreadable"
+    return "unreadable"
+
+
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                   hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
                   container: Mapping[str, Any] | None = None, container_base: str = "",
+                  copy: tuple[CopyCaps, int] | None = None,
                   sockets: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
     directories read-only, the inner sandbox's socket (`sockets`) when it names {sandbox_run},
     no network at all.  The command's environment is `env` (the caller's
     credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
-    started with SANDBOX_OUTER_ENV.  With a `container` spec (see container_rows) the cwd is also bound at the
-    spec's workdir, where the command starts, and the spec's paths are made (read-only ones from
-    under `container_base`)."""
+    started with SANDBOX_OUTER_ENV.  With `copy` (the copy's caps, the descriptor its verdict goes
+    to), `cwd` is not bound: it is copied by SANDBOX_COPY_SHIM to SANDBOX_COPY_DIR, a private
+    tmpfs of the copy's cap plus SANDBOX_TMP_MB, where the command then runs.  With a `container`
+    spec (see container_rows) the cwd is also bound at the spec's workdir, where the command starts,
+    and the spec's paths are made (read-only ones from under `container_base`)."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[cwd])
     rows: tuple[tuple[str, str, str], ...] = ()
     inner = _real(cwd)
@@ -4515,6 +4618,15 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
                                cwd=inner, container=rows, sockets=tuple(sockets))
+    if copy is not None and not container:
+        caps, report_fd = copy
+        size = (caps.total_bytes if caps.total_bytes is not None else 4 * SANDBOX_TMP_MB * 2 ** 20)
+        size += SANDBOX_TMP_MB * 2 ** 20
+        plan = dataclasses.replace(plan, rw=(), cwd=SANDBOX_COPY_DIR, container=(
+            ("ro-bind", _real(cwd), SANDBOX_COPY_SOURCE), ("sized-tmpfs", str(size), SANDBOX_COPY_DIR)))
+        cap = [caps.file_bytes, caps.total_bytes]
+        argv = [sys.executable, "-I", "-S", "-c", SANDBOX_COPY_SHIM, SANDBOX_COPY_SOURCE, SANDBOX_COPY_DIR,
+                *(str(-1 if c is None else c) for c in cap), str(caps.entries), str(report_fd), "--", *argv]
     out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
     sets = ["--clearenv"]
     for k, v in sorted(env.items()):
@@ -4791,9 +4903,10 @@ CONTAINER_SECCOMP_FILE = "seccomp.json"
 #: own root is read-only.
 CONTAINER_TMPFS_MB = (("/tmp", 1024), ("/var/tmp", 256), ("/run", 64), (CONTAINER_CONFIG, 256))
 #: Options of every container: removed when it exits, no capabilities, no privilege gain, a
-#: read-only root with only the sized tmpfs mounts above, no implicit pull.
+#: read-only root with only the sized tmpfs mounts above, no implicit pull, and the container's
+#: root user whatever the image's USER says (the one id its user namespace maps: the caller's).
 CONTAINER_COMMON_OPTIONS = ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges",
-                            "--read-only")
+                            "--read-only", "--user=0:0")
 #: Variables of `claude`'s environment whose host value means nothing inside: set to the
 #: container's own paths, or left to the image (PATH).
 CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", "USER", "LOGNAME", "PWD",
@@ -4912,13 +5025,15 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
 
 
 #: The first program of a session's container (its PID 1; argv: the gateway socket inside or "-",
-#: then claude's argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child: signals it
-#: receives (the runtime forwards a stop) go to `claude`, orphans are reaped, and when `claude`
-#: exits so does it, which ends the container's pid namespace and every process in it.
+#: "-1" (no environment descriptor: the runtime sets the container's environment), then claude's
+#: argv).  The relay of SANDBOX_EXEC_SHIM, then `claude` as its child, started by the shim's own
+#: last line: signals it receives (the runtime forwards a stop) go to `claude`, orphans are reaped,
+#: and when `claude` exits so does it, which ends the container's pid namespace and every process
+#: in it.
 CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "pid = os.fork()",
     "if pid == 0:",
-    "    os.execvp(sys.argv[2], sys.argv[2:])",
+    "    " + SANDBOX_EXEC_SHIM.rsplit("\n", 1)[1],
     "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):",
     "    signal.signal(s, lambda n, f: os.kill(pid, n))",
     "while True:",
@@ -4926,6 +5041,8 @@ CONTAINER_EXEC_SHIM = SANDBOX_EXEC_SHIM.rsplit("\n", 1)[0] + "\n" + "\n".join((
     "    except ChildProcessError: os._exit(1)",
     "    if w == pid: break",
     "os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))"))
+#: The shim's arguments before claude's argv, after the socket: no environment descriptor.
+CONTAINER_SHIM_NO_ENV_FD = "-1"
 
 
 def container_passed_by_name(name: str) -> bool:
@@ -5588,11 +5705,10 @@ def classify_session(result: Mapping[str, Any] | None, exit_code: int | None) ->
 #: Session failures that exclude a run as not the agent's doing.  Each is claimed by a line of
 #: claude's stdout, which any process of the session can write (/proc/1/fd/1): a claim counts only
 #: when the session's gateway saw the condition on the wire (claim_corroboration).
-CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "prompt_too_long", "auth", "model_refused")
+CLAIMED_CONDITIONS = ("usage_limit", "overloaded", "api_error", "auth", "model_refused")
 #: The upstream HTTP statuses that show each condition (usage_limit and auth pause the whole study:
 #: the circuit breaker), and the type of an `error` event inside a streamed answer that shows it.
-WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,),
-                    "prompt_too_long": (400, 413)}
+WIRE_STATUSES_OF = {"usage_limit": (429,), "auth": (401, 403), "overloaded": (529,)}
 WIRE_ERROR_TYPES_OF = {"usage_limit": ("rate_limit_error",), "overloaded": ("overloaded_error",),
                        "api_error": ("api_error", "overloaded_error")}
 
@@ -5615,7 +5731,12 @@ def _wire_shows(reason: str, rec: Mapping[str, Any], requested_model: str) -> bo
     if str(rec.get("stream_error") or "") in WIRE_ERROR_TYPES_OF.get(reason, ()):
         return True
     if reason == "api_error":
-        return (status is not None and status >= 500) or bool(rec.get("error"))
+        # Only the upstream's failure: a request the session abandoned (a broken pipe of its own
+        # making) or the gateway's cut shows nothing about the upstream.  (A record without the
+        # field, from an older gateway: its status alone.)
+        if "upstream_failed" in rec:
+            return rec.get("upstream_failed") is True
+        return status is not None and status >= 500
     return status in WIRE_STATUSES_OF.get(reason, ())
 
 
@@ -6261,6 +6382,8 @@ def _check_arms(arms: Mapping[str, Any]) -> None:
         _check_arm_launch(name, spec)
 
 
+#: max_attempts at most (each attempt may pay for its sessions).
+MAX_ATTEMPTS_CAP = 20
 #: The copy caps' settings (copy_file_mb, copy_total_mb, workspace_mb): megabytes, at most this many.
 MEGABYTES_MAX = 10_000_000
 MEGABYTES_WANT = f"a positive number of megabytes (at most {MEGABYTES_MAX})"
@@ -6343,6 +6466,11 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
             help="the most one copy of a workspace may hold (MB)"),
     Setting("workspace_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="a session whose workspace holds more (MB, real blocks) is ended"),
+    Setting("max_attempts", lambda v: _is_int_at_least(1)(v) and v <= MAX_ATTEMPTS_CAP,
+            f"an integer from 1 to {MAX_ATTEMPTS_CAP}", flag=int,
+            help="attempts of a run at most: one that ends for a reason outside the agent (its driver or "
+                 "supervisor died, the executor cancelled it, the upstream failed) is retried from a "
+                 "fresh workspace"),
 )
 #: The keys study.json may hold (tasks, arms, limits and the launch, budget and executor settings).
 STUDY_KEYS = frozenset(s.key for s in STUDY_SETTINGS)
@@ -7081,17 +7209,6 @@ def cost_mismatch(metered: float | None, reported: float | None) -> bool:
     return abs(metered - reported) > tolerance
 
 
-def billed_cost_usd(usage: Mapping[str, Any] | None) -> float:
-    """The cost budgets count for a finished job: the metered one where requests went through the
-    gateway, else the binary's own figure (no gateway, or a session that made no request)."""
-    usage = usage or {}
-    metered = usage.get("cost_metered_usd")
-    requests = usage.get("requests")
-    if (finite_number(metered) is not None and isinstance(requests, int) and requests > 0):
-        return float(metered)
-    return float(usage.get("cost_delta_usd") or 0.0)
-
-
 def summarize_metering(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """cost_metered_usd, requests and per-model figures from gateway.jsonl records (pure)."""
     total = 0.0
@@ -7324,6 +7441,9 @@ class GatewayAnswer:
     stream_error: str | None
     cut: bool = False
     complete: bool = True   # its final usage was read (a cut answer's may not have been)
+    #: the failure came from the upstream: a 5xx or 529 it answered, or no connection to it or a
+    #: relay it broke off -- never a request the client abandoned or the gateway's own cut
+    upstream_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -7594,6 +7714,7 @@ class MeteringGateway:
             rec["cut"] = True
         if answer.error:
             rec["error"] = answer.error
+        rec["upstream_failed"] = answer.upstream_failed
         rec.update({"status": answer.status, "request_id": answer.request_id, "chunks": answer.chunks,
                     "aborted": answer.aborted, "duration_s": round(time.monotonic() - t0, 6)})
         self._record(rec)
@@ -7613,6 +7734,7 @@ class MeteringGateway:
         error = None
         is_sse = False
         conn = None
+        client_side = False    # set while the answer's head is written to the client
         try:
             headers = [(k, v) for k, v in h.headers.items() if k.lower() not in _HOP_BY_HOP]
             headers += [("host", self.host if self.port in (80, 443) else f"{self.host}:{self.port}"),
@@ -7646,6 +7768,7 @@ class MeteringGateway:
             is_sse = "text/event-stream" in ctype
             length = resp.getheader("content-length")
             chunked = length is None and h.command != "HEAD" and status not in (204, 304)
+            client_side = True
             h.send_response(status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in _HOP_BY_HOP or k.lower() == "content-length":
@@ -7655,6 +7778,7 @@ class MeteringGateway:
             h.end_headers()
             h.wfile.flush()
             replied = True
+            client_side = False
             while True:
                 data = resp.read1(GATEWAY_CHUNK_BYTES) if h.command != "HEAD" else b""
                 if live is not None and self.cutoff is not None and not data:
@@ -7694,6 +7818,7 @@ class MeteringGateway:
             aborted = True
             cut = cut or (live is not None and self.cutoff is not None)   # the cut shut its upstream
             error = f"{type(exc).__name__}: {exc}"[:300]
+            upstream_failed = not cut and not client_side
             if conn is not None:
                 conn.close()
             h.close_connection = True
@@ -7726,9 +7851,12 @@ class MeteringGateway:
             usage, model, bad = message_meter(b"".join(kept))
         else:
             usage, model, bad = meter.usage, meter.model, meter.bad
+        if error is None:
+            upstream_failed = status >= 500 and not cut
         return GatewayAnswer(status=status, request_id=str(request_id)[:200] if request_id else None,
                              chunks=chunks, aborted=aborted, error=error, usage=usage, model=model, bad=bad,
-                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut)
+                             stream_error=meter.error, cut=cut, complete=meter.ended if is_sse else not cut,
+                             upstream_failed=upstream_failed)
 
     def _cut(self, why: Mapping[str, Any]) -> None:
         """Set the cutoff (the first reason stays): new requests are refused, and every live answer
@@ -9251,7 +9379,8 @@ class Supervisor:
                                       project_name=transcript_dir_name(str(ctr["workdir"])),
                                       claude=found, ro=ro,
                                       gateway_socket=sock, env=env)
-        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-"]
+        shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
+                CONTAINER_SHIM_NO_ENV_FD]
         self.sandbox = container_record(ctr, network, why)
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
@@ -10524,6 +10653,16 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
     def env(key: str, val: Any) -> None:
         if val:
             over[key] = tuple(sorted({**dict(base.env), **val}.items()))
+            cdir = val.get("CLAUDE_CONFIG_DIR") if isinstance(val, Mapping) else None
+            if isinstance(cdir, str):
+                why = config_dir_refusal(os.path.realpath(cdir) if os.path.isabs(cdir) else cdir, study=root,
+                                         tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                if why is not None:
+                    raise AgentbenchError("an arm's CLAUDE_CONFIG_DIR cannot hold its sessions' transcripts",
+                                          code="arm_config_dir_refused", file=STUDY_FILE, arm=name,
+                                          key="env.CLAUDE_CONFIG_DIR", path=cdir[:300], why=why,
+                                          hint="name an absolute directory outside the system directories "
+                                               "and outside the study's state/, runs/ and tasks")
 
     def file(key: str, rel: Any) -> None:
         if rel:
@@ -10576,6 +10715,17 @@ class Arm:
     review: bool
     fork_base: bool
     launch: LaunchSpec
+
+
+def refuse_forks_in_containers(tasks: Mapping[str, Task], arms: Mapping[str, Arm]) -> None:
+    """A forking arm (a base session per task) with a task that names an environment is refused
+    (exit 2): a base is trained on the host's tools, not in the task's container."""
+    boxed = sorted(t.id for t in tasks.values() if t.environment is not None)
+    forking = sorted(a.name for a in arms.values() if a.fork_base)
+    if boxed and forking:
+        raise AgentbenchError("forking arms are not available for tasks that name an environment",
+                              code="fork_base_with_environment", tasks=boxed, arms=forking,
+                              hint="drop fork_base from these arms, or the environment from these tasks")
 
 
 def load_arms(paths: StudyPaths, cfg: Mapping[str, Any]) -> dict[str, Arm]:
@@ -11007,21 +11157,29 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
     tmp = None
     cwd = workspace
-    if which == "oracle":
+    study_cfg = read_json(paths.study_file, default=None) or {}
+    caps = copy_caps(launch_config(study_cfg))
+    # Under bubblewrap the oracle's copy is made inside its own sandbox, on a private tmpfs
+    # (check_sandbox's `copy`): nothing it allocates shows on a file system a session sees.
+    # A harness that uses the inner sandbox ({sandbox_run}) gets its copy outside instead: the inner
+    # runs' directories, under the copy, are bound from the host.
+    uses_inner = any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"])
+    copy_inside = (which == "oracle" and task.environment is None and not spec.get("container")
+                   and not uses_inner
+                   and resolve_sandbox(sandbox_mode_of(study_cfg), check_env(env)[0])["kind"] == "bwrap")
+    if which == "oracle" and not copy_inside:
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
         cwd = os.path.join(tmp, "workspace")
         try:
             # Links are copied as links; FIFOs, sockets and devices are left out (copying one
             # could block forever): the hidden tests grade files.  Past the study's copy caps,
             # UnusableTree: the agent's failure, not the grader's.
-            caps = copy_caps(launch_config(read_json(paths.study_file, default=None) or {}))
             safe_copy_tree(workspace, cwd, caps)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     container = spec.get("container")
     cenv, _ = check_env(env)
-    study_cfg = read_json(paths.study_file, default=None) or {}
     try:
         ctr = ensure_task_image(task, study_cfg, runtime_env(env)) if task.environment is not None else None
     except BaseException:
@@ -11052,11 +11210,13 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
     hidden = study_hidden_dirs(paths.root, [task.root.parent])
     jail = None   # the inner sandbox's server, when the command names {sandbox_run} (not in a container)
+    crfd, cwfd = os.pipe() if copy_inside else (-1, -1)       # the copy's verdict
     try:
-        if ctr is None and any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"]):
+        if ctr is None and uses_inner:
             jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
                                 deadline=time.monotonic() + check_timeout_s(spec, which))
-        inner = container["workdir"] if container else (ctr["workdir"] if ctr else cwd)
+        inner = container["workdir"] if container else (ctr["workdir"] if ctr else
+                                                         SANDBOX_COPY_DIR if copy_inside else cwd)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),
@@ -11076,11 +11236,20 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                                  + ([jail.helper] if jail else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir,
-                                 sockets=[(jail.socket_path, jail.socket_path)] if jail else [])
+                                 sockets=[(jail.socket_path, jail.socket_path)] if jail else [],
+                                 copy=(caps, cwfd) if copy_inside else None)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
+        fds += (cwfd,) if copy_inside else ()
         outer = box[2] if box else SANDBOX_OUTER_ENV if sandbox["kind"] == "bwrap" else cenv
-        res = run_command(argv, cwd=cwd, env=outer,
+        res = run_command(argv, cwd="/" if copy_inside else cwd, env=outer,
                           timeout_s=check_timeout_s(spec, which), platform=platform, pass_fds=fds)
+        if copy_inside:
+            os.close(cwfd)
+            cwfd = -1
+            unusable = sandbox_copy_verdict(read_receipt_pipe(crfd))
+            if unusable is not None:
+                # Past the study's copy caps (or unreadable): the agent's failure, not the grader's.
+                raise UnusableTree(unusable, workspace)
         if uses_fd:
             os.close(wfd)
             wfd = -1
@@ -11089,7 +11258,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         if box is not None:
             container_remove(*box[:3])
             shutil.rmtree(box[3], ignore_errors=True)
-        for fd in (rfd, wfd, sfd):
+        for fd in (rfd, wfd, sfd, crfd, cwfd):
             if fd >= 0:
                 os.close(fd)
         if jail:
@@ -11935,11 +12104,22 @@ def manifest_bytes(manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
 
 # -- runs ------------------------------------------------------------------------------------------
 
-RUN_FINAL = ("finished", "error", "interrupted")
+# A run's life: `not_started` (pending) -> `running` -> `finished` or `error` (final).  A run whose
+# attempt ended for a reason outside the agent goes back to pending for its next attempt; nothing
+# else leaves a final state.  (`interrupted`, written by older versions, is pending: see
+# retire_attempt.)
+RUN_FINAL = ("finished", "error")
 # What one attempt of a run writes on its record (moved aside when the breaker pauses the run).
 RUN_ATTEMPT_KEYS = ("jobs", "cost_usd", "cost_estimated", "tokens", "gates", "gate_cycles", "reviews",
                     "review_verdicts", "interruption", "workspace", "provenance", "driver", "started_at",
                     "started_ts", "queued_s")
+# What grading an attempt writes on the record (moved aside with it when it is retried).
+RUN_OUTCOME_KEYS = ("outcome", "validity", "validity_reason", "failure_reason", "finished_at", "error",
+                    "error_detail", "evaluation", "artifacts", "final_contract", "audit", "sandbox",
+                    "delivery", "wall_s", "claude_version", "transcripts_refused", "interrupted_at",
+                    "attempts_exhausted", "resume")
+# The directories of an attempt under runs/<id>/ (the next attempt starts with empty ones).
+RUN_ATTEMPT_DIRS = ("raw", "snapshots", "receipts", "review", "transcripts", "ctl")
 
 
 def run_file(paths: StudyPaths, run_id: str) -> Path:
@@ -11960,6 +12140,34 @@ def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
 
 def run_is_final(paths: StudyPaths, run_id: str) -> bool:
     return load_run(paths, run_id).get("status") in RUN_FINAL
+
+
+def queued_runs_dir(paths: StudyPaths) -> Path:
+    """Markers of the runs a detached driver was started for (written before `run --detach`
+    answers): what `wait --all` waits for besides the driven running runs.  A marker goes once a
+    `wait --all` has seen its run final (each final run is answered once, like a job's result)."""
+    return paths.state / "queued_runs"
+
+
+def run_phase(rec: Mapping[str, Any] | None) -> str:
+    """Where a run record stands (pure): `final`, `running` or `pending` (not started yet, or put
+    back to be run again)."""
+    status = (rec or {}).get("status")
+    if status in RUN_FINAL:
+        return "final"
+    return "running" if status == "running" else "pending"
+
+
+def driven_runs_in_wait(paths: StudyPaths) -> list[str]:
+    """The runs `wait --all` waits for: those queued for a detached driver and those running under
+    a driver (runs driven by hand are the orchestrator's and end with its `evaluate`).
+    O(queued + running)."""
+    out = list_markers(queued_runs_dir(paths))
+    for rid in list_markers(paths.state / "running_runs"):
+        rec = read_json(run_file(paths, rid), default=None) if is_safe_id(rid) else None
+        if rec is not None and (rec.get("driver") or {}).get("pid") is not None:
+            out.append(rid)
+    return sorted(set(out))
 
 
 def run_summary(paths: StudyPaths, run_id: str) -> dict[str, Any]:
@@ -11998,8 +12206,112 @@ def latest_run_job(paths: StudyPaths, run_id: str) -> str | None:
     return execs[-1]["job_id"] if execs else None
 
 
+def run_attempts_cost_usd(rec: Mapping[str, Any]) -> float:
+    """What every attempt of a run cost (pure): the current attempt's, the retried ones' and those
+    paused by the breaker (each amount checked; a bad one adds 0)."""
+    earlier = list(rec.get("attempts") or []) + list(rec.get("paused_attempts") or [])
+    return round(math.fsum([usd_from(rec.get("cost_usd")) or 0.0]
+                           + [usd_from(a.get("cost_usd")) or 0.0
+                              for a in earlier if isinstance(a, Mapping)]), 6)
+
+
+def attempt_jobs_cost(paths: StudyPaths, jobs: Sequence[Mapping[str, Any]]) -> tuple[float, bool]:
+    """The metered cost of an attempt's jobs read from their results (what the ledger holds: a job
+    its driver never got to account is counted too), and whether every one had a result."""
+    total, complete = [], True
+    for j in jobs:
+        res = read_json(paths.result_file(j["job_id"]), default=None) if is_safe_id(j.get("job_id")) else None
+        if res is None:
+            complete = False
+            continue
+        total.append(billed_cost_usd(res.get("usage")))
+    return round(math.fsum(total), 6), complete
+
+
+def attempt_verdict(attempt: int, max_attempts: int, infrastructure: bool) -> str:
+    """What happens after an attempt (pure): `done` (the run's outcome is this attempt's), `retry`
+    (it ended for a reason outside the agent and attempts are left) or `exhausted` (it did, and
+    none are left: the run is final, still an infrastructure failure, listed and counted as a
+    failure in the primary view)."""
+    if not infrastructure:
+        return "done"
+    return "retry" if attempt < max_attempts else "exhausted"
+
+
+def max_attempts_of(cfg: Mapping[str, Any]) -> int:
+    """The study's max_attempts (its default when unset; study.json's shape check refuses a bad one)."""
+    value = cfg.get("max_attempts")
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ATTEMPTS_CAP
+    return value if ok else DEFAULT_LAUNCH["max_attempts"]
+
+
+def retire_attempt(paths: StudyPaths, rec: dict[str, Any], reason: str) -> None:
+    """Move a run's current attempt aside on its record (`attempts`: its jobs, cost, reason and
+    what grading wrote) and its directories to runs/<id>/attempt-NN/, and make the run pending for
+    its next attempt, which starts from a fresh workspace with the same assignment.  The attempt's
+    cost is read from its jobs' results, so an attempt whose driver died before accounting a
+    session still shows what it paid."""
+    n = int(rec.get("attempt") or 1)
+    kept = {k: rec.pop(k) for k in RUN_ATTEMPT_KEYS + RUN_OUTCOME_KEYS if k in rec}
+    run_dir = paths.run_dir(rec["run_id"])
+    aside = run_dir / f"attempt-{n:02d}"
+    moved = False
+    for sub in RUN_ATTEMPT_DIRS:
+        if (run_dir / sub).exists():
+            aside.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(run_dir / sub, aside / sub)
+                moved = True
+    cost, complete = attempt_jobs_cost(paths, kept.get("jobs") or [])
+    kept.update({"attempt": n, "reason": reason, "ended_at": utc_now(),
+                 "files": str(aside) if moved else None,
+                 "cost_usd": max(cost, usd_from(kept.get("cost_usd")) or 0.0),
+                 "sessions": [j.get("session_id") for j in kept.get("jobs") or [] if j.get("session_id")]})
+    if not complete:
+        kept["cost_incomplete"] = True
+    rec.setdefault("attempts", []).append(kept)
+    rec.update({"status": "not_started", "attempt": n + 1, "jobs": [], "cost_usd": 0.0, "outcome": None})
+    rec["cost_all_attempts_usd"] = run_attempts_cost_usd(rec)
+
+
+def run_active_jobs(paths: StudyPaths, rec: Mapping[str, Any]) -> list[str]:
+    """The run's jobs still active: those on its record, and any active job launched for it that
+    its driver died before recording (found by the job's own record).  O(active jobs)."""
+    out = [j["job_id"] for j in rec.get("jobs") or [] if (paths.active / j["job_id"]).exists()]
+    for jid in list_markers(paths.active):
+        if jid in out or not JOB_ID_RE.fullmatch(jid):
+            continue
+        job = read_json(paths.job_file(jid), default=None)
+        if isinstance(job, dict) and (job.get("meta") or {}).get("run_id") == rec.get("run_id"):
+            out.append(jid)
+    return out
+
+
+def take_back_run(paths: StudyPaths, rec: dict[str, Any], in_flight: Sequence[str],
+                  max_attempts: int) -> None:
+    """A running run whose driver died, made pending again (see sweep_interrupted_runs)."""
+    jobs = rec.get("jobs") or []
+    results = [read_json(paths.result_file(j["job_id"]), default=None) for j in jobs]
+    last = results[-1] if results else None
+    workspace = (rec.get("workspace") or {}).get("path")
+    if (not in_flight and jobs and all(r is not None for r in results) and last is not None
+            and last.get("status") == "ok" and workspace and Path(workspace).is_dir()):
+        rec.update({"status": "not_started", "resume": "grade"})
+        return
+    n = int(rec.get("attempt") or 1)
+    retire_attempt(paths, rec, "driver_lost")
+    if attempt_verdict(n, max_attempts, True) == "exhausted":
+        rec.update({"status": "error", "outcome": "error", "validity": "infrastructure_failure",
+                    "validity_reason": "driver_lost", "attempts_exhausted": True, "attempt": n,
+                    "error": "the run's driver died in every one of its attempts", "finished_at": utc_now()})
+
+
 def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]:
-    """A run found `running` without a live driver becomes `interrupted` (never silently retried)."""
+    """A run found `running` without a live driver is taken back: its sessions still in flight are
+    killed, and it becomes pending again.  When its last session had already ended `ok` and
+    nothing was in flight, it keeps its sessions and is graded by the next `run` (resume
+    `grade`), not run again; otherwise the attempt is retired (retire_attempt, reason
+    `driver_lost`) and the next `run` starts a fresh one, up to max_attempts."""
     out = []
     for rid in list_markers(paths.state / "running_runs"):
         rec = read_json(run_file(paths, rid), default=None)
@@ -12015,15 +12327,19 @@ def sweep_interrupted_runs(paths: StudyPaths, platform: "Platform") -> list[str]
         if driver_alive(platform, drv) is not False:
             continue   # alive, or on another host without a beat file to tell
         # Its in-flight job, if any, is killed: a dead driver must not leave a session spending.
-        for j in rec.get("jobs") or []:
-            if (paths.active / j["job_id"]).exists():
-                with contextlib.suppress(AgentbenchError):
-                    kill_job(paths, platform, j["job_id"], reason="driver_lost", wait_s=5)
-        rec.update({"status": "interrupted", "outcome": "interrupted", "interrupted_at": utc_now(),
-                    "error": "the driver of this run died while it was in flight"})
-        save_run(paths, rec)
-        remove_marker(paths.state / "running_runs" / rid)
-        append_event(paths, "run_finished", run_id=rid, status="interrupted")
+        in_flight = run_active_jobs(paths, rec)
+        for jid in in_flight:
+            with contextlib.suppress(AgentbenchError):
+                kill_job(paths, platform, jid, reason="driver_lost", wait_s=5)
+        with RegistryLock(paths.lock, platform):
+            rec = read_json(run_file(paths, rid), default=None)
+            if rec is None or rec.get("status") != "running" or rec.get("driver") != drv:
+                continue
+            take_back_run(paths, rec, in_flight, max_attempts_of(load_study_config(paths)))
+            save_run(paths, rec)
+            remove_marker(paths.state / "running_runs" / rid)
+        append_event(paths, "run_taken_back", run_id=rid, status=rec.get("status"),
+                     resume=rec.get("resume"), attempt=rec.get("attempt"))
         out.append(rid)
     return out
 
@@ -12277,8 +12593,14 @@ REVIEW_MAX_BYTES = 1 << 20
 #: A run ends with this outcome when its workspace could not be copied or read within the copy
 #: rules (caps, depth, names) or outgrew the live cap: the agent's failure, valid, in the primary view.
 WORKSPACE_UNUSABLE = "workspace_unusable"
-#: A session that "succeeded" faster than this with no tool call and no solution did nothing.
-DEGENERATE_SESSION_S = 10.0
+#: The session ends that make an attempt infrastructure (not the agent's doing), each one only as
+#: the supervisor recorded it, which for a claimed condition means the gateway saw it on the wire
+#: (claim_corroboration): the upstream failed or was overloaded (5xx, 529, no connection), the
+#: study's credentials hit their usage limit or were refused (the breaker pauses the study), the
+#: upstream answered with another model, or the binary could not be launched.  A client error (any
+#: other 4xx, "prompt is too long" included), a request the session abandoned, and a short answer
+#: without a tool call are the agent's outcome.
+INFRASTRUCTURE_REASONS = ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "model_refused")
 #: Audit findings that mean the agent saw what it must not (the hidden tests, the reference): a
 #: success with one of them is not a valid success (validity `tainted`, out of the primary view).
 HIDDEN_ACCESS_KINDS = frozenset({"reads_oracle", "bash_touches_oracle", "reads_reference",
@@ -12287,7 +12609,7 @@ HIDDEN_ACCESS_KINDS = frozenset({"reads_oracle", "bash_touches_oracle", "reads_r
 
 class RunVerdict(NamedTuple):
     outcome: str            # success | failure | budget_exhausted | timeout | grader_error
-    validity: str           # valid | infrastructure_failure | degenerate
+    validity: str           # valid | infrastructure_failure | tainted
     validity_reason: str | None
     failure_reason: str | None
 
@@ -12312,9 +12634,6 @@ def classify_run(*, stop: str | None, first_session: Mapping[str, Any] | None, t
         validity, why = "valid", None
     elif grader_error:
         validity, why = "infrastructure_failure", f"grader_error: {grader_error}"
-    elif first_session and first_session.get("status") == "ok" and tool_uses == 0 \
-            and float(first_session.get("duration_s") or 0) < DEGENERATE_SESSION_S and not success:
-        validity, why = "degenerate", "the session ended in seconds without a single tool call"
     else:
         validity, why = "valid", None
     seen = sorted(set(hidden_access))
@@ -12480,6 +12799,11 @@ def arm_delivery_expectations(spec: LaunchSpec) -> dict[str, Any]:
             "plugins": [spec.abs(p) for p in spec.plugins], "hooks": bool(load(spec.settings).get("hooks"))}
 
 
+class RetryAttempt(Exception):
+    """Raised by RunPipeline.finish() once it has retired an attempt that ended for a reason outside
+    the agent: execute() starts the next one."""
+
+
 class RunPipeline:
     """The per-run pipeline for one run (workspace, sessions, gates, review, grading, record);
     `execute()` never raises."""
@@ -12506,6 +12830,7 @@ class RunPipeline:
     # -- bookkeeping -------------------------------------------------------------------------------
     def _save(self) -> None:
         self.rec["updated_at"] = utc_now()
+        self.rec["cost_all_attempts_usd"] = run_attempts_cost_usd(self.rec)
         save_run(self.paths, self.rec)
 
     def _event(self, event: str, **fields: Any) -> None:
@@ -12520,13 +12845,22 @@ class RunPipeline:
                                + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
 
     def claim(self) -> bool:
-        """Take the run (not_started -> running) under the lock; False if it is not ours to run."""
+        """Take the run (pending -> running) under the lock; False if it is not ours to run.  A run
+        put back to be graded (its last session ended `ok` before its driver died) keeps its
+        sessions; any other starts its attempt afresh."""
         with RegistryLock(self.paths.lock, self.ctx.platform):
             rec = load_run(self.paths, self.run_id)
+            if rec.get("status") == "interrupted":
+                # Left by an older version: its attempt is retired, and the run is pending again.
+                retire_attempt(self.paths, rec, "driver_lost")
             if rec.get("status") != "not_started":
                 return False
-            rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
-                        "jobs": [], "cost_usd": 0.0})
+            if rec.get("resume") == "grade":
+                rec.update({"status": "running", "driver": self.opts.driver})
+            else:
+                rec.pop("resume", None)
+                rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now(),
+                            "jobs": [], "cost_usd": 0.0, "attempt": int(rec.get("attempt") or 1)})
             rec.pop("paused_by_breaker", None)
             # The marker first: a crash between the two leaves a marker the sweep cleans up,
             # never a `running` run that nothing would look at.
@@ -12735,21 +13069,24 @@ class RunPipeline:
         return self.collect_review(n, res.get("status"))
 
     def execute(self) -> dict[str, Any]:
-        try:
-            self._execute()
-        except UnusableTree as exc:
-            # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
-            # failure, graded as such, not an error.
-            if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+        while True:
+            try:
+                self._execute()
+            except RetryAttempt:
+                continue     # the attempt was retired (finish): the next one, from a fresh workspace
+            except UnusableTree as exc:
+                # A copy of what the agent left (the reviewer's, a fork's) was refused: the agent's
+                # failure, graded as such, not an error.
+                if self.rec.get("status") == "finished" or not getattr(self, "_prepared", None):
+                    self.end_error(exc.payload.get("error", "error"), exc.payload)
+                else:
+                    task, ws = self._prepared
+                    self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
+            except AgentbenchError as exc:
                 self.end_error(exc.payload.get("error", "error"), exc.payload)
-            else:
-                task, ws = self._prepared
-                self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
-        except AgentbenchError as exc:
-            self.end_error(exc.payload.get("error", "error"), exc.payload)
-        except Exception as exc:  # the pipeline never raises: record and move on
-            self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
-        return self.rec
+            except Exception as exc:  # the pipeline never raises: record and move on
+                self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
+            return self.rec
 
     def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
         if not self.rec:
@@ -12832,6 +13169,19 @@ class RunPipeline:
 
     def _execute(self) -> None:
         rec = self.rec
+        if rec.get("resume") == "grade":
+            # Its last session ended `ok` before its driver died: graded as it stands, not run again.
+            rec.pop("resume", None)
+            task = self.tasks[rec["task"]]
+            ws = str(rec["workspace"]["path"])
+            self._prepared = (task, ws)
+            self._event("run_resumed", resume="grade")
+            last = read_json(self.paths.result_file(rec["jobs"][-1]["job_id"]))
+            for j in rec["jobs"]:
+                if "status" not in j:
+                    self.account_job(j["job_id"])
+            self.finish(task, ws, self.stop_reason(last))
+            return
         task, arm, ws, prompt = self.prepare()
         system_extra = arm.preamble_text
         fault = rec.get("fault") or {}
@@ -12893,8 +13243,7 @@ class RunPipeline:
             return f"{WORKSPACE_UNUSABLE}:workspace_over_cap"
         if st == "timeout":
             return "timeout"
-        if reason in ("usage_limit", "overloaded", "auth", "api_error", "launch_error", "prompt_too_long",
-                      "model_refused"):
+        if reason in INFRASTRUCTURE_REASONS:
             return f"infrastructure:{reason}"
         if st == "lost" or (st == "killed" and reason in ("driver_lost", "supervisor_terminated")):
             # Not the agent's doing (a dead supervisor or driver): excluded from the results.
@@ -12929,6 +13278,19 @@ class RunPipeline:
 
     def finish(self, task: Task, ws: str, stop: str | None) -> None:
         rec = self.rec
+        infrastructure = bool(stop and stop.startswith("infrastructure:"))
+        attempt = int(rec.get("attempt") or 1)
+        verdict_of_attempt = attempt_verdict(attempt, max_attempts_of(self.cfg), infrastructure)
+        if verdict_of_attempt == "retry":
+            # Not the agent's doing: this attempt is kept aside and the run starts again, the same
+            # assignment from a fresh workspace (execute() loops).
+            reason = str(stop).split(":", 1)[1]
+            retire_attempt(self.paths, rec, reason)
+            rec.update({"status": "running", "driver": self.opts.driver, "started_at": utc_now()})
+            self.spent = 0.0
+            self._save()
+            self._event("attempt_retried", attempt=attempt, reason=reason)
+            raise RetryAttempt(reason)
         run_dir = self.paths.run_dir(self.run_id)
         caps = copy_caps(self.launch)
         unusable = stop if stop and stop.startswith(WORKSPACE_UNUSABLE + ":") else None
@@ -13004,6 +13366,8 @@ class RunPipeline:
                                hidden_access=[f["kind"] for f in findings
                                               if f.get("kind") in HIDDEN_ACCESS_KINDS])
         outcome, validity = verdict.outcome, verdict.validity
+        if verdict_of_attempt == "exhausted":
+            rec["attempts_exhausted"] = True
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
@@ -13500,6 +13864,7 @@ def runs_can_start(study: Study, run_ids: Sequence[str], parallel: int | None, f
                               hint="check --run/--task/--arm/--split against `list --all`")
     refuse_unproven(study, force)
     refuse_changed_arms(study, run_ids)
+    refuse_forks_in_containers(study.tasks, study.arms)
     validate_launch_values(cfg)
     require_executor_ready(cfg.get("executor"))
     arms = study.arms
@@ -13552,7 +13917,7 @@ def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
                               hint="see each run's error (a busy lock, a read-only or full disk); "
                                    "run them again once the cause is fixed")
     return {**out, "outcomes": outcomes,
-            "interrupted": [r for r in run_ids if load_run(paths, r).get("status") == "interrupted"]}
+            "retried": [r for r in run_ids if load_run(paths, r).get("attempts")]}
 
 
 # -- sessions by hand: spawn, train ----------------------------------------------------------------
@@ -14176,6 +14541,15 @@ def bootstrap_mean_diff_ci(diffs: list[float], seed: int, n_resamples: int = 100
 def sign_test_min_p(n: int) -> float:
     """Smallest two-sided p-value an exact sign test on n informative pairs can produce: 2 / 2^n."""
     return sign_test_two_sided(n, 0)
+
+
+def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
+    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
+    p <= alpha at all, however many repeats (pure); None beyond `most`."""
+    for n in range(1, most + 1):
+        if sign_test_min_p(n) <= alpha:
+            return n
+    return None
 
 
 #: Sign-flip enumeration steps a simulated study may take; past them the simulation refers the
@@ -16732,6 +17106,91 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def verdict_more_data(comp: Mapping[str, Any], alpha: float, family: int, p_base: Any,
+                      repeats: float | None) -> str:
+    """What more data the planner says a comparison that is not significant would take, in words
+    (pure): the tasks without which no test over tasks can reach alpha / family (Holm's first
+    step), else the repeats per task that give 80% power at the difference seen (normal
+    approximation, the planner's default between-task spread), else that more tasks are needed."""
+    n = int(count_from(comp.get("tasks_compared"), hi=10**6))
+    level = alpha / max(1, family)
+    need = min_tasks_for_significance(level)
+    if need is not None and n < need:
+        return f"with {n} task(s) no test can reach p <= {level:.3g}: use at least {need} tasks"
+    diff = finite_number(comp.get("mean_diff"))
+    base = finite_number(p_base, lo=0.0, hi=1.0)
+    if not diff or base is None or not 0.0 <= base + diff <= 1.0:
+        return "no difference seen: a larger study would only narrow the interval around zero"
+    plan = paired_power_repeats(base, diff, n, level, tau=POWER_DEFAULT_TAU)
+    if plan["repeats"] is None or not plan["feasible"]:
+        more = f" (at least {plan['min_tasks']})" if plan.get("min_tasks") else ""
+        return (f"no number of repeats gives 80% power at a difference of {diff * 100:+.1f} points: "
+                f"add tasks{more}")
+    now = f" (now about {repeats:.0f})" if repeats else ""
+    return (f"the planner: about {plan['repeats']} repeats per task{now} for 80% power at the difference "
+            f"seen ({diff * 100:+.1f} points; normal approximation, assumed between-task spread "
+            f"{POWER_DEFAULT_TAU})")
+
+
+def verdict_lines(report: Mapping[str, Any]) -> list[str]:
+    """The verdict, one line per comparison (arm vs baseline), from the report's figures (pure):
+    the primary estimate with its interval, p and Holm p, significant or not, and when not what
+    more data the planner says it would take.  Nothing is recomputed but the planner's answer."""
+    comps = report.get("comparisons") if isinstance(report.get("comparisons"), dict) else {}
+    per_arm = report.get("per_arm") if isinstance(report.get("per_arm"), dict) else {}
+    base = report.get("baseline")
+    analysis = report.get("analysis") if isinstance(report.get("analysis"), dict) else {}
+    alpha = finite_number(analysis.get("alpha")) or REPORT_ALPHA
+    family = len(comps)
+    base_rate = (per_arm.get(base) or {}).get("success_rate") if base else None
+    if not comps and base is not None:
+        view = per_arm.get(base) or {}
+        return [f"{base} alone: success {fmt_pct(view.get('success_rate'))} over "
+                f"{int(count_from(view.get('evaluated'), hi=10**9))} evaluated run(s); nothing compared "
+                "(add an arm to study.json to compare it with this baseline)"]
+    out = []
+    for arm, c in comps.items():
+        if not isinstance(c, dict):
+            continue
+        prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
+        diff, ci = finite_number(c.get("mean_diff")), c.get("ci")
+        if diff is None or int(count_from(c.get("tasks_compared"), hi=10**6)) == 0:
+            out.append(f"{arm} vs {base}: no task with runs of both arms yet")
+            continue
+        interval = (f" [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}]"
+                    if isinstance(ci, list) and len(ci) == 2 and all(is_number(x) for x in ci) else "")
+        p, holm = finite_number(prim.get("p")), finite_number(prim.get("p_holm"))
+        sig = prim.get("reject") is True
+        line = (f"{arm} vs {base}: success {diff * 100:+.1f} points{interval}, "
+                f"p {fmt_num(p, 3) if p is not None else '-'}, "
+                f"Holm p {fmt_num(holm, 3) if holm is not None else '-'}: "
+                + (f"significant at alpha {alpha:g}" if sig else "not significant"))
+        if not sig:
+            arm_view = per_arm.get(arm) or {}
+            n = int(count_from(c.get("tasks_compared"), hi=10**6)) or 1
+            evaluated = finite_number(arm_view.get("evaluated"))
+            line += "; " + verdict_more_data(c, alpha, family, base_rate,
+                                             evaluated / n if evaluated else None)
+        out.append(line)
+    return out
+
+
+def render_report_summary_md(report: dict, full_command: str = "") -> str:
+    """One screen: the verdict lines, then each arm's success rate and cost per run (pure)."""
+    tot = report.get("totals") or {}
+    parts = [f"# {report.get('title') or 'Study report'}: the verdict", ""]
+    parts += [f"- {_md_cell(v)}" for v in verdict_lines(report)]
+    rows = [[a, fmt_int(s.get("runs") or 0), fmt_pct(s.get("success_rate")),
+             fmt_usd(s.get("cost_per_run_usd"))]
+            for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)]
+    parts += ["", _md_table(["Arm", "Runs", "Success", "Cost per run"], rows), "",
+              f"{tot.get('runs', 0)} runs over {tot.get('tasks', 0)} tasks; "
+              + _md_cell(_rpt_analysis_line(report))]
+    parts += [f"> **Warning:** {_md_cell(w)}" for w in (report.get("warnings") or [])[:3]]
+    parts += ["", f"The full report: `{full_command or 'report --format md --full'}`"]
+    return "\n".join(parts) + "\n"
+
+
 def render_report_md(report: dict) -> str:
     """The report as Markdown: one table per section, then notes and methods."""
     tot = report["totals"]
@@ -16741,6 +17200,9 @@ def render_report_md(report: dict) -> str:
              f"tasks: {tot['tasks']}, total cost "
              f"{fmt_usd(tot['cost_usd'], tot['cost_estimated_usd'] > 0)}"
              + (" (simulated: a rehearsal, nothing billed)." if tot.get("rehearsed_runs") else ".")]
+    verdict = verdict_lines(report)
+    if verdict:   # the verdict first, before any table
+        parts += ["", "## Verdict", ""] + [f"- {_md_cell(v)}" for v in verdict]
     parts += ["", (f"> **{_md_cell(_rpt_analysis_line(report))}**"
                    if report.get("exploratory") else _md_cell(_rpt_analysis_line(report)))]
     for w in report.get("warnings") or []:
@@ -17085,6 +17547,8 @@ def render_report_html(report: dict, extra: str = "") -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1"/>',
              f"<title>{title}</title><style>{HTML_CSS}</style></head><body>",
              f"<h1>{title}</h1>",
+             '<section class="verdict"><h2>Verdict</h2><ul>',
+             *[f"<li>{html.escape(v)}</li>" for v in verdict_lines(report)], "</ul></section>",
              f'<p class="meta">Baseline <strong>{html.escape(report["baseline"])}</strong>; '
              f'primary view: {html.escape(report["primary_view"].replace("_", " "))}; '
              f'{tot["runs"]} runs over {tot["tasks"]} tasks; total cost '
@@ -18813,6 +19277,7 @@ def rehearse_study(ctx: Host, paths: StudyPaths, *, scratch: Path, parallel: int
     if only_arms:
         arms = {k: v for k, v in arms.items() if k in only_arms}
     # Every task's image is built and started once before anything else runs.
+    refuse_forks_in_containers(tasks, arms)
     images = check_task_images(tasks, cfg, ctx.env, study_binary(ctx, cfg)) \
         if any(t.environment is not None for t in tasks.values()) else {}
     partial = bool(only_tasks or only_arms or limit)
@@ -19666,15 +20131,6 @@ def plan_warnings(plan: Mapping[str, Any]) -> list[str]:
                        "a larger difference (`assign --power-delta`), or use fewer repeats "
                        "(`assign --repeats`)")
     return out
-
-
-def min_tasks_for_significance(alpha: float, most: int = 10_000) -> int | None:
-    """Fewest tasks on which a test over tasks (the primary sign-flip test, the sign test) can give
-    p <= alpha at all, however many repeats (pure); None beyond `most`."""
-    for n in range(1, most + 1):
-        if sign_test_min_p(n) <= alpha:
-            return n
-    return None
 
 
 def design_warnings(n_tasks: int, arms: Sequence[str], repeats: int,
@@ -21359,12 +21815,16 @@ def _copy_args(args: str) -> tuple[list[str], bool] | None:
     return (words, from_other) if len(words) >= 2 else None
 
 
-def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None
-                            ) -> dict[str, Any]:
+def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], workdir_cfg: str | None,
+                            in_image: bool = False) -> dict[str, Any]:
     """What of a Harbor environment carries over (pure): the workdir (task.toml's, else the
     Dockerfile's last WORKDIR, else /app), starter files as {environment-relative source: path in
     the workspace} (what the Dockerfile COPYs into the workdir; without any COPY, every plain file
-    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere."""
+    of environment/), and what cannot: the base image, RUN steps, ENV, files copied elsewhere.
+    `in_image`: the Dockerfile becomes the task's environment (built and run as it is), so only
+    what a run of its image does not honour is lost (USER: sessions and checks run as the
+    container's root; EXPOSE and VOLUME)."""
+    kept_by_image = ("FROM", "RUN", "ENV", "ARG", "SHELL", "COPY", "ADD") if in_image else ()
     lost: list[str] = []
     steps = dockerfile_instructions(dockerfile) if dockerfile is not None else []
     workdir = workdir_cfg
@@ -21372,23 +21832,26 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
     copies: list[tuple[list[str], str]] = []
     for word, args in steps:
         if word == "FROM":
-            lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
-                        "this host's are used)")
+            if word not in kept_by_image:
+                lost.append(f"the base image {args.split()[0] if args else '?'} (its packages and files: "
+                            "this host's are used)")
         elif word == "WORKDIR":
             current = posixpath.normpath(posixpath.join(current, args.strip().strip('"')))
             workdir = workdir_cfg or current
         elif word in ("COPY", "ADD"):
             parsed = _copy_args(args)
             if parsed is None or parsed[1]:
-                lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (from another image or unreadable)")
                 continue
             paths, _ = parsed
             if any("://" in p for p in paths[:-1]):
-                lost.append(f"Dockerfile {word} {args[:150]} (a download)")
+                if word not in kept_by_image:
+                    lost.append(f"Dockerfile {word} {args[:150]} (a download)")
                 continue
             dest = posixpath.normpath(posixpath.join(current, paths[-1]))
             copies.append((paths[:-1], dest + ("/" if paths[-1].endswith("/") else "")))
-        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL"):
+        elif word in ("RUN", "ENV", "USER", "ARG", "EXPOSE", "VOLUME", "SHELL") and word not in kept_by_image:
             lost.append(f"Dockerfile {word} {args[:200]}")
     workdir = workdir or HARBOR_DEFAULT_WORKDIR
     files: dict[str, str] = {}
@@ -21418,17 +21881,23 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
             for rel, target in placed:
                 target = posixpath.normpath(target)
                 if not target.startswith(workdir.rstrip("/") + "/"):
-                    lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
+                    if not in_image:   # in the image, it is where the Dockerfile put it
+                        lost.append(f"environment/{rel} (copied to {target}, outside the workdir {workdir})")
                     continue
                 files[rel] = target[len(workdir.rstrip("/")) + 1:]
     return {"workdir": workdir, "files": files, "not_carried_over": lost}
 
 
-def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
-    """What of task.toml agentbench cannot honour (pure)."""
+#: task.toml's [verifier] environment_mode values agentbench gives: every check runs in a fresh
+#: sandbox or container of its own, apart from the agent's (Harbor's "separate").
+HARBOR_VERIFIER_MODES = ("separate", None)
+
+
+def harbor_config_losses(cfg: Mapping[str, Any], in_image: bool = False) -> list[str]:
+    """What of task.toml agentbench cannot honour (pure); `in_image`: the task runs in its image."""
     lost: list[str] = []
     env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
-    if env.get("docker_image"):
+    if env.get("docker_image") and not in_image:
         lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
     if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
         lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
@@ -21447,7 +21916,45 @@ def harbor_config_losses(cfg: Mapping[str, Any]) -> list[str]:
         for key in ("env", "user", "allowed_hosts", "network_mode"):
             if sec.get(key):
                 lost.append(f"[{part}] {key}")
+    if cfg.get("artifacts"):
+        lost.append("artifacts (files Harbor collects after a trial: agentbench keeps the whole workspace)")
+    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
+    if verifier.get("environment_mode") not in HARBOR_VERIFIER_MODES:
+        lost.append(f"[verifier] environment_mode = {str(verifier.get('environment_mode'))[:40]!r} (the "
+                    "verifier always gets a fresh environment of its own here: separate)")
     return lost
+
+
+def harbor_schema_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """What of a task.toml (schema 1.4) makes it a task agentbench refuses, by name (pure): several
+    steps (`[[steps]]`), an operating system other than Linux."""
+    out: list[str] = []
+    steps = cfg.get("steps")
+    if steps:
+        n = len(steps) if isinstance(steps, list) else 1
+        out.append(f"it is a multi-step task ([[steps]], {n} step(s)): agentbench imports single-step "
+                   "tasks only")
+    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    osname = cfg.get("os", env.get("os"))
+    if osname not in (None, "linux", "Linux"):
+        out.append(f"its os is {str(osname)[:40]!r}: agentbench runs Linux tasks only")
+    return out
+
+
+def map_base_images(dockerfile: str, mapping: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The Dockerfile with each FROM image named in `mapping` replaced (pure): (text, the
+    replacements made as "OLD=NEW")."""
+    out, done = [], []
+    for line in dockerfile.splitlines(keepends=True):
+        words = line.split()
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            i = next((k for k in range(1, len(words)) if not words[k].startswith("--")), None)
+            if i is not None and words[i] in mapping:
+                done.append(f"{words[i]}={mapping[words[i]]}")
+                words[i] = mapping[words[i]]
+                line = " ".join(words) + ("\n" if line.endswith("\n") else "")
+        out.append(line)
+    return "".join(out), done
 
 
 def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
@@ -21480,9 +21987,12 @@ def _seconds(value: Any, default: float) -> float | None:
     return got
 
 
-def plan_harbor_task(root: Path) -> dict[str, Any]:
+def plan_harbor_task(root: Path, environment: str = "host",
+                     base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A Harbor task directory read and checked: what the bundle will hold, or its problems (the
-    caller refuses a task with any).  Reads only; the files are small and checked for links."""
+    caller refuses a task with any).  Reads only; the files are small and checked for links.
+    `environment` "container": its environment/Dockerfile becomes the task's environment (FROM
+    images renamed by `base_images`), or its prebuilt docker_image; "host": the host's tools."""
     problems: list[str] = []
     if not NAME_RE.match(root.name):
         problems.append("its directory name is not a task id (1-64 letters, digits, '.', '_' or '-')")
@@ -21495,6 +22005,8 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
         return {"id": root.name, "problems": problems}
     toml_path = root / "task.toml"
     cfg = parse_toml(toml_path.read_text(encoding="utf-8", errors="replace"), str(toml_path))
+    problems += harbor_schema_problems(cfg)
+    in_image = environment == "container"
     verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
     agent = cfg.get("agent") if isinstance(cfg.get("agent"), dict) else {}
     env_cfg = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
@@ -21511,7 +22023,20 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
     dockerfile = None
     if (root / "environment" / "Dockerfile").is_file():
         dockerfile = (root / "environment" / "Dockerfile").read_text(encoding="utf-8", errors="replace")
-    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg)
+    env_plan = harbor_environment_plan(dockerfile, env_files, workdir_cfg, in_image=in_image)
+    task_env: dict[str, Any] | None = None
+    mapped: list[str] = []
+    if in_image:
+        if dockerfile is not None:
+            dockerfile, mapped = map_base_images(dockerfile, base_images or {})
+            task_env = {"dockerfile": "environment/Dockerfile", "workdir": env_plan["workdir"]}
+        elif env_cfg.get("docker_image"):
+            image = str(env_cfg["docker_image"])
+            task_env = {"image": (base_images or {}).get(image, image), "workdir": env_plan["workdir"]}
+        else:
+            problems.append("no environment/Dockerfile nor [environment] docker_image to run it in")
+        if task_env is not None and environment_problem(task_env):
+            problems.append(f"its environment cannot be used: {environment_problem(task_env)}")
     container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
     bad = container_spec_problem(container)
     if bad:
@@ -21520,7 +22045,7 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
            for f in env_files if "/" not in f):
         problems.append("its environment is a multi-container compose file (one workspace is all "
                         "agentbench has)")
-    lost = harbor_config_losses(cfg) + env_plan["not_carried_over"]
+    lost = harbor_config_losses(cfg, in_image) + env_plan["not_carried_over"]
     meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
     instruction = (root / "instruction.md").read_text(encoding="utf-8", errors="replace")
     title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
@@ -21529,7 +22054,9 @@ def plan_harbor_task(root: Path) -> dict[str, Any]:
             "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
             "metadata": json_safe({k: v for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool, list))}),
-            "container": container}
+            "container": container, "environment": task_env, "dockerfile": dockerfile,
+            "base_images_mapped": mapped, "schema_version": json_safe(cfg.get("schema_version")),
+            "verifier_environment_mode": json_safe(verifier.get("environment_mode") or "separate")}
 
 
 def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -21548,7 +22075,11 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
         "not_carried_over": plan["not_carried_over"],
         "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
                    "agent_timeout_s": plan["agent_timeout_s"],
-                   "verifier_timeout_s": plan["verifier_timeout_s"]},
+                   "verifier_timeout_s": plan["verifier_timeout_s"],
+                   "schema_version": plan.get("schema_version"),
+                   "verifier_environment_mode": plan.get("verifier_environment_mode"),
+                   "base_images_mapped": plan.get("base_images_mapped") or []},
+        **({"environment": plan["environment"]} if plan.get("environment") else {}),
     }
 
 
@@ -21581,10 +22112,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
     safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
                    skip_names=HARBOR_COPY_SKIP)
     safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
+    if (plan.get("environment") or {}).get("dockerfile"):
+        # The build context as it is (copied as agent output is), its Dockerfile with the base
+        # images mapped.
+        safe_copy_tree(root / "environment", dst / "environment", HARBOR_COPY_CAPS, links="drop",
+                       skip_names=HARBOR_COPY_SKIP)
+        write_text_atomic(dst / "environment" / "Dockerfile", str(plan["dockerfile"]))
     write_json_atomic(dst / "task.json", harbor_task_json(plan, root.name))
 
 
-def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
+def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "host",
+                        base_images: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`import-tasks --from harbor`: every directory checked first (a bad or partial one, or one
     whose id is taken in `out` or twice in the call, refuses the whole call by name, nothing
     written), then each written as a new bundle under `out` (staged beside, renamed in)."""
@@ -21595,7 +22133,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
         if not d.is_dir():
             refused[str(d)] = ["not a directory"]
             continue
-        plan = plan_harbor_task(d)
+        plan = plan_harbor_task(d, environment, base_images)
         if plan["id"] in [p["id"] for p in plans]:
             plan["problems"].append("another directory of this call has the same name")
         if (out / plan["id"]).exists():
@@ -21624,6 +22162,8 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path) -> dict[str, Any]:
                           "starter_files": sorted(p["starter"].values()),
                           "oracle_timeout_s": p["verifier_timeout_s"],
                           "reference_timeout_s": p["agent_timeout_s"],
+                          "environment": p.get("environment"),
+                          "base_images_mapped": p.get("base_images_mapped") or [],
                           "not_carried_over": p["not_carried_over"]} for p in plans],
             "tasks": str(out),
             "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}
@@ -22061,7 +22601,8 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
     _study_arg(p)
     p.add_argument("--job", action="append", default=[], help="job id (repeatable)")
     p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
-    p.add_argument("--all", action="store_true", help="every active or undelivered job")
+    p.add_argument("--all", action="store_true", help="every active or undelivered job, and every run a "
+                   "driver was started for, until each is final")
     p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
     p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
                    help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
@@ -22108,7 +22649,7 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     while True:
         if not ctx.is_child:
             reap_jobs(paths, ctx.platform, env=ctx.env)
-            if args.run:
+            if args.run or args.all:
                 sweep_interrupted_runs(paths, ctx.platform)
             if time.monotonic() - last_touch > 5:
                 touch_last_call(paths)
@@ -22127,11 +22668,13 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         # between those writes would return it undelivered and a later wait deliver it again.
         done_jobs = [j for j in targets if job_is_final(paths, j)
                      and (ctx.is_child or not (paths.active / j).exists())]
-        runs_done = [r for r in args.run if run_is_final(paths, r)]
+        run_targets = list(dict.fromkeys(args.run + (driven_runs_in_wait(paths) if args.all else [])))
+        phases = {r: run_phase(read_json(run_file(paths, r), default=None)) for r in run_targets}
+        runs_done = [r for r in run_targets if phases[r] == "final"]
         if args.any:
-            met = bool(done_jobs or runs_done) or (not targets and not args.run)
+            met = bool(done_jobs or runs_done) or (not targets and not run_targets)
         else:
-            met = len(done_jobs) == len(targets) and len(runs_done) == len(args.run)
+            met = len(done_jobs) == len(targets) and len(runs_done) == len(run_targets)
         if met or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -22144,9 +22687,14 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
                 delivered.append(j)
     for js in jobs:
         js["delivered_now"] = js["job_id"] in delivered
-    runs = [run_summary(paths, r) for r in args.run]
+    if not ctx.is_child:
+        for r in runs_done:
+            remove_marker(queued_runs_dir(paths) / r)
+    runs = [run_summary(paths, r) for r in run_targets if run_file(paths, r).exists()]
     out = {"met": met, "jobs": jobs, "runs": runs, "pending": [j for j in targets if j not in done_jobs]
-           + [r for r in args.run if r not in runs_done]}
+           + [r for r in run_targets if r not in runs_done],
+           "run_states": {k: sum(1 for v in phases.values() if v == k)
+                          for k in ("final", "running", "pending")}}
     if not met:
         return 3, {**out, "timeout": args.timeout}
     bad = [j["job_id"] for j in jobs if j["job_id"] in done_jobs and j.get("status") != "ok"]
@@ -22453,6 +23001,11 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if args.detach:
         log_path = paths.state / "drivers" / f"driver-{int(time.time())}-{uuid.uuid4().hex[:6]}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # What the driver will run is recorded before this answers: a `wait --all` called the
+        # moment after sees every one of these runs (each marker goes when its run is final).
+        queued = [r for r in ids if not run_is_final(paths, r)]
+        for r in queued:
+            touch_marker(queued_runs_dir(paths) / r)
         # Like a supervisor, the driver's environment holds no credential (any process of the
         # user can read it): they reach it on its stdin, and it hands them on to its supervisors.
         pid = detach_agentbench(ctx.platform,
@@ -22462,7 +23015,8 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                                 env={k: v for k, v in ctx.env.items() if not is_credential_var(k)},
                                 log_path=str(log_path),
                                 secret={k: v for k, v in ctx.env.items() if is_credential_var(k)})
-        return {"detached": True, "driver_pid": pid, "runs": len(ids), "log": str(log_path),
+        return {"detached": True, "driver_pid": pid, "runs": len(ids), "queued": len(queued),
+                "log": str(log_path),
                 "hint": "poll with `wait --run R` or `list`",
                 "next": f"python3 agentbench.py wait --study {shlex.quote(str(paths.root))} --all"}
     out = drive_foreground(ctx, study, ids, parallel)
@@ -22533,6 +23087,9 @@ def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="bootstrap seed (default: the analysis plan's, else the study seed; another "
                         "makes the analysis exploratory)")
+    p.add_argument("--full", action="store_true",
+                   help="with --format md at a terminal: the whole report (default: one screen, the "
+                        "verdict first)")
     p.add_argument("--split", default=None,
                    help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
                         "(default: main; other splits are never pooled into it)")
@@ -22545,6 +23102,7 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
+    report["verdict"] = verdict_lines(report)   # one line per comparison: what the study found
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     report["grading"] = grading_facts(calibration_state(paths).get("tasks") or {})
     if report["grading"]["forgeable_accepted"]:
@@ -22597,7 +23155,10 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         return result   # the report itself is the answer (the file, if any, a copy of it)
     if args.format == "md":
         result["markdown"] = text
-        result["markdown_for_terminal"] = text   # at a terminal, main prints only this text
+        # At a terminal main prints only this text: one screen (the verdict first), or with
+        # --full the whole report.
+        full = f"python3 agentbench.py report --study {shlex.quote(str(paths.root))} --format md --full"
+        result["markdown_for_terminal"] = text if args.full else render_report_summary_md(report, full)
     result["summary"] = {a: {k: v for k, v in s.items()
                              if k in ("runs", "evaluated", "successes", "success_rate")}
                          for a, s in (report.get("per_arm") or {}).items() if isinstance(s, dict)}
@@ -22822,6 +23383,12 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
     p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
     p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
+    p.add_argument("--environment", choices=["host", "container"], default="host",
+                   help="container: each task's environment/Dockerfile becomes its environment (sessions "
+                        "and checks run in its image); host (default): the host's tools, what the image "
+                        "gave listed as not carried over")
+    p.add_argument("--base-image", action="append", default=[], metavar="OLD=NEW",
+                   help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")
 
 
 @command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
@@ -22829,7 +23396,20 @@ def _import_tasks_args(p: argparse.ArgumentParser) -> None:
 @args_of(_import_tasks_args)
 def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
-    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute())
+    mapping = {}
+    for pair in args.base_image:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new or environment_problem({"image": new}) or environment_problem(
+                {"image": old}):
+            raise AgentbenchError("--base-image must be OLD=NEW, two image names", code="bad_base_image",
+                                  value=pair[:200],
+                                  hint="e.g. --base-image python:3.12-slim=localhost/base:1")
+        mapping[old] = new
+    if mapping and args.environment != "container":
+        raise AgentbenchError("--base-image needs --environment container", code="base_image_needs_container",
+                              hint="add --environment container (the Dockerfile is built only then)")
+    return import_harbor_tasks(dirs, Path(ctx.platform.normalize_path(args.tasks)).absolute(),
+                               args.environment, mapping)
 
 
 # -- bases: tick and expire ------------------------------------------------------------------------

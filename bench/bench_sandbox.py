@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The sandbox's added start-up time: sessions and checks under bubblewrap vs unsandboxed.
+"""The sandbox's added start-up time: sessions and checks under bubblewrap, and in a task's
+container (podman), vs unsandboxed.
 
 In one run, against the built-in scripted model on loopback (offline, zero cost) and the real
 `claude` binary: N short sessions (one Bash tool call, then an answer) in a study with
@@ -7,7 +8,10 @@ In one run, against the built-in scripted model on loopback (offline, zero cost)
 supervisor's own measure (result.json duration_s: claude's start to its exit), both with an
 empty HOME.  Then the example
 task `roman`'s gate and oracle on its reference solution, N times each way.  Prints one JSON
-object: medians per mode and the ratio bwrap/none, plus the median added seconds.
+object: medians per mode and the ratio bwrap/none, plus the median added seconds.  Where podman
+and the base image (AGENTBENCH_BASE_IMAGE, made by .ci/run) are here, the same sessions and checks
+run a third way, in a container of that image (a task whose `environment` names it): the added
+seconds of the container against none and against bubblewrap.
 
     python3 bench/bench_sandbox.py [--sessions 5] [--checks 5]
 """
@@ -62,6 +66,46 @@ def one_session(study: Path, brief: Path) -> float:
     return float(result["duration_s"])
 
 
+BASE_IMAGE = os.environ.get("AGENTBENCH_BASE_IMAGE", "localhost/agentbench-base-py:bookworm")
+
+
+def container_here() -> str | None:
+    """Why the container mode cannot run here, or None."""
+    probe = ab.container_probe("podman", os.environ)
+    if not probe["available"]:
+        return probe["reason"]
+    if not ab.container_image_exists(probe["binary"], BASE_IMAGE, os.environ):
+        return f"the base image {BASE_IMAGE} is missing (.ci/run builds it)"
+    return None
+
+
+def container_task(tmp: Path) -> "ab.Task":
+    """The example task `roman` with an environment: the base image, workspace at /app."""
+    root = tmp / "tasks" / "roman"
+    shutil.copytree(ROOT / "examples" / "study" / "tasks" / "roman", root)
+    spec = json.loads((root / "task.json").read_text())
+    spec["environment"] = {"image": BASE_IMAGE}
+    (root / "task.json").write_text(json.dumps(spec))
+    return ab.load_task(root)
+
+
+def one_container_session(study: Path, prompt: str, container: dict) -> float:
+    """A session like one_session's, started as a run's session of a task with an environment."""
+    paths = ab.StudyPaths(study)
+    cfg = ab.load_study_config(paths)
+    host = ab.Host(ab.current_platform(), dict(os.environ))
+    ws = paths.state / "workspaces" / f"c-{os.urandom(4).hex()}"
+    ws.mkdir(parents=True)
+    req = ab.JobRequest(kind="executor", prompt=prompt, cwd=str(ws),
+                        limits=ab.launch_limits(ab.launch_config(cfg), ab.LaunchFlags()), container=container)
+    out = ab.start_job(host, paths, req, cfg=cfg)
+    code, res = quiet_main(["wait", "--study", str(study), "--job", out["job_id"], "--timeout", "120"])
+    assert code == 0, res
+    result = json.loads((study / "state" / "jobs" / out["job_id"] / "result.json").read_text())
+    assert result["status"] == "ok" and result["sandbox"]["kind"] == "container", result
+    return float(result["duration_s"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sessions", type=int, default=5)
@@ -85,13 +129,18 @@ def main() -> int:
             {"text": "Done."}]})
         brief = tmp / "brief.txt"
         brief.write_text("Go. [agentbench-script:short]\n")
-        studies = {m: tmp / f"study-{m}" for m in ("none", "bwrap")}
+        no_container = container_here()
+        modes = ("none", "bwrap") + (("container",) if no_container is None else ())
+        studies = {m: tmp / f"study-{m}" for m in modes}
         for m, s in studies.items():
-            make_study(s, binary, server.url, m)
-        sess: dict[str, list[float]] = {"none": [], "bwrap": []}
+            make_study(s, binary, server.url, m if m != "container" else "bwrap")
+        ctask = container_task(tmp) if no_container is None else None
+        ctr = (ab.ensure_task_image(ctask, {}, os.environ) if ctask is not None else None)
+        sess: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(a.sessions):
-            for m in ("none", "bwrap"):
-                sess[m].append(one_session(studies[m], brief))
+            for m in modes:
+                sess[m].append(one_container_session(studies[m], brief.read_text(), ctr) if m == "container"
+                               else one_session(studies[m], brief))
         # Checks: the roman example's gate and oracle on its reference solution.
         tasks = ab.load_tasks(ab.StudyPaths(ROOT / "examples" / "study"),
                               {"tasks": str(ROOT / "examples" / "study" / "tasks")}, only=["roman"])
@@ -105,7 +154,8 @@ def main() -> int:
                 ab.copy_tree(task.reference, ws)
                 for which in ("gate", "oracle"):
                     t0 = time.monotonic()
-                    rec = ab.run_check(ab.StudyPaths(s), ab.current_platform(), task, which, str(ws), os.environ)
+                    rec = ab.run_check(ab.StudyPaths(s), ab.current_platform(), ctask if m == "container" else task,
+                                       which, str(ws), os.environ)
                     checks[m][which].append(time.monotonic() - t0)
                     assert rec["passed"] and rec["sandbox"]["kind"] == m, rec
     finally:
@@ -123,6 +173,17 @@ def main() -> int:
         out[f"{which}_s"] = {m: med(checks[m][which]) for m in checks}
         out[f"{which}_ratio_bwrap_over_none"] = round(med(checks["bwrap"][which]) / med(checks["none"][which]), 3)
         out[f"{which}_added_s"] = round(med(checks["bwrap"][which]) - med(checks["none"][which]), 4)
+    if no_container is None:
+        out["container"] = {"runtime": ctr["runtime"], "version": ctr["version"], "image": BASE_IMAGE,
+                            "session_added_s_over_none": round(med(sess["container"]) - med(sess["none"]), 4),
+                            "session_added_s_over_bwrap": round(med(sess["container"]) - med(sess["bwrap"]), 4)}
+        for which in ("gate", "oracle"):
+            out["container"][f"{which}_added_s_over_none"] = round(
+                med(checks["container"][which]) - med(checks["none"][which]), 4)
+            out["container"][f"{which}_added_s_over_bwrap"] = round(
+                med(checks["container"][which]) - med(checks["bwrap"][which]), 4)
+    else:
+        out["container"] = {"skipped": True, "reason": no_container}
     print(json.dumps(out, indent=1))
     return 0
 

@@ -88,6 +88,9 @@ BAD = [
     ({"settings": "state/leak.json"}, "arm_file_not_showable", "settings"),
     ({"workspace_overlay": "runs/r9"}, "arm_file_not_showable", "workspace_overlay"),
     ({"plugins": ["tasks"]}, "arm_file_not_showable", "plugins"),
+    # the transcript folder is made under it on the host and bound read-write into the session
+    ({"env": {"CLAUDE_CONFIG_DIR": "state/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
+    ({"env": {"CLAUDE_CONFIG_DIR": "/usr/lib/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
 ]
 
 

@@ -53,7 +53,8 @@ def test_container_argv_table(kind, network, userns_flag, ro_tmpfs_flag):
                  flags=("--security-opt=label=disable",))
     argv = ab.container_argv(plan, ["python3", "-c", "print(1)"])
     assert argv[:2] == ["/usr/bin/podman", "run"]
-    for opt in ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges", "--read-only"):
+    for opt in ("--rm", "--pull=never", "--cap-drop=all", "--security-opt=no-new-privileges", "--read-only",
+                "--user=0:0"):
         assert opt in argv
     assert ("--network=none" in argv) is (network == "none") and ("--network=host" in argv) is (network == "open")
     assert "--security-opt=seccomp=/s/seccomp.json" in argv
@@ -139,6 +140,16 @@ def test_the_shim_ends_with_claude_as_its_child():
     assert "os.fork()" in ab.CONTAINER_EXEC_SHIM.split("lis.close()")[1]
 
 
+def test_the_shim_runs_its_command_as_a_child_and_exits_with_its_status():
+    """Run here as a session's container runs it (no socket, no environment descriptor)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", ab.CONTAINER_EXEC_SHIM, "-", ab.CONTAINER_SHIM_NO_ENV_FD,
+                          sys.executable, "-c", "import os; print(os.getppid() != 1); raise SystemExit(3)"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3 and res.stdout.strip() == "True", (res.stdout, res.stderr)
+
+
 @pytest.mark.parametrize("key, value, ok", [
     ("container_runtime", "podman", True), ("container_runtime", "docker", True),
     ("container_runtime", "lxc", False), ("container_runtime", 3, False),
@@ -188,3 +199,112 @@ def test_a_dockerfiles_image_is_tagged_by_its_context(tmp_path):
 ])
 def test_a_run_in_its_container_counts_as_sandboxed(records, sandboxed):
     assert ab.sandbox_summary(records)["sandboxed"] is sandboxed
+
+
+# -- Harbor tasks at schema 1.4 --------------------------------------------------------------------
+
+def harbor_task(root: Path, *, toml_extra: str = "", from_image: str = "python:3.12-slim") -> Path:
+    """A Harbor task directory (schema 1.4) whose image makes a tool (`stamp`) the tests and the
+    solution use, with the 1.4 fields agentbench must carry over or list."""
+    for sub in ("environment/src", "tests", "solution"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "instruction.md").write_text("# Stamp\n\nWrite the output of `stamp` into /app/out.txt.\n")
+    (root / "environment" / "Dockerfile").write_text(
+        f"FROM {from_image}\n"
+        "RUN printf '#!/bin/sh\\necho stamped-in-the-image\\n' > /usr/local/bin/stamp && chmod 755 /usr/local/bin/stamp\n"
+        "ENV STAMP_MODE=plain\nWORKDIR /app\nCOPY src/notes.txt /app/notes.txt\nCOPY src/notes.txt /opt/notes.txt\n"
+        "USER 1000\n")
+    (root / "environment" / "src" / "notes.txt").write_text("starter\n")
+    (root / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        'if [ "$(cat /app/out.txt 2>/dev/null)" = "$(stamp)" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n')
+    (root / "solution" / "solve.sh").write_text("#!/bin/bash\nstamp > /app/out.txt\n")
+    (root / "task.toml").write_text(
+        'schema_version = "1.4"\n' + toml_extra +
+        '[verifier]\ntimeout_sec = 60\nenvironment_mode = "separate"\n[agent]\ntimeout_sec = 60\n'
+        '[environment]\nworkdir = "/app"\nnetwork_mode = "bridge"\nhealthcheck = "true"\nskills_dir = "/skills"\n'
+        '[environment.mcp_servers.files]\ncommand = "mcp-files"\n')
+    return root
+
+
+@pytest.mark.parametrize("text, mapping, want, done", [
+    ("FROM python:3.12-slim\nRUN x\n", {"python:3.12-slim": "localhost/b:1"}, "FROM localhost/b:1\nRUN x\n",
+     ["python:3.12-slim=localhost/b:1"]),
+    ("FROM --platform=linux/amd64 python:3 AS build\n", {"python:3": "l/p"},
+     "FROM --platform=linux/amd64 l/p AS build\n", ["python:3=l/p"]),
+    ("FROM debian\n", {"python:3": "l/p"}, "FROM debian\n", []),
+    ("RUN echo FROM python:3\n", {"python:3": "l/p"}, "RUN echo FROM python:3\n", []),
+])
+def test_map_base_images_table(text, mapping, want, done):
+    assert ab.map_base_images(text, mapping) == (want, done)
+
+
+@pytest.mark.parametrize("cfg, refused", [
+    ({"schema_version": "1.4"}, []),
+    ({"steps": [{"name": "a"}, {"name": "b"}]}, ["multi-step"]),
+    ({"os": "windows"}, ["windows"]),
+    ({"environment": {"os": "linux"}}, []),
+])
+def test_harbor_schema_problems_table(cfg, refused):
+    got = ab.harbor_schema_problems(cfg)
+    assert len(got) == len(refused) and all(r in g for r, g in zip(refused, got))
+
+
+def test_a_harbor_tasks_dockerfile_becomes_its_environment_and_every_other_field_is_listed(tmp_path):
+    src = harbor_task(tmp_path / "src" / "stamp", toml_extra='artifacts = ["/app/out.txt"]\n')
+    out = ab.import_harbor_tasks([src], tmp_path / "tasks", "container", {"python:3.12-slim": "localhost/base:1"})
+    got = out["imported"][0]
+    bundle = tmp_path / "tasks" / "stamp"
+    spec = json.loads((bundle / "task.json").read_text())
+    assert spec["environment"] == {"dockerfile": "environment/Dockerfile", "workdir": "/app"} == got["environment"]
+    docker = (bundle / "environment" / "Dockerfile").read_text()
+    assert docker.startswith("FROM localhost/base:1\n") and "stamp" in docker
+    assert got["base_images_mapped"] == ["python:3.12-slim=localhost/base:1"]
+    assert (bundle / "public" / "notes.txt").read_text() == "starter\n"
+    lost = spec["not_carried_over"]
+    assert lost == got["not_carried_over"]
+    text = " | ".join(lost)
+    # the image carries FROM, RUN, ENV and files copied elsewhere; these it cannot
+    for name in ("USER", "mcp_servers", "healthcheck", "skills_dir", "network", "artifacts"):
+        assert name in text, (name, lost)
+    for carried in ("RUN", "ENV", "base image", "/opt/notes.txt"):
+        assert carried not in text, (carried, lost)
+    assert spec["harbor"]["verifier_environment_mode"] == "separate" and spec["harbor"]["schema_version"] == "1.4"
+    assert ab.load_task(bundle).environment["source"] == "dockerfile"
+    # the same task for the host's tools lists what only the image gave
+    host = ab.import_harbor_tasks([src], tmp_path / "host-tasks")["imported"][0]
+    assert any("RUN" in x for x in host["not_carried_over"]) and host["environment"] is None
+    assert "environment" not in json.loads((tmp_path / "host-tasks" / "stamp" / "task.json").read_text())
+
+
+def test_a_shared_verifier_is_listed_and_a_multi_step_task_is_refused_by_name(tmp_path):
+    shared = harbor_task(tmp_path / "src" / "shared")
+    toml = (shared / "task.toml").read_text().replace('environment_mode = "separate"', 'environment_mode = "shared"')
+    (shared / "task.toml").write_text(toml)
+    got = ab.import_harbor_tasks([shared], tmp_path / "tasks", "container")["imported"][0]
+    assert any("environment_mode = 'shared'" in x for x in got["not_carried_over"])
+    steps = harbor_task(tmp_path / "src" / "steps", toml_extra='[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n')
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.import_harbor_tasks([steps], tmp_path / "tasks2", "container")
+    assert "multi-step" in " ".join(err.value.payload["refused"][str(steps)])
+    assert not (tmp_path / "tasks2" / "steps").exists()
+
+
+def test_a_forking_arm_with_a_task_in_a_container_is_refused_by_name(tmp_path):
+    root = tmp_path / "tasks" / "roman"
+    shutil.copytree(AGENTBENCH.parent / "examples" / "study" / "tasks" / "roman", root)
+    plain = ab.load_task(root)
+    spec = json.loads((root / "task.json").read_text())
+    spec["environment"] = {"image": "localhost/x:1"}
+    (root / "task.json").write_text(json.dumps(spec))
+    boxed = ab.load_task(root)
+
+    class A:   # the two fields the refusal reads
+        def __init__(self, name, fork):
+            self.name, self.fork_base = name, fork
+    arms = {"A": A("A", False), "F": A("F", True)}
+    ab.refuse_forks_in_containers({"roman": plain}, arms)
+    ab.refuse_forks_in_containers({"roman": boxed}, {"A": arms["A"]})
+    with pytest.raises(ab.AgentbenchError) as err:
+        ab.refuse_forks_in_containers({"roman": boxed}, arms)
+    assert err.value.payload["code"] == "fork_base_with_environment" and err.value.payload["arms"] == ["F"]

@@ -2,11 +2,14 @@
 container of the task's image (podman; skipped, with the reason, where no runtime or base image is
 here, and a failure under CI, whose .ci/run installs podman and builds the base image).
 
-What is proved: a task whose reference and hidden tests need a tool only its image has (made by
-its Dockerfile, FROM the base image) calibrates and rehearses in its container, beside a task
-without an environment (bubblewrap), as one study with one report; a session's Bash sees the
-image's files, not the host's or the study's, reaches nothing but its gateway, and leaves no
-process (a `setsid` child included) and no container behind; the hidden tests are never in it.
+What is proved: a Harbor task (schema 1.4) whose reference and hidden tests need a tool only its
+image has (made by its Dockerfile, FROM an image mapped to the base) imports with its
+environment, calibrates and rehearses in its container, beside a task without an environment
+(bubblewrap), as one study with one report; `rehearse` refuses an image that cannot run a session
+before anything runs; a session's Bash sees the image's files, not the host's or the study's,
+reaches nothing but its gateway, and leaves no process (a `setsid` child included) and no
+container behind; the hidden tests are never in it; the sandbox tests' hostile solutions fail
+when graded in the container.
 """
 from __future__ import annotations
 
@@ -78,12 +81,22 @@ def add_env_task(tasks: Path) -> Path:
     return root
 
 
-def test_a_study_mixing_a_container_task_and_a_bwrap_task_rehearses_as_one(tmp_path, real_claude, podman):
+def test_a_study_mixing_a_harbor_task_in_its_image_and_a_bwrap_task_rehearses_as_one(tmp_path, real_claude, podman):
+    """A Harbor task (schema 1.4) whose Dockerfile, FROM an image this host has not (mapped to the
+    base), makes a tool its tests and its solution need and the host lacks, imported with its
+    environment, beside the example task under bubblewrap: calibrated and rehearsed as one study."""
+    from test_containers import harbor_task
+    assert shutil.which("stamp") is None
+    src = harbor_task(tmp_path / "harbor" / ENV_TASK)
     study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False, sandbox="bwrap")
-    add_env_task(study / "tasks")
+    code, out, err = run_cli(["import-tasks", "--from", "harbor", str(src), "--tasks", str(study / "tasks"),
+                              "--environment", "container", "--base-image", f"python:3.12-slim={BASE_IMAGE}"],
+                             cli_env(), timeout=120)
+    assert code == 0 and out["imported"][0]["environment"]["dockerfile"] == "environment/Dockerfile", (out, err)
     code, out, err = run_cli(["calibrate", "--study", str(study)], cli_env(), timeout=600)
     assert code == 0, (out, err[-3000:])
     assert out["tasks"][ENV_TASK]["ok"] and out["tasks"][TASK]["ok"], out
+    assert out["tasks"][ENV_TASK]["environment"]["sha256"] and "environment" not in out["tasks"][TASK]
     scratch = tmp_path / "scratch"
     code, out, err = run_cli(["rehearse", "--study", str(study), "--dir", str(scratch), "--repeats", "1",
                               "--parallel", "2"], cli_env(), timeout=600)
@@ -100,7 +113,7 @@ def test_a_study_mixing_a_container_task_and_a_bwrap_task_rehearses_as_one(tmp_p
     assert "environment" not in host_run
     assert env_run["sandbox"]["kinds"] == ["container"] and env_run["sandbox"]["sandboxed"]
     assert host_run["sandbox"]["kinds"] == ["bwrap"] and host_run["sandbox"]["sandboxed"]
-    # the image's tool graded the run: the oracle's protected receipt came from the container
+    # the image's tool graded the run: the harness's protected receipt came from the container
     assert env_run["evaluation"]["receipt"]["channel"] == "fd" and env_run["evaluation"]["score"] == 1.0
     code, rep, err = run_cli(["report", "--study", str(scratch), "--format", "json"], cli_env(), timeout=120)
     assert code == 0, (rep, err[-2000:])
@@ -207,3 +220,45 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
     name = ab.container_name("session", job)
     gone = subprocess.run([podman, "container", "inspect", name], capture_output=True)
     assert gone.returncode != 0, gone.stdout[:500]
+
+
+def _container_example(tmp_path: Path) -> tuple:
+    """The example study with `roman` run in a container of the base image (sandbox bwrap for
+    everything else): (paths, task)."""
+    root = tmp_path / "study"
+    shutil.copytree(Path(ab.__file__).parent / "examples" / "study", root,
+                    ignore=shutil.ignore_patterns("state", "runs", "rehearsal*", "__pycache__"))
+    spec = json.loads((root / "tasks" / "roman" / "task.json").read_text())
+    spec["environment"] = {"image": BASE_IMAGE}
+    (root / "tasks" / "roman" / "task.json").write_text(json.dumps(spec))
+    paths = ab.StudyPaths(root)
+    paths.state.mkdir(parents=True, exist_ok=True)
+    paths.ledger.write_text('{"job_id": "j000001"}\n')
+    return paths, ab.load_tasks(paths, ab.load_study_config(paths))["roman"]
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): p.read_text(errors="replace") for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_the_sandbox_attacks_on_a_check_fail_in_its_container_too(tmp_path, podman):
+    """test_sandbox's hostile solutions, graded in the task's container: a forged receipt on
+    every descriptor of the harness (then the harness killed), and a swap of the receipt."""
+    from test_sandbox import HOSTILE, SWAPPER
+    paths, task = _container_example(tmp_path)
+    # the reference passes in the same container: the attacks are what fail, not the container
+    good = tmp_path / "good"
+    ab.copy_tree(task.public, good)
+    ab.copy_tree(task.reference, good)
+    ok = ab.run_check(paths, ab.current_platform(), task, "oracle", str(good), os.environ)
+    assert ok["success"] and ok["receipt_protected"] and ok["sandbox"]["kind"] == "container", ok
+    for attack in (HOSTILE.format(state=str(paths.state), ledger=str(paths.ledger), kill=True), SWAPPER):
+        ws = tmp_path / f"ws-{len(attack)}"
+        ab.copy_tree(task.public, ws)
+        (ws / "roman.py").write_text(attack)
+        before_state, before_ws = _digest(paths.state), _digest(ws)
+        rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), os.environ)
+        assert rec["passed"] is False and rec["success"] is False and rec["score"] < 1.0, rec
+        assert rec["receipt_channel"] == "fd" and rec["sandbox"]["kind"] == "container"
+        assert _digest(paths.state) == before_state
+        assert _digest(ws) == before_ws   # the oracle graded a copy

@@ -254,7 +254,7 @@ def test_run_again_on_finished_runs_does_nothing(rehearsal_one, real_claude):
     ledger_before = (scratch / "state" / "ledger.jsonl").read_bytes()
     code, out, err = run_cli(["run", "--study", str(scratch), "--force"], cli_env(), timeout=120)
     assert code == 0, (out, err[-2000:])
-    assert out["ran"] == [] and sorted(out["skipped"]) == ids and out["interrupted"] == []
+    assert out["ran"] == [] and sorted(out["skipped"]) == ids and out["retried"] == []
     assert snapshot(scratch / "state" / "runs") == state_before
     assert sorted(p.name for p in (scratch / "state" / "jobs").iterdir()) == jobs_before
     assert (scratch / "state" / "ledger.jsonl").read_bytes() == ledger_before
@@ -330,7 +330,7 @@ def _kill_leftovers(study: Path) -> None:
                     pass
 
 
-def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_claude):
+def test_a_killed_driver_leaves_its_run_to_its_next_attempt_no_session_twice(tmp_path, real_claude):
     # The session is sandboxed where bubblewrap runs and sees nothing of the host but its own
     # workspace and the system: it waits for a file that nobody writes, and the release is a new
     # script (the scripted model reads it on every request) whose sessions finish at once.
@@ -394,24 +394,37 @@ def test_a_killed_driver_leaves_its_run_interrupted_never_rerun(tmp_path, real_c
                   "the driver watchdog to stop the session", timeout=60)
 
         hold_script("echo released")  # from now on a session of this script finishes at once
+        # The next `run` (no --force needed for the run taken back) runs it again as its second
+        # attempt, from a fresh workspace; the killed session is kept with its attempt.
         code, out, err = run_cli(["run", "--study", str(study), "--force", "--parallel", "1"], env, timeout=300)
         assert code == 0, (out, err[-3000:])
-        assert out["interrupted"] == [victim]
-        assert victim not in out["ran"] and out["ran"] == [other]
+        assert sorted(out["ran"]) == sorted(ids) and out["retried"] == [victim], out
         rec = json.loads((study / "state" / "runs" / f"{victim}.json").read_text())
-        assert rec["status"] == "interrupted" and rec["outcome"] == "interrupted"
-        assert [j["job_id"] for j in rec["jobs"]] == [job_id]  # never a second attempt
+        assert rec["status"] == "finished" and rec["attempt"] == 2
+        assert [(a["attempt"], a["reason"], [j["job_id"] for j in a["jobs"]]) for a in rec["attempts"]] \
+            == [(1, "driver_lost", [job_id])]
+        assert job_id not in [j["job_id"] for j in rec["jobs"]] and rec["jobs"]
         result = json.loads((study / "state" / "jobs" / job_id / "result.json").read_text())
         assert (result["status"], result["reason"]) == ("killed", "driver_lost")
         _wait_for(lambda: not pid_alive(claude_pid), "the in-flight claude to be gone", timeout=30)
         events = [json.loads(x) for x in (study / "state" / "events.jsonl").read_text().splitlines() if x.strip()]
-        assert any(e.get("event") == "run_finished" and e.get("run_id") == victim and e.get("status") == "interrupted"
-                   for e in events), events[-5:]
+        assert any(e.get("event") == "run_taken_back" and e.get("run_id") == victim for e in events), events[-5:]
         assert json.loads((study / "state" / "runs" / f"{other}.json").read_text())["status"] == "finished"
+        # The books: one ledger line per finished job, no session twice, the spend their sum, and
+        # the run's cost of every attempt what the ledger holds for it.
+        lines = [json.loads(x) for x in (study / "state" / "ledger.jsonl").read_text().splitlines() if x.strip()]
+        finished = sorted(p.name for p in (study / "state" / "jobs").iterdir() if (p / "result.json").exists())
+        assert sorted(ln["job_id"] for ln in lines) == finished
+        sids = [ln["session_id"] for ln in lines if ln.get("session_id")]
+        assert len(sids) == len(set(sids))
+        reg = json.loads((study / "state" / "registry.json").read_text())
+        assert reg["spent_usd"] == pytest.approx(sum(ab.billed_cost_usd(ln) for ln in lines), abs=1e-6)
+        assert rec["cost_all_attempts_usd"] == pytest.approx(
+            sum(ab.billed_cost_usd(ln) for ln in lines if ln["run_id"] == victim), abs=1e-6)
 
-        # and once more: nothing is re-run, the interruption is still reported
+        # and once more: nothing is re-run
         code, out, err = run_cli(["run", "--study", str(study), "--force"], env, timeout=120)
-        assert code == 0 and out["ran"] == [] and out["interrupted"] == [victim], out
+        assert code == 0 and out["ran"] == [], out
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()

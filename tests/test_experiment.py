@@ -664,9 +664,9 @@ def test_run_force_overrides_the_guard_and_runs_with_the_fake(roman, fake_env):
     assert out["ran"] == [rid] and out["skipped"] == [] and out["paused"] == []
     rec = run_record(roman, rid)
     assert rec["status"] == "finished"
-    # the fake does nothing: the hidden tests fail and the session is flagged as degenerate
+    # the fake does nothing: the hidden tests fail, the agent's own (valid) failure
     assert rec["outcome"] == "failure" and rec["evaluation"]["success"] is False
-    assert rec["validity"] == "degenerate"
+    assert rec["validity"] == "valid"
     assert rec["provenance"]["claude_version"] == "0.0.0-fake"
     # other runs were not touched
     assert all(run_record(roman, r["run_id"])["status"] == "not_started"
@@ -701,7 +701,7 @@ def test_breaker_pauses_runs_in_flight_and_the_queue(tmp_path, fake_env):
     def hook(rec: dict, role: str, attempt: int, key: str) -> None:
         # Order the two runs deterministically: the rate-limited session starts only once the
         # other run is claimed, and the other run's feedback turn only once the breaker tripped.
-        if rec["task"] == "limited" and role == "executor":
+        if rec["task"] == "limited" and role == "executor" and not rec.get("attempts"):
             # Its session launched, not merely its run claimed (its workspace may take a while).
             wait_for(lambda: run_record(study, ids["slow"]).get("jobs"), "the slow run's session to start")
         if rec["task"] == "slow" and role == "gate_feedback" and not held.is_set():
@@ -714,29 +714,48 @@ def test_breaker_pauses_runs_in_flight_and_the_queue(tmp_path, fake_env):
     assert held.is_set()
     assert ab.read_registry(paths)["breaker"]["reason"] == "usage_limit"
     limited, slow = run_record(study, ids["limited"]), run_record(study, ids["slow"])
-    assert limited["status"] == "finished" and limited["validity"] == "infrastructure_failure"
-    assert "usage_limit" in limited["failure_reason"]
+    # The rate-limited attempt was not the agent's doing: it is kept aside and the run retried, and
+    # its retry waits for the breaker like every other launch.
+    assert limited["status"] == "not_started" and limited["paused_by_breaker"] is True
+    assert [(a["attempt"], a["reason"]) for a in limited["attempts"]] == [(1, "usage_limit")]
+    assert limited["attempt"] == 2 and limited["attempts"][0]["jobs"][0]["role"] == "executor"
     # the run that was in flight is paused, not failed, and says so
     assert slow["status"] == "not_started" and slow["paused_by_breaker"] is True
-    assert out["paused"] == [ids["slow"]] and ids["slow"] not in out["results"]
+    assert sorted(out["paused"]) == sorted(ids.values()) and not out["results"]
     assert slow.get("outcome") is None and slow.get("validity") is None and slow.get("evaluation") is None
     # its first attempt is not forgotten (its session's cost is in the ledger and named here)
     assert [j["role"] for a in slow["paused_attempts"] for j in a["jobs"]] == ["executor"]
     # while paused, nothing launches
     again = ab.drive_runs(ctx, paths, list(ids.values()), ab.PipelineOptions(driver=opts.driver), parallel=2)
-    assert again["paused"] == [ids["slow"]] and again["ran"] == []
+    assert sorted(again["paused"]) == sorted(ids.values()) and again["ran"] == []
     assert run_record(study, ids["slow"])["status"] == "not_started"
 
     code, out = run_main(["init", "--study", str(study), "--reset-breaker"])
     assert code == 0, out
-    out = ab.drive_runs(ctx, paths, list(ids.values()), ab.PipelineOptions(driver=opts.driver), parallel=2)
-    assert out["ran"] == [ids["slow"]] and out["skipped"] == [ids["limited"]] and out["paused"] == []
+    out = ab.drive_runs(ctx, paths, [ids["slow"]], ab.PipelineOptions(driver=opts.driver), parallel=2)
+    assert out["ran"] == [ids["slow"]] and out["paused"] == []
     slow = run_record(study, ids["slow"])
     assert slow["status"] == "finished" and slow["validity"] != "infrastructure_failure"
     assert not slow.get("paused_by_breaker") and slow.get("error") is None
+    # The limited task hits the limit on every attempt: its second attempt is retried too (and paused
+    # by the breaker), its third and last is final, still infrastructure, and says so.
+    for _ in range(2):
+        code, out = run_main(["init", "--study", str(study), "--reset-breaker"])
+        assert code == 0, out
+        ab.drive_runs(ctx, paths, [ids["limited"]], ab.PipelineOptions(driver=opts.driver), parallel=1)
+    limited = run_record(study, ids["limited"])
+    assert limited["status"] == "finished" and limited["validity"] == "infrastructure_failure"
+    assert limited["attempt"] == ab.DEFAULT_LAUNCH["max_attempts"] == 3 and limited["attempts_exhausted"] is True
+    assert [a["reason"] for a in limited["attempts"]] == ["usage_limit"] * 2
+    every = [j["job_id"] for a in limited["attempts"] for j in a["jobs"]] + [j["job_id"] for j in limited["jobs"]]
+    assert len(every) == len(set(every)) == 3           # one session per attempt, none twice
+    paid = sum(r["cost_delta_usd"] for r in ab.read_jsonl(paths.ledger)[0] if r.get("run_id") == ids["limited"])
+    assert limited["cost_all_attempts_usd"] == pytest.approx(paid)
 
 
-def test_sweep_marks_runs_of_a_dead_driver_interrupted_and_leaves_live_ones(roman):
+def test_sweep_takes_back_runs_of_a_dead_driver_and_leaves_live_ones(roman, fake_env):
+    """A run whose driver died is pending again (never `interrupted`, never final): its attempt is
+    kept aside, and the next `run` runs it from a fresh workspace, without --force."""
     code, out = run_main(["assign", "--study", str(roman), "--force"])
     assert code == 0, out
     paths = ab.StudyPaths(roman)
@@ -749,17 +768,79 @@ def test_sweep_marks_runs_of_a_dead_driver_interrupted_and_leaves_live_ones(roma
     ids = [r["run_id"] for r in manifest_of(roman)["runs"]]
     for rid, drv in ((ids[0], dead), (ids[1], me)):
         rec = run_record(roman, rid)
-        rec.update({"status": "running", "driver": {"pid": drv.pid, "ctime": drv.ctime}})
+        rec.update({"status": "running", "driver": {"pid": drv.pid, "ctime": drv.ctime}, "jobs": []})
         write_json(roman / "state" / "runs" / f"{rid}.json", rec)
         ab.touch_marker(paths.state / "running_runs" / rid)
     assert ab.sweep_interrupted_runs(paths, platform) == [ids[0]]
     gone = run_record(roman, ids[0])
-    assert gone["status"] == "interrupted" and gone["outcome"] == "interrupted" and "driver" in gone["error"]
+    assert gone["status"] == "not_started" and gone["attempt"] == 2
+    assert [(a["attempt"], a["reason"]) for a in gone["attempts"]] == [(1, "driver_lost")]
+    assert not (paths.state / "running_runs" / ids[0]).exists()
     assert run_record(roman, ids[1])["status"] == "running"
-    assert ab.sweep_interrupted_runs(paths, platform) == []  # reported once, never re-run
-    # `run` skips it and says so
+    assert ab.sweep_interrupted_runs(paths, platform) == []  # taken back once
+    # `run` picks it up: its second attempt runs to an outcome
     code, out = run_main(["run", "--study", str(roman), "--run", ids[0], "--force"])
-    assert code == 0 and out["ran"] == [] and out["interrupted"] == [ids[0]], out
+    assert code == 0 and out["ran"] == [ids[0]], out
+    rec = run_record(roman, ids[0])
+    assert rec["status"] == "finished" and rec["attempt"] == 2 and len(rec["attempts"]) == 1
+
+
+def test_a_run_whose_session_ended_ok_before_its_driver_died_is_graded_not_run_again(roman, fake_env):
+    code, out = run_main(["assign", "--study", str(roman), "--force"])
+    assert code == 0, out
+    rid = manifest_of(roman)["runs"][0]["run_id"]
+    code, out = run_main(["run", "--study", str(roman), "--run", rid, "--force"])
+    assert code == 0, out
+    done = run_record(roman, rid)
+    assert done["status"] == "finished" and done["jobs"]
+    # As if its driver had died right after the session ended: running, nothing graded yet.
+    paths = ab.StudyPaths(roman)
+    dead_proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_proc.wait(timeout=30)
+    rec = {k: v for k, v in done.items() if k not in ab.RUN_OUTCOME_KEYS}
+    rec.update({"status": "running", "driver": {"pid": dead_proc.pid, "ctime": 1.0}})
+    write_json(roman / "state" / "runs" / f"{rid}.json", rec)
+    ab.touch_marker(paths.state / "running_runs" / rid)
+    jobs_before = sorted(p.name for p in (roman / "state" / "jobs").iterdir())
+    code, out = run_main(["run", "--study", str(roman), "--run", rid, "--force"])
+    assert code == 0 and out["ran"] == [rid], out
+    rec = run_record(roman, rid)
+    assert rec["status"] == "finished" and rec.get("attempts") is None
+    assert [j["job_id"] for j in rec["jobs"]] == [j["job_id"] for j in done["jobs"]]
+    assert sorted(p.name for p in (roman / "state" / "jobs").iterdir()) == jobs_before   # no new session
+
+
+def test_wait_all_after_run_detach_returns_only_when_every_run_is_final(tmp_path, fake_env):
+    from conftest import run_cli
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"), arms={"A": {}, "B": {}}, parallel=2)
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    ids = sorted(r["run_id"] for r in manifest_of(study)["runs"])
+    code, out, err = run_cli(["run", "--study", str(study), "--detach", "--force"], fake_env)
+    assert code == 0 and out["detached"] and out["queued"] == len(ids), (out, err[-2000:])
+    # Recorded before the answer: every run is queued for `wait --all`, or already final.
+    queued = set(ab.list_markers(study / "state" / "queued_runs"))
+    assert all(r in queued or run_record(study, r)["status"] in ab.RUN_FINAL for r in ids)
+    for _ in range(4):     # `wait` answers within its timeout; called again until met, as a user would
+        code, out, err = run_cli(["wait", "--study", str(study), "--all", "--timeout", "300"], fake_env, timeout=400)
+        if code != 3:
+            break
+    assert code in (0, 4), (out, err[-2000:])
+    assert out["met"] is True and out["run_states"] == {"final": len(ids), "running": 0, "pending": 0}, out
+    assert all(run_record(study, r)["status"] in ab.RUN_FINAL for r in ids)
+    assert sorted(r["run_id"] for r in out["runs"]) == ids
+    assert ab.list_markers(study / "state" / "queued_runs") == []
+
+
+def test_wait_all_says_how_many_runs_are_pending_when_it_times_out(tmp_path, fake_env):
+    study = tiny_study(tmp_path / "s", parallel=1)
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    ab.touch_marker(study / "state" / "queued_runs" / rid)   # a driver was started for it, not yet running
+    code, out = run_main(["wait", "--study", str(study), "--all", "--timeout", "0"], env=fake_env)
+    assert code == 3 and out["met"] is False, out
+    assert out["run_states"] == {"final": 0, "running": 0, "pending": 1} and rid in out["pending"]
 
 
 def test_rehearse_refuses_bad_behaviours_faults_and_a_used_directory(roman, fake_env, tmp_path):

@@ -373,6 +373,8 @@ def test_an_answer_is_indented_at_a_terminal_and_one_line_otherwise(tmp_path):
 def test_report_md_at_a_terminal_prints_the_markdown_and_piped_one_object(tmp_path):
     study = scaffolded(tmp_path)
     text = _on_a_pty(["report", "--study", str(study), "--format", "md"])
+    assert text.startswith("# ") and "the verdict" in text and "--full" in text   # one screen
+    text = _on_a_pty(["report", "--study", str(study), "--format", "md", "--full"])
     assert text.startswith("# ") and "## Results per arm" in text
     code, obj, _ = run_cli(["report", "--study", str(study), "--format", "md"], user_env())
     assert code == 0 and obj["markdown"].startswith("# ") and "markdown_for_terminal" not in obj

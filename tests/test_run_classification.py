@@ -17,14 +17,12 @@ OK_SLOW = {"status": "ok", "duration_s": 60.0}
      ("failure", "infrastructure_failure", "lost:supervisor_dead", "infrastructure:lost:supervisor_dead")),
     ("infrastructure:failed:usage_limit", OK_SLOW, 5, True, ("success", "infrastructure_failure",
                                                              "failed:usage_limit", None)),
-    # A fast "success" with no tool call and no solution is degenerate ...
-    (None, OK_FAST, 0, False, ("failure", "degenerate", "the session ended in seconds without a single tool call",
-                               "hidden tests failed")),
-    # ... but not when it solved the task, used a tool, took its time, or did not end ok.
+    # A fast session without a tool call and without a solution is a plain failure of the agent
+    # (no "degenerate" exclusion: a failing agent must not be able to choose to be excluded) ...
+    (None, OK_FAST, 0, False, ("failure", "valid", None, "hidden tests failed")),
+    # ... and a success stays a success.
     (None, OK_FAST, 0, True, ("success", "valid", None, None)),
     (None, OK_FAST, 1, False, ("failure", "valid", None, "hidden tests failed")),
-    (None, {"status": "ok", "duration_s": ab.DEGENERATE_SESSION_S}, 0, False,
-     ("failure", "valid", None, "hidden tests failed")),
     (None, {"status": "failed", "duration_s": 1.0}, 0, False, ("failure", "valid", None, "hidden tests failed")),
     (None, None, 0, False, ("failure", "valid", None, "hidden tests failed")),
     # Budget and time are results, not errors.
@@ -39,7 +37,7 @@ def test_classify_run(stop, first, tools, success, expected):
 @pytest.mark.parametrize("stop, first, expected", [
     # A grader that gave no verdict is invalid grading, never the agent's failure ...
     (None, OK_SLOW, ("grader_error", "infrastructure_failure", "grader_error: oracle timed out", "grader_error")),
-    # ... even where the session looks degenerate,
+    # ... even after a fast session without a tool call,
     (None, OK_FAST, ("grader_error", "infrastructure_failure", "grader_error: oracle timed out", "grader_error")),
     # while an infrastructure stop keeps its own reason.
     ("infrastructure:lost:supervisor_dead", OK_SLOW,
@@ -64,3 +62,44 @@ def test_a_success_that_saw_hidden_material_is_not_a_valid_success(success, kind
     if validity == "tainted":
         assert all(k in got.validity_reason for k in kinds)
     assert "tainted" in ab.REPORT_EXCLUDED_VALIDITY
+
+
+@pytest.mark.parametrize("attempt, most, infrastructure, verdict", [
+    (1, 3, False, "done"),          # the agent's outcome: never retried
+    (3, 3, False, "done"),
+    (1, 3, True, "retry"),          # not the agent's doing, attempts left: a fresh attempt
+    (2, 3, True, "retry"),
+    (3, 3, True, "exhausted"),      # none left: final, listed, a failure in the primary view
+    (1, 1, True, "exhausted"),
+])
+def test_attempt_verdict(attempt, most, infrastructure, verdict):
+    assert ab.attempt_verdict(attempt, most, infrastructure) == verdict
+
+
+@pytest.mark.parametrize("reason, infrastructure", [
+    ("api_error", True), ("overloaded", True), ("usage_limit", True), ("auth", True),
+    ("launch_error", True), ("model_refused", True),
+    # Client errors and what the session itself wrote are the agent's outcome.
+    ("prompt_too_long", False), ("uncorroborated_api_error", False), ("is_error", False),
+    ("exit_code", False),
+])
+def test_only_upstream_and_launch_reasons_make_an_attempt_infrastructure(reason, infrastructure):
+    assert (reason in ab.INFRASTRUCTURE_REASONS) is infrastructure
+
+
+@pytest.mark.parametrize("rec, shows", [
+    ({"status": 500, "upstream_failed": True}, True),           # the upstream answered 5xx
+    ({"status": 502, "error": "ConnectionRefusedError", "upstream_failed": True}, True),   # no connection
+    # The session hung up on its own request: the gateway's broken-pipe record shows nothing upstream.
+    ({"status": 200, "error": "BrokenPipeError: [Errno 32]", "upstream_failed": False}, False),
+    ({"status": 400, "upstream_failed": False}, False),
+    ({"status": 503, "refused": "budget"}, False),
+    ({"status": 500}, True),                                     # an older record: its status
+    ({"status": 200, "error": "BrokenPipeError"}, False),
+])
+def test_only_an_upstream_failure_on_the_wire_corroborates_an_api_error(rec, shows):
+    assert ab._wire_shows("api_error", rec, "claude-opus-4-5") is shows
+
+
+def test_prompt_too_long_is_no_claimed_condition():
+    assert ab.claim_corroboration("prompt_too_long", [{"status": 400}], "claude-opus-4-5") == "not_a_claim"

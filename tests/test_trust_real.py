@@ -11,6 +11,8 @@ Each attack is first shown to work where it is not stopped (the control), then t
 * the same session fills its `/tmp` and then its HOME past `workspace_mb`: `/tmp` is full at
   the cap, and the HOME's growth ends the session as the agent's failure.
 * a key written to the kernel keyring: the host can, a sandbox cannot add nor read one.
+* the oracle's copy of a workspace: made inside the oracle's own sandbox on a tmpfs of its own,
+  sized by the copy caps (never on a disk a session's free-space reading could show).
 """
 from __future__ import annotations
 
@@ -173,3 +175,43 @@ def test_the_kernel_keyring_is_shared_with_no_sandbox(tmp_path):
         assert json.loads(done.stdout) == {"add": "EPERM", "read": "EPERM"}
     finally:
         libc.syscall(ctypes.c_long(numbers["keyctl"]), ctypes.c_long(3), ctypes.c_long(serial))   # KEYCTL_REVOKE
+
+
+ORACLE_PROBE = r'''
+import json, os, sys
+ws = sys.argv[1]
+here = os.path.realpath(ws)
+mounts = [ln.split() for ln in open("/proc/self/mounts")]
+fs = max((m for m in mounts if here == m[1] or here.startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
+st = os.statvfs(here)
+listing = sorted(os.listdir(ws))
+ok = open(os.path.join(ws, "sol.py")).read().strip() == "VALUE = 42"
+print(json.dumps({"passed": ok, "score": 1.0 if ok else 0.0, "fs": fs[2], "mnt": fs[1], "size": st.f_blocks * st.f_frsize,
+                  "listing": listing, "link": os.readlink(os.path.join(ws, "zero")) if "zero" in listing else None}))
+'''
+
+
+def test_the_oracles_copy_is_made_inside_its_sandbox_on_its_own_sized_tmpfs(tmp_path):
+    """Free space of a file system a session sees carried the oracle's text: its copy now lies on
+    a tmpfs only that check has, sized by the copy caps; links stay links, a FIFO is left out, a
+    workspace past the caps is the agent's (UnusableTree)."""
+    from test_experiment import tiny_study
+    study = tiny_study(tmp_path / "s", sandbox="bwrap", copy_total_mb=2)
+    (study / "tasks" / "tiny" / "oracle" / "run.py").write_text(ORACLE_PROBE)
+    paths = ab.StudyPaths(study)
+    task = ab.load_tasks(paths, json.loads((study / "study.json").read_text()))["tiny"]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "sol.py").write_text("VALUE = 42\n")
+    (ws / "zero").symlink_to("/dev/zero")
+    os.mkfifo(ws / "fifo")
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), dict(os.environ))
+    assert rec["passed"] and rec["sandbox"]["kind"] == "bwrap", rec
+    seen = json.loads(rec["stdout_tail"].strip().splitlines()[-1])
+    assert seen["mnt"] == ab.SANDBOX_COPY_DIR and seen["fs"] == "tmpfs", seen
+    assert seen["size"] == 2 * 2 ** 20 + ab.SANDBOX_TMP_MB * 2 ** 20, seen
+    assert seen["listing"] == ["sol.py", "zero"] and seen["link"] == "/dev/zero", seen
+    (ws / "big.bin").write_bytes(os.urandom(3 * 2 ** 20))       # past copy_total_mb
+    with pytest.raises(ab.UnusableTree) as exc:
+        ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), dict(os.environ))
+    assert exc.value.why in ("copy_over_cap", "file_over_cap"), exc.value.why

@@ -3,6 +3,7 @@ significance (or lacks power at the planned difference), naming the tasks or rep
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,89 @@ def test_inspect_export_names_each_arm_s_model_and_settings_and_states_the_repor
         assert scores["success"]["scored_samples"] == rep["per_arm"][arm]["evaluated"]
     # A's headline is 5 of 11, not 5 of 12 (the infrastructure failure is not a failure of the agent).
     assert rep["per_arm"]["A"]["success_rate"] == pytest.approx(5 / 11)
+
+
+# ---- the verdict first --------------------------------------------------------------------------------
+
+def test_the_verdict_is_one_line_per_comparison_from_the_report_s_figures(tmp_path: Path, fake_env) -> None:
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)   # B always, A half the time: +50 points
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0, rep
+    c = rep["comparisons"]["B"]
+    [line] = rep["verdict"]
+    assert line.startswith(f"B vs A: success {c['mean_diff'] * 100:+.1f} points "
+                           f"[{c['ci'][0] * 100:+.1f}, {c['ci'][1] * 100:+.1f}], ")
+    assert f"p {ab.fmt_num(c['primary']['p'], 3)}, Holm p {ab.fmt_num(c['primary']['p_holm'], 3)}" in line
+    assert c["primary"]["reject"] is True and line.endswith("significant at alpha 0.05"), line
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    text = md["markdown"]
+    first_table = min(i for i, ln in enumerate(text.splitlines()) if ln.startswith("|"))
+    verdict_at = text.splitlines().index("## Verdict")
+    assert verdict_at < first_table and text.splitlines()[verdict_at + 2] == f"- {line}"
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(tmp_path / "r.html")])
+    page = (tmp_path / "r.html").read_text()
+    assert page.index('<section class="verdict">') < min(page.index("<table"), page.index("<svg"))
+    assert "significant at alpha 0.05" in page[:page.index("<table")]
+
+
+def test_a_verdict_that_is_not_significant_says_what_more_data_would_take(tmp_path: Path, fake_env) -> None:
+    study = finished_study(tmp_path / "s", fake_env, win=1.0, tasks=("t1", "t2", "t3"))
+    code, rep = run_main(["report", "--study", str(study)])
+    [line] = rep["verdict"]
+    need = ab.min_tasks_for_significance(0.05)
+    assert "not significant" in line and f"with 3 task(s) no test can reach p <= 0.05: use at least {need} tasks" \
+        in line, line
+
+
+def test_the_planner_s_words_for_more_data_table() -> None:
+    enough = {"tasks_compared": 12, "mean_diff": 0.1}
+    got = ab.verdict_more_data(enough, 0.05, 1, 0.5, 2.0)
+    plan = ab.paired_power_repeats(0.5, 0.1, 12, 0.05, tau=ab.POWER_DEFAULT_TAU)
+    assert (f"about {plan['repeats']} repeats per task (now about 2)" in got) or "add tasks" in got, got
+    assert "no difference seen" in ab.verdict_more_data({"tasks_compared": 12, "mean_diff": 0.0}, 0.05, 1, 0.5, 2)
+    assert "use at least" in ab.verdict_more_data({"tasks_compared": 2, "mean_diff": 0.5}, 0.05, 3, 0.5, 2)
+
+
+def test_report_md_at_a_terminal_is_one_screen_and_full_gives_the_rest(tmp_path: Path, fake_env) -> None:
+    """A real process at a pseudo-terminal: the Markdown, not JSON; one screen by default."""
+    import pty
+    import subprocess
+    import sys
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)
+
+    def at_terminal(*extra: str) -> str:
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen([sys.executable, str(ab.HERE / "agentbench.py"), "report", "--study", str(study),
+                                 "--format", "md", *extra], stdout=follower, stderr=subprocess.DEVNULL,
+                                stdin=subprocess.DEVNULL, env=fake_env)
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        proc.wait(timeout=60)
+        os.close(leader)
+        return b"".join(chunks).decode().replace("\r\n", "\n")
+
+    short = at_terminal()
+    assert short.lstrip().startswith("# ") and "the verdict" in short, short[:300]
+    assert "- B vs A: success +50.0 points" in short and len(short.splitlines()) <= 40, short
+    assert "--full" in short
+    full = at_terminal("--full")
+    assert "## Verdict" in full and len(full.splitlines()) > len(short.splitlines()) + 10
+
+
+def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) -> None:
+    """The scaffolded first study has one arm: its report still opens with what it found."""
+    study = finished_study(tmp_path / "s", fake_env, arms={"A": {}})
+    code, rep = run_main(["report", "--study", str(study)])
+    assert code == 0 and rep["comparisons"] == {}, rep
+    assert rep["verdict"] == [f"A alone: success {ab.fmt_pct(0.5)} over 12 evaluated run(s); nothing compared "
+                              "(add an arm to study.json to compare it with this baseline)"]
+    code, md = run_main(["report", "--study", str(study), "--format", "md"])
+    assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
