@@ -154,11 +154,13 @@ urllib: Any = LazyModule("urllib")
 zipfile: Any = LazyModule("zipfile")
 
 #: The program a child interpreter runs (with ``-c``): load this file's code object from its path,
-#: cached under argv[2] when that is not empty (only this file's: the standard library keeps its
-#: own caches), run it as module `agentbench` and exit with main(argv[3:]).
+#: cached under argv[2] when that is not empty and its parent exists (only this file's: the
+#: standard library keeps its own caches; a study removed meanwhile is not re-created by the cache),
+#: run it as module `agentbench` and exit with main(argv[3:]).
 #: No double quotes and no newlines, so that it survives any platform's command-line quoting.
 #: Python falls back by itself: a cache it cannot read or write is ignored and the file compiled.
-LAUNCHER_CODE = ("import sys,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+LAUNCHER_CODE = ("import sys,os,importlib.util as u;s,c=sys.argv[1],sys.argv[2];"
+                 "c=c if c and os.path.isdir(os.path.dirname(c)) else '';"
                  "o=sys.pycache_prefix,sys.dont_write_bytecode;sys.pycache_prefix=c or o[0];"
                  "sys.dont_write_bytecode=o[1] and not c;"
                  "p=u.spec_from_file_location('agentbench',s);k=p.loader.get_code('agentbench');"
@@ -2455,8 +2457,17 @@ def remove_marker(path: Path) -> None:
         os.unlink(path)
 
 
+def require_study(paths: StudyPaths) -> None:
+    """Refuse (`study_removed`) to write into a study whose study.json is gone: a process still
+    running for a removed study (a run driver, a supervisor) must stop, never re-create its tree."""
+    if not paths.study_file.exists():
+        raise AgentbenchError("the study was removed", code="study_removed", study=str(paths.root),
+                              hint="its directory or study.json is gone; nothing more is written to it")
+
+
 def append_event(paths: StudyPaths, event: str, **fields: Any) -> None:
     """One line of the study's event log (events.jsonl): what happened, when, to what."""
+    require_study(paths)
     append_jsonl(paths.events, {"ts": utc_now(), "event": event, **fields})
 
 
@@ -5147,10 +5158,17 @@ def container_runtime_of(cfg: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+def container_image_id(binary: str, tag: str, env: Mapping[str, str]) -> str | None:
+    """The local image's id (what a run really started from: a tag may be moved), None when the
+    image is not on this host."""
+    res = subprocess.run([binary, "image", "inspect", "--format", "{{.Id}}", tag], env=dict(env),
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    out = res.stdout.decode("utf-8", "replace").strip()
+    return out.splitlines()[0] if res.returncode == 0 and out else None
+
+
 def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
-    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
-    return res.returncode == 0
+    return container_image_id(binary, tag, env) is not None
 
 
 def container_build(binary: str, tag: str, dockerfile: str, context: str,
@@ -5228,6 +5246,7 @@ def container_record(info: Mapping[str, Any], network: str,
     return {"mode": "container", "kind": "container", "reason": None, "network": network,
             "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
             "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "image_id": info.get("image_id"),
             "workdir": info.get("workdir"),
             "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
@@ -8299,6 +8318,7 @@ def finalize_job(paths: StudyPaths, platform: "Platform", job: Mapping[str, Any]
     its active marker still set; reap_jobs() completes it later without doubling the ledger line.
     """
     assert status in JOB_FINAL_STATUSES, status
+    require_study(paths)     # a removed study is not re-created by the end of one of its jobs
     job_id = job["job_id"]
     # A Slurm job's credentials file is deleted by its supervisor once read; one that never
     # started (cancelled in the queue, failed to start) leaves it, so the end of the job removes it.
@@ -8439,7 +8459,8 @@ class DriverBeat:
     def _touch(self) -> None:
         assert self.path is not None
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Only the drivers/ directory itself is made: a study removed meanwhile is not re-created.
+            self.path.parent.mkdir(exist_ok=True)
             self.path.touch()
 
     def __enter__(self) -> "DriverBeat":
@@ -8494,7 +8515,8 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
                        include_supervisor: bool, alive_until: float | None = None,
                        mark: str | None = None) -> list[ProcId]:
     """Kill a job's `claude` tree (and its supervisor if asked), and every process carrying the
-    job's `mark` in its environment; return survivors (empty = clean)."""
+    job's `mark` in its environment, and remove its container (a session in a task's container,
+    named in the runtime record); return survivors (empty = clean)."""
     roots: list[ProcId] = []
     sids: list[int] = []
     if mark:
@@ -8507,6 +8529,13 @@ def kill_job_processes(platform: "Platform", runtime: Mapping[str, Any] | None,
         sup = proc_from_record(runtime.get("supervisor"))
         if include_supervisor and sup:
             roots.insert(0, sup)
+    box = (runtime or {}).get("sandbox") or {}
+    if box.get("kind") == "container" and box.get("container") and box.get("runtime") in CONTAINER_RUNTIMES:
+        # A session in a task's container: removed by name (its processes may belong to the
+        # runtime's monitor, not to the supervisor's tree, once the supervisor is gone).
+        probe = container_probe(str(box["runtime"]), os.environ)
+        if probe["binary"]:
+            container_remove(str(probe["binary"]), str(box["container"]), os.environ)
     if not roots:
         return []
     survivors = platform.kill_tree(roots, session_ids=sids, alive_until=alive_until)
@@ -8922,6 +8951,8 @@ class Supervisor:
         self.runtime.update(changes)
         self.runtime["heartbeat_at"] = time.time()
         self.runtime["elapsed_s"] = round(time.monotonic() - self.started, 3)
+        if not self.paths.study_file.exists():
+            return      # the study was removed: its tree is not re-created (finalize_job refuses too)
         with contextlib.suppress(OSError):
             write_json_atomic(self.paths.runtime_file(self.job_id), self.runtime)
 
@@ -9368,7 +9399,9 @@ class Supervisor:
                          usage=None, extra={"detail": problem})
             return None
         base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
-                             name=container_name("session", self.job_id), workdir=str(ctr["workdir"]),
+                             # the job's mark: unique across studies (job ids are per study)
+                             name=container_name("session", job_mark(self.paths, self.job_id)),
+                             workdir=str(ctr["workdir"]),
                              seccomp=seccomp, flags=tuple(ctr.get("flags") or ()),
                              network="none" if network == "gateway" else "open")
         ro = [os.path.realpath(p) for p in [str(jdir / "system_prompt.md"), str(jdir / "mcp.json"),
@@ -9381,7 +9414,7 @@ class Supervisor:
                                       gateway_socket=sock, env=env)
         shim = ["python3", "-I", "-S", "-c", CONTAINER_EXEC_SHIM, SANDBOX_GATEWAY_SOCKET if sock else "-",
                 CONTAINER_SHIM_NO_ENV_FD]
-        self.sandbox = container_record(ctr, network, why)
+        self.sandbox = {**container_record(ctr, network, why), "container": plan.name}
         self._container = (str(probe["binary"]), plan.name, dict(host))
         return (container_argv(plan, [*shim, CONTAINER_CLAUDE, *argv[1:]]),
                 {**host, **{k: env[k] for k in plan.env_pass}}, prompt)
@@ -10401,7 +10434,8 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
                                       code="container_build_failed", task=task.id, image=info["image"],
                                       reason=problem, refusal="environment")
             built = True
-        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+                                "image_id": container_image_id(probe["binary"], info["image"], env)}
     return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
             "source": info["source"], "workdir": info["workdir"],
             "flags": list(cfg.get("container_flags") or []), "built": built}
@@ -10426,7 +10460,8 @@ def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Ma
                                   reason=problem, refusal="environment",
                                   hint="base the image on a glibc distribution with python3 (the pinned "
                                        "claude is bound in as a native executable)")
-        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id] = {k: ctr.get(k) for k in ("runtime", "version", "image", "image_id", "sha256", "workdir",
+                                             "built")}
         out[t.id]["claude_inside"] = inside
     return out
 
@@ -12135,6 +12170,7 @@ def load_run(paths: StudyPaths, run_id: str) -> RunRecord:
 
 
 def save_run(paths: StudyPaths, rec: RunRecord | Mapping[str, Any]) -> None:
+    require_study(paths)
     write_json_atomic(run_file(paths, rec["run_id"]), rec)
 
 
@@ -12355,17 +12391,87 @@ def kill_run(ctx: Host, paths: StudyPaths, run_id: str) -> dict[str, Any]:
             "survivors": sorted({p for r in results for p in r["survivors"]})}
 
 
+def jobs_by_run(paths: StudyPaths, run_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """The jobs launched for each of `run_ids`, from the jobs' own records (job.json's meta), in
+    creation order.  O(jobs): only for runs whose record was lost."""
+    wanted = set(run_ids)
+    out: dict[str, list[dict[str, Any]]] = {r: [] for r in wanted}
+    try:
+        names = sorted(n for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n))
+    except OSError:
+        return out
+    for jid in names:
+        job = read_json(paths.job_file(jid), default=None)
+        meta = (job.get("meta") or {}) if isinstance(job, dict) else {}
+        if meta.get("run_id") in wanted and meta.get("role"):
+            out[meta["run_id"]].append({"job_id": jid, "role": meta["role"],
+                                        "session_id": job.get("session_id")})
+    return out
+
+
+def rebuilt_run_record(paths: StudyPaths, entry: Mapping[str, Any], seed: int,
+                       jobs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record of a run whose record file was lost, from its manifest entry and its jobs, never
+    a fresh registration of a run that ran: one with sessions, all ended, is put back to be graded
+    as it stands (resume `grade`: no session runs again); one without is pending."""
+    rec: dict[str, Any] = {**entry, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                           "fault": None, "rebuilt_at": utc_now()}
+    workspace = paths.run_dir(entry["run_id"]) / "workspace"
+    if jobs:
+        rec.update({"jobs": [dict(j) for j in jobs], "resume": "grade", "provenance": {"rebuilt": True},
+                    "workspace": {"path": str(workspace)}, "started_ts": time.time()})
+        if not workspace.is_dir():
+            # Nothing left to grade: the attempt is kept aside and the next `run` starts afresh.
+            retire_attempt(paths, rec, "record_lost")
+            rec.pop("resume", None)
+    return rec
+
+
 def register_runs(paths: StudyPaths, manifest: Sequence[Mapping[str, Any]], seed: int, split: str,
-                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """Write the run records (not_started) of a manifest; existing records are left alone."""
+                  faults: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
+    """Write the run records (not_started) of a manifest; existing records are left alone.  A run
+    whose record is missing but which left a directory or jobs is rebuilt from them
+    (rebuilt_run_record), never registered afresh; the ids rebuilt are returned."""
     paths.run_index.mkdir(parents=True, exist_ok=True)
-    for m in manifest:
+    missing = [m for m in manifest if not run_file(paths, m["run_id"]).exists()]
+    ran = [m for m in missing if paths.run_dir(m["run_id"]).exists()]
+    jobs = (jobs_by_run(paths, [m["run_id"] for m in missing])
+            if missing and (ran or paths.jobs.exists()) else {})
+    rebuilt = []
+    for m in missing:
         f = run_file(paths, m["run_id"])
-        if f.exists():
-            continue
-        rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
-               "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
+        if any((paths.active / j["job_id"]).exists() for j in jobs.get(m["run_id"]) or []):
+            continue     # a session of it is still going: whoever drives it writes its record back
+        if jobs.get(m["run_id"]) or paths.run_dir(m["run_id"]).exists():
+            rec = rebuilt_run_record(paths, m, seed, jobs.get(m["run_id"]) or [])
+            rebuilt.append(m["run_id"])
+        else:
+            rec = {**m, "status": "not_started", "seed": seed, "jobs": [], "cost_usd": 0.0,
+                   "fault": dict((faults or {}).get(m["run_id"]) or {}) or None}
         write_json_atomic(f, rec)
+    return rebuilt
+
+
+def restore_lost_runs(paths: StudyPaths) -> list[str]:
+    """Rebuild every run record the manifests name and the run index lacks (register_runs); the
+    ids rebuilt.  O(runs) to compare; the rebuild itself reads the jobs once."""
+    out: list[str] = []
+    try:
+        splits = sorted(n[:-5] for n in os.listdir(paths.state / "manifests") if n.endswith(".json"))
+    except OSError:
+        return out
+    have = set(all_run_ids(paths))
+    for split in splits:
+        doc = read_json(paths.state / "manifests" / f"{split}.json", default=None)
+        runs = doc.get("runs") if isinstance(doc, dict) else None
+        if not isinstance(runs, list):
+            continue
+        entries = [m for m in runs if isinstance(m, dict) and is_safe_id(m.get("run_id"))
+                   and m["run_id"] not in have]
+        if entries:
+            seed = doc.get("seed") if isinstance(doc.get("seed"), int) else 0
+            out += register_runs(paths, entries, seed, split)
+    return out
 
 
 # -- workspace, audit, artifacts -------------------------------------------------------------------
@@ -12954,8 +13060,8 @@ class RunPipeline:
         # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
         if task.environment is not None and kind != "reviewer":
             container = ensure_task_image(task, self.cfg, self.ctx.env)
-            self.rec["environment"] = {k: container[k]
-                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
+            self.rec["environment"] = {k: container.get(k) for k in
+                                       ("runtime", "version", "image", "image_id", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
                          raw_dir=raw_dir, driver=self.opts.driver, container=container)
@@ -12965,6 +13071,7 @@ class RunPipeline:
 
     def _await_job(self, jid: str) -> dict[str, Any]:
         while not job_is_final(self.paths, jid):
+            require_study(self.paths)    # removed meanwhile: stop waiting (the session ends with us)
             self._note_started(jid)
             time.sleep(self.opts.poll_s)
             reap_jobs(self.paths, self.ctx.platform, only=[jid], env=self.ctx.env)
@@ -13083,12 +13190,15 @@ class RunPipeline:
                     task, ws = self._prepared
                     self.finish(task, ws, f"{WORKSPACE_UNUSABLE}:{exc.why}")
             except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    raise
                 self.end_error(exc.payload.get("error", "error"), exc.payload)
-            except Exception as exc:  # the pipeline never raises: record and move on
+            except Exception as exc:  # the pipeline never raises (but for a removed study): record, move on
                 self.end_error(f"{type(exc).__name__}: {exc}", {"trace": traceback.format_exc(limit=6)})
             return self.rec
 
     def end_error(self, reason: str, detail: Mapping[str, Any]) -> None:
+        require_study(self.paths)     # a removed study: the driver stops (study_removed), writing nothing
         if not self.rec:
             return
         if detail.get("refusal") in ("breaker", "study_cap", "base"):
@@ -13121,6 +13231,7 @@ class RunPipeline:
 
     def prepare(self) -> tuple[Task, Arm, str, str]:
         """Workspace, prompt, effective context and provenance of a claimed run: (task, arm, ws, prompt)."""
+        require_study(self.paths)
         rec = self.rec
         task = self.tasks[rec["task"]]
         arm = self.arms[rec["arm"]]
@@ -13277,6 +13388,7 @@ class RunPipeline:
         return n, findings
 
     def finish(self, task: Task, ws: str, stop: str | None) -> None:
+        require_study(self.paths)
         rec = self.rec
         infrastructure = bool(stop and stop.startswith("infrastructure:"))
         attempt = int(rec.get("attempt") or 1)
@@ -13464,6 +13576,7 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
     lock = threading.Lock()
     queue = list(todo)
     paused: list[str] = []
+    removed: list[str] = []
     unclaimed: dict[str, dict[str, Any]] = {}
 
     def worker() -> None:
@@ -13480,9 +13593,19 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 rid = queue.pop(0)
             pipe = RunPipeline(ctx, paths, rid, cfg, tasks, arms, tpl, opts)
             try:
+                require_study(paths)
                 if not pipe.claim():
                     continue
-            except (AgentbenchError, OSError) as exc:
+            except AgentbenchError as exc:
+                if exc.code == "study_removed":
+                    with lock:
+                        removed.append(rid)
+                        queue.clear()
+                    return
+                with lock:
+                    unclaimed[rid] = exc.payload
+                continue
+            except OSError as exc:
                 # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
                 with lock:
                     unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
@@ -13490,6 +13613,13 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
                 continue
             try:
                 rec = pipe.execute()
+            except AgentbenchError as exc:
+                if exc.code != "study_removed":
+                    raise
+                with lock:
+                    removed.append(rid)
+                    queue.clear()
+                return
             except Exception as exc:  # a worker must not die silently: the run is reported
                 with lock:
                     unclaimed[rid] = {"error": "the run's pipeline failed", "type": type(exc).__name__,
@@ -13521,6 +13651,12 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
         t.join()
     stop.set()
     warm.join()
+    if removed:
+        # Once: whatever each worker was doing, the study is gone and nothing more is written.
+        raise AgentbenchError("the study was removed while its runs were driven", code="study_removed",
+                              study=str(paths.root), runs_in_flight=sorted(removed),
+                              hint="nothing was written after it was removed; its sessions end with "
+                                   "their driver")
     return {"ran": sorted(results), "skipped": skipped, "paused": sorted(paused), "results": results,
             "unclaimed": unclaimed}
 
@@ -14353,6 +14489,238 @@ def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
             "mc_se": math.sqrt(p * (1.0 - p) / draws)}
 
 
+# -- Statistics: the primary test of a comparison and its interval ---------------------------------
+# The primary test is chosen by the design as run: per task the arm's and the baseline's run
+# values (1/0 for success, or scores).  With as many runs of each arm on every task, the
+# sign-flip over the per-task differences; otherwise a permutation of the arm labels within each
+# task (stratified).  Both are computed through one engine: every relabelling g of the runs gives a
+# pair (U_g, V_g) such that, after shifting the arm's values by -delta, the relabelled statistic is
+# U_g - delta V_g; the observed one is U - delta K (K tasks).  So one set of relabellings (all of
+# them, or seeded random ones) gives the p-value at every shift, and the interval is the set of
+# shifts the test does not reject: it agrees with the test's decision at 0 by construction.
+
+#: Most distinct (U, V) states the exact distribution of a primary test may hold (and the most
+#: per task); beyond it, seeded random relabellings.
+PRIMARY_EXACT_STATES = 60_000
+#: Bisection steps per bound of the test-inverted interval (precision 2^-steps of the range).
+PRIMARY_CI_STEPS = 22
+
+PRIMARY_TESTS = {"sign_flip": "sign_flip_over_tasks",
+                 "permutation": "permutation_within_tasks"}
+
+
+def _exact_ratio_scale(values: Iterable[Any]) -> int:
+    """The least common denominator of `values` (ints, floats, fractions; finite)."""
+    den = 1
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"a run value must be finite, got {v!r}")
+        d = v.as_integer_ratio()[1]
+        den = den * d // math.gcd(den, d)
+    return den
+
+
+def _choose_sums(values: list[int], cap: int) -> list[dict[int, int]] | None:
+    """by[j] = {sum of j of `values`: in how many ways}, for j = 0..len(values); None past `cap`
+    entries in all."""
+    by: list[dict[int, int]] = [{0: 1}]
+    for y in values:
+        nxt = [dict(d) for d in by] + [{}]
+        for j, d in enumerate(by):
+            into = nxt[j + 1]
+            for sub, w in d.items():
+                into[sub + y] = into.get(sub + y, 0) + w
+        by = nxt
+        if sum(map(len, by)) > cap:
+            return None
+    return by
+
+
+def _stratum_states(arm: list[int], base: list[int], flip: bool,
+                    cap: int) -> dict[tuple[int, int], int] | None:
+    """One task's relabellings as {(u, v): how many}, in integer units: u = (mean of the values
+    labelled arm - mean of those labelled baseline) n_a n_b, v = (k / n_a - (n_a - k) / n_b) n_a n_b
+    with k the arm's own runs that keep the label (flip: u = +-(sum arm n_b - sum base n_a), v =
+    +-n_a n_b).  For each k, the sums of k of the arm's runs and of n_a - k of the baseline's
+    (_choose_sums), combined; None past `cap` states."""
+    na, nb = len(arm), len(base)
+    tot = sum(arm) + sum(base)
+    if flip:
+        u = sum(arm) * nb - sum(base) * na
+        return {(u, na * nb): 1, (-u, -na * nb): 1}
+    if len(set(arm) | set(base)) > 16 and math.comb(na + nb, na) > cap:
+        return None         # many distinct values and many relabellings: too many states
+    arm_by, base_by = _choose_sums(arm, cap), _choose_sums(base, cap)
+    if arm_by is None or base_by is None:
+        return None
+    out: dict[tuple[int, int], int] = {}
+    work = 0
+    for k in range(max(0, na - nb), na + 1):
+        left, right = arm_by[k], base_by[na - k]
+        work += len(left) * len(right)
+        if work > 20 * cap:
+            return None
+        v = k * nb - (na - k) * na
+        for sa, wa in left.items():
+            for sb, wb in right.items():
+                sub = sa + sb
+                key = (sub * nb - (tot - sub) * na, v)
+                out[key] = out.get(key, 0) + wa * wb
+        if len(out) > cap:
+            return None
+    return out
+
+
+def primary_design(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> str:
+    """"sign_flip" when every task has as many runs of the arm as of the baseline (then swapping
+    the two sides of a task flips its difference's sign, and only then is each difference
+    symmetric under the null), else "permutation" (of the labels within each task)."""
+    return "sign_flip" if all(len(a) == len(b) for a, b in strata) else "permutation"
+
+
+def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: int = 0,
+                 alpha: float = 0.05, draws: int = PERM_DRAWS, interval: bool = True,
+                 max_states: int = PRIMARY_EXACT_STATES, design: str | None = None) -> dict[str, Any]:
+    """The primary test of a comparison and its test-inverted interval, two-sided.
+
+    `strata`: per task, (the arm's run values, the baseline's run values), each side non-empty;
+    values are numbers (1/0 for success, scores).  The estimand is the mean over tasks of (mean of
+    the arm's values - mean of the baseline's): every task weighs alike.  Null hypothesis: within
+    each task the two arms' runs are exchangeable.  The design (primary_design) picks the
+    relabellings: with equal runs per task, the sign of each task's difference (Fisher's paired
+    permutation test; robust to effects that differ between tasks and average zero); otherwise a
+    permutation of the labels within each task, which holds its size whatever the runs per task.
+    The p-value is the share of relabellings whose |statistic| is at least the observed one:
+    exact (their whole distribution, counted) while it has at most `max_states` distinct values,
+    else `draws` seeded relabellings (random.Random(seed)) with p = (1 + hits) / (1 + draws) and its
+    Monte Carlo standard error.  The result depends on the tasks' values only: not on their order,
+    names, or the order of the runs within a task.
+    The interval (level 1 - alpha) is every shift delta of the arm's values that the same test, on
+    the same relabellings, does not reject: found by bisection from the estimate outward, each
+    side bracketed at 0 when 0 lies there, so the interval excludes 0 exactly when p <= alpha.
+    References: Fisher, The Design of Experiments (1935), sec. 21; Good, Permutation,
+    Parametric and Bootstrap Tests of Hypotheses, 3rd ed. (2005), sec. 3.1 and 3.6 (stratified);
+    Lehmann & Romano, Testing Statistical Hypotheses, 3rd ed. (2005), sec. 3.5 (confidence sets
+    by inverting tests); Phipson & Smyth (2010) for the Monte Carlo p-value.
+    """
+    rows = [(sorted(a), sorted(b)) for a, b in strata]
+    if any(not a or not b for a, b in rows):
+        raise ValueError("every task needs runs of both arms")
+    rows.sort(key=lambda r: (len(r[0]), len(r[1]), r[0], r[1]))
+    k = len(rows)
+    design = design or primary_design(rows)
+    flip = design == "sign_flip"
+    out: dict[str, Any] = {"test": PRIMARY_TESTS[design], "design": design, "tasks": k,
+                           "alpha": alpha, "level": 1.0 - alpha}
+    if k == 0:
+        return {**out, "estimate": None, "p": None, "method": None, "mc_se": None, "ci": None}
+    den = _exact_ratio_scale(v for a, b in rows for v in a + b)
+    def scaled(v: Any) -> int:
+        num, d = v.as_integer_ratio()
+        return num * (den // d)
+    ints = [([scaled(v) for v in a], [scaled(v) for v in b]) for a, b in rows]
+    uscale = vscale = 1
+    for a, b in ints:
+        nn = len(a) * len(b)
+        vscale = vscale * nn // math.gcd(vscale, nn)
+    uscale = vscale * den
+    per_task = [_stratum_states(a, b, flip, max_states) for a, b in ints]
+    mult = [vscale // (len(a) * len(b)) for a, b in ints]
+    observed_u = sum(((sum(a) * len(b) - sum(b) * len(a)) * m) for (a, b), m in zip(ints, mult))
+    estimate = observed_u / uscale / k
+    # The exact distribution, when it is small enough.
+    dist: dict[tuple[int, int], int] | None = {(0, 0): 1}
+    for states, m in zip(per_task, mult):
+        if states is None or dist is None or len(dist) * len(states) > 20 * max_states:
+            dist = None
+            break
+        nxt: dict[tuple[int, int], int] = {}
+        for (u0, v0), w0 in dist.items():
+            for (u1, v1), w1 in states.items():
+                key = (u0 + u1 * m, v0 + v1 * m)
+                nxt[key] = nxt.get(key, 0) + w0 * w1
+        dist = nxt
+        if len(dist) > max_states:
+            dist = None
+            break
+    if dist is not None:
+        pairs = [(u / uscale, v / vscale, w) for (u, v), w in dist.items()]
+        total = sum(w for *_, w in pairs)
+        method = "exact"
+    else:
+        if draws < 1:
+            raise ValueError("draws must be >= 1")
+        rng = random.Random(seed)
+        us, vs = [0] * draws, [0] * draws
+        for (a, b), states, m in zip(ints, per_task, mult):
+            if states is not None:
+                keys = list(states)
+                cum = list(itertools.accumulate(states[key] for key in keys))
+                picks = rng.choices(keys, cum_weights=cum, k=draws)
+                us = [x + p[0] * m for x, p in zip(us, picks)]
+                vs = [x + p[1] * m for x, p in zip(vs, picks)]
+                continue
+            na, nb = len(a), len(b)
+            units = list(range(na + nb))
+            vals = a + b
+            tot = sum(vals)
+            for j in range(draws):
+                chosen = rng.sample(units, na)
+                s = sum(vals[i] for i in chosen)
+                kk = sum(1 for i in chosen if i < na)
+                us[j] += (s * nb - (tot - s) * na) * m
+                vs[j] += (kk * nb - (na - kk) * na) * m
+        pairs = [(u / uscale, v / vscale, 1) for u, v in zip(us, vs)]
+        total = draws
+        method = "monte_carlo"
+    obs = observed_u / uscale
+
+    def p_at(delta: float) -> float:
+        stat = abs(obs - delta * k)
+        edge = stat - 1e-9 * (1.0 + stat)
+        hits = sum(w for u, v, w in pairs if abs(u - delta * v) >= edge)
+        return hits / total if method == "exact" else (1 + hits) / (1 + total)
+
+    p = p_at(0.0)
+    out.update(estimate=estimate, p=min(1.0, p), method=method,
+               relabellings=total if method == "exact" else None,
+               draws=None if method == "exact" else draws, seed=None if method == "exact" else seed,
+               mc_se=None if method == "exact" else math.sqrt(p * (1.0 - p) / draws), ci=None)
+    if not interval:
+        return out
+    lo_range = min(min(a) for a, _ in rows) - max(max(b) for _, b in rows)
+    hi_range = max(max(a) for a, _ in rows) - min(min(b) for _, b in rows)
+    lo_range, hi_range = float(min(lo_range, estimate, 0)), float(max(hi_range, estimate, 0))
+
+    def bound(edge: float) -> float:
+        # From an accepted point toward `edge`: the accepted end of the last bracket.
+        inside = 0.0 if (edge < estimate) == (0.0 < estimate) and p > alpha and estimate != 0 else estimate
+        outside = 0.0 if (edge < estimate) == (0.0 < estimate) and p <= alpha and estimate != 0 else edge
+        if outside == edge and p_at(edge) > alpha:
+            return edge
+        for _ in range(PRIMARY_CI_STEPS):
+            mid = (inside + outside) / 2.0
+            if p_at(mid) > alpha:
+                inside = mid
+            else:
+                outside = mid
+        return inside
+
+    out["ci"] = [bound(lo_range), bound(hi_range)]
+    out["ci_method"] = "test_inversion"
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n runs with c successes: the chance that at least one
+    of k runs drawn without replacement from the n succeeds, 1 - C(n - c, k) / C(n, k).  Needs
+    1 <= k <= n.  Reference: Chen et al., "Evaluating Large Language Models Trained on Code",
+    arXiv:2107.03374 (2021), sec. 2.1."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"need 1 <= k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def cluster_se_of_mean(values: Sequence[float]) -> float | None:
     """Cluster-robust standard error of a mean over tasks with one value per task:
     sqrt(sum (d_t - mean)^2 / (K (K - 1))) over the K tasks.  It is the sandwich (CR1) standard
@@ -14574,7 +14942,7 @@ def _simulated_rejects(diffs: list[int], alpha: float, direction: float) -> tupl
     return primary, wins > losses and sign_test_two_sided(wins, losses) <= alpha
 
 
-def _power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
+def power_simulation(p0: float, delta: float, n_tasks: int, repeats: int, alpha: float,
                       tau: float, n_sim: int, seed: int, sd_base: float = 0.0) -> dict:
     """Monte Carlo rejection rates of the primary test (and, for comparison, the sign test) in the
     direction of delta, with the study's clustering: per simulated study and task, a baseline
@@ -14638,7 +15006,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
                                 seed: int = 0) -> dict[str, Any]:
     """Repeats per task-arm cell at which the primary test reaches `power`, by simulation.
 
-    Each candidate number of repeats is simulated with `n_sim` studies (_power_simulation, the
+    Each candidate number of repeats is simulated with `n_sim` studies (power_simulation, the
     same seed for every candidate, so the curve is smooth in r).  The search starts at `start`
     (the normal approximation's answer), doubles while the simulated power falls short and
     bisects back down to the smallest number of repeats that reaches it; None when even
@@ -14648,7 +15016,7 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
 
     def sim(r: int) -> dict:
         if r not in cache:
-            cache[r] = _power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
+            cache[r] = power_simulation(p_base, delta, n_tasks, r, alpha, tau, n_sim, seed, sd_base)
         return cache[r]
 
     if sign_test_min_p(n_tasks) > alpha:
@@ -14680,6 +15048,43 @@ def primary_power_by_simulation(p_base: float, delta: float, n_tasks: int, alpha
             "power_by_repeats": [{"repeats": r, "power": c["power"]["primary"],
                                   "sign_test_power": c["power"]["sign_test"]}
                                  for r, c in sorted(cache.items())]}
+
+
+def detectable_difference_by_simulation(p_base: float, n_tasks: int, repeats: int, alpha: float = 0.05,
+                                        power: float = 0.8, *, tau: float, sd_base: float,
+                                        n_sim: int = 400, seed: int = 0, steps: int = 10) -> dict[str, Any]:
+    """The smallest success-rate difference, up and down from `p_base`, that the primary test
+    detects with `power` at `n_tasks` tasks x `repeats` repeats, by simulation of whole studies
+    under clustering (power_simulation, the same seed at every difference: common random
+    numbers).  Bisection over the difference (`steps` halvings of the range p_base..1 or 0..p_base);
+    per direction the difference, the simulated power there and its Monte Carlo standard error;
+    None when even the largest difference in that direction falls short."""
+    out: dict[str, Any] = {"method": "simulation of the primary test under clustering",
+                           "studies_per_point": n_sim, "seed": seed, "tau": tau, "sd_base": sd_base,
+                           "repeats": repeats, "alpha": alpha, "power": power}
+    for name, sign, room in (("increase", 1.0, 1.0 - p_base), ("decrease", -1.0, p_base)):
+        if room <= 0 or sign_test_min_p(n_tasks) > alpha:
+            out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = None, None, None
+            continue
+
+        def sim(d: float) -> dict:
+            return power_simulation(p_base, sign * d, n_tasks, repeats, alpha, tau, n_sim, seed, sd_base)
+
+        top = sim(room)
+        if top["power"]["primary"] < power:
+            out[name] = None
+            out[f"{name}_power"], out[f"{name}_mc_se"] = top["power"]["primary"], top["mc_se"]
+            continue
+        lo, hi, at = 0.0, room, top
+        for _ in range(steps):
+            mid = (lo + hi) / 2.0
+            got = sim(mid)
+            if got["power"]["primary"] >= power:
+                hi, at = mid, got
+            else:
+                lo = mid
+        out[name], out[f"{name}_power"], out[f"{name}_mc_se"] = hi, at["power"]["primary"], at["mc_se"]
+    return out
 
 
 def _power_argument_problems(p0: float, p1: float, delta: float, n_tasks: int, alpha: float,
@@ -14776,7 +15181,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
     are needed, and `min_tasks` says how many (with unlimited repeats).
     With `simulate` > 0, a seeded Monte Carlo (random.Random(seed)) of that many studies at the
     recommended r reports the rejection rate of the primary test (sign-flip over tasks) and of
-    the sign test, in the direction of delta (see _power_simulation; `assign` searches the
+    the sign test, in the direction of delta (see power_simulation; `assign` searches the
     repeats by that simulation, primary_power_by_simulation).
     Reference for the sample-size formula: Chow, Shao & Wang, Sample Size Calculations in
     Clinical Research, 2nd ed. (2008), section 3.1 (paired one-sample mean comparison).
@@ -14835,7 +15240,7 @@ def paired_power_repeats(p_base: float, delta: float, n_tasks: int, alpha: float
         "notes": notes,
     }
     if simulate and repeats is not None:
-        out["simulation"] = _power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
+        out["simulation"] = power_simulation(p0, float(delta), n_tasks, min(repeats, max_repeats),
                                               alpha, tau, simulate, seed)
     return out
 
@@ -14981,8 +15386,12 @@ def plan_study_cost(arms: Mapping[str, Mapping[str, Any]], n_tasks: int, repeats
 REPORT_EXCLUDED_VALIDITY = ("infrastructure_failure", "degenerate", "tainted")
 
 REPORT_SCHEMA = "agentbench-report/1"
-#: The primary test of every comparison (see sign_flip_test), as the plan and the report name it.
-REPORT_PRIMARY_TEST = "paired_sign_flip_over_tasks"
+#: The primary test of every comparison (see primary_test: the sign-flip over tasks with equal runs
+#: per task, else a permutation within tasks), as the plan and the report name it.
+REPORT_PRIMARY_TEST = "permutation_within_tasks_by_design"
+#: What plans written before name the primary test; the report reads them as the same plan (with
+#: equal runs per task the primary test is still that sign-flip).
+REPORT_PRIMARY_TEST_BEFORE = ("paired_sign_flip_over_tasks",)
 #: Bootstrap resamples per interval unless the analysis plan says otherwise.
 REPORT_BOOTSTRAP_DRAWS = 10000
 USAGE_SCHEMA = "agentbench-usage/1"
@@ -15820,7 +16229,7 @@ def _rpt_arm_stats(t: _ArmTally, left_out: _ArmTally, seed: int = 0, draws: int 
     n_eval = sum(c.evaluated for c in cells)
     successes = sum(c.successes for c in cells)
     task_rates = _rpt_task_rates(t)
-    task_ci = bootstrap_mean_diff_ci(task_rates, seed, draws)
+    task_ci = bootstrap_mean_diff_ci(sorted(task_rates), seed, draws)
     cost = math.fsum(itertools.chain.from_iterable(c.costs for c in cells))
     # Conservative view: every ended run counts; one without an evaluation counts as a failure.
     n_ended = n_eval + t.not_evaluated
@@ -15916,11 +16325,12 @@ def _rpt_exact_sum(values: Sequence[Any]) -> fractions.Fraction:
     return fractions.Fraction(sum(n * (common // d) for d, n in by_den.items()), common)
 
 
-def _rpt_primary(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
-    """The primary test of one comparison: sign_flip_test on the exact per-task differences, on
-    its own stream of random numbers (used only past the exact enumeration)."""
+def _rpt_sign_flip(diffs: list[Any], seed: int, names: tuple[str, ...]) -> dict[str, Any]:
+    """A view's sign-flip test of one comparison (secondary, unadjusted): sign_flip_test on the
+    exact per-task differences, on its own stream of random numbers (used only past the exact
+    enumeration)."""
     res = sign_flip_test(diffs, seed=stream_seed(seed, "sign_flip", *names))
-    return {"test": REPORT_PRIMARY_TEST, **res, "p_holm": None}
+    return {"test": "paired_sign_flip_over_tasks", **res}
 
 
 def _rpt_cell_sum(cell: _TaskCell, field: str) -> fractions.Fraction:
@@ -15947,12 +16357,12 @@ def _rpt_cell_mean(cell: _TaskCell, field: str) -> fractions.Fraction | None:
 
 def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
                        field: str, names: tuple[str, ...], draws: int = 10000,
-                       primary: bool = False) -> dict:
+                       sign_flip: bool = False) -> dict:
     """Paired difference of a per-run number (arm minus baseline) over tasks: per task the exact
     mean of each arm's cell's list `field` (paired_scores, paired_costs); then the mean over tasks where both
     arms have one, its seeded bootstrap 95% CI and cluster-robust standard error (as for success
     rates), the counts of tasks where the arm is higher / lower / equal with an exact two-sided
-    sign test on them (secondary), and with `primary` the primary sign-flip test.  `names` name
+    sign test on them (secondary), and with `sign_flip` the view's sign-flip test.  `names` name
     the figure's random streams."""
     per_task, exact = [], []
     higher = lower = equal = 0
@@ -15974,18 +16384,18 @@ def _rpt_paired_metric(view: Mapping[str, _ArmTally], arm: str, base: str, tasks
         per_task.append({"task": task, "arm": float(ma), "baseline": float(mb), "diff": float(d),
                          "arm_n": len(getattr(ca, field)), "baseline_n": len(getattr(cb, field))})
     diffs = [t["diff"] for t in per_task]
-    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    ci = bootstrap_mean_diff_ci(sorted(diffs), stream_seed(seed, "bootstrap", *names), draws)
     out = {"tasks_compared": len(per_task), "mean_diff": mean(diffs), "ci": list(ci) if ci else None,
            "se_cluster": cluster_se_of_mean(diffs),
            "higher": higher, "lower": lower, "equal": equal,
            "sign_test_p": sign_test_two_sided(higher, lower) if per_task else None, "per_task": per_task}
-    if primary:
-        out["primary"] = _rpt_primary(exact, seed, names)
+    if sign_flip:
+        out["sign_flip"] = _rpt_sign_flip(exact, seed, names)
     return out
 
 
 def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list[str], seed: int,
-                 draws: int = 10000) -> dict:
+                 draws: int = 10000, pos: tuple[str, str] = ("1", "0")) -> dict:
     """Paired comparison of `arm` against `base` over tasks where both have evaluated runs (and,
     apart, of the hidden-test score and of the cost per ended run).
 
@@ -16023,8 +16433,8 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
         per_task.append({"task": task, "arm_rate": sa / na, "baseline_rate": sb / nb,
                          "diff": float(d), "arm_n": na, "baseline_n": nb})
     diffs = [t["diff"] for t in per_task]
-    names = ("success", arm, base)
-    ci = bootstrap_mean_diff_ci(diffs, stream_seed(seed, "bootstrap", *names), draws)
+    names = ("success", *pos)
+    ci = bootstrap_mean_diff_ci(sorted(diffs), stream_seed(seed, "bootstrap", *names), draws)
     return {
         "arm": arm, "baseline": base,
         "tasks_compared": len(per_task),
@@ -16034,15 +16444,15 @@ def _rpt_compare(view: Mapping[str, _ArmTally], arm: str, base: str, tasks: list
         "mean_diff": mean(diffs),
         "ci": list(ci) if ci else None,
         "se_cluster": cluster_se_of_mean(diffs),
-        "primary": _rpt_primary(exact, seed, names),
+        "sign_flip": _rpt_sign_flip(exact, seed, names),
         "wins": wins, "losses": losses, "ties": ties,
         "sign_test_p": sign_test_two_sided(wins, losses) if per_task else None,
         "clustered_mcnemar": clustered_mcnemar(cells) if per_task else None,
         "per_task": per_task,
-        "score": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_scores", ("score", arm, base),
-                                    draws, primary=True),
+        "score": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_scores", ("score", *pos),
+                                    draws, sign_flip=True),
         "cost_per_run_usd": _rpt_paired_metric(view, arm, base, tasks, seed, "paired_costs",
-                                               ("cost", arm, base), draws),
+                                               ("cost", *pos), draws),
     }
 
 
@@ -16057,9 +16467,12 @@ def _rpt_view(view: Mapping[str, _ArmTally], left_out: Mapping[str, _ArmTally], 
         return same_as is None or a in changed
 
     return {"per_arm": {a: _rpt_arm_stats(view[a], left_out[a],
-                                          stream_seed(seed, "bootstrap", "task_success_rate", a), draws)
+                                          stream_seed(seed, "bootstrap", "task_success_rate",
+                                                      str(arms.index(a))), draws)
                         if fresh(a) else copy.deepcopy(same_as["per_arm"][a]) for a in arms},
-            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws) if fresh(a) or fresh(base)
+            "comparisons": {a: _rpt_compare(view, a, base, tasks, seed, draws,
+                                            (str(arms.index(a)), str(arms.index(base))))
+                            if fresh(a) or fresh(base)
                             else copy.deepcopy(same_as["comparisons"][a]) for a in arms if a != base},
             "per_task": _rpt_task_cells(view, arms, tasks)}
 
@@ -16107,15 +16520,15 @@ def _rpt_view_notes(view: dict, base: str, label: str, alpha: float = 0.05) -> l
         informative = cmp["wins"] + cmp["losses"]
         if 0 < informative and sign_test_min_p(informative) > alpha:
             notes.append(f"{label}{arm} vs {base}: with {informative} task(s) that differ, no test "
-                         f"over tasks (primary or sign test) can go below p = "
+                         f"over tasks (sign-flip or sign test) can go below p = "
                          f"{sign_test_min_p(informative):.4g}")
         if informative == 0:
-            notes.append(f"{label}{arm} vs {base}: every compared task is tied; the primary test's "
-                         f"p = 1")
-        for what, prim in (("success", cmp["primary"]), ("score", cmp["score"].get("primary") or {})):
+            notes.append(f"{label}{arm} vs {base}: every compared task is tied; the sign-flip "
+                         f"test's p = 1")
+        for what, prim in (("success", cmp["sign_flip"]), ("score", cmp["score"].get("sign_flip") or {})):
             if prim.get("method") == "monte_carlo":
                 notes.append(f"{label}{arm} vs {base}: too many distinct task differences in {what} "
-                             f"to enumerate every sign flip; its primary p is from {prim['draws']} "
+                             f"to enumerate every sign flip; its sign-flip p is from {prim['draws']} "
                              f"random flips (Monte Carlo standard error {prim['mc_se']:.2g})")
     return notes
 
@@ -16170,26 +16583,214 @@ def _rpt_flag_view(view: dict, tallies: Mapping[str, _ArmTally]) -> None:
         cmp["flagged_runs"] = {"arm": n_flagged(arm), "baseline": n_flagged(cmp["baseline"])}
 
 
-def _rpt_holm_view(view: dict, alpha: float = 0.05) -> dict:
-    """Holm-adjust the primary p-values of a view over the pre-registered family, every arm
-    against the baseline: once for the success rate and once for the score.  An arm of the
-    family without a p (no task compared) counts in the family size as p = 1, so a missing
-    comparison never makes the others easier to reject.  Writes `primary.p_holm` and
-    `primary.reject`; returns the multiplicity record."""
-    cmps = view["comparisons"]
-    family = list(cmps)
-    for outcome in ("success", "score"):
-        def prim(c: dict) -> dict:
-            return c["primary"] if outcome == "success" else c["score"]["primary"]
-        ps = [prim(cmps[a]).get("p") for a in family]
-        adj = holm_adjust([1.0 if p is None else p for p in ps])
-        for a, p, q in zip(family, ps, adj):
-            prim(cmps[a])["p_holm"] = q if p is not None else None
-            prim(cmps[a])["reject"] = p is not None and q is not None and q <= alpha
-    view["multiplicity"] = {"method": "holm", "alpha": alpha, "test": REPORT_PRIMARY_TEST,
-                            "families": {"success": family, "score": family},
-                            "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
-    return view["multiplicity"]
+# -- Report: the primary analysis (intention to treat) ---------------------------------------------
+# Every assigned run counts with its final outcome; one without a valid outcome counts as a
+# failure (score 0).  One pre-registered outcome, one test chosen by the design as run
+# (primary_test), its test-inverted interval, Holm over the comparisons, and best- and worst-case
+# bounds for the runs whose outcome was imputed.  The views with and without exclusions are
+# secondary.
+
+#: How a run counts in the primary analysis, by its state: `pending` runs are still to come (not
+#: counted yet: the report is a look); `valid` ones count with their outcome; `lost` ones (ended
+#: without an evaluation, an infrastructure failure after its attempts, a tainted success) count
+#: as failures; `excluded` ones (the grading itself broke, shown by the reference failing the same
+#: check) are the task's fault in both arms and are left out, inside the sensitivity bounds.
+ITT_CLASSES = ("pending", "valid", "lost", "excluded")
+#: The statuses of a run that has its final outcome.
+ITT_FINAL_STATUSES = ("finished", "error")
+#: Random relabellings of the sensitivity bounds and the secondary outcome, when they cannot be
+#: counted exactly (their Monte Carlo error is reported with them).
+REPORT_SECONDARY_DRAWS = 2000
+#: Outcomes a plan may name as primary.
+PRIMARY_OUTCOMES = ("success", "score")
+
+
+def itt_class(status: Any, validity: Any, validity_reason: Any, evaluated: bool) -> str:
+    """How one run counts in the primary analysis (see ITT_CLASSES); pure."""
+    if status not in ITT_FINAL_STATUSES:
+        return "pending"
+    if validity == "infrastructure_failure" and str(validity_reason or "").startswith("grader_error"):
+        return "excluded"
+    if evaluated and validity in (None, "valid", "degenerate"):
+        return "valid"
+    return "lost"
+
+
+class _IttCell:
+    """One arm's runs of one task in the primary analysis: each counted run's (success, score)
+    with whether it was imputed, and the excluded and pending counts."""
+    __slots__ = ("success", "score", "imputed", "excluded", "pending")
+
+    def __init__(self) -> None:
+        self.success: list[int] = []
+        self.score: list[float] = []
+        self.imputed: list[bool] = []
+        self.excluded = self.pending = 0
+
+
+def _itt_cells(known: Sequence[RunFacts], arms: Sequence[str]) -> dict[str, dict[str, _IttCell]]:
+    """arm -> task -> its _IttCell, over the runs of `arms`."""
+    cells: dict[str, dict[str, _IttCell]] = {a: {} for a in arms}
+    for f in known:
+        if f.arm not in cells:
+            continue
+        cell = cells[f.arm].get(f.task_key)
+        if cell is None:
+            cell = cells[f.arm][f.task_key] = _IttCell()
+        cls = itt_class(f.status, f.validity, f.validity_reason, f.evaluated)
+        if cls == "pending":
+            cell.pending += 1
+        elif cls == "excluded":
+            cell.excluded += 1
+        else:
+            ok = cls == "valid"
+            cell.success.append(int(ok and f.success))
+            cell.score.append(float(f.score_checked or 0.0) if ok else 0.0)
+            cell.imputed.append(not ok)
+    return cells
+
+
+def _itt_values(cell: _IttCell, outcome: str, lost_as: float | None) -> list[Any]:
+    """A cell's run values of `outcome`; with `lost_as`, every imputed and excluded run takes that
+    value instead (the sensitivity bounds)."""
+    values = cell.success if outcome == "success" else cell.score
+    if lost_as is None:
+        return list(values)
+    return [lost_as if imp else v for v, imp in zip(values, cell.imputed)] + [lost_as] * cell.excluded
+
+
+def _itt_strata(cells: Mapping[str, Mapping[str, _IttCell]], arm: str, base: str, outcome: str,
+                lost: tuple[float | None, float | None] = (None, None)) -> tuple[list, list[str]]:
+    """(strata for primary_test, the tasks left out for want of runs on one side)."""
+    strata, missing = [], []
+    for task in sorted(set(cells[arm]) | set(cells[base])):
+        ca, cb = cells[arm].get(task), cells[base].get(task)
+        va = _itt_values(ca, outcome, lost[0]) if ca else []
+        vb = _itt_values(cb, outcome, lost[1]) if cb else []
+        if va and vb:
+            strata.append((va, vb))
+        elif (ca and (ca.success or ca.excluded)) or (cb and (cb.success or cb.excluded)):
+            missing.append(task)
+    return strata, missing
+
+
+def _itt_arm(cells: Mapping[str, _IttCell], seed: int, draws: int) -> dict[str, Any]:
+    """One arm's primary figures: the task-mean success rate (every task weighs alike) with a
+    bootstrap interval over tasks; beside them (secondary) the pooled rate with its Wilson
+    interval and pass@k (unbiased) at the fewest runs a task has."""
+    rates, runs, successes = [], 0, 0
+    lost = excluded = pending = 0
+    for cell in cells.values():
+        n = len(cell.success)
+        lost += sum(cell.imputed)
+        excluded += cell.excluded
+        pending += cell.pending
+        if n:
+            rates.append(fractions.Fraction(sum(cell.success), n))
+            runs += n
+            successes += sum(cell.success)
+    rates.sort()
+    ci = bootstrap_mean_diff_ci([float(r) for r in rates], seed, draws)
+    k = min((len(c.success) for c in cells.values() if c.success), default=0)
+    pass_k = None
+    if k >= 2:
+        pass_k = {"k": k, "estimate": mean(pass_at_k(len(c.success), sum(c.success), k)
+                                           for c in cells.values() if c.success)}
+    return {"tasks": len(rates),
+            "task_mean_rate": float(sum(rates) / len(rates)) if rates else None,
+            "task_mean_ci": list(ci) if ci else None,
+            "runs_counted": runs, "successes": successes, "imputed_failures": lost,
+            "excluded": excluded, "pending": pending,
+            "secondary": {"pooled_rate": successes / runs if runs else None,
+                          "pooled_wilson_ci": list(wilson_interval(successes, runs)) if runs else None,
+                          "pass_at_k": pass_k}}
+
+
+def report_primary(known: Sequence[RunFacts], arms: list[str], base: str, outcome: str, seed: int,
+                   alpha: float = REPORT_ALPHA, draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """The primary analysis (see the banner above): per arm its task-mean rate, per comparison
+    (every arm against `base`) the primary estimate (`estimate`, the mean over tasks of the
+    difference of the two arms' mean `outcome`), its interval `ci` (the test inverted), `p`,
+    `p_holm` (Holm over the comparisons) and `reject` (p_holm <= alpha); `sensitivity`: the same
+    estimate and p with every imputed or excluded run of the arm a failure and the baseline's a
+    success (worst) and the reverse (best); `secondary`: the other outcome, by the same test,
+    unadjusted.  Every random stream is seeded from `seed` and the arms' positions, never names."""
+    cells = _itt_cells(known, arms)
+    pos = {a: i for i, a in enumerate(arms)}
+    per_arm = {a: _itt_arm(cells[a], stream_seed(seed, "primary_arm", str(pos[a])), draws) for a in arms}
+    other = "score" if outcome == "success" else "success"
+    comparisons: dict[str, dict[str, Any]] = {}
+    for a in arms:
+        if a == base:
+            continue
+        stream = stream_seed(seed, "primary", str(pos[a]), str(pos[base]))
+        strata, missing = _itt_strata(cells, a, base, outcome)
+        res = primary_test(strata, seed=stream, alpha=alpha)
+        bounds = {}
+        for name, lost in (("worst", (0.0, 1.0)), ("best", (1.0, 0.0))):
+            s2, _ = _itt_strata(cells, a, base, outcome, lost)
+            r2 = primary_test(s2, seed=stream, alpha=alpha, interval=False, draws=REPORT_SECONDARY_DRAWS)
+            bounds[name] = {"estimate": r2["estimate"], "p": r2["p"], "mc_se": r2["mc_se"]}
+        s3, _ = _itt_strata(cells, a, base, other)
+        sec = primary_test(s3, seed=stream_seed(seed, "secondary", str(pos[a]), str(pos[base])), alpha=alpha,
+                           draws=REPORT_SECONDARY_DRAWS)
+        comparisons[a] = {
+            "arm": a, "baseline": base, "outcome": outcome, "population": "intention_to_treat",
+            "estimand": f"mean over tasks of the difference in mean {outcome} (arm - baseline)",
+            "estimate": res["estimate"], "ci": res["ci"], "level": res["level"],
+            "p": res["p"], "p_holm": None, "reject": False,
+            "test": res["test"], "design": res["design"], "method": res["method"],
+            "mc_se": res["mc_se"], "draws": res.get("draws"), "tasks_compared": res["tasks"],
+            "tasks_left_out": missing,
+            "imputed_failures": {"arm": per_arm[a]["imputed_failures"],
+                                 "baseline": per_arm[base]["imputed_failures"]},
+            "excluded": {"arm": per_arm[a]["excluded"], "baseline": per_arm[base]["excluded"]},
+            "sensitivity": bounds,
+            "secondary": {"outcome": other, "estimate": sec["estimate"], "ci": sec["ci"], "p": sec["p"],
+                          "test": sec["test"], "method": sec["method"], "mc_se": sec["mc_se"],
+                          "draws": sec.get("draws")},
+        }
+    family = list(comparisons)
+    adj = holm_adjust([1.0 if comparisons[a]["p"] is None else comparisons[a]["p"] for a in family])
+    for a, q in zip(family, adj):
+        c = comparisons[a]
+        c["p_holm"] = q if c["p"] is not None else None
+        c["reject"] = c["p"] is not None and q is not None and q <= alpha
+    pending = sum(st["pending"] for st in per_arm.values())
+    return {"population": "intention_to_treat", "outcome": outcome, "alpha": alpha,
+            "pending_runs": pending, "per_arm": per_arm, "comparisons": comparisons,
+            "multiplicity": {"method": "holm", "alpha": alpha, "family": family, "outcome": outcome}}
+
+
+def _fmt_signed(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:+.1f} points"
+
+
+def _primary_notes(primary: dict, base: str) -> list[str]:
+    """Notes on the primary analysis: imputed failures and whether the sensitivity bounds change
+    the decision, tasks left out, Monte Carlo p-values."""
+    notes = []
+    alpha = primary["alpha"]
+    for arm, c in primary["comparisons"].items():
+        imp, exc = c["imputed_failures"], c["excluded"]
+        if imp["arm"] or imp["baseline"] or exc["arm"] or exc["baseline"]:
+            w, b = c["sensitivity"]["worst"], c["sensitivity"]["best"]
+            flips = (w["p"] is not None and b["p"] is not None
+                     and ((w["p"] <= alpha) != (b["p"] <= alpha)))
+            notes.append(
+                f"primary, {arm} vs {base}: {imp['arm']} and {imp['baseline']} run(s) without a valid "
+                f"outcome count as failures; {exc['arm']} and {exc['baseline']} run(s) are excluded "
+                f"(the grading broke); if those runs had gone against {arm} the estimate would be "
+                f"{_fmt_signed(w['estimate'])} (p {fmt_p(w['p'])}), in its favour "
+                f"{_fmt_signed(b['estimate'])} (p {fmt_p(b['p'])})"
+                + ("; the decision depends on them" if flips else ""))
+        if c["tasks_left_out"]:
+            notes.append(f"primary, {arm} vs {base}: {len(c['tasks_left_out'])} task(s) have runs of "
+                         f"one arm only and are not compared")
+        if c["method"] == "monte_carlo":
+            notes.append(f"primary, {arm} vs {base}: p from {c['draws']} random relabellings "
+                         f"(Monte Carlo standard error {c['mc_se']:.2g})")
+    return notes
 
 
 def report_exclusions(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms: list[str],
@@ -16236,10 +16837,11 @@ def _rpt_exclusion_warning(excl: dict, base: str, primary: str) -> str | None:
         else:
             why = f"Fisher's exact test of excluded vs kept against {base}: p = {fmt_p(st['fisher_p'])}"
         parts.append(f"{arm} ({st['excluded']} of {st['ended']} excluded; {why})")
-    read = ("the all-included view (views.all_included) is the one to read"
-            if primary == "exclusions_applied" else "the primary view already includes every run")
+    read = ("of the secondary views, the all-included view (views.all_included) is the one to read"
+            if primary == "exclusions_applied" else "the secondary view shown already includes every run")
     return (f"DIFFERENTIAL EXCLUSIONS: exclusions depend on the arm for {'; '.join(parts)}. The "
-            f"view with exclusions applied may be biased; {read}.")
+            f"view with exclusions applied may be biased; the primary analysis counts every run "
+            f"(intention to treat); {read}.")
 
 
 def _rpt_behaviour_notes(behaviour: dict, view: dict, base: str) -> list[str]:
@@ -16295,11 +16897,13 @@ PLAN_SCHEMA = "agentbench-analysis-plan/1"
 
 
 def analysis_plan(arms: Sequence[str], baseline: str, seed: int, alpha: float = REPORT_ALPHA,
-                  draws: int = REPORT_BOOTSTRAP_DRAWS) -> dict[str, Any]:
+                  draws: int = REPORT_BOOTSTRAP_DRAWS, outcome: str = "success") -> dict[str, Any]:
     """The pre-registered analysis of a study with these arms: every arm against `baseline` on
-    the success rate and on the score, by the primary test, Holm over that family at `alpha`,
-    bootstrap intervals from `seed` with `draws` resamples."""
+    one primary `outcome` (the other is secondary), by the primary test over every assigned run
+    (intention to treat), Holm over that family at `alpha`, random streams from `seed`, bootstrap
+    intervals with `draws` resamples."""
     return {"schema": PLAN_SCHEMA, "baseline": str(baseline), "primary_test": REPORT_PRIMARY_TEST,
+            "primary_outcome": outcome, "population": "intention_to_treat",
             "outcomes": ["success", "score"],
             "family": [str(a) for a in arms if str(a) != str(baseline)],
             "multiplicity": "holm", "alpha": alpha,
@@ -16330,6 +16934,8 @@ def plan_problems(plan: Any) -> list[str]:
         problems.append("the plan's bootstrap seed is not an integer")
     if isinstance(draws, bool) or not isinstance(draws, int) or not 100 <= draws <= 1_000_000:
         problems.append("the plan's bootstrap draws are not an integer in [100, 1000000]")
+    if plan.get("primary_outcome", "success") not in PRIMARY_OUTCOMES:
+        problems.append(f"the plan's primary outcome is not one of {', '.join(PRIMARY_OUTCOMES)}")
     return problems
 
 
@@ -16353,7 +16959,7 @@ def report_analysis(plan: Any, source: str | None, arms: list[str], baseline: st
             base = baseline if baseline is not None else arms[0]
             deviations.append(f"the plan's baseline {plan['baseline']} is not an arm of the study")
         family = [a for a in arms if a != base]
-        if plan["primary_test"] != REPORT_PRIMARY_TEST:
+        if plan["primary_test"] not in (REPORT_PRIMARY_TEST, *REPORT_PRIMARY_TEST_BEFORE):
             deviations.append(f"primary test {REPORT_PRIMARY_TEST} instead of the plan's "
                               f"{plan['primary_test']}")
         if base == plan["baseline"] and sorted(family) != sorted(plan["family"]):
@@ -16364,13 +16970,13 @@ def report_analysis(plan: Any, source: str | None, arms: list[str], baseline: st
         return {"plan": plan, "source": source, "pre_registered": True,
                 "exploratory": bool(deviations), "deviations": deviations, "baseline": base,
                 "seed": seed, "alpha": float(plan["alpha"]), "draws": plan["bootstrap"]["draws"],
-                "plan_problems": []}
+                "primary_outcome": plan.get("primary_outcome", "success"), "plan_problems": []}
     base = baseline if baseline is not None else (arms[0] if arms else None)
     deviations = [f"the manifest's plan is unusable ({'; '.join(problems)})"] if problems else []
     return {"plan": analysis_plan(arms, base, seed) if base is not None else None, "source": None,
             "pre_registered": False, "exploratory": bool(problems), "deviations": deviations,
             "baseline": base, "seed": seed, "alpha": REPORT_ALPHA, "draws": REPORT_BOOTSTRAP_DRAWS,
-            "plan_problems": problems}
+            "primary_outcome": "success", "plan_problems": problems}
 
 
 def _rpt_analysis_note(analysis: dict) -> str:
@@ -16424,7 +17030,6 @@ def _rpt_views(kept: Mapping[str, _ArmTally], out: Mapping[str, _ArmTally], arms
                                             same_as=views["exclusions_applied"], changed=changed))
     for name, tallies in (("exclusions_applied", kept), ("all_included", every)):
         _rpt_flag_view(views[name], tallies)
-        _rpt_holm_view(views[name], alpha)
     return views
 
 
@@ -16483,15 +17088,16 @@ def _rpt_population_notes(census: _RunCensus, unknown: Sequence[RunFacts],
     return notes
 
 
-def _rpt_multiplicity_note(families: dict[str, list[str]], base: str) -> str | None:
+def _rpt_multiplicity_note(multiplicity: dict[str, Any], base: str) -> str | None:
     """The note that the primary p-values are Holm-adjusted, when the family holds more than one
     arm."""
-    fam = families.get("success") or []
+    fam = multiplicity.get("family") or []
     if len(fam) > 1:
-        return (f"multiple comparisons: the primary p-values are Holm-adjusted over the family of "
-                f"every arm against {base} ({', '.join(fam)}), once for the success rate and once "
-                f"for the score; read the adjusted column before calling a difference significant. "
-                f"The sign test and the clustered McNemar test are secondary and not adjusted")
+        return (f"multiple comparisons: the primary p-values ({multiplicity.get('outcome')}) are "
+                f"Holm-adjusted over the family of every arm against {base} ({', '.join(fam)}); "
+                f"read the adjusted p before calling a difference significant. Every other p-value "
+                f"(the other outcome, the views' sign-flip, sign and clustered McNemar tests) is "
+                f"secondary and not adjusted")
     return None
 
 
@@ -16506,21 +17112,42 @@ def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
         "task_success_rate": "per task: successes / evaluated runs; mean over the arm's tasks "
                              "with evaluated runs; 95% percentile bootstrap over tasks (the unit "
                              f"repeats cluster in), {draws} resamples, each arm on its own stream "
-                             f"seeded from {seed} and its name (both views of the arm share it); "
+                             f"seeded from {seed} and its position (both views of the arm share it); "
                              "it sees only how tasks differ, so with "
                              "few tasks, or tasks that scored alike, it is too narrow: read it "
                              "beside the Wilson interval (Davison & Hinkley 1997, sec. 3.8)",
         "success_rate_conservative": "successes / ended runs, an unevaluated run counted as a "
                                      "failure",
-        "primary_test": "for each arm against the baseline, per task the arm's success rate minus "
-                        "the baseline's, each over the runs that arm has on the task (a missing "
-                        "repeat costs only itself; repeats are never paired by index); the mean of "
-                        "those differences tested by an exact paired permutation (sign-flip) test "
-                        "over tasks: p is the share of the 2^n ways of flipping the signs of the n "
-                        "task differences whose |sum| is at least the observed one, all of them "
-                        f"counted exactly, or beyond {PERM_EXACT_WORK} enumeration steps {PERM_DRAWS} "
-                        "seeded random flips with their Monte Carlo standard error; the same for "
-                        "the mean hidden-test score (Fisher 1935; Good 2005, sec. 3.1)",
+        "primary_population": "intention to treat: every assigned run that has ended counts with "
+                              "its final outcome; a run without a valid outcome (ended without "
+                              "an evaluation, an infrastructure failure after its attempts, a "
+                              "tainted success) counts as a failure (score 0); a run whose "
+                              "grading broke on the reference too is excluded in both arms; runs "
+                              "still to come are not counted yet (the report is then a look). "
+                              "Sensitivity: the estimate and p with every imputed or excluded run "
+                              "of the arm a failure and the baseline's a success, and the reverse",
+        "primary_outcome": "one per comparison, fixed by the plan (success unless it says score); "
+                           "the other outcome and every figure of the views are secondary",
+        "primary_test": "for each arm against the baseline, the mean over tasks of (the arm's mean "
+                        "outcome - the baseline's) on the task; with as many runs of each arm on "
+                        "every task, an exact paired permutation (sign-flip) test over tasks; "
+                        "otherwise a permutation of the arm labels within each task (stratified); "
+                        "p is the share of relabellings whose |statistic| is at least the observed "
+                        f"one, counted exactly up to {PRIMARY_EXACT_STATES} distinct values, beyond "
+                        f"that from {PERM_DRAWS} seeded relabellings with its Monte Carlo standard "
+                        "error (Fisher 1935; Good 2005, sec. 3.1, 3.6); the random streams are "
+                        "seeded from the plan's seed and the arms' positions, never their names",
+        "primary_interval": "the shifts of the arm's values that the primary test, on the same "
+                            "relabellings, does not reject at alpha (test inversion, Lehmann & "
+                            "Romano 2005, sec. 3.5): it excludes 0 exactly when p <= alpha",
+        "pass_at_k": "secondary: per task 1 - C(n - c, k) / C(n, k) over its n counted runs with c "
+                     "successes, k the fewest runs a task has (at least 2), averaged over tasks "
+                     "(Chen et al. 2021)",
+        "looks": "a report of a study with runs still to come is a look at the data and is "
+                 "logged in the study; with more than one look every format warns that the p-values "
+                 "do not account for the repeated looks",
+        "sign_flip": "secondary, per view, not adjusted: the sign-flip test over tasks of the "
+                     "evaluated runs' per-task differences",
         "null_hypothesis": "within each task the two arms are exchangeable: each task's difference "
                            "is as likely to have either sign, whatever the tasks' difficulty or "
                            "how the effect varies between tasks",
@@ -16553,10 +17180,9 @@ def _rpt_methods(seed: int, draws: int = REPORT_BOOTSTRAP_DRAWS,
                                    "two-sided Fisher exact test, not adjusted for multiplicity "
                                    f"(a screen: it errs toward warning); alpha {REPORT_ALPHA}",
         "multiplicity": "Holm step-down adjustment of the primary p-values over the pre-registered "
-                        "family, every arm against the baseline, once for the success rate and "
-                        f"once for the score (family-wise error rate {alpha}; an arm without a "
-                        "compared task counts as p = 1); secondary tests and the cost are not "
-                        "adjusted",
+                        "family, every arm against the baseline, on the primary outcome only "
+                        f"(family-wise error rate {alpha}; an arm without a compared task counts "
+                        "as p = 1); every other p-value is secondary and not adjusted",
         "analysis_plan": "`assign` writes the plan (baseline, primary test, family, alpha, "
                          "bootstrap seed and draws) into the manifest before any run; the report "
                          "follows it, and an analysis asked to differ from it (another baseline or "
@@ -16658,6 +17284,41 @@ def report_prices(runs: Sequence[RunFacts], view: Mapping[str, Any],
     return {"baseline": base, "per_arm": out}
 
 
+# -- Report: looks at the data ----------------------------------------------------------------------
+# A report of a study with runs still to come is a look at its results; each new look is logged in
+# the study (`record_look`, in the CLI's section), and with more than one every format warns: a
+# p-value read at several looks, stopping at the first small one, rejects more often than alpha.
+
+def look_of_report(report: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What one report shows of the primary analysis, as a look (pure): the runs counted and still
+    to come per arm and each comparison's p; None when nothing is counted yet (nothing seen)."""
+    prim = report.get("primary") if isinstance(report.get("primary"), dict) else {}
+    per_arm = prim.get("per_arm") if isinstance(prim.get("per_arm"), dict) else {}
+    counted = {a: s.get("runs_counted", 0) for a, s in per_arm.items() if isinstance(s, dict)}
+    if not any(counted.values()):
+        return None
+    return {"split": (report.get("split") or {}).get("reported"),
+            "counted": counted, "pending": prim.get("pending_runs", 0),
+            "p": {a: c.get("p") for a, c in (prim.get("comparisons") or {}).items()}}
+
+
+def looks_of_record(logged: Sequence[Mapping[str, Any]], now: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The looks at a study's data, from the looks logged in the study (interim ones) and this
+    report's (`now`), of the same split (pure): `interim` logged, whether this one is new (its
+    counted runs differ from the last one logged), `total` and the warning when there is more than
+    one."""
+    mine = [x for x in logged if now is not None and x.get("split") == now.get("split")]
+    new = now is not None and (not mine or mine[-1].get("counted") != now.get("counted"))
+    total = len(mine) + (1 if new else 0)
+    warning = None
+    if total > 1:
+        warning = (f"LOOKS: the results of this study have been looked at {total} times while runs "
+                   f"were still to come (logged in state/looks.jsonl); the p-values and intervals "
+                   f"assume one look at the end: stopping or deciding at the first small p rejects "
+                   f"more often than alpha")
+    return {"interim": len(mine), "new": new, "total": total, "warning": warning}
+
+
 def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None = None, seed: int = 0,
                     include_excluded: bool = False, plan: Any = None, plan_source: str | None = None) -> dict:
     """The study report as a JSON-ready dict, from each run's facts (run_facts).
@@ -16693,6 +17354,8 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     kept = {a: tallies.get((a, False)) or _ArmTally() for a in arms}
     out = {a: tallies.get((a, True)) or _ArmTally() for a in arms}
     views = _rpt_views(kept, out, arms, base, tasks, seed, analysis["alpha"], analysis["draws"])
+    primary_analysis = report_primary(known, arms, base, analysis["primary_outcome"], seed,
+                                      analysis["alpha"], analysis["draws"])
     primary = "all_included" if include_excluded else "exclusions_applied"
     other = "exclusions_applied" if include_excluded else "all_included"
     behaviour = report_behaviour(census.audited, arms, {a: kept[a].runs + out[a].runs for a in arms})
@@ -16701,10 +17364,11 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
     delivery = report_delivery(census.delivered, arms)
     warnings = [w for w in (delivery["note"], warning) if w]
     notes = list(warnings) + [_rpt_analysis_note(analysis)]
+    notes.extend(_primary_notes(primary_analysis, base))
     notes.extend(_rpt_population_notes(census, unknown, include_excluded))
     notes.extend(_rpt_view_notes(views[primary], base, "", analysis["alpha"]))
     notes.extend(_rpt_behaviour_notes(behaviour, views[primary], base))
-    multiplicity = _rpt_multiplicity_note(views[primary]["multiplicity"]["families"], base)
+    multiplicity = _rpt_multiplicity_note(primary_analysis["multiplicity"], base)
     if multiplicity:
         notes.append(multiplicity)
     excluded_list = [{"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat,
@@ -16716,6 +17380,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
         "seed": seed,
         "analysis": analysis,
         "exploratory": analysis["exploratory"],
+        "primary": primary_analysis,
         "primary_view": primary,
         "tasks": tasks,
         "per_arm": views[primary]["per_arm"],
@@ -16729,7 +17394,7 @@ def report_of_facts(runs: list[RunFacts], arms: list[str], baseline: str | None 
         "delivery": delivery,
         "prices": report_prices(census.launched, views[primary], base),
         "exclusions": exclusions,
-        "multiplicity": views[primary]["multiplicity"],
+        "multiplicity": primary_analysis["multiplicity"],
         "totals": {
             "runs": len(known),
             "tasks": len(tasks),
@@ -16944,32 +17609,74 @@ def _rpt_analysis_line(report: dict) -> str:
                 "error control.")
     if an.get("pre_registered"):
         return (f"Pre-registered analysis: the plan fixed before the runs ({an.get('source')}), every arm "
-                f"against {report['baseline']}, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
+                f"against {report['baseline']} on {an.get('primary_outcome', 'success')}, every "
+                f"assigned run counted, primary test {REPORT_PRIMARY_TEST}, Holm at alpha "
                 f"{an.get('alpha')}.")
     return ("Not pre-registered: the manifest holds no analysis plan; the default plan was "
             "followed.")
 
 
+def _rpt_primary_table(report: dict) -> ReportTable:
+    """The primary analysis, one row per comparison: every assigned run counted (intention to
+    treat), the estimate with its test-inverted interval, p and Holm p, and the bounds for the runs
+    whose outcome was imputed."""
+    prim = report.get("primary") or {}
+    base, outcome = report["baseline"], prim.get("outcome", "success")
+    rows = []
+    for a, c in (prim.get("comparisons") or {}).items():
+        lo, hi = c["sensitivity"]["worst"]["estimate"], c["sensitivity"]["best"]["estimate"]
+        rows.append([f"{a} vs {base}", c["test"].replace("_", " "), fmt_int(c["tasks_compared"]),
+                     _fmt_diff(c["estimate"]), _fmt_diff_ci(c["ci"]), _fmt_primary(c),
+                     fmt_p(c["p_holm"]), "yes" if c["reject"] else "no",
+                     f"{c['imputed_failures']['arm']}/{c['imputed_failures']['baseline']}",
+                     "-" if lo is None else f"{_fmt_diff(lo)} to {_fmt_diff(hi)}"])
+    fam = (prim.get("multiplicity") or {}).get("family") or []
+    return (f"Primary analysis: {outcome}, every assigned run counted (intention to treat), "
+            f"against {base}",
+            ["Comparison", "Test", "Tasks", "Estimate (mean over tasks)", "95% CI (test inverted)",
+             "p", f"p, Holm over {len(fam)} arm(s)", "Reject",
+             "Imputed failures (arm/base)", "Bounds for those runs (worst to best)"], rows)
+
+
+def _rpt_primary_arm_table(report: dict) -> ReportTable:
+    """Per arm, the primary estimand (the mean over tasks of its success rate, every assigned run
+    counted) with its interval; the pooled rate, its Wilson interval and pass@k are secondary."""
+    pa = (report.get("primary") or {}).get("per_arm") or {}
+    rows = []
+    for a in report["arms"]:
+        s = pa.get(a)
+        if s is None:
+            continue
+        sec = s["secondary"]
+        pk = sec.get("pass_at_k")
+        rows.append([a + (" (baseline)" if a == report["baseline"] else ""), fmt_int(s["tasks"]),
+                     fmt_int(s["runs_counted"]), fmt_int(s["imputed_failures"]), fmt_int(s["excluded"]),
+                     fmt_int(s["pending"]), fmt_pct(s["task_mean_rate"]), _fmt_ci(s["task_mean_ci"]),
+                     fmt_pct(sec["pooled_rate"]), _fmt_ci(sec["pooled_wilson_ci"]),
+                     "-" if not pk else f"pass@{pk['k']} {fmt_pct(pk['estimate'])}"])
+    return ("Primary per arm: mean success rate over tasks, every assigned run counted",
+            ["Arm", "Tasks", "Runs counted", "Imputed failures", "Excluded", "Still to come",
+             "Mean rate over tasks", "95% CI over tasks", "Pooled rate (secondary)",
+             "95% CI (Wilson, secondary)", "pass@k (secondary)"], rows)
+
+
 def _rpt_comparison_table(report: dict) -> ReportTable:
-    """The paired success comparisons against the baseline: the primary test with its Holm
-    adjustment over the family, then the secondary figures (unadjusted)."""
+    """The paired success comparisons against the baseline in the report's view: secondary
+    figures, none adjusted for multiplicity."""
     base = report["baseline"]
     rows = []
     for a, c in report["comparisons"].items():
         mc = c.get("clustered_mcnemar") or {}
-        prim = c.get("primary") or {}
         fl = c.get("flagged_runs") or {}
         rows.append([f"{a} vs {base}", fmt_int(c["tasks_compared"]), _fmt_diff(c["mean_diff"]),
-                     _fmt_diff_ci(c["ci"]), _fmt_se(c.get("se_cluster")), _fmt_primary(prim),
-                     fmt_p(prim.get("p_holm")), f"{c['wins']}/{c['losses']}/{c['ties']}",
+                     _fmt_diff_ci(c["ci"]), _fmt_se(c.get("se_cluster")),
+                     _fmt_primary(c.get("sign_flip")), f"{c['wins']}/{c['losses']}/{c['ties']}",
                      fmt_p(c["sign_test_p"]), fmt_p(mc.get("p")),
                      f"{fl.get('arm', 0)}/{fl.get('baseline', 0)}"])
-    fam = (report.get("multiplicity") or {}).get("families") or {}
-    return (f"Paired comparison against {base} (over tasks)",
+    return (f"Secondary: paired comparison against {base} over evaluated runs "
+            f"({report['primary_view'].replace('_', ' ')})",
             ["Comparison", "Tasks", "Mean diff", "95% CI (bootstrap)", "SE (clustered)",
-             "Primary p (sign-flip)",
-             f"Primary p, Holm over {len(fam.get('success') or [])} arm(s)", "W/L/T",
-             "Sign test p (secondary)", "Clustered McNemar p (secondary)",
+             "Sign-flip p", "W/L/T", "Sign test p", "Clustered McNemar p",
              "Flagged runs (arm/base)"], rows)
 
 
@@ -16979,17 +17686,16 @@ def _rpt_score_cost_table(report: dict) -> ReportTable:
     rows = []
     for a, c in report["comparisons"].items():
         sc, co = c["score"], c["cost_per_run_usd"]
-        prim = sc.get("primary") or {}
         rows.append([f"{a} vs {base}", fmt_int(sc["tasks_compared"]),
                      ("-" if sc["mean_diff"] is None else f"{sc['mean_diff']:+.3f}"),
-                     _fmt_num_ci(sc["ci"], 3), _fmt_primary(prim), fmt_p(prim.get("p_holm")),
+                     _fmt_num_ci(sc["ci"], 3), _fmt_primary(sc.get("sign_flip")),
                      f"{sc['higher']}/{sc['lower']}/{sc['equal']}",
                      fmt_p(sc["sign_test_p"]), fmt_int(co["tasks_compared"]),
                      _fmt_usd_diff(co["mean_diff"]), _fmt_usd_ci(co["ci"]),
                      f"{co['higher']}/{co['lower']}/{co['equal']}", fmt_p(co["sign_test_p"])])
-    return (f"Paired score and cost against {base} (over tasks)",
-            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "Primary p (sign-flip)",
-             "Primary p, Holm", "H/L/E", "Sign test p (secondary)",
+    return (f"Secondary: paired score and cost against {base} (over tasks)",
+            ["Comparison", "Tasks (score)", "Score diff", "95% CI", "Sign-flip p",
+             "H/L/E", "Sign test p",
              "Tasks (cost)", "Cost/run diff", "95% CI", "H/L/E", "Sign test p (secondary)"], rows)
 
 
@@ -17085,7 +17791,8 @@ def _rpt_delivery_tables(report: dict) -> list[tuple[str, list[str], list[list[s
 
 def _rpt_tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """The report's tables as (title, headers, rows of cell strings), shared by md and html."""
-    tables = [_rpt_arm_table(report), _rpt_fate_table(report), _rpt_review_table(report),
+    tables = [_rpt_primary_table(report), _rpt_primary_arm_table(report),
+              _rpt_arm_table(report), _rpt_fate_table(report), _rpt_review_table(report),
               _rpt_comparison_table(report), _rpt_score_cost_table(report),
               _rpt_task_table(report), _rpt_other_view_table(report), _rpt_excluded_table(report)]
     tables += _rpt_audit_tables(report)
@@ -17136,7 +17843,9 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     """The verdict, one line per comparison (arm vs baseline), from the report's figures (pure):
     the primary estimate with its interval, p and Holm p, significant or not, and when not what
     more data the planner says it would take.  Nothing is recomputed but the planner's answer."""
-    comps = report.get("comparisons") if isinstance(report.get("comparisons"), dict) else {}
+    primary = report.get("primary") if isinstance(report.get("primary"), dict) else {}
+    comps = primary.get("comparisons") if isinstance(primary.get("comparisons"), dict) else {}
+    outcome = str(primary.get("outcome") or "success")
     per_arm = report.get("per_arm") if isinstance(report.get("per_arm"), dict) else {}
     base = report.get("baseline")
     analysis = report.get("analysis") if isinstance(report.get("analysis"), dict) else {}
@@ -17152,8 +17861,8 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     for arm, c in comps.items():
         if not isinstance(c, dict):
             continue
-        prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
-        diff, ci = finite_number(c.get("mean_diff")), c.get("ci")
+        prim = c
+        diff, ci = finite_number(c.get("estimate")), c.get("ci")
         if diff is None or int(count_from(c.get("tasks_compared"), hi=10**6)) == 0:
             out.append(f"{arm} vs {base}: no task with runs of both arms yet")
             continue
@@ -17161,7 +17870,7 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
                     if isinstance(ci, list) and len(ci) == 2 and all(is_number(x) for x in ci) else "")
         p, holm = finite_number(prim.get("p")), finite_number(prim.get("p_holm"))
         sig = prim.get("reject") is True
-        line = (f"{arm} vs {base}: success {diff * 100:+.1f} points{interval}, "
+        line = (f"{arm} vs {base}: {outcome} {diff * 100:+.1f} points{interval}, "
                 f"p {fmt_num(p, 3) if p is not None else '-'}, "
                 f"Holm p {fmt_num(holm, 3) if holm is not None else '-'}: "
                 + (f"significant at alpha {alpha:g}" if sig else "not significant"))
@@ -17169,7 +17878,8 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
             arm_view = per_arm.get(arm) or {}
             n = int(count_from(c.get("tasks_compared"), hi=10**6)) or 1
             evaluated = finite_number(arm_view.get("evaluated"))
-            line += "; " + verdict_more_data(c, alpha, family, base_rate,
+            line += "; " + verdict_more_data({"tasks_compared": c.get("tasks_compared"), "mean_diff": diff},
+                                             alpha, family, base_rate,
                                              evaluated / n if evaluated else None)
         out.append(line)
     return out
@@ -20260,10 +20970,24 @@ def assign_power(study: Study, split: str, delta: float, p_base: float, seed: in
             "alpha_family": REPORT_ALPHA, "clustering": clus, "simulation": sim, "notes": notes}
 
 
+def _power_at_repeats(p_base: float, power: Mapping[str, Any], n_tasks: int, repeats: int,
+                      seed: int) -> dict[str, Any] | None:
+    """The primary test's simulated power at the repeats chosen, at the planned difference, with
+    its Monte Carlo standard error (None when no test over the tasks can reach alpha)."""
+    if sign_test_min_p(n_tasks) > power["alpha"]:
+        return None
+    sim = power_simulation(p_base, power["delta"], n_tasks, repeats, power["alpha"],
+                            power["clustering"]["tau"], 400, seed, power["clustering"]["sd_base"])
+    return {"repeats": repeats, "delta": power["delta"], "power": sim["power"]["primary"],
+            "mc_se": sim["mc_se"], "studies": sim["studies"]}
+
+
 def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: float,
-                split: str) -> dict[str, Any]:
-    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats and the
-    study's expected cost there and at the recommended repeats, priced from the study's pilot runs
+                split: str, seed: int = 0) -> dict[str, Any]:
+    """For `assign --power-delta`: the minimum detectable difference at the chosen repeats (by
+    simulation of the primary test, with its Monte Carlo error; the normal approximation beside it,
+    optimistic) and the study's expected cost there and at the recommended repeats, priced from
+    the study's pilot runs
     (finished real runs of other splits with a reported cost), else its rehearsal, else a token
     estimate (see plan_study_cost)."""
     paths, cfg, tasks, arms = study.paths, study.cfg, study.tasks, study.arms
@@ -20282,9 +21006,12 @@ def assign_plan(study: Study, repeats: int, power: Mapping[str, Any], p_base: fl
         return plan_study_cost(shape, len(tasks), r, pilot, reh_arms, cfg.get("model"), cfg.get("prices"))
 
     out = {"repeats": repeats,
-           "minimum_detectable_difference": min_detectable_difference(p_base, len(tasks), repeats,
-                                                                      power["alpha"], power["power"],
-                                                                      power["tau"]),
+           "minimum_detectable_difference": detectable_difference_by_simulation(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], tau=power["clustering"]["tau"],
+               sd_base=power["clustering"]["sd_base"], seed=seed),
+           "minimum_detectable_difference_normal_approximation": min_detectable_difference(
+               p_base, len(tasks), repeats, power["alpha"], power["power"], power["tau"]),
+           "power_at_repeats": _power_at_repeats(p_base, power, len(tasks), repeats, seed),
            "cost_at_repeats": cost(repeats),
            "rehearsal_is_current": bool(reh) and reh.get("config_hash") == study.hash,
            "study_budget_usd": (cfg.get("budget") or {}).get("study_usd")}
@@ -20314,7 +21041,7 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
             raise AgentbenchError("power estimate needs 0 < --power-delta < 1 and 0 <= --power-base <= 1",
                                   code="power_estimate_needs_0_power")
         power = assign_power(study, split, power_delta, power_base, seed)
-        power["plan"] = assign_plan(study, repeats, power, power_base, split)
+        power["plan"] = assign_plan(study, repeats, power, power_base, split, seed)
     manifest = make_assignment(sorted(tasks), sorted(arms), repeats, seed, split)
     # The analysis is fixed with the assignment, before any run: the study's first arm is the
     # baseline, every other arm is compared with it (see analysis_plan).
@@ -20769,6 +21496,24 @@ def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None
     return report, any_started
 
 
+def record_look(paths: StudyPaths, report: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
+    """Log this report in the study as a look when runs are still to come and its data are new
+    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`) with their
+    warning, when there is more than one, in its warnings and notes (see looks_of_record)."""
+    path = paths.state / "looks.jsonl"
+    logged = read_jsonl(path)[0] if path.exists() else []
+    now = look_of_report(report)
+    looks = looks_of_record(logged, now)
+    if write and looks["new"] and now is not None and now["pending"] and paths.state.is_dir():
+        append_jsonl(path, {"at": utc_now(), **now})
+        looks["logged"] = True
+    report["looks"] = looks
+    if looks["warning"]:
+        report.setdefault("warnings", []).append(looks["warning"])
+        report.setdefault("notes", []).insert(0, looks["warning"])
+    return looks
+
+
 EXPORT_FORMATS = ("inspect", "atif", "csv")
 
 #: The columns of `export --format csv`, one row a run, from the run's facts (what the report reads).
@@ -20853,7 +21598,8 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 #: Per arm, the figures `compare` sets side by side (the report's primary view), and per comparison.
 COMPARE_ARM_KEYS = ("runs", "evaluated", "successes", "success_rate", "success_ci", "cost_per_run_usd")
-COMPARE_VS_KEYS = ("mean_diff", "ci", "tasks_compared")
+#: Per comparison, from the report's primary analysis (every assigned run counted).
+COMPARE_VS_KEYS = ("estimate", "ci", "tasks_compared", "p", "p_holm", "reject", "test")
 
 
 def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -20879,10 +21625,10 @@ def compare_reports(named: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str,
             continue
         comparisons[a] = {}
         for name, rep in named:
-            c = (rep.get("comparisons") or {}).get(a) or {}
-            prim = c.get("primary") if isinstance(c.get("primary"), dict) else {}
-            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS}, "p": prim.get("p"),
-                                    "p_holm": prim.get("p_holm"), "significant": prim.get("reject")}
+            prim = rep.get("primary") if isinstance(rep.get("primary"), dict) else {}
+            c = (prim.get("comparisons") or {}).get(a) or {}
+            comparisons[a][name] = {**{k: c.get(k) for k in COMPARE_VS_KEYS},
+                                    "significant": c.get("reject")}
     return {"studies": [n for n, _ in named], "baseline": first.get("baseline"), "tasks": first.get("tasks"),
             "arms": arms, "per_arm": per_arm, "comparisons": comparisons}
 
@@ -22992,6 +23738,7 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
 @args_of(_run_args)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    restore_lost_runs(paths)     # a run whose record was lost is rebuilt, never registered afresh
     study = load_study(paths).load_all()
     ids = select_runs(paths, args.run, args.task, args.arm, args.split)
     parallel = runs_can_start(study, ids, args.parallel, args.force)
@@ -23099,9 +23846,12 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 @args_of(_report_args)
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
+    if not ctx.is_child:
+        restore_lost_runs(paths)   # a lost run record is rebuilt: the report never silently has a run fewer
     cfg = load_study_config(paths)
     report, any_started = study_report(paths, cfg, args.baseline, args.seed, args.split,
                                        write=not ctx.is_child)
+    record_look(paths, report, write=not ctx.is_child)
     report["verdict"] = verdict_lines(report)   # one line per comparison: what the study found
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
     report["grading"] = grading_facts(calibration_state(paths).get("tasks") or {})

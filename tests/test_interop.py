@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ab, run_main
-from interop_consumers import interop_venv, invalid_trajectories, read_inspect_logs
+from interop_consumers import interop_venv, invalid_trajectories, read_inspect_logs, run_in_venv
 
 
 def ev(kind: str, content, parent=None, mid=None, **kw) -> dict:
@@ -284,3 +284,34 @@ def test_every_export_reads_with_a_strict_reader_whatever_the_model_wrote(study,
         assert len(names) == 3
         for name in names:
             _strictly_read(zf.read(name))
+
+
+PYDANTIC_READ = """
+import sys, zipfile, pydantic_core
+for path in sys.argv[1:]:
+    if path.endswith(".eval"):
+        with zipfile.ZipFile(path) as zf:
+            for name in zf.namelist():
+                pydantic_core.from_json(zf.read(name))
+    else:
+        pydantic_core.from_json(open(path, "rb").read())
+print("read")
+"""
+
+
+def test_exports_read_with_pydantic_core(study, tmp_path):
+    """pydantic-core (inspect-ai's and harbor's parser) refuses a lone surrogate even escaped."""
+    venv = interop_venv()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"t": "a\ud800"}))
+    assert "read" not in run_in_venv(venv, PYDANTIC_READ, str(bad)).stdout       # the attack
+    _fake_job(study, "j000001", str(study / "runs" / "x" / "raw" / "01"),
+              _lines([ev("assistant", [{"type": "text", "text": "lone \ud800"}], mid="m1")]))
+    code, out = run_main(["export", "--study", str(study), "--format", "atif", "--out", str(tmp_path / "o")])
+    assert code == 0
+    ab.write_eval_zip(tmp_path / "x.eval", {"eval": {"task": "A\ud800"}, "stats": {"model_usage": {}}},
+                      [{"id": "t", "epoch": 1, "input": "\udc00", "messages": [], "scores": {}, "metadata": {},
+                        "model_usage": {}}])
+    done = run_in_venv(venv, PYDANTIC_READ, str(tmp_path / "o" / "_sessions" / "j000001" / "trajectory.json"),
+                       str(tmp_path / "x.eval"))
+    assert done.returncode == 0 and done.stdout.strip() == "read", done.stderr[-2000:]

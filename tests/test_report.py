@@ -180,10 +180,10 @@ def test_paired_comparison_c_vs_a(report):
     # Bootstrap: a resample mean is 0.5 K / 3 with K ~ Binomial(3, 1/3). P(K = 0) = 8/27 > 2.5%
     # so the lower bound is 0; P(K = 3) = 1/27 = 3.7% > 2.5% so the upper bound is 0.5.
     assert cmp["ci"] == [0.0, 0.5]
-    # Primary: one non-zero difference, so its two sign flips are both as extreme: p = 1, exact.
-    prim = cmp["primary"]
+    # The view's sign-flip (secondary): one non-zero difference, both flips as extreme: p = 1.
+    prim = cmp["sign_flip"]
     assert (prim["p"], prim["method"], prim["assignments"], prim["tasks"]) == (1.0, "exact", "2^1", 3)
-    assert prim["test"] == "paired_sign_flip_over_tasks" and prim["p_holm"] == 1.0
+    assert prim["test"] == "paired_sign_flip_over_tasks" and "p_holm" not in prim
     # se_cluster: diffs 0.5, 0, 0 (mean 1/6): sqrt(((1/3)^2 + 2 (1/6)^2) / (3 * 2)) = sqrt(1/36).
     assert cmp["se_cluster"] == pytest.approx(1 / 6)
     # Clustered McNemar (Obuchowski) over every compared task, no pairing of repeats:
@@ -206,14 +206,16 @@ def test_paired_comparison_with_missing_task_and_empty_arm(report):
     assert (cmp["wins"], cmp["losses"], cmp["ties"]) == (1, 1, 0)
     assert cmp["sign_test_p"] == 1.0
     # Sign flips of (+0.5, -1.0): sums -0.5, 1.5, -1.5, 0.5, all at least 0.5 in size: p = 1.
-    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["tasks"] == 2
+    assert cmp["sign_flip"]["p"] == 1.0 and cmp["clustered_mcnemar"]["tasks"] == 2
     lo, hi = cmp["ci"]
     assert -1.0 <= lo <= -0.25 <= hi <= 0.5
 
     empty = report["comparisons"]["E"]
     assert empty["tasks_compared"] == 0 and empty["mean_diff"] is None
     assert empty["ci"] is None and empty["sign_test_p"] is None and empty["clustered_mcnemar"] is None
-    assert empty["primary"]["p"] is None and empty["primary"]["p_holm"] is None
+    assert empty["sign_flip"]["p"] is None
+    assert report["primary"]["comparisons"]["E"]["p"] is None
+    assert report["primary"]["comparisons"]["E"]["p_holm"] is None
     assert empty["se_cluster"] is None
     assert "A" not in report["comparisons"]
 
@@ -286,7 +288,7 @@ def test_all_tied_comparison():
     assert cmp["mean_diff"] == 0.0 and cmp["ci"] == [0.0, 0.0]
     assert cmp["sign_test_p"] == 1.0
     # No difference anywhere: the primary and the clustered McNemar p are both 1.
-    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] == 1.0
+    assert cmp["sign_flip"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] == 1.0
 
 
 def test_single_task_study():
@@ -298,7 +300,7 @@ def test_single_task_study():
     assert cmp["sign_test_p"] == 1.0
     # One task: the primary test's two flips are equally extreme (p = 1); the clustered McNemar
     # has no variance to estimate from one task.
-    assert cmp["primary"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] is None
+    assert cmp["sign_flip"]["p"] == 1.0 and cmp["clustered_mcnemar"]["p"] is None
     assert any("a single task" in n for n in rep["notes"])
     assert rep["per_arm"]["B"]["success_ci"] == [ab.wilson_interval(2, 2)[0], 1.0]
     assert rep["per_arm"]["A"]["success_ci"][0] == 0.0
@@ -374,19 +376,23 @@ def test_seed_makes_report_reproducible():
 def test_markdown_has_tables_and_notes(report):
     md = ab.render_report_md(report)
     for heading in ("## Results per arm", "## What happened to every run",
-                    "## Paired comparison against A", "## Per task", "## Runs excluded",
+                    "## Secondary: paired comparison against A", "## Per task", "## Runs excluded",
+                    "## Primary analysis: success", "## Primary per arm",
                     "## Notes", "## Methods"):
         assert heading in md
     assert md.count("|---|") >= 6
     # The per-arm row of C: 4 evaluated, 3 successes, 75.0%, its Wilson interval, and a
     # cost marked ~ because part of it is estimated.
-    row = next(line for line in md.splitlines() if line.startswith("| C |"))
+    section = md.split("## Results per arm", 1)[1]
+    row = next(line for line in section.splitlines() if line.startswith("| C |"))
     lo, hi = ab.wilson_interval(3, 4)
     # Then the mean rate over its tasks (t1 2/2, t2 1/1, t3 0/1 -> 66.7%) and its interval.
     assert "| 4 | 3 | 75.0% |" in row and f"[{100 * lo:.1f}%, {100 * hi:.1f}%] | 66.7% | [0.0%, 100.0%] |" in row
     assert "~$2.00" in row
-    # C vs A: mean diff, bootstrap CI, clustered SE 1/6, primary p 1 and its Holm value 1.
-    assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 0.167 | 1.0000 | 1.0000 | 1/0/2 | 1.0000 |" in md
+    # C vs A (secondary): mean diff, bootstrap CI, clustered SE 1/6, sign-flip p 1, no Holm.
+    assert "| C vs A | 3 | +16.7 pts | [+0.0, +50.0] pts | 0.167 | 1.0000 | 1/0/2 | 1.0000 |" in md
+    # C vs A (primary, every run counted): t1 +0.5, t2 -0.5, t3 0 -> 0, p 1, Holm 1, two imputed.
+    assert "| C vs A | sign flip over tasks | 3 | +0.0 pts | [-100.0, +100.0] pts | 1.0000 | 1.0000 | no | 2/0 |" in md
     assert "Pre-registered" not in md and "Not pre-registered" in md
     assert "| t1 | 1/2 (50.0%) | 2/2 (100.0%) | 1/1 (100.0%) | - |" in md
     assert "| r10 | t2 | C | infrastructure_failure | API 529 overloaded |" in md
@@ -622,6 +628,56 @@ def test_paired_score_and_cost_c_vs_a(report):
 
 def test_markdown_shows_the_paired_score_and_cost_table(report):
     md = ab.render_report_md(report)
-    assert "## Paired score and cost against A" in md
+    assert "## Secondary: paired score and cost against A" in md
     row = next(ln for ln in md.splitlines() if ln.startswith("| C vs A |") and "$" in ln)
     assert "+0.125" in row and "+$1.00" in row
+
+
+def test_primary_analysis_counts_every_assigned_run(report):
+    prim = report["primary"]
+    assert prim["population"] == "intention_to_treat" and prim["outcome"] == "success"
+    # C: r10 (an infrastructure failure, not a broken grading) and r12 (never graded) count as
+    # failures: t1 [1, 1], t2 [1, 0], t3 [0, 0] against A's t1 [1, 0], t2 [1, 1], t3 [0, 0].
+    c = prim["comparisons"]["C"]
+    assert c["imputed_failures"] == {"arm": 2, "baseline": 0} and c["excluded"] == {"arm": 0, "baseline": 0}
+    assert (c["design"], c["test"], c["tasks_compared"]) == ("sign_flip", "sign_flip_over_tasks", 3)
+    # Differences +0.5, -0.5, 0: estimate 0; every flip is as extreme: p = 1; with 3 tasks no
+    # shift is rejected (the smallest p is 2/8), so the interval is the whole range.
+    assert c["estimate"] == 0.0 and c["p"] == 1.0 and c["ci"] == [-1.0, 1.0]
+    # Sensitivity: the two imputed runs of C as successes -> t2 [1, 1], t3 [0, 1]: +1/3.
+    assert c["sensitivity"]["best"]["estimate"] == pytest.approx(1 / 3)
+    assert c["sensitivity"]["worst"]["estimate"] == 0.0
+    # D: r13 (degenerate, graded) counts; r16-r18 are still to come.  t1 D [1, 1] vs A [1, 0]
+    # (+0.5), t2 D [0] vs A [1, 1] (-1): unequal runs, so the permutation within tasks.  Its 6 x 3
+    # relabellings (2 of 4 runs of t1 labelled D, 1 of 3 of t2): t1 gives +-0.5 (3 ways each),
+    # t2 gives -1 (1 way) or +0.5 (2 ways); |sum| >= 0.5 in 12 of 18: p = 2/3.
+    d = prim["comparisons"]["D"]
+    assert (d["design"], d["method"], d["tasks_compared"]) == ("permutation", "exact", 2)
+    assert d["estimate"] == -0.25 and d["p"] == pytest.approx(2 / 3)
+    assert d["tasks_left_out"] == ["t3"] and prim["per_arm"]["D"]["pending"] == 3
+    # Holm over the family (C, D, E without a task: p = 1 in the family's size).
+    assert [prim["comparisons"][a]["p_holm"] for a in "CD"] == [1.0, 1.0]
+    assert prim["multiplicity"]["family"] == ["C", "D", "E"]
+    # Per arm: the task-mean rate leads; A t1 1/2, t2 2/2, t3 0/2 -> 0.5; pass@2 (2 runs a task):
+    # t1 1 - C(1,2)/C(2,2) = 1, t2 1, t3 0 -> 2/3.
+    a = prim["per_arm"]["A"]
+    assert a["task_mean_rate"] == 0.5 and a["secondary"]["pass_at_k"] == {"k": 2, "estimate": 2 / 3}
+    assert prim["per_arm"]["C"]["imputed_failures"] == 2
+    assert any(n.startswith("primary, C vs A: 2 and 0 run(s) without a valid outcome count as failures")
+               for n in report["notes"])
+
+
+@pytest.mark.parametrize("status,validity,reason,evaluated,want", [
+    ("not_started", None, None, False, "pending"),
+    ("running", None, None, False, "pending"),
+    ("interrupted", "valid", None, False, "pending"),
+    ("finished", "valid", None, True, "valid"),
+    ("finished", None, None, True, "valid"),
+    ("finished", "degenerate", "no tool call", True, "valid"),
+    ("finished", "valid", None, False, "lost"),
+    ("error", "infrastructure_failure", "API 529 overloaded", False, "lost"),
+    ("finished", "infrastructure_failure", "grader_error: the reference fails too", False, "excluded"),
+    ("finished", "tainted", "saw hidden tests", True, "lost"),
+])
+def test_how_a_run_counts_in_the_primary_analysis(status, validity, reason, evaluated, want):
+    assert ab.itt_class(status, validity, reason, evaluated) == want

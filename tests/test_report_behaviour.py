@@ -142,7 +142,7 @@ def test_all_excluded_arm_warns_in_every_format(rep):
     assert rep["notes"][0] == w
     assert json.loads(json.dumps(rep, allow_nan=False))["warnings"] == [w]
     md = ab.render_report_md(rep)
-    head = md.split("## ", 1)[0]   # before the first table: prominent
+    head = md.split("## Primary analysis", 1)[0]   # before the first table: prominent
     assert "> **Warning:** DIFFERENTIAL EXCLUSIONS" in head and "idle" in head
     page = ab.render_report_html(rep)
     m = re.search(r'<div class="warning" role="alert">(.*?)</div>', page)
@@ -173,7 +173,8 @@ def test_no_warning_when_exclusions_do_not_depend_on_the_arm():
 
 def test_include_excluded_warning_says_the_primary_view_has_every_run():
     rep = ab.build_report(behaviour_runs(), ARMS, include_excluded=True)
-    assert "the primary view already includes every run" in rep["warnings"][0]
+    assert "the secondary view shown already includes every run" in rep["warnings"][0]
+    assert "the primary analysis counts every run (intention to treat)" in rep["warnings"][0]
 
 
 # ---- multiplicity ----------------------------------------------------------------------------------
@@ -189,24 +190,27 @@ def test_holm_adjusted_p_values_by_hand():
             runs.append(run(f"{arm}{i}", t, arm, 1, success=i < w))
     rep = ab.build_report(runs, ["A", "B", "C", "D"])
     cmp = rep["comparisons"]
+    prim = rep["primary"]["comparisons"]
     # Primary: B has six differences of +1, so only the all-plus and all-minus flips reach
     # |sum| = 6: 2/64 = 0.03125; C five (and a zero) -> 2/32 = 0.0625; D three -> 2/8 = 0.25.
-    assert [cmp[a]["primary"]["p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
+    assert [prim[a]["p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
+    assert [cmp[a]["sign_flip"]["p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
     # Holm, m = 3: B 3 * 0.03125 = 0.09375; C max(0.09375, 2 * 0.0625) = 0.125; D max(.., 0.25).
-    assert [cmp[a]["primary"]["p_holm"] for a in "BCD"] == [0.09375, 0.125, 0.25]
-    assert [cmp[a]["primary"]["reject"] for a in "BCD"] == [False, False, False]
+    assert [prim[a]["p_holm"] for a in "BCD"] == [0.09375, 0.125, 0.25]
+    assert [prim[a]["reject"] for a in "BCD"] == [False, False, False]
+    # One family: the primary outcome only; the views' tests carry no Holm value.
+    assert "p_holm" not in cmp["B"]["sign_flip"] and "p_holm" not in cmp["B"]["score"]["sign_flip"]
     # The sign test gives the same p here; it is secondary and not adjusted.
     assert [cmp[a]["sign_test_p"] for a in "BCD"] == [0.03125, 0.0625, 0.25]
     assert "sign_test_p_holm" not in cmp["B"]
-    assert rep["multiplicity"] == {"method": "holm", "alpha": 0.05, "test": "paired_sign_flip_over_tasks",
-                                   "families": {"success": ["B", "C", "D"], "score": ["B", "C", "D"]},
-                                   "secondary_unadjusted": ["sign_test", "clustered_mcnemar"]}
+    assert rep["multiplicity"] == {"method": "holm", "alpha": 0.05, "family": ["B", "C", "D"],
+                                   "outcome": "success"}
     assert any("Holm-adjusted over the family of every arm against A (B, C, D)" in n for n in rep["notes"])
     md = ab.render_report_md(rep)
-    assert "Primary p, Holm over 3 arm(s)" in md
+    assert "p, Holm over 3 arm(s)" in md
     row = next(line for line in md.splitlines() if line.startswith("| B vs A |"))
     assert "0.0312" in row and "0.0938" in row
-    assert "Primary p, Holm over 3 arm(s)" in ab.render_report_html(rep)
+    assert "p, Holm over 3 arm(s)" in ab.render_report_html(rep)
 
 
 def test_holm_and_fisher_functions_by_hand():
@@ -243,7 +247,8 @@ def test_markdown_and_html_name_flagged_runs_by_kind(rep):
     assert row.split(" | ")[1:5] == ["4", "4", "3", "1"]   # runs, audited, flagged, flagged successes
     assert "| g-t1-1 | t1 | gaming | 1 | success | no | edited public tests or checks x1 |" in md
     assert "| e-t2-1 | t2 | escaping | 1 | failure | no | paths outside the workspace x1, study or state files x1 |" in md
-    per_arm = next(line for line in md.splitlines() if line.startswith("| gaming |") and "%" in line)
+    section = md.split("## Results per arm", 1)[1]
+    per_arm = next(line for line in section.splitlines() if line.startswith("| gaming |") and "%" in line)
     assert per_arm.rstrip(" |").endswith("3 (1 success)")
     assert any("arm gaming: 1 success(es) come from flagged runs (g-t1-1)" in n for n in rep["notes"])
     assert any("gaming vs honest: the comparison contains 3 flagged run(s)" in n for n in rep["notes"])

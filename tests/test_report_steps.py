@@ -168,11 +168,11 @@ def test_report_arms_refusals(runs, arms, baseline, code):
 
 
 def test_multiplicity_note_only_when_a_family_has_two_arms():
-    assert ab._rpt_multiplicity_note({"success": ["b"], "score": ["b"]}, "a") is None
-    assert ab._rpt_multiplicity_note({"success": [], "score": []}, "a") is None
-    note = ab._rpt_multiplicity_note({"success": ["b", "c"], "score": ["b", "c"]}, "a")
-    assert note.startswith("multiple comparisons: the primary p-values are Holm-adjusted over the "
-                           "family of every arm against a (b, c)")
+    assert ab._rpt_multiplicity_note({"family": ["b"], "outcome": "success"}, "a") is None
+    assert ab._rpt_multiplicity_note({"family": [], "outcome": "success"}, "a") is None
+    note = ab._rpt_multiplicity_note({"family": ["b", "c"], "outcome": "success"}, "a")
+    assert note.startswith("multiple comparisons: the primary p-values (success) are Holm-adjusted "
+                           "over the family of every arm against a (b, c)")
     assert "secondary and not adjusted" in note
 
 
@@ -220,9 +220,14 @@ def _runs() -> list[dict]:
 def test_tables_come_in_a_fixed_order_and_snapshots_only_when_graded():
     report = ab.build_report(_runs(), ["a", "b"], seed=1)
     titles = [t for t, _, _ in ab._rpt_tables(report)]
-    assert titles == ["Results per arm", "What happened to every run",
-                      "Reviews, gate cycles and failure reasons", "Paired comparison against a (over tasks)",
-                      "Paired score and cost against a (over tasks)", "Per task (successes/evaluated)",
+    assert titles == ["Primary analysis: success, every assigned run counted (intention to treat), "
+                      "against a",
+                      "Primary per arm: mean success rate over tasks, every assigned run counted",
+                      "Results per arm", "What happened to every run",
+                      "Reviews, gate cycles and failure reasons",
+                      "Secondary: paired comparison against a over evaluated runs (exclusions applied)",
+                      "Secondary: paired score and cost against a (over tasks)",
+                      "Per task (successes/evaluated)",
                       "With every run included (no validity exclusions)", "Runs excluded by validity label",
                       "Behaviour audit per arm (every run, excluded ones too; runs with a finding "
                       "of each kind)",

@@ -134,8 +134,10 @@ def test_compare_sets_two_studies_side_by_side(tmp_path: Path, fake_env) -> None
     for study in (one, two):
         code, rep = run_main(["report", "--study", str(study)])
         assert out["per_arm"]["B"][str(study)]["success_rate"] == rep["per_arm"]["B"]["success_rate"]
-        assert out["comparisons"]["B"][str(study)]["p_holm"] == rep["comparisons"]["B"]["primary"]["p_holm"]
-        assert out["comparisons"]["B"][str(study)]["ci"] == rep["comparisons"]["B"]["ci"]
+        prim = rep["primary"]["comparisons"]["B"]
+        assert out["comparisons"]["B"][str(study)]["p_holm"] == prim["p_holm"]
+        assert out["comparisons"]["B"][str(study)]["ci"] == prim["ci"]
+        assert out["comparisons"]["B"][str(study)]["estimate"] == prim["estimate"]
     assert out["per_arm"]["B"][str(one)]["success_rate"] == 1.0
     assert out["per_arm"]["B"][str(two)]["success_rate"] == 0.5
     # Studies of other arms are refused by name; one study alone too.
@@ -266,12 +268,12 @@ def test_the_verdict_is_one_line_per_comparison_from_the_report_s_figures(tmp_pa
     study = finished_study(tmp_path / "s", fake_env, win=1.0)   # B always, A half the time: +50 points
     code, rep = run_main(["report", "--study", str(study)])
     assert code == 0, rep
-    c = rep["comparisons"]["B"]
+    c = rep["primary"]["comparisons"]["B"]
     [line] = rep["verdict"]
-    assert line.startswith(f"B vs A: success {c['mean_diff'] * 100:+.1f} points "
+    assert line.startswith(f"B vs A: success {c['estimate'] * 100:+.1f} points "
                            f"[{c['ci'][0] * 100:+.1f}, {c['ci'][1] * 100:+.1f}], ")
-    assert f"p {ab.fmt_num(c['primary']['p'], 3)}, Holm p {ab.fmt_num(c['primary']['p_holm'], 3)}" in line
-    assert c["primary"]["reject"] is True and line.endswith("significant at alpha 0.05"), line
+    assert f"p {ab.fmt_num(c['p'], 3)}, Holm p {ab.fmt_num(c['p_holm'], 3)}" in line
+    assert c["reject"] is True and line.endswith("significant at alpha 0.05"), line
     code, md = run_main(["report", "--study", str(study), "--format", "md"])
     text = md["markdown"]
     first_table = min(i for i, ln in enumerate(text.splitlines()) if ln.startswith("|"))
@@ -344,3 +346,45 @@ def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) 
                               "(add an arm to study.json to compare it with this baseline)"]
     code, md = run_main(["report", "--study", str(study), "--format", "md"])
     assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
+
+
+def _chromium() -> str | None:
+    import shutil
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
+                None)
+
+
+def test_the_html_report_opens_with_the_verdict_in_the_first_screen_at_1280_px(tmp_path: Path, fake_env) -> None:
+    """Headless Chromium at 1280 x 900: the verdict section is laid out inside the first screen,
+    above every chart and table, no wider than the window; and the screenshot is taken."""
+    import re
+    import subprocess
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)
+    page = tmp_path / "report.html"
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(page)])
+    assert code == 0, out
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "first-screen.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
+    assert shot.exists() and shot.stat().st_size > 1000
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace(
+        "</body>", "<script>var v=document.querySelector('section.verdict').getBoundingClientRect();"
+                   "var firsts=[...document.querySelectorAll('svg,table')].map(e=>e.getBoundingClientRect().top);"
+                   "var li=[...document.querySelectorAll('section.verdict li')].map(e=>e.textContent);"
+                   "document.title=JSON.stringify({top:v.top,bottom:v.bottom,right:v.right,"
+                   "first_chart:Math.min(...firsts),lines:li});</script></body>"))
+    proc = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                          timeout=180)
+    title = re.search(r"<title>(.*?)</title>", proc.stdout, re.S)
+    assert title, proc.stderr[-2000:]
+    got = json.loads(title.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<")
+                     .replace("&gt;", ">").replace("&#x27;", "'").replace("&#39;", "'"))
+    assert 0 <= got["top"] < got["bottom"] <= 900, got       # wholly inside the first screen
+    assert got["right"] <= 1280 and got["bottom"] <= got["first_chart"], got
+    code, rep = run_main(["report", "--study", str(study)])
+    assert got["lines"] == rep["verdict"], got
