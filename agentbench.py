@@ -12945,7 +12945,7 @@ class RunPipeline:
             # Which run this is, in words a person follows: its task, arm and attempt, then the
             # event's own fields (those without a value left out).
             about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
-                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+                     "attempt": self.rec.get("attempt")} if isinstance(self.rec, dict) else {}
             shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
             self.opts.progress(f"{self.run_id} {event} "
                                + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
@@ -21592,7 +21592,12 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
            "flagged": audit["flagged"] if audit["audited"] else None,
            "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
            if isinstance(findings, list) else [],
-           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+           "attempt": rec.get("attempt"),
+           "earlier_attempts": [{k: a.get(k) for k in ("attempt", "reason", "cost_usd")
+                                 if a.get(k) is not None}
+                                for a in rec.get("attempts") or [] if isinstance(a, Mapping)] or None,
+           "cost_all_attempts_usd": run_attempts_cost_usd(rec) if rec.get("attempts") else None}
     return {k: v for k, v in out.items() if v is not None}
 
 
