@@ -233,3 +233,20 @@ def test_a_hostile_task_copies_no_host_file_and_fills_nothing(tmp_path):
     assert not (bundle / "oracle" / "tests" / ".git").exists()
     assert not (bundle / "reference" / "solution" / "__pycache__").exists()
     assert total < 2 ** 20
+
+
+def test_a_task_deeper_than_the_copy_rules_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """A tree the plan's walk accepts but the copy rules do not (deeper than COPY_MAX_DEPTH):
+    refused as the task's fault, naming its directory, and no bundle nor staging is left."""
+    dirs = _copy_tasks(tmp_path, GOOD[:1])
+    deep = Path(dirs[0]) / "tests"
+    for _ in range(ab.COPY_MAX_DEPTH + 5):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "x.txt").write_text("x")
+    # the attack is set up: the plan itself finds nothing wrong with the directory
+    assert ab.plan_harbor_task(Path(dirs[0]), "host", None)["problems"] == []
+    code, out = run_main(["import-tasks", "--from", "harbor", *dirs, "--tasks", str(tmp_path / "tasks")])
+    assert code == 2 and out["code"] == "harbor_task_refused", out
+    assert "nested_too_deep" in out["refused"][dirs[0]][0], out
+    assert list((tmp_path / "tasks").iterdir()) == []

@@ -210,6 +210,11 @@ def test_the_oracles_copy_is_made_inside_its_sandbox_on_its_own_sized_tmpfs(tmp_
     from test_experiment import tiny_study
     study = tiny_study(tmp_path / "s", sandbox="bwrap", copy_total_mb=2)
     (study / "tasks" / "tiny" / "oracle" / "run.py").write_text(ORACLE_PROBE)
+    # a harness that runs the inner sandbox ({sandbox_run}) gets its copy outside: this one does not
+    tj = study / "tasks" / "tiny" / "task.json"
+    spec = json.loads(tj.read_text())
+    spec["oracle"]["cmd"] = [a for a in spec["oracle"]["cmd"] if a != "{sandbox_run}"]
+    tj.write_text(json.dumps(spec))
     paths = ab.StudyPaths(study)
     task = ab.load_tasks(paths, json.loads((study / "study.json").read_text()))["tiny"]
     ws = tmp_path / "ws"
