@@ -110,6 +110,9 @@ def test_a_study_mixing_a_harbor_task_in_its_image_and_a_bwrap_task_rehearses_as
     env_run, host_run = by_task[ENV_TASK], by_task[TASK]
     assert env_run["environment"]["runtime"] == "podman" and env_run["environment"]["sha256"]
     assert env_run["environment"]["image"] == ab.built_image_tag(env_run["environment"]["sha256"])
+    # the image id pins what ran (the tag names the build context; its FROM image may move)
+    assert env_run["environment"]["image_id"] == out["environments"][ENV_TASK]["image_id"]
+    assert ab.container_image_id(podman, env_run["environment"]["image"], os.environ) == env_run["environment"]["image_id"]
     assert "environment" not in host_run
     assert env_run["sandbox"]["kinds"] == ["container"] and env_run["sandbox"]["sandboxed"]
     assert host_run["sandbox"]["kinds"] == ["bwrap"] and host_run["sandbox"]["sandboxed"]
@@ -175,7 +178,16 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
         (where / "planted-secret.txt").write_text(tok + "\n")
         tokens[str(where)] = tok
     assert all(Path(w, "planted-secret.txt").read_text().strip() == t for w, t in tokens.items())
-    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    # A listener of the host's loopback standing in for anything else on this machine; it works
+    # from here (the attack is set up), and must receive nothing from the session.
+    import socket
+    host_lis = socket.socket()
+    host_lis.bind(("127.0.0.1", 0))
+    host_lis.listen(8)
+    host_lis.settimeout(5)
+    port = host_lis.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        host_lis.accept()[0].close()
     (root / "public" / "TASK.md").write_text((root / "public" / "TASK.md").read_text()
                                              + "\n[agentbench-script:probe]\n")
     grab = " ".join(f"{w}/planted-secret.txt" for w in tokens)
@@ -205,7 +217,13 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
     assert "/app" in text and "Debian" in text
     for where, tok in tokens.items():
         assert tok not in text, f"the session read the planted secret in {where}"
-    assert "HOSTPORT 0" not in text and "HOSTPORT" in text       # the host's loopback: refused
+    # the host's listener got nothing (a connect that succeeds inside can only have met a
+    # listener of the container's own loopback, such as its relay, on the same number)
+    assert "HOSTPORT" in text
+    host_lis.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        host_lis.accept()
+    host_lis.close()
     assert "OUTSIDE 0" not in text and "OUTSIDE" in text
     assert int(text.split("PIDS ")[1].split("\\n")[0]) <= 12, text    # its own pid namespace
     assert "started" in text
@@ -217,7 +235,8 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
     while [p for p in _sleepers() if p not in before] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in _sleepers() if p not in before]
-    name = ab.container_name("session", job)
+    name = result["sandbox"]["container"]
+    assert name == ab.container_name("session", ab.job_mark(ab.StudyPaths(study), job))
     gone = subprocess.run([podman, "container", "inspect", name], capture_output=True)
     assert gone.returncode != 0, gone.stdout[:500]
 
@@ -262,3 +281,50 @@ def test_the_sandbox_attacks_on_a_check_fail_in_its_container_too(tmp_path, podm
         assert rec["receipt_channel"] == "fd" and rec["sandbox"]["kind"] == "container"
         assert _digest(paths.state) == before_state
         assert _digest(ws) == before_ws   # the oracle graded a copy
+
+
+def test_a_session_whose_supervisor_died_is_killed_with_its_container(tmp_path, real_claude, server, podman):
+    """The supervisor and the container's monitor are killed outright mid-session (no sweep, no
+    clean-up of the runtime's own): `kill` still ends the session's processes and removes its
+    container by the name its runtime record gives."""
+    import signal
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False,
+                       env={"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "offline-not-a-secret",
+                            "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
+                            "AGENTBENCH_OFFLINE": "1"})
+    shutil.rmtree(study / "tasks" / TASK)
+    task = ab.load_task(add_env_task(study / "tasks"))
+    server.add_script("hang", {"steps": [
+        {"text": "Waiting.", "tool_uses": [{"name": "Bash", "input": {"command": f"echo waiting; sleep {SLEEP_S}; echo done",
+                                                                        "timeout": 600000}}]},
+        {"text": "Done."}]})
+    paths = ab.StudyPaths(study)
+    cfg = ab.load_study_config(paths)
+    host = ab.Host(ab.current_platform(), cli_env())
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    req = ab.JobRequest(kind="executor", prompt="Go. [agentbench-script:hang]", cwd=str(ws),
+                        limits=ab.launch_limits(ab.launch_config(cfg), ab.LaunchFlags()),
+                        container=ab.ensure_task_image(task, cfg, cli_env()))
+    before = set(_sleepers())
+    job = ab.start_job(host, paths, req, cfg=cfg)["job_id"]
+    deadline = time.monotonic() + 120
+    while not [p for p in _sleepers() if p not in before] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert [p for p in _sleepers() if p not in before], "the session's sleep never started"
+    runtime = json.loads(paths.runtime_file(job).read_text())
+    name = runtime["sandbox"]["container"]
+    assert name == ab.container_name("session", ab.job_mark(paths, job))
+    conmon = subprocess.run([podman, "container", "inspect", "--format", "{{.State.ConmonPid}}", name],
+                            capture_output=True, text=True)
+    assert conmon.returncode == 0 and int(conmon.stdout.strip()) > 0, conmon
+    # the supervisor and the runtime's monitor of the container both gone: nobody cleans up but kill
+    os.kill(runtime["supervisor"]["pid"], signal.SIGKILL)
+    os.kill(int(conmon.stdout.strip()), signal.SIGKILL)
+    code, out, err = run_cli(["kill", "--study", str(study), "--job", job], cli_env(), timeout=180)
+    assert code == 0 and out["jobs"][0]["status"] == "killed" and out["clean"], (out, err[-2000:])
+    deadline = time.monotonic() + 30
+    while [p for p in _sleepers() if p not in before] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in _sleepers() if p not in before]
+    assert subprocess.run([podman, "container", "inspect", name], capture_output=True).returncode != 0

@@ -56,7 +56,8 @@ def make_task(tasks_dir: Path, task_id: str, *, task_md: str = "Set VALUE to 42 
     write_json(root / "task.json", {
         "id": task_id, "title": f"Tiny task {task_id}",
         "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"], "timeout_s": 60},
-        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}"], "timeout_s": 60, "threshold": threshold}})
+        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "{sandbox_run}"], "timeout_s": 60,
+                   "threshold": threshold}})
     (root / "public" / "tests").mkdir(parents=True)
     (root / "public" / "TASK.md").write_text(task_md)
     (root / "public" / "sol.py").write_text("VALUE = 0\n")
@@ -66,10 +67,19 @@ def make_task(tasks_dir: Path, task_id: str, *, task_md: str = "Set VALUE to 42 
     (root / "gate").mkdir()
     (root / "gate" / "test_sol.py").write_text((root / "public" / "tests" / "test_sol.py").read_text())
     (root / "oracle").mkdir()
+    # The code under test runs only through the inner sandbox's helper, in a copy of sol.py; the
+    # expected value stays here (the rules of a hidden-test harness: every oracle probe is held).
     (root / "oracle" / "run.py").write_text(
-        "import json, sys, runpy, os\n"
-        "ws = sys.argv[1]\n"
-        "ok = runpy.run_path(os.path.join(ws, 'sol.py')).get('VALUE') == 42\n"
+        "import json, os, shutil, subprocess, sys, tempfile\n"
+        "ws, helper = sys.argv[1], sys.argv[2]\n"
+        "d = tempfile.mkdtemp(prefix='.check-', dir=ws)\n"
+        "if os.path.isfile(os.path.join(ws, 'sol.py')):\n"
+        "    shutil.copy(os.path.join(ws, 'sol.py'), d)\n"
+        "p = subprocess.run([sys.executable, helper, '--dir', d, '--timeout', '30', '--', sys.executable, '-I',\n"
+        "                    '-c', 'import sys; sys.path.insert(0, \"\"); import sol; print(repr(sol.VALUE))'],\n"
+        "                   capture_output=True, text=True, stdin=subprocess.DEVNULL)\n"
+        "shutil.rmtree(d, ignore_errors=True)\n"
+        "ok = p.returncode == 0 and p.stdout.strip().splitlines()[-1:] == ['42']\n"
         "print(json.dumps({'passed': ok, 'score': 1.0 if ok else 0.0, 'tests_passed': int(ok), 'tests_total': 1}))\n")
     (root / "reference").mkdir()
     (root / "reference" / "sol.py").write_text("VALUE = 42\n")
@@ -147,8 +157,10 @@ def test_calibrate_passes_the_example_study_and_records_it(calibrated):
     for tid, res in out["tasks"].items():
         assert res["ok"] is True, (tid, res["problems"])
         assert res["problems"] == []
-        # twice on the reference, both passing the gate and the hidden tests; the starter fails them
-        assert [r["attempt"] for r in res["reference"]] == [1, 2]
+        # calibration_attempts times on the reference, each passing the gate and the hidden tests;
+        # the starter fails them; every oracle probe is held
+        assert [r["attempt"] for r in res["reference"]] == [1, 2, 3]
+        assert {p["verdict"] for p in res["oracle_probes"]} == {"held"}, res["oracle_probes"]
         assert all(r["gate_passed"] and r["oracle_success"] for r in res["reference"])
         assert res["starter_oracle_score"] < 1.0
         assert res["partial_gate_passed"] is False       # every example has a partial/ that fails
@@ -829,6 +841,66 @@ def test_wait_all_says_how_many_runs_are_pending_when_it_times_out(tmp_path, fak
     code, out = run_main(["wait", "--study", str(study), "--all", "--timeout", "0"], env=fake_env)
     assert code == 3 and out["met"] is False, out
     assert out["run_states"] == {"final": 0, "running": 0, "pending": 1} and rid in out["pending"]
+
+
+def test_a_lost_run_record_is_rebuilt_never_registered_again_nor_run_twice(tmp_path, fake_env):
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"))
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    code, out = run_main(["run", "--study", str(study), "--run", rid, "--force"], env=fake_env)
+    assert code == 0 and out["ran"] == [rid], out
+    done = run_record(study, rid)
+    jobs_before = sorted(p.name for p in (study / "state" / "jobs").iterdir())
+    assert done["status"] == "finished" and done["jobs"]
+    (study / "state" / "runs" / f"{rid}.json").unlink()
+    # assign --force does not register it afresh: it is rebuilt from its jobs and manifest entry
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    rec = run_record(study, rid)
+    assert rec["status"] == "not_started" and rec["resume"] == "grade"
+    assert [j["job_id"] for j in rec["jobs"]] == [j["job_id"] for j in done["jobs"]]
+    # and `run` grades it as it stands: no second session
+    code, out = run_main(["run", "--study", str(study), "--run", rid, "--force"], env=fake_env)
+    assert code == 0 and out["ran"] == [rid], out
+    rec = run_record(study, rid)
+    assert rec["status"] == "finished" and rec["outcome"] == done["outcome"]
+    assert sorted(p.name for p in (study / "state" / "jobs").iterdir()) == jobs_before
+    # The same through `report` alone: the run is not silently missing.
+    (study / "state" / "runs" / f"{rid}.json").unlink()
+    code, out = run_main(["report", "--study", str(study)], env=fake_env)
+    assert code == 0, out
+    assert (study / "state" / "runs" / f"{rid}.json").exists()
+
+
+def test_a_driver_whose_study_was_removed_stops_with_one_error_and_writes_nothing(tmp_path, fake_env):
+    from conftest import AGENTBENCH
+    study = tiny_study(tmp_path / "s", tasks=("t1", "t2"), parallel=1)
+    for t in ("t1", "t2"):
+        md = study / "tasks" / t / "public" / "TASK.md"
+        md.write_text(md.read_text() + "\nFAKE: sleep=2\n")
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=fake_env)
+    assert code == 0, out
+    driver = subprocess.Popen([sys.executable, str(AGENTBENCH), "run", "--study", str(study), "--force"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fake_env)
+    deadline = time.monotonic() + 120
+    # Mid-run: a session's supervisor is running (it wrote its runtime record).
+    while not list((study / "state" / "jobs").glob("j*/runtime.json")):
+        assert time.monotonic() < deadline and driver.poll() is None, "no session started"
+        time.sleep(0.05)
+    shutil.rmtree(study)
+    stdout, stderr = driver.communicate(timeout=300)
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert driver.returncode == 2 and len(lines) == 1, (stdout, stderr[-2000:])
+    assert json.loads(lines[0])["code"] == "study_removed", lines
+    # Its session ends with its driver; nothing of the study comes back.
+    deadline = time.monotonic() + 60
+    while any(str(study) in (Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                             if Path(f"/proc/{p}/cmdline").exists() else "")
+              for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        assert time.monotonic() < deadline, "a process of the removed study is left"
+        time.sleep(0.2)
+    assert not study.exists(), sorted(str(p) for p in study.rglob("*"))[:20]
 
 
 def test_rehearse_refuses_bad_behaviours_faults_and_a_used_directory(roman, fake_env, tmp_path):

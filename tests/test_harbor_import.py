@@ -159,13 +159,25 @@ def test_calibration_of_the_three_harbor_tasks(tmp_path):
     assert code == 0
     study = _study_with(tmp_path, tmp_path / "tasks")
     code, cal = run_main(["calibrate", "--study", str(study)])
+    # fix-mean's verifier runs pytest in the process that imports the code under test and reads
+    # its exit status: a solution that exits 0 at import forges a pass, and calibrate says so.
+    assert code == 2 and cal["code"] == "oracle_forgeable", cal
+    assert "exit_at_import" in cal["forged_probes"]["fix-mean"], cal["forged_probes"]
+    probes = {p["name"]: p["verdict"] for p in cal["tasks"]["fix-mean"]["oracle_probes"]}
+    assert set(probes) == set(ab.ORACLE_PROBES) and probes["exit_at_import"] == "forged"
+    assert "{sandbox_run}" in cal["hint"]
+    # Accepted by the study: the rest of calibration as before, the acceptance recorded.
+    cfg = json.loads((study / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps({**cfg, "accept_forgeable_oracles": True}))
+    code, cal = run_main(["calibrate", "--study", str(study)])
     # One task fails: calibrate exits 2 naming it, with every task's result in the answer.
     assert code == 2 and cal["code"] == "calibration_failed" and cal["failed"] == [NEEDS_IMAGE], cal
     assert cal["uncalibrated"] == [NEEDS_IMAGE]
+    assert cal["tasks"]["fix-mean"]["forgeable_accepted"] is True
     for name in GOOD:
         t = cal["tasks"][name]
         assert t["ok"] and t["starter_oracle_score"] < 1.0, t
-        assert [r["oracle_score"] for r in t["reference"]] == [1.0, 1.0]
+        assert [r["oracle_score"] for r in t["reference"]] == [1.0] * ab.CALIBRATION_ATTEMPTS_DEFAULT
     bad = cal["tasks"][NEEDS_IMAGE]
     text = " | ".join(bad["problems"])
     assert not bad["ok"] and "pyfiglet" in text and "this host lacks what its environment gave it" in text

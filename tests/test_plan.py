@@ -13,6 +13,21 @@ from conftest import run_main
 from test_experiment import copy_example
 
 
+def test_detectable_difference_by_simulation_has_the_power_it_claims():
+    # 12 tasks x 3 repeats: the difference found has simulated power >= 0.8 and one step below it
+    # does not; the normal approximation's difference is smaller (optimistic): its simulated power
+    # falls short of 0.8.
+    got = ab.detectable_difference_by_simulation(0.5, 12, 3, 0.05, 0.8, tau=0.1, sd_base=0.15,
+                                                 n_sim=300, seed=4, steps=8)
+    d = got["increase"]
+    assert d is not None and got["increase_power"] >= 0.8 and got["increase_mc_se"] > 0
+    below = ab.power_simulation(0.5, d - 1 / 256, 12, 3, 0.05, 0.1, 300, 4, 0.15)
+    assert below["power"]["primary"] < 0.8
+    normal = ab.min_detectable_difference(0.5, 12, 3, tau=0.1)["increase"]
+    at_normal = ab.power_simulation(0.5, normal, 12, 3, 0.05, 0.1, 300, 4, 0.15)
+    assert normal < d and at_normal["power"]["primary"] < 0.8
+
+
 def test_minimum_detectable_difference_by_hand():
     # p0 = 0.5 makes the linear term vanish: d = sqrt((2 p0 q0 / r) / (n / K + 1 / r)).
     # K = (1.959964 + 0.841621)^2 = 7.848879; n / K = 1.274067; + 1/4 = 1.524067;
@@ -77,8 +92,12 @@ def test_assign_prices_the_plan_from_a_pilot(tmp_path):
     assert plan["repeats"] == 3
     # No pilot with evaluations: the default between-task sd of the effect, stated.
     assert out["power"]["clustering"]["tau_basis"] == "default"
-    assert plan["minimum_detectable_difference"] == ab.min_detectable_difference(
+    assert plan["minimum_detectable_difference_normal_approximation"] == ab.min_detectable_difference(
         0.5, 1, 3, tau=ab.POWER_DEFAULT_TAU)
+    # By simulation: with one task no test over tasks reaches 0.05, so nothing is detectable.
+    mdd = plan["minimum_detectable_difference"]
+    assert (mdd["increase"], mdd["decrease"]) == (None, None) and mdd["method"].startswith("simulation")
+    assert plan["power_at_repeats"] is None
     cost = plan["cost_at_repeats"]
     # 1 task x 3 repeats per arm: A at 0.5 per run, B at 3.0 per run -> 1.5 + 9.0.
     assert cost["per_arm"]["A"]["basis"] == "pilot" and cost["per_arm"]["A"]["cost_per_run_usd"] == 0.5

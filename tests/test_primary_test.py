@@ -12,6 +12,8 @@ import json
 import math
 import random
 
+import pytest
+
 import agentbench as ab
 from test_report import run
 
@@ -155,3 +157,59 @@ def test_a_monte_carlo_primary_p_is_marked_with_its_standard_error():
     assert f"~{ab.fmt_p(prim['p'])} (MC se " in md
     assert any(n.startswith("B vs A: too many distinct task differences in score") and "Monte Carlo" in n
                for n in rep["notes"])
+
+
+# ---- the primary analysis's test and interval (bench/validity.py at a smaller scale) -------------
+
+def _validity():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "validity.py"
+    spec = importlib.util.spec_from_file_location("validity_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_primary_test_holds_its_size_and_its_interval_covers_and_agrees_with_it():
+    # Seeded, so the figures are fixed; each bound leaves two Monte Carlo standard errors of room
+    # (measured at 300 studies and at 1,000 in bench/validity.py: sizes 0.001-0.025, coverage
+    # 0.96).  Every study's interval excludes 0 exactly when its p <= 0.05.
+    bench = _validity()
+    for name in bench.SETTINGS:
+        got = bench.simulate(name, 300, seed=7)
+        assert got["disagreements"] == 0, (name, got)
+        if got["what"] == "size":
+            assert got["size"] <= 0.06, (name, got)
+        else:
+            assert got["coverage"] >= 0.94 - 2 * got["mc_se"], (name, got)
+
+
+def test_unequal_runs_per_task_take_the_permutation_within_tasks():
+    # 6 baseline runs against 1 arm run per task: the sign-flip's differences are not symmetric
+    # under the null there, so the design picks the permutation within tasks.
+    strata = [([1], [0, 1, 1, 0, 1, 1]), ([0], [1, 1, 1, 1, 1, 0])]
+    res = ab.primary_test(strata)
+    assert (res["design"], res["test"], res["method"]) == ("permutation", "permutation_within_tasks", "exact")
+    # Each task has 7 relabellings (which of its runs is the arm's): 49 in all, counted here.
+    import itertools
+    hits = total = 0
+    obs = abs(sum(sum(a) / len(a) - sum(b) / len(b) for a, b in strata))
+    for picks in itertools.product(*(range(len(a) + len(b)) for a, b in strata)):
+        stat = 0.0
+        for (a, b), i in zip(strata, picks):
+            vals = a + b
+            stat += vals[i] - (sum(vals) - vals[i]) / (len(vals) - 1)
+        total += 1
+        hits += abs(stat) >= obs - 1e-12
+    assert res["p"] == pytest.approx(hits / total)
+    assert ab.primary_design([([1, 0], [0, 1])]) == "sign_flip"
+
+
+def test_primary_figures_do_not_depend_on_names_order_or_repeat_labels():
+    rng = random.Random(11)
+    strata = [([rng.randint(0, 1) for _ in range(3)], [rng.randint(0, 1) for _ in range(2)]) for _ in range(30)]
+    one = ab.primary_test(strata, seed=5, max_states=50)        # Monte Carlo: the draws matter
+    assert one["method"] == "monte_carlo"
+    shuffled = [(list(reversed(a)), sorted(b)) for a, b in reversed(strata)]
+    assert ab.primary_test(shuffled, seed=5, max_states=50) == one

@@ -404,7 +404,7 @@ def test_the_reference_passes_sandboxed_with_a_protected_receipt(tmp_path):
 def test_an_old_stdout_receipt_still_works_but_is_recorded_unprotected(tmp_path):
     paths, tasks = _example_study(tmp_path, "none")
     task = tasks["roman"]
-    old = dict(task.oracle, cmd=["{python}", "{oracle}/run.py", "{workspace}"])
+    old = dict(task.oracle, cmd=["{python}", "{oracle}/run.py", "{workspace}", "--sandbox-run", "{sandbox_run}"])
     t = ab.dataclasses.replace(task, oracle=old)
     ws = tmp_path / "ws"
     ab.copy_tree(task.public, ws)
@@ -412,6 +412,8 @@ def test_an_old_stdout_receipt_still_works_but_is_recorded_unprotected(tmp_path)
     rec = ab.run_check(paths, ab.current_platform(), t, "oracle", str(ws), os.environ)
     assert rec["passed"] and (rec["receipt_channel"], rec["receipt_protected"]) == ("stdout", False)
     assert rec["sandbox"]["kind"] == "none"
+    # Without bubblewrap the helper still runs the code (unsandboxed), and the record says so.
+    assert rec["inner_sandbox"]["kind"] == "none" and rec["inner_sandbox"]["runs"] > 0
 
 
 # The code under test reopens its harness's receipt channel through /proc (a pipe would allow

@@ -202,3 +202,94 @@ def test_sign_test_equals_scipy_binomtest():
                      "out = [float(stats.binomtest(w, w + l, 0.5).pvalue) for w, l in data]\n", pairs)
     for (w, l), p in zip(pairs, ref):
         assert ab.sign_test_two_sided(w, l) == pytest.approx(p, rel=1e-9)
+
+
+# ---- the primary test by design, and its interval ---------------------------------------------------
+
+_WITHIN_TASKS_REF = '''
+import itertools
+import numpy as np
+from scipy import stats
+
+def p_within(strata, delta):
+    # Every relabelling of every task (which n_a of its runs carry the arm's label), listed with
+    # itertools; the arm's own values shifted by -delta first.
+    per_task = []
+    for arm, base in strata:
+        vals = np.array([a - delta for a in arm] + list(base), dtype=float)
+        n, na = len(vals), len(arm)
+        stats_t = []
+        for pick in itertools.combinations(range(n), na):
+            mask = np.zeros(n, dtype=bool)
+            mask[list(pick)] = True
+            stats_t.append(vals[mask].mean() - vals[~mask].mean())
+        per_task.append(np.array(stats_t))
+    obs = sum(np.mean([a - delta for a in arm]) - np.mean(base) for arm, base in strata)
+    total = np.zeros(1)
+    for s in per_task:
+        total = (total[:, None] + s[None, :]).ravel()
+    return float(np.mean(np.abs(total) >= abs(obs) - 1e-9 * (1 + abs(obs))))
+
+out = {"within": [], "scipy_one_task": [], "at_bounds": []}
+for case in data["within"]:
+    out["within"].append(p_within(case, 0.0))
+for arm, base in data["one_task"]:
+    r = stats.permutation_test((np.array(arm, float), np.array(base, float)),
+                               lambda x, y: abs(np.mean(x) - np.mean(y)),
+                               permutation_type="independent", n_resamples=np.inf,
+                               alternative="greater")
+    out["scipy_one_task"].append(float(r.pvalue))
+for case, lo, hi in data["bounds"]:
+    out["at_bounds"].append([p_within(case, x) for x in (lo - 1e-4, lo + 1e-4, hi - 1e-4, hi + 1e-4)])
+'''
+
+
+def _within_cases(seed: int, n: int):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tasks = rng.randint(1, 3)
+        case = []
+        for _ in range(tasks):
+            na, nb = rng.choice(((1, 3), (2, 1), (3, 2), (1, 4), (2, 2)))
+            kind = rng.random()
+            draw = ((lambda: rng.randint(0, 1)) if kind < 0.6
+                    else (lambda: rng.choice((0.0, 0.25, 0.5, 1.0))))
+            case.append(([draw() for _ in range(na)], [draw() for _ in range(nb)]))
+        out.append(case)
+    return out
+
+
+def test_permutation_within_tasks_equals_an_enumeration_and_scipy():
+    cases = [c for c in _within_cases(17, 40)]
+    one_task = [c[0] for c in cases if len(c) == 1 and min(len(c[0][0]), len(c[0][1])) >= 2]
+    one_task += [([1, 0, 1], [0, 0]), ([1.0, 0.25], [0.5, 0.0, 0.0, 1.0])]
+    bounds = []
+    for c in cases:
+        res = ab.primary_test(c, design="permutation")
+        lo, hi = res["ci"]
+        bounds.append((c, lo, hi))
+    ref = _reference(_WITHIN_TASKS_REF, {"within": cases, "one_task": one_task,
+                                         "bounds": [[c, lo, hi] for c, lo, hi in bounds]})
+    for c, p in zip(cases, ref["within"]):
+        assert ab.primary_test(c, design="permutation")["p"] == pytest.approx(p, rel=1e-9, abs=1e-12), c
+    assert one_task, "no single-task case drawn"
+    for (arm, base), p in zip(one_task, ref["scipy_one_task"]):
+        got = ab.primary_test([(arm, base)], design="permutation")["p"]
+        assert got == pytest.approx(min(1.0, p), rel=1e-9, abs=1e-12), (arm, base)
+    # The interval is the set of shifts the test does not reject: just inside each bound the
+    # reference's p is above alpha, just outside it is at most alpha (unless the bound is the
+    # edge of the values' range, where nothing beyond is tried).
+    checked = 0
+    for (c, lo, hi), (out_lo, in_lo, in_hi, out_hi) in zip(bounds, ref["at_bounds"]):
+        edge_lo = min(min(a) for a, _ in c) - max(max(b) for _, b in c)
+        edge_hi = max(max(a) for a, _ in c) - min(min(b) for _, b in c)
+        if lo < hi:
+            assert in_lo > 0.05 and in_hi > 0.05, (c, lo, hi)
+        if lo > min(edge_lo, 0) + 1e-3:
+            assert out_lo <= 0.05, (c, lo)
+            checked += 1
+        if hi < max(edge_hi, 0) - 1e-3:
+            assert out_hi <= 0.05, (c, hi)
+            checked += 1
+    assert checked >= 5

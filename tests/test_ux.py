@@ -99,6 +99,14 @@ def test_show_gives_one_run_s_summary_with_its_failed_checks(tmp_path: Path, fak
     assert out["success"] is False and out["tests"] == "0/1" and out["cost_usd"] == 0.25
     assert out["failed_checks"] == [{"id": "value", "detail": "expected 42, got 0"}]
     assert out["sessions"][0]["role"] == "executor"
+    # A run retried after an attempt that ended outside the agent: its earlier attempt is named.
+    rec = json.loads((study / "state" / "runs" / f"{failing['run_id']}.json").read_text())
+    rec.update(attempt=2, attempts=[{"attempt": 1, "reason": "upstream_failed", "cost_usd": 0.5, "jobs": []}])
+    (study / "state" / "runs" / f"{failing['run_id']}.json").write_text(json.dumps(rec))
+    code, out = run_main(["show", "--study", str(study), "--run", failing["run_id"]])
+    assert out["attempt"] == 2 and out["earlier_attempts"] == [{"attempt": 1, "reason": "upstream_failed",
+                                                                 "cost_usd": 0.5}], out
+    assert out["cost_all_attempts_usd"] == 0.75
     code, out = run_main(["show", "--study", str(study), "--run", "r9999"])
     assert code == 2 and out["code"] == "no_such_run", out
     code, out = run_main(["show", "--study", str(study), "--run", "../x"])
@@ -168,7 +176,7 @@ def test_progress_names_task_arm_spend_and_runs_left_and_counts_on_after_a_resum
     assert lines[0].startswith("agentbench: [1/4] "), lines[0]     # counts on from the run already ended
     assert lines[-1].startswith("agentbench: [4/4] ") and "0 runs left" in lines[-1], lines[-1]
     started = [ln for ln in lines if " run_started " in ln]
-    assert started and all("task=tiny" in ln and " arm=" in ln for ln in started), started
+    assert started and all("task=tiny" in ln and " arm=" in ln and " attempt=1" in ln for ln in started), started
     assert not any("=None" in ln for ln in lines), lines
     assert all(" | spent $" in ln for ln in lines)
     # The spend so far includes the first call's run.
@@ -346,3 +354,45 @@ def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) 
                               "(add an arm to study.json to compare it with this baseline)"]
     code, md = run_main(["report", "--study", str(study), "--format", "md"])
     assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
+
+
+def _chromium() -> str | None:
+    import shutil
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
+                None)
+
+
+def test_the_html_report_opens_with_the_verdict_in_the_first_screen_at_1280_px(tmp_path: Path, fake_env) -> None:
+    """Headless Chromium at 1280 x 900: the verdict section is laid out inside the first screen,
+    above every chart and table, no wider than the window; and the screenshot is taken."""
+    import re
+    import subprocess
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+    study = finished_study(tmp_path / "s", fake_env, win=1.0)
+    page = tmp_path / "report.html"
+    code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(page)])
+    assert code == 0, out
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "first-screen.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
+    assert shot.exists() and shot.stat().st_size > 1000
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace(
+        "</body>", "<script>var v=document.querySelector('section.verdict').getBoundingClientRect();"
+                   "var firsts=[...document.querySelectorAll('svg,table')].map(e=>e.getBoundingClientRect().top);"
+                   "var li=[...document.querySelectorAll('section.verdict li')].map(e=>e.textContent);"
+                   "document.title=JSON.stringify({top:v.top,bottom:v.bottom,right:v.right,"
+                   "first_chart:Math.min(...firsts),lines:li});</script></body>"))
+    proc = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                          timeout=180)
+    title = re.search(r"<title>(.*?)</title>", proc.stdout, re.S)
+    assert title, proc.stderr[-2000:]
+    got = json.loads(title.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<")
+                     .replace("&gt;", ">").replace("&#x27;", "'").replace("&#39;", "'"))
+    assert 0 <= got["top"] < got["bottom"] <= 900, got       # wholly inside the first screen
+    assert got["right"] <= 1280 and got["bottom"] <= got["first_chart"], got
+    code, rep = run_main(["report", "--study", str(study)])
+    assert got["lines"] == rep["verdict"], got
