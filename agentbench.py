@@ -15601,7 +15601,10 @@ def run_score(run: dict) -> float | None:
 
 
 def run_cost(run: dict) -> float | None:
-    return usd_from(run.get("cost_usd"), hi=math.inf)
+    """What the run cost, every attempt of it (a retried or paused attempt's sessions were paid
+    for too); the current attempt's alone on a record older than attempts."""
+    every = run.get("cost_all_attempts_usd")
+    return usd_from(run.get("cost_usd") if every is None else every, hi=math.inf)
 
 
 # The groups audit findings are counted under, with the words the renderers use.  A kind the audit
@@ -15928,7 +15931,8 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
     launch = prov.get("launch")
     task = rec.get("task")
-    cost = rec.get("cost_usd")
+    # Every attempt's cost (retried and paused attempts paid for their sessions too).
+    cost = rec.get("cost_all_attempts_usd", rec.get("cost_usd"))
     return RunFacts(
         run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
         task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
