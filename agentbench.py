@@ -11816,6 +11816,16 @@ MUTANTS_MAX = 8
 MUTANT_WORKERS = 4
 
 
+def _droppable(node: Any) -> list[int]:
+    """Positions of the statements of `node`'s body a mutant may drop (pure): in a body of two or
+    more below the module, never a docstring or `pass` (dropping those changes nothing)."""
+    body = getattr(node, "body", None)
+    if not isinstance(body, list) or isinstance(node, ast.Module) or len(body) < 2:
+        return []
+    return [i for i, st in enumerate(body) if not isinstance(st, ast.Pass) and not (
+        isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))]
+
+
 def mutation_sites(source: str) -> list[tuple[str, int]]:
     """Every (kind, index) mutation of `source` (pure): compare, boolop, constant (off by one),
     return_none, drop (a statement of a body of two or more); index counts nodes of that kind in
@@ -11835,9 +11845,7 @@ def mutation_sites(source: str) -> list[tuple[str, int]]:
         elif isinstance(node, ast.Return) and node.value is not None and not (
                 isinstance(node.value, ast.Constant) and node.value.value is None):
             counts["return_none"] += 1
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
-            counts["drop"] += len(body)
+        counts["drop"] += len(_droppable(node))
     return [(kind, i) for kind, n in counts.items() for i in range(n)]
 
 
@@ -11873,12 +11881,11 @@ def mutate(source: str, kind: str, index: int) -> str | None:
                 done = True
             seen += 1
         elif kind == "drop":
-            body = getattr(node, "body", None)
-            if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
-                if seen <= index < seen + len(body):
-                    body[index - seen] = ast.Pass()
-                    done = True
-                seen += len(body)
+            droppable = _droppable(node)
+            if seen <= index < seen + len(droppable):
+                node.body[droppable[index - seen]] = ast.Pass()
+                done = True
+            seen += len(droppable)
     if not done:
         return None
     try:
@@ -15599,7 +15606,10 @@ def run_score(run: dict) -> float | None:
 
 
 def run_cost(run: dict) -> float | None:
-    return usd_from(run.get("cost_usd"), hi=math.inf)
+    """What the run cost, every attempt of it (a retried or paused attempt's sessions were paid
+    for too); the current attempt's alone on a record older than attempts."""
+    every = run.get("cost_all_attempts_usd")
+    return usd_from(run.get("cost_usd") if every is None else every, hi=math.inf)
 
 
 # The groups audit findings are counted under, with the words the renderers use.  A kind the audit
@@ -15926,7 +15936,8 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
     launch = prov.get("launch")
     task = rec.get("task")
-    cost = rec.get("cost_usd")
+    # Every attempt's cost (retried and paused attempts paid for their sessions too).
+    cost = rec.get("cost_all_attempts_usd", rec.get("cost_usd"))
     return RunFacts(
         run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
         task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
