@@ -22924,13 +22924,13 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "hos
                 write_harbor_bundle(plan, stage / plan["id"])
             except UnusableTree as exc:
                 # past a copy rule the plan's walk does not see (depth, path length): the task's fault
-                raise AgentbenchError("some Harbor task directories cannot be imported; nothing was written",
-                                      code="harbor_task_refused",
-                                      refused={str(plan["root"]): [f"cannot be copied: {exc.why} at "
-                                                                    f"{str(exc.payload.get('path', ''))[:200]}"]},
-                                      hint="a Harbor task is copied as agent output is: no tree deeper than "
-                                           f"{COPY_MAX_DEPTH} levels, no path longer than {COPY_MAX_PATH_BYTES} "
-                                           "bytes") from None
+                where = str(exc.payload.get("path", ""))[:200]
+                raise AgentbenchError(
+                    "some Harbor task directories cannot be imported; nothing was written",
+                    code="harbor_task_refused",
+                    refused={str(plan["root"]): [f"cannot be copied: {exc.why} at {where}"]},
+                    hint=f"a Harbor task is copied as agent output is: no tree deeper than {COPY_MAX_DEPTH} "
+                         f"levels, no path longer than {COPY_MAX_PATH_BYTES} bytes") from None
         for plan in plans:
             os.rename(stage / plan["id"], out / plan["id"])
     finally:
