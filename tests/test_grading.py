@@ -208,3 +208,17 @@ def test_probe_code_goes_after_future_imports() -> None:
                                          ("README.md", False), ("test/helper.py", False)])
 def test_which_files_carry_a_probe(rel, target) -> None:
     assert ab._probe_target(rel) is target
+
+
+def test_the_report_facts_name_accepted_forgeries_and_each_tasks_mutant_share() -> None:
+    cal = {"a": {"forgeable_accepted": True, "oracle_forged": ["exit_at_import"],
+                 "oracle_strength": {"measured": True, "caught": 3, "mutants": 4}},
+           "b": {"forgeable_accepted": False, "oracle_forged": [],
+                 "oracle_strength": {"measured": False, "reason": "the reference is not a Python overlay"}},
+           "junk": "x"}
+    facts = ab.grading_facts(cal)
+    assert facts["forgeable_accepted"] == {"a": ["exit_at_import"]}
+    assert "a 3/4" in facts["strength_text"] and "b not measured (the reference is not a Python overlay)" \
+        in facts["strength_text"]
+    assert ab.grading_facts({}) == {"forgeable_accepted": {}, "strength_text":
+                                    "oracle strength was not measured (no calibration on record)"}

@@ -174,6 +174,10 @@ def test_calibration_of_the_three_harbor_tasks(tmp_path):
     assert code == 2 and cal["code"] == "calibration_failed" and cal["failed"] == [NEEDS_IMAGE], cal
     assert cal["uncalibrated"] == [NEEDS_IMAGE]
     assert cal["tasks"]["fix-mean"]["forgeable_accepted"] is True
+    # ... and every report names it, and says the Harbor references' strength was not measured.
+    code, rep = run_main(["report", "--study", str(study), "--format", "json"])
+    assert code == 0 and any("fix-mean" in w and "accept_forgeable_oracles" in w for w in rep["warnings"]), rep
+    assert "fix-mean not measured" in rep["methods"]["oracle_strength"], rep["methods"]
     for name in GOOD:
         t = cal["tasks"][name]
         assert t["ok"] and t["starter_oracle_score"] < 1.0, t
