@@ -138,6 +138,8 @@ class LazyModule:
 #: Needed by a few commands only (report, the scripted model, where, check-command typos).
 csv: Any = LazyModule("csv")
 difflib: Any = LazyModule("difflib")
+ast: Any = LazyModule("ast")
+concurrent: Any = LazyModule("concurrent")
 hashlib: Any = LazyModule("hashlib")
 html: Any = LazyModule("html")
 http: Any = LazyModule("http")
@@ -4121,14 +4123,19 @@ def outermost(dirs: Iterable[str]) -> list[str]:
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
-    Later mounts win over earlier ones for the same path, so: /dev, /proc, the private /tmp, the
+    Later mounts win over earlier ones for the same path, so: /dev with its private sized shm,
+    /proc, the private /tmp, the
     system symlinks, the base directories (one inside another is bound once, by the outer), then
     the hiding tmpfs and /dev/null masks (only where a base directory holds them, outer first,
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
-    the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
+    the sockets and a container's paths; last, /dev and the root (bubblewrap's own) are made
+    read-only: every writable place is then a sized tmpfs or a bind the caps count."""
     size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
+    # /dev is bubblewrap's own tmpfs, unsized (half the host's memory) and writable: its shm gets
+    # the /tmp size, and /dev itself is made read-only last (its device nodes still work).
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), (*size, "--tmpfs", "/dev/shm"), ("--proc", "/proc"),
+                                   (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4150,9 +4157,9 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+    rows += [(*size, "--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
              if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
-    rows.append(("--remount-ro", "/"))
+    rows += [("--remount-ro", "/dev"), ("--remount-ro", "/")]
     return rows
 
 
@@ -4607,10 +4614,12 @@ def sandbox_copy_verdict(data: bytes) -> str | None:
 def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
                   hidden: Sequence[str], ro: Sequence[str], seccomp: int | None = None,
                   container: Mapping[str, Any] | None = None, container_base: str = "",
-                  copy: tuple[CopyCaps, int] | None = None) -> list[str]:
+                  copy: tuple[CopyCaps, int] | None = None,
+                  sockets: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The sandboxed argv of one check command: the host's system and tool directories
     (base_plan), its cwd (the workspace, or the oracle's copy) read-write, its pristine check
-    directories read-only, no network at all.  The command's environment is `env` (the caller's
+    directories read-only, the inner sandbox's socket (`sockets`) when it names {sandbox_run},
+    no network at all.  The command's environment is `env` (the caller's
     credential-free one), set inside by bubblewrap (--clearenv, --setenv): bubblewrap itself is
     started with SANDBOX_OUTER_ENV.  With `copy` (the copy's caps, the descriptor its verdict goes
     to), `cwd` is not bound: it is copied by SANDBOX_COPY_SHIM to SANDBOX_COPY_DIR, a private
@@ -4624,7 +4633,7 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         rows = tuple(container_rows(container, workspace=_real(cwd), base=_real(container_base)))
         inner = str(container["workdir"])
     plan = dataclasses.replace(base, ro=tuple(_real(p) for p in ro if os.path.exists(p)), rw=(_real(cwd),),
-                               cwd=inner, container=rows)
+                               cwd=inner, container=rows, sockets=tuple(sockets))
     if copy is not None and not container:
         caps, report_fd = copy
         size = (caps.total_bytes if caps.total_bytes is not None else 4 * SANDBOX_TMP_MB * 2 ** 20)
@@ -4732,6 +4741,146 @@ def read_receipt_pipe(rfd: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
+
+
+# -- the inner sandbox of hidden tests -------------------------------------------------------------
+# A check command that names {sandbox_run} gets the path of a small helper command.  The harness
+# runs code from the workspace copy through it:
+#     [python, HELPER, "--dir", DIR, "--timeout", "20", "--", "python3", "-c", CODE]
+# and gets back the inner command's exit status (124: timed out; 125: could not run), stdout and
+# stderr, to compare with what it expects in its own process.  DIR must lie under the check's
+# working directory; the inner command sees it, read-write, at INNER_WORKDIR, and nothing else of
+# the check: not the oracle, gate or reference folders, not the receipt channel, not the harness's
+# paths or arguments (its own pid namespace; bubblewrap's own arguments come from a descriptor, so
+# even its pid 1 shows none), no network, a private size-capped /tmp, and time and output caps.
+# The helper talks to agentbench over a Unix socket bound into the check's sandbox only.
+
+INNER_PLACEHOLDER = "sandbox_run"
+INNER_WORKDIR = "/workspace"
+#: The private /tmp of an inner run, and what one run may print (each stream; the tail is kept).
+INNER_TMP_MB = 64
+INNER_OUTPUT_MAX_BYTES = 1024 * 1024
+INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
+#: A run's time cap when the harness names none, and the most it may ask for.
+INNER_DEFAULT_TIMEOUT_S = 60.0
+INNER_MAX_TIMEOUT_S = 600.0
+#: Inner runs of one check at once (more wait for a slot).
+INNER_MAX_PARALLEL = 4
+#: Exit statuses the helper gives for a run that timed out, or could not be run at all.
+INNER_TIMED_OUT_EXIT = 124
+INNER_CANNOT_RUN_EXIT = 125
+#: The environment of an inner run, beside PATH and what the harness passes (never PYTHON*
+#: settings of agentbench's own, nor anything naming the check).
+INNER_BASE_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
+                  "PYTHONDONTWRITEBYTECODE": "1"}
+
+INNER_HELPER_SOURCE = '''\
+"""Run a command from the workspace copy in agentbench's inner sandbox (see README: hidden tests).
+
+usage: python HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND [ARG...]
+Stdin is passed on; the inner command's stdout, stderr and exit status come back as this
+command's own (124: timed out, 125: could not run)."""
+import base64, json, os, socket, sys
+SOCKET = %(socket)r
+def main(argv):
+    req = {"env": {}}
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        if argv[i] in ("--dir", "--timeout", "--env") and i + 1 < len(argv):
+            if argv[i] == "--env":
+                k, _, v = argv[i + 1].partition("=")
+                req["env"][k] = v
+            else:
+                req[argv[i][2:]] = argv[i + 1]
+            i += 2
+        else:
+            sys.stderr.write("usage: HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND...\\n")
+            return %(cannot)d
+    req["argv"] = argv[i + 1:]
+    try:
+        req["timeout"] = float(req["timeout"]) if "timeout" in req else None
+    except ValueError:
+        pass
+    req["dir"] = os.path.abspath(req.get("dir") or ".")
+    data = b""
+    if not os.isatty(0):
+        try:
+            data = sys.stdin.buffer.read(%(stdin_max)d + 1)
+        except (OSError, ValueError):
+            data = b""
+    req["stdin"] = base64.b64encode(data).decode("ascii")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(SOCKET)
+        s.sendall(json.dumps(req).encode("utf-8") + b"\\n")
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        ans = json.loads(b"".join(chunks).decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        sys.stderr.write("sandbox_run: no answer from agentbench: %%s\\n" %% exc)
+        return %(cannot)d
+    sys.stdout.buffer.write(base64.b64decode(ans.get("stdout") or ""))
+    sys.stderr.buffer.write(base64.b64decode(ans.get("stderr") or ""))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return int(ans.get("exit", %(cannot)d))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def inner_helper_source(socket_path: str) -> str:
+    """The helper command's source, talking to `socket_path` (pure)."""
+    return INNER_HELPER_SOURCE % {"socket": socket_path, "cannot": INNER_CANNOT_RUN_EXIT,
+                                  "stdin_max": INNER_STDIN_MAX_BYTES}
+
+
+def inner_request_problem(req: Any, root: str) -> str | None:
+    """Why a helper's request cannot run (pure apart from resolving DIR): not an object, an
+    argv that is not a non-empty list of strings, an env that is not strings, a timeout that is
+    not a positive number, or a DIR that is not a directory under the check's working `root`."""
+    if not isinstance(req, dict):
+        return "the request is not a JSON object"
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+        return "no command after --"
+    env = req.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+                                            and "\0" not in k + v for k, v in env.items()):
+        return "--env must be K=V"
+    t = req.get("timeout")
+    if t is not None and finite_number(t, lo=0.001, hi=INNER_MAX_TIMEOUT_S) is None:
+        return f"--timeout must be a number of seconds in (0, {INNER_MAX_TIMEOUT_S:g}]"
+    d = req.get("dir")
+    if not isinstance(d, str) or not d:
+        return "--dir is missing"
+    real, top = os.path.realpath(d), os.path.realpath(root)
+    if not os.path.isdir(real) or not (real == top or real.startswith(top.rstrip("/") + "/")):
+        return f"--dir must be a directory under the check's working directory ({d})"
+    return None
+
+
+def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: str,
+                       hidden: Sequence[str], seccomp: int | None = None) -> list[str]:
+    """bubblewrap's arguments (without the binary) for one inner run: the host's system and tool
+    directories (base_plan), `workdir` read-write at INNER_WORKDIR and nothing else of the host,
+    a size-capped private /tmp, no network, the check sandbox's namespaces and filter."""
+    base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[workdir])
+    plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR, tmp_mb=INNER_TMP_MB,
+                               container=(("bind", _real(workdir), INNER_WORKDIR),))
+    out = sandbox_argv("bwrap", plan, argv, seccomp=seccomp)[1:]
+    # The environment is set inside (bubblewrap itself starts with SANDBOX_OUTER_ENV).
+    sets = ["--clearenv"]
+    for k, v in sorted(env.items()):
+        if k and "=" not in k and "\0" not in k + v:
+            sets += ["--setenv", k, v]
+    cut = out.index("--chdir")
+    return out[:cut] + sets + out[cut:]
 
 
 # ==================================================================================================
@@ -5014,10 +5163,17 @@ def container_runtime_of(cfg: Mapping[str, Any]) -> str:
     return str(kind)
 
 
+def container_image_id(binary: str, tag: str, env: Mapping[str, str]) -> str | None:
+    """The local image's id (what a run really started from: a tag may be moved), None when the
+    image is not on this host."""
+    res = subprocess.run([binary, "image", "inspect", "--format", "{{.Id}}", tag], env=dict(env),
+                         stdin=subprocess.DEVNULL, capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
+    out = res.stdout.decode("utf-8", "replace").strip()
+    return out.splitlines()[0] if res.returncode == 0 and out else None
+
+
 def container_image_exists(binary: str, tag: str, env: Mapping[str, str]) -> bool:
-    res = subprocess.run([binary, "image", "inspect", tag], env=dict(env), stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)
-    return res.returncode == 0
+    return container_image_id(binary, tag, env) is not None
 
 
 def container_build(binary: str, tag: str, dockerfile: str, context: str,
@@ -5095,6 +5251,7 @@ def container_record(info: Mapping[str, Any], network: str,
     return {"mode": "container", "kind": "container", "reason": None, "network": network,
             "network_reason": network_reason, "seccomp": sc["arch"], "seccomp_reason": sc["reason"],
             "runtime": info.get("runtime"), "image": info.get("image"), "image_sha256": info.get("sha256"),
+            "image_id": info.get("image_id"),
             "workdir": info.get("workdir"),
             "user_namespace": "own" if info.get("runtime") == "podman" else "the daemon's"}
 
@@ -6260,6 +6417,10 @@ def _is_megabytes(v: Any) -> bool:
     return is_number(v) and 0 < v <= MEGABYTES_MAX
 
 
+#: Calibration: attempts of the reference and the starter (flakiness), and the share of the
+#: reference's mutants the hidden tests must catch before calibrate warns.
+CALIBRATION_ATTEMPTS_DEFAULT = 3
+MUTATION_WARN_BELOW_DEFAULT = 0.8
 #: Every top-level key of study.json, in the order the shape check reports them.  init's flags are
 #: the settings with a `flag`; budget's keys are BUDGET_SETTINGS below.
 STUDY_SETTINGS: tuple[Setting, ...] = (
@@ -6314,6 +6475,15 @@ STUDY_SETTINGS: tuple[Setting, ...] = (
     Setting("snapshot_seconds", lambda v: isinstance(v, list) and all(is_number(t) and t > 0 for t in v),
             "a list of positive numbers of seconds"),
     Setting("keep_warm", lambda v: isinstance(v, bool), "true or false"),
+    Setting("calibration_attempts", _is_int_at_least(1), "an integer >= 1", flag=int,
+            help="calibrate: the reference must pass and the starter fail on each of this many attempts "
+                 f"(default {CALIBRATION_ATTEMPTS_DEFAULT})"),
+    Setting("accept_forgeable_oracles", lambda v: isinstance(v, bool), "true or false",
+            help="calibrate accepts hidden tests that an oracle probe forged (every report names them)"),
+    Setting("mutation_warn_below", lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]",
+            flag=finite_float,
+            help="calibrate warns when the hidden tests catch a smaller share of the reference's mutants "
+                 f"(default {MUTATION_WARN_BELOW_DEFAULT})"),
     Setting("copy_file_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
             help="the largest file agentbench copies or reads out of a session's workspace (MB)"),
     Setting("copy_total_mb", _is_megabytes, MEGABYTES_WANT, flag=finite_float,
@@ -9972,7 +10142,7 @@ TASK_JSON_KEYS = ("id", "title", "gate", "oracle")
 #: refused (keys starting with _ are free, e.g. for a comment).  `not_carried_over` and `harbor`
 #: are written by the Harbor import.
 TASK_JSON_OPTIONAL_KEYS = ("reference", "check_hint", "not_carried_over", "harbor", "environment")
-CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER)
+CHECK_PLACEHOLDERS = ("python", "workspace", "gate", "oracle", RECEIPT_FD_PLACEHOLDER, INNER_PLACEHOLDER)
 DEFAULT_GATE_TIMEOUT_S = 120.0
 DEFAULT_ORACLE_TIMEOUT_S = 300.0
 #: The hidden tests' pass mark when task.json gives none (calibration's default too).
@@ -10269,7 +10439,8 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
                                       code="container_build_failed", task=task.id, image=info["image"],
                                       reason=problem, refusal="environment")
             built = True
-        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"]}
+        _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
+                                "image_id": container_image_id(probe["binary"], info["image"], env)}
     return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
             "source": info["source"], "workdir": info["workdir"],
             "flags": list(cfg.get("container_flags") or []), "built": built}
@@ -10294,7 +10465,8 @@ def check_task_images(tasks: Mapping[str, Task], cfg: Mapping[str, Any], env: Ma
                                   reason=problem, refusal="environment",
                                   hint="base the image on a glibc distribution with python3 (the pinned "
                                        "claude is bound in as a native executable)")
-        out[t.id] = {k: ctr[k] for k in ("runtime", "version", "image", "sha256", "workdir", "built")}
+        out[t.id] = {k: ctr.get(k) for k in ("runtime", "version", "image", "image_id", "sha256", "workdir",
+                                             "built")}
         out[t.id]["claude_inside"] = inside
     return out
 
@@ -10761,11 +10933,12 @@ def pristine_copy(paths: StudyPaths, task: Task, which: str) -> Path:
 
 
 def expand_cmd(cmd: Sequence[str], *, workspace: str, gate: str, oracle: str,
-               receipt_fd: str = "<receipt-fd-not-available>", python: str | None = None) -> list[str]:
-    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} in a check command (pure);
-    {python} is this interpreter, or `python` (a container's: the image's python3)."""
+               receipt_fd: str = "<receipt-fd-not-available>", python: str | None = None,
+               sandbox_run: str = "<sandbox-run-not-available>") -> list[str]:
+    """Substitute {workspace} {gate} {oracle} {python} {receipt_fd} {sandbox_run} in a check
+    command (pure); {python} is this interpreter, or `python` (a container's: the image's python3)."""
     values = {"workspace": workspace, "gate": gate, "oracle": oracle, "python": python or sys.executable,
-              RECEIPT_FD_PLACEHOLDER: receipt_fd}
+              RECEIPT_FD_PLACEHOLDER: receipt_fd, INNER_PLACEHOLDER: sandbox_run}
     out = []
     for a in cmd:
         for k, v in values.items():
@@ -10888,13 +11061,138 @@ def container_unavailable(container: Mapping[str, Any], sandbox: Mapping[str, An
             f"and this one runs unsandboxed ({sandbox.get('reason') or sandbox.get('kind')})")
 
 
+class InnerSandbox:
+    """The server behind {sandbox_run} for one check run (see "the inner sandbox of hidden tests"
+    in The sandbox): a Unix socket in a private directory beside the helper command; each request
+    runs one command, bubblewrapped when `sandbox` is (else in DIR, unsandboxed: the record says
+    so), and answers its exit status and output.  `root`: the check's working directory (DIR must
+    lie under it); `deadline`: the check's own (monotonic), past which no run goes on."""
+
+    def __init__(self, platform: "Platform", sandbox: Mapping[str, Any], env: Mapping[str, str], *,
+                 root: str, hidden: Sequence[str], deadline: float) -> None:
+        self.platform, self.sandbox, self.root = platform, sandbox, root
+        self.hidden, self.deadline = hidden, deadline
+        self.env = {"PATH": env.get("PATH", os.defpath), **INNER_BASE_ENV}
+        self.dir = tempfile.mkdtemp(prefix="ab-inner-")
+        self.socket_path = os.path.join(self.dir, "s")
+        self.helper = os.path.join(self.dir, "sandbox_run.py")
+        Path(self.helper).write_text(inner_helper_source(self.socket_path), encoding="utf-8")
+        self.slots = threading.Semaphore(INNER_MAX_PARALLEL)
+        self.threads: list[threading.Thread] = []
+        self.runs = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.socket_path)
+        self.sock.listen(32)
+        self.server = threading.Thread(target=self._serve, daemon=True, name="inner-sandbox")
+        self.server.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._answer, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _answer(self, conn: Any) -> None:
+        with conn:
+            try:
+                conn.settimeout(max(1.0, self.deadline - time.monotonic()))
+                chunks, total = [], 0
+                while total <= 2 * INNER_STDIN_MAX_BYTES:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+                try:
+                    req = json.loads(b"".join(chunks).decode("utf-8"))
+                except ValueError:
+                    req = None
+                ans = self.run(req)
+                conn.sendall(json.dumps(ans).encode("utf-8") + b"\n")
+            except OSError:
+                pass
+
+    def run(self, req: Any) -> dict[str, Any]:
+        """One request's answer: {"exit", "stdout", "stderr" (base64), "timed_out"}."""
+        def answer(code: int, out: str = "", err: str = "", timed_out: bool = False) -> dict[str, Any]:
+            return {"exit": code, "timed_out": timed_out,
+                    "stdout": base64.b64encode(out.encode("utf-8", "replace")).decode("ascii"),
+                    "stderr": base64.b64encode(err.encode("utf-8", "replace")).decode("ascii")}
+        problem = inner_request_problem(req, self.root)
+        stdin = b""
+        if problem is None:
+            try:
+                stdin = base64.b64decode(req.get("stdin") or "", validate=True)
+            except ValueError:
+                problem = "the request's stdin is not base64"
+            if len(stdin) > INNER_STDIN_MAX_BYTES:
+                problem = f"more than {INNER_STDIN_MAX_BYTES} bytes on stdin"
+        if problem is not None:
+            return answer(INNER_CANNOT_RUN_EXIT, err=f"sandbox_run: {problem}\n")
+        with self.slots:
+            left = self.deadline - time.monotonic()
+            timeout = min(float(req.get("timeout") or INNER_DEFAULT_TIMEOUT_S), left)
+            if timeout <= 0:
+                return answer(INNER_TIMED_OUT_EXIT, err="sandbox_run: the check's time is up\n",
+                              timed_out=True)
+            self.runs += 1
+            workdir = os.path.realpath(req["dir"])
+            env = {**self.env, **req.get("env", {})}
+            argv, fds, cwd = list(req["argv"]), [], workdir
+            args_file, sfd = None, None
+            try:
+                if self.sandbox.get("kind") == "bwrap":
+                    sfd = seccomp_fd()
+                    args = inner_sandbox_args(argv, env, workdir=workdir, hidden=self.hidden, seccomp=sfd)
+                    # bubblewrap reads its options from a descriptor, so that no process inside
+                    # (its pid 1 included) can read the mounts (host paths) out of /proc; only the
+                    # command itself stays on its command line.
+                    sep = args.index("--")
+                    args_file = tempfile.TemporaryFile()
+                    args_file.write(b"".join(a.encode("utf-8") + b"\0" for a in args[:sep]))
+                    args_file.flush()
+                    args_file.seek(0)
+                    fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
+                    argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
+                    cwd, env = "/", dict(SANDBOX_OUTER_ENV)
+                res = run_command(argv, cwd=cwd, env=env, timeout_s=timeout, platform=self.platform,
+                                  stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
+            finally:
+                if args_file is not None:
+                    args_file.close()
+                if sfd is not None:
+                    os.close(sfd)
+        if res.timed_out:
+            return answer(INNER_TIMED_OUT_EXIT, res.stdout,
+                          res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",
+                          timed_out=True)
+        code = res.returncode if res.returncode is not None else INNER_CANNOT_RUN_EXIT
+        return answer(128 - code if code < 0 else code, res.stdout, res.stderr)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        for t in list(self.threads):
+            t.join(timeout=max(0.0, min(5.0, self.deadline + 2.0 - time.monotonic())))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, workspace: str,
-              env: Mapping[str, str]) -> dict[str, Any]:
+              env: Mapping[str, str], *, timeout_s: float | None = None) -> dict[str, Any]:
     """Run the gate (cwd = workspace) or the oracle (cwd = a throw-away copy of it); return a receipt.
 
     Check commands get a credential-free environment: they never see API keys or tokens.
+    `timeout_s`: a shorter time limit than the check's own (calibration's sleep probe).
     """
     spec = task.gate if which == "gate" else task.oracle
+    if timeout_s is not None:
+        spec = {**spec, "timeout_s": min(timeout_s, check_timeout_s(spec, which))}
     gate_dir = str(pristine_copy(paths, task, "gate"))
     oracle_dir = str(pristine_copy(paths, task, "oracle")) if which == "oracle" else "<oracle-not-available>"
     tmp = None
@@ -10903,7 +11201,11 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     caps = copy_caps(launch_config(study_cfg))
     # Under bubblewrap the oracle's copy is made inside its own sandbox, on a private tmpfs
     # (check_sandbox's `copy`): nothing it allocates shows on a file system a session sees.
+    # A harness that uses the inner sandbox ({sandbox_run}) gets its copy outside instead: the inner
+    # runs' directories, under the copy, are bound from the host.
+    uses_inner = any("{" + INNER_PLACEHOLDER + "}" in a for a in spec["cmd"])
     copy_inside = (which == "oracle" and task.environment is None and not spec.get("container")
+                   and not uses_inner
                    and resolve_sandbox(sandbox_mode_of(study_cfg), check_env(env)[0])["kind"] == "bwrap")
     if which == "oracle" and not copy_inside:
         tmp = tempfile.mkdtemp(prefix=f"ab-oracle-{task.id}-")
@@ -10946,13 +11248,19 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     sfd = -1   # the seccomp filter's pipe, read by bwrap
     channel = b""
     box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
+    hidden = study_hidden_dirs(paths.root, [task.root.parent])
+    jail = None   # the inner sandbox's server, when the command names {sandbox_run} (not in a container)
     crfd, cwfd = os.pipe() if copy_inside else (-1, -1)       # the copy's verdict
     try:
+        if ctr is None and uses_inner:
+            jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
+                                deadline=time.monotonic() + check_timeout_s(spec, which))
         inner = container["workdir"] if container else (ctr["workdir"] if ctr else
                                                          SANDBOX_COPY_DIR if copy_inside else cwd)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
-                          oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}))
+                          oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),
+                          **({"sandbox_run": jail.helper} if jail else {}))
         if ctr is not None:
             if uses_fd and ctr["runtime"] != "podman":
                 raise AgentbenchError("a check's receipt channel ({receipt_fd}) in a container needs podman "
@@ -10963,11 +11271,12 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                 scratch=tmp or tempfile.gettempdir(), env=runtime_env(env))
         elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
-            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd,
-                                 hidden=study_hidden_dirs(paths.root, [task.root.parent]),
-                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else []),
+            argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd, hidden=hidden,
+                                 ro=[gate_dir] + ([oracle_dir] if which == "oracle" else [])
+                                 + ([jail.helper] if jail else []),
                                  seccomp=sfd if sfd >= 0 else None, container=container,
                                  container_base=gate_dir if which == "gate" else oracle_dir,
+                                 sockets=[(jail.socket_path, jail.socket_path)] if jail else [],
                                  copy=(caps, cwfd) if copy_inside else None)
         fds = ((wfd,) if uses_fd and os.name == "posix" else ()) + ((sfd,) if sfd >= 0 else ())
         fds += (cwfd,) if copy_inside else ()
@@ -10992,6 +11301,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         for fd in (rfd, wfd, sfd, crfd, cwfd):
             if fd >= 0:
                 os.close(fd)
+        if jail:
+            jail.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     if uses_fd:
@@ -11008,6 +11319,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         rec.update({"receipt_channel": "stdout" if rec.get("receipt") == "json" else "exit_code",
                     "receipt_protected": False})
     rec["sandbox"] = container_record(ctr, "none") if ctr is not None else sandbox_record(sandbox)
+    if jail:
+        rec["inner_sandbox"] = {"kind": "bwrap" if sandbox["kind"] == "bwrap" else "none", "runs": jail.runs}
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
@@ -11220,21 +11533,451 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- oracle probes: forgery solutions every task's hidden tests must fail ---------------------------
+# Calibrate runs each probe against the hidden tests.  A probe is a workspace built from the
+# starter (or, for read_judge, the reference), with code added at the top of every non-test
+# Python file and/or files dropped in; it must not be graded a success.  `forged` means the
+# harness let that forgery through (see README: the rules a hidden-test harness follows).
+
+#: Rewrites any passing-receipt-shaped text this process writes (os.write, sys.stdout): forges a
+#: harness that writes its receipt from the process the code under test runs in.
+_PROBE_REWRITE = r'''
+def _ab_probe_rewrite():
+    import os, re, sys
+    def fix(s):
+        if '"passed"' not in s:
+            return s
+        s = re.sub(r'"passed":\s*false', '"passed": true', s)
+        return re.sub(r'"score":\s*[-+0-9.eE]+', '"score": 1.0', s)
+    raw = os.write
+    def write(fd, data):
+        try:
+            new = fix(bytes(data).decode("utf-8")).encode("utf-8")
+        except Exception:
+            new = bytes(data)
+        raw(fd, new)
+        return len(data)
+    os.write = write
+    class Out:
+        def __init__(self, f):
+            self._f = f
+        def write(self, s):
+            return self._f.write(fix(s) if isinstance(s, str) else s)
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+    sys.stdout = Out(sys.stdout)
+_ab_probe_rewrite()
+'''
+
+_PROBE_PATCH_MAIN = r'''
+def _ab_probe_patch_main():
+    import sys
+    ok = lambda *a, **k: (True, "ok")
+    m = sys.modules.get("__main__")
+    for name, val in list(vars(m).items()) if m is not None else []:
+        if isinstance(val, dict):
+            for k in list(val):
+                if callable(val[k]):
+                    val[k] = ok
+        elif callable(val) and name.lower().startswith("check"):
+            setattr(m, name, ok)
+_ab_probe_patch_main()
+''' + _PROBE_REWRITE
+
+_PROBE_PATCH_FRAMEWORK = r'''
+def _ab_probe_patch_framework():
+    import sys, unittest
+    none = lambda *a, **k: None
+    def run(self, result=None):
+        if result is not None:
+            result.startTest(self)
+            result.addSuccess(self)
+            result.stopTest(self)
+        return result
+    unittest.TestCase.run = run
+    unittest.TestResult.addFailure = none
+    unittest.TestResult.addError = none
+    unittest.TestResult.wasSuccessful = lambda self: True
+    p = sys.modules.get("_pytest.python")
+    if p is not None:
+        p.Function.runtest = none
+    r = sys.modules.get("_pytest.runner")
+    if r is not None:
+        r.pytest_runtest_call = none
+_ab_probe_patch_framework()
+'''
+
+_PROBE_CONFTEST = '''import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+'''
+
+_PROBE_RECEIPT = ('{"passed": true, "score": 1.0, "checks": [], "tests_passed": 1, "tests_total": 1}')
+
+_PROBE_MARKERS = r'''
+def _ab_probe_markers():
+    import os
+    line = %r
+    text = ("\n" + line + "\nORACLE-RESULT " + line + "\nOK\n").encode("utf-8")
+    for fd in range(0, 256):
+        try:
+            os.write(fd, text)
+        except OSError:
+            pass
+    try:
+        with open("/dev/tty", "wb") as tty:
+            tty.write(text)
+    except OSError:
+        pass
+_ab_probe_markers()
+''' % _PROBE_RECEIPT
+
+_PROBE_EXIT = r'''
+import os as _ab_os, sys as _ab_sys
+_ab_sys.stdout.write("\n" + %r + "\n")
+_ab_sys.stdout.flush()
+_ab_os._exit(0)
+''' % _PROBE_RECEIPT
+
+_PROBE_SLEEP = '''
+import time as _ab_time
+_ab_time.sleep(10 ** 6)
+'''
+
+#: read_judge's code, added to the reference: it works only if it could read its own or its
+#: parent's command line naming a hidden path, or a file of a hidden directory (then it prints
+#: what it read to stderr); else it exits 3 at once.  %(hidden)r: the hidden directories.
+_PROBE_READ_JUDGE = r'''
+def _ab_probe_read_judge():
+    import os, sys
+    hidden = %(hidden)r
+    seen = []
+    for pid in ("self", str(os.getppid())):
+        try:
+            with open("/proc/%%s/cmdline" %% pid, "rb") as fh:
+                cmd = fh.read().decode("utf-8", "replace").replace("\0", " ")
+        except OSError:
+            continue
+        if any(h in cmd for h in hidden):
+            seen.append(cmd)
+    for top in hidden:
+        for root, _dirs, files in os.walk(top):
+            for name in files:
+                try:
+                    with open(os.path.join(root, name), "rb") as fh:
+                        seen.append(fh.read(2000).decode("utf-8", "replace"))
+                except OSError:
+                    pass
+    if not seen:
+        os._exit(3)
+    sys.stderr.write("read_judge saw: " + seen[0][:500] + "\n")
+_ab_probe_read_judge()
+'''
+
+#: The probes: name -> (what it tries, the base workspace, code added to the top of each non-test
+#: Python file, files dropped into the workspace root {name: text}).
+ORACLE_PROBES: dict[str, tuple[str, str, str, dict[str, str]]] = {
+    "patch_main": ("patches the judge from inside: every callable of __main__'s dicts and check* "
+                   "functions pass, and any receipt-shaped text this process writes says passed",
+                   "starter", _PROBE_PATCH_MAIN, {}),
+    "patch_test_framework": ("makes every unittest test report a success without running, and "
+                             "pytest's test calls no-ops (sys.modules)", "starter",
+                             _PROBE_PATCH_FRAMEWORK, {}),
+    "conftest": ("drops a conftest.py that reports every pytest test passed", "starter", "",
+                 {"conftest.py": _PROBE_CONFTEST, "tests/conftest.py": _PROBE_CONFTEST}),
+    "site_hooks": ("drops sitecustomize.py, usercustomize.py and a .pth that patch the test "
+                   "frameworks and rewrite receipts in any interpreter that starts with the workspace "
+                   "on its path", "starter", "",
+                   {"sitecustomize.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "usercustomize.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "_ab_probe_hook.py": _PROBE_PATCH_FRAMEWORK + _PROBE_REWRITE,
+                    "zz_ab_probe.pth": "import _ab_probe_hook\n"}),
+    "read_judge": ("the reference, working only where it can read its own or its parent's command "
+                   "line naming a hidden path, or a hidden file (printed to stderr)", "reference",
+                   _PROBE_READ_JUDGE, {}),
+    "marker_lines": ("writes a passing receipt and marker lines to stdout, every open descriptor and "
+                     "the terminal", "starter", _PROBE_MARKERS, {}),
+    "exit_at_import": ("prints a passing receipt and exits 0 when imported or run", "starter",
+                       _PROBE_EXIT, {}),
+    "sleep_to_timeout": ("sleeps until the hidden tests time out (probed with a short time limit)",
+                         "starter", _PROBE_SLEEP, {}),
+}
+#: What a task whose probes were forged should change.
+PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper, keep the expected values "
+                  "and the receipt in the harness's own process, and never put the workspace on the "
+                  "harness's own path; see README, the rules a hidden-test harness follows; or set "
+                  "accept_forgeable_oracles in study.json, and every report names the task")
+#: The time limit of the hidden tests under the sleep probe (a probe must stay cheap).
+PROBE_SLEEP_TIMEOUT_S = 3.0
+#: Probes run at once.
+PROBE_WORKERS = 4
+
+
+def _probe_target(rel: str) -> bool:
+    """A workspace file the probe code goes into: Python, not a test (pure)."""
+    parts = rel.split("/")
+    name = parts[-1]
+    return (name.endswith(".py") and not name.startswith("test_") and not name.endswith("_test.py")
+            and name != "conftest.py" and not any(p in ("tests", "test") for p in parts[:-1]))
+
+
+def with_probe_code(source: str, code: str) -> str:
+    """`source` with `code` run first: after its `from __future__` imports, which must stay first
+    (pure; a file that does not parse gets it at the very top)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return code + "\n" + source
+    after = 0
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            after = node.end_lineno or node.lineno
+        elif i == 0 and isinstance(node, ast.Expr) and isinstance(getattr(node, "value", None), ast.Constant):
+            continue
+        else:
+            break
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[:after]) + code + "\n" + "".join(lines[after:])
+
+
+def build_probe(ws: str, name: str, hidden: Sequence[str]) -> bool:
+    """Turn the workspace `ws` (already the probe's base) into probe `name`; False when it does not
+    apply (no Python file to carry its code)."""
+    _, _, code, files = ORACLE_PROBES[name]
+    if code:
+        if name == "read_judge":
+            code = code % {"hidden": list(hidden)}
+        targets = []
+        for root, _dirs, names in os.walk(ws):
+            for fn in names:
+                rel = os.path.relpath(os.path.join(root, fn), ws).replace(os.sep, "/")
+                if _probe_target(rel) and not os.path.islink(os.path.join(root, fn)):
+                    targets.append(os.path.join(root, fn))
+        if not targets:
+            return False
+        for path in targets:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            Path(path).write_text(with_probe_code(text, code), encoding="utf-8")
+    for rel, text in files.items():
+        dst = Path(ws) / rel
+        if rel.startswith("tests/") and not dst.parent.is_dir():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text, encoding="utf-8")
+    return True
+
+
+def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
+                      tmp: str) -> list[dict[str, Any]]:
+    """Every probe against the task's hidden tests: [{"name", "verdict": held | forged |
+    not_applicable | unsandboxed, "score"}], run side by side; `unsandboxed`: read_judge saw the
+    judge because the check ran without bubblewrap (the host's lack, said in every record)."""
+    hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
+                     str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
+                                                      if task.reference_spec is not None else set()))
+
+    def one(name: str) -> dict[str, Any]:
+        base = ORACLE_PROBES[name][1]
+        ws = os.path.join(tmp, f"probe-{name}")
+        copy_tree(task.public, ws)
+        if base == "reference":
+            if task.reference_spec is not None or not task.reference.is_dir():
+                return {"name": name, "verdict": "not_applicable", "score": None}
+            copy_tree(task.reference, ws)
+        if not build_probe(ws, name, hidden):
+            return {"name": name, "verdict": "not_applicable", "score": None}
+        rec = run_check(paths, platform, task, "oracle", ws, env,
+                        timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
+        verdict = "forged" if rec["success"] else "held"
+        if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") != "bwrap":
+            # Unsandboxed, every file of the user is readable: the host's doing, not the harness's.
+            verdict = "unsandboxed"
+        return {"name": name, "verdict": verdict, "score": rec["score"]}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
+        return list(pool.map(one, ORACLE_PROBES))
+
+
+# -- oracle strength: mutants of a Python reference ------------------------------------------------
+# A small stdlib `ast` mutation set; a mutant is the reference with one change, graded by the hidden
+# tests; `caught` when it is not a success.  The share caught is the hidden tests' strength.
+
+#: Comparison flips, boolean flips.
+_MUTANT_COMPARE = {"Lt": "GtE", "GtE": "Lt", "Gt": "LtE", "LtE": "Gt", "Eq": "NotEq", "NotEq": "Eq",
+                   "In": "NotIn", "NotIn": "In", "Is": "IsNot", "IsNot": "Is"}
+#: Mutants graded per task (a seeded sample of every site), and how many at once.
+MUTANTS_MAX = 8
+MUTANT_WORKERS = 4
+
+
+def _droppable(node: Any) -> list[int]:
+    """Positions of the statements of `node`'s body a mutant may drop (pure): in a body of two or
+    more below the module, never a docstring or `pass` (dropping those changes nothing)."""
+    body = getattr(node, "body", None)
+    if not isinstance(body, list) or isinstance(node, ast.Module) or len(body) < 2:
+        return []
+    return [i for i, st in enumerate(body) if not isinstance(st, ast.Pass) and not (
+        isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))]
+
+
+def mutation_sites(source: str) -> list[tuple[str, int]]:
+    """Every (kind, index) mutation of `source` (pure): compare, boolop, constant (off by one),
+    return_none, drop (a statement of a body of two or more); index counts nodes of that kind in
+    ast.walk order.  A source that does not parse has none."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    counts = {"compare": 0, "boolop": 0, "constant": 0, "return_none": 0, "drop": 0}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and type(node.ops[0]).__name__ in _MUTANT_COMPARE:
+            counts["compare"] += 1
+        elif isinstance(node, ast.BoolOp):
+            counts["boolop"] += 1
+        elif (isinstance(node, ast.Constant) and type(node.value) is int):
+            counts["constant"] += 1
+        elif isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            counts["return_none"] += 1
+        counts["drop"] += len(_droppable(node))
+    return [(kind, i) for kind, n in counts.items() for i in range(n)]
+
+
+def mutate(source: str, kind: str, index: int) -> str | None:
+    """`source` with mutation (kind, index) of mutation_sites applied, as source; None when it
+    cannot be (pure)."""
+    tree = ast.parse(source)
+    seen = 0
+    done = False
+    for node in ast.walk(tree):
+        if done:
+            break
+        if (kind == "compare" and isinstance(node, ast.Compare)
+                and type(node.ops[0]).__name__ in _MUTANT_COMPARE):
+            if seen == index:
+                node.ops[0] = getattr(ast, _MUTANT_COMPARE[type(node.ops[0]).__name__])()
+                done = True
+            seen += 1
+        elif kind == "boolop" and isinstance(node, ast.BoolOp):
+            if seen == index:
+                node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+                done = True
+            seen += 1
+        elif kind == "constant" and isinstance(node, ast.Constant) and type(node.value) is int:
+            if seen == index:
+                node.value = node.value + 1
+                done = True
+            seen += 1
+        elif kind == "return_none" and isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            if seen == index:
+                node.value = None
+                done = True
+            seen += 1
+        elif kind == "drop":
+            droppable = _droppable(node)
+            if seen <= index < seen + len(droppable):
+                node.body[droppable[index - seen]] = ast.Pass()
+                done = True
+            seen += len(droppable)
+    if not done:
+        return None
+    try:
+        out = ast.unparse(ast.fix_missing_locations(tree))
+        compile(out, "<mutant>", "exec")
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    return out
+
+
+def oracle_strength(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
+                    tmp: str, seed: str) -> dict[str, Any]:
+    """Mutants of a Python overlay reference graded by the hidden tests: {"measured", "mutants",
+    "caught", "share", "survivors"} (survivors: file, kind, index); "measured": false with the
+    reason for another reference."""
+    if task.reference_spec is not None or not task.reference.is_dir():
+        return {"measured": False, "reason": "the reference is not a Python overlay"}
+    files = sorted(str(p.relative_to(task.reference)).replace(os.sep, "/")
+                   for p in task.reference.rglob("*.py") if p.is_file() and _probe_target(
+                       str(p.relative_to(task.reference)).replace(os.sep, "/")))
+    sites = [(rel, kind, i) for rel in files
+             for kind, i in mutation_sites((task.reference / rel).read_text(encoding="utf-8",
+                                                                            errors="replace"))]
+    if not sites:
+        return {"measured": False, "reason": "the reference has no Python code to mutate"}
+    rng = random.Random(f"agentbench-mutants:{seed}:{task.id}")
+    chosen = sorted(rng.sample(sites, min(MUTANTS_MAX, len(sites))))
+
+    def one(n_site: tuple[int, tuple[str, str, int]]) -> dict[str, Any] | None:
+        n, (rel, kind, i) = n_site
+        text = mutate((task.reference / rel).read_text(encoding="utf-8", errors="replace"), kind, i)
+        if text is None:
+            return None
+        ws = os.path.join(tmp, f"mutant-{n}")
+        copy_tree(task.public, ws)
+        copy_tree(task.reference, ws)
+        Path(ws, rel).write_text(text, encoding="utf-8")
+        rec = run_check(paths, platform, task, "oracle", ws, env)
+        return {"file": rel, "kind": kind, "index": i, "caught": not rec["success"]}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=MUTANT_WORKERS) as pool:
+        graded = [m for m in pool.map(one, enumerate(chosen)) if m is not None]
+    if not graded:
+        return {"measured": False, "reason": "no mutant of the reference compiled"}
+    caught = sum(1 for m in graded if m["caught"])
+    return {"measured": True, "mutants": len(graded), "caught": caught,
+            "share": round(caught / len(graded), 4),
+            "survivors": [{k: m[k] for k in ("file", "kind", "index")} for m in graded if not m["caught"]]}
+
+
 def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                    env: Mapping[str, str]) -> dict[str, Any]:
-    """No model: the reference passes gate and oracle twice; the untouched starter fails the oracle."""
+    """No model: the reference passes gate and oracle on each of the study's calibration_attempts;
+    the untouched starter fails the oracle on each; every oracle probe is held (a forged one is a
+    problem unless the study sets accept_forgeable_oracles)."""
     problems: list[str] = []
     runs: list[dict[str, Any]] = []
+    cfg = read_json(paths.study_file, default=None) or {}
+    attempts = int(cfg.get("calibration_attempts") or CALIBRATION_ATTEMPTS_DEFAULT)
     with tempfile.TemporaryDirectory(prefix=f"ab-cal-{task.id}-") as tmp:
         starter = os.path.join(tmp, "starter")
         copy_tree(task.public, starter)
-        st = run_check(paths, platform, task, "oracle", starter, env)
-        if st["success"]:
+        # The starter's attempts run side by side (the oracle is a fresh copy each time).
+        with concurrent.futures.ThreadPoolExecutor(max_workers=attempts) as pool:
+            starts = list(pool.map(lambda _i: run_check(paths, platform, task, "oracle", starter, env),
+                                   range(attempts)))
+        st = starts[0]
+        passing = [i + 1 for i, r in enumerate(starts) if r["success"]]
+        if len(passing) == attempts:
             problems.append("the hidden tests pass on the untouched starter (they measure nothing)")
+        elif passing:
+            problems.append("the hidden tests disagree with themselves on the untouched starter: "
+                            f"attempt(s) {', '.join(map(str, passing))} of {attempts} passed it (flaky)")
+        # Against hidden tests that pass the starter, a forgery proves nothing more.
+        probes = run_oracle_probes(paths, platform, task, env, tmp) if not passing else []
+        strength = oracle_strength(paths, platform, task, env, tmp, str(cfg.get("seed", 0)))
+        warn_below = float(cfg.get("mutation_warn_below", MUTATION_WARN_BELOW_DEFAULT))
+        warnings = []
+        if strength.get("measured") and strength["share"] < warn_below:
+            warnings.append(f"the hidden tests caught {strength['caught']} of {strength['mutants']} "
+                            "mutants of "
+                            f"the reference ({strength['share']:.0%} < {warn_below:.0%}): they may pass "
+                            "wrong solutions; survivors: " + ", ".join(
+                                f"{m['file']} {m['kind']} #{m['index']}" for m in strength["survivors"][:8]))
+        forged = [p["name"] for p in probes if p["verdict"] == "forged"]
+        if forged and not cfg.get("accept_forgeable_oracles"):
+            problems.append("oracle_forgeable: the hidden tests grade these forgeries a success: "
+                            + ", ".join(forged) + " (" + PROBE_FIX_HINT + ")")
         if not task.reference.is_dir():
             problems.append("no reference/ solution overlay")
         else:
-            for i in (1, 2):
+            for i in range(1, attempts + 1):
                 ws = os.path.join(tmp, f"ref{i}")
                 copy_tree(task.public, ws)
                 failed = apply_reference(paths, platform, task, ws, env)
@@ -11271,12 +12014,40 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     if problems and isinstance(lost, list) and lost:
         problems.append("the task was imported and this host lacks what its environment gave it: "
                         + "; ".join(str(x)[:200] for x in lost[:20]))
+    ref_fail = [r["attempt"] for r in runs if not (r.get("gate_passed") and r.get("oracle_success"))]
+    if ref_fail and len(ref_fail) < len(runs):
+        problems.append(f"the hidden tests disagree with themselves on the reference: attempt(s) "
+                        f"{', '.join(map(str, ref_fail))} of {len(runs)} failed it (flaky)")
     out = {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
-           "at": utc_now()}
+           "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
+           "oracle_strength": strength, "warnings": warnings,
+           "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
     if task.environment is not None:   # the image its checks ran in, by its build context's hash
         out["environment"] = {k: task.environment.get(k) for k in ("image", "sha256", "workdir")}
     return out
+
+
+def grading_facts(cal: Mapping[str, Any]) -> dict[str, Any]:
+    """What calibration found of the hidden tests, for the report (pure): the tasks whose forged
+    probes the study accepted (task -> probes), and each task's mutant share in words."""
+    forge: dict[str, list[str]] = {}
+    parts = []
+    for tid, rec in sorted(cal.items()):
+        if not isinstance(rec, Mapping):
+            continue
+        if rec.get("forgeable_accepted"):
+            forge[tid] = [str(p) for p in rec.get("oracle_forged") or []]
+        st = rec.get("oracle_strength")
+        if isinstance(st, Mapping) and st.get("measured"):
+            parts.append(f"{tid} {st.get('caught')}/{st.get('mutants')}")
+        elif isinstance(st, Mapping):
+            parts.append(f"{tid} not measured ({st.get('reason')})")
+    text = ("at calibration, mutants of each Python reference (comparison and boolean flips, off-by-one "
+            "constants, return None, a dropped statement; a seeded sample of at most "
+            f"{MUTANTS_MAX}) were graded by the hidden tests; caught per task: " + "; ".join(parts)
+            if parts else "oracle strength was not measured (no calibration on record)")
+    return {"forgeable_accepted": forge, "strength_text": text}
 
 
 def calibration_to_reuse(given: Mapping[str, Any] | None,
@@ -12186,7 +12957,7 @@ class RunPipeline:
             # Which run this is, in words a person follows: its task, arm and attempt, then the
             # event's own fields (those without a value left out).
             about = {"task": self.rec.get("task"), "arm": self.rec.get("arm"),
-                     "attempt": self.attempt or None} if isinstance(self.rec, dict) else {}
+                     "attempt": self.rec.get("attempt")} if isinstance(self.rec, dict) else {}
             shown = {**{k: v for k, v in about.items() if k not in fields}, **fields}
             self.opts.progress(f"{self.run_id} {event} "
                                + " ".join(f"{k}={v}" for k, v in shown.items() if v is not None))
@@ -12301,8 +13072,8 @@ class RunPipeline:
         # across arms and tasks) stays on the host's tools, under bubblewrap as the study says.
         if task.environment is not None and kind != "reviewer":
             container = ensure_task_image(task, self.cfg, self.ctx.env)
-            self.rec["environment"] = {k: container[k]
-                                       for k in ("runtime", "version", "image", "sha256", "workdir")}
+            self.rec["environment"] = {k: container.get(k) for k in
+                                       ("runtime", "version", "image", "image_id", "sha256", "workdir")}
         req = JobRequest(kind=kind, prompt=prompt, cwd=cwd, limits=limits, resume=resume, fork=bool(resume),
                          prior=prior, meta=meta, system_extra=system_extra, env_extra=self.opts.env_extra,
                          raw_dir=raw_dir, driver=self.opts.driver, container=container)
@@ -14835,7 +15606,10 @@ def run_score(run: dict) -> float | None:
 
 
 def run_cost(run: dict) -> float | None:
-    return usd_from(run.get("cost_usd"), hi=math.inf)
+    """What the run cost, every attempt of it (a retried or paused attempt's sessions were paid
+    for too); the current attempt's alone on a record older than attempts."""
+    every = run.get("cost_all_attempts_usd")
+    return usd_from(run.get("cost_usd") if every is None else every, hi=math.inf)
 
 
 # The groups audit findings are counted under, with the words the renderers use.  A kind the audit
@@ -15162,7 +15936,8 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
     launch = prov.get("launch")
     task = rec.get("task")
-    cost = rec.get("cost_usd")
+    # Every attempt's cost (retried and paused attempts paid for their sessions too).
+    cost = rec.get("cost_all_attempts_usd", rec.get("cost_usd"))
     return RunFacts(
         run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
         task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
@@ -20370,22 +21145,27 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
 SCAFFOLD_KINDS = {"python-fix": "fix a bug in a small Python module",
                   "cli": "add an option to a small command-line tool"}
 
-#: The hidden oracle every scaffolded task starts with.  The receipt channel the safe way: the
-#: descriptor is made non-inheritable at once and the process non-dumpable, the code under test
-#: runs only in child processes (which never get the descriptor), and this parent alone writes
-#: the one receipt line after they finished.  %(checks)s is the task kind's list of checks.
+#: The hidden oracle every scaffolded task starts with, following the rules of a harness: the
+#: code under test runs only through the {sandbox_run} helper (agentbench's inner sandbox, which
+#: sees a fresh copy of the workspace and nothing of the judge), the expected values stay in this
+#: process, which compares, and this process alone writes the one receipt line to a channel that
+#: no child is handed.  %(checks)s is the task kind's list of checks.
 SCAFFOLD_ORACLE = '''#!/usr/bin/env python3
 """Hidden tests of the task: agentbench never copies this directory into a workspace.
 
 EDIT HERE: the CHECKS list. A check is (id, the arguments after `python`, the stdout it must
-print). Each runs in a child process with the workspace copy as its directory, so the code under
-test never runs in this process and never sees the receipt channel.
-Usage (agentbench passes both, see task.json): run.py WORKSPACE --receipt-fd FD
+print). Each runs through HELPER (agentbench's inner sandbox) in a fresh copy of the workspace,
+which is all it sees: never this file, its expected values or the receipt channel. Only the
+output comes back, and it is compared here. Never pass an expected value to the command.
+Usage (agentbench passes all three, see task.json):
+    run.py WORKSPACE --sandbox-run HELPER --receipt-fd FD
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 CHECKS = [
 %(checks)s
@@ -20393,20 +21173,29 @@ CHECKS = [
 TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
 
 
-def not_dumpable():
-    """Linux: no other process of this user may take this process's descriptors."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
-    except (OSError, AttributeError):
-        pass
+def fresh_copy(workspace, names):
+    """A copy of the workspace in a new directory under it (the helper runs only there)."""
+    dst = tempfile.mkdtemp(prefix=".check-", dir=workspace)
+    for name in names:
+        src = os.path.join(workspace, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, os.path.join(dst, name), symlinks=True)
+        else:
+            shutil.copy2(src, os.path.join(dst, name), follow_symlinks=False)
+    return dst
 
 
-def run_check(workspace, args, expected):
+def run_check(helper, workspace, names, args, expected):
+    copy = fresh_copy(workspace, names)
     try:
-        proc = subprocess.run([sys.executable, "-E", "-s", *args], cwd=workspace, text=True,
-                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+        proc = subprocess.run([sys.executable, helper, "--dir", copy, "--timeout", str(TIMEOUT_S),
+                               "--", sys.executable, "-E", "-s", *args], text=True,
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
+        return False, "timed out after %%d s" %% TIMEOUT_S
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    if proc.returncode == 124:
         return False, "timed out after %%d s" %% TIMEOUT_S
     got = proc.stdout.strip()
     if got == expected:
@@ -20416,15 +21205,15 @@ def run_check(workspace, args, expected):
 
 
 def main(argv):
-    if len(argv) != 4 or argv[2] != "--receipt-fd":
-        print("usage: run.py WORKSPACE --receipt-fd FD", file=sys.stderr)
+    if len(argv) != 6 or argv[2] != "--sandbox-run" or argv[4] != "--receipt-fd":
+        print("usage: run.py WORKSPACE --sandbox-run HELPER --receipt-fd FD", file=sys.stderr)
         return 2
-    fd = int(argv[3])
-    os.set_inheritable(fd, False)   # no child process (no code under test) is handed the channel
-    not_dumpable()
+    workspace, helper, fd = argv[1], argv[3], int(argv[5])
+    os.set_inheritable(fd, False)   # no child process is handed the channel
+    names = sorted(os.listdir(workspace))
     checks = []
     for check_id, args, expected in CHECKS:
-        passed, detail = run_check(argv[1], args, expected)
+        passed, detail = run_check(helper, workspace, names, args, expected)
         checks.append({"id": check_id, "passed": passed, "detail": detail})
     n = sum(1 for c in checks if c["passed"])
     receipt = {"passed": n == len(checks), "score": n / len(checks), "checks": checks,
@@ -20559,8 +21348,9 @@ def scaffold_files(task_id: str, kind: str) -> dict[str, str]:
     spec = {"id": task_id, "title": task_md.splitlines()[0].lstrip("# ").strip(),
             "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"],
                      "timeout_s": 120},
-            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd",
-                               "{receipt_fd}"], "timeout_s": 300, "threshold": 1.0},
+            "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "--sandbox-run",
+                               "{sandbox_run}", "--receipt-fd", "{receipt_fd}"],
+                       "timeout_s": 300, "threshold": 1.0},
             "check_hint": "Run the public tests from the workspace root with: "
                           "python3 -m unittest discover -s tests -t tests"}
     edit = (f"# Task {task_id} ({kind}): where to edit\n\n"
@@ -20821,7 +21611,12 @@ def run_overview(rec: Mapping[str, Any]) -> dict[str, Any]:
            "flagged": audit["flagged"] if audit["audited"] else None,
            "findings": sorted({str(f.get("kind")) for f in findings if isinstance(f, dict)})
            if isinstance(findings, list) else [],
-           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at")}
+           "sessions": sessions, "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+           "attempt": rec.get("attempt"),
+           "earlier_attempts": [{k: a.get(k) for k in ("attempt", "reason", "cost_usd")
+                                 if a.get(k) is not None}
+                                for a in rec.get("attempts") or [] if isinstance(a, Mapping)] or None,
+           "cost_all_attempts_usd": run_attempts_cost_usd(rec) if rec.get("attempts") else None}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -22128,7 +22923,17 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "hos
     stage = out / f".import-{uuid.uuid4().hex[:8]}"
     try:
         for plan in plans:
-            write_harbor_bundle(plan, stage / plan["id"])
+            try:
+                write_harbor_bundle(plan, stage / plan["id"])
+            except UnusableTree as exc:
+                # past a copy rule the plan's walk does not see (depth, path length): the task's fault
+                where = str(exc.payload.get("path", ""))[:200]
+                raise AgentbenchError(
+                    "some Harbor task directories cannot be imported; nothing was written",
+                    code="harbor_task_refused",
+                    refused={str(plan["root"]): [f"cannot be copied: {exc.why} at {where}"]},
+                    hint=f"a Harbor task is copied as agent output is: no tree deeper than {COPY_MAX_DEPTH} "
+                         f"levels, no path longer than {COPY_MAX_PATH_BYTES} bytes") from None
         for plan in plans:
             os.rename(stage / plan["id"], out / plan["id"])
     finally:
@@ -22773,6 +23578,12 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, An
     out = calibrate_study(ctx, load_study(paths), args.task)
     study = shlex.quote(str(paths.root))
     failed = sorted(t for t, r in out["tasks"].items() if not r["ok"])
+    forgeable = {t: r.get("oracle_forged") for t, r in out["tasks"].items()
+                 if not r["ok"] and r.get("oracle_forged") and not r.get("forgeable_accepted")}
+    if forgeable:
+        return 2, {**out, "error": "the hidden tests of " + ", ".join(sorted(forgeable)) + " can be forged",
+                   "code": "oracle_forgeable", "failed": failed, "forged_probes": forgeable,
+                   "hint": PROBE_FIX_HINT}
     if failed:
         return 2, {**out, "error": "calibration failed for " + ", ".join(failed),
                    "code": "calibration_failed", "failed": failed,
@@ -23077,6 +23888,13 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     record_look(paths, report, write=not ctx.is_child)
     report["verdict"] = verdict_lines(report)   # one line per comparison: what the study found
     report["arm_changes"] = changes_against_baseline(cfg.get("arms") or {}, report["baseline"])
+    report["grading"] = grading_facts(calibration_state(paths).get("tasks") or {})
+    if report["grading"]["forgeable_accepted"]:
+        report.setdefault("warnings", []).insert(0, "the hidden tests of " + ", ".join(
+            f"{t} ({', '.join(p)})" for t, p in sorted(report["grading"]["forgeable_accepted"].items()))
+            + " were forged by oracle probes at calibration and the study accepts it "
+              "(accept_forgeable_oracles): a success there may be forged")
+    report.setdefault("methods", {})["oracle_strength"] = report["grading"]["strength_text"]
     reh = read_json(paths.state / "rehearsal.json", default=None)
     only_rehearsed = None
     if (isinstance(reh, dict) and isinstance(reh.get("scratch"), str)

@@ -110,6 +110,9 @@ def test_a_study_mixing_a_harbor_task_in_its_image_and_a_bwrap_task_rehearses_as
     env_run, host_run = by_task[ENV_TASK], by_task[TASK]
     assert env_run["environment"]["runtime"] == "podman" and env_run["environment"]["sha256"]
     assert env_run["environment"]["image"] == ab.built_image_tag(env_run["environment"]["sha256"])
+    # the image id pins what ran (the tag names the build context; its FROM image may move)
+    assert env_run["environment"]["image_id"] == out["environments"][ENV_TASK]["image_id"]
+    assert ab.container_image_id(podman, env_run["environment"]["image"], os.environ) == env_run["environment"]["image_id"]
     assert "environment" not in host_run
     assert env_run["sandbox"]["kinds"] == ["container"] and env_run["sandbox"]["sandboxed"]
     assert host_run["sandbox"]["kinds"] == ["bwrap"] and host_run["sandbox"]["sandboxed"]
@@ -175,7 +178,16 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
         (where / "planted-secret.txt").write_text(tok + "\n")
         tokens[str(where)] = tok
     assert all(Path(w, "planted-secret.txt").read_text().strip() == t for w, t in tokens.items())
-    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    # A listener of the host's loopback standing in for anything else on this machine; it works
+    # from here (the attack is set up), and must receive nothing from the session.
+    import socket
+    host_lis = socket.socket()
+    host_lis.bind(("127.0.0.1", 0))
+    host_lis.listen(8)
+    host_lis.settimeout(5)
+    port = host_lis.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        host_lis.accept()[0].close()
     (root / "public" / "TASK.md").write_text((root / "public" / "TASK.md").read_text()
                                              + "\n[agentbench-script:probe]\n")
     grab = " ".join(f"{w}/planted-secret.txt" for w in tokens)
@@ -205,7 +217,13 @@ def test_a_session_in_its_container_sees_the_image_reaches_only_its_gateway_and_
     assert "/app" in text and "Debian" in text
     for where, tok in tokens.items():
         assert tok not in text, f"the session read the planted secret in {where}"
-    assert "HOSTPORT 0" not in text and "HOSTPORT" in text       # the host's loopback: refused
+    # the host's listener got nothing (a connect that succeeds inside can only have met a
+    # listener of the container's own loopback, such as its relay, on the same number)
+    assert "HOSTPORT" in text
+    host_lis.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        host_lis.accept()
+    host_lis.close()
     assert "OUTSIDE 0" not in text and "OUTSIDE" in text
     assert int(text.split("PIDS ")[1].split("\\n")[0]) <= 12, text    # its own pid namespace
     assert "started" in text

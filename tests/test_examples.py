@@ -25,7 +25,30 @@ TEMPLATES = ROOT / "templates"
 TASK_IDS = ["bugfix", "cli", "roman"]
 
 GATE_CMD = ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"]
-ORACLE_CMD = ["{python}", "{oracle}/run.py", "{workspace}", "--receipt-fd", "{receipt_fd}"]
+ORACLE_CMD = ["{python}", "{oracle}/run.py", "{workspace}", "--sandbox-run", "{sandbox_run}",
+              "--receipt-fd", "{receipt_fd}"]
+
+# The {sandbox_run} helper's contract (agentbench's own runs the command in its inner sandbox):
+# --dir DIR [--timeout S] [--env K=V]... -- COMMAND; the command runs in DIR with stdin passed on,
+# its output and exit status come back as the helper's own, 124 when it timed out.  This stand-in
+# keeps the contract without the isolation, so the bundle is checked without agentbench.
+SANDBOX_RUN_STANDIN = r"""
+import os, subprocess, sys
+args = sys.argv[1:]
+sep = args.index("--")
+opts, cmd = args[:sep], args[sep + 1:]
+kv = dict(zip(opts[0::2], opts[1::2]))
+env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+env.update(PYTHONIOENCODING="utf-8", PYTHONDONTWRITEBYTECODE="1")
+try:
+    proc = subprocess.run(cmd, cwd=kv["--dir"], env=env, stdin=sys.stdin, capture_output=True,
+                          timeout=float(kv.get("--timeout", 60)))
+except subprocess.TimeoutExpired:
+    sys.exit(124)
+sys.stdout.buffer.write(proc.stdout)
+sys.stderr.buffer.write(proc.stderr)
+sys.exit(proc.returncode)
+"""
 
 # The variables the controller provides to each template: always all of them, never others.
 TEMPLATE_VARS = {
@@ -109,6 +132,8 @@ def run_oracle(task_id: str, workspace: Path, tmp_path: Path) -> dict:
     oracle_copy = tmp_path / "oracle-copy"
     if not oracle_copy.exists():
         shutil.copytree(TASKS_DIR / task_id / "oracle", oracle_copy)
+    helper = tmp_path / "sandbox_run.py"
+    helper.write_text(SANDBOX_RUN_STANDIN, encoding="utf-8")
     throwaway = tmp_path / f"oracle-ws-{workspace.name}"
     shutil.copytree(workspace, throwaway)
     before = tree_digest(throwaway)
@@ -117,7 +142,8 @@ def run_oracle(task_id: str, workspace: Path, tmp_path: Path) -> dict:
     rfd, wfd = os.pipe()
     try:
         proc = subprocess.run(fill(task["oracle"]["cmd"], oracle=str(oracle_copy),
-                                   workspace=str(throwaway), receipt_fd=str(wfd)),
+                                   workspace=str(throwaway), receipt_fd=str(wfd),
+                                   sandbox_run=str(helper)),
                               cwd=throwaway, capture_output=True, text=True, env=child_env(),
                               timeout=task["oracle"]["timeout_s"], pass_fds=(wfd,))
         os.close(wfd)

@@ -56,7 +56,8 @@ def make_task(tasks_dir: Path, task_id: str, *, task_md: str = "Set VALUE to 42 
     write_json(root / "task.json", {
         "id": task_id, "title": f"Tiny task {task_id}",
         "gate": {"cmd": ["{python}", "-m", "unittest", "discover", "-s", "{gate}", "-t", "{gate}"], "timeout_s": 60},
-        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}"], "timeout_s": 60, "threshold": threshold}})
+        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "{sandbox_run}"], "timeout_s": 60,
+                   "threshold": threshold}})
     (root / "public" / "tests").mkdir(parents=True)
     (root / "public" / "TASK.md").write_text(task_md)
     (root / "public" / "sol.py").write_text("VALUE = 0\n")
@@ -66,10 +67,19 @@ def make_task(tasks_dir: Path, task_id: str, *, task_md: str = "Set VALUE to 42 
     (root / "gate").mkdir()
     (root / "gate" / "test_sol.py").write_text((root / "public" / "tests" / "test_sol.py").read_text())
     (root / "oracle").mkdir()
+    # The code under test runs only through the inner sandbox's helper, in a copy of sol.py; the
+    # expected value stays here (the rules of a hidden-test harness: every oracle probe is held).
     (root / "oracle" / "run.py").write_text(
-        "import json, sys, runpy, os\n"
-        "ws = sys.argv[1]\n"
-        "ok = runpy.run_path(os.path.join(ws, 'sol.py')).get('VALUE') == 42\n"
+        "import json, os, shutil, subprocess, sys, tempfile\n"
+        "ws, helper = sys.argv[1], sys.argv[2]\n"
+        "d = tempfile.mkdtemp(prefix='.check-', dir=ws)\n"
+        "if os.path.isfile(os.path.join(ws, 'sol.py')):\n"
+        "    shutil.copy(os.path.join(ws, 'sol.py'), d)\n"
+        "p = subprocess.run([sys.executable, helper, '--dir', d, '--timeout', '30', '--', sys.executable, '-I',\n"
+        "                    '-c', 'import sys; sys.path.insert(0, \"\"); import sol; print(repr(sol.VALUE))'],\n"
+        "                   capture_output=True, text=True, stdin=subprocess.DEVNULL)\n"
+        "shutil.rmtree(d, ignore_errors=True)\n"
+        "ok = p.returncode == 0 and p.stdout.strip().splitlines()[-1:] == ['42']\n"
         "print(json.dumps({'passed': ok, 'score': 1.0 if ok else 0.0, 'tests_passed': int(ok), 'tests_total': 1}))\n")
     (root / "reference").mkdir()
     (root / "reference" / "sol.py").write_text("VALUE = 42\n")
@@ -147,8 +157,10 @@ def test_calibrate_passes_the_example_study_and_records_it(calibrated):
     for tid, res in out["tasks"].items():
         assert res["ok"] is True, (tid, res["problems"])
         assert res["problems"] == []
-        # twice on the reference, both passing the gate and the hidden tests; the starter fails them
-        assert [r["attempt"] for r in res["reference"]] == [1, 2]
+        # calibration_attempts times on the reference, each passing the gate and the hidden tests;
+        # the starter fails them; every oracle probe is held
+        assert [r["attempt"] for r in res["reference"]] == [1, 2, 3]
+        assert {p["verdict"] for p in res["oracle_probes"]} == {"held"}, res["oracle_probes"]
         assert all(r["gate_passed"] and r["oracle_success"] for r in res["reference"])
         assert res["starter_oracle_score"] < 1.0
         assert res["partial_gate_passed"] is False       # every example has a partial/ that fails

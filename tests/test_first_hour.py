@@ -198,8 +198,9 @@ def test_a_missing_oracle_file_fails_calibration_naming_the_cause(tmp_path):
 
 def test_an_oracle_that_prints_garbage_fails_calibration_naming_the_cause(tmp_path):
     study = scaffolded(tmp_path)
+    # The scaffold's oracle is given WORKSPACE --sandbox-run HELPER --receipt-fd FD.
     (study / "tasks" / "t1" / "oracle" / "run.py").write_text(
-        "import os, sys\nos.write(int(sys.argv[3]), b'all good, trust me\\n')\n")
+        "import os, sys\nos.write(int(sys.argv[5]), b'all good, trust me\\n')\n")
     code, obj, _ = run_cli(["calibrate", "--study", str(study)], user_env())
     assert code == 2 and obj["code"] == "calibration_failed", obj
     assert any("not a JSON receipt" in p for p in obj["tasks"]["t1"]["problems"]), obj

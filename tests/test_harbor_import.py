@@ -73,8 +73,10 @@ def test_container_mounts_go_into_the_sandboxs_own_root():
     rows = ab.sandbox_mounts(plan)
     assert ("--symlink", "usr/bin", "/bin") in rows and ("--ro-bind", "/usr", "/usr") in rows
     assert ("--ro-bind", "/", "/") not in rows and ("--tmpfs", "/") not in rows
-    assert rows[-4:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
-                         ("--tmpfs", "/logs/verifier"), ("--remount-ro", "/")]
+    # a scratch path is a tmpfs sized like /tmp (no tmpfs is unsized); /dev and the root read-only last
+    assert rows[-5:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
+                         ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/logs/verifier"),
+                         ("--remount-ro", "/dev"), ("--remount-ro", "/")]
 
 
 def _copy_tasks(tmp_path: Path, names) -> list[str]:
@@ -159,13 +161,29 @@ def test_calibration_of_the_three_harbor_tasks(tmp_path):
     assert code == 0
     study = _study_with(tmp_path, tmp_path / "tasks")
     code, cal = run_main(["calibrate", "--study", str(study)])
+    # fix-mean's verifier runs pytest in the process that imports the code under test and reads
+    # its exit status: a solution that exits 0 at import forges a pass, and calibrate says so.
+    assert code == 2 and cal["code"] == "oracle_forgeable", cal
+    assert "exit_at_import" in cal["forged_probes"]["fix-mean"], cal["forged_probes"]
+    probes = {p["name"]: p["verdict"] for p in cal["tasks"]["fix-mean"]["oracle_probes"]}
+    assert set(probes) == set(ab.ORACLE_PROBES) and probes["exit_at_import"] == "forged"
+    assert "{sandbox_run}" in cal["hint"]
+    # Accepted by the study: the rest of calibration as before, the acceptance recorded.
+    cfg = json.loads((study / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps({**cfg, "accept_forgeable_oracles": True}))
+    code, cal = run_main(["calibrate", "--study", str(study)])
     # One task fails: calibrate exits 2 naming it, with every task's result in the answer.
     assert code == 2 and cal["code"] == "calibration_failed" and cal["failed"] == [NEEDS_IMAGE], cal
     assert cal["uncalibrated"] == [NEEDS_IMAGE]
+    assert cal["tasks"]["fix-mean"]["forgeable_accepted"] is True
+    # ... and every report names it, and says the Harbor references' strength was not measured.
+    code, rep = run_main(["report", "--study", str(study), "--format", "json"])
+    assert code == 0 and any("fix-mean" in w and "accept_forgeable_oracles" in w for w in rep["warnings"]), rep
+    assert "fix-mean not measured" in rep["methods"]["oracle_strength"], rep["methods"]
     for name in GOOD:
         t = cal["tasks"][name]
         assert t["ok"] and t["starter_oracle_score"] < 1.0, t
-        assert [r["oracle_score"] for r in t["reference"]] == [1.0, 1.0]
+        assert [r["oracle_score"] for r in t["reference"]] == [1.0] * ab.CALIBRATION_ATTEMPTS_DEFAULT
     bad = cal["tasks"][NEEDS_IMAGE]
     text = " | ".join(bad["problems"])
     assert not bad["ok"] and "pyfiglet" in text and "this host lacks what its environment gave it" in text
@@ -219,3 +237,20 @@ def test_a_hostile_task_copies_no_host_file_and_fills_nothing(tmp_path):
     assert not (bundle / "oracle" / "tests" / ".git").exists()
     assert not (bundle / "reference" / "solution" / "__pycache__").exists()
     assert total < 2 ** 20
+
+
+def test_a_task_deeper_than_the_copy_rules_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """A tree the plan's walk accepts but the copy rules do not (deeper than COPY_MAX_DEPTH):
+    refused as the task's fault, naming its directory, and no bundle nor staging is left."""
+    dirs = _copy_tasks(tmp_path, GOOD[:1])
+    deep = Path(dirs[0]) / "tests"
+    for _ in range(ab.COPY_MAX_DEPTH + 5):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "x.txt").write_text("x")
+    # the attack is set up: the plan itself finds nothing wrong with the directory
+    assert ab.plan_harbor_task(Path(dirs[0]), "host", None)["problems"] == []
+    code, out = run_main(["import-tasks", "--from", "harbor", *dirs, "--tasks", str(tmp_path / "tasks")])
+    assert code == 2 and out["code"] == "harbor_task_refused", out
+    assert "nested_too_deep" in out["refused"][dirs[0]][0], out
+    assert list((tmp_path / "tasks").iterdir()) == []

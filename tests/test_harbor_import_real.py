@@ -39,7 +39,10 @@ def test_imported_harbor_tasks_calibrate_and_rehearse(tmp_path, real_claude):
         "tasks": str(tmp_path / "tasks"), "model": "claude-opus-4-5", "effort": "high",
         "permission_mode": "dontAsk", "tools": "Bash,Read,Edit,Write,Glob,Grep",
         "arms": {"A": {"preamble": "arms/A.md"}, "C": {"preamble": "arms/C.md", "gate_cycles": 2}},
-        "budget": {"usd_per_run": 5.0, "wall_s": 1800, "max_turns": 60, "study_usd": 100.0}}))
+        "budget": {"usd_per_run": 5.0, "wall_s": 1800, "max_turns": 60, "study_usd": 100.0},
+        # Harbor verifiers run pytest beside the code under test: the oracle probes forge them
+        # (tests/test_harbor_import.py shows which); this study accepts that, named in its report.
+        "accept_forgeable_oracles": True}))
     assert run_cli(["init", "--study", str(study)], env=env)[0] == 0
     code, cal, err = run_cli(["calibrate", "--study", str(study)], env=env, timeout=600)
     assert code == 0 and cal["ok"] and cal["uncalibrated"] == [], (cal, err[-2000:])

@@ -99,6 +99,14 @@ def test_show_gives_one_run_s_summary_with_its_failed_checks(tmp_path: Path, fak
     assert out["success"] is False and out["tests"] == "0/1" and out["cost_usd"] == 0.25
     assert out["failed_checks"] == [{"id": "value", "detail": "expected 42, got 0"}]
     assert out["sessions"][0]["role"] == "executor"
+    # A run retried after an attempt that ended outside the agent: its earlier attempt is named.
+    rec = json.loads((study / "state" / "runs" / f"{failing['run_id']}.json").read_text())
+    rec.update(attempt=2, attempts=[{"attempt": 1, "reason": "upstream_failed", "cost_usd": 0.5, "jobs": []}])
+    (study / "state" / "runs" / f"{failing['run_id']}.json").write_text(json.dumps(rec))
+    code, out = run_main(["show", "--study", str(study), "--run", failing["run_id"]])
+    assert out["attempt"] == 2 and out["earlier_attempts"] == [{"attempt": 1, "reason": "upstream_failed",
+                                                                 "cost_usd": 0.5}], out
+    assert out["cost_all_attempts_usd"] == 0.75
     code, out = run_main(["show", "--study", str(study), "--run", "r9999"])
     assert code == 2 and out["code"] == "no_such_run", out
     code, out = run_main(["show", "--study", str(study), "--run", "../x"])
@@ -168,7 +176,7 @@ def test_progress_names_task_arm_spend_and_runs_left_and_counts_on_after_a_resum
     assert lines[0].startswith("agentbench: [1/4] "), lines[0]     # counts on from the run already ended
     assert lines[-1].startswith("agentbench: [4/4] ") and "0 runs left" in lines[-1], lines[-1]
     started = [ln for ln in lines if " run_started " in ln]
-    assert started and all("task=tiny" in ln and " arm=" in ln for ln in started), started
+    assert started and all("task=tiny" in ln and " arm=" in ln and " attempt=1" in ln for ln in started), started
     assert not any("=None" in ln for ln in lines), lines
     assert all(" | spent $" in ln for ln in lines)
     # The spend so far includes the first call's run.

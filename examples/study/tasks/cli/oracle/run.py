@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Hidden tests for the ``cli`` task. This directory is never copied into the agent's workspace.
 
-Usage: python run.py WORKSPACE [--receipt-fd FD]
+Usage: python run.py WORKSPACE --sandbox-run HELPER [--receipt-fd FD]
 
-The workspace is copied to a private temporary directory first, so nothing the checks do can
-write into the directory that was passed in. Every check starts the tool from that copy in
-subprocesses with a timeout, each check with its own fresh data directory, so a tool that hangs
-or crashes costs that one check and nothing else.
+The tool never runs in this process, nor where it could see this file: each check gets a fresh
+directory holding a copy of the workspace (tool/) and an empty data directory (data/), and every
+call of the tool runs there in agentbench's inner sandbox (HELPER is the {sandbox_run} helper),
+which sees that directory and nothing else: not this file, not the receipt channel, not this
+process's arguments.  Only the tool's exit status, output and data file come back, and they are
+compared with the expected values here.  A tool that hangs or crashes costs that one check.
 
 The JSON receipt is written, from this parent process only, to the receipt channel FD (when
 given) and as the last stdout line:
@@ -33,28 +35,29 @@ class CheckFailed(Exception):
 
 
 class Tool:
-    """Runs ``todo.py`` from the workspace copy against one data directory."""
+    """Runs ``todo.py`` from a copy of the workspace (CHECK_DIR/tool) in the inner sandbox, with
+    CHECK_DIR/data as its working directory."""
 
-    def __init__(self, script, data_dir):
-        self.script = script
-        self.data_dir = data_dir
-        self.data_file = os.path.join(data_dir, "todo.json")
-        # No inherited PYTHON* settings (a PYTHONPATH could shadow the tool's own modules);
-        # UTF-8 I/O so the result does not depend on the host's locale.
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-        self.env.update(PYTHONIOENCODING="utf-8", PYTHONDONTWRITEBYTECODE="1")
+    def __init__(self, helper, check_dir):
+        self.helper = helper
+        self.check_dir = check_dir
+        self.data_dir = os.path.join(check_dir, "data")
+        self.data_file = os.path.join(self.data_dir, "todo.json")
 
     def run(self, *args, use_file=True):
-        cmd = [sys.executable, "-X", "utf8", self.script]
-        if use_file:
-            cmd += ["--file", self.data_file]
-        cmd += list(args)
+        # Paths relative to the check directory: inside, it is the working directory.
+        tool_args = ["--file", "todo.json"] if use_file else []
+        cmd = [sys.executable, self.helper, "--dir", self.check_dir, "--timeout", str(CALL_TIMEOUT_S),
+               "--", "/bin/sh", "-c", 'cd data && exec "$0" -X utf8 ../tool/todo.py "$@"',
+               sys.executable, *tool_args, *args]
         try:
-            return subprocess.run(cmd, cwd=self.data_dir, env=self.env, capture_output=True,
-                                  stdin=subprocess.DEVNULL, text=True, encoding="utf-8",
-                                  errors="replace", timeout=CALL_TIMEOUT_S)
+            proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, text=True,
+                                  encoding="utf-8", errors="replace", timeout=CALL_TIMEOUT_S + 30)
         except subprocess.TimeoutExpired:
+            proc = None
+        if proc is None or proc.returncode == 124:
             raise CheckFailed(f"todo {' '.join(args)} did not finish in {CALL_TIMEOUT_S} s")
+        return proc
 
     def ok(self, *args):
         """Run and require exit status 0; return the process."""
@@ -225,61 +228,62 @@ CHECKS = {
 
 # ---- harness ---------------------------------------------------------------------------------
 
-def _run_check(check_id, script, scratch):
-    data_dir = tempfile.mkdtemp(prefix=f"{check_id}-", dir=scratch)
+def _fresh_check_dir(workspace, names):
+    """A new directory under the workspace (the inner sandbox runs only in directories under the
+    working directory; a random name, so nothing inside learns which check it is) holding a copy
+    of the workspace's entries `names` as tool/ and an empty data/."""
+    check_dir = tempfile.mkdtemp(prefix=".check-", dir=workspace)
+    tool = os.path.join(check_dir, "tool")
+    os.mkdir(tool)
+    for name in names:
+        src = os.path.join(workspace, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, os.path.join(tool, name), symlinks=True,
+                            ignore=shutil.ignore_patterns(".git", "__pycache__"))
+        else:
+            shutil.copy2(src, os.path.join(tool, name), follow_symlinks=False)
+    os.mkdir(os.path.join(check_dir, "data"))
+    return check_dir
+
+
+def _run_check(check_id, helper, workspace, names):
+    check_dir = None
     try:
-        detail = CHECKS[check_id](Tool(script, data_dir))
+        check_dir = _fresh_check_dir(workspace, names)
+        detail = CHECKS[check_id](Tool(helper, check_dir))
         return {"id": check_id, "passed": True, "detail": detail}
     except CheckFailed as exc:
         return {"id": check_id, "passed": False, "detail": str(exc)[:300]}
     except Exception as exc:  # e.g. a data file the tool wrote that is not JSON
         return {"id": check_id, "passed": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        if check_dir:
+            shutil.rmtree(check_dir, ignore_errors=True)
 
-
-
-def _not_dumpable():
-    """Linux: make this process non-dumpable, so that no other process of the same user (the code
-    under test, run by a child of this one) can open its descriptors through /proc or take them
-    with pidfd_getfd.  Elsewhere, or if refused, nothing happens."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass
 
 
 def main(argv):
-    receipt_fd = None
-    if len(argv) == 4 and argv[2] == "--receipt-fd":
-        # agentbench's receipt channel: a socket that only this parent writes to.  It is made
-        # non-inheritable at once, so no child (and no code under test) is handed it.
-        receipt_fd = int(argv[3])
-        os.set_inheritable(receipt_fd, False)
-        _not_dumpable()
-        argv = argv[:2]
-    if len(argv) != 2:
-        print("usage: run.py WORKSPACE [--receipt-fd FD]", file=sys.stderr)
+    usage = "usage: run.py WORKSPACE --sandbox-run HELPER [--receipt-fd FD]"
+    opts = dict(zip(argv[2::2], argv[3::2]))
+    if len(argv) < 4 or len(argv) % 2 or set(opts) - {"--sandbox-run", "--receipt-fd"} \
+            or "--sandbox-run" not in opts:
+        print(usage, file=sys.stderr)
         return 2
+    receipt_fd = None
+    if "--receipt-fd" in opts:
+        # agentbench's receipt channel: only this process writes it; no child is handed it.
+        receipt_fd = int(opts["--receipt-fd"])
+        os.set_inheritable(receipt_fd, False)
     workspace = os.path.abspath(argv[1])
     if not os.path.isdir(workspace):
         print(f"run.py: not a directory: {workspace}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="oracle-cli-") as tmp:
-        copy_dir = os.path.join(tmp, "workspace")
-        try:
-            shutil.copytree(workspace, copy_dir, symlinks=True,
-                            ignore=shutil.ignore_patterns(".git", "__pycache__"))
-        except (OSError, shutil.Error) as exc:
-            print(f"run.py: cannot copy the workspace: {exc}", file=sys.stderr)
-            return 2
-        script = os.path.join(copy_dir, "todo.py")
-        scratch = os.path.join(tmp, "data")
-        os.mkdir(scratch)
-        # Checks are independent (each has its own data directory), so they run side by side;
-        # map() keeps the receipt in CHECKS order.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
-            checks = list(pool.map(lambda check_id: _run_check(check_id, script, scratch),
-                                   CHECKS))
+    names = [n for n in sorted(os.listdir(workspace)) if n not in (".git", "__pycache__")]
+    # Checks are independent (each has its own directory), so they run side by side; map() keeps
+    # the receipt in CHECKS order.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        checks = list(pool.map(lambda check_id: _run_check(check_id, opts["--sandbox-run"], workspace, names),
+                               CHECKS))
     passed = sum(1 for check in checks if check["passed"])
     receipt = {"passed": passed == len(checks), "score": round(passed / len(checks), 4),
                "checks": checks, "tests_passed": passed, "tests_total": len(checks)}
