@@ -4123,14 +4123,19 @@ def outermost(dirs: Iterable[str]) -> list[str]:
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
-    Later mounts win over earlier ones for the same path, so: /dev, /proc, the private /tmp, the
+    Later mounts win over earlier ones for the same path, so: /dev with its private sized shm,
+    /proc, the private /tmp, the
     system symlinks, the base directories (one inside another is bound once, by the outer), then
     the hiding tmpfs and /dev/null masks (only where a base directory holds them, outer first,
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
-    the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
+    the sockets and a container's paths; last, /dev and the root (bubblewrap's own) are made
+    read-only: every writable place is then a sized tmpfs or a bind the caps count."""
     size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
+    # /dev is bubblewrap's own tmpfs, unsized (half the host's memory) and writable: its shm gets
+    # the /tmp size, and /dev itself is made read-only last (its device nodes still work).
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), (*size, "--tmpfs", "/dev/shm"), ("--proc", "/proc"),
+                                   (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4152,9 +4157,9 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+    rows += [(*size, "--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
              if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
-    rows.append(("--remount-ro", "/"))
+    rows += [("--remount-ro", "/dev"), ("--remount-ro", "/")]
     return rows
 
 
@@ -22915,7 +22920,17 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "hos
     stage = out / f".import-{uuid.uuid4().hex[:8]}"
     try:
         for plan in plans:
-            write_harbor_bundle(plan, stage / plan["id"])
+            try:
+                write_harbor_bundle(plan, stage / plan["id"])
+            except UnusableTree as exc:
+                # past a copy rule the plan's walk does not see (depth, path length): the task's fault
+                where = str(exc.payload.get("path", ""))[:200]
+                raise AgentbenchError(
+                    "some Harbor task directories cannot be imported; nothing was written",
+                    code="harbor_task_refused",
+                    refused={str(plan["root"]): [f"cannot be copied: {exc.why} at {where}"]},
+                    hint=f"a Harbor task is copied as agent output is: no tree deeper than {COPY_MAX_DEPTH} "
+                         f"levels, no path longer than {COPY_MAX_PATH_BYTES} bytes") from None
         for plan in plans:
             os.rename(stage / plan["id"], out / plan["id"])
     finally:
