@@ -14514,8 +14514,10 @@ def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
 #: Most distinct (U, V) states the exact distribution of a primary test may hold (and the most
 #: per task); beyond it, seeded random relabellings.
 PRIMARY_EXACT_STATES = 60_000
+#: Most steps (states x a task's states) the exact convolution may take; beyond, Monte Carlo.
+PRIMARY_EXACT_WORK = 400_000
 #: Bisection steps per bound of the test-inverted interval (precision 2^-steps of the range).
-PRIMARY_CI_STEPS = 22
+PRIMARY_CI_STEPS = 16
 
 PRIMARY_TESTS = {"sign_flip": "sign_flip_over_tasks",
                  "permutation": "permutation_within_tasks"}
@@ -14642,8 +14644,10 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
     estimate = observed_u / uscale / k
     # The exact distribution, when it is small enough.
     dist: dict[tuple[int, int], int] | None = {(0, 0): 1}
+    work = 0
     for states, m in zip(per_task, mult):
-        if states is None or dist is None or len(dist) * len(states) > 20 * max_states:
+        work += len(dist) * len(states) if states is not None and dist is not None else 0
+        if states is None or dist is None or work > PRIMARY_EXACT_WORK:
             dist = None
             break
         nxt: dict[tuple[int, int], int] = {}
@@ -16743,7 +16747,11 @@ def report_primary(known: Sequence[RunFacts], arms: list[str], base: str, outcom
         strata, missing = _itt_strata(cells, a, base, outcome)
         res = primary_test(strata, seed=stream, alpha=alpha)
         bounds = {}
+        imputed = any(c.excluded or any(c.imputed) for side in (a, base) for c in cells[side].values())
         for name, lost in (("worst", (0.0, 1.0)), ("best", (1.0, 0.0))):
+            if not imputed:     # no run to bound: the bounds are the estimate itself
+                bounds[name] = {"estimate": res["estimate"], "p": res["p"], "mc_se": res["mc_se"]}
+                continue
             s2, _ = _itt_strata(cells, a, base, outcome, lost)
             r2 = primary_test(s2, seed=stream, alpha=alpha, interval=False, draws=REPORT_SECONDARY_DRAWS)
             bounds[name] = {"estimate": r2["estimate"], "p": r2["p"], "mc_se": r2["mc_se"]}
