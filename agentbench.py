@@ -21514,16 +21514,19 @@ def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None
 
 def record_look(paths: StudyPaths, report: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
     """Log this report in the study as a look when runs are still to come and its data are new
-    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`) with their
-    warning, when there is more than one, in its warnings and notes (see looks_of_record)."""
+    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`: the interim
+    looks logged, this one included, and the total) with their warning, when there is more than
+    one, in its warnings and notes (see looks_of_record)."""
     path = paths.state / "looks.jsonl"
     logged = read_jsonl(path)[0] if path.exists() else []
     now = look_of_report(report)
     looks = looks_of_record(logged, now)
     if write and looks["new"] and now is not None and now["pending"] and paths.state.is_dir():
-        append_jsonl(path, {"at": utc_now(), **now})
-        looks["logged"] = True
-    report["looks"] = looks
+        line = {"at": utc_now(), **now}
+        append_jsonl(path, line)
+        looks = looks_of_record([*logged, line], now)
+    # What the report says depends on the data only: asked again, the same answer.
+    report["looks"] = {k: looks[k] for k in ("interim", "total", "warning")}
     if looks["warning"]:
         report.setdefault("warnings", []).append(looks["warning"])
         report.setdefault("notes", []).insert(0, looks["warning"])
