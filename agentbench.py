@@ -4123,14 +4123,19 @@ def outermost(dirs: Iterable[str]) -> list[str]:
 def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     """The mount table, in the order bubblewrap applies it (pure).
 
-    Later mounts win over earlier ones for the same path, so: /dev, /proc, the private /tmp, the
+    Later mounts win over earlier ones for the same path, so: /dev with its private sized shm,
+    /proc, the private /tmp, the
     system symlinks, the base directories (one inside another is bound once, by the outer), then
     the hiding tmpfs and /dev/null masks (only where a base directory holds them, outer first,
     none inside another), the base directories that a hide covered bound back, then read-only and
     read-write binds (a workspace inside the hidden study comes back this way), the inner mounts,
-    the sockets and a container's paths; last, the root (bubblewrap's own) is made read-only."""
+    the sockets and a container's paths; last, /dev and the root (bubblewrap's own) are made
+    read-only: every writable place is then a sized tmpfs or a bind the caps count."""
     size = ("--size", str(int(plan.tmp_mb or SANDBOX_TMP_MB) * 2 ** 20))
-    rows: list[tuple[str, ...]] = [("--dev", "/dev"), ("--proc", "/proc"), (*size, "--tmpfs", "/tmp")]
+    # /dev is bubblewrap's own tmpfs, unsized (half the host's memory) and writable: its shm gets
+    # the /tmp size, and /dev itself is made read-only last (its device nodes still work).
+    rows: list[tuple[str, ...]] = [("--dev", "/dev"), (*size, "--tmpfs", "/dev/shm"), ("--proc", "/proc"),
+                                   (*size, "--tmpfs", "/tmp")]
     rows += [("--symlink", target, path) for path, target in plan.links]
     base = outermost(plan.base)
     rows += [("--ro-bind", d, d) for d in base]
@@ -4152,9 +4157,9 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     rows += [(*size, "--tmpfs", d) for d in plan.inner_hide]
     rows += [("--bind", d, d) for d in plan.inner_rw]
     rows += [("--bind", src, dst) for src, dst in plan.sockets]
-    rows += [("--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
+    rows += [(*size, "--tmpfs", dest) if op == "tmpfs" else ("--size", source, "--tmpfs", dest)
              if op == "sized-tmpfs" else ("--" + op, source, dest) for op, source, dest in plan.container]
-    rows.append(("--remount-ro", "/"))
+    rows += [("--remount-ro", "/dev"), ("--remount-ro", "/")]
     return rows
 
 
@@ -11878,6 +11883,16 @@ MUTANTS_MAX = 8
 MUTANT_WORKERS = 4
 
 
+def _droppable(node: Any) -> list[int]:
+    """Positions of the statements of `node`'s body a mutant may drop (pure): in a body of two or
+    more below the module, never a docstring or `pass` (dropping those changes nothing)."""
+    body = getattr(node, "body", None)
+    if not isinstance(body, list) or isinstance(node, ast.Module) or len(body) < 2:
+        return []
+    return [i for i, st in enumerate(body) if not isinstance(st, ast.Pass) and not (
+        isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant) and isinstance(st.value.value, str))]
+
+
 def mutation_sites(source: str) -> list[tuple[str, int]]:
     """Every (kind, index) mutation of `source` (pure): compare, boolop, constant (off by one),
     return_none, drop (a statement of a body of two or more); index counts nodes of that kind in
@@ -11897,9 +11912,7 @@ def mutation_sites(source: str) -> list[tuple[str, int]]:
         elif isinstance(node, ast.Return) and node.value is not None and not (
                 isinstance(node.value, ast.Constant) and node.value.value is None):
             counts["return_none"] += 1
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
-            counts["drop"] += len(body)
+        counts["drop"] += len(_droppable(node))
     return [(kind, i) for kind, n in counts.items() for i in range(n)]
 
 
@@ -11935,12 +11948,11 @@ def mutate(source: str, kind: str, index: int) -> str | None:
                 done = True
             seen += 1
         elif kind == "drop":
-            body = getattr(node, "body", None)
-            if isinstance(body, list) and not isinstance(node, ast.Module) and len(body) >= 2:
-                if seen <= index < seen + len(body):
-                    body[index - seen] = ast.Pass()
-                    done = True
-                seen += len(body)
+            droppable = _droppable(node)
+            if seen <= index < seen + len(droppable):
+                node.body[droppable[index - seen]] = ast.Pass()
+                done = True
+            seen += len(droppable)
     if not done:
         return None
     try:
@@ -15661,7 +15673,10 @@ def run_score(run: dict) -> float | None:
 
 
 def run_cost(run: dict) -> float | None:
-    return usd_from(run.get("cost_usd"), hi=math.inf)
+    """What the run cost, every attempt of it (a retried or paused attempt's sessions were paid
+    for too); the current attempt's alone on a record older than attempts."""
+    every = run.get("cost_all_attempts_usd")
+    return usd_from(run.get("cost_usd") if every is None else every, hi=math.inf)
 
 
 # The groups audit findings are counted under, with the words the renderers use.  A kind the audit
@@ -15988,7 +16003,8 @@ def run_facts(rec: Mapping[str, Any]) -> RunFacts:
     prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else {}
     launch = prov.get("launch")
     task = rec.get("task")
-    cost = rec.get("cost_usd")
+    # Every attempt's cost (retried and paused attempts paid for their sessions too).
+    cost = rec.get("cost_all_attempts_usd", rec.get("cost_usd"))
     return RunFacts(
         run_id=rec.get("run_id"), arm=str(rec.get("arm")), arm_given=rec.get("arm") is not None,
         task=task, task_key="(none)" if task is None else str(task), repeat=rec.get("repeat"),
@@ -21565,16 +21581,19 @@ def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None
 
 def record_look(paths: StudyPaths, report: dict[str, Any], *, write: bool = True) -> dict[str, Any]:
     """Log this report in the study as a look when runs are still to come and its data are new
-    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`) with their
-    warning, when there is more than one, in its warnings and notes (see looks_of_record)."""
+    (state/looks.jsonl, one line a look), and put the looks in the report (`looks`: the interim
+    looks logged, this one included, and the total) with their warning, when there is more than
+    one, in its warnings and notes (see looks_of_record)."""
     path = paths.state / "looks.jsonl"
     logged = read_jsonl(path)[0] if path.exists() else []
     now = look_of_report(report)
     looks = looks_of_record(logged, now)
     if write and looks["new"] and now is not None and now["pending"] and paths.state.is_dir():
-        append_jsonl(path, {"at": utc_now(), **now})
-        looks["logged"] = True
-    report["looks"] = looks
+        line = {"at": utc_now(), **now}
+        append_jsonl(path, line)
+        looks = looks_of_record([*logged, line], now)
+    # What the report says depends on the data only: asked again, the same answer.
+    report["looks"] = {k: looks[k] for k in ("interim", "total", "warning")}
     if looks["warning"]:
         report.setdefault("warnings", []).append(looks["warning"])
         report.setdefault("notes", []).insert(0, looks["warning"])
@@ -22971,7 +22990,17 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "hos
     stage = out / f".import-{uuid.uuid4().hex[:8]}"
     try:
         for plan in plans:
-            write_harbor_bundle(plan, stage / plan["id"])
+            try:
+                write_harbor_bundle(plan, stage / plan["id"])
+            except UnusableTree as exc:
+                # past a copy rule the plan's walk does not see (depth, path length): the task's fault
+                where = str(exc.payload.get("path", ""))[:200]
+                raise AgentbenchError(
+                    "some Harbor task directories cannot be imported; nothing was written",
+                    code="harbor_task_refused",
+                    refused={str(plan["root"]): [f"cannot be copied: {exc.why} at {where}"]},
+                    hint=f"a Harbor task is copied as agent output is: no tree deeper than {COPY_MAX_DEPTH} "
+                         f"levels, no path longer than {COPY_MAX_PATH_BYTES} bytes") from None
         for plan in plans:
             os.rename(stage / plan["id"], out / plan["id"])
     finally:

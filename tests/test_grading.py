@@ -159,3 +159,66 @@ def test_special_files_in_the_workspace_neither_hang_nor_break_grading(tmp_path)
     copy = tmp_path / "copy"
     ab.safe_copy_tree(ws, copy, ab.DEFAULT_COPY_CAPS)
     assert sorted(p.name for p in copy.iterdir()) == ["a.py", "up", "zero"]
+
+
+# ---- oracle strength and probes: the pure parts ------------------------------------------------
+
+MUTANT_SOURCE = '''"""doc"""
+def f(xs, n):
+    """f's doc"""
+    total = 0
+    for x in xs:
+        if x > n and x != 3:
+            total += 1
+    return total
+'''
+
+
+@pytest.mark.parametrize("kind, index, present, absent", [
+    ("compare", 0, "x <= n", "x > n"), ("compare", 1, "x == 3", "x != 3"),
+    ("boolop", 0, "x > n or x != 3", " and "), ("constant", 0, "total = 1", "total = 0"),
+    ("constant", 1, "total += 2", "total += 1"), ("constant", 2, "x != 4", "x != 3"),
+    ("return_none", 0, "return", "return total"), ("drop", 0, "    pass\n    for x", "total = 0"),
+])
+def test_each_mutant_changes_one_thing(kind, index, present, absent) -> None:
+    assert (kind, index) in ab.mutation_sites(MUTANT_SOURCE)
+    out = ab.mutate(MUTANT_SOURCE, kind, index)
+    assert out is not None and present in out and absent not in out and absent in MUTANT_SOURCE, out
+    compile(out, "<mutant>", "exec")
+
+
+def test_no_mutant_drops_a_docstring_and_every_site_applies() -> None:
+    sites = ab.mutation_sites(MUTANT_SOURCE)
+    # f's body: docstring, total = 0, for, return -> three droppable; the for's body has one statement
+    assert [i for k, i in sites if k == "drop"] == [0, 1, 2]
+    assert all(ab.mutate(MUTANT_SOURCE, k, i) for k, i in sites)
+    assert ab.mutation_sites("def broken(:\n") == []
+
+
+def test_probe_code_goes_after_future_imports() -> None:
+    src = '"""doc"""\nfrom __future__ import annotations\nX = 1\n'
+    out = ab.with_probe_code(src, "PROBE = 1")
+    assert out.index("from __future__") < out.index("PROBE = 1") < out.index("X = 1")
+    compile(out, "<probe>", "exec")
+    assert ab.with_probe_code("X = (\n", "P = 1").startswith("P = 1")
+
+
+@pytest.mark.parametrize("rel, target", [("stats.py", True), ("pkg/mod.py", True), ("tests/test_a.py", False),
+                                         ("test_a.py", False), ("conftest.py", False), ("a_test.py", False),
+                                         ("README.md", False), ("test/helper.py", False)])
+def test_which_files_carry_a_probe(rel, target) -> None:
+    assert ab._probe_target(rel) is target
+
+
+def test_the_report_facts_name_accepted_forgeries_and_each_tasks_mutant_share() -> None:
+    cal = {"a": {"forgeable_accepted": True, "oracle_forged": ["exit_at_import"],
+                 "oracle_strength": {"measured": True, "caught": 3, "mutants": 4}},
+           "b": {"forgeable_accepted": False, "oracle_forged": [],
+                 "oracle_strength": {"measured": False, "reason": "the reference is not a Python overlay"}},
+           "junk": "x"}
+    facts = ab.grading_facts(cal)
+    assert facts["forgeable_accepted"] == {"a": ["exit_at_import"]}
+    assert "a 3/4" in facts["strength_text"] and "b not measured (the reference is not a Python overlay)" \
+        in facts["strength_text"]
+    assert ab.grading_facts({}) == {"forgeable_accepted": {}, "strength_text":
+                                    "oracle strength was not measured (no calibration on record)"}

@@ -103,3 +103,12 @@ def test_only_an_upstream_failure_on_the_wire_corroborates_an_api_error(rec, sho
 
 def test_prompt_too_long_is_no_claimed_condition():
     assert ab.claim_corroboration("prompt_too_long", [{"status": 400}], "claude-opus-4-5") == "not_a_claim"
+
+
+def test_a_runs_cost_is_every_attempts():
+    rec = {"cost_usd": 0.5, "attempts": [{"cost_usd": 1.17}, {"cost_usd": "bad"}],
+           "paused_attempts": [{"cost_usd": 0.25}]}
+    assert ab.run_attempts_cost_usd(rec) == pytest.approx(1.92)
+    assert ab.run_cost({**rec, "cost_all_attempts_usd": ab.run_attempts_cost_usd(rec)}) == pytest.approx(1.92)
+    assert ab.run_cost({"cost_usd": 0.5}) == pytest.approx(0.5)      # a record older than attempts
+    assert ab.run_attempts_cost_usd({}) == 0.0                        # a run that never started

@@ -140,12 +140,16 @@ def test_the_report_from_the_summary_equals_the_report_from_the_records(study, t
     assert rendered(first) == truth
     assert rendered(second) == truth
     # Every format through the command, twice (without and then with the summary): the same bytes.
-    # (The report cache is removed too, or the second would not read the summary.)
+    # (The report cache is removed too, or the second would not read the summary; and the log of
+    # looks, or the second would be reported as a second look at the same runs.)
+    looks = study.state / "looks.jsonl"
     for fmt in ("json", "md", "html"):
         ab.runs_summary_path(study).unlink(missing_ok=True)
         ab.report_cache_path(study).unlink(missing_ok=True)
+        looks.unlink(missing_ok=True)
         a = report_cli(study, fmt, tmp_path / f"a.{fmt}")
         ab.report_cache_path(study).unlink()
+        looks.unlink(missing_ok=True)
         b = report_cli(study, fmt, tmp_path / f"b.{fmt}")
         assert a == b
 
@@ -307,10 +311,12 @@ def record_reads(text: str) -> dict[str, set[str]]:
         for node in ast.walk(fn):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
                     and isinstance(node.func.value, ast.Name) and node.func.value.id in RUN_NAMES
-                    and node.args and isinstance(node.args[0], ast.Constant)):
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
                 keys.add(node.args[0].value)
             elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
-                  and node.value.id in RUN_NAMES and isinstance(node.slice, ast.Constant)):
+                  and node.value.id in RUN_NAMES and isinstance(node.slice, ast.Constant)
+                  and isinstance(node.slice.value, str)):     # a record's keys are strings (r[0] is not one)
                 keys.add(node.slice.value)
         if keys:
             out[fn.name] = keys
@@ -327,7 +333,7 @@ def test_only_the_facts_read_a_run_record():
 
 def test_the_read_checker_finds_reads():
     src = "\n".join(["# " + "=" * 98, "# Statistics", "# " + "=" * 98,
-                     "def f(r, run):", "    return r.get('a'), run['b'], x.get('c')", "",
+                     "def f(r, run):", "    return r.get('a'), run['b'], x.get('c'), r[0]", "",
                      "def g(x):", "    return x.get('d')"])
     assert record_reads(src) == {"f": {"a", "b"}}
 

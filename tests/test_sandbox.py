@@ -48,7 +48,9 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
                           cwd="/srv/study/runs/r1/workspace")
     assert ab.sandbox_mounts(plan) == [
         # every tmpfs sized: /tmp at the default, a hiding one at a token size
-        ("--dev", "/dev"), ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
+        # /dev's shm is a private tmpfs sized like /tmp (bubblewrap's /dev itself is unsized)
+        ("--dev", "/dev"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/dev/shm"),
+        ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
         ("--symlink", "usr/bin", "/bin"),
         # the base, outer directories only ("/" never: the root is bubblewrap's own, empty)
         ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
@@ -61,13 +63,13 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
         ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
-        ("--remount-ro", "/"),   # the sandbox's own root, last
+        ("--remount-ro", "/dev"), ("--remount-ro", "/"),   # /dev and the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
     inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",), tmp_mb=16,
                                    inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
                                    sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
-    assert ab.sandbox_mounts(inner)[-5:-1] == [
+    assert ab.sandbox_mounts(inner)[-6:-2] == [
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
         ("--size", str(16 * 2 ** 20), "--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
