@@ -88,6 +88,10 @@ BAD = [
     ({"settings": "state/leak.json"}, "arm_file_not_showable", "settings"),
     ({"workspace_overlay": "runs/r9"}, "arm_file_not_showable", "workspace_overlay"),
     ({"plugins": ["tasks"]}, "arm_file_not_showable", "plugins"),
+    # a link inside the study, outside the hidden parts, to a hidden test: the rule reads where it leads
+    ({"system_prompt": "arm/link.md"}, "arm_file_not_showable", "system_prompt"),
+    ({"mcp": "arm/link_mcp.json"}, "arm_file_not_showable", "mcp"),
+    ({"plugins": ["arm/linkdir"]}, "arm_file_not_showable", "plugins"),
     # the transcript folder is made under it on the host and bound read-write into the session
     ({"env": {"CLAUDE_CONFIG_DIR": "state/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
     ({"env": {"CLAUDE_CONFIG_DIR": "/usr/lib/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
@@ -106,6 +110,9 @@ def test_every_bad_arm_setting_is_refused_by_arm_and_key_and_writes_nothing(
     for leak in ("tasks/tiny/oracle/leak.md", "state/leak.json", "runs/r9/leak.md"):
         (armed / leak).parent.mkdir(parents=True, exist_ok=True)
         (armed / leak).write_text("{}")
+    (armed / "arm" / "link.md").symlink_to(armed / "tasks" / "tiny" / "oracle" / "leak.md")
+    (armed / "arm" / "linkdir").symlink_to(armed / "tasks" / "tiny" / "oracle")
+    write_json(armed / "arm" / "link_mcp.json", {"mcpServers": {"s": {"command": "python3", "args": ["arm/link.md"]}}})
     # an MCP server's argument naming a hidden test: it was bound into the sandbox as a study file
     write_json(armed / "arm" / "leak_mcp.json",
                {"mcpServers": {"s": {"command": "python3", "args": ["tasks/tiny/oracle/leak.md"]}}})
