@@ -10588,6 +10588,27 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else paths.root / p
 
 
+def other_study_refusal(path: str) -> str | None:
+    """Why `path` (resolved) lies in the hidden parts of some study, or None: every directory above
+    it that holds a study.json is a study, whose state/, runs/ and tasks view_refusal covers (an
+    arm's CLAUDE_CONFIG_DIR in another study's runs would let a session write into its runs)."""
+    d = path
+    while True:
+        if os.path.isfile(os.path.join(d, STUDY_FILE)):
+            try:
+                cfg = read_json(os.path.join(d, STUDY_FILE), default=None)
+            except AgentbenchError:
+                cfg = None
+            tasks = tasks_dir(StudyPaths(Path(d)), cfg if isinstance(cfg, dict) else {})
+            why = view_refusal(path, study=d, tasks=os.path.realpath(tasks))
+            if why is not None:
+                return f"{why} (the study at {d})"
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
 def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[str, Task]:
     """The tasks named in `only` (all when it is empty), in the study's order; an unknown name is
     refused (pure)."""
@@ -10755,14 +10776,15 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
             over[key] = tuple(sorted({**dict(base.env), **val}.items()))
             cdir = val.get("CLAUDE_CONFIG_DIR") if isinstance(val, Mapping) else None
             if isinstance(cdir, str):
-                why = config_dir_refusal(os.path.realpath(cdir) if os.path.isabs(cdir) else cdir, study=root,
-                                         tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                real = os.path.realpath(cdir) if os.path.isabs(cdir) else cdir
+                why = (config_dir_refusal(real, study=root, tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                       or (other_study_refusal(real) if os.path.isabs(real) else None))
                 if why is not None:
                     raise AgentbenchError("an arm's CLAUDE_CONFIG_DIR cannot hold its sessions' transcripts",
                                           code="arm_config_dir_refused", file=STUDY_FILE, arm=name,
                                           key="env.CLAUDE_CONFIG_DIR", path=cdir[:300], why=why,
                                           hint="name an absolute directory outside the system directories "
-                                               "and outside the study's state/, runs/ and tasks")
+                                               "and outside any study's state/, runs/ and tasks")
 
     def file(key: str, rel: Any) -> None:
         if rel:
