@@ -73,8 +73,10 @@ def test_container_mounts_go_into_the_sandboxs_own_root():
     rows = ab.sandbox_mounts(plan)
     assert ("--symlink", "usr/bin", "/bin") in rows and ("--ro-bind", "/usr", "/usr") in rows
     assert ("--ro-bind", "/", "/") not in rows and ("--tmpfs", "/") not in rows
-    assert rows[-4:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
-                         ("--tmpfs", "/logs/verifier"), ("--remount-ro", "/")]
+    # a scratch path is a tmpfs sized like /tmp (no tmpfs is unsized); /dev and the root read-only last
+    assert rows[-5:] == [("--bind", "/w", "/app"), ("--ro-bind", "/o/tests", "/tests"),
+                         ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/logs/verifier"),
+                         ("--remount-ro", "/dev"), ("--remount-ro", "/")]
 
 
 def _copy_tasks(tmp_path: Path, names) -> list[str]:
@@ -235,3 +237,20 @@ def test_a_hostile_task_copies_no_host_file_and_fills_nothing(tmp_path):
     assert not (bundle / "oracle" / "tests" / ".git").exists()
     assert not (bundle / "reference" / "solution" / "__pycache__").exists()
     assert total < 2 ** 20
+
+
+def test_a_task_deeper_than_the_copy_rules_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """A tree the plan's walk accepts but the copy rules do not (deeper than COPY_MAX_DEPTH):
+    refused as the task's fault, naming its directory, and no bundle nor staging is left."""
+    dirs = _copy_tasks(tmp_path, GOOD[:1])
+    deep = Path(dirs[0]) / "tests"
+    for _ in range(ab.COPY_MAX_DEPTH + 5):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "x.txt").write_text("x")
+    # the attack is set up: the plan itself finds nothing wrong with the directory
+    assert ab.plan_harbor_task(Path(dirs[0]), "host", None)["problems"] == []
+    code, out = run_main(["import-tasks", "--from", "harbor", *dirs, "--tasks", str(tmp_path / "tasks")])
+    assert code == 2 and out["code"] == "harbor_task_refused", out
+    assert "nested_too_deep" in out["refused"][dirs[0]][0], out
+    assert list((tmp_path / "tasks").iterdir()) == []

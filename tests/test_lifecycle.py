@@ -19,6 +19,7 @@ import pytest
 import agentbench as ab
 from conftest import AGENTBENCH, run_main
 from test_experiment import manifest_of, run_record, tiny_study
+from test_slurm_executor import slurm_dir  # noqa: F401  (a fixture: the fake Slurm on PATH)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and /proc")
 PLATFORM = ab.current_platform()
@@ -96,4 +97,39 @@ def test_ctrl_c_on_a_foreground_run_leaves_its_run_to_the_next_run(tmp_path, fak
     rec = run_record(study, rid)
     assert rec["status"] == "finished" and rec["attempts"][0]["reason"] == "driver_lost"
     assert rec["attempts"][0]["jobs"][0]["job_id"] == job
+    _books(study)
+
+
+def test_a_slurm_job_cancelled_from_outside_is_retried(tmp_path, fake_env, slurm_dir, monkeypatch):
+    import os
+    monkeypatch.setenv("FAKE_SLURM_KILLWAIT", "15")   # the supervisor finalises between SIGTERM and SIGKILL
+    env = {**fake_env, **{k: v for k, v in os.environ.items()
+                          if k == "PATH" or k.startswith(("FAKE_SLURM", "AGENTBENCH_SLURM"))},
+           "AGENTBENCH_HEARTBEAT_S": "0.2"}
+    study = tiny_study(tmp_path / "s", parallel=1)
+    md = study / "tasks" / "tiny" / "public" / "TASK.md"
+    md.write_text(md.read_text() + "\nFAKE: sleep=6\n")
+    code, out = run_main(["init", "--study", str(study), "--executor", "slurm", "--slurm-partition", "debug"],
+                         env=env)
+    assert code == 0, out
+    code, out = run_main(["assign", "--study", str(study), "--force"], env=env)
+    assert code == 0, out
+    rid = manifest_of(study)["runs"][0]["run_id"]
+    driver = subprocess.Popen([sys.executable, str(AGENTBENCH), "run", "--study", str(study), "--force"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        job, _ = _runtime(study)
+        sjid = json.loads((study / "state" / "jobs" / job / "launcher.json").read_text())["slurm_job_id"]
+        subprocess.run(["scancel", sjid], check=True, capture_output=True, env=env)
+        out, err = driver.communicate(timeout=300)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, (out, err[-2000:])
+    first = json.loads((study / "state" / "jobs" / job / "result.json").read_text())
+    assert (first["status"], first["reason"]) == ("killed", "supervisor_terminated")   # set up: cancelled
+    rec = run_record(study, rid)
+    assert rec["status"] == "finished" and rec["attempt"] == 2
+    assert [(a["reason"], [j["job_id"] for j in a["jobs"]]) for a in rec["attempts"]] \
+        == [("killed:supervisor_terminated", [job])]
     _books(study)

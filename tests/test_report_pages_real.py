@@ -75,17 +75,17 @@ def test_every_format_names_the_flagged_runs_per_arm(rehearsed):
     assert f"arm B: 1 success(es) come from flagged runs ({by_arm['B']})" in md
 
 
-def test_the_idle_arm_raises_the_differential_exclusion_note_everywhere(rehearsed):
+def test_the_idle_arm_is_a_valid_failure_and_raises_no_exclusion_note(rehearsed):
+    """A session that answers without a tool call is the agent's own failure: no exclusion label
+    (a failing agent cannot choose to be left out), so no differential-exclusion warning names it."""
     idle = rehearsed["runs"][rehearsed["by_arm"]["C"]]
-    assert idle["validity"] == "degenerate"
+    assert idle["outcome"] == "failure" and idle["validity"] == "valid", (idle["outcome"], idle["validity"])
+    assert not idle["audit"].get("tool_calls")              # set up: it did nothing
     rep = report(rehearsed["scratch"], "json")
-    assert rep["exclusions"]["per_arm"]["C"]["all_excluded"] and "C" in rep["exclusions"]["biased_arms"]
-    assert rep["warnings"] and "C (1 of 1 excluded" in rep["warnings"][0]
+    assert not rep["exclusions"]["per_arm"].get("C", {}).get("all_excluded")
+    assert "C" not in rep["exclusions"]["biased_arms"]
     md = report(rehearsed["scratch"], "md")["markdown"]
-    assert "> **Warning:** DIFFERENTIAL EXCLUSIONS" in md.split("## ", 1)[0]
-    out = rehearsed["base"] / "single.html"
-    report(rehearsed["scratch"], "html", "--out", str(out))
-    assert '<div class="warning" role="alert">' in out.read_text()
+    assert "C (1 of 1 excluded" not in md and not any("C (1 of 1 excluded" in w for w in rep["warnings"])
 
 
 def test_the_html_directory_parses_links_resolve_and_pages_show_their_tool_calls(rehearsed):

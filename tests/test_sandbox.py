@@ -48,7 +48,9 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
                           cwd="/srv/study/runs/r1/workspace")
     assert ab.sandbox_mounts(plan) == [
         # every tmpfs sized: /tmp at the default, a hiding one at a token size
-        ("--dev", "/dev"), ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
+        # /dev's shm is a private tmpfs sized like /tmp (bubblewrap's /dev itself is unsized)
+        ("--dev", "/dev"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/dev/shm"),
+        ("--proc", "/proc"), ("--size", str(ab.SANDBOX_TMP_MB * 2 ** 20), "--tmpfs", "/tmp"),
         ("--symlink", "usr/bin", "/bin"),
         # the base, outer directories only ("/" never: the root is bubblewrap's own, empty)
         ("--ro-bind", "/usr", "/usr"), ("--ro-bind", "/etc", "/etc"), ("--ro-bind", "/srv", "/srv"),
@@ -61,13 +63,13 @@ def test_mount_table_binds_only_what_is_listed_then_hides_then_binds_back():
         ("--ro-bind", "/srv/study/state/pristine/t/gate", "/srv/study/state/pristine/t/gate"),
         ("--bind", "/srv/study/runs/r1/workspace", "/srv/study/runs/r1/workspace"),
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
-        ("--remount-ro", "/"),   # the sandbox's own root, last
+        ("--remount-ro", "/dev"), ("--remount-ro", "/"),   # /dev and the sandbox's own root, last
     ]
     # inside a read-write bind: other sessions' transcripts hidden, this session's own kept
     inner = ab.dataclasses.replace(plan, inner_hide=("/home/u/.claude/projects",), tmp_mb=16,
                                    inner_rw=("/home/u/.claude/projects/-srv-study-runs-r1-workspace",),
                                    sockets=(("/tmp/abgw-1/gateway.sock", ab.SANDBOX_GATEWAY_SOCKET),))
-    assert ab.sandbox_mounts(inner)[-5:-1] == [
+    assert ab.sandbox_mounts(inner)[-6:-2] == [
         ("--bind", "/home/u/.claude", "/home/u/.claude"),
         ("--size", str(16 * 2 ** 20), "--tmpfs", "/home/u/.claude/projects"),
         ("--bind", "/home/u/.claude/projects/-srv-study-runs-r1-workspace",
@@ -537,3 +539,25 @@ def test_the_gateway_also_answers_on_its_unix_socket_and_removes_it(tmp_path, lo
 def test_the_view_rule(path, why):
     got = ab.view_refusal(path, study="/s", tasks="/s/tasks")
     assert (got is None) if why is None else (got is not None and why in got), got
+
+
+#: Names that steer a loader, a shell or an interpreter when a program starts with them.
+STEERING_NAMES = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GCONV_PATH", "PYTHONSTARTUP", "PYTHONPATH",
+                  "PYTHONHOME", "BASH_ENV", "ENV", "NODE_OPTIONS", "PERL5OPT", "RUBYOPT", "PATH", "IFS")
+
+
+def test_no_name_of_a_sessions_env_reaches_bubblewrap_and_every_one_reaches_the_session(tmp_path):
+    env = {name: f"/tmp/evil-{name.lower()}" for name in STEERING_NAMES}
+    argv, outer, fd = ab.session_sandbox(
+        "/usr/bin/bwrap", ["claude", "-p"], {**env, "CLAUDE_CONFIG_DIR": str(tmp_path / "cfg")},
+        cwd=str(tmp_path), hidden=[], private_home=str(tmp_path / "home"),
+        project_dir=str(tmp_path / "cfg" / "projects" / "p"), tools_env={"PATH": "/usr/bin:/bin"},
+        network="open", outer_extra={"AGENTBENCH_JOB_MARK": "m"})
+    try:
+        inside = dict(kv.split(b"=", 1) for kv in os.pread(fd, 1 << 20, 0).split(b"\0") if kv)
+    finally:
+        os.close(fd)
+    assert outer == {**ab.SANDBOX_OUTER_ENV, "AGENTBENCH_JOB_MARK": "m"}
+    assert not any(v.startswith("/tmp/evil-") for v in argv)          # no value became an argument
+    for name in STEERING_NAMES:                                        # all of them are the session's
+        assert inside[name.encode()] == env[name].encode()

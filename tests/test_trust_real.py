@@ -8,8 +8,9 @@ Each attack is first shown to work where it is not stopped (the control), then t
   holds a `json.py`.  No host process loads any of them (bubblewrap, the supervisor and the first
   program in the sandbox start with their own environment, isolated), the reference is not
   bound, and the arm's variables still reach the session inside.
-* the same session fills its `/tmp` and then its HOME past `workspace_mb`: `/tmp` is full at
-  the cap, and the HOME's growth ends the session as the agent's failure.
+* the same session fills its `/tmp` and `/dev/shm`, writes into `/dev`, then fills its HOME past
+  `workspace_mb`: `/tmp` and `/dev/shm` are full at the cap, `/dev` is read-only, and the HOME's
+  growth ends the session as the agent's failure.
 * a key written to the kernel keyring: the host can, a sandbox cannot add nor read one.
 * the oracle's copy of a workspace: made inside the oracle's own sandbox on a tmpfs of its own,
   sized by the copy caps (never on a disk a session's free-space reading could show).
@@ -99,6 +100,11 @@ def test_an_arms_env_and_study_files_steer_no_host_process_and_every_writable_pl
     assert str(ref) in ab.host_tool_dirs(None, {"PATH": arm_path}, [])   # a PATH entry made a bind
     for p in markers.iterdir():
         p.unlink()
+    # bubblewrap's own /dev is an unsized tmpfs (half the host's memory) that anyone inside may write
+    plain = subprocess.run([PROBE["binary"], "--ro-bind", "/", "/", "--dev", "/dev", "--", "/bin/sh", "-c",
+                            "head -c 20000000 /dev/zero > /dev/fill && head -c 20000000 /dev/zero > /dev/shm/fill"
+                            " && echo wrote"], capture_output=True, text=True, timeout=60)
+    assert plain.stdout.strip() == "wrote", plain.stderr
 
     task_md = study / "tasks" / TASK / "public" / "TASK.md"
     task_md.write_text(task_md.read_text() + "\n[agentbench-script:steer]\n")
@@ -106,7 +112,10 @@ def test_an_arms_env_and_study_files_steer_no_host_process_and_every_writable_pl
         {"text": "Looking.", "tool_uses": [{"name": "Bash", "input": {"description": "look", "command": (
             f"echo MARK=$ARM_MARK; cat {ref}/roman.py 2>&1 | head -50; ls {ref} 2>&1; "
             "dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1 | tail -2; "
-            "echo TMPSIZE $(df -k /tmp | tail -1)")}}]},
+            "echo TMPSIZE $(df -k /tmp | tail -1); "
+            "dd if=/dev/zero of=/dev/shm/fill bs=1M count=64 2>&1 | tail -2; "
+            "echo SHMSIZE $(df -k /dev/shm | tail -1); echo DEVFILL; "
+            "dd if=/dev/zero of=/dev/fill bs=1M count=1 2>&1 | tail -1")}}]},
         {"text": "Growing.", "tool_uses": [{"name": "Bash", "input": {"description": "grow", "timeout": 300000,
             "command": "head -c 40000000 /dev/zero > $HOME/fill; sleep 100"}}]},
         {"text": "Done."}]})
@@ -125,6 +134,9 @@ def test_an_arms_env_and_study_files_steer_no_host_process_and_every_writable_pl
     assert needle not in seen and "No such file" in seen    # its PATH bound nothing
     assert "No space left on device" in seen                # /tmp is capped at workspace_mb
     assert f" {16 * 1024} " in seen.split("TMPSIZE", 1)[1].split("\\n")[0]
+    # /dev/shm is sized like /tmp and /dev itself is read-only
+    assert f" {16 * 1024} " in seen.split("SHMSIZE", 1)[1].split("\\n")[0]
+    assert "Read-only file system" in seen.split("DEVFILL", 1)[1]
     assert list(markers.iterdir()) == []                    # nothing loaded on the host
 
 
@@ -198,6 +210,11 @@ def test_the_oracles_copy_is_made_inside_its_sandbox_on_its_own_sized_tmpfs(tmp_
     from test_experiment import tiny_study
     study = tiny_study(tmp_path / "s", sandbox="bwrap", copy_total_mb=2)
     (study / "tasks" / "tiny" / "oracle" / "run.py").write_text(ORACLE_PROBE)
+    # a harness that runs the inner sandbox ({sandbox_run}) gets its copy outside: this one does not
+    tj = study / "tasks" / "tiny" / "task.json"
+    spec = json.loads(tj.read_text())
+    spec["oracle"]["cmd"] = [a for a in spec["oracle"]["cmd"] if a != "{sandbox_run}"]
+    tj.write_text(json.dumps(spec))
     paths = ab.StudyPaths(study)
     task = ab.load_tasks(paths, json.loads((study / "study.json").read_text()))["tiny"]
     ws = tmp_path / "ws"
