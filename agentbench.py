@@ -5094,6 +5094,66 @@ def container_session_plan(base: ContainerPlan, *, workspace: str, private_home:
                                network="none" if gateway_socket else base.network)
 
 
+#: Where a check's container has the {sandbox_run} helper (bound read-only).
+CONTAINER_INNER_HELPER = CONTAINER_AB_DIR + "/sandbox_run.py"
+#: The {sandbox_run} helper inside a task's container: the same command line and answers as the
+#: inner sandbox's (exit 124: timed out, 125: could not run; stdin passed, output capped), but the
+#: command runs in the check's own container, in DIR, in a new session killed whole on timeout:
+#: the container keeps the host and the other runs out, not the judge apart from the judged.
+CONTAINER_INNER_HELPER_SOURCE = '''\
+import os, signal, subprocess, sys
+def main(argv):
+    opts, env = {}, {}
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        if argv[i] in ("--dir", "--timeout", "--env") and i + 1 < len(argv):
+            if argv[i] == "--env":
+                k, _, v = argv[i + 1].partition("=")
+                env[k] = v
+            else:
+                opts[argv[i][2:]] = argv[i + 1]
+            i += 2
+        else:
+            sys.stderr.write("usage: HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND...\\n")
+            return %(cannot)d
+    cmd = argv[i + 1:]
+    try:
+        timeout = min(float(opts.get("timeout", %(default)r)), %(most)r)
+    except ValueError:
+        timeout = None
+    if not cmd or timeout is None or timeout <= 0:
+        sys.stderr.write("sandbox_run: no command, or a bad timeout\\n")
+        return %(cannot)d
+    full = dict(%(base)r)
+    full["PATH"] = os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    full.update(env)
+    data = b"" if os.isatty(0) else sys.stdin.buffer.read(%(stdin_max)d + 1)
+    try:
+        p = subprocess.Popen(cmd, cwd=os.path.abspath(opts.get("dir") or "."), env=full,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    except OSError as exc:
+        sys.stderr.write("sandbox_run: %%s\\n" %% exc)
+        return %(cannot)d
+    try:
+        out, err = p.communicate(data, timeout=timeout)
+        code = p.returncode if p.returncode >= 0 else 128 - p.returncode
+    except subprocess.TimeoutExpired:
+        out, err, code = b"", b"sandbox_run: timed out\\n", %(timed_out)d
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    p.wait()
+    sys.stdout.buffer.write(out[-%(out_max)d:])
+    sys.stderr.buffer.write(err[-%(out_max)d:])
+    return code
+sys.exit(main(sys.argv[1:]))
+''' % {"cannot": INNER_CANNOT_RUN_EXIT, "timed_out": INNER_TIMED_OUT_EXIT,
+       "default": INNER_DEFAULT_TIMEOUT_S, "most": INNER_MAX_TIMEOUT_S, "base": INNER_BASE_ENV,
+       "stdin_max": INNER_STDIN_MAX_BYTES,
+       "out_max": INNER_OUTPUT_MAX_BYTES}
+
 #: The receipt channel's descriptor inside a check's container (the runtime passes 3 onwards).
 CONTAINER_RECEIPT_FD = 3
 #: Runs the runtime with the receipt channel (argv[1], a descriptor of this process) as
@@ -10528,6 +10588,27 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else paths.root / p
 
 
+def other_study_refusal(path: str) -> str | None:
+    """Why `path` (resolved) lies in the hidden parts of some study, or None: every directory above
+    it that holds a study.json is a study, whose state/, runs/ and tasks view_refusal covers (an
+    arm's CLAUDE_CONFIG_DIR in another study's runs would let a session write into its runs)."""
+    d = path
+    while True:
+        if os.path.isfile(os.path.join(d, STUDY_FILE)):
+            try:
+                cfg = read_json(os.path.join(d, STUDY_FILE), default=None)
+            except AgentbenchError:
+                cfg = None
+            tasks = tasks_dir(StudyPaths(Path(d)), cfg if isinstance(cfg, dict) else {})
+            why = view_refusal(path, study=d, tasks=os.path.realpath(tasks))
+            if why is not None:
+                return f"{why} (the study at {d})"
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
 def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[str, Task]:
     """The tasks named in `only` (all when it is empty), in the study's order; an unknown name is
     refused (pure)."""
@@ -10695,14 +10776,15 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
             over[key] = tuple(sorted({**dict(base.env), **val}.items()))
             cdir = val.get("CLAUDE_CONFIG_DIR") if isinstance(val, Mapping) else None
             if isinstance(cdir, str):
-                why = config_dir_refusal(os.path.realpath(cdir) if os.path.isabs(cdir) else cdir, study=root,
-                                         tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                real = os.path.realpath(cdir) if os.path.isabs(cdir) else cdir
+                why = (config_dir_refusal(real, study=root, tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                       or (other_study_refusal(real) if os.path.isabs(real) else None))
                 if why is not None:
                     raise AgentbenchError("an arm's CLAUDE_CONFIG_DIR cannot hold its sessions' transcripts",
                                           code="arm_config_dir_refused", file=STUDY_FILE, arm=name,
                                           key="env.CLAUDE_CONFIG_DIR", path=cdir[:300], why=why,
                                           hint="name an absolute directory outside the system directories "
-                                               "and outside the study's state/, runs/ and tasks")
+                                               "and outside any study's state/, runs/ and tasks")
 
     def file(key: str, rel: Any) -> None:
         if rel:
@@ -11031,8 +11113,8 @@ def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: str, cwd: str,
                          ro: Sequence[str], container: Mapping[str, Any] | None, container_base: str,
-                         receipt_fd: int, scratch: str,
-                         env: dict[str, str]) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
+                         receipt_fd: int, scratch: str, env: dict[str, str], inner_helper: bool = False
+                         ) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
     """A check's (or reference script's) command in a fresh container of its task's image, and
     (runtime, container name, the runtime's environment, the seccomp profile's directory) to remove
     after it.  A check's container spec (Harbor's /tests, scratch dirs) is made inside it too."""
@@ -11045,6 +11127,11 @@ def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: 
                          name=name,
                          workdir=str(container["workdir"]) if container else str(ctr["workdir"]),
                          seccomp=prof, flags=tuple(ctr.get("flags") or ()))
+    if inner_helper:   # the {sandbox_run} helper, bound read-only at CONTAINER_INNER_HELPER
+        helper = os.path.join(prof_dir, "sandbox_run.py")
+        with open(helper, "w", encoding="utf-8") as fh:
+            fh.write(CONTAINER_INNER_HELPER_SOURCE)
+        rows = [*rows, ("ro-bind", helper, CONTAINER_INNER_HELPER)]
     plan = container_check_plan(base, workspace=os.path.realpath(cwd),
                                 ro=[os.path.realpath(p) for p in ro if os.path.exists(p)],
                                 rows=rows, receipt=receipt_fd >= 0)
@@ -11260,7 +11347,9 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),
-                          **({"sandbox_run": jail.helper} if jail else {}))
+                          **({"sandbox_run": jail.helper} if jail else {}),
+                          **({"sandbox_run": CONTAINER_INNER_HELPER} if ctr is not None and uses_inner
+                             else {}))
         if ctr is not None:
             if uses_fd and ctr["runtime"] != "podman":
                 raise AgentbenchError("a check's receipt channel ({receipt_fd}) in a container needs podman "
@@ -11268,7 +11357,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             argv, box = container_check_argv(ctr, argv, which=which, cwd=cwd, ro=[gate_dir] + (
                 [oracle_dir] if which == "oracle" else []), container=container,
                 container_base=gate_dir if which == "gate" else oracle_dir, receipt_fd=wfd if uses_fd else -1,
-                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env))
+                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env), inner_helper=uses_inner)
         elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd, hidden=hidden,
@@ -21181,6 +21270,15 @@ CHECKS = [
 TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
 
 
+def not_dumpable():
+    """Linux: no other process of this user may take this process's descriptors."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
+    except (OSError, AttributeError):
+        pass
+
+
 def fresh_copy(workspace, names):
     """A copy of the workspace in a new directory under it (the helper runs only there)."""
     dst = tempfile.mkdtemp(prefix=".check-", dir=workspace)
@@ -21218,6 +21316,7 @@ def main(argv):
         return 2
     workspace, helper, fd = argv[1], argv[3], int(argv[5])
     os.set_inheritable(fd, False)   # no child process is handed the channel
+    not_dumpable()
     names = sorted(os.listdir(workspace))
     checks = []
     for check_id, args, expected in CHECKS:

@@ -88,6 +88,10 @@ BAD = [
     ({"settings": "state/leak.json"}, "arm_file_not_showable", "settings"),
     ({"workspace_overlay": "runs/r9"}, "arm_file_not_showable", "workspace_overlay"),
     ({"plugins": ["tasks"]}, "arm_file_not_showable", "plugins"),
+    # a link inside the study, outside the hidden parts, to a hidden test: the rule reads where it leads
+    ({"system_prompt": "arm/link.md"}, "arm_file_not_showable", "system_prompt"),
+    ({"mcp": "arm/link_mcp.json"}, "arm_file_not_showable", "mcp"),
+    ({"plugins": ["arm/linkdir"]}, "arm_file_not_showable", "plugins"),
     # the transcript folder is made under it on the host and bound read-write into the session
     ({"env": {"CLAUDE_CONFIG_DIR": "state/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
     ({"env": {"CLAUDE_CONFIG_DIR": "/usr/lib/cfg"}}, "arm_config_dir_refused", "env.CLAUDE_CONFIG_DIR"),
@@ -106,6 +110,9 @@ def test_every_bad_arm_setting_is_refused_by_arm_and_key_and_writes_nothing(
     for leak in ("tasks/tiny/oracle/leak.md", "state/leak.json", "runs/r9/leak.md"):
         (armed / leak).parent.mkdir(parents=True, exist_ok=True)
         (armed / leak).write_text("{}")
+    (armed / "arm" / "link.md").symlink_to(armed / "tasks" / "tiny" / "oracle" / "leak.md")
+    (armed / "arm" / "linkdir").symlink_to(armed / "tasks" / "tiny" / "oracle")
+    write_json(armed / "arm" / "link_mcp.json", {"mcpServers": {"s": {"command": "python3", "args": ["arm/link.md"]}}})
     # an MCP server's argument naming a hidden test: it was bound into the sandbox as a study file
     write_json(armed / "arm" / "leak_mcp.json",
                {"mcpServers": {"s": {"command": "python3", "args": ["tasks/tiny/oracle/leak.md"]}}})
@@ -339,3 +346,24 @@ def test_each_arm_setting_is_declared_once_and_round_trips() -> None:
             assert any(shown in a for a in argv), key
         else:
             assert key in ("env", "workspace_overlay"), key
+
+
+def test_an_arms_config_dir_in_another_studys_runs_is_refused(armed: Path, tmp_path: Path) -> None:
+    """The transcript folder is made under CLAUDE_CONFIG_DIR and bound read-write: in another
+    study's runs/ a session could add files to that study's run."""
+    other = tmp_path / "other"
+    (other / "runs" / "r1" / "workspace").mkdir(parents=True)
+    write_json(other / "study.json", {"arms": {}})
+    target = str(other / "runs" / "r1" / "workspace")
+    # the attack is set up: the rule of this study alone lets it through (it lies outside it)
+    assert ab.config_dir_refusal(target, study=str(armed.resolve()), tasks=str((armed / "tasks").resolve())) is None
+    set_arm(armed, "B", env={"CLAUDE_CONFIG_DIR": target})
+    before = snapshot(armed)
+    rc, obj = run_main(["assign", "--study", str(armed), "--force"])
+    assert rc == 2 and obj["code"] == "arm_config_dir_refused", obj
+    assert obj["arm"] == "B" and "runs/" in obj["why"] and str(other) in obj["why"], obj
+    assert snapshot(armed) == before
+    # a folder of no study is still the experimenter's choice
+    set_arm(armed, "B", env={"CLAUDE_CONFIG_DIR": str(tmp_path / "elsewhere")})
+    rc, obj = run_main(["assign", "--study", str(armed), "--force"])
+    assert rc == 0, obj

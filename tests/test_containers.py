@@ -308,3 +308,23 @@ def test_a_forking_arm_with_a_task_in_a_container_is_refused_by_name(tmp_path):
     with pytest.raises(ab.AgentbenchError) as err:
         ab.refuse_forks_in_containers({"roman": boxed}, arms)
     assert err.value.payload["code"] == "fork_base_with_environment" and err.value.payload["arms"] == ["F"]
+
+
+def test_the_containers_sandbox_run_helper_answers_as_the_inner_sandbox_does(tmp_path):
+    """Run here as a check's container runs it: stdin through, the exit status back, 124 on a
+    timeout (the whole process group killed), 125 for a bad command line."""
+    import subprocess
+    import sys
+    helper = tmp_path / "sandbox_run.py"
+    helper.write_text(ab.CONTAINER_INNER_HELPER_SOURCE)
+    (tmp_path / "d").mkdir()
+    base = [sys.executable, str(helper), "--dir", str(tmp_path / "d"), "--timeout", "5", "--"]
+    res = subprocess.run(base + [sys.executable, "-c", "import os, sys; print(sys.stdin.read().upper(), "
+                                 "os.path.basename(os.getcwd())); raise SystemExit(7)"],
+                         input="hi", capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout.split()) == (7, ["HI", "d"]), res
+    slow = [sys.executable, str(helper), "--dir", str(tmp_path / "d"), "--timeout", "0.5", "--",
+            sys.executable, "-c", "import time; time.sleep(30)"]
+    assert subprocess.run(slow, capture_output=True, timeout=60).returncode == ab.INNER_TIMED_OUT_EXIT
+    bad = subprocess.run([sys.executable, str(helper), "--bogus"], capture_output=True, timeout=60)
+    assert bad.returncode == ab.INNER_CANNOT_RUN_EXIT

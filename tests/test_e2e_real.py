@@ -282,21 +282,25 @@ def test_a_rate_limit_trips_the_breaker_and_pauses_the_queue(rehearsal_two, real
     out, runs, order = r["out"], r["runs"], r["order"]
     assert r["code"] == 2 and out["code"] == "rehearsal_failed", (out, r["err"][-3000:])
     limited = runs[order[1]]
-    assert limited["status"] == "finished" and limited["validity"] == "infrastructure_failure"
-    assert "usage_limit" in limited["failure_reason"]
-    assert (limited["jobs"][0]["status"], limited["jobs"][0]["reason"]) == ("failed", "usage_limit")
+    # The rate-limited attempt is not the agent's doing: kept aside, and the run's retry waits for
+    # the breaker like the rest of the queue.
+    assert limited["status"] == "not_started" and limited["paused_by_breaker"] is True
+    first = limited["attempts"][0]
+    assert first["reason"] == "usage_limit" and len(limited["attempts"]) == 1
+    assert (first["jobs"][0]["status"], first["jobs"][0]["reason"]) == ("failed", "usage_limit")
     # the report says the breaker tripped, and on what
     assert out["breaker"]["reason"] == "usage_limit"
-    assert out["breaker"]["job_id"] == limited["jobs"][0]["job_id"]
+    assert out["breaker"]["job_id"] == first["jobs"][0]["job_id"]
     # the rest of the queue was not launched: paused, not failed, and the rehearsal is no pass
-    assert out["paused"] == order[2:]
+    assert out["paused"] == order[1:]
     for rid in order[2:]:
         assert runs[rid]["status"] == "not_started" and runs[rid]["jobs"] == []
     assert out["ok"] is False
-    assert {p["run_id"] for p in out["problems"]} == set(order[2:])
+    assert {p["run_id"] for p in out["problems"]} == set(order[2:])   # the faulted run is expected to fail
     assert all("circuit breaker" in p["error"] for p in out["problems"])
     # every attempt's cost stays in the ledger
-    assert {x["job_id"] for x in ledger(r["scratch"])} == {j["job_id"] for rid in order[:2] for j in runs[rid]["jobs"]}
+    every = [j["job_id"] for j in runs[order[0]]["jobs"]] + [j["job_id"] for a in limited["attempts"] for j in a["jobs"]]
+    assert {x["job_id"] for x in ledger(r["scratch"])} == set(every)
     # a failed rehearsal is recorded and keeps real runs from starting
     assert json.loads((r["study"] / "state" / "rehearsal.json").read_text())["ok"] is False
     code, refused, err = run_cli(["run", "--study", str(r["study"])], cli_env(), timeout=120)

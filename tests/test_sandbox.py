@@ -539,3 +539,25 @@ def test_the_gateway_also_answers_on_its_unix_socket_and_removes_it(tmp_path, lo
 def test_the_view_rule(path, why):
     got = ab.view_refusal(path, study="/s", tasks="/s/tasks")
     assert (got is None) if why is None else (got is not None and why in got), got
+
+
+#: Names that steer a loader, a shell or an interpreter when a program starts with them.
+STEERING_NAMES = ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GCONV_PATH", "PYTHONSTARTUP", "PYTHONPATH",
+                  "PYTHONHOME", "BASH_ENV", "ENV", "NODE_OPTIONS", "PERL5OPT", "RUBYOPT", "PATH", "IFS")
+
+
+def test_no_name_of_a_sessions_env_reaches_bubblewrap_and_every_one_reaches_the_session(tmp_path):
+    env = {name: f"/tmp/evil-{name.lower()}" for name in STEERING_NAMES}
+    argv, outer, fd = ab.session_sandbox(
+        "/usr/bin/bwrap", ["claude", "-p"], {**env, "CLAUDE_CONFIG_DIR": str(tmp_path / "cfg")},
+        cwd=str(tmp_path), hidden=[], private_home=str(tmp_path / "home"),
+        project_dir=str(tmp_path / "cfg" / "projects" / "p"), tools_env={"PATH": "/usr/bin:/bin"},
+        network="open", outer_extra={"AGENTBENCH_JOB_MARK": "m"})
+    try:
+        inside = dict(kv.split(b"=", 1) for kv in os.pread(fd, 1 << 20, 0).split(b"\0") if kv)
+    finally:
+        os.close(fd)
+    assert outer == {**ab.SANDBOX_OUTER_ENV, "AGENTBENCH_JOB_MARK": "m"}
+    assert not any(v.startswith("/tmp/evil-") for v in argv)          # no value became an argument
+    for name in STEERING_NAMES:                                        # all of them are the session's
+        assert inside[name.encode()] == env[name].encode()

@@ -86,8 +86,13 @@ OK200 = {"kind": "messages", "status": 200, "model": MODEL, "model_requested": M
     ("api_error", [OK200], "uncorroborated"),
     ("api_error", [{**OK200, "status": 500}], "corroborated"),
     ("api_error", [{**OK200, "status": 502, "error": "ConnectionRefusedError"}], "corroborated"),
-    ("prompt_too_long", [{**OK200, "status": 400}], "corroborated"),
-    ("prompt_too_long", [{**OK200, "status": 400, "refused": "usd_per_run"}], "uncorroborated"),
+    ("api_error", [{**OK200, "status": 502, "error": "ConnectionRefusedError", "upstream_failed": True}],
+     "corroborated"),
+    # the session hung up on its own request: the gateway's broken-pipe record shows nothing upstream
+    ("api_error", [{**OK200, "status": 200, "error": "BrokenPipeError", "upstream_failed": False}],
+     "uncorroborated"),
+    # a client error is the agent's own outcome: no infrastructure condition to claim
+    ("prompt_too_long", [{**OK200, "status": 400}], "not_a_claim"),
     ("model_refused", [OK200], "uncorroborated"),
     ("model_refused", [{**OK200, "model": "claude-other-1"}], "corroborated"),
     ("model_refused", [{**OK200, "model": MODEL + "-20250929"}], "uncorroborated"),   # a dated id
