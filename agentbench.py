@@ -16396,36 +16396,10 @@ def _rpt_task_cells(view: Mapping[str, _ArmTally], arms: list[str], tasks: list[
     return out
 
 
-# Whether this machine's float additions round once, as IEEE 754 doubles do (an x87 unit can round
-# twice): math.fsum is then correctly rounded, which _rpt_exact_sum relies on.  The classic probe:
-# 1e16 + 2.9999 is 1e16 + 2 rounded once and 1e16 + 4 rounded twice.
-_FLOAT_ADD_ROUNDS_ONCE = float("1e16") + float("2.9999") == 1e16 + 2
-
-
 def _rpt_exact_sum(values: Sequence[Any]) -> fractions.Fraction:
     """The exact sum of ints, floats or fractions, as a fraction: the same whatever their order.
-
-    Of finite floats (the paired lists), from a few math.fsum calls: fsum rounds the exact sum once,
-    so s1 = fsum(values) is that sum rounded, s2 = fsum(values + [-s1]) is what s1 left out,
-    rounded, and so on until the rest is 0, which fsum returns for an exact 0 only (a sum of
-    floats that is not 0 is at least the smallest float).  The sum is then s1 + s2 + ... exactly:
-    two terms for 250 scores.  Otherwise (another type, a value or a sum that is not finite, a
-    machine that rounds twice, more terms than a sum of doubles can need), numerators are added as
-    integers per denominator (a float's is a power of two, so a list of floats has few), then over
-    the least common multiple of the denominators."""
-    if _FLOAT_ADD_ROUNDS_ONCE and {float}.issuperset(map(type, values)):
-        terms: list[float] = []
-        try:
-            rest = math.fsum(values)
-            while rest and math.isfinite(rest) and len(terms) < 48:
-                terms.append(rest)
-                rest = math.fsum(itertools.chain(values, [-x for x in terms]))
-        except OverflowError:
-            rest = math.inf
-        if not rest:
-            ratios = [x.as_integer_ratio() for x in terms]
-            common = max((d for _, d in ratios), default=1)     # powers of two: the largest
-            return fractions.Fraction(sum(n * (common // d) for n, d in ratios), common)
+    Numerators are added as integers per denominator (a float's is a power of two, so a list of
+    floats has few), then over the least common multiple of the denominators."""
     by_den: dict[int, int] = {}
     for v in values:
         num, den = v.as_integer_ratio()

@@ -323,7 +323,7 @@ def test_exact_sum_of_floats_equals_the_reference(values):
 @pytest.mark.parametrize("values", [[1, 2, 4], [fractions.Fraction(1, 3), 0.5], [True, 2.5], [3, 0.25],
                                     [2 ** 80 + 1, 1.0]])
 def test_exact_sum_of_other_numbers_equals_the_reference(values):
-    # Not every value a float: the integer route (fsum would round an int past 2**53).
+    # Not every value a float (an int past 2**53, a fraction, a bool).
     assert ab._rpt_exact_sum(values) / len(values) == reference_exact_mean(values)
 
 
@@ -331,7 +331,7 @@ def test_exact_sum_table():
     assert ab._rpt_exact_sum([]) == 0
     assert ab._rpt_exact_sum([0.1, 0.2]) == fractions.Fraction(0.1) + fractions.Fraction(0.2)
     assert ab._rpt_exact_sum([0.1, 0.2]) != fractions.Fraction(0.1 + 0.2)      # the float sum rounds
-    assert ab._rpt_exact_sum([1e16, 1.0, 1.0]) == 10 ** 16 + 2                  # fsum alone: 1e16 + 2
+    assert ab._rpt_exact_sum([1e16, 1.0, 1.0]) == 10 ** 16 + 2                  # a float sum: 1e16
     for bad, error in (([math.inf], OverflowError), ([math.nan, 1.0], ValueError)):
         with pytest.raises(error):
             ab._rpt_exact_sum(bad)
