@@ -16131,7 +16131,7 @@ class _ArmTally:
         return out
 
 
-#: The facts _rpt_census reads of a run, in the order it unpacks them: one C call per run.
+#: The facts _rpt_census reads of a run, in the order it unpacks them.
 _CENSUS_FACTS = operator.itemgetter(*(RUN_FACTS_FIELDS.index(name) for name in (
     "arm", "task_key", "status", "outcome", "validity", "evaluated", "success", "score", "score_checked",
     "cost", "cost_checked", "cost_estimated", "review_verdicts", "failure_reason", "audit", "sandbox",
@@ -16164,12 +16164,9 @@ class _RunCensus:
 
 
 def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
-    """The census of `known` (see _RunCensus): each (arm, excluded) population's tally, in run
-    order, and the rest on the way.
-
-    One pass, written for 100,000 runs: a run's facts are unpacked at once, the branches of a
-    finished run come first, and the counts that follow from others (runs, started, ended, a
-    cell's runs) are set after the pass."""
+    """The census of `known` (see _RunCensus) in one pass: each (arm, excluded) population's
+    tally, in run order, and the rest on the way; the counts that follow from others (runs,
+    started, ended, a cell's runs) are set after the pass."""
     census = _RunCensus()
     tallies = census.tallies
     excluded_labels = REPORT_EXCLUDED_VALIDITY
@@ -16193,26 +16190,13 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
             pending = status == "running"
             if pending:
                 t.running += 1
-            # The ordered counters inline _tally_inc: the key is the value's str(), "(none)" for None.
-            key = outcome if type(outcome) is str else "(none)" if outcome is None else str(outcome)
-            have = t.outcomes.get(key)
-            if have is None:
-                t.outcomes[key] = [1, pos]
-            else:
-                have[0] += 1
+            _tally_inc(t.outcomes, outcome, pos)
             if verdicts:
                 for j, v in enumerate(verdicts):
                     _tally_inc(t.verdicts_all, v, (pos, j))   # several in one run: in their order
                 _tally_inc(t.verdicts_final, verdicts[-1], pos)
             if not pending and not success:
-                key = failure_reason or "(none given)"
-                if type(key) is not str:
-                    key = str(key)
-                have = t.reasons.get(key)
-                if have is None:
-                    t.reasons[key] = [1, pos]
-                else:
-                    have[0] += 1
+                _tally_inc(t.reasons, failure_reason or "(none given)", pos)
         flagged = audit is not None and audit[0]
         if evaluated:
             cell.evaluated += 1
