@@ -10588,6 +10588,27 @@ def tasks_dir(paths: StudyPaths, cfg: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else paths.root / p
 
 
+def other_study_refusal(path: str) -> str | None:
+    """Why `path` (resolved) lies in the hidden parts of some study, or None: every directory above
+    it that holds a study.json is a study, whose state/, runs/ and tasks view_refusal covers (an
+    arm's CLAUDE_CONFIG_DIR in another study's runs would let a session write into its runs)."""
+    d = path
+    while True:
+        if os.path.isfile(os.path.join(d, STUDY_FILE)):
+            try:
+                cfg = read_json(os.path.join(d, STUDY_FILE), default=None)
+            except AgentbenchError:
+                cfg = None
+            tasks = tasks_dir(StudyPaths(Path(d)), cfg if isinstance(cfg, dict) else {})
+            why = view_refusal(path, study=d, tasks=os.path.realpath(tasks))
+            if why is not None:
+                return f"{why} (the study at {d})"
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
+
+
 def pick_tasks(tasks: Mapping[str, Task], only: Sequence[str] | None) -> dict[str, Task]:
     """The tasks named in `only` (all when it is empty), in the study's order; an unknown name is
     refused (pure)."""
@@ -10755,14 +10776,15 @@ def arm_launch_spec(paths: StudyPaths, cfg: Mapping[str, Any], name: str,
             over[key] = tuple(sorted({**dict(base.env), **val}.items()))
             cdir = val.get("CLAUDE_CONFIG_DIR") if isinstance(val, Mapping) else None
             if isinstance(cdir, str):
-                why = config_dir_refusal(os.path.realpath(cdir) if os.path.isabs(cdir) else cdir, study=root,
-                                         tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                real = os.path.realpath(cdir) if os.path.isabs(cdir) else cdir
+                why = (config_dir_refusal(real, study=root, tasks=os.path.realpath(tasks_dir(paths, cfg)))
+                       or (other_study_refusal(real) if os.path.isabs(real) else None))
                 if why is not None:
                     raise AgentbenchError("an arm's CLAUDE_CONFIG_DIR cannot hold its sessions' transcripts",
                                           code="arm_config_dir_refused", file=STUDY_FILE, arm=name,
                                           key="env.CLAUDE_CONFIG_DIR", path=cdir[:300], why=why,
                                           hint="name an absolute directory outside the system directories "
-                                               "and outside the study's state/, runs/ and tasks")
+                                               "and outside any study's state/, runs/ and tasks")
 
     def file(key: str, rel: Any) -> None:
         if rel:
@@ -14581,8 +14603,10 @@ def sign_flip_test(diffs: Sequence[Any], seed: int = 0, draws: int = PERM_DRAWS,
 #: Most distinct (U, V) states the exact distribution of a primary test may hold (and the most
 #: per task); beyond it, seeded random relabellings.
 PRIMARY_EXACT_STATES = 60_000
+#: Most steps (states x a task's states) the exact convolution may take; beyond, Monte Carlo.
+PRIMARY_EXACT_WORK = 400_000
 #: Bisection steps per bound of the test-inverted interval (precision 2^-steps of the range).
-PRIMARY_CI_STEPS = 22
+PRIMARY_CI_STEPS = 16
 
 PRIMARY_TESTS = {"sign_flip": "sign_flip_over_tasks",
                  "permutation": "permutation_within_tasks"}
@@ -14709,8 +14733,10 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
     estimate = observed_u / uscale / k
     # The exact distribution, when it is small enough.
     dist: dict[tuple[int, int], int] | None = {(0, 0): 1}
+    work = 0
     for states, m in zip(per_task, mult):
-        if states is None or dist is None or len(dist) * len(states) > 20 * max_states:
+        work += len(dist) * len(states) if states is not None and dist is not None else 0
+        if states is None or dist is None or work > PRIMARY_EXACT_WORK:
             dist = None
             break
         nxt: dict[tuple[int, int], int] = {}
@@ -16810,7 +16836,11 @@ def report_primary(known: Sequence[RunFacts], arms: list[str], base: str, outcom
         strata, missing = _itt_strata(cells, a, base, outcome)
         res = primary_test(strata, seed=stream, alpha=alpha)
         bounds = {}
+        imputed = any(c.excluded or any(c.imputed) for side in (a, base) for c in cells[side].values())
         for name, lost in (("worst", (0.0, 1.0)), ("best", (1.0, 0.0))):
+            if not imputed:     # no run to bound: the bounds are the estimate itself
+                bounds[name] = {"estimate": res["estimate"], "p": res["p"], "mc_se": res["mc_se"]}
+                continue
             s2, _ = _itt_strata(cells, a, base, outcome, lost)
             r2 = primary_test(s2, seed=stream, alpha=alpha, interval=False, draws=REPORT_SECONDARY_DRAWS)
             bounds[name] = {"estimate": r2["estimate"], "p": r2["p"], "mc_se": r2["mc_se"]}
@@ -21240,6 +21270,15 @@ CHECKS = [
 TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
 
 
+def not_dumpable():
+    """Linux: no other process of this user may take this process's descriptors."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
+    except (OSError, AttributeError):
+        pass
+
+
 def fresh_copy(workspace, names):
     """A copy of the workspace in a new directory under it (the helper runs only there)."""
     dst = tempfile.mkdtemp(prefix=".check-", dir=workspace)
@@ -21277,6 +21316,7 @@ def main(argv):
         return 2
     workspace, helper, fd = argv[1], argv[3], int(argv[5])
     os.set_inheritable(fd, False)   # no child process is handed the channel
+    not_dumpable()
     names = sorted(os.listdir(workspace))
     checks = []
     for check_id, args, expected in CHECKS:

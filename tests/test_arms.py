@@ -346,3 +346,24 @@ def test_each_arm_setting_is_declared_once_and_round_trips() -> None:
             assert any(shown in a for a in argv), key
         else:
             assert key in ("env", "workspace_overlay"), key
+
+
+def test_an_arms_config_dir_in_another_studys_runs_is_refused(armed: Path, tmp_path: Path) -> None:
+    """The transcript folder is made under CLAUDE_CONFIG_DIR and bound read-write: in another
+    study's runs/ a session could add files to that study's run."""
+    other = tmp_path / "other"
+    (other / "runs" / "r1" / "workspace").mkdir(parents=True)
+    write_json(other / "study.json", {"arms": {}})
+    target = str(other / "runs" / "r1" / "workspace")
+    # the attack is set up: the rule of this study alone lets it through (it lies outside it)
+    assert ab.config_dir_refusal(target, study=str(armed.resolve()), tasks=str((armed / "tasks").resolve())) is None
+    set_arm(armed, "B", env={"CLAUDE_CONFIG_DIR": target})
+    before = snapshot(armed)
+    rc, obj = run_main(["assign", "--study", str(armed), "--force"])
+    assert rc == 2 and obj["code"] == "arm_config_dir_refused", obj
+    assert obj["arm"] == "B" and "runs/" in obj["why"] and str(other) in obj["why"], obj
+    assert snapshot(armed) == before
+    # a folder of no study is still the experimenter's choice
+    set_arm(armed, "B", env={"CLAUDE_CONFIG_DIR": str(tmp_path / "elsewhere")})
+    rc, obj = run_main(["assign", "--study", str(armed), "--force"])
+    assert rc == 0, obj

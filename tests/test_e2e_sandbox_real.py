@@ -214,7 +214,10 @@ def test_a_forging_solution_graded_by_the_pipeline_is_no_pass_and_writes_nothing
     assert rec["status"] == "finished" and rec["outcome"] == "failure", rec.get("outcome")
     ev = rec["evaluation"]
     assert ev["success"] is False and ev["passed"] is False and ev["score"] == 0.0
-    assert ev["receipt"]["channel"] == "fd" and ev["receipt"]["problem"], ev["receipt"]
+    # The example harness runs the code only in the inner sandbox ({sandbox_run}): there its
+    # forged lines and its kill reach neither the harness nor the channel, and the harness's own
+    # receipt says every check failed.
+    assert ev["receipt"]["channel"] == "fd" and ev["receipt"]["problem"] is None, ev["receipt"]
     assert not (state / "hacked").exists()
     ledger_lines = [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines() if x.strip()]
     assert all(line.get("job_id") for line in ledger_lines) and len(ledger_lines) == len(rec["jobs"])

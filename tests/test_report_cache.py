@@ -21,6 +21,9 @@ def records_settle_at_once(monkeypatch):
 
 
 def report(paths: ab.StudyPaths, fmt: str, tmp_path, *extra: str) -> str:
+    # Each report here is the study's first look (the log of looks, a separate record, would
+    # otherwise make every later answer name one more look than the one it is compared with).
+    (paths.state / "looks.jsonl").unlink(missing_ok=True)
     out = tmp_path / f"out.{fmt}"
     with contextlib.redirect_stdout(io.StringIO()):
         assert ab.main(["report", "--study", str(paths.root), "--format", fmt, "--out", str(out), *extra]) == 0

@@ -338,6 +338,16 @@ def _run_check(check_id, helper, workspace, names):
     return {"id": check_id, "passed": bool(passed), "detail": str(detail)[:300]}
 
 
+def _not_dumpable():
+    """Linux: make this process non-dumpable, so that no other process of the same user can take
+    its descriptors (through /proc or pidfd_getfd) where no sandbox stands between them."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv):
     usage = "usage: run.py WORKSPACE --sandbox-run HELPER [--receipt-fd FD]"
     opts = dict(zip(argv[2::2], argv[3::2]))
@@ -350,6 +360,7 @@ def main(argv):
         # agentbench's receipt channel: only this process writes it; no child is handed it.
         receipt_fd = int(opts["--receipt-fd"])
         os.set_inheritable(receipt_fd, False)
+        _not_dumpable()
     workspace = os.path.abspath(argv[1])
     if not os.path.isdir(workspace):
         print(f"run.py: not a directory: {workspace}", file=sys.stderr)
