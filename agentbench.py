@@ -9678,7 +9678,7 @@ class Supervisor:
             fp_path = self.paths.state / (f"fingerprint-{arm_hash[:16]}.json"
                                           if re.fullmatch(r"[0-9a-f]{64}", arm_hash) else "fingerprint.json")
             known = read_json(fp_path, default=None)
-            if known is None:
+            if known is None and self.paths.study_file.exists():   # a removed study is not re-created
                 with contextlib.suppress(OSError):
                     create_json_exclusive(fp_path, fp, self.platform.rename_no_replace)
             elif known.get("sha256") != fp["sha256"]:

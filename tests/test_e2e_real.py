@@ -299,7 +299,8 @@ def test_a_rate_limit_trips_the_breaker_and_pauses_the_queue(rehearsal_two, real
     assert {p["run_id"] for p in out["problems"]} == set(order[2:])   # the faulted run is expected to fail
     assert all("circuit breaker" in p["error"] for p in out["problems"])
     # every attempt's cost stays in the ledger
-    every = [j["job_id"] for j in runs[order[0]]["jobs"]] + [j["job_id"] for a in limited["attempts"] for j in a["jobs"]]
+    every = ([j["job_id"] for j in runs[order[0]]["jobs"]]
+             + [j["job_id"] for a in limited["attempts"] for j in a["jobs"]])
     assert {x["job_id"] for x in ledger(r["scratch"])} == set(every)
     # a failed rehearsal is recorded and keeps real runs from starting
     assert json.loads((r["study"] / "state" / "rehearsal.json").read_text())["ok"] is False
