@@ -212,7 +212,6 @@ WRITE_REFUSED_ERRNOS = frozenset(getattr(errno, name)
 #: The registry.json layout this version writes; a registry of another version is refused.
 REGISTRY_VERSION = 1
 JOB_FINAL_STATUSES = ("ok", "failed", "timeout", "killed", "lost")
-JOB_STATUSES = ("created", "queued", "running") + JOB_FINAL_STATUSES
 #: Model aliases are refused: a study must name the exact model it measures.
 MODEL_ALIASES = ("opus", "sonnet", "haiku", "default", "opusplan", "best", "sonnet[1m]", "opus[1m]")
 MODEL_ID_RE = re.compile(r"^claude-[a-z0-9][a-z0-9.\-]*[0-9][a-z0-9.\-]*$")
@@ -607,36 +606,6 @@ class ProcId:
 
     pid: int
     ctime: float | None
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON form stored in runtime files: ``{"pid": int, "ctime": float | null}``."""
-        return {"pid": self.pid, "ctime": self.ctime}
-
-    @classmethod
-    def from_json(cls, obj: Any) -> "ProcId":
-        """Read the form written by to_json (a ``[pid, ctime]`` pair is accepted too).
-
-        A malformed value is refused with AgentbenchError rather than guessed at, because a wrong
-        identity could later be signalled.
-        """
-        pid: Any
-        ctime: Any
-        if isinstance(obj, Mapping):
-            pid, ctime = obj.get("pid"), obj.get("ctime")
-        elif isinstance(obj, (list, tuple)) and len(obj) == 2:
-            pid, ctime = obj
-        else:
-            raise AgentbenchError("malformed process identity", code="malformed_process_identity",
-                                  value=repr(obj)[:200])
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            raise AgentbenchError("malformed process identity", code="malformed_process_identity",
-                                  value=repr(obj)[:200])
-        if ctime is not None:
-            if isinstance(ctime, bool) or not isinstance(ctime, (int, float)):
-                raise AgentbenchError("malformed process identity", code="malformed_process_identity",
-                                      value=repr(obj)[:200])
-            ctime = float(ctime)
-        return cls(pid, ctime)
 
 
 class _ProcInfo(NamedTuple):

@@ -64,20 +64,6 @@ def reaped():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_procid_json_round_trip():
-    p = ab.ProcId(123, 1700000000.25)
-    assert ab.ProcId.from_json(json.loads(json.dumps(p.to_json()))) == p
-    assert ab.ProcId.from_json([7, None]) == ab.ProcId(7, None)
-    assert ab.ProcId.from_json({"pid": 7, "ctime": 5}) == ab.ProcId(7, 5.0)
-
-
-@pytest.mark.parametrize("bad", [None, 5, "12", {"pid": "1"}, {"pid": 0, "ctime": 1.0},
-                                 {"pid": 3, "ctime": "x"}, [1, 2, 3], {"pid": True}])
-def test_procid_from_json_refuses_malformed(bad):
-    with pytest.raises(ab.AgentbenchError):
-        ab.ProcId.from_json(bad)
-
-
 def test_procid_is_frozen_and_hashable():
     p = ab.ProcId(1, 2.0)
     with pytest.raises(Exception):
