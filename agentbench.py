@@ -8595,20 +8595,6 @@ def _usage_from_raw(job: Mapping[str, Any],
     return usage, st
 
 
-def supervisor_presence(platform: "Platform", runtime: Mapping[str, Any] | None,
-                        launcher: Mapping[str, Any] | None,
-                        env: Mapping[str, str] | None = None) -> bool | None:
-    """Is the job's supervisor still there (or, before it started, its launch still pending)?
-
-    True: alive, starting or queued; False: certainly gone; None: cannot tell (Slurm unreachable,
-    or a process recorded on another host), which callers must treat as alive.  Its executor
-    answers (see Executor.presence): Slurm jobs are asked of Slurm, whose word covers queued jobs
-    that have no process yet; local ones by pid + creation time, only on the host that recorded
-    them.  `env` is the caller's environment (this process's unless given).
-    """
-    return executor_for(launcher).presence(platform, runtime, launcher, os.environ if env is None else env)
-
-
 def reap_verdict(*, started: bool, age_s: float, lost_after: float,
                  presence: Callable[[], bool | None]) -> str:
     """What the reaper does with an active job that has no result yet (pure; `presence` is asked

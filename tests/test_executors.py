@@ -89,7 +89,7 @@ HERE_SUP = {"pid": 10, "ctime": 1.0}
 ])
 def test_local_presence(case, runtime, launcher, alive, presence):
     assert LOCAL.presence(FakePlatform(tuple(alive)), runtime, launcher, {}) is presence, case
-    assert ab.supervisor_presence(FakePlatform(tuple(alive)), runtime, launcher, {}) is presence, case
+    assert ab.executor_for(launcher).presence(FakePlatform(tuple(alive)), runtime, launcher, {}) is presence, case
 
 
 @pytest.mark.parametrize("age, presence", [

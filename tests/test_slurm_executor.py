@@ -336,17 +336,17 @@ def test_a_state_read_from_slurm_is_reused_for_a_while_but_cannot_tell_is_not(sl
     launcher = {"executor": "slurm", "slurm_job_id": sjid}
     monkeypatch.setenv("AGENTBENCH_SLURM_POLL_S", "60")
     asked = lambda: len(fake_slurm.calls(slurm_dir, "squeue"))  # noqa: E731
-    assert ab.supervisor_presence(PLATFORM, None, launcher) is True
-    assert ab.supervisor_presence(PLATFORM, None, launcher) is True
+    assert ab.executor_for(launcher).presence(PLATFORM, None, launcher, os.environ) is True
+    assert ab.executor_for(launcher).presence(PLATFORM, None, launcher, os.environ) is True
     assert asked() == 1, "the second question went to the controller again"
     ab.slurm_cancel(PLATFORM, sjid, os.environ)        # a cancel forgets what was read
     fake_slurm.wait_state(slurm_dir, sjid, "CANCELLED")
-    assert ab.supervisor_presence(PLATFORM, None, launcher) is False
+    assert ab.executor_for(launcher).presence(PLATFORM, None, launcher, os.environ) is False
     assert asked() == 2
     ab._SLURM_STATES.clear()
     (slurm_dir / "down").write_text("")
-    assert ab.supervisor_presence(PLATFORM, None, launcher) is None
-    assert ab.supervisor_presence(PLATFORM, None, launcher) is None
+    assert ab.executor_for(launcher).presence(PLATFORM, None, launcher, os.environ) is None
+    assert ab.executor_for(launcher).presence(PLATFORM, None, launcher, os.environ) is None
     assert asked() == 4, "an unanswered question was reused"
 
 
@@ -545,8 +545,9 @@ def test_a_kill_learns_a_slurm_id_recorded_during_its_wait(sst: Path, slurm_dir:
 def test_a_submission_in_progress_is_alive_for_as_long_as_sbatch_may_take() -> None:
     now = time.time()
     submitting = {"executor": "slurm", "submitting": True, "at": now}
-    assert ab.supervisor_presence(PLATFORM, None, submitting) is True
-    assert ab.supervisor_presence(PLATFORM, None, {**submitting, "at": now - ab.SBATCH_TIMEOUT_S - 61}) is False
+    assert ab.executor_for(submitting).presence(PLATFORM, None, submitting, os.environ) is True
+    stale = {**submitting, "at": now - ab.SBATCH_TIMEOUT_S - 61}
+    assert ab.executor_for(stale).presence(PLATFORM, None, stale, os.environ) is False
 
 
 def test_a_supervisor_nobody_can_check_is_lost_once_its_heartbeat_is_very_old(sst: Path, slurm_dir: Path,
