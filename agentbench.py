@@ -16048,7 +16048,7 @@ class _TaskCell:
 
 
 class _ArmTally:
-    """One arm's runs in one population, added up in run order (see _rpt_tally)."""
+    """One arm's runs in one population, added up in run order (see _rpt_census)."""
     __slots__ = ("runs", "not_started", "running", "started", "not_evaluated", "causes", "outcomes",
                  "est_costs", "errors", "interrupted", "budget_exhausted", "timeouts", "verdicts_all",
                  "verdicts_final", "reasons", "flagged", "flagged_successes", "ended", "labels", "tasks",
@@ -16229,11 +16229,6 @@ def _rpt_census(known: Sequence[RunFacts]) -> _RunCensus:
         census.not_started += t.not_started
         census.running += t.running
     return census
-
-
-def _rpt_tally(known: Sequence[RunFacts]) -> dict[tuple[str, bool], _ArmTally]:
-    """(arm, excluded) -> that population's tally, over `known` in run order."""
-    return _rpt_census(known).tallies
 
 
 def _rpt_task_rates(t: _ArmTally) -> list[float]:

@@ -89,7 +89,7 @@ def test_power_notes_say_why_a_plan_falls_short():
 
 def tally(runs):
     """The tally of `runs` (records without an arm or a validity label: one population)."""
-    return ab._rpt_tally([ab.run_facts(r) for r in runs]).get(("None", False)) or ab._ArmTally()
+    return ab._rpt_census([ab.run_facts(r) for r in runs]).tallies.get(("None", False)) or ab._ArmTally()
 
 
 @pytest.mark.parametrize("run, cause", [

@@ -253,7 +253,7 @@ def tally_state(tallies) -> str:
 def test_tally_equals_the_reference(seed, n, p_odd):
     runs, _ = generated_runs(seed, n, p_odd)
     facts = [ab.run_facts(r) for r in runs]
-    assert tally_state(ab._rpt_tally(facts)) == tally_state(reference_tally(facts))
+    assert tally_state(ab._rpt_census(facts).tallies) == tally_state(reference_tally(facts))
 
 
 def test_tally_table():
@@ -268,7 +268,7 @@ def test_tally_table():
          "tokens": {"output": 2, "input": 1}},
         {"arm": "B", "task": "t", "status": "finished", "outcome": "timeout",
          "tokens": {"input": 3, "cache_read": 4}})]
-    tallies = ab._rpt_tally(facts)
+    tallies = ab._rpt_census(facts).tallies
     assert list(tallies) == [("A", False), ("A", True), ("B", False)]
     a = tallies[("A", False)]
     assert (a.runs, a.not_started, a.running, a.started, a.ended) == (3, 1, 1, 2, 1)
