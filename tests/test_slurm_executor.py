@@ -372,6 +372,7 @@ def test_a_driver_on_another_host_is_judged_by_its_beat_file(tmp_path: Path, mon
 def test_the_driver_beat_is_kept_fresh_while_the_driver_runs_and_removed_after(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AGENTBENCH_HEARTBEAT_S", "0.1")
     paths = ab.StudyPaths(tmp_path / "study")
+    paths.state.mkdir(parents=True)      # a study's state/ exists; a driver never re-creates a removed one
     rec = ab.driver_record(PLATFORM, paths)
     assert rec is not None and rec["host"] == PLATFORM.hostname()
     beat = Path(rec["beat"])
