@@ -126,6 +126,19 @@ def real_claude() -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_answer(tmp_path_factory, real_claude):
+    """The README's first command, run once for the whole session in a user's shell (no study, no
+    credential, not offline): `demo --repeats 1`, as (exit code, answer, stderr).  The demo's own
+    test and the report's screenshot test read the same demo; neither changes it."""
+    dropped = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN", "ANTHROPIC_BASE_URL",
+               "AGENTBENCH_STUDY", "AGENTBENCH_CHILD", "AGENTBENCH_OFFLINE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env["AGENTBENCH_CLAUDE_BIN"] = real_claude
+    where = tmp_path_factory.mktemp("demo") / "demo"
+    return run_cli(["demo", "--dir", str(where), "--repeats", "1"], env=env, timeout=900)
+
+
+@pytest.fixture(scope="session")
 def real_slurm(tmp_path_factory):
     """A private one-node Slurm cluster (tests/slurm_cluster.py) for the whole session; skipped
     locally where Slurm cannot run, but a failure in CI (.ci/run installs slurm-wlm and munge)."""

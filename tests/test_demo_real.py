@@ -13,11 +13,8 @@ from conftest import ab, run_cli
 pytestmark = pytest.mark.real_claude
 
 
-def test_demo_runs_the_example_study(tmp_path, real_claude):
-    env = os.environ.copy()
-    env.pop("AGENTBENCH_STUDY", None)
-    env["AGENTBENCH_CLAUDE_BIN"] = real_claude
-    code, out, err = run_cli(["demo", "--dir", str(tmp_path / "demo"), "--repeats", "1"], env=env, timeout=900)
+def test_demo_runs_the_example_study(demo_answer):
+    code, out, err = demo_answer
     assert code == 0, (out, err[-3000:])
     assert out["ok"] is True, out["problems"]
     assert out["calibration"] == {"bugfix": True, "cli": True, "roman": True}
@@ -38,6 +35,7 @@ def test_demo_runs_the_example_study(tmp_path, real_claude):
     assert arms["D"]["reviews"] == 3 and sum(arms["D"]["verdicts"].values()) == 3
     assert os.path.isfile(out["report"]["html"]) and os.path.isfile(out["report"]["md"])
     # The report of the rehearsed study says the same.
+    env = {k: v for k, v in os.environ.items() if k != "AGENTBENCH_STUDY"}
     code, rep, _ = run_cli(["report", "--study", out["rehearsal_study"]], env=env)
     assert code == 0
     for name, a in arms.items():

@@ -447,15 +447,14 @@ def _chromium() -> str | None:
                 None)
 
 
-def test_the_demo_report_shows_every_column_of_the_per_arm_table_at_1280_px(tmp_path, real_claude):
+def test_the_demo_report_shows_every_column_of_the_per_arm_table_at_1280_px(tmp_path, demo_answer):
     """A headless Chromium screenshot of the demo's report, 1280 px wide: every header of the
     per-arm table is drawn inside the window (checked in the DOM Chromium laid out), and the
     screenshot is taken."""
     chromium = _chromium()
     if chromium is None:
         pytest.skip("chromium is not installed (apt-get install -y chromium)")
-    code, demo, err = run_cli(["demo", "--dir", str(tmp_path / "demo"), "--repeats", "1", "--parallel", "4"],
-                              user_env(real_claude), timeout=900)
+    code, demo, err = demo_answer
     assert code == 0, (demo, err[-3000:])
     page = Path(demo["report"]["html"])
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
