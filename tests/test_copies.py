@@ -319,6 +319,7 @@ def test_an_unusable_workspace_is_the_agents_valid_failure():
 def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
     study = tmp_path / "study"
     (study / "state").mkdir(parents=True)
+    (study / "study.json").write_text("{}")     # a study (events are never written into a removed one)
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "blob").write_bytes(os.urandom(3 * MB))
@@ -327,7 +328,7 @@ def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
         fh.truncate(2 ** 30)
     sup = types.SimpleNamespace(limits={"workspace_max_bytes": 2 * MB}, workspace_next_measure=None,
                                 WORKSPACE_MEASURE_S=3.0, job={"cwd": str(ws)}, flags=set(),
-                                paths=ab.StudyPaths(study), job_id="j000001")
+                                paths=ab.StudyPaths(study), job_id="j000001", _measured=[])
     assert ab.Supervisor._workspace_over_cap(sup) is True and "workspace_over_cap" in sup.flags
     events = [json.loads(x) for x in (study / "state" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "workspace_over_cap" and events[-1]["cap"] == 2 * MB
@@ -336,6 +337,13 @@ def test_the_live_cap_measures_real_blocks_and_ends_the_session(tmp_path):
     assert ab.Supervisor._workspace_over_cap(sup) is False
     sup.workspace_next_measure, sup.limits = None, {"workspace_max_bytes": 5 * MB}
     assert ab.Supervisor._workspace_over_cap(sup) is False     # 3 MB of blocks; the hole is free
+    # The session's HOME and transcript folder count with the workspace: 3 MB there and 3 MB in
+    # the workspace are over a 5 MB cap.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "blob").write_bytes(os.urandom(3 * MB))
+    sup.workspace_next_measure, sup._measured = None, [str(home), str(tmp_path / "no-transcripts-yet")]
+    assert ab.Supervisor._workspace_over_cap(sup) is True
 
 
 @pytest.mark.parametrize("plant", ["link_to_zero", "fifo", "too_big", "link_to_good"])
