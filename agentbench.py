@@ -3076,6 +3076,8 @@ class RunRecord(_RunRequired, total=False):
     interrupted_at: str
     paused_by_breaker: bool
     paused_attempts: list[dict[str, Any]]
+    attempt: int                     # the attempt now running or final (1 for the first)
+    cost_all_attempts_usd: float     # every attempt's metered cost, this one's included
     outcome: str | None
     validity: str
     validity_reason: str | None

@@ -422,8 +422,8 @@ def test_a_real_solution_that_stops_its_harness_is_the_agents_failure(tmp_path: 
     rec = json.loads((study / "state" / "runs" / f"{rid}.json").read_text())
     assert (study / "runs" / rid / "workspace" / "roman.py").read_text() == code_text   # it was graded
     ev = rec["evaluation"]
-    assert ev["timed_out"] is True, ev
-    assert ev["grader_error"] is None and ev["grader_error_caused_by_solution"] == "the check timed out"
-    assert ev["reference_rerun"]["passed"] is True
+    # The code under test runs in the inner sandbox (its own PID namespace): its parent is not the
+    # harness, so the harness is never stopped and grades the solution as the failure it is.
+    assert ev["timed_out"] is False and ev["passed"] is False, ev
+    assert ev["grader_error"] is None
     assert (rec["outcome"], rec["validity"]) == ("failure", "valid"), (rec["outcome"], rec["validity"])
-    assert rec["failure_reason"] == "grader_error_caused_by_solution"
