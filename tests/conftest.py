@@ -6,15 +6,18 @@ processes (``python3 agentbench.py ...``, detached supervisors, the real `claude
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,6 +126,29 @@ def real_claude() -> str:
             pytest.fail("the real claude binary is not installed; .ci/run must install it")
         pytest.skip("the real claude binary is not installed (npm i -g @anthropic-ai/claude-code)")
     return binary
+
+
+def chromium_layout(page: Path, script: str, tmp_path: Path, *, height: int) -> Any:
+    """A headless Chromium 1280 px wide: a screenshot of `page` (checked to exist), then `page` laid
+    out again with `script`, JavaScript that leaves a JSON value in `document.title`; that value.
+    Skipped where no Chromium is installed (.ci/run installs it)."""
+    chromium = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
+                    None)
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             f"--window-size=1280,{height}", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "screenshot.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
+    assert shot.exists() and shot.stat().st_size > 1000
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", f"<script>{script}</script></body>"),
+                     encoding="utf-8")
+    proc = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                          timeout=180)
+    title = re.search(r"<title>(.*?)</title>", proc.stdout, re.S)
+    assert title, proc.stderr[-2000:]
+    return json.loads(html.unescape(title.group(1)))
 
 
 @pytest.fixture(scope="session")

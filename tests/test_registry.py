@@ -401,10 +401,8 @@ def test_result_without_ledger_line_is_reconciled_exactly_once(study, tmp_path, 
     assert [r["job_id"] for r in ledger(study)] == [jid]
 
 
-def test_ledger_line_written_but_not_marked_is_not_doubled(study, tmp_path, monkeypatch):
-    """A kill after the ledger append but before the `ledgered` marker: reconcile finds the line."""
-    paths, job = register_job(study, tmp_path)
-    jid = job["job_id"]
+def finalize_killed_before_marker(paths, job, cost, monkeypatch):
+    """finalize_job killed after its ledger line and before the `ledgered` marker."""
     real_touch = ab.touch_marker
 
     def killed_before_marker(path):
@@ -413,8 +411,15 @@ def test_ledger_line_written_but_not_marked_is_not_doubled(study, tmp_path, monk
         return real_touch(path)
     monkeypatch.setattr(ab, "touch_marker", killed_before_marker)
     with pytest.raises(RuntimeError):
-        ab.finalize_job(paths, PLAT, job, status="ok", reason=None, usage=_usage(0.1))
+        ab.finalize_job(paths, PLAT, job, status="ok", reason=None, usage=_usage(cost))
     monkeypatch.undo()
+
+
+def test_ledger_line_written_but_not_marked_is_not_doubled(study, tmp_path, monkeypatch):
+    """A kill after the ledger append but before the `ledgered` marker: reconcile finds the line."""
+    paths, job = register_job(study, tmp_path)
+    jid = job["job_id"]
+    finalize_killed_before_marker(paths, job, 0.1, monkeypatch)
     assert [r["job_id"] for r in ledger(study)] == [jid]
     assert (paths.active / jid).exists()
     # A torn fragment from some other crashed writer must not hide the line from the check.
@@ -491,16 +496,7 @@ def test_a_result_counted_before_the_registry_was_lost_is_not_counted_again(stud
     """The registry is rebuilt from the ledger while a job is between its ledger line and its
     markers: the reaper's repair must not add its cost a second time."""
     paths, job = register_job(study, tmp_path)
-    real_touch = ab.touch_marker
-
-    def killed_before_marker(path):
-        if Path(path).name == "ledgered":
-            raise RuntimeError("killed before the marker")
-        return real_touch(path)
-    monkeypatch.setattr(ab, "touch_marker", killed_before_marker)
-    with pytest.raises(RuntimeError):
-        ab.finalize_job(paths, PLAT, job, status="ok", reason=None, usage=_usage(0.2))
-    monkeypatch.undo()
+    finalize_killed_before_marker(paths, job, 0.2, monkeypatch)
     paths.registry.unlink()
     ab.reap_jobs(paths, PLAT)
     assert ab.read_registry(paths)["spent_usd"] == pytest.approx(0.2) == ab.ledger_spent_usd(paths)

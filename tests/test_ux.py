@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
-from conftest import run_main
+from conftest import chromium_layout, run_main
 from test_experiment import tiny_study
 
 
@@ -356,42 +356,18 @@ def test_a_study_of_one_arm_still_gets_a_verdict_line(tmp_path: Path, fake_env) 
     assert f"- {rep['verdict'][0]}" in md["markdown"].split("\n|")[0]
 
 
-def _chromium() -> str | None:
-    import shutil
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
-                None)
-
-
 def test_the_html_report_opens_with_the_verdict_in_the_first_screen_at_1280_px(tmp_path: Path, fake_env) -> None:
     """Headless Chromium at 1280 x 900: the verdict section is laid out inside the first screen,
     above every chart and table, no wider than the window; and the screenshot is taken."""
-    import re
-    import subprocess
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
     study = finished_study(tmp_path / "s", fake_env, win=1.0)
     page = tmp_path / "report.html"
     code, out = run_main(["report", "--study", str(study), "--format", "html", "--out", str(page)])
     assert code == 0, out
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-             "--window-size=1280,900", f"--user-data-dir={tmp_path / 'profile'}"]
-    shot = tmp_path / "first-screen.png"
-    subprocess.run([chromium, *flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
-    assert shot.exists() and shot.stat().st_size > 1000
-    probe = tmp_path / "probe.html"
-    probe.write_text(page.read_text(encoding="utf-8").replace(
-        "</body>", "<script>var v=document.querySelector('section.verdict').getBoundingClientRect();"
-                   "var firsts=[...document.querySelectorAll('svg,table')].map(e=>e.getBoundingClientRect().top);"
-                   "var li=[...document.querySelectorAll('section.verdict li')].map(e=>e.textContent);"
-                   "document.title=JSON.stringify({top:v.top,bottom:v.bottom,right:v.right,"
-                   "first_chart:Math.min(...firsts),lines:li});</script></body>"))
-    proc = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
-                          timeout=180)
-    title = re.search(r"<title>(.*?)</title>", proc.stdout, re.S)
-    assert title, proc.stderr[-2000:]
-    got = json.loads(title.group(1).replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<")
-                     .replace("&gt;", ">").replace("&#x27;", "'").replace("&#39;", "'"))
+    got = chromium_layout(page, "var v=document.querySelector('section.verdict').getBoundingClientRect();"
+                                "var firsts=[...document.querySelectorAll('svg,table')].map(e=>e.getBoundingClientRect().top);"
+                                "var li=[...document.querySelectorAll('section.verdict li')].map(e=>e.textContent);"
+                                "document.title=JSON.stringify({top:v.top,bottom:v.bottom,right:v.right,"
+                                "first_chart:Math.min(...firsts),lines:li});", tmp_path, height=900)
     assert 0 <= got["top"] < got["bottom"] <= 900, got       # wholly inside the first screen
     assert got["right"] <= 1280 and got["bottom"] <= got["first_chart"], got
     code, rep = run_main(["report", "--study", str(study)])
