@@ -4750,9 +4750,52 @@ INNER_HELPER_SOURCE = '''\
 
 usage: python HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND [ARG...]
 Stdin is passed on; the inner command's stdout, stderr and exit status come back as this
-command's own (124: timed out, 125: could not run)."""
-import base64, json, os, socket, sys
+command's own (124: timed out, 125: could not run).  With a SOCKET, agentbench runs it in the
+inner sandbox; without one (in a task's container) it runs here, in DIR, in a new session."""
+import base64, json, os, signal, socket, subprocess, sys
 SOCKET = %(socket)r
+CANNOT = %(cannot)d
+def ask(req):
+    req["stdin"] = base64.b64encode(req["stdin"]).decode("ascii")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(SOCKET)
+        s.sendall(json.dumps(req).encode("utf-8") + b"\\n")
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        ans = json.loads(b"".join(chunks).decode("utf-8"))
+        return (base64.b64decode(ans.get("stdout") or ""), base64.b64decode(ans.get("stderr") or ""),
+                int(ans.get("exit", CANNOT)))
+    except (OSError, ValueError) as exc:
+        return b"", ("sandbox_run: no answer from agentbench: %%s\\n" %% exc).encode(), CANNOT
+def run_here(req):
+    timeout = %(default)r if req["timeout"] is None else req["timeout"]
+    if not req["argv"] or not isinstance(timeout, float) or timeout <= 0:
+        return b"", b"sandbox_run: no command, or a bad timeout\\n", CANNOT
+    env = dict(%(base)r)
+    env["PATH"] = os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    env.update(req["env"])
+    try:
+        p = subprocess.Popen(req["argv"], cwd=req["dir"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        return b"", ("sandbox_run: %%s\\n" %% exc).encode(), CANNOT
+    try:
+        out, err = p.communicate(req["stdin"], timeout=min(timeout, %(most)r))
+        code = p.returncode if p.returncode >= 0 else 128 - p.returncode
+    except subprocess.TimeoutExpired:
+        out, err, code = b"", b"sandbox_run: timed out\\n", %(timed_out)d
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    p.wait()
+    return out[-%(out_max)d:], err[-%(out_max)d:], code
 def main(argv):
     req = {"env": {}}
     i = 0
@@ -4766,49 +4809,36 @@ def main(argv):
             i += 2
         else:
             sys.stderr.write("usage: HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND...\\n")
-            return %(cannot)d
+            return CANNOT
     req["argv"] = argv[i + 1:]
     try:
         req["timeout"] = float(req["timeout"]) if "timeout" in req else None
     except ValueError:
         pass
     req["dir"] = os.path.abspath(req.get("dir") or ".")
-    data = b""
-    if not os.isatty(0):
-        try:
-            data = sys.stdin.buffer.read(%(stdin_max)d + 1)
-        except (OSError, ValueError):
-            data = b""
-    req["stdin"] = base64.b64encode(data).decode("ascii")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(SOCKET)
-        s.sendall(json.dumps(req).encode("utf-8") + b"\\n")
-        s.shutdown(socket.SHUT_WR)
-        chunks = []
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        ans = json.loads(b"".join(chunks).decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        sys.stderr.write("sandbox_run: no answer from agentbench: %%s\\n" %% exc)
-        return %(cannot)d
-    sys.stdout.buffer.write(base64.b64decode(ans.get("stdout") or ""))
-    sys.stderr.buffer.write(base64.b64decode(ans.get("stderr") or ""))
+        req["stdin"] = b"" if os.isatty(0) else sys.stdin.buffer.read(%(stdin_max)d + 1)
+    except (OSError, ValueError):
+        req["stdin"] = b""
+    out, err, code = ask(req) if SOCKET else run_here(req)
+    sys.stdout.buffer.write(out)
+    sys.stderr.buffer.write(err)
     sys.stdout.flush()
     sys.stderr.flush()
-    return int(ans.get("exit", %(cannot)d))
+    return code
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 '''
 
 
-def inner_helper_source(socket_path: str) -> str:
-    """The helper command's source, talking to `socket_path` (pure)."""
+def inner_helper_source(socket_path: str | None) -> str:
+    """The helper command's source (pure): talking to `socket_path`, or with None (a task's
+    container: the container keeps the host and the other runs out) running the command itself
+    with the inner sandbox's caps and answers."""
     return INNER_HELPER_SOURCE % {"socket": socket_path, "cannot": INNER_CANNOT_RUN_EXIT,
-                                  "stdin_max": INNER_STDIN_MAX_BYTES}
+                                  "timed_out": INNER_TIMED_OUT_EXIT, "default": INNER_DEFAULT_TIMEOUT_S,
+                                  "most": INNER_MAX_TIMEOUT_S, "base": INNER_BASE_ENV,
+                                  "stdin_max": INNER_STDIN_MAX_BYTES, "out_max": INNER_OUTPUT_MAX_BYTES}
 
 
 def inner_request_problem(req: Any, root: str) -> str | None:
@@ -5065,66 +5095,10 @@ def container_session_plan(base: ContainerPlan, *, workspace: str, private_home:
                                network="none" if gateway_socket else base.network)
 
 
-#: Where a check's container has the {sandbox_run} helper (bound read-only).
+#: Where a check's container has the {sandbox_run} helper (bound read-only): inner_helper_source(None),
+#: which runs the command in the check's own container: the container keeps the host and the other
+#: runs out, not the judge apart from the judged.
 CONTAINER_INNER_HELPER = CONTAINER_AB_DIR + "/sandbox_run.py"
-#: The {sandbox_run} helper inside a task's container: the same command line and answers as the
-#: inner sandbox's (exit 124: timed out, 125: could not run; stdin passed, output capped), but the
-#: command runs in the check's own container, in DIR, in a new session killed whole on timeout:
-#: the container keeps the host and the other runs out, not the judge apart from the judged.
-CONTAINER_INNER_HELPER_SOURCE = '''\
-import os, signal, subprocess, sys
-def main(argv):
-    opts, env = {}, {}
-    i = 0
-    while i < len(argv) and argv[i] != "--":
-        if argv[i] in ("--dir", "--timeout", "--env") and i + 1 < len(argv):
-            if argv[i] == "--env":
-                k, _, v = argv[i + 1].partition("=")
-                env[k] = v
-            else:
-                opts[argv[i][2:]] = argv[i + 1]
-            i += 2
-        else:
-            sys.stderr.write("usage: HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND...\\n")
-            return %(cannot)d
-    cmd = argv[i + 1:]
-    try:
-        timeout = min(float(opts.get("timeout", %(default)r)), %(most)r)
-    except ValueError:
-        timeout = None
-    if not cmd or timeout is None or timeout <= 0:
-        sys.stderr.write("sandbox_run: no command, or a bad timeout\\n")
-        return %(cannot)d
-    full = dict(%(base)r)
-    full["PATH"] = os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    full.update(env)
-    data = b"" if os.isatty(0) else sys.stdin.buffer.read(%(stdin_max)d + 1)
-    try:
-        p = subprocess.Popen(cmd, cwd=os.path.abspath(opts.get("dir") or "."), env=full,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True)
-    except OSError as exc:
-        sys.stderr.write("sandbox_run: %%s\\n" %% exc)
-        return %(cannot)d
-    try:
-        out, err = p.communicate(data, timeout=timeout)
-        code = p.returncode if p.returncode >= 0 else 128 - p.returncode
-    except subprocess.TimeoutExpired:
-        out, err, code = b"", b"sandbox_run: timed out\\n", %(timed_out)d
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    p.wait()
-    sys.stdout.buffer.write(out[-%(out_max)d:])
-    sys.stderr.buffer.write(err[-%(out_max)d:])
-    return code
-sys.exit(main(sys.argv[1:]))
-''' % {"cannot": INNER_CANNOT_RUN_EXIT, "timed_out": INNER_TIMED_OUT_EXIT,
-       "default": INNER_DEFAULT_TIMEOUT_S, "most": INNER_MAX_TIMEOUT_S, "base": INNER_BASE_ENV,
-       "stdin_max": INNER_STDIN_MAX_BYTES,
-       "out_max": INNER_OUTPUT_MAX_BYTES}
-
 #: The receipt channel's descriptor inside a check's container (the runtime passes 3 onwards).
 CONTAINER_RECEIPT_FD = 3
 #: Runs the runtime with the receipt channel (argv[1], a descriptor of this process) as
@@ -11087,7 +11061,7 @@ def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: 
     if inner_helper:   # the {sandbox_run} helper, bound read-only at CONTAINER_INNER_HELPER
         helper = os.path.join(prof_dir, "sandbox_run.py")
         with open(helper, "w", encoding="utf-8") as fh:
-            fh.write(CONTAINER_INNER_HELPER_SOURCE)
+            fh.write(inner_helper_source(None))
         rows = [*rows, ("ro-bind", helper, CONTAINER_INNER_HELPER)]
     plan = container_check_plan(base, workspace=os.path.realpath(cwd),
                                 ro=[os.path.realpath(p) for p in ro if os.path.exists(p)],

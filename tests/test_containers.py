@@ -316,7 +316,7 @@ def test_the_containers_sandbox_run_helper_answers_as_the_inner_sandbox_does(tmp
     import subprocess
     import sys
     helper = tmp_path / "sandbox_run.py"
-    helper.write_text(ab.CONTAINER_INNER_HELPER_SOURCE)
+    helper.write_text(ab.inner_helper_source(None))
     (tmp_path / "d").mkdir()
     base = [sys.executable, str(helper), "--dir", str(tmp_path / "d"), "--timeout", "5", "--"]
     res = subprocess.run(base + [sys.executable, "-c", "import os, sys; print(sys.stdin.read().upper(), "
