@@ -4,7 +4,8 @@ Real checks under real bubblewrap (skipped where it cannot run).  Each attack is
 work against a harness written the old way (the code under test in the judge's process, or the
 harness's paths readable by it); then the same workspace is graded by the bundled example and
 the `new-task` scaffold, which run the code only through the {sandbox_run} helper, and is not a
-success; and calibrate refuses the old way by naming the probe that forged it.
+success; and calibrate refuses the old way by naming the probe that forged it.  Last, the real
+`claude` plants both forgeries in its sessions, and `run` grades each run a valid failure.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import agentbench as ab
-from conftest import run_main
+from conftest import run_cli, run_main
+from test_e2e_real import assign_by_position, cli_env, make_study
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "study"
@@ -245,3 +247,40 @@ def test_the_examples_and_scaffolds_calibrate_with_every_probe_held(tmp_path):
         verdicts = {p["name"]: p["verdict"] for p in t["oracle_probes"]}
         assert set(verdicts) == set(ab.ORACLE_PROBES), tid
         assert set(verdicts.values()) == {"held"}, (tid, verdicts)
+
+
+def test_a_real_session_that_plants_the_two_forgeries_is_a_valid_failure(tmp_path, real_claude, server):
+    """The real binary, offline against the scripted model, under bubblewrap: a session on the
+    example `roman` task appends the CHECKS-patching forgery to its module, and one on a `new-task`
+    scaffold appends the parent-command-line reader; each run, graded by `run`, is the agent's
+    valid failure (not a success, not an exclusion)."""
+    study = make_study(tmp_path / "study", real_claude, arms=("A",), calibrated=False, sandbox="bwrap",
+                       env={"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "offline-not-a-secret",
+                            "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"), "CLAUDE_CODE_MAX_RETRIES": "0",
+                            "AGENTBENCH_OFFLINE": "1"})
+    code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
+    assert code == 0, out
+    shutil.copytree(tmp_path / "new" / "tasks" / "scaf", study / "tasks" / "scaf")
+    forgeries = {"roman": ("roman.py", PATCH_CHECKS), "scaf": ("stats.py", READ_PARENT)}
+    for tid, (module, text) in forgeries.items():
+        task_md = study / "tasks" / tid / "public" / "TASK.md"
+        task_md.write_text(task_md.read_text() + f"\n[agentbench-script:forge-{tid}]\n")
+        server.add_script(f"forge-{tid}", {"steps": [
+            {"text": "Adding a helper.", "tool_uses": [{"name": "Bash", "input": {
+                "command": f"cat >> {module} <<'FORGERY_END'\n{text}\nFORGERY_END\necho appended",
+                "description": "append"}}]},
+            {"text": "Done."}]})
+    rows = assign_by_position(study, 1)
+    assert sorted(r["task"] for r in rows) == ["roman", "scaf"]
+    code, out, err = run_cli(["run", "--study", str(study), "--force", "--parallel", "2"], cli_env(), timeout=300)
+    assert code == 0, (out, err[-3000:])
+    for row in rows:
+        rid, (module, text) = row["run_id"], forgeries[row["task"]]
+        rec = json.loads((study / "state" / "runs" / f"{rid}.json").read_text())
+        graded = (study / "runs" / rid / "workspace" / module).read_text()
+        assert graded.endswith(text + "\n"), graded[-500:]     # the session really planted it
+        assert rec["status"] == "finished" and rec["sandbox"]["sandboxed"] is True, rec["sandbox"]
+        assert (rec["outcome"], rec["validity"]) == ("failure", "valid"), (rec["outcome"], rec["validity"])
+        ev = rec["evaluation"]
+        assert ev["success"] is False and ev["score"] < 1.0 and ev["grader_error"] is None, ev
+        assert ev["receipt"] == {"kind": "json", "channel": "fd", "protected": True, "problem": None}, ev
