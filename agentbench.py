@@ -23011,7 +23011,7 @@ class Command:
     name: str
     summary: str
     handler: Callable[[Ctx, argparse.Namespace], tuple[int, dict[str, Any]] | dict[str, Any] | None]
-    configure: Callable[[argparse.ArgumentParser], None]
+    args: Sequence[tuple[tuple[str, ...], dict[str, Any]]]
     mutating: bool
     hidden: bool = False
 
@@ -23019,55 +23019,45 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 
-def command(name: str, summary: str, *, mutating: bool, hidden: bool = False) -> Callable[..., Any]:
-    """Register a handler; the decorated function's `configure` attribute adds its arguments."""
+def arg(*flags: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """One option of a command, as argparse's add_argument takes it."""
+    return flags, options
+
+
+def command(name: str, summary: str, *, mutating: bool, hidden: bool = False,
+            args: Sequence[tuple[tuple[str, ...], dict[str, Any]]] = ()) -> Callable[..., Any]:
+    """Register a handler with its options (arg(...), in the order --help lists them)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        COMMANDS[name] = Command(name, summary, fn, getattr(fn, "configure", lambda p: None), mutating,
-                                 hidden)
+        COMMANDS[name] = Command(name, summary, fn, tuple(args), mutating, hidden)
         return fn
     return deco
 
 
-def args_of(configure: Callable[[argparse.ArgumentParser], None]
-            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.configure = configure  # type: ignore[attr-defined]
-        return fn
-    return deco
-
-
-def _study_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", help="study directory (default $AGENTBENCH_STUDY, else the cwd)")
+STUDY_ARG = arg("--study", help="study directory (default $AGENTBENCH_STUDY, else the cwd)")
 
 
 def launch_flags(args: argparse.Namespace) -> LaunchFlags:
-    """The session-limit flags of _launch_args as plain values."""
+    """The session-limit flags of LAUNCH_ARGS as plain values."""
     return LaunchFlags(max_budget_usd=getattr(args, "max_budget_usd", None),
                        wall_s=getattr(args, "wall_s", None), max_turns=getattr(args, "max_turns", None),
                        orphan_after_s=getattr(args, "orphan_after_s", None),
                        fault=getattr(args, "fault", None))
 
 
-def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-budget-usd", type=finite_float, dest="max_budget_usd",
-                   help="cost limit of this session in USD (default: the study's budget.usd_per_run)")
-    p.add_argument("--wall-s", type=wall_seconds, dest="wall_s",
-                   help="wall-time limit of this session in seconds (default: the study's max_minutes)")
-    p.add_argument("--max-turns", type=bounded_int("max_turns"), dest="max_turns",
-                   help="claude --max-turns of this session (default: the study's budget.max_turns)")
-    p.add_argument("--orphan-after-s", type=finite_float, dest="orphan_after_s",
-                   help="kill the job if no orchestrator call arrives for this long (0 = off)")
-    p.add_argument("--fault", help="interrupt:after_tool_uses=N")
+LAUNCH_ARGS = (
+    arg("--max-budget-usd", type=finite_float, dest="max_budget_usd",
+        help="cost limit of this session in USD (default: the study's budget.usd_per_run)"),
+    arg("--wall-s", type=wall_seconds, dest="wall_s",
+        help="wall-time limit of this session in seconds (default: the study's max_minutes)"),
+    arg("--max-turns", type=bounded_int("max_turns"), dest="max_turns",
+        help="claude --max-turns of this session (default: the study's budget.max_turns)"),
+    arg("--orphan-after-s", type=finite_float, dest="orphan_after_s",
+        help="kill the job if no orchestrator call arrives for this long (0 = off)"),
+    arg("--fault", help="interrupt:after_tool_uses=N"),
+)
 
 
 # -- where -----------------------------------------------------------------------------------------
-
-def _where_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--check-api", action="store_true",
-                   help="ask the upstream one free request (count_tokens) with the credential the "
-                        "gateway would carry: is it reachable, is the key accepted")
-
 
 def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
                      warnings: list[str]) -> dict[str, Any] | None:
@@ -23102,8 +23092,12 @@ def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
             "flags": list(cfg.get("container_flags") or []), "tasks": rows}
 
 
-@command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings", mutating=False)
-@args_of(_where_args)
+@command("where", "preflight: python, uv, claude, git, platform, env scrub report, warnings",
+         mutating=False, args=(
+    STUDY_ARG,
+    arg("--check-api", action="store_true",
+        help="ask the upstream one free request (count_tokens) with the credential the "
+             "gateway would carry: is it reachable, is the key accepted")))
 def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     warnings: list[str] = []
     cfg_binary = None
@@ -23234,25 +23228,17 @@ def cmd_where(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- init ------------------------------------------------------------------------------------------
 
-def _init_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True, help="the study directory (created if missing)")
-    for setting in STUDY_SETTINGS:
-        if setting.flag is not None:
-            p.add_argument("--" + setting.key.replace("_", "-"), dest=setting.key, type=setting.flag,
-                           help=setting.help)
-    for key, (typ, text) in BUDGET_SETTINGS.items():
-        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, help=f"budget.{key}: {text}")
-    p.add_argument("--reset-breaker", action="store_true",
-                   help="resume a study paused by its circuit breaker")
-    p.add_argument("--slurm-partition",
-                   help="the Slurm partition of the study's jobs (with --executor slurm)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="an environment variable for every claude session of the study (repeatable; "
-                        "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")
-
-
-@command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True)
-@args_of(_init_args)
+@command("init", "create or update a study (study.json and its state dir); idempotent", mutating=True, args=(
+    arg("--study", required=True, help="the study directory (created if missing)"),
+    *(arg("--" + st.key.replace("_", "-"), dest=st.key, type=st.flag, help=st.help)
+      for st in STUDY_SETTINGS if st.flag is not None),
+    *(arg("--" + key.replace("_", "-"), dest=key, type=typ, help=f"budget.{key}: {text}")
+      for key, (typ, text) in BUDGET_SETTINGS.items()),
+    arg("--reset-breaker", action="store_true", help="resume a study paused by its circuit breaker"),
+    arg("--slurm-partition", help="the Slurm partition of the study's jobs (with --executor slurm)"),
+    arg("--env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for every claude session of the study (repeatable; "
+             "KEY= removes it), e.g. ANTHROPIC_BASE_URL of a `serve-model`")))
 def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(ctx.platform.normalize_path(args.study if os.path.isabs(args.study)
                                             else os.path.join(ctx.cwd, args.study)))
@@ -23302,43 +23288,35 @@ def cmd_init(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- train / spawn / continue ----------------------------------------------------------------------
 
-def _train_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--base", help="the base's name (default: the task id with --task)")
-    p.add_argument("--brief",
-                   help="file holding the training prompt (default with --task: templates/train_base.md)")
-    p.add_argument("--task",
-                   help="train on a copy of this task's public files (a per-task base runs fork from)")
-    p.add_argument("--workspace", help="the base's cwd (default: a new dir in the study)")
-    p.add_argument("--replace", action="store_true", help="retrain a base that already exists")
-    p.add_argument("--arm", help="train under this arm's launch (its forks must share it; default "
-                                 "base name with --task: TASK.HASH12)")
-    _launch_args(p)
-
-
 @command("train", "train a base session that runs fork from (same context, read from the prompt cache)",
-         mutating=True)
-@args_of(_train_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--base", help="the base's name (default: the task id with --task)"),
+    arg("--brief",
+        help="file holding the training prompt (default with --task: templates/train_base.md)"),
+    arg("--task",
+        help="train on a copy of this task's public files (a per-task base runs fork from)"),
+    arg("--workspace", help="the base's cwd (default: a new dir in the study)"),
+    arg("--replace", action="store_true", help="retrain a base that already exists"),
+    arg("--arm", help="train under this arm's launch (its forks must share it; default "
+                      "base name with --task: TASK.HASH12)"),
+    *LAUNCH_ARGS))
 def cmd_train(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return train_base(ctx, load_study(ctx.study(args)), cwd=ctx.cwd, base=args.base, task_id=args.task,
                       brief=args.brief, workspace=args.workspace, replace=args.replace,
                       flags=launch_flags(args), arm=args.arm)
 
 
-def _spawn_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--base", help="fork this base session (--resume BASE --fork-session --session-id NEW)")
-    p.add_argument("--brief", help="file holding the prompt")
-    p.add_argument("--label", help="a free label kept in the job's meta (shown by list and wait)")
-    p.add_argument("--workspace", help="cwd for the session (default: a copy of the base's, or a new dir)")
-    p.add_argument("--run", help="an experiment run id (prepares its workspace; see `run`)")
-    p.add_argument("--force", action="store_true", help="with --run: allow an uncalibrated task")
-    _launch_args(p)
-
-
 @command("spawn", "launch a session, detached: fresh, a fork of a base (--base), or an experiment run "
-                  "(--run)", mutating=True)
-@args_of(_spawn_args)
+                  "(--run)", mutating=True, args=(
+    STUDY_ARG,
+    arg("--base", help="fork this base session (--resume BASE --fork-session --session-id NEW)"),
+    arg("--brief", help="file holding the prompt"),
+    arg("--label", help="a free label kept in the job's meta (shown by list and wait)"),
+    arg("--workspace", help="cwd for the session (default: a copy of the base's, or a new dir)"),
+    arg("--run", help="an experiment run id (prepares its workspace; see `run`)"),
+    arg("--force", action="store_true", help="with --run: allow an uncalibrated task"),
+    *LAUNCH_ARGS))
 def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     study = load_study(ctx.study(args))
     if args.run:
@@ -23347,17 +23325,13 @@ def cmd_spawn(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          workspace=args.workspace, flags=launch_flags(args))
 
 
-def _continue_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--job", help="continue this job's session")
-    p.add_argument("--run", help="continue the latest session of this run")
-    p.add_argument("--brief", required=True, help="file holding the next turn's prompt")
-    _launch_args(p)
-
-
 @command("continue", "one more turn in a job's session (--resume): feedback, or after an interruption",
-         mutating=True)
-@args_of(_continue_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--job", help="continue this job's session"),
+    arg("--run", help="continue the latest session of this run"),
+    arg("--brief", required=True, help="file holding the next turn's prompt"),
+    *LAUNCH_ARGS))
 def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     prompt = read_brief(ctx, ctx.cwd, args.brief)
@@ -23367,18 +23341,6 @@ def cmd_continue(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- wait / list / kill ----------------------------------------------------------------------------
-
-def _wait_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--job", action="append", default=[], help="job id (repeatable)")
-    p.add_argument("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline")
-    p.add_argument("--all", action="store_true", help="every active or undelivered job, and every run a "
-                   "driver was started for, until each is final")
-    p.add_argument("--any", action="store_true", help="return as soon as one target has finished")
-    p.add_argument("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
-                   help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
-                        "exit 3 when it passes first")
-
 
 def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
     st = job_status(paths, job_id)
@@ -23400,8 +23362,16 @@ def job_summary(paths: StudyPaths, job_id: str) -> dict[str, Any]:
 
 
 @command("wait", "block until jobs/runs finish (--job, --run, --all, --any) or --timeout; results "
-                 "delivered once", mutating=False)
-@args_of(_wait_args)
+                 "delivered once", mutating=False, args=(
+    STUDY_ARG,
+    arg("--job", action="append", default=[], help="job id (repeatable)"),
+    arg("--run", action="append", default=[], help="run id (repeatable): waits for its pipeline"),
+    arg("--all", action="store_true", help="every active or undelivered job, and every run a "
+        "driver was started for, until each is final"),
+    arg("--any", action="store_true", help="return as soon as one target has finished"),
+    arg("--timeout", type=finite_float, default=WAIT_DEFAULT_S,
+        help=f"seconds to wait at most (default {WAIT_DEFAULT_S:.0f}, at most {WAIT_MAX_S:.0f}); "
+             "exit 3 when it passes first")))
 def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
     # Written as a range test so that NaN (which compares false with everything) is refused too.
@@ -23475,20 +23445,16 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     return (4 if bad else 0), {**out, "not_ok": bad}
 
 
-def _list_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--all", action="store_true", help="every job and run (cost grows with the study); "
-                   "without it: active and undelivered jobs, running runs")
-    p.add_argument("--status", help="only jobs and runs in this state (a state other than running or "
-                   "queued looks at every job and run, like --all)")
-    p.add_argument("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT,
-                   help="at most this many jobs and runs")
-    p.add_argument("--offset", type=int, default=0,
-                   help="skip this many jobs and runs first (pages: pass the answer's next_offset)")
-
-
-@command("list", "runs, jobs and bases with their state", mutating=False)
-@args_of(_list_args)
+@command("list", "runs, jobs and bases with their state", mutating=False, args=(
+    STUDY_ARG,
+    arg("--all", action="store_true", help="every job and run (cost grows with the study); "
+        "without it: active and undelivered jobs, running runs"),
+    arg("--status", help="only jobs and runs in this state (a state other than running or "
+        "queued looks at every job and run, like --all)"),
+    arg("--limit", type=bounded_int("limit"), default=LIST_LIMIT_DEFAULT,
+        help="at most this many jobs and runs"),
+    arg("--offset", type=int, default=0,
+        help="skip this many jobs and runs first (pages: pass the answer's next_offset)")))
 def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not ctx.is_child:
@@ -23525,15 +23491,12 @@ def cmd_list(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
             "next_offset": None if job_next is None and runs_next is None else args.offset + args.limit}
 
 
-def _kill_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--job", action="append", default=[], help="job id to kill (repeatable)")
-    p.add_argument("--run", action="append", default=[],
-                   help="run id to kill, every session of it (repeatable)")
-
-
-@command("kill", "kill a job's or run's supervisor and claude tree; verify; record `killed`", mutating=True)
-@args_of(_kill_args)
+@command("kill", "kill a job's or run's supervisor and claude tree; verify; record `killed`",
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--job", action="append", default=[], help="job id to kill (repeatable)"),
+    arg("--run", action="append", default=[],
+        help="run id to kill, every session of it (repeatable)")))
 def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not args.job and not args.run:
@@ -23556,14 +23519,10 @@ def cmd_kill(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 
 
-def _calibrate_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--task", action="append", default=[], help="only these tasks (repeatable)")
-
-
 @command("calibrate", "per task, no model: reference passes gate and oracle twice; starter fails the oracle",
-         mutating=True)
-@args_of(_calibrate_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--task", action="append", default=[], help="only these tasks (repeatable)")))
 def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     paths = ctx.study(args)
     out = calibrate_study(ctx, load_study(paths), args.task)
@@ -23588,17 +23547,13 @@ def cmd_calibrate(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, An
     return 0, out
 
 
-def _new_task_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", help="the study directory (default $AGENTBENCH_STUDY, else the cwd); "
-                                   "it need not have a study.json yet")
-    p.add_argument("--task", required=True, help="the new task's id: its directory name under tasks/")
-    p.add_argument("--kind", default="python-fix", choices=sorted(SCAFFOLD_KINDS),
-                   help="; ".join(f"{k}: {v}" for k, v in SCAFFOLD_KINDS.items()))
-
-
 @command("new-task", "write a complete task bundle (statement, starter, public tests, hidden oracle, "
-                     "reference) that calibrates at once", mutating=True)
-@args_of(_new_task_args)
+                     "reference) that calibrates at once", mutating=True, args=(
+    arg("--study", help="the study directory (default $AGENTBENCH_STUDY, else the cwd); "
+                        "it need not have a study.json yet"),
+    arg("--task", required=True, help="the new task's id: its directory name under tasks/"),
+    arg("--kind", default="python-fix", choices=sorted(SCAFFOLD_KINDS),
+        help="; ".join(f"{k}: {v}" for k, v in SCAFFOLD_KINDS.items()))))
 def cmd_new_task(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if not (args.study or ctx.env.get("AGENTBENCH_STUDY")):
         raise AgentbenchError("no study given", code="no_study_given",
@@ -23611,73 +23566,67 @@ def cmd_new_task(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _assign_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--repeats", type=bounded_int("repeats"),
-                   help="repeats per task x arm (default: study.json `repeats`, else 1)")
-    p.add_argument("--seed", type=int, help="default: study.json `seed`, else 0")
-    p.add_argument("--split", default="main",
-                   help="the manifest's name (default main); e.g. pilot, for runs that price a study")
-    p.add_argument("--reassign", action="store_true",
-                   help="replace this split's manifest (only if none of its runs started)")
-    p.add_argument("--fault", action="append", default=[],
-                   help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2")
-    p.add_argument("--power-delta", type=finite_float,
-                   help="estimate repeats to detect this success-rate difference")
-    p.add_argument("--power-base", type=finite_float, default=POWER_BASE_DEFAULT,
-                   help="baseline success rate for --power-delta")
-    p.add_argument("--force", action="store_true", help="allow uncalibrated tasks")
-
-
 @command("assign", "the randomized, paired, blocked manifest: tasks x arms x repeats; registers runs",
-         mutating=True)
-@args_of(_assign_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--repeats", type=bounded_int("repeats"),
+        help="repeats per task x arm (default: study.json `repeats`, else 1)"),
+    arg("--seed", type=int, help="default: study.json `seed`, else 0"),
+    arg("--split", default="main",
+        help="the manifest's name (default main); e.g. pilot, for runs that price a study"),
+    arg("--reassign", action="store_true",
+        help="replace this split's manifest (only if none of its runs started)"),
+    arg("--fault", action="append", default=[],
+        help="RUN_ID=FAULT, e.g. r0003=interrupt:after_tool_uses=2"),
+    arg("--power-delta", type=finite_float,
+        help="estimate repeats to detect this success-rate difference"),
+    arg("--power-base", type=finite_float, default=POWER_BASE_DEFAULT,
+        help="baseline success rate for --power-delta"),
+    arg("--force", action="store_true", help="allow uncalibrated tasks")))
 def cmd_assign(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return assign_runs(ctx, load_study(ctx.study(args)), split=args.split, repeats=args.repeats,
                        seed=args.seed, reassign=args.reassign, faults=args.fault,
                        power_delta=args.power_delta, power_base=args.power_base, force=args.force)
 
 
-def _run_target_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--run", required=True, help="the run id (see `list` or the manifest from `assign`)")
+RUN_TARGET_ARGS = (
+    STUDY_ARG,
+    arg("--run", required=True, help="the run id (see `list` or the manifest from `assign`)"),
+)
 
 
-@command("gate", "run the task's public checks on a run's workspace; record a receipt", mutating=True)
-@args_of(_run_target_args)
+@command("gate", "run the task's public checks on a run's workspace; record a receipt",
+         mutating=True, args=RUN_TARGET_ARGS)
 def cmd_gate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return gate_run(ctx, load_study(ctx.study(args)), args.run)
 
 
-@command("review", "a fresh reviewer session writes review.json (accept/revise) for a run", mutating=True)
-@args_of(_run_target_args)
+@command("review", "a fresh reviewer session writes review.json (accept/revise) for a run",
+         mutating=True, args=RUN_TARGET_ARGS)
 def cmd_review(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return review_run(ctx, load_study(ctx.study(args)), args.run)
 
 
-def _evaluate_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--run", action="append", default=[], help="run id to evaluate (repeatable)")
-    p.add_argument("--all", action="store_true", help="every run driven by hand whose sessions have ended")
-
-
 @command("evaluate", "final contract check, hidden tests on a copy, behaviour audit, artifacts; records "
-                     "success", mutating=True)
-@args_of(_evaluate_args)
+                     "success", mutating=True, args=(
+    STUDY_ARG,
+    arg("--run", action="append", default=[], help="run id to evaluate (repeatable)"),
+    arg("--all", action="store_true", help="every run driven by hand whose sessions have ended")))
 def cmd_evaluate(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return evaluate_runs(ctx, load_study(ctx.study(args)), args.run, every_running=args.all)
 
 
-def _run_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--run", action="append", default=[], help="run ids (default: every run not started)")
-    p.add_argument("--task", action="append", default=[], help="only runs of this task (repeatable)")
-    p.add_argument("--arm", action="append", default=[], help="only runs of this arm (repeatable)")
-    p.add_argument("--split", help="only runs of this split (see assign --split)")
-    p.add_argument("--parallel", type=bounded_int("parallel"),
-                   help="pipelines at once (default: the study's parallel cap)")
-    p.add_argument("--detach", action="store_true", help="drive the runs from a detached process")
-    p.add_argument("--force", action="store_true", help="skip the calibration/rehearsal guard")
+RUN_ARGS = (
+    STUDY_ARG,
+    arg("--run", action="append", default=[], help="run ids (default: every run not started)"),
+    arg("--task", action="append", default=[], help="only runs of this task (repeatable)"),
+    arg("--arm", action="append", default=[], help="only runs of this arm (repeatable)"),
+    arg("--split", help="only runs of this split (see assign --split)"),
+    arg("--parallel", type=bounded_int("parallel"),
+        help="pipelines at once (default: the study's parallel cap)"),
+    arg("--detach", action="store_true", help="drive the runs from a detached process"),
+    arg("--force", action="store_true", help="skip the calibration/rehearsal guard"),
+)
 
 
 def progress_tail(done: int, total: int, spent_usd: float, finished_here: int, elapsed_s: float) -> str:
@@ -23759,8 +23708,7 @@ def drive_foreground(ctx: Ctx, study: Study, ids: list[str], parallel: int) -> d
 
 
 @command("run", "the whole per-run pipeline for selected runs, with a concurrency cap; foreground or "
-                "--detach", mutating=True)
-@args_of(_run_args)
+                "--detach", mutating=True, args=RUN_ARGS)
 def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     restore_lost_runs(paths)     # a run whose record was lost is rebuilt, never registered afresh
@@ -23796,12 +23744,6 @@ def cmd_run(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return {**out, "next": f"python3 agentbench.py report --study {where} --format html"}
 
 
-def _drive_args(p: argparse.ArgumentParser) -> None:
-    _run_args(p)
-    p.add_argument("--env-file", help="internal: the environment, passed through a file")
-    p.add_argument("--credentials-stdin", action="store_true", help="read the credentials from stdin")
-
-
 def load_env_file(ctx: Ctx, env_file: str | None) -> None:
     """A detached child's environment, where the platform passed it through a file."""
     if env_file:
@@ -23811,8 +23753,10 @@ def load_env_file(ctx: Ctx, env_file: str | None) -> None:
         ctx.env = dict(env)
 
 
-@command("_drive", "internal: a detached run driver", mutating=True, hidden=True)
-@args_of(_drive_args)
+@command("_drive", "internal: a detached run driver", mutating=True, hidden=True, args=(
+    *RUN_ARGS,
+    arg("--env-file", help="internal: the environment, passed through a file"),
+    arg("--credentials-stdin", action="store_true", help="read the credentials from stdin")))
 def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     if args.credentials_stdin:
@@ -23824,17 +23768,13 @@ def cmd_drive(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- usage and report ------------------------------------------------------------------------------
 
-def _usage_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--by", default="kind", choices=["kind", "arm", "task", "model", "status"],
-                   help="the grouping of the sums (default kind)")
-    p.add_argument("--format", default="json", choices=["json", "md"],
-                   help="json (default), or md: the same as a Markdown table under `markdown`")
-
-
 @command("usage", "aggregate the ledger: tokens and cost by kind, arm or task; cache-hit ratio",
-         mutating=False)
-@args_of(_usage_args)
+         mutating=False, args=(
+    STUDY_ARG,
+    arg("--by", default="kind", choices=["kind", "arm", "task", "model", "status"],
+        help="the grouping of the sums (default kind)"),
+    arg("--format", default="json", choices=["json", "md"],
+        help="json (default), or md: the same as a Markdown table under `markdown`")))
 def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     # Aggregated while the ledger streams (memory does not grow with it), from where its tally
@@ -23846,29 +23786,26 @@ def cmd_usage(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _report_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--format", default="json", choices=["json", "md", "html"],
-                   help="json (default: the report is the answer), md (at a terminal the Markdown "
-                        "itself, else under `markdown`) or html (a page, written to a file)")
-    p.add_argument("--baseline", help="compare every arm with this one (default: the analysis plan's; "
-                                      "another makes the analysis exploratory)")
-    p.add_argument("--out", help="write the report to this file (default for html: <study>/report.html); "
-                                 "with --format html, a path ending in / (or an existing directory) gets a "
-                                 "directory: index.html and one page per run under runs/")
-    p.add_argument("--seed", type=int, default=None,
-                   help="bootstrap seed (default: the analysis plan's, else the study seed; another "
-                        "makes the analysis exploratory)")
-    p.add_argument("--full", action="store_true",
-                   help="with --format md at a terminal: the whole report (default: one screen, the "
-                        "verdict first)")
-    p.add_argument("--split", default=None,
-                   help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
-                        "(default: main; other splits are never pooled into it)")
-
-
-@command("report", "per-arm results with intervals and paired comparisons (json, md or html)", mutating=False)
-@args_of(_report_args)
+@command("report", "per-arm results with intervals and paired comparisons (json, md or html)",
+         mutating=False, args=(
+    STUDY_ARG,
+    arg("--format", default="json", choices=["json", "md", "html"],
+        help="json (default: the report is the answer), md (at a terminal the Markdown "
+             "itself, else under `markdown`) or html (a page, written to a file)"),
+    arg("--baseline", help="compare every arm with this one (default: the analysis plan's; "
+                           "another makes the analysis exploratory)"),
+    arg("--out", help="write the report to this file (default for html: <study>/report.html); "
+                      "with --format html, a path ending in / (or an existing directory) gets a "
+                      "directory: index.html and one page per run under runs/"),
+    arg("--seed", type=int, default=None,
+        help="bootstrap seed (default: the analysis plan's, else the study seed; another "
+             "makes the analysis exploratory)"),
+    arg("--full", action="store_true",
+        help="with --format md at a terminal: the whole report (default: one screen, the "
+             "verdict first)"),
+    arg("--split", default=None,
+        help="report this split (an `assign --split` batch, e.g. a pilot) on its own "
+             "(default: main; other splits are never pooled into it)")))
 def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     if not ctx.is_child:
@@ -23940,14 +23877,10 @@ def cmd_report(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _show_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--run", required=True, help="the run id (see `list --all`)")
-
-
 @command("show", "one run's summary: how it ended, its score and failed checks, cost, sessions",
-         mutating=False)
-@args_of(_show_args)
+         mutating=False, args=(
+    STUDY_ARG,
+    arg("--run", required=True, help="the run id (see `list --all`)")))
 def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     paths = ctx.study(args)
     out = run_overview(load_run(paths, checked_id("run", args.run)))
@@ -23956,15 +23889,11 @@ def cmd_show(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", action="append", required=True,
-                   help="a study directory (give two, or more: the first is the reference)")
-    p.add_argument("--baseline", help="compare every arm with this one (default: each study's plan's)")
-
-
 @command("compare", "two studies of the same tasks and arms: their primary figures side by side",
-         mutating=False)
-@args_of(_compare_args)
+         mutating=False, args=(
+    arg("--study", action="append", required=True,
+        help="a study directory (give two, or more: the first is the reference)"),
+    arg("--baseline", help="compare every arm with this one (default: each study's plan's)")))
 def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     if len(args.study) < 2:
         raise AgentbenchError("compare needs two studies", code="compare_needs_two_studies",
@@ -23982,28 +23911,6 @@ def cmd_compare(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- rehearse and demo -----------------------------------------------------------------------------
-
-def _rehearse_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
-                   help="rehearsed runs at once (default 4)")
-    p.add_argument("--repeats", type=bounded_int("repeats"),
-                   help="repeats per task x arm (default: the study's `repeats`)")
-    p.add_argument("--force", action="store_true", help="rehearse even with uncalibrated tasks")
-    p.add_argument("--behaviour", action="append", default=[],
-                   help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS))
-    p.add_argument("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)")
-    p.add_argument("--task", action="append", default=[],
-                   help="rehearse only this task (repeatable; a partial rehearsal is not recorded)")
-    p.add_argument("--arm", action="append", default=[],
-                   help="rehearse only this arm (repeatable; a partial rehearsal is not recorded)")
-    p.add_argument("--limit", type=bounded_int("limit"),
-                   help="rehearse only the first N runs of the manifest (a partial rehearsal)")
-    p.add_argument("--executor", choices=("local", "slurm"),
-                   help="override the study's executor for the rehearsal (the scripted model listens on "
-                        "this machine's loopback: with slurm, jobs must run on this machine)")
-
 
 def _pairs(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None) -> dict[str, str]:
     out = {}
@@ -24029,8 +23936,26 @@ def ensure_claude(ctx: Ctx, paths: StudyPaths | None, install: bool) -> str:
 
 
 @command("rehearse", "the study end to end against the built-in scripted model on loopback (free, offline)",
-         mutating=True)
-@args_of(_rehearse_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--dir", help="scratch study directory (default: <study>/rehearsals/<time>)"),
+    arg("--parallel", type=bounded_int("parallel"), default=4,
+        help="rehearsed runs at once (default 4)"),
+    arg("--repeats", type=bounded_int("repeats"),
+        help="repeats per task x arm (default: the study's `repeats`)"),
+    arg("--force", action="store_true", help="rehearse even with uncalibrated tasks"),
+    arg("--behaviour", action="append", default=[],
+        help="RUN_ID=NAME: script a run to " + "/".join(REHEARSAL_BEHAVIOURS)),
+    arg("--fault", action="append", default=[], help="RUN_ID=FAULT (see run faults)"),
+    arg("--task", action="append", default=[],
+        help="rehearse only this task (repeatable; a partial rehearsal is not recorded)"),
+    arg("--arm", action="append", default=[],
+        help="rehearse only this arm (repeatable; a partial rehearsal is not recorded)"),
+    arg("--limit", type=bounded_int("limit"),
+        help="rehearse only the first N runs of the manifest (a partial rehearsal)"),
+    arg("--executor", choices=("local", "slurm"),
+        help="override the study's executor for the rehearsal (the scripted model listens on "
+             "this machine's loopback: with slurm, jobs must run on this machine)")))
 def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]] | dict[str, Any]:
     paths = ctx.study(args)
     behaviours = _pairs(args.behaviour, "--behaviour", REHEARSAL_BEHAVIOURS)
@@ -24073,16 +23998,13 @@ def cmd_rehearse(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any
     return out
 
 
-def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="where to put the demo study (default: a new temp dir)")
-    p.add_argument("--parallel", type=bounded_int("parallel"), default=4,
-                   help="rehearsed runs at once (default 4)")
-    p.add_argument("--repeats", type=bounded_int("repeats"), default=2,
-                   help="repeats per task x arm (default 2)")
-
-
-@command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory", mutating=True)
-@args_of(_demo_args)
+@command("demo", "rehearse the bundled example study (3 tasks x 4 arms) in a new directory",
+         mutating=True, args=(
+    arg("--dir", help="where to put the demo study (default: a new temp dir)"),
+    arg("--parallel", type=bounded_int("parallel"), default=4,
+        help="rehearsed runs at once (default 4)"),
+    arg("--repeats", type=bounded_int("repeats"), default=2,
+        help="repeats per task x arm (default 2)")))
 def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     example = HERE / "examples" / "study"
     if not (example / STUDY_FILE).is_file():
@@ -24138,37 +24060,29 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- interop: export and import-tasks -------------------------------------------------------------
 
-def _export_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--format", required=True, choices=list(EXPORT_FORMATS),
-                   help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
-                        "csv: runs.csv, one row a run")
-    p.add_argument("--out", required=True, help="directory to write into (made if missing)")
-
-
 @command("export", "the study as Inspect eval logs (one per arm) or ATIF trajectories (one per session)",
-         mutating=True)
-@args_of(_export_args)
+         mutating=True, args=(
+    STUDY_ARG,
+    arg("--format", required=True, choices=list(EXPORT_FORMATS),
+        help="inspect: one Inspect eval log per arm; atif: one ATIF trajectory per session; "
+             "csv: runs.csv, one row a run"),
+    arg("--out", required=True, help="directory to write into (made if missing)")))
 def cmd_export(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return export_study(load_study(ctx.study(args)), args.format,
                         Path(ctx.platform.normalize_path(args.out)).absolute())
 
 
-def _import_tasks_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks")
-    p.add_argument("dirs", nargs="+", help="task directories (several in one call)")
-    p.add_argument("--tasks", required=True, help="the tasks directory to add the bundles to")
-    p.add_argument("--environment", choices=["host", "container"], default="host",
-                   help="container: each task's environment/Dockerfile becomes its environment (sessions "
-                        "and checks run in its image); host (default): the host's tools, what the image "
-                        "gave listed as not carried over")
-    p.add_argument("--base-image", action="append", default=[], metavar="OLD=NEW",
-                   help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")
-
-
 @command("import-tasks", "Harbor task directories become task bundles (what cannot carry over is listed)",
-         mutating=True)
-@args_of(_import_tasks_args)
+         mutating=True, args=(
+    arg("--from", dest="source", required=True, choices=["harbor"], help="the format of the tasks"),
+    arg("dirs", nargs="+", help="task directories (several in one call)"),
+    arg("--tasks", required=True, help="the tasks directory to add the bundles to"),
+    arg("--environment", choices=["host", "container"], default="host",
+        help="container: each task's environment/Dockerfile becomes its environment (sessions "
+             "and checks run in its image); host (default): the host's tools, what the image "
+             "gave listed as not carried over"),
+    arg("--base-image", action="append", default=[], metavar="OLD=NEW",
+        help="build FROM NEW where a Dockerfile says FROM OLD (an image this host has)")))
 def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     dirs = [Path(ctx.platform.normalize_path(d)).absolute() for d in args.dirs]
     mapping = {}
@@ -24189,40 +24103,27 @@ def cmd_import_tasks(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- bases: tick and expire ------------------------------------------------------------------------
 
-def _tick_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-
-
 @command("tick", "keep-warm pings: fork each ready base with a one-line prompt so its prefix stays cached",
-         mutating=True)
-@args_of(_tick_args)
+         mutating=True, args=(STUDY_ARG,))
 def cmd_tick(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return ping_bases(ctx, ctx.study(args))
 
 
-def _expire_args(p: argparse.ArgumentParser) -> None:
-    _study_arg(p)
-    p.add_argument("--base", required=True, help="the base's name")
-
-
-@command("expire", "retire a base: no more pings, no more forks", mutating=True)
-@args_of(_expire_args)
+@command("expire", "retire a base: no more pings, no more forks", mutating=True, args=(
+    STUDY_ARG,
+    arg("--base", required=True, help="the base's name")))
 def cmd_expire(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     return expire_base(ctx, ctx.study(args), args.base)
 
 
 # -- the scripted model by hand --------------------------------------------------------------------
 
-def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=0, help="loopback port (default 0: any free one)")
-    p.add_argument("--scripts", required=True, help="directory of <script id>.json files")
-    p.add_argument("--cache-ttl-scale", type=finite_float, default=1.0,
-                   help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")
-
-
 @command("serve-model", "run the scripted Messages API model on loopback until stopped (prints its URL)",
-         mutating=False)
-@args_of(_serve_args)
+         mutating=False, args=(
+    arg("--port", type=int, default=0, help="loopback port (default 0: any free one)"),
+    arg("--scripts", required=True, help="directory of <script id>.json files"),
+    arg("--cache-ttl-scale", type=finite_float, default=1.0,
+        help="multiply the prompt cache's 5m/1h lifetimes (e.g. 0.01: 3 s and 36 s)")))
 def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise AgentbenchError("--port must be 0..65535", code="port_0_65535", port=args.port)
@@ -24237,18 +24138,14 @@ def cmd_serve_model(ctx: Ctx, args: argparse.Namespace) -> None:
 
 # -- internal --------------------------------------------------------------------------------------
 
-def _supervise_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True, help="the study directory")
-    p.add_argument("--job", required=True, help="the job id")
-    p.add_argument("--env-file", help="the environment, passed through a file")
-    p.add_argument("--credentials-file",
-                   help="owner-only file of credentials to add (Slurm jobs); deleted once read")
-    p.add_argument("--credentials-stdin", action="store_true",
-                   help="read the credentials from stdin (local jobs)")
-
-
-@command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True)
-@args_of(_supervise_args)
+@command("_supervise", "internal: the detached supervisor of one job", mutating=True, hidden=True, args=(
+    arg("--study", required=True, help="the study directory"),
+    arg("--job", required=True, help="the job id"),
+    arg("--env-file", help="the environment, passed through a file"),
+    arg("--credentials-file",
+        help="owner-only file of credentials to add (Slurm jobs); deleted once read"),
+    arg("--credentials-stdin", action="store_true",
+        help="read the credentials from stdin (local jobs)")))
 def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     load_env_file(ctx, args.env_file)
     # Credentials stay in this process's memory (Supervisor.secret), never in os.environ.
@@ -24279,7 +24176,8 @@ def cmd_supervise(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
 def build_parser(cmd: Command) -> _ArgParser:
     p = _ArgParser(prog=f"agentbench.py {cmd.name}", add_help=False)
     p.add_argument("-h", "--help", action="store_true")
-    cmd.configure(p)
+    for flags, options in cmd.args:
+        p.add_argument(*flags, **options)
     return p
 
 

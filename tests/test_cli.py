@@ -214,9 +214,10 @@ def test_internal_error_is_one_json_object(study, monkeypatch):
 
 
 def test_internal_error_in_argument_setup_is_one_json_object(monkeypatch):
-    def bad_configure(p):
-        raise KeyError("broken parser")
-    monkeypatch.setattr(ab.COMMANDS["usage"], "configure", bad_configure)
+    class BrokenOptions:
+        def __iter__(self):
+            raise KeyError("broken parser")
+    monkeypatch.setattr(ab.COMMANDS["usage"], "args", BrokenOptions())
     code, obj = run_main(["usage"])
     assert code == 2
     assert obj["error"] == "internal error" and obj["type"] == "KeyError"
