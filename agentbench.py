@@ -4724,13 +4724,14 @@ def read_receipt_pipe(rfd: int) -> bytes:
 # the check: not the oracle, gate or reference folders, not the receipt channel, not the harness's
 # paths or arguments (its own pid namespace; bubblewrap's own arguments come from a descriptor, so
 # even its pid 1 shows none), no network, a private size-capped /tmp, and time and output caps.
-# The helper talks to agentbench over a Unix socket bound into the check's sandbox only.
+# The helper talks to agentbench over a Unix socket bound into the check's sandbox only.  In a
+# task's container the inner command runs in a fresh container of the same image instead (see
+# container_inner_plan): DIR at the check's working directory, the same rules.
 
 INNER_PLACEHOLDER = "sandbox_run"
 INNER_WORKDIR = "/workspace"
-#: The private /tmp of an inner run, and what one run may print (each stream; the tail is kept).
+#: The private /tmp of an inner run (what one run may print: run_command's caps).
 INNER_TMP_MB = 64
-INNER_OUTPUT_MAX_BYTES = 1024 * 1024
 INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
 #: A run's time cap when the harness names none, and the most it may ask for.
 INNER_DEFAULT_TIMEOUT_S = 60.0
@@ -4750,9 +4751,9 @@ INNER_HELPER_SOURCE = '''\
 
 usage: python HELPER --dir DIR [--timeout S] [--env K=V]... -- COMMAND [ARG...]
 Stdin is passed on; the inner command's stdout, stderr and exit status come back as this
-command's own (124: timed out, 125: could not run).  With a SOCKET, agentbench runs it in the
-inner sandbox; without one (in a task's container) it runs here, in DIR, in a new session."""
-import base64, json, os, signal, socket, subprocess, sys
+command's own (124: timed out, 125: could not run).  agentbench, asked over SOCKET, runs it
+in the inner sandbox (in a task's container: a fresh container of the task's image)."""
+import base64, json, os, socket, sys
 SOCKET = %(socket)r
 CANNOT = %(cannot)d
 def ask(req):
@@ -4773,29 +4774,6 @@ def ask(req):
                 int(ans.get("exit", CANNOT)))
     except (OSError, ValueError) as exc:
         return b"", ("sandbox_run: no answer from agentbench: %%s\\n" %% exc).encode(), CANNOT
-def run_here(req):
-    timeout = %(default)r if req["timeout"] is None else req["timeout"]
-    if not req["argv"] or not isinstance(timeout, float) or timeout <= 0:
-        return b"", b"sandbox_run: no command, or a bad timeout\\n", CANNOT
-    env = dict(%(base)r)
-    env["PATH"] = os.environ.get("PATH") or "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    env.update(req["env"])
-    try:
-        p = subprocess.Popen(req["argv"], cwd=req["dir"], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        return b"", ("sandbox_run: %%s\\n" %% exc).encode(), CANNOT
-    try:
-        out, err = p.communicate(req["stdin"], timeout=min(timeout, %(most)r))
-        code = p.returncode if p.returncode >= 0 else 128 - p.returncode
-    except subprocess.TimeoutExpired:
-        out, err, code = b"", b"sandbox_run: timed out\\n", %(timed_out)d
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    p.wait()
-    return out[-%(out_max)d:], err[-%(out_max)d:], code
 def main(argv):
     req = {"env": {}}
     i = 0
@@ -4820,7 +4798,7 @@ def main(argv):
         req["stdin"] = b"" if os.isatty(0) else sys.stdin.buffer.read(%(stdin_max)d + 1)
     except (OSError, ValueError):
         req["stdin"] = b""
-    out, err, code = ask(req) if SOCKET else run_here(req)
+    out, err, code = ask(req)
     sys.stdout.buffer.write(out)
     sys.stderr.buffer.write(err)
     sys.stdout.flush()
@@ -4831,14 +4809,10 @@ if __name__ == "__main__":
 '''
 
 
-def inner_helper_source(socket_path: str | None) -> str:
-    """The helper command's source (pure): talking to `socket_path`, or with None (a task's
-    container: the container keeps the host and the other runs out) running the command itself
-    with the inner sandbox's caps and answers."""
+def inner_helper_source(socket_path: str) -> str:
+    """The helper command's source, talking to `socket_path` (pure)."""
     return INNER_HELPER_SOURCE % {"socket": socket_path, "cannot": INNER_CANNOT_RUN_EXIT,
-                                  "timed_out": INNER_TIMED_OUT_EXIT, "default": INNER_DEFAULT_TIMEOUT_S,
-                                  "most": INNER_MAX_TIMEOUT_S, "base": INNER_BASE_ENV,
-                                  "stdin_max": INNER_STDIN_MAX_BYTES, "out_max": INNER_OUTPUT_MAX_BYTES}
+                                  "stdin_max": INNER_STDIN_MAX_BYTES}
 
 
 def inner_request_problem(req: Any, root: str) -> str | None:
@@ -5095,10 +5069,38 @@ def container_session_plan(base: ContainerPlan, *, workspace: str, private_home:
                                network="none" if gateway_socket else base.network)
 
 
-#: Where a check's container has the {sandbox_run} helper (bound read-only): inner_helper_source(None),
-#: which runs the command in the check's own container: the container keeps the host and the other
-#: runs out, not the judge apart from the judged.
+#: Where a check's container has the {sandbox_run} helper (bound read-only) and the socket it asks
+#: agentbench through: each run is a fresh container of its own (container_inner_plan).
 CONTAINER_INNER_HELPER = CONTAINER_AB_DIR + "/sandbox_run.py"
+CONTAINER_INNER_SOCKET = CONTAINER_AB_DIR + "/sandbox_run.sock"
+#: The only writable places of an inner run's container besides its DIR (MB): a private /tmp of the
+#: inner sandbox's size.
+CONTAINER_INNER_TMPFS_MB = (("/tmp", INNER_TMP_MB), ("/var/tmp", 16))
+#: An inner run's time cap leaves out its container's start, up to this (the check's own deadline
+#: still bounds it).
+CONTAINER_INNER_START_S = 10.0
+
+
+def container_inner_plan(base: ContainerPlan, *, workdir: str, env: Mapping[str, str]) -> ContainerPlan:
+    """One {sandbox_run} run of a containerized check (pure): a fresh container of the check's image
+    (its seccomp profile, user namespace, flags) that sees `workdir` (a directory of the workspace
+    copy, on the host) read-write at base.workdir and nothing else: no oracle, gate or reference
+    folder, no helper, no socket, no descriptor passed (no receipt channel), its own pid namespace
+    (the harness's processes are not in it), no network, the sized tmpfs of
+    CONTAINER_INNER_TMPFS_MB; `env` (the harness's, never agentbench's) set by value; stdin attached."""
+    return dataclasses.replace(base, binds=((workdir, base.workdir, False),), tmpfs=CONTAINER_INNER_TMPFS_MB,
+                               env_set=tuple(sorted(env.items())), env_pass=(), network="none",
+                               preserve_fds=0, interactive=True)
+
+
+def container_inner_dir(d: Any, inside: str, root: str) -> Any:
+    """A {sandbox_run} request's DIR, a path inside the check's container, as the host path it is
+    bound from (pure): under the check's working directory `inside` -> the same place under `root`;
+    anything else is returned as it is (inner_request_problem then refuses it)."""
+    if not isinstance(d, str) or not d.startswith("/"):
+        return d
+    rel = posixpath.relpath(posixpath.normpath(d), inside)
+    return d if rel == ".." or rel.startswith("../") else os.path.normpath(os.path.join(root, rel))
 #: The receipt channel's descriptor inside a check's container (the runtime passes 3 onwards).
 CONTAINER_RECEIPT_FD = 3
 #: Runs the runtime with the receipt channel (argv[1], a descriptor of this process) as
@@ -11044,11 +11046,13 @@ def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: str, cwd: str,
                          ro: Sequence[str], container: Mapping[str, Any] | None, container_base: str,
-                         receipt_fd: int, scratch: str, env: dict[str, str], inner_helper: bool = False
+                         receipt_fd: int, scratch: str, env: dict[str, str],
+                         inner: tuple[str, str] | None = None
                          ) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
     """A check's (or reference script's) command in a fresh container of its task's image, and
     (runtime, container name, the runtime's environment, the seccomp profile's directory) to remove
-    after it.  A check's container spec (Harbor's /tests, scratch dirs) is made inside it too."""
+    after it.  A check's container spec (Harbor's /tests, scratch dirs) is made inside it too;
+    `inner`: the {sandbox_run} helper and its socket (an InnerSandbox's), bound in."""
     rows = (container_rows(container, workspace=os.path.realpath(cwd), base=os.path.realpath(container_base))
             if container else [])
     prof_dir = tempfile.mkdtemp(prefix="ab-seccomp-", dir=scratch)
@@ -11058,11 +11062,9 @@ def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: 
                          name=name,
                          workdir=str(container["workdir"]) if container else str(ctr["workdir"]),
                          seccomp=prof, flags=tuple(ctr.get("flags") or ()))
-    if inner_helper:   # the {sandbox_run} helper, bound read-only at CONTAINER_INNER_HELPER
-        helper = os.path.join(prof_dir, "sandbox_run.py")
-        with open(helper, "w", encoding="utf-8") as fh:
-            fh.write(inner_helper_source(None))
-        rows = [*rows, ("ro-bind", helper, CONTAINER_INNER_HELPER)]
+    if inner:
+        rows = [*rows, ("ro-bind", inner[0], CONTAINER_INNER_HELPER),
+                ("bind", inner[1], CONTAINER_INNER_SOCKET)]
     plan = container_check_plan(base, workspace=os.path.realpath(cwd),
                                 ro=[os.path.realpath(p) for p in ro if os.path.exists(p)],
                                 rows=rows, receipt=receipt_fd >= 0)
@@ -11084,17 +11086,25 @@ class InnerSandbox:
     in The sandbox): a Unix socket in a private directory beside the helper command; each request
     runs one command, bubblewrapped when `sandbox` is (else in DIR, unsandboxed: the record says
     so), and answers its exit status and output.  `root`: the check's working directory (DIR must
-    lie under it); `deadline`: the check's own (monotonic), past which no run goes on."""
+    lie under it); `deadline`: the check's own (monotonic), past which no run goes on.  With
+    `container` (a containerized check: the inner runs' base plan, its runtime's environment and
+    the check's working directory as its container sees it), each run is a fresh container of the
+    task's image (container_inner_plan), and the helper asks through CONTAINER_INNER_SOCKET."""
 
     def __init__(self, platform: "Platform", sandbox: Mapping[str, Any], env: Mapping[str, str], *,
-                 root: str, hidden: Sequence[str], deadline: float) -> None:
+                 root: str, hidden: Sequence[str], deadline: float,
+                 container: tuple[ContainerPlan, dict[str, str], str] | None = None) -> None:
         self.platform, self.sandbox, self.root = platform, sandbox, root
         self.hidden, self.deadline = hidden, deadline
-        self.env = {"PATH": env.get("PATH", os.defpath), **INNER_BASE_ENV}
+        # In a container the image's PATH stands; the host's means nothing there.
+        self.env = {**({} if container else {"PATH": env.get("PATH", os.defpath)}), **INNER_BASE_ENV}
         self.dir = tempfile.mkdtemp(prefix="ab-inner-")
+        self.container = None if container is None else (
+            dataclasses.replace(container[0], seccomp=write_seccomp_profile(self.dir)), *container[1:])
         self.socket_path = os.path.join(self.dir, "s")
         self.helper = os.path.join(self.dir, "sandbox_run.py")
-        Path(self.helper).write_text(inner_helper_source(self.socket_path), encoding="utf-8")
+        asked = CONTAINER_INNER_SOCKET if container else self.socket_path
+        Path(self.helper).write_text(inner_helper_source(asked), encoding="utf-8")
         self.slots = threading.Semaphore(INNER_MAX_PARALLEL)
         self.threads: list[threading.Thread] = []
         self.runs = 0
@@ -11140,6 +11150,8 @@ class InnerSandbox:
             return {"exit": code, "timed_out": timed_out,
                     "stdout": base64.b64encode(out.encode("utf-8", "replace")).decode("ascii"),
                     "stderr": base64.b64encode(err.encode("utf-8", "replace")).decode("ascii")}
+        if self.container is not None and isinstance(req, dict):
+            req = {**req, "dir": container_inner_dir(req.get("dir"), self.container[2], self.root)}
         problem = inner_request_problem(req, self.root)
         stdin = b""
         if problem is None:
@@ -11161,9 +11173,15 @@ class InnerSandbox:
             workdir = os.path.realpath(req["dir"])
             env = {**self.env, **req.get("env", {})}
             argv, fds, cwd = list(req["argv"]), [], workdir
-            args_file, sfd = None, None
+            args_file, sfd, box, res, wall = None, None, None, None, timeout
             try:
-                if self.sandbox.get("kind") == "bwrap":
+                if self.container is not None:
+                    plan, renv, _ = self.container
+                    box = dataclasses.replace(plan, name=container_name("inner", uuid.uuid4().hex[:16]))
+                    argv = container_argv(container_inner_plan(box, workdir=workdir, env=env), argv)
+                    cwd, env = "/", renv
+                    wall = min(timeout + CONTAINER_INNER_START_S, self.deadline - time.monotonic())
+                elif self.sandbox.get("kind") == "bwrap":
                     sfd = seccomp_fd()
                     args = inner_sandbox_args(argv, env, workdir=workdir, hidden=self.hidden, seccomp=sfd)
                     # bubblewrap reads its options from a descriptor, so that no process inside
@@ -11177,9 +11195,12 @@ class InnerSandbox:
                     fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
                     argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
                     cwd, env = "/", dict(SANDBOX_OUTER_ENV)
-                res = run_command(argv, cwd=cwd, env=env, timeout_s=timeout, platform=self.platform,
+                res = run_command(argv, cwd=cwd, env=env, timeout_s=wall, platform=self.platform,
                                   stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
             finally:
+                if box is not None and (res is None or res.timed_out or res.output_capped):
+                    # the runtime's client was killed, not its container
+                    container_remove(box.runtime, box.name, env)
                 if args_file is not None:
                     args_file.close()
                 if sfd is not None:
@@ -11267,20 +11288,23 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
     channel = b""
     box: tuple[str, str, dict[str, str], str] | None = None   # a check's container, removed after it
     hidden = study_hidden_dirs(paths.root, [task.root.parent])
-    jail = None   # the inner sandbox's server, when the command names {sandbox_run} (not in a container)
+    jail = None   # the inner sandbox's server, when the command names {sandbox_run}
     crfd, cwfd = os.pipe() if copy_inside else (-1, -1)       # the copy's verdict
     try:
-        if ctr is None and uses_inner:
-            jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
-                                deadline=time.monotonic() + check_timeout_s(spec, which))
         inner = container["workdir"] if container else (ctr["workdir"] if ctr else
                                                          SANDBOX_COPY_DIR if copy_inside else cwd)
+        if uses_inner:
+            # In a container, each inner run is a fresh container of the same image, its working
+            # directory where the check's is.
+            boxed = None if ctr is None else (ContainerPlan(
+                runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]), name="",
+                workdir=inner, flags=tuple(ctr.get("flags") or ())), runtime_env(env), inner)
+            jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
+                                deadline=time.monotonic() + check_timeout_s(spec, which), container=boxed)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),
-                          **({"sandbox_run": jail.helper} if jail else {}),
-                          **({"sandbox_run": CONTAINER_INNER_HELPER} if ctr is not None and uses_inner
-                             else {}))
+                          **({"sandbox_run": CONTAINER_INNER_HELPER if ctr else jail.helper} if jail else {}))
         if ctr is not None:
             if uses_fd and ctr["runtime"] != "podman":
                 raise AgentbenchError("a check's receipt channel ({receipt_fd}) in a container needs podman "
@@ -11288,7 +11312,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             argv, box = container_check_argv(ctr, argv, which=which, cwd=cwd, ro=[gate_dir] + (
                 [oracle_dir] if which == "oracle" else []), container=container,
                 container_base=gate_dir if which == "gate" else oracle_dir, receipt_fd=wfd if uses_fd else -1,
-                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env), inner_helper=uses_inner)
+                scratch=tmp or tempfile.gettempdir(), env=runtime_env(env),
+                inner=(jail.helper, jail.socket_path) if jail else None)
         elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=cwd, hidden=hidden,
@@ -11340,7 +11365,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                     "receipt_protected": False})
     rec["sandbox"] = container_record(ctr, "none") if ctr is not None else sandbox_record(sandbox)
     if jail:
-        rec["inner_sandbox"] = {"kind": "bwrap" if sandbox["kind"] == "bwrap" else "none", "runs": jail.runs}
+        kind = sandbox["kind"] if sandbox["kind"] in ("bwrap", "container") else "none"
+        rec["inner_sandbox"] = {"kind": kind, "runs": jail.runs}
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
                 "wall_s": round(res.wall_s, 3), "stdout_tail": res.stdout[-4000:],
@@ -11815,7 +11841,8 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
         rec = run_check(paths, platform, task, "oracle", ws, env,
                         timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
         verdict = "forged" if rec["success"] else "held"
-        if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") != "bwrap":
+        if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") not in (
+                "bwrap", "container"):
             # Unsandboxed, every file of the user is readable: the host's doing, not the harness's.
             verdict = "unsandboxed"
         return {"name": name, "verdict": verdict, "score": rec["score"]}

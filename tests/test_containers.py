@@ -310,21 +310,32 @@ def test_a_forking_arm_with_a_task_in_a_container_is_refused_by_name(tmp_path):
     assert err.value.payload["code"] == "fork_base_with_environment" and err.value.payload["arms"] == ["F"]
 
 
-def test_the_containers_sandbox_run_helper_answers_as_the_inner_sandbox_does(tmp_path):
-    """Run here as a check's container runs it: stdin through, the exit status back, 124 on a
-    timeout (the whole process group killed), 125 for a bad command line."""
-    import subprocess
-    import sys
-    helper = tmp_path / "sandbox_run.py"
-    helper.write_text(ab.inner_helper_source(None))
-    (tmp_path / "d").mkdir()
-    base = [sys.executable, str(helper), "--dir", str(tmp_path / "d"), "--timeout", "5", "--"]
-    res = subprocess.run(base + [sys.executable, "-c", "import os, sys; print(sys.stdin.read().upper(), "
-                                 "os.path.basename(os.getcwd())); raise SystemExit(7)"],
-                         input="hi", capture_output=True, text=True, timeout=60)
-    assert (res.returncode, res.stdout.split()) == (7, ["HI", "d"]), res
-    slow = [sys.executable, str(helper), "--dir", str(tmp_path / "d"), "--timeout", "0.5", "--",
-            sys.executable, "-c", "import time; time.sleep(30)"]
-    assert subprocess.run(slow, capture_output=True, timeout=60).returncode == ab.INNER_TIMED_OUT_EXIT
-    bad = subprocess.run([sys.executable, str(helper), "--bogus"], capture_output=True, timeout=60)
-    assert bad.returncode == ab.INNER_CANNOT_RUN_EXIT
+def test_an_inner_run_of_a_containerized_check_is_a_fresh_container_that_sees_only_its_copy():
+    """{sandbox_run} in a check's container: the judged code runs in a container of its own, of
+    the same image and rules, with nothing of the judge: no oracle, helper, socket or descriptor."""
+    check = ab.container_check_plan(
+        ab.ContainerPlan(runtime="podman", kind="podman", image="localhost/env:1", name="c", workdir="/app",
+                         seccomp="/s/seccomp.json", flags=("--log-level=error",)),
+        workspace="/host/copy", ro=["/host/oracle"], receipt=True,
+        rows=[("ro-bind", "/host/inner/sandbox_run.py", ab.CONTAINER_INNER_HELPER),
+              ("bind", "/host/inner/s", ab.CONTAINER_INNER_SOCKET)])
+    plan = ab.container_inner_plan(ab.dataclasses.replace(check, name="inner-1"), workdir="/host/copy/.check-1",
+                                   env={"HOME": "/tmp", "K": "v"})
+    argv = ab.container_argv(plan, ["python3", "-c", "pass"])
+    mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"]
+    assert mounts == ["type=bind,src=/host/copy/.check-1,dst=/app"], argv
+    assert not any("/host/oracle" in a or "sandbox_run" in a for a in argv)
+    assert "--network=none" in argv and "-i" in argv and not any(a.startswith("--preserve-fds") for a in argv)
+    assert {"--security-opt=seccomp=/s/seccomp.json", "--uidmap=0:0:1", "--cap-drop=all", "--read-only"} <= set(argv)
+    tmpfs = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert tmpfs == [f"{d}:rw,nosuid,nodev,size={mb}m" for d, mb in ab.CONTAINER_INNER_TMPFS_MB]
+    assert {"HOME=/tmp", "K=v"} <= set(argv) and argv[-4:] == ["localhost/env:1", "python3", "-c", "pass"]
+    assert argv[argv.index("--name") + 1] == "inner-1" and argv[argv.index("--workdir") + 1] == "/app"
+
+
+@pytest.mark.parametrize("d, want", [
+    ("/app", "/h/ws"), ("/app/.check-1", "/h/ws/.check-1"), ("/app/a/../b", "/h/ws/b"),
+    ("/app/../etc", "/app/../etc"), ("/etc", "/etc"), ("/application", "/application"), ("rel", "rel"), (3, 3),
+])
+def test_an_inner_runs_dir_inside_the_container_maps_to_the_host_copy(d, want):
+    assert ab.container_inner_dir(d, "/app", "/h/ws") == want

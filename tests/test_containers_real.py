@@ -283,6 +283,84 @@ def test_the_sandbox_attacks_on_a_check_fail_in_its_container_too(tmp_path, podm
         assert _digest(ws) == before_ws   # the oracle graded a copy
 
 
+def test_every_forgery_probe_holds_against_a_task_in_its_container(tmp_path, podman):
+    """Calibrate's forgery probes against the example harness graded in the task's container: the
+    judged code runs through {sandbox_run} in a fresh container of its own, so it cannot patch,
+    read or write its judge (read_judge, which reads the hidden files, held too)."""
+    paths, task = _container_example(tmp_path)
+    probes = ab.run_oracle_probes(paths, ab.current_platform(), task, os.environ, str(tmp_path))
+    assert {p["name"]: p["verdict"] for p in probes} == {name: "held" for name in ab.ORACLE_PROBES}, probes
+
+
+#: Run by {sandbox_run} from a containerized check: what the judged code can see of its judge.
+SPY = r"""
+import json, os, sys
+def links():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink("/proc/self/fd/" + fd))
+        except OSError:
+            pass
+    return out
+procs = {}
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        try:
+            procs[pid] = open("/proc/%s/cmdline" % pid, "rb").read().decode("utf-8", "replace").replace("\0", " ")
+        except OSError:
+            pass
+try:
+    judge = open(sys.argv[1]).read()
+except OSError as exc:
+    judge = "unreadable: %s" % exc
+net = [ln.split(":")[0].strip() for ln in open("/proc/net/dev").read().splitlines()[2:]]
+st = os.statvfs("/tmp")
+print(json.dumps({"judge": judge[:200], "procs": procs, "fds": links(), "net": net, "cwd": os.getcwd(),
+                  "files": sorted(os.listdir(".")), "tmp_mb": st.f_blocks * st.f_frsize >> 20,
+                  "run": sorted(os.listdir("/run")) if os.path.isdir("/run") else []}))
+"""
+
+
+def test_the_judged_code_sees_nothing_of_its_judge_in_a_containerized_check(tmp_path, podman):
+    """A harness in a task's container runs the judged code through {sandbox_run}: it runs in a
+    fresh container that cannot read the harness's file nor see its processes, descriptors
+    (the receipt channel), helper or socket, and has no network and a private sized /tmp."""
+    root = tmp_path / "tasks" / "spy"
+    for sub in ("public", "gate", "oracle"):
+        (root / sub).mkdir(parents=True)
+    (root / "public" / "TASK.md").write_text("Nothing to do.\n")
+    (root / "public" / "spy.py").write_text(SPY)
+    (root / "oracle" / "run.py").write_text(
+        "import json, os, shutil, subprocess, sys, tempfile\n"
+        "ws, helper, fd = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+        "copy = tempfile.mkdtemp(dir=ws)\n"
+        "shutil.copy(os.path.join(ws, 'spy.py'), copy)\n"
+        "p = subprocess.run([sys.executable, helper, '--dir', copy, '--timeout', '60', '--', 'python3', 'spy.py',"
+        " os.path.abspath(__file__)], capture_output=True, text=True)\n"
+        "print('SPY', p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:])\n"
+        "os.write(fd, b'{\"passed\": true}\\n')\n")
+    (root / "task.json").write_text(json.dumps({
+        "id": "spy", "title": "spy", "environment": {"image": BASE_IMAGE},
+        "gate": {"cmd": ["true"]},
+        "oracle": {"cmd": ["{python}", "{oracle}/run.py", "{workspace}", "{sandbox_run}", "{receipt_fd}"],
+                   "timeout_s": 120, "threshold": 1.0}}))
+    paths = ab.StudyPaths(tmp_path)
+    paths.state.mkdir(parents=True, exist_ok=True)
+    task = ab.load_task(root)
+    rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(root / "public"), os.environ)
+    assert rec["success"] and rec["inner_sandbox"] == {"kind": "container", "runs": 1}, rec
+    code, seen = rec["stdout_tail"].split("SPY ", 1)[1].split(" ", 1)
+    assert code == "0", rec["stdout_tail"]
+    seen = json.loads(seen)
+    assert seen["judge"].startswith("unreadable"), seen["judge"]          # the harness's own file
+    # its own pid namespace: no process of the harness's, itself the only one
+    assert list(seen["procs"]) == ["1"] and seen["procs"]["1"].startswith("python3 spy.py"), seen["procs"]
+    assert not [f for f in seen["fds"] if f.startswith("socket:")], seen["fds"]   # no receipt channel
+    assert seen["net"] == ["lo"] and seen["cwd"] == "/app" and seen["files"] == ["spy.py"]
+    assert seen["tmp_mb"] == ab.INNER_TMP_MB and "agentbench" not in seen["run"]
+
+
 def test_a_session_whose_supervisor_died_is_killed_with_its_container(tmp_path, real_claude, server, podman):
     """The supervisor and the container's monitor are killed outright mid-session (no sweep, no
     clean-up of the runtime's own): `kill` still ends the session's processes and removes its
