@@ -866,15 +866,6 @@ class Platform:
 
     # -- signalling --------------------------------------------------------------------------------
 
-    def terminate(self, p: ProcId) -> None:
-        """Ask ``p`` to stop (SIGTERM; TerminateProcess on Windows). Does nothing if ``p`` is not
-        alive with that identity; never signals a reused pid."""
-        raise NotImplementedError
-
-    def kill(self, p: ProcId) -> None:
-        """Stop ``p`` now (SIGKILL; TerminateProcess on Windows), with the same identity check."""
-        raise NotImplementedError
-
     def _protected_pids(self, scan: Mapping[int, _ProcInfo]) -> set[int]:
         """This process and its ancestors: a tree kill never reaches them, whatever it is given."""
         protected = {0, 1, os.getpid()}
@@ -1242,20 +1233,6 @@ class PosixPlatform(Platform):
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-
-    def _send_checked(self, p: ProcId, sig: int) -> None:
-        try:
-            self._send(p, sig)
-        except PermissionError as exc:
-            raise AgentbenchError("not allowed to signal process", code="not_allowed_signal_process",
-                                  pid=p.pid,
-                                  detail=str(exc)) from exc
-
-    def terminate(self, p: ProcId) -> None:
-        self._send_checked(p, signal.SIGTERM)
-
-    def kill(self, p: ProcId) -> None:
-        self._send_checked(p, signal.SIGKILL)
 
     def _signal_round(self, targets: list[ProcId], scan: Mapping[int, _ProcInfo],
                       groups: set[int], roots: Sequence[ProcId], hard: bool, first: bool) -> None:
@@ -1661,13 +1638,6 @@ class WindowsPlatform(Platform):
             return self._terminate_handle(handle, 1)
         finally:
             self._close_handle(handle)
-
-    def terminate(self, p: ProcId) -> None:
-        """Windows has no general graceful stop for console processes: TerminateProcess."""
-        self._terminate_verified(p)
-
-    def kill(self, p: ProcId) -> None:
-        self._terminate_verified(p)
 
     def _taskkill_safe(self, root: ProcId, scan: Mapping[int, _ProcInfo]) -> bool:
         """taskkill /T follows ppid links without the creation-time guard; only use it when the

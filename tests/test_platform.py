@@ -332,8 +332,7 @@ def test_no_such_process(posix, reaped):
     assert posix.process_ctime(gone.pid) is None
     assert posix.proc_id(gone.pid) is None
     assert not posix.is_alive(ab.ProcId(gone.pid, 1.0))
-    posix.terminate(ab.ProcId(gone.pid, 1.0))  # ignored, no error
-    posix.kill(ab.ProcId(gone.pid, None))
+    assert posix.kill_tree([ab.ProcId(gone.pid, 1.0)], grace_s=0) == []  # nothing to kill, no error
 
 
 @posix_only
@@ -357,12 +356,10 @@ def test_reused_pid_is_never_signalled(posix, reaped, monkeypatch, use_pidfd):
     real = wait_for(lambda: posix.proc_id(child.pid))
     impostor = ab.ProcId(child.pid, real.ctime - 60.0)  # same pid, an earlier process
     assert not posix.is_alive(impostor)
-    posix.terminate(impostor)
-    posix.kill(impostor)
     assert posix.kill_tree([impostor], grace_s=0.1) == []
     time.sleep(0.2)
     assert child.poll() is None and posix.is_alive(real)
-    posix.terminate(real)
+    assert posix.kill_tree([real], grace_s=5) == []
     assert child.wait(timeout=10) == -15
 
 
@@ -633,11 +630,10 @@ def test_windows_process_table_and_identity(fakewin):
 
 def test_windows_wrong_identity_is_never_terminated(fakewin):
     w, fake = fakewin(dict(TREE))
-    w.terminate(ab.ProcId(101, 999.0))
-    w.kill(ab.ProcId(101, 999.0))
+    assert not w._terminate_verified(ab.ProcId(101, 999.0))
     assert w.kill_tree([ab.ProcId(100, 5.0)], grace_s=0) == []
     assert fake.terminated == [] and fake.helpers == []
-    w.kill(ab.ProcId(101, 1001.0))
+    w._terminate_verified(ab.ProcId(101, 1001.0))
     assert fake.terminated == [101]
 
 
@@ -835,7 +831,7 @@ def test_windows_ctypes_glue_runs_against_a_fake_kernel32(monkeypatch):
     assert w.process_ctime(9) is None
     assert w.process_table() == {4: (0, None), 500: (4, 500.0), 501: (500, 501.0)}
     assert w.is_alive(ab.ProcId(501, 501.0)) and not w.is_alive(ab.ProcId(501, 7.0))
-    w.kill(ab.ProcId(501, 501.0))
+    w._terminate_verified(ab.ProcId(501, 501.0))
     assert 77 in fake.closed  # the snapshot handle is released
     assert fake.closed.count(1501) >= 3  # and every process handle
 
