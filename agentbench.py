@@ -14355,21 +14355,6 @@ def sign_test_two_sided(wins: int, losses: int) -> float:
     return _binomial_two_sided_half(wins, wins + losses)
 
 
-def mcnemar_exact(b: int, c: int) -> float:
-    """Exact conditional McNemar test for paired binary outcomes.
-
-    `b` and `c` are the two kinds of discordant pair (e.g. b: only the arm succeeded, c: only
-    the baseline did). Conditional on b + c, b is Binomial(b + c, 1/2) under marginal homogeneity;
-    the two-sided p is min(1, 2 * P(X <= min(b, c))). Concordant pairs do not enter. p = 1.0
-    when there is no discordant pair.
-    References: McNemar, Psychometrika 12:153-157 (1947); Fagerland, Lydersen & Laake, BMC
-    Medical Research Methodology 13:91 (2013), the "exact conditional" test.
-    """
-    if b < 0 or c < 0:
-        raise ValueError("discordant counts must be non-negative")
-    return _binomial_two_sided_half(b, b + c)
-
-
 # -- Statistics: the paired test clustered by task -------------------------------------------------
 # The primary test of a comparison: per task one difference (arm minus baseline, each side the mean
 # over the runs it has on that task), tested by flipping the signs of the differences.  Beside it,
