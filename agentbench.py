@@ -11729,6 +11729,10 @@ PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper
                   "and the receipt in the harness's own process, and never put the workspace on the "
                   "harness's own path; see README, the rules a hidden-test harness follows; or set "
                   "accept_forgeable_oracles in study.json, and every report names the task")
+#: The probes run against the gate too: public feedback, not the judge of a run's outcome (that is
+#: the hidden tests' verdict alone), so a forged one is a warning, never a calibration failure.
+#: Not the sleep probe: a check killed at its time limit is never a pass, whatever its harness.
+GATE_PROBES = tuple(n for n in ORACLE_PROBES if n != "sleep_to_timeout")
 #: The time limit of the hidden tests under the sleep probe (a probe must stay cheap).
 PROBE_SLEEP_TIMEOUT_S = 3.0
 #: Probes run at once.
@@ -11790,35 +11794,51 @@ def build_probe(ws: str, name: str, hidden: Sequence[str]) -> bool:
 
 
 def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
-                      tmp: str) -> list[dict[str, Any]]:
-    """Every probe against the task's hidden tests: [{"name", "verdict": held | forged |
-    not_applicable | unsandboxed, "score"}], run side by side; `unsandboxed`: read_judge saw the
-    judge because the check ran without bubblewrap (the host's lack, said in every record)."""
+                      tmp: str, *, oracle: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Every probe against the task's hidden tests (unless not `oracle`) and GATE_PROBES against
+    its gate, side by side in one pool: {"oracle": [...], "gate": [...]}, each [{"name", "verdict":
+    held | forged | not_applicable | unsandboxed, "score"}]; `unsandboxed`: read_judge saw the
+    judge because the check ran without bubblewrap (the host's lack, said in every record).  The
+    gate's probes are `not_applicable` when the gate passes the untouched starter (then a forgery
+    proves nothing)."""
     hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
                      str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
                                                       if task.reference_spec is not None else set()))
 
-    def one(name: str) -> dict[str, Any]:
-        base = ORACLE_PROBES[name][1]
-        ws = os.path.join(tmp, f"probe-{name}")
+    def one(job: tuple[str, str | None]) -> dict[str, Any]:
+        which, name = job
+        ws = os.path.join(tmp, f"probe-{which}-{name or 'starter'}")
         copy_tree(task.public, ws)
-        if base == "reference":
+        if name is None:   # the gate's own verdict on the untouched starter
+            return {"name": None, "verdict": None, "score": None,
+                    "starter_passes": run_check(paths, platform, task, "gate", ws, env)["passed"]}
+        na = {"name": name, "verdict": "not_applicable", "score": None}
+        if ORACLE_PROBES[name][1] == "reference":
             if task.reference_spec is not None or not task.reference.is_dir():
-                return {"name": name, "verdict": "not_applicable", "score": None}
+                return na
             copy_tree(task.reference, ws)
         if not build_probe(ws, name, hidden):
-            return {"name": name, "verdict": "not_applicable", "score": None}
-        rec = run_check(paths, platform, task, "oracle", ws, env,
+            return na
+        rec = run_check(paths, platform, task, which, ws, env,
                         timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
-        verdict = "forged" if rec["success"] else "held"
+        verdict = "forged" if rec["success" if which == "oracle" else "passed"] else "held"
         if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") not in (
                 "bwrap", "container"):
             # Unsandboxed, every file of the user is readable: the host's doing, not the harness's.
             verdict = "unsandboxed"
         return {"name": name, "verdict": verdict, "score": rec["score"]}
 
+    jobs = ([("gate", None)] + [("oracle", n) for n in ORACLE_PROBES if oracle]
+            + [("gate", n) for n in GATE_PROBES])
     with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
-        return list(pool.map(one, ORACLE_PROBES))
+        got = list(pool.map(one, jobs))
+    out: dict[str, list[dict[str, Any]]] = {"oracle": [], "gate": []}
+    for (which, name), res in zip(jobs, got):
+        if name is not None:
+            out[which].append(res)
+    if got[0]["starter_passes"]:
+        out["gate"] = [{"name": p["name"], "verdict": "not_applicable", "score": p["score"]} for p in out["gate"]]
+    return out
 
 
 # -- oracle strength: mutants of a Python reference ------------------------------------------------
@@ -11977,7 +11997,8 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             problems.append("the hidden tests disagree with themselves on the untouched starter: "
                             f"attempt(s) {', '.join(map(str, passing))} of {attempts} passed it (flaky)")
         # Against hidden tests that pass the starter, a forgery proves nothing more.
-        probes = run_oracle_probes(paths, platform, task, env, tmp) if not passing else []
+        probed = run_oracle_probes(paths, platform, task, env, tmp, oracle=not passing)
+        probes = probed["oracle"]
         strength = oracle_strength(paths, platform, task, env, tmp, str(cfg.get("seed", 0)))
         warn_below = float(cfg.get("mutation_warn_below", MUTATION_WARN_BELOW_DEFAULT))
         warnings = []
@@ -11988,6 +12009,11 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                             "wrong solutions; survivors: " + ", ".join(
                                 f"{m['file']} {m['kind']} #{m['index']}" for m in strength["survivors"][:8]))
         forged = [p["name"] for p in probes if p["verdict"] == "forged"]
+        gate_forged = [p["name"] for p in probed["gate"] if p["verdict"] == "forged"]
+        if gate_forged:
+            warnings.append("gate_forgeable: the gate passes these forgeries: " + ", ".join(gate_forged)
+                            + " (the gate is public feedback, not the judge: a run's outcome is the hidden "
+                            "tests' verdict alone; a forged gate can only end an agent's gate cycles early)")
         if forged and not cfg.get("accept_forgeable_oracles"):
             problems.append("oracle_forgeable: the hidden tests grade these forgeries a success: "
                             + ", ".join(forged) + " (" + PROBE_FIX_HINT + ")")
@@ -12038,6 +12064,7 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     out = {"task": task.id, "ok": not problems, "problems": problems, "bundle_sha256": task.bundle_sha256,
            "starter_oracle_score": st["score"], "reference": runs, "partial_gate_passed": partial_gate,
            "attempts": attempts, "oracle_probes": probes, "oracle_forged": forged,
+           "gate_probes": probed["gate"],
            "oracle_strength": strength, "warnings": warnings,
            "forgeable_accepted": bool(forged and cfg.get("accept_forgeable_oracles")), "at": utc_now()}
     if task.environment is not None:   # the image its checks ran in, by its build context's hash

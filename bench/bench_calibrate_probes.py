@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Calibrate's added time per task from the oracle probes and the reference's mutants.
+"""Calibrate's added time per task from the oracle and gate probes and the reference's mutants.
 
 In one run, for each task of the bundled example study: calibrate_task as it is (starter and
 reference attempts, the probes, the mutants), and calibrate_task with the probes and the mutants
@@ -48,7 +48,7 @@ def main() -> int:
             for _ in range(args.repeat):
                 for mode in ("without", "with"):
                     if mode == "without":
-                        ab.run_oracle_probes = lambda *a, **k: []
+                        ab.run_oracle_probes = lambda *a, **k: {"oracle": [], "gate": []}
                         ab.oracle_strength = lambda *a, **k: {"measured": False, "reason": "left out"}
                     else:
                         ab.run_oracle_probes, ab.oracle_strength = full_probes, full_strength
@@ -62,6 +62,7 @@ def main() -> int:
             out[tid] = {"with_s": round(with_s, 2), "without_s": round(without_s, 2),
                         "added_s": round(with_s - without_s, 2), "ok": last.get("ok"),
                         "probes": {p["name"]: p["verdict"] for p in last.get("oracle_probes", [])},
+                        "gate_probes": {p["name"]: p["verdict"] for p in last.get("gate_probes", [])},
                         "mutants": last.get("oracle_strength")}
         print(json.dumps({"repeat": args.repeat, "cpus": os.cpu_count(),
                           "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,

@@ -161,6 +161,14 @@ def test_calibrate_passes_the_example_study_and_records_it(calibrated):
         # the starter fails them; every oracle probe is held
         assert [r["attempt"] for r in res["reference"]] == [1, 2, 3]
         assert {p["verdict"] for p in res["oracle_probes"]} == {"held"}, res["oracle_probes"]
+        # The gate is probed too; a forged gate probe is a warning, not a calibration failure.
+        gate = {p["name"]: p["verdict"] for p in res["gate_probes"]}
+        assert set(gate) == set(ab.GATE_PROBES), gate
+        forged = [n for n, v in gate.items() if v == "forged"]
+        warned = [w for w in res["warnings"] if w.startswith("gate_forgeable")]
+        assert len(warned) == bool(forged) and all(", ".join(forged) + " (" in w for w in warned), warned
+        # roman's and bugfix's gates run unittest in the process that imports the code under test
+        assert ("exit_at_import" in forged) is (tid != "cli"), (tid, gate)
         assert all(r["gate_passed"] and r["oracle_success"] for r in res["reference"])
         assert res["starter_oracle_score"] < 1.0
         assert res["partial_gate_passed"] is False       # every example has a partial/ that fails
