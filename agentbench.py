@@ -11837,7 +11837,7 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
         if name is not None:
             out[which].append(res)
     if got[0]["starter_passes"]:
-        out["gate"] = [{"name": p["name"], "verdict": "not_applicable", "score": p["score"]} for p in out["gate"]]
+        out["gate"] = [{**p, "verdict": "not_applicable"} for p in out["gate"]]
     return out
 
 
