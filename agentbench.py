@@ -9239,6 +9239,24 @@ class Supervisor:
             return False
         return True
 
+    def _network(self) -> tuple[str, str | None]:
+        """The session's network as its launch decided (network_open_arms); without a gateway,
+        the host's."""
+        asked = self.job.get("sandbox") or {}
+        if self.gateway is None:
+            return session_network([], None, "off")
+        if asked.get("network") in SESSION_NETWORKS:
+            return str(asked["network"]), asked.get("network_reason")
+        return "gateway", None
+
+    def _launch_failed(self, reason: str, detail: str) -> None:
+        """Finalise the job as failed before `claude` ran (`launch_error`, `sandbox_unavailable`),
+        its gateway stopped."""
+        if self.gateway is not None:
+            self.gateway.stop(wait_s=0)
+        finalize_job(self.paths, self.platform, self.job, status="failed", reason=reason, usage=None,
+                     extra={"detail": detail})
+
     def _prepare(self) -> tuple[list[str], dict[str, str], bytes] | None:
         """The runtime record, the gateway, `claude`'s environment and the (sandboxed) argv.
         None when the job could not be prepared and has been finalised `launch_error` or
@@ -9267,9 +9285,7 @@ class Supervisor:
                 self.gateway = start_job_gateway(self.paths, self.platform, job, secret, extra, host)
             except (AgentbenchError, OSError) as exc:
                 detail = exc.one_line() if isinstance(exc, AgentbenchError) else str(exc)
-                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
-                             usage=None, extra={"detail": f"cannot start the gateway: {detail}"})
-                return None
+                return self._launch_failed("launch_error", f"cannot start the gateway: {detail}")
             env, _ = claude_env(host, extra=extra, gateway=self.gateway.claude_vars(), binary=job["binary"])
             self._write_runtime(gateway=self.gateway.url)
         else:
@@ -9284,30 +9300,15 @@ class Supervisor:
             # Decided again where this supervisor runs (a Slurm compute node decides here only).
             sandbox = resolve_sandbox(str((job.get("sandbox") or {}).get("mode") or sandbox_default()))
         except AgentbenchError as exc:
-            if self.gateway is not None:
-                self.gateway.stop(wait_s=0)
-            finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
-                         usage=None, extra={"detail": exc.one_line()})
-            return None
-        # The network the launch decided (network_open_arms); without a gateway, the host's.
-        asked = job.get("sandbox") or {}
-        if self.gateway is None:
-            network, why = session_network([], None, "off")
-        elif asked.get("network") in SESSION_NETWORKS:
-            network, why = str(asked["network"]), asked.get("network_reason")
-        else:
-            network, why = "gateway", None
+            return self._launch_failed("sandbox_unavailable", exc.one_line())
+        network, why = self._network()
         self.sandbox = sandbox_record(sandbox, network, why)
         if sandbox["kind"] == "bwrap":
             try:
                 sock = self.gateway.listen_unix(jdir) if network == "gateway" and self.gateway else None
                 self._seccomp_fd = seccomp_fd()
             except OSError as exc:
-                if self.gateway is not None:
-                    self.gateway.stop(wait_s=0)
-                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
-                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
-                return None
+                return self._launch_failed("launch_error", f"cannot prepare the sandbox: {exc}")
             project_dir = str(claude_projects_dir(env) / transcript_dir_name(os.path.realpath(job["cwd"])))
             # What the live workspace cap counts beside the workspace: the private HOME and the
             # session's transcript folder, both writable by the session.
@@ -9323,11 +9324,7 @@ class Supervisor:
                     outer_extra={JOB_MARK_ENV: env[JOB_MARK_ENV]},
                     tmp_mb=max(1, int(cap) >> 20) if isinstance(cap, int) and cap > 0 else None)
             except OSError as exc:
-                if self.gateway is not None:
-                    self.gateway.stop(wait_s=0)
-                finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
-                             usage=None, extra={"detail": f"cannot prepare the sandbox: {exc}"})
-                return None
+                return self._launch_failed("launch_error", f"cannot prepare the sandbox: {exc}")
         return argv, env, prompt
 
     def _prepare_container(self, ctr: dict[str, Any], argv: list[str], env: dict[str, str], prompt: bytes,
@@ -9337,13 +9334,7 @@ class Supervisor:
         environment plus the values of the variables passed in by name."""
         job = self.job
         jdir = self.paths.job_dir(self.job_id)
-        asked = job.get("sandbox") or {}
-        if self.gateway is None:
-            network, why = session_network([], None, "off")
-        elif asked.get("network") in SESSION_NETWORKS:
-            network, why = str(asked["network"]), asked.get("network_reason")
-        else:
-            network, why = "gateway", None
+        network, why = self._network()
         probe = container_probe(str(ctr.get("runtime")), host)
         found = os.path.realpath(shutil.which(argv[0], path=env.get("PATH")) or argv[0])
         problem = None if probe["available"] else probe["reason"]
@@ -9361,11 +9352,7 @@ class Supervisor:
             except OSError as exc:
                 problem = f"cannot prepare the container: {exc}"
         if problem is not None:
-            if self.gateway is not None:
-                self.gateway.stop(wait_s=0)
-            finalize_job(self.paths, self.platform, job, status="failed", reason="sandbox_unavailable",
-                         usage=None, extra={"detail": problem})
-            return None
+            return self._launch_failed("sandbox_unavailable", problem)
         base = ContainerPlan(runtime=str(probe["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
                              # the job's mark: unique across studies (job ids are per study)
                              name=container_name("session", job_mark(self.paths, self.job_id)),
@@ -9408,11 +9395,7 @@ class Supervisor:
                 self._seccomp_fd = self._env_fd = None
         except OSError as exc:
             self._stderr_fh.close()
-            if self.gateway is not None:
-                self.gateway.stop(wait_s=0)
-            finalize_job(self.paths, self.platform, job, status="failed", reason="launch_error",
-                         usage=None, extra={"detail": f"cannot start claude: {exc}"})
-            return None
+            return self._launch_failed("launch_error", f"cannot start claude: {exc}")
         claude = self.platform.proc_id(proc.pid)
         self._proc, self._claude = proc, claude
         fault_point("supervisor_started")
