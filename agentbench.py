@@ -14654,14 +14654,17 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
     mult = [vscale // (len(a) * len(b)) for a, b in ints]
     observed_u = sum(((sum(a) * len(b) - sum(b) * len(a)) * m) for (a, b), m in zip(ints, mult))
     estimate = observed_u / uscale / k
-    # The exact distribution, when it is small enough.
-    dist: dict[tuple[int, int], int] | None = {(0, 0): 1}
-    work = 0
+    # The exact distribution, when it is small enough.  Its states never shrink as tasks are
+    # added, so the work still to come is at least (states so far) x (the tasks' states left):
+    # once that passes the bound the convolution would pass it too, and it is not started.
+    dist: dict[tuple[int, int], int] | None = None if None in per_task else {(0, 0): 1}
+    work, left = 0, sum(map(len, per_task)) if dist else 0
     for states, m in zip(per_task, mult):
-        work += len(dist) * len(states) if states is not None and dist is not None else 0
-        if states is None or dist is None or work > PRIMARY_EXACT_WORK:
+        if dist is None or work + len(dist) * left > PRIMARY_EXACT_WORK:
             dist = None
             break
+        work += len(dist) * len(states)
+        left -= len(states)
         nxt: dict[tuple[int, int], int] = {}
         for (u0, v0), w0 in dist.items():
             for (u1, v1), w1 in states.items():
@@ -14679,14 +14682,16 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
         if draws < 1:
             raise ValueError("draws must be >= 1")
         rng = random.Random(seed)
-        us, vs = [0] * draws, [0] * draws
+        # Each draw's (U, V) is kept as one integer U * lane + V: |V| <= vspan < lane / 2 (a task's
+        # |v| is at most (n_a + n_b) n_a), so the two sums never mix and a task adds one number.
+        vspan = sum((len(a) + len(b)) * len(a) * m for (a, b), m in zip(ints, mult))
+        lane = 1 << (vspan.bit_length() + 1)
+        sums = [0] * draws
         for (a, b), states, m in zip(ints, per_task, mult):
             if states is not None:
-                keys = list(states)
-                cum = list(itertools.accumulate(states[key] for key in keys))
-                picks = rng.choices(keys, cum_weights=cum, k=draws)
-                us = [x + p[0] * m for x, p in zip(us, picks)]
-                vs = [x + p[1] * m for x, p in zip(vs, picks)]
+                keys = [u * m * lane + v * m for u, v in states]
+                picks = rng.choices(keys, cum_weights=list(itertools.accumulate(states.values())), k=draws)
+                sums = list(map(operator.add, sums, picks))
                 continue
             na, nb = len(a), len(b)
             units = list(range(na + nb))
@@ -14696,9 +14701,10 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
                 chosen = rng.sample(units, na)
                 s = sum(vals[i] for i in chosen)
                 kk = sum(1 for i in chosen if i < na)
-                us[j] += (s * nb - (tot - s) * na) * m
-                vs[j] += (kk * nb - (na - kk) * na) * m
-        pairs = [(u / uscale, v / vscale, 1) for u, v in zip(us, vs)]
+                sums[j] += (s * nb - (tot - s) * na) * m * lane + (kk * nb - (na - kk) * na) * m
+        half = lane // 2
+        vs = [(x + half) % lane - half for x in sums]
+        pairs = [((x - v) // lane / uscale, v / vscale, 1) for x, v in zip(sums, vs)]
         total = draws
         method = "monte_carlo"
     obs = observed_u / uscale
