@@ -967,10 +967,6 @@ class Platform:
         ``src`` is gone (someone else moved it first); used to break stale locks safely."""
         raise NotImplementedError
 
-    def boot_id(self) -> str | None:
-        """An identifier of the current boot, when the OS offers one."""
-        return None
-
     def file_lock(self, path: str | os.PathLike[str], timeout_s: float = 60.0) -> Any:
         """A context manager holding an exclusive lock on ``path`` (created if missing), released
         on exit and by the OS when the holder dies (so it is never stale).  For short, frequent
@@ -1193,14 +1189,6 @@ class PosixPlatform(Platform):
                 if st is not None and st.state == "Z":
                     with contextlib.suppress(ChildProcessError, OSError):
                         os.waitpid(pid, os.WNOHANG)
-
-    def boot_id(self) -> str | None:
-        try:
-            path = os.path.join(self._proc, "sys", "kernel", "random", "boot_id")
-            with open(path, encoding="ascii") as fh:
-                return fh.read().strip() or None
-        except OSError:
-            return None
 
     # -- signals -----------------------------------------------------------------------------------
 
