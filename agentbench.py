@@ -4092,9 +4092,11 @@ def sandbox_mounts(plan: SandboxPlan) -> list[tuple[str, ...]]:
     return rows
 
 
-def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str], seccomp: int | None = None) -> list[str]:
+def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str], seccomp: int | None = None,
+                 env: Mapping[str, str] | None = None) -> list[str]:
     """The full bubblewrap command that runs `argv` under `plan` (pure); `seccomp`: the descriptor
-    the filter is read from (the child must inherit it)."""
+    the filter is read from (the child must inherit it); `env`: the command's whole environment, set
+    inside (--clearenv, --setenv) while bubblewrap itself keeps the one it was started with."""
     if plan.network not in SANDBOX_NETWORKS:
         raise ValueError(f"unknown sandbox network {plan.network!r}")
     out = [bwrap]
@@ -4105,6 +4107,11 @@ def sandbox_argv(bwrap: str, plan: SandboxPlan, argv: Sequence[str], seccomp: in
         out.append("--unshare-net")
     if seccomp is not None:
         out += ["--seccomp", str(int(seccomp))]
+    if env is not None:
+        out.append("--clearenv")
+        for k, v in sorted(env.items()):
+            if k and "=" not in k and "\0" not in k + v:
+                out += ["--setenv", k, v]
     return out + ["--chdir", plan.cwd, "--"] + list(argv)
 
 
@@ -4572,13 +4579,7 @@ def check_sandbox(bwrap: str, argv: Sequence[str], env: Mapping[str, str], *, cw
         cap = [caps.file_bytes, caps.total_bytes]
         argv = [sys.executable, "-I", "-S", "-c", SANDBOX_COPY_SHIM, SANDBOX_COPY_SOURCE, SANDBOX_COPY_DIR,
                 *(str(-1 if c is None else c) for c in cap), str(caps.entries), str(report_fd), "--", *argv]
-    out = sandbox_argv(bwrap, plan, argv, seccomp=seccomp)
-    sets = ["--clearenv"]
-    for k, v in sorted(env.items()):
-        if k and "=" not in k and "\0" not in k + v:
-            sets += ["--setenv", k, v]
-    cut = out.index("--chdir")
-    return out[:cut] + sets + out[cut:]
+    return sandbox_argv(bwrap, plan, argv, seccomp=seccomp, env=env)
 
 
 def sandbox_view(binary: str | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -4806,14 +4807,8 @@ def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: 
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[workdir])
     plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR, tmp_mb=INNER_TMP_MB,
                                container=(("bind", _real(workdir), INNER_WORKDIR),))
-    out = sandbox_argv("bwrap", plan, argv, seccomp=seccomp)[1:]
     # The environment is set inside (bubblewrap itself starts with SANDBOX_OUTER_ENV).
-    sets = ["--clearenv"]
-    for k, v in sorted(env.items()):
-        if k and "=" not in k and "\0" not in k + v:
-            sets += ["--setenv", k, v]
-    cut = out.index("--chdir")
-    return out[:cut] + sets + out[cut:]
+    return sandbox_argv("bwrap", plan, argv, seccomp=seccomp, env=env)[1:]
 
 
 # ==================================================================================================
