@@ -21791,7 +21791,6 @@ class SessionSource:
     ledger: dict[str, Any] | None
     claude_version: str | None
     model: str | None
-    created_at: str | None
 
 
 def _inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
@@ -21843,8 +21842,7 @@ def load_session_source(paths: StudyPaths, job_id: str, ledger: Mapping[str, Map
         system_prompt=read_text_bounded(paths.job_dir(job_id) / "system_prompt.md"),
         session=session_items(events), garbage_lines=garbage, problems=tuple(problems),
         ledger=dict(line) if isinstance(line, Mapping) else None,
-        claude_version=_id_text((line or {}).get("claude_version")), model=_id_text(job.get("model")),
-        created_at=iso_or_none(job.get("created_at")))
+        claude_version=_id_text((line or {}).get("claude_version")), model=_id_text(job.get("model")))
 
 
 def ledger_by_job(paths: StudyPaths) -> dict[str, dict[str, Any]]:
@@ -22970,9 +22968,6 @@ class _ArgParser(argparse.ArgumentParser):
 
     def exit(self, status: int = 0, message: str | None = None) -> Any:  # type: ignore[override]
         raise AgentbenchError("bad arguments", code="bad_arguments", detail=(message or "").strip())
-
-    def print_help(self, file: Any = None) -> None:
-        return None
 
 
 @dataclass

@@ -93,7 +93,7 @@ def _source(events, **kw) -> "ab.SessionSource":
                 ledger={"job_id": "j000001", "cost_metered_usd": 0.25, "cost_delta_usd": 0.3,
                         "claude_version": "2.1.332",
                         "tokens": {"input": 1, "output": 2, "cache_creation": 3, "cache_read": 4}},
-                claude_version="2.1.332", model="claude-opus-4-5", created_at=None)
+                claude_version="2.1.332", model="claude-opus-4-5")
     base.update(kw)
     return ab.SessionSource(**base)
 
