@@ -11519,7 +11519,7 @@ def check_diagnosis(rec: Mapping[str, Any]) -> dict[str, Any]:
 # Calibrate runs each probe against the hidden tests.  A probe is a workspace built from the
 # starter (or, for read_judge, the reference), with code added at the top of every non-test
 # Python file and/or files dropped in; it must not be graded a success.  `forged` means the
-# harness let that forgery through (see README: the rules a hidden-test harness follows).
+# harness let that forgery through (see README: *Hidden tests that cannot be forged*).
 
 #: Rewrites any passing-receipt-shaped text this process writes (os.write, sys.stdout): forges a
 #: harness that writes its receipt from the process the code under test runs in.
@@ -11693,7 +11693,7 @@ ORACLE_PROBES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 #: What a task whose probes were forged should change.
 PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper, keep the expected values "
                   "and the receipt in the harness's own process, and never put the workspace on the "
-                  "harness's own path; see README, the rules a hidden-test harness follows; or set "
+                  "harness's own path; see README, *Hidden tests that cannot be forged*; or set "
                   "accept_forgeable_oracles in study.json, and every report names the task")
 #: The probes run against the gate too: public feedback, not the judge of a run's outcome (that is
 #: the hidden tests' verdict alone), so a forged one is a warning, never a calibration failure.

@@ -169,3 +169,12 @@ def test_training_an_unknown_task_is_refused_by_name_even_when_the_study_has_non
     assert run_main(["init", "--study", str(study)])[0] == 0
     code, out = run_main(["train", "--study", str(study), "--task", "nope"])
     assert code == 2 and out["code"] == "unknown_task" and out["tasks"] == ["nope"]
+
+
+def test_the_readme_explains_every_oracle_probe_and_no_other():
+    """The README's table of probes (what each forgery is, what a forged one says of the harness)
+    names exactly the probes calibrate runs."""
+    text = README.read_text(encoding="utf-8")
+    table = text.split("| probe | the forgery | forged means the harness |", 1)[1].split("\n\n", 1)[0]
+    named = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    assert named == list(ab.ORACLE_PROBES)

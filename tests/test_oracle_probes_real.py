@@ -10,8 +10,12 @@ success; and calibrate refuses the old way by naming the probe that forged it.  
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,8 +111,9 @@ def _study(tmp: Path, tasks: dict[str, Path], **cfg) -> Path:
     return study
 
 
-def _grade(study: Path, task_id: str, files: dict[str, str]) -> dict:
-    """The oracle's verdict on the task's starter with `files` appended to (or written into) it."""
+def _grade(study: Path, task_id: str, files: dict[str, str], links: dict[str, str] | None = None) -> dict:
+    """The oracle's verdict on the task's starter with `files` appended to (or written into) it
+    and `links` ({name: target}) made in it."""
     paths = ab.StudyPaths(study)
     task = ab.load_study(paths).task(task_id)
     ws = study.parent / f"ws-{task_id}"
@@ -117,7 +122,9 @@ def _grade(study: Path, task_id: str, files: dict[str, str]) -> dict:
     for rel, text in files.items():
         with open(ws / rel, "a", encoding="utf-8") as fh:
             fh.write(text)
-    return ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), ab.check_env(dict(__import__("os").environ))[0])
+    for name, target in (links or {}).items():
+        (ws / name).symlink_to(target)
+    return ab.run_check(paths, ab.current_platform(), task, "oracle", str(ws), ab.check_env(dict(os.environ))[0])
 
 
 def _old_bugfix(tmp: Path) -> Path:
@@ -284,3 +291,172 @@ def test_a_real_session_that_plants_the_two_forgeries_is_a_valid_failure(tmp_pat
         ev = rec["evaluation"]
         assert ev["success"] is False and ev["score"] < 1.0 and ev["grader_error"] is None, ev
         assert ev["receipt"] == {"kind": "json", "channel": "fd", "protected": True, "problem": None}, ev
+
+
+# ---- a hostile review of the inner sandbox: the code under test as an attacker ------------------
+# One payload tries every attack from inside the check (the worst case: it knows the study's and
+# the hidden tests' paths) and reports, on stderr, what each one got; the scaffold's harness puts
+# that stderr into its failed checks' details, the bundled `roman` harness drops it.  Each attack
+# must be held: nothing seen, read, written, signalled or left running, and the grade unchanged.
+
+LINGER_S = "317.75"   # a duration no other process uses: a sleeper left behind is found by it
+
+ATTACK = r'''
+def _ab_attack(secrets, outside, live):
+    import ctypes, errno, glob, json, os, signal, socket, sys
+    me, rep = os.getpid(), {}
+    pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    seen = b""
+    for p in pids:   # the harness's arguments and environment: any visible process
+        for part in ("cmdline", "environ"):
+            try:
+                seen += open("/proc/" + p + "/" + part, "rb").read()
+            except OSError:
+                pass
+    rep["pids"] = len(pids)
+    rep["judge_seen"] = any(s.encode() in seen for s in ("run.py", "oracle") + tuple(secrets[:1]))
+    read = []   # hidden files by their host paths, and through a link planted in the workspace
+    for i, path in enumerate(secrets[1:] + ["judge/run.py", "judge/SECRET.txt"]):
+        try:
+            open(path, "rb").read(1)
+            read.append(i)
+        except OSError:
+            pass
+    rep["read"] = read
+    wrote = []   # outside the copy: the study, a host directory, the root, the copy's parent
+    for i, d in enumerate(outside + (["/", "/workspace/.."] if live else [])):
+        try:
+            with open(os.path.join(d, "ATTACK-MARK"), "w") as fh:
+                fh.write("x")
+            wrote.append(i)
+        except OSError:
+            pass
+    rep["wrote"] = wrote
+    if not live:   # the control, on the host itself: no signal, trace or write to others
+        sys.stderr.write("ATTACK " + json.dumps(rep) + "\n")
+        return
+    line = b'\n{"passed": true, "score": 1.0}\n'
+    fds = 0   # the receipt channel or any other descriptor of the harness
+    for fd in range(3, 256):
+        try:
+            os.write(fd, line)
+            fds += 1
+        except OSError:
+            pass
+    rep["fds"] = fds
+    try:
+        with open("/dev/tty", "wb") as tty:
+            tty.write(line)
+        rep["tty"] = True
+    except OSError:
+        rep["tty"] = False
+    socks = 0   # the helper's socket, or any other Unix socket in reach
+    for path in glob.glob("/tmp/*/s") + glob.glob("/tmp/ab-inner-*/*") + glob.glob("/run/*.sock"):
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            socks += 1
+        except OSError:
+            pass
+    rep["sockets"] = socks
+    signalled = 0   # stop every other process in reach (the harness, were it visible)
+    for p in pids:
+        if int(p) not in (1, me):
+            try:
+                os.kill(int(p), signal.SIGSTOP)
+                signalled += 1
+            except OSError:
+                pass
+    rep["signalled"] = signalled
+    libc = ctypes.CDLL(None, use_errno=True)
+    rep["ptrace"] = errno.errorcode.get(ctypes.get_errno(), 0) if libc.ptrace(16, 1, 0, 0) != 0 else "attached"
+    if os.fork() == 0:   # a process left behind, detached, in a new session
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                for fd in (0, 1, 2):
+                    os.close(fd)
+                os.execvp("sleep", ["sleep", %(linger)r])
+        finally:
+            os._exit(0)
+    os.wait()
+    sys.stderr.write("ATTACK " + json.dumps(rep, separators=(",", ":")) + "\n")
+    sys.stderr.flush()
+_ab_attack(%(secrets)r, %(outside)r, %(live)r)
+'''
+
+
+def _lingering() -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if p.joinpath("cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", LINGER_S.encode()]:
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_the_inner_sandbox_holds_every_attack_of_the_code_under_test(tmp_path):
+    code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
+    assert code == 0, out
+    study = _study(tmp_path, {"roman": EXAMPLES / "tasks" / "roman", "scaf": tmp_path / "new" / "tasks" / "scaf"})
+    token = "SECRET-" + os.urandom(6).hex()
+    for where in (study / "tasks" / "scaf" / "oracle", study / "state"):
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "SECRET.txt").write_text(token)
+    paths = ab.StudyPaths(study)
+    pristine = ab.pristine_copy(paths, ab.load_study(paths).task("scaf"), "oracle")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    where = {"linger": LINGER_S, "outside": [str(study), str(outside), str(pristine)],
+             "secrets": [str(study), str(pristine / "run.py"), str(pristine / "SECRET.txt"),
+                         str(study / "state" / "SECRET.txt")]}
+    payload = ATTACK % {**where, "live": True}
+    got = {}
+    for tid, module in (("scaf", "stats.py"), ("roman", "roman.py")):
+        got[tid] = (_grade(study, tid, {}), _grade(study, tid, {module: payload}, links={"judge": str(pristine)}))
+    for tid, (starter, attacked) in got.items():
+        # Nothing forged: the starter's own grade, a valid verdict, run in the inner sandbox.
+        assert not attacked["success"] and attacked["score"] == starter["score"], (tid, attacked["checks"])
+        assert attacked["grader_error"] is None and attacked["inner_sandbox"]["kind"] == "bwrap", attacked
+    reports = [json.loads(c["detail"].split("ATTACK ", 1)[1].splitlines()[0])
+               for c in got["scaf"][1]["checks"] if "ATTACK " in c["detail"]]
+    assert reports, got["scaf"][1]["checks"]     # the payload ran, and said what it got
+    for rep in reports:
+        # Only its sandbox's first process and itself; no argument, environment or file of the judge.
+        assert rep["pids"] <= 2 and rep["judge_seen"] is False and rep["read"] == [], rep
+        # No descriptor, terminal or socket of the harness; no process to signal or trace.
+        assert rep["fds"] == 0 and rep["tty"] is False and rep["sockets"] == 0 and rep["signalled"] == 0, rep
+        assert rep["ptrace"] == "EPERM" and rep["wrote"] == [], rep
+    assert not [p for p in tmp_path.rglob("ATTACK-MARK")] and token not in json.dumps(got)
+    deadline = time.monotonic() + 10
+    while _lingering() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _lingering() == []     # nothing it left behind outlived its inner run
+    # The control: the payload's reading and writing part, run as a plain process of the host
+    # beside a planted link, gets what it goes for, so each report above could have shown it.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "judge").symlink_to(pristine)
+    (plain / "attack.py").write_text(ATTACK % {**where, "live": False})
+    proc = subprocess.run([sys.executable, "attack.py"], cwd=plain, capture_output=True, text=True, timeout=60)
+    rep = json.loads(proc.stderr.split("ATTACK ", 1)[1].splitlines()[0])
+    assert rep["pids"] > 2 and rep["read"] == [0, 1, 2, 3, 4] and rep["wrote"] == [0, 1, 2], (rep, proc.stderr)
+    for mark in tmp_path.rglob("ATTACK-MARK"):
+        mark.unlink()
+
+
+def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path, monkeypatch):
+    """The code prints, endlessly, the one value a check may expect: each inner run is stopped at
+    the output cap (made small here), its check fails, and the grade is a valid verdict."""
+    monkeypatch.setattr(ab, "OUTPUT_CAP_BYTES", 1 << 20)
+    code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
+    assert code == 0, out
+    study = _study(tmp_path, {"scaf": tmp_path / "new" / "tasks" / "scaf"})
+    flood = "\nimport sys as _s\nwhile True:\n    _s.stdout.write('4.0\\n' * 4096)\n"
+    rec = _grade(study, "scaf", {"stats.py": flood})
+    assert not rec["success"] and rec["grader_error"] is None and rec["inner_sandbox"]["kind"] == "bwrap", rec
+    assert not any(c["passed"] for c in rec["checks"]), rec["checks"]
+    assert all("output passed" in c["detail"] for c in rec["checks"]), rec["checks"]
