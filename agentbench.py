@@ -5231,8 +5231,12 @@ def container_record(info: Mapping[str, Any], network: str,
 TOKEN_KEYS = ("input", "output", "cache_creation", "cache_creation_1h", "cache_creation_5m", "cache_read")
 
 
-def _tokens_from_usage_checked(u: Any, anomalies: list[dict[str, Any]] | None, where: str) -> dict[str, int]:
-    """tokens_from_usage for any value: each count through count_from(), each refusal described."""
+def tokens_from_usage(u: Any, anomalies: list[dict[str, Any]] | None = None,
+                      where: str = "usage") -> dict[str, int]:
+    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
+
+    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
+    described in `anomalies`, as is a usage that is not an object."""
     if not isinstance(u, Mapping):
         if u is not None:
             note_anomaly(anomalies, where, u, "not an object")
@@ -5254,33 +5258,6 @@ def _tokens_from_usage_checked(u: Any, anomalies: list[dict[str, Any]] | None, w
             "output": num(u.get("output_tokens"), "output_tokens"),
             "cache_creation": total_cc, "cache_creation_1h": h1, "cache_creation_5m": m5,
             "cache_read": num(u.get("cache_read_input_tokens"), "cache_read_input_tokens")}
-
-
-def tokens_from_usage(u: Mapping[str, Any] | None, anomalies: list[dict[str, Any]] | None = None,
-                      where: str = "usage") -> dict[str, int]:
-    """API-style usage (input_tokens, ...) to the ledger's token dict, 1h/5m split included.
-
-    Every count goes through count_from(): a hostile value (1e400, NaN, -5, true) counts 0 and is
-    described in `anomalies`.  The common shape (a plain dict whose counts are absent or plain ints
-    in range, nothing to describe) is answered at once; anything else takes the checked path."""
-    if type(u) is dict:
-        get = u.get
-        cc = get("cache_creation")
-        if cc is None:
-            h1 = m5 = 0
-        elif type(cc) is dict:
-            h1, m5 = cc.get("ephemeral_1h_input_tokens", 0), cc.get("ephemeral_5m_input_tokens", 0)
-        else:
-            h1 = m5 = None   # not a plain dict: the checked path
-        i, o = get("input_tokens", 0), get("output_tokens", 0)
-        c, r = get("cache_creation_input_tokens", 0), get("cache_read_input_tokens", 0)
-        # Plain ints (not bools) whose bitwise or is in range are each in range (x <= x | y for
-        # x, y >= 0, and a negative one makes the or negative).
-        if (type(i) is int and type(o) is int and type(c) is int and type(r) is int and type(h1) is int
-                and type(m5) is int and 0 <= (i | o | c | r | h1 | m5) <= MAX_TOKEN_COUNT):
-            return {"input": i, "output": o, "cache_creation": c, "cache_creation_1h": h1,
-                    "cache_creation_5m": m5 if (m5 or h1 or not c) else c, "cache_read": r}
-    return _tokens_from_usage_checked(u, anomalies, where)
 
 
 def price_for(model: str | None, overrides: Mapping[str, Sequence[float]] | None = None
