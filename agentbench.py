@@ -4679,10 +4679,11 @@ def read_receipt_pipe(rfd: int) -> bytes:
 #     [python, HELPER, "--dir", DIR, "--timeout", "20", "--", "python3", "-c", CODE]
 # and gets back the inner command's exit status (124: timed out; 125: could not run), stdout and
 # stderr, to compare with what it expects in its own process.  DIR must lie under the check's
-# working directory; the inner command sees it, read-write, at INNER_WORKDIR, and nothing else of
-# the check: not the oracle, gate or reference folders, not the receipt channel, not the harness's
-# paths or arguments (its own pid namespace; bubblewrap's own arguments come from a descriptor, so
-# even its pid 1 shows none), no network, a private size-capped /tmp, and time and output caps.
+# working directory, and not be nested with the directory of a run still going (inner_dir_refusal);
+# the inner command sees it, read-write, at INNER_WORKDIR, and nothing else of the check: not the
+# oracle, gate or reference folders, not the receipt channel, not the harness's paths or arguments
+# (its own pid namespace; bubblewrap's own arguments come from a descriptor, so even its pid 1
+# shows none), no network, a private size-capped /tmp, and time and output caps.
 # The helper talks to agentbench over a Unix socket bound into the check's sandbox only.  In a
 # task's container the inner command runs in a fresh container of the same image instead (see
 # container_inner_plan): DIR at the check's working directory, the same rules.
@@ -4796,6 +4797,20 @@ def inner_request_problem(req: Any, root: str) -> str | None:
     real, top = os.path.realpath(d), os.path.realpath(root)
     if not os.path.isdir(real) or not (real == top or real.startswith(top.rstrip("/") + "/")):
         return f"--dir must be a directory under the check's working directory ({d})"
+    return None
+
+
+def inner_dir_refusal(workdir: str, root: str, active: Iterable[str]) -> str | None:
+    """Why an inner run may not bind `workdir` (a real path) now (pure): it is not under the
+    check's working `root` (real), or it lies inside, or holds, the directory of a run still going,
+    whose code could swap a link into the path between this check and the bind."""
+    def inside(a: str, b: str) -> bool:
+        return a == b or a.startswith(b.rstrip("/") + "/")
+    if not inside(workdir, root):
+        return f"--dir must be a directory under the check's working directory ({workdir})"
+    for other in active:
+        if workdir != other and (inside(workdir, other) or inside(other, workdir)):
+            return f"--dir {workdir} and the directory of a run still going ({other}) are nested"
     return None
 
 
@@ -11019,6 +11034,8 @@ class InnerSandbox:
         asked = CONTAINER_INNER_SOCKET if container else self.socket_path
         Path(self.helper).write_text(inner_helper_source(asked), encoding="utf-8")
         self.slots = threading.Semaphore(INNER_MAX_PARALLEL)
+        self.active: list[str] = []   # the real directories of the runs going now
+        self.active_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.runs = 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -11082,8 +11099,14 @@ class InnerSandbox:
             if timeout <= 0:
                 return answer(INNER_TIMED_OUT_EXIT, err="sandbox_run: the check's time is up\n",
                               timed_out=True)
+            with self.active_lock:
+                workdir = os.path.realpath(req["dir"])
+                problem = inner_dir_refusal(workdir, os.path.realpath(self.root), self.active)
+                if problem is None:
+                    self.active.append(workdir)
+            if problem is not None:
+                return answer(INNER_CANNOT_RUN_EXIT, err=f"sandbox_run: {problem}\n")
             self.runs += 1
-            workdir = os.path.realpath(req["dir"])
             env = {**self.env, **req.get("env", {})}
             argv, fds, cwd = list(req["argv"]), [], workdir
             args_file, sfd, box, res, wall = None, None, None, None, timeout
@@ -11118,6 +11141,8 @@ class InnerSandbox:
                     args_file.close()
                 if sfd is not None:
                     os.close(sfd)
+                with self.active_lock:
+                    self.active.remove(workdir)
         if res.timed_out:
             return answer(INNER_TIMED_OUT_EXIT, res.stdout,
                           res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",

@@ -460,3 +460,33 @@ def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path
     assert not rec["success"] and rec["grader_error"] is None and rec["inner_sandbox"]["kind"] == "bwrap", rec
     assert not any(c["passed"] for c in rec["checks"]), rec["checks"]
     assert all("output passed" in c["detail"] for c in rec["checks"]), rec["checks"]
+
+
+def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(tmp_path):
+    """Code in an inner run can rewrite everything under its directory; were another run's
+    directory inside it, that code could swap a link (to `/`) into the path between agentbench's
+    check and bubblewrap's bind.  So two runs at once never have nested directories: the second
+    is refused (125), and runs after it as soon as the first is over."""
+    import threading
+    root = tmp_path / "copy"
+    (root / "sub").mkdir(parents=True)
+    cenv = ab.check_env(dict(os.environ))[0]
+    jail = ab.InnerSandbox(ab.current_platform(), ab.resolve_sandbox("bwrap", cenv), cenv, root=str(root),
+                           hidden=[], deadline=time.monotonic() + 120)
+
+    def helper(where: Path, *cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, jail.helper, "--dir", str(where), "--timeout", "30", "--", *cmd],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    try:
+        outer = threading.Thread(target=helper, args=(root, "sleep", "3"))
+        outer.start()
+        deadline = time.monotonic() + 30
+        while not jail.active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert jail.active == [str(root.resolve())]
+        inner = helper(root / "sub", "true")
+        assert inner.returncode == ab.INNER_CANNOT_RUN_EXIT and "nested" in inner.stderr, inner
+        outer.join()
+        assert helper(root / "sub", "true").returncode == 0 and jail.active == []
+    finally:
+        jail.close()

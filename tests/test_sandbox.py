@@ -181,6 +181,21 @@ def test_receipt_channel_verdict_table(rec, problem, code, passed, score, why):
     assert got["receipt_channel"] == "fd" and got["receipt_protected"] is True
 
 
+@pytest.mark.parametrize("workdir, active, why", [
+    ("/c/w/.check-a", [], None),
+    ("/c/w", ["/c/w"], None),                                    # the same directory twice: no path to swap
+    ("/c/w/.check-b", ["/c/w/.check-a"], None),                  # siblings
+    ("/c/w/.check-ab", ["/c/w/.check-a"], None),                 # a shared prefix is not nesting
+    ("/c/w/.check-a/sub", ["/c/w/.check-a"], "nested"),          # the running code could swap sub for a link
+    ("/c/w", ["/c/w/.check-a"], "nested"),                       # and this one's code could swap .check-a
+    ("/c/other", [], "under the check's working directory"),
+    ("/c/wx", [], "under the check's working directory"),
+])
+def test_inner_dir_refusal_table(workdir, active, why):
+    got = ab.inner_dir_refusal(workdir, "/c/w", active)
+    assert (got is None) if why is None else (why in got), got
+
+
 @pytest.mark.parametrize("records, sandboxed, kinds", [
     ([{"kind": "bwrap"}, {"kind": "bwrap"}], True, ["bwrap"]),
     ([{"kind": "bwrap"}, {"kind": "none", "reason": "bwrap is not on PATH"}], False, ["bwrap", "none"]),
