@@ -5339,14 +5339,11 @@ def add_tokens(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
     return {k: int(a.get(k, 0)) + int(b.get(k, 0)) for k in TOKEN_KEYS}
 
 
-#: The scanner json.loads ends in, called directly by json_object_line (the same parse of the same
-#: text, without json.loads's per-call detour through type checks, encoding detection and a regex
-#: on either end).  It raises StopIteration or ValueError on what is not JSON.
-_JSON_SCAN = json.JSONDecoder().scan_once
-
-
-def _json_object_loads(raw: str | bytes) -> dict[str, Any] | None:
-    """json_object_line by json.loads (any encoding json.loads detects)."""
+def json_object_line(raw: str | bytes) -> dict[str, Any] | None:
+    """The JSON object one stripped, non-empty line holds, else None: exactly what json.loads
+    gives, with bytes that are not UTF-8 read with replacement characters as a line of text would
+    be.  What json.loads raises besides ValueError (a RecursionError on absurd nesting) is raised
+    here too."""
     try:
         ev = json.loads(raw)
     except UnicodeDecodeError:
@@ -5357,32 +5354,6 @@ def _json_object_loads(raw: str | bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return ev if isinstance(ev, dict) else None
-
-
-def json_object_line(raw: str | bytes) -> dict[str, Any] | None:
-    """The JSON object one stripped, non-empty line holds, else None: exactly what json.loads
-    gives, with bytes that are not UTF-8 read with replacement characters as a line of text would
-    be.  A line that starts with `{` (and, as bytes, not `{` then NUL, which json.loads would read
-    as UTF-16 or UTF-32) is scanned directly; any other line goes through json.loads itself.  What
-    json.loads raises besides ValueError (a RecursionError on absurd nesting) is raised here too;
-    the nesting that raises it is the interpreter's recursion limit less the caller's depth, a few
-    levels deeper here than through json.loads (three frames fewer)."""
-    try:
-        if type(raw) is bytes:
-            if raw[0] != 123 or raw[1:2] == b"\0":
-                return _json_object_loads(raw)
-            try:
-                text = raw.decode("utf-8", "surrogatepass")   # what json.loads decodes UTF-8 with
-            except UnicodeDecodeError:
-                text = raw.decode("utf-8", "replace")
-        else:
-            text = raw
-            if text[0] != "{":
-                return _json_object_loads(raw)
-        ev, end = _JSON_SCAN(text, 0)
-    except (StopIteration, ValueError):
-        return None
-    return ev if end == len(text) else None
 
 
 class StreamState:
