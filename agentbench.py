@@ -5395,13 +5395,6 @@ class StreamState:
         self._cost_micro: dict[str, int | None] = {}
         self._cost_total_micro: int | None = 0
         self._unpriced: set[str] = set()
-        # What bounds the estimate from above without pricing each message (estimate_exceeds): the
-        # billed token counts summed over messages, the tokens each message was counted with, the
-        # messages added or revised since, and the models the counted messages named.
-        self._token_sums = [0, 0, 0, 0, 0]
-        self._tallied: dict[str, Mapping[str, int]] = {}
-        self._untallied: set[str] = set()
-        self._tallied_models: set[str | None] = set()
         self._price_rows: dict[str | None, Sequence[float]] = {}
         #: The last message id whose usage was read, and that usage as the stream gave it.
         self._last_usage: tuple[str | None, Any] = (None, None)
@@ -5487,14 +5480,12 @@ class StreamState:
             self.message_order.append(mid)
             self.messages[mid] = {"model": model if type(model) is str else None, "tokens": usage}
             self._unpriced.add(mid)
-            self._untallied.add(mid)
             if self.first_assistant_usage is None and ev.get("parent_tool_use_id") is None:
                 self.first_assistant_usage = usage
         elif usage != known["tokens"]:   # (a repeated snapshot changes nothing)
             old = known["tokens"]
             known["tokens"] = {k: max(old.get(k, 0), usage.get(k, 0)) for k in TOKEN_KEYS}
             self._unpriced.add(mid)
-            self._untallied.add(mid)
         if model and model != "<synthetic>" and model not in self.models:
             self.models.append(str(model))
         # Per-event output counts are an early snapshot (the final count only reaches the result
@@ -5565,35 +5556,6 @@ class StreamState:
                                                self.messages[mid].get("model") or fallback_model, self.prices)
                              for mid in self.message_order), 6)
         return self._cost_total_micro / 1e6
-
-    def estimate_exceeds(self, fallback_model: str | None, limit_usd: float) -> bool:
-        """Whether estimated_cost(fallback_model) > limit_usd, without pricing each message while
-        an upper bound of the estimate is within the limit.  The bound: the billed token counts
-        summed over all messages, at the highest price of each kind among the models they named
-        (the fallback for those that named none), plus half a micro-USD per message (each
-        message's cost is rounded to a whole micro-USD) and a margin far above the float error.
-        Above the bound's reach the messages are priced, and the answer is the estimate's."""
-        sums, tallied, messages = self._token_sums, self._tallied, self.messages
-        for mid in self._untallied:
-            m = messages[mid]
-            new, old = m["tokens"], tallied.get(mid)
-            if new is not old:
-                for k, v in enumerate(billed_tokens(new)):
-                    sums[k] += v
-                if old is not None:
-                    for k, v in enumerate(billed_tokens(old)):
-                        sums[k] -= v
-                tallied[mid] = new
-            self._tallied_models.add(m["model"])
-        self._untallied.clear()
-        rows = [price_for(model or fallback_model, self.prices) for model in self._tallied_models or [None]]
-        top = [max(row[k] for row in rows) for k in range(5)]
-        if min(top) >= 0:
-            bound = (math.fsum(n * p for n, p in zip(sums, top)) * (1 + 1e-9)
-                     + 0.5 * len(self.message_order) + 1) / 1e6
-            if bound <= limit_usd:
-                return False
-        return self.estimated_cost(fallback_model) > limit_usd
 
 
 def model_matches(requested: str, reported: str) -> bool:
@@ -8974,10 +8936,9 @@ class Supervisor:
             silent = time.monotonic() - self.last_output
             models = list(self.state.models)
             tool_results = self.state.tool_results
-            # The estimate serves the budget backstop alone: without a budget nothing is priced,
-            # and with one, only once the estimate's upper bound reaches the backstop.
-            over_budget = budget is not None and self.state.estimate_exceeds(
-                self.job["model"], float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD)
+            # The estimate serves the budget backstop alone: without a budget nothing is priced.
+            over_budget = budget is not None and self.state.estimated_cost(self.job["model"]) > (
+                float(budget) * BUDGET_BACKSTOP_FACTOR + BUDGET_BACKSTOP_PAD_USD)
         stall = lim.get("stall_after_s")
         if stall and silent > float(stall) and not self.runtime.get("stalled"):
             self.flags.add("stalled")
