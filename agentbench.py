@@ -5396,8 +5396,6 @@ class StreamState:
         self._cost_total_micro: int | None = 0
         self._unpriced: set[str] = set()
         self._price_rows: dict[str | None, Sequence[float]] = {}
-        #: The last message id whose usage was read, and that usage as the stream gave it.
-        self._last_usage: tuple[str | None, Any] = (None, None)
         self.anomalies: list[dict[str, Any]] = []
 
     def feed(self, raw: str | bytes) -> dict[str, Any] | None:
@@ -5460,20 +5458,7 @@ class StreamState:
         mid = str(msg.get("id") or f"anon-{len(self.message_order)}")
         model = msg.get("model")
         known = self.messages.get(mid)
-        raw_usage = msg.get("usage")
-        same = False
-        if known is not None and mid == self._last_usage[0]:
-            try:
-                same = raw_usage == self._last_usage[1]
-            except RecursionError:   # (not deeper than the parse went; should it be, read it again)
-                same = False
-        if same:
-            usage = known["tokens"]   # the same snapshot as this message's last event: nothing new
-        else:
-            noted = len(self.anomalies)
-            usage = tokens_from_usage(raw_usage, self.anomalies, "assistant.usage")
-            # (A usage that drew an anomaly is read again next time: the anomaly is noted each time.)
-            self._last_usage = (mid, raw_usage) if len(self.anomalies) == noted else (None, None)
+        usage = tokens_from_usage(msg.get("usage"), self.anomalies, "assistant.usage")
         if known is None:
             if model is not None and type(model) is not str:
                 note_anomaly(self.anomalies, "assistant.message.model", model, "not a string")
