@@ -3889,13 +3889,17 @@ def sandbox_mode_of(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None
     return str(mode) if mode is not None else sandbox_default(env)
 
 
-def session_network(open_arms: Sequence[str], arm: str | None, gateway: str) -> tuple[str, str | None]:
+def session_network(open_arms: Sequence[str], arm: str | None, gateway: str,
+                    task_opens: str | None = None) -> tuple[str, str | None]:
     """(network, why) of one session (pure): "gateway" (its own gateway only), or "open" with the
-    reason: the study opens the network for its arm, or it has no gateway to reach the API by."""
+    reason: the study opens the network for its arm, it has no gateway to reach the API by, or
+    its task's environment opens it (`task_opens`: that task's id)."""
     if arm is not None and arm in open_arms:
         return "open", f"the study opens the network for arm {arm} (network_open_arms)"
     if gateway != "on":
         return "open", "the study sets gateway off: claude reaches the API itself"
+    if task_opens is not None:
+        return "open", f"task {task_opens} opens the network for its sessions (environment.network)"
     return "gateway", None
 
 
@@ -4844,8 +4848,10 @@ def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: 
 
 CONTAINER_RUNTIMES = ("podman", "docker")
 CONTAINER_RUNTIME_DEFAULT = "podman"
-#: A task's `environment`: exactly one of image / dockerfile, and optionally its workdir.
-ENVIRONMENT_KEYS = ("image", "dockerfile", "workdir")
+#: A task's `environment`: exactly one of image / dockerfile, and optionally its workdir and its
+#: sessions' network: "none" (the default: only their gateway) or "open" (the host's, recorded).
+ENVIRONMENT_KEYS = ("image", "dockerfile", "workdir", "network")
+ENVIRONMENT_NETWORKS = ("none", "open")
 ENVIRONMENT_WORKDIR_DEFAULT = "/app"
 #: Images built from a task's Dockerfile: this name, tagged by the build context's hash.
 CONTAINER_BUILT_REPO = "localhost/agentbench-env"
@@ -4874,10 +4880,14 @@ CONTAINER_ENV_INSIDE = ("PATH", "HOME", "TMPDIR", "CLAUDE_CONFIG_DIR", "SHELL", 
 
 def environment_problem(env_spec: Any) -> str | None:
     """Why a task's `environment` cannot be used, or None (pure): {"image": NAME} or
-    {"dockerfile": PATH} (relative, inside the task), optionally "workdir" (absolute)."""
+    {"dockerfile": PATH} (relative, inside the task), optionally "workdir" (absolute) and
+    "network" (ENVIRONMENT_NETWORKS)."""
     if not isinstance(env_spec, dict) or set(env_spec) - set(ENVIRONMENT_KEYS):
-        return ("environment must be an object with image or dockerfile, and optionally workdir "
+        return ("environment must be an object with image or dockerfile, and optionally workdir and network "
                 f"({env_spec!r:.100})")
+    if env_spec.get("network", "none") not in ENVIRONMENT_NETWORKS:
+        return (f"environment.network {env_spec['network']!r:.40} is not one of "
+                + ", ".join(ENVIRONMENT_NETWORKS))
     if ("image" in env_spec) == ("dockerfile" in env_spec):
         return "environment names exactly one of image and dockerfile"
     if "image" in env_spec:
@@ -9650,7 +9660,8 @@ def start_job(ctx: Host, paths: StudyPaths, req: JobRequest, spec: LaunchSpec | 
     launch = refuse_launch(paths, cfg, ctx.env)
     spec = spec if spec is not None else study_launch_spec(paths.root, cfg)
     network, why = session_network(list(cfg.get("network_open_arms") or []), req.meta.get("arm"),
-                                   launch["gateway"])
+                                   launch["gateway"], str(req.meta.get("task") or "?")
+                                   if (req.container or {}).get("network") == "open" else None)
     launch["sandbox"] = {**launch["sandbox"], "network": network, "network_reason": why}
     if req.container:
         launch["sandbox"]["container"] = dict(req.container)
@@ -10229,8 +10240,10 @@ def task_environment_info(tid: str, root: Path, env_spec: Any) -> dict[str, Any]
                               hint='e.g. "environment": {"dockerfile": "environment/Dockerfile", '
                                    '"workdir": "/app"} or {"image": "localhost/my-image:tag"}')
     wd = str(env_spec.get("workdir", ENVIRONMENT_WORKDIR_DEFAULT))
+    net = str(env_spec.get("network", "none"))
     if "image" in env_spec:
-        return {"source": "image", "image": str(env_spec["image"]), "sha256": None, "workdir": wd}
+        return {"source": "image", "image": str(env_spec["image"]), "sha256": None, "workdir": wd,
+                "network": net}
     df = root / str(env_spec["dockerfile"])
     real_root, real_df = os.path.realpath(root), os.path.realpath(df)
     if not os.path.isfile(real_df) or os.path.commonpath([real_root, real_df]) != real_root:
@@ -10240,7 +10253,7 @@ def task_environment_info(tid: str, root: Path, env_spec: Any) -> dict[str, Any]
     context = os.path.dirname(real_df)
     digest = manifest_sha256({**tree_manifest(context, UNCAPPED), "\0dockerfile": os.path.basename(real_df)})
     return {"source": "dockerfile", "image": built_image_tag(digest), "sha256": digest,
-            "dockerfile": real_df, "context": context, "workdir": wd}
+            "dockerfile": real_df, "context": context, "workdir": wd, "network": net}
 
 
 _ENSURED_IMAGES: dict[str, dict[str, Any]] = {}
@@ -10280,7 +10293,7 @@ def ensure_task_image(task: Task, cfg: Mapping[str, Any], env: Mapping[str, str]
         _ENSURED_IMAGES[key] = {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
                                 "image_id": container_image_id(probe["binary"], info["image"], env)}
     return {**_ENSURED_IMAGES[key], "image": info["image"], "sha256": info.get("sha256"),
-            "source": info["source"], "workdir": info["workdir"],
+            "source": info["source"], "workdir": info["workdir"], "network": info.get("network", "none"),
             "flags": list(cfg.get("container_flags") or []), "built": built}
 
 
@@ -20944,7 +20957,8 @@ def assign_runs(host: Host, study: Study, *, split: str = "main", repeats: int |
     # baseline, every other arm is compared with it (see analysis_plan).
     plan = analysis_plan(list(arms), list(arms)[0], seed)
     registered = {a: manifest_arm(arm.launch) for a, arm in arms.items()}
-    environments = {t.id: {k: t.environment.get(k) for k in ("image", "sha256", "workdir")}
+    environments = {t.id: {**{k: t.environment.get(k) for k in ("image", "sha256", "workdir")},
+                           **({"network": "open"} if t.environment.get("network") == "open" else {})}
                     for t in tasks.values() if t.environment is not None}
     data = manifest_bytes(manifest, seed, split, plan, registered, environments)
     named: dict[str, dict[str, Any]] = {}
@@ -22550,38 +22564,116 @@ def harbor_environment_plan(dockerfile: str | None, env_files: Sequence[str], wo
 #: task.toml's [verifier] environment_mode values agentbench gives: every check runs in a fresh
 #: sandbox or container of its own, apart from the agent's (Harbor's "separate").
 HARBOR_VERIFIER_MODES = ("separate", None)
+#: task.toml's keys the import reads (carried over, listed, or refused by name), per table ("" the
+#: top level); any other key is listed as not read.
+HARBOR_TOML_KEYS = {
+    "": ("schema_version", "version", "metadata", "source", "verifier", "agent", "environment", "solution",
+         "steps", "os", "artifacts"),
+    "environment": ("docker_image", "workdir", "os", "build_timeout_sec", "cpus", "memory_mb", "storage_mb",
+                    "memory", "storage", "gpus", "gpu_types", "tpu", "allow_internet", "network_mode", "env",
+                    "mcp_servers", "healthcheck", "skills_dir"),
+    "agent": ("timeout_sec", "env", "user", "allowed_hosts", "network_mode"),
+    "verifier": ("timeout_sec", "environment_mode", "env", "user", "allowed_hosts", "network_mode"),
+    "solution": ("env", "user", "allowed_hosts", "network_mode"),
+}
+#: Why each [environment] feature a Harbor run offers the agent is not carried over.
+HARBOR_ENV_FEATURES = {
+    "env": "variables set in the environment (sessions and checks get agentbench's own)",
+    "mcp_servers": "MCP servers the task offers the agent (not started: give them through an arm's settings)",
+    "healthcheck": "a readiness command Harbor runs before the agent starts (not run: nothing is started "
+                   "beside the session to wait for)",
+    "skills_dir": "skills the task offers the agent (not installed: give them through an arm's settings)",
+}
+
+
+def _table(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    sec = cfg.get(name)
+    return sec if isinstance(sec, dict) else {}
+
+
+def harbor_network(cfg: Mapping[str, Any], in_image: bool) -> tuple[str, list[str], list[str]]:
+    """task.toml's network modes (Harbor: public, no-network, allowlist; [environment]'s the
+    baseline, [agent] and [verifier] override it; the old allow_internet) mapped (pure): (the task's
+    environment.network, "none" or "open"; what is carried over; what is not).  Only what the task
+    says explicitly counts: sessions get an open network only when its agent phase is public and
+    it runs in its image (recorded per run); checks and the reference script never get one."""
+    env = _table(cfg, "environment")
+    base = env.get("network_mode")
+    if base is None and isinstance(env.get("allow_internet"), bool):
+        base = "public" if env["allow_internet"] else "no-network"
+    net, carried, lost = "none", [], []
+    for part, who in (("agent", "the agent's sessions"), ("verifier", "the checks"),
+                      ("solution", "the reference script")):
+        mode = _table(cfg, part).get("network_mode", base)
+        here = ("reach only their metering gateway (the model's API)" if part == "agent"
+                else "have no network")
+        if mode is None:
+            continue
+        if mode == "no-network":
+            carried.append(f"[{part}] network no-network: {who} {here}")
+        elif mode == "public" and part == "agent" and in_image:
+            net = "open"
+            carried.append("[agent] network public: the sessions get the host's network (task.json "
+                           "environment.network = open; each run records it)")
+        elif mode in ("public", "allowlist"):
+            how = (" (open it per arm with network_open_arms, or import into the task's image)"
+                   if part == "agent" and mode == "public" else
+                   " (no allow-list of hosts here)" if part == "agent" else "")
+            lost.append(f"[{part}] network {mode}: {who} {here}{how}")
+        else:
+            lost.append(f"[{part}] network_mode = {str(mode)[:40]!r} (unknown: {who} {here})")
+    return net, carried, lost
 
 
 def harbor_config_losses(cfg: Mapping[str, Any], in_image: bool = False) -> list[str]:
     """What of task.toml agentbench cannot honour (pure); `in_image`: the task runs in its image."""
     lost: list[str] = []
-    env = cfg.get("environment") if isinstance(cfg.get("environment"), dict) else {}
+    env = _table(cfg, "environment")
     if env.get("docker_image") and not in_image:
         lost.append(f"the prebuilt image {str(env['docker_image'])[:150]} (its packages and files)")
     if env.get("gpus") or env.get("gpu_types") or env.get("tpu"):
         lost.append(f"accelerators (gpus = {env.get('gpus')!r:.40}, "
                     f"gpu_types = {env.get('gpu_types')!r:.80})")
-    if env.get("allow_internet") or env.get("network_mode") not in (None, "none", "no-network"):
-        lost.append("network access as the task asks it (allow_internet / network_mode): the sandbox's "
-                    "own network policy applies")
-    for key in ("cpus", "memory_mb", "storage_mb"):
+    lost += harbor_network(cfg, in_image)[2]
+    for key in ("cpus", "memory_mb", "storage_mb", "memory", "storage"):
         if env.get(key) is not None:
             lost.append(f"the resource limit {key} = {env[key]!r:.40} (not enforced)")
-    for key in ("env", "mcp_servers", "healthcheck", "skills_dir"):
+    if env.get("build_timeout_sec") is not None:
+        lost.append(f"[environment] build_timeout_sec = {env['build_timeout_sec']!r:.20} (agentbench's own "
+                    f"build limit applies: {CONTAINER_BUILD_TIMEOUT_S:g} s)")
+    for key, why in HARBOR_ENV_FEATURES.items():
         if env.get(key):
-            lost.append(f"[environment] {key}")
+            lost.append(f"[environment] {key}: {why}")
     for part in ("agent", "verifier", "solution"):
-        sec = cfg.get(part) if isinstance(cfg.get(part), dict) else {}
-        for key in ("env", "user", "allowed_hosts", "network_mode"):
+        sec = _table(cfg, part)
+        for key in ("env", "user", "allowed_hosts"):
             if sec.get(key):
                 lost.append(f"[{part}] {key}")
+    if _table(cfg, "agent").get("timeout_sec") is not None:
+        lost.append("[agent] timeout_sec as the agent's limit (the study's session limits apply; it times "
+                    "the reference script)")
     if cfg.get("artifacts"):
         lost.append("artifacts (files Harbor collects after a trial: agentbench keeps the whole workspace)")
-    verifier = cfg.get("verifier") if isinstance(cfg.get("verifier"), dict) else {}
-    if verifier.get("environment_mode") not in HARBOR_VERIFIER_MODES:
-        lost.append(f"[verifier] environment_mode = {str(verifier.get('environment_mode'))[:40]!r} (the "
-                    "verifier always gets a fresh environment of its own here: separate)")
+    mode = _table(cfg, "verifier").get("environment_mode")
+    if mode not in HARBOR_VERIFIER_MODES:
+        lost.append(f"[verifier] environment_mode = {str(mode)[:40]!r} "
+                    "(the verifier always gets a fresh environment of its own here: separate)")
+    for part, keys in HARBOR_TOML_KEYS.items():
+        sec = cfg if part == "" else _table(cfg, part)
+        lost += [f"{'[' + part + '] ' if part else ''}{k} (not read by the import)"
+                 for k in sorted(set(sec) - set(keys))]
     return lost
+
+
+def harbor_carried_over(cfg: Mapping[str, Any], in_image: bool) -> list[str]:
+    """What of task.toml's environment and phases agentbench honours as Harbor means it (pure),
+    beside the timeouts and the workdir: the network modes that map, a separate verifier."""
+    out = harbor_network(cfg, in_image)[1]
+    if _table(cfg, "verifier").get("environment_mode") == "separate":
+        out.append("[verifier] environment_mode = separate: every check runs in a fresh " +
+                   ("container of the task's image" if in_image else "sandbox") + " of its own, apart from "
+                   "the agent's")
+    return out
 
 
 def harbor_schema_problems(cfg: Mapping[str, Any]) -> list[str]:
@@ -22694,6 +22786,8 @@ def plan_harbor_task(root: Path, environment: str = "host",
             task_env = {"image": (base_images or {}).get(image, image), "workdir": env_plan["workdir"]}
         else:
             problems.append("no environment/Dockerfile nor [environment] docker_image to run it in")
+        if task_env is not None and harbor_network(cfg, in_image)[0] == "open":
+            task_env["network"] = "open"
         if task_env is not None and environment_problem(task_env):
             problems.append(f"its environment cannot be used: {environment_problem(task_env)}")
     container = {"workdir": env_plan["workdir"], "ro": {"/tests": "tests"}, "scratch": ["/logs/verifier"]}
@@ -22710,7 +22804,9 @@ def plan_harbor_task(root: Path, environment: str = "host",
     title = next((ln.lstrip("# ").strip() for ln in instruction.splitlines() if ln.strip()), root.name)[:120]
     return {"id": root.name, "problems": problems, "root": root, "files": files, "title": title,
             "instruction": instruction, "workdir": env_plan["workdir"], "starter": env_plan["files"],
-            "not_carried_over": lost, "verifier_timeout_s": verifier_s, "agent_timeout_s": agent_s,
+            "not_carried_over": lost, "carried_over": harbor_carried_over(cfg, in_image),
+            "dataset": json_safe(cfg.get("source")), "verifier_timeout_s": verifier_s,
+            "agent_timeout_s": agent_s,
             "metadata": json_safe({k: v for k, v in meta.items()
                                    if isinstance(v, (str, int, float, bool, list))}),
             "container": container, "environment": task_env, "dockerfile": dockerfile,
@@ -22733,6 +22829,8 @@ def harbor_task_json(plan: Mapping[str, Any], source: str) -> dict[str, Any]:
                        "directory. There are no public tests; the hidden tests grade the result."),
         "not_carried_over": plan["not_carried_over"],
         "harbor": {"source": source, "workdir": wd, "metadata": plan["metadata"],
+                   "dataset": plan.get("dataset"),
+                   "carried_over": plan.get("carried_over") or [],
                    "agent_timeout_s": plan["agent_timeout_s"],
                    "verifier_timeout_s": plan["verifier_timeout_s"],
                    "schema_version": plan.get("schema_version"),
@@ -22833,6 +22931,7 @@ def import_harbor_tasks(dirs: Sequence[Path], out: Path, environment: str = "hos
                           "reference_timeout_s": p["agent_timeout_s"],
                           "environment": p.get("environment"),
                           "base_images_mapped": p.get("base_images_mapped") or [],
+                          "carried_over": p["carried_over"],
                           "not_carried_over": p["not_carried_over"]} for p in plans],
             "tasks": str(out),
             "next": "python3 agentbench.py calibrate --study <study whose `tasks` is this directory>"}

@@ -18,7 +18,10 @@ from conftest import AGENTBENCH, ab
     ({"dockerfile": "Dockerfile", "workdir": "/workspace/app"}, True),
     ({"image": "a", "dockerfile": "b"}, False),            # exactly one
     ({}, False),
-    ({"image": "x", "network": "open"}, False),            # unknown key
+    ({"image": "x", "network": "open"}, True),             # the task opens its sessions' network
+    ({"image": "x", "network": "none"}, True),
+    ({"image": "x", "network": "public"}, False),          # not one of none, open
+    ({"image": "x", "ports": [80]}, False),                # unknown key
     ({"dockerfile": "/etc/Dockerfile"}, False),            # absolute
     ({"dockerfile": "../other/Dockerfile"}, False),        # outside the task
     ({"image": "bad name with spaces"}, False),
@@ -190,7 +193,8 @@ def test_a_dockerfiles_image_is_tagged_by_its_context(tmp_path):
     two = ab.task_environment_info("t", root, {"dockerfile": "environment/Dockerfile"})
     assert two["sha256"] != one["sha256"] and two["image"] != one["image"]
     named = ab.task_environment_info("t", root, {"image": "localhost/x:1", "workdir": "/srv/app"})
-    assert named == {"source": "image", "image": "localhost/x:1", "sha256": None, "workdir": "/srv/app"}
+    assert named == {"source": "image", "image": "localhost/x:1", "sha256": None, "workdir": "/srv/app",
+                     "network": "none"}
 
 
 @pytest.mark.parametrize("records, sandboxed", [
@@ -221,8 +225,9 @@ def harbor_task(root: Path, *, toml_extra: str = "", from_image: str = "python:3
     (root / "solution" / "solve.sh").write_text("#!/bin/bash\nstamp > /app/out.txt\n")
     (root / "task.toml").write_text(
         'schema_version = "1.4"\n' + toml_extra +
-        '[verifier]\ntimeout_sec = 60\nenvironment_mode = "separate"\n[agent]\ntimeout_sec = 60\n'
-        '[environment]\nworkdir = "/app"\nnetwork_mode = "bridge"\nhealthcheck = "true"\nskills_dir = "/skills"\n'
+        '[verifier]\ntimeout_sec = 60\nenvironment_mode = "separate"\nnetwork_mode = "public"\n'
+        '[agent]\ntimeout_sec = 60\n'
+        '[environment]\nworkdir = "/app"\nnetwork_mode = "no-network"\nhealthcheck = "true"\nskills_dir = "/skills"\n'
         '[environment.mcp_servers.files]\ncommand = "mcp-files"\n')
     return root
 
@@ -270,7 +275,16 @@ def test_a_harbor_tasks_dockerfile_becomes_its_environment_and_every_other_field
     for carried in ("RUN", "ENV", "base image", "/opt/notes.txt"):
         assert carried not in text, (carried, lost)
     assert spec["harbor"]["verifier_environment_mode"] == "separate" and spec["harbor"]["schema_version"] == "1.4"
+    # what maps is said: no network for the agent but its gateway, the separate verifier
+    assert spec["harbor"]["carried_over"] == got["carried_over"] and len(got["carried_over"]) == 3, got
+    assert "[agent] network no-network" in got["carried_over"][0] and "separate" in got["carried_over"][-1]
+    assert "[verifier] network public" in text and "network" not in spec["environment"]
     assert ab.load_task(bundle).environment["source"] == "dockerfile"
+    # a public network for the agent opens its sessions' (in its image only): said in task.json
+    (src / "task.toml").write_text((src / "task.toml").read_text().replace('"no-network"', '"public"'))
+    opened = ab.import_harbor_tasks([src], tmp_path / "open-tasks", "container")["imported"][0]
+    assert opened["environment"]["network"] == "open" and "[agent] network public" in opened["carried_over"][0]
+    assert ab.load_task(tmp_path / "open-tasks" / "stamp").environment["network"] == "open"
     # the same task for the host's tools lists what only the image gave
     host = ab.import_harbor_tasks([src], tmp_path / "host-tasks")["imported"][0]
     assert any("RUN" in x for x in host["not_carried_over"]) and host["environment"] is None

@@ -44,12 +44,39 @@ def test_environment_plan(dockerfile, files, workdir, starter, lost_words):
 @pytest.mark.parametrize("cfg, words", [
     ({}, []),
     ({"environment": {"gpus": 2, "allow_internet": True, "docker_image": "ghcr.io/x/y:1", "memory_mb": 4096}},
-     ["accelerators", "network access", "ghcr.io/x/y:1", "memory_mb"]),
+     ["accelerators", "[agent] network public", "[verifier] network public", "ghcr.io/x/y:1", "memory_mb"]),
     ({"verifier": {"env": {"K": "v"}}, "agent": {"user": "agent"}}, ["[verifier] env", "[agent] user"]),
+    ({"environment": {"healthcheck": {"command": "true"}, "skills_dir": "/s", "mcp_servers": [{"name": "m"}],
+                      "build_timeout_sec": 600}},
+     ["healthcheck: a readiness command", "skills_dir: skills", "mcp_servers: MCP servers", "build_timeout_sec"]),
+    # every key the import does not read is listed by name, at any level
+    ({"shiny": 1, "environment": {"sidecars": 2}, "verifier": {"retries": 3}},
+     ["shiny (not read", "[environment] sidecars (not read", "[verifier] retries (not read"]),
+    ({"environment": {"network_mode": "no-network"}, "verifier": {"environment_mode": "separate"}}, []),
 ])
 def test_config_losses(cfg, words):
     lost = " | ".join(ab.harbor_config_losses(cfg))
-    assert all(w in lost for w in words) and (lost == "") == (not words)
+    assert all(w in lost for w in words) and (lost == "") == (not words), lost
+
+
+@pytest.mark.parametrize("cfg, in_image, net, carried, lost", [
+    ({}, True, "none", [], []),
+    ({"environment": {"network_mode": "no-network"}}, True, "none",
+     ["[agent] network no-network", "[verifier] network no-network", "[solution] network no-network"], []),
+    # public for the agent opens the sessions' network only in the task's image; checks never get one
+    ({"environment": {"network_mode": "public"}}, True, "open", ["[agent] network public"],
+     ["[verifier] network public", "[solution] network public"]),
+    ({"environment": {"allow_internet": True}}, False, "none", [],
+     ["[agent] network public", "[verifier] network public", "[solution] network public"]),
+    ({"environment": {"network_mode": "no-network"}, "agent": {"network_mode": "allowlist"},
+      "verifier": {"network_mode": "public"}}, True, "none", ["[solution] network no-network"],
+     ["[agent] network allowlist", "[verifier] network public"]),
+    ({"environment": {"network_mode": "bridge"}}, True, "none", [], ["'bridge' (unknown"] * 3),
+])
+def test_harbor_network_modes_map_or_are_listed(cfg, in_image, net, carried, lost):
+    got_net, got_carried, got_lost = ab.harbor_network(cfg, in_image)
+    assert got_net == net and len(got_carried) == len(carried) and len(got_lost) == len(lost), (got_carried, got_lost)
+    assert all(c in g for c, g in zip(carried, got_carried)) and all(x in g for x, g in zip(lost, got_lost))
 
 
 @pytest.mark.parametrize("spec, ok", [
@@ -96,7 +123,7 @@ def test_import_writes_bundles_and_lists_what_is_lost(tmp_path):
     assert got["fix-mean"]["starter_files"] == ["stats.py"] and got["fix-mean"]["oracle_timeout_s"] == 120
     assert got["word-freq-cli"]["starter_files"] == ["README.txt", "wordfreq.py"]
     lost = " | ".join(got[NEEDS_IMAGE]["not_carried_over"])
-    assert "pyfiglet" in lost and "accelerators" in lost and "network access" in lost
+    assert "pyfiglet" in lost and "accelerators" in lost and "[agent] network public" in lost
     for name in got:
         task = ab.load_task(tmp_path / "tasks" / name)   # a bundle agentbench loads
         spec = json.loads((tmp_path / "tasks" / name / "task.json").read_text())

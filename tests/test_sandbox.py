@@ -140,13 +140,15 @@ def test_seccomp_arch_table(machine, arch):
     assert ab.seccomp_arch(machine) == arch
 
 
-@pytest.mark.parametrize("open_arms, arm, gateway, network", [
-    ([], "A", "on", "gateway"), (["B"], "A", "on", "gateway"), (["A"], "A", "on", "open"),
-    ([], "A", "off", "open"), ([], None, "on", "gateway"), (["A"], None, "on", "gateway"),
+@pytest.mark.parametrize("open_arms, arm, gateway, task, network", [
+    ([], "A", "on", None, "gateway"), (["B"], "A", "on", None, "gateway"), (["A"], "A", "on", None, "open"),
+    ([], "A", "off", None, "open"), ([], None, "on", None, "gateway"), (["A"], None, "on", None, "gateway"),
+    ([], "A", "on", "t1", "open"),
 ])
-def test_session_network_table(open_arms, arm, gateway, network):
-    got, why = ab.session_network(open_arms, arm, gateway)
+def test_session_network_table(open_arms, arm, gateway, task, network):
+    got, why = ab.session_network(open_arms, arm, gateway, task)
     assert got == network and (why is None) == (network == "gateway")
+    assert task is None or "task t1" in why
 
 
 @pytest.mark.parametrize("data, line, problem", [
