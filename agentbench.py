@@ -4942,7 +4942,9 @@ class ContainerPlan:
     seccomp: the host path of the profile (None: the runtime's default, recorded).
     own_userns: a user namespace mapping only the caller's uid and gid (podman; docker's is the
     daemon's).  preserve_fds: descriptors 3..N+2 passed in (podman's receipt channel).
-    interactive: stdin attached.  flags: the study's container_flags, given before the image."""
+    interactive: stdin attached.  flags: the study's container_flags, given before the image.
+    lifetime_s: the runtime kills the container after this long even when agentbench is gone
+    (podman --timeout; 0: no limit, as for sessions, which `kill` and the reaper end)."""
     runtime: str
     kind: str
     image: str
@@ -4958,6 +4960,7 @@ class ContainerPlan:
     preserve_fds: int = 0
     interactive: bool = False
     flags: tuple[str, ...] = ()
+    lifetime_s: int = 0
 
 
 def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
@@ -4981,6 +4984,8 @@ def container_argv(plan: ContainerPlan, argv: Sequence[str]) -> list[str]:
         out += [f"--uidmap=0:{uid}:1", f"--gidmap=0:{gid}:1"]
     if plan.preserve_fds and plan.kind == "podman":
         out.append(f"--preserve-fds={int(plan.preserve_fds)}")
+    if plan.lifetime_s > 0 and plan.kind == "podman":
+        out.append(f"--timeout={int(plan.lifetime_s)}")
     for dest, mb in plan.tmpfs:
         out += ["--tmpfs", f"{dest}:rw,nosuid,nodev,size={int(mb)}m"]
     for src, dest, ro in plan.binds:
@@ -5057,6 +5062,9 @@ CONTAINER_INNER_TMPFS_MB = (("/tmp", INNER_TMP_MB), ("/var/tmp", 16))
 #: An inner run's time cap leaves out its container's start, up to this (the check's own deadline
 #: still bounds it).
 CONTAINER_INNER_START_S = 10.0
+#: A check's, reference script's or inner run's container lives at most its time limit plus this
+#: (ContainerPlan.lifetime_s): agentbench removes it at its limit; the runtime, if agentbench died.
+CONTAINER_LIFETIME_GRACE_S = 30
 
 
 def container_inner_plan(base: ContainerPlan, *, workdir: str, env: Mapping[str, str]) -> ContainerPlan:
@@ -10904,7 +10912,7 @@ def runtime_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: str, cwd: str,
                          ro: Sequence[str], container: Mapping[str, Any] | None, container_base: str,
-                         receipt_fd: int, scratch: str, env: dict[str, str],
+                         receipt_fd: int, scratch: str, env: dict[str, str], timeout_s: float,
                          inner: tuple[str, str] | None = None
                          ) -> tuple[list[str], tuple[str, str, dict[str, str], str]]:
     """A check's (or reference script's) command in a fresh container of its task's image, and
@@ -10919,7 +10927,8 @@ def container_check_argv(ctr: Mapping[str, Any], argv: Sequence[str], *, which: 
     base = ContainerPlan(runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]),
                          name=name,
                          workdir=str(container["workdir"]) if container else str(ctr["workdir"]),
-                         seccomp=prof, flags=tuple(ctr.get("flags") or ()))
+                         seccomp=prof, flags=tuple(ctr.get("flags") or ()),
+                         lifetime_s=math.ceil(timeout_s) + CONTAINER_LIFETIME_GRACE_S)
     if inner:
         rows = [*rows, ("ro-bind", inner[0], CONTAINER_INNER_HELPER),
                 ("bind", inner[1], CONTAINER_INNER_SOCKET)]
@@ -11043,10 +11052,11 @@ class InnerSandbox:
             try:
                 if self.container is not None:
                     plan, renv, _ = self.container
-                    box = dataclasses.replace(plan, name=container_name("inner", uuid.uuid4().hex[:16]))
+                    wall = min(timeout + CONTAINER_INNER_START_S, self.deadline - time.monotonic())
+                    box = dataclasses.replace(plan, name=container_name("inner", uuid.uuid4().hex[:16]),
+                                              lifetime_s=math.ceil(wall) + CONTAINER_LIFETIME_GRACE_S)
                     argv = container_argv(container_inner_plan(box, workdir=workdir, env=env), argv)
                     cwd, env = "/", renv
-                    wall = min(timeout + CONTAINER_INNER_START_S, self.deadline - time.monotonic())
                 elif self.sandbox.get("kind") == "bwrap":
                     sfd = seccomp_fd()
                     args = inner_sandbox_args(argv, env, workdir=workdir, hidden=self.hidden, seccomp=sfd)
@@ -11181,6 +11191,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                 [oracle_dir] if which == "oracle" else []), container=container,
                 container_base=gate_dir if which == "gate" else oracle_dir, receipt_fd=wfd if uses_fd else -1,
                 scratch=tmp or tempfile.gettempdir(), env=runtime_env(env),
+                timeout_s=check_timeout_s(spec, which),
                 inner=(jail.helper, jail.socket_path) if jail else None)
         elif sandbox["kind"] == "bwrap":
             sfd = seccomp_fd() or -1
@@ -11274,7 +11285,8 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
         if ctr is not None:
             argv, box = container_check_argv(ctr, argv, which="reference", cwd=ws, ro=[ref_dir],
                                              container=container, container_base=ref_dir, receipt_fd=-1,
-                                             scratch=tempfile.gettempdir(), env=runtime_env(env))
+                                             scratch=tempfile.gettempdir(), env=runtime_env(env),
+                                             timeout_s=check_timeout_s(spec, "reference"))
         elif sandbox["kind"] == "bwrap":
             argv = check_sandbox(sandbox["binary"], argv, cenv, cwd=ws,
                                  hidden=study_hidden_dirs(paths.root, [task.root.parent]), ro=[ref_dir],

@@ -333,8 +333,8 @@ def test_an_inner_run_of_a_containerized_check_is_a_fresh_container_that_sees_on
         workspace="/host/copy", ro=["/host/oracle"], receipt=True,
         rows=[("ro-bind", "/host/inner/sandbox_run.py", ab.CONTAINER_INNER_HELPER),
               ("bind", "/host/inner/s", ab.CONTAINER_INNER_SOCKET)])
-    plan = ab.container_inner_plan(ab.dataclasses.replace(check, name="inner-1"), workdir="/host/copy/.check-1",
-                                   env={"HOME": "/tmp", "K": "v"})
+    plan = ab.container_inner_plan(ab.dataclasses.replace(check, name="inner-1", lifetime_s=50),
+                                   workdir="/host/copy/.check-1", env={"HOME": "/tmp", "K": "v"})
     argv = ab.container_argv(plan, ["python3", "-c", "pass"])
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"]
     assert mounts == ["type=bind,src=/host/copy/.check-1,dst=/app"], argv
@@ -345,6 +345,9 @@ def test_an_inner_run_of_a_containerized_check_is_a_fresh_container_that_sees_on
     assert tmpfs == [f"{d}:rw,nosuid,nodev,size={mb}m" for d, mb in ab.CONTAINER_INNER_TMPFS_MB]
     assert {"HOME=/tmp", "K=v"} <= set(argv) and argv[-4:] == ["localhost/env:1", "python3", "-c", "pass"]
     assert argv[argv.index("--name") + 1] == "inner-1" and argv[argv.index("--workdir") + 1] == "/app"
+    # the runtime ends it even when agentbench is gone (podman; docker has no such option)
+    assert "--timeout=50" in argv and "--timeout=50" not in ab.container_argv(
+        ab.dataclasses.replace(plan, kind="docker", runtime="docker"), ["true"])
 
 
 @pytest.mark.parametrize("d, want", [
