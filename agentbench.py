@@ -3082,7 +3082,7 @@ class CommandResult:
     stderr: str
     wall_s: float
     timed_out: bool
-    output_capped: bool = False
+    output_capped: bool = False   # stopped past a cap: its output's, or one its caller's `watch` keeps
 
 
 #: A helper command's output is kept on disk, not in memory: past this many bytes (stdout and
@@ -3101,9 +3101,10 @@ def _tail(fh: Any) -> str:
 
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mapping[str, str],
                 timeout_s: float, platform: "Platform", stdin_text: str | None = None,
-                pass_fds: Sequence[int] = ()) -> CommandResult:
-    """Run a helper command to completion; on timeout (or output past OUTPUT_CAP_BYTES) kill its
-    whole process tree.
+                pass_fds: Sequence[int] = (), watch: Callable[[], str | None] | None = None
+                ) -> CommandResult:
+    """Run a helper command to completion; on timeout (or output past OUTPUT_CAP_BYTES, or when
+    `watch`, asked about once a second, gives a reason) kill its whole process tree.
 
     The command gets its own session (POSIX) so that a timeout can kill every process it left,
     not only the direct child.  Output goes to temporary files, so that neither an endless writer
@@ -3127,14 +3128,18 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                 proc.stdin.close()
         deadline = start + timeout_s
         timed_out = capped = False
+        why = ""   # why the command was stopped short of its end
         while True:
             try:
                 proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
                 timed_out = time.monotonic() >= deadline
-                capped = (os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size
-                          > OUTPUT_CAP_BYTES)
+                if os.fstat(out_f.fileno()).st_size + os.fstat(err_f.fileno()).st_size > OUTPUT_CAP_BYTES:
+                    why = f"its output passed {OUTPUT_CAP_BYTES} bytes"
+                elif watch is not None:
+                    why = watch() or ""
+                capped = bool(why)
                 if timed_out or capped:
                     platform.kill_tree([me] if me else [], session_ids=[proc.pid])
                     with contextlib.suppress(Exception):
@@ -3143,7 +3148,7 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str], env: Mappin
                     break
         out, err = _tail(out_f), _tail(err_f)
     if capped:
-        err += f"\nagentbench: the command was stopped: its output passed {OUTPUT_CAP_BYTES} bytes"
+        err += f"\nagentbench: the command was stopped: {why}"
     return CommandResult(list(argv), None if timed_out else proc.returncode, out, err,
                          time.monotonic() - start, timed_out, capped)
 
@@ -4700,6 +4705,9 @@ INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
 #: A run's time cap when the harness names none, and the most it may ask for.
 INNER_DEFAULT_TIMEOUT_S = 60.0
 INNER_MAX_TIMEOUT_S = 600.0
+#: What an inner run's directory may hold (on the host's disk) beyond the study's copy cap on a
+#: workspace (the copy it starts from) before the run is stopped.
+INNER_DIR_MAX_BYTES = 256 * 2 ** 20
 #: Inner runs of one check at once (more wait for a slot).
 INNER_MAX_PARALLEL = 4
 #: Exit statuses the helper gives for a run that timed out, or could not be run at all.
@@ -10953,15 +10961,16 @@ class InnerSandbox:
     in The sandbox): a Unix socket in a private directory beside the helper command; each request
     runs one command, bubblewrapped when `sandbox` is (else in DIR, unsandboxed: the record says
     so), and answers its exit status and output.  `root`: the check's working directory (DIR must
-    lie under it); `deadline`: the check's own (monotonic), past which no run goes on.  With
+    lie under it); `deadline`: the check's own (monotonic), past which no run goes on;
+    `dir_max_bytes`: what a run's directory may hold before the run is stopped.  With
     `container` (a containerized check: the inner runs' base plan, its runtime's environment and
     the check's working directory as its container sees it), each run is a fresh container of the
     task's image (container_inner_plan), and the helper asks through CONTAINER_INNER_SOCKET."""
 
     def __init__(self, platform: "Platform", sandbox: Mapping[str, Any], env: Mapping[str, str], *,
-                 root: str, hidden: Sequence[str], deadline: float,
+                 root: str, hidden: Sequence[str], deadline: float, dir_max_bytes: int = INNER_DIR_MAX_BYTES,
                  container: tuple[ContainerPlan, dict[str, str], str] | None = None) -> None:
-        self.platform, self.sandbox, self.root = platform, sandbox, root
+        self.platform, self.sandbox, self.root, self.dir_max = platform, sandbox, root, dir_max_bytes
         self.hidden, self.deadline = hidden, deadline
         # In a container the image's PATH stands; the host's means nothing there.
         self.env = {**({} if container else {"PATH": env.get("PATH", os.defpath)}), **INNER_BASE_ENV}
@@ -11071,8 +11080,11 @@ class InnerSandbox:
                     fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
                     argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
                     cwd, env = "/", dict(SANDBOX_OUTER_ENV)
+                def over(top: str = workdir) -> str | None:   # its directory is on the host's disk
+                    return (f"its directory passed {self.dir_max} bytes"
+                            if tree_usage(top, self.dir_max) > self.dir_max else None)
                 res = run_command(argv, cwd=cwd, env=env, timeout_s=wall, platform=self.platform,
-                                  stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds)
+                                  stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds, watch=over)
             finally:
                 if box is not None and (res is None or res.timed_out or res.output_capped):
                     # the runtime's client was killed, not its container
@@ -11178,7 +11190,8 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                 runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]), name="",
                 workdir=inner, flags=tuple(ctr.get("flags") or ())), runtime_env(env), inner)
             jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
-                                deadline=time.monotonic() + check_timeout_s(spec, which), container=boxed)
+                                deadline=time.monotonic() + check_timeout_s(spec, which), container=boxed,
+                                dir_max_bytes=caps.total_bytes + INNER_DIR_MAX_BYTES)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),

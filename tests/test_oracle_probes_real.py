@@ -490,3 +490,19 @@ def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(
         assert helper(root / "sub", "true").returncode == 0 and jail.active == []
     finally:
         jail.close()
+
+
+def test_an_inner_run_that_fills_its_directory_is_stopped(tmp_path):
+    """The run's directory is on the host's disk: code that keeps writing there is stopped once it
+    holds more than the cap (made small here), as an output flood is."""
+    (tmp_path / "copy").mkdir()
+    cenv = ab.check_env(dict(os.environ))[0]
+    jail = ab.InnerSandbox(ab.current_platform(), ab.resolve_sandbox("bwrap", cenv), cenv, root=str(tmp_path),
+                           hidden=[], deadline=time.monotonic() + 120, dir_max_bytes=1 << 20)
+    fill = "import time\nopen('fill', 'wb').write(b'x' * (4 << 20))\ntime.sleep(20)\n"
+    try:
+        proc = subprocess.run([sys.executable, jail.helper, "--dir", str(tmp_path / "copy"), "--timeout", "60", "--",
+                               "python3", "-c", fill], capture_output=True, text=True, timeout=90)
+    finally:
+        jail.close()
+    assert proc.returncode > 128 and "its directory passed 1048576 bytes" in proc.stderr, proc   # killed
