@@ -4,6 +4,7 @@ container settings.  No container runtime is needed (tests/test_containers_real.
 from __future__ import annotations
 
 import json
+import types
 import shutil
 from pathlib import Path
 
@@ -356,3 +357,19 @@ def test_an_inner_run_of_a_containerized_check_is_a_fresh_container_that_sees_on
 ])
 def test_an_inner_runs_dir_inside_the_container_maps_to_the_host_copy(d, want):
     assert ab.container_inner_dir(d, "/app", "/h/ws") == want
+
+
+def test_where_shows_each_tasks_image_and_its_sessions_network_without_a_runtime(tmp_path):
+    root = tmp_path / "study"
+    shutil.copytree(AGENTBENCH.parent / "examples" / "study", root,
+                    ignore=shutil.ignore_patterns("state", "runs", "rehearsal*", "__pycache__"))
+    spec = json.loads((root / "tasks" / "roman" / "task.json").read_text())
+    spec["environment"] = {"image": "localhost/x:1", "network": "open"}
+    (root / "tasks" / "roman" / "task.json").write_text(json.dumps(spec))
+    paths = ab.StudyPaths(root)
+    warnings: list[str] = []
+    got = ab.where_containers(types.SimpleNamespace(env={"PATH": str(tmp_path)}), paths,
+                              ab.load_study_config(paths), warnings)
+    assert got["available"] is False and "podman is not on PATH" in warnings[0]
+    assert got["tasks"] == {"roman": {"source": "image", "image": "localhost/x:1", "sha256": None, "workdir": "/app",
+                                      "network": "open", "present": None}}
