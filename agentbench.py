@@ -11722,19 +11722,20 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
     its gate, side by side in one pool: {"oracle": [...], "gate": [...]}, each [{"name", "verdict":
     held | forged | not_applicable | unsandboxed, "score"}]; `unsandboxed`: read_judge saw the
     judge because the check ran without bubblewrap (the host's lack, said in every record).  The
-    gate's probes are `not_applicable` when the gate passes the untouched starter (then a forgery
-    proves nothing)."""
+    gate's probes run only when the gate fails the untouched starter (else a forgery proves
+    nothing: `not_applicable`)."""
     hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
                      str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
                                                       if task.reference_spec is not None else set()))
 
-    def one(job: tuple[str, str | None]) -> dict[str, Any]:
-        which, name = job
-        ws = os.path.join(tmp, f"probe-{which}-{name or 'starter'}")
+    def starter_passes_gate() -> bool:
+        ws = os.path.join(tmp, "probe-gate-starter")
         copy_tree(task.public, ws)
-        if name is None:   # the gate's own verdict on the untouched starter
-            return {"name": None, "verdict": None, "score": None,
-                    "starter_passes": run_check(paths, platform, task, "gate", ws, env)["passed"]}
+        return bool(run_check(paths, platform, task, "gate", ws, env)["passed"])
+
+    def one(which: str, name: str) -> dict[str, Any]:
+        ws = os.path.join(tmp, f"probe-{which}-{name}")
+        copy_tree(task.public, ws)
         na = {"name": name, "verdict": "not_applicable", "score": None}
         if ORACLE_PROBES[name][1] == "reference":
             if task.reference_spec is not None or not task.reference.is_dir():
@@ -11751,17 +11752,15 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
             verdict = "unsandboxed"
         return {"name": name, "verdict": verdict, "score": rec["score"]}
 
-    jobs = ([("gate", None)] + [("oracle", n) for n in ORACLE_PROBES if oracle]
-            + [("gate", n) for n in GATE_PROBES])
     with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
-        got = list(pool.map(one, jobs))
-    out: dict[str, list[dict[str, Any]]] = {"oracle": [], "gate": []}
-    for (which, name), res in zip(jobs, got):
-        if name is not None:
-            out[which].append(res)
-    if got[0]["starter_passes"]:
-        out["gate"] = [{**p, "verdict": "not_applicable"} for p in out["gate"]]
-    return out
+        # The gate on the starter first; its probes queue behind the oracle's once it failed.
+        starter = pool.submit(starter_passes_gate)
+        oracle_jobs = [pool.submit(one, "oracle", n) for n in ORACLE_PROBES if oracle]
+        gate_na = starter.result()
+        gate_jobs = [None if gate_na else pool.submit(one, "gate", n) for n in GATE_PROBES]
+        return {"oracle": [f.result() for f in oracle_jobs],
+                "gate": [{"name": n, "verdict": "not_applicable", "score": None} if f is None else f.result()
+                         for n, f in zip(GATE_PROBES, gate_jobs)]}
 
 
 # -- oracle strength: mutants of a Python reference ------------------------------------------------

@@ -222,3 +222,31 @@ def test_the_report_facts_name_accepted_forgeries_and_each_tasks_mutant_share() 
         in facts["strength_text"]
     assert ab.grading_facts({}) == {"forgeable_accepted": {}, "strength_text":
                                     "oracle strength was not measured (no calibration on record)"}
+
+
+@pytest.mark.parametrize("gate_passes_starter", [True, False])
+def test_the_gate_is_probed_only_when_it_fails_the_untouched_starter(tmp_path, monkeypatch, gate_passes_starter):
+    """A gate the starter passes proves nothing by a forgery: its probes are not run at all, and
+    say `not_applicable`; one the starter fails is probed with every gate probe (here each
+    forgery passes that gate, so each is `forged`), beside every oracle probe (each held here)."""
+    import shutil
+    study = tmp_path / "study"
+    shutil.copytree(Path(ab.__file__).resolve().parent / "examples" / "study", study)
+    paths = ab.StudyPaths(study)
+    task = ab.load_study(paths).task("roman")
+    ran: list[tuple[str, str]] = []
+
+    def fake_check(paths, platform, task, which, ws, env, timeout_s=None):
+        ran.append((which, os.path.basename(ws)))
+        passed = which == "gate" and (gate_passes_starter or not ws.endswith("starter"))
+        return {"passed": passed, "success": False, "score": 1.0 if passed else 0.0, "sandbox": {"kind": "bwrap"}}
+    monkeypatch.setattr(ab, "run_check", fake_check)
+    got = ab.run_oracle_probes(paths, ab.current_platform(), task, {}, str(tmp_path / "probes"))
+    assert {p["name"]: p["verdict"] for p in got["oracle"]} == {n: "held" for n in ab.ORACLE_PROBES}
+    gate_runs = sorted(w for which, w in ran if which == "gate")
+    if gate_passes_starter:
+        assert gate_runs == ["probe-gate-starter"]
+        assert [(p["name"], p["verdict"]) for p in got["gate"]] == [(n, "not_applicable") for n in ab.GATE_PROBES]
+    else:
+        assert gate_runs == sorted(["probe-gate-starter"] + [f"probe-gate-{n}" for n in ab.GATE_PROBES])
+        assert [(p["name"], p["verdict"]) for p in got["gate"]] == [(n, "forged") for n in ab.GATE_PROBES]
