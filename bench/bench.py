@@ -25,7 +25,8 @@ divided by:
   the records changed (the figures computed again from the summary) and with no report cache, each
   over a fresh interpreter's bare json.loads pass over the summary file; `usage` over R ledger
   lines, first (which builds its tally) and again, over the same bare pass over the ledger (wall
-  seconds and peak RSS of a fresh process); `list --all` first page at R/10 and R runs.
+  seconds, CPU seconds and peak RSS of a fresh process; `cpu_over_bare_parse_x` is the ratio the
+  machine's load moves least); `list --all` first page at R/10 and R runs.
 - file_size: bytes and lines of each agentbench.py measured (its compile cost by path).
 - exact_tail: one McNemar p-value by the recurrence against the per-term binomial coefficients it
   replaced (the old code, reproduced here as the baseline).
@@ -359,28 +360,38 @@ def change_records(study: Path, n: int) -> int:
     return done
 
 
-def fresh_process(ab_path: Path, args: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of one command in a fresh interpreter."""
+def timed(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float, float]:
+    """One process run to its end: (its result, wall seconds, CPU seconds: user + system, which
+    the machine's load moves far less than the wall time)."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return res, dt, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+
+
+def fresh_process(ab_path: Path, args: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS MiB) of one command in a fresh interpreter."""
     code = ("import sys,io,contextlib,resource,importlib.util as u;"
             "p=u.spec_from_file_location('agentbench',sys.argv[1]);m=u.module_from_spec(p);"
             "sys.modules['agentbench']=m;p.loader.exec_module(m);"
             "o=io.StringIO();c=contextlib.redirect_stdout(o);c.__enter__();rc=m.main(sys.argv[2:]);c.__exit__(None,None,None);"
             "h=[l for l in open('/proc/self/status') if l.startswith('VmHWM:')];"
             "print(int(h[0].split()[1]) if h else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rc)")
-    t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code, str(ab_path), *args], capture_output=True, text=True, env=env,
-                         check=False)
-    dt = time.perf_counter() - t
+    res, dt, cpu = timed([sys.executable, "-c", code, str(ab_path), *args], env)
     rss_kib, rc = res.stdout.split()[-2:]
     if rc != "0":
         log(f"{args[0]} exited {rc}: {res.stderr[-500:]}")
-    return dt, int(rss_kib) / 1024
+    return dt, cpu, int(rss_kib) / 1024
 
 
-def bare_parse(path: Path, env: dict[str, str]) -> float:
-    """Wall seconds of a fresh interpreter that reads `path` and json.loads every line."""
+def bare_parse(path: Path, env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds (medians of 3) of a fresh interpreter that reads `path` and json.loads
+    every line."""
     code = "import json,sys\nfor line in open(sys.argv[1], 'rb'):\n    line.strip() and json.loads(line)"
-    return statistics.median(wall([sys.executable, "-c", code, str(path)], 3, env))
+    runs = [timed([sys.executable, "-c", code, str(path)], env)[1:] for _ in range(3)]
+    return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
 
 
 def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: int, env: dict[str, str]) -> dict:
@@ -398,7 +409,8 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
     # The baselines: a fresh interpreter that parses a file line by line with json.loads.
     summary = big / "state" / "runs_summary.jsonl"
     ledger_parse = bare_parse(big / "state" / "ledger.jsonl", env)
-    out["bare_parse_of_the_ledger_s"] = round(ledger_parse, 3)
+    out["bare_parse_of_the_ledger_s"] = round(ledger_parse[0], 3)
+    out["bare_parse_of_the_ledger_cpu_s"] = round(ledger_parse[1], 3)
     cache = big / "state" / "report_cache.json"
     for name, path in paths_by_name.items():
         row: dict = {}
@@ -409,9 +421,9 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
 
         def report(label: str, fmt: str) -> None:
             log(f"{name}: report --format {fmt} over {n_runs} runs ({label})")
-            dt, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
-                                           "--out", str(tmp / f"rep-{name}.{fmt}")], env)
-            row[f"report_{fmt}_{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss)}
+            dt, cpu, rss = fresh_process(path, ["report", "--study", str(big), "--format", fmt,
+                                                "--out", str(tmp / f"rep-{name}.{fmt}")], env)
+            row[f"report_{fmt}_{label}"] = {"wall_s": round(dt, 2), "cpu_s": round(cpu, 2), "peak_rss_mib": round(rss)}
 
         # The first report reads every record (and builds the runs summary and the report cache,
         # where the version has them); asked again with nothing changed, it is what every later
@@ -429,15 +441,18 @@ def bench_scale(paths_by_name: dict[str, Path], mods: dict, tmp: Path, n_runs: i
         row["records_changed"] = changed
         if summary.exists():
             parse = bare_parse(summary, env)
-            row["bare_parse_of_the_runs_summary_s"] = round(parse, 3)
+            row["bare_parse_of_the_runs_summary_s"] = round(parse[0], 3)
+            row["bare_parse_of_the_runs_summary_cpu_s"] = round(parse[1], 3)
             for key in ("report_json_again", "report_html_again", "report_json_after_1pct_changed",
                         "report_json_uncached", "report_html_uncached"):
-                row[key]["over_bare_parse_x"] = ratio(row[key]["wall_s"], parse)
+                row[key]["over_bare_parse_x"] = ratio(row[key]["wall_s"], parse[0])
+                row[key]["cpu_over_bare_parse_x"] = ratio(row[key]["cpu_s"], parse[1])
         for label in ("", "_again"):   # from the ledger (building a tally), then from the tally
             log(f"{name}: usage over {n_runs} ledger lines{label.replace('_', ' ')}")
-            dt, rss = fresh_process(path, ["usage", "--study", str(big)], env)
-            row[f"usage{label}"] = {"wall_s": round(dt, 2), "peak_rss_mib": round(rss),
-                                    "over_bare_parse_x": ratio(dt, ledger_parse)}
+            dt, cpu, rss = fresh_process(path, ["usage", "--study", str(big)], env)
+            row[f"usage{label}"] = {"wall_s": round(dt, 2), "cpu_s": round(cpu, 2), "peak_rss_mib": round(rss),
+                                    "over_bare_parse_x": ratio(dt, ledger_parse[0]),
+                                    "cpu_over_bare_parse_x": ratio(cpu, ledger_parse[1])}
         ls = {}
         for label, st in (("small", small), ("big", big)):
             ls[label] = statistics.median(fresh_process(path, ["list", "--study", str(st), "--all"], env)[0]
