@@ -14626,7 +14626,12 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
         vspan = sum((len(a) + len(b)) * len(a) * m for (a, b), m in zip(ints, mult))
         lane = 1 << (vspan.bit_length() + 1)
         sums = [0] * draws
+        rnd = rng.random
         for (a, b), states, m in zip(ints, per_task, mult):
+            if flip:        # a fair coin per task and draw keeps its sides or swaps them
+                keep, swap = (u * m * lane + v * m for u, v in states)
+                sums = [x + (keep if rnd() < 0.5 else swap) for x in sums]
+                continue
             if states is not None:
                 keys = [u * m * lane + v * m for u, v in states]
                 picks = rng.choices(keys, cum_weights=list(itertools.accumulate(states.values())), k=draws)

@@ -250,8 +250,9 @@ def test_renaming_arms_and_tasks_and_reordering_files_move_no_figure():
 # ---- the primary test against its plain form -----------------------------------------------------
 
 def _plain_primary(strata, seed, draws, max_states, alpha=0.05):
-    """primary_test computed plainly, as it was before its two shortcuts (the exact convolution
-    run until it passes its bound; each draw's U and V summed in two lists): the reference."""
+    """primary_test computed plainly, as it was before its shortcuts (the exact convolution run
+    until it passes its bound; every task's relabellings drawn by Random.choices, the sign-flip's
+    two as well; each draw's U and V summed in two lists): the reference."""
     rows = sorted(((sorted(a), sorted(b)) for a, b in strata), key=lambda r: (len(r[0]), len(r[1]), r[0], r[1]))
     k, flip = len(rows), ab.primary_design(rows) == "sign_flip"
     den = ab._exact_ratio_scale(v for a, b in rows for v in a + b)
