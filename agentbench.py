@@ -23085,8 +23085,9 @@ LAUNCH_ARGS = (
 def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
                      warnings: list[str]) -> dict[str, Any] | None:
     """`where`'s part on task environments (None: no task names one): the runtime, its version,
-    and each task's image, its hash, its sessions' network and whether it is on this host.  Nothing is built or started
-    here: `rehearse` builds every image and checks it runs a session before anything is spent."""
+    and each task's image, its hash, its sessions' network and whether it is on this host.
+    Nothing is built or started here: `rehearse` builds every image and checks it runs a session
+    before anything is spent."""
     try:
         tasks = load_tasks(paths, cfg)
     except AgentbenchError:
@@ -23107,7 +23108,8 @@ def where_containers(ctx: Ctx, paths: StudyPaths, cfg: Mapping[str, Any],
         if present is False and env["source"] == "image":
             warnings.append(f"task {tid}'s image {env['image']} is not on this host (agentbench never pulls)")
         rows[tid] = {"source": env["source"], "image": env["image"], "sha256": env.get("sha256"),
-                     "workdir": env["workdir"], "network": env.get("network", "none"), "present": present}
+                     "workdir": env["workdir"], "network": env.get("network", "none"),
+                     "present": present}
         if env.get("dockerfile"):
             rows[tid]["dockerfile"] = os.path.relpath(env["dockerfile"], t.root)
     return {"runtime": kind, "binary": probe["binary"], "version": probe["version"],
