@@ -11721,8 +11721,9 @@ PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper
                   "accept_forgeable_oracles in study.json, and every report names the task")
 #: The probes run against the gate too: public feedback, not the judge of a run's outcome (that is
 #: the hidden tests' verdict alone), so a forged one is a warning, never a calibration failure.
-#: Not the sleep probe: a check killed at its time limit is never a pass, whatever its harness.
-GATE_PROBES = tuple(n for n in ORACLE_PROBES if n != "sleep_to_timeout")
+#: Not the sleep probe (a check killed at its time limit is never a pass, whatever its harness), nor
+#: read_judge (the gate's view holds no hidden file: that probe would test the sandbox, not the gate).
+GATE_PROBES = tuple(n for n in ORACLE_PROBES if n not in ("sleep_to_timeout", "read_judge"))
 #: The time limit of the hidden tests under the sleep probe (a probe must stay cheap).
 PROBE_SLEEP_TIMEOUT_S = 3.0
 #: Probes run at once.
