@@ -5067,10 +5067,13 @@ CONTAINER_INNER_SOCKET = CONTAINER_AB_DIR + "/sandbox_run.sock"
 #: The only writable places of an inner run's container besides its DIR (MB): a private /tmp of the
 #: inner sandbox's size.
 CONTAINER_INNER_TMPFS_MB = (("/tmp", INNER_TMP_MB), ("/var/tmp", 16))
-#: An inner run's time cap leaves out its container's start, up to this (the check's own deadline
-#: still bounds it).
+#: An inner run's time cap counts from its container's start (podman ends it there: lifetime_s);
+#: agentbench's own watch allows the start up to this much more (under docker, the only cap; the
+#: check's own deadline still bounds it).
 CONTAINER_INNER_START_S = 10.0
-#: A check's, reference script's or inner run's container lives at most its time limit plus this
+#: podman's exit status when it ended a container at its --timeout (lifetime_s).
+CONTAINER_TIMEOUT_EXIT = 255
+#: A check's or reference script's container lives at most its time limit plus this
 #: (ContainerPlan.lifetime_s): agentbench removes it at its limit; the runtime, if agentbench died.
 CONTAINER_LIFETIME_GRACE_S = 30
 
@@ -11129,8 +11132,10 @@ class InnerSandbox:
                 if self.container is not None:
                     plan, renv, _ = self.container
                     wall = min(timeout + CONTAINER_INNER_START_S, self.deadline - time.monotonic())
+                    # podman ends it at its time cap from its start (`lifetime_s`), even with
+                    # agentbench gone; `wall` is agentbench's own watch, and docker's only cap.
                     box = dataclasses.replace(plan, name=container_name("inner", uuid.uuid4().hex[:16]),
-                                              lifetime_s=math.ceil(wall) + CONTAINER_LIFETIME_GRACE_S)
+                                              lifetime_s=math.ceil(timeout))
                     argv = container_argv(container_inner_plan(box, workdir=workdir, env=env), argv)
                     cwd, env = "/", renv
                 elif self.sandbox.get("kind") == "bwrap":
@@ -11162,7 +11167,8 @@ class InnerSandbox:
                     os.close(sfd)
                 with self.active_lock:
                     self.active.remove(workdir)
-        if res.timed_out:
+        ended = box is not None and res.returncode == CONTAINER_TIMEOUT_EXIT and res.wall_s >= timeout
+        if res.timed_out or ended:
             return answer(INNER_TIMED_OUT_EXIT, res.stdout,
                           res.stderr + f"\nsandbox_run: timed out after {timeout:g} s\n",
                           timed_out=True)
@@ -11324,7 +11330,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                     "receipt_protected": False})
     rec["sandbox"] = container_record(ctr, "none") if ctr is not None else sandbox_record(sandbox)
     if jail:
-        kind = sandbox["kind"] if sandbox["kind"] in ("bwrap", "container") else "none"
+        kind = sandbox["kind"] if sandbox["kind"] in SANDBOX_BOXED_KINDS else "none"
         rec["inner_sandbox"] = {"kind": kind, "runs": jail.runs}
     rec.update({"which": which, "exit_code": res.returncode, "timed_out": res.timed_out,
                 "output_capped": res.output_capped,
@@ -11789,9 +11795,9 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
     """Every probe against the task's hidden tests (unless not `oracle`) and GATE_PROBES against
     its gate, side by side in one pool: {"oracle": [...], "gate": [...]}, each [{"name", "verdict":
     held | forged | not_applicable | unsandboxed, "score"}]; `unsandboxed`: read_judge saw the
-    judge because the check ran without bubblewrap (the host's lack, said in every record).  The
-    gate's probes run only when the gate fails the untouched starter (else a forgery proves
-    nothing: `not_applicable`)."""
+    judge because the check ran without bubblewrap or a container (the host's lack, said in every
+    record).  The gate's probes run only when the gate fails the untouched starter (else a
+    forgery proves nothing: `not_applicable`)."""
     hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
                      str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
                                                       if task.reference_spec is not None else set()))
@@ -11814,8 +11820,8 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
         rec = run_check(paths, platform, task, which, ws, env,
                         timeout_s=PROBE_SLEEP_TIMEOUT_S if name == "sleep_to_timeout" else None)
         verdict = "forged" if rec["success" if which == "oracle" else "passed"] else "held"
-        if verdict == "forged" and name == "read_judge" and (rec.get("sandbox") or {}).get("kind") not in (
-                "bwrap", "container"):
+        if (verdict == "forged" and name == "read_judge"
+                and (rec.get("sandbox") or {}).get("kind") not in SANDBOX_BOXED_KINDS):
             # Unsandboxed, every file of the user is readable: the host's doing, not the harness's.
             verdict = "unsandboxed"
         return {"name": name, "verdict": verdict, "score": rec["score"]}

@@ -288,7 +288,7 @@ def test_every_forgery_probe_holds_against_a_task_in_its_container(tmp_path, pod
     judged code runs through {sandbox_run} in a fresh container of its own, so it cannot patch,
     read or write its judge (read_judge, which reads the hidden files, held too)."""
     paths, task = _container_example(tmp_path)
-    probes = ab.run_oracle_probes(paths, ab.current_platform(), task, os.environ, str(tmp_path))
+    probes = ab.run_oracle_probes(paths, ab.current_platform(), task, os.environ, str(tmp_path))["oracle"]
     assert {p["name"]: p["verdict"] for p in probes} == {name: "held" for name in ab.ORACLE_PROBES}, probes
 
 
@@ -325,7 +325,8 @@ print(json.dumps({"judge": judge[:200], "procs": procs, "fds": links(), "net": n
 def test_the_judged_code_sees_nothing_of_its_judge_in_a_containerized_check(tmp_path, podman):
     """A harness in a task's container runs the judged code through {sandbox_run}: it runs in a
     fresh container that cannot read the harness's file nor see its processes, descriptors
-    (the receipt channel), helper or socket, and has no network and a private sized /tmp."""
+    (the receipt channel), helper or socket, and has no network and a private sized /tmp; one
+    past its time cap is stopped, its container removed."""
     root = tmp_path / "tasks" / "spy"
     for sub in ("public", "gate", "oracle"):
         (root / sub).mkdir(parents=True)
@@ -339,6 +340,8 @@ def test_the_judged_code_sees_nothing_of_its_judge_in_a_containerized_check(tmp_
         "p = subprocess.run([sys.executable, helper, '--dir', copy, '--timeout', '60', '--', 'python3', 'spy.py',"
         " os.path.abspath(__file__)], capture_output=True, text=True)\n"
         "print('SPY', p.returncode, p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-500:])\n"
+        f"p = subprocess.run([sys.executable, helper, '--dir', copy, '--timeout', '1', '--', 'sleep', '{SLEEP_S}'])\n"
+        "print('SLEPT', p.returncode)\n"
         "os.write(fd, b'{\"passed\": true}\\n')\n")
     (root / "task.json").write_text(json.dumps({
         "id": "spy", "title": "spy", "environment": {"image": BASE_IMAGE},
@@ -349,8 +352,12 @@ def test_the_judged_code_sees_nothing_of_its_judge_in_a_containerized_check(tmp_
     paths.state.mkdir(parents=True, exist_ok=True)
     task = ab.load_task(root)
     rec = ab.run_check(paths, ab.current_platform(), task, "oracle", str(root / "public"), os.environ)
-    assert rec["success"] and rec["inner_sandbox"] == {"kind": "container", "runs": 1}, rec
-    code, seen = rec["stdout_tail"].split("SPY ", 1)[1].split(" ", 1)
+    assert rec["success"] and rec["inner_sandbox"] == {"kind": "container", "runs": 2}, rec
+    # a run past its time cap: 124, and its container is gone with everything in it
+    assert f"SLEPT {ab.INNER_TIMED_OUT_EXIT}" in rec["stdout_tail"], rec["stdout_tail"]
+    ps = subprocess.run([podman, "ps", "-a", "--format", "{{.Names}} {{.Command}}"], capture_output=True, text=True)
+    assert ps.returncode == 0 and SLEEP_S not in ps.stdout, ps.stdout
+    code, seen = rec["stdout_tail"].split("SPY ", 1)[1].splitlines()[0].split(" ", 1)
     assert code == "0", rec["stdout_tail"]
     seen = json.loads(seen)
     assert seen["judge"].startswith("unreadable"), seen["judge"]          # the harness's own file
