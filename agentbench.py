@@ -4705,8 +4705,8 @@ INNER_STDIN_MAX_BYTES = 8 * 1024 * 1024
 #: A run's time cap when the harness names none, and the most it may ask for.
 INNER_DEFAULT_TIMEOUT_S = 60.0
 INNER_MAX_TIMEOUT_S = 600.0
-#: What an inner run's directory may hold (on the host's disk) beyond the study's copy cap on a
-#: workspace (the copy it starts from) before the run is stopped.
+#: What an inner run may add to its directory (on the host's disk, in allocated blocks) beyond the
+#: copy it starts from before it is stopped.
 INNER_DIR_MAX_BYTES = 256 * 2 ** 20
 #: Inner runs of one check at once (more wait for a slot).
 INNER_MAX_PARALLEL = 4
@@ -11032,7 +11032,7 @@ class InnerSandbox:
     runs one command, bubblewrapped when `sandbox` is (else in DIR, unsandboxed: the record says
     so), and answers its exit status and output.  `root`: the check's working directory (DIR must
     lie under it); `deadline`: the check's own (monotonic), past which no run goes on;
-    `dir_max_bytes`: what a run's directory may hold before the run is stopped.  With
+    `dir_max_bytes`: what a run may add to its directory before it is stopped.  With
     `container` (a containerized check: the inner runs' base plan, its runtime's environment and
     the check's working directory as its container sees it), each run is a fresh container of the
     task's image (container_inner_plan), and the helper asks through CONTAINER_INNER_SOCKET."""
@@ -11152,9 +11152,13 @@ class InnerSandbox:
                     fds = [args_file.fileno()] + ([sfd] if sfd is not None else [])
                     argv = [str(self.sandbox["binary"]), "--args", str(args_file.fileno()), *args[sep:]]
                     cwd, env = "/", dict(SANDBOX_OUTER_ENV)
-                def over(top: str = workdir) -> str | None:   # its directory is on the host's disk
-                    return (f"its directory passed {self.dir_max} bytes"
-                            if tree_usage(top, self.dir_max) > self.dir_max else None)
+                # Its directory is on the host's disk: what it may hold is the copy it starts from
+                # and dir_max more (a tree past the copies' entry or depth limits counts as over).
+                room = tree_usage(workdir, 2 ** 62) + self.dir_max
+
+                def over(top: str = workdir, room: int = room) -> str | None:
+                    return (f"it added more than {self.dir_max} bytes to its directory"
+                            if tree_usage(top, room) > room else None)
                 res = run_command(argv, cwd=cwd, env=env, timeout_s=wall, platform=self.platform,
                                   stdin_text=stdin.decode("utf-8", "replace"), pass_fds=fds, watch=over)
             finally:
@@ -11263,8 +11267,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
                 runtime=str(ctr["binary"]), kind=str(ctr["runtime"]), image=str(ctr["image"]), name="",
                 workdir=inner, flags=tuple(ctr.get("flags") or ())), runtime_env(env), inner)
             jail = InnerSandbox(platform, sandbox, cenv, root=cwd, hidden=hidden,
-                                deadline=time.monotonic() + check_timeout_s(spec, which), container=boxed,
-                                dir_max_bytes=caps.total_bytes + INNER_DIR_MAX_BYTES)
+                                deadline=time.monotonic() + check_timeout_s(spec, which), container=boxed)
         fd_inside = str(CONTAINER_RECEIPT_FD) if ctr else str(wfd)
         argv = expand_cmd(spec["cmd"], workspace=inner, gate=gate_dir, python="python3" if ctr else None,
                           oracle=oracle_dir, **({"receipt_fd": fd_inside} if uses_fd else {}),

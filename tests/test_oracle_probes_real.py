@@ -299,7 +299,9 @@ def test_a_real_session_that_plants_the_two_forgeries_is_a_valid_failure(tmp_pat
 # that stderr into its failed checks' details, the bundled `roman` harness drops it.  Each attack
 # must be held: nothing seen, read, written, signalled or left running, and the grade unchanged.
 
-LINGER_S = "317.75"   # a duration no other process uses: a sleeper left behind is found by it
+# A duration no other process uses (another run of this test on the same host included): a
+# sleeper left behind is found by it.
+LINGER_S = f"317.{os.getpid():07d}"
 
 ATTACK = r'''
 def _ab_attack(secrets, outside, live):
@@ -494,7 +496,7 @@ def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(
 
 def test_an_inner_run_that_fills_its_directory_is_stopped(tmp_path):
     """The run's directory is on the host's disk: code that keeps writing there is stopped once it
-    holds more than the cap (made small here), as an output flood is."""
+    added more than the cap (made small here) to the copy it started from, as an output flood is."""
     (tmp_path / "copy").mkdir()
     cenv = ab.check_env(dict(os.environ))[0]
     jail = ab.InnerSandbox(ab.current_platform(), ab.resolve_sandbox("bwrap", cenv), cenv, root=str(tmp_path),
@@ -505,4 +507,4 @@ def test_an_inner_run_that_fills_its_directory_is_stopped(tmp_path):
                                "python3", "-c", fill], capture_output=True, text=True, timeout=90)
     finally:
         jail.close()
-    assert proc.returncode > 128 and "its directory passed 1048576 bytes" in proc.stderr, proc   # killed
+    assert proc.returncode > 128 and "it added more than 1048576 bytes to its directory" in proc.stderr, proc   # killed
