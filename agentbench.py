@@ -5195,10 +5195,15 @@ def container_build(binary: str, tag: str, dockerfile: str, context: str,
     return None
 
 
-def container_remove(binary: str, name: str, env: Mapping[str, str]) -> bool:
-    """Remove a container by name, killing what still runs in it; True when none is left."""
+def container_remove(binary: str, name: str, env: Mapping[str, str], *, at_once: bool = False) -> bool:
+    """Remove a container by name, killing what still runs in it; True when none is left.
+    `at_once` (a check's or inner run's: its first process, a harness or the code under test, may
+    ignore the stop signal as pid 1 without a handler does): podman kills without its 10 s wait
+    for a stop (`-t 0`; docker's `rm -f` kills at once anyway).  A session's first process
+    forwards the stop to `claude`, which gets that time to end."""
+    now = ["-t", "0"] if at_once and os.path.basename(binary).startswith("podman") else []
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run([binary, "rm", "-f", name], env=dict(env), stdin=subprocess.DEVNULL,
+        subprocess.run([binary, "rm", "-f", *now, name], env=dict(env), stdin=subprocess.DEVNULL,
                        capture_output=True, timeout=CONTAINER_REMOVE_TIMEOUT_S)
     try:
         res = subprocess.run([binary, "container", "inspect", name], env=dict(env), stdin=subprocess.DEVNULL,
@@ -5227,7 +5232,7 @@ def container_image_check(binary: str, kind: str, image: str, claude: str, env: 
         res = subprocess.run(argv, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
                              timeout=CONTAINER_PROBE_TIMEOUT_S * 4)
     except (OSError, subprocess.SubprocessError) as exc:
-        container_remove(binary, name, env)
+        container_remove(binary, name, env, at_once=True)
         return None, f"{kind} run cannot start: {exc}"
     out = res.stdout.decode("utf-8", "replace").strip()
     if res.returncode != 0 or not out:
@@ -11164,7 +11169,7 @@ class InnerSandbox:
             finally:
                 if box is not None and (res is None or res.timed_out or res.output_capped):
                     # the runtime's client was killed, not its container
-                    container_remove(box.runtime, box.name, env)
+                    container_remove(box.runtime, box.name, env, at_once=True)
                 if args_file is not None:
                     args_file.close()
                 if sfd is not None:
@@ -11309,7 +11314,7 @@ def run_check(paths: StudyPaths, platform: "Platform", task: Task, which: str, w
             channel = read_receipt_pipe(rfd) if os.name == "posix" else b""
     finally:
         if box is not None:
-            container_remove(*box[:3])
+            container_remove(*box[:3], at_once=True)
             shutil.rmtree(box[3], ignore_errors=True)
         for fd in (rfd, wfd, sfd, crfd, cwfd):
             if fd >= 0:
@@ -11389,7 +11394,7 @@ def apply_reference(paths: StudyPaths, platform: "Platform", task: Task, ws: str
         if sfd is not None:
             os.close(sfd)
         if box is not None:
-            container_remove(*box[:3])
+            container_remove(*box[:3], at_once=True)
             shutil.rmtree(box[3], ignore_errors=True)
     if res.timed_out:
         return f"the reference script timed out after {timeout:g} s"

@@ -373,3 +373,19 @@ def test_where_shows_each_tasks_image_and_its_sessions_network_without_a_runtime
     assert got["available"] is False and "podman is not on PATH" in warnings[0]
     assert got["tasks"] == {"roman": {"source": "image", "image": "localhost/x:1", "sha256": None, "workdir": "/app",
                                       "network": "open", "present": None}}
+
+
+def test_a_checks_container_is_removed_without_waiting_for_a_stop_a_sessions_with_it(tmp_path):
+    """A check's or inner run's first process may ignore the stop signal (pid 1 without a
+    handler): podman is told to kill at once; a session's shim forwards the stop to claude."""
+    import os
+    import sys
+    calls = tmp_path / "calls"
+    fake = tmp_path / "podman"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    "sys.exit(1 if sys.argv[1] == 'container' else 0)\n")
+    fake.chmod(0o755)
+    assert ab.container_remove(str(fake), "c1", os.environ, at_once=True)
+    assert ab.container_remove(str(fake), "s1", os.environ)
+    assert calls.read_text().splitlines() == ["rm -f -t 0 c1", "container inspect c1", "rm -f s1",
+                                              "container inspect s1"]
