@@ -89,6 +89,7 @@ import traceback
 import uuid
 from typing import NamedTuple, TypedDict
 import base64
+import collections
 import errno
 import select
 import struct
@@ -21501,12 +21502,12 @@ def study_report(paths: StudyPaths, cfg: Mapping[str, Any], baseline: str | None
         return cached["report"], cached["any_started"]
     if all_runs is None:
         all_runs = report_runs(paths, write=write, stamps=stamps)
-    runs = [f for f in all_runs if chosen is None or f.split == chosen
-            or (chosen == "main" and f.split is None)]
-    left_out: dict[str, int] = {}
+    runs, left_out = [], collections.Counter()
     for f in all_runs:
-        if chosen is not None and not (f.split == chosen or (chosen == "main" and f.split is None)):
-            left_out[str(f.split)] = left_out.get(str(f.split), 0) + 1
+        if chosen is None or f.split == chosen or (chosen == "main" and f.split is None):
+            runs.append(f)
+        else:
+            left_out[str(f.split)] += 1
     with gc_paused():
         report = report_of_facts(runs, arms, baseline=baseline, seed=seed, plan=plan,
                                  plan_source=plan_source)
@@ -21556,6 +21557,7 @@ RUNS_CSV_COLUMNS = ("run_id", "task", "arm", "repeat", "split", "status", "outco
                     "validity_reason", "evaluated", "success", "score", "tests_passed", "tests_total",
                     "cost_usd", "cost_estimated", "wall_s", "gate_cycles", "failure_reason", "flagged",
                     "rehearsal", "model", "effort")
+RUNS_CSV_GRADED = ("success", "score", "tests_passed", "tests_total")
 
 
 def csv_cell(value: Any) -> str:
@@ -21576,17 +21578,12 @@ def runs_csv_rows(facts: Iterable["RunFacts"]) -> list[list[str]]:
     rows = [list(RUNS_CSV_COLUMNS)]
     for f in facts:
         launch = f.launch if isinstance(f.launch, list) else [None, None]
-        row = {"run_id": f.run_id, "task": f.task, "arm": f.arm, "repeat": f.repeat, "split": f.split,
-               "status": f.status, "outcome": f.outcome, "validity": f.validity,
-               "validity_reason": f.validity_reason, "evaluated": f.evaluated,
-               "success": f.success if f.evaluated else None, "score": f.score if f.evaluated else None,
-               "tests_passed": f.tests_passed if f.evaluated else None,
-               "tests_total": f.tests_total if f.evaluated else None, "cost_usd": f.cost_raw,
-               "cost_estimated": f.cost_estimated, "wall_s": f.wall_s, "gate_cycles": f.gate_cycles,
-               "failure_reason": f.failure_reason,
-               "flagged": bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
-               "rehearsal": f.rehearsal, "model": launch[0] if launch else None,
-               "effort": launch[1] if len(launch) > 1 else None}
+        # A column named as a RunFacts field is that field (the graded ones only once evaluated).
+        row = {c: getattr(f, c, None) if f.evaluated or c not in RUNS_CSV_GRADED else None
+               for c in RUNS_CSV_COLUMNS}
+        row.update(cost_usd=f.cost_raw, model=launch[0] if launch else None,
+                   flagged=bool(f.audit[0]) if isinstance(f.audit, list) and f.audit else None,
+                   effort=launch[1] if len(launch) > 1 else None)
         rows.append([csv_cell(row[c]) for c in RUNS_CSV_COLUMNS])
     return rows
 
@@ -22043,9 +22040,7 @@ def atif_trajectory(src: SessionSource, *, version: str, continued_from: str | N
     cost, tokens = session_cost(src.ledger)
     if src.ledger is None and session.get("result"):
         tokens = session["result"]["usage"]
-    final = {"total_prompt_tokens": tokens["input"] + tokens["cache_creation"] + tokens["cache_read"],
-             "total_completion_tokens": tokens["output"], "total_cached_tokens": tokens["cache_read"],
-             "total_steps": len(steps)}
+    final = {**{"total_" + k: v for k, v in (_atif_metrics(tokens) or {}).items()}, "total_steps": len(steps)}
     if cost is not None:
         final["total_cost_usd"] = cost
     if src.garbage_lines:
@@ -22261,10 +22256,7 @@ def inspect_results(samples: Sequence[Mapping[str, Any]], completed: int,
 def study_status(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The study's progress in words Inspect knows (pure): "success" once every run has ended
     (finished, error or interrupted), "started" while some have not; the counts by status."""
-    by: dict[str, int] = {}
-    for r in runs:
-        key = str(r.get("status") or "unknown")[:40]
-        by[key] = by.get(key, 0) + 1
+    by = collections.Counter(str(r.get("status") or "unknown")[:40] for r in runs)
     done = bool(runs) and all(r.get("status") in RUN_FINAL for r in runs)
     return {"inspect_status": "success" if done else "started", "runs_by_status": dict(sorted(by.items())),
             "complete": done}
@@ -22273,17 +22265,10 @@ def study_status(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def inspect_sample_ids(runs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, int]]:
     """run id -> (sample id, epoch) (pure): the task and the repeat; when one arm holds the same
     task and repeat in several splits, the id also names the split."""
-    seen: dict[tuple[str, str, int], int] = {}
-    for r in runs:
-        key = (str(r.get("arm")), str(r.get("task")), int(count_from(r.get("repeat"), hi=10**6)))
-        seen[key] = seen.get(key, 0) + 1
-    out = {}
-    for r in runs:
-        rep = int(count_from(r.get("repeat"), hi=10**6))
-        key = (str(r.get("arm")), str(r.get("task")), rep)
-        sid = str(r.get("task")) if seen[key] == 1 else f"{r.get('task')}.{r.get('split')}"
-        out[str(r["run_id"])] = (sid, max(1, rep))
-    return out
+    keys = [(str(r.get("arm")), str(r.get("task")), int(count_from(r.get("repeat"), hi=10**6))) for r in runs]
+    seen = collections.Counter(keys)
+    return {str(r["run_id"]): (k[1] if seen[k] == 1 else f"{r.get('task')}.{r.get('split')}", max(1, k[2]))
+            for r, k in zip(runs, keys)}
 
 
 def inspect_log(study_name: str, arm: str, arm_cfg: Mapping[str, Any], cfg: Mapping[str, Any],
@@ -22845,8 +22830,7 @@ def _harbor_files(root: Path) -> tuple[list[str], list[str]]:
 def _seconds(value: Any, default: float) -> float | None:
     if value is None:
         return default
-    got = finite_number(value, lo=1.0, hi=MAX_CHECK_TIMEOUT_S)
-    return got
+    return finite_number(value, lo=1.0, hi=MAX_CHECK_TIMEOUT_S)
 
 
 def plan_harbor_task(root: Path, environment: str = "host",
