@@ -1006,6 +1006,12 @@ class Platform:
         process of its session wherever it moved); [] where environments cannot be read."""
         return []
 
+    def argv_processes(self, program: str, args: Sequence[str]) -> list[ProcId]:
+        """Live processes of `program` (their argv[0]'s base name) whose arguments hold `args` in
+        a row (a container runtime's monitor, by the container's name); [] where command lines
+        cannot be read."""
+        return []
+
 
 # -- POSIX -----------------------------------------------------------------------------------------
 
@@ -1172,6 +1178,26 @@ class PosixPlatform(Platform):
             except OSError:
                 continue   # gone, or not ours to read
             if needle in env.split(b"\0"):
+                st = self._read_stat(pid)
+                if st is not None and st.state not in ("Z", "X", "x"):
+                    out.append(ProcId(pid, self._ctime_of(st)))
+        return out
+
+    def argv_processes(self, program: str, args: Sequence[str]) -> list[ProcId]:
+        want = [a.encode() for a in args]
+        out: list[ProcId] = []
+        try:
+            pids = [int(n) for n in os.listdir(self._proc) if n.isdigit()]
+        except OSError:
+            return []
+        for pid in pids:
+            try:
+                with open(os.path.join(self._proc, str(pid), "cmdline"), "rb") as fh:
+                    argv = fh.read().split(b"\0")
+            except OSError:
+                continue
+            if (argv and os.path.basename(argv[0]) == program.encode()
+                    and any(argv[i:i + len(want)] == want for i in range(1, len(argv)))):
                 st = self._read_stat(pid)
                 if st is not None and st.state not in ("Z", "X", "x"):
                     out.append(ProcId(pid, self._ctime_of(st)))
@@ -5200,12 +5226,21 @@ def container_remove(binary: str, name: str, env: Mapping[str, str], *, at_once:
     """Remove a container by name, killing what still runs in it; True when none is left.
     `at_once` (a check's or inner run's: its first process, a harness or the code under test, may
     ignore the stop signal as pid 1 without a handler does): podman kills without its 10 s wait
-    for a stop (`-t 0`; docker's `rm -f` kills at once anyway).  A session's first process
-    forwards the stop to `claude`, which gets that time to end."""
-    now = ["-t", "0"] if at_once and os.path.basename(binary).startswith("podman") else []
+    for a stop (`-t 0`; docker's `rm -f` kills at once anyway), and the container's monitor is
+    ended by its name should it be left.  A session's first process forwards the stop to
+    `claude`, which gets that time to end."""
+    podman = os.path.basename(binary).startswith("podman")
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run([binary, "rm", "-f", *now, name], env=dict(env), stdin=subprocess.DEVNULL,
-                       capture_output=True, timeout=CONTAINER_REMOVE_TIMEOUT_S)
+        subprocess.run([binary, "rm", "-f", *(["-t", "0"] if at_once and podman else []), name],
+                       env=dict(env), stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=CONTAINER_REMOVE_TIMEOUT_S)
+    if at_once and podman:
+        # A client killed while it was still starting the container (its time ran out) leaves the
+        # container's monitor and its unstarted first process behind, which no removal ends.
+        plat = current_platform()
+        left = plat.argv_processes("conmon", ["-n", name])
+        if left:
+            plat.kill_tree(left)
     try:
         res = subprocess.run([binary, "container", "inspect", name], env=dict(env), stdin=subprocess.DEVNULL,
                              capture_output=True, timeout=CONTAINER_PROBE_TIMEOUT_S)

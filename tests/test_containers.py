@@ -377,7 +377,9 @@ def test_where_shows_each_tasks_image_and_its_sessions_network_without_a_runtime
 
 def test_a_checks_container_is_removed_without_waiting_for_a_stop_a_sessions_with_it(tmp_path):
     """A check's or inner run's first process may ignore the stop signal (pid 1 without a
-    handler): podman is told to kill at once; a session's shim forwards the stop to claude."""
+    handler): podman is told to kill at once, and a monitor left by a client killed while it was
+    starting the container is ended by the container's name; a session's shim forwards the stop
+    to claude."""
     import os
     import sys
     calls = tmp_path / "calls"
@@ -385,7 +387,20 @@ def test_a_checks_container_is_removed_without_waiting_for_a_stop_a_sessions_wit
     fake.write_text(f"#!{sys.executable}\nimport sys\nopen({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
                     "sys.exit(1 if sys.argv[1] == 'container' else 0)\n")
     fake.chmod(0o755)
-    assert ab.container_remove(str(fake), "c1", os.environ, at_once=True)
-    assert ab.container_remove(str(fake), "s1", os.environ)
+    # a monitor left by a client killed while it started the container: ended by the name
+    import subprocess
+    conmon = tmp_path / "conmon"
+    conmon.symlink_to(sys.executable)
+    left = subprocess.Popen([str(conmon), "-c", "import time; time.sleep(60)", "-n", "c1"])
+    other = subprocess.Popen([str(conmon), "-c", "import time; time.sleep(60)", "-n", "c10"])
+    try:
+        assert ab.current_platform().argv_processes("conmon", ["-n", "c1"])[0].pid == left.pid
+        assert ab.container_remove(str(fake), "c1", os.environ, at_once=True)
+        assert left.wait(timeout=30) != 0 and other.poll() is None
+        assert ab.container_remove(str(fake), "s1", os.environ)
+    finally:
+        for p in (left, other):
+            p.kill()
+            p.wait()
     assert calls.read_text().splitlines() == ["rm -f -t 0 c1", "container inspect c1", "rm -f s1",
                                               "container inspect s1"]
