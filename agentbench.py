@@ -14697,11 +14697,10 @@ def primary_test(strata: Sequence[tuple[Sequence[Any], Sequence[Any]]], seed: in
                            "alpha": alpha, "level": 1.0 - alpha}
     if k == 0:
         return {**out, "estimate": None, "p": None, "method": None, "mc_se": None, "ci": None}
-    den = _exact_ratio_scale(v for a, b in rows for v in a + b)
-    def scaled(v: Any) -> int:
-        num, d = v.as_integer_ratio()
-        return num * (den // d)
-    ints = [([scaled(v) for v in a], [scaled(v) for v in b]) for a, b in rows]
+    values = dict.fromkeys(v for a, b in rows for v in a + b)     # each distinct value once, in order
+    den = _exact_ratio_scale(values)
+    scaled = {v: v.as_integer_ratio()[0] * (den // v.as_integer_ratio()[1]) for v in values}
+    ints = [([scaled[v] for v in a], [scaled[v] for v in b]) for a, b in rows]
     uscale = vscale = 1
     for a, b in ints:
         nn = len(a) * len(b)
