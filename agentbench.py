@@ -13559,9 +13559,10 @@ class RunPipeline:
         if unusable is not None:
             evaluation["workspace_unusable"] = unusable.split(":", 1)[1]
         write_json_atomic(run_dir / "evaluation.json", evaluation)
-        rec["sandbox"] = sandbox_summary(
-            [(read_json(self.paths.result_file(j["job_id"]), default={}) or {}).get("sandbox")
-             for j in rec["jobs"]] + [(final_gate or {}).get("sandbox"), ev.get("sandbox")])
+        # The sessions' results, read once (False: a session without one).
+        results = [read_json(self.paths.result_file(j["job_id"]), default=False) for j in rec["jobs"]]
+        rec["sandbox"] = sandbox_summary([(r or {}).get("sandbox") for r in results]
+                                         + [(final_gate or {}).get("sandbox"), ev.get("sandbox")])
         rec["evaluation"] = evaluation
         exec_jobs = [j for j in rec["jobs"] if j["role"] != "reviewer"]
         rec["delivery"] = self._delivery(exec_jobs)
@@ -13579,15 +13580,11 @@ class RunPipeline:
         rec.update({"status": "finished", "outcome": outcome, "validity": validity,
                     "validity_reason": verdict.validity_reason, "failure_reason": verdict.failure_reason,
                     "finished_at": utc_now(),
-                    "claude_version": next(
-                        (read_json(self.paths.result_file(j["job_id"]), default={}) or {})
-                        .get("claude_version")
-                        for j in rec["jobs"] if self.paths.result_file(j["job_id"]).exists())})
+                    "claude_version": next((r or {}).get("claude_version") for r in results
+                                           if r is not False)})
         rec["provenance"]["claude_version"] = rec["claude_version"]
-        rec["provenance"]["models_reported"] = sorted({
-            m for j in rec["jobs"]
-            for m in ((read_json(self.paths.result_file(j["job_id"]), default={}) or {})
-                      .get("models_reported") or [])})
+        rec["provenance"]["models_reported"] = sorted({m for r in results
+                                                       for m in (r or {}).get("models_reported") or []})
         self._save()
         remove_marker(self.paths.state / "running_runs" / self.run_id)
         self._event("score", success=ev["success"], score=ev["score"])
