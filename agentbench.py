@@ -636,10 +636,8 @@ def read_detach_env_file(path: str, *, remove: bool = True) -> dict[str, str]:
     ):
         raise AgentbenchError("malformed detach env file", code="malformed_detach_env_file", path=path)
     if remove:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
     return dict(env)
 
 
@@ -1081,14 +1079,12 @@ class PosixPlatform(Platform):
         # comparisons inside one scan are exact.
         if self._btime is None:
             btime = 0.0
-            try:
+            with contextlib.suppress(OSError):
                 with open(os.path.join(self._proc, "stat"), encoding="ascii") as fh:
                     for line in fh:
                         if line.startswith("btime "):
                             btime = float(line.split()[1])
                             break
-            except OSError:
-                pass
             self._btime = btime
         return self._btime
 
@@ -1260,21 +1256,15 @@ class PosixPlatform(Platform):
             if p.pid in scan and scan[p.pid].pgid in groups and scan[p.pid].pgid != own_group
         })
         for pgid in live_groups:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(pgid, sig)
-            except OSError:
-                pass
         for p in targets:
-            try:
+            with contextlib.suppress(OSError):   # not ours to signal: it will be reported as a survivor
                 self._send(p, sig)
-            except OSError:
-                pass  # not ours to signal: it will be reported as a survivor
             if not hard:
                 # A stopped process would hold SIGTERM pending until continued.
-                try:
+                with contextlib.suppress(OSError):
                     self._send(p, signal.SIGCONT)
-                except OSError:
-                    pass
 
     # -- launching and files -----------------------------------------------------------------------
 
@@ -1364,10 +1354,8 @@ class PosixPlatform(Platform):
             os.unlink(src)
         except FileNotFoundError:
             # Someone else moved src first: undo our link so exactly one mover wins.
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(dst)
-            except FileNotFoundError:
-                pass
             return False
         return True
 
@@ -1675,15 +1663,12 @@ class WindowsPlatform(Platform):
         if first:
             for root in roots:
                 if self._taskkill_safe(root, scan):
-                    try:
+                    # the per-pid sweep below still runs
+                    with contextlib.suppress(OSError, subprocess.SubprocessError):
                         self._run_helper(["taskkill", "/T", "/F", "/PID", str(root.pid)], 60.0)
-                    except (OSError, subprocess.SubprocessError):
-                        pass  # the per-pid sweep below still runs
         for p in targets:
-            try:
+            with contextlib.suppress(OSError):
                 self._terminate_verified(p)
-            except OSError:
-                pass
 
     # -- launching and files -----------------------------------------------------------------------
 
@@ -1697,10 +1682,8 @@ class WindowsPlatform(Platform):
         the OS honours modes) and the child loads and deletes it (read_detach_env_file). The
         environment never appears on a command line, where other users could read it."""
         path = log_path + ".env.json"
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump({"env": dict(env)}, fh)
@@ -18538,12 +18521,10 @@ def workspace_diff(starter: Path | None, workspace: Path) -> dict[str, Any]:
         rel = shown_name(raw)     # what the page shows: an odd name escaped, never raw bytes
         a, b = old.get(raw), new.get(raw)
         if a is not None and b is not None and not b.is_symlink() and a.is_file() and b.is_file():
-            try:
+            with contextlib.suppress(OSError):
                 if a.stat().st_size == b.stat().st_size and sha256_regular(a) == sha256_regular(b) \
                         and sha256_regular(b) is not None:
                     continue
-            except OSError:
-                pass
         status = "added" if a is None else "removed" if b is None else "changed"
         ta, na = _page_file_text(a) if a is not None else ("", "")
         tb, nb = _page_file_text(b) if b is not None else ("", "")
@@ -19458,11 +19439,9 @@ class ScriptedModelHandler:
 
     def _send_stream(self, plan: dict, usage: dict) -> None:
         self._start_stream()
-        try:
+        with contextlib.suppress(OSError):   # the client went away; nothing to answer to
             for name, data in self._stream_events(plan, usage):
                 self._event(name, data)
-        except OSError:
-            pass  # the client went away; nothing to answer to
 
     def _fault(self, plan: dict, usage: dict, body: dict) -> None:
         fault = plan["fault"]
@@ -19544,7 +19523,7 @@ class ScriptedModelHandler:
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.close_connection = True
-        try:
+        with contextlib.suppress(OSError):
             if fault == "cut":
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
@@ -19552,8 +19531,6 @@ class ScriptedModelHandler:
             else:
                 self.wfile.write(data)
                 self.wfile.flush()
-        except OSError:
-            pass
 
 
 class ScriptedModelServer:
@@ -19619,10 +19596,8 @@ class ScriptedModelServer:
         with self._lock:
             open_sockets = list(self._open_sockets)
         for sock in open_sockets:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         httpd.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -23791,7 +23766,7 @@ class Progress:
             now = time.monotonic()
             line = f"[{self.done}/{self.total}] {msg}" + progress_tail(
                 self.done, self.total, self.spent, self.finished_here, now - self.started)
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if self.tty:
                     self.stream.write("\r\x1b[K" + line[:200])
                     self.stream.flush()
@@ -23799,8 +23774,6 @@ class Progress:
                     self.stream.write(f"agentbench: {line}\n")
                     self.stream.flush()
                     self.last = now
-            except (OSError, ValueError):
-                pass
 
     def close(self) -> None:
         if self.tty:
