@@ -6268,10 +6268,6 @@ class ArmSetting:
     follows: str | None = None
 
 
-def _env_view(env: Any) -> dict[str, str]:
-    return dict(env)
-
-
 def _env_of_view(env: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items()))
 
@@ -6317,7 +6313,7 @@ ARM_SETTINGS: tuple[ArmSetting, ...] = (
                required=True, follows="tools"),
     ArmSetting("disallowed_tools", _arm_tools_check, "", "value", _flag("--disallowedTools"), False,
                study=True, from_view=lambda v: v or ""),
-    ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=_env_view, from_view=_env_of_view),
+    ArmSetting("env", _arm_env_check, (), "env", _no_flags, False, to_view=dict, from_view=_env_of_view),
     ArmSetting("system_prompt", _arm_path_check, None, "file", _system_prompt_argv, False),
     ArmSetting("mcp", _arm_path_check, None, "mcp", _mcp_argv, True),
     ArmSetting("settings", _arm_path_check, None, "file", _path_flag("--settings"), True),
@@ -7093,11 +7089,6 @@ def message_meter(body: bytes) -> tuple[dict[str, Any], str | None, bool]:
     usage, bad = _clean_usage(obj.get("usage"))
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
     return usage, model, bad
-
-
-def metered_tokens(usage: Mapping[str, Any]) -> dict[str, int]:
-    """Usage to the ledger's token dict; the 5m/1h cache-write split stays exact."""
-    return tokens_from_usage(usage)
 
 
 @dataclass(frozen=True)
@@ -7887,7 +7878,7 @@ class MeteringGateway:
     def _observe(self, live: LiveAnswer, meter: SseMeter) -> None:
         """A streamed answer's usage moved: cost it so far; cut every answer when it passed its own
         reservation (the bound failed) or the metered spend, live answers included, reached a cap."""
-        running = estimate_cost_usd(metered_tokens(meter.usage), meter.model or live.model, self.prices)
+        running = estimate_cost_usd(tokens_from_usage(meter.usage), meter.model or live.model, self.prices)
         with self._lock:
             self._live[live.ticket] = running
             total = sum(self._live.values())
@@ -7907,7 +7898,7 @@ class MeteringGateway:
         An answer that cost more than its reservation sets the cutoff: the bound did not hold.  A
         cut answer whose final usage never came (the upstream may bill what it had generated, or
         its whole input) is charged its reservation when that is more: the caps fail closed."""
-        tokens = metered_tokens(answer.usage)
+        tokens = tokens_from_usage(answer.usage)
         rmodel = answer.model or live.model
         cost = estimate_cost_usd(tokens, rmodel, self.prices)
         if answer.cut and not answer.complete and live.reserved > cost:
@@ -18373,10 +18364,6 @@ def _page_result_text(content: Any) -> str:
     return "" if content is None else json.dumps(content, ensure_ascii=False, default=str)
 
 
-def _finite_or_none(x: Any) -> float | None:
-    return finite_number(x)
-
-
 def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
     """The timeline of one session from its raw stream-json lines (pure).
 
@@ -18442,10 +18429,10 @@ def stream_timeline(lines: Iterable[str | bytes]) -> dict[str, Any]:
                                                                         PAGE_RESULT_CHARS)
                         item["is_error"] = b.get("is_error") is True
         elif kind == "result":
-            turns, dur = ev.get("num_turns"), _finite_or_none(ev.get("duration_ms"))
+            turns, dur = ev.get("num_turns"), finite_number(ev.get("duration_ms"))
             text, cut = _page_trim(str(ev.get("result") or ""), PAGE_TEXT_CHARS)
             add({"kind": "result", "subtype": str(ev.get("subtype") or ""),
-                 "cost_usd": _finite_or_none(ev.get("total_cost_usd")),
+                 "cost_usd": finite_number(ev.get("total_cost_usd")),
                  "turns": turns if isinstance(turns, int) and not isinstance(turns, bool) else None,
                  "duration_s": None if dur is None else dur / 1000, "text": text, "cut": cut})
     return out
@@ -18632,8 +18619,8 @@ def collect_run_page(paths: StudyPaths, rec: dict, starter: Path | None) -> dict
         usage = (result or {}).get("usage") if isinstance(result, dict) else None
         sessions.append({"job_id": jid, "role": str(j.get("role") or ""), "status": j.get("status"),
                          "created_at": job.get("created_at") if isinstance(job, dict) else None,
-                         "reason": j.get("reason"), "cost_usd": _finite_or_none(j.get("cost_usd")),
-                         "duration_s": _finite_or_none(j.get("duration_s")),
+                         "reason": j.get("reason"), "cost_usd": finite_number(j.get("cost_usd")),
+                         "duration_s": finite_number(j.get("duration_s")),
                          "tokens": (usage or {}).get("tokens") if isinstance(usage, dict) else None,
                          "prompt": _page_trim(prompt, PAGE_TEXT_CHARS), "timeline": timeline,
                          "stream_found": bool(stream and stream.exists())})
@@ -18768,7 +18755,7 @@ def render_run_page(page: dict) -> str:
                            f"{ev.get('tests_passed')}/{ev.get('tests_total')}" if ev else "-",
                            fmt_int(rec.get("gate_cycles") or 0),
                            fmt_usd(run_cost(rec), bool(rec.get("cost_estimated"))),
-                           fmt_secs(_finite_or_none(rec.get("wall_s"))),
+                           fmt_secs(finite_number(rec.get("wall_s"))),
                            "yes" if audit["flagged"] else "no"]]))
     failed = failed_checks(ev.get("checks")) if ev else []
     if failed:

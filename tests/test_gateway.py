@@ -50,7 +50,7 @@ def test_sse_meter_reads_usage_split_across_chunks():
         m = ab.SseMeter()
         for i in range(0, len(data), size):
             m.feed(data[i:i + size])
-        tokens = ab.metered_tokens(m.usage)
+        tokens = ab.tokens_from_usage(m.usage)
         assert tokens == {"input": 100, "output": 50, "cache_creation": 300, "cache_creation_1h": 100,
                           "cache_creation_5m": 200, "cache_read": 1000}, size
         assert m.model == "claude-test" and not m.bad and m.error is None
@@ -67,7 +67,7 @@ def test_sse_meter_reads_usage_split_across_chunks():
 def test_sse_meter_table(events, tokens_out, bad, error):
     m = ab.SseMeter()
     m.feed(sse(*events))
-    assert ab.metered_tokens(m.usage)["output"] == tokens_out
+    assert ab.tokens_from_usage(m.usage)["output"] == tokens_out
     assert m.bad is bad and m.error == error
 
 
