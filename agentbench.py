@@ -2332,10 +2332,7 @@ def rebuilt_registry(paths: StudyPaths) -> dict[str, Any]:
     past every job directory (the creator also skips directories a crash left).  O(ledger):
     only ever when the registry is gone."""
     records, _ = read_jsonl(paths.ledger)
-    counts: dict[str, int] = {}
-    for r in records:
-        if isinstance(r.get("status"), str):
-            counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = dict(collections.Counter(r["status"] for r in records if isinstance(r.get("status"), str)))
     try:
         made = [int(n[1:]) for n in os.listdir(paths.jobs) if JOB_ID_RE.fullmatch(n)]
     except OSError:
@@ -14110,9 +14107,7 @@ def drive_selected(host: Host, study: Study, run_ids: list[str], parallel: int,
     opts = PipelineOptions(env_extra=dict(study.cfg.get("env") or {}), driver=driver, progress=progress)
     with DriverBeat(driver):
         out = drive_runs(host, paths, run_ids, opts, parallel, study=study)
-    outcomes: dict[str, int] = {}
-    for r in out["results"].values():
-        outcomes[str(r.get("outcome"))] = outcomes.get(str(r.get("outcome")), 0) + 1
+    outcomes = dict(collections.Counter(str(r.get("outcome")) for r in out["results"].values()))
     unclaimed = out.pop("unclaimed", {})
     if unclaimed:
         raise AgentbenchError("some runs could not be run", code="runs_not_run", unclaimed=unclaimed, **out,
