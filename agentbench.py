@@ -12578,10 +12578,8 @@ def prepare_workspace(paths: StudyPaths, platform: "Platform", task: Task, run_d
                         ignore=shutil.ignore_patterns(*IGNORED_BUNDLE_NAMES))
         info["overlay"] = {"files": sorted(laid), "manifest_sha256": manifest_sha256(laid)}
     if shutil.which("git"):
-        ok = git(platform, str(ws), "init", "-q", host_env=host_env).returncode == 0
-        ok = ok and git(platform, str(ws), "add", "-A", host_env=host_env).returncode == 0
-        ok = ok and git(platform, str(ws), "commit", "-q", "-m", "starter", host_env=host_env).returncode == 0
-        info["git"] = ok
+        info["git"] = all(git(platform, str(ws), *argv, host_env=host_env).returncode == 0
+                          for argv in (("init", "-q"), ("add", "-A"), ("commit", "-q", "-m", "starter")))
     if missing_fixture:
         target = ws / missing_fixture
         info["missing_fixture"] = {"path": missing_fixture, "existed": target.exists()}
@@ -13672,8 +13670,7 @@ def drive_runs(ctx: Host, paths: StudyPaths, run_ids: Sequence[str], opts: Pipel
             except OSError as exc:
                 # A lock that stays busy, a read-only or full disk: said, never a silent `ran: []`.
                 with lock:
-                    unclaimed[rid] = exc.payload if isinstance(exc, AgentbenchError) else \
-                        {"error": f"{type(exc).__name__}: {exc}"}
+                    unclaimed[rid] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
             try:
                 rec = pipe.execute()
