@@ -10957,14 +10957,10 @@ def receipt_verdict(receipt: Any, exit_code: int | None, timed_out: bool, *, whi
         if not isinstance(passed, bool):
             return out(False, 0.0, "refused", f"the receipt's passed is not true or false: {passed!r}"[:200])
         raw_score = receipt.get("score")
-        if raw_score is None:
-            score = 1.0 if passed else 0.0
-        else:
-            score_f = finite_number(raw_score, lo=0.0, hi=1.0)
-            if score_f is None:
-                return out(False, 0.0, "refused",
-                           f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
-            score = score_f
+        score = (1.0 if passed else 0.0) if raw_score is None else finite_number(raw_score, lo=0.0, hi=1.0)
+        if score is None:
+            return out(False, 0.0, "refused",
+                       f"the receipt's score is not a number in [0, 1]: {raw_score!r}"[:200])
         if passed and exit_code != 0:
             return out(False, 0.0, "refused", f"the receipt says passed but the check exited {exit_code}")
         return out(passed, score, "json", None, receipt)
