@@ -23498,11 +23498,10 @@ def cmd_wait(ctx: Ctx, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
             if (paths.undelivered / j).exists():
                 remove_marker(paths.undelivered / j)
                 delivered.append(j)
-    for js in jobs:
-        js["delivered_now"] = js["job_id"] in delivered
-    if not ctx.is_child:
         for r in runs_done:
             remove_marker(queued_runs_dir(paths) / r)
+    for js in jobs:
+        js["delivered_now"] = js["job_id"] in delivered
     runs = [run_summary(paths, r) for r in run_targets if run_file(paths, r).exists()]
     out = {"met": met, "jobs": jobs, "runs": runs, "pending": [j for j in targets if j not in done_jobs]
            + [r for r in run_targets if r not in runs_done],
