@@ -22926,22 +22926,17 @@ def write_harbor_bundle(plan: Mapping[str, Any], dst: Path) -> None:
     """The bundle of one checked plan, written under `dst` (a new directory), every file copied
     as agent output is (safe_copy_tree, safe_copy_file): the task is a stranger's, and a link or a
     device that appeared after the check copies nothing from the host and fills nothing."""
-    root: Path = plan["root"]
-    (dst / "public").mkdir(parents=True)
+    root: Path = plan["root"]   # every write below makes the directories it writes into
     note = (f"> Imported from a Harbor task: `{plan['workdir']}` in this text is your working directory.\n\n")
     write_text_atomic(dst / "public" / "TASK.md", note + plan["instruction"])
     for src, rel in sorted(plan["starter"].items()):
         if rel == "TASK.md":
             continue
-        (dst / "public" / rel).parent.mkdir(parents=True, exist_ok=True)
         safe_copy_file(root / "environment" / src, dst / "public" / rel, HARBOR_TASK_MAX_BYTES)
-    (dst / "gate").mkdir()
     write_text_atomic(dst / "gate" / "syntax_gate.py", HARBOR_SYNTAX_GATE_PY)
-    (dst / "oracle").mkdir()
     safe_copy_tree(root / "tests", dst / "oracle" / "tests", HARBOR_COPY_CAPS, links="drop",
                    skip_names=HARBOR_COPY_SKIP)
     write_text_atomic(dst / "oracle" / "harbor_verifier.py", HARBOR_VERIFIER_PY)
-    (dst / "reference").mkdir()
     safe_copy_tree(root / "solution", dst / "reference" / "solution", HARBOR_COPY_CAPS, links="drop",
                    skip_names=HARBOR_COPY_SKIP)
     safe_copy_file(root / "task.toml", dst / "harbor-task.toml", HARBOR_TASK_MAX_BYTES)
