@@ -11426,7 +11426,6 @@ def reference_overlay(paths: StudyPaths, platform: "Platform", task: Task, env: 
                 changed = task.public_manifest.get(rel) != digest
                 if not changed or digest.startswith(("symlink:", "special:")):
                     continue
-                (staged / rel).parent.mkdir(parents=True, exist_ok=True)
                 safe_copy_file(os.path.join(ws, rel), staged / rel, None)
                 try:   # the scripted agent writes text through the Write tool: binary is left out
                     (staged / rel).read_bytes().decode("utf-8")
@@ -22067,7 +22066,6 @@ def export_atif(paths: StudyPaths, out: Path) -> dict[str, Any]:
         last_of_session[key] = jid
         planned.append((out / group / jid / "trajectory.json", traj))
     for path, traj in planned:
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, strict_unicode(traj))   # valid text for strict readers
     return {"format": "atif", "schema_version": ATIF_VERSION, "out": str(out), "trajectories": len(planned),
             "files": [str(p.relative_to(out)) for p, _ in planned][:LIST_LIMIT_DEFAULT],
@@ -24086,7 +24084,6 @@ def cmd_demo(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     ensure_claude(ctx, None, install=True)
     copy_tree(example, study)
     paths = StudyPaths(study)
-    paths.state.mkdir(parents=True, exist_ok=True)
     write_json_atomic(paths.registry, read_registry(paths))
     demo = load_study(paths).load_all()
     cfg, tasks = demo.cfg, demo.tasks
