@@ -4837,12 +4837,16 @@ def inner_sandbox_args(argv: Sequence[str], env: Mapping[str, str], *, workdir: 
                        hidden: Sequence[str], seccomp: int | None = None) -> list[str]:
     """bubblewrap's arguments (without the binary) for one inner run: the host's system and tool
     directories (base_plan), `workdir` read-write at INNER_WORKDIR and nothing else of the host,
-    a size-capped private /tmp, no network, the check sandbox's namespaces and filter."""
+    a size-capped private /tmp, no network, the check sandbox's namespaces and filter.  The command
+    is its pid namespace's first process (--as-pid-1): no other process of the run can stop or kill
+    it, and a harness's driver there may end what one check left running before the next."""
     base = base_plan(argv[0] if argv else None, env, hidden, keep_out=[workdir])
     plan = dataclasses.replace(base, ro=(), rw=(), cwd=INNER_WORKDIR, tmp_mb=INNER_TMP_MB,
                                container=(("bind", _real(workdir), INNER_WORKDIR),))
     # The environment is set inside (bubblewrap itself starts with SANDBOX_OUTER_ENV).
-    return sandbox_argv("bwrap", plan, argv, seccomp=seccomp, env=env)[1:]
+    out = sandbox_argv("bwrap", plan, argv, seccomp=seccomp, env=env)[1:]
+    sep = out.index("--")
+    return out[:sep] + ["--as-pid-1"] + out[sep:]
 
 
 # ==================================================================================================
@@ -21138,15 +21142,16 @@ SCAFFOLD_KINDS = {"python-fix": "fix a bug in a small Python module",
 #: process, which compares, and this process alone writes the one receipt line to a channel that
 #: no child is handed.  %(checks)s is the task kind's list of checks.
 SCAFFOLD_ORACLE = '''#!/usr/bin/env python3
-"""Hidden tests of the task: agentbench never copies this directory into a workspace.
+\"\"\"Hidden tests of the task: agentbench never copies this directory into a workspace.
 
 EDIT HERE: the CHECKS list. A check is (id, the arguments after `python`, the stdout it must
-print). Each runs through HELPER (agentbench's inner sandbox) in a fresh copy of the workspace,
-which is all it sees: never this file, its expected values or the receipt channel. Only the
-output comes back, and it is compared here. Never pass an expected value to the command.
+print). All of them run in one batch through HELPER (agentbench's inner sandbox) in a fresh copy
+of the workspace, which is all they see: never this file, its expected values or the receipt
+channel. Only each command's output comes back, and it is compared here. Never pass an expected
+value to a command.
 Usage (agentbench passes all three, see task.json):
     run.py WORKSPACE --sandbox-run HELPER --receipt-fd FD
-"""
+\"\"\"
 import json
 import os
 import shutil
@@ -21158,10 +21163,52 @@ CHECKS = [
 %(checks)s
 ]
 TIMEOUT_S = 20          # per check; every check timing out must fit the oracle's timeout_s
+RESULTS = ".oracle-results.json"
+
+# Runs in the inner sandbox, in the copy: each check's command in turn, each with its time limit
+# (killed with whatever it started when that passes); what each did goes to RESULTS.  It is the
+# sandbox's pid 1: no command can stop it, and it ends what one left running before the next.
+DRIVER = r\"\"\"
+import json, os, signal, subprocess, sys, tempfile
+def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check left running
+    if os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:   # none was left
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+req = json.load(sys.stdin)
+def run(args):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-E", "-s", *args], stdin=subprocess.DEVNULL,
+                             stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = p.wait(timeout=req["timeout"])
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        p.wait()
+        end_the_rest()
+        out.seek(0)
+        err.seek(0)
+        return {"exit": code, "stdout": out.read(1 << 20).decode("utf-8", "replace"),
+                "stderr": err.read(1 << 20).decode("utf-8", "replace")}
+results = [run(args) for args in req["commands"]]
+with open(req["results"], "w", encoding="utf-8") as fh:
+    json.dump(results, fh)
+\"\"\"
 
 
 def not_dumpable():
-    """Linux: no other process of this user may take this process's descriptors."""
+    \"\"\"Linux: no other process of this user may take this process's descriptors.\"\"\"
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE = 0
@@ -21170,7 +21217,7 @@ def not_dumpable():
 
 
 def fresh_copy(workspace, names):
-    """A copy of the workspace in a new directory under it (the helper runs only there)."""
+    \"\"\"A copy of the workspace in a new directory under it (the helper runs only there).\"\"\"
     dst = tempfile.mkdtemp(prefix=".check-", dir=workspace)
     for name in names:
         src = os.path.join(workspace, name)
@@ -21181,23 +21228,37 @@ def fresh_copy(workspace, names):
     return dst
 
 
-def run_check(helper, workspace, names, args, expected):
-    copy = fresh_copy(workspace, names)
+def run_all(helper, copy):
+    \"\"\"Every check's command, in one run of DRIVER in the inner sandbox: per check, its
+    {"exit" (None: did not finish), "stdout", "stderr"}.\"\"\"
+    limit = TIMEOUT_S * len(CHECKS) + 10
+    request = json.dumps({"commands": [args for _, args, _ in CHECKS], "timeout": TIMEOUT_S,
+                          "results": RESULTS})
     try:
-        proc = subprocess.run([sys.executable, helper, "--dir", copy, "--timeout", str(TIMEOUT_S),
-                               "--", sys.executable, "-E", "-s", *args], text=True,
-                              capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S + 30)
+        proc = subprocess.run([sys.executable, helper, "--dir", copy, "--timeout", str(limit), "--",
+                               sys.executable, "-I", "-c", DRIVER], input=request, text=True,
+                              capture_output=True, timeout=limit + 30)
+        why = "no results (exit %%d) %%s" %% (proc.returncode, proc.stderr.strip()[-300:])
+        if proc.returncode == 0:   # the driver wrote RESULTS, and exited
+            with open(os.path.join(copy, RESULTS), encoding="utf-8") as fh:
+                results = json.load(fh)
+            if isinstance(results, list) and len(results) == len(CHECKS):
+                return results
     except subprocess.TimeoutExpired:
-        return False, "timed out after %%d s" %% TIMEOUT_S
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
-    if proc.returncode == 124:
-        return False, "timed out after %%d s" %% TIMEOUT_S
-    got = proc.stdout.strip()
+        why = "the checks did not finish in %%d s" %% limit
+    except (OSError, ValueError) as exc:
+        why = "no results: %%s" %% exc
+    return [{"exit": None, "stdout": "", "stderr": why}] * len(CHECKS)
+
+
+def judge(expected, result):
+    if result["exit"] is None:
+        return False, result["stderr"] or "timed out after %%d s" %% TIMEOUT_S
+    got = result["stdout"].strip()
     if got == expected:
         return True, "ok"
-    return False, "expected %%r, got %%r (exit %%d) %%s" %% (expected, got[-200:], proc.returncode,
-                                                        proc.stderr.strip()[-300:])
+    return False, "expected %%r, got %%r (exit %%d) %%s" %% (expected, got[-200:], result["exit"],
+                                                        result["stderr"].strip()[-300:])
 
 
 def main(argv):
@@ -21207,10 +21268,14 @@ def main(argv):
     workspace, helper, fd = argv[1], argv[3], int(argv[5])
     os.set_inheritable(fd, False)   # no child process is handed the channel
     not_dumpable()
-    names = sorted(os.listdir(workspace))
+    copy = fresh_copy(workspace, sorted(os.listdir(workspace)))
+    try:
+        results = run_all(helper, copy)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
     checks = []
-    for check_id, args, expected in CHECKS:
-        passed, detail = run_check(helper, workspace, names, args, expected)
+    for (check_id, _args, expected), result in zip(CHECKS, results):
+        passed, detail = judge(expected, result)
         checks.append({"id": check_id, "passed": passed, "detail": detail})
     n = sum(1 for c in checks if c["passed"])
     receipt = {"passed": n == len(checks), "score": n / len(checks), "checks": checks,

@@ -139,6 +139,19 @@ def _old_bugfix(tmp: Path) -> Path:
     return task
 
 
+# The old way's run_all: each check's command a child of the harness, in the workspace's copy.
+OLD_RUN_ALL = '''def run_all(helper, copy):
+    out = []
+    for _id, args, _expected in CHECKS:
+        p = subprocess.run([sys.executable, "-E", "-s", *args], cwd=copy, text=True,
+                           capture_output=True, stdin=subprocess.DEVNULL, timeout=TIMEOUT_S)
+        out.append({"exit": p.returncode, "stdout": p.stdout, "stderr": p.stderr})
+    return out
+
+
+'''
+
+
 def _old_scaffold(tmp: Path) -> Path:
     """A python-fix scaffold whose oracle runs each check as `python -c ...` in the workspace and
     compares its stdout with CHECKS (the old way: the code's parent is the harness)."""
@@ -146,9 +159,8 @@ def _old_scaffold(tmp: Path) -> Path:
     assert code == 0, out
     task = tmp / "scaf" / "tasks" / "oldscaf"
     run = (task / "oracle" / "run.py").read_text()
-    run = run.replace('proc = subprocess.run([sys.executable, helper, "--dir", copy, "--timeout", str(TIMEOUT_S),\n'
-                      '                               "--", sys.executable, "-E", "-s", *args], text=True,',
-                      'proc = subprocess.run([sys.executable, "-E", "-s", *args], cwd=copy, text=True,')
+    start, end = run.index("def run_all("), run.index("def judge(")
+    run = run[:start] + OLD_RUN_ALL + run[end:]
     assert "helper, \"--dir\"" not in run
     (task / "oracle" / "run.py").write_text(run)
     return task
@@ -450,10 +462,11 @@ def test_the_inner_sandbox_holds_every_attack_of_the_code_under_test(tmp_path):
         mark.unlink()
 
 
-def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path, monkeypatch):
-    """The code prints, endlessly, the one value a check may expect: each inner run is stopped at
-    the output cap (made small here), its check fails, and the grade is a valid verdict."""
-    monkeypatch.setattr(ab, "OUTPUT_CAP_BYTES", 1 << 20)
+def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path):
+    """The code prints, endlessly, the one value a check may expect: the scaffold's driver keeps
+    each command's output on the inner sandbox's private, size-capped /tmp, where the flood ends
+    when it is full; each check is judged on that output and fails, and the grade is a valid
+    verdict."""
     code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
     assert code == 0, out
     study = _study(tmp_path, {"scaf": tmp_path / "new" / "tasks" / "scaf"})
@@ -461,7 +474,7 @@ def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path
     rec = _grade(study, "scaf", {"stats.py": flood})
     assert not rec["success"] and rec["grader_error"] is None and rec["inner_sandbox"]["kind"] == "bwrap", rec
     assert not any(c["passed"] for c in rec["checks"]), rec["checks"]
-    assert all("output passed" in c["detail"] for c in rec["checks"]), rec["checks"]
+    assert all(c["detail"].startswith("expected ") and "4.0" in c["detail"] for c in rec["checks"]), rec["checks"]
 
 
 def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(tmp_path):

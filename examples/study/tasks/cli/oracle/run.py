@@ -3,12 +3,14 @@
 
 Usage: python run.py WORKSPACE --sandbox-run HELPER [--receipt-fd FD]
 
-The tool never runs in this process, nor where it could see this file: each check gets a fresh
-directory holding a copy of the workspace (tool/) and an empty data directory (data/), and every
-call of the tool runs there in agentbench's inner sandbox (HELPER is the {sandbox_run} helper),
-which sees that directory and nothing else: not this file, not the receipt channel, not this
-process's arguments.  Only the tool's exit status, output and data file come back, and they are
-compared with the expected values here.  A tool that hangs or crashes costs that one check.
+The tool never runs in this process, nor where it could see this file: every check's calls of the
+tool (their arguments, never the expected values) go in one batch to a small driver that
+agentbench's inner sandbox runs (HELPER is the {sandbox_run} helper) in a fresh directory holding
+a copy of the workspace (tool/).  The inner sandbox sees that directory and nothing else: not
+this file, not the receipt channel, not this process's arguments.  There each check gets an empty
+data directory of its own, and its calls run one after the other, each with a time limit; only
+each call's exit status, output and data file come back, and they are compared with the expected
+values here.  A tool that hangs or crashes costs that one check.
 
 The JSON receipt is written, from this parent process only, to the receipt channel FD (when
 given) and as the last stdout line:
@@ -16,7 +18,7 @@ given) and as the last stdout line:
      "tests_passed": int, "tests_total": int}
 Exit status is 0 whether or not the checks pass; 2 only when the oracle itself cannot run.
 """
-import concurrent.futures
+import base64
 import json
 import os
 import shutil
@@ -24,70 +26,52 @@ import subprocess
 import sys
 import tempfile
 
-# Per tool call. A check stops at its first hung call, so every check hanging still fits in the
-# task's oracle timeout (300 s).
+# Per tool call. A check stops at its first hung call.
 CALL_TIMEOUT_S = 20
-WORKERS = 4
+# Every check together (one after the other); it must fit in the task's oracle timeout (300 s).
+BATCH_TIMEOUT_S = 240
 
 
 class CheckFailed(Exception):
     """A check's expectation did not hold; the message is the receipt's detail."""
 
 
-class Tool:
-    """Runs ``todo.py`` from a copy of the workspace (CHECK_DIR/tool) in the inner sandbox, with
-    CHECK_DIR/data as its working directory."""
+class Call:
+    """What one call of the tool did: its exit status, stdout and stderr, and the data file
+    (todo.json in its working directory) after it: `exists`, and `file`, its bytes."""
 
-    def __init__(self, helper, check_dir):
-        self.helper = helper
-        self.check_dir = check_dir
-        self.data_dir = os.path.join(check_dir, "data")
-        self.data_file = os.path.join(self.data_dir, "todo.json")
+    def __init__(self, args, answer):
+        self.args = args
+        self.exit, self.stdout, self.stderr = answer["exit"], answer["stdout"], answer["stderr"]
+        self.exists = answer["exists"]
+        self.file = None if answer["file"] is None else base64.b64decode(answer["file"])
 
-    def run(self, *args, use_file=True):
-        # Paths relative to the check directory: inside, it is the working directory.
-        tool_args = ["--file", "todo.json"] if use_file else []
-        cmd = [sys.executable, self.helper, "--dir", self.check_dir, "--timeout", str(CALL_TIMEOUT_S),
-               "--", "/bin/sh", "-c", 'cd data && exec "$0" -X utf8 ../tool/todo.py "$@"',
-               sys.executable, *tool_args, *args]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, text=True,
-                                  encoding="utf-8", errors="replace", timeout=CALL_TIMEOUT_S + 30)
-        except subprocess.TimeoutExpired:
-            proc = None
-        if proc is None or proc.returncode == 124:
-            raise CheckFailed(f"todo {' '.join(args)} did not finish in {CALL_TIMEOUT_S} s")
-        return proc
-
-    def ok(self, *args):
-        """Run and require exit status 0; return the process."""
-        proc = self.run(*args)
-        if proc.returncode != 0:
-            raise CheckFailed(f"todo {' '.join(args)} exited {proc.returncode}: "
-                              f"{proc.stderr.strip()[-200:]}")
-        return proc
-
-    def lines(self, *args):
-        return self.ok(*args).stdout.splitlines()
-
-    def list_json(self):
-        out = self.ok("list", "--json").stdout
-        try:
-            return json.loads(out)
-        except ValueError:
-            raise CheckFailed(f"list --json stdout is not one JSON document: {out[:200]!r}")
-
-    def file_bytes(self):
-        try:
-            with open(self.data_file, "rb") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return None
+    def __str__(self):
+        return "todo " + " ".join(self.args)
 
 
 def expect(condition, detail):
     if not condition:
         raise CheckFailed(detail)
+
+
+def ok(*calls):
+    """Each call exited 0."""
+    for call in calls:
+        expect(call.exit == 0, f"{call} exited {call.exit}: {call.stderr.strip()[-200:]}")
+
+
+def lines(call):
+    ok(call)
+    return call.stdout.splitlines()
+
+
+def list_json(call):
+    ok(call)
+    try:
+        return json.loads(call.stdout)
+    except ValueError:
+        raise CheckFailed(f"list --json stdout is not one JSON document: {call.stdout[:200]!r}")
 
 
 def expect_typed_items(items, expected):
@@ -98,89 +82,98 @@ def expect_typed_items(items, expected):
                and type(item["done"]) is bool, f"wrong value types in {item!r}")
 
 
-# ---- checks: each takes a Tool on a fresh data directory; raise CheckFailed to fail ----------
+# ---- checks: the tool's calls, and what they must have done ----------------------------------
+# @check(*calls): each call is the tool's arguments, run in order in a fresh data directory with
+# `--file todo.json` first (file_option=False: without it); `data`: the data file's text before
+# the first call.  The function gets one Call per call; it raises CheckFailed to fail, and
+# returns the receipt's detail.
 
-def check_add_and_list_unchanged(tool):
-    expect(tool.lines("add", "buy", "milk") == ["added 1: buy milk"], "add output changed")
-    tool.ok("add", "call mum")
-    got = tool.lines("list")
+CHECKS = {}
+
+
+def check(*calls, file_option=True, data=None):
+    def register(judge):
+        CHECKS[judge.__name__] = ([list(args) for args in calls], file_option, data, judge)
+        return judge
+    return register
+
+
+@check(["add", "buy", "milk"], ["add", "call mum"], ["list"])
+def add_and_list_unchanged(add, add2, listed):
+    expect(lines(add) == ["added 1: buy milk"], "add output changed")
+    ok(add2)
+    got = lines(listed)
     expect(got == ["[ ] 1 buy milk", "[ ] 2 call mum"], f"plain list output changed: {got!r}")
     return "add and plain list behave as before"
 
 
-def check_default_file(tool):
-    proc = tool.run("add", "default place", use_file=False)
-    expect(proc.returncode == 0, f"add without --file exited {proc.returncode}")
-    expect(os.path.exists(tool.data_file), "without --file the data is not in ./todo.json")
+@check(["add", "default place"], file_option=False)
+def default_file(add):
+    expect(add.exit == 0, f"add without --file exited {add.exit}")
+    expect(add.exists, "without --file the data is not in ./todo.json")
     return "default file is ./todo.json"
 
 
-def check_list_never_creates_file(tool):
-    expect(tool.lines("list") == [], "plain list on a missing file printed something")
-    expect(tool.list_json() == [], "list --json on a missing file did not print []")
-    expect(not os.path.exists(tool.data_file), "list created the data file")
+@check(["list"], ["list", "--json"])
+def list_never_creates_file(listed, listed_json):
+    expect(lines(listed) == [], "plain list on a missing file printed something")
+    expect(list_json(listed_json) == [], "list --json on a missing file did not print []")
+    expect(not listed_json.exists, "list created the data file")
     return "missing file lists as empty and stays missing"
 
 
-def check_done_marks_and_persists(tool):
-    for text in ("a", "b", "c"):
-        tool.ok("add", text)
-    tool.ok("done", "2")
-    got = tool.lines("list")
+@check(["add", "a"], ["add", "b"], ["add", "c"], ["done", "2"], ["list"], ["add", "d"], ["list"])
+def done_marks_and_persists(add_a, add_b, add_c, done, listed, add_d, listed_again):
+    ok(add_a, add_b, add_c, done)
+    got = lines(listed)
     expect(got == ["[ ] 1 a", "[x] 2 b", "[ ] 3 c"], f"list after done 2: {got!r}")
-    with open(tool.data_file, encoding="utf-8") as fh:
-        data = json.load(fh)
+    data = json.loads(done.file)
     expect(data.get("next_id") == 4, f"next_id changed: {data.get('next_id')!r}")
     expect([item.get("done") for item in data.get("items", [])] == [False, True, False],
            f"stored done flags wrong: {data.get('items')!r}")
-    tool.ok("add", "d")
-    expect(tool.lines("list")[-1] == "[ ] 4 d", "add after done did not get id 4")
+    ok(add_d)
+    expect(lines(listed_again)[-1] == "[ ] 4 d", "add after done did not get id 4")
     return "done is shown and stored; other items and ids untouched"
 
 
-def check_done_is_idempotent(tool):
-    tool.ok("add", "a")
-    tool.ok("done", "1")
-    before = tool.file_bytes()
-    tool.ok("done", "1")
-    expect(tool.file_bytes() == before, "a second done changed the file")
-    expect(tool.lines("list") == ["[x] 1 a"], "list after two dones is wrong")
+@check(["add", "a"], ["done", "1"], ["done", "1"], ["list"])
+def done_is_idempotent(add, done, done_again, listed):
+    ok(add, done, done_again)
+    expect(done_again.file == done.file, "a second done changed the file")
+    expect(lines(listed) == ["[x] 1 a"], "list after two dones is wrong")
     return "second done exits 0 and changes nothing"
 
 
-def check_done_unknown_id(tool):
-    tool.ok("add", "a")
-    before = tool.file_bytes()
-    proc = tool.run("done", "7")
-    expect(proc.returncode == 1, f"done 7 (unknown) exited {proc.returncode}, expected 1")
-    expect("7" in proc.stderr, f"the error does not name the id: {proc.stderr.strip()!r}")
-    expect("Traceback" not in proc.stderr, "done 7 printed a traceback")
-    expect(tool.file_bytes() == before, "done 7 (unknown) rewrote the file")
+@check(["add", "a"], ["done", "7"])
+def done_unknown_id(add, done):
+    ok(add)
+    expect(done.exit == 1, f"done 7 (unknown) exited {done.exit}, expected 1")
+    expect("7" in done.stderr, f"the error does not name the id: {done.stderr.strip()!r}")
+    expect("Traceback" not in done.stderr, "done 7 printed a traceback")
+    expect(done.file == add.file, "done 7 (unknown) rewrote the file")
     return "unknown id: exit 1, message names it, file untouched"
 
 
-def check_done_missing_file(tool):
-    proc = tool.run("done", "1")
-    expect(proc.returncode == 1, f"done 1 without a file exited {proc.returncode}, expected 1")
-    expect("Traceback" not in proc.stderr, "done 1 without a file printed a traceback")
-    expect(not os.path.exists(tool.data_file), "done 1 without a file created the file")
+@check(["done", "1"])
+def done_missing_file(done):
+    expect(done.exit == 1, f"done 1 without a file exited {done.exit}, expected 1")
+    expect("Traceback" not in done.stderr, "done 1 without a file printed a traceback")
+    expect(not done.exists, "done 1 without a file created the file")
     return "missing file: exit 1, file not created"
 
 
-def check_done_bad_id(tool):
-    tool.ok("add", "a")
-    before = tool.file_bytes()
-    proc = tool.run("done", "abc")
-    expect(proc.returncode == 2, f"done abc exited {proc.returncode}, expected 2 (usage)")
-    expect(tool.file_bytes() == before, "done abc changed the file")
+@check(["add", "a"], ["done", "abc"])
+def done_bad_id(add, done):
+    ok(add)
+    expect(done.exit == 2, f"done abc exited {done.exit}, expected 2 (usage)")
+    expect(done.file == add.file, "done abc changed the file")
     return "non-integer id is a usage error"
 
 
-def check_list_json_shape(tool):
-    for text in ("buy milk", "call mum", "file taxes"):
-        tool.ok("add", text)
-    tool.ok("done", "2")
-    expect_typed_items(tool.list_json(), [
+@check(["add", "buy milk"], ["add", "call mum"], ["add", "file taxes"], ["done", "2"], ["list", "--json"])
+def list_json_shape(*calls):
+    ok(*calls[:-1])
+    expect_typed_items(list_json(calls[-1]), [
         {"id": 1, "text": "buy milk", "done": False},
         {"id": 2, "text": "call mum", "done": True},
         {"id": 3, "text": "file taxes", "done": False},
@@ -188,52 +181,132 @@ def check_list_json_shape(tool):
     return "exact objects, id order, typed values, nothing else on stdout"
 
 
-def check_list_json_unicode(tool):
-    text = 'café \u2615 \u6771\u4eac "quoted" back\\slash'
-    tool.ok("add", text)
-    expect_typed_items(tool.list_json(), [{"id": 1, "text": text, "done": False}])
+UNICODE_TEXT = 'café \u2615 \u6771\u4eac "quoted" back\\slash'
+
+
+@check(["add", UNICODE_TEXT], ["list", "--json"])
+def list_json_unicode(add, listed):
+    ok(add)
+    expect_typed_items(list_json(listed), [{"id": 1, "text": UNICODE_TEXT, "done": False}])
     return "non-ASCII text, quotes and backslashes survive the JSON output"
 
 
-def check_existing_file(tool):
-    # A file written by an older version of the tool: gaps in the ids, items out of id order.
-    data = {"next_id": 6, "items": [{"id": 5, "text": "five", "done": False},
-                                    {"id": 3, "text": "three", "done": True}]}
-    with open(tool.data_file, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-    expect_typed_items(tool.list_json(), [{"id": 3, "text": "three", "done": True},
-                                          {"id": 5, "text": "five", "done": False}])
-    tool.ok("done", "5")
-    tool.ok("add", "six")
-    expect_typed_items(tool.list_json(), [{"id": 3, "text": "three", "done": True},
-                                          {"id": 5, "text": "five", "done": True},
-                                          {"id": 6, "text": "six", "done": False}])
+# A file written by an older version of the tool: gaps in the ids, items out of id order.
+@check(["list", "--json"], ["done", "5"], ["add", "six"], ["list", "--json"],
+       data=json.dumps({"next_id": 6, "items": [{"id": 5, "text": "five", "done": False},
+                                                 {"id": 3, "text": "three", "done": True}]}))
+def existing_file(listed, done, add, listed_again):
+    expect_typed_items(list_json(listed), [{"id": 3, "text": "three", "done": True},
+                                           {"id": 5, "text": "five", "done": False}])
+    ok(done, add)
+    expect_typed_items(list_json(listed_again), [{"id": 3, "text": "three", "done": True},
+                                                 {"id": 5, "text": "five", "done": True},
+                                                 {"id": 6, "text": "six", "done": False}])
     return "existing files: id order, done and add keep working"
 
 
-CHECKS = {
-    "add_and_list_unchanged": check_add_and_list_unchanged,
-    "default_file": check_default_file,
-    "list_never_creates_file": check_list_never_creates_file,
-    "done_marks_and_persists": check_done_marks_and_persists,
-    "done_is_idempotent": check_done_is_idempotent,
-    "done_unknown_id": check_done_unknown_id,
-    "done_missing_file": check_done_missing_file,
-    "done_bad_id": check_done_bad_id,
-    "list_json_shape": check_list_json_shape,
-    "list_json_unicode": check_list_json_unicode,
-    "existing_file": check_existing_file,
-}
-
-
 # ---- harness ---------------------------------------------------------------------------------
+# The tool never runs in this process: the calls of every check go, as data on stdin, to DRIVER,
+# run once by agentbench's inner sandbox (the {sandbox_run} helper) in a fresh directory holding
+# the workspace's copy as tool/; only what each call did comes back (in the file RESULTS of that
+# directory), and it is compared with the expected values here.
 
-def _fresh_check_dir(workspace, names):
+RESULTS = ".oracle-results.json"
+# Checks run one after the other, each in a data directory of its own with a random name (nothing
+# inside learns which check it is); a call's output files live in the private /tmp.  The driver is
+# the inner sandbox's pid 1: nothing the tool starts can stop it, and it ends all such processes
+# before the next check.
+DRIVER = r"""
+import base64, json, os, signal, subprocess, sys, tempfile
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
+req = json.loads(sys.stdin.read())
+
+def call(args, data_dir):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-X", "utf8", "../tool/todo.py", *args], cwd=data_dir,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=req["timeout"])
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever the call left running
+        except OSError:
+            pass
+        proc.wait()
+        out.seek(0)
+        err.seek(0)
+        answer = {"exit": code, "stdout": out.read(1 << 20).decode("utf-8", "replace"),
+                  "stderr": err.read(1 << 20).decode("utf-8", "replace")}
+    path = os.path.join(data_dir, "todo.json")
+    answer["exists"] = os.path.lexists(path)
+    try:
+        with open(path, "rb") as fh:
+            answer["file"] = base64.b64encode(fh.read(1 << 20)).decode()
+    except OSError:
+        answer["file"] = None
+    return answer
+
+def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check left running
+    if os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:   # none was left
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+
+def run_check(spec):
+    data_dir = tempfile.mkdtemp(dir=".")
+    if spec["data"] is not None:
+        with open(os.path.join(data_dir, "todo.json"), "w", encoding="utf-8") as fh:
+            fh.write(spec["data"])
+    answers = []
+    for args in spec["calls"]:
+        answers.append(call(args, data_dir))
+        if answers[-1]["exit"] is None:
+            break
+    end_the_rest()
+    return answers
+
+results = [run_check(spec) for spec in req["checks"]]
+with open(req["results"], "w", encoding="utf-8") as fh:
+    json.dump(results, fh)
+"""
+
+
+def run_all(helper, run_dir, specs):
+    """Every check's calls in one run of DRIVER in the inner sandbox: per check, the answers of
+    its calls (one per call, fewer when one timed out), or a CheckFailed saying why none came."""
+    request = json.dumps({"timeout": CALL_TIMEOUT_S, "results": RESULTS, "checks": specs})
+    cmd = [sys.executable, helper, "--dir", run_dir, "--timeout", str(BATCH_TIMEOUT_S), "--",
+           sys.executable, "-I", "-B", "-c", DRIVER]
+    try:
+        proc = subprocess.run(cmd, input=request, capture_output=True, text=True, encoding="utf-8",
+                              errors="replace", timeout=BATCH_TIMEOUT_S + 30)
+    except subprocess.TimeoutExpired:
+        return [CheckFailed(f"the checks did not finish in {BATCH_TIMEOUT_S} s")] * len(specs)
+    results = None
+    if proc.returncode == 0:   # the driver wrote its results file, and exited
+        try:
+            with open(os.path.join(run_dir, RESULTS), encoding="utf-8") as fh:
+                results = json.load(fh)
+        except (OSError, ValueError):
+            pass
+    if isinstance(results, list) and len(results) == len(specs):
+        return results
+    why = f"the checks gave no results (exit {proc.returncode}): {(proc.stderr or '').strip()[-300:]}"
+    return [CheckFailed(why)] * len(specs)
+
+
+def _fresh_run_dir(workspace, names):
     """A new directory under the workspace (the inner sandbox runs only in directories under the
-    working directory; a random name, so nothing inside learns which check it is) holding a copy
-    of the workspace's entries `names` as tool/ and an empty data/."""
-    check_dir = tempfile.mkdtemp(prefix=".check-", dir=workspace)
-    tool = os.path.join(check_dir, "tool")
+    working directory) holding a copy of the workspace's entries `names` as tool/."""
+    run_dir = tempfile.mkdtemp(prefix=".check-", dir=workspace)
+    tool = os.path.join(run_dir, "tool")
     os.mkdir(tool)
     for name in names:
         src = os.path.join(workspace, name)
@@ -242,24 +315,36 @@ def _fresh_check_dir(workspace, names):
                             ignore=shutil.ignore_patterns(".git", "__pycache__"))
         else:
             shutil.copy2(src, os.path.join(tool, name), follow_symlinks=False)
-    os.mkdir(os.path.join(check_dir, "data"))
-    return check_dir
+    return run_dir
 
 
-def _run_check(check_id, helper, workspace, names):
-    check_dir = None
+def _judge(check_id, calls, judge, answers):
     try:
-        check_dir = _fresh_check_dir(workspace, names)
-        detail = CHECKS[check_id](Tool(helper, check_dir))
+        if isinstance(answers, CheckFailed):
+            raise answers
+        if answers and answers[-1]["exit"] is None:   # the driver stops a check at its hung call
+            raise CheckFailed(f"todo {' '.join(calls[len(answers) - 1])} did not finish in {CALL_TIMEOUT_S} s")
+        expect(len(answers) == len(calls), "the driver gave a wrong number of answers")
+        detail = judge(*[Call(args, a) for args, a in zip(calls, answers)])
         return {"id": check_id, "passed": True, "detail": detail}
     except CheckFailed as exc:
         return {"id": check_id, "passed": False, "detail": str(exc)[:300]}
     except Exception as exc:  # e.g. a data file the tool wrote that is not JSON
         return {"id": check_id, "passed": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}
-    finally:
-        if check_dir:
-            shutil.rmtree(check_dir, ignore_errors=True)
 
+
+def run_checks(helper, workspace):
+    """Every check of CHECKS, judged here on what one batch of calls did: the receipt's checks."""
+    names = [n for n in sorted(os.listdir(workspace)) if n not in (".git", "__pycache__")]
+    specs = [{"calls": [(["--file", "todo.json"] if file_option else []) + args for args in calls],
+              "data": data} for calls, file_option, data, _ in CHECKS.values()]
+    run_dir = _fresh_run_dir(workspace, names)
+    try:
+        results = run_all(helper, run_dir, specs)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return [_judge(check_id, calls, judge, answers)
+            for (check_id, (calls, _, _, judge)), answers in zip(CHECKS.items(), results)]
 
 
 def _not_dumpable():
@@ -289,12 +374,7 @@ def main(argv):
     if not os.path.isdir(workspace):
         print(f"run.py: not a directory: {workspace}", file=sys.stderr)
         return 2
-    names = [n for n in sorted(os.listdir(workspace)) if n not in (".git", "__pycache__")]
-    # Checks are independent (each has its own directory), so they run side by side; map() keeps
-    # the receipt in CHECKS order.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        checks = list(pool.map(lambda check_id: _run_check(check_id, opts["--sandbox-run"], workspace, names),
-                               CHECKS))
+    checks = run_checks(opts["--sandbox-run"], workspace)
     passed = sum(1 for check in checks if check["passed"])
     receipt = {"passed": passed == len(checks), "score": round(passed / len(checks), 4),
                "checks": checks, "tests_passed": passed, "tests_total": len(checks)}

@@ -3,10 +3,12 @@
 
 Usage: python run.py WORKSPACE --sandbox-run HELPER [--receipt-fd FD]
 
-The code under test never runs in this process: each check sends its calls (function names and
-arguments, never the expected values) to a small driver that agentbench's inner sandbox runs in a
-fresh copy of the workspace (HELPER is the {sandbox_run} helper).  The inner sandbox sees that
-copy and nothing else: not this file, not the receipt channel, not this process's arguments.
+The code under test never runs in this process: every check's calls (function names and
+arguments, never the expected values) go in one batch to a small driver that agentbench's inner
+sandbox runs in a fresh copy of the workspace (HELPER is the {sandbox_run} helper).  The inner
+sandbox sees that copy and nothing else: not this file, not the receipt channel, not this
+process's arguments.  There each check's calls run in a process of their own (a fresh import of
+the module, a time limit of its own), so a check that hangs or crashes costs that check only.
 The results come back as data and are compared with the expected values here, so code that
 patches its interpreter, prints a receipt or reads its parent's command line forges nothing.
 
@@ -16,7 +18,6 @@ as the last stdout line:
      "tests_passed": int, "tests_total": int}
 Exit status is 0 whether or not the checks pass; 2 only when the oracle itself cannot run.
 """
-import concurrent.futures
 import json
 import os
 import shutil
@@ -27,7 +28,6 @@ import tempfile
 MODULE = "roman"
 # Per check. Every check hanging must still fit in the task's oracle timeout (300 s).
 CHECK_TIMEOUT_S = 20
-WORKERS = 4
 
 
 # ---- reference values, built independently of any implementation under test ----------------
@@ -47,67 +47,70 @@ KNOWN = [(1, "I"), (2, "II"), (4, "IV"), (5, "V"), (9, "IX"), (10, "X"), (14, "X
          (3888, "MMMDCCCLXXXVIII"), (3999, "MMMCMXCIX")]
 
 
-def _expect_value_error(run, name, values):
-    """Return (passed, detail): every value must make the function raise exactly ValueError."""
-    for value, result in zip(values, run([(name, (value,)) for value in values])):
-        if not isinstance(result, Raised):
-            return False, f"{name}({value!r}) returned {result!r} instead of raising ValueError"
-        if not result.value_error:  # the spec names ValueError and no other type
-            return False, f"{name}({value!r}) raised {result.name}, not ValueError"
-    return True, f"{len(values)} invalid inputs rejected"
+# ---- checks: each returns (calls, judge) ---------------------------------------------------------
+# calls: the (function name, args) to call; judge(results) -> (passed, detail), given one result
+# per call (the value returned, or a Raised).  The calls of every check run in one batch.
+
+def _expect_value_error(name, values):
+    """Every value must make the function raise exactly ValueError."""
+    def judge(got):
+        for value, result in zip(values, got):
+            if not isinstance(result, Raised):
+                return False, f"{name}({value!r}) returned {result!r} instead of raising ValueError"
+            if not result.value_error:  # the spec names ValueError and no other type
+                return False, f"{name}({value!r}) raised {result.name}, not ValueError"
+        return True, f"{len(values)} invalid inputs rejected"
+    return [(name, (value,)) for value in values], judge
 
 
-# ---- checks: each takes run(calls) and returns (passed, detail) ---------------------------------
-
-def _expect_values(run, name, cases):
+def _expect_values(name, cases, detail):
     """cases: (argument, expected): name(argument) must equal expected, of the same type."""
-    for (arg, expected), got in zip(cases, run([(name, (arg,)) for arg, _ in cases])):
-        if isinstance(got, Raised) or got != expected or type(got) is not type(expected):
-            return False, f"{name}({arg!r}) == {got!r}, expected {expected!r}"
-    return True, None
+    def judge(got):
+        for (arg, expected), result in zip(cases, got):
+            if isinstance(result, Raised) or result != expected or type(result) is not type(expected):
+                return False, f"{name}({arg!r}) == {result!r}, expected {expected!r}"
+        return True, detail
+    return [(name, (arg,)) for arg, _ in cases], judge
 
 
-def check_to_roman_known(run):
-    ok, detail = _expect_values(run, "to_roman", KNOWN)
-    return ok, detail or f"{len(KNOWN)} known values"
+def check_to_roman_known():
+    return _expect_values("to_roman", KNOWN, f"{len(KNOWN)} known values")
 
 
-def check_from_roman_known(run):
-    ok, detail = _expect_values(run, "from_roman", [(s, n) for n, s in KNOWN])
-    return ok, detail or f"{len(KNOWN)} known values"
+def check_from_roman_known():
+    return _expect_values("from_roman", [(s, n) for n, s in KNOWN], f"{len(KNOWN)} known values")
 
 
-def check_to_roman_full_range(run):
-    ok, detail = _expect_values(run, "to_roman", [(n, _canonical(n)) for n in range(1, 4000)])
-    return ok, detail or "1..3999 canonical"
+def check_to_roman_full_range():
+    return _expect_values("to_roman", [(n, _canonical(n)) for n in range(1, 4000)], "1..3999 canonical")
 
 
-def check_round_trip(run):
-    ok, detail = _expect_values(run, "from_roman", [(_canonical(n), n) for n in range(1, 4000)])
-    return ok, detail or "from_roman inverts every canonical numeral in 1..3999"
+def check_round_trip():
+    return _expect_values("from_roman", [(_canonical(n), n) for n in range(1, 4000)],
+                          "from_roman inverts every canonical numeral in 1..3999")
 
 
-def check_to_roman_out_of_range(run):
-    return _expect_value_error(run, "to_roman", [0, -1, -3999, 4000, 10**6])
+def check_to_roman_out_of_range():
+    return _expect_value_error("to_roman", [0, -1, -3999, 4000, 10**6])
 
 
-def check_to_roman_wrong_types(run):
-    return _expect_value_error(run, "to_roman", [3.0, 2.5, "5", "V", None, True, False, [1]])
+def check_to_roman_wrong_types():
+    return _expect_value_error("to_roman", [3.0, 2.5, "5", "V", None, True, False, [1]])
 
 
-def check_from_roman_non_canonical(run):
-    return _expect_value_error(run, "from_roman", [
+def check_from_roman_non_canonical():
+    return _expect_value_error("from_roman", [
         "IIII", "VX", "VV", "LL", "DD", "MMMM", "IC", "IL", "XD", "XM", "VL", "IIV", "XIIX",
         "IXI", "CMC", "XCX", "IVI", "MCMC", "CCCC", "XXXX", "DCD", "LXL"])
 
 
-def check_from_roman_bad_characters(run):
-    return _expect_value_error(run, "from_roman", [
+def check_from_roman_bad_characters():
+    return _expect_value_error("from_roman", [
         "", " ", "X ", " X", "X\n", "xiv", "Xiv", "mcm", "A", "1", "X1", "X-I", "\u216b"])
 
 
-def check_from_roman_wrong_types(run):
-    return _expect_value_error(run, "from_roman", [None, 5, 1.0, b"X", ["X"]])
+def check_from_roman_wrong_types():
+    return _expect_value_error("from_roman", [None, 5, 1.0, b"X", ["X"]])
 
 
 CHECKS = {
@@ -124,11 +127,12 @@ CHECKS = {
 
 
 # ---- harness ---------------------------------------------------------------------------------
-# The code under test never runs in this process, nor in any process that can see this file: each
-# check's calls go, as data on stdin, to DRIVER, run by agentbench's inner sandbox (the
-# {sandbox_run} helper) in a fresh copy of the workspace; only the calls' results come back, and
-# they are compared with the expected values here.
+# The code under test never runs in this process, nor in any process that can see this file: the
+# calls of every check go, as data on stdin, to DRIVER, run once by agentbench's inner sandbox (the
+# {sandbox_run} helper) in a fresh copy of the workspace; only the calls' results come back (in
+# the file RESULTS of that copy), and they are compared with the expected values here.
 
+RESULTS = ".oracle-results.json"
 # Values cross the boundary tagged with their type, so that a tuple is not a list and True is
 # not 1; only these plain types are rebuilt, anything else arrives as its repr.
 CODEC = r'''
@@ -157,27 +161,84 @@ def dec(v):
     return Unrepresentable(x)
 '''
 
+# Each check's calls run in a child process of their own, forked from the driver before the
+# module is imported: a fresh import per check, its output thrown away, and a check that hangs is
+# killed after its time limit (the others go on).  Its answer comes back on a pipe, one line.
+# The driver is the inner sandbox's pid 1: nothing a check starts can stop it, and it ends all
+# such processes before the next check.
 DRIVER = CODEC + r'''
-import json, sys
+import importlib, json, os, select, signal, sys, time
 class Unrepresentable(str):
     pass
-req = json.loads(sys.stdin.read())
-sys.path.insert(0, ".")
-results = []
-try:
-    import importlib
-    mod = importlib.import_module(req["module"])
-except BaseException as exc:
-    results = {"import_error": (type(exc).__name__ + ": " + str(exc))[:300]}
-else:
-    for name, args in req["calls"]:
+
+def call_all(module, calls):
+    try:
+        mod = importlib.import_module(module)
+    except BaseException as exc:
+        return {"import_error": (type(exc).__name__ + ": " + str(exc))[:300]}
+    results = []
+    for name, args in calls:
         try:
             results.append({"value": enc(getattr(mod, name)(*dec(args)))})
         except BaseException as exc:
             results.append({"raised": type(exc).__name__, "value_error": isinstance(exc, ValueError),
                             "message": str(exc)[:200]})
-sys.stdout.flush()
-print("\n" + json.dumps({"results": results}))
+    return {"results": results}
+
+def run_check(module, calls, timeout):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        try:
+            data = json.dumps(call_all(module, calls)).encode() + b"\n"
+            while data:
+                data = data[os.write(w, data):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks, deadline = [b""], time.monotonic() + timeout
+    while not chunks[-1].endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([r], [], [], left)[0]:
+            os.kill(pid, signal.SIGKILL)
+            chunks = [b'{"timed_out": true}']
+            break
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        return {"failed": "the check's process ended without results"}
+
+def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check left running
+    if os.getpid() == 1:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:   # none was left
+            pass
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+
+signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
+req = json.loads(sys.stdin.read())
+sys.path.insert(0, ".")
+answers = []
+for calls in req["checks"]:
+    answers.append(run_check(req["module"], calls, req["timeout"]))
+    end_the_rest()
+with open(req["results"], "w", encoding="utf-8") as fh:
+    json.dump(answers, fh)
 '''
 
 
@@ -206,46 +267,49 @@ class Raised:
 
 
 class CheckFailed(Exception):
-    """The check cannot judge the code (it crashed, hung or printed no results)."""
+    """The check cannot judge the code (it crashed, hung or gave no results)."""
 
 
-def make_runner(helper, copy_dir):
-    """run(calls) -> one result per (function name, args) call: the value, or a Raised."""
+def _results(answer, n_calls):
+    """One check's answer from the driver: its n_calls results (the value, or a Raised)."""
+    if answer.get("timed_out"):
+        raise CheckFailed(f"timed out after {CHECK_TIMEOUT_S} s")
+    if "import_error" in answer:
+        raise CheckFailed(f"importing {MODULE} failed: {str(answer['import_error'])[:250]}")
+    if "failed" in answer:
+        raise CheckFailed(str(answer["failed"]))
+    results = answer["results"]
+    if not isinstance(results, list) or len(results) != n_calls:
+        raise CheckFailed("wrong number of results")
+    return [dec(r["value"]) if "value" in r else
+            Raised(str(r["raised"]), r.get("value_error") is True, str(r["message"])) for r in results]
 
-    def run(calls):
-        stdin = json.dumps({"module": MODULE, "calls": [[name, enc(tuple(args))] for name, args in calls]})
-        cmd = [sys.executable, helper, "--dir", copy_dir, "--timeout", str(CHECK_TIMEOUT_S), "--",
-               sys.executable, "-I", "-B", "-X", "utf8", "-c", DRIVER]
+
+def run_all(helper, copy_dir, calls_per_check):
+    """Every check's calls in one run of DRIVER in the inner sandbox: one answer per check
+    (see _results)."""
+    request = json.dumps({"module": MODULE, "timeout": CHECK_TIMEOUT_S, "results": RESULTS,
+                          "checks": [[[name, enc(tuple(args))] for name, args in calls]
+                                     for calls in calls_per_check]})
+    timeout = CHECK_TIMEOUT_S * len(calls_per_check) + 10
+    cmd = [sys.executable, helper, "--dir", copy_dir, "--timeout", str(timeout), "--",
+           sys.executable, "-I", "-B", "-X", "utf8", "-c", DRIVER]
+    try:
+        proc = subprocess.run(cmd, input=request, capture_output=True, text=True, encoding="utf-8",
+                              errors="replace", timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
+        return [{"failed": f"the checks did not finish in {timeout} s"}] * len(calls_per_check)
+    answers = None
+    if proc.returncode == 0:   # the driver wrote its results file, and exited
         try:
-            proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, encoding="utf-8",
-                                  errors="replace", timeout=CHECK_TIMEOUT_S + 30)
-        except subprocess.TimeoutExpired:
-            raise CheckFailed(f"timed out after {CHECK_TIMEOUT_S} s")
-        if proc.returncode == 124:
-            raise CheckFailed(f"timed out after {CHECK_TIMEOUT_S} s")
-        for line in reversed(proc.stdout.splitlines()):
-            try:
-                answer = json.loads(line)
-                results = answer["results"]
-                if isinstance(results, dict):
-                    raise CheckFailed(f"importing {MODULE} failed: {str(results.get('import_error'))[:250]}")
-                if not isinstance(results, list) or len(results) != len(calls):
-                    raise ValueError("wrong number of results")
-                out = []
-                for r in results:
-                    if "value" in r:
-                        out.append(dec(r["value"]))
-                    else:
-                        out.append(Raised(str(r["raised"]), r.get("value_error") is True, str(r["message"])))
-                return out
-            except CheckFailed:
-                raise
-            except Exception:
-                continue
-        tail = (proc.stderr or "").strip()[-300:]
-        raise CheckFailed(f"no results (exit {proc.returncode}): {tail}")
-
-    return run
+            with open(os.path.join(copy_dir, RESULTS), encoding="utf-8") as fh:
+                answers = json.load(fh)
+        except (OSError, ValueError):
+            pass
+    if isinstance(answers, list) and len(answers) == len(calls_per_check):
+        return answers
+    why = f"no results (exit {proc.returncode}): {(proc.stderr or '').strip()[-300:]}"
+    return [{"failed": why}] * len(calls_per_check)
 
 
 def _fresh_copy(workspace, names):
@@ -262,19 +326,24 @@ def _fresh_copy(workspace, names):
     return dst
 
 
-def _run_check(check_id, helper, workspace, names):
-    copy_dir = None
+def run_checks(helper, workspace):
+    """Every check of CHECKS, judged here on the results of one batch: the receipt's checks."""
+    planned = {check_id: check() for check_id, check in CHECKS.items()}    # (calls, judge)
+    copy_dir = _fresh_copy(workspace, sorted(os.listdir(workspace)))
     try:
-        copy_dir = _fresh_copy(workspace, names)
-        passed, detail = CHECKS[check_id](make_runner(helper, copy_dir))
-    except CheckFailed as exc:
-        passed, detail = False, str(exc)
-    except Exception as exc:   # results of an unexpected shape: the check fails, the harness goes on
-        passed, detail = False, f"{type(exc).__name__}: {exc}"
+        answers = run_all(helper, copy_dir, [calls for calls, _ in planned.values()])
     finally:
-        if copy_dir:
-            shutil.rmtree(copy_dir, ignore_errors=True)
-    return {"id": check_id, "passed": bool(passed), "detail": str(detail)[:300]}
+        shutil.rmtree(copy_dir, ignore_errors=True)
+    checks = []
+    for (check_id, (calls, judge)), answer in zip(planned.items(), answers):
+        try:
+            passed, detail = judge(_results(answer, len(calls)))
+        except CheckFailed as exc:
+            passed, detail = False, str(exc)
+        except Exception as exc:   # results of an unexpected shape: the check fails, the harness goes on
+            passed, detail = False, f"{type(exc).__name__}: {exc}"
+        checks.append({"id": check_id, "passed": bool(passed), "detail": str(detail)[:300]})
+    return checks
 
 
 def _not_dumpable():
@@ -304,10 +373,7 @@ def main(argv):
     if not os.path.isdir(workspace):
         print(f"run.py: not a directory: {workspace}", file=sys.stderr)
         return 2
-    names = sorted(os.listdir(workspace))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        checks = list(pool.map(lambda check_id: _run_check(check_id, opts["--sandbox-run"], workspace, names),
-                               CHECKS))
+    checks = run_checks(opts["--sandbox-run"], workspace)
     passed = sum(1 for check in checks if check["passed"])
     receipt = {"passed": passed == len(checks), "score": round(passed / len(checks), 4),
                "checks": checks, "tests_passed": passed, "tests_total": len(checks)}
