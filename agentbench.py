@@ -11746,6 +11746,9 @@ PROBE_FIX_HINT = ("run the code under test only through the {sandbox_run} helper
 GATE_PROBES = tuple(n for n in ORACLE_PROBES if n not in ("sleep_to_timeout", "read_judge"))
 #: The time limit of the hidden tests under the sleep probe (a probe must stay cheap).
 PROBE_SLEEP_TIMEOUT_S = 3.0
+#: Check runs of one task's calibration at once: its starter's and reference's attempts, probes,
+#: mutants and partial/'s gate share them.
+CALIBRATE_WORKERS = 4
 #: Probes run at once.
 PROBE_WORKERS = 4
 
@@ -11805,13 +11808,14 @@ def build_probe(ws: str, name: str, hidden: Sequence[str]) -> bool:
 
 
 def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
-                      tmp: str, *, oracle: bool = True) -> dict[str, list[dict[str, Any]]]:
+                      tmp: str, *, oracle: bool = True,
+                      pool: concurrent.futures.Executor | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every probe against the task's hidden tests (unless not `oracle`) and GATE_PROBES against
     its gate, side by side in one pool: {"oracle": [...], "gate": [...]}, each [{"name", "verdict":
     held | forged | not_applicable | unsandboxed, "score"}]; `unsandboxed`: read_judge saw the
     judge because the check ran without bubblewrap or a container (the host's lack, said in every
     record).  The gate's probes run only when the gate fails the untouched starter (else a
-    forgery proves nothing: `not_applicable`)."""
+    forgery proves nothing: `not_applicable`).  `pool`: the caller's (calibrate's), else one of its own."""
     hidden = sorted({str(pristine_copy(paths, task, "oracle")), str(task.root / "oracle"),
                      str(task.root / "reference")} | ({str(pristine_copy(paths, task, "reference"))}
                                                       if task.reference_spec is not None else set()))
@@ -11840,7 +11844,8 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
             verdict = "unsandboxed"
         return {"name": name, "verdict": verdict, "score": rec["score"]}
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS) as pool:
+    with contextlib.ExitStack() as stack:
+        pool = pool or stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS))
         # The gate on the starter first; its probes queue behind the oracle's once it failed.
         starter = pool.submit(starter_passes_gate)
         oracle_jobs = [pool.submit(one, "oracle", n) for n in ORACLE_PROBES if oracle]
@@ -11944,7 +11949,8 @@ def mutate(source: str, kind: str, index: int) -> str | None:
 
 
 def oracle_strength(paths: StudyPaths, platform: "Platform", task: Task, env: Mapping[str, str],
-                    tmp: str, seed: str) -> dict[str, Any]:
+                    tmp: str, seed: str, *,
+                    pool: concurrent.futures.Executor | None = None) -> dict[str, Any]:
     """Mutants of a Python overlay reference graded by the hidden tests: {"measured", "mutants",
     "caught", "share", "survivors"} (survivors: file, kind, index); "measured": false with the
     reason for another reference."""
@@ -11973,7 +11979,9 @@ def oracle_strength(paths: StudyPaths, platform: "Platform", task: Task, env: Ma
         rec = run_check(paths, platform, task, "oracle", ws, env)
         return {"file": rel, "kind": kind, "index": i, "caught": not rec["success"]}
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=MUTANT_WORKERS) as pool:
+    with contextlib.ExitStack() as stack:   # the caller's pool (calibrate's), else one of its own
+        pool = pool or stack.enter_context(
+            concurrent.futures.ThreadPoolExecutor(max_workers=MUTANT_WORKERS))
         graded = [m for m in pool.map(one, enumerate(chosen)) if m is not None]
     if not graded:
         return {"measured": False, "reason": "no mutant of the reference compiled"}
@@ -11992,13 +12000,51 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
     runs: list[dict[str, Any]] = []
     cfg = read_json(paths.study_file, default=None) or {}
     attempts = int(cfg.get("calibration_attempts") or CALIBRATION_ATTEMPTS_DEFAULT)
-    with tempfile.TemporaryDirectory(prefix=f"ab-cal-{task.id}-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"ab-cal-{task.id}-"))
+        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=CALIBRATE_WORKERS))
+        side = stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        stack.callback(pool.shutdown, cancel_futures=True)   # raised out of here: drop the queued runs
         starter = os.path.join(tmp, "starter")
         copy_tree(task.public, starter)
-        # The starter's attempts run side by side (the oracle is a fresh copy each time).
-        with concurrent.futures.ThreadPoolExecutor(max_workers=attempts) as pool:
-            starts = list(pool.map(lambda _i: run_check(paths, platform, task, "oracle", starter, env),
-                                   range(attempts)))
+        partial = os.path.join(tmp, "partial")
+        if task.partial.is_dir():
+            copy_tree(task.public, partial)
+            copy_tree(task.partial, partial)
+
+        def reference_attempt(i: int) -> tuple[dict[str, Any], list[str]]:
+            """Attempt i of the reference (a fresh workspace): its run and its problems."""
+            ws = os.path.join(tmp, f"ref{i}")
+            copy_tree(task.public, ws)
+            failed = apply_reference(paths, platform, task, ws, env)
+            if failed:
+                return {"attempt": i, "reference_problem": failed}, [f"attempt {i}: {failed}"]
+            g = run_check(paths, platform, task, "gate", ws, env)
+            o = run_check(paths, platform, task, "oracle", ws, env)
+            found = []
+            if not g["passed"]:
+                found.append(f"attempt {i}: the gate fails on starter + reference: " + check_failure_text(g))
+            if o.get("grader_error"):
+                found.append(f"attempt {i}: the oracle gave no valid verdict: " + check_failure_text(o))
+            elif not o["success"]:
+                found.append(f"attempt {i}: the hidden tests score {o['score']} "
+                             f"< threshold {task.threshold}: " + check_failure_text(o))
+            return {"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
+                    "oracle_success": o["success"], "gate": check_diagnosis(g),
+                    "oracle": check_diagnosis(o)}, found
+
+        # Every check run goes to one pool, queued in this order: the starter's attempts (the oracle
+        # is a fresh copy each time), the mutants, the reference's attempts, partial/'s gate, and
+        # the probes once the starter's verdicts are in; no stage waits for another's last run.
+        starts_f = [pool.submit(run_check, paths, platform, task, "oracle", starter, env)
+                    for _ in range(attempts)]
+        strength_f = side.submit(oracle_strength, paths, platform, task, env, tmp,
+                                 str(cfg.get("seed", 0)), pool=pool)
+        refs_f = ([pool.submit(reference_attempt, i) for i in range(1, attempts + 1)]
+                  if task.reference.is_dir() else [])
+        partial_f = (pool.submit(run_check, paths, platform, task, "gate", partial, env)
+                     if task.partial.is_dir() else None)
+        starts = [f.result() for f in starts_f]
         st = starts[0]
         passing = [i + 1 for i, r in enumerate(starts) if r["success"]]
         if len(passing) == attempts:
@@ -12007,9 +12053,9 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
             problems.append("the hidden tests disagree with themselves on the untouched starter: "
                             f"attempt(s) {', '.join(map(str, passing))} of {attempts} passed it (flaky)")
         # Against hidden tests that pass the starter, a forgery proves nothing more.
-        probed = run_oracle_probes(paths, platform, task, env, tmp, oracle=not passing)
+        probed = run_oracle_probes(paths, platform, task, env, tmp, oracle=not passing, pool=pool)
         probes = probed["oracle"]
-        strength = oracle_strength(paths, platform, task, env, tmp, str(cfg.get("seed", 0)))
+        strength = strength_f.result()
         warn_below = float(cfg.get("mutation_warn_below", MUTATION_WARN_BELOW_DEFAULT))
         warnings = []
         if strength.get("measured") and strength["share"] < warn_below:
@@ -12029,40 +12075,16 @@ def calibrate_task(paths: StudyPaths, platform: "Platform", task: Task,
                             + ", ".join(forged) + " (" + PROBE_FIX_HINT + ")")
         if not task.reference.is_dir():
             problems.append("no reference/ solution overlay")
-        else:
-            for i in range(1, attempts + 1):
-                ws = os.path.join(tmp, f"ref{i}")
-                copy_tree(task.public, ws)
-                failed = apply_reference(paths, platform, task, ws, env)
-                if failed:
-                    problems.append(f"attempt {i}: {failed}")
-                    runs.append({"attempt": i, "reference_problem": failed})
-                    continue
-                g = run_check(paths, platform, task, "gate", ws, env)
-                o = run_check(paths, platform, task, "oracle", ws, env)
-                runs.append({"attempt": i, "gate_passed": g["passed"], "oracle_score": o["score"],
-                             "oracle_success": o["success"], "gate": check_diagnosis(g),
-                             "oracle": check_diagnosis(o)})
-                if not g["passed"]:
-                    problems.append(f"attempt {i}: the gate fails on starter + reference: "
-                                    + check_failure_text(g))
-                if o.get("grader_error"):
-                    problems.append(f"attempt {i}: the oracle gave no valid verdict: "
-                                    + check_failure_text(o))
-                elif not o["success"]:
-                    problems.append(f"attempt {i}: the hidden tests score {o['score']} "
-                                    f"< threshold {task.threshold}: " + check_failure_text(o))
-        partial_gate = None
-        if task.partial.is_dir():
-            # The rehearsal submits partial/ first so that gate feedback cycles really happen:
-            # it must fail the gate, or the gated arms are never exercised.
-            ws = os.path.join(tmp, "partial")
-            copy_tree(task.public, ws)
-            copy_tree(task.partial, ws)
-            partial_gate = run_check(paths, platform, task, "gate", ws, env)["passed"]
-            if partial_gate:
-                problems.append("the gate passes on starter + partial/ (it must fail, or rehearsed gate "
-                                "cycles never happen)")
+        for f in refs_f:
+            run, found = f.result()
+            runs.append(run)
+            problems += found
+        # The rehearsal submits partial/ first so that gate feedback cycles really happen:
+        # it must fail the gate, or the gated arms are never exercised.
+        partial_gate = partial_f.result()["passed"] if partial_f else None
+        if partial_gate:
+            problems.append("the gate passes on starter + partial/ (it must fail, or rehearsed gate "
+                            "cycles never happen)")
     lost = task.spec.get("not_carried_over")
     if problems and isinstance(lost, list) and lost:
         problems.append("the task was imported and this host lacks what its environment gave it: "
