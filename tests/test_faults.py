@@ -232,7 +232,7 @@ def one_round(s: Study, rng: random.Random, point: str, n: int) -> bool:
         sup = ab.ProcId(int(rt["supervisor"]["pid"]), rt["supervisor"].get("ctime"))
         if not PLATFORM.is_alive(sup):
             return False
-        PLATFORM.kill(sup)
+        os.kill(sup.pid, signal.SIGKILL)   # the supervisor alone: its claude is the reaper's to end
         # A SIGKILLed supervisor leaves its claude to be ended by the reaper's tree kill.
         return True
     if point == "driver_random":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,22 @@ def counted(monkeypatch) -> collections.Counter:
     return calls
 
 
+_ASSIGNED: dict[str, Path] = {}
+
+
 def assigned(tmp_path: Path, **cfg: object) -> Path:
-    study = tiny_study(tmp_path / "s", tasks=("one", "two"), **cfg)
-    code, out = run_main(["calibrate", "--study", str(study)])
-    assert code == 0 and out["ok"], out
-    code, out = run_main(["assign", "--study", str(study)])
-    assert code == 0, out
+    """A calibrated, assigned two-task study: made and calibrated once per module and settings (a
+    calibration grades the probes and mutants too), then copied, so each test gets its own."""
+    key = repr(sorted(cfg.items()))
+    if key not in _ASSIGNED:
+        made = tiny_study(tmp_path / "made", tasks=("one", "two"), **cfg)
+        code, out = run_main(["calibrate", "--study", str(made)])
+        assert code == 0 and out["ok"], out
+        code, out = run_main(["assign", "--study", str(made)])
+        assert code == 0, out
+        _ASSIGNED[key] = made
+    study = tmp_path / "s"
+    shutil.copytree(_ASSIGNED[key], study, symlinks=True)
     return study
 
 

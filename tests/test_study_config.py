@@ -19,8 +19,7 @@ def test_every_key_in_the_table_is_a_study_key_and_every_launch_default_has_a_se
 
 
 def test_init_has_a_flag_with_help_for_every_setting_that_has_one():
-    parser = ab._ArgParser(prog="init")
-    ab._init_args(parser)
+    parser = ab.build_parser(ab.COMMANDS["init"])
     flags = {a.dest: a for a in parser._actions}
     for s in ab.STUDY_SETTINGS:
         if s.flag is not None:
