@@ -286,6 +286,85 @@ def test_oracle_refuses_a_missing_workspace(task_id, tmp_path):
     assert proc.stdout == ""
 
 
+# The cli harness's driver runs each call of the tool in a process forked from itself (it starts
+# the interpreter once per grading, not once per call).  Each variant of the tool below, run by the
+# driver, must do what `python -X utf8 ../tool/todo.py ARGS` does in the same data directory: exit
+# status, stdout, the data file, the last line of stderr, and whether a traceback was printed.
+_REF = (TASKS_DIR / "cli" / "reference" / "todo.py").read_text(encoding="utf-8")
+_HEAD = "import argparse\n"
+CLI_VARIANTS = {
+    "reference": (_REF, {}),
+    "raises": (_REF.replace(_HEAD, _HEAD + "import sys\nif 'done' in sys.argv: raise ValueError('boom')\n"), {}),
+    "exit_message": (_REF.replace(_HEAD, _HEAD + "import sys\nif 'list' in sys.argv: sys.exit('bye')\n"), {}),
+    "exit_300": (_REF.replace(_HEAD, _HEAD + "import sys\nsys.exit(300)\n"), {}),
+    "os_exit": (_REF.replace(_HEAD, _HEAD + "import os\nos._exit(7)\n"), {}),
+    "atexit": (_REF.replace(_HEAD, _HEAD + "import atexit\natexit.register(print, 'at exit')\n"), {}),
+    "thread": (_REF.replace(_HEAD, _HEAD + "import threading, time\nthreading.Thread(target=lambda: "
+                            "(time.sleep(0.05), print('thread done'))).start()\n"), {}),
+    "stdin": (_REF.replace(_HEAD, _HEAD + "import sys\nprint(repr(sys.stdin.read()))\n"), {}),
+    "syntax_error": (_REF + "\n def broken(:\n", {}),
+    "names": (_REF.replace(_HEAD, _HEAD + "import os, sys\nprint(sys.argv[0], os.path.relpath(__file__), "
+                           "__file__ == os.path.join(os.getcwd(), sys.argv[0]), __name__, "
+                           "os.path.basename(sys.path[0]), sys.flags.utf8_mode, sys.stdout.encoding)\n"), {}),
+    "shadows_json": (_REF, {"json.py": "raise SystemExit('the json.py of the workspace')\n"}),
+}
+
+
+def _load_cli_harness():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cli_oracle_run", TASKS_DIR / "cli" / "oracle" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _by_the_interpreter(run_dir: Path, spec: dict) -> list[dict]:
+    """What each call of one check does, each run as `python -X utf8 ../tool/todo.py ARGS`."""
+    data_dir = Path(run_dir) / "direct"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    data_dir.mkdir()
+    if spec["data"] is not None:
+        (data_dir / "todo.json").write_text(spec["data"], encoding="utf-8")
+    answers = []
+    for args in spec["calls"]:
+        proc = subprocess.run([sys.executable, "-X", "utf8", "../tool/todo.py", *args], cwd=data_dir,
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=60, env=child_env())
+        path = data_dir / "todo.json"
+        answers.append({"exit": proc.returncode, "stdout": proc.stdout.decode("utf-8", "replace"),
+                        "stderr": proc.stderr.decode("utf-8", "replace"), "exists": os.path.lexists(path),
+                        "file": path.read_bytes() if path.exists() else None})
+    return answers
+
+
+@pytest.mark.parametrize("variant", sorted(CLI_VARIANTS))
+def test_the_cli_drivers_forked_calls_do_what_the_interpreter_does(variant, tmp_path):
+    import base64
+    harness = _load_cli_harness()
+    source, extra = CLI_VARIANTS[variant]
+    (tmp_path / "tool").mkdir()
+    for name, text in {"todo.py": source, **extra}.items():
+        (tmp_path / "tool" / name).write_text(text, encoding="utf-8")
+    chosen = ("add_and_list_unchanged", "done_unknown_id", "existing_file")
+    specs = [{"calls": [(["--file", "todo.json"] if file_option else []) + args for args in calls], "data": data}
+             for name, (calls, file_option, data, _) in harness.CHECKS.items() if name in chosen]
+    request = json.dumps({"timeout": 20, "results": "results.json", "checks": specs})
+    proc = subprocess.run([sys.executable, "-I", "-B", "-X", "utf8", "-c", harness.DRIVER], input=request,
+                          text=True, capture_output=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    forked = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    assert len(forked) == len(specs) == len(chosen)
+    for spec, got in zip(specs, forked):
+        want = _by_the_interpreter(tmp_path, spec)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            g_file = None if g["file"] is None else base64.b64decode(g["file"])
+            assert (g["exit"], g["stdout"], g["exists"], g_file) == (w["exit"], w["stdout"], w["exists"], w["file"])
+            assert g["stderr"].strip().splitlines()[-1:] == w["stderr"].strip().splitlines()[-1:]
+            assert ("Traceback" in g["stderr"]) == ("Traceback" in w["stderr"])
+    if variant == "names":   # the check itself can see a difference when there is one
+        assert "../tool/todo.py ../tool/todo.py True __main__ tool 1 utf-8" in forked[0][0]["stdout"]
+
+
 # ---- templates and preamble ------------------------------------------------------------------
 
 def test_template_set_is_complete():

@@ -111,15 +111,20 @@ def _study(tmp: Path, tasks: dict[str, Path], **cfg) -> Path:
     return study
 
 
-def _grade(study: Path, task_id: str, files: dict[str, str], links: dict[str, str] | None = None) -> dict:
-    """The oracle's verdict on the task's starter with `files` appended to (or written into) it
-    and `links` ({name: target}) made in it."""
+def _grade(study: Path, task_id: str, files: dict[str, str], links: dict[str, str] | None = None,
+           first: bool = False) -> dict:
+    """The oracle's verdict on the task's starter with `files` appended to (or written into) it,
+    or run first in it (`first`: a script whose last line exits), and `links` ({name: target})
+    made in it."""
     paths = ab.StudyPaths(study)
     task = ab.load_study(paths).task(task_id)
     ws = study.parent / f"ws-{task_id}"
     shutil.rmtree(ws, ignore_errors=True)
     ab.copy_tree(task.public, str(ws))
     for rel, text in files.items():
+        if first:
+            (ws / rel).write_text(ab.with_probe_code((ws / rel).read_text(encoding="utf-8"), text), encoding="utf-8")
+            continue
         with open(ws / rel, "a", encoding="utf-8") as fh:
             fh.write(text)
     for name, target in (links or {}).items():
@@ -308,8 +313,9 @@ def test_a_real_session_that_plants_the_two_forgeries_is_a_valid_failure(tmp_pat
 # ---- a hostile review of the inner sandbox: the code under test as an attacker ------------------
 # One payload tries every attack from inside the check (the worst case: it knows the study's and
 # the hidden tests' paths) and reports, on stderr, what each one got; the scaffold's harness puts
-# that stderr into its failed checks' details, the bundled `roman` harness drops it.  Each attack
-# must be held: nothing seen, read, written, signalled or left running, and the grade unchanged.
+# that stderr into its failed checks' details, the bundled `cli` harness its end, the bundled
+# `roman` harness drops it.  Each attack must be held: nothing seen, read, written, signalled or
+# left running, and the grade unchanged.
 
 # A duration no other process uses (another run of this test on the same host included): a
 # sleeper left behind is found by it.
@@ -415,7 +421,8 @@ def _lingering() -> list[int]:
 def test_the_inner_sandbox_holds_every_attack_of_the_code_under_test(tmp_path):
     code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
     assert code == 0, out
-    study = _study(tmp_path, {"roman": EXAMPLES / "tasks" / "roman", "scaf": tmp_path / "new" / "tasks" / "scaf"})
+    study = _study(tmp_path, {"roman": EXAMPLES / "tasks" / "roman", "cli": EXAMPLES / "tasks" / "cli",
+                              "scaf": tmp_path / "new" / "tasks" / "scaf"})
     token = "SECRET-" + os.urandom(6).hex()
     for where in (study / "tasks" / "scaf" / "oracle", study / "state"):
         where.mkdir(parents=True, exist_ok=True)
@@ -429,8 +436,9 @@ def test_the_inner_sandbox_holds_every_attack_of_the_code_under_test(tmp_path):
                          str(study / "state" / "SECRET.txt")]}
     payload = ATTACK % {**where, "live": True}
     got = {}
-    for tid, module in (("scaf", "stats.py"), ("roman", "roman.py")):
-        got[tid] = (_grade(study, tid, {}), _grade(study, tid, {module: payload}, links={"judge": str(pristine)}))
+    for tid, module in (("scaf", "stats.py"), ("roman", "roman.py"), ("cli", "todo.py")):
+        got[tid] = (_grade(study, tid, {}), _grade(study, tid, {module: payload}, links={"judge": str(pristine)},
+                                                   first=tid == "cli"))
     for tid, (starter, attacked) in got.items():
         # Nothing forged: the starter's own grade, a valid verdict, run in the inner sandbox.
         assert not attacked["success"] and attacked["score"] == starter["score"], (tid, attacked["checks"])
@@ -444,6 +452,10 @@ def test_the_inner_sandbox_holds_every_attack_of_the_code_under_test(tmp_path):
         # No descriptor, terminal or socket of the harness; no process to signal or trace.
         assert rep["fds"] == 0 and rep["tty"] is False and rep["sockets"] == 0 and rep["signalled"] == 0, rep
         assert rep["ptrace"] == "EPERM" and rep["wrote"] == [], rep
+    # cli's harness shows the end of a failed call's stderr: the end of a report, run in a process
+    # forked from the driver (the processes it can see are the driver and its own check's).
+    tails = [c["detail"] for c in got["cli"][1]["checks"] if '"ptrace"' in c["detail"]]
+    assert tails and all('"fds":0,"tty":false,"sockets":0,' in t and '"ptrace":"EPERM"' in t for t in tails), tails
     assert not [p for p in tmp_path.rglob("ATTACK-MARK")] and token not in json.dumps(got)
     deadline = time.monotonic() + 10
     while _lingering() and time.monotonic() < deadline:

@@ -216,24 +216,96 @@ RESULTS = ".oracle-results.json"
 # inside learns which check it is); a call's output files live in the private /tmp.  The driver is
 # the inner sandbox's pid 1: nothing the tool starts can stop it, and it ends all such processes
 # before the next check.
+# Each call is a process of its own, forked from the driver, which starts the interpreter once:
+# the child does what `python -X utf8 tool/todo.py ARGS` would (its argv, path, working directory,
+# stdin, `__main__`, exit status, the traceback of an exception, its atexit calls and threads), not
+# paying an interpreter's start and teardown per call (33 calls a grading).  The modules the driver
+# loaded stay loaded, as the interpreter's own start modules would, unless the tool's directory
+# holds a file of the same name (one of them may import it): then the child drops them all and
+# imports afresh, from that directory first.
 DRIVER = r"""
-import base64, json, os, signal, subprocess, sys, tempfile
+import sys
+STARTUP = set(sys.modules)
+import atexit, base64, builtins, json, os, signal, tempfile, time, types
+import argparse, locale   # loaded once here: the tool's imports, and its first parse's
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
 req = json.loads(sys.stdin.read())
+TOOL = os.path.abspath(os.path.join("tool", "todo.py"))
+
+def run_tool(args):   # the tool's run in this process, as the interpreter runs a script: its exit status
+    tool_dir = os.path.dirname(TOOL)
+    local = {name.split(".")[0] for name in os.listdir(tool_dir)}
+    if local & {name.split(".")[0] for name in sys.modules.keys() - STARTUP}:
+        for name in sys.modules.keys() - STARTUP:
+            del sys.modules[name]
+    sys.argv = ["../tool/todo.py", *args]
+    sys.path.insert(0, tool_dir)
+    path = os.path.join(os.getcwd(), sys.argv[0])   # the interpreter's name of it: __file__, tracebacks
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = path, builtins
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+        exec(compile(source, path, "exec"), vars(main))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException as exc:
+        tb = exc.__traceback__   # the tool's frames only, as the interpreter prints them
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading = sys.modules.get("threading")
+    for thread in threading.enumerate() if threading else ():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code or 0
+
+def child(args, data_dir, out, err):   # in the forked process: never returns
+    code = 1
+    try:
+        os.setsid()
+        os.chdir(data_dir)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for fd, to in ((null, 0), (out.fileno(), 1), (err.fileno(), 2)):
+            os.dup2(fd, to)
+        os.closerange(3, 1 << 16)   # only what a new process gets: stdin, stdout and stderr
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = run_tool(args)
+    finally:
+        os._exit(code & 0xFF)
+
+def wait(pid, timeout):   # the call's exit status, or None once its time limit passed
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.002)
 
 def call(args, data_dir):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-X", "utf8", "../tool/todo.py", *args], cwd=data_dir,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            child(args, data_dir, out, err)
+        code = wait(pid, req["timeout"])
         try:
-            code = proc.wait(timeout=req["timeout"])
-        except subprocess.TimeoutExpired:
-            code = None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)   # whatever the call left running
+            os.killpg(pid, signal.SIGKILL)   # whatever the call left running
         except OSError:
             pass
-        proc.wait()
+        if code is None:
+            os.waitpid(pid, 0)
         out.seek(0)
         err.seek(0)
         answer = {"exit": code, "stdout": out.read(1 << 20).decode("utf-8", "replace"),
@@ -283,7 +355,7 @@ def run_all(helper, run_dir, specs):
     its calls (one per call, fewer when one timed out), or a CheckFailed saying why none came."""
     request = json.dumps({"timeout": CALL_TIMEOUT_S, "results": RESULTS, "checks": specs})
     cmd = [sys.executable, helper, "--dir", run_dir, "--timeout", str(BATCH_TIMEOUT_S), "--",
-           sys.executable, "-I", "-B", "-c", DRIVER]
+           sys.executable, "-I", "-B", "-X", "utf8", "-c", DRIVER]
     try:
         proc = subprocess.run(cmd, input=request, capture_output=True, text=True, encoding="utf-8",
                               errors="replace", timeout=BATCH_TIMEOUT_S + 30)
