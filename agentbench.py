@@ -11846,12 +11846,14 @@ def run_oracle_probes(paths: StudyPaths, platform: "Platform", task: Task, env: 
 
     with contextlib.ExitStack() as stack:
         pool = pool or stack.enter_context(concurrent.futures.ThreadPoolExecutor(max_workers=PROBE_WORKERS))
-        # The gate on the starter first; its probes queue behind the oracle's once it failed.
+        # The gate on the starter first; its probes queue behind the oracle's once it failed.  The
+        # sleep probe goes first of the oracle's: the others run while it waits out its limit.
         starter = pool.submit(starter_passes_gate)
-        oracle_jobs = [pool.submit(one, "oracle", n) for n in ORACLE_PROBES if oracle]
+        oracle_jobs = {n: pool.submit(one, "oracle", n)
+                       for n in sorted(ORACLE_PROBES, key=lambda n: n != "sleep_to_timeout") if oracle}
         gate_na = starter.result()
         gate_jobs = [None if gate_na else pool.submit(one, "gate", n) for n in GATE_PROBES]
-        return {"oracle": [f.result() for f in oracle_jobs],
+        return {"oracle": [oracle_jobs[n].result() for n in ORACLE_PROBES if oracle],
                 "gate": [{"name": n, "verdict": "not_applicable", "score": None} if f is None else f.result()
                          for n, f in zip(GATE_PROBES, gate_jobs)]}
 
