@@ -114,15 +114,16 @@ def _study(tmp: Path, tasks: dict[str, Path], **cfg) -> Path:
 def _grade(study: Path, task_id: str, files: dict[str, str], links: dict[str, str] | None = None,
            first: bool = False) -> dict:
     """The oracle's verdict on the task's starter with `files` appended to (or written into) it,
-    or run first in it (`first`: a script whose last line exits), and `links` ({name: target})
-    made in it."""
+    or run first in it (`first`: a script whose last line exits), a file not there written, and
+    `links` ({name: target}) made in it."""
     paths = ab.StudyPaths(study)
     task = ab.load_study(paths).task(task_id)
     ws = study.parent / f"ws-{task_id}"
     shutil.rmtree(ws, ignore_errors=True)
     ab.copy_tree(task.public, str(ws))
     for rel, text in files.items():
-        if first:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        if first and (ws / rel).exists():
             (ws / rel).write_text(ab.with_probe_code((ws / rel).read_text(encoding="utf-8"), text), encoding="utf-8")
             continue
         with open(ws / rel, "a", encoding="utf-8") as fh:
@@ -487,6 +488,59 @@ def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path
     assert not rec["success"] and rec["grader_error"] is None and rec["inner_sandbox"]["kind"] == "bwrap", rec
     assert not any(c["passed"] for c in rec["checks"]), rec["checks"]
     assert all(c["detail"].startswith("expected ") and "4.0" in c["detail"] for c in rec["checks"]), rec["checks"]
+
+
+# The results file of the cli harness's driver: what every call did, read by the harness once the
+# driver exited 0.  Two ways a call (a process forked from the driver) could put its own there: a
+# link in its place, which leads inside the inner sandbox to its private /tmp and outside to a file
+# of the workspace; or a write to the driver's memory through /proc/1/mem (the driver's objects
+# are at the same addresses in the call), renaming the file the driver writes.  Both bring the
+# answers the reference gives, made beforehand.
+LINK_RESULTS = """
+import os as _os
+if not _os.path.lexists("/workspace/.oracle-results.json"):
+    _os.symlink("../tmp/answers.json", "/workspace/.oracle-results.json")
+"""
+PATCH_DRIVER = """
+import os as _os, shutil as _sh, sys as _s
+def _patch():
+    f = _s._getframe()
+    while f is not None and "req" not in f.f_globals:
+        f = f.f_back
+    name = f.f_globals["req"]["results"]
+    try:
+        fd = _os.open("/proc/1/mem", _os.O_RDWR)
+        _os.pwrite(fd, b"z", id(name) + _s.getsizeof(name) - len(name) - 1 + name.index("results") + 6)
+        _os.close(fd)
+    except OSError:
+        return
+    _sh.copyfile("/workspace/tool/answers.json", "/workspace/.oracle-results.json")
+if not _os.path.exists("/workspace/.oracle-results.json"):
+    _patch()
+"""
+
+
+def test_a_call_of_the_cli_tool_cannot_put_its_own_results_in_place_of_the_drivers(tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cli_run", EXAMPLES / "tasks" / "cli" / "oracle" / "run.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    specs = [{"calls": [(["--file", "todo.json"] if file_option else []) + args for args in calls], "data": data}
+             for calls, file_option, data, _ in harness.CHECKS.values()]
+    ref = tmp_path / "ref"
+    (ref / "tool").mkdir(parents=True)
+    shutil.copy(EXAMPLES / "tasks" / "cli" / "reference" / "todo.py", ref / "tool" / "todo.py")
+    subprocess.run([sys.executable, "-I", "-B", "-X", "utf8", "-c", harness.DRIVER], cwd=ref, text=True, check=True,
+                   input=json.dumps({"timeout": 20, "results": "answers.json", "checks": specs}), timeout=120)
+    answers = (ref / "answers.json").read_text(encoding="utf-8")
+    study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
+    starter = _grade(study, "cli", {})
+    assert not starter["success"], starter
+    for files in ({"todo.py": LINK_RESULTS, "tmp/answers.json": answers},
+                  {"todo.py": PATCH_DRIVER, "answers.json": answers}):
+        got = _grade(study, "cli", files, first=True)
+        assert got["grader_error"] is None and got["inner_sandbox"]["kind"] == "bwrap", got
+        assert (got["success"], got["score"]) == (False, starter["score"]), (list(files)[1], got["checks"])
 
 
 def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(tmp_path):

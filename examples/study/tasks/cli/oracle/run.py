@@ -212,10 +212,12 @@ def existing_file(listed, done, add, listed_again):
 # directory), and it is compared with the expected values here.
 
 RESULTS = ".oracle-results.json"
-# Checks run one after the other, each in a data directory of its own with a random name (nothing
-# inside learns which check it is); a call's output files live in the private /tmp.  The driver is
-# the inner sandbox's pid 1: nothing the tool starts can stop it, and it ends all such processes
-# before the next check.
+# Checks run one after the other, each in a data directory of its own; a call's output files live
+# in the private /tmp.  The driver is the inner sandbox's pid 1: nothing the tool starts can stop
+# it, or read or write its memory (it is not dumpable), and it ends all such processes before the
+# next check; once the last is gone it writes the results to a file it makes anew (whatever a call
+# left at that name, a link out of the directory say, is removed first).  A call sees what the
+# driver holds (every check's calls and data, which check it is in): never an expected value.
 # Each call is a process of its own, forked from the driver, which starts the interpreter once:
 # the child does what `python -X utf8 tool/todo.py ARGS` would (its argv, path, working directory,
 # stdin, `__main__`, exit status, the traceback of an exception, its atexit calls and threads), not
@@ -229,6 +231,9 @@ STARTUP = set(sys.modules)
 import atexit, base64, builtins, json, os, signal, tempfile, time, types
 import argparse, locale   # loaded once here: the tool's imports, and its first parse's
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
+if sys.platform == "linux":   # nor read or write its memory or descriptors (/proc/1/mem, /proc/1/fd)
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE: 0 (a forked call inherits it)
 req = json.loads(sys.stdin.read())
 TOOL = os.path.abspath(os.path.join("tool", "todo.py"))
 
@@ -345,7 +350,11 @@ def run_check(spec):
     return answers
 
 results = [run_check(spec) for spec in req["checks"]]
-with open(req["results"], "w", encoding="utf-8") as fh:
+try:   # what a call left at the name
+    os.unlink(req["results"])
+except FileNotFoundError:
+    pass
+with open(os.open(req["results"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as fh:
     json.dump(results, fh)
 """
 
