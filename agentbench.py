@@ -21190,8 +21190,9 @@ TIMEOUT_S = 20          # per check; every check timing out must fit the oracle'
 RESULTS = ".oracle-results.json"
 
 # Runs in the inner sandbox, in the copy: each check's command in turn, each with its time limit
-# (killed with whatever it started when that passes); what each did goes to RESULTS.  It is the
-# sandbox's pid 1: no command can stop it, and it ends what one left running before the next.
+# (killed with whatever it started when that passes); what each did goes to RESULTS, made anew at
+# the end.  It is the sandbox's pid 1: no command can stop it or reach its memory, and it ends
+# what one left running before the next.
 DRIVER = r\"\"\"
 import json, os, signal, subprocess, sys, tempfile
 def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check left running
@@ -21206,6 +21207,9 @@ def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check 
         except ChildProcessError:
             pass
 signal.signal(signal.SIGINT, signal.SIG_DFL)
+if sys.platform == "linux":   # no command may read or write its memory (/proc/1/mem) or descriptors
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE: 0
 req = json.load(sys.stdin)
 def run(args):
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -21226,7 +21230,11 @@ def run(args):
         return {"exit": code, "stdout": out.read(1 << 20).decode("utf-8", "replace"),
                 "stderr": err.read(1 << 20).decode("utf-8", "replace")}
 results = [run(args) for args in req["commands"]]
-with open(req["results"], "w", encoding="utf-8") as fh:
+try:   # what a command left at the name
+    os.unlink(req["results"])
+except FileNotFoundError:
+    pass
+with open(os.open(req["results"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as fh:
     json.dump(results, fh)
 \"\"\"
 

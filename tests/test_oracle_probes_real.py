@@ -490,55 +490,75 @@ def test_an_output_flood_from_the_code_under_test_is_the_agents_failure(tmp_path
     assert all(c["detail"].startswith("expected ") and "4.0" in c["detail"] for c in rec["checks"]), rec["checks"]
 
 
-# The results file of the cli harness's driver: what every call did, read by the harness once the
-# driver exited 0.  Two ways a call (a process forked from the driver) could put its own there: a
-# link in its place, which leads inside the inner sandbox to its private /tmp and outside to a file
-# of the workspace; or a write to the driver's memory through /proc/1/mem (the driver's objects
-# are at the same addresses in the call), renaming the file the driver writes.  Both bring the
-# answers the reference gives, made beforehand.
+# The results file of a bundled driver: what every check's calls did, read by the harness once the
+# driver exited 0.  Two ways the code under test could put its own there: a link in its place,
+# which leads inside the inner sandbox to the private /tmp and outside to a file of the workspace;
+# or a write to the driver's memory through /proc/1/mem that renames the file the driver writes.
+# Both bring the reference's answers, made beforehand by the same harness (outside any sandbox).
 LINK_RESULTS = """
 import os as _os
 if not _os.path.lexists("/workspace/.oracle-results.json"):
     _os.symlink("../tmp/answers.json", "/workspace/.oracle-results.json")
 """
 PATCH_DRIVER = """
-import os as _os, shutil as _sh, sys as _s
+import os as _os, shutil as _sh
 def _patch():
-    f = _s._getframe()
-    while f is not None and "req" not in f.f_globals:
-        f = f.f_back
-    name = f.f_globals["req"]["results"]
     try:
+        maps = open("/proc/1/maps").read().splitlines()
         fd = _os.open("/proc/1/mem", _os.O_RDWR)
-        _os.pwrite(fd, b"z", id(name) + _s.getsizeof(name) - len(name) - 1 + name.index("results") + 6)
-        _os.close(fd)
     except OSError:
         return
-    _sh.copyfile("/workspace/tool/answers.json", "/workspace/.oracle-results.json")
+    for line in maps:
+        f = line.split()
+        if f[1].startswith("rw") and (len(f) < 6 or not f[5].startswith("/")):
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            try:
+                data = _os.pread(fd, hi - lo, lo)
+            except OSError:
+                continue
+            at = data.find(b".oracle-results.json")
+            while at >= 0:
+                _os.pwrite(fd, b".oracle-resultz.json", lo + at)
+                at = data.find(b".oracle-results.json", at + 1)
+    for src in ("/workspace/answers.json", "/workspace/tool/answers.json"):
+        if _os.path.exists(src):
+            _sh.copyfile(src, "/workspace/.oracle-results.json")
 if not _os.path.exists("/workspace/.oracle-results.json"):
     _patch()
 """
+# Runs the command in DIR, unsandboxed, and keeps the results file it wrote.
+CAPTURE_HELPER = """
+import os, shutil, subprocess, sys
+i = sys.argv.index("--")
+where = sys.argv[sys.argv.index("--dir") + 1]
+code = subprocess.run(sys.argv[i + 1:], cwd=where).returncode
+shutil.copyfile(os.path.join(where, ".oracle-results.json"), os.environ["CAPTURE"])
+sys.exit(code)
+"""
 
 
-def test_a_call_of_the_cli_tool_cannot_put_its_own_results_in_place_of_the_drivers(tmp_path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cli_run", EXAMPLES / "tasks" / "cli" / "oracle" / "run.py")
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
-    specs = [{"calls": [(["--file", "todo.json"] if file_option else []) + args for args in calls], "data": data}
-             for calls, file_option, data, _ in harness.CHECKS.values()]
+@pytest.mark.parametrize("task_id,module", [("cli", "todo.py"), ("roman", "roman.py"), ("bugfix", "textstats.py"),
+                                            ("scaf", "stats.py")])
+def test_the_code_under_test_cannot_put_its_own_results_in_place_of_the_drivers(tmp_path, task_id, module):
+    if task_id == "scaf":
+        code, out = run_main(["new-task", "--task", "scaf", "--study", str(tmp_path / "new")])
+        assert code == 0, out
+    src = tmp_path / "new" / "tasks" / "scaf" if task_id == "scaf" else EXAMPLES / "tasks" / task_id
     ref = tmp_path / "ref"
-    (ref / "tool").mkdir(parents=True)
-    shutil.copy(EXAMPLES / "tasks" / "cli" / "reference" / "todo.py", ref / "tool" / "todo.py")
-    subprocess.run([sys.executable, "-I", "-B", "-X", "utf8", "-c", harness.DRIVER], cwd=ref, text=True, check=True,
-                   input=json.dumps({"timeout": 20, "results": "answers.json", "checks": specs}), timeout=120)
-    answers = (ref / "answers.json").read_text(encoding="utf-8")
-    study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
-    starter = _grade(study, "cli", {})
+    shutil.copytree(src / "public", ref)
+    shutil.copy(src / "reference" / module, ref / module)
+    (tmp_path / "capture.py").write_text(CAPTURE_HELPER)
+    with open(os.devnull, "wb") as null:
+        subprocess.run([sys.executable, str(src / "oracle" / "run.py"), str(ref), "--sandbox-run",
+                        str(tmp_path / "capture.py"), "--receipt-fd", str(null.fileno())], pass_fds=[null.fileno()],
+                       env={**os.environ, "CAPTURE": str(tmp_path / "answers.json")}, check=True,
+                       capture_output=True, timeout=120)
+    answers = (tmp_path / "answers.json").read_text(encoding="utf-8")
+    study = _study(tmp_path, {task_id: src})
+    starter = _grade(study, task_id, {})
     assert not starter["success"], starter
-    for files in ({"todo.py": LINK_RESULTS, "tmp/answers.json": answers},
-                  {"todo.py": PATCH_DRIVER, "answers.json": answers}):
-        got = _grade(study, "cli", files, first=True)
+    for files in ({module: LINK_RESULTS, "tmp/answers.json": answers}, {module: PATCH_DRIVER, "answers.json": answers}):
+        got = _grade(study, task_id, files, first=True)
         assert got["grader_error"] is None and got["inner_sandbox"]["kind"] == "bwrap", got
         assert (got["success"], got["score"]) == (False, starter["score"]), (list(files)[1], got["checks"])
 

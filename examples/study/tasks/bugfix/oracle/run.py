@@ -234,8 +234,9 @@ def dec(v):
 # Each check's calls run in a child process of their own, forked from the driver before the
 # module is imported: a fresh import per check, its output thrown away, and a check that hangs is
 # killed after its time limit (the others go on).  Its answer comes back on a pipe, one line.
-# The driver is the inner sandbox's pid 1: nothing a check starts can stop it, and it ends all
-# such processes before the next check.
+# The driver is the inner sandbox's pid 1: nothing a check starts can stop it or reach its memory
+# (it is not dumpable), and it ends all such processes before the next check; once the last is
+# gone it writes the results to a file it makes anew (whatever a check left at the name removed).
 DRIVER = CODEC + r'''
 import importlib, json, os, select, signal, sys, time
 class Unrepresentable(str):
@@ -301,13 +302,20 @@ def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check 
             pass
 
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
+if sys.platform == "linux":   # nor read or write its memory or descriptors (/proc/1/mem, /proc/1/fd)
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE: 0 (a forked check inherits it)
 req = json.loads(sys.stdin.read())
 sys.path.insert(0, ".")
 answers = []
 for calls in req["checks"]:
     answers.append(run_check(req["module"], calls, req["timeout"]))
     end_the_rest()
-with open(req["results"], "w", encoding="utf-8") as fh:
+try:   # what a check left at the name
+    os.unlink(req["results"])
+except FileNotFoundError:
+    pass
+with open(os.open(req["results"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as fh:
     json.dump(answers, fh)
 '''
 
