@@ -563,6 +563,30 @@ def test_the_code_under_test_cannot_put_its_own_results_in_place_of_the_drivers(
         assert (got["success"], got["score"]) == (False, starter["score"]), (list(files)[1], got["checks"])
 
 
+# The cli tool's data file is measured by the driver after each call; a check that compares it
+# before and after a call must find it there.  This tool is the reference, except that every
+# `done` rewrites the file; it hides the file between calls (renamed away at exit, back at start).
+HIDE_DATA_FILE = """
+import atexit as _ae, os as _os, runpy as _rp, sys as _s
+if _os.path.exists(".hidden"):
+    _os.replace(".hidden", "todo.json")
+if "done" in _s.argv and _os.path.exists("todo.json"):
+    with open("todo.json", "a") as _f:
+        _f.write(" ")
+_ae.register(lambda: _os.path.exists("todo.json") and _os.replace("todo.json", ".hidden"))
+_rp.run_path(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "ref_todo.py"), run_name="__main__")
+"""
+
+
+def test_a_cli_tool_that_hides_its_data_file_between_calls_passes_no_check_comparing_it(tmp_path):
+    study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
+    ref = (EXAMPLES / "tasks" / "cli" / "reference" / "todo.py").read_text(encoding="utf-8")
+    got = _grade(study, "cli", {"todo.py": HIDE_DATA_FILE, "ref_todo.py": ref}, first=True)
+    verdicts = {c["id"]: c["passed"] for c in got["checks"]}
+    assert verdicts["list_json_shape"], got["checks"]     # the reference runs
+    assert not any(verdicts[c] for c in ("done_is_idempotent", "done_unknown_id", "done_bad_id")), got["checks"]
+
+
 def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(tmp_path):
     """Code in an inner run can rewrite everything under its directory; were another run's
     directory inside it, that code could swap a link (to `/`) into the path between agentbench's

@@ -139,6 +139,7 @@ def done_marks_and_persists(add_a, add_b, add_c, done, listed, add_d, listed_aga
 @check(["add", "a"], ["done", "1"], ["done", "1"], ["list"])
 def done_is_idempotent(add, done, done_again, listed):
     ok(add, done, done_again)
+    expect(done.file is not None, "after done 1 there is no data file to read")
     expect(done_again.file == done.file, "a second done changed the file")
     expect(lines(listed) == ["[x] 1 a"], "list after two dones is wrong")
     return "second done exits 0 and changes nothing"
@@ -150,6 +151,7 @@ def done_unknown_id(add, done):
     expect(done.exit == 1, f"done 7 (unknown) exited {done.exit}, expected 1")
     expect("7" in done.stderr, f"the error does not name the id: {done.stderr.strip()!r}")
     expect("Traceback" not in done.stderr, "done 7 printed a traceback")
+    expect(add.file is not None, "after add there is no data file to read")
     expect(done.file == add.file, "done 7 (unknown) rewrote the file")
     return "unknown id: exit 1, message names it, file untouched"
 
@@ -166,6 +168,7 @@ def done_missing_file(done):
 def done_bad_id(add, done):
     ok(add)
     expect(done.exit == 2, f"done abc exited {done.exit}, expected 2 (usage)")
+    expect(add.file is not None, "after add there is no data file to read")
     expect(done.file == add.file, "done abc changed the file")
     return "non-integer id is a usage error"
 
