@@ -587,6 +587,27 @@ def test_a_cli_tool_that_hides_its_data_file_between_calls_passes_no_check_compa
     assert not any(verdicts[c] for c in ("done_is_idempotent", "done_unknown_id", "done_bad_id")), got["checks"]
 
 
+# The same, but between calls the data file is a FIFO: the driver, which reads that file after
+# each call, must not wait on it (it would until the batch's time limit, every check failed).
+FIFO_DATA_FILE = """
+import atexit as _ae, os as _os, runpy as _rp
+if _os.path.exists(".hidden"):
+    _os.unlink("todo.json")
+    _os.replace(".hidden", "todo.json")
+_ae.register(lambda: _os.path.exists("todo.json") and (_os.replace("todo.json", ".hidden"), _os.mkfifo("todo.json")))
+_rp.run_path(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "ref_todo.py"), run_name="__main__")
+"""
+
+
+def test_a_cli_tool_that_leaves_a_fifo_as_its_data_file_fails_only_the_checks_reading_it(tmp_path):
+    study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
+    ref = (EXAMPLES / "tasks" / "cli" / "reference" / "todo.py").read_text(encoding="utf-8")
+    got = _grade(study, "cli", {"todo.py": FIFO_DATA_FILE, "ref_todo.py": ref}, first=True)
+    verdicts = {c["id"]: c["passed"] for c in got["checks"]}
+    assert got["grader_error"] is None and verdicts["list_json_shape"], got["checks"]
+    assert not verdicts["done_is_idempotent"], got["checks"]
+
+
 def test_a_run_going_cannot_swap_a_link_into_the_path_of_another_runs_directory(tmp_path):
     """Code in an inner run can rewrite everything under its directory; were another run's
     directory inside it, that code could swap a link (to `/`) into the path between agentbench's

@@ -231,7 +231,7 @@ RESULTS = ".oracle-results.json"
 DRIVER = r"""
 import sys
 STARTUP = set(sys.modules)
-import atexit, base64, builtins, json, os, signal, tempfile, time, types
+import atexit, base64, builtins, json, os, signal, stat, tempfile, time, types
 import argparse, locale   # loaded once here: the tool's imports, and its first parse's
 signal.signal(signal.SIGINT, signal.SIG_DFL)   # as pid 1, no other process can signal this one
 if sys.platform == "linux":   # nor read or write its memory or descriptors (/proc/1/mem, /proc/1/fd)
@@ -319,12 +319,13 @@ def call(args, data_dir):
         answer = {"exit": code, "stdout": out.read(1 << 20).decode("utf-8", "replace"),
                   "stderr": err.read(1 << 20).decode("utf-8", "replace")}
     path = os.path.join(data_dir, "todo.json")
-    answer["exists"] = os.path.lexists(path)
-    try:
-        with open(path, "rb") as fh:
-            answer["file"] = base64.b64encode(fh.read(1 << 20)).decode()
+    answer["exists"], answer["file"] = os.path.lexists(path), None
+    try:   # a regular file only: a FIFO left at the name is opened without waiting, and not read
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
+            if stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                answer["file"] = base64.b64encode(fh.read(1 << 20)).decode()
     except OSError:
-        answer["file"] = None
+        pass
     return answer
 
 def end_the_rest():   # as the inner sandbox's pid 1: end and reap what a check left running
