@@ -81,8 +81,11 @@ def test_a_killed_supervisor_is_retried_from_a_fresh_workspace(tmp_path, fake_en
 def test_ctrl_c_on_a_foreground_run_leaves_its_run_to_the_next_run(tmp_path, fake_env):
     env = {**fake_env, "AGENTBENCH_HEARTBEAT_S": "0.2"}
     study, rid = _study(tmp_path, env)
+    # Ctrl-C as at a terminal: SIGINT's default action, even where this test was started with
+    # SIGINT ignored (a background job of a shell without job control), which the driver inherits.
     driver = subprocess.Popen([sys.executable, str(AGENTBENCH), "run", "--study", str(study), "--force"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         job, _ = _runtime(study)
         driver.send_signal(signal.SIGINT)
