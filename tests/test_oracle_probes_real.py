@@ -578,11 +578,17 @@ _rp.run_path(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "ref_to
 """
 
 
-def test_a_cli_tool_that_hides_its_data_file_between_calls_passes_no_check_comparing_it(tmp_path):
+def _grade_cli_wrapping_the_reference(tmp_path: Path, wrapper: str) -> tuple[dict, dict[str, bool]]:
+    """The cli oracle's grade, and each check's verdict, of `wrapper` as todo.py running the
+    reference (ref_todo.py beside it)."""
     study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
     ref = (EXAMPLES / "tasks" / "cli" / "reference" / "todo.py").read_text(encoding="utf-8")
-    got = _grade(study, "cli", {"todo.py": HIDE_DATA_FILE, "ref_todo.py": ref}, first=True)
-    verdicts = {c["id"]: c["passed"] for c in got["checks"]}
+    got = _grade(study, "cli", {"todo.py": wrapper, "ref_todo.py": ref}, first=True)
+    return got, {c["id"]: c["passed"] for c in got["checks"]}
+
+
+def test_a_cli_tool_that_hides_its_data_file_between_calls_passes_no_check_comparing_it(tmp_path):
+    got, verdicts = _grade_cli_wrapping_the_reference(tmp_path, HIDE_DATA_FILE)
     assert verdicts["list_json_shape"], got["checks"]     # the reference runs
     assert not any(verdicts[c] for c in ("done_is_idempotent", "done_unknown_id", "done_bad_id")), got["checks"]
 
@@ -600,10 +606,7 @@ _rp.run_path(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "ref_to
 
 
 def test_a_cli_tool_that_leaves_a_fifo_as_its_data_file_fails_only_the_checks_reading_it(tmp_path):
-    study = _study(tmp_path, {"cli": EXAMPLES / "tasks" / "cli"})
-    ref = (EXAMPLES / "tasks" / "cli" / "reference" / "todo.py").read_text(encoding="utf-8")
-    got = _grade(study, "cli", {"todo.py": FIFO_DATA_FILE, "ref_todo.py": ref}, first=True)
-    verdicts = {c["id"]: c["passed"] for c in got["checks"]}
+    got, verdicts = _grade_cli_wrapping_the_reference(tmp_path, FIFO_DATA_FILE)
     assert got["grader_error"] is None and verdicts["list_json_shape"], got["checks"]
     assert not verdicts["done_is_idempotent"], got["checks"]
 
